@@ -1,0 +1,45 @@
+//! `twig-bench`: Twig's benchmarks. Each subcommand prints a human table to
+//! stderr and, with `--json`, one JSON object to stdout.
+
+mod snapshotter;
+mod stats;
+mod vmm;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "twig-bench", about = "Benchmarks for Twig's components")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+    /// Print one JSON object with every measurement to stdout.
+    #[arg(long, global = true)]
+    json: bool,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// twig-vmm: boot, snapshot, restore, clone and rollback of test guests on /dev/kvm.
+    Vmm(vmm::Args),
+    /// twig-snapshotter: reflink versus copy, concurrent Prepares, shared blocks.
+    Snapshotter(snapshotter::Args),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Vmm(args) => vmm::run(&args),
+        Command::Snapshotter(args) => snapshotter::run(&args),
+    };
+    match result {
+        Ok(value) => {
+            if cli.json {
+                println!("{value}");
+            }
+        }
+        Err(e) => {
+            eprintln!("twig-bench: {e}");
+            std::process::exit(1);
+        }
+    }
+}

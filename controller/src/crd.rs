@@ -1,0 +1,320 @@
+//! The `twig.dev/v1alpha1` custom resources. The CRD YAML under `crds/` is
+//! generated from these types (`twig-controller crds --out crds`).
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::{CustomResource, CustomResourceExt, KubeSchema};
+use serde::{Deserialize, Serialize};
+
+/// API group of every Twig resource.
+pub const GROUP: &str = "twig.dev";
+/// Pod annotation naming the snapshot (its node-store ID) a pod is restored from.
+pub const RESTORE_FROM_ANNOTATION: &str = "twig.dev/restore-from";
+/// Pod annotation naming the SandboxTemplate a pod starts from.
+pub const TEMPLATE_ANNOTATION: &str = "twig.dev/template";
+/// Label on every pod a Clone creates, valued with the Clone's name.
+pub const CLONE_LABEL: &str = "twig.dev/clone";
+/// The RuntimeClass (and containerd handler) of Twig pods.
+pub const RUNTIME_CLASS: &str = "twig";
+
+/// Lifecycle phase shared by Snapshot, Clone and Rollback.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+pub enum Phase {
+    /// Accepted, no work started.
+    #[default]
+    Pending,
+    /// The node is working on it.
+    InProgress,
+    /// Done.
+    Ready,
+    /// Will not complete; `message` says why.
+    Failed,
+    /// (Snapshot) its node-side data is gone.
+    Lost,
+}
+
+impl std::fmt::Display for Phase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(self, f)
+    }
+}
+
+/// How much of the guest a snapshot writes.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+pub enum SnapshotMode {
+    /// Only the pages dirtied since the pod's previous snapshot; the disk is reflinked.
+    #[default]
+    Incremental,
+    /// All of guest memory.
+    Full,
+}
+
+/// What happens to the node-side data when the Snapshot object is deleted.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+pub enum DeletionPolicy {
+    /// Remove the snapshot's data from the node store.
+    #[default]
+    Delete,
+    /// Keep the data on the node.
+    Retain,
+}
+
+/// A point-in-time copy of a running Twig pod: memory, processes and disk.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "twig.dev",
+    version = "v1alpha1",
+    kind = "Snapshot",
+    namespaced,
+    status = "SnapshotStatus",
+    shortname = "tsnap",
+    category = "twig",
+    printcolumn(name = "Pod", type_ = "string", json_path = ".spec.podName"),
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "Node", type_ = "string", json_path = ".status.nodeName", priority = 1),
+    printcolumn(name = "Size", type_ = "integer", json_path = ".status.sizeBytes"),
+    printcolumn(name = "Written", type_ = "integer", json_path = ".status.writtenBytes", priority = 1),
+    printcolumn(name = "Duration(ms)", type_ = "integer", json_path = ".status.durationMs"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+)]
+#[x_kube(validation = Rule::new("self.podName == oldSelf.podName && self.mode == oldSelf.mode").message("podName and mode are immutable"))]
+#[serde(rename_all = "camelCase")]
+pub struct SnapshotSpec {
+    /// The running Twig pod to snapshot, in the Snapshot's namespace.
+    #[schemars(length(min = 1, max = 253))]
+    pub pod_name: String,
+    /// Incremental (default) writes only pages dirtied since the pod's last snapshot.
+    #[serde(default)]
+    pub mode: SnapshotMode,
+    /// Delete (default) removes the node-side data with the object; Retain keeps it.
+    #[serde(default)]
+    pub deletion_policy: DeletionPolicy,
+    /// Delete the Snapshot this many seconds after it became Ready.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub ttl_seconds_after_ready: Option<i64>,
+}
+
+/// Observed state of a Snapshot.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SnapshotStatus {
+    #[serde(default)]
+    pub phase: Phase,
+    /// Node whose store holds the snapshot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_name: Option<String>,
+    /// UID of the pod the snapshot was taken of.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_uid: Option<String>,
+    /// ID of the snapshot in the node store.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(rename = "snapshotID")]
+    pub snapshot_id: Option<String>,
+    /// Node-store ID of the snapshot this one is incremental on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub written_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_ms: Option<u64>,
+    /// When the node started the snapshot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_time: Option<Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_time: Option<Time>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}
+
+/// Where a Clone's pods come from: exactly one of the two fields.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, Default, PartialEq)]
+#[x_kube(validation = Rule::new("has(self.snapshotName) != has(self.podName)").message("set exactly one of source.snapshotName and source.podName"))]
+#[serde(rename_all = "camelCase")]
+pub struct CloneSource {
+    /// A Ready Snapshot in the Clone's namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub snapshot_name: Option<String>,
+    /// A running Twig pod; the Clone first takes a Snapshot of it that it owns.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub pod_name: Option<String>,
+}
+
+/// N running copies of a pod, restored from one snapshot on the snapshot's node.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "twig.dev",
+    version = "v1alpha1",
+    kind = "Clone",
+    root = "PodClone",
+    namespaced,
+    status = "CloneStatus",
+    shortname = "tclone",
+    category = "twig",
+    printcolumn(name = "Replicas", type_ = "integer", json_path = ".spec.replicas"),
+    printcolumn(name = "Ready", type_ = "integer", json_path = ".status.readyReplicas"),
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "Snapshot", type_ = "string", json_path = ".status.snapshotName", priority = 1),
+    printcolumn(name = "Duration(ms)", type_ = "integer", json_path = ".status.durationMs"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+)]
+#[x_kube(validation = Rule::new("self.source == oldSelf.source").message("source is immutable"))]
+#[serde(rename_all = "camelCase")]
+pub struct CloneSpec {
+    pub source: CloneSource,
+    /// Number of pods, 1 to 100.
+    #[schemars(range(min = 1, max = 100))]
+    pub replicas: i32,
+    /// Pods are named `<namePrefix>-<index>`; defaults to the Clone's name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 58), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
+    pub name_prefix: Option<String>,
+    /// Extra labels on every clone pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<BTreeMap<String, String>>,
+}
+
+/// Observed state of a Clone.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct CloneStatus {
+    #[serde(default)]
+    pub phase: Phase,
+    /// The Snapshot the pods are restored from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_name: Option<String>,
+    /// Names of the clone pods.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pods: Vec<String>,
+    #[serde(default)]
+    pub ready_replicas: i32,
+    /// Time from the Clone's creation until all pods were Ready.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}
+
+/// Rewinds a running pod in place to one of its snapshots.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "twig.dev",
+    version = "v1alpha1",
+    kind = "Rollback",
+    namespaced,
+    status = "RollbackStatus",
+    shortname = "trb",
+    category = "twig",
+    printcolumn(name = "Pod", type_ = "string", json_path = ".spec.podName"),
+    printcolumn(name = "Snapshot", type_ = "string", json_path = ".spec.snapshotName"),
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "Duration(ms)", type_ = "integer", json_path = ".status.durationMs"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+)]
+#[x_kube(validation = Rule::new("self == oldSelf").message("a Rollback's spec is immutable; create a new Rollback"))]
+#[serde(rename_all = "camelCase")]
+pub struct RollbackSpec {
+    /// The running Twig pod to roll back, in the Rollback's namespace.
+    #[schemars(length(min = 1, max = 253))]
+    pub pod_name: String,
+    /// A Ready Snapshot from the pod's lineage.
+    #[schemars(length(min = 1, max = 253))]
+    pub snapshot_name: String,
+}
+
+/// Observed state of a Rollback.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RollbackStatus {
+    #[serde(default)]
+    pub phase: Phase,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_time: Option<Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_time: Option<Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}
+
+/// A paused, pre-booted VM that new pods are restored from instead of booted.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "twig.dev",
+    version = "v1alpha1",
+    kind = "SandboxTemplate",
+    namespaced,
+    status = "SandboxTemplateStatus",
+    shortname = "ttpl",
+    category = "twig",
+    printcolumn(name = "Image", type_ = "string", json_path = ".spec.image"),
+    printcolumn(name = "vCPUs", type_ = "integer", json_path = ".spec.vcpus"),
+    printcolumn(name = "Memory(MiB)", type_ = "integer", json_path = ".spec.memoryMiB"),
+    printcolumn(name = "Ready nodes", type_ = "integer", json_path = ".status.readyNodes"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxTemplateSpec {
+    /// Container image the template runs.
+    #[schemars(length(min = 1))]
+    pub image: String,
+    #[schemars(range(min = 1, max = 64))]
+    pub vcpus: u32,
+    #[serde(rename = "memoryMiB")]
+    #[schemars(range(min = 64, max = 262144))]
+    pub memory_mib: u32,
+    /// Overrides the image's entrypoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command: Option<Vec<String>>,
+    /// Run in the template VM before it is saved (e.g. to load the app and warm caches).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warmup: Option<Vec<String>>,
+}
+
+/// Observed state of a SandboxTemplate: one entry per node that built it.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxTemplateStatus {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["nodeName"]))]
+    pub nodes: Vec<TemplateNodeStatus>,
+    /// Number of nodes holding the template ready.
+    #[serde(default)]
+    pub ready_nodes: i32,
+}
+
+/// The template's state on one node.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TemplateNodeStatus {
+    pub node_name: String,
+    pub ready: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}
+
+/// Every CRD, in a stable order.
+pub fn all_crds() -> Vec<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> {
+    vec![Snapshot::crd(), PodClone::crd(), Rollback::crd(), SandboxTemplate::crd()]
+}
+
+/// One CRD rendered as the YAML checked in under `crds/`, with its file name.
+pub fn crd_files() -> Result<Vec<(String, String)>, serde_saphyr::SerializeError> {
+    all_crds()
+        .into_iter()
+        .map(|crd| {
+            let file = format!("{}.yaml", crd.metadata.name.as_deref().unwrap_or_default());
+            let body = serde_saphyr::to_string(&crd)?;
+            Ok((file, format!("# Generated by `twig-controller crds --out crds`; do not edit.\n{body}")))
+        })
+        .collect()
+}

@@ -1,0 +1,286 @@
+//! Clone: N pods restored from one snapshot, copies of the source pod's spec,
+//! pinned to the snapshot's node, owned by the Clone.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{ListParams, ObjectMeta, PostParams};
+use kube::runtime::controller::Action;
+use kube::runtime::events::EventType;
+use kube::{Api, Resource, ResourceExt};
+
+use crate::context::{is_not_found, millis_since, Context, Error};
+use crate::crd::{
+    CloneStatus, DeletionPolicy, Phase, PodClone, Snapshot, SnapshotMode, SnapshotSpec, CLONE_LABEL,
+    RESTORE_FROM_ANNOTATION, RUNTIME_CLASS,
+};
+use crate::reconcile::validate_name;
+
+/// Annotation on clone pods naming the Snapshot object they came from (for people; the shim reads `twig.dev/restore-from`).
+pub const SOURCE_SNAPSHOT_ANNOTATION: &str = "twig.dev/source-snapshot";
+
+/// Checks what the CRD schema and its CEL rules check.
+pub fn validate(clone: &PodClone) -> Result<(), String> {
+    let source = &clone.spec.source;
+    match (&source.snapshot_name, &source.pod_name) {
+        (Some(name), None) => validate_name("spec.source.snapshotName", name)?,
+        (None, Some(name)) => validate_name("spec.source.podName", name)?,
+        _ => return Err("set exactly one of spec.source.snapshotName and spec.source.podName".to_string()),
+    }
+    if !(1..=100).contains(&clone.spec.replicas) {
+        return Err(format!("spec.replicas must be between 1 and 100, not {}", clone.spec.replicas));
+    }
+    if let Some(prefix) = &clone.spec.name_prefix {
+        if prefix.len() > 58 || prefix.contains('.') {
+            return Err(format!("spec.namePrefix {prefix:?} must be a DNS label of at most 58 characters"));
+        }
+        validate_name("spec.namePrefix", prefix)?;
+    }
+    Ok(())
+}
+
+/// Name of the Snapshot a Clone of a pod takes (and owns).
+pub fn source_snapshot_name(clone: &PodClone) -> String {
+    format!("{}-source", clone.name_any())
+}
+
+/// Name of the clone pod with this index.
+pub fn pod_name(clone: &PodClone, index: i32) -> String {
+    let prefix = clone.spec.name_prefix.clone().unwrap_or_else(|| clone.name_any());
+    format!("{prefix}-{index}")
+}
+
+/// Reconciles one Clone.
+pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let ns = clone.namespace().ok_or(Error::MissingField("metadata.namespace"))?;
+    let api: Api<PodClone> = Api::namespaced(ctx.client.clone(), &ns);
+    let status = clone.status.clone().unwrap_or_default();
+    // Deleting a Clone deletes its pods and snapshot through their ownerReferences.
+    if clone.metadata.deletion_timestamp.is_some() || matches!(status.phase, Phase::Failed | Phase::Lost) {
+        return Ok(Action::await_change());
+    }
+    if let Err(message) = validate(&clone) {
+        return fail(&api, &clone, "Invalid", message, &ctx).await;
+    }
+    let snapshots: Api<Snapshot> = Api::namespaced(ctx.client.clone(), &ns);
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    let snap_name = match (&clone.spec.source.snapshot_name, &clone.spec.source.pod_name) {
+        (Some(name), _) => name.clone(),
+        (None, Some(pod)) => match ensure_source_snapshot(&api, &clone, pod, &snapshots, &pods, &ctx).await? {
+            Ok(name) => name,
+            Err(action) => return Ok(action),
+        },
+        (None, None) => return Err(Error::MissingField("spec.source")),
+    };
+    let Some(snap) = snapshots.get_opt(&snap_name).await? else {
+        return fail(&api, &clone, "SnapshotNotFound", format!("snapshot {snap_name} not found"), &ctx).await;
+    };
+    let snap_status = snap.status.clone().unwrap_or_default();
+    match snap_status.phase {
+        Phase::Ready => {}
+        Phase::Pending | Phase::InProgress => return Ok(Action::requeue(ctx.retry)),
+        Phase::Failed | Phase::Lost => {
+            let detail = snap_status.message.unwrap_or_default();
+            let message = format!("snapshot {snap_name} is {}: {detail}", snap_status.phase);
+            return fail(&api, &clone, "SnapshotFailed", message, &ctx).await;
+        }
+    }
+    let (Some(node), Some(snapshot_id)) = (snap_status.node_name.clone(), snap_status.snapshot_id.clone()) else {
+        return Err(Error::MissingField("snapshot status.nodeName/snapshotID"));
+    };
+    if node != ctx.node_name {
+        return Ok(Action::await_change());
+    }
+    let source_name = &snap.spec.pod_name;
+    let Some(source) = pods.get_opt(source_name).await? else {
+        let message = format!("source pod {source_name} of snapshot {snap_name} is gone; clones copy its spec");
+        return fail(&api, &clone, "SourcePodNotFound", message, &ctx).await;
+    };
+    let mut created = 0;
+    let mut names = Vec::new();
+    for index in 0..clone.spec.replicas {
+        let pod = clone_pod(&clone, &source, &node, &snapshot_id, &snap_name, index)?;
+        let name = pod.name_any();
+        match pods.create(&PostParams::default(), &pod).await {
+            Ok(_) => created += 1,
+            Err(kube::Error::Api(e)) if e.code == 409 => {
+                let existing = pods.get(&name).await?;
+                if !owned_by(&existing, &clone) {
+                    let message = format!("pod {name} already exists and does not belong to this Clone");
+                    return fail(&api, &clone, "NameTaken", message, &ctx).await;
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+        names.push(name);
+    }
+    if created > 0 {
+        let note = format!("Created {created} pods from snapshot {snap_name} on node {node}");
+        ctx.event(clone.as_ref(), EventType::Normal, "PodsCreated", "Clone", note).await;
+    }
+    let listed = pods
+        .list(&ListParams::default().labels(&format!("{CLONE_LABEL}={}", clone.name_any())))
+        .await?;
+    let ready = listed
+        .items
+        .iter()
+        .filter(|p| owned_by(*p, clone.as_ref()) && names.contains(&p.name_any()) && pod_ready(p))
+        .count();
+    let ready = i32::try_from(ready).unwrap_or(i32::MAX);
+    let all_ready = ready == clone.spec.replicas;
+    let duration_ms = all_ready.then(|| millis_since(clone.metadata.creation_timestamp.as_ref()));
+    let new = CloneStatus {
+        phase: if all_ready { Phase::Ready } else { Phase::InProgress },
+        snapshot_name: Some(snap_name.clone()),
+        pods: names,
+        ready_replicas: ready,
+        duration_ms: status.duration_ms.or(duration_ms),
+        message: (!all_ready).then(|| format!("{ready}/{} pods ready", clone.spec.replicas)),
+    };
+    if new != status {
+        let clone = write_status(&api, &clone, new).await?;
+        if all_ready && status.phase != Phase::Ready {
+            let ms = duration_ms.unwrap_or_default();
+            ctx.metrics.observe("clone", true, ms as f64 / 1000.0);
+            let note = format!("All {ready} clones of snapshot {snap_name} are Ready after {ms} ms");
+            ctx.event(&clone, EventType::Normal, "Ready", "Clone", note).await;
+        }
+    }
+    Ok(Action::await_change())
+}
+
+/// Makes sure the Clone's own Snapshot of `pod` exists; `Ok(name)` once it is Ready.
+async fn ensure_source_snapshot(
+    api: &Api<PodClone>,
+    clone: &PodClone,
+    pod_name: &str,
+    snapshots: &Api<Snapshot>,
+    pods: &Api<Pod>,
+    ctx: &Context,
+) -> Result<Result<String, Action>, Error> {
+    let name = source_snapshot_name(clone);
+    if let Some(snap) = snapshots.get_opt(&name).await? {
+        if !owned_by(&snap, clone) {
+            let message = format!("snapshot {name} already exists and does not belong to this Clone");
+            return fail(api, clone, "NameTaken", message, ctx).await.map(Err);
+        }
+        return Ok(Ok(name));
+    }
+    // Only the node running the pod takes its snapshot.
+    let Some(pod) = pods.get_opt(pod_name).await? else {
+        return fail(api, clone, "PodNotFound", format!("pod {pod_name} not found"), ctx)
+            .await
+            .map(Err);
+    };
+    if pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) != Some(ctx.node_name.as_str()) {
+        return Ok(Err(Action::await_change()));
+    }
+    let owner = clone.controller_owner_ref(&()).ok_or(Error::MissingField("metadata.uid"))?;
+    let snap = Snapshot {
+        metadata: ObjectMeta {
+            name: Some(name.clone()),
+            namespace: clone.namespace(),
+            owner_references: Some(vec![owner]),
+            ..Default::default()
+        },
+        spec: SnapshotSpec {
+            pod_name: pod_name.to_string(),
+            mode: SnapshotMode::Incremental,
+            deletion_policy: DeletionPolicy::Delete,
+            ttl_seconds_after_ready: None,
+        },
+        status: None,
+    };
+    match snapshots.create(&PostParams::default(), &snap).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 409 => return Ok(Err(Action::requeue(ctx.retry))),
+        Err(e) => return Err(e.into()),
+    }
+    let status = CloneStatus {
+        phase: Phase::InProgress,
+        snapshot_name: Some(name.clone()),
+        message: Some(format!("taking snapshot {name} of pod {pod_name}")),
+        ..Default::default()
+    };
+    let clone = write_status(api, clone, status).await?;
+    let note = format!("Taking snapshot {name} of pod {pod_name} to clone it");
+    ctx.event(&clone, EventType::Normal, "SnapshotRequested", "Clone", note).await;
+    Ok(Err(Action::await_change()))
+}
+
+fn owned_by<K: Resource>(obj: &K, clone: &PodClone) -> bool {
+    let uid = clone.meta().uid.as_deref();
+    obj.meta()
+        .owner_references
+        .iter()
+        .flatten()
+        .any(|o| Some(o.uid.as_str()) == uid && o.controller == Some(true))
+}
+
+fn pod_ready(pod: &Pod) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// The pod spec of clone `index`: the source's spec, pinned to the snapshot's
+/// node, under the twig RuntimeClass, restored from the snapshot.
+pub fn clone_pod(
+    clone: &PodClone,
+    source: &Pod,
+    node: &str,
+    snapshot_id: &str,
+    snapshot_name: &str,
+    index: i32,
+) -> Result<Pod, Error> {
+    let mut spec = source.spec.clone().unwrap_or_default();
+    spec.node_name = Some(node.to_string());
+    spec.runtime_class_name = Some(RUNTIME_CLASS.to_string());
+    // Each clone gets its own identity: hostname defaults to the pod name.
+    spec.hostname = None;
+    spec.ephemeral_containers = None;
+    let mut labels: BTreeMap<String, String> = clone.spec.labels.clone().unwrap_or_default();
+    labels.insert(CLONE_LABEL.to_string(), clone.name_any());
+    let annotations = BTreeMap::from([
+        (RESTORE_FROM_ANNOTATION.to_string(), snapshot_id.to_string()),
+        (SOURCE_SNAPSHOT_ANNOTATION.to_string(), snapshot_name.to_string()),
+    ]);
+    let owner = clone.controller_owner_ref(&()).ok_or(Error::MissingField("metadata.uid"))?;
+    Ok(Pod {
+        metadata: ObjectMeta {
+            name: Some(pod_name(clone, index)),
+            namespace: clone.namespace(),
+            labels: Some(labels),
+            annotations: Some(annotations),
+            owner_references: Some(vec![owner]),
+            ..Default::default()
+        },
+        spec: Some(spec),
+        status: None,
+    })
+}
+
+async fn fail(api: &Api<PodClone>, clone: &PodClone, reason: &str, message: String, ctx: &Context) -> Result<Action, Error> {
+    let status = CloneStatus {
+        phase: Phase::Failed,
+        message: Some(format!("{reason}: {message}")),
+        ..clone.status.clone().unwrap_or_default()
+    };
+    let clone = match write_status(api, clone, status).await {
+        Ok(c) => c,
+        Err(Error::Kube(e)) if is_not_found(&e) => return Ok(Action::await_change()),
+        Err(e) => return Err(e),
+    };
+    ctx.metrics
+        .observe("clone", false, millis_since(clone.metadata.creation_timestamp.as_ref()) as f64 / 1000.0);
+    ctx.event(&clone, EventType::Warning, reason, "Clone", message).await;
+    Ok(Action::await_change())
+}
+
+async fn write_status(api: &Api<PodClone>, clone: &PodClone, status: CloneStatus) -> Result<PodClone, Error> {
+    let mut new = clone.clone();
+    new.status = Some(status);
+    Ok(api.replace_status(&clone.name_any(), &PostParams::default(), &new).await?)
+}

@@ -1,0 +1,73 @@
+//! The four reconcilers and the loop that runs them.
+
+use std::fmt::Debug;
+use std::sync::Arc;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::watcher;
+use kube::{Api, Resource};
+
+use crate::context::{Context, Error};
+use crate::crd::{PodClone, Rollback, SandboxTemplate, Snapshot, CLONE_LABEL};
+
+pub mod clone;
+pub mod rollback;
+pub mod snapshot;
+pub mod template;
+
+/// Checks a Kubernetes object name (DNS subdomain) the way the API server would.
+pub(crate) fn validate_name(field: &str, name: &str) -> Result<(), String> {
+    let ok_chars = name
+        .bytes()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.');
+    let ok_ends = name.starts_with(|c: char| c.is_ascii_alphanumeric()) && name.ends_with(|c: char| c.is_ascii_alphanumeric());
+    if name.is_empty() || name.len() > 253 || !ok_chars || !ok_ends {
+        return Err(format!(
+            "{field} {name:?} is not a valid object name (lowercase alphanumerics, '-' and '.', at most 253)"
+        ));
+    }
+    Ok(())
+}
+
+/// The pod, if it still exists, is not terminating, and (when `uid` is given) is the same pod.
+pub(crate) async fn current_pod(pods: &Api<Pod>, name: &str, uid: Option<&str>) -> Result<Option<Pod>, Error> {
+    let pod = pods.get_opt(name).await?;
+    Ok(pod.filter(|p| p.metadata.deletion_timestamp.is_none() && (uid.is_none() || p.metadata.uid.as_deref() == uid)))
+}
+
+fn error_policy<K>(obj: Arc<K>, err: &Error, ctx: Arc<Context>) -> Action
+where
+    K: Resource<DynamicType = ()>,
+{
+    tracing::warn!(kind = %K::kind(&()), name = ?obj.meta().name, error = %err, "reconcile failed; retrying");
+    Action::requeue(ctx.retry)
+}
+
+async fn drain<T: Debug, E: std::error::Error>(stream: impl futures::Stream<Item = Result<T, E>>) {
+    stream
+        .for_each(|result| async move {
+            match result {
+                Ok(obj) => tracing::debug!(?obj, "reconciled"),
+                Err(e) => tracing::debug!(error = %e, "reconcile loop"),
+            }
+        })
+        .await;
+}
+
+/// Runs the four controllers until the future is dropped.
+pub async fn run(ctx: Arc<Context>) {
+    let client = ctx.client.clone();
+    let snapshots = Controller::new(Api::<Snapshot>::all(client.clone()), watcher::Config::default())
+        .run(snapshot::reconcile, error_policy, ctx.clone());
+    let rollbacks = Controller::new(Api::<Rollback>::all(client.clone()), watcher::Config::default())
+        .run(rollback::reconcile, error_policy, ctx.clone());
+    let clones = Controller::new(Api::<PodClone>::all(client.clone()), watcher::Config::default())
+        .owns(Api::<Snapshot>::all(client.clone()), watcher::Config::default())
+        .owns(Api::<Pod>::all(client.clone()), watcher::Config::default().labels(CLONE_LABEL))
+        .run(clone::reconcile, error_policy, ctx.clone());
+    let templates = Controller::new(Api::<SandboxTemplate>::all(client), watcher::Config::default())
+        .run(template::reconcile, error_policy, ctx.clone());
+    tokio::join!(drain(snapshots), drain(rollbacks), drain(clones), drain(templates));
+}

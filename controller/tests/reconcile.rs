@@ -1,0 +1,631 @@
+//! The reconcilers against the in-repo API server and a fake node.
+
+mod support;
+
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{DeleteParams, PostParams};
+use kube::{Api, Client, ResourceExt};
+use serde_json::json;
+use twig_controller::crd::{
+    CloneSource, CloneSpec, DeletionPolicy, Phase, PodClone, Rollback, RollbackSpec, SandboxTemplate,
+    SandboxTemplateSpec, Snapshot, SnapshotMode, SnapshotSpec,
+};
+
+use support::fake::{Call, FakeNode};
+use support::{api_server, event_reasons, events_about, eventually, mark_ready, running_pod, start_controller, NS};
+
+fn snapshot(name: &str, pod: &str) -> Snapshot {
+    Snapshot::new(
+        name,
+        SnapshotSpec {
+            pod_name: pod.to_string(),
+            mode: SnapshotMode::Incremental,
+            deletion_policy: DeletionPolicy::Delete,
+            ttl_seconds_after_ready: None,
+        },
+    )
+}
+
+fn rollback(name: &str, pod: &str, snap: &str) -> Rollback {
+    Rollback::new(
+        name,
+        RollbackSpec {
+            pod_name: pod.to_string(),
+            snapshot_name: snap.to_string(),
+        },
+    )
+}
+
+async fn create<K>(client: &Client, obj: &K) -> K
+where
+    K: kube::Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
+        + Clone
+        + serde::Serialize
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    let api: Api<K> = Api::namespaced(client.clone(), NS);
+    api.create(&PostParams::default(), obj).await.expect("create")
+}
+
+/// Waits until the Snapshot reaches `phase`.
+async fn snapshot_in(client: &Client, name: &str, phase: Phase) -> Snapshot {
+    let api: Api<Snapshot> = Api::namespaced(client.clone(), NS);
+    eventually(&format!("snapshot {name} {phase}"), || {
+        let api = api.clone();
+        async move {
+            let s = api.get(name).await.ok()?;
+            (s.status.as_ref()?.phase == phase).then_some(s)
+        }
+    })
+    .await
+}
+
+async fn rollback_in(client: &Client, name: &str, phase: Phase) -> Rollback {
+    let api: Api<Rollback> = Api::namespaced(client.clone(), NS);
+    eventually(&format!("rollback {name} {phase}"), || {
+        let api = api.clone();
+        async move {
+            let r = api.get(name).await.ok()?;
+            (r.status.as_ref()?.phase == phase).then_some(r)
+        }
+    })
+    .await
+}
+
+async fn gone<K>(client: &Client, name: &str)
+where
+    K: kube::Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    let api: Api<K> = Api::namespaced(client.clone(), NS);
+    eventually(&format!("{name} deleted"), || {
+        let api = api.clone();
+        async move { matches!(api.get_opt(name).await, Ok(None)).then_some(()) }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn snapshot_reaches_ready_with_status_and_events() {
+    let server = api_server().await;
+    let client = server.client();
+    let fake = Arc::new(FakeNode::default());
+    let _ctrl = start_controller(&client, "node-a", &fake);
+    let pod = running_pod(&client, "redis", "node-a").await;
+    let created = create(&client, &snapshot("snap-1", "redis")).await;
+
+    let snap = snapshot_in(&client, "snap-1", Phase::Ready).await;
+    let status = snap.status.clone().expect("status");
+    assert_eq!(status.node_name.as_deref(), Some("node-a"));
+    assert_eq!(status.snapshot_id, created.uid(), "the node-store ID is the object's UID");
+    assert_eq!(status.pod_uid, pod.uid());
+    assert_eq!(status.size_bytes, Some(128 << 20));
+    assert!(status.written_bytes.is_some() && status.duration_ms.is_some() && status.ready_time.is_some());
+    assert_eq!(status.parent, None, "the pod's first snapshot has no parent");
+    let ready = status.conditions.iter().find(|c| c.type_ == "Ready").expect("Ready condition");
+    assert_eq!(ready.status, "True");
+    assert!(snap.finalizers().contains(&"twig.dev/snapshot-data".to_string()));
+    assert_eq!(fake.snapshot_calls(), 1);
+
+    // The second snapshot of the pod is incremental on the first.
+    create(&client, &snapshot("snap-2", "redis")).await;
+    let second = snapshot_in(&client, "snap-2", Phase::Ready).await;
+    assert_eq!(second.status.and_then(|s| s.parent), created.uid());
+
+    let reasons = eventually("snapshot events", || {
+        let client = client.clone();
+        async move {
+            let r = event_reasons(&client, "snap-1").await;
+            (r.len() >= 2).then_some(r)
+        }
+    })
+    .await;
+    assert_eq!(reasons, ["Started", "Ready"]);
+}
+
+#[tokio::test]
+async fn invalid_specs_are_refused_with_a_clear_message() {
+    let server = api_server().await;
+    let client = server.client();
+    let clones: Api<PodClone> = Api::namespaced(client.clone(), NS);
+    let both = PodClone::new(
+        "both",
+        CloneSpec {
+            source: CloneSource {
+                snapshot_name: Some("s".into()),
+                pod_name: Some("p".into()),
+            },
+            replicas: 2,
+            name_prefix: None,
+            labels: None,
+        },
+    );
+    let err = clones.create(&PostParams::default(), &both).await.expect_err("two sources");
+    let kube::Error::Api(resp) = err else { panic!("not an API error: {err}") };
+    assert_eq!(resp.code, 422);
+    assert!(resp.message.contains("set exactly one of source.snapshotName and source.podName"), "{}", resp.message);
+
+    let mut zero = both.clone();
+    zero.metadata.name = Some("zero".into());
+    zero.spec.source.pod_name = None;
+    zero.spec.replicas = 0;
+    let err = clones.create(&PostParams::default(), &zero).await.expect_err("zero replicas");
+    assert!(err.to_string().contains("spec.replicas") && err.to_string().contains("greater than or equal to 1"), "{err}");
+
+    let resource = kube::core::ApiResource::erase::<Snapshot>(&());
+    let snaps: Api<kube::core::DynamicObject> = Api::namespaced_with(client.clone(), NS, &resource);
+    let bad_mode = json!({"apiVersion": "twig.dev/v1alpha1", "kind": "Snapshot",
+        "metadata": {"name": "bad"}, "spec": {"podName": "redis", "mode": "Partial"}});
+    let err = snaps
+        .create(&PostParams::default(), &serde_json::from_value(bad_mode).expect("json"))
+        .await
+        .expect_err("bad mode");
+    assert!(err.to_string().contains("spec.mode: Unsupported value: \"Partial\""), "{err}");
+
+    let templates: Api<SandboxTemplate> = Api::namespaced(client.clone(), NS);
+    let tiny = SandboxTemplate::new(
+        "tiny",
+        SandboxTemplateSpec {
+            image: "python:3".into(),
+            vcpus: 0,
+            memory_mib: 256,
+            command: None,
+            warmup: None,
+        },
+    );
+    let err = templates.create(&PostParams::default(), &tiny).await.expect_err("0 vcpus");
+    assert!(err.to_string().contains("spec.vcpus"), "{err}");
+
+    // A Rollback's spec cannot change after creation.
+    let rollbacks: Api<Rollback> = Api::namespaced(client.clone(), NS);
+    let rb = rollbacks
+        .create(&PostParams::default(), &rollback("rb", "redis", "snap-1"))
+        .await
+        .expect("create rollback");
+    let mut changed = rb.clone();
+    changed.spec.snapshot_name = "snap-2".into();
+    let err = rollbacks.replace("rb", &PostParams::default(), &changed).await.expect_err("immutable");
+    assert!(err.to_string().contains("spec is immutable"), "{err}");
+}
+
+#[tokio::test]
+async fn objects_of_pods_on_other_nodes_are_left_alone() {
+    let server = api_server().await;
+    let client = server.client();
+    let fake_a = Arc::new(FakeNode::default());
+    let fake_b = Arc::new(FakeNode::default());
+    let _a = start_controller(&client, "node-a", &fake_a);
+    let _b = start_controller(&client, "node-b", &fake_b);
+    running_pod(&client, "on-b", "node-b").await;
+    create(&client, &snapshot("snap-b", "on-b")).await;
+
+    let snap = snapshot_in(&client, "snap-b", Phase::Ready).await;
+    assert_eq!(snap.status.and_then(|s| s.node_name).as_deref(), Some("node-b"));
+    assert_eq!(fake_b.snapshot_calls(), 1);
+    assert!(fake_a.calls().is_empty(), "node-a acted: {:?}", fake_a.calls());
+    let events = events_about(&client, "snap-b").await;
+    assert!(!events.is_empty());
+    for e in events {
+        assert_eq!(e.reporting_instance.as_deref(), Some("node-b"), "{e:?}");
+    }
+}
+
+#[tokio::test]
+async fn pod_deleted_mid_snapshot_fails_with_reason() {
+    let server = api_server().await;
+    let client = server.client();
+    let fake = Arc::new(FakeNode::default());
+    let _ctrl = start_controller(&client, "node-a", &fake);
+    let pod = running_pod(&client, "doomed", "node-a").await;
+    fake.hold_snapshots(true);
+    create(&client, &snapshot("snap-doomed", "doomed")).await;
+    eventually("snapshot reaches the shim", || async { (fake.snapshot_calls() == 1).then_some(()) }).await;
+
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    pods.delete("doomed", &DeleteParams::default()).await.expect("delete pod");
+    fake.kill_sandbox(&pod.uid().expect("uid"));
+
+    let snap = snapshot_in(&client, "snap-doomed", Phase::Failed).await;
+    let message = snap.status.and_then(|s| s.message).unwrap_or_default();
+    assert!(message.contains("pod doomed was deleted during the snapshot"), "{message}");
+    let reasons = eventually("failure event", || {
+        let client = client.clone();
+        async move {
+            let r = event_reasons(&client, "snap-doomed").await;
+            r.contains(&"Failed".to_string()).then_some(r)
+        }
+    })
+    .await;
+    assert_eq!(reasons, ["Started", "Failed"]);
+}
+
+#[tokio::test]
+async fn restarted_controller_resumes_without_repeating_the_snapshot() {
+    let server = api_server().await;
+    let client = server.client();
+    let fake = Arc::new(FakeNode::default());
+    running_pod(&client, "redis", "node-a").await;
+    fake.hold_snapshots(true);
+    let first = start_controller(&client, "node-a", &fake);
+    create(&client, &snapshot("snap-r", "redis")).await;
+    snapshot_in(&client, "snap-r", Phase::InProgress).await;
+    eventually("snapshot reaches the shim", || async { (fake.snapshot_calls() == 1).then_some(()) }).await;
+
+    // The controller dies mid-call; the shim finishes the snapshot anyway.
+    drop(first);
+    fake.hold_snapshots(false);
+    let _second = start_controller(&client, "node-a", &fake);
+
+    let snap = snapshot_in(&client, "snap-r", Phase::Ready).await;
+    assert_eq!(fake.snapshot_calls(), 1, "the snapshot was taken twice: {:?}", fake.calls());
+    assert_eq!(snap.status.and_then(|s| s.snapshot_id), snap.metadata.uid);
+}
+
+#[tokio::test]
+async fn restarted_controller_resumes_without_repeating_the_rollback() {
+    let server = api_server().await;
+    let client = server.client();
+    let fake = Arc::new(FakeNode::default());
+    running_pod(&client, "redis", "node-a").await;
+    let first = start_controller(&client, "node-a", &fake);
+    create(&client, &snapshot("base", "redis")).await;
+    snapshot_in(&client, "base", Phase::Ready).await;
+    drop(first);
+
+    // A rollback the dead controller had started and the shim had finished.
+    let rb = create(&client, &rollback("rb", "redis", "base")).await;
+    let api: Api<Rollback> = Api::namespaced(client.clone(), NS);
+    let mut in_progress = rb.clone();
+    in_progress.status = Some(twig_controller::crd::RollbackStatus {
+        phase: Phase::InProgress,
+        start_time: Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            k8s_openapi::jiff::Timestamp::now(),
+        )),
+        ..Default::default()
+    });
+    api.replace_status("rb", &PostParams::default(), &in_progress).await.expect("status");
+    let sandbox = twig_controller::shim::Sandbox {
+        id: format!("sb-{}", running_uid(&client, "redis").await),
+        address: String::new(),
+    };
+    let base_id = snapshot_in(&client, "base", Phase::Ready).await.uid().expect("uid");
+    twig_controller::shim::TwigShim::rollback(fake.as_ref(), &sandbox, &base_id, &rb.uid().expect("uid"))
+        .await
+        .expect("fake rollback");
+
+    let _second = start_controller(&client, "node-a", &fake);
+    rollback_in(&client, "rb", Phase::Ready).await;
+    assert_eq!(fake.rollback_calls(), 1, "rolled back twice: {:?}", fake.calls());
+}
+
+async fn running_uid(client: &Client, pod: &str) -> String {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    pods.get(pod).await.expect("pod").uid().expect("uid")
+}
+
+#[tokio::test]
+async fn deleting_a_snapshot_removes_its_node_data_unless_retained() {
+    let server = api_server().await;
+    let client = server.client();
+    let fake = Arc::new(FakeNode::default());
+    let _ctrl = start_controller(&client, "node-a", &fake);
+    running_pod(&client, "redis", "node-a").await;
+    let deleted = create(&client, &snapshot("to-delete", "redis")).await;
+    let mut retain = snapshot("to-keep", "redis");
+    retain.spec.deletion_policy = DeletionPolicy::Retain;
+    let kept = create(&client, &retain).await;
+    snapshot_in(&client, "to-delete", Phase::Ready).await;
+    snapshot_in(&client, "to-keep", Phase::Ready).await;
+    let (deleted_id, kept_id) = (deleted.uid().expect("uid"), kept.uid().expect("uid"));
+    assert!(fake.stored(&deleted_id) && fake.stored(&kept_id));
+
+    let api: Api<Snapshot> = Api::namespaced(client.clone(), NS);
+    api.delete("to-delete", &DeleteParams::default()).await.expect("delete");
+    api.delete("to-keep", &DeleteParams::default()).await.expect("delete");
+    gone::<Snapshot>(&client, "to-delete").await;
+    gone::<Snapshot>(&client, "to-keep").await;
+    assert!(!fake.stored(&deleted_id), "node data of a deleted snapshot remains");
+    assert!(fake.stored(&kept_id), "Retain removed the data");
+    assert!(fake.calls().contains(&Call::DeleteSnapshot(deleted_id)));
+    assert!(!fake.calls().contains(&Call::DeleteSnapshot(kept_id)));
+}
+
+#[tokio::test]
+async fn ttl_expiry_deletes_the_snapshot() {
+    let server = api_server().await;
+    let client = server.client();
+    let fake = Arc::new(FakeNode::default());
+    let _ctrl = start_controller(&client, "node-a", &fake);
+    running_pod(&client, "redis", "node-a").await;
+    let mut short = snapshot("short-lived", "redis");
+    short.spec.ttl_seconds_after_ready = Some(1);
+    let created = create(&client, &short).await;
+    snapshot_in(&client, "short-lived", Phase::Ready).await;
+    gone::<Snapshot>(&client, "short-lived").await;
+    assert!(!fake.stored(&created.uid().expect("uid")));
+    let reasons = event_reasons(&client, "short-lived").await;
+    assert!(reasons.contains(&"Expired".to_string()) && reasons.contains(&"DataDeleted".to_string()), "{reasons:?}");
+}
+
+#[tokio::test]
+async fn rollback_reaches_ready_once_even_when_applied_twice() {
+    let server = api_server().await;
+    let client = server.client();
+    let fake = Arc::new(FakeNode::default());
+    let _ctrl = start_controller(&client, "node-a", &fake);
+    running_pod(&client, "sandbox", "node-a").await;
+    let snap = create(&client, &snapshot("before-rm", "sandbox")).await;
+    snapshot_in(&client, "before-rm", Phase::Ready).await;
+
+    let rb = create(&client, &rollback("undo", "sandbox", "before-rm")).await;
+    let done = rollback_in(&client, "undo", Phase::Ready).await;
+    let status = done.status.clone().expect("status");
+    assert!(status.duration_ms.is_some() && status.completion_time.is_some());
+    let expected = Call::Rollback {
+        sandbox: format!("sb-{}", running_uid(&client, "sandbox").await),
+        snapshot_id: snap.uid().expect("uid"),
+        operation_id: rb.uid().expect("uid"),
+    };
+    assert!(fake.calls().contains(&expected), "{:?}", fake.calls());
+
+    // `kubectl apply` of the same manifest again: the object does not change.
+    let api: Api<Rollback> = Api::namespaced(client.clone(), NS);
+    let again = api.replace("undo", &PostParams::default(), &done).await.expect("re-apply");
+    assert_eq!(again.metadata.resource_version, done.metadata.resource_version);
+    // A later object proves the controller has looked at everything before it.
+    create(&client, &rollback("undo-2", "sandbox", "before-rm")).await;
+    rollback_in(&client, "undo-2", Phase::Ready).await;
+    assert_eq!(fake.rollback_calls(), 2, "{:?}", fake.calls());
+    let reasons = event_reasons(&client, "undo").await;
+    assert_eq!(reasons, ["Started", "RolledBack"]);
+}
+
+#[tokio::test]
+async fn rollback_to_a_snapshot_outside_the_lineage_is_refused() {
+    let server = api_server().await;
+    let client = server.client();
+    let fake = Arc::new(FakeNode::default());
+    let _ctrl = start_controller(&client, "node-a", &fake);
+    running_pod(&client, "alice", "node-a").await;
+    running_pod(&client, "bob", "node-a").await;
+    create(&client, &snapshot("of-alice", "alice")).await;
+    snapshot_in(&client, "of-alice", Phase::Ready).await;
+
+    create(&client, &rollback("wrong", "bob", "of-alice")).await;
+    let failed = rollback_in(&client, "wrong", Phase::Failed).await;
+    let message = failed.status.and_then(|s| s.message).unwrap_or_default();
+    assert!(message.contains("NotInLineage") && message.contains("not in the lineage of pod bob"), "{message}");
+    assert_eq!(fake.rollback_calls(), 0);
+}
+
+#[tokio::test]
+async fn operations_on_one_pod_are_serialized() {
+    let server = api_server().await;
+    let client = server.client();
+    let fake = Arc::new(FakeNode::default());
+    let _ctrl = start_controller(&client, "node-a", &fake);
+    running_pod(&client, "busy", "node-a").await;
+    running_pod(&client, "other", "node-a").await;
+    create(&client, &snapshot("base", "busy")).await;
+    create(&client, &snapshot("other-base", "other")).await;
+    snapshot_in(&client, "base", Phase::Ready).await;
+    snapshot_in(&client, "other-base", Phase::Ready).await;
+
+    fake.hold_snapshots(true);
+    let held = create(&client, &snapshot("held", "busy")).await;
+    eventually("held snapshot reaches the shim", || async { (fake.snapshot_calls() == 3).then_some(()) }).await;
+    let waits = create(&client, &rollback("waits", "busy", "base")).await;
+    rollback_in(&client, "waits", Phase::InProgress).await;
+    // A rollback of another pod is not held up, and proves the queue moved on.
+    create(&client, &rollback("free", "other", "other-base")).await;
+    rollback_in(&client, "free", Phase::Ready).await;
+    assert_eq!(fake.rollback_calls(), 1, "the rollback of the busy pod overtook its snapshot");
+
+    fake.hold_snapshots(false);
+    snapshot_in(&client, "held", Phase::Ready).await;
+    rollback_in(&client, "waits", Phase::Ready).await;
+    assert_eq!(fake.max_in_flight(), 1);
+    let calls = fake.calls();
+    let (held_id, waits_id) = (held.uid().expect("uid"), waits.uid().expect("uid"));
+    let snapshot_at = calls
+        .iter()
+        .position(|c| matches!(c, Call::Snapshot { snapshot_id, .. } if *snapshot_id == held_id))
+        .expect("held snapshot call");
+    let rollback_at = calls
+        .iter()
+        .position(|c| matches!(c, Call::Rollback { operation_id, .. } if *operation_id == waits_id))
+        .expect("rollback call");
+    assert!(snapshot_at < rollback_at, "{calls:?}");
+}
+
+fn clone_of(name: &str, source: CloneSource, replicas: i32) -> PodClone {
+    PodClone::new(
+        name,
+        CloneSpec {
+            source,
+            replicas,
+            name_prefix: None,
+            labels: Some([("fork".to_string(), name.to_string())].into()),
+        },
+    )
+}
+
+async fn clone_in(client: &Client, name: &str, phase: Phase) -> PodClone {
+    let api: Api<PodClone> = Api::namespaced(client.clone(), NS);
+    eventually(&format!("clone {name} {phase}"), || {
+        let api = api.clone();
+        async move {
+            let c = api.get(name).await.ok()?;
+            (c.status.as_ref()?.phase == phase).then_some(c)
+        }
+    })
+    .await
+}
+
+/// Acts as the kubelet: marks every pod of the clone Ready once it exists.
+async fn make_clone_pods_ready(client: &Client, clone: &str, replicas: usize) -> Vec<Pod> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let selector = format!("twig.dev/clone={clone}");
+    let listed = eventually(&format!("{replicas} pods of {clone}"), || {
+        let pods = pods.clone();
+        let selector = selector.clone();
+        async move {
+            let l = pods.list(&kube::api::ListParams::default().labels(&selector)).await.ok()?;
+            (l.items.len() == replicas).then_some(l.items)
+        }
+    })
+    .await;
+    let mut ready = Vec::new();
+    for pod in &listed {
+        ready.push(mark_ready(client, pod).await);
+    }
+    ready
+}
+
+#[tokio::test]
+async fn clone_of_a_snapshot_creates_eight_pinned_owned_pods() {
+    let server = api_server().await;
+    let client = server.client();
+    let fake = Arc::new(FakeNode::default());
+    let _ctrl = start_controller(&client, "node-a", &fake);
+    running_pod(&client, "redis", "node-a").await;
+    let snap = create(&client, &snapshot("redis-snap", "redis")).await;
+    snapshot_in(&client, "redis-snap", Phase::Ready).await;
+
+    let source = CloneSource {
+        snapshot_name: Some("redis-snap".into()),
+        pod_name: None,
+    };
+    let clone = create(&client, &clone_of("fork", source, 8)).await;
+    let pods = make_clone_pods_ready(&client, "fork", 8).await;
+    let mut names: Vec<String> = pods.iter().map(|p| p.name_any()).collect();
+    names.sort();
+    let mut expected: Vec<String> = (0..8).map(|i| format!("fork-{i}")).collect();
+    expected.sort();
+    assert_eq!(names, expected);
+    for pod in &pods {
+        let spec = pod.spec.as_ref().expect("spec");
+        assert_eq!(spec.node_name.as_deref(), Some("node-a"));
+        assert_eq!(spec.runtime_class_name.as_deref(), Some("twig"));
+        assert_eq!(spec.containers[0].image.as_deref(), Some("redis:7"), "a copy of the source's spec");
+        assert_eq!(pod.annotations().get("twig.dev/restore-from"), snap.uid().as_ref());
+        assert_eq!(pod.labels().get("fork").map(String::as_str), Some("fork"));
+        let owner = &pod.owner_references()[0];
+        assert_eq!((owner.kind.as_str(), Some(owner.uid.clone())), ("Clone", clone.uid()));
+        assert_eq!(owner.controller, Some(true));
+    }
+    let ready = clone_in(&client, "fork", Phase::Ready).await;
+    let status = ready.status.expect("status");
+    assert_eq!(status.ready_replicas, 8);
+    assert_eq!(status.pods.len(), 8);
+    assert!(status.duration_ms.is_some());
+    let reasons = event_reasons(&client, "fork").await;
+    assert_eq!(reasons, ["PodsCreated", "Ready"]);
+
+    // Deleting the Clone deletes its pods.
+    let api: Api<PodClone> = Api::namespaced(client.clone(), NS);
+    api.delete("fork", &DeleteParams::default()).await.expect("delete clone");
+    gone::<Pod>(&client, "fork-7").await;
+}
+
+#[tokio::test]
+async fn clone_of_a_pod_first_takes_a_snapshot_it_owns() {
+    let server = api_server().await;
+    let client = server.client();
+    let fake = Arc::new(FakeNode::default());
+    let _ctrl = start_controller(&client, "node-a", &fake);
+    running_pod(&client, "agent", "node-a").await;
+    let source = CloneSource {
+        snapshot_name: None,
+        pod_name: Some("agent".into()),
+    };
+    let mut spec = clone_of("explore", source, 3);
+    spec.spec.name_prefix = Some("branch".into());
+    let clone = create(&client, &spec).await;
+    let snap = snapshot_in(&client, "explore-source", Phase::Ready).await;
+    assert_eq!(snap.owner_references()[0].uid, clone.uid().expect("uid"));
+    let pods = make_clone_pods_ready(&client, "explore", 3).await;
+    assert!(pods.iter().all(|p| p.name_any().starts_with("branch-")));
+    let ready = clone_in(&client, "explore", Phase::Ready).await;
+    assert_eq!(ready.status.and_then(|s| s.snapshot_name).as_deref(), Some("explore-source"));
+    let reasons = event_reasons(&client, "explore").await;
+    assert_eq!(reasons, ["SnapshotRequested", "PodsCreated", "Ready"]);
+}
+
+#[tokio::test]
+async fn sandbox_template_lists_ready_nodes_and_is_removed_from_each() {
+    let server = api_server().await;
+    let client = server.client();
+    let fake_a = Arc::new(FakeNode::default());
+    let fake_b = Arc::new(FakeNode::default());
+    let _a = start_controller(&client, "node-a", &fake_a);
+    let _b = start_controller(&client, "node-b", &fake_b);
+    let template = SandboxTemplate::new(
+        "python",
+        SandboxTemplateSpec {
+            image: "python:3.12".into(),
+            vcpus: 1,
+            memory_mib: 256,
+            command: Some(vec!["python3".into(), "-i".into()]),
+            warmup: None,
+        },
+    );
+    create(&client, &template).await;
+    let api: Api<SandboxTemplate> = Api::namespaced(client.clone(), NS);
+    let ready = eventually("template ready on both nodes", || {
+        let api = api.clone();
+        async move {
+            let t = api.get("python").await.ok()?;
+            (t.status.as_ref()?.ready_nodes == 2).then_some(t)
+        }
+    })
+    .await;
+    let nodes: Vec<String> = ready.status.expect("status").nodes.into_iter().map(|n| n.node_name).collect();
+    assert_eq!(nodes, ["node-a", "node-b"]);
+    assert!(fake_a.calls().contains(&Call::EnsureTemplate("default/python".into())));
+
+    api.delete("python", &DeleteParams::default()).await.expect("delete");
+    gone::<SandboxTemplate>(&client, "python").await;
+    assert!(fake_a.calls().contains(&Call::DeleteTemplate("default/python".into())));
+    assert!(fake_b.calls().contains(&Call::DeleteTemplate("default/python".into())));
+}
+
+#[tokio::test]
+async fn metrics_count_operations_by_result() {
+    let server = api_server().await;
+    let client = server.client();
+    let fake = Arc::new(FakeNode::default());
+    let ctrl = start_controller(&client, "node-a", &fake);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let serve = tokio::spawn(twig_controller::metrics::serve(listener, ctrl.metrics.clone()));
+    running_pod(&client, "redis", "node-a").await;
+    create(&client, &snapshot("ok", "redis")).await;
+    create(&client, &snapshot("no-pod", "missing")).await;
+    snapshot_in(&client, "ok", Phase::Ready).await;
+    snapshot_in(&client, "no-pod", Phase::Failed).await;
+
+    let text = scrape(addr).await;
+    assert!(text.contains("twig_operations_total{operation=\"snapshot\",result=\"success\"} 1"), "{text}");
+    assert!(text.contains("twig_operations_total{operation=\"snapshot\",result=\"failure\"} 1"), "{text}");
+    assert!(text.contains("twig_operation_duration_seconds_count{operation=\"snapshot\",result=\"success\"} 1"), "{text}");
+    serve.abort();
+}
+
+async fn scrape(addr: std::net::SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect metrics");
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        .await
+        .expect("request");
+    let mut out = String::new();
+    stream.read_to_string(&mut out).await.expect("response");
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    out
+}

@@ -1,0 +1,707 @@
+//! An in-process Kubernetes API server for tests (never shipped).
+//!
+//! It speaks the REST and JSON that kube's `Client` speaks, over plain HTTP on
+//! 127.0.0.1, and implements what the controller uses with the real
+//! semantics: create/get/list/replace/merge-patch/delete; list and watch from
+//! a resourceVersion; label and field selectors; the status subresource (the
+//! main resource ignores `status`, `/status` ignores everything else);
+//! optimistic concurrency (409 Conflict on a stale resourceVersion, 409
+//! AlreadyExists); `generation` bumped on spec changes; finalizers and
+//! `deletionTimestamp`; background garbage collection through
+//! `ownerReferences`; and admission of custom resources against their CRD
+//! schema and CEL rules (see `schema.rs`).
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Bytes, Frame, Incoming};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use k8s_openapi::jiff::Timestamp;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::sync::{broadcast, mpsc};
+use tokio::task::JoinHandle;
+
+/// Admission check of a new object (and the old one on update); `Err` is the message of a 422.
+pub type Validator = Arc<dyn Fn(&str, &Value, Option<&Value>) -> Result<(), String> + Send + Sync>;
+
+type Body = UnsyncBoxBody<Bytes, Infallible>;
+
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Key {
+    api: String,
+    plural: String,
+    namespace: String,
+    name: String,
+}
+
+#[derive(Debug)]
+struct Change {
+    kind: &'static str,
+    api: String,
+    plural: String,
+    namespace: String,
+    rv: u64,
+    object: Value,
+}
+
+#[derive(Default)]
+struct Inner {
+    rv: u64,
+    uids: u64,
+    objects: BTreeMap<Key, Value>,
+    history: Vec<Arc<Change>>,
+}
+
+struct State {
+    inner: Mutex<Inner>,
+    changes: broadcast::Sender<Arc<Change>>,
+    validator: Option<Validator>,
+}
+
+/// The running server; stops when dropped.
+pub struct TestApiServer {
+    pub addr: SocketAddr,
+    task: JoinHandle<()>,
+}
+
+impl Drop for TestApiServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl TestApiServer {
+    /// Starts a server on a free port of 127.0.0.1.
+    pub async fn start(validator: Option<Validator>) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind test API server");
+        let addr = listener.local_addr().expect("local addr");
+        let (changes, _) = broadcast::channel(8192);
+        let state = Arc::new(State {
+            inner: Mutex::default(),
+            changes,
+            validator,
+        });
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else { return };
+                let state = state.clone();
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |req| {
+                        let state = state.clone();
+                        async move { Ok::<_, Infallible>(handle(state, req).await) }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        Self { addr, task }
+    }
+
+    /// A kube client for this server, default namespace `default`.
+    pub fn client(&self) -> kube::Client {
+        let url = format!("http://{}", self.addr).parse().expect("url");
+        let config = kube::Config::new(url);
+        kube::Client::try_from(config).expect("kube client")
+    }
+}
+
+fn lock(state: &State) -> MutexGuard<'_, Inner> {
+    state.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn kind_of(plural: &str) -> &'static str {
+    match plural {
+        "pods" => "Pod",
+        "events" => "Event",
+        "snapshots" => "Snapshot",
+        "clones" => "Clone",
+        "rollbacks" => "Rollback",
+        "sandboxtemplates" => "SandboxTemplate",
+        _ => "Unknown",
+    }
+}
+
+fn api_version(api: &str) -> String {
+    api.strip_prefix("apis/").or_else(|| api.strip_prefix("api/")).unwrap_or(api).to_string()
+}
+
+fn has_status(plural: &str) -> bool {
+    plural != "events"
+}
+
+fn now() -> String {
+    k8s_openapi::jiff::fmt::strtime::format("%Y-%m-%dT%H:%M:%SZ", Timestamp::now()).expect("format time")
+}
+
+fn full(status: StatusCode, body: &Value) -> Response<Body> {
+    let mut resp = Response::new(Full::new(Bytes::from(body.to_string())).boxed_unsync());
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
+    resp
+}
+
+fn status_error(code: StatusCode, reason: &str, message: String) -> Response<Body> {
+    let body = json!({
+        "kind": "Status", "apiVersion": "v1", "metadata": {},
+        "status": "Failure", "message": message, "reason": reason, "code": code.as_u16(),
+    });
+    full(code, &body)
+}
+
+struct Target {
+    api: String,
+    namespace: Option<String>,
+    plural: String,
+    name: Option<String>,
+    subresource: Option<String>,
+}
+
+fn parse_path(path: &str) -> Option<Target> {
+    let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let (api, rest) = match segs.first()? {
+        &"api" => (format!("api/{}", segs.get(1)?), &segs[2..]),
+        &"apis" => (format!("apis/{}/{}", segs.get(1)?, segs.get(2)?), &segs[3..]),
+        _ => return None,
+    };
+    let (namespace, rest) = if rest.first() == Some(&"namespaces") && rest.len() >= 3 {
+        (Some(rest[1].to_string()), &rest[2..])
+    } else {
+        (None, rest)
+    };
+    Some(Target {
+        api,
+        namespace,
+        plural: rest.first()?.to_string(),
+        name: rest.get(1).map(|s| s.to_string()),
+        subresource: rest.get(2).map(|s| s.to_string()),
+    })
+}
+
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'%' if i + 2 < bytes.len() => {
+                let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or("");
+                match u8::from_str_radix(hex, 16) {
+                    Ok(b) => {
+                        out.push(b);
+                        i += 3;
+                        continue;
+                    }
+                    Err(_) => out.push(b'%'),
+                }
+            }
+            b'+' => out.push(b' '),
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn query(req: &Request<Incoming>) -> BTreeMap<String, String> {
+    req.uri()
+        .query()
+        .unwrap_or_default()
+        .split('&')
+        .filter(|kv| !kv.is_empty())
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+            (percent_decode(k), percent_decode(v))
+        })
+        .collect()
+}
+
+/// One term of a label or field selector.
+enum Term {
+    Eq(String, String),
+    Ne(String, String),
+    Exists(String),
+    NotExists(String),
+}
+
+fn parse_selector(s: &str) -> Vec<Term> {
+    s.split(',')
+        .filter(|t| !t.is_empty())
+        .map(|t| {
+            if let Some((k, v)) = t.split_once("!=") {
+                Term::Ne(k.trim().to_string(), v.trim().to_string())
+            } else if let Some((k, v)) = t.split_once("==").or_else(|| t.split_once('=')) {
+                Term::Eq(k.trim().to_string(), v.trim().to_string())
+            } else if let Some(k) = t.strip_prefix('!') {
+                Term::NotExists(k.trim().to_string())
+            } else {
+                Term::Exists(t.trim().to_string())
+            }
+        })
+        .collect()
+}
+
+fn selector_matches(terms: &[Term], lookup: impl Fn(&str) -> Option<String>) -> bool {
+    terms.iter().all(|t| match t {
+        Term::Eq(k, v) => lookup(k).as_deref() == Some(v.as_str()),
+        Term::Ne(k, v) => lookup(k).as_deref() != Some(v.as_str()),
+        Term::Exists(k) => lookup(k).is_some(),
+        Term::NotExists(k) => lookup(k).is_none(),
+    })
+}
+
+struct Filter {
+    api: String,
+    plural: String,
+    namespace: Option<String>,
+    labels: Vec<Term>,
+    fields: Vec<Term>,
+}
+
+impl Filter {
+    fn matches(&self, api: &str, plural: &str, namespace: &str, obj: &Value) -> bool {
+        if api != self.api || plural != self.plural || self.namespace.as_deref().is_some_and(|n| n != namespace) {
+            return false;
+        }
+        let labels = &obj["metadata"]["labels"];
+        let label_ok = selector_matches(&self.labels, |k| labels.get(k).and_then(Value::as_str).map(String::from));
+        let field_ok = selector_matches(&self.fields, |path| {
+            let mut v = obj;
+            for part in path.split('.') {
+                v = v.get(part)?;
+            }
+            v.as_str().map(String::from)
+        });
+        label_ok && field_ok
+    }
+}
+
+async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
+    let path = req.uri().path().to_string();
+    let Some(target) = parse_path(&path) else {
+        return status_error(StatusCode::NOT_FOUND, "NotFound", format!("no route for {path}"));
+    };
+    let params = query(&req);
+    let method = req.method().clone();
+    let content_type = req
+        .headers()
+        .get(hyper::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    let body = match req.into_body().collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) => return status_error(StatusCode::BAD_REQUEST, "BadRequest", e.to_string()),
+    };
+    let parsed = || serde_json::from_slice::<Value>(&body);
+    let name = target.name.clone();
+    match (method, name, target.subresource.as_deref()) {
+        (Method::GET, None, None) if matches!(params.get("watch").map(String::as_str), Some("true" | "1")) => {
+            watch(&state, &target, &params)
+        }
+        (Method::GET, None, None) => list(&state, &target, &params),
+        (Method::GET, Some(name), None | Some("status")) => get(&state, &target, &name),
+        (Method::POST, None, None) => match parsed() {
+            Ok(obj) => create(&state, &target, obj),
+            Err(e) => status_error(StatusCode::BAD_REQUEST, "BadRequest", e.to_string()),
+        },
+        (Method::PUT, Some(name), sub @ (None | Some("status"))) => match parsed() {
+            Ok(obj) => replace(&state, &target, &name, obj, sub.is_some()),
+            Err(e) => status_error(StatusCode::BAD_REQUEST, "BadRequest", e.to_string()),
+        },
+        (Method::PATCH, Some(name), sub @ (None | Some("status"))) => {
+            if !content_type.starts_with("application/merge-patch+json") {
+                return status_error(
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    "UnsupportedMediaType",
+                    format!("patch type {content_type} is not supported by the test API server"),
+                );
+            }
+            match parsed() {
+                Ok(patch) => merge_patch(&state, &target, &name, &patch, sub.is_some()),
+                Err(e) => status_error(StatusCode::BAD_REQUEST, "BadRequest", e.to_string()),
+            }
+        }
+        (Method::DELETE, Some(name), None) => delete(&state, &target, &name),
+        (m, _, _) => status_error(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "MethodNotAllowed",
+            format!("{m} {path} is not supported by the test API server"),
+        ),
+    }
+}
+
+fn key(target: &Target, name: &str) -> Key {
+    Key {
+        api: target.api.clone(),
+        plural: target.plural.clone(),
+        namespace: target.namespace.clone().unwrap_or_default(),
+        name: name.to_string(),
+    }
+}
+
+fn not_found(target: &Target, name: &str) -> Response<Body> {
+    status_error(
+        StatusCode::NOT_FOUND,
+        "NotFound",
+        format!("{}.{} \"{name}\" not found", target.plural, api_version(&target.api)),
+    )
+}
+
+fn get(state: &State, target: &Target, name: &str) -> Response<Body> {
+    match lock(state).objects.get(&key(target, name)) {
+        Some(obj) => full(StatusCode::OK, obj),
+        None => not_found(target, name),
+    }
+}
+
+fn filter(target: &Target, params: &BTreeMap<String, String>) -> Filter {
+    Filter {
+        api: target.api.clone(),
+        plural: target.plural.clone(),
+        namespace: target.namespace.clone(),
+        labels: parse_selector(params.get("labelSelector").map(String::as_str).unwrap_or_default()),
+        fields: parse_selector(params.get("fieldSelector").map(String::as_str).unwrap_or_default()),
+    }
+}
+
+fn list(state: &State, target: &Target, params: &BTreeMap<String, String>) -> Response<Body> {
+    let f = filter(target, params);
+    let inner = lock(state);
+    let items: Vec<&Value> = inner
+        .objects
+        .iter()
+        .filter(|(k, v)| f.matches(&k.api, &k.plural, &k.namespace, v))
+        .map(|(_, v)| v)
+        .collect();
+    let body = json!({
+        "apiVersion": api_version(&target.api),
+        "kind": format!("{}List", kind_of(&target.plural)),
+        "metadata": {"resourceVersion": inner.rv.to_string()},
+        "items": items,
+    });
+    full(StatusCode::OK, &body)
+}
+
+fn watch(state: &State, target: &Target, params: &BTreeMap<String, String>) -> Response<Body> {
+    let f = filter(target, params);
+    let since: Option<u64> = params
+        .get("resourceVersion")
+        .and_then(|rv| rv.parse().ok())
+        .filter(|rv| *rv > 0);
+    let timeout = params
+        .get("timeoutSeconds")
+        .and_then(|t| t.parse().ok())
+        .map_or(Duration::from_secs(290), Duration::from_secs);
+    let (initial, mut rx) = {
+        let inner = lock(state);
+        let initial: Vec<Value> = match since {
+            Some(rv) => inner
+                .history
+                .iter()
+                .filter(|c| c.rv > rv && f.matches(&c.api, &c.plural, &c.namespace, &c.object))
+                .map(|c| json!({"type": c.kind, "object": c.object}))
+                .collect(),
+            None => inner
+                .objects
+                .iter()
+                .filter(|(k, v)| f.matches(&k.api, &k.plural, &k.namespace, v))
+                .map(|(_, v)| json!({"type": "ADDED", "object": v}))
+                .collect(),
+        };
+        (initial, state.changes.subscribe())
+    };
+    let (tx, body_rx) = mpsc::channel::<Bytes>(64);
+    tokio::spawn(async move {
+        let send = |v: Value| {
+            let tx = tx.clone();
+            async move { tx.send(Bytes::from(format!("{v}\n"))).await.is_ok() }
+        };
+        let deadline = tokio::time::sleep(timeout);
+        tokio::pin!(deadline);
+        for ev in initial {
+            if !send(ev).await {
+                return;
+            }
+        }
+        loop {
+            tokio::select! {
+                () = &mut deadline => return,
+                change = rx.recv() => match change {
+                    Ok(c) if f.matches(&c.api, &c.plural, &c.namespace, &c.object) => {
+                        if !send(json!({"type": c.kind, "object": c.object})).await {
+                            return;
+                        }
+                    }
+                    Ok(_) => {}
+                    // Too slow a reader: end the watch; the client lists again.
+                    Err(_) => return,
+                },
+            }
+        }
+    });
+    let stream = futures::stream::unfold(body_rx, |mut rx| async move {
+        rx.recv().await.map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx))
+    });
+    let mut resp = Response::new(BodyExt::boxed_unsync(StreamBody::new(stream)));
+    resp.headers_mut()
+        .insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
+    resp
+}
+
+fn record(state: &State, inner: &mut Inner, kind: &'static str, k: &Key, object: Value) {
+    let change = Arc::new(Change {
+        kind,
+        api: k.api.clone(),
+        plural: k.plural.clone(),
+        namespace: k.namespace.clone(),
+        rv: inner.rv,
+        object,
+    });
+    inner.history.push(change.clone());
+    let _ = state.changes.send(change);
+}
+
+fn bump(inner: &mut Inner, obj: &mut Value) {
+    inner.rv += 1;
+    obj["metadata"]["resourceVersion"] = json!(inner.rv.to_string());
+}
+
+fn admit(state: &State, plural: &str, obj: &Value, old: Option<&Value>) -> Result<(), Response<Body>> {
+    if let Some(validator) = &state.validator {
+        validator(plural, obj, old).map_err(|m| status_error(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", m))?;
+    }
+    Ok(())
+}
+
+fn create(state: &State, target: &Target, mut obj: Value) -> Response<Body> {
+    let Some(namespace) = target.namespace.clone() else {
+        return status_error(StatusCode::BAD_REQUEST, "BadRequest", "only namespaced resources are served".into());
+    };
+    let mut inner = lock(state);
+    let name = match (obj["metadata"]["name"].as_str(), obj["metadata"]["generateName"].as_str()) {
+        (Some(n), _) => n.to_string(),
+        (None, Some(prefix)) => format!("{prefix}{:05x}", inner.uids + 1),
+        (None, None) => {
+            return status_error(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", "metadata.name: Required value".into())
+        }
+    };
+    let k = key(target, &name);
+    if inner.objects.contains_key(&k) {
+        let message = format!("{}.{} \"{name}\" already exists", target.plural, api_version(&target.api));
+        return status_error(StatusCode::CONFLICT, "AlreadyExists", message);
+    }
+    obj["apiVersion"] = json!(api_version(&target.api));
+    obj["kind"] = json!(kind_of(&target.plural));
+    if let Err(resp) = admit(state, &target.plural, &obj, None) {
+        return resp;
+    }
+    inner.uids += 1;
+    let meta = &mut obj["metadata"];
+    meta["name"] = json!(name);
+    meta["namespace"] = json!(namespace);
+    meta["uid"] = json!(format!("00000000-0000-0000-0000-{:012x}", inner.uids));
+    meta["creationTimestamp"] = json!(now());
+    meta["generation"] = json!(1);
+    if let Some(m) = meta.as_object_mut() {
+        m.remove("deletionTimestamp");
+    }
+    if has_status(&target.plural) {
+        if let Some(o) = obj.as_object_mut() {
+            o.remove("status");
+        }
+    }
+    bump(&mut inner, &mut obj);
+    inner.objects.insert(k.clone(), obj.clone());
+    record(state, &mut inner, "ADDED", &k, obj.clone());
+    full(StatusCode::CREATED, &obj)
+}
+
+fn conflict(target: &Target, name: &str) -> Response<Body> {
+    let message = format!(
+        "Operation cannot be fulfilled on {}.{} \"{name}\": the object has been modified; please apply your changes to the latest version and try again",
+        target.plural,
+        api_version(&target.api)
+    );
+    status_error(StatusCode::CONFLICT, "Conflict", message)
+}
+
+/// Writes `new` over `stored` (the caller has merged what the endpoint may change).
+fn update(state: &State, inner: &mut Inner, k: &Key, stored: &Value, mut new: Value) -> Response<Body> {
+    for field in ["uid", "creationTimestamp", "deletionTimestamp", "namespace", "name", "generation", "resourceVersion"] {
+        match stored["metadata"].get(field) {
+            Some(v) => new["metadata"][field] = v.clone(),
+            None => {
+                if let Some(m) = new["metadata"].as_object_mut() {
+                    m.remove(field);
+                }
+            }
+        }
+    }
+    if stored["metadata"]["deletionTimestamp"].is_string() {
+        let old: Vec<&Value> = stored["metadata"]["finalizers"].as_array().map(|a| a.iter().collect()).unwrap_or_default();
+        let added = new["metadata"]["finalizers"].as_array().is_some_and(|a| a.iter().any(|f| !old.contains(&f)));
+        if added {
+            return status_error(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "Invalid",
+                "metadata.finalizers: Forbidden: no new finalizers can be added if the object is being deleted".into(),
+            );
+        }
+    }
+    if let Err(resp) = admit(state, &k.plural, &new, Some(stored)) {
+        return resp;
+    }
+    if new == *stored {
+        return full(StatusCode::OK, stored);
+    }
+    if new.get("spec") != stored.get("spec") {
+        let generation = stored["metadata"]["generation"].as_i64().unwrap_or(1) + 1;
+        new["metadata"]["generation"] = json!(generation);
+    }
+    bump(inner, &mut new);
+    let finalizers_empty = new["metadata"]["finalizers"].as_array().is_none_or(|a| a.is_empty());
+    if new["metadata"]["deletionTimestamp"].is_string() && finalizers_empty {
+        remove(state, inner, k);
+        return full(StatusCode::OK, &new);
+    }
+    inner.objects.insert(k.clone(), new.clone());
+    record(state, inner, "MODIFIED", k, new.clone());
+    full(StatusCode::OK, &new)
+}
+
+fn stale(body_rv: Option<&str>, stored: &Value) -> bool {
+    body_rv.is_some_and(|rv| !rv.is_empty() && Some(rv) != stored["metadata"]["resourceVersion"].as_str())
+}
+
+fn replace(state: &State, target: &Target, name: &str, body: Value, status: bool) -> Response<Body> {
+    let k = key(target, name);
+    let mut inner = lock(state);
+    let Some(stored) = inner.objects.get(&k).cloned() else {
+        return not_found(target, name);
+    };
+    if stale(body["metadata"]["resourceVersion"].as_str(), &stored) {
+        return conflict(target, name);
+    }
+    let new = split_status(&stored, body, status, &target.plural);
+    update(state, &mut inner, &k, &stored, new)
+}
+
+/// The main resource cannot change `status`; `/status` can change only `status`.
+fn split_status(stored: &Value, mut body: Value, status: bool, plural: &str) -> Value {
+    if status {
+        let mut new = stored.clone();
+        new["status"] = body.get("status").cloned().unwrap_or(Value::Null);
+        if new["status"].is_null() {
+            if let Some(o) = new.as_object_mut() {
+                o.remove("status");
+            }
+        }
+        new
+    } else {
+        if has_status(plural) {
+            match stored.get("status") {
+                Some(s) => body["status"] = s.clone(),
+                None => {
+                    if let Some(o) = body.as_object_mut() {
+                        o.remove("status");
+                    }
+                }
+            }
+        }
+        body
+    }
+}
+
+fn merge(target: &mut Value, patch: &Value) {
+    match patch {
+        Value::Object(p) => {
+            if !target.is_object() {
+                *target = json!({});
+            }
+            for (k, v) in p {
+                if v.is_null() {
+                    if let Some(t) = target.as_object_mut() {
+                        t.remove(k);
+                    }
+                } else {
+                    merge(&mut target[k.as_str()], v);
+                }
+            }
+        }
+        other => *target = other.clone(),
+    }
+}
+
+fn merge_patch(state: &State, target: &Target, name: &str, patch: &Value, status: bool) -> Response<Body> {
+    let k = key(target, name);
+    let mut inner = lock(state);
+    let Some(stored) = inner.objects.get(&k).cloned() else {
+        return not_found(target, name);
+    };
+    if stale(patch["metadata"]["resourceVersion"].as_str(), &stored) {
+        return conflict(target, name);
+    }
+    let mut patched = stored.clone();
+    merge(&mut patched, patch);
+    let new = split_status(&stored, patched, status, &target.plural);
+    update(state, &mut inner, &k, &stored, new)
+}
+
+fn delete(state: &State, target: &Target, name: &str) -> Response<Body> {
+    let k = key(target, name);
+    let mut inner = lock(state);
+    match delete_key(state, &mut inner, &k) {
+        Some(obj) => full(StatusCode::OK, &obj),
+        None => not_found(target, name),
+    }
+}
+
+/// Deletes (or, with finalizers, marks for deletion) one object.
+fn delete_key(state: &State, inner: &mut Inner, k: &Key) -> Option<Value> {
+    let mut obj = inner.objects.get(k).cloned()?;
+    let has_finalizers = obj["metadata"]["finalizers"].as_array().is_some_and(|a| !a.is_empty());
+    if !has_finalizers {
+        remove(state, inner, k);
+        return Some(obj);
+    }
+    if !obj["metadata"]["deletionTimestamp"].is_string() {
+        obj["metadata"]["deletionTimestamp"] = json!(now());
+        obj["metadata"]["deletionGracePeriodSeconds"] = json!(0);
+        bump(inner, &mut obj);
+        inner.objects.insert(k.clone(), obj.clone());
+        record(state, inner, "MODIFIED", k, obj.clone());
+    }
+    Some(obj)
+}
+
+/// Removes an object for good, then deletes its dependents (background propagation).
+fn remove(state: &State, inner: &mut Inner, k: &Key) {
+    let Some(mut obj) = inner.objects.remove(k) else { return };
+    bump(inner, &mut obj);
+    let uid = obj["metadata"]["uid"].clone();
+    record(state, inner, "DELETED", k, obj);
+    let dependents: Vec<Key> = inner
+        .objects
+        .iter()
+        .filter(|(dk, v)| {
+            dk.namespace == k.namespace
+                && v["metadata"]["ownerReferences"]
+                    .as_array()
+                    .is_some_and(|refs| refs.iter().any(|r| r["uid"] == uid))
+        })
+        .map(|(dk, _)| dk.clone())
+        .collect();
+    for dk in dependents {
+        delete_key(state, inner, &dk);
+    }
+}

@@ -1,0 +1,247 @@
+//! A fake node behind the controller's traits: it "runs" every pod it is
+//! asked about, records each call, and can hold snapshots in flight.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use async_trait::async_trait;
+use k8s_openapi::api::core::v1::Pod;
+use tokio::sync::watch;
+use twig_controller::crd::{SandboxTemplateSpec, SnapshotMode};
+use twig_controller::sandbox::{LocateError, SandboxLocator};
+use twig_controller::shim::{
+    NodeService, Sandbox, SandboxStats, ShimError, SnapshotInfo, TemplateState, TwigShim,
+};
+
+/// One call the fake received, in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Call {
+    Snapshot { sandbox: String, snapshot_id: String },
+    Rollback { sandbox: String, snapshot_id: String, operation_id: String },
+    DeleteSnapshot(String),
+    EnsureTemplate(String),
+    DeleteTemplate(String),
+}
+
+#[derive(Default)]
+struct SandboxState {
+    snapshots: Vec<SnapshotInfo>,
+    last_rollback: Option<String>,
+}
+
+#[derive(Default)]
+struct State {
+    sandboxes: BTreeMap<String, SandboxState>,
+    killed: BTreeSet<String>,
+    calls: Vec<Call>,
+    store: BTreeSet<String>,
+    hold: bool,
+    in_flight: BTreeMap<String, usize>,
+    max_in_flight: usize,
+}
+
+pub struct FakeNode {
+    state: Mutex<State>,
+    wake: watch::Sender<u64>,
+}
+
+impl Default for FakeNode {
+    fn default() -> Self {
+        Self {
+            state: Mutex::default(),
+            wake: watch::channel(0).0,
+        }
+    }
+}
+
+struct InFlight<'a> {
+    node: &'a FakeNode,
+    sandbox: String,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if let Some(n) = self.node.lock().in_flight.get_mut(&self.sandbox) {
+            *n -= 1;
+        }
+    }
+}
+
+impl FakeNode {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    pub fn calls(&self) -> Vec<Call> {
+        self.lock().calls.clone()
+    }
+
+    pub fn snapshot_calls(&self) -> usize {
+        self.calls().iter().filter(|c| matches!(c, Call::Snapshot { .. })).count()
+    }
+
+    pub fn rollback_calls(&self) -> usize {
+        self.calls().iter().filter(|c| matches!(c, Call::Rollback { .. })).count()
+    }
+
+    /// Whether the node store still holds this snapshot.
+    pub fn stored(&self, id: &str) -> bool {
+        self.lock().store.contains(id)
+    }
+
+    /// Most operations that ran at once on one sandbox.
+    pub fn max_in_flight(&self) -> usize {
+        self.lock().max_in_flight
+    }
+
+    /// Snapshots wait (after they were recorded) until released.
+    pub fn hold_snapshots(&self, hold: bool) {
+        self.lock().hold = hold;
+        self.wake.send_modify(|n| *n += 1);
+    }
+
+    /// The pod's sandbox goes away, failing calls in flight.
+    pub fn kill_sandbox(&self, pod_uid: &str) {
+        self.lock().killed.insert(format!("sb-{pod_uid}"));
+        self.wake.send_modify(|n| *n += 1);
+    }
+
+    fn enter(&self, sandbox: &str) -> InFlight<'_> {
+        let mut st = self.lock();
+        let n = st.in_flight.entry(sandbox.to_string()).or_default();
+        *n += 1;
+        let n = *n;
+        st.max_in_flight = st.max_in_flight.max(n);
+        InFlight {
+            node: self,
+            sandbox: sandbox.to_string(),
+        }
+    }
+
+    fn gone(&self, sandbox: &str) -> Option<ShimError> {
+        self.lock()
+            .killed
+            .contains(sandbox)
+            .then(|| ShimError::NotFound(format!("sandbox {sandbox} is gone")))
+    }
+}
+
+#[async_trait]
+impl SandboxLocator for FakeNode {
+    async fn locate(&self, pod: &Pod) -> Result<Sandbox, LocateError> {
+        let uid = pod.metadata.uid.clone().ok_or(LocateError::NoUid)?;
+        let id = format!("sb-{uid}");
+        if self.lock().killed.contains(&id) {
+            return Err(LocateError::NotFound(uid));
+        }
+        Ok(Sandbox {
+            id,
+            address: "unix:///fake/shim.sock".to_string(),
+        })
+    }
+}
+
+#[async_trait]
+impl TwigShim for FakeNode {
+    async fn snapshot(&self, sandbox: &Sandbox, snapshot_id: &str, mode: SnapshotMode) -> Result<SnapshotInfo, ShimError> {
+        if let Some(e) = self.gone(&sandbox.id) {
+            return Err(e);
+        }
+        let _in_flight = self.enter(&sandbox.id);
+        let info = {
+            let mut st = self.lock();
+            st.calls.push(Call::Snapshot {
+                sandbox: sandbox.id.clone(),
+                snapshot_id: snapshot_id.to_string(),
+            });
+            let sb = st.sandboxes.entry(sandbox.id.clone()).or_default();
+            let parent = match mode {
+                SnapshotMode::Full => None,
+                SnapshotMode::Incremental => sb.snapshots.last().map(|s| s.snapshot_id.clone()),
+            };
+            let info = SnapshotInfo {
+                snapshot_id: snapshot_id.to_string(),
+                written_bytes: if parent.is_some() { 4096 } else { 128 << 20 },
+                parent_id: parent,
+                size_bytes: 128 << 20,
+            };
+            // The shim finishes a snapshot even if its caller goes away.
+            sb.snapshots.push(info.clone());
+            st.store.insert(snapshot_id.to_string());
+            info
+        };
+        let mut wake = self.wake.subscribe();
+        loop {
+            if let Some(e) = self.gone(&sandbox.id) {
+                self.lock().store.remove(snapshot_id);
+                return Err(e);
+            }
+            if !self.lock().hold {
+                return Ok(info);
+            }
+            if wake.changed().await.is_err() {
+                return Ok(info);
+            }
+        }
+    }
+
+    async fn rollback(&self, sandbox: &Sandbox, snapshot_id: &str, operation_id: &str) -> Result<(), ShimError> {
+        if let Some(e) = self.gone(&sandbox.id) {
+            return Err(e);
+        }
+        let _in_flight = self.enter(&sandbox.id);
+        let mut st = self.lock();
+        st.calls.push(Call::Rollback {
+            sandbox: sandbox.id.clone(),
+            snapshot_id: snapshot_id.to_string(),
+            operation_id: operation_id.to_string(),
+        });
+        if !st.store.contains(snapshot_id) {
+            return Err(ShimError::Refused(format!("snapshot {snapshot_id} is not on this node")));
+        }
+        st.sandboxes.entry(sandbox.id.clone()).or_default().last_rollback = Some(operation_id.to_string());
+        Ok(())
+    }
+
+    async fn stats(&self, sandbox: &Sandbox) -> Result<SandboxStats, ShimError> {
+        if let Some(e) = self.gone(&sandbox.id) {
+            return Err(e);
+        }
+        let st = self.lock();
+        let sb = st.sandboxes.get(&sandbox.id);
+        Ok(SandboxStats {
+            snapshots: sb.map(|s| s.snapshots.clone()).unwrap_or_default(),
+            last_rollback_operation_id: sb.and_then(|s| s.last_rollback.clone()),
+        })
+    }
+}
+
+#[async_trait]
+impl NodeService for FakeNode {
+    async fn delete_snapshot(&self, snapshot_id: &str) -> Result<(), ShimError> {
+        let mut st = self.lock();
+        st.calls.push(Call::DeleteSnapshot(snapshot_id.to_string()));
+        st.store.remove(snapshot_id);
+        Ok(())
+    }
+
+    async fn ensure_template(&self, key: &str, _spec: &SandboxTemplateSpec) -> Result<TemplateState, ShimError> {
+        self.lock().calls.push(Call::EnsureTemplate(key.to_string()));
+        Ok(TemplateState {
+            ready: true,
+            message: None,
+        })
+    }
+
+    async fn delete_template(&self, key: &str) -> Result<(), ShimError> {
+        self.lock().calls.push(Call::DeleteTemplate(key.to_string()));
+        Ok(())
+    }
+}
+
+/// Shares one fake as all three traits.
+pub fn as_traits(
+    fake: &Arc<FakeNode>,
+) -> (Arc<dyn SandboxLocator>, Arc<dyn TwigShim>, Arc<dyn NodeService>) {
+    (fake.clone(), fake.clone(), fake.clone())
+}

@@ -1,0 +1,132 @@
+//! Test support: the in-repo API server, the CRD schema checks, a fake node,
+//! and helpers to run controllers and wait for outcomes.
+
+#![allow(dead_code)]
+
+pub mod apiserver;
+pub mod fake;
+pub mod schema;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Container, Pod, PodCondition, PodSpec, PodStatus};
+use k8s_openapi::api::events::v1::Event;
+use kube::api::{ListParams, ObjectMeta, PostParams};
+use kube::{Api, Client};
+use tokio::task::JoinHandle;
+use twig_controller::metrics::Metrics;
+use twig_controller::Context;
+
+use apiserver::TestApiServer;
+use fake::FakeNode;
+
+pub const NS: &str = "default";
+
+/// A test API server that admits objects against the checked-in CRDs.
+pub async fn api_server() -> TestApiServer {
+    TestApiServer::start(Some(schema::load().validator())).await
+}
+
+/// A controller process for `node`; aborting the handle is a crash.
+pub struct Controller {
+    pub task: JoinHandle<()>,
+    pub metrics: Arc<Metrics>,
+}
+
+impl Drop for Controller {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+pub fn start_controller(client: &Client, node: &str, fake: &Arc<FakeNode>) -> Controller {
+    let (locator, shim, node_service) = fake::as_traits(fake);
+    let metrics = Arc::new(Metrics::new());
+    let ctx = Context::new(client.clone(), node.to_string(), locator, shim, node_service, metrics.clone())
+        .with_retry(Duration::from_millis(200));
+    let task = tokio::spawn(twig_controller::run(Arc::new(ctx)));
+    Controller { task, metrics }
+}
+
+/// Polls `check` until it returns `Some`, failing the test after 30 s.
+pub async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// Creates a running, Ready Twig pod on `node` (as the scheduler and kubelet would).
+pub async fn running_pod(client: &Client, name: &str, node: &str) -> Pod {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let pod = Pod {
+        metadata: ObjectMeta {
+            name: Some(name.to_string()),
+            labels: Some([("app".to_string(), "redis".to_string())].into()),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            node_name: Some(node.to_string()),
+            runtime_class_name: Some("twig".to_string()),
+            containers: vec![Container {
+                name: "redis".to_string(),
+                image: Some("redis:7".to_string()),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        status: None,
+    };
+    let created = pods.create(&PostParams::default(), &pod).await.expect("create pod");
+    mark_ready(client, &created).await
+}
+
+/// Sets a pod Running and Ready, as its kubelet would.
+pub async fn mark_ready(client: &Client, pod: &Pod) -> Pod {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let mut pod = pod.clone();
+    pod.status = Some(PodStatus {
+        phase: Some("Running".to_string()),
+        conditions: Some(vec![PodCondition {
+            type_: "Ready".to_string(),
+            status: "True".to_string(),
+            ..Default::default()
+        }]),
+        ..Default::default()
+    });
+    let name = pod.metadata.name.clone().expect("pod name");
+    pods.replace_status(&name, &PostParams::default(), &pod).await.expect("pod status")
+}
+
+/// Reasons of the Events about the object named `name`, in creation order.
+pub async fn event_reasons(client: &Client, name: &str) -> Vec<String> {
+    events_about(client, name)
+        .await
+        .into_iter()
+        .filter_map(|e| e.reason)
+        .collect()
+}
+
+pub async fn events_about(client: &Client, name: &str) -> Vec<Event> {
+    let events: Api<Event> = Api::namespaced(client.clone(), NS);
+    let mut list: Vec<Event> = events
+        .list(&ListParams::default())
+        .await
+        .expect("list events")
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+        .collect();
+    list.sort_by_key(|e| e.metadata.resource_version.as_ref().and_then(|rv| rv.parse::<u64>().ok()));
+    list
+}

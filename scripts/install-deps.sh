@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs what Twig's builds and tests need on a fresh Debian machine (as root).
+# Idempotent: packages already present are not reinstalled, apt is not touched
+# when nothing is missing.
+set -euo pipefail
+
+packages=(
+  binutils        # as/ld: the VMM's assembly test guests
+  containerd runc umoci skopeo  # the snapshotter's real containerd tests
+  xfsprogs btrfs-progs          # reflink filesystems, loop-mounted by tests
+  protobuf-compiler             # .proto files (containerd snapshots API, shim service)
+  libprotobuf-dev busybox-static  # protobuf well-known .protos; a static shell in test images
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  if [[ $(id -u) -ne 0 ]]; then
+    echo "install-deps: missing packages ${missing[*]}; run as root or install them" >&2
+    exit 1
+  fi
+  echo "install-deps: installing ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi

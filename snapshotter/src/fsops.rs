@@ -1,0 +1,330 @@
+//! Filesystem primitives shared by both stores: reflink (FICLONE) and its
+//! sparse copy fallback, durable writes, no-replace renames and block
+//! accounting through FIEMAP.
+
+use std::ffi::CString;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::io::AsRawFd;
+use std::path::Path;
+
+/// `FICLONE` = `_IOW(0x94, 9, int)`.
+const FICLONE: libc::c_ulong = 0x4004_9409;
+/// `FS_IOC_FIEMAP` = `_IOWR('f', 11, struct fiemap)`.
+const FS_IOC_FIEMAP: libc::c_ulong = 0xC020_660B;
+const FIEMAP_FLAG_SYNC: u32 = 0x1;
+const FIEMAP_EXTENT_LAST: u32 = 0x1;
+const FIEMAP_EXTENT_SHARED: u32 = 0x2000;
+const FIEMAP_BATCH: usize = 256;
+
+/// How a store makes a child file from a parent file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CloneMode {
+    /// FICLONE: a metadata operation; blocks stay shared until written.
+    Reflink,
+    /// A full (sparse-aware) copy: only behind an explicit `--allow-copy`.
+    Copy,
+}
+
+/// Reflinks `src` to a new file `dst` (which must not exist).
+pub fn reflink(src: &Path, dst: &Path) -> io::Result<()> {
+    let from = File::open(src)?;
+    let to = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(dst)?;
+    // SAFETY: FICLONE takes the source descriptor as its integer argument;
+    // both descriptors are open for the duration of the call.
+    let rc = unsafe { libc::ioctl(to.as_raw_fd(), FICLONE as _, from.as_raw_fd()) };
+    if rc != 0 {
+        let err = io::Error::last_os_error();
+        drop(to);
+        let _ = fs::remove_file(dst);
+        return Err(err);
+    }
+    Ok(())
+}
+
+/// Copies `src` to a new file `dst`, keeping holes: only the data ranges
+/// (SEEK_DATA/SEEK_HOLE) are copied, with `copy_file_range`.
+pub fn sparse_copy(src: &Path, dst: &Path) -> io::Result<()> {
+    let from = File::open(src)?;
+    let to = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(dst)?;
+    let result = copy_data_ranges(&from, &to);
+    if result.is_err() {
+        drop(to);
+        let _ = fs::remove_file(dst);
+    }
+    result
+}
+
+fn copy_data_ranges(from: &File, to: &File) -> io::Result<()> {
+    let len = from.metadata()?.len();
+    to.set_len(len)?;
+    let (ifd, ofd) = (from.as_raw_fd(), to.as_raw_fd());
+    let mut pos: i64 = 0;
+    while (pos as u64) < len {
+        // SAFETY: plain lseek on an open descriptor.
+        let data = unsafe { libc::lseek(ifd, pos, libc::SEEK_DATA) };
+        if data < 0 {
+            let err = io::Error::last_os_error();
+            if err.raw_os_error() == Some(libc::ENXIO) {
+                break; // only a hole remains
+            }
+            return Err(err);
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(ifd, data, libc::SEEK_HOLE) };
+        if hole < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let mut off_in = data;
+        let mut off_out = data;
+        while off_in < hole {
+            let chunk = (hole - off_in).min(1 << 30) as usize;
+            // SAFETY: offsets are valid pointers to local i64s.
+            let n = unsafe {
+                libc::copy_file_range(ifd, &mut off_in, ofd, &mut off_out, chunk, 0)
+            };
+            if n < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if n == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "source file shrank while copying",
+                ));
+            }
+        }
+        pos = hole;
+    }
+    Ok(())
+}
+
+/// Makes `dst` from `src` with the given mode.
+pub fn clone_file(mode: CloneMode, src: &Path, dst: &Path) -> io::Result<()> {
+    match mode {
+        CloneMode::Reflink => reflink(src, dst),
+        CloneMode::Copy => sparse_copy(src, dst),
+    }
+}
+
+/// Checks that `dir` supports FICLONE by cloning a small probe file there.
+/// Returns the OS error when it does not.
+pub fn probe_reflink(dir: &Path) -> io::Result<()> {
+    let a = dir.join(".reflink-probe-src");
+    let b = dir.join(".reflink-probe-dst");
+    let _ = fs::remove_file(&a);
+    let _ = fs::remove_file(&b);
+    let result = (|| {
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&a)?;
+        f.write_all(&[0x5a; 4096])?;
+        f.sync_all()?;
+        reflink(&a, &b)
+    })();
+    let _ = fs::remove_file(&a);
+    let _ = fs::remove_file(&b);
+    result
+}
+
+/// Writes `bytes` to `path` (created or truncated) and fsyncs it.
+pub fn write_durable(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let mut f = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    f.write_all(bytes)?;
+    f.sync_all()
+}
+
+/// fsyncs a file or directory by path.
+pub fn sync_path(path: &Path) -> io::Result<()> {
+    File::open(path)?.sync_all()
+}
+
+/// Renames `from` to `to`, failing with `AlreadyExists` instead of replacing.
+pub fn rename_noreplace(from: &Path, to: &Path) -> io::Result<()> {
+    let from_c = CString::new(from.as_os_str().as_bytes())?;
+    let to_c = CString::new(to.as_os_str().as_bytes())?;
+    // SAFETY: both are NUL-terminated paths that live across the call.
+    let rc = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            from_c.as_ptr(),
+            libc::AT_FDCWD,
+            to_c.as_ptr(),
+            libc::RENAME_NOREPLACE,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Takes a non-blocking exclusive `flock` on an open file or directory.
+/// Returns `Ok(false)` when another descriptor holds it.
+pub fn try_flock(file: &File) -> io::Result<bool> {
+    // SAFETY: flock on an open descriptor.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc == 0 {
+        return Ok(true);
+    }
+    let err = io::Error::last_os_error();
+    if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Ok(false)
+    } else {
+        Err(err)
+    }
+}
+
+/// One physically allocated range of a file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    pub physical: u64,
+    pub length: u64,
+    /// The filesystem reports the range as shared with another file.
+    pub shared: bool,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct FiemapExtent {
+    fe_logical: u64,
+    fe_physical: u64,
+    fe_length: u64,
+    fe_reserved64: [u64; 2],
+    fe_flags: u32,
+    fe_reserved: [u32; 3],
+}
+
+#[repr(C)]
+struct Fiemap {
+    fm_start: u64,
+    fm_length: u64,
+    fm_flags: u32,
+    fm_mapped_extents: u32,
+    fm_extent_count: u32,
+    fm_reserved: u32,
+    fm_extents: [FiemapExtent; FIEMAP_BATCH],
+}
+
+/// The allocated extents of a file (FIEMAP, after syncing delayed allocation).
+pub fn extents(path: &Path) -> io::Result<Vec<Extent>> {
+    let file = File::open(path)?;
+    let zero = FiemapExtent {
+        fe_logical: 0,
+        fe_physical: 0,
+        fe_length: 0,
+        fe_reserved64: [0; 2],
+        fe_flags: 0,
+        fe_reserved: [0; 3],
+    };
+    let mut map = Box::new(Fiemap {
+        fm_start: 0,
+        fm_length: u64::MAX,
+        fm_flags: FIEMAP_FLAG_SYNC,
+        fm_mapped_extents: 0,
+        fm_extent_count: FIEMAP_BATCH as u32,
+        fm_reserved: 0,
+        fm_extents: [zero; FIEMAP_BATCH],
+    });
+    let mut out = Vec::new();
+    loop {
+        map.fm_mapped_extents = 0;
+        map.fm_length = u64::MAX - map.fm_start;
+        // SAFETY: `map` is a properly sized, writable fiemap with room for
+        // `fm_extent_count` extents.
+        let rc = unsafe { libc::ioctl(file.as_raw_fd(), FS_IOC_FIEMAP as _, &mut *map) };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let n = map.fm_mapped_extents as usize;
+        if n == 0 {
+            break;
+        }
+        let mut last = false;
+        for e in &map.fm_extents[..n.min(FIEMAP_BATCH)] {
+            out.push(Extent {
+                physical: e.fe_physical,
+                length: e.fe_length,
+                shared: e.fe_flags & FIEMAP_EXTENT_SHARED != 0,
+            });
+            last |= e.fe_flags & FIEMAP_EXTENT_LAST != 0;
+        }
+        if last {
+            break;
+        }
+        let tail = &map.fm_extents[n - 1];
+        map.fm_start = tail.fe_logical + tail.fe_length;
+    }
+    Ok(out)
+}
+
+/// Space accounting of a set of files.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Usage {
+    /// Sum of the files' apparent sizes.
+    pub logical_bytes: u64,
+    /// Sum of each file's allocated bytes, counting shared blocks once per file.
+    pub allocated_bytes: u64,
+    /// Bytes the filesystem reports as shared with some other file.
+    pub shared_bytes: u64,
+    /// Distinct physical bytes: what the set really occupies on disk.
+    pub unique_bytes: u64,
+    /// Number of files counted.
+    pub files: u64,
+}
+
+/// Accounts `files` together: physical ranges shared between them count once
+/// in `unique_bytes`.
+pub fn usage_of<'a>(files: impl IntoIterator<Item = &'a Path>) -> io::Result<Usage> {
+    let mut usage = Usage::default();
+    let mut ranges: Vec<(u64, u64)> = Vec::new();
+    for path in files {
+        let meta = fs::metadata(path)?;
+        usage.logical_bytes += meta.len();
+        usage.files += 1;
+        for e in extents(path)? {
+            usage.allocated_bytes += e.length;
+            if e.shared {
+                usage.shared_bytes += e.length;
+            }
+            ranges.push((e.physical, e.physical + e.length));
+        }
+    }
+    ranges.sort_unstable();
+    let mut end = 0u64;
+    for (s, e) in ranges {
+        let s = s.max(end);
+        if e > s {
+            usage.unique_bytes += e - s;
+            end = e;
+        }
+    }
+    Ok(usage)
+}
+
+/// Removes a file or directory tree; a missing path is not an error.
+pub fn remove_all(path: &Path) -> io::Result<()> {
+    match fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => fs::remove_dir_all(path),
+        Ok(_) => fs::remove_file(path),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}

@@ -1,0 +1,46 @@
+//! `twig-snapshotter`: Twig's storage on a node.
+//!
+//! * [`store::SnapshotStore`] keeps containerd snapshots as ext4 image files
+//!   on a reflink-capable filesystem; a child is a FICLONE reflink of its
+//!   parent. [`service`] serves it as containerd's snapshots gRPC API (a
+//!   `proxy_plugins` snapshotter) on a Unix socket; the `twig-snapshotter`
+//!   binary runs that server.
+//! * [`nodestore::NodeStore`] keeps VM snapshots (memory, state, disk) with
+//!   staged, atomically published directories and reflink copies; the shim
+//!   and the controller use it as a library.
+
+pub mod error;
+pub mod filter;
+pub mod fsops;
+pub mod nodestore;
+pub mod service;
+pub mod store;
+
+pub use error::{Error, Result};
+pub use fsops::{CloneMode, Usage};
+pub use nodestore::{Artefact, NodeStore, Staging, VmSnapshot};
+pub use store::{Info, Kind, Mount, SnapshotStore, StoreOptions};
+
+/// Generated gRPC bindings of containerd's snapshots API (client and server).
+pub mod api {
+    pub use self::containerd::services::snapshots::v1 as snapshots;
+    pub use self::containerd::types;
+
+    /// Modules nested as the protobuf packages are, so generated paths resolve.
+    pub mod containerd {
+        /// `containerd.types`.
+        pub mod types {
+            tonic::include_proto!("containerd.types");
+        }
+        /// `containerd.services`.
+        pub mod services {
+            /// `containerd.services.snapshots`.
+            pub mod snapshots {
+                /// `containerd.services.snapshots.v1`.
+                pub mod v1 {
+                    tonic::include_proto!("containerd.services.snapshots.v1");
+                }
+            }
+        }
+    }
+}

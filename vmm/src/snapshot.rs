@@ -1,0 +1,611 @@
+//! The snapshot format.
+//!
+//! A snapshot is a directory holding two files:
+//! - `state`: a 32-byte header (magic `TWIGSNAP`, format version, payload
+//!   length, CRC32 of the payload) and a payload of length-prefixed sections
+//!   in a fixed order: metadata (JSON), irqchips, PIT, clock, devices, the
+//!   page bitmap of an incremental snapshot, then each vCPU's state. Its size
+//!   is capped so hostile files cannot make us allocate without bound.
+//! - `memory`: a full snapshot holds all of guest RAM; an incremental one is a
+//!   sparse file holding only the pages dirtied since its parent, each at its
+//!   own offset. Its parent is named by directory and id, so a chain restores
+//!   by mapping the root's memory and reading each layer's pages on top.
+//!
+//! Directories are published atomically: everything is written and fsynced
+//! in a hidden temporary sibling, which is then renamed into place (refusing
+//! to replace an existing snapshot) and the parent directory fsynced. A crash
+//! leaves at most a `.twig-tmp-*` directory, never something that opens as a
+//! snapshot.
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use kvm_bindings::{
+    kvm_clock_data, kvm_cpuid_entry2, kvm_debugregs, kvm_irqchip, kvm_lapic_state, kvm_mp_state,
+    kvm_msr_entry, kvm_pit_state2, kvm_regs, kvm_sregs, kvm_vcpu_events, kvm_xcrs,
+};
+use serde::{Deserialize, Serialize};
+use zerocopy::{FromBytes, Immutable, IntoBytes};
+
+use crate::error::{Error, Result};
+use crate::memory::{GuestRam, PageSet, PAGE_SIZE};
+use crate::vcpu::VcpuState;
+
+/// File magic.
+pub const MAGIC: [u8; 8] = *b"TWIGSNAP";
+/// The format version this build writes and reads.
+pub const VERSION: u32 = 1;
+/// Largest `state` file accepted.
+pub const MAX_STATE_BYTES: u64 = 64 << 20;
+/// Longest chain of incremental snapshots followed.
+pub const MAX_CHAIN: usize = 1024;
+const HEADER_LEN: usize = 32;
+const STATE_FILE: &str = "state";
+const MEMORY_FILE: &str = "memory";
+
+/// Full or incremental.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    /// All of guest RAM.
+    Full,
+    /// Only the pages dirtied since the parent.
+    Incremental,
+}
+
+/// A snapshot's parent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParentRef {
+    /// The parent's id.
+    pub id: String,
+    /// The parent's directory.
+    pub dir: PathBuf,
+}
+
+/// Snapshot metadata (the JSON section).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Meta {
+    /// Random unique id.
+    pub id: String,
+    /// Full or incremental.
+    pub kind: Kind,
+    /// The parent of an incremental snapshot.
+    pub parent: Option<ParentRef>,
+    /// Id of the full snapshot at the root of the chain (own id if full).
+    pub root_id: String,
+    /// Guest RAM size in bytes.
+    pub mem_size: u64,
+    /// Number of vCPUs.
+    pub vcpus: usize,
+    /// Pages held in `memory` (all of them for a full snapshot).
+    pub pages: usize,
+    /// CRC32 of the pages held in `memory`, in page order.
+    pub memory_crc: u32,
+    /// Creation time, milliseconds since the Unix epoch.
+    pub created_unix_ms: u64,
+}
+
+/// Everything in a `state` file.
+#[derive(Clone)]
+pub struct VmState {
+    pub meta: Meta,
+    pub irqchips: [kvm_irqchip; 3],
+    pub pit: kvm_pit_state2,
+    pub clock: kvm_clock_data,
+    pub devices: Vec<u8>,
+    /// Pages held by an incremental snapshot.
+    pub layer: Option<PageSet>,
+    pub vcpus: Vec<VcpuState>,
+}
+
+struct Writer(Vec<u8>);
+
+impl Writer {
+    fn blob(&mut self, b: &[u8]) {
+        self.0.extend_from_slice(&(b.len() as u32).to_le_bytes());
+        self.0.extend_from_slice(b);
+    }
+    fn pod<T: IntoBytes + Immutable>(&mut self, v: &T) {
+        self.blob(v.as_bytes());
+    }
+    fn pods<T: IntoBytes + Immutable>(&mut self, v: &[T]) {
+        self.blob(v.as_bytes());
+    }
+}
+
+struct Reader<'a> {
+    buf: &'a [u8],
+    path: &'a Path,
+}
+
+impl<'a> Reader<'a> {
+    fn err(&self, what: &str) -> Error {
+        Error::snapshot(self.path, format!("state file is malformed at {what}"))
+    }
+    fn blob(&mut self, what: &str) -> Result<&'a [u8]> {
+        if self.buf.len() < 4 {
+            return Err(self.err(what));
+        }
+        let n = u32::from_le_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]]) as usize;
+        let rest = &self.buf[4..];
+        if rest.len() < n {
+            return Err(self.err(what));
+        }
+        self.buf = &rest[n..];
+        Ok(&rest[..n])
+    }
+    fn pod<T: FromBytes>(&mut self, what: &str) -> Result<T> {
+        let b = self.blob(what)?;
+        T::read_from_bytes(b).map_err(|_| self.err(what))
+    }
+    fn pods<T: FromBytes>(&mut self, what: &str, max: usize) -> Result<Vec<T>> {
+        let b = self.blob(what)?;
+        let size = std::mem::size_of::<T>();
+        if b.len() % size != 0 || b.len() / size > max {
+            return Err(self.err(what));
+        }
+        b.chunks_exact(size)
+            .map(|c| T::read_from_bytes(c).map_err(|_| self.err(what)))
+            .collect()
+    }
+}
+
+impl VmState {
+    /// Serializes to the bytes of a `state` file (header included).
+    pub fn encode(&self) -> Result<Vec<u8>> {
+        let mut w = Writer(Vec::with_capacity(64 * 1024));
+        let meta = serde_json::to_vec(&self.meta)
+            .map_err(|e| Error::Config(format!("encoding snapshot metadata: {e}")))?;
+        w.blob(&meta);
+        for chip in &self.irqchips {
+            w.pod(chip);
+        }
+        w.pod(&self.pit);
+        w.pod(&self.clock);
+        w.blob(&self.devices);
+        match &self.layer {
+            Some(l) => w.pods(l.words()),
+            None => w.blob(&[]),
+        }
+        for v in &self.vcpus {
+            w.pods(&v.cpuid);
+            w.pod(&v.mp_state);
+            w.pod(&v.regs);
+            w.pod(&v.sregs);
+            w.pods(&v.xsave);
+            w.pod(&v.xcrs);
+            w.pod(&v.debugregs);
+            w.pod(&v.lapic);
+            w.pods(&v.msrs);
+            w.pod(&v.events);
+            w.pod(&v.tsc_khz);
+        }
+        let payload = w.0;
+        let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
+        out.extend_from_slice(&MAGIC);
+        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+        out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+        out.extend_from_slice(&crc32fast::hash(&payload).to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+        out.extend_from_slice(&payload);
+        Ok(out)
+    }
+
+    /// Parses and validates the bytes of a `state` file read from `path`.
+    pub fn decode(bytes: &[u8], path: &Path) -> Result<VmState> {
+        let bad = |reason: String| Error::snapshot(path, reason);
+        if bytes.len() < HEADER_LEN {
+            return Err(bad(format!(
+                "state file is truncated ({} bytes, header needs {HEADER_LEN})",
+                bytes.len()
+            )));
+        }
+        if bytes[..8] != MAGIC {
+            return Err(bad("not a twig snapshot (bad magic)".into()));
+        }
+        let u32_at = |o: usize| u32::from_le_bytes([bytes[o], bytes[o + 1], bytes[o + 2], bytes[o + 3]]);
+        let version = u32_at(8);
+        if version != VERSION {
+            return Err(bad(format!(
+                "snapshot format version {version} is not supported (this twig-vmm reads version {VERSION})"
+            )));
+        }
+        let mut len = [0u8; 8];
+        len.copy_from_slice(&bytes[16..24]);
+        let len = u64::from_le_bytes(len);
+        let payload = &bytes[HEADER_LEN..];
+        if len != payload.len() as u64 {
+            return Err(bad(format!(
+                "state file is truncated or padded: header says {len} payload bytes, file has {}",
+                payload.len()
+            )));
+        }
+        let crc = u32_at(24);
+        let actual = crc32fast::hash(payload);
+        if crc != actual {
+            return Err(bad(format!(
+                "state file is corrupted (CRC32 {actual:#010x}, expected {crc:#010x})"
+            )));
+        }
+        let mut r = Reader { buf: payload, path };
+        let meta: Meta = serde_json::from_slice(r.blob("metadata")?)
+            .map_err(|e| bad(format!("metadata: {e}")))?;
+        if meta.mem_size == 0 || meta.mem_size % PAGE_SIZE as u64 != 0 {
+            return Err(bad(format!("memory size {} is not page-aligned", meta.mem_size)));
+        }
+        if meta.vcpus == 0 || meta.vcpus > crate::vm::MAX_VCPUS {
+            return Err(bad(format!("{} vCPUs is out of range", meta.vcpus)));
+        }
+        let pages = (meta.mem_size / PAGE_SIZE as u64) as usize;
+        let irqchips = [r.pod("irqchip 0")?, r.pod("irqchip 1")?, r.pod("irqchip 2")?];
+        let pit = r.pod("PIT")?;
+        let clock = r.pod("clock")?;
+        let devices = r.blob("devices")?.to_vec();
+        let words: Vec<u64> = r.pods("page bitmap", pages.div_ceil(64))?;
+        let layer = match meta.kind {
+            Kind::Full => {
+                if !words.is_empty() || meta.parent.is_some() {
+                    return Err(bad("a full snapshot with a page bitmap or parent".into()));
+                }
+                None
+            }
+            Kind::Incremental => {
+                if words.len() != pages.div_ceil(64) || meta.parent.is_none() {
+                    return Err(bad("an incremental snapshot without page bitmap or parent".into()));
+                }
+                let set = PageSet::from_words(words, pages);
+                if set.count() != meta.pages {
+                    return Err(bad(format!(
+                        "page bitmap holds {} pages, metadata says {}",
+                        set.count(),
+                        meta.pages
+                    )));
+                }
+                Some(set)
+            }
+        };
+        let mut vcpus = Vec::with_capacity(meta.vcpus);
+        for i in 0..meta.vcpus {
+            let what = |s: &str| format!("vCPU {i} {s}");
+            vcpus.push(VcpuState {
+                cpuid: r.pods::<kvm_cpuid_entry2>(&what("CPUID"), kvm_bindings::KVM_MAX_CPUID_ENTRIES)?,
+                mp_state: r.pod::<kvm_mp_state>(&what("MP state"))?,
+                regs: r.pod::<kvm_regs>(&what("registers"))?,
+                sregs: r.pod::<kvm_sregs>(&what("special registers"))?,
+                xsave: r.pods::<u32>(&what("XSAVE"), 1 << 16)?,
+                xcrs: r.pod::<kvm_xcrs>(&what("XCRs"))?,
+                debugregs: r.pod::<kvm_debugregs>(&what("debug registers"))?,
+                lapic: r.pod::<kvm_lapic_state>(&what("LAPIC"))?,
+                msrs: r.pods::<kvm_msr_entry>(&what("MSRs"), 4096)?,
+                events: r.pod::<kvm_vcpu_events>(&what("events"))?,
+                tsc_khz: r.pod::<u32>(&what("TSC frequency"))?,
+            });
+        }
+        if !r.buf.is_empty() {
+            return Err(bad(format!("{} unexpected bytes after the last vCPU", r.buf.len())));
+        }
+        Ok(VmState {
+            meta,
+            irqchips,
+            pit,
+            clock,
+            devices,
+            layer,
+            vcpus,
+        })
+    }
+}
+
+fn io_err(path: &Path, what: &str) -> impl Fn(std::io::Error) -> Error {
+    let path = path.to_path_buf();
+    let what = what.to_string();
+    move |e| Error::snapshot(&path, format!("{what}: {e}"))
+}
+
+/// Reads and validates the `state` file of the snapshot in `dir`.
+pub fn read_state(dir: &Path) -> Result<VmState> {
+    let path = dir.join(STATE_FILE);
+    let mut f = File::open(&path).map_err(io_err(dir, "cannot open the state file"))?;
+    let len = f
+        .metadata()
+        .map_err(io_err(dir, "cannot stat the state file"))?
+        .len();
+    if len > MAX_STATE_BYTES {
+        return Err(Error::snapshot(
+            dir,
+            format!("state file is {len} bytes, over the {MAX_STATE_BYTES}-byte limit"),
+        ));
+    }
+    let mut bytes = Vec::with_capacity(len as usize);
+    f.read_to_end(&mut bytes)
+        .map_err(io_err(dir, "cannot read the state file"))?;
+    VmState::decode(&bytes, &path)
+}
+
+/// A new random snapshot id (128 bits, hex).
+pub fn new_id() -> String {
+    let mut b = [0u8; 16];
+    // SAFETY: getrandom writes at most b.len() bytes into b.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n != b.len() as isize {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        b = (t ^ u128::from(std::process::id()) << 64).to_le_bytes();
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn fsync_dir(dir: &Path) -> Result<()> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| Error::io(format!("fsync of directory {}", dir.display()), e))
+}
+
+/// Writes a snapshot directory atomically. `write_memory` fills the memory
+/// file (created empty) and returns the CRC32 of what it wrote, which goes
+/// into the state's metadata before the state is written. Returns the
+/// memory file, still open.
+pub fn publish(
+    dir: &Path,
+    state: &mut VmState,
+    write_memory: impl FnOnce(&File) -> Result<u32>,
+) -> Result<File> {
+    let name = dir
+        .file_name()
+        .ok_or_else(|| Error::snapshot(dir, "snapshot path has no directory name"))?;
+    let parent = match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    if dir.exists() {
+        return Err(Error::snapshot(
+            dir,
+            "already exists; snapshots are never overwritten",
+        ));
+    }
+    let tmp = parent.join(format!(
+        ".twig-tmp-{}-{}",
+        String::from_utf8_lossy(name.as_bytes()),
+        new_id()
+    ));
+    std::fs::create_dir(&tmp).map_err(io_err(dir, "cannot create the temporary directory"))?;
+    let result = (|| {
+        let mem = OpenOptions::new()
+            .create_new(true)
+            .read(true)
+            .write(true)
+            .open(tmp.join(MEMORY_FILE))
+            .map_err(io_err(dir, "cannot create the memory file"))?;
+        state.meta.memory_crc = write_memory(&mem)?;
+        mem.sync_all()
+            .map_err(io_err(dir, "cannot fsync the memory file"))?;
+        let bytes = state.encode()?;
+        let mut f = File::create(tmp.join(STATE_FILE))
+            .map_err(io_err(dir, "cannot create the state file"))?;
+        f.write_all(&bytes)
+            .map_err(io_err(dir, "cannot write the state file"))?;
+        f.sync_all()
+            .map_err(io_err(dir, "cannot fsync the state file"))?;
+        fsync_dir(&tmp)?;
+        rename_noreplace(&tmp, dir)?;
+        fsync_dir(&parent)?;
+        Ok(mem)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    result
+}
+
+fn rename_noreplace(from: &Path, to: &Path) -> Result<()> {
+    let c = |p: &Path| {
+        std::ffi::CString::new(p.as_os_str().as_bytes())
+            .map_err(|_| Error::snapshot(p, "path contains a NUL byte"))
+    };
+    let (f, t) = (c(from)?, c(to)?);
+    // SAFETY: both are valid NUL-terminated paths.
+    let r = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            f.as_ptr(),
+            libc::AT_FDCWD,
+            t.as_ptr(),
+            libc::RENAME_NOREPLACE,
+        )
+    };
+    if r != 0 {
+        return Err(Error::snapshot(
+            to,
+            format!("cannot publish: {}", std::io::Error::last_os_error()),
+        ));
+    }
+    Ok(())
+}
+
+/// Writes all of guest RAM into `file`; returns its CRC32.
+pub fn write_full_memory(ram: &GuestRam, file: &File) -> Result<u32> {
+    let data = ram.pages_slice(0, ram.pages())?;
+    (&*file)
+        .write_all(data)
+        .map_err(|e| Error::io("writing guest memory to the snapshot", e))?;
+    Ok(crc32fast::hash(data))
+}
+
+/// Writes the pages of `set` into `file` at their own offsets (a sparse file
+/// of RAM size); returns the CRC32 of those pages in page order.
+pub fn write_layer_memory(ram: &GuestRam, set: &PageSet, file: &File) -> Result<u32> {
+    file.set_len(ram.size() as u64)
+        .map_err(|e| Error::io("sizing the snapshot memory file", e))?;
+    let mut crc = crc32fast::Hasher::new();
+    for (start, n) in set.runs() {
+        ram.write_pages_to(file, start, n)?;
+        crc.update(ram.pages_slice(start, n)?);
+    }
+    Ok(crc.finalize())
+}
+
+/// A snapshot opened for restore or rollback, with its ancestors.
+pub struct Image {
+    /// Its directory.
+    pub dir: PathBuf,
+    /// Its state.
+    pub state: VmState,
+    /// Its memory file.
+    pub memory: Arc<File>,
+    /// Its parent, for an incremental snapshot.
+    pub parent: Option<Arc<Image>>,
+}
+
+impl Image {
+    /// Opens the snapshot in `dir` and its whole chain, checking every link:
+    /// ids, sizes, and each layer's page checksum.
+    pub fn open(dir: &Path) -> Result<Arc<Image>> {
+        Self::open_depth(dir, 0)
+    }
+
+    fn open_depth(dir: &Path, depth: usize) -> Result<Arc<Image>> {
+        if depth > MAX_CHAIN {
+            return Err(Error::snapshot(
+                dir,
+                format!("chain of incremental snapshots is longer than {MAX_CHAIN}"),
+            ));
+        }
+        let state = read_state(dir)?;
+        let memory = File::open(dir.join(MEMORY_FILE))
+            .map_err(io_err(dir, "cannot open the memory file"))?;
+        let size = memory
+            .metadata()
+            .map_err(io_err(dir, "cannot stat the memory file"))?
+            .len();
+        if size != state.meta.mem_size {
+            return Err(Error::snapshot(
+                dir,
+                format!(
+                    "memory file is {size} bytes but the snapshot's guest RAM is {} bytes (truncated or mismatched)",
+                    state.meta.mem_size
+                ),
+            ));
+        }
+        let parent = match &state.meta.parent {
+            None => None,
+            Some(p) => {
+                let parent = Self::open_depth(&p.dir, depth + 1)?;
+                if parent.state.meta.id != p.id {
+                    return Err(Error::snapshot(
+                        dir,
+                        format!(
+                            "parent {} has id {}, expected {} (replaced or moved)",
+                            p.dir.display(),
+                            parent.state.meta.id,
+                            p.id
+                        ),
+                    ));
+                }
+                if parent.state.meta.mem_size != state.meta.mem_size
+                    || parent.state.meta.root_id != state.meta.root_id
+                {
+                    return Err(Error::snapshot(dir, "parent belongs to another VM lineage"));
+                }
+                Some(parent)
+            }
+        };
+        if let Some(layer) = &state.layer {
+            let mut crc = crc32fast::Hasher::new();
+            let mut buf = Vec::new();
+            for (start, n) in layer.runs() {
+                buf.resize(n * PAGE_SIZE, 0);
+                read_exact_at(&memory, &mut buf, (start * PAGE_SIZE) as u64)
+                    .map_err(io_err(dir, "cannot read the memory file"))?;
+                crc.update(&buf);
+            }
+            let actual = crc.finalize();
+            if actual != state.meta.memory_crc {
+                return Err(Error::snapshot(
+                    dir,
+                    format!(
+                        "memory pages are corrupted (CRC32 {actual:#010x}, expected {:#010x})",
+                        state.meta.memory_crc
+                    ),
+                ));
+            }
+        }
+        Ok(Arc::new(Image {
+            dir: dir.to_path_buf(),
+            state,
+            memory: Arc::new(memory),
+            parent,
+        }))
+    }
+
+    /// The chain from the root (full snapshot) to this one.
+    pub fn chain(self: &Arc<Image>) -> Vec<Arc<Image>> {
+        let mut v = vec![self.clone()];
+        while let Some(p) = v.last().and_then(|i| i.parent.clone()) {
+            v.push(p);
+        }
+        v.reverse();
+        v
+    }
+
+    /// The snapshot's id.
+    pub fn id(&self) -> &str {
+        &self.state.meta.id
+    }
+
+    /// The newest snapshot in this chain that holds `page` in its own layer;
+    /// `None` means the root's memory file.
+    pub fn layer_for(self: &Arc<Image>, page: usize) -> Option<Arc<Image>> {
+        let mut cur = Some(self.clone());
+        while let Some(img) = cur {
+            match &img.state.layer {
+                Some(l) if l.contains(page) => return Some(img),
+                Some(_) => cur = img.parent.clone(),
+                None => return None,
+            }
+        }
+        None
+    }
+}
+
+/// Reads exactly `buf.len()` bytes at `offset`.
+pub fn read_exact_at(file: &File, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+    std::os::unix::fs::FileExt::read_exact_at(file, buf, offset)
+}
+
+/// Checks a snapshot end to end, including the CRC of a full snapshot's
+/// memory (which restore does not read, as it maps memory lazily).
+pub fn verify(dir: &Path) -> Result<Meta> {
+    let img = Image::open(dir)?;
+    for i in img.chain() {
+        if i.state.meta.kind == Kind::Full {
+            let mut crc = crc32fast::Hasher::new();
+            let mut buf = vec![0u8; 1 << 20];
+            let mut off = 0u64;
+            while off < i.state.meta.mem_size {
+                let n = buf.len().min((i.state.meta.mem_size - off) as usize);
+                read_exact_at(&i.memory, &mut buf[..n], off)
+                    .map_err(io_err(&i.dir, "cannot read the memory file"))?;
+                crc.update(&buf[..n]);
+                off += n as u64;
+            }
+            let actual = crc.finalize();
+            if actual != i.state.meta.memory_crc {
+                return Err(Error::snapshot(
+                    &i.dir,
+                    format!(
+                        "memory is corrupted (CRC32 {actual:#010x}, expected {:#010x})",
+                        i.state.meta.memory_crc
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(img.state.meta.clone())
+}

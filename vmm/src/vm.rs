@@ -1,0 +1,961 @@
+//! A microVM: creation, boot, pause/resume, snapshot, restore, clone and
+//! in-place rollback.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvm_bindings::{
+    kvm_clock_data, kvm_cpuid_entry2, kvm_irqchip, kvm_pit_config, kvm_userspace_memory_region,
+    KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, KVM_MEM_LOG_DIRTY_PAGES,
+    KVM_PIT_SPEAKER_DUMMY,
+};
+use kvm_ioctls::{Cap, Kvm, VmFd};
+use serde::Serialize;
+use vm_memory::{Bytes, GuestAddress};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use zerocopy::IntoBytes;
+
+use crate::arch;
+use crate::devices::{Devices, ExitState, GuestExit, SerialOut, COM1_IRQ};
+use crate::error::{Error, Result};
+use crate::memory::{Backing, GuestRam, PageSet, PAGE_SIZE};
+use crate::snapshot::{self, Image, Kind, Meta, ParentRef, VmState};
+use crate::vcpu::{self, VcpuHandle, VcpuState};
+
+/// Most vCPUs a VM may have.
+pub const MAX_VCPUS: usize = 64;
+/// Smallest guest RAM.
+pub const MIN_MEM: usize = 16 << 20;
+
+/// A VM's size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Shape {
+    /// Guest RAM in bytes (a multiple of 2 MiB, at least 16 MiB, below the
+    /// 3 GiB MMIO gap).
+    pub mem_size: usize,
+    /// Number of vCPUs.
+    pub vcpus: usize,
+}
+
+impl Shape {
+    /// A shape of `mem_mib` MiB and `vcpus` vCPUs.
+    pub fn new(mem_mib: usize, vcpus: usize) -> Shape {
+        Shape {
+            mem_size: mem_mib << 20,
+            vcpus,
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.vcpus == 0 || self.vcpus > MAX_VCPUS {
+            return Err(Error::Config(format!(
+                "{} vCPUs; a VM has 1 to {MAX_VCPUS}",
+                self.vcpus
+            )));
+        }
+        if self.mem_size < MIN_MEM
+            || self.mem_size % (2 << 20) != 0
+            || self.mem_size as u64 > arch::layout::MMIO_GAP
+        {
+            return Err(Error::Config(format!(
+                "{} bytes of RAM; guest RAM is a multiple of 2 MiB from 16 MiB to 3 GiB",
+                self.mem_size
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Where a VM is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RunState {
+    /// Created, neither booted nor restored yet.
+    Created,
+    /// vCPUs running.
+    Running,
+    /// vCPUs parked.
+    Paused,
+    /// The guest shut down or crashed.
+    Stopped,
+}
+
+impl RunState {
+    fn name(self) -> &'static str {
+        match self {
+            RunState::Created => "created",
+            RunState::Running => "running",
+            RunState::Paused => "paused",
+            RunState::Stopped => "stopped",
+        }
+    }
+}
+
+/// What a snapshot call did.
+#[derive(Debug, Clone, Serialize)]
+pub struct SnapshotInfo {
+    /// The new snapshot's id.
+    pub id: String,
+    /// Full or incremental.
+    pub kind: Kind,
+    /// Its parent's id.
+    pub parent: Option<String>,
+    /// Guest pages written to its memory file.
+    pub pages_written: usize,
+    /// Wall time of the whole call.
+    pub duration_ms: f64,
+}
+
+/// What a rollback call did.
+#[derive(Debug, Clone, Serialize)]
+pub struct RollbackInfo {
+    /// The snapshot rolled back to.
+    pub id: String,
+    /// Guest pages put back.
+    pub pages_restored: usize,
+    /// Whether all of RAM was remapped (the snapshot is from another lineage).
+    pub remapped: bool,
+    /// Wall time of the whole call.
+    pub duration_ms: f64,
+}
+
+/// A VM's counters.
+#[derive(Debug, Clone, Serialize)]
+pub struct Stats {
+    pub state: RunState,
+    pub vcpus: usize,
+    pub mem_mib: usize,
+    /// The snapshot the VM's memory is tracked against.
+    pub baseline: Option<String>,
+    /// Pages changed since that snapshot.
+    pub dirty_pages: usize,
+    /// VM exits handled in user space.
+    pub exits: u64,
+    /// Guest RAM resident in this process, KiB.
+    pub guest_resident_kib: usize,
+    /// Why the guest stopped, if it did.
+    pub guest_exit: Option<String>,
+}
+
+/// A KVM microVM.
+pub struct Vm {
+    // Field order is drop order: vCPU threads stop before RAM is unmapped.
+    vcpus: Vec<VcpuHandle>,
+    devices: Arc<Devices>,
+    fd: Arc<VmFd>,
+    ram: GuestRam,
+    shape: Shape,
+    state: RunState,
+    xsave_words: usize,
+    msr_indices: Arc<Vec<u32>>,
+    cpuid: Vec<Vec<kvm_cpuid_entry2>>,
+    baseline: Option<Arc<Image>>,
+    dirty: PageSet,
+    host_cpuid: &'static [kvm_cpuid_entry2],
+    kvm: Kvm,
+}
+
+fn kvm_err(op: &'static str) -> impl Fn(kvm_ioctls::Error) -> Error {
+    move |e| Error::kvm(op, e)
+}
+
+fn ms(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1e3
+}
+
+/// Opens /dev/kvm and checks what twig-vmm needs.
+pub fn open_kvm() -> Result<Kvm> {
+    let kvm = Kvm::new().map_err(Error::KvmOpen)?;
+    for (cap, name) in [
+        (Cap::Irqchip, "in-kernel irqchip"),
+        (Cap::UserMemory, "user memory"),
+        (Cap::Pit2, "PIT2"),
+        (Cap::SetTssAddr, "TSS address"),
+        (Cap::ImmediateExit, "immediate exit"),
+        (Cap::Xsave, "XSAVE"),
+        (Cap::Xcrs, "XCRs"),
+        (Cap::AdjustClock, "clock adjustment"),
+        (Cap::VcpuEvents, "vCPU events"),
+        (Cap::Debugregs, "debug registers"),
+        (Cap::MpState, "MP state"),
+    ] {
+        if !kvm.check_extension(cap) {
+            return Err(Error::KvmCapability(name));
+        }
+    }
+    Ok(kvm)
+}
+
+impl Vm {
+    /// Creates a VM of `shape` with its memory slot, irqchip, PIT, devices and
+    /// parked vCPU threads, ready to boot or restore. Doing this ahead of time
+    /// keeps slot registration and thread creation off the restore path.
+    pub fn create(shape: Shape, serial: SerialOut) -> Result<Vm> {
+        shape.validate()?;
+        let kvm = open_kvm()?;
+        let fd = kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;
+        fd.set_tss_address(arch::layout::KVM_TSS)
+            .map_err(kvm_err("KVM_SET_TSS_ADDR"))?;
+        fd.create_irq_chip()
+            .map_err(kvm_err("KVM_CREATE_IRQCHIP"))?;
+        fd.create_pit2(kvm_pit_config {
+            flags: KVM_PIT_SPEAKER_DUMMY,
+            ..Default::default()
+        })
+        .map_err(kvm_err("KVM_CREATE_PIT2"))?;
+        let ram = GuestRam::reserve(shape.mem_size)?;
+        let region = kvm_userspace_memory_region {
+            slot: 0,
+            flags: KVM_MEM_LOG_DIRTY_PAGES,
+            guest_phys_addr: 0,
+            memory_size: shape.mem_size as u64,
+            userspace_addr: ram.host_addr(),
+        };
+        // SAFETY: the region is ram's mapping, which outlives the VM fd (both
+        // are owned by the Vm, and the fd is dropped first).
+        unsafe { fd.set_user_memory_region(region) }
+            .map_err(kvm_err("KVM_SET_USER_MEMORY_REGION"))?;
+        let irq = EventFd::new(EFD_NONBLOCK).map_err(|e| Error::io("creating an eventfd", e))?;
+        fd.register_irqfd(&irq, COM1_IRQ)
+            .map_err(kvm_err("KVM_IRQFD"))?;
+        let devices = Arc::new(Devices::new(serial, irq, Arc::new(ExitState::default())));
+        let xsave_bytes = fd.check_extension_int(Cap::Xsave2);
+        let xsave_words = (xsave_bytes.max(4096) as usize).div_ceil(4);
+        let mut vcpus = Vec::with_capacity(shape.vcpus);
+        for i in 0..shape.vcpus {
+            let vfd = fd
+                .create_vcpu(i as u64)
+                .map_err(kvm_err("KVM_CREATE_VCPU"))?;
+            vcpus.push(VcpuHandle::spawn(i, vfd, devices.clone())?);
+        }
+        let supported = arch::supported_cpuid(&kvm)?;
+        let host_cpuid = arch::effective_cpuid(supported, &vcpus[0])?;
+        Ok(Vm {
+            host_cpuid,
+            fd: Arc::new(fd),
+            ram,
+            vcpus,
+            devices,
+            shape,
+            state: RunState::Created,
+            xsave_words,
+            msr_indices: Arc::new(Vec::new()),
+            cpuid: Vec::new(),
+            baseline: None,
+            dirty: PageSet::new(shape.mem_size / PAGE_SIZE),
+            kvm,
+        })
+    }
+
+    /// The VM's shape.
+    pub fn shape(&self) -> Shape {
+        self.shape
+    }
+
+    /// Where the VM is in its life.
+    pub fn state(&self) -> RunState {
+        if self.state != RunState::Created && self.devices.exit().get().is_some() {
+            return RunState::Stopped;
+        }
+        self.state
+    }
+
+    fn need(&self, op: &'static str, ok: &[RunState], needs: &'static str) -> Result<RunState> {
+        let s = self.state();
+        if ok.contains(&s) {
+            Ok(s)
+        } else {
+            Err(Error::State {
+                op,
+                state: s.name(),
+                needs,
+            })
+        }
+    }
+
+    /// Boots `kernel` (ELF vmlinux or bzImage) with `cmdline` and runs it.
+    pub fn boot(&mut self, kernel: &Path, cmdline: &str) -> Result<()> {
+        self.need("boot", &[RunState::Created], "newly created")?;
+        self.ram.back_with_memfd()?;
+        let entry = arch::load_kernel(self.ram.memory(), self.shape.mem_size as u64, kernel, cmdline)?;
+        let supported = arch::supported_cpuid(&self.kvm)?;
+        let sregs_mem = self.ram.memory().clone();
+        let mut cpuids = Vec::with_capacity(self.vcpus.len());
+        for (i, v) in self.vcpus.iter().enumerate() {
+            let cpuid = arch::guest_cpuid(supported, i, self.vcpus.len())?;
+            let mem = sregs_mem.clone();
+            let effective = v.exec(move |fd| -> Result<Vec<kvm_cpuid_entry2>> {
+                fd.set_cpuid2(&cpuid).map_err(kvm_err("KVM_SET_CPUID2"))?;
+                let lapic = fd.get_lapic().map_err(kvm_err("KVM_GET_LAPIC"))?;
+                fd.set_lapic(&arch::boot_lapic(lapic))
+                    .map_err(kvm_err("KVM_SET_LAPIC"))?;
+                if i == 0 {
+                    arch::set_msrs(fd, &arch::boot_msrs())?;
+                    fd.set_regs(&arch::boot_regs(entry))
+                        .map_err(kvm_err("KVM_SET_REGS"))?;
+                    fd.set_fpu(&arch::boot_fpu())
+                        .map_err(kvm_err("KVM_SET_FPU"))?;
+                    let sregs = fd.get_sregs().map_err(kvm_err("KVM_GET_SREGS"))?;
+                    fd.set_sregs(&arch::boot_sregs(&mem, sregs)?)
+                        .map_err(kvm_err("KVM_SET_SREGS"))?;
+                }
+                Ok(fd
+                    .get_cpuid2(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+                    .map_err(kvm_err("KVM_GET_CPUID2"))?
+                    .as_slice()
+                    .to_vec())
+            })??;
+            cpuids.push(effective);
+        }
+        self.cpuid = cpuids;
+        let list = self
+            .kvm
+            .get_msr_index_list()
+            .map_err(kvm_err("KVM_GET_MSR_INDEX_LIST"))?
+            .as_slice()
+            .to_vec();
+        self.msr_indices = Arc::new(self.vcpus[0].exec(move |fd| probe_msrs(fd, list))??);
+        self.state = RunState::Paused;
+        self.resume()
+    }
+
+    /// Lets the vCPUs run.
+    pub fn resume(&mut self) -> Result<()> {
+        self.need("resume", &[RunState::Paused, RunState::Running], "paused")?;
+        for v in &self.vcpus {
+            v.run();
+        }
+        self.state = RunState::Running;
+        Ok(())
+    }
+
+    /// Parks every vCPU. Pending port or MMIO accesses complete first.
+    pub fn pause(&mut self) -> Result<()> {
+        let s = self.need(
+            "pause",
+            &[RunState::Running, RunState::Paused, RunState::Stopped],
+            "running",
+        )?;
+        if s == RunState::Paused {
+            return Ok(());
+        }
+        for v in &self.vcpus {
+            v.request_park();
+        }
+        for v in &self.vcpus {
+            v.wait_parked()?;
+        }
+        self.devices.flush();
+        if self.state == RunState::Running {
+            self.state = RunState::Paused;
+        }
+        Ok(())
+    }
+
+    /// Wakes a guest parked on the idle port.
+    pub fn kick(&self) {
+        for v in &self.vcpus {
+            v.kick();
+        }
+    }
+
+    /// Waits up to `timeout` for the guest to stop; returns why it did.
+    pub fn wait_exit(&self, timeout: Duration) -> Option<GuestExit> {
+        self.devices.exit().wait(timeout)
+    }
+
+    /// Reads guest memory.
+    pub fn read_guest(&self, gpa: u64, buf: &mut [u8]) -> Result<()> {
+        self.ram
+            .memory()
+            .read_slice(buf, GuestAddress(gpa))
+            .map_err(|_| Error::GuestAddress {
+                addr: gpa,
+                len: buf.len(),
+            })
+    }
+
+    /// Reads a little-endian u64 from guest memory.
+    pub fn read_u64(&self, gpa: u64) -> Result<u64> {
+        let mut b = [0u8; 8];
+        self.read_guest(gpa, &mut b)?;
+        Ok(u64::from_le_bytes(b))
+    }
+
+    /// Writes guest memory from the host. The pages count as dirty for the
+    /// next incremental snapshot and for rollback.
+    pub fn write_guest(&mut self, gpa: u64, data: &[u8]) -> Result<()> {
+        self.ram
+            .memory()
+            .write_slice(data, GuestAddress(gpa))
+            .map_err(|_| Error::GuestAddress {
+                addr: gpa,
+                len: data.len(),
+            })?;
+        let first = gpa as usize / PAGE_SIZE;
+        let last = (gpa as usize + data.len().max(1) - 1) / PAGE_SIZE;
+        for p in first..=last {
+            self.dirty.insert(p);
+        }
+        Ok(())
+    }
+
+    /// Writes a little-endian u64 into guest memory.
+    pub fn write_u64(&mut self, gpa: u64, v: u64) -> Result<()> {
+        self.write_guest(gpa, &v.to_le_bytes())
+    }
+
+    /// Folds KVM's dirty log into the pages changed since the baseline.
+    fn collect_dirty(&mut self) -> Result<()> {
+        let words = self
+            .fd
+            .get_dirty_log(0, self.shape.mem_size)
+            .map_err(kvm_err("KVM_GET_DIRTY_LOG"))?;
+        self.dirty
+            .union_with(&PageSet::from_words(words, self.ram.pages()));
+        Ok(())
+    }
+
+    fn save_vcpus(&self) -> Result<Vec<VcpuState>> {
+        let rxs = self
+            .vcpus
+            .iter()
+            .map(|v| {
+                let msrs = self.msr_indices.clone();
+                let words = self.xsave_words;
+                v.submit(move |fd| vcpu::save_state(fd, &msrs, words))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        rxs.into_iter()
+            .enumerate()
+            .map(|(index, rx)| {
+                rx.recv().map_err(|_| Error::Vcpu {
+                    index,
+                    reason: "vCPU thread exited".into(),
+                })?
+            })
+            .collect()
+    }
+
+    fn load_vcpus(&self, states: &[VcpuState], set_cpuid: bool) -> Result<()> {
+        let rxs = self
+            .vcpus
+            .iter()
+            .zip(states)
+            .map(|(v, s)| {
+                let s = s.clone();
+                v.submit(move |fd| vcpu::restore_state(fd, &s, set_cpuid))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        for (index, rx) in rxs.into_iter().enumerate() {
+            rx.recv().map_err(|_| Error::Vcpu {
+                index,
+                reason: "vCPU thread exited".into(),
+            })??;
+        }
+        Ok(())
+    }
+
+    fn save_vm_state(&self) -> Result<([kvm_irqchip; 3], kvm_bindings::kvm_pit_state2, kvm_clock_data)> {
+        let mut chips = [kvm_irqchip::default(); 3];
+        for (chip, id) in chips.iter_mut().zip([
+            KVM_IRQCHIP_PIC_MASTER,
+            KVM_IRQCHIP_PIC_SLAVE,
+            KVM_IRQCHIP_IOAPIC,
+        ]) {
+            chip.chip_id = id;
+            self.fd
+                .get_irqchip(chip)
+                .map_err(kvm_err("KVM_GET_IRQCHIP"))?;
+        }
+        let pit = self.fd.get_pit2().map_err(kvm_err("KVM_GET_PIT2"))?;
+        let clock = self.fd.get_clock().map_err(kvm_err("KVM_GET_CLOCK"))?;
+        Ok((chips, pit, clock))
+    }
+
+    fn load_vm_state(&self, s: &VmState) -> Result<()> {
+        for chip in &s.irqchips {
+            self.fd
+                .set_irqchip(chip)
+                .map_err(kvm_err("KVM_SET_IRQCHIP"))?;
+        }
+        self.fd
+            .set_pit2(&s.pit)
+            .map_err(kvm_err("KVM_SET_PIT2"))?;
+        let clock = kvm_clock_data {
+            clock: s.clock.clock,
+            ..Default::default()
+        };
+        self.fd
+            .set_clock(&clock)
+            .map_err(kvm_err("KVM_SET_CLOCK"))?;
+        Ok(())
+    }
+
+    /// Snapshots the VM into the new directory `dir`. A running VM is paused
+    /// for the duration and resumed after. An incremental snapshot writes only
+    /// the pages changed since the VM's baseline (its last snapshot, restore
+    /// or rollback point), which becomes its parent.
+    pub fn snapshot(&mut self, dir: &Path, kind: Kind) -> Result<SnapshotInfo> {
+        let start = Instant::now();
+        let was = self.need(
+            "snapshot",
+            &[RunState::Running, RunState::Paused],
+            "running or paused",
+        )?;
+        let parent = match kind {
+            Kind::Full => None,
+            Kind::Incremental => Some(self.baseline.clone().ok_or_else(|| {
+                Error::Config(
+                    "an incremental snapshot needs a parent: take a full snapshot or restore one first"
+                        .into(),
+                )
+            })?),
+        };
+        let dir = absolute(dir)?;
+        self.pause()?;
+        let result = self.snapshot_paused(&dir, kind, parent);
+        if was == RunState::Running {
+            self.resume()?;
+        }
+        let (image, pages) = result?;
+        let info = SnapshotInfo {
+            id: image.id().to_string(),
+            kind,
+            parent: image.state.meta.parent.as_ref().map(|p| p.id.clone()),
+            pages_written: pages,
+            duration_ms: ms(start),
+        };
+        tracing::info!(id = %info.id, ?kind, pages, ms = info.duration_ms, "snapshot");
+        Ok(info)
+    }
+
+    fn snapshot_paused(
+        &mut self,
+        dir: &Path,
+        kind: Kind,
+        parent: Option<Arc<Image>>,
+    ) -> Result<(Arc<Image>, usize)> {
+        self.collect_dirty()?;
+        let vcpus = self.save_vcpus()?;
+        let (irqchips, pit, clock) = self.save_vm_state()?;
+        let id = snapshot::new_id();
+        let layer = layer_of(kind, &self.dirty);
+        let pages = layer.as_ref().map_or(self.ram.pages(), PageSet::count);
+        let mut state = VmState {
+            meta: Meta {
+                id: id.clone(),
+                kind,
+                parent: parent.as_ref().map(|p| ParentRef {
+                    id: p.id().to_string(),
+                    dir: p.dir.clone(),
+                }),
+                root_id: parent
+                    .as_ref()
+                    .map_or(id.clone(), |p| p.state.meta.root_id.clone()),
+                mem_size: self.shape.mem_size as u64,
+                vcpus: self.shape.vcpus,
+                pages,
+                memory_crc: 0,
+                created_unix_ms: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_millis() as u64)
+                    .unwrap_or(0),
+            },
+            irqchips,
+            pit,
+            clock,
+            devices: self.devices.save(),
+            layer,
+            vcpus,
+        };
+        let ram = &self.ram;
+        let write_layer = state.layer.clone();
+        let memory = snapshot::publish(dir, &mut state, |f| match &write_layer {
+            None => snapshot::write_full_memory(ram, f),
+            Some(l) => snapshot::write_layer_memory(ram, l, f),
+        })?;
+        let image = Arc::new(Image {
+            dir: dir.to_path_buf(),
+            state,
+            memory: Arc::new(memory),
+            parent,
+        });
+        if kind == Kind::Full {
+            self.ram.map_private(image.memory.clone())?;
+        }
+        self.baseline = Some(image.clone());
+        self.dirty = PageSet::new(self.ram.pages());
+        Ok((image, pages))
+    }
+
+    /// Restores the snapshot in `dir` into this newly created VM and runs it.
+    pub fn restore(&mut self, dir: &Path) -> Result<()> {
+        let image = Image::open(&absolute(dir)?)?;
+        self.restore_image(&image)?;
+        self.resume()
+    }
+
+    /// Restores an opened snapshot into this newly created VM, leaving it
+    /// paused: guest RAM maps the root snapshot's memory privately (lazy,
+    /// copy-on-write, shared through the page cache), each incremental
+    /// layer's pages are read on top, then vCPU, irqchip, PIT, clock and
+    /// device state are loaded.
+    pub fn restore_image(&mut self, image: &Arc<Image>) -> Result<()> {
+        self.need("restore", &[RunState::Created], "newly created")?;
+        self.check_compatible(image)?;
+        let chain = image.chain();
+        self.ram.map_private(chain[0].memory.clone())?;
+        for layer in &chain[1..] {
+            if let Some(pages) = &layer.state.layer {
+                for (start, n) in pages.runs() {
+                    self.ram.read_pages_from(&layer.memory, start, n)?;
+                }
+            }
+        }
+        let s = &image.state;
+        self.load_vcpus(&s.vcpus, true)?;
+        self.load_vm_state(s)?;
+        self.devices.restore(&Devices::parse(&s.devices)?)?;
+        self.adopt(image);
+        self.state = RunState::Paused;
+        Ok(())
+    }
+
+    fn adopt(&mut self, image: &Arc<Image>) {
+        let s = &image.state;
+        self.cpuid = s.vcpus.iter().map(|v| v.cpuid.clone()).collect();
+        self.msr_indices = Arc::new(s.vcpus[0].msrs.iter().map(|m| m.index).collect());
+        self.baseline = Some(image.clone());
+        self.dirty = PageSet::new(self.ram.pages());
+        self.devices.exit().clear();
+    }
+
+    /// Refuses snapshots this VM cannot take: other shape, CPU features this
+    /// host lacks, a larger XSAVE area than KVM here handles.
+    fn check_compatible(&self, image: &Image) -> Result<()> {
+        let m = &image.state.meta;
+        if m.mem_size != self.shape.mem_size as u64 {
+            return Err(Error::snapshot(
+                &image.dir,
+                format!(
+                    "memory size mismatch: the snapshot has {} MiB of guest RAM, this VM {} MiB",
+                    m.mem_size >> 20,
+                    self.shape.mem_size >> 20
+                ),
+            ));
+        }
+        if m.vcpus != self.shape.vcpus {
+            return Err(Error::snapshot(
+                &image.dir,
+                format!(
+                    "vCPU count mismatch: the snapshot has {}, this VM {}",
+                    m.vcpus, self.shape.vcpus
+                ),
+            ));
+        }
+        let host = self.host_cpuid;
+        let mut missing = Vec::new();
+        for v in &image.state.vcpus {
+            for f in arch::missing_features(&v.cpuid, host) {
+                if !missing.contains(&f) {
+                    missing.push(f);
+                }
+            }
+            if v.xsave.len() > self.xsave_words {
+                missing.push(format!(
+                    "an XSAVE area of {} bytes (this host: {})",
+                    v.xsave.len() * 4,
+                    self.xsave_words * 4
+                ));
+            }
+        }
+        if !missing.is_empty() {
+            return Err(Error::CpuIncompatible {
+                path: image.dir.clone(),
+                missing: missing.join(", "),
+            });
+        }
+        Ok(())
+    }
+
+    /// Rolls this VM back, in place, to the snapshot in `dir`: same process,
+    /// same VM fd. Only pages that may differ from the snapshot are touched:
+    /// those dirtied since the baseline plus those in incremental layers
+    /// between the baseline and the target. If anything fails before the VM
+    /// is changed, it keeps running on its previous state and the error says
+    /// why.
+    pub fn rollback(&mut self, dir: &Path) -> Result<RollbackInfo> {
+        let start = Instant::now();
+        let was = self
+            .need(
+                "rollback",
+                &[RunState::Running, RunState::Paused, RunState::Stopped],
+                "booted or restored",
+            )
+            .map_err(|e| Error::Rollback(Box::new(e)))?;
+        let dir = absolute(dir).map_err(|e| Error::Rollback(Box::new(e)))?;
+        let target = match &self.baseline {
+            Some(b) if b.dir == dir => b.clone(),
+            _ => Image::open(&dir).map_err(|e| Error::Rollback(Box::new(e)))?,
+        };
+        self.check_compatible(&target)
+            .and_then(|_| self.check_same_cpuid(&target))
+            .map_err(|e| Error::Rollback(Box::new(e)))?;
+        self.pause().map_err(|e| Error::Rollback(Box::new(e)))?;
+        match self.rollback_paused(&target) {
+            Ok((pages, remapped)) => {
+                self.resume()?;
+                let info = RollbackInfo {
+                    id: target.id().to_string(),
+                    pages_restored: pages,
+                    remapped,
+                    duration_ms: ms(start),
+                };
+                tracing::info!(id = %info.id, pages, remapped, ms = info.duration_ms, "rollback");
+                Ok(info)
+            }
+            Err(e) => {
+                if was == RunState::Running {
+                    self.resume()?;
+                }
+                Err(Error::Rollback(Box::new(e)))
+            }
+        }
+    }
+
+    fn check_same_cpuid(&self, target: &Image) -> Result<()> {
+        let same = target
+            .state
+            .vcpus
+            .iter()
+            .zip(&self.cpuid)
+            .all(|(s, mine)| s.cpuid.as_bytes() == mine.as_bytes());
+        if same {
+            Ok(())
+        } else {
+            Err(Error::snapshot(
+                &target.dir,
+                "the snapshot's CPUID differs from this VM's (KVM cannot change CPUID of a running VM); restore it into a new VM instead",
+            ))
+        }
+    }
+
+    /// The pages to put back and, per page, whether the target's root file
+    /// (mapped now) already holds the right contents.
+    fn rollback_plan(&mut self, target: &Arc<Image>) -> Result<Option<PageSet>> {
+        let Some(base) = self.baseline.clone() else {
+            return Ok(None);
+        };
+        let (Backing::Private(_), true) = (
+            self.ram.backing(),
+            base.state.meta.root_id == target.state.meta.root_id,
+        ) else {
+            return Ok(None);
+        };
+        self.collect_dirty()?;
+        let mut pages = self.dirty.clone();
+        let base_chain: Vec<String> = base.chain().iter().map(|i| i.id().to_string()).collect();
+        let target_chain = target.chain();
+        let common = target_chain
+            .iter()
+            .rev()
+            .find(|i| base_chain.iter().any(|b| b == i.id()))
+            .map(|i| i.id().to_string());
+        for chain in [base.chain(), target_chain] {
+            for img in chain.iter().rev() {
+                if Some(img.id()) == common.as_deref() {
+                    break;
+                }
+                if let Some(l) = &img.state.layer {
+                    pages.union_with(l);
+                }
+            }
+        }
+        Ok(Some(pages))
+    }
+
+    fn rollback_paused(&mut self, target: &Arc<Image>) -> Result<(usize, bool)> {
+        let plan = self.rollback_plan(target)?;
+        // Stage what the target's layers hold for these pages before the VM
+        // is touched, so that a failing read changes nothing.
+        let mut staged: Vec<(usize, Vec<u8>)> = Vec::new();
+        let mut from_root: Vec<usize> = Vec::new();
+        let wanted: Vec<usize> = match &plan {
+            Some(p) => p.iter().collect(),
+            None => {
+                let mut all = PageSet::new(self.ram.pages());
+                for img in target.chain() {
+                    if let Some(l) = &img.state.layer {
+                        all.union_with(l);
+                    }
+                }
+                all.iter().collect()
+            }
+        };
+        for p in &wanted {
+            match target.layer_for(*p) {
+                Some(img) => {
+                    let mut buf = vec![0u8; PAGE_SIZE];
+                    snapshot::read_exact_at(&img.memory, &mut buf, (*p * PAGE_SIZE) as u64)
+                        .map_err(|e| Error::io(format!("reading {}", img.dir.display()), e))?;
+                    staged.push((*p, buf));
+                }
+                None => from_root.push(*p),
+            }
+        }
+        let s = &target.state;
+        let devices = Devices::parse(&s.devices)?;
+        let backup = self.save_vcpus()?;
+        let (chips, pit, clock) = self.save_vm_state()?;
+        if let Err(e) = self
+            .load_vcpus(&s.vcpus, false)
+            .and_then(|_| self.load_vm_state(s))
+        {
+            let mut old = s.clone();
+            old.irqchips = chips;
+            old.pit = pit;
+            old.clock = clock;
+            self.load_vcpus(&backup, false)?;
+            self.load_vm_state(&old)?;
+            return Err(e);
+        }
+        // Past this point nothing can fail half-way: memory operations on
+        // our own mapping.
+        let remapped = plan.is_none();
+        if remapped {
+            self.ram.map_private(target.chain()[0].memory.clone())?;
+        } else {
+            let mut runs = PageSet::new(self.ram.pages());
+            from_root.iter().for_each(|p| runs.insert(*p));
+            for (start, n) in runs.runs() {
+                self.ram.discard(start, n)?;
+            }
+        }
+        for (p, data) in &staged {
+            self.ram.write_pages(*p, data)?;
+        }
+        self.devices.restore(&devices)?;
+        // Clear what the guest dirtied before we put pages back.
+        self.fd
+            .get_dirty_log(0, self.shape.mem_size)
+            .map_err(kvm_err("KVM_GET_DIRTY_LOG"))?;
+        self.adopt(target);
+        self.state = RunState::Paused;
+        Ok((wanted.len(), remapped))
+    }
+
+    /// Restores `n` VMs from the snapshot in `dir`, concurrently, and runs
+    /// them. `serial(i)` gives clone i its serial output.
+    pub fn clone_from(
+        dir: &Path,
+        n: usize,
+        serial: impl Fn(usize) -> SerialOut + Sync,
+    ) -> Result<Vec<Vm>> {
+        let image = Image::open(&absolute(dir)?)?;
+        let shape = Shape {
+            mem_size: image.state.meta.mem_size as usize,
+            vcpus: image.state.meta.vcpus,
+        };
+        let results: Vec<Result<Vm>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..n)
+                .map(|i| {
+                    let (image, serial) = (&image, &serial);
+                    scope.spawn(move || -> Result<Vm> {
+                        let mut vm = Vm::create(shape, serial(i))?;
+                        vm.restore_image(image)?;
+                        vm.resume()?;
+                        Ok(vm)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(Error::Config("a clone thread panicked".into())))
+                })
+                .collect()
+        });
+        results.into_iter().collect()
+    }
+
+    /// The VM's counters. Folds KVM's dirty log in, so the count is current.
+    pub fn stats(&mut self) -> Result<Stats> {
+        if self.state() != RunState::Created {
+            self.collect_dirty()?;
+        }
+        Ok(Stats {
+            state: self.state(),
+            vcpus: self.shape.vcpus,
+            mem_mib: self.shape.mem_size >> 20,
+            baseline: self.baseline.as_ref().map(|b| b.id().to_string()),
+            dirty_pages: self.dirty.count(),
+            exits: self
+                .vcpus
+                .iter()
+                .map(|v| v.counters().exits.load(std::sync::atomic::Ordering::Relaxed))
+                .sum(),
+            guest_resident_kib: self.ram.resident_bytes() / 1024,
+            guest_exit: self.devices.exit().get().map(|e| format!("{e:?}")),
+        })
+    }
+
+    /// Guest RAM bytes (for tests and checks; pause the VM for a stable view).
+    pub fn guest_ram(&self) -> Result<&[u8]> {
+        self.ram.pages_slice(0, self.ram.pages())
+    }
+
+    /// vCPU `i`'s general registers (the VM must be paused).
+    pub fn vcpu_regs(&self, i: usize) -> Result<kvm_bindings::kvm_regs> {
+        let v = self.vcpus.get(i).ok_or(Error::Vcpu {
+            index: i,
+            reason: "no such vCPU".into(),
+        })?;
+        v.exec(|fd| fd.get_regs().map_err(kvm_err("KVM_GET_REGS")))?
+    }
+}
+
+fn layer_of(kind: Kind, dirty: &PageSet) -> Option<PageSet> {
+    match kind {
+        Kind::Full => None,
+        Kind::Incremental => Some(dirty.clone()),
+    }
+}
+
+fn absolute(p: &Path) -> Result<std::path::PathBuf> {
+    std::path::absolute(p).map_err(|e| Error::io(format!("resolving {}", p.display()), e))
+}
+
+/// Keeps the MSRs of KVM's index list that this vCPU can both read and write
+/// back, so that snapshots save exactly what restore can load.
+fn probe_msrs(fd: &mut kvm_ioctls::VcpuFd, mut list: Vec<u32>) -> Result<Vec<u32>> {
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        if tries > 4096 {
+            return Err(Error::Config("probing MSRs did not converge".into()));
+        }
+        let entries: Vec<kvm_bindings::kvm_msr_entry> = list
+            .iter()
+            .map(|&index| kvm_bindings::kvm_msr_entry {
+                index,
+                ..Default::default()
+            })
+            .collect();
+        let mut msrs = kvm_bindings::Msrs::from_entries(&entries)
+            .map_err(|e| Error::Config(format!("MSR list: {e:?}")))?;
+        let n = fd.get_msrs(&mut msrs).map_err(kvm_err("KVM_GET_MSRS"))?;
+        if n < list.len() {
+            list.remove(n);
+            continue;
+        }
+        let n = fd.set_msrs(&msrs).map_err(kvm_err("KVM_SET_MSRS"))?;
+        if n < list.len() {
+            list.remove(n);
+            continue;
+        }
+        return Ok(list);
+    }
+}

@@ -1,0 +1,67 @@
+//! Shared helpers for the integration tests. They run on the real /dev/kvm
+//! and fail (never skip) with a clear message when it is unavailable.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use twig_vmm::testguest::{self, Command};
+use twig_vmm::{Capture, Shape, Vm};
+
+pub const T: Duration = Duration::from_secs(20);
+pub const MIB: usize = 64;
+
+/// Fails the test with a clear message if /dev/kvm cannot be used.
+pub fn require_kvm() {
+    if let Err(e) = twig_vmm::vm::open_kvm() {
+        panic!("this test needs a usable /dev/kvm (run as root on a KVM host): {e}");
+    }
+}
+
+pub struct Guest {
+    pub vm: Vm,
+    pub serial: Capture,
+}
+
+/// Boots the test guest and waits for its boot marker.
+pub fn boot(dir: &std::path::Path, mib: usize, vcpus: usize) -> Guest {
+    require_kvm();
+    let serial = Capture::new();
+    let mut vm = Vm::create(Shape::new(mib, vcpus), serial.writer()).expect("create VM");
+    let kernel = testguest::write_to(dir).expect("write guest");
+    vm.boot(&kernel, "console=ttyS0").expect("boot");
+    serial.wait_for(b"B", 0, T).expect("boot marker");
+    testguest::wait_booted(&vm, T).expect("guest magic");
+    Guest { vm, serial }
+}
+
+pub fn tmp() -> tempfile::TempDir {
+    tempfile::tempdir().expect("tempdir")
+}
+
+pub fn snap(dir: &std::path::Path, name: &str) -> PathBuf {
+    dir.join(name)
+}
+
+/// Dirties `pages` pages from the scratch area, page i holding `value + i`.
+pub fn dirty(vm: &mut Vm, first_page: u64, pages: u64, value: u64) {
+    testguest::run(
+        vm,
+        Command::Dirty,
+        [testguest::SCRATCH + first_page * 4096, pages, value],
+        T,
+    )
+    .expect("dirty command");
+}
+
+/// The first word of scratch page `p`.
+pub fn word(vm: &Vm, p: u64) -> u64 {
+    vm.read_u64(testguest::SCRATCH + p * 4096).expect("read")
+}
+
+pub fn print(vm: &mut Vm, serial: &Capture, byte: u8) {
+    let from = serial.bytes().len();
+    testguest::run(vm, Command::Print, [byte as u64, 0, 0], T).expect("print");
+    serial.wait_for(&[byte], from, T).expect("printed byte");
+}

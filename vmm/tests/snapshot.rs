@@ -1,0 +1,174 @@
+//! Snapshot, restore, clone and rollback of the test guest on /dev/kvm,
+//! proven from guest memory, registers and serial output.
+
+mod common;
+
+use common::*;
+use twig_vmm::testguest::{self, Command};
+use twig_vmm::{Capture, Kind, RunState, Shape, Vm};
+
+fn spin_and_pause(vm: &mut Vm) -> u64 {
+    testguest::post(vm, Command::Spin, [0; 3]).unwrap();
+    testguest::poll(T, "spinning", || Ok(vm.read_u64(testguest::COUNTER)? > 10_000)).unwrap();
+    vm.pause().unwrap();
+    vm.read_u64(testguest::COUNTER).unwrap()
+}
+
+#[test]
+fn restore_resumes_at_the_exact_instruction_with_identical_memory() {
+    let d = tmp();
+    let mut g = boot(d.path(), MIB, 2);
+    dirty(&mut g.vm, 0, 64, 7);
+    let counter = spin_and_pause(&mut g.vm);
+    let s = snap(d.path(), "s");
+    let info = g.vm.snapshot(&s, Kind::Full).unwrap();
+    assert_eq!(info.pages_written, MIB * 256);
+    let regs = g.vm.vcpu_regs(0).unwrap();
+    let ram = g.vm.guest_ram().unwrap().to_vec();
+
+    let serial = Capture::new();
+    let mut r = Vm::create(Shape::new(MIB, 2), serial.writer()).unwrap();
+    let image = twig_vmm::snapshot::Image::open(&s).unwrap();
+    r.restore_image(&image).unwrap();
+    assert_eq!(r.state(), RunState::Paused);
+    let rregs = r.vcpu_regs(0).unwrap();
+    assert_eq!(rregs.rip, regs.rip, "same instruction");
+    assert_eq!(format!("{rregs:?}"), format!("{regs:?}"), "same registers");
+    assert!(r.guest_ram().unwrap() == ram.as_slice(), "same memory");
+    assert_eq!(r.read_u64(testguest::COUNTER).unwrap(), counter);
+
+    r.resume().unwrap();
+    testguest::poll(T, "the restored counter to continue", || {
+        Ok(r.read_u64(testguest::COUNTER)? > counter)
+    })
+    .unwrap();
+    r.write_u64(testguest::MAILBOX, 0).unwrap(); // stop spinning
+    print(&mut r, &serial, b'R');
+    assert_eq!(word(&r, 63), 7 + 63);
+    // The original keeps running from the same point too.
+    g.vm.resume().unwrap();
+    testguest::poll(T, "the original counter", || {
+        Ok(g.vm.read_u64(testguest::COUNTER)? > counter)
+    })
+    .unwrap();
+}
+
+#[test]
+fn clones_run_and_diverge_independently() {
+    let d = tmp();
+    let mut g = boot(d.path(), MIB, 1);
+    dirty(&mut g.vm, 0, 8, 1000);
+    let s = snap(d.path(), "s");
+    g.vm.snapshot(&s, Kind::Full).unwrap();
+    let captures: Vec<Capture> = (0..4).map(|_| Capture::new()).collect();
+    let mut clones = Vm::clone_from(&s, 4, |i| captures[i].writer()).unwrap();
+    assert_eq!(clones.len(), 4);
+    for (i, c) in clones.iter_mut().enumerate() {
+        dirty(c, 0, 4, 5000 * (i as u64 + 1));
+        print(c, &captures[i], b'a' + i as u8);
+    }
+    for (i, c) in clones.iter().enumerate() {
+        assert_eq!(word(c, 0), 5000 * (i as u64 + 1));
+        assert_eq!(word(c, 3), 5000 * (i as u64 + 1) + 3);
+        assert_eq!(word(c, 4), 1004, "untouched pages come from the snapshot");
+        assert_eq!(captures[i].bytes(), vec![b'a' + i as u8], "own serial only");
+    }
+    assert_eq!(word(&g.vm, 0), 1000, "the source does not see clone writes");
+    // The snapshot itself is unchanged.
+    let mem = std::fs::read(s.join("memory")).unwrap();
+    let off = testguest::SCRATCH as usize;
+    assert_eq!(u64::from_le_bytes(mem[off..off + 8].try_into().unwrap()), 1000);
+    twig_vmm::snapshot::verify(&s).unwrap();
+}
+
+#[test]
+fn rollback_discards_exactly_what_changed_repeatedly() {
+    let d = tmp();
+    let mut g = boot(d.path(), MIB, 1);
+    dirty(&mut g.vm, 0, 10, 1);
+    let s = snap(d.path(), "s");
+    g.vm.snapshot(&s, Kind::Full).unwrap();
+    for round in 0..3u64 {
+        dirty(&mut g.vm, 0, 20, 1000 * (round + 2));
+        assert_eq!(word(&g.vm, 15), 1000 * (round + 2) + 15);
+        let info = g.vm.rollback(&s).unwrap();
+        assert!(!info.remapped);
+        assert!(
+            info.pages_restored >= 20 && info.pages_restored < 40,
+            "rollback touched {} pages for 20 dirtied",
+            info.pages_restored
+        );
+        for p in 0..10 {
+            assert_eq!(word(&g.vm, p), 1 + p, "round {round} page {p}");
+        }
+        for p in 10..20 {
+            assert_eq!(word(&g.vm, p), 0, "round {round} page {p}");
+        }
+        assert_eq!(g.vm.state(), RunState::Running);
+        print(&mut g.vm, &g.serial, b'0' + round as u8);
+    }
+}
+
+#[test]
+fn incremental_chain_restores_the_same_bytes_as_a_full_snapshot() {
+    let d = tmp();
+    let mut g = boot(d.path(), MIB, 1);
+    dirty(&mut g.vm, 0, 30, 10);
+    g.vm.snapshot(&snap(d.path(), "s0"), Kind::Full).unwrap();
+    dirty(&mut g.vm, 20, 30, 20);
+    let i1 = g.vm.snapshot(&snap(d.path(), "s1"), Kind::Incremental).unwrap();
+    assert!(i1.pages_written >= 30 && i1.pages_written < 40, "{i1:?}");
+    dirty(&mut g.vm, 40, 100, 30);
+    g.vm.pause().unwrap();
+    g.vm.snapshot(&snap(d.path(), "s2"), Kind::Incremental).unwrap();
+    g.vm.snapshot(&snap(d.path(), "full"), Kind::Full).unwrap();
+
+    let restore = |name: &str| {
+        let mut vm = Vm::create(Shape::new(MIB, 1), Box::new(std::io::sink())).unwrap();
+        vm.restore_image(&twig_vmm::snapshot::Image::open(&snap(d.path(), name)).unwrap())
+            .unwrap();
+        vm
+    };
+    let a = restore("s2");
+    let b = restore("full");
+    assert!(a.guest_ram().unwrap() == b.guest_ram().unwrap(), "chain == full");
+    assert_eq!(format!("{:?}", a.vcpu_regs(0).unwrap()), format!("{:?}", b.vcpu_regs(0).unwrap()));
+    assert_eq!(word(&a, 0), 10);
+    assert_eq!(word(&a, 25), 25);
+    assert_eq!(word(&a, 45), 35);
+    let mid = restore("s1");
+    assert_eq!(word(&mid, 45), 45, "s1 holds the second write");
+    assert_eq!(word(&mid, 60), 0);
+}
+
+#[test]
+fn rollback_moves_across_the_snapshot_tree() {
+    let d = tmp();
+    let mut g = boot(d.path(), MIB, 1);
+    dirty(&mut g.vm, 0, 4, 100);
+    let s0 = snap(d.path(), "s0");
+    g.vm.snapshot(&s0, Kind::Full).unwrap();
+    dirty(&mut g.vm, 2, 4, 200);
+    let s1 = snap(d.path(), "s1");
+    g.vm.snapshot(&s1, Kind::Incremental).unwrap();
+    dirty(&mut g.vm, 0, 8, 300);
+
+    g.vm.rollback(&s0).unwrap();
+    let words: Vec<u64> = (0..6).map(|p| word(&g.vm, p)).collect();
+    assert_eq!(words, vec![100, 101, 102, 103, 0, 0]);
+
+    g.vm.rollback(&s1).unwrap();
+    let words: Vec<u64> = (0..8).map(|p| word(&g.vm, p)).collect();
+    assert_eq!(words, vec![100, 101, 200, 201, 202, 203, 0, 0]);
+
+    // A branch: from s1, a sibling of s1's future.
+    dirty(&mut g.vm, 6, 1, 400);
+    let s2 = snap(d.path(), "s2");
+    g.vm.snapshot(&s2, Kind::Incremental).unwrap();
+    g.vm.rollback(&s0).unwrap();
+    assert_eq!(word(&g.vm, 6), 0);
+    g.vm.rollback(&s2).unwrap();
+    assert_eq!(word(&g.vm, 6), 400);
+    assert_eq!(word(&g.vm, 2), 200);
+    print(&mut g.vm, &g.serial, b'!');
+}
