@@ -1,10 +1,752 @@
-//! Benchmarks of twig-vmm.
+//! Benchmarks of twig-vmm on the ring-3 test guest: boot, full and
+//! incremental snapshots, restore, N-way clones, in-place rollback, VMM
+//! memory per VM and how many VMs run at once.
+//!
+//! Every timing ends when the guest shows it runs (a byte on its serial
+//! port), not when the API call returns, except snapshots (the call) and
+//! rollback (the call, which resumes the vCPU before returning).
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Map, Value};
+use twig_vmm::snapshot::Image;
+use twig_vmm::testguest::{self, Command};
+use twig_vmm::{Capture, Kind, Shape, Vm};
+
+use crate::stats::{row, Summary};
 
 pub type Error = Box<dyn std::error::Error>;
 
-#[derive(clap::Args)]
-pub struct Args {}
+/// Deadline of every wait on a guest or a twig-vmm process.
+const T: Duration = Duration::from_secs(20);
+/// Page counts of the incremental snapshot and rollback measurements.
+const PAGE_COUNTS: [u64; 3] = [100, 1000, 10_000];
+const PAGE: u64 = 4096;
 
-pub fn run(_args: &Args) -> Result<serde_json::Value, Error> {
-    Err("the vmm benchmark is not written yet".into())
+#[derive(clap::Args)]
+pub struct Args {
+    /// Timed runs of each measurement.
+    #[arg(long, default_value_t = 50)]
+    runs: usize,
+    /// Timed runs of the 64-way clone (each starts 64 VMs).
+    #[arg(long, default_value_t = 10)]
+    clone64_runs: usize,
+    /// Guest RAM of every VM, MiB (at least 56: the benchmark dirties 10,000
+    /// pages above the guest's 16 MiB scratch start).
+    #[arg(long, default_value_t = 128)]
+    mem_mib: usize,
+    /// Stop the density test after this many running VMs.
+    #[arg(long, default_value_t = 1000)]
+    max_vms_cap: usize,
+    /// twig-vmm processes started for the VMM RSS measurement.
+    #[arg(long, default_value_t = 20)]
+    rss_vms: usize,
+    /// Directory under which a temporary snapshot directory is made.
+    #[arg(long, default_value = "/tmp")]
+    dir: PathBuf,
+}
+
+/// Adds what was being done to an error.
+trait Context<T> {
+    fn context(self, what: impl FnOnce() -> String) -> Result<T, Error>;
+}
+
+impl<T, E: std::fmt::Display> Context<T> for std::result::Result<T, E> {
+    fn context(self, what: impl FnOnce() -> String) -> Result<T, Error> {
+        self.map_err(|e| format!("{}: {e}", what()).into())
+    }
+}
+
+/// A test guest and its serial output.
+struct Guest {
+    vm: Vm,
+    serial: Capture,
+}
+
+/// Boots the test guest; returns it and the time from `Vm::create` to its
+/// first serial byte.
+fn boot(shape: Shape, kernel: &Path) -> Result<(Guest, Duration), Error> {
+    let serial = Capture::new();
+    let start = Instant::now();
+    let mut vm = Vm::create(shape, serial.writer()).context(|| "creating a VM".into())?;
+    vm.boot(kernel, "console=ttyS0")
+        .context(|| "booting the test guest".into())?;
+    serial
+        .wait_for(b"B", 0, T)
+        .context(|| "waiting for the boot marker".into())?;
+    let took = start.elapsed();
+    testguest::wait_booted(&vm, T)?;
+    Ok((Guest { vm, serial }, took))
+}
+
+/// Asks the guest to print `byte` and returns the serial offset to wait from.
+fn post_print(vm: &mut Vm, serial: &Capture, byte: u8) -> Result<usize, Error> {
+    let from = serial.bytes().len();
+    testguest::post(vm, Command::Print, [u64::from(byte), 0, 0])
+        .context(|| "posting a print command".into())?;
+    Ok(from)
+}
+
+fn wait_print(serial: &Capture, byte: u8, from: usize) -> Result<(), Error> {
+    serial
+        .wait_for(&[byte], from, T)
+        .context(|| format!("waiting for the guest to print {:?}", byte as char))?;
+    Ok(())
+}
+
+/// Has the guest write `pages` scratch pages (values from `value`).
+fn dirty(vm: &mut Vm, pages: u64, value: u64) -> Result<(), Error> {
+    testguest::run(vm, Command::Dirty, [testguest::SCRATCH, pages, value], T)
+        .context(|| format!("dirtying {pages} pages"))
+}
+
+fn median(mut v: Vec<usize>) -> usize {
+    v.sort_unstable();
+    v.get(v.len() / 2).copied().unwrap_or(0)
+}
+
+/// The benchmark's output: the JSON object and the stderr table.
+struct Report(Map<String, Value>);
+
+impl Report {
+    fn timing(&mut self, key: &str, samples: &[Duration]) -> Summary {
+        let s = Summary::of(samples);
+        row(key, &s);
+        self.0.insert(key.to_string(), json!(s));
+        s
+    }
+
+    fn value(&mut self, key: &str, v: Value) {
+        eprintln!("{key:<28} {v}");
+        self.0.insert(key.to_string(), v);
+    }
+}
+
+/// Fresh, never reused snapshot directory names inside the temporary dir.
+struct Dirs {
+    root: PathBuf,
+    next: usize,
+}
+
+impl Dirs {
+    fn fresh(&mut self, tag: &str) -> PathBuf {
+        self.next += 1;
+        self.root.join(format!("{tag}-{}", self.next))
+    }
+}
+
+fn remove(dir: &Path) -> Result<(), Error> {
+    fs::remove_dir_all(dir).context(|| format!("removing {}", dir.display()))
+}
+
+pub fn run(args: &Args) -> Result<Value, Error> {
+    twig_vmm::vm::open_kvm().context(|| "this benchmark needs a usable /dev/kvm".into())?;
+    if args.runs == 0 || args.clone64_runs == 0 {
+        return Err("--runs and --clone64-runs must be at least 1".into());
+    }
+    let shape = Shape::new(args.mem_mib, 1);
+    let scratch_pages = (shape.mem_size as u64).saturating_sub(testguest::SCRATCH) / PAGE;
+    if scratch_pages < PAGE_COUNTS[2] {
+        return Err(format!(
+            "--mem-mib {} leaves {scratch_pages} scratch pages; the benchmark dirties {}",
+            args.mem_mib, PAGE_COUNTS[2]
+        )
+        .into());
+    }
+    fs::create_dir_all(&args.dir).context(|| format!("creating {}", args.dir.display()))?;
+    let tmp = tempfile::Builder::new()
+        .prefix("twig-bench-vmm-")
+        .tempdir_in(&args.dir)
+        .context(|| format!("creating a temporary directory in {}", args.dir.display()))?;
+    let root = std::path::absolute(tmp.path()).context(|| "resolving the temp dir".into())?;
+    let kernel = testguest::write_to(&root)?;
+    let fs_type = filesystem_of(&root)?;
+    let mut dirs = Dirs { root, next: 0 };
+    let mut r = Report(Map::new());
+    r.value("mem_mib", json!(args.mem_mib));
+    r.value("vcpus", json!(shape.vcpus));
+    r.value("snapshot_fs", json!(fs_type));
+
+    // Boot, in-process: Vm::create to the guest's 'B'.
+    let mut boots = Vec::with_capacity(args.runs);
+    for i in 0..args.runs {
+        let (_guest, took) = boot(shape, &kernel).context(|| format!("boot run {i}"))?;
+        boots.push(took);
+    }
+    r.timing("boot_ms", &boots);
+
+    // Boot, as a process: spawn `twig-vmm serve` to the guest's 'B'.
+    let bin = std::env::current_exe()
+        .context(|| "finding the benchmark executable".into())?
+        .with_file_name("twig-vmm");
+    let have_bin = bin.is_file();
+    if have_bin {
+        let mut samples = Vec::with_capacity(args.runs);
+        for i in 0..args.runs {
+            let took = boot_process(&bin, &mut dirs, &kernel, args.mem_mib)
+                .context(|| format!("process boot run {i}"))?;
+            samples.push(took);
+        }
+        r.timing("boot_process_ms", &samples);
+    } else {
+        r.value(
+            "boot_process_ms",
+            json!(format!("skipped: no twig-vmm binary at {}", bin.display())),
+        );
+    }
+
+    let (mut g, _) = boot(shape, &kernel)?;
+
+    // Full snapshots of the idle guest; the last one is the base of the rest.
+    let mut samples = Vec::with_capacity(args.runs);
+    let mut base: Option<PathBuf> = None;
+    for i in 0..args.runs {
+        let dir = dirs.fresh("full");
+        let start = Instant::now();
+        g.vm.snapshot(&dir, Kind::Full)
+            .context(|| format!("full snapshot run {i}"))?;
+        samples.push(start.elapsed());
+        if let Some(old) = base.replace(dir) {
+            remove(&old)?;
+        }
+    }
+    r.timing("snapshot_full_ms", &samples);
+    let base = base.ok_or("no full snapshot was taken")?;
+
+    // Incremental snapshots of N dirtied pages, each on top of the last.
+    let mut last_incr: Option<PathBuf> = None;
+    let mut written = Map::new();
+    let mut value = 1u64;
+    for n in PAGE_COUNTS {
+        let mut samples = Vec::with_capacity(args.runs);
+        let mut pages = Vec::with_capacity(args.runs);
+        for i in 0..args.runs {
+            value += n;
+            dirty(&mut g.vm, n, value)?;
+            let dir = dirs.fresh("incr");
+            let start = Instant::now();
+            let info =
+                g.vm.snapshot(&dir, Kind::Incremental)
+                    .context(|| format!("incremental snapshot of {n} pages, run {i}"))?;
+            samples.push(start.elapsed());
+            pages.push(info.pages_written);
+            // Nothing reads an incremental snapshot's parent while taking
+            // the next one, so only the newest is kept.
+            if let Some(old) = last_incr.replace(dir) {
+                remove(&old)?;
+            }
+        }
+        r.timing(&format!("snapshot_incr_{n}_ms"), &samples);
+        written.insert(n.to_string(), json!(median(pages)));
+    }
+    r.value("snapshot_incr_pages_written_p50", Value::Object(written));
+
+    // Rollback to the base after dirtying N pages. The first rollback moves
+    // the VM's baseline from the last incremental snapshot to the base.
+    g.vm.rollback(&base)
+        .context(|| "rolling back to the base snapshot".into())?;
+    let from = post_print(&mut g.vm, &g.serial, b'r')?;
+    wait_print(&g.serial, b'r', from)?;
+    let mut restored = Map::new();
+    for n in PAGE_COUNTS {
+        let mut samples = Vec::with_capacity(args.runs);
+        let mut pages = Vec::with_capacity(args.runs);
+        for i in 0..args.runs {
+            value += n;
+            dirty(&mut g.vm, n, value)?;
+            let start = Instant::now();
+            let info =
+                g.vm.rollback(&base)
+                    .context(|| format!("rollback of {n} pages, run {i}"))?;
+            samples.push(start.elapsed());
+            pages.push(info.pages_restored);
+            if info.remapped {
+                return Err(format!("rollback of {n} pages remapped all of RAM").into());
+            }
+            let from = post_print(&mut g.vm, &g.serial, b'r')?;
+            wait_print(&g.serial, b'r', from)?;
+        }
+        r.timing(&format!("rollback_{n}_ms"), &samples);
+        restored.insert(n.to_string(), json!(median(pages)));
+    }
+    r.value("rollback_pages_restored_p50", Value::Object(restored));
+    drop(g);
+
+    restore(&mut r, args.runs, shape, &base)?;
+
+    for (n, runs) in [(8, args.runs), (64, args.clone64_runs)] {
+        let mut samples = Vec::with_capacity(runs);
+        for i in 0..runs {
+            samples.push(clone(&base, n).context(|| format!("{n}-way clone run {i}"))?);
+        }
+        r.timing(&format!("clone{n}_ms"), &samples);
+    }
+
+    if have_bin {
+        let (per_vm, detail) = rss_by_process(&bin, &mut dirs, &base, args.rss_vms)?;
+        r.value("vmm_rss_method", json!("process"));
+        r.value("vmm_rss_kib_per_vm", json!(per_vm));
+        r.value("vmm_rss_detail", detail);
+    } else {
+        r.value("vmm_rss_method", json!("in-process (max_vms)"));
+    }
+
+    max_vms(&mut r, shape, &base, args.max_vms_cap, !have_bin)?;
+    Ok(Value::Object(r.0))
+}
+
+/// Restore into a pre-created VM (the pool case) and cold (with
+/// `Vm::create`), to the guest printing 'R', with the phases of each.
+fn restore(r: &mut Report, runs: usize, shape: Shape, base: &Path) -> Result<(), Error> {
+    let mut phases: BTreeMap<&str, Vec<Duration>> = BTreeMap::new();
+    let mut warm = Vec::with_capacity(runs);
+    let mut cold = Vec::with_capacity(runs);
+    for i in 0..2 * runs {
+        let is_cold = i % 2 == 1;
+        let serial = Capture::new();
+        let t0 = Instant::now();
+        let mut vm = Vm::create(shape, serial.writer()).context(|| "creating a VM".into())?;
+        let t1 = Instant::now();
+        let image = Image::open(base).context(|| format!("opening {}", base.display()))?;
+        let t2 = Instant::now();
+        vm.restore_image(&image)
+            .context(|| format!("restore run {i}"))?;
+        let t3 = Instant::now();
+        let from = post_print(&mut vm, &serial, b'R')?;
+        vm.resume()?;
+        wait_print(&serial, b'R', from)?;
+        let t4 = Instant::now();
+        if is_cold {
+            cold.push(t4 - t0);
+            phases.entry("create").or_default().push(t1 - t0);
+        } else {
+            warm.push(t4 - t1);
+        }
+        phases.entry("image_open").or_default().push(t2 - t1);
+        phases.entry("restore_image").or_default().push(t3 - t2);
+        phases
+            .entry("post_resume_to_serial")
+            .or_default()
+            .push(t4 - t3);
+    }
+    r.timing("restore_ms", &warm);
+    r.timing("restore_cold_ms", &cold);
+    let mut out = Map::new();
+    for (name, samples) in phases {
+        let s = Summary::of(&samples);
+        row(&format!("  restore phase {name}"), &s);
+        out.insert(name.to_string(), json!(s));
+    }
+    r.0.insert("restore_phases_ms".into(), Value::Object(out));
+    Ok(())
+}
+
+/// One N-way clone: `Vm::clone_from` until every clone printed 'C'.
+fn clone(base: &Path, n: usize) -> Result<Duration, Error> {
+    let captures: Vec<Capture> = (0..n).map(|_| Capture::new()).collect();
+    let start = Instant::now();
+    let mut vms = Vm::clone_from(base, n, |i| captures[i].writer())?;
+    let mut froms = Vec::with_capacity(n);
+    for (vm, c) in vms.iter_mut().zip(&captures) {
+        froms.push(post_print(vm, c, b'C')?);
+    }
+    for (c, from) in captures.iter().zip(froms) {
+        wait_print(c, b'C', from)?;
+    }
+    Ok(start.elapsed())
+}
+
+/// Restores `base` into as many VMs as run, up to `cap`, in this process;
+/// reports how many ran, what stopped it, and memory per VM.
+fn max_vms(
+    r: &mut Report,
+    shape: Shape,
+    base: &Path,
+    cap: usize,
+    rss_is_primary: bool,
+) -> Result<(), Error> {
+    let nofile = raise_nofile()?;
+    let image = Image::open(base).context(|| format!("opening {}", base.display()))?;
+    let guest_file = base.join("memory");
+    let before = smaps("self", &guest_file)?;
+    let avail_before = mem_available_kib()?;
+    let start = Instant::now();
+    let mut vms: Vec<Guest> = Vec::new();
+    let stopped = loop {
+        if vms.len() >= cap {
+            break format!("the cap (--max-vms-cap {cap})");
+        }
+        match start_restored(shape, &image) {
+            Ok(g) => vms.push(g),
+            Err(e) => break format!("VM {} failed: {e}", vms.len() + 1),
+        }
+        if vms.len() % 100 == 0 {
+            eprintln!(
+                "  {} VMs running after {:.1} s",
+                vms.len(),
+                start.elapsed().as_secs_f64()
+            );
+        }
+    };
+    let took = start.elapsed();
+    // All of them still run: each prints again.
+    let mut froms = Vec::with_capacity(vms.len());
+    for g in vms.iter_mut() {
+        froms.push(post_print(&mut g.vm, &g.serial, b'Z')?);
+    }
+    for (g, from) in vms.iter().zip(froms) {
+        wait_print(&g.serial, b'Z', from)?;
+    }
+    let after = smaps("self", &guest_file)?;
+    let avail_after = mem_available_kib()?;
+    let n = vms.len().max(1) as f64;
+    let vmm = (after.rss_kib - after.guest_rss_kib) as f64
+        - (before.rss_kib - before.guest_rss_kib) as f64;
+    r.value("max_vms", json!(vms.len()));
+    r.value("max_vms_stopped_by", json!(stopped));
+    r.value("max_vms_nofile_limit", json!(nofile));
+    r.value("max_vms_start_s", json!(took.as_secs_f64()));
+    r.value(
+        "max_vms_guest_rss_kib_per_vm",
+        json!((after.guest_rss_kib as f64 - before.guest_rss_kib as f64) / n),
+    );
+    r.value("max_vms_vmm_rss_kib_per_vm", json!(vmm / n));
+    r.value(
+        "max_vms_host_mem_kib_per_vm",
+        json!((avail_before as f64 - avail_after as f64) / n),
+    );
+    if rss_is_primary {
+        r.value("vmm_rss_kib_per_vm", json!(vmm / n));
+    }
+    let start = Instant::now();
+    drop(vms);
+    r.value("max_vms_teardown_s", json!(start.elapsed().as_secs_f64()));
+    Ok(())
+}
+
+/// A VM restored from `image` that has printed 'R'.
+fn start_restored(shape: Shape, image: &Arc<Image>) -> Result<Guest, Error> {
+    let serial = Capture::new();
+    let mut vm = Vm::create(shape, serial.writer())?;
+    vm.restore_image(image)?;
+    let from = post_print(&mut vm, &serial, b'R')?;
+    vm.resume()?;
+    wait_print(&serial, b'R', from)?;
+    Ok(Guest { vm, serial })
+}
+
+/// Raises the soft open-file limit to the hard one; returns it.
+fn raise_nofile() -> Result<u64, Error> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into the struct we own.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err(format!("getrlimit(NOFILE): {}", std::io::Error::last_os_error()).into());
+    }
+    lim.rlim_cur = lim.rlim_max;
+    // SAFETY: setrlimit reads the struct we own.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
+        return Err(format!("setrlimit(NOFILE): {}", std::io::Error::last_os_error()).into());
+    }
+    Ok(lim.rlim_cur)
+}
+
+/// A `twig-vmm serve` child, killed and reaped if still running on drop.
+struct VmmProcess {
+    child: Child,
+    sock: PathBuf,
+}
+
+impl VmmProcess {
+    fn spawn(bin: &Path, sock: PathBuf, serial: &Path) -> Result<VmmProcess, Error> {
+        let child = std::process::Command::new(bin)
+            .arg("serve")
+            .arg("--api-sock")
+            .arg(&sock)
+            .arg("--serial")
+            .arg(serial)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context(|| format!("starting {}", bin.display()))?;
+        Ok(VmmProcess { child, sock })
+    }
+
+    /// Connects to the API socket once it is there.
+    fn connect(&mut self) -> Result<Api, Error> {
+        let deadline = Instant::now() + T;
+        loop {
+            match UnixStream::connect(&self.sock) {
+                Ok(s) => return Api::new(s),
+                Err(e) => {
+                    if let Some(status) = self.child.try_wait()? {
+                        return Err(
+                            format!("twig-vmm exited with {status} before listening").into()
+                        );
+                    }
+                    if Instant::now() > deadline {
+                        return Err(format!("connecting to {}: {e}", self.sock.display()).into());
+                    }
+                    std::thread::sleep(Duration::from_micros(100));
+                }
+            }
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Shuts the VMM down through its API and reaps it.
+    fn shutdown(mut self, api: &mut Api) -> Result<(), Error> {
+        api.call(&json!({"op": "shutdown"}))?;
+        let status = self
+            .child
+            .wait()
+            .context(|| "waiting for twig-vmm".into())?;
+        if !status.success() {
+            return Err(format!("twig-vmm exited with {status}").into());
+        }
+        Ok(())
+    }
+}
+
+impl Drop for VmmProcess {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// A connection to a twig-vmm JSON API.
+struct Api {
+    reader: BufReader<UnixStream>,
+    writer: UnixStream,
+}
+
+impl Api {
+    fn new(stream: UnixStream) -> Result<Api, Error> {
+        stream.set_read_timeout(Some(T))?;
+        let writer = stream.try_clone()?;
+        Ok(Api {
+            reader: BufReader::new(stream),
+            writer,
+        })
+    }
+
+    /// Sends one request; returns its result or the VMM's error.
+    fn call(&mut self, req: &Value) -> Result<Value, Error> {
+        writeln!(self.writer, "{req}").context(|| format!("sending {req}"))?;
+        let mut line = String::new();
+        self.reader
+            .read_line(&mut line)
+            .context(|| format!("reading the answer to {req}"))?;
+        let resp: Value =
+            serde_json::from_str(&line).context(|| format!("parsing the answer {line:?}"))?;
+        if resp["ok"] != json!(true) {
+            return Err(format!("twig-vmm answered {req} with {}", line.trim()).into());
+        }
+        Ok(resp["result"].clone())
+    }
+}
+
+/// Spawns `twig-vmm serve`, boots the test guest through the API and
+/// returns the time from spawn to the guest's first serial byte.
+fn boot_process(
+    bin: &Path,
+    dirs: &mut Dirs,
+    kernel: &Path,
+    mem_mib: usize,
+) -> Result<Duration, Error> {
+    let sock = dirs.fresh("boot.sock");
+    let serial = dirs.fresh("boot.serial");
+    let start = Instant::now();
+    let mut p = VmmProcess::spawn(bin, sock, &serial)?;
+    let mut api = p.connect()?;
+    api.call(&json!({"op": "boot", "kernel": kernel, "cmdline": "console=ttyS0", "mem_mib": mem_mib, "vcpus": 1}))?;
+    let deadline = Instant::now() + T;
+    while fs::metadata(&serial).map(|m| m.len()).unwrap_or(0) == 0 {
+        if Instant::now() > deadline {
+            return Err(format!("no serial output in {} within {T:?}", serial.display()).into());
+        }
+        std::thread::sleep(Duration::from_micros(50));
+    }
+    let took = start.elapsed();
+    let printed = fs::read(&serial).context(|| format!("reading {}", serial.display()))?;
+    if printed.first() != Some(&b'B') {
+        return Err(format!("the guest printed {printed:?}, not the boot marker").into());
+    }
+    p.shutdown(&mut api)?;
+    fs::remove_file(&serial).context(|| format!("removing {}", serial.display()))?;
+    Ok(took)
+}
+
+/// Starts `k` twig-vmm processes, restores `base` in each through the API,
+/// and returns per-process RSS beyond the guest RAM mapping.
+fn rss_by_process(
+    bin: &Path,
+    dirs: &mut Dirs,
+    base: &Path,
+    k: usize,
+) -> Result<(f64, Value), Error> {
+    if k == 0 {
+        return Err("--rss-vms must be at least 1".into());
+    }
+    let guest_file = base.join("memory");
+    let null = Path::new("/dev/null");
+    let mut procs = (0..k)
+        .map(|_| VmmProcess::spawn(bin, dirs.fresh("rss.sock"), null))
+        .collect::<Result<Vec<_>, Error>>()?;
+    let mut apis = Vec::with_capacity(k);
+    for p in procs.iter_mut() {
+        let mut api = p.connect()?;
+        api.call(&json!({"op": "restore", "dir": base}))?;
+        apis.push(api);
+    }
+    // The guests run: each has left KVM at least once (its idle port).
+    for api in apis.iter_mut() {
+        let deadline = Instant::now() + T;
+        while api.call(&json!({"op": "stats"}))?["exits"]
+            .as_u64()
+            .unwrap_or(0)
+            == 0
+        {
+            if Instant::now() > deadline {
+                return Err("a restored guest made no VM exit".into());
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    let mut vmm_rss = Vec::with_capacity(k);
+    let mut vmm_pss = Vec::with_capacity(k);
+    let mut guest = Vec::with_capacity(k);
+    let mut total = Vec::with_capacity(k);
+    for p in &procs {
+        let m = smaps(&p.pid().to_string(), &guest_file)?;
+        if m.guest_size_kib == 0 {
+            return Err(format!(
+                "no mapping of {} in twig-vmm {}",
+                guest_file.display(),
+                p.pid()
+            )
+            .into());
+        }
+        total.push(m.rss_kib as f64);
+        guest.push(m.guest_rss_kib as f64);
+        vmm_rss.push((m.rss_kib - m.guest_rss_kib) as f64);
+        vmm_pss.push(m.pss_kib as f64 - m.guest_pss_kib as f64);
+    }
+    for (p, mut api) in procs.drain(..).zip(apis) {
+        p.shutdown(&mut api)?;
+    }
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let max = |v: &[f64]| v.iter().copied().fold(f64::MIN, f64::max);
+    eprintln!(
+        "  twig-vmm processes: {k}; RSS total mean {:.0} KiB, guest mapping mean {:.0} KiB, \
+         VMM beyond guest mean {:.0} KiB (max {:.0}), PSS beyond guest mean {:.0} KiB",
+        mean(&total),
+        mean(&guest),
+        mean(&vmm_rss),
+        max(&vmm_rss),
+        mean(&vmm_pss)
+    );
+    let detail = json!({
+        "mean": mean(&vmm_rss),
+        "max": max(&vmm_rss),
+        "pss_mean": mean(&vmm_pss),
+        "process_rss_mean": mean(&total),
+        "guest_rss_mean": mean(&guest),
+        "processes": k,
+    });
+    Ok((mean(&vmm_rss), detail))
+}
+
+/// Memory of a process from /proc/<pid>/smaps (its totals equal
+/// smaps_rollup's), with the guest RAM mapping of `guest_file` apart.
+#[derive(Default)]
+struct Mem {
+    rss_kib: u64,
+    pss_kib: u64,
+    guest_size_kib: u64,
+    guest_rss_kib: u64,
+    guest_pss_kib: u64,
+}
+
+fn smaps(pid: &str, guest_file: &Path) -> Result<Mem, Error> {
+    let path = format!("/proc/{pid}/smaps");
+    let text = fs::read_to_string(&path).context(|| format!("reading {path}"))?;
+    let guest = guest_file.to_string_lossy();
+    let deleted = format!("{guest} (deleted)");
+    let mut m = Mem::default();
+    let mut in_guest = false;
+    for line in text.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let Some(first) = fields.first() else {
+            continue;
+        };
+        let Some(key) = first.strip_suffix(':') else {
+            // A mapping's header: range perms offset dev inode [path].
+            let name = fields.get(5..).map(|p| p.join(" ")).unwrap_or_default();
+            in_guest = name == guest || name == deleted;
+            continue;
+        };
+        let Some(kib) = fields.get(1).and_then(|v| v.parse::<u64>().ok()) else {
+            continue;
+        };
+        match (key, in_guest) {
+            ("Size", true) => m.guest_size_kib += kib,
+            ("Rss", g) => {
+                m.rss_kib += kib;
+                if g {
+                    m.guest_rss_kib += kib;
+                }
+            }
+            ("Pss", g) => {
+                m.pss_kib += kib;
+                if g {
+                    m.guest_pss_kib += kib;
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(m)
+}
+
+fn mem_available_kib() -> Result<u64, Error> {
+    let text = fs::read_to_string("/proc/meminfo").context(|| "reading /proc/meminfo".into())?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| "no MemAvailable in /proc/meminfo".into())
+}
+
+/// The type of the filesystem holding `dir` (longest mount point prefix).
+fn filesystem_of(dir: &Path) -> Result<String, Error> {
+    let text = fs::read_to_string("/proc/mounts").context(|| "reading /proc/mounts".into())?;
+    let mut best: Option<(usize, String)> = None;
+    for line in text.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let (Some(mnt), Some(fstype)) = (f.get(1), f.get(2)) else {
+            continue;
+        };
+        if dir.starts_with(mnt) && best.as_ref().is_none_or(|(len, _)| mnt.len() > *len) {
+            best = Some((mnt.len(), fstype.to_string()));
+        }
+    }
+    best.map(|(_, t)| t)
+        .ok_or_else(|| format!("no mount point holds {}", dir.display()).into())
 }

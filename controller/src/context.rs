@@ -34,6 +34,9 @@ pub enum Error {
     MissingField(&'static str),
 }
 
+/// Namespace and name of a pod.
+type PodKey = (String, String);
+
 /// Everything a reconciler needs; one per controller process (one per node).
 pub struct Context {
     pub client: Client,
@@ -46,7 +49,7 @@ pub struct Context {
     /// Delay before an object waiting on something else, or after an error, is looked at again.
     pub retry: Duration,
     recorder: Recorder,
-    pod_locks: Mutex<HashMap<(String, String), Arc<tokio::sync::Mutex<()>>>>,
+    pod_locks: Mutex<HashMap<PodKey, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl Context {
@@ -85,7 +88,10 @@ impl Context {
     /// Serializes operations on one pod: held across every shim call on it.
     pub(crate) async fn lock_pod(&self, namespace: &str, pod: &str) -> OwnedMutexGuard<()> {
         let lock = {
-            let mut locks = self.pod_locks.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut locks = self
+                .pod_locks
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             // Forget locks nobody holds or waits for, so the map stays as small as the work in flight.
             locks.retain(|_, l| Arc::strong_count(l) > 1);
             locks
@@ -97,8 +103,14 @@ impl Context {
     }
 
     /// Publishes a Kubernetes Event about `obj`; a failure to publish is logged, not fatal.
-    pub(crate) async fn event<K>(&self, obj: &K, type_: EventType, reason: &str, action: &str, note: String)
-    where
+    pub(crate) async fn event<K>(
+        &self,
+        obj: &K,
+        type_: EventType,
+        reason: &str,
+        action: &str,
+        note: String,
+    ) where
         K: Resource<DynamicType = ()>,
     {
         let event = Event {
@@ -139,7 +151,9 @@ where
     }
     let mut new = obj.clone();
     new.finalizers_mut().push(finalizer.to_string());
-    Ok(api.replace(&obj.name_any(), &PostParams::default(), &new).await?)
+    Ok(api
+        .replace(&obj.name_any(), &PostParams::default(), &new)
+        .await?)
 }
 
 /// Removes `finalizer` from the object (optimistically, against its resourceVersion).
@@ -152,7 +166,10 @@ where
     }
     let mut new = obj.clone();
     new.finalizers_mut().retain(|f| f != finalizer);
-    match api.replace(&obj.name_any(), &PostParams::default(), &new).await {
+    match api
+        .replace(&obj.name_any(), &PostParams::default(), &new)
+        .await
+    {
         Ok(_) => Ok(()),
         // Removing the last finalizer of a deleted object deletes it; a 404 means it is already gone.
         Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),

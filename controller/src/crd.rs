@@ -19,7 +19,9 @@ pub const CLONE_LABEL: &str = "twig.dev/clone";
 pub const RUNTIME_CLASS: &str = "twig";
 
 /// Lifecycle phase shared by Snapshot, Clone and Rollback.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema,
+)]
 pub enum Phase {
     /// Accepted, no work started.
     #[default]
@@ -41,7 +43,9 @@ impl std::fmt::Display for Phase {
 }
 
 /// How much of the guest a snapshot writes.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema,
+)]
 pub enum SnapshotMode {
     /// Only the pages dirtied since the pod's previous snapshot; the disk is reflinked.
     #[default]
@@ -51,7 +55,9 @@ pub enum SnapshotMode {
 }
 
 /// What happens to the node-side data when the Snapshot object is deleted.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema)]
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, schemars::JsonSchema,
+)]
 pub enum DeletionPolicy {
     /// Remove the snapshot's data from the node store.
     #[default]
@@ -70,13 +76,17 @@ pub enum DeletionPolicy {
     status = "SnapshotStatus",
     shortname = "tsnap",
     category = "twig",
-    printcolumn(name = "Pod", type_ = "string", json_path = ".spec.podName"),
-    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
-    printcolumn(name = "Node", type_ = "string", json_path = ".status.nodeName", priority = 1),
-    printcolumn(name = "Size", type_ = "integer", json_path = ".status.sizeBytes"),
-    printcolumn(name = "Written", type_ = "integer", json_path = ".status.writtenBytes", priority = 1),
-    printcolumn(name = "Duration(ms)", type_ = "integer", json_path = ".status.durationMs"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn = r#"{"name":"Pod","type":"string","jsonPath":".spec.podName"}"#,
+    printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
+    printcolumn = r#"{"name":"Node","type":"string","jsonPath":".status.nodeName","priority":1}"#,
+    printcolumn = r#"{"name":"Size","type":"integer","jsonPath":".status.sizeBytes"}"#,
+    printcolumn = r#"{"name":"Written","type":"integer","jsonPath":".status.writtenBytes","priority":1}"#,
+    printcolumn(
+        name = "Duration(ms)",
+        type_ = "integer",
+        json_path = ".status.durationMs"
+    ),
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[x_kube(validation = Rule::new("self.podName == oldSelf.podName && self.mode == oldSelf.mode").message("podName and mode are immutable"))]
 #[serde(rename_all = "camelCase")]
@@ -159,12 +169,16 @@ pub struct CloneSource {
     status = "CloneStatus",
     shortname = "tclone",
     category = "twig",
-    printcolumn(name = "Replicas", type_ = "integer", json_path = ".spec.replicas"),
-    printcolumn(name = "Ready", type_ = "integer", json_path = ".status.readyReplicas"),
-    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
-    printcolumn(name = "Snapshot", type_ = "string", json_path = ".status.snapshotName", priority = 1),
-    printcolumn(name = "Duration(ms)", type_ = "integer", json_path = ".status.durationMs"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn = r#"{"name":"Replicas","type":"integer","jsonPath":".spec.replicas"}"#,
+    printcolumn = r#"{"name":"Ready","type":"integer","jsonPath":".status.readyReplicas"}"#,
+    printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
+    printcolumn = r#"{"name":"Snapshot","type":"string","jsonPath":".status.snapshotName","priority":1}"#,
+    printcolumn(
+        name = "Duration(ms)",
+        type_ = "integer",
+        json_path = ".status.durationMs"
+    ),
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[x_kube(validation = Rule::new("self.source == oldSelf.source").message("source is immutable"))]
 #[serde(rename_all = "camelCase")]
@@ -175,7 +189,10 @@ pub struct CloneSpec {
     pub replicas: i32,
     /// Pods are named `<namePrefix>-<index>`; defaults to the Clone's name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1, max = 58), regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"))]
+    #[schemars(
+        length(min = 1, max = 58),
+        regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    )]
     pub name_prefix: Option<String>,
     /// Extra labels on every clone pod.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -213,11 +230,15 @@ pub struct CloneStatus {
     status = "RollbackStatus",
     shortname = "trb",
     category = "twig",
-    printcolumn(name = "Pod", type_ = "string", json_path = ".spec.podName"),
-    printcolumn(name = "Snapshot", type_ = "string", json_path = ".spec.snapshotName"),
-    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
-    printcolumn(name = "Duration(ms)", type_ = "integer", json_path = ".status.durationMs"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn = r#"{"name":"Pod","type":"string","jsonPath":".spec.podName"}"#,
+    printcolumn = r#"{"name":"Snapshot","type":"string","jsonPath":".spec.snapshotName"}"#,
+    printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
+    printcolumn(
+        name = "Duration(ms)",
+        type_ = "integer",
+        json_path = ".status.durationMs"
+    ),
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[x_kube(validation = Rule::new("self == oldSelf").message("a Rollback's spec is immutable; create a new Rollback"))]
 #[serde(rename_all = "camelCase")]
@@ -256,11 +277,11 @@ pub struct RollbackStatus {
     status = "SandboxTemplateStatus",
     shortname = "ttpl",
     category = "twig",
-    printcolumn(name = "Image", type_ = "string", json_path = ".spec.image"),
-    printcolumn(name = "vCPUs", type_ = "integer", json_path = ".spec.vcpus"),
+    printcolumn = r#"{"name":"Image","type":"string","jsonPath":".spec.image"}"#,
+    printcolumn = r#"{"name":"vCPUs","type":"integer","jsonPath":".spec.vcpus"}"#,
     printcolumn(name = "Memory(MiB)", type_ = "integer", json_path = ".spec.memoryMiB"),
-    printcolumn(name = "Ready nodes", type_ = "integer", json_path = ".status.readyNodes"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn = r#"{"name":"Ready nodes","type":"integer","jsonPath":".status.readyNodes"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
 pub struct SandboxTemplateSpec {
@@ -303,8 +324,15 @@ pub struct TemplateNodeStatus {
 }
 
 /// Every CRD, in a stable order.
-pub fn all_crds() -> Vec<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> {
-    vec![Snapshot::crd(), PodClone::crd(), Rollback::crd(), SandboxTemplate::crd()]
+pub fn all_crds(
+) -> Vec<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition>
+{
+    vec![
+        Snapshot::crd(),
+        PodClone::crd(),
+        Rollback::crd(),
+        SandboxTemplate::crd(),
+    ]
 }
 
 /// One CRD rendered as the YAML checked in under `crds/`, with its file name.
@@ -314,7 +342,10 @@ pub fn crd_files() -> Result<Vec<(String, String)>, serde_saphyr::SerializeError
         .map(|crd| {
             let file = format!("{}.yaml", crd.metadata.name.as_deref().unwrap_or_default());
             let body = serde_saphyr::to_string(&crd)?;
-            Ok((file, format!("# Generated by `twig-controller crds --out crds`; do not edit.\n{body}")))
+            Ok((
+                file,
+                format!("# Generated by `twig-controller crds --out crds`; do not edit.\n{body}"),
+            ))
         })
         .collect()
 }

@@ -14,7 +14,10 @@ use twig_controller::shim::{TtrpcNode, TtrpcShim};
 use twig_controller::{crd, Context};
 
 #[derive(Parser)]
-#[command(version, about = "Twig's per-node controller for Snapshot, Clone, Rollback and SandboxTemplate")]
+#[command(
+    version,
+    about = "Twig's per-node controller for Snapshot, Clone, Rollback and SandboxTemplate"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -31,7 +34,10 @@ enum Command {
         #[arg(long, default_value = "0.0.0.0:9090")]
         metrics_addr: SocketAddr,
         /// containerd's runtime v2 task directory of the Kubernetes namespace.
-        #[arg(long, default_value = "/run/containerd/io.containerd.runtime.v2.task/k8s.io")]
+        #[arg(
+            long,
+            default_value = "/run/containerd/io.containerd.runtime.v2.task/k8s.io"
+        )]
         containerd_tasks: PathBuf,
         /// ttrpc address of the node service (node store and templates).
         #[arg(long, default_value = "unix:///run/twig/node.sock")]
@@ -50,7 +56,9 @@ enum Command {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
         .init();
     match Cli::parse().command {
         Command::Crds { out } => {
@@ -58,7 +66,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 match &out {
                     Some(dir) => {
                         let path = dir.join(&file);
-                        std::fs::write(&path, yaml).map_err(|e| format!("writing {}: {e}", path.display()))?;
+                        std::fs::write(&path, yaml)
+                            .map_err(|e| format!("writing {}: {e}", path.display()))?;
                     }
                     None => print!("---\n{yaml}"),
                 }
@@ -83,7 +92,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let ctx = Arc::new(Context::new(
                 client,
                 node_name.clone(),
-                Arc::new(ContainerdLocator { task_dir: containerd_tasks }),
+                Arc::new(ContainerdLocator {
+                    task_dir: containerd_tasks,
+                }),
                 Arc::new(TtrpcShim { timeout }),
                 Arc::new(TtrpcNode {
                     address: node_socket,
@@ -92,7 +103,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 metrics.clone(),
             ));
             tracing::info!(node = %node_name, %metrics_addr, "twig-controller starting");
-            let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+            let mut sigterm =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
             tokio::select! {
                 () = twig_controller::run(ctx) => {}
                 served = twig_controller::metrics::serve(listener, metrics) => served.map_err(|e| format!("metrics server: {e}"))?,

@@ -54,7 +54,11 @@ impl Metrics {
             "Duration of snapshot, rollback, clone and template operations",
             durations.clone(),
         );
-        registry.register("operations", "Operations finished, by result", operations.clone());
+        registry.register(
+            "operations",
+            "Operations finished, by result",
+            operations.clone(),
+        );
         Self {
             registry,
             durations,
@@ -88,15 +92,24 @@ fn respond(metrics: &Metrics, req: &Request<hyper::body::Incoming>) -> Response<
                 "application/openmetrics-text; version=1.0.0; charset=utf-8",
                 text,
             ),
-            Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, "text/plain", e.to_string()),
+            Err(e) => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "text/plain",
+                e.to_string(),
+            ),
         },
         (&Method::GET, "/healthz") => (StatusCode::OK, "text/plain", "ok\n".to_string()),
-        _ => (StatusCode::NOT_FOUND, "text/plain", "not found\n".to_string()),
+        _ => (
+            StatusCode::NOT_FOUND,
+            "text/plain",
+            "not found\n".to_string(),
+        ),
     };
     let mut resp = Response::new(Full::new(Bytes::from(body)));
     *resp.status_mut() = status;
     if let Ok(value) = hyper::header::HeaderValue::from_str(content_type) {
-        resp.headers_mut().insert(hyper::header::CONTENT_TYPE, value);
+        resp.headers_mut()
+            .insert(hyper::header::CONTENT_TYPE, value);
     }
     resp
 }

@@ -64,8 +64,14 @@ fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> LocateError + '_ {
 impl SandboxLocator for ContainerdLocator {
     async fn locate(&self, pod: &Pod) -> Result<Sandbox, LocateError> {
         let uid = pod.metadata.uid.as_deref().ok_or(LocateError::NoUid)?;
-        let mut entries = tokio::fs::read_dir(&self.task_dir).await.map_err(io_error(&self.task_dir))?;
-        while let Some(entry) = entries.next_entry().await.map_err(io_error(&self.task_dir))? {
+        let mut entries = tokio::fs::read_dir(&self.task_dir)
+            .await
+            .map_err(io_error(&self.task_dir))?;
+        while let Some(entry) = entries
+            .next_entry()
+            .await
+            .map_err(io_error(&self.task_dir))?
+        {
             let bundle = entry.path();
             let config = bundle.join("config.json");
             // Bundles come and go while we scan; a half-written one is not ours.
@@ -75,7 +81,8 @@ impl SandboxLocator for ContainerdLocator {
             let Ok(spec) = serde_json::from_slice::<OciSpec>(&bytes) else {
                 continue;
             };
-            let is_sandbox = spec.annotations.get(CONTAINER_TYPE).map(String::as_str) == Some("sandbox");
+            let is_sandbox =
+                spec.annotations.get(CONTAINER_TYPE).map(String::as_str) == Some("sandbox");
             if !is_sandbox || spec.annotations.get(SANDBOX_UID).map(String::as_str) != Some(uid) {
                 continue;
             }

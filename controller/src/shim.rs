@@ -78,9 +78,19 @@ pub enum ShimError {
 #[async_trait]
 pub trait TwigShim: Send + Sync {
     /// Snapshots the sandbox under `snapshot_id` (idempotent on the ID).
-    async fn snapshot(&self, sandbox: &Sandbox, snapshot_id: &str, mode: SnapshotMode) -> Result<SnapshotInfo, ShimError>;
+    async fn snapshot(
+        &self,
+        sandbox: &Sandbox,
+        snapshot_id: &str,
+        mode: SnapshotMode,
+    ) -> Result<SnapshotInfo, ShimError>;
     /// Rolls the sandbox back to `snapshot_id` (idempotent on `operation_id`).
-    async fn rollback(&self, sandbox: &Sandbox, snapshot_id: &str, operation_id: &str) -> Result<(), ShimError>;
+    async fn rollback(
+        &self,
+        sandbox: &Sandbox,
+        snapshot_id: &str,
+        operation_id: &str,
+    ) -> Result<(), ShimError>;
     /// Lists the sandbox's snapshots and its last rollback.
     async fn stats(&self, sandbox: &Sandbox) -> Result<SandboxStats, ShimError>;
 }
@@ -91,7 +101,11 @@ pub trait NodeService: Send + Sync {
     /// Removes a snapshot's data; succeeds when it is already gone.
     async fn delete_snapshot(&self, snapshot_id: &str) -> Result<(), ShimError>;
     /// Builds or finds the template `key` (`namespace/name`) on this node.
-    async fn ensure_template(&self, key: &str, spec: &SandboxTemplateSpec) -> Result<TemplateState, ShimError>;
+    async fn ensure_template(
+        &self,
+        key: &str,
+        spec: &SandboxTemplateSpec,
+    ) -> Result<TemplateState, ShimError>;
     /// Removes the template `key` from this node; succeeds when it is already gone.
     async fn delete_template(&self, key: &str) -> Result<(), ShimError>;
 }
@@ -102,11 +116,15 @@ fn map_error(call: &'static str, address: &str, err: ttrpc::Error) -> ShimError 
             let message = status.message.clone();
             match status.code.enum_value() {
                 Ok(ttrpc::Code::NOT_FOUND) => ShimError::NotFound(message),
-                Ok(ttrpc::Code::INVALID_ARGUMENT | ttrpc::Code::FAILED_PRECONDITION) => ShimError::Refused(message),
-                Ok(ttrpc::Code::UNAVAILABLE | ttrpc::Code::DEADLINE_EXCEEDED) => ShimError::Unavailable {
-                    address: address.to_string(),
-                    message,
-                },
+                Ok(ttrpc::Code::INVALID_ARGUMENT | ttrpc::Code::FAILED_PRECONDITION) => {
+                    ShimError::Refused(message)
+                }
+                Ok(ttrpc::Code::UNAVAILABLE | ttrpc::Code::DEADLINE_EXCEEDED) => {
+                    ShimError::Unavailable {
+                        address: address.to_string(),
+                        message,
+                    }
+                }
                 _ => ShimError::Call { call, message },
             }
         }
@@ -152,7 +170,12 @@ pub struct TtrpcShim {
 
 #[async_trait]
 impl TwigShim for TtrpcShim {
-    async fn snapshot(&self, sandbox: &Sandbox, snapshot_id: &str, mode: SnapshotMode) -> Result<SnapshotInfo, ShimError> {
+    async fn snapshot(
+        &self,
+        sandbox: &Sandbox,
+        snapshot_id: &str,
+        mode: SnapshotMode,
+    ) -> Result<SnapshotInfo, ShimError> {
         let client = rpc::TwigClient::new(connect(&sandbox.address).await?);
         let req = pb::SnapshotRequest {
             sandbox_id: sandbox.id.clone(),
@@ -161,16 +184,27 @@ impl TwigShim for TtrpcShim {
             ..Default::default()
         };
         let resp = client
-            .snapshot(ttrpc::context::with_timeout(timeout_nanos(self.timeout)), &req)
+            .snapshot(
+                ttrpc::context::with_timeout(timeout_nanos(self.timeout)),
+                &req,
+            )
             .await
             .map_err(|e| map_error("Snapshot", &sandbox.address, e))?;
-        resp.snapshot.as_ref().map(snapshot_info).ok_or(ShimError::Call {
-            call: "Snapshot",
-            message: "response carries no snapshot".to_string(),
-        })
+        resp.snapshot
+            .as_ref()
+            .map(snapshot_info)
+            .ok_or(ShimError::Call {
+                call: "Snapshot",
+                message: "response carries no snapshot".to_string(),
+            })
     }
 
-    async fn rollback(&self, sandbox: &Sandbox, snapshot_id: &str, operation_id: &str) -> Result<(), ShimError> {
+    async fn rollback(
+        &self,
+        sandbox: &Sandbox,
+        snapshot_id: &str,
+        operation_id: &str,
+    ) -> Result<(), ShimError> {
         let client = rpc::TwigClient::new(connect(&sandbox.address).await?);
         let req = pb::RollbackRequest {
             sandbox_id: sandbox.id.clone(),
@@ -179,7 +213,10 @@ impl TwigShim for TtrpcShim {
             ..Default::default()
         };
         client
-            .rollback(ttrpc::context::with_timeout(timeout_nanos(self.timeout)), &req)
+            .rollback(
+                ttrpc::context::with_timeout(timeout_nanos(self.timeout)),
+                &req,
+            )
             .await
             .map_err(|e| map_error("Rollback", &sandbox.address, e))?;
         Ok(())
@@ -192,7 +229,10 @@ impl TwigShim for TtrpcShim {
             ..Default::default()
         };
         let resp = client
-            .stats(ttrpc::context::with_timeout(timeout_nanos(self.timeout)), &req)
+            .stats(
+                ttrpc::context::with_timeout(timeout_nanos(self.timeout)),
+                &req,
+            )
             .await
             .map_err(|e| map_error("Stats", &sandbox.address, e))?;
         Ok(SandboxStats {
@@ -237,7 +277,11 @@ impl NodeService for TtrpcNode {
         Ok(())
     }
 
-    async fn ensure_template(&self, key: &str, spec: &SandboxTemplateSpec) -> Result<TemplateState, ShimError> {
+    async fn ensure_template(
+        &self,
+        key: &str,
+        spec: &SandboxTemplateSpec,
+    ) -> Result<TemplateState, ShimError> {
         let req = pb::EnsureTemplateRequest {
             name: key.to_string(),
             image: spec.image.clone(),

@@ -9,12 +9,15 @@ use kube::api::{DeleteParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use twig_controller::crd::{
-    CloneSource, CloneSpec, DeletionPolicy, Phase, PodClone, Rollback, RollbackSpec, SandboxTemplate,
-    SandboxTemplateSpec, Snapshot, SnapshotMode, SnapshotSpec,
+    CloneSource, CloneSpec, DeletionPolicy, Phase, PodClone, Rollback, RollbackSpec,
+    SandboxTemplate, SandboxTemplateSpec, Snapshot, SnapshotMode, SnapshotSpec,
 };
 
 use support::fake::{Call, FakeNode};
-use support::{api_server, event_reasons, events_about, eventually, mark_ready, running_pod, start_controller, NS};
+use support::{
+    api_server, event_reasons, events_about, eventually, mark_ready, running_pod, start_controller,
+    NS,
+};
 
 fn snapshot(name: &str, pod: &str) -> Snapshot {
     Snapshot::new(
@@ -47,7 +50,9 @@ where
         + std::fmt::Debug,
 {
     let api: Api<K> = Api::namespaced(client.clone(), NS);
-    api.create(&PostParams::default(), obj).await.expect("create")
+    api.create(&PostParams::default(), obj)
+        .await
+        .expect("create")
 }
 
 /// Waits until the Snapshot reaches `phase`.
@@ -95,21 +100,38 @@ async fn snapshot_reaches_ready_with_status_and_events() {
     let server = api_server().await;
     let client = server.client();
     let fake = Arc::new(FakeNode::default());
-    let _ctrl = start_controller(&client, "node-a", &fake);
+    let _ctrl = start_controller(&server, "node-a", &fake);
     let pod = running_pod(&client, "redis", "node-a").await;
     let created = create(&client, &snapshot("snap-1", "redis")).await;
 
     let snap = snapshot_in(&client, "snap-1", Phase::Ready).await;
     let status = snap.status.clone().expect("status");
     assert_eq!(status.node_name.as_deref(), Some("node-a"));
-    assert_eq!(status.snapshot_id, created.uid(), "the node-store ID is the object's UID");
+    assert_eq!(
+        status.snapshot_id,
+        created.uid(),
+        "the node-store ID is the object's UID"
+    );
     assert_eq!(status.pod_uid, pod.uid());
     assert_eq!(status.size_bytes, Some(128 << 20));
-    assert!(status.written_bytes.is_some() && status.duration_ms.is_some() && status.ready_time.is_some());
-    assert_eq!(status.parent, None, "the pod's first snapshot has no parent");
-    let ready = status.conditions.iter().find(|c| c.type_ == "Ready").expect("Ready condition");
+    assert!(
+        status.written_bytes.is_some()
+            && status.duration_ms.is_some()
+            && status.ready_time.is_some()
+    );
+    assert_eq!(
+        status.parent, None,
+        "the pod's first snapshot has no parent"
+    );
+    let ready = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .expect("Ready condition");
     assert_eq!(ready.status, "True");
-    assert!(snap.finalizers().contains(&"twig.dev/snapshot-data".to_string()));
+    assert!(snap
+        .finalizers()
+        .contains(&"twig.dev/snapshot-data".to_string()));
     assert_eq!(fake.snapshot_calls(), 1);
 
     // The second snapshot of the pod is incremental on the first.
@@ -145,27 +167,51 @@ async fn invalid_specs_are_refused_with_a_clear_message() {
             labels: None,
         },
     );
-    let err = clones.create(&PostParams::default(), &both).await.expect_err("two sources");
-    let kube::Error::Api(resp) = err else { panic!("not an API error: {err}") };
+    let err = clones
+        .create(&PostParams::default(), &both)
+        .await
+        .expect_err("two sources");
+    let kube::Error::Api(resp) = err else {
+        panic!("not an API error: {err}")
+    };
     assert_eq!(resp.code, 422);
-    assert!(resp.message.contains("set exactly one of source.snapshotName and source.podName"), "{}", resp.message);
+    assert!(
+        resp.message
+            .contains("set exactly one of source.snapshotName and source.podName"),
+        "{}",
+        resp.message
+    );
 
     let mut zero = both.clone();
     zero.metadata.name = Some("zero".into());
     zero.spec.source.pod_name = None;
     zero.spec.replicas = 0;
-    let err = clones.create(&PostParams::default(), &zero).await.expect_err("zero replicas");
-    assert!(err.to_string().contains("spec.replicas") && err.to_string().contains("greater than or equal to 1"), "{err}");
+    let err = clones
+        .create(&PostParams::default(), &zero)
+        .await
+        .expect_err("zero replicas");
+    assert!(
+        err.to_string().contains("spec.replicas")
+            && err.to_string().contains("greater than or equal to 1"),
+        "{err}"
+    );
 
     let resource = kube::core::ApiResource::erase::<Snapshot>(&());
     let snaps: Api<kube::core::DynamicObject> = Api::namespaced_with(client.clone(), NS, &resource);
     let bad_mode = json!({"apiVersion": "twig.dev/v1alpha1", "kind": "Snapshot",
         "metadata": {"name": "bad"}, "spec": {"podName": "redis", "mode": "Partial"}});
     let err = snaps
-        .create(&PostParams::default(), &serde_json::from_value(bad_mode).expect("json"))
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(bad_mode).expect("json"),
+        )
         .await
         .expect_err("bad mode");
-    assert!(err.to_string().contains("spec.mode: Unsupported value: \"Partial\""), "{err}");
+    assert!(
+        err.to_string()
+            .contains("spec.mode: Unsupported value: \"Partial\""),
+        "{err}"
+    );
 
     let templates: Api<SandboxTemplate> = Api::namespaced(client.clone(), NS);
     let tiny = SandboxTemplate::new(
@@ -178,7 +224,10 @@ async fn invalid_specs_are_refused_with_a_clear_message() {
             warmup: None,
         },
     );
-    let err = templates.create(&PostParams::default(), &tiny).await.expect_err("0 vcpus");
+    let err = templates
+        .create(&PostParams::default(), &tiny)
+        .await
+        .expect_err("0 vcpus");
     assert!(err.to_string().contains("spec.vcpus"), "{err}");
 
     // A Rollback's spec cannot change after creation.
@@ -189,7 +238,10 @@ async fn invalid_specs_are_refused_with_a_clear_message() {
         .expect("create rollback");
     let mut changed = rb.clone();
     changed.spec.snapshot_name = "snap-2".into();
-    let err = rollbacks.replace("rb", &PostParams::default(), &changed).await.expect_err("immutable");
+    let err = rollbacks
+        .replace("rb", &PostParams::default(), &changed)
+        .await
+        .expect_err("immutable");
     assert!(err.to_string().contains("spec is immutable"), "{err}");
 }
 
@@ -199,15 +251,22 @@ async fn objects_of_pods_on_other_nodes_are_left_alone() {
     let client = server.client();
     let fake_a = Arc::new(FakeNode::default());
     let fake_b = Arc::new(FakeNode::default());
-    let _a = start_controller(&client, "node-a", &fake_a);
-    let _b = start_controller(&client, "node-b", &fake_b);
+    let _a = start_controller(&server, "node-a", &fake_a);
+    let _b = start_controller(&server, "node-b", &fake_b);
     running_pod(&client, "on-b", "node-b").await;
     create(&client, &snapshot("snap-b", "on-b")).await;
 
     let snap = snapshot_in(&client, "snap-b", Phase::Ready).await;
-    assert_eq!(snap.status.and_then(|s| s.node_name).as_deref(), Some("node-b"));
+    assert_eq!(
+        snap.status.and_then(|s| s.node_name).as_deref(),
+        Some("node-b")
+    );
     assert_eq!(fake_b.snapshot_calls(), 1);
-    assert!(fake_a.calls().is_empty(), "node-a acted: {:?}", fake_a.calls());
+    assert!(
+        fake_a.calls().is_empty(),
+        "node-a acted: {:?}",
+        fake_a.calls()
+    );
     let events = events_about(&client, "snap-b").await;
     assert!(!events.is_empty());
     for e in events {
@@ -220,19 +279,27 @@ async fn pod_deleted_mid_snapshot_fails_with_reason() {
     let server = api_server().await;
     let client = server.client();
     let fake = Arc::new(FakeNode::default());
-    let _ctrl = start_controller(&client, "node-a", &fake);
+    let _ctrl = start_controller(&server, "node-a", &fake);
     let pod = running_pod(&client, "doomed", "node-a").await;
     fake.hold_snapshots(true);
     create(&client, &snapshot("snap-doomed", "doomed")).await;
-    eventually("snapshot reaches the shim", || async { (fake.snapshot_calls() == 1).then_some(()) }).await;
+    eventually("snapshot reaches the shim", || async {
+        (fake.snapshot_calls() == 1).then_some(())
+    })
+    .await;
 
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
-    pods.delete("doomed", &DeleteParams::default()).await.expect("delete pod");
+    pods.delete("doomed", &DeleteParams::default())
+        .await
+        .expect("delete pod");
     fake.kill_sandbox(&pod.uid().expect("uid"));
 
     let snap = snapshot_in(&client, "snap-doomed", Phase::Failed).await;
     let message = snap.status.and_then(|s| s.message).unwrap_or_default();
-    assert!(message.contains("pod doomed was deleted during the snapshot"), "{message}");
+    assert!(
+        message.contains("pod doomed was deleted during the snapshot"),
+        "{message}"
+    );
     let reasons = eventually("failure event", || {
         let client = client.clone();
         async move {
@@ -251,18 +318,26 @@ async fn restarted_controller_resumes_without_repeating_the_snapshot() {
     let fake = Arc::new(FakeNode::default());
     running_pod(&client, "redis", "node-a").await;
     fake.hold_snapshots(true);
-    let first = start_controller(&client, "node-a", &fake);
+    let first = start_controller(&server, "node-a", &fake);
     create(&client, &snapshot("snap-r", "redis")).await;
     snapshot_in(&client, "snap-r", Phase::InProgress).await;
-    eventually("snapshot reaches the shim", || async { (fake.snapshot_calls() == 1).then_some(()) }).await;
+    eventually("snapshot reaches the shim", || async {
+        (fake.snapshot_calls() == 1).then_some(())
+    })
+    .await;
 
     // The controller dies mid-call; the shim finishes the snapshot anyway.
     drop(first);
     fake.hold_snapshots(false);
-    let _second = start_controller(&client, "node-a", &fake);
+    let _second = start_controller(&server, "node-a", &fake);
 
     let snap = snapshot_in(&client, "snap-r", Phase::Ready).await;
-    assert_eq!(fake.snapshot_calls(), 1, "the snapshot was taken twice: {:?}", fake.calls());
+    assert_eq!(
+        fake.snapshot_calls(),
+        1,
+        "the snapshot was taken twice: {:?}",
+        fake.calls()
+    );
     assert_eq!(snap.status.and_then(|s| s.snapshot_id), snap.metadata.uid);
 }
 
@@ -272,7 +347,7 @@ async fn restarted_controller_resumes_without_repeating_the_rollback() {
     let client = server.client();
     let fake = Arc::new(FakeNode::default());
     running_pod(&client, "redis", "node-a").await;
-    let first = start_controller(&client, "node-a", &fake);
+    let first = start_controller(&server, "node-a", &fake);
     create(&client, &snapshot("base", "redis")).await;
     snapshot_in(&client, "base", Phase::Ready).await;
     drop(first);
@@ -288,19 +363,34 @@ async fn restarted_controller_resumes_without_repeating_the_rollback() {
         )),
         ..Default::default()
     });
-    api.replace_status("rb", &PostParams::default(), &in_progress).await.expect("status");
+    api.replace_status("rb", &PostParams::default(), &in_progress)
+        .await
+        .expect("status");
     let sandbox = twig_controller::shim::Sandbox {
         id: format!("sb-{}", running_uid(&client, "redis").await),
         address: String::new(),
     };
-    let base_id = snapshot_in(&client, "base", Phase::Ready).await.uid().expect("uid");
-    twig_controller::shim::TwigShim::rollback(fake.as_ref(), &sandbox, &base_id, &rb.uid().expect("uid"))
+    let base_id = snapshot_in(&client, "base", Phase::Ready)
         .await
-        .expect("fake rollback");
+        .uid()
+        .expect("uid");
+    twig_controller::shim::TwigShim::rollback(
+        fake.as_ref(),
+        &sandbox,
+        &base_id,
+        &rb.uid().expect("uid"),
+    )
+    .await
+    .expect("fake rollback");
 
-    let _second = start_controller(&client, "node-a", &fake);
+    let _second = start_controller(&server, "node-a", &fake);
     rollback_in(&client, "rb", Phase::Ready).await;
-    assert_eq!(fake.rollback_calls(), 1, "rolled back twice: {:?}", fake.calls());
+    assert_eq!(
+        fake.rollback_calls(),
+        1,
+        "rolled back twice: {:?}",
+        fake.calls()
+    );
 }
 
 async fn running_uid(client: &Client, pod: &str) -> String {
@@ -313,7 +403,7 @@ async fn deleting_a_snapshot_removes_its_node_data_unless_retained() {
     let server = api_server().await;
     let client = server.client();
     let fake = Arc::new(FakeNode::default());
-    let _ctrl = start_controller(&client, "node-a", &fake);
+    let _ctrl = start_controller(&server, "node-a", &fake);
     running_pod(&client, "redis", "node-a").await;
     let deleted = create(&client, &snapshot("to-delete", "redis")).await;
     let mut retain = snapshot("to-keep", "redis");
@@ -325,11 +415,18 @@ async fn deleting_a_snapshot_removes_its_node_data_unless_retained() {
     assert!(fake.stored(&deleted_id) && fake.stored(&kept_id));
 
     let api: Api<Snapshot> = Api::namespaced(client.clone(), NS);
-    api.delete("to-delete", &DeleteParams::default()).await.expect("delete");
-    api.delete("to-keep", &DeleteParams::default()).await.expect("delete");
+    api.delete("to-delete", &DeleteParams::default())
+        .await
+        .expect("delete");
+    api.delete("to-keep", &DeleteParams::default())
+        .await
+        .expect("delete");
     gone::<Snapshot>(&client, "to-delete").await;
     gone::<Snapshot>(&client, "to-keep").await;
-    assert!(!fake.stored(&deleted_id), "node data of a deleted snapshot remains");
+    assert!(
+        !fake.stored(&deleted_id),
+        "node data of a deleted snapshot remains"
+    );
     assert!(fake.stored(&kept_id), "Retain removed the data");
     assert!(fake.calls().contains(&Call::DeleteSnapshot(deleted_id)));
     assert!(!fake.calls().contains(&Call::DeleteSnapshot(kept_id)));
@@ -340,7 +437,7 @@ async fn ttl_expiry_deletes_the_snapshot() {
     let server = api_server().await;
     let client = server.client();
     let fake = Arc::new(FakeNode::default());
-    let _ctrl = start_controller(&client, "node-a", &fake);
+    let _ctrl = start_controller(&server, "node-a", &fake);
     running_pod(&client, "redis", "node-a").await;
     let mut short = snapshot("short-lived", "redis");
     short.spec.ttl_seconds_after_ready = Some(1);
@@ -349,7 +446,10 @@ async fn ttl_expiry_deletes_the_snapshot() {
     gone::<Snapshot>(&client, "short-lived").await;
     assert!(!fake.stored(&created.uid().expect("uid")));
     let reasons = event_reasons(&client, "short-lived").await;
-    assert!(reasons.contains(&"Expired".to_string()) && reasons.contains(&"DataDeleted".to_string()), "{reasons:?}");
+    assert!(
+        reasons.contains(&"Expired".to_string()) && reasons.contains(&"DataDeleted".to_string()),
+        "{reasons:?}"
+    );
 }
 
 #[tokio::test]
@@ -357,7 +457,7 @@ async fn rollback_reaches_ready_once_even_when_applied_twice() {
     let server = api_server().await;
     let client = server.client();
     let fake = Arc::new(FakeNode::default());
-    let _ctrl = start_controller(&client, "node-a", &fake);
+    let _ctrl = start_controller(&server, "node-a", &fake);
     running_pod(&client, "sandbox", "node-a").await;
     let snap = create(&client, &snapshot("before-rm", "sandbox")).await;
     snapshot_in(&client, "before-rm", Phase::Ready).await;
@@ -375,8 +475,14 @@ async fn rollback_reaches_ready_once_even_when_applied_twice() {
 
     // `kubectl apply` of the same manifest again: the object does not change.
     let api: Api<Rollback> = Api::namespaced(client.clone(), NS);
-    let again = api.replace("undo", &PostParams::default(), &done).await.expect("re-apply");
-    assert_eq!(again.metadata.resource_version, done.metadata.resource_version);
+    let again = api
+        .replace("undo", &PostParams::default(), &done)
+        .await
+        .expect("re-apply");
+    assert_eq!(
+        again.metadata.resource_version,
+        done.metadata.resource_version
+    );
     // A later object proves the controller has looked at everything before it.
     create(&client, &rollback("undo-2", "sandbox", "before-rm")).await;
     rollback_in(&client, "undo-2", Phase::Ready).await;
@@ -390,7 +496,7 @@ async fn rollback_to_a_snapshot_outside_the_lineage_is_refused() {
     let server = api_server().await;
     let client = server.client();
     let fake = Arc::new(FakeNode::default());
-    let _ctrl = start_controller(&client, "node-a", &fake);
+    let _ctrl = start_controller(&server, "node-a", &fake);
     running_pod(&client, "alice", "node-a").await;
     running_pod(&client, "bob", "node-a").await;
     create(&client, &snapshot("of-alice", "alice")).await;
@@ -399,7 +505,10 @@ async fn rollback_to_a_snapshot_outside_the_lineage_is_refused() {
     create(&client, &rollback("wrong", "bob", "of-alice")).await;
     let failed = rollback_in(&client, "wrong", Phase::Failed).await;
     let message = failed.status.and_then(|s| s.message).unwrap_or_default();
-    assert!(message.contains("NotInLineage") && message.contains("not in the lineage of pod bob"), "{message}");
+    assert!(
+        message.contains("NotInLineage") && message.contains("not in the lineage of pod bob"),
+        "{message}"
+    );
     assert_eq!(fake.rollback_calls(), 0);
 }
 
@@ -408,7 +517,7 @@ async fn operations_on_one_pod_are_serialized() {
     let server = api_server().await;
     let client = server.client();
     let fake = Arc::new(FakeNode::default());
-    let _ctrl = start_controller(&client, "node-a", &fake);
+    let _ctrl = start_controller(&server, "node-a", &fake);
     running_pod(&client, "busy", "node-a").await;
     running_pod(&client, "other", "node-a").await;
     create(&client, &snapshot("base", "busy")).await;
@@ -418,13 +527,20 @@ async fn operations_on_one_pod_are_serialized() {
 
     fake.hold_snapshots(true);
     let held = create(&client, &snapshot("held", "busy")).await;
-    eventually("held snapshot reaches the shim", || async { (fake.snapshot_calls() == 3).then_some(()) }).await;
+    eventually("held snapshot reaches the shim", || async {
+        (fake.snapshot_calls() == 3).then_some(())
+    })
+    .await;
     let waits = create(&client, &rollback("waits", "busy", "base")).await;
     rollback_in(&client, "waits", Phase::InProgress).await;
     // A rollback of another pod is not held up, and proves the queue moved on.
     create(&client, &rollback("free", "other", "other-base")).await;
     rollback_in(&client, "free", Phase::Ready).await;
-    assert_eq!(fake.rollback_calls(), 1, "the rollback of the busy pod overtook its snapshot");
+    assert_eq!(
+        fake.rollback_calls(),
+        1,
+        "the rollback of the busy pod overtook its snapshot"
+    );
 
     fake.hold_snapshots(false);
     snapshot_in(&client, "held", Phase::Ready).await;
@@ -475,7 +591,10 @@ async fn make_clone_pods_ready(client: &Client, clone: &str, replicas: usize) ->
         let pods = pods.clone();
         let selector = selector.clone();
         async move {
-            let l = pods.list(&kube::api::ListParams::default().labels(&selector)).await.ok()?;
+            let l = pods
+                .list(&kube::api::ListParams::default().labels(&selector))
+                .await
+                .ok()?;
             (l.items.len() == replicas).then_some(l.items)
         }
     })
@@ -492,7 +611,7 @@ async fn clone_of_a_snapshot_creates_eight_pinned_owned_pods() {
     let server = api_server().await;
     let client = server.client();
     let fake = Arc::new(FakeNode::default());
-    let _ctrl = start_controller(&client, "node-a", &fake);
+    let _ctrl = start_controller(&server, "node-a", &fake);
     running_pod(&client, "redis", "node-a").await;
     let snap = create(&client, &snapshot("redis-snap", "redis")).await;
     snapshot_in(&client, "redis-snap", Phase::Ready).await;
@@ -512,11 +631,21 @@ async fn clone_of_a_snapshot_creates_eight_pinned_owned_pods() {
         let spec = pod.spec.as_ref().expect("spec");
         assert_eq!(spec.node_name.as_deref(), Some("node-a"));
         assert_eq!(spec.runtime_class_name.as_deref(), Some("twig"));
-        assert_eq!(spec.containers[0].image.as_deref(), Some("redis:7"), "a copy of the source's spec");
-        assert_eq!(pod.annotations().get("twig.dev/restore-from"), snap.uid().as_ref());
+        assert_eq!(
+            spec.containers[0].image.as_deref(),
+            Some("redis:7"),
+            "a copy of the source's spec"
+        );
+        assert_eq!(
+            pod.annotations().get("twig.dev/restore-from"),
+            snap.uid().as_ref()
+        );
         assert_eq!(pod.labels().get("fork").map(String::as_str), Some("fork"));
         let owner = &pod.owner_references()[0];
-        assert_eq!((owner.kind.as_str(), Some(owner.uid.clone())), ("Clone", clone.uid()));
+        assert_eq!(
+            (owner.kind.as_str(), Some(owner.uid.clone())),
+            ("Clone", clone.uid())
+        );
         assert_eq!(owner.controller, Some(true));
     }
     let ready = clone_in(&client, "fork", Phase::Ready).await;
@@ -529,7 +658,9 @@ async fn clone_of_a_snapshot_creates_eight_pinned_owned_pods() {
 
     // Deleting the Clone deletes its pods.
     let api: Api<PodClone> = Api::namespaced(client.clone(), NS);
-    api.delete("fork", &DeleteParams::default()).await.expect("delete clone");
+    api.delete("fork", &DeleteParams::default())
+        .await
+        .expect("delete clone");
     gone::<Pod>(&client, "fork-7").await;
 }
 
@@ -538,7 +669,7 @@ async fn clone_of_a_pod_first_takes_a_snapshot_it_owns() {
     let server = api_server().await;
     let client = server.client();
     let fake = Arc::new(FakeNode::default());
-    let _ctrl = start_controller(&client, "node-a", &fake);
+    let _ctrl = start_controller(&server, "node-a", &fake);
     running_pod(&client, "agent", "node-a").await;
     let source = CloneSource {
         snapshot_name: None,
@@ -552,7 +683,10 @@ async fn clone_of_a_pod_first_takes_a_snapshot_it_owns() {
     let pods = make_clone_pods_ready(&client, "explore", 3).await;
     assert!(pods.iter().all(|p| p.name_any().starts_with("branch-")));
     let ready = clone_in(&client, "explore", Phase::Ready).await;
-    assert_eq!(ready.status.and_then(|s| s.snapshot_name).as_deref(), Some("explore-source"));
+    assert_eq!(
+        ready.status.and_then(|s| s.snapshot_name).as_deref(),
+        Some("explore-source")
+    );
     let reasons = event_reasons(&client, "explore").await;
     assert_eq!(reasons, ["SnapshotRequested", "PodsCreated", "Ready"]);
 }
@@ -563,8 +697,8 @@ async fn sandbox_template_lists_ready_nodes_and_is_removed_from_each() {
     let client = server.client();
     let fake_a = Arc::new(FakeNode::default());
     let fake_b = Arc::new(FakeNode::default());
-    let _a = start_controller(&client, "node-a", &fake_a);
-    let _b = start_controller(&client, "node-b", &fake_b);
+    let _a = start_controller(&server, "node-a", &fake_a);
+    let _b = start_controller(&server, "node-b", &fake_b);
     let template = SandboxTemplate::new(
         "python",
         SandboxTemplateSpec {
@@ -585,14 +719,28 @@ async fn sandbox_template_lists_ready_nodes_and_is_removed_from_each() {
         }
     })
     .await;
-    let nodes: Vec<String> = ready.status.expect("status").nodes.into_iter().map(|n| n.node_name).collect();
+    let nodes: Vec<String> = ready
+        .status
+        .expect("status")
+        .nodes
+        .into_iter()
+        .map(|n| n.node_name)
+        .collect();
     assert_eq!(nodes, ["node-a", "node-b"]);
-    assert!(fake_a.calls().contains(&Call::EnsureTemplate("default/python".into())));
+    assert!(fake_a
+        .calls()
+        .contains(&Call::EnsureTemplate("default/python".into())));
 
-    api.delete("python", &DeleteParams::default()).await.expect("delete");
+    api.delete("python", &DeleteParams::default())
+        .await
+        .expect("delete");
     gone::<SandboxTemplate>(&client, "python").await;
-    assert!(fake_a.calls().contains(&Call::DeleteTemplate("default/python".into())));
-    assert!(fake_b.calls().contains(&Call::DeleteTemplate("default/python".into())));
+    assert!(fake_a
+        .calls()
+        .contains(&Call::DeleteTemplate("default/python".into())));
+    assert!(fake_b
+        .calls()
+        .contains(&Call::DeleteTemplate("default/python".into())));
 }
 
 #[tokio::test]
@@ -600,10 +748,15 @@ async fn metrics_count_operations_by_result() {
     let server = api_server().await;
     let client = server.client();
     let fake = Arc::new(FakeNode::default());
-    let ctrl = start_controller(&client, "node-a", &fake);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let ctrl = start_controller(&server, "node-a", &fake);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
     let addr = listener.local_addr().expect("addr");
-    let serve = tokio::spawn(twig_controller::metrics::serve(listener, ctrl.metrics.clone()));
+    let serve = tokio::spawn(twig_controller::metrics::serve(
+        listener,
+        ctrl.metrics.clone(),
+    ));
     running_pod(&client, "redis", "node-a").await;
     create(&client, &snapshot("ok", "redis")).await;
     create(&client, &snapshot("no-pod", "missing")).await;
@@ -611,15 +764,28 @@ async fn metrics_count_operations_by_result() {
     snapshot_in(&client, "no-pod", Phase::Failed).await;
 
     let text = scrape(addr).await;
-    assert!(text.contains("twig_operations_total{operation=\"snapshot\",result=\"success\"} 1"), "{text}");
-    assert!(text.contains("twig_operations_total{operation=\"snapshot\",result=\"failure\"} 1"), "{text}");
-    assert!(text.contains("twig_operation_duration_seconds_count{operation=\"snapshot\",result=\"success\"} 1"), "{text}");
+    assert!(
+        text.contains("twig_operations_total{operation=\"snapshot\",result=\"success\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("twig_operations_total{operation=\"snapshot\",result=\"failure\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "twig_operation_duration_seconds_count{operation=\"snapshot\",result=\"success\"} 1"
+        ),
+        "{text}"
+    );
     serve.abort();
 }
 
 async fn scrape(addr: std::net::SocketAddr) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect metrics");
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connect metrics");
     stream
         .write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
         .await
@@ -628,4 +794,65 @@ async fn scrape(addr: std::net::SocketAddr) -> String {
     stream.read_to_string(&mut out).await.expect("response");
     assert!(out.starts_with("HTTP/1.1 200"), "{out}");
     out
+}
+
+#[tokio::test]
+async fn controller_calls_only_what_its_rbac_grants() {
+    let server = api_server().await;
+    let client = server.client();
+    let fake = Arc::new(FakeNode::default());
+    let _ctrl = start_controller(&server, "node-a", &fake);
+    running_pod(&client, "redis", "node-a").await;
+
+    let mut short = snapshot("short", "redis");
+    short.spec.ttl_seconds_after_ready = Some(0);
+    create(&client, &short).await;
+    gone::<Snapshot>(&client, "short").await;
+
+    let source = CloneSource {
+        snapshot_name: None,
+        pod_name: Some("redis".into()),
+    };
+    create(&client, &clone_of("fork", source, 2)).await;
+    make_clone_pods_ready(&client, "fork", 2).await;
+    clone_in(&client, "fork", Phase::Ready).await;
+    // A clone rolls back to the snapshot it was restored from: its lineage.
+    create(&client, &rollback("reset", "fork-0", "fork-source")).await;
+    rollback_in(&client, "reset", Phase::Ready).await;
+
+    let template = SandboxTemplate::new(
+        "py",
+        SandboxTemplateSpec {
+            image: "python:3".into(),
+            vcpus: 1,
+            memory_mib: 128,
+            command: None,
+            warmup: None,
+        },
+    );
+    create(&client, &template).await;
+    let templates: Api<SandboxTemplate> = Api::namespaced(client.clone(), NS);
+    eventually("template ready", || {
+        let templates = templates.clone();
+        async move { (templates.get("py").await.ok()?.status?.ready_nodes == 1).then_some(()) }
+    })
+    .await;
+    templates.delete("py", &DeleteParams::default()).await.expect("delete");
+    gone::<SandboxTemplate>(&client, "py").await;
+
+    let used: std::collections::BTreeSet<(String, String, String)> = server
+        .accesses(support::CONTROLLER)
+        .into_iter()
+        .map(|a| (a.group, a.resource, a.verb))
+        .collect();
+    let granted: std::collections::BTreeSet<(String, String, String)> = support::rbac::CONTROLLER_RULES
+        .iter()
+        .flat_map(|(g, r, verbs)| verbs.iter().map(move |v| (g.to_string(), r.to_string(), v.to_string())))
+        .collect();
+    let beyond: Vec<_> = used.difference(&granted).collect();
+    assert!(beyond.is_empty(), "the controller calls what its RBAC does not grant: {beyond:?}");
+    // Patching an Event happens only when the same event repeats.
+    let event_patch = ("events.k8s.io".to_string(), "events".to_string(), "patch".to_string());
+    let unused: Vec<_> = granted.difference(&used).filter(|g| **g != event_patch).collect();
+    assert!(unused.is_empty(), "the RBAC grants what the controller never calls: {unused:?}");
 }

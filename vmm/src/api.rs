@@ -10,7 +10,7 @@
 //! ```
 //! Every response is `{"ok":true,"result":…}` or `{"ok":false,"error":"…"}`.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 
@@ -52,9 +52,9 @@ pub enum Request {
     /// Restore a snapshot and run it.
     Restore { dir: PathBuf },
     /// Park the vCPUs.
-    Pause,
+    Pause {},
     /// Run the vCPUs.
-    Resume,
+    Resume {},
     /// Snapshot into a new directory.
     Snapshot {
         dir: PathBuf,
@@ -64,9 +64,9 @@ pub enum Request {
     /// Roll back in place.
     Rollback { dir: PathBuf },
     /// Counters.
-    Stats,
+    Stats {},
     /// Stop the VM and exit.
-    Shutdown,
+    Shutdown {},
 }
 
 /// Makes serial writers for the VMs this server creates.
@@ -131,9 +131,10 @@ impl Server {
                 json!({"state": "running"})
             }
             Request::Restore { dir } => {
-                let image = snapshot::Image::open(&std::path::absolute(&dir).map_err(|e| {
-                    Error::io(format!("resolving {}", dir.display()), e)
-                })?)?;
+                let image = snapshot::Image::open(
+                    &std::path::absolute(&dir)
+                        .map_err(|e| Error::io(format!("resolving {}", dir.display()), e))?,
+                )?;
                 let shape = Shape {
                     mem_size: image.state.meta.mem_size as usize,
                     vcpus: image.state.meta.vcpus,
@@ -146,18 +147,18 @@ impl Server {
                 }
                 json!({"id": image.id()})
             }
-            Request::Pause => {
+            Request::Pause {} => {
                 self.vm()?.pause()?;
                 json!({"state": "paused"})
             }
-            Request::Resume => {
+            Request::Resume {} => {
                 self.vm()?.resume()?;
                 json!({"state": "running"})
             }
             Request::Snapshot { dir, kind } => to_value(self.vm()?.snapshot(&dir, kind)?)?,
             Request::Rollback { dir } => to_value(self.vm()?.rollback(&dir)?)?,
-            Request::Stats => to_value(self.vm()?.stats()?)?,
-            Request::Shutdown => {
+            Request::Stats {} => to_value(self.vm()?.stats()?)?,
+            Request::Shutdown {} => {
                 self.vm = None;
                 return Ok((json!({"state": "shut down"}), true));
             }
@@ -168,7 +169,10 @@ impl Server {
     /// Parses and handles one request line; returns the response line.
     pub fn handle_line(&mut self, line: &str) -> (String, bool) {
         let (resp, exit) = match serde_json::from_str::<Request>(line) {
-            Err(e) => (json!({"ok": false, "error": format!("bad request: {e}")}), false),
+            Err(e) => (
+                json!({"ok": false, "error": format!("bad request: {e}")}),
+                false,
+            ),
             Ok(req) => match self.handle(req) {
                 Ok((result, exit)) => (json!({"ok": true, "result": result}), exit),
                 Err(e) => (json!({"ok": false, "error": e.to_string()}), false),
@@ -240,5 +244,3 @@ pub fn bind(path: &Path) -> Result<UnixListener> {
     }
     UnixListener::bind(path).map_err(|e| Error::io(format!("binding {}", path.display()), e))
 }
-
-use std::io::Read;

@@ -96,8 +96,7 @@ pub fn load_kernel(
 ) -> Result<BootEntry> {
     let mut file = File::open(kernel).map_err(|e| kernel_err(kernel, e.to_string()))?;
     let himem = Some(GuestAddress(layout::HIMEM));
-    let (result, entry): (KernelLoaderResult, u64) = match Elf::load(mem, None, &mut file, himem)
-    {
+    let (result, entry): (KernelLoaderResult, u64) = match Elf::load(mem, None, &mut file, himem) {
         Ok(r) => {
             let entry = r.kernel_load.0;
             (r, entry)
@@ -265,7 +264,7 @@ pub fn boot_msrs() -> Vec<kvm_msr_entry> {
         e(MSR_SYSCALL_MASK, 0),
         e(MSR_LSTAR, 0),
         e(MSR_IA32_TSC, 0),
-        e(MSR_IA32_MISC_ENABLE, 1), // fast strings
+        e(MSR_IA32_MISC_ENABLE, 1),          // fast strings
         e(MSR_MTRR_DEF_TYPE, (1 << 11) | 6), // MTRRs on, write-back
     ]
 }
@@ -423,9 +422,15 @@ mod tests {
     #[test]
     fn gdt_entries_decode_to_long_mode_segments() {
         let code = segment(gdt_entry(0xa09b, 0, 0xfffff), 2);
-        assert_eq!((code.l, code.db, code.present, code.selector), (1, 0, 1, 0x10));
+        assert_eq!(
+            (code.l, code.db, code.present, code.selector),
+            (1, 0, 1, 0x10)
+        );
         let data = segment(gdt_entry(0xc093, 0, 0xfffff), 3);
-        assert_eq!((data.db, data.g, data.type_, data.selector), (1, 1, 3, 0x18));
+        assert_eq!(
+            (data.db, data.g, data.type_, data.selector),
+            (1, 1, 3, 0x18)
+        );
     }
 
     #[test]

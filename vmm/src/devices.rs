@@ -62,10 +62,7 @@ impl ExitState {
 
     /// The exit, if the guest has stopped.
     pub fn get(&self) -> Option<GuestExit> {
-        self.exit
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.exit.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Waits up to `timeout` for the guest to stop.
@@ -210,7 +207,12 @@ impl Devices {
 
     /// Parses device state saved by [`Devices::save`] without applying it.
     pub fn parse(state: &[u8]) -> Result<SerialState> {
-        let bad = || Error::Config(format!("serial state of {} bytes is malformed", state.len()));
+        let bad = || {
+            Error::Config(format!(
+                "serial state of {} bytes is malformed",
+                state.len()
+            ))
+        };
         if state.len() < 13 {
             return Err(bad());
         }

@@ -11,6 +11,8 @@ pub type Result<T> = std::result::Result<T, Error>;
 pub enum Error {
     #[error("cannot open /dev/kvm: {0} (is KVM available and do you have permission to use it?)")]
     KvmOpen(#[source] kvm_ioctls::Error),
+    #[error("/dev/kvm is not a usable KVM device: KVM_GET_API_VERSION returned {0}, expected 12")]
+    KvmApi(i32),
     #[error("KVM lacks a required capability: {0}")]
     KvmCapability(&'static str),
     #[error("KVM {op} failed: {source}")]

@@ -205,10 +205,9 @@ impl GuestRam {
         let flags = libc::MAP_PRIVATE | libc::MAP_NORESERVE;
         // SAFETY: `addr..addr+size` is a live mapping owned by the GuestRam
         // that owns this view; vm-memory does not unmap raw regions.
-        let region = unsafe {
-            MmapRegion::build_raw(addr, size, libc::PROT_READ | libc::PROT_WRITE, flags)
-        }
-        .map_err(|e| Error::Config(format!("guest memory view: {e}")))?;
+        let region =
+            unsafe { MmapRegion::build_raw(addr, size, libc::PROT_READ | libc::PROT_WRITE, flags) }
+                .map_err(|e| Error::Config(format!("guest memory view: {e}")))?;
         let region = GuestRegionMmap::new(region, GuestAddress(0))
             .ok_or_else(|| Error::Config("guest memory region overflows".into()))?;
         GuestMemoryMmap::from_regions(vec![region])
@@ -270,7 +269,11 @@ impl GuestRam {
         let file = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
         file.set_len(self.size as u64)
             .map_err(|e| Error::io("sizing the guest RAM memfd", e))?;
-        self.map_fixed(file.as_raw_fd(), libc::MAP_SHARED, "mapping guest RAM memfd")?;
+        self.map_fixed(
+            file.as_raw_fd(),
+            libc::MAP_SHARED,
+            "mapping guest RAM memfd",
+        )?;
         self.backing = Backing::Memfd(Arc::new(file));
         Ok(())
     }

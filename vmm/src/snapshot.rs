@@ -208,7 +208,8 @@ impl VmState {
         if bytes[..8] != MAGIC {
             return Err(bad("not a twig snapshot (bad magic)".into()));
         }
-        let u32_at = |o: usize| u32::from_le_bytes([bytes[o], bytes[o + 1], bytes[o + 2], bytes[o + 3]]);
+        let u32_at =
+            |o: usize| u32::from_le_bytes([bytes[o], bytes[o + 1], bytes[o + 2], bytes[o + 3]]);
         let version = u32_at(8);
         if version != VERSION {
             return Err(bad(format!(
@@ -236,13 +237,20 @@ impl VmState {
         let meta: Meta = serde_json::from_slice(r.blob("metadata")?)
             .map_err(|e| bad(format!("metadata: {e}")))?;
         if meta.mem_size == 0 || meta.mem_size % PAGE_SIZE as u64 != 0 {
-            return Err(bad(format!("memory size {} is not page-aligned", meta.mem_size)));
+            return Err(bad(format!(
+                "memory size {} is not page-aligned",
+                meta.mem_size
+            )));
         }
         if meta.vcpus == 0 || meta.vcpus > crate::vm::MAX_VCPUS {
             return Err(bad(format!("{} vCPUs is out of range", meta.vcpus)));
         }
         let pages = (meta.mem_size / PAGE_SIZE as u64) as usize;
-        let irqchips = [r.pod("irqchip 0")?, r.pod("irqchip 1")?, r.pod("irqchip 2")?];
+        let irqchips = [
+            r.pod("irqchip 0")?,
+            r.pod("irqchip 1")?,
+            r.pod("irqchip 2")?,
+        ];
         let pit = r.pod("PIT")?;
         let clock = r.pod("clock")?;
         let devices = r.blob("devices")?.to_vec();
@@ -256,7 +264,9 @@ impl VmState {
             }
             Kind::Incremental => {
                 if words.len() != pages.div_ceil(64) || meta.parent.is_none() {
-                    return Err(bad("an incremental snapshot without page bitmap or parent".into()));
+                    return Err(bad(
+                        "an incremental snapshot without page bitmap or parent".into()
+                    ));
                 }
                 let set = PageSet::from_words(words, pages);
                 if set.count() != meta.pages {
@@ -273,7 +283,10 @@ impl VmState {
         for i in 0..meta.vcpus {
             let what = |s: &str| format!("vCPU {i} {s}");
             vcpus.push(VcpuState {
-                cpuid: r.pods::<kvm_cpuid_entry2>(&what("CPUID"), kvm_bindings::KVM_MAX_CPUID_ENTRIES)?,
+                cpuid: r.pods::<kvm_cpuid_entry2>(
+                    &what("CPUID"),
+                    kvm_bindings::KVM_MAX_CPUID_ENTRIES,
+                )?,
                 mp_state: r.pod::<kvm_mp_state>(&what("MP state"))?,
                 regs: r.pod::<kvm_regs>(&what("registers"))?,
                 sregs: r.pod::<kvm_sregs>(&what("special registers"))?,
@@ -287,7 +300,10 @@ impl VmState {
             });
         }
         if !r.buf.is_empty() {
-            return Err(bad(format!("{} unexpected bytes after the last vCPU", r.buf.len())));
+            return Err(bad(format!(
+                "{} unexpected bytes after the last vCPU",
+                r.buf.len()
+            )));
         }
         Ok(VmState {
             meta,

@@ -11,6 +11,9 @@ use crate::vm::Vm;
 /// The guest as an ELF vmlinux-style image, loaded at 1 MiB.
 pub const ELF: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/testguest.elf"));
 
+/// The same guest as a bzImage (64-bit entry 0x200 past its load address).
+pub const BZIMAGE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/testguest.bzImage"));
+
 /// Guest physical address of the mailbox.
 pub const MAILBOX: u64 = 0x18_0000;
 const CMD: u64 = MAILBOX;
@@ -44,10 +47,16 @@ pub enum Command {
     Crash = 5,
 }
 
-/// Writes the guest image into `dir` and returns its path.
+/// Writes the ELF guest image into `dir` and returns its path.
 pub fn write_to(dir: &Path) -> Result<PathBuf> {
-    let path = dir.join("testguest.elf");
-    std::fs::write(&path, ELF).map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
+    write_image(dir, "testguest.elf", ELF)
+}
+
+/// Writes `image` as `dir/name` and returns its path.
+pub fn write_image(dir: &Path, name: &str, image: &[u8]) -> Result<PathBuf> {
+    let path = dir.join(name);
+    std::fs::write(&path, image)
+        .map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
     Ok(path)
 }
 
@@ -71,7 +80,9 @@ pub fn poll(timeout: Duration, what: &str, mut f: impl FnMut() -> Result<bool>) 
             return Ok(());
         }
         if Instant::now() > deadline {
-            return Err(Error::Config(format!("timed out after {timeout:?} waiting for {what}")));
+            return Err(Error::Config(format!(
+                "timed out after {timeout:?} waiting for {what}"
+            )));
         }
         std::thread::yield_now();
     }

@@ -78,8 +78,8 @@ pub fn save_state(fd: &VcpuFd, msr_indices: &[u32], xsave_words: usize) -> Resul
             ..Default::default()
         })
         .collect();
-    let mut msrs = Msrs::from_entries(&entries)
-        .map_err(|e| Error::Config(format!("MSR list: {e:?}")))?;
+    let mut msrs =
+        Msrs::from_entries(&entries).map_err(|e| Error::Config(format!("MSR list: {e:?}")))?;
     let n = fd.get_msrs(&mut msrs).map_err(kvm_err("KVM_GET_MSRS"))?;
     if n != entries.len() {
         return Err(Error::Config(format!(
@@ -89,7 +89,9 @@ pub fn save_state(fd: &VcpuFd, msr_indices: &[u32], xsave_words: usize) -> Resul
     }
     let msrs = msrs.as_slice().to_vec();
     let tsc_khz = fd.get_tsc_khz().unwrap_or(0);
-    let events = fd.get_vcpu_events().map_err(kvm_err("KVM_GET_VCPU_EVENTS"))?;
+    let events = fd
+        .get_vcpu_events()
+        .map_err(kvm_err("KVM_GET_VCPU_EVENTS"))?;
     Ok(VcpuState {
         cpuid,
         mp_state,
@@ -109,8 +111,8 @@ pub fn save_state(fd: &VcpuFd, msr_indices: &[u32], xsave_words: usize) -> Resul
 /// change CPUID once a vCPU has run, and rollback checks it is unchanged.
 pub fn restore_state(fd: &VcpuFd, s: &VcpuState, set_cpuid: bool) -> Result<()> {
     if set_cpuid {
-        let cpuid = CpuId::from_entries(&s.cpuid)
-            .map_err(|e| Error::Config(format!("CPUID: {e:?}")))?;
+        let cpuid =
+            CpuId::from_entries(&s.cpuid).map_err(|e| Error::Config(format!("CPUID: {e:?}")))?;
         fd.set_cpuid2(&cpuid).map_err(kvm_err("KVM_SET_CPUID2"))?;
         if s.tsc_khz != 0 && fd.get_tsc_khz().ok() != Some(s.tsc_khz) {
             if let Err(e) = fd.set_tsc_khz(s.tsc_khz) {
@@ -168,9 +170,7 @@ extern "C" fn on_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_v
 fn install_kick_handler() -> Result<()> {
     static INSTALLED: OnceLock<std::result::Result<(), String>> = OnceLock::new();
     INSTALLED
-        .get_or_init(|| {
-            register_signal_handler(kick_signal(), on_kick).map_err(|e| e.to_string())
-        })
+        .get_or_init(|| register_signal_handler(kick_signal(), on_kick).map_err(|e| e.to_string()))
         .clone()
         .map_err(|e| Error::Config(format!("installing the vCPU kick handler: {e}")))
 }
@@ -397,7 +397,12 @@ fn idle(shared: &Shared) {
     c.kicked = false;
 }
 
-fn vcpu_loop(mut fd: VcpuFd, shared: Arc<Shared>, devices: Arc<Devices>, counters: Arc<VcpuCounters>) {
+fn vcpu_loop(
+    mut fd: VcpuFd,
+    shared: Arc<Shared>,
+    devices: Arc<Devices>,
+    counters: Arc<VcpuCounters>,
+) {
     let run_ptr: *mut kvm_run = fd.get_kvm_run();
     KVM_RUN.with(|r| r.set(run_ptr));
     let mut has_run = false;

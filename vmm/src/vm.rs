@@ -167,6 +167,10 @@ fn ms(since: Instant) -> f64 {
 /// Opens /dev/kvm and checks what twig-vmm needs.
 pub fn open_kvm() -> Result<Kvm> {
     let kvm = Kvm::new().map_err(Error::KvmOpen)?;
+    let version = kvm.get_api_version();
+    if version != 12 {
+        return Err(Error::KvmApi(version));
+    }
     for (cap, name) in [
         (Cap::Irqchip, "in-kernel irqchip"),
         (Cap::UserMemory, "user memory"),
@@ -278,7 +282,12 @@ impl Vm {
     pub fn boot(&mut self, kernel: &Path, cmdline: &str) -> Result<()> {
         self.need("boot", &[RunState::Created], "newly created")?;
         self.ram.back_with_memfd()?;
-        let entry = arch::load_kernel(self.ram.memory(), self.shape.mem_size as u64, kernel, cmdline)?;
+        let entry = arch::load_kernel(
+            self.ram.memory(),
+            self.shape.mem_size as u64,
+            kernel,
+            cmdline,
+        )?;
         let supported = arch::supported_cpuid(&self.kvm)?;
         let sregs_mem = self.ram.memory().clone();
         let mut cpuids = Vec::with_capacity(self.vcpus.len());
@@ -457,7 +466,13 @@ impl Vm {
         Ok(())
     }
 
-    fn save_vm_state(&self) -> Result<([kvm_irqchip; 3], kvm_bindings::kvm_pit_state2, kvm_clock_data)> {
+    fn save_vm_state(
+        &self,
+    ) -> Result<(
+        [kvm_irqchip; 3],
+        kvm_bindings::kvm_pit_state2,
+        kvm_clock_data,
+    )> {
         let mut chips = [kvm_irqchip::default(); 3];
         for (chip, id) in chips.iter_mut().zip([
             KVM_IRQCHIP_PIC_MASTER,
@@ -480,9 +495,7 @@ impl Vm {
                 .set_irqchip(chip)
                 .map_err(kvm_err("KVM_SET_IRQCHIP"))?;
         }
-        self.fd
-            .set_pit2(&s.pit)
-            .map_err(kvm_err("KVM_SET_PIT2"))?;
+        self.fd.set_pit2(&s.pit).map_err(kvm_err("KVM_SET_PIT2"))?;
         let clock = kvm_clock_data {
             clock: s.clock.clock,
             ..Default::default()
@@ -895,7 +908,11 @@ impl Vm {
             exits: self
                 .vcpus
                 .iter()
-                .map(|v| v.counters().exits.load(std::sync::atomic::Ordering::Relaxed))
+                .map(|v| {
+                    v.counters()
+                        .exits
+                        .load(std::sync::atomic::Ordering::Relaxed)
+                })
                 .sum(),
             guest_resident_kib: self.ram.resident_bytes() / 1024,
             guest_exit: self.devices.exit().get().map(|e| format!("{e:?}")),

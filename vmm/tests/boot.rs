@@ -18,18 +18,47 @@ fn boots_prints_and_runs_commands() {
 }
 
 #[test]
+fn boots_a_bzimage_with_its_setup_header() {
+    require_kvm();
+    let d = tmp();
+    let serial = twig_vmm::Capture::new();
+    let mut vm = Vm::create(Shape::new(MIB, 1), serial.writer()).unwrap();
+    let kernel = testguest::write_image(d.path(), "bzImage", testguest::BZIMAGE).unwrap();
+    vm.boot(&kernel, "console=ttyS0 quiet").unwrap();
+    serial.wait_for(b"B", 0, T).unwrap();
+    testguest::wait_booted(&vm, T).unwrap();
+    // boot_params carries the image's setup header and our command line.
+    let zero_page = twig_vmm::arch::layout::ZERO_PAGE;
+    let mut hdr = [0u8; 4];
+    vm.read_guest(zero_page + 0x202, &mut hdr).unwrap();
+    assert_eq!(&hdr, b"HdrS");
+    let mut cmdline = [0u8; 20];
+    vm.read_guest(twig_vmm::arch::layout::CMDLINE, &mut cmdline)
+        .unwrap();
+    assert_eq!(&cmdline, b"console=ttyS0 quiet\0");
+    let mut g = Guest { vm, serial };
+    print(&mut g.vm, &g.serial, b'z');
+}
+
+#[test]
 fn pause_stops_the_guest_and_resume_continues() {
     let d = tmp();
     let mut g = boot(d.path(), MIB, 2);
     testguest::post(&mut g.vm, Command::Spin, [0; 3]).unwrap();
-    testguest::poll(T, "spinning", || Ok(g.vm.read_u64(testguest::COUNTER)? > 1000)).unwrap();
+    testguest::poll(T, "spinning", || {
+        Ok(g.vm.read_u64(testguest::COUNTER)? > 1000)
+    })
+    .unwrap();
     g.vm.pause().unwrap();
     let a = g.vm.read_u64(testguest::COUNTER).unwrap();
     std::thread::yield_now();
     let b = g.vm.read_u64(testguest::COUNTER).unwrap();
     assert_eq!(a, b, "a paused guest does not run");
     g.vm.resume().unwrap();
-    testguest::poll(T, "counter to move", || Ok(g.vm.read_u64(testguest::COUNTER)? > b)).unwrap();
+    testguest::poll(T, "counter to move", || {
+        Ok(g.vm.read_u64(testguest::COUNTER)? > b)
+    })
+    .unwrap();
 }
 
 #[test]
@@ -39,7 +68,9 @@ fn guest_reset_and_crash_stop_the_vm() {
     testguest::post(&mut g.vm, Command::Stop, [0; 3]).unwrap();
     assert_eq!(g.vm.wait_exit(T), Some(GuestExit::Reset));
     assert_eq!(g.vm.state(), RunState::Stopped);
-    let err = g.vm.snapshot(&d.path().join("s"), twig_vmm::Kind::Full).unwrap_err();
+    let err =
+        g.vm.snapshot(&d.path().join("s"), twig_vmm::Kind::Full)
+            .unwrap_err();
     assert!(err.to_string().contains("stopped"), "{err}");
 
     let mut g = boot(d.path(), MIB, 1);
@@ -55,11 +86,47 @@ fn bad_kernels_and_shapes_are_refused() {
     std::fs::write(&junk, vec![0x5au8; 8192]).unwrap();
     let mut vm = Vm::create(Shape::new(MIB, 1), Box::new(std::io::sink())).unwrap();
     let err = vm.boot(&junk, "").unwrap_err().to_string();
-    assert!(err.contains("neither an ELF vmlinux") && err.contains("bzImage"), "{err}");
-    let err = vm.boot(&d.path().join("missing"), "").unwrap_err().to_string();
+    assert!(
+        err.contains("neither an ELF vmlinux") && err.contains("bzImage"),
+        "{err}"
+    );
+    let err = vm
+        .boot(&d.path().join("missing"), "")
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("No such file"), "{err}");
     for (mib, vcpus) in [(1, 1), (MIB, 0), (MIB, 1000), (4096, 1)] {
         let r = Vm::create(Shape::new(mib, vcpus), Box::new(std::io::sink()));
         assert!(r.is_err(), "shape {mib} MiB x {vcpus} accepted");
+    }
+}
+
+#[test]
+fn vcpus_get_consistent_cpuid_but_their_own_apic_ids() {
+    let d = tmp();
+    let mut g = boot(d.path(), MIB, 3);
+    let s = d.path().join("s");
+    g.vm.snapshot(&s, twig_vmm::Kind::Full).unwrap();
+    let state = twig_vmm::snapshot::read_state(&s).unwrap();
+    let strip = |v: &twig_vmm::vcpu::VcpuState| -> Vec<[u32; 6]> {
+        v.cpuid
+            .iter()
+            .map(|e| {
+                let mut r = [e.function, e.index, e.eax, e.ebx, e.ecx, e.edx];
+                match e.function {
+                    1 => r[3] &= 0x00ff_ffff,
+                    0xb | 0x1f => r[5] = 0,
+                    _ => {}
+                }
+                r
+            })
+            .collect()
+    };
+    let apic = |v: &twig_vmm::vcpu::VcpuState| {
+        v.cpuid.iter().find(|e| e.function == 1).map(|e| e.ebx >> 24)
+    };
+    for (i, v) in state.vcpus.iter().enumerate() {
+        assert_eq!(strip(v), strip(&state.vcpus[0]), "vCPU {i} CPUID differs");
+        assert_eq!(apic(v), Some(i as u32), "vCPU {i} APIC id");
     }
 }

@@ -9,7 +9,10 @@ use twig_vmm::{Capture, Kind, RunState, Shape, Vm};
 
 fn spin_and_pause(vm: &mut Vm) -> u64 {
     testguest::post(vm, Command::Spin, [0; 3]).unwrap();
-    testguest::poll(T, "spinning", || Ok(vm.read_u64(testguest::COUNTER)? > 10_000)).unwrap();
+    testguest::poll(T, "spinning", || {
+        Ok(vm.read_u64(testguest::COUNTER)? > 10_000)
+    })
+    .unwrap();
     vm.pause().unwrap();
     vm.read_u64(testguest::COUNTER).unwrap()
 }
@@ -74,10 +77,22 @@ fn clones_run_and_diverge_independently() {
         assert_eq!(captures[i].bytes(), vec![b'a' + i as u8], "own serial only");
     }
     assert_eq!(word(&g.vm, 0), 1000, "the source does not see clone writes");
+    // Every clone maps the snapshot's memory file privately: unmodified
+    // pages come from the one page cache.
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let memory = s.join("memory");
+    let mapped = maps
+        .lines()
+        .filter(|l| l.ends_with(memory.to_str().unwrap()) && l.contains(" rw-p "))
+        .count();
+    assert!(mapped >= 4, "clones map the snapshot memory privately:\n{maps}");
     // The snapshot itself is unchanged.
     let mem = std::fs::read(s.join("memory")).unwrap();
     let off = testguest::SCRATCH as usize;
-    assert_eq!(u64::from_le_bytes(mem[off..off + 8].try_into().unwrap()), 1000);
+    assert_eq!(
+        u64::from_le_bytes(mem[off..off + 8].try_into().unwrap()),
+        1000
+    );
     twig_vmm::snapshot::verify(&s).unwrap();
 }
 
@@ -116,11 +131,14 @@ fn incremental_chain_restores_the_same_bytes_as_a_full_snapshot() {
     dirty(&mut g.vm, 0, 30, 10);
     g.vm.snapshot(&snap(d.path(), "s0"), Kind::Full).unwrap();
     dirty(&mut g.vm, 20, 30, 20);
-    let i1 = g.vm.snapshot(&snap(d.path(), "s1"), Kind::Incremental).unwrap();
+    let i1 =
+        g.vm.snapshot(&snap(d.path(), "s1"), Kind::Incremental)
+            .unwrap();
     assert!(i1.pages_written >= 30 && i1.pages_written < 40, "{i1:?}");
     dirty(&mut g.vm, 40, 100, 30);
     g.vm.pause().unwrap();
-    g.vm.snapshot(&snap(d.path(), "s2"), Kind::Incremental).unwrap();
+    g.vm.snapshot(&snap(d.path(), "s2"), Kind::Incremental)
+        .unwrap();
     g.vm.snapshot(&snap(d.path(), "full"), Kind::Full).unwrap();
 
     let restore = |name: &str| {
@@ -131,8 +149,14 @@ fn incremental_chain_restores_the_same_bytes_as_a_full_snapshot() {
     };
     let a = restore("s2");
     let b = restore("full");
-    assert!(a.guest_ram().unwrap() == b.guest_ram().unwrap(), "chain == full");
-    assert_eq!(format!("{:?}", a.vcpu_regs(0).unwrap()), format!("{:?}", b.vcpu_regs(0).unwrap()));
+    assert!(
+        a.guest_ram().unwrap() == b.guest_ram().unwrap(),
+        "chain == full"
+    );
+    assert_eq!(
+        format!("{:?}", a.vcpu_regs(0).unwrap()),
+        format!("{:?}", b.vcpu_regs(0).unwrap())
+    );
     assert_eq!(word(&a, 0), 10);
     assert_eq!(word(&a, 25), 25);
     assert_eq!(word(&a, 45), 35);

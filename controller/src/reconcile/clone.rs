@@ -12,8 +12,8 @@ use kube::{Api, Resource, ResourceExt};
 
 use crate::context::{is_not_found, millis_since, Context, Error};
 use crate::crd::{
-    CloneStatus, DeletionPolicy, Phase, PodClone, Snapshot, SnapshotMode, SnapshotSpec, CLONE_LABEL,
-    RESTORE_FROM_ANNOTATION, RUNTIME_CLASS,
+    CloneStatus, DeletionPolicy, Phase, PodClone, Snapshot, SnapshotMode, SnapshotSpec,
+    CLONE_LABEL, RESTORE_FROM_ANNOTATION, RUNTIME_CLASS,
 };
 use crate::reconcile::validate_name;
 
@@ -26,14 +26,23 @@ pub fn validate(clone: &PodClone) -> Result<(), String> {
     match (&source.snapshot_name, &source.pod_name) {
         (Some(name), None) => validate_name("spec.source.snapshotName", name)?,
         (None, Some(name)) => validate_name("spec.source.podName", name)?,
-        _ => return Err("set exactly one of spec.source.snapshotName and spec.source.podName".to_string()),
+        _ => {
+            return Err(
+                "set exactly one of spec.source.snapshotName and spec.source.podName".to_string(),
+            )
+        }
     }
     if !(1..=100).contains(&clone.spec.replicas) {
-        return Err(format!("spec.replicas must be between 1 and 100, not {}", clone.spec.replicas));
+        return Err(format!(
+            "spec.replicas must be between 1 and 100, not {}",
+            clone.spec.replicas
+        ));
     }
     if let Some(prefix) = &clone.spec.name_prefix {
         if prefix.len() > 58 || prefix.contains('.') {
-            return Err(format!("spec.namePrefix {prefix:?} must be a DNS label of at most 58 characters"));
+            return Err(format!(
+                "spec.namePrefix {prefix:?} must be a DNS label of at most 58 characters"
+            ));
         }
         validate_name("spec.namePrefix", prefix)?;
     }
@@ -47,17 +56,25 @@ pub fn source_snapshot_name(clone: &PodClone) -> String {
 
 /// Name of the clone pod with this index.
 pub fn pod_name(clone: &PodClone, index: i32) -> String {
-    let prefix = clone.spec.name_prefix.clone().unwrap_or_else(|| clone.name_any());
+    let prefix = clone
+        .spec
+        .name_prefix
+        .clone()
+        .unwrap_or_else(|| clone.name_any());
     format!("{prefix}-{index}")
 }
 
 /// Reconciles one Clone.
 pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let ns = clone.namespace().ok_or(Error::MissingField("metadata.namespace"))?;
+    let ns = clone
+        .namespace()
+        .ok_or(Error::MissingField("metadata.namespace"))?;
     let api: Api<PodClone> = Api::namespaced(ctx.client.clone(), &ns);
     let status = clone.status.clone().unwrap_or_default();
     // Deleting a Clone deletes its pods and snapshot through their ownerReferences.
-    if clone.metadata.deletion_timestamp.is_some() || matches!(status.phase, Phase::Failed | Phase::Lost) {
+    if clone.metadata.deletion_timestamp.is_some()
+        || matches!(status.phase, Phase::Failed | Phase::Lost)
+    {
         return Ok(Action::await_change());
     }
     if let Err(message) = validate(&clone) {
@@ -65,16 +82,28 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
     }
     let snapshots: Api<Snapshot> = Api::namespaced(ctx.client.clone(), &ns);
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
-    let snap_name = match (&clone.spec.source.snapshot_name, &clone.spec.source.pod_name) {
+    let snap_name = match (
+        &clone.spec.source.snapshot_name,
+        &clone.spec.source.pod_name,
+    ) {
         (Some(name), _) => name.clone(),
-        (None, Some(pod)) => match ensure_source_snapshot(&api, &clone, pod, &snapshots, &pods, &ctx).await? {
-            Ok(name) => name,
-            Err(action) => return Ok(action),
-        },
+        (None, Some(pod)) => {
+            match ensure_source_snapshot(&api, &clone, pod, &snapshots, &pods, &ctx).await? {
+                Ok(name) => name,
+                Err(action) => return Ok(action),
+            }
+        }
         (None, None) => return Err(Error::MissingField("spec.source")),
     };
     let Some(snap) = snapshots.get_opt(&snap_name).await? else {
-        return fail(&api, &clone, "SnapshotNotFound", format!("snapshot {snap_name} not found"), &ctx).await;
+        return fail(
+            &api,
+            &clone,
+            "SnapshotNotFound",
+            format!("snapshot {snap_name} not found"),
+            &ctx,
+        )
+        .await;
     };
     let snap_status = snap.status.clone().unwrap_or_default();
     match snap_status.phase {
@@ -86,7 +115,10 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
             return fail(&api, &clone, "SnapshotFailed", message, &ctx).await;
         }
     }
-    let (Some(node), Some(snapshot_id)) = (snap_status.node_name.clone(), snap_status.snapshot_id.clone()) else {
+    let (Some(node), Some(snapshot_id)) = (
+        snap_status.node_name.clone(),
+        snap_status.snapshot_id.clone(),
+    ) else {
         return Err(Error::MissingField("snapshot status.nodeName/snapshotID"));
     };
     if node != ctx.node_name {
@@ -94,7 +126,9 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
     }
     let source_name = &snap.spec.pod_name;
     let Some(source) = pods.get_opt(source_name).await? else {
-        let message = format!("source pod {source_name} of snapshot {snap_name} is gone; clones copy its spec");
+        let message = format!(
+            "source pod {source_name} of snapshot {snap_name} is gone; clones copy its spec"
+        );
         return fail(&api, &clone, "SourcePodNotFound", message, &ctx).await;
     };
     let mut created = 0;
@@ -107,7 +141,8 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
             Err(kube::Error::Api(e)) if e.code == 409 => {
                 let existing = pods.get(&name).await?;
                 if !owned_by(&existing, &clone) {
-                    let message = format!("pod {name} already exists and does not belong to this Clone");
+                    let message =
+                        format!("pod {name} already exists and does not belong to this Clone");
                     return fail(&api, &clone, "NameTaken", message, &ctx).await;
                 }
             }
@@ -117,7 +152,14 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
     }
     if created > 0 {
         let note = format!("Created {created} pods from snapshot {snap_name} on node {node}");
-        ctx.event(clone.as_ref(), EventType::Normal, "PodsCreated", "Clone", note).await;
+        ctx.event(
+            clone.as_ref(),
+            EventType::Normal,
+            "PodsCreated",
+            "Clone",
+            note,
+        )
+        .await;
     }
     let listed = pods
         .list(&ListParams::default().labels(&format!("{CLONE_LABEL}={}", clone.name_any())))
@@ -131,7 +173,11 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
     let all_ready = ready == clone.spec.replicas;
     let duration_ms = all_ready.then(|| millis_since(clone.metadata.creation_timestamp.as_ref()));
     let new = CloneStatus {
-        phase: if all_ready { Phase::Ready } else { Phase::InProgress },
+        phase: if all_ready {
+            Phase::Ready
+        } else {
+            Phase::InProgress
+        },
         snapshot_name: Some(snap_name.clone()),
         pods: names,
         ready_replicas: ready,
@@ -143,8 +189,10 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
         if all_ready && status.phase != Phase::Ready {
             let ms = duration_ms.unwrap_or_default();
             ctx.metrics.observe("clone", true, ms as f64 / 1000.0);
-            let note = format!("All {ready} clones of snapshot {snap_name} are Ready after {ms} ms");
-            ctx.event(&clone, EventType::Normal, "Ready", "Clone", note).await;
+            let note =
+                format!("All {ready} clones of snapshot {snap_name} are Ready after {ms} ms");
+            ctx.event(&clone, EventType::Normal, "Ready", "Clone", note)
+                .await;
         }
     }
     Ok(Action::await_change())
@@ -162,21 +210,30 @@ async fn ensure_source_snapshot(
     let name = source_snapshot_name(clone);
     if let Some(snap) = snapshots.get_opt(&name).await? {
         if !owned_by(&snap, clone) {
-            let message = format!("snapshot {name} already exists and does not belong to this Clone");
+            let message =
+                format!("snapshot {name} already exists and does not belong to this Clone");
             return fail(api, clone, "NameTaken", message, ctx).await.map(Err);
         }
         return Ok(Ok(name));
     }
     // Only the node running the pod takes its snapshot.
     let Some(pod) = pods.get_opt(pod_name).await? else {
-        return fail(api, clone, "PodNotFound", format!("pod {pod_name} not found"), ctx)
-            .await
-            .map(Err);
+        return fail(
+            api,
+            clone,
+            "PodNotFound",
+            format!("pod {pod_name} not found"),
+            ctx,
+        )
+        .await
+        .map(Err);
     };
     if pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) != Some(ctx.node_name.as_str()) {
         return Ok(Err(Action::await_change()));
     }
-    let owner = clone.controller_owner_ref(&()).ok_or(Error::MissingField("metadata.uid"))?;
+    let owner = clone
+        .controller_owner_ref(&())
+        .ok_or(Error::MissingField("metadata.uid"))?;
     let snap = Snapshot {
         metadata: ObjectMeta {
             name: Some(name.clone()),
@@ -205,7 +262,14 @@ async fn ensure_source_snapshot(
     };
     let clone = write_status(api, clone, status).await?;
     let note = format!("Taking snapshot {name} of pod {pod_name} to clone it");
-    ctx.event(&clone, EventType::Normal, "SnapshotRequested", "Clone", note).await;
+    ctx.event(
+        &clone,
+        EventType::Normal,
+        "SnapshotRequested",
+        "Clone",
+        note,
+    )
+    .await;
     Ok(Err(Action::await_change()))
 }
 
@@ -245,9 +309,14 @@ pub fn clone_pod(
     labels.insert(CLONE_LABEL.to_string(), clone.name_any());
     let annotations = BTreeMap::from([
         (RESTORE_FROM_ANNOTATION.to_string(), snapshot_id.to_string()),
-        (SOURCE_SNAPSHOT_ANNOTATION.to_string(), snapshot_name.to_string()),
+        (
+            SOURCE_SNAPSHOT_ANNOTATION.to_string(),
+            snapshot_name.to_string(),
+        ),
     ]);
-    let owner = clone.controller_owner_ref(&()).ok_or(Error::MissingField("metadata.uid"))?;
+    let owner = clone
+        .controller_owner_ref(&())
+        .ok_or(Error::MissingField("metadata.uid"))?;
     Ok(Pod {
         metadata: ObjectMeta {
             name: Some(pod_name(clone, index)),
@@ -262,7 +331,13 @@ pub fn clone_pod(
     })
 }
 
-async fn fail(api: &Api<PodClone>, clone: &PodClone, reason: &str, message: String, ctx: &Context) -> Result<Action, Error> {
+async fn fail(
+    api: &Api<PodClone>,
+    clone: &PodClone,
+    reason: &str,
+    message: String,
+    ctx: &Context,
+) -> Result<Action, Error> {
     let status = CloneStatus {
         phase: Phase::Failed,
         message: Some(format!("{reason}: {message}")),
@@ -273,14 +348,24 @@ async fn fail(api: &Api<PodClone>, clone: &PodClone, reason: &str, message: Stri
         Err(Error::Kube(e)) if is_not_found(&e) => return Ok(Action::await_change()),
         Err(e) => return Err(e),
     };
-    ctx.metrics
-        .observe("clone", false, millis_since(clone.metadata.creation_timestamp.as_ref()) as f64 / 1000.0);
-    ctx.event(&clone, EventType::Warning, reason, "Clone", message).await;
+    ctx.metrics.observe(
+        "clone",
+        false,
+        millis_since(clone.metadata.creation_timestamp.as_ref()) as f64 / 1000.0,
+    );
+    ctx.event(&clone, EventType::Warning, reason, "Clone", message)
+        .await;
     Ok(Action::await_change())
 }
 
-async fn write_status(api: &Api<PodClone>, clone: &PodClone, status: CloneStatus) -> Result<PodClone, Error> {
+async fn write_status(
+    api: &Api<PodClone>,
+    clone: &PodClone,
+    status: CloneStatus,
+) -> Result<PodClone, Error> {
     let mut new = clone.clone();
     new.status = Some(status);
-    Ok(api.replace_status(&clone.name_any(), &PostParams::default(), &new).await?)
+    Ok(api
+        .replace_status(&clone.name_any(), &PostParams::default(), &new)
+        .await?)
 }

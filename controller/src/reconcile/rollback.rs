@@ -23,7 +23,9 @@ pub fn validate(rollback: &Rollback) -> Result<(), String> {
 /// Reconciles one Rollback. A Ready or Failed Rollback is never acted on
 /// again, so applying the same manifest twice rolls back once.
 pub async fn reconcile(rb: Arc<Rollback>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let ns = rb.namespace().ok_or(Error::MissingField("metadata.namespace"))?;
+    let ns = rb
+        .namespace()
+        .ok_or(Error::MissingField("metadata.namespace"))?;
     let api: Api<Rollback> = Api::namespaced(ctx.client.clone(), &ns);
     let status = rb.status.clone().unwrap_or_default();
     if rb.metadata.deletion_timestamp.is_some() {
@@ -36,7 +38,12 @@ pub async fn reconcile(rb: Arc<Rollback>, ctx: Arc<Context>) -> Result<Action, E
     }
 }
 
-async fn start(api: &Api<Rollback>, rb: &Rollback, ns: &str, ctx: &Context) -> Result<Action, Error> {
+async fn start(
+    api: &Api<Rollback>,
+    rb: &Rollback,
+    ns: &str,
+    ctx: &Context,
+) -> Result<Action, Error> {
     if let Err(message) = validate(rb) {
         return fail(api, rb, "Invalid", message, ctx).await;
     }
@@ -44,14 +51,28 @@ async fn start(api: &Api<Rollback>, rb: &Rollback, ns: &str, ctx: &Context) -> R
     let pod_name = &rb.spec.pod_name;
     let snap_name = &rb.spec.snapshot_name;
     let Some(pod) = current_pod(&pods, pod_name, None).await? else {
-        return fail(api, rb, "PodNotFound", format!("pod {pod_name} not found"), ctx).await;
+        return fail(
+            api,
+            rb,
+            "PodNotFound",
+            format!("pod {pod_name} not found"),
+            ctx,
+        )
+        .await;
     };
     if pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) != Some(ctx.node_name.as_str()) {
         return Ok(Action::await_change());
     }
     let snapshots: Api<Snapshot> = Api::namespaced(ctx.client.clone(), ns);
     let Some(snap) = snapshots.get_opt(snap_name).await? else {
-        return fail(api, rb, "SnapshotNotFound", format!("snapshot {snap_name} not found"), ctx).await;
+        return fail(
+            api,
+            rb,
+            "SnapshotNotFound",
+            format!("snapshot {snap_name} not found"),
+            ctx,
+        )
+        .await;
     };
     let snap_status = snap.status.clone().unwrap_or_default();
     match snap_status.phase {
@@ -68,16 +89,27 @@ async fn start(api: &Api<Rollback>, rb: &Rollback, ns: &str, ctx: &Context) -> R
     let status = RollbackStatus {
         phase: Phase::InProgress,
         start_time: Some(now()),
-        message: Some(format!("rolling pod {pod_name} back to snapshot {snap_name}")),
+        message: Some(format!(
+            "rolling pod {pod_name} back to snapshot {snap_name}"
+        )),
         ..Default::default()
     };
     let rb = write_status(api, rb, status).await?;
-    let note = format!("Rolling pod {pod_name} back to snapshot {snap_name} on node {}", ctx.node_name);
-    ctx.event(&rb, EventType::Normal, "Started", "Rollback", note).await;
+    let note = format!(
+        "Rolling pod {pod_name} back to snapshot {snap_name} on node {}",
+        ctx.node_name
+    );
+    ctx.event(&rb, EventType::Normal, "Started", "Rollback", note)
+        .await;
     roll_back(api, &rb, &pod, &snap, ctx, false).await
 }
 
-async fn resume(api: &Api<Rollback>, rb: &Rollback, ns: &str, ctx: &Context) -> Result<Action, Error> {
+async fn resume(
+    api: &Api<Rollback>,
+    rb: &Rollback,
+    ns: &str,
+    ctx: &Context,
+) -> Result<Action, Error> {
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
     let pod_name = &rb.spec.pod_name;
     let Some(pod) = current_pod(&pods, pod_name, None).await? else {
@@ -89,7 +121,10 @@ async fn resume(api: &Api<Rollback>, rb: &Rollback, ns: &str, ctx: &Context) -> 
     }
     let snapshots: Api<Snapshot> = Api::namespaced(ctx.client.clone(), ns);
     let Some(snap) = snapshots.get_opt(&rb.spec.snapshot_name).await? else {
-        let message = format!("snapshot {} was deleted during the rollback", rb.spec.snapshot_name);
+        let message = format!(
+            "snapshot {} was deleted during the rollback",
+            rb.spec.snapshot_name
+        );
         return fail(api, rb, "SnapshotNotFound", message, ctx).await;
     };
     roll_back(api, rb, &pod, &snap, ctx, true).await
@@ -97,13 +132,20 @@ async fn resume(api: &Api<Rollback>, rb: &Rollback, ns: &str, ctx: &Context) -> 
 
 /// Is `snap` a snapshot of this pod, or an ancestor of the snapshot the pod
 /// was restored from? `Err` carries the reason it is not.
-async fn in_lineage(pod: &Pod, snap: &Snapshot, snapshots: &Api<Snapshot>) -> Result<Result<(), String>, Error> {
+async fn in_lineage(
+    pod: &Pod,
+    snap: &Snapshot,
+    snapshots: &Api<Snapshot>,
+) -> Result<Result<(), String>, Error> {
     let status = snap.status.clone().unwrap_or_default();
     if status.pod_uid.is_some() && status.pod_uid == pod.metadata.uid {
         return Ok(Ok(()));
     }
     let Some(target) = status.snapshot_id.as_deref() else {
-        return Ok(Err(format!("snapshot {} has no snapshot ID", snap.name_any())));
+        return Ok(Err(format!(
+            "snapshot {} has no snapshot ID",
+            snap.name_any()
+        )));
     };
     if let Some(origin) = pod.annotations().get(RESTORE_FROM_ANNOTATION) {
         let all = snapshots.list(&ListParams::default()).await?;
@@ -151,19 +193,36 @@ async fn roll_back(
         .ok_or(Error::MissingField("snapshot status.snapshotID"))?;
     let _guard = ctx.lock_pod(&ns, pod_name).await;
     let sandbox = ctx.locator.locate(pod).await?;
-    let done = resumed && ctx.shim.stats(&sandbox).await?.last_rollback_operation_id.as_deref() == Some(op_id.as_str());
+    let done = resumed
+        && ctx
+            .shim
+            .stats(&sandbox)
+            .await?
+            .last_rollback_operation_id
+            .as_deref()
+            == Some(op_id.as_str());
     if done {
         tracing::info!(rollback = %rb.name_any(), "found the rollback a previous controller did");
     } else if let Err(err) = ctx.shim.rollback(&sandbox, &snapshot_id, &op_id).await {
         let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
-        if current_pod(&pods, pod_name, pod.metadata.uid.as_deref()).await?.is_none() {
+        if current_pod(&pods, pod_name, pod.metadata.uid.as_deref())
+            .await?
+            .is_none()
+        {
             let message = format!("pod {pod_name} was deleted during the rollback ({err})");
             return fail(api, rb, "PodDeleted", message, ctx).await;
         }
         if let ShimError::Unavailable { .. } = err {
             return Err(err.into());
         }
-        return fail(api, rb, "ShimError", format!("the shim failed the rollback: {err}"), ctx).await;
+        return fail(
+            api,
+            rb,
+            "ShimError",
+            format!("the shim failed the rollback: {err}"),
+            ctx,
+        )
+        .await;
     }
     let status = rb.status.clone().unwrap_or_default();
     let duration_ms = millis_since(status.start_time.as_ref());
@@ -175,16 +234,24 @@ async fn roll_back(
         ..status
     };
     let rb = write_status(api, rb, ready).await?;
-    ctx.metrics.observe("rollback", true, duration_ms as f64 / 1000.0);
+    ctx.metrics
+        .observe("rollback", true, duration_ms as f64 / 1000.0);
     let note = format!(
         "Pod {pod_name} rolled back to snapshot {} in {duration_ms} ms",
         rb.spec.snapshot_name
     );
-    ctx.event(&rb, EventType::Normal, "RolledBack", "Rollback", note).await;
+    ctx.event(&rb, EventType::Normal, "RolledBack", "Rollback", note)
+        .await;
     Ok(Action::await_change())
 }
 
-async fn fail(api: &Api<Rollback>, rb: &Rollback, reason: &str, message: String, ctx: &Context) -> Result<Action, Error> {
+async fn fail(
+    api: &Api<Rollback>,
+    rb: &Rollback,
+    reason: &str,
+    message: String,
+    ctx: &Context,
+) -> Result<Action, Error> {
     let status = rb.status.clone().unwrap_or_default();
     let duration_ms = millis_since(status.start_time.as_ref());
     let failed = RollbackStatus {
@@ -194,13 +261,21 @@ async fn fail(api: &Api<Rollback>, rb: &Rollback, reason: &str, message: String,
         ..status
     };
     let rb = write_status(api, rb, failed).await?;
-    ctx.metrics.observe("rollback", false, duration_ms as f64 / 1000.0);
-    ctx.event(&rb, EventType::Warning, reason, "Rollback", message).await;
+    ctx.metrics
+        .observe("rollback", false, duration_ms as f64 / 1000.0);
+    ctx.event(&rb, EventType::Warning, reason, "Rollback", message)
+        .await;
     Ok(Action::await_change())
 }
 
-async fn write_status(api: &Api<Rollback>, rb: &Rollback, status: RollbackStatus) -> Result<Rollback, Error> {
+async fn write_status(
+    api: &Api<Rollback>,
+    rb: &Rollback,
+    status: RollbackStatus,
+) -> Result<Rollback, Error> {
     let mut new = rb.clone();
     new.status = Some(status);
-    Ok(api.replace_status(&rb.name_any(), &PostParams::default(), &new).await?)
+    Ok(api
+        .replace_status(&rb.name_any(), &PostParams::default(), &new)
+        .await?)
 }

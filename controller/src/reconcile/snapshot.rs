@@ -12,7 +12,9 @@ use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::{Api, ResourceExt};
 
-use crate::context::{add_finalizer, is_not_found, millis_since, now, remove_finalizer, Context, Error};
+use crate::context::{
+    add_finalizer, is_not_found, millis_since, now, remove_finalizer, Context, Error,
+};
 use crate::crd::{DeletionPolicy, Phase, Snapshot, SnapshotMode, SnapshotStatus, RUNTIME_CLASS};
 use crate::reconcile::{current_pod, validate_name};
 use crate::shim::{ShimError, SnapshotInfo};
@@ -31,10 +33,16 @@ pub fn validate(snap: &Snapshot) -> Result<(), String> {
 
 /// Reconciles one Snapshot.
 pub async fn reconcile(snap: Arc<Snapshot>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let ns = snap.namespace().ok_or(Error::MissingField("metadata.namespace"))?;
+    let ns = snap
+        .namespace()
+        .ok_or(Error::MissingField("metadata.namespace"))?;
     let api: Api<Snapshot> = Api::namespaced(ctx.client.clone(), &ns);
     let status = snap.status.clone().unwrap_or_default();
-    if status.node_name.as_ref().is_some_and(|n| *n != ctx.node_name) {
+    if status
+        .node_name
+        .as_ref()
+        .is_some_and(|n| *n != ctx.node_name)
+    {
         return Ok(Action::await_change());
     }
     if snap.metadata.deletion_timestamp.is_some() {
@@ -48,14 +56,27 @@ pub async fn reconcile(snap: Arc<Snapshot>, ctx: Arc<Context>) -> Result<Action,
     }
 }
 
-async fn start(api: &Api<Snapshot>, snap: &Snapshot, ns: &str, ctx: &Context) -> Result<Action, Error> {
+async fn start(
+    api: &Api<Snapshot>,
+    snap: &Snapshot,
+    ns: &str,
+    ctx: &Context,
+) -> Result<Action, Error> {
     if let Err(message) = validate(snap) {
         return fail(api, snap, None, "Invalid", message, ctx).await;
     }
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
     let pod_name = &snap.spec.pod_name;
     let Some(pod) = pods.get_opt(pod_name).await? else {
-        return fail(api, snap, None, "PodNotFound", format!("pod {pod_name} not found"), ctx).await;
+        return fail(
+            api,
+            snap,
+            None,
+            "PodNotFound",
+            format!("pod {pod_name} not found"),
+            ctx,
+        )
+        .await;
     };
     let Some(pod_node) = pod.spec.as_ref().and_then(|s| s.node_name.clone()) else {
         // Not scheduled yet: look again later.
@@ -64,13 +85,24 @@ async fn start(api: &Api<Snapshot>, snap: &Snapshot, ns: &str, ctx: &Context) ->
     if pod_node != ctx.node_name {
         return Ok(Action::await_change());
     }
-    let runtime_class = pod.spec.as_ref().and_then(|s| s.runtime_class_name.as_deref());
+    let runtime_class = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.runtime_class_name.as_deref());
     if runtime_class != Some(RUNTIME_CLASS) {
         let message = format!("pod {pod_name} does not run under RuntimeClass {RUNTIME_CLASS}");
         return fail(api, snap, None, "NotATwigPod", message, ctx).await;
     }
     if pod.metadata.deletion_timestamp.is_some() {
-        return fail(api, snap, None, "PodTerminating", format!("pod {pod_name} is terminating"), ctx).await;
+        return fail(
+            api,
+            snap,
+            None,
+            "PodTerminating",
+            format!("pod {pod_name} is terminating"),
+            ctx,
+        )
+        .await;
     }
     let snap = add_finalizer(api, snap, FINALIZER).await?;
     let status = SnapshotStatus {
@@ -79,7 +111,12 @@ async fn start(api: &Api<Snapshot>, snap: &Snapshot, ns: &str, ctx: &Context) ->
         pod_uid: pod.metadata.uid.clone(),
         start_time: Some(now()),
         message: Some(format!("taking a snapshot of pod {pod_name}")),
-        conditions: vec![ready_condition(&snap, "False", "InProgress", "snapshot in progress")],
+        conditions: vec![ready_condition(
+            &snap,
+            "False",
+            "InProgress",
+            "snapshot in progress",
+        )],
         ..Default::default()
     };
     let snap = write_status(api, &snap, status).await?;
@@ -87,14 +124,24 @@ async fn start(api: &Api<Snapshot>, snap: &Snapshot, ns: &str, ctx: &Context) ->
         SnapshotMode::Incremental => "an incremental",
         SnapshotMode::Full => "a full",
     };
-    let note = format!("Taking {mode} snapshot of pod {pod_name} on node {}", ctx.node_name);
-    ctx.event(&snap, EventType::Normal, "Started", "Snapshot", note).await;
+    let note = format!(
+        "Taking {mode} snapshot of pod {pod_name} on node {}",
+        ctx.node_name
+    );
+    ctx.event(&snap, EventType::Normal, "Started", "Snapshot", note)
+        .await;
     take(api, snap, ns, ctx, false).await
 }
 
 /// Takes the snapshot, or (when `resumed`) first asks the shim whether a
 /// previous controller already took it.
-async fn take(api: &Api<Snapshot>, snap: Snapshot, ns: &str, ctx: &Context, resumed: bool) -> Result<Action, Error> {
+async fn take(
+    api: &Api<Snapshot>,
+    snap: Snapshot,
+    ns: &str,
+    ctx: &Context,
+    resumed: bool,
+) -> Result<Action, Error> {
     let status = snap.status.clone().unwrap_or_default();
     let pod_name = snap.spec.pod_name.clone();
     let _guard = ctx.lock_pod(ns, &pod_name).await;
@@ -134,17 +181,24 @@ async fn take(api: &Api<Snapshot>, snap: Snapshot, ns: &str, ctx: &Context, resu
         written_bytes: Some(info.written_bytes),
         duration_ms: Some(duration_ms),
         ready_time: Some(now()),
-        conditions: vec![ready_condition(&snap, "True", "SnapshotTaken", "snapshot is ready")],
+        conditions: vec![ready_condition(
+            &snap,
+            "True",
+            "SnapshotTaken",
+            "snapshot is ready",
+        )],
         message: None,
         ..status
     };
     let snap = write_status(api, &snap, ready).await?;
-    ctx.metrics.observe("snapshot", true, duration_ms as f64 / 1000.0);
+    ctx.metrics
+        .observe("snapshot", true, duration_ms as f64 / 1000.0);
     let note = format!(
         "Snapshot {} of pod {pod_name} ready: {} bytes written in {duration_ms} ms",
         info.snapshot_id, info.written_bytes
     );
-    ctx.event(&snap, EventType::Normal, "Ready", "Snapshot", note).await;
+    ctx.event(&snap, EventType::Normal, "Ready", "Snapshot", note)
+        .await;
     Ok(match snap.spec.ttl_seconds_after_ready {
         Some(ttl) => Action::requeue(Duration::from_secs(ttl.max(0).unsigned_abs())),
         None => Action::await_change(),
@@ -160,27 +214,52 @@ async fn shim_failed(
     ctx: &Context,
 ) -> Result<Action, Error> {
     let pod_name = &snap.spec.pod_name;
-    if current_pod(pods, pod_name, status.pod_uid.as_deref()).await?.is_none() {
+    if current_pod(pods, pod_name, status.pod_uid.as_deref())
+        .await?
+        .is_none()
+    {
         let message = format!("pod {pod_name} was deleted during the snapshot ({err})");
         return fail(api, snap, Some(status), "PodDeleted", message, ctx).await;
     }
     if let ShimError::Unavailable { .. } = err {
         return Err(err.into());
     }
-    fail(api, snap, Some(status), "ShimError", format!("the shim failed the snapshot: {err}"), ctx).await
+    fail(
+        api,
+        snap,
+        Some(status),
+        "ShimError",
+        format!("the shim failed the snapshot: {err}"),
+        ctx,
+    )
+    .await
 }
 
-async fn expire(api: &Api<Snapshot>, snap: &Snapshot, status: &SnapshotStatus, ctx: &Context) -> Result<Action, Error> {
-    let (Some(ttl), Some(ready)) = (snap.spec.ttl_seconds_after_ready, status.ready_time.as_ref()) else {
+async fn expire(
+    api: &Api<Snapshot>,
+    snap: &Snapshot,
+    status: &SnapshotStatus,
+    ctx: &Context,
+) -> Result<Action, Error> {
+    let (Some(ttl), Some(ready)) = (
+        snap.spec.ttl_seconds_after_ready,
+        status.ready_time.as_ref(),
+    ) else {
         return Ok(Action::await_change());
     };
-    let deadline_ms = ready.0.as_millisecond().saturating_add(ttl.saturating_mul(1000));
+    let deadline_ms = ready
+        .0
+        .as_millisecond()
+        .saturating_add(ttl.saturating_mul(1000));
     let left_ms = deadline_ms - Timestamp::now().as_millisecond();
     if left_ms > 0 {
-        return Ok(Action::requeue(Duration::from_millis(left_ms.unsigned_abs())));
+        return Ok(Action::requeue(Duration::from_millis(
+            left_ms.unsigned_abs(),
+        )));
     }
     let note = format!("Deleting snapshot: {ttl} s after it became Ready");
-    ctx.event(snap, EventType::Normal, "Expired", "Delete", note).await;
+    ctx.event(snap, EventType::Normal, "Expired", "Delete", note)
+        .await;
     match api.delete(&snap.name_any(), &DeleteParams::default()).await {
         Ok(_) => Ok(Action::await_change()),
         Err(e) if is_not_found(&e) => Ok(Action::await_change()),
@@ -188,7 +267,12 @@ async fn expire(api: &Api<Snapshot>, snap: &Snapshot, status: &SnapshotStatus, c
     }
 }
 
-async fn finalize(api: &Api<Snapshot>, snap: &Snapshot, status: &SnapshotStatus, ctx: &Context) -> Result<Action, Error> {
+async fn finalize(
+    api: &Api<Snapshot>,
+    snap: &Snapshot,
+    status: &SnapshotStatus,
+    ctx: &Context,
+) -> Result<Action, Error> {
     if !snap.finalizers().iter().any(|f| f == FINALIZER) {
         return Ok(Action::await_change());
     }
@@ -200,14 +284,20 @@ async fn finalize(api: &Api<Snapshot>, snap: &Snapshot, status: &SnapshotStatus,
             .clone()
             .or_else(|| snap.uid())
             .ok_or(Error::MissingField("metadata.uid"))?;
-        let _guard = ctx.lock_pod(&snap.namespace().unwrap_or_default(), &snap.spec.pod_name).await;
+        let _guard = ctx
+            .lock_pod(&snap.namespace().unwrap_or_default(), &snap.spec.pod_name)
+            .await;
         let started = std::time::Instant::now();
         let result = ctx.node.delete_snapshot(&id).await;
-        ctx.metrics
-            .observe("delete_snapshot", result.is_ok(), started.elapsed().as_secs_f64());
+        ctx.metrics.observe(
+            "delete_snapshot",
+            result.is_ok(),
+            started.elapsed().as_secs_f64(),
+        );
         result?;
         let note = format!("Removed snapshot {id} from node {}", ctx.node_name);
-        ctx.event(snap, EventType::Normal, "DataDeleted", "Delete", note).await;
+        ctx.event(snap, EventType::Normal, "DataDeleted", "Delete", note)
+            .await;
     }
     remove_finalizer(api, snap, FINALIZER).await?;
     Ok(Action::await_change())
@@ -230,15 +320,23 @@ async fn fail(
         ..status
     };
     let snap = write_status(api, snap, failed).await?;
-    ctx.metrics.observe("snapshot", false, duration_ms as f64 / 1000.0);
-    ctx.event(&snap, EventType::Warning, "Failed", "Snapshot", message).await;
+    ctx.metrics
+        .observe("snapshot", false, duration_ms as f64 / 1000.0);
+    ctx.event(&snap, EventType::Warning, "Failed", "Snapshot", message)
+        .await;
     Ok(Action::await_change())
 }
 
-async fn write_status(api: &Api<Snapshot>, snap: &Snapshot, status: SnapshotStatus) -> Result<Snapshot, Error> {
+async fn write_status(
+    api: &Api<Snapshot>,
+    snap: &Snapshot,
+    status: SnapshotStatus,
+) -> Result<Snapshot, Error> {
     let mut new = snap.clone();
     new.status = Some(status);
-    Ok(api.replace_status(&snap.name_any(), &PostParams::default(), &new).await?)
+    Ok(api
+        .replace_status(&snap.name_any(), &PostParams::default(), &new)
+        .await?)
 }
 
 fn ready_condition(snap: &Snapshot, status: &str, reason: &str, message: &str) -> Condition {

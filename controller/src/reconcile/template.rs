@@ -22,24 +22,40 @@ pub fn validate(template: &SandboxTemplate) -> Result<(), String> {
         return Err("spec.image must not be empty".to_string());
     }
     if !(1..=64).contains(&spec.vcpus) {
-        return Err(format!("spec.vcpus must be between 1 and 64, not {}", spec.vcpus));
+        return Err(format!(
+            "spec.vcpus must be between 1 and 64, not {}",
+            spec.vcpus
+        ));
     }
     if !(64..=262_144).contains(&spec.memory_mib) {
-        return Err(format!("spec.memoryMiB must be between 64 and 262144, not {}", spec.memory_mib));
+        return Err(format!(
+            "spec.memoryMiB must be between 64 and 262144, not {}",
+            spec.memory_mib
+        ));
     }
     Ok(())
 }
 
 fn key(template: &SandboxTemplate) -> String {
-    format!("{}/{}", template.namespace().unwrap_or_default(), template.name_any())
+    format!(
+        "{}/{}",
+        template.namespace().unwrap_or_default(),
+        template.name_any()
+    )
 }
 
 /// Reconciles one SandboxTemplate on this node.
 pub async fn reconcile(template: Arc<SandboxTemplate>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let ns = template.namespace().ok_or(Error::MissingField("metadata.namespace"))?;
+    let ns = template
+        .namespace()
+        .ok_or(Error::MissingField("metadata.namespace"))?;
     let api: Api<SandboxTemplate> = Api::namespaced(ctx.client.clone(), &ns);
     let status = template.status.clone().unwrap_or_default();
-    let mine = status.nodes.iter().find(|n| n.node_name == ctx.node_name).cloned();
+    let mine = status
+        .nodes
+        .iter()
+        .find(|n| n.node_name == ctx.node_name)
+        .cloned();
     if template.metadata.deletion_timestamp.is_some() {
         let mut template = (*template).clone();
         if mine.is_some() {
@@ -48,7 +64,8 @@ pub async fn reconcile(template: Arc<SandboxTemplate>, ctx: Arc<Context>) -> Res
             status.nodes.retain(|n| n.node_name != ctx.node_name);
             template = write_status(&api, &template, status).await?;
             let note = format!("Removed template from node {}", ctx.node_name);
-            ctx.event(&template, EventType::Normal, "Removed", "Delete", note).await;
+            ctx.event(&template, EventType::Normal, "Removed", "Delete", note)
+                .await;
         }
         if template.status.as_ref().is_none_or(|s| s.nodes.is_empty()) {
             remove_finalizer(&api, &template, FINALIZER).await?;
@@ -63,13 +80,23 @@ pub async fn reconcile(template: Arc<SandboxTemplate>, ctx: Arc<Context>) -> Res
         };
         if mine.as_ref() != Some(&entry) {
             write_status(&api, &template, upsert(status, entry)).await?;
-            ctx.event(template.as_ref(), EventType::Warning, "Invalid", "Template", message).await;
+            ctx.event(
+                template.as_ref(),
+                EventType::Warning,
+                "Invalid",
+                "Template",
+                message,
+            )
+            .await;
         }
         return Ok(Action::await_change());
     }
     let template = add_finalizer(&api, &template, FINALIZER).await?;
     let started = Instant::now();
-    let result = ctx.node.ensure_template(&key(&template), &template.spec).await;
+    let result = ctx
+        .node
+        .ensure_template(&key(&template), &template.spec)
+        .await;
     let entry = match result {
         Ok(state) => TemplateNodeStatus {
             node_name: ctx.node_name.clone(),
@@ -86,12 +113,18 @@ pub async fn reconcile(template: Arc<SandboxTemplate>, ctx: Arc<Context>) -> Res
         let template = write_status(&api, &template, upsert(status, entry.clone())).await?;
         let was_ready = mine.is_some_and(|m| m.ready);
         if entry.ready && !was_ready {
-            ctx.metrics.observe("template", true, started.elapsed().as_secs_f64());
+            ctx.metrics
+                .observe("template", true, started.elapsed().as_secs_f64());
             let note = format!("Template ready on node {}", ctx.node_name);
-            ctx.event(&template, EventType::Normal, "Ready", "Template", note).await;
+            ctx.event(&template, EventType::Normal, "Ready", "Template", note)
+                .await;
         } else if !entry.ready {
-            let note = entry.message.clone().unwrap_or_else(|| "template not ready".to_string());
-            ctx.event(&template, EventType::Normal, "Building", "Template", note).await;
+            let note = entry
+                .message
+                .clone()
+                .unwrap_or_else(|| "template not ready".to_string());
+            ctx.event(&template, EventType::Normal, "Building", "Template", note)
+                .await;
         }
     }
     Ok(if entry.ready {
@@ -102,12 +135,17 @@ pub async fn reconcile(template: Arc<SandboxTemplate>, ctx: Arc<Context>) -> Res
 }
 
 fn upsert(mut status: SandboxTemplateStatus, entry: TemplateNodeStatus) -> SandboxTemplateStatus {
-    match status.nodes.iter_mut().find(|n| n.node_name == entry.node_name) {
+    match status
+        .nodes
+        .iter_mut()
+        .find(|n| n.node_name == entry.node_name)
+    {
         Some(existing) => *existing = entry,
         None => status.nodes.push(entry),
     }
     status.nodes.sort_by(|a, b| a.node_name.cmp(&b.node_name));
-    status.ready_nodes = i32::try_from(status.nodes.iter().filter(|n| n.ready).count()).unwrap_or(i32::MAX);
+    status.ready_nodes =
+        i32::try_from(status.nodes.iter().filter(|n| n.ready).count()).unwrap_or(i32::MAX);
     status
 }
 
@@ -118,5 +156,7 @@ async fn write_status(
 ) -> Result<SandboxTemplate, Error> {
     let mut new = template.clone();
     new.status = Some(status);
-    Ok(api.replace_status(&template.name_any(), &PostParams::default(), &new).await?)
+    Ok(api
+        .replace_status(&template.name_any(), &PostParams::default(), &new)
+        .await?)
 }

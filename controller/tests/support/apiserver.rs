@@ -11,7 +11,7 @@
 //! `ownerReferences`; and admission of custom resources against their CRD
 //! schema and CEL rules (see `schema.rs`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -27,6 +27,18 @@ use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::{broadcast, mpsc};
 use tokio::task::JoinHandle;
+
+/// The header that names who sends a request (see [`TestApiServer::client_as`]).
+pub const ACTOR_HEADER: &str = "x-test-actor";
+
+/// One kind of access as RBAC sees it: verb, API group, resource (with subresource).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Access {
+    pub actor: String,
+    pub verb: String,
+    pub group: String,
+    pub resource: String,
+}
 
 /// Admission check of a new object (and the old one on update); `Err` is the message of a 422.
 pub type Validator = Arc<dyn Fn(&str, &Value, Option<&Value>) -> Result<(), String> + Send + Sync>;
@@ -61,6 +73,8 @@ struct Inner {
 
 struct State {
     inner: Mutex<Inner>,
+    /// (actor, verb, group, resource) of every request that named its actor.
+    requests: Mutex<BTreeSet<Access>>,
     changes: broadcast::Sender<Arc<Change>>,
     validator: Option<Validator>,
 }
@@ -69,6 +83,7 @@ struct State {
 pub struct TestApiServer {
     pub addr: SocketAddr,
     task: JoinHandle<()>,
+    state: Arc<State>,
 }
 
 impl Drop for TestApiServer {
@@ -80,17 +95,23 @@ impl Drop for TestApiServer {
 impl TestApiServer {
     /// Starts a server on a free port of 127.0.0.1.
     pub async fn start(validator: Option<Validator>) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind test API server");
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind test API server");
         let addr = listener.local_addr().expect("local addr");
         let (changes, _) = broadcast::channel(8192);
         let state = Arc::new(State {
             inner: Mutex::default(),
+            requests: Mutex::default(),
             changes,
             validator,
         });
+        let state_handle = state.clone();
         let task = tokio::spawn(async move {
             loop {
-                let Ok((stream, _)) = listener.accept().await else { return };
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
                 let state = state.clone();
                 tokio::spawn(async move {
                     let service = hyper::service::service_fn(move |req| {
@@ -103,7 +124,30 @@ impl TestApiServer {
                 });
             }
         });
-        Self { addr, task }
+        Self { addr, task, state: state_handle }
+    }
+
+    /// A kube client whose requests are recorded as `actor`'s.
+    pub fn client_as(&self, actor: &str) -> kube::Client {
+        let url = format!("http://{}", self.addr).parse().expect("url");
+        let mut config = kube::Config::new(url);
+        config.headers.push((
+            hyper::header::HeaderName::from_static(ACTOR_HEADER),
+            hyper::header::HeaderValue::from_str(actor).expect("actor header"),
+        ));
+        kube::Client::try_from(config).expect("kube client")
+    }
+
+    /// Every kind of access `actor` has made so far.
+    pub fn accesses(&self, actor: &str) -> BTreeSet<Access> {
+        self.state
+            .requests
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .filter(|a| a.actor == actor)
+            .cloned()
+            .collect()
     }
 
     /// A kube client for this server, default namespace `default`.
@@ -115,7 +159,10 @@ impl TestApiServer {
 }
 
 fn lock(state: &State) -> MutexGuard<'_, Inner> {
-    state.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    state
+        .inner
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 fn kind_of(plural: &str) -> &'static str {
@@ -131,7 +178,10 @@ fn kind_of(plural: &str) -> &'static str {
 }
 
 fn api_version(api: &str) -> String {
-    api.strip_prefix("apis/").or_else(|| api.strip_prefix("api/")).unwrap_or(api).to_string()
+    api.strip_prefix("apis/")
+        .or_else(|| api.strip_prefix("api/"))
+        .unwrap_or(api)
+        .to_string()
 }
 
 fn has_status(plural: &str) -> bool {
@@ -139,14 +189,17 @@ fn has_status(plural: &str) -> bool {
 }
 
 fn now() -> String {
-    k8s_openapi::jiff::fmt::strtime::format("%Y-%m-%dT%H:%M:%SZ", Timestamp::now()).expect("format time")
+    k8s_openapi::jiff::fmt::strtime::format("%Y-%m-%dT%H:%M:%SZ", Timestamp::now())
+        .expect("format time")
 }
 
 fn full(status: StatusCode, body: &Value) -> Response<Body> {
     let mut resp = Response::new(Full::new(Bytes::from(body.to_string())).boxed_unsync());
     *resp.status_mut() = status;
-    resp.headers_mut()
-        .insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
+    resp.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/json"),
+    );
     resp
 }
 
@@ -168,9 +221,12 @@ struct Target {
 
 fn parse_path(path: &str) -> Option<Target> {
     let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
-    let (api, rest) = match segs.first()? {
-        &"api" => (format!("api/{}", segs.get(1)?), &segs[2..]),
-        &"apis" => (format!("apis/{}/{}", segs.get(1)?, segs.get(2)?), &segs[3..]),
+    let (api, rest) = match *segs.first()? {
+        "api" => (format!("api/{}", segs.get(1)?), &segs[2..]),
+        "apis" => (
+            format!("apis/{}/{}", segs.get(1)?, segs.get(2)?),
+            &segs[3..],
+        ),
         _ => return None,
     };
     let (namespace, rest) = if rest.first() == Some(&"namespaces") && rest.len() >= 3 {
@@ -269,11 +325,16 @@ struct Filter {
 
 impl Filter {
     fn matches(&self, api: &str, plural: &str, namespace: &str, obj: &Value) -> bool {
-        if api != self.api || plural != self.plural || self.namespace.as_deref().is_some_and(|n| n != namespace) {
+        if api != self.api
+            || plural != self.plural
+            || self.namespace.as_deref().is_some_and(|n| n != namespace)
+        {
             return false;
         }
         let labels = &obj["metadata"]["labels"];
-        let label_ok = selector_matches(&self.labels, |k| labels.get(k).and_then(Value::as_str).map(String::from));
+        let label_ok = selector_matches(&self.labels, |k| {
+            labels.get(k).and_then(Value::as_str).map(String::from)
+        });
         let field_ok = selector_matches(&self.fields, |path| {
             let mut v = obj;
             for part in path.split('.') {
@@ -288,10 +349,37 @@ impl Filter {
 async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_string();
     let Some(target) = parse_path(&path) else {
-        return status_error(StatusCode::NOT_FOUND, "NotFound", format!("no route for {path}"));
+        return status_error(
+            StatusCode::NOT_FOUND,
+            "NotFound",
+            format!("no route for {path}"),
+        );
     };
     let params = query(&req);
     let method = req.method().clone();
+    if let Some(actor) = req.headers().get(ACTOR_HEADER).and_then(|v| v.to_str().ok()) {
+        let verb = match (&method, target.name.is_some()) {
+            (&Method::GET, false) if params.get("watch").is_some_and(|w| w == "true" || w == "1") => "watch",
+            (&Method::GET, false) => "list",
+            (&Method::GET, true) => "get",
+            (&Method::POST, _) => "create",
+            (&Method::PUT, _) => "update",
+            (&Method::PATCH, _) => "patch",
+            (&Method::DELETE, _) => "delete",
+            _ => "unknown",
+        };
+        let group = target.api.strip_prefix("apis/").and_then(|gv| gv.split('/').next()).unwrap_or_default();
+        let resource = match &target.subresource {
+            Some(sub) => format!("{}/{sub}", target.plural),
+            None => target.plural.clone(),
+        };
+        state.requests.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(Access {
+            actor: actor.to_string(),
+            verb: verb.to_string(),
+            group: group.to_string(),
+            resource,
+        });
+    }
     let content_type = req
         .headers()
         .get(hyper::header::CONTENT_TYPE)
@@ -305,7 +393,9 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
     let parsed = || serde_json::from_slice::<Value>(&body);
     let name = target.name.clone();
     match (method, name, target.subresource.as_deref()) {
-        (Method::GET, None, None) if matches!(params.get("watch").map(String::as_str), Some("true" | "1")) => {
+        (Method::GET, None, None)
+            if matches!(params.get("watch").map(String::as_str), Some("true" | "1")) =>
+        {
             watch(&state, &target, &params)
         }
         (Method::GET, None, None) => list(&state, &target, &params),
@@ -353,7 +443,11 @@ fn not_found(target: &Target, name: &str) -> Response<Body> {
     status_error(
         StatusCode::NOT_FOUND,
         "NotFound",
-        format!("{}.{} \"{name}\" not found", target.plural, api_version(&target.api)),
+        format!(
+            "{}.{} \"{name}\" not found",
+            target.plural,
+            api_version(&target.api)
+        ),
     )
 }
 
@@ -369,8 +463,18 @@ fn filter(target: &Target, params: &BTreeMap<String, String>) -> Filter {
         api: target.api.clone(),
         plural: target.plural.clone(),
         namespace: target.namespace.clone(),
-        labels: parse_selector(params.get("labelSelector").map(String::as_str).unwrap_or_default()),
-        fields: parse_selector(params.get("fieldSelector").map(String::as_str).unwrap_or_default()),
+        labels: parse_selector(
+            params
+                .get("labelSelector")
+                .map(String::as_str)
+                .unwrap_or_default(),
+        ),
+        fields: parse_selector(
+            params
+                .get("fieldSelector")
+                .map(String::as_str)
+                .unwrap_or_default(),
+        ),
     }
 }
 
@@ -450,11 +554,15 @@ fn watch(state: &State, target: &Target, params: &BTreeMap<String, String>) -> R
         }
     });
     let stream = futures::stream::unfold(body_rx, |mut rx| async move {
-        rx.recv().await.map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx))
+        rx.recv()
+            .await
+            .map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx))
     });
     let mut resp = Response::new(BodyExt::boxed_unsync(StreamBody::new(stream)));
-    resp.headers_mut()
-        .insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
+    resp.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/json"),
+    );
     resp
 }
 
@@ -476,33 +584,49 @@ fn bump(inner: &mut Inner, obj: &mut Value) {
     obj["metadata"]["resourceVersion"] = json!(inner.rv.to_string());
 }
 
-fn admit(state: &State, plural: &str, obj: &Value, old: Option<&Value>) -> Result<(), Response<Body>> {
-    if let Some(validator) = &state.validator {
-        validator(plural, obj, old).map_err(|m| status_error(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", m))?;
-    }
-    Ok(())
+/// The 422 response for an object admission refuses.
+fn admit(state: &State, plural: &str, obj: &Value, old: Option<&Value>) -> Option<Response<Body>> {
+    let validator = state.validator.as_ref()?;
+    validator(plural, obj, old)
+        .err()
+        .map(|m| status_error(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", m))
 }
 
 fn create(state: &State, target: &Target, mut obj: Value) -> Response<Body> {
     let Some(namespace) = target.namespace.clone() else {
-        return status_error(StatusCode::BAD_REQUEST, "BadRequest", "only namespaced resources are served".into());
+        return status_error(
+            StatusCode::BAD_REQUEST,
+            "BadRequest",
+            "only namespaced resources are served".into(),
+        );
     };
     let mut inner = lock(state);
-    let name = match (obj["metadata"]["name"].as_str(), obj["metadata"]["generateName"].as_str()) {
+    let name = match (
+        obj["metadata"]["name"].as_str(),
+        obj["metadata"]["generateName"].as_str(),
+    ) {
         (Some(n), _) => n.to_string(),
         (None, Some(prefix)) => format!("{prefix}{:05x}", inner.uids + 1),
         (None, None) => {
-            return status_error(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", "metadata.name: Required value".into())
+            return status_error(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "Invalid",
+                "metadata.name: Required value".into(),
+            )
         }
     };
     let k = key(target, &name);
     if inner.objects.contains_key(&k) {
-        let message = format!("{}.{} \"{name}\" already exists", target.plural, api_version(&target.api));
+        let message = format!(
+            "{}.{} \"{name}\" already exists",
+            target.plural,
+            api_version(&target.api)
+        );
         return status_error(StatusCode::CONFLICT, "AlreadyExists", message);
     }
     obj["apiVersion"] = json!(api_version(&target.api));
     obj["kind"] = json!(kind_of(&target.plural));
-    if let Err(resp) = admit(state, &target.plural, &obj, None) {
+    if let Some(resp) = admit(state, &target.plural, &obj, None) {
         return resp;
     }
     inner.uids += 1;
@@ -536,8 +660,22 @@ fn conflict(target: &Target, name: &str) -> Response<Body> {
 }
 
 /// Writes `new` over `stored` (the caller has merged what the endpoint may change).
-fn update(state: &State, inner: &mut Inner, k: &Key, stored: &Value, mut new: Value) -> Response<Body> {
-    for field in ["uid", "creationTimestamp", "deletionTimestamp", "namespace", "name", "generation", "resourceVersion"] {
+fn update(
+    state: &State,
+    inner: &mut Inner,
+    k: &Key,
+    stored: &Value,
+    mut new: Value,
+) -> Response<Body> {
+    for field in [
+        "uid",
+        "creationTimestamp",
+        "deletionTimestamp",
+        "namespace",
+        "name",
+        "generation",
+        "resourceVersion",
+    ] {
         match stored["metadata"].get(field) {
             Some(v) => new["metadata"][field] = v.clone(),
             None => {
@@ -548,8 +686,13 @@ fn update(state: &State, inner: &mut Inner, k: &Key, stored: &Value, mut new: Va
         }
     }
     if stored["metadata"]["deletionTimestamp"].is_string() {
-        let old: Vec<&Value> = stored["metadata"]["finalizers"].as_array().map(|a| a.iter().collect()).unwrap_or_default();
-        let added = new["metadata"]["finalizers"].as_array().is_some_and(|a| a.iter().any(|f| !old.contains(&f)));
+        let old: Vec<&Value> = stored["metadata"]["finalizers"]
+            .as_array()
+            .map(|a| a.iter().collect())
+            .unwrap_or_default();
+        let added = new["metadata"]["finalizers"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|f| !old.contains(&f)));
         if added {
             return status_error(
                 StatusCode::UNPROCESSABLE_ENTITY,
@@ -558,7 +701,7 @@ fn update(state: &State, inner: &mut Inner, k: &Key, stored: &Value, mut new: Va
             );
         }
     }
-    if let Err(resp) = admit(state, &k.plural, &new, Some(stored)) {
+    if let Some(resp) = admit(state, &k.plural, &new, Some(stored)) {
         return resp;
     }
     if new == *stored {
@@ -569,7 +712,9 @@ fn update(state: &State, inner: &mut Inner, k: &Key, stored: &Value, mut new: Va
         new["metadata"]["generation"] = json!(generation);
     }
     bump(inner, &mut new);
-    let finalizers_empty = new["metadata"]["finalizers"].as_array().is_none_or(|a| a.is_empty());
+    let finalizers_empty = new["metadata"]["finalizers"]
+        .as_array()
+        .is_none_or(|a| a.is_empty());
     if new["metadata"]["deletionTimestamp"].is_string() && finalizers_empty {
         remove(state, inner, k);
         return full(StatusCode::OK, &new);
@@ -580,10 +725,18 @@ fn update(state: &State, inner: &mut Inner, k: &Key, stored: &Value, mut new: Va
 }
 
 fn stale(body_rv: Option<&str>, stored: &Value) -> bool {
-    body_rv.is_some_and(|rv| !rv.is_empty() && Some(rv) != stored["metadata"]["resourceVersion"].as_str())
+    body_rv.is_some_and(|rv| {
+        !rv.is_empty() && Some(rv) != stored["metadata"]["resourceVersion"].as_str()
+    })
 }
 
-fn replace(state: &State, target: &Target, name: &str, body: Value, status: bool) -> Response<Body> {
+fn replace(
+    state: &State,
+    target: &Target,
+    name: &str,
+    body: Value,
+    status: bool,
+) -> Response<Body> {
     let k = key(target, name);
     let mut inner = lock(state);
     let Some(stored) = inner.objects.get(&k).cloned() else {
@@ -642,7 +795,13 @@ fn merge(target: &mut Value, patch: &Value) {
     }
 }
 
-fn merge_patch(state: &State, target: &Target, name: &str, patch: &Value, status: bool) -> Response<Body> {
+fn merge_patch(
+    state: &State,
+    target: &Target,
+    name: &str,
+    patch: &Value,
+    status: bool,
+) -> Response<Body> {
     let k = key(target, name);
     let mut inner = lock(state);
     let Some(stored) = inner.objects.get(&k).cloned() else {
@@ -669,7 +828,9 @@ fn delete(state: &State, target: &Target, name: &str) -> Response<Body> {
 /// Deletes (or, with finalizers, marks for deletion) one object.
 fn delete_key(state: &State, inner: &mut Inner, k: &Key) -> Option<Value> {
     let mut obj = inner.objects.get(k).cloned()?;
-    let has_finalizers = obj["metadata"]["finalizers"].as_array().is_some_and(|a| !a.is_empty());
+    let has_finalizers = obj["metadata"]["finalizers"]
+        .as_array()
+        .is_some_and(|a| !a.is_empty());
     if !has_finalizers {
         remove(state, inner, k);
         return Some(obj);
@@ -686,7 +847,9 @@ fn delete_key(state: &State, inner: &mut Inner, k: &Key) -> Option<Value> {
 
 /// Removes an object for good, then deletes its dependents (background propagation).
 fn remove(state: &State, inner: &mut Inner, k: &Key) {
-    let Some(mut obj) = inner.objects.remove(k) else { return };
+    let Some(mut obj) = inner.objects.remove(k) else {
+        return;
+    };
     bump(inner, &mut obj);
     let uid = obj["metadata"]["uid"].clone();
     record(state, inner, "DELETED", k, obj);

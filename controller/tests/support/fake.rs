@@ -16,8 +16,15 @@ use twig_controller::shim::{
 /// One call the fake received, in order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Call {
-    Snapshot { sandbox: String, snapshot_id: String },
-    Rollback { sandbox: String, snapshot_id: String, operation_id: String },
+    Snapshot {
+        sandbox: String,
+        snapshot_id: String,
+    },
+    Rollback {
+        sandbox: String,
+        snapshot_id: String,
+        operation_id: String,
+    },
     DeleteSnapshot(String),
     EnsureTemplate(String),
     DeleteTemplate(String),
@@ -69,7 +76,9 @@ impl Drop for InFlight<'_> {
 
 impl FakeNode {
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     pub fn calls(&self) -> Vec<Call> {
@@ -77,11 +86,17 @@ impl FakeNode {
     }
 
     pub fn snapshot_calls(&self) -> usize {
-        self.calls().iter().filter(|c| matches!(c, Call::Snapshot { .. })).count()
+        self.calls()
+            .iter()
+            .filter(|c| matches!(c, Call::Snapshot { .. }))
+            .count()
     }
 
     pub fn rollback_calls(&self) -> usize {
-        self.calls().iter().filter(|c| matches!(c, Call::Rollback { .. })).count()
+        self.calls()
+            .iter()
+            .filter(|c| matches!(c, Call::Rollback { .. }))
+            .count()
     }
 
     /// Whether the node store still holds this snapshot.
@@ -143,7 +158,12 @@ impl SandboxLocator for FakeNode {
 
 #[async_trait]
 impl TwigShim for FakeNode {
-    async fn snapshot(&self, sandbox: &Sandbox, snapshot_id: &str, mode: SnapshotMode) -> Result<SnapshotInfo, ShimError> {
+    async fn snapshot(
+        &self,
+        sandbox: &Sandbox,
+        snapshot_id: &str,
+        mode: SnapshotMode,
+    ) -> Result<SnapshotInfo, ShimError> {
         if let Some(e) = self.gone(&sandbox.id) {
             return Err(e);
         }
@@ -185,7 +205,12 @@ impl TwigShim for FakeNode {
         }
     }
 
-    async fn rollback(&self, sandbox: &Sandbox, snapshot_id: &str, operation_id: &str) -> Result<(), ShimError> {
+    async fn rollback(
+        &self,
+        sandbox: &Sandbox,
+        snapshot_id: &str,
+        operation_id: &str,
+    ) -> Result<(), ShimError> {
         if let Some(e) = self.gone(&sandbox.id) {
             return Err(e);
         }
@@ -197,9 +222,14 @@ impl TwigShim for FakeNode {
             operation_id: operation_id.to_string(),
         });
         if !st.store.contains(snapshot_id) {
-            return Err(ShimError::Refused(format!("snapshot {snapshot_id} is not on this node")));
+            return Err(ShimError::Refused(format!(
+                "snapshot {snapshot_id} is not on this node"
+            )));
         }
-        st.sandboxes.entry(sandbox.id.clone()).or_default().last_rollback = Some(operation_id.to_string());
+        st.sandboxes
+            .entry(sandbox.id.clone())
+            .or_default()
+            .last_rollback = Some(operation_id.to_string());
         Ok(())
     }
 
@@ -225,8 +255,14 @@ impl NodeService for FakeNode {
         Ok(())
     }
 
-    async fn ensure_template(&self, key: &str, _spec: &SandboxTemplateSpec) -> Result<TemplateState, ShimError> {
-        self.lock().calls.push(Call::EnsureTemplate(key.to_string()));
+    async fn ensure_template(
+        &self,
+        key: &str,
+        _spec: &SandboxTemplateSpec,
+    ) -> Result<TemplateState, ShimError> {
+        self.lock()
+            .calls
+            .push(Call::EnsureTemplate(key.to_string()));
         Ok(TemplateState {
             ready: true,
             message: None,
@@ -234,7 +270,9 @@ impl NodeService for FakeNode {
     }
 
     async fn delete_template(&self, key: &str) -> Result<(), ShimError> {
-        self.lock().calls.push(Call::DeleteTemplate(key.to_string()));
+        self.lock()
+            .calls
+            .push(Call::DeleteTemplate(key.to_string()));
         Ok(())
     }
 }
@@ -242,6 +280,10 @@ impl NodeService for FakeNode {
 /// Shares one fake as all three traits.
 pub fn as_traits(
     fake: &Arc<FakeNode>,
-) -> (Arc<dyn SandboxLocator>, Arc<dyn TwigShim>, Arc<dyn NodeService>) {
+) -> (
+    Arc<dyn SandboxLocator>,
+    Arc<dyn TwigShim>,
+    Arc<dyn NodeService>,
+) {
     (fake.clone(), fake.clone(), fake.clone())
 }

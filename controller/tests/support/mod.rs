@@ -5,6 +5,7 @@
 
 pub mod apiserver;
 pub mod fake;
+pub mod rbac;
 pub mod schema;
 
 use std::future::Future;
@@ -41,11 +42,22 @@ impl Drop for Controller {
     }
 }
 
-pub fn start_controller(client: &Client, node: &str, fake: &Arc<FakeNode>) -> Controller {
+/// The actor name of controller clients in [`TestApiServer::accesses`].
+pub const CONTROLLER: &str = "controller";
+
+pub fn start_controller(server: &TestApiServer, node: &str, fake: &Arc<FakeNode>) -> Controller {
+    let client = server.client_as(CONTROLLER);
     let (locator, shim, node_service) = fake::as_traits(fake);
     let metrics = Arc::new(Metrics::new());
-    let ctx = Context::new(client.clone(), node.to_string(), locator, shim, node_service, metrics.clone())
-        .with_retry(Duration::from_millis(200));
+    let ctx = Context::new(
+        client.clone(),
+        node.to_string(),
+        locator,
+        shim,
+        node_service,
+        metrics.clone(),
+    )
+    .with_retry(Duration::from_millis(200));
     let task = tokio::spawn(twig_controller::run(Arc::new(ctx)));
     Controller { task, metrics }
 }
@@ -87,7 +99,10 @@ pub async fn running_pod(client: &Client, name: &str, node: &str) -> Pod {
         }),
         status: None,
     };
-    let created = pods.create(&PostParams::default(), &pod).await.expect("create pod");
+    let created = pods
+        .create(&PostParams::default(), &pod)
+        .await
+        .expect("create pod");
     mark_ready(client, &created).await
 }
 
@@ -105,7 +120,9 @@ pub async fn mark_ready(client: &Client, pod: &Pod) -> Pod {
         ..Default::default()
     });
     let name = pod.metadata.name.clone().expect("pod name");
-    pods.replace_status(&name, &PostParams::default(), &pod).await.expect("pod status")
+    pods.replace_status(&name, &PostParams::default(), &pod)
+        .await
+        .expect("pod status")
 }
 
 /// Reasons of the Events about the object named `name`, in creation order.
@@ -127,6 +144,11 @@ pub async fn events_about(client: &Client, name: &str) -> Vec<Event> {
         .into_iter()
         .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
         .collect();
-    list.sort_by_key(|e| e.metadata.resource_version.as_ref().and_then(|rv| rv.parse::<u64>().ok()));
+    list.sort_by_key(|e| {
+        e.metadata
+            .resource_version
+            .as_ref()
+            .and_then(|rv| rv.parse::<u64>().ok())
+    });
     list
 }

@@ -32,18 +32,35 @@ pub fn crds_dir() -> PathBuf {
 pub fn load() -> Crds {
     let mut by_plural = BTreeMap::new();
     let dir = crds_dir();
-    for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("reading {}: {e}", dir.display())) {
+    for entry in
+        std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
+    {
         let path = entry.expect("dir entry").path();
         if path.extension().and_then(|e| e.to_str()) != Some("yaml") {
             continue;
         }
         let text = std::fs::read_to_string(&path).expect("read CRD");
-        let doc: Value = serde_saphyr::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        let plural = doc["spec"]["names"]["plural"].as_str().expect("plural").to_string();
-        let kind = doc["spec"]["names"]["kind"].as_str().expect("kind").to_string();
+        let doc: Value =
+            serde_saphyr::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let plural = doc["spec"]["names"]["plural"]
+            .as_str()
+            .expect("plural")
+            .to_string();
+        let kind = doc["spec"]["names"]["kind"]
+            .as_str()
+            .expect("kind")
+            .to_string();
         let group = doc["spec"]["group"].as_str().expect("group").to_string();
         let schema = doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"].clone();
-        by_plural.insert(plural, Crd { kind, group, schema, doc });
+        by_plural.insert(
+            plural,
+            Crd {
+                kind,
+                group,
+                schema,
+                doc,
+            },
+        );
     }
     Crds { by_plural }
 }
@@ -65,7 +82,12 @@ impl Crds {
             return Ok(());
         }
         let name = obj["metadata"]["name"].as_str().unwrap_or_default();
-        Err(format!("{}.{} \"{name}\" is invalid: [{}]", crd.kind, crd.group, errors.join(", ")))
+        Err(format!(
+            "{}.{} \"{name}\" is invalid: [{}]",
+            crd.kind,
+            crd.group,
+            errors.join(", ")
+        ))
     }
 
     pub fn validator(self) -> Validator {
@@ -92,7 +114,10 @@ pub fn value_errors(schema: &Value, value: &Value, path: &str, root: bool, out: 
     }
     if let Some(allowed) = schema["enum"].as_array() {
         if !allowed.contains(value) {
-            out.push(format!("{path}: Unsupported value: {value}: supported values: {}", Value::Array(allowed.clone())));
+            out.push(format!(
+                "{path}: Unsupported value: {value}: supported values: {}",
+                Value::Array(allowed.clone())
+            ));
         }
     }
     let ty = schema["type"].as_str().unwrap_or_default();
@@ -106,12 +131,19 @@ pub fn value_errors(schema: &Value, value: &Value, path: &str, root: bool, out: 
         _ => true,
     };
     if !type_ok {
-        out.push(format!("{path}: Invalid value: {value}: must be of type {ty}"));
+        out.push(format!(
+            "{path}: Invalid value: {value}: must be of type {ty}"
+        ));
         return;
     }
     match value {
         Value::Object(map) => {
-            for req in schema["required"].as_array().into_iter().flatten().filter_map(Value::as_str) {
+            for req in schema["required"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_str)
+            {
                 if !map.contains_key(req) {
                     out.push(format!("{}: Required value", join(path, req)));
                 }
@@ -122,7 +154,9 @@ pub fn value_errors(schema: &Value, value: &Value, path: &str, root: bool, out: 
                 }
                 if let Some(prop) = schema["properties"].get(k) {
                     value_errors(prop, v, &join(path, k), false, out);
-                } else if let Some(additional) = schema.get("additionalProperties").filter(|a| a.is_object()) {
+                } else if let Some(additional) =
+                    schema.get("additionalProperties").filter(|a| a.is_object())
+                {
                     value_errors(additional, v, &join(path, k), false, out);
                 }
             }
@@ -135,25 +169,39 @@ pub fn value_errors(schema: &Value, value: &Value, path: &str, root: bool, out: 
         Value::String(s) => {
             let len = s.chars().count() as u64;
             if schema["minLength"].as_u64().is_some_and(|m| len < m) {
-                out.push(format!("{path}: Invalid value: {value}: should be at least {} chars long", schema["minLength"]));
+                out.push(format!(
+                    "{path}: Invalid value: {value}: should be at least {} chars long",
+                    schema["minLength"]
+                ));
             }
             if schema["maxLength"].as_u64().is_some_and(|m| len > m) {
-                out.push(format!("{path}: Too long: may not be more than {} bytes", schema["maxLength"]));
+                out.push(format!(
+                    "{path}: Too long: may not be more than {} bytes",
+                    schema["maxLength"]
+                ));
             }
             if let Some(pattern) = schema["pattern"].as_str() {
                 let re = regex::Regex::new(pattern).expect("pattern compiles");
                 if !re.is_match(s) {
-                    out.push(format!("{path}: Invalid value: {value}: should match '{pattern}'"));
+                    out.push(format!(
+                        "{path}: Invalid value: {value}: should match '{pattern}'"
+                    ));
                 }
             }
         }
         Value::Number(n) => {
             let x = n.as_f64().unwrap_or_default();
             if schema["minimum"].as_f64().is_some_and(|m| x < m) {
-                out.push(format!("{path}: Invalid value: {n}: should be greater than or equal to {}", schema["minimum"]));
+                out.push(format!(
+                    "{path}: Invalid value: {n}: should be greater than or equal to {}",
+                    schema["minimum"]
+                ));
             }
             if schema["maximum"].as_f64().is_some_and(|m| x > m) {
-                out.push(format!("{path}: Invalid value: {n}: should be less than or equal to {}", schema["maximum"]));
+                out.push(format!(
+                    "{path}: Invalid value: {n}: should be less than or equal to {}",
+                    schema["maximum"]
+                ));
             }
         }
         _ => {}
@@ -161,10 +209,32 @@ pub fn value_errors(schema: &Value, value: &Value, path: &str, root: bool, out: 
 }
 
 const ALLOWED_KEYS: &[&str] = &[
-    "description", "type", "format", "title", "default", "maximum", "exclusiveMaximum", "minimum",
-    "exclusiveMinimum", "maxLength", "minLength", "pattern", "maxItems", "minItems", "uniqueItems",
-    "multipleOf", "enum", "maxProperties", "minProperties", "required", "items", "properties",
-    "additionalProperties", "nullable", "externalDocs", "example",
+    "description",
+    "type",
+    "format",
+    "title",
+    "default",
+    "maximum",
+    "exclusiveMaximum",
+    "minimum",
+    "exclusiveMinimum",
+    "maxLength",
+    "minLength",
+    "pattern",
+    "maxItems",
+    "minItems",
+    "uniqueItems",
+    "multipleOf",
+    "enum",
+    "maxProperties",
+    "minProperties",
+    "required",
+    "items",
+    "properties",
+    "additionalProperties",
+    "nullable",
+    "externalDocs",
+    "example",
 ];
 
 const SCALARS: &[&str] = &["string", "integer", "number", "boolean"];
@@ -178,7 +248,9 @@ pub fn structural_errors(schema: &Value, path: &str, out: &mut Vec<String>) {
     };
     for key in map.keys() {
         if matches!(key.as_str(), "anyOf" | "oneOf" | "allOf" | "not") {
-            out.push(format!("{path}: {key} is not allowed (ambiguous union; use fields and a CEL rule)"));
+            out.push(format!(
+                "{path}: {key} is not allowed (ambiguous union; use fields and a CEL rule)"
+            ));
         } else if !key.starts_with("x-kubernetes-") && !ALLOWED_KEYS.contains(&key.as_str()) {
             out.push(format!("{path}: {key} is not allowed in a CRD schema"));
         }
@@ -192,27 +264,53 @@ pub fn structural_errors(schema: &Value, path: &str, out: &mut Vec<String>) {
     if ty.is_empty() && !preserve && !int_or_string {
         out.push(format!("{path}: type must not be empty"));
     }
-    if !ty.is_empty() && !matches!(ty, "object" | "array" | "string" | "integer" | "number" | "boolean") {
+    if !ty.is_empty()
+        && !matches!(
+            ty,
+            "object" | "array" | "string" | "integer" | "number" | "boolean"
+        )
+    {
         out.push(format!("{path}: unknown type {ty}"));
     }
     if map.contains_key("properties") && map.contains_key("additionalProperties") {
-        out.push(format!("{path}: properties and additionalProperties are mutually exclusive"));
+        out.push(format!(
+            "{path}: properties and additionalProperties are mutually exclusive"
+        ));
     }
-    if (map.contains_key("properties") || map.contains_key("additionalProperties")) && ty != "object" {
+    if (map.contains_key("properties") || map.contains_key("additionalProperties"))
+        && ty != "object"
+    {
         out.push(format!("{path}: properties need type object"));
     }
     if map.contains_key("items") != (ty == "array") {
         out.push(format!("{path}: items must be given exactly for arrays"));
     }
-    if ty == "object" && !preserve && !map.contains_key("properties") && !map.contains_key("additionalProperties") {
-        out.push(format!("{path}: an object without properties would have every field pruned"));
+    if ty == "object"
+        && !preserve
+        && !map.contains_key("properties")
+        && !map.contains_key("additionalProperties")
+    {
+        out.push(format!(
+            "{path}: an object without properties would have every field pruned"
+        ));
     }
     if let Some(default) = map.get("default") {
         let mut errs = Vec::new();
-        value_errors(schema, default, &format!("{path}.default"), false, &mut errs);
+        value_errors(
+            schema,
+            default,
+            &format!("{path}.default"),
+            false,
+            &mut errs,
+        );
         out.extend(errs);
     }
-    for req in map.get("required").and_then(Value::as_array).into_iter().flatten() {
+    for req in map
+        .get("required")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
         let name = req.as_str().unwrap_or_default();
         if map.get("properties").and_then(|p| p.get(name)).is_none() {
             out.push(format!("{path}: required field {name} is not a property"));
@@ -221,7 +319,9 @@ pub fn structural_errors(schema: &Value, path: &str, out: &mut Vec<String>) {
     match map.get("x-kubernetes-list-type").and_then(Value::as_str) {
         None => {
             if map.contains_key("x-kubernetes-list-map-keys") {
-                out.push(format!("{path}: x-kubernetes-list-map-keys needs x-kubernetes-list-type map"));
+                out.push(format!(
+                    "{path}: x-kubernetes-list-map-keys needs x-kubernetes-list-type map"
+                ));
             }
         }
         Some("atomic" | "set") => {
@@ -231,18 +331,28 @@ pub fn structural_errors(schema: &Value, path: &str, out: &mut Vec<String>) {
         }
         Some("map") => {
             let items = &schema["items"];
-            let keys = map.get("x-kubernetes-list-map-keys").and_then(Value::as_array);
+            let keys = map
+                .get("x-kubernetes-list-map-keys")
+                .and_then(Value::as_array);
             match keys {
-                None => out.push(format!("{path}: x-kubernetes-list-type map needs x-kubernetes-list-map-keys")),
+                None => out.push(format!(
+                    "{path}: x-kubernetes-list-type map needs x-kubernetes-list-map-keys"
+                )),
                 Some(keys) => {
                     for k in keys.iter().filter_map(Value::as_str) {
                         let prop = &items["properties"][k];
                         if !SCALARS.contains(&prop["type"].as_str().unwrap_or_default()) {
-                            out.push(format!("{path}: list map key {k} must be a scalar property of the items"));
+                            out.push(format!(
+                                "{path}: list map key {k} must be a scalar property of the items"
+                            ));
                         }
-                        let required = items["required"].as_array().is_some_and(|r| r.contains(&Value::from(k)));
+                        let required = items["required"]
+                            .as_array()
+                            .is_some_and(|r| r.contains(&Value::from(k)));
                         if !required && prop.get("default").is_none() {
-                            out.push(format!("{path}: list map key {k} must be required or defaulted"));
+                            out.push(format!(
+                                "{path}: list map key {k} must be required or defaulted"
+                            ));
                         }
                     }
                 }
@@ -250,9 +360,16 @@ pub fn structural_errors(schema: &Value, path: &str, out: &mut Vec<String>) {
         }
         Some(other) => out.push(format!("{path}: unknown x-kubernetes-list-type {other}")),
     }
-    for rule in map.get("x-kubernetes-validations").and_then(Value::as_array).into_iter().flatten() {
+    for rule in map
+        .get("x-kubernetes-validations")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
         if rule["rule"].as_str().is_none_or(str::is_empty) {
-            out.push(format!("{path}: x-kubernetes-validations entry without a rule"));
+            out.push(format!(
+                "{path}: x-kubernetes-validations entry without a rule"
+            ));
         }
     }
     if let Some(props) = map.get("properties").and_then(Value::as_object) {

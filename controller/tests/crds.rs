@@ -1,0 +1,327 @@
+//! The checked-in CRDs: up to date with the Rust types, structural, and with
+//! CEL rules that compile and decide as intended.
+
+mod support;
+
+use std::collections::BTreeSet;
+
+use serde_json::{json, Value};
+use support::schema::{crds_dir, load, structural_errors, value_errors};
+
+#[test]
+fn checked_in_crds_match_the_rust_types() {
+    let dir = crds_dir();
+    let generated = twig_controller::crd::crd_files().expect("render CRDs");
+    for (file, yaml) in &generated {
+        let on_disk = std::fs::read_to_string(dir.join(file)).unwrap_or_default();
+        assert!(
+            on_disk == *yaml,
+            "crds/{file} is stale; regenerate with `cargo run -p twig-controller -- crds --out crds`"
+        );
+    }
+    let expected: BTreeSet<&str> = generated.iter().map(|(f, _)| f.as_str()).collect();
+    let present: BTreeSet<String> = std::fs::read_dir(&dir)
+        .expect("crds dir")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    let present: BTreeSet<&str> = present.iter().map(String::as_str).collect();
+    assert_eq!(
+        present, expected,
+        "crds/ holds files no Rust type generates"
+    );
+}
+
+/// Follows a printer column's `.a.b` JSON path through the schema.
+fn schema_at<'a>(schema: &'a Value, json_path: &str) -> Option<&'a Value> {
+    let mut node = schema;
+    for part in json_path.trim_start_matches('.').split('.') {
+        node = node["properties"].get(part)?;
+    }
+    Some(node)
+}
+
+#[test]
+fn every_crd_is_namespaced_structural_with_status_and_printer_columns() {
+    let crds = load();
+    assert_eq!(
+        crds.by_plural
+            .keys()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+        ["clones", "rollbacks", "sandboxtemplates", "snapshots"]
+    );
+    for (plural, crd) in &crds.by_plural {
+        let doc = &crd.doc;
+        assert_eq!(doc["apiVersion"], "apiextensions.k8s.io/v1");
+        assert_eq!(doc["metadata"]["name"], format!("{plural}.twig.dev"));
+        assert_eq!(doc["spec"]["group"], "twig.dev");
+        assert_eq!(doc["spec"]["scope"], "Namespaced");
+        let versions = doc["spec"]["versions"].as_array().expect("versions");
+        assert_eq!(versions.len(), 1);
+        let v = &versions[0];
+        assert_eq!(
+            (
+                v["name"].as_str(),
+                v["served"].as_bool(),
+                v["storage"].as_bool()
+            ),
+            (Some("v1alpha1"), Some(true), Some(true))
+        );
+        assert_eq!(
+            v["subresources"]["status"],
+            json!({}),
+            "{plural} has no status subresource"
+        );
+
+        let mut errors = Vec::new();
+        structural_errors(&crd.schema, plural, &mut errors);
+        assert!(
+            errors.is_empty(),
+            "{plural} is not structural:\n{}",
+            errors.join("\n")
+        );
+
+        let columns = v["additionalPrinterColumns"]
+            .as_array()
+            .expect("printer columns");
+        let names: Vec<&str> = columns.iter().filter_map(|c| c["name"].as_str()).collect();
+        assert!(names.contains(&"Age"), "{plural}: {names:?}");
+        for column in columns {
+            let path = column["jsonPath"].as_str().expect("jsonPath");
+            if path == ".metadata.creationTimestamp" {
+                continue;
+            }
+            let field = schema_at(&crd.schema, path)
+                .unwrap_or_else(|| panic!("{plural}: column path {path} is not in the schema"));
+            let ty = column["type"].as_str().expect("column type");
+            assert_eq!(
+                field["type"].as_str(),
+                Some(ty),
+                "{plural}: column {path} type"
+            );
+        }
+    }
+    let columns = |plural: &str| -> Vec<String> {
+        crds.by_plural[plural].doc["spec"]["versions"][0]["additionalPrinterColumns"]
+            .as_array()
+            .expect("columns")
+            .iter()
+            .filter_map(|c| c["name"].as_str().map(String::from))
+            .collect()
+    };
+    for plural in ["snapshots", "clones", "rollbacks"] {
+        let c = columns(plural);
+        assert!(
+            c.contains(&"Phase".to_string()) && c.contains(&"Duration(ms)".to_string()),
+            "{plural}: {c:?}"
+        );
+    }
+    assert!(columns("snapshots").contains(&"Size".to_string()));
+}
+
+#[test]
+fn the_structural_check_rejects_what_an_api_server_would() {
+    let bad = json!({
+        "type": "object",
+        "properties": {
+            "untyped": {"description": "no type"},
+            "union": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
+            "empty": {"type": "object"},
+            "ref": {"$ref": "#/definitions/x", "type": "string"},
+            "list": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}},
+                     "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["k"]},
+            "badDefault": {"type": "integer", "minimum": 1.0, "default": 0}
+        }
+    });
+    let mut errors = Vec::new();
+    structural_errors(&bad, "bad", &mut errors);
+    let all = errors.join("\n");
+    for expected in [
+        "bad.untyped: type must not be empty",
+        "bad.union: anyOf is not allowed",
+        "bad.empty: an object without properties",
+        "bad.ref: $ref is not allowed",
+        "list map key k must be required or defaulted",
+        "bad.badDefault.default: Invalid value: 0",
+    ] {
+        assert!(all.contains(expected), "missing {expected:?} in:\n{all}");
+    }
+}
+
+#[test]
+fn every_cel_rule_compiles() {
+    let crds = load();
+    let mut rules = 0;
+    for (plural, crd) in &crds.by_plural {
+        let compiled = kube_cel::compile_schema(&crd.schema);
+        let errors: Vec<String> = compiled
+            .compilation_errors()
+            .iter()
+            .map(|e| format!("{e:?}"))
+            .collect();
+        assert!(errors.is_empty(), "{plural}: {errors:?}");
+        rules += crd.doc.to_string().matches("\"rule\"").count();
+    }
+    assert_eq!(
+        rules, 4,
+        "a CEL rule was added or lost; cover it in cel_rules_decide_as_intended"
+    );
+}
+
+fn object(kind: &str, spec: Value) -> Value {
+    json!({"apiVersion": "twig.dev/v1alpha1", "kind": kind, "metadata": {"name": "x", "namespace": "default"}, "spec": spec})
+}
+
+#[test]
+fn cel_rules_decide_as_intended() {
+    let crds = load();
+    let check =
+        |plural: &str, obj: Value, old: Option<Value>| crds.validate(plural, &obj, old.as_ref());
+
+    // Clone: exactly one source.
+    let one = object(
+        "Clone",
+        json!({"source": {"snapshotName": "s"}, "replicas": 8}),
+    );
+    assert_eq!(check("clones", one.clone(), None), Ok(()));
+    assert_eq!(
+        check(
+            "clones",
+            object("Clone", json!({"source": {"podName": "p"}, "replicas": 1})),
+            None
+        ),
+        Ok(())
+    );
+    for source in [json!({}), json!({"snapshotName": "s", "podName": "p"})] {
+        let err = check(
+            "clones",
+            object("Clone", json!({"source": source, "replicas": 2})),
+            None,
+        )
+        .expect_err("refused");
+        assert!(
+            err.contains("spec.source: set exactly one of source.snapshotName and source.podName"),
+            "{err}"
+        );
+    }
+    // Clone: the source cannot change; replicas can.
+    let more = object(
+        "Clone",
+        json!({"source": {"snapshotName": "s"}, "replicas": 9}),
+    );
+    assert_eq!(check("clones", more, Some(one.clone())), Ok(()));
+    let moved = object(
+        "Clone",
+        json!({"source": {"snapshotName": "t"}, "replicas": 8}),
+    );
+    let err = check("clones", moved, Some(one)).expect_err("source changed");
+    assert!(err.contains("source is immutable"), "{err}");
+
+    // Snapshot: podName and mode are immutable; the TTL is not.
+    let snap = object(
+        "Snapshot",
+        json!({"podName": "redis", "mode": "Incremental"}),
+    );
+    let ttl = object(
+        "Snapshot",
+        json!({"podName": "redis", "mode": "Incremental", "ttlSecondsAfterReady": 60}),
+    );
+    assert_eq!(check("snapshots", ttl, Some(snap.clone())), Ok(()));
+    for changed in [
+        json!({"podName": "other", "mode": "Incremental"}),
+        json!({"podName": "redis", "mode": "Full"}),
+    ] {
+        let err = check("snapshots", object("Snapshot", changed), Some(snap.clone()))
+            .expect_err("changed");
+        assert!(err.contains("podName and mode are immutable"), "{err}");
+    }
+    // The default mode counts as set: omitting it is not a change.
+    let defaulted = object("Snapshot", json!({"podName": "redis"}));
+    assert_eq!(check("snapshots", defaulted, Some(snap)), Ok(()));
+
+    // Rollback: the whole spec is immutable.
+    let rb = object("Rollback", json!({"podName": "p", "snapshotName": "s"}));
+    assert_eq!(check("rollbacks", rb.clone(), Some(rb.clone())), Ok(()));
+    let err = check(
+        "rollbacks",
+        object("Rollback", json!({"podName": "p", "snapshotName": "t"})),
+        Some(rb),
+    )
+    .expect_err("changed");
+    assert!(err.contains("a Rollback's spec is immutable"), "{err}");
+}
+
+#[test]
+fn openapi_validation_refuses_bad_values() {
+    let crds = load();
+    let check = |plural: &str, obj: Value| crds.validate(plural, &obj, None);
+    let cases = [
+        (
+            "clones",
+            object(
+                "Clone",
+                json!({"source": {"podName": "p"}, "replicas": 101}),
+            ),
+            "should be less than or equal to 100",
+        ),
+        (
+            "clones",
+            object(
+                "Clone",
+                json!({"source": {"podName": "p"}, "replicas": 2, "namePrefix": "Bad_Prefix"}),
+            ),
+            "spec.namePrefix: Invalid value",
+        ),
+        (
+            "snapshots",
+            object("Snapshot", json!({"podName": ""})),
+            "spec.podName: Invalid value",
+        ),
+        (
+            "snapshots",
+            object(
+                "Snapshot",
+                json!({"podName": "p", "deletionPolicy": "Keep"}),
+            ),
+            "spec.deletionPolicy: Unsupported value",
+        ),
+        (
+            "snapshots",
+            object(
+                "Snapshot",
+                json!({"podName": "p", "ttlSecondsAfterReady": -1}),
+            ),
+            "spec.ttlSecondsAfterReady",
+        ),
+        (
+            "rollbacks",
+            object("Rollback", json!({"podName": "p"})),
+            "spec.snapshotName: Required value",
+        ),
+        (
+            "sandboxtemplates",
+            object(
+                "SandboxTemplate",
+                json!({"image": "i", "vcpus": 1, "memoryMiB": 16}),
+            ),
+            "spec.memoryMiB",
+        ),
+    ];
+    for (plural, obj, expected) in cases {
+        let err = check(plural, obj.clone()).expect_err(expected);
+        assert!(err.contains(expected), "{obj}: {err}");
+    }
+    let mut errors = Vec::new();
+    let template = object(
+        "SandboxTemplate",
+        json!({"image": "python:3", "vcpus": 2, "memoryMiB": 512, "warmup": ["python3", "-c", "import numpy"]}),
+    );
+    value_errors(
+        &crds.by_plural["sandboxtemplates"].schema,
+        &template,
+        "",
+        true,
+        &mut errors,
+    );
+    assert!(errors.is_empty(), "{errors:?}");
+}

@@ -1,0 +1,322 @@
+//! The real implementations behind the controller's traits: the ttrpc clients
+//! against a ttrpc server over a Unix socket, and the containerd state lookup.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::ObjectMeta;
+use twig_controller::crd::{SandboxTemplateSpec, SnapshotMode};
+use twig_controller::sandbox::{ContainerdLocator, LocateError, SandboxLocator};
+use twig_controller::shim::proto::{twig as pb, twig_ttrpc as rpc};
+use twig_controller::shim::{
+    NodeService, Sandbox, ShimError, SnapshotInfo, TtrpcNode, TtrpcShim, TwigShim,
+};
+
+/// A minimal shim and node daemon: remembers what it was asked.
+#[derive(Default)]
+struct Server {
+    requests: Mutex<Vec<String>>,
+    snapshots: Mutex<BTreeMap<String, pb::SnapshotInfo>>,
+    last_rollback: Mutex<String>,
+}
+
+fn status(code: ttrpc::Code, message: &str) -> ttrpc::Error {
+    ttrpc::Error::RpcStatus(ttrpc::get_status(code, message))
+}
+
+#[async_trait]
+impl rpc::Twig for Server {
+    async fn snapshot(
+        &self,
+        _: &ttrpc::r#async::TtrpcContext,
+        req: pb::SnapshotRequest,
+    ) -> ttrpc::Result<pb::SnapshotResponse> {
+        self.requests.lock().expect("lock").push(format!(
+            "snapshot {} {} full={}",
+            req.sandbox_id, req.snapshot_id, req.full
+        ));
+        if req.sandbox_id != "sb-1" {
+            return Err(status(ttrpc::Code::NOT_FOUND, "no such sandbox"));
+        }
+        let mut snaps = self.snapshots.lock().expect("lock");
+        let parent = if req.full {
+            String::new()
+        } else {
+            snaps.keys().last().cloned().unwrap_or_default()
+        };
+        let info = pb::SnapshotInfo {
+            snapshot_id: req.snapshot_id.clone(),
+            parent_id: parent,
+            size_bytes: 1 << 27,
+            written_bytes: 1 << 12,
+            ..Default::default()
+        };
+        snaps.insert(req.snapshot_id, info.clone());
+        Ok(pb::SnapshotResponse {
+            snapshot: Some(info).into(),
+            ..Default::default()
+        })
+    }
+
+    async fn rollback(
+        &self,
+        _: &ttrpc::r#async::TtrpcContext,
+        req: pb::RollbackRequest,
+    ) -> ttrpc::Result<pb::RollbackResponse> {
+        if !self
+            .snapshots
+            .lock()
+            .expect("lock")
+            .contains_key(&req.snapshot_id)
+        {
+            return Err(status(
+                ttrpc::Code::FAILED_PRECONDITION,
+                "snapshot is not in this sandbox's lineage",
+            ));
+        }
+        *self.last_rollback.lock().expect("lock") = req.operation_id;
+        Ok(pb::RollbackResponse::default())
+    }
+
+    async fn stats(
+        &self,
+        _: &ttrpc::r#async::TtrpcContext,
+        _: pb::StatsRequest,
+    ) -> ttrpc::Result<pb::StatsResponse> {
+        Ok(pb::StatsResponse {
+            snapshots: self
+                .snapshots
+                .lock()
+                .expect("lock")
+                .values()
+                .cloned()
+                .collect(),
+            last_rollback_operation_id: self.last_rollback.lock().expect("lock").clone(),
+            ..Default::default()
+        })
+    }
+}
+
+#[async_trait]
+impl rpc::Node for Server {
+    async fn delete_snapshot(
+        &self,
+        _: &ttrpc::r#async::TtrpcContext,
+        req: pb::DeleteSnapshotRequest,
+    ) -> ttrpc::Result<pb::DeleteSnapshotResponse> {
+        self.snapshots
+            .lock()
+            .expect("lock")
+            .remove(&req.snapshot_id);
+        Ok(pb::DeleteSnapshotResponse::default())
+    }
+
+    async fn ensure_template(
+        &self,
+        _: &ttrpc::r#async::TtrpcContext,
+        req: pb::EnsureTemplateRequest,
+    ) -> ttrpc::Result<pb::EnsureTemplateResponse> {
+        self.requests.lock().expect("lock").push(format!(
+            "template {} {} {}x{} {:?}",
+            req.name, req.image, req.vcpus, req.memory_mib, req.command
+        ));
+        Ok(pb::EnsureTemplateResponse {
+            ready: false,
+            message: "booting".into(),
+            ..Default::default()
+        })
+    }
+}
+
+async fn serve(dir: &tempfile::TempDir, server: Arc<Server>) -> (String, ttrpc::r#async::Server) {
+    let address = format!("unix://{}", dir.path().join("shim.sock").display());
+    let mut ttrpc_server = ttrpc::r#async::Server::new()
+        .bind(&address)
+        .expect("bind ttrpc")
+        .register_service(rpc::create_twig(server.clone()))
+        .register_service(rpc::create_node(server));
+    ttrpc_server.start().await.expect("start ttrpc");
+    (address, ttrpc_server)
+}
+
+#[tokio::test]
+async fn ttrpc_shim_client_calls_the_twig_service() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = Arc::new(Server::default());
+    let (address, mut ttrpc_server) = serve(&dir, server.clone()).await;
+    let shim = TtrpcShim {
+        timeout: Duration::from_secs(10),
+    };
+    let sandbox = Sandbox {
+        id: "sb-1".into(),
+        address: address.clone(),
+    };
+
+    let first = shim
+        .snapshot(&sandbox, "a", SnapshotMode::Full)
+        .await
+        .expect("snapshot");
+    assert_eq!(
+        first,
+        SnapshotInfo {
+            snapshot_id: "a".into(),
+            parent_id: None,
+            size_bytes: 1 << 27,
+            written_bytes: 1 << 12
+        }
+    );
+    let second = shim
+        .snapshot(&sandbox, "b", SnapshotMode::Incremental)
+        .await
+        .expect("snapshot");
+    assert_eq!(second.parent_id.as_deref(), Some("a"));
+    assert_eq!(
+        *server.requests.lock().expect("lock"),
+        ["snapshot sb-1 a full=true", "snapshot sb-1 b full=false"]
+    );
+
+    shim.rollback(&sandbox, "a", "op-1")
+        .await
+        .expect("rollback");
+    let stats = shim.stats(&sandbox).await.expect("stats");
+    assert_eq!(stats.last_rollback_operation_id.as_deref(), Some("op-1"));
+    assert_eq!(
+        stats
+            .snapshots
+            .iter()
+            .map(|s| s.snapshot_id.as_str())
+            .collect::<Vec<_>>(),
+        ["a", "b"]
+    );
+
+    // Errors keep their meaning.
+    let refused = shim
+        .rollback(&sandbox, "zzz", "op-2")
+        .await
+        .expect_err("refused");
+    assert!(
+        matches!(&refused, ShimError::Refused(m) if m.contains("lineage")),
+        "{refused:?}"
+    );
+    let other = Sandbox {
+        id: "sb-2".into(),
+        address: address.clone(),
+    };
+    let missing = shim
+        .snapshot(&other, "c", SnapshotMode::Full)
+        .await
+        .expect_err("no sandbox");
+    assert!(matches!(missing, ShimError::NotFound(_)), "{missing:?}");
+
+    // The node service on the same kind of socket.
+    let node = TtrpcNode {
+        address,
+        timeout: Duration::from_secs(10),
+    };
+    node.delete_snapshot("a").await.expect("delete");
+    assert_eq!(
+        shim.stats(&sandbox).await.expect("stats").snapshots.len(),
+        1
+    );
+    let spec = SandboxTemplateSpec {
+        image: "python:3".into(),
+        vcpus: 2,
+        memory_mib: 512,
+        command: Some(vec!["python3".into()]),
+        warmup: None,
+    };
+    let state = node
+        .ensure_template("default/py", &spec)
+        .await
+        .expect("template");
+    assert!(!state.ready);
+    assert_eq!(state.message.as_deref(), Some("booting"));
+    assert!(server
+        .requests
+        .lock()
+        .expect("lock")
+        .contains(&"template default/py python:3 2x512 [\"python3\"]".to_string()));
+    // A method this server does not implement answers NOT_FOUND.
+    let unimplemented = node
+        .delete_template("default/py")
+        .await
+        .expect_err("not implemented");
+    assert!(
+        matches!(unimplemented, ShimError::NotFound(_)),
+        "{unimplemented:?}"
+    );
+
+    ttrpc_server.shutdown().await.expect("shutdown");
+    let gone = shim.stats(&sandbox).await.expect_err("server gone");
+    assert!(matches!(gone, ShimError::Unavailable { .. }), "{gone:?}");
+}
+
+fn pod(uid: &str) -> Pod {
+    Pod {
+        metadata: ObjectMeta {
+            name: Some("redis".into()),
+            uid: Some(uid.into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    }
+}
+
+fn bundle(root: &std::path::Path, id: &str, annotations: serde_json::Value, address: &str) {
+    let dir = root.join(id);
+    std::fs::create_dir_all(&dir).expect("bundle dir");
+    let spec = serde_json::json!({"ociVersion": "1.1.0", "annotations": annotations});
+    std::fs::write(dir.join("config.json"), spec.to_string()).expect("config.json");
+    std::fs::write(dir.join("address"), format!("{address}\n")).expect("address");
+}
+
+#[tokio::test]
+async fn containerd_locator_finds_the_pods_sandbox_bundle() {
+    let root = tempfile::tempdir().expect("tempdir");
+    // The pod's app container shares the pod UID but is not the sandbox.
+    bundle(
+        root.path(),
+        "c0ffee",
+        serde_json::json!({"io.kubernetes.cri.container-type": "container", "io.kubernetes.cri.sandbox-uid": "uid-1"}),
+        "unix:///run/containerd/s/app",
+    );
+    bundle(
+        root.path(),
+        "5a4db0c5",
+        serde_json::json!({"io.kubernetes.cri.container-type": "sandbox", "io.kubernetes.cri.sandbox-uid": "uid-1"}),
+        "unix:///run/containerd/s/abc",
+    );
+    bundle(
+        root.path(),
+        "0ther",
+        serde_json::json!({"io.kubernetes.cri.container-type": "sandbox", "io.kubernetes.cri.sandbox-uid": "uid-2"}),
+        "unix:///run/containerd/s/def",
+    );
+    std::fs::create_dir_all(root.path().join("half-written")).expect("dir");
+    let locator = ContainerdLocator {
+        task_dir: root.path().to_path_buf(),
+    };
+    let sandbox = locator.locate(&pod("uid-1")).await.expect("found");
+    assert_eq!(
+        sandbox,
+        Sandbox {
+            id: "5a4db0c5".into(),
+            address: "unix:///run/containerd/s/abc".into()
+        }
+    );
+    let missing = locator.locate(&pod("uid-3")).await.expect_err("no sandbox");
+    assert!(
+        matches!(missing, LocateError::NotFound(ref u) if u == "uid-3"),
+        "{missing:?}"
+    );
+    let nowhere = ContainerdLocator {
+        task_dir: root.path().join("absent"),
+    };
+    assert!(matches!(
+        nowhere.locate(&pod("uid-1")).await,
+        Err(LocateError::Io { .. })
+    ));
+}

@@ -1,0 +1,300 @@
+//! The `twig-vmm` binary: its JSON API on a Unix socket, driven by a client
+//! the way the shim will, with the process started and stopped by PID.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Instant;
+
+use common::*;
+use serde_json::{json, Value};
+
+const BIN: &str = env!("CARGO_BIN_EXE_twig-vmm");
+
+struct Vmm {
+    child: Child,
+    conn: BufReader<UnixStream>,
+}
+
+impl Vmm {
+    fn start(dir: &Path, name: &str, extra: &[&str]) -> Vmm {
+        let sock = dir.join(format!("{name}.sock"));
+        let child = Command::new(BIN)
+            .args(["serve", "--api-sock"])
+            .arg(&sock)
+            .arg("--serial")
+            .arg(dir.join(format!("{name}.serial")))
+            .args(extra)
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn twig-vmm");
+        let deadline = Instant::now() + T;
+        let conn = loop {
+            match UnixStream::connect(&sock) {
+                Ok(c) => break c,
+                Err(e) if Instant::now() > deadline => panic!("twig-vmm did not listen: {e}"),
+                Err(_) => std::thread::yield_now(),
+            }
+        };
+        Vmm {
+            child,
+            conn: BufReader::new(conn),
+        }
+    }
+
+    fn call(&mut self, req: &str) -> Value {
+        writeln!(self.conn.get_mut(), "{req}").unwrap();
+        let mut line = String::new();
+        self.conn.read_line(&mut line).unwrap();
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad response {line:?}: {e}"))
+    }
+
+    fn ok(&mut self, req: Value) -> Value {
+        let r = self.call(&req.to_string());
+        assert_eq!(r["ok"], true, "{req} -> {r}");
+        r["result"].clone()
+    }
+
+    fn err(&mut self, req: &str) -> String {
+        let r = self.call(req);
+        assert_eq!(r["ok"], false, "{req} -> {r}");
+        r["error"].as_str().unwrap().to_string()
+    }
+
+    fn shutdown(mut self) {
+        self.ok(json!({"op": "shutdown"}));
+        let deadline = Instant::now() + T;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                assert!(status.success(), "twig-vmm exited with {status}");
+                return;
+            }
+            assert!(Instant::now() < deadline, "twig-vmm did not exit");
+            std::thread::yield_now();
+        }
+    }
+}
+
+impl Drop for Vmm {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn wait_file(path: &Path, pat: &str) {
+    let deadline = Instant::now() + T;
+    loop {
+        let s = std::fs::read_to_string(path).unwrap_or_default();
+        if s.contains(pat) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} never showed {pat:?}: {s:?}",
+            path.display()
+        );
+        std::thread::yield_now();
+    }
+}
+
+#[test]
+fn boot_snapshot_rollback_restore_over_the_api() {
+    require_kvm();
+    let d = tmp();
+    let kernel: PathBuf = twig_vmm::testguest::write_to(d.path()).unwrap();
+    let mut a = Vmm::start(d.path(), "a", &[]);
+    assert!(a.err(r#"{"op":"stats"}"#).contains("no VM yet"));
+    a.ok(json!({"op":"boot","kernel":kernel,"mem_mib":MIB,"vcpus":2}));
+    wait_file(&d.path().join("a.serial"), "B");
+    let e = a.err(&json!({"op":"boot","kernel":kernel}).to_string());
+    assert!(e.contains("already has a VM"), "{e}");
+    let s1 = d.path().join("s1");
+    let r = a.ok(json!({"op":"snapshot","dir":s1,"kind":"full"}));
+    assert_eq!(r["kind"], "full");
+    let r = a.ok(json!({"op":"snapshot","dir":d.path().join("s2"),"kind":"incremental"}));
+    assert_eq!(
+        r["parent"],
+        json!(twig_vmm::snapshot::read_state(&s1).unwrap().meta.id)
+    );
+    let r = a.ok(json!({"op":"rollback","dir":s1}));
+    assert_eq!(r["remapped"], false);
+    a.ok(json!({"op":"pause"}));
+    let st = a.ok(json!({"op":"stats"}));
+    assert_eq!(st["state"], "paused");
+    assert_eq!(st["vcpus"], 2);
+    a.ok(json!({"op":"resume"}));
+
+    // A second process, with a VM prepared ahead of time, restores s1.
+    let mut b = Vmm::start(
+        d.path(),
+        "b",
+        &[
+            "--prepare-mem-mib",
+            &MIB.to_string(),
+            "--prepare-vcpus",
+            "2",
+        ],
+    );
+    b.ok(json!({"op":"restore","dir":s1}));
+    let st = b.ok(json!({"op":"stats"}));
+    assert_eq!(st["state"], "running");
+    assert_eq!(
+        st["baseline"],
+        json!(twig_vmm::snapshot::read_state(&s1).unwrap().meta.id)
+    );
+    b.shutdown();
+    a.shutdown();
+
+    let out = Command::new(BIN).arg("verify").arg(&s1).output().unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("\"kind\": \"full\""));
+}
+
+#[test]
+fn bad_requests_get_clear_errors() {
+    require_kvm();
+    let d = tmp();
+    let mut a = Vmm::start(d.path(), "a", &[]);
+    assert!(a.err("not json").contains("bad request"));
+    assert!(a.err(r#"{"op":"fly"}"#).contains("unknown variant"));
+    assert!(a.err(r#"{"op":"restore"}"#).contains("missing field `dir`"));
+    assert!(a
+        .err(r#"{"op":"pause","extra":1}"#)
+        .contains("unknown field"));
+    let e = a.err(r#"{"op":"restore","dir":"/nonexistent/snap"}"#);
+    assert!(e.contains("cannot open the state file"), "{e}");
+    let e = a.err(r#"{"op":"boot","kernel":"/etc/hostname","mem_mib":64}"#);
+    assert!(e.contains("neither an ELF vmlinux"), "{e}");
+    let e = a.err(r#"{"op":"boot","kernel":"/etc/hostname","mem_mib":5}"#);
+    assert!(e.contains("multiple of 2 MiB"), "{e}");
+    // An oversized request gets an error and the connection is closed.
+    let long = format!("{{\"op\":\"stats\",\"x\":\"{}\"}}\n", "a".repeat(70_000));
+    let _ = a.conn.get_mut().write_all(long.as_bytes());
+    let mut line = String::new();
+    a.conn.read_line(&mut line).unwrap();
+    assert!(line.contains("longer than"), "{line}");
+    let deadline = Instant::now() + T;
+    a.conn = loop {
+        match UnixStream::connect(d.path().join("a.sock")) {
+            Ok(c) => break BufReader::new(c),
+            Err(e) if Instant::now() > deadline => panic!("reconnect: {e}"),
+            Err(_) => std::thread::yield_now(),
+        }
+    };
+    a.shutdown();
+
+    let out = Command::new(BIN)
+        .arg("verify")
+        .arg(d.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot open the state file"));
+    let out = Command::new(BIN).arg("--help").output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("serve"));
+}
+
+#[test]
+fn missing_or_forbidden_kvm_is_reported() {
+    require_kvm();
+    let d = tmp();
+    let kernel = twig_vmm::testguest::write_to(d.path()).unwrap();
+    let boot = json!({"op":"boot","kernel":kernel,"mem_mib":MIB}).to_string();
+    let run = |name: &str, argv: &dyn Fn(&str) -> Vec<String>| -> String {
+        let sock = d.path().join(format!("{name}.sock"));
+        let serve = format!(
+            "{BIN} serve --api-sock {} --serial /dev/null",
+            sock.display()
+        );
+        let args = argv(&serve);
+        let mut child = Command::new(&args[0]).args(&args[1..]).spawn().unwrap();
+        let deadline = Instant::now() + T;
+        let mut conn = loop {
+            match UnixStream::connect(&sock) {
+                Ok(c) => break BufReader::new(c),
+                Err(e) if Instant::now() > deadline => panic!("no socket: {e}"),
+                Err(_) => std::thread::yield_now(),
+            }
+        };
+        writeln!(conn.get_mut(), "{boot}").unwrap();
+        let mut line = String::new();
+        conn.read_line(&mut line).unwrap();
+        let _ = child.kill();
+        let _ = child.wait();
+        line
+    };
+    // /dev/kvm replaced by /dev/null in a private mount namespace.
+    let r = run("nokvm", &|serve| {
+        let script = format!("mount --bind /dev/null /dev/kvm && exec {serve}");
+        ["unshare", "-m", "sh", "-c", &script]
+            .map(String::from)
+            .to_vec()
+    });
+    assert!(r.contains("not a usable KVM device"), "{r}");
+    // An unprivileged user.
+    std::fs::set_permissions(
+        d.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let r = run("nobody", &|serve| {
+        let mut v: Vec<String> = [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+        ]
+        .map(String::from)
+        .to_vec();
+        v.extend(serve.split(' ').map(String::from));
+        v
+    });
+    assert!(
+        r.contains("cannot open /dev/kvm") && r.contains("ermission"),
+        "{r}"
+    );
+}
+
+#[test]
+fn a_vmm_killed_mid_snapshot_leaves_no_valid_looking_snapshot() {
+    require_kvm();
+    let d = tmp();
+    let kernel = twig_vmm::testguest::write_to(d.path()).unwrap();
+    let snaps = d.path().join("snaps");
+    std::fs::create_dir(&snaps).unwrap();
+    let mut a = Vmm::start(d.path(), "a", &[]);
+    a.ok(json!({"op":"boot","kernel":kernel,"mem_mib":2048}));
+    let target = snaps.join("big");
+    writeln!(a.conn.get_mut(), "{}", json!({"op":"snapshot","dir":target,"kind":"full"})).unwrap();
+    // Kill the VMM as soon as the snapshot is being written.
+    let deadline = Instant::now() + T;
+    loop {
+        let staging = std::fs::read_dir(&snaps)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .any(|e| e.file_name().to_string_lossy().starts_with(".twig-tmp"));
+        if staging || target.exists() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the snapshot never started");
+        std::thread::yield_now();
+    }
+    a.child.kill().unwrap();
+    a.child.wait().unwrap();
+    // Either the snapshot was published whole, or it is not there at all;
+    // debris is only ever a hidden staging directory.
+    if target.exists() {
+        twig_vmm::snapshot::verify(&target).unwrap();
+    } else {
+        let e = twig_vmm::snapshot::verify(&target).unwrap_err().to_string();
+        assert!(e.contains("cannot open the state file"), "{e}");
+    }
+    for e in std::fs::read_dir(&snaps).unwrap().filter_map(|e| e.ok()) {
+        let name = e.file_name().to_string_lossy().to_string();
+        assert!(name == "big" || name.starts_with(".twig-tmp-big-"), "{name}");
+    }
+}

@@ -1,0 +1,248 @@
+//! Bad snapshots and failing operations: refused with their reason, and
+//! nothing lost — the VM keeps running on its previous state.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::*;
+use twig_vmm::snapshot::{self, Image};
+use twig_vmm::{Kind, RunState, Shape, Vm};
+
+/// Boots a guest and takes a full snapshot `s0` and an incremental `s1`.
+fn snapshots(d: &Path) -> (Guest, PathBuf, PathBuf) {
+    let mut g = boot(d, MIB, 1);
+    dirty(&mut g.vm, 0, 4, 11);
+    let s0 = d.join("s0");
+    g.vm.snapshot(&s0, Kind::Full).unwrap();
+    dirty(&mut g.vm, 2, 4, 22);
+    let s1 = d.join("s1");
+    g.vm.snapshot(&s1, Kind::Incremental).unwrap();
+    (g, s0, s1)
+}
+
+fn restore_err(dir: &Path) -> String {
+    let mut vm = Vm::create(Shape::new(MIB, 1), Box::new(std::io::sink())).unwrap();
+    let err = vm.restore(dir).expect_err("restore must fail").to_string();
+    assert_eq!(
+        vm.state(),
+        RunState::Created,
+        "a failed restore leaves the VM unused"
+    );
+    err
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir(to).unwrap();
+    for f in ["state", "memory"] {
+        std::fs::copy(from.join(f), to.join(f)).unwrap();
+    }
+}
+
+fn patch(path: &Path, offset: usize, f: impl FnOnce(&mut u8)) {
+    let mut b = std::fs::read(path).unwrap();
+    f(&mut b[offset]);
+    std::fs::write(path, b).unwrap();
+}
+
+#[test]
+fn corrupted_truncated_and_wrong_version_state_files_are_refused() {
+    let d = tmp();
+    let (_g, s0, _) = snapshots(d.path());
+    let case = |name: &str, f: &dyn Fn(&Path)| {
+        let c = d.path().join(name);
+        copy_dir(&s0, &c);
+        f(&c.join("state"));
+        restore_err(&c)
+    };
+    let e = case("flip", &|p| patch(p, 100, |b| *b ^= 0x40));
+    assert!(e.contains("corrupted (CRC32"), "{e}");
+    let e = case("trunc", &|p| {
+        let b = std::fs::read(p).unwrap();
+        std::fs::write(p, &b[..b.len() / 2]).unwrap();
+    });
+    assert!(e.contains("truncated"), "{e}");
+    let e = case("short", &|p| std::fs::write(p, b"TWIG").unwrap());
+    assert!(e.contains("truncated"), "{e}");
+    let e = case("version", &|p| patch(p, 8, |b| *b = 2));
+    assert!(e.contains("version 2 is not supported"), "{e}");
+    let e = case("magic", &|p| patch(p, 0, |b| *b = b'X'));
+    assert!(e.contains("bad magic"), "{e}");
+    let e = case("huge", &|p| {
+        let f = std::fs::OpenOptions::new().write(true).open(p).unwrap();
+        f.set_len(snapshot::MAX_STATE_BYTES + 1).unwrap();
+    });
+    assert!(e.contains("over the"), "{e}");
+    let e = case("nostate", &|p| std::fs::remove_file(p).unwrap());
+    assert!(e.contains("cannot open the state file"), "{e}");
+}
+
+#[test]
+fn bad_memory_files_are_refused() {
+    let d = tmp();
+    let (_g, s0, s1) = snapshots(d.path());
+    let t = d.path().join("t");
+    copy_dir(&s0, &t);
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(t.join("memory"))
+        .unwrap();
+    f.set_len((MIB << 20) as u64 - 4096).unwrap();
+    let e = restore_err(&t);
+    assert!(e.contains("truncated or mismatched"), "{e}");
+
+    // A full snapshot's memory is mapped lazily; `verify` reads it all.
+    let c = d.path().join("c");
+    copy_dir(&s0, &c);
+    patch(
+        &c.join("memory"),
+        twig_vmm::testguest::SCRATCH as usize,
+        |b| *b ^= 1,
+    );
+    let e = snapshot::verify(&c).unwrap_err().to_string();
+    assert!(e.contains("memory is corrupted"), "{e}");
+    snapshot::verify(&s0).unwrap();
+    snapshot::verify(&s1).unwrap();
+
+    // An incremental layer's pages are checked whenever the chain is opened.
+    let before = std::fs::read(s1.join("memory")).unwrap();
+    patch(
+        &s1.join("memory"),
+        twig_vmm::testguest::SCRATCH as usize + 3 * 4096,
+        |b| *b ^= 1,
+    );
+    let e = restore_err(&s1);
+    assert!(e.contains("memory pages are corrupted"), "{e}");
+    std::fs::write(s1.join("memory"), before).unwrap();
+    Image::open(&s1).unwrap();
+}
+
+#[test]
+fn broken_chains_and_mismatched_shapes_are_refused() {
+    let d = tmp();
+    let (_g, s0, s1) = snapshots(d.path());
+    let mut vm = Vm::create(Shape::new(MIB * 2, 1), Box::new(std::io::sink())).unwrap();
+    let e = vm.restore(&s0).unwrap_err().to_string();
+    assert!(e.contains("memory size mismatch"), "{e}");
+    let mut vm = Vm::create(Shape::new(MIB, 2), Box::new(std::io::sink())).unwrap();
+    let e = vm.restore(&s0).unwrap_err().to_string();
+    assert!(e.contains("vCPU count mismatch"), "{e}");
+
+    // A parent replaced by another snapshot.
+    let (_g2, other, _) = snapshots(&d.path().join("x").tap_mkdir());
+    std::fs::rename(&s0, d.path().join("s0.orig")).unwrap();
+    copy_dir(&other, &s0);
+    let e = restore_err(&s1);
+    assert!(
+        e.contains("expected") && e.contains("replaced or moved"),
+        "{e}"
+    );
+    std::fs::remove_dir_all(&s0).unwrap();
+    let e = restore_err(&s1);
+    assert!(
+        e.contains("s0") && e.contains("cannot open the state file"),
+        "{e}"
+    );
+}
+
+trait TapMkdir {
+    fn tap_mkdir(self) -> Self;
+}
+impl TapMkdir for PathBuf {
+    fn tap_mkdir(self) -> Self {
+        std::fs::create_dir_all(&self).unwrap();
+        self
+    }
+}
+
+#[test]
+fn a_snapshot_from_a_cpu_with_more_features_is_refused() {
+    let d = tmp();
+    let (_g, s0, _) = snapshots(d.path());
+    let mut state = snapshot::read_state(&s0).unwrap();
+    // Claim every feature bit of leaf 7: no host has them all.
+    for v in &mut state.vcpus {
+        for e in v
+            .cpuid
+            .iter_mut()
+            .filter(|e| e.function == 7 && e.index == 0)
+        {
+            e.ebx = u32::MAX;
+        }
+    }
+    let f = d.path().join("future");
+    copy_dir(&s0, &f);
+    std::fs::write(f.join("state"), state.encode().unwrap()).unwrap();
+    let e = restore_err(&f);
+    assert!(
+        e.contains("features this host lacks") && e.contains("leaf 0x7.0 ebx"),
+        "{e}"
+    );
+}
+
+#[test]
+fn failed_rollback_and_snapshot_leave_the_vm_running_on_its_state() {
+    let d = tmp();
+    let (mut g, s0, _) = snapshots(d.path());
+    dirty(&mut g.vm, 0, 2, 99);
+    let bad = d.path().join("bad");
+    copy_dir(&s0, &bad);
+    patch(&bad.join("state"), 200, |b| *b ^= 1);
+    let e = g.vm.rollback(&bad).unwrap_err().to_string();
+    assert!(
+        e.contains("rollback refused") && e.contains("corrupted"),
+        "{e}"
+    );
+    assert_eq!(g.vm.state(), RunState::Running);
+    assert_eq!(word(&g.vm, 0), 99, "the VM kept its state");
+    print(&mut g.vm, &g.serial, b'k');
+
+    let e =
+        g.vm.rollback(&d.path().join("nope"))
+            .unwrap_err()
+            .to_string();
+    assert!(e.contains("rollback refused"), "{e}");
+    let other = d.path().join("big").tap_mkdir();
+    let mut big = boot(&other, MIB * 2, 1);
+    let bs = other.join("bs");
+    big.vm.snapshot(&bs, Kind::Full).unwrap();
+    let e = g.vm.rollback(&bs).unwrap_err().to_string();
+    assert!(e.contains("memory size mismatch"), "{e}");
+    assert_eq!(word(&g.vm, 0), 99);
+
+    // Snapshots never overwrite, and a failed one leaves no debris.
+    let e = g.vm.snapshot(&s0, Kind::Full).unwrap_err().to_string();
+    assert!(e.contains("already exists"), "{e}");
+    let e =
+        g.vm.snapshot(&d.path().join("no/such/dir"), Kind::Full)
+            .unwrap_err()
+            .to_string();
+    assert!(e.contains("temporary directory"), "{e}");
+    let leftovers: Vec<_> = std::fs::read_dir(d.path())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with(".twig-tmp"))
+        .collect();
+    assert!(leftovers.is_empty());
+    assert_eq!(g.vm.state(), RunState::Running);
+    // Nothing was lost: an incremental snapshot still carries the pages
+    // dirtied before the failures.
+    let s2 = d.path().join("s2");
+    let info = g.vm.snapshot(&s2, Kind::Incremental).unwrap();
+    assert!(info.pages_written >= 2, "{info:?}");
+    let mut r = Vm::create(Shape::new(MIB, 1), Box::new(std::io::sink())).unwrap();
+    r.restore(&s2).unwrap();
+    assert_eq!(word(&r, 0), 99);
+}
+
+#[test]
+fn incremental_needs_a_parent() {
+    let d = tmp();
+    let mut g = boot(d.path(), MIB, 1);
+    let e =
+        g.vm.snapshot(&d.path().join("i"), Kind::Incremental)
+            .unwrap_err()
+            .to_string();
+    assert!(e.contains("needs a parent"), "{e}");
+    assert_eq!(g.vm.state(), RunState::Running);
+}
