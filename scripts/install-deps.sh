@@ -9,6 +9,7 @@ packages=(
   containerd runc umoci skopeo  # the snapshotter's real containerd tests
   xfsprogs btrfs-progs          # reflink filesystems, loop-mounted by tests
   protobuf-compiler             # .proto files (containerd snapshots API, shim service)
+  qemu-system-x86 cpio          # the nested lab (tests/lab/run.sh)
   libprotobuf-dev busybox-static  # protobuf well-known .protos; a static shell in test images
 )
 

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The one test command (README, .ci/run). Installs what the tests need, checks
-# formatting and lints, then runs every workspace test on the real components:
-# /dev/kvm, containerd, loop-mounted reflink filesystems. Tests that need root,
-# KVM or containerd fail loudly when those are missing; they never skip.
+# formatting and lints, runs every workspace test on the real components
+# (/dev/kvm, containerd, loop-mounted reflink filesystems), then runs the
+# VMM's tests again inside the nested lab on a real kvm-amd. Tests that need
+# root, KVM, containerd or the lab fail loudly when those are missing; they
+# never skip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked
+tests/lab/run.sh -p twig-vmm

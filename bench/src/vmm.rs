@@ -86,19 +86,47 @@ fn boot(shape: Shape, kernel: &Path) -> Result<(Guest, Duration), Error> {
     Ok((Guest { vm, serial }, took))
 }
 
-/// Asks the guest to print `byte` and returns the serial offset to wait from.
-fn post_print(vm: &mut Vm, serial: &Capture, byte: u8) -> Result<usize, Error> {
-    let from = serial.bytes().len();
-    testguest::post(vm, Command::Print, [u64::from(byte), 0, 0])
-        .context(|| "posting a print command".into())?;
-    Ok(from)
+/// A print command posted to the test guest.
+struct Print {
+    byte: u8,
+    /// Serial offset its byte appears at or after.
+    from: usize,
+    /// Completion count that acknowledges it.
+    done: u64,
 }
 
-fn wait_print(serial: &Capture, byte: u8, from: usize) -> Result<(), Error> {
-    serial
-        .wait_for(&[byte], from, T)
-        .context(|| format!("waiting for the guest to print {:?}", byte as char))?;
-    Ok(())
+/// Asks the guest to print `byte`.
+fn post_print(vm: &mut Vm, serial: &Capture, byte: u8) -> Result<Print, Error> {
+    let from = serial.bytes().len();
+    let done = testguest::post(vm, Command::Print, [u64::from(byte), 0, 0])
+        .context(|| "posting a print command".into())?;
+    Ok(Print { byte, from, done })
+}
+
+impl Print {
+    /// Waits for the byte on the serial port: the guest runs.
+    fn printed(&self, serial: &Capture) -> Result<(), Error> {
+        serial
+            .wait_for(&[self.byte], self.from, T)
+            .context(|| format!("waiting for the guest to print {:?}", self.byte as char))?;
+        Ok(())
+    }
+
+    /// Waits until the guest acknowledged the command. It prints before it
+    /// clears the mailbox, so a command posted between the two is lost.
+    fn completed(&self, vm: &Vm) -> Result<(), Error> {
+        testguest::poll(T, "the print command to complete", || {
+            Ok(vm.read_u64(testguest::DONE)? >= self.done)
+        })?;
+        Ok(())
+    }
+}
+
+/// Has the guest print `byte` and waits until it has, and acknowledged it.
+fn print(vm: &mut Vm, serial: &Capture, byte: u8) -> Result<(), Error> {
+    let p = post_print(vm, serial, byte)?;
+    p.printed(serial)?;
+    p.completed(vm)
 }
 
 /// Has the guest write `pages` scratch pages (values from `value`).
@@ -236,6 +264,13 @@ pub fn run(args: &Args) -> Result<Value, Error> {
                 g.vm.snapshot(&dir, Kind::Incremental)
                     .context(|| format!("incremental snapshot of {n} pages, run {i}"))?;
             samples.push(start.elapsed());
+            if info.pages_written < n as usize {
+                return Err(format!(
+                    "an incremental snapshot after dirtying {n} pages wrote {}",
+                    info.pages_written
+                )
+                .into());
+            }
             pages.push(info.pages_written);
             // Nothing reads an incremental snapshot's parent while taking
             // the next one, so only the newest is kept.
@@ -252,8 +287,11 @@ pub fn run(args: &Args) -> Result<Value, Error> {
     // the VM's baseline from the last incremental snapshot to the base.
     g.vm.rollback(&base)
         .context(|| "rolling back to the base snapshot".into())?;
-    let from = post_print(&mut g.vm, &g.serial, b'r')?;
-    wait_print(&g.serial, b'r', from)?;
+    print(&mut g.vm, &g.serial, b'r')?;
+    let word = |vm: &Vm, p: u64| vm.read_u64(testguest::SCRATCH + p * PAGE);
+    let base_words = (0..PAGE_COUNTS[2])
+        .map(|p| word(&g.vm, p))
+        .collect::<Result<Vec<u64>, _>>()?;
     let mut restored = Map::new();
     for n in PAGE_COUNTS {
         let mut samples = Vec::with_capacity(args.runs);
@@ -267,11 +305,23 @@ pub fn run(args: &Args) -> Result<Value, Error> {
                     .context(|| format!("rollback of {n} pages, run {i}"))?;
             samples.push(start.elapsed());
             pages.push(info.pages_restored);
-            if info.remapped {
-                return Err(format!("rollback of {n} pages remapped all of RAM").into());
+            if info.remapped || info.pages_restored < n as usize {
+                return Err(format!(
+                    "rollback after dirtying {n} pages: {} pages restored, remapped: {}",
+                    info.pages_restored, info.remapped
+                )
+                .into());
             }
-            let from = post_print(&mut g.vm, &g.serial, b'r')?;
-            wait_print(&g.serial, b'r', from)?;
+            for p in [0, n / 2, n - 1] {
+                let (now, then) = (word(&g.vm, p)?, base_words[p as usize]);
+                if now != then {
+                    return Err(format!(
+                        "after rollback scratch page {p} holds {now}, the snapshot {then}"
+                    )
+                    .into());
+                }
+            }
+            print(&mut g.vm, &g.serial, b'r')?;
         }
         r.timing(&format!("rollback_{n}_ms"), &samples);
         restored.insert(n.to_string(), json!(median(pages)));
@@ -319,10 +369,11 @@ fn restore(r: &mut Report, runs: usize, shape: Shape, base: &Path) -> Result<(),
         vm.restore_image(&image)
             .context(|| format!("restore run {i}"))?;
         let t3 = Instant::now();
-        let from = post_print(&mut vm, &serial, b'R')?;
+        let p = post_print(&mut vm, &serial, b'R')?;
         vm.resume()?;
-        wait_print(&serial, b'R', from)?;
+        p.printed(&serial)?;
         let t4 = Instant::now();
+        p.completed(&vm)?;
         if is_cold {
             cold.push(t4 - t0);
             phases.entry("create").or_default().push(t1 - t0);
@@ -353,14 +404,18 @@ fn clone(base: &Path, n: usize) -> Result<Duration, Error> {
     let captures: Vec<Capture> = (0..n).map(|_| Capture::new()).collect();
     let start = Instant::now();
     let mut vms = Vm::clone_from(base, n, |i| captures[i].writer())?;
-    let mut froms = Vec::with_capacity(n);
+    let mut prints = Vec::with_capacity(n);
     for (vm, c) in vms.iter_mut().zip(&captures) {
-        froms.push(post_print(vm, c, b'C')?);
+        prints.push(post_print(vm, c, b'C')?);
     }
-    for (c, from) in captures.iter().zip(froms) {
-        wait_print(c, b'C', from)?;
+    for (c, p) in captures.iter().zip(&prints) {
+        p.printed(c)?;
     }
-    Ok(start.elapsed())
+    let took = start.elapsed();
+    for (vm, p) in vms.iter().zip(&prints) {
+        p.completed(vm)?;
+    }
+    Ok(took)
 }
 
 /// Restores `base` into as many VMs as run, up to `cap`, in this process;
@@ -397,12 +452,13 @@ fn max_vms(
     };
     let took = start.elapsed();
     // All of them still run: each prints again.
-    let mut froms = Vec::with_capacity(vms.len());
+    let mut prints = Vec::with_capacity(vms.len());
     for g in vms.iter_mut() {
-        froms.push(post_print(&mut g.vm, &g.serial, b'Z')?);
+        prints.push(post_print(&mut g.vm, &g.serial, b'Z')?);
     }
-    for (g, from) in vms.iter().zip(froms) {
-        wait_print(&g.serial, b'Z', from)?;
+    for (g, p) in vms.iter().zip(&prints) {
+        p.printed(&g.serial)?;
+        p.completed(&g.vm)?;
     }
     let after = smaps("self", &guest_file)?;
     let avail_after = mem_available_kib()?;
@@ -436,9 +492,10 @@ fn start_restored(shape: Shape, image: &Arc<Image>) -> Result<Guest, Error> {
     let serial = Capture::new();
     let mut vm = Vm::create(shape, serial.writer())?;
     vm.restore_image(image)?;
-    let from = post_print(&mut vm, &serial, b'R')?;
+    let p = post_print(&mut vm, &serial, b'R')?;
     vm.resume()?;
-    wait_print(&serial, b'R', from)?;
+    p.printed(&serial)?;
+    p.completed(&vm)?;
     Ok(Guest { vm, serial })
 }
 
@@ -633,6 +690,8 @@ fn rss_by_process(
     let mut vmm_pss = Vec::with_capacity(k);
     let mut guest = Vec::with_capacity(k);
     let mut total = Vec::with_capacity(k);
+    let mut private = Vec::with_capacity(k);
+    let mut breakdown = BTreeMap::new();
     for p in &procs {
         let m = smaps(&p.pid().to_string(), &guest_file)?;
         if m.guest_size_kib == 0 {
@@ -647,6 +706,10 @@ fn rss_by_process(
         guest.push(m.guest_rss_kib as f64);
         vmm_rss.push((m.rss_kib - m.guest_rss_kib) as f64);
         vmm_pss.push(m.pss_kib as f64 - m.guest_pss_kib as f64);
+        private.push(m.private_kib as f64);
+        if breakdown.is_empty() {
+            breakdown = m.by_name;
+        }
     }
     for (p, mut api) in procs.drain(..).zip(apis) {
         p.shutdown(&mut api)?;
@@ -655,17 +718,27 @@ fn rss_by_process(
     let max = |v: &[f64]| v.iter().copied().fold(f64::MIN, f64::max);
     eprintln!(
         "  twig-vmm processes: {k}; RSS total mean {:.0} KiB, guest mapping mean {:.0} KiB, \
-         VMM beyond guest mean {:.0} KiB (max {:.0}), PSS beyond guest mean {:.0} KiB",
+         VMM beyond guest mean {:.0} KiB (max {:.0}), PSS beyond guest mean {:.0} KiB, \
+         private beyond guest mean {:.0} KiB",
         mean(&total),
         mean(&guest),
         mean(&vmm_rss),
         max(&vmm_rss),
-        mean(&vmm_pss)
+        mean(&vmm_pss),
+        mean(&private)
     );
+    // The first process's RSS by mapping, largest first.
+    let mut top: Vec<(String, u64)> = breakdown.into_iter().filter(|(_, kib)| *kib > 0).collect();
+    top.sort_by(|a, b| b.1.cmp(&a.1));
+    for (name, kib) in &top {
+        eprintln!("    {kib:>6} KiB  {name}");
+    }
     let detail = json!({
         "mean": mean(&vmm_rss),
         "max": max(&vmm_rss),
         "pss_mean": mean(&vmm_pss),
+        "private_mean": mean(&private),
+        "first_process_rss_by_mapping_kib": top.into_iter().map(|(n, kib)| (n, json!(kib))).collect::<Map<String, Value>>(),
         "process_rss_mean": mean(&total),
         "guest_rss_mean": mean(&guest),
         "processes": k,
@@ -682,6 +755,10 @@ struct Mem {
     guest_size_kib: u64,
     guest_rss_kib: u64,
     guest_pss_kib: u64,
+    /// Private_Clean + Private_Dirty outside the guest mapping.
+    private_kib: u64,
+    /// RSS outside the guest mapping by mapping name.
+    by_name: BTreeMap<String, u64>,
 }
 
 fn smaps(pid: &str, guest_file: &Path) -> Result<Mem, Error> {
@@ -691,6 +768,7 @@ fn smaps(pid: &str, guest_file: &Path) -> Result<Mem, Error> {
     let deleted = format!("{guest} (deleted)");
     let mut m = Mem::default();
     let mut in_guest = false;
+    let mut name = String::new();
     for line in text.lines() {
         let fields: Vec<&str> = line.split_whitespace().collect();
         let Some(first) = fields.first() else {
@@ -698,8 +776,11 @@ fn smaps(pid: &str, guest_file: &Path) -> Result<Mem, Error> {
         };
         let Some(key) = first.strip_suffix(':') else {
             // A mapping's header: range perms offset dev inode [path].
-            let name = fields.get(5..).map(|p| p.join(" ")).unwrap_or_default();
+            name = fields.get(5..).map(|p| p.join(" ")).unwrap_or_default();
             in_guest = name == guest || name == deleted;
+            if name.is_empty() {
+                name = "[anonymous]".into();
+            }
             continue;
         };
         let Some(kib) = fields.get(1).and_then(|v| v.parse::<u64>().ok()) else {
@@ -711,8 +792,11 @@ fn smaps(pid: &str, guest_file: &Path) -> Result<Mem, Error> {
                 m.rss_kib += kib;
                 if g {
                     m.guest_rss_kib += kib;
+                } else {
+                    *m.by_name.entry(name.clone()).or_default() += kib;
                 }
             }
+            ("Private_Clean" | "Private_Dirty", false) => m.private_kib += kib,
             ("Pss", g) => {
                 m.pss_kib += kib;
                 if g {

@@ -48,6 +48,8 @@ pub struct Context {
     pub metrics: Arc<Metrics>,
     /// Delay before an object waiting on something else, or after an error, is looked at again.
     pub retry: Duration,
+    /// How often a Ready snapshot's data is checked to still be on the node.
+    pub recheck: Duration,
     recorder: Recorder,
     pod_locks: Mutex<HashMap<PodKey, Arc<tokio::sync::Mutex<()>>>>,
 }
@@ -74,6 +76,7 @@ impl Context {
             node,
             metrics,
             retry: Duration::from_secs(5),
+            recheck: Duration::from_secs(300),
             pod_locks: Mutex::default(),
         }
     }
@@ -82,6 +85,13 @@ impl Context {
     #[must_use]
     pub fn with_retry(mut self, retry: Duration) -> Self {
         self.retry = retry;
+        self
+    }
+
+    /// Sets how often Ready snapshots are checked to still be on the node.
+    #[must_use]
+    pub fn with_recheck(mut self, recheck: Duration) -> Self {
+        self.recheck = recheck;
         self
     }
 

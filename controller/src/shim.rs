@@ -100,6 +100,8 @@ pub trait TwigShim: Send + Sync {
 pub trait NodeService: Send + Sync {
     /// Removes a snapshot's data; succeeds when it is already gone.
     async fn delete_snapshot(&self, snapshot_id: &str) -> Result<(), ShimError>;
+    /// Whether the node store still holds the snapshot.
+    async fn has_snapshot(&self, snapshot_id: &str) -> Result<bool, ShimError>;
     /// Builds or finds the template `key` (`namespace/name`) on this node.
     async fn ensure_template(
         &self,
@@ -275,6 +277,20 @@ impl NodeService for TtrpcNode {
             .await
             .map_err(|e| map_error("DeleteSnapshot", &self.address, e))?;
         Ok(())
+    }
+
+    async fn has_snapshot(&self, snapshot_id: &str) -> Result<bool, ShimError> {
+        let req = pb::GetSnapshotRequest {
+            snapshot_id: snapshot_id.to_string(),
+            ..Default::default()
+        };
+        let resp = self
+            .client()
+            .await?
+            .get_snapshot(self.ctx(), &req)
+            .await
+            .map_err(|e| map_error("GetSnapshot", &self.address, e))?;
+        Ok(resp.found)
     }
 
     async fn ensure_template(

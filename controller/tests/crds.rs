@@ -325,3 +325,67 @@ fn openapi_validation_refuses_bad_values() {
     );
     assert!(errors.is_empty(), "{errors:?}");
 }
+
+/// Every manifest under examples/ is a valid object: Twig objects pass the
+/// CRD schemas and CEL rules, Pods parse as Pods with nothing unknown.
+#[test]
+fn examples_are_valid_objects() {
+    let crds = load();
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples");
+    let mut kinds = BTreeSet::new();
+    let mut stack = vec![dir];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).expect("examples dir") {
+            let path = entry.expect("entry").path();
+            if path.is_dir() {
+                stack.push(path);
+                continue;
+            }
+            if path.extension().and_then(|e| e.to_str()) != Some("yaml") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).expect("read");
+            let docs: Vec<Value> = serde_saphyr::from_multiple(&text)
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            for doc in docs {
+                let kind = doc["kind"].as_str().unwrap_or_default().to_string();
+                let plural = crds
+                    .by_plural
+                    .iter()
+                    .find(|(_, c)| c.kind == kind)
+                    .map(|(p, _)| p.clone());
+                match plural {
+                    Some(plural) => {
+                        assert_eq!(doc["apiVersion"], "twig.dev/v1alpha1", "{}", path.display());
+                        if let Err(e) = crds.validate(&plural, &doc, None) {
+                            panic!("{}: {e}", path.display());
+                        }
+                    }
+                    None => {
+                        assert_eq!(kind, "Pod", "{}", path.display());
+                        let pod: k8s_openapi::api::core::v1::Pod =
+                            serde_json::from_value(doc.clone()).expect("pod");
+                        assert_eq!(
+                            serde_json::to_value(&pod).expect("pod json"),
+                            doc,
+                            "{}",
+                            path.display()
+                        );
+                        let spec = pod.spec.expect("spec");
+                        assert_eq!(
+                            spec.runtime_class_name.as_deref(),
+                            Some("twig"),
+                            "{}",
+                            path.display()
+                        );
+                    }
+                }
+                kinds.insert(kind);
+            }
+        }
+    }
+    let expected: BTreeSet<String> = ["Clone", "Pod", "Rollback", "SandboxTemplate", "Snapshot"]
+        .map(String::from)
+        .into();
+    assert_eq!(kinds, expected);
+}

@@ -114,6 +114,20 @@ impl rpc::Node for Server {
         Ok(pb::DeleteSnapshotResponse::default())
     }
 
+    async fn get_snapshot(
+        &self,
+        _: &ttrpc::r#async::TtrpcContext,
+        req: pb::GetSnapshotRequest,
+    ) -> ttrpc::Result<pb::GetSnapshotResponse> {
+        let snaps = self.snapshots.lock().expect("lock");
+        let found = snaps.get(&req.snapshot_id).cloned();
+        Ok(pb::GetSnapshotResponse {
+            found: found.is_some(),
+            snapshot: found.into(),
+            ..Default::default()
+        })
+    }
+
     async fn ensure_template(
         &self,
         _: &ttrpc::r#async::TtrpcContext,
@@ -216,7 +230,9 @@ async fn ttrpc_shim_client_calls_the_twig_service() {
         address,
         timeout: Duration::from_secs(10),
     };
+    assert!(node.has_snapshot("a").await.expect("get"));
     node.delete_snapshot("a").await.expect("delete");
+    assert!(!node.has_snapshot("a").await.expect("get"));
     assert_eq!(
         shim.stats(&sandbox).await.expect("stats").snapshots.len(),
         1

@@ -70,7 +70,11 @@ impl Filter {
                         while i < chars.len() && chars[i] != ',' {
                             i += 1;
                         }
-                        chars[start..i].iter().collect::<String>().trim().to_string()
+                        chars[start..i]
+                            .iter()
+                            .collect::<String>()
+                            .trim()
+                            .to_string()
                     };
                     if negate {
                         Op::NotEqual(value)
@@ -165,7 +169,11 @@ mod tests {
     #[test]
     fn selectors_combine_with_and() {
         let f = Filter::parse(r#"kind==committed,labels."containerd.io/gc.root""#).unwrap();
-        assert!(f.matches(&info("a", Kind::Committed, &[("containerd.io/gc.root", "x")])));
+        assert!(f.matches(&info(
+            "a",
+            Kind::Committed,
+            &[("containerd.io/gc.root", "x")]
+        )));
         assert!(!f.matches(&info("a", Kind::Active, &[("containerd.io/gc.root", "x")])));
         assert!(!f.matches(&info("a", Kind::Committed, &[])));
     }

@@ -91,9 +91,7 @@ fn copy_data_ranges(from: &File, to: &File) -> io::Result<()> {
         while off_in < hole {
             let chunk = (hole - off_in).min(1 << 30) as usize;
             // SAFETY: offsets are valid pointers to local i64s.
-            let n = unsafe {
-                libc::copy_file_range(ifd, &mut off_in, ofd, &mut off_out, chunk, 0)
-            };
+            let n = unsafe { libc::copy_file_range(ifd, &mut off_in, ofd, &mut off_out, chunk, 0) };
             if n < 0 {
                 return Err(io::Error::last_os_error());
             }
@@ -125,10 +123,7 @@ pub fn probe_reflink(dir: &Path) -> io::Result<()> {
     let _ = fs::remove_file(&a);
     let _ = fs::remove_file(&b);
     let result = (|| {
-        let mut f = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&a)?;
+        let mut f = OpenOptions::new().write(true).create_new(true).open(&a)?;
         f.write_all(&[0x5a; 4096])?;
         f.sync_all()?;
         reflink(&a, &b)

@@ -113,7 +113,10 @@ impl NodeStore {
         let mode = match fsops::probe_reflink(&root.join("tmp")) {
             Ok(()) => CloneMode::Reflink,
             Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => {
-                return Err(Error::io(format!("probing reflink in {}", root.display()), e))
+                return Err(Error::io(
+                    format!("probing reflink in {}", root.display()),
+                    e,
+                ))
             }
             Err(source) if !allow_copy => {
                 return Err(Error::NoReflink {
@@ -268,9 +271,9 @@ impl NodeStore {
     /// the snapshot.
     pub fn reflink_out(&self, name: &str, a: Artefact, dest: &Path) -> Result<()> {
         let snap = self.get(name)?;
-        let src = snap.path(a).ok_or_else(|| {
-            Error::NotFound(format!("{} of VM snapshot {name:?}", a.file_name()))
-        })?;
+        let src = snap
+            .path(a)
+            .ok_or_else(|| Error::NotFound(format!("{} of VM snapshot {name:?}", a.file_name())))?;
         fsops::clone_file(self.mode, &src, dest).map_err(ctx(format!(
             "cloning {} to {}",
             src.display(),
@@ -308,7 +311,9 @@ impl NodeStore {
             let entry = entry.map_err(ctx(format!("reading {}", tmp.display())))?;
             let path = entry.path();
             let held = match File::open(&path) {
-                Ok(f) => !fsops::try_flock(&f).map_err(ctx(format!("locking {}", path.display())))?,
+                Ok(f) => {
+                    !fsops::try_flock(&f).map_err(ctx(format!("locking {}", path.display())))?
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
                 Err(e) => return Err(Error::io(format!("opening {}", path.display()), e)),
             };
@@ -402,7 +407,8 @@ impl Staging<'_> {
             source: std::io::Error::other(e),
         })?;
         let mpath = self.dir.join(MANIFEST);
-        fsops::write_durable(&mpath, &bytes).map_err(ctx(format!("writing {}", mpath.display())))?;
+        fsops::write_durable(&mpath, &bytes)
+            .map_err(ctx(format!("writing {}", mpath.display())))?;
         fsops::sync_path(&self.dir).map_err(ctx(format!("syncing {}", self.dir.display())))?;
         let dest = self.store.published(&self.name);
         fsops::rename_noreplace(&self.dir, &dest).map_err(|e| {

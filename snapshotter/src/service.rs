@@ -3,11 +3,10 @@
 
 use crate::api::snapshots::snapshots_server::{Snapshots, SnapshotsServer};
 use crate::api::snapshots::{
-    self as pb, CleanupRequest, CommitSnapshotRequest, ListSnapshotsRequest,
-    ListSnapshotsResponse, MountsRequest, MountsResponse, PrepareSnapshotRequest,
-    PrepareSnapshotResponse, RemoveSnapshotRequest, StatSnapshotRequest, StatSnapshotResponse,
-    UpdateSnapshotRequest, UpdateSnapshotResponse, UsageRequest, UsageResponse,
-    ViewSnapshotRequest, ViewSnapshotResponse,
+    self as pb, CleanupRequest, CommitSnapshotRequest, ListSnapshotsRequest, ListSnapshotsResponse,
+    MountsRequest, MountsResponse, PrepareSnapshotRequest, PrepareSnapshotResponse,
+    RemoveSnapshotRequest, StatSnapshotRequest, StatSnapshotResponse, UpdateSnapshotRequest,
+    UpdateSnapshotResponse, UsageRequest, UsageResponse, ViewSnapshotRequest, ViewSnapshotResponse,
 };
 use crate::api::types;
 use crate::error::Error;
@@ -62,10 +61,9 @@ fn status(e: Error) -> Status {
         Error::InvalidArgument(_) => Status::invalid_argument(msg),
         Error::NoSpace { .. } => Status::resource_exhausted(msg),
         Error::Locked(_) => Status::unavailable(msg),
-        Error::NoReflink { .. }
-        | Error::Tool { .. }
-        | Error::Corrupt { .. }
-        | Error::Io { .. } => Status::internal(msg),
+        Error::NoReflink { .. } | Error::Tool { .. } | Error::Corrupt { .. } | Error::Io { .. } => {
+            Status::internal(msg)
+        }
     }
 }
 
@@ -179,8 +177,10 @@ impl Snapshots for SnapshotService {
 
     async fn commit(&self, req: Request<CommitSnapshotRequest>) -> Result<Response<()>, Status> {
         let r = req.into_inner();
-        self.run("commit", move |s| s.commit(&r.name, &r.key, labels(r.labels)))
-            .await?;
+        self.run("commit", move |s| {
+            s.commit(&r.name, &r.key, labels(r.labels))
+        })
+        .await?;
         Ok(Response::new(()))
     }
 

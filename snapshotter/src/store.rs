@@ -174,7 +174,10 @@ impl SnapshotStore {
         let mode = match fsops::probe_reflink(&tmp) {
             Ok(()) => CloneMode::Reflink,
             Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => {
-                return Err(Error::io(format!("probing reflink in {}", tmp.display()), e));
+                return Err(Error::io(
+                    format!("probing reflink in {}", tmp.display()),
+                    e,
+                ));
             }
             Err(source) if !opts.allow_copy => {
                 return Err(Error::NoReflink {
@@ -261,7 +264,9 @@ impl SnapshotStore {
         labels: BTreeMap<String, String>,
     ) -> Result<Vec<Mount>> {
         if key.is_empty() {
-            return Err(Error::InvalidArgument("snapshot key must not be empty".into()));
+            return Err(Error::InvalidArgument(
+                "snapshot key must not be empty".into(),
+            ));
         }
         let now = SystemTime::now();
         let (id, source, rec) = {
@@ -381,7 +386,9 @@ impl SnapshotStore {
     /// Commits active snapshot `key` as `name`; `key` disappears.
     pub fn commit(&self, name: &str, key: &str, labels: BTreeMap<String, String>) -> Result<()> {
         if name.is_empty() {
-            return Err(Error::InvalidArgument("commit name must not be empty".into()));
+            return Err(Error::InvalidArgument(
+                "commit name must not be empty".into(),
+            ));
         }
         let mut st = self.lock();
         let (id, e) = st
@@ -520,6 +527,17 @@ impl SnapshotStore {
         Ok(out)
     }
 
+    /// Path of the ext4 image of any snapshot. Committed images must be
+    /// treated as read-only; the image of an active snapshot is what the
+    /// twig shim hands to a VM as its virtio-blk root disk.
+    pub fn image_path(&self, key: &str) -> Result<PathBuf> {
+        let st = self.lock();
+        let (id, _) = st
+            .visible(key)
+            .ok_or_else(|| Error::NotFound(format!("snapshot {key:?}")))?;
+        Ok(self.image_of(id))
+    }
+
     /// Space of one snapshot: its own (unshared) blocks and used inodes.
     pub fn usage(&self, key: &str) -> Result<SnapshotUsage> {
         let image = {
@@ -570,8 +588,10 @@ impl SnapshotStore {
                 .map(|(id, _)| self.image_of(*id))
                 .collect()
         };
-        fsops::usage_of(images.iter().map(PathBuf::as_path))
-            .map_err(ctx(format!("accounting images under {}", self.root.display())))
+        fsops::usage_of(images.iter().map(PathBuf::as_path)).map_err(ctx(format!(
+            "accounting images under {}",
+            self.root.display()
+        )))
     }
 }
 
@@ -624,7 +644,13 @@ fn load(root: &Path) -> Result<State> {
                 detail: format!("key {:?} is used by two snapshots", rec.key),
             });
         }
-        st.entries.insert(id, Entry { rec, pending: false });
+        st.entries.insert(
+            id,
+            Entry {
+                rec,
+                pending: false,
+            },
+        );
         st.next_id = st.next_id.max(id + 1);
     }
     for e in st.entries.values() {
@@ -699,8 +725,10 @@ fn run_tool(cmd: &mut Command, what: &str) -> Result<()> {
 fn ext4_used_inodes(image: &Path) -> Result<u64> {
     let file = File::open(image).map_err(ctx(format!("opening {}", image.display())))?;
     let mut sb = [0u8; 64];
-    file.read_exact_at(&mut sb, 1024)
-        .map_err(ctx(format!("reading the superblock of {}", image.display())))?;
+    file.read_exact_at(&mut sb, 1024).map_err(ctx(format!(
+        "reading the superblock of {}",
+        image.display()
+    )))?;
     let le32 = |o: usize| u32::from_le_bytes([sb[o], sb[o + 1], sb[o + 2], sb[o + 3]]);
     let magic = u16::from_le_bytes([sb[56], sb[57]]);
     if magic != 0xEF53 {
@@ -711,4 +739,3 @@ fn ext4_used_inodes(image: &Path) -> Result<u64> {
     }
     Ok(u64::from(le32(0).saturating_sub(le32(16))))
 }
-

@@ -11,9 +11,9 @@ use std::collections::HashMap;
 use std::time::SystemTime;
 use tonic::Code;
 use twig_snapshotter::api::snapshots::{
-    CommitSnapshotRequest, Info, Kind, ListSnapshotsRequest, MountsRequest,
-    PrepareSnapshotRequest, RemoveSnapshotRequest, StatSnapshotRequest, UpdateSnapshotRequest,
-    UsageRequest, ViewSnapshotRequest,
+    CommitSnapshotRequest, Info, Kind, ListSnapshotsRequest, MountsRequest, PrepareSnapshotRequest,
+    RemoveSnapshotRequest, StatSnapshotRequest, UpdateSnapshotRequest, UsageRequest,
+    ViewSnapshotRequest,
 };
 use twig_snapshotter::api::types::Mount;
 
@@ -156,18 +156,24 @@ const DIFF: &[Op] = &[
     Op::RemoveAll("/a/b"),
 ];
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn basic() {
     let rig = Rig::new();
     let mut c = rig.snap.client().await;
-    let mounts = prepare(&mut c, "/work/preparing", "").await.expect("prepare");
+    let mounts = prepare(&mut c, "/work/preparing", "")
+        .await
+        .expect("prepare");
     assert!(!mounts.is_empty(), "expected mounts to have entries");
     {
         let m = Mounted::new(&mounts, &rig.work, "preparing");
         common::fstest::apply(&m.path, INITIAL);
     }
-    commit(&mut c, "/work/committed", "/work/preparing").await.expect("commit");
-    let si = stat(&mut c, "/work/committed").await.expect("stat committed");
+    commit(&mut c, "/work/committed", "/work/preparing")
+        .await
+        .expect("commit");
+    let si = stat(&mut c, "/work/committed")
+        .await
+        .expect("stat committed");
     assert_eq!(si.parent, "");
     assert_eq!(kind(&si), Kind::Committed);
     assert_eq!(
@@ -214,10 +220,14 @@ async fn basic() {
         let m = Mounted::new(&mounts, &rig.work, "nextnextlayer");
         assert_tree_equals(&m.path, &[INITIAL, DIFF]);
     }
-    remove(&mut c, "/work/nextnextlayer").await.expect("remove view");
+    remove(&mut c, "/work/nextnextlayer")
+        .await
+        .expect("remove view");
     let err = remove(&mut c, "/work/committed").await.unwrap_err();
     assert!(err.message().contains("remove"), "{err:?}");
-    remove(&mut c, "/work/committed-next").await.expect("remove");
+    remove(&mut c, "/work/committed-next")
+        .await
+        .expect("remove");
     remove(&mut c, "/work/committed").await.expect("remove");
 }
 
@@ -231,7 +241,9 @@ async fn stat_after_write(commit_it: bool) {
         common::fstest::apply(&m.path, &[Op::File("/foo", b"foo\n", 0o777)]);
     }
     let name = if commit_it {
-        commit(&mut c, "committed", "preparing").await.expect("commit");
+        commit(&mut c, "committed", "preparing")
+            .await
+            .expect("commit");
         "committed"
     } else {
         "preparing"
@@ -249,22 +261,36 @@ async fn stat_after_write(commit_it: bool) {
     assert_eq!(si.parent, "");
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stat_active() {
     stat_after_write(false).await;
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stat_committed() {
     stat_after_write(true).await;
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transitivity() {
     let rig = Rig::new();
     let mut c = rig.snap.client().await;
-    layer(&rig, &mut c, "snapA", "", &[Op::File("/foo", b"foo\n", 0o777)]).await;
-    layer(&rig, &mut c, "snapB", "snapA", &[Op::File("/foo", b"foo bar\n", 0o777)]).await;
+    layer(
+        &rig,
+        &mut c,
+        "snapA",
+        "",
+        &[Op::File("/foo", b"foo\n", 0o777)],
+    )
+    .await;
+    layer(
+        &rig,
+        &mut c,
+        "snapB",
+        "snapA",
+        &[Op::File("/foo", b"foo bar\n", 0o777)],
+    )
+    .await;
     let a = stat(&mut c, "snapA").await.unwrap();
     let b = stat(&mut c, "snapB").await.unwrap();
     let pb = stat(&mut c, &b.parent).await.unwrap();
@@ -273,7 +299,7 @@ async fn transitivity() {
     assert_eq!(pb.parent, "");
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prepare_view_same_key_fails() {
     let rig = Rig::new();
     let mut c = rig.snap.client().await;
@@ -283,9 +309,14 @@ async fn prepare_view_same_key_fails() {
         view(&mut c, "newlayer", "snapA").await.unwrap_err().code(),
         Code::AlreadyExists
     );
-    prepare(&mut c, "prepLayer", "snapA").await.expect("prepare");
+    prepare(&mut c, "prepLayer", "snapA")
+        .await
+        .expect("prepare");
     assert_eq!(
-        prepare(&mut c, "prepLayer", "snapA").await.unwrap_err().code(),
+        prepare(&mut c, "prepLayer", "snapA")
+            .await
+            .unwrap_err()
+            .code(),
         Code::AlreadyExists
     );
     view(&mut c, "viewLayer", "snapA").await.expect("view");
@@ -307,7 +338,7 @@ async fn base_snapshots(c: &mut Client) {
     view(c, "v2", "").await.unwrap();
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn update_labels() {
     let rig = Rig::new();
     let mut c = rig.snap.client().await;
@@ -326,14 +357,19 @@ async fn update_labels() {
     for (name, k, parent) in cases {
         let mut st = stat(&mut c, name).await.unwrap();
         let created = time(&st.created_at);
-        assert!(created >= t1 && created <= t2, "{name}: created {created:?}");
+        assert!(
+            created >= t1 && created <= t2,
+            "{name}: created {created:?}"
+        );
         assert_eq!(st.created_at, st.updated_at, "{name}");
         assert_eq!(kind(&st), k, "{name}");
         assert_eq!(st.parent, parent, "{name}");
         assert_eq!(st.name, name);
 
         let labels = |kv: &[(&str, &str)]| -> HashMap<String, String> {
-            kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+            kv.iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
         };
         let expected = labels(&[("l1", "v1"), ("l2", "v2"), ("l3", "v3"), (root, "now")]);
         st.parent = "doesnotexist".into();
@@ -343,7 +379,10 @@ async fn update_labels() {
         let u2 = SystemTime::now();
         assert_eq!(st2.created_at, st.created_at, "{name}: created changed");
         let updated = time(&st2.updated_at);
-        assert!(updated >= u1 && updated <= u2, "{name}: updated {updated:?}");
+        assert!(
+            updated >= u1 && updated <= u2,
+            "{name}: updated {updated:?}"
+        );
         assert_eq!(kind(&st2), k);
         assert_eq!(st2.parent, parent, "{name}: parent must not change");
         assert_eq!(st2.name, name);
@@ -351,7 +390,9 @@ async fn update_labels() {
 
         let mut st3 = st2.clone();
         st3.labels = labels(&[("l1", "updated"), ("l4", "v4")]);
-        let st3 = update(&mut c, st3, &["labels.l1", "labels.l2"]).await.unwrap();
+        let st3 = update(&mut c, st3, &["labels.l1", "labels.l2"])
+            .await
+            .unwrap();
         assert_eq!(
             st3.labels,
             labels(&[("l1", "updated"), ("l3", "v3"), (root, "now")])
@@ -370,7 +411,7 @@ async fn update_labels() {
     }
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remove_and_reuse_keys() {
     let rig = Rig::new();
     let mut c = rig.snap.client().await;
@@ -385,7 +426,7 @@ async fn remove_and_reuse_keys() {
     commit(&mut c, "committed-1", "reuse-1").await.unwrap();
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn layer_file_update() {
     check_snapshots(&[
         &[
@@ -401,32 +442,31 @@ async fn layer_file_update() {
         ],
         &[
             Op::File("/etc/hosts", b"mydomain 10.0.0.3", 0o600),
-            Op::File("/root/.bashrc", b"PATH=/usr/sbin:/usr/bin:/usr/local/bin", 0o644),
+            Op::File(
+                "/root/.bashrc",
+                b"PATH=/usr/sbin:/usr/bin:/usr/local/bin",
+                0o644,
+            ),
         ],
     ])
     .await;
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remove_directory_in_lower_layer() {
     check_snapshots(&[
-        &[
-            Op::Dir("/lib", 0o700),
-            Op::File("/lib/hidden", b"", 0o644),
-        ],
+        &[Op::Dir("/lib", 0o700), Op::File("/lib/hidden", b"", 0o644)],
         &[
             Op::RemoveAll("/lib"),
             Op::Dir("/lib", 0o755),
             Op::File("/lib/not-hidden", b"", 0o644),
         ],
-        &[
-            Op::File("/lib/newfile", b"", 0o644),
-        ],
+        &[Op::File("/lib/newfile", b"", 0o644)],
     ])
     .await;
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chown() {
     check_snapshots(&[
         &[
@@ -445,7 +485,7 @@ async fn chown() {
     .await;
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn directory_permission_on_commit() {
     check_snapshots(&[
         &[
@@ -464,14 +504,20 @@ async fn directory_permission_on_commit() {
     .await;
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remove_intermediate_snapshot() {
     let rig = Rig::new();
     let mut c = rig.snap.client().await;
     layer(&rig, &mut c, "committed-base", "", &[]).await;
-    prepare(&mut c, "intermediate", "committed-base").await.unwrap();
-    commit(&mut c, "committed-inter", "intermediate").await.unwrap();
-    prepare(&mut c, "toplayer", "committed-inter").await.unwrap();
+    prepare(&mut c, "intermediate", "committed-base")
+        .await
+        .unwrap();
+    commit(&mut c, "committed-inter", "intermediate")
+        .await
+        .unwrap();
+    prepare(&mut c, "toplayer", "committed-inter")
+        .await
+        .unwrap();
     let err = remove(&mut c, "committed-inter").await.unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
     remove(&mut c, "toplayer").await.unwrap();
@@ -480,7 +526,7 @@ async fn remove_intermediate_snapshot() {
     assert!(list(&mut c, &[]).await.unwrap().is_empty());
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deleted_files_in_child_snapshot() {
     check_snapshots(&[
         &[
@@ -493,7 +539,7 @@ async fn deleted_files_in_child_snapshot() {
     .await;
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn move_file_from_lower_layer() {
     check_snapshots(&[
         &[
@@ -513,7 +559,7 @@ async fn move_file_from_lower_layer() {
     .await;
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rename() {
     check_snapshots(&[
         &[
@@ -536,7 +582,7 @@ async fn rename() {
     .await;
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn view_readonly() {
     let rig = Rig::new();
     let mut c = rig.snap.client().await;
@@ -554,7 +600,7 @@ async fn view_readonly() {
     remove(&mut c, "committed").await.unwrap();
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stat_in_walk() {
     let rig = Rig::new();
     let mut c = rig.snap.client().await;
@@ -583,13 +629,15 @@ async fn stat_in_walk() {
 
 /// CloseTwice: the process shuts down cleanly, and again after a restart,
 /// with its state intact.
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn close_twice() {
     let mut rig = Rig::new();
     {
         let mut c = rig.snap.client().await;
         prepare(&mut c, "closeTwice-prepare", "").await.unwrap();
-        commit(&mut c, "closeTwice", "closeTwice-prepare").await.unwrap();
+        commit(&mut c, "closeTwice", "closeTwice-prepare")
+            .await
+            .unwrap();
         prepare(&mut c, "kept", "closeTwice").await.unwrap();
         remove(&mut c, "kept").await.unwrap();
     }
@@ -598,11 +646,14 @@ async fn close_twice() {
         rig.snap = common::Snapshotter::start(&rig.snap.root, &rig.snap.socket);
     }
     let mut c = rig.snap.client().await;
-    assert_eq!(kind(&stat(&mut c, "closeTwice").await.unwrap()), Kind::Committed);
+    assert_eq!(
+        kind(&stat(&mut c, "closeTwice").await.unwrap()),
+        Kind::Committed
+    );
     remove(&mut c, "closeTwice").await.unwrap();
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_are_refused_and_change_nothing() {
     let rig = Rig::new();
     let mut c = rig.snap.client().await;
@@ -620,13 +671,25 @@ async fn bad_requests_are_refused_and_change_nothing() {
     let e = commit(&mut c, "c", "view").await.unwrap_err();
     assert_eq!(e.code(), Code::FailedPrecondition, "commit a view: {e:?}");
     let e = commit(&mut c, "c", "base").await.unwrap_err();
-    assert_eq!(e.code(), Code::FailedPrecondition, "commit committed: {e:?}");
+    assert_eq!(
+        e.code(),
+        Code::FailedPrecondition,
+        "commit committed: {e:?}"
+    );
     let e = commit(&mut c, "c", "missing").await.unwrap_err();
     assert_eq!(e.code(), Code::NotFound, "{e:?}");
     let e = commit(&mut c, "base", "active").await.unwrap_err();
-    assert_eq!(e.code(), Code::AlreadyExists, "commit onto a taken name: {e:?}");
+    assert_eq!(
+        e.code(),
+        Code::AlreadyExists,
+        "commit onto a taken name: {e:?}"
+    );
     let e = remove(&mut c, "base").await.unwrap_err();
-    assert_eq!(e.code(), Code::FailedPrecondition, "remove with children: {e:?}");
+    assert_eq!(
+        e.code(),
+        Code::FailedPrecondition,
+        "remove with children: {e:?}"
+    );
     let e = remove(&mut c, "missing").await.unwrap_err();
     assert_eq!(e.code(), Code::NotFound, "{e:?}");
     let e = c
@@ -636,7 +699,11 @@ async fn bad_requests_are_refused_and_change_nothing() {
         })
         .await
         .unwrap_err();
-    assert_eq!(e.code(), Code::FailedPrecondition, "mounts of committed: {e:?}");
+    assert_eq!(
+        e.code(),
+        Code::FailedPrecondition,
+        "mounts of committed: {e:?}"
+    );
     let e = list(&mut c, &["name~=ba.*"]).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
 
@@ -654,21 +721,39 @@ async fn bad_requests_are_refused_and_change_nothing() {
     assert_eq!(std::fs::read(mounted.path.join("f")).unwrap(), b"x");
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn list_filters_and_usage() {
     let rig = Rig::new();
     let mut c = rig.snap.client().await;
-    layer(&rig, &mut c, "base", "", &[Op::File("/big", &[7u8; 1 << 20], 0o644)]).await;
+    layer(
+        &rig,
+        &mut c,
+        "base",
+        "",
+        &[Op::File("/big", &[7u8; 1 << 20], 0o644)],
+    )
+    .await;
     prepare(&mut c, "child", "base").await.unwrap();
     view(&mut c, "v", "base").await.unwrap();
     let names = |infos: Vec<Info>| -> Vec<String> { infos.into_iter().map(|i| i.name).collect() };
-    assert_eq!(names(list(&mut c, &["kind==committed"]).await.unwrap()), ["base"]);
     assert_eq!(
-        names(list(&mut c, &["parent==base", "name==nothing"]).await.unwrap()),
+        names(list(&mut c, &["kind==committed"]).await.unwrap()),
+        ["base"]
+    );
+    assert_eq!(
+        names(
+            list(&mut c, &["parent==base", "name==nothing"])
+                .await
+                .unwrap()
+        ),
         ["child", "v"]
     );
     assert_eq!(
-        names(list(&mut c, &[r#"labels."containerd.io/gc.root",kind!=view"#]).await.unwrap()),
+        names(
+            list(&mut c, &[r#"labels."containerd.io/gc.root",kind!=view"#])
+                .await
+                .unwrap()
+        ),
         ["base", "child"]
     );
 
@@ -678,7 +763,11 @@ async fn list_filters_and_usage() {
         key: key.into(),
     };
     let child = c.usage(usage("child")).await.unwrap().into_inner();
-    assert!(child.size < 64 << 10, "fresh child owns {} bytes", child.size);
+    assert!(
+        child.size < 64 << 10,
+        "fresh child owns {} bytes",
+        child.size
+    );
     assert!(child.inodes > 10, "{child:?}");
     {
         let m = c
@@ -694,5 +783,9 @@ async fn list_filters_and_usage() {
         std::fs::write(mounted.path.join("new"), vec![1u8; 2 << 20]).unwrap();
     }
     let child = c.usage(usage("child")).await.unwrap().into_inner();
-    assert!(child.size >= 2 << 20, "written child owns only {} bytes", child.size);
+    assert!(
+        child.size >= 2 << 20,
+        "written child owns only {} bytes",
+        child.size
+    );
 }

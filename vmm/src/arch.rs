@@ -364,7 +364,8 @@ pub fn guest_cpuid(supported: &CpuId, index: usize, count: usize) -> Result<CpuI
 }
 
 /// Bits of the feature leaves that the snapshot's CPU had and this host lacks.
-/// OSXSAVE and OSPKE mirror guest control registers and are not features.
+/// OSXSAVE and OSPKE mirror guest control registers and HTT our own
+/// topology; they are not host features.
 pub fn missing_features(saved: &[kvm_cpuid_entry2], host: &[kvm_cpuid_entry2]) -> Vec<String> {
     const FEATURE_REGS: &[(u32, u32, usize, &str)] = &[
         (0x1, 0, 2, "ecx"),
@@ -380,6 +381,7 @@ pub fn missing_features(saved: &[kvm_cpuid_entry2], host: &[kvm_cpuid_entry2]) -
     let ignore = |f: u32, idx: u32, reg: usize| -> u32 {
         match (f, idx, reg) {
             (0x1, 0, 2) => 1 << 27, // OSXSAVE
+            (0x1, 0, 3) => 1 << 28, // HTT: topology we set, not a host feature
             (0x7, 0, 2) => 1 << 4,  // OSPKE
             _ => 0,
         }

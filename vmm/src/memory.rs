@@ -12,6 +12,7 @@
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use vm_memory::{GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
@@ -329,63 +330,23 @@ impl GuestRam {
         Ok(())
     }
 
-    /// Reads `count` pages from `file` at the pages' own offsets into guest RAM.
+    /// Reads `count` pages from `file` at the pages' own offsets into guest
+    /// RAM. The VM must be paused.
     pub fn read_pages_from(&self, file: &File, page: usize, count: usize) -> Result<()> {
         let (off, len) = self.check(page, count)?;
-        let mut done = 0;
-        while done < len {
-            // SAFETY: destination range checked above.
-            let n = unsafe {
-                libc::pread(
-                    file.as_raw_fd(),
-                    self.addr.add(off + done).cast(),
-                    len - done,
-                    (off + done) as libc::off_t,
-                )
-            };
-            if n < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() == std::io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(Error::io("reading snapshot pages into guest RAM", e));
-            }
-            if n == 0 {
-                return Err(Error::io(
-                    "reading snapshot pages into guest RAM",
-                    std::io::ErrorKind::UnexpectedEof.into(),
-                ));
-            }
-            done += n as usize;
-        }
-        Ok(())
+        // SAFETY: the range is inside our mapping and no vCPU runs (paused),
+        // so nothing else accesses it while the slice lives.
+        let dst = unsafe { std::slice::from_raw_parts_mut(self.addr.add(off), len) };
+        file.read_exact_at(dst, off as u64)
+            .map_err(|e| Error::io("reading snapshot pages into guest RAM", e))
     }
 
     /// Writes `count` pages of guest RAM from `page` into `file` at the same
-    /// offsets.
+    /// offsets. The VM must be paused.
     pub fn write_pages_to(&self, file: &File, page: usize, count: usize) -> Result<()> {
-        let (off, len) = self.check(page, count)?;
-        let mut done = 0;
-        while done < len {
-            // SAFETY: source range checked above.
-            let n = unsafe {
-                libc::pwrite(
-                    file.as_raw_fd(),
-                    self.addr.add(off + done).cast(),
-                    len - done,
-                    (off + done) as libc::off_t,
-                )
-            };
-            if n < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() == std::io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(Error::io("writing guest RAM to the snapshot", e));
-            }
-            done += n as usize;
-        }
-        Ok(())
+        let src = self.pages_slice(page, count)?;
+        file.write_all_at(src, (page * PAGE_SIZE) as u64)
+            .map_err(|e| Error::io("writing guest RAM to the snapshot", e))
     }
 
     /// Guest RAM as a byte slice for checksums and copies. The guest may be

@@ -533,24 +533,13 @@ impl Image {
             }
         };
         if let Some(layer) = &state.layer {
-            let mut crc = crc32fast::Hasher::new();
-            let mut buf = Vec::new();
-            for (start, n) in layer.runs() {
-                buf.resize(n * PAGE_SIZE, 0);
-                read_exact_at(&memory, &mut buf, (start * PAGE_SIZE) as u64)
-                    .map_err(io_err(dir, "cannot read the memory file"))?;
-                crc.update(&buf);
-            }
-            let actual = crc.finalize();
-            if actual != state.meta.memory_crc {
-                return Err(Error::snapshot(
-                    dir,
-                    format!(
-                        "memory pages are corrupted (CRC32 {actual:#010x}, expected {:#010x})",
-                        state.meta.memory_crc
-                    ),
-                ));
-            }
+            check_crc(
+                dir,
+                "memory pages",
+                &memory,
+                &layer.runs(),
+                state.meta.memory_crc,
+            )?;
         }
         Ok(Arc::new(Image {
             dir: dir.to_path_buf(),
@@ -595,32 +584,53 @@ pub fn read_exact_at(file: &File, buf: &mut [u8], offset: u64) -> std::io::Resul
     std::os::unix::fs::FileExt::read_exact_at(file, buf, offset)
 }
 
+/// Checks the CRC32 of the pages `runs` (`(first, count)`) of `file`.
+fn check_crc(
+    dir: &Path,
+    what: &str,
+    file: &File,
+    runs: &[(usize, usize)],
+    expected: u32,
+) -> Result<()> {
+    const CHUNK: usize = 256;
+    let mut crc = crc32fast::Hasher::new();
+    let mut buf = vec![0u8; CHUNK * PAGE_SIZE];
+    for &(start, n) in runs {
+        let mut done = 0;
+        while done < n {
+            let k = CHUNK.min(n - done);
+            let b = &mut buf[..k * PAGE_SIZE];
+            read_exact_at(file, b, ((start + done) * PAGE_SIZE) as u64)
+                .map_err(io_err(dir, "cannot read the memory file"))?;
+            crc.update(b);
+            done += k;
+        }
+    }
+    let actual = crc.finalize();
+    if actual != expected {
+        return Err(Error::snapshot(
+            dir,
+            format!("{what} are corrupted (CRC32 {actual:#010x}, expected {expected:#010x})"),
+        ));
+    }
+    Ok(())
+}
+
 /// Checks a snapshot end to end, including the CRC of a full snapshot's
 /// memory (which restore does not read, as it maps memory lazily).
 pub fn verify(dir: &Path) -> Result<Meta> {
     let img = Image::open(dir)?;
     for i in img.chain() {
-        if i.state.meta.kind == Kind::Full {
-            let mut crc = crc32fast::Hasher::new();
-            let mut buf = vec![0u8; 1 << 20];
-            let mut off = 0u64;
-            while off < i.state.meta.mem_size {
-                let n = buf.len().min((i.state.meta.mem_size - off) as usize);
-                read_exact_at(&i.memory, &mut buf[..n], off)
-                    .map_err(io_err(&i.dir, "cannot read the memory file"))?;
-                crc.update(&buf[..n]);
-                off += n as u64;
-            }
-            let actual = crc.finalize();
-            if actual != i.state.meta.memory_crc {
-                return Err(Error::snapshot(
-                    &i.dir,
-                    format!(
-                        "memory is corrupted (CRC32 {actual:#010x}, expected {:#010x})",
-                        i.state.meta.memory_crc
-                    ),
-                ));
-            }
+        let m = &i.state.meta;
+        if m.kind == Kind::Full {
+            let pages = (m.mem_size / PAGE_SIZE as u64) as usize;
+            check_crc(
+                &i.dir,
+                "memory contents",
+                &i.memory,
+                &[(0, pages)],
+                m.memory_crc,
+            )?;
         }
     }
     Ok(img.state.meta.clone())

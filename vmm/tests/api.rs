@@ -269,7 +269,12 @@ fn a_vmm_killed_mid_snapshot_leaves_no_valid_looking_snapshot() {
     let mut a = Vmm::start(d.path(), "a", &[]);
     a.ok(json!({"op":"boot","kernel":kernel,"mem_mib":2048}));
     let target = snaps.join("big");
-    writeln!(a.conn.get_mut(), "{}", json!({"op":"snapshot","dir":target,"kind":"full"})).unwrap();
+    writeln!(
+        a.conn.get_mut(),
+        "{}",
+        json!({"op":"snapshot","dir":target,"kind":"full"})
+    )
+    .unwrap();
     // Kill the VMM as soon as the snapshot is being written.
     let deadline = Instant::now() + T;
     loop {
@@ -295,6 +300,9 @@ fn a_vmm_killed_mid_snapshot_leaves_no_valid_looking_snapshot() {
     }
     for e in std::fs::read_dir(&snaps).unwrap().filter_map(|e| e.ok()) {
         let name = e.file_name().to_string_lossy().to_string();
-        assert!(name == "big" || name.starts_with(".twig-tmp-big-"), "{name}");
+        assert!(
+            name == "big" || name.starts_with(".twig-tmp-big-"),
+            "{name}"
+        );
     }
 }

@@ -100,7 +100,7 @@ fn bad_memory_files_are_refused() {
         |b| *b ^= 1,
     );
     let e = snapshot::verify(&c).unwrap_err().to_string();
-    assert!(e.contains("memory is corrupted"), "{e}");
+    assert!(e.contains("memory contents are corrupted"), "{e}");
     snapshot::verify(&s0).unwrap();
     snapshot::verify(&s1).unwrap();
 

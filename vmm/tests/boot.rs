@@ -123,7 +123,10 @@ fn vcpus_get_consistent_cpuid_but_their_own_apic_ids() {
             .collect()
     };
     let apic = |v: &twig_vmm::vcpu::VcpuState| {
-        v.cpuid.iter().find(|e| e.function == 1).map(|e| e.ebx >> 24)
+        v.cpuid
+            .iter()
+            .find(|e| e.function == 1)
+            .map(|e| e.ebx >> 24)
     };
     for (i, v) in state.vcpus.iter().enumerate() {
         assert_eq!(strip(v), strip(&state.vcpus[0]), "vCPU {i} CPUID differs");

@@ -85,7 +85,10 @@ fn clones_run_and_diverge_independently() {
         .lines()
         .filter(|l| l.ends_with(memory.to_str().unwrap()) && l.contains(" rw-p "))
         .count();
-    assert!(mapped >= 4, "clones map the snapshot memory privately:\n{maps}");
+    assert!(
+        mapped >= 4,
+        "clones map the snapshot memory privately:\n{maps}"
+    );
     // The snapshot itself is unchanged.
     let mem = std::fs::read(s.join("memory")).unwrap();
     let off = testguest::SCRATCH as usize;

@@ -51,7 +51,7 @@ pub async fn reconcile(snap: Arc<Snapshot>, ctx: Arc<Context>) -> Result<Action,
     match status.phase {
         Phase::Pending => start(&api, &snap, &ns, &ctx).await,
         Phase::InProgress => take(&api, (*snap).clone(), &ns, &ctx, true).await,
-        Phase::Ready => expire(&api, &snap, &status, &ctx).await,
+        Phase::Ready => ready(&api, &snap, &status, &ctx).await,
         Phase::Failed | Phase::Lost => Ok(Action::await_change()),
     }
 }
@@ -200,9 +200,41 @@ async fn take(
     ctx.event(&snap, EventType::Normal, "Ready", "Snapshot", note)
         .await;
     Ok(match snap.spec.ttl_seconds_after_ready {
-        Some(ttl) => Action::requeue(Duration::from_secs(ttl.max(0).unsigned_abs())),
-        None => Action::await_change(),
+        Some(ttl) => {
+            Action::requeue(Duration::from_secs(ttl.max(0).unsigned_abs()).min(ctx.recheck))
+        }
+        None => Action::requeue(ctx.recheck),
     })
+}
+
+/// A Ready snapshot: expire it after its TTL, mark it Lost when its data left the node.
+async fn ready(
+    api: &Api<Snapshot>,
+    snap: &Snapshot,
+    status: &SnapshotStatus,
+    ctx: &Context,
+) -> Result<Action, Error> {
+    if let Some(action) = expire(api, snap, status, ctx).await? {
+        return Ok(action);
+    }
+    let id = status
+        .snapshot_id
+        .clone()
+        .ok_or(Error::MissingField("status.snapshotID"))?;
+    if !ctx.node.has_snapshot(&id).await? {
+        let message = format!("snapshot {id} is no longer on node {}", ctx.node_name);
+        let lost = SnapshotStatus {
+            phase: Phase::Lost,
+            conditions: vec![ready_condition(snap, "False", "Lost", &message)],
+            message: Some(message.clone()),
+            ..status.clone()
+        };
+        let snap = write_status(api, snap, lost).await?;
+        ctx.event(&snap, EventType::Warning, "Lost", "Snapshot", message)
+            .await;
+        return Ok(Action::await_change());
+    }
+    Ok(Action::requeue(ctx.recheck))
 }
 
 async fn shim_failed(
@@ -235,17 +267,18 @@ async fn shim_failed(
     .await
 }
 
+/// Deletes the Snapshot once its TTL has passed (`Some`), or says when to look again.
 async fn expire(
     api: &Api<Snapshot>,
     snap: &Snapshot,
     status: &SnapshotStatus,
     ctx: &Context,
-) -> Result<Action, Error> {
+) -> Result<Option<Action>, Error> {
     let (Some(ttl), Some(ready)) = (
         snap.spec.ttl_seconds_after_ready,
         status.ready_time.as_ref(),
     ) else {
-        return Ok(Action::await_change());
+        return Ok(None);
     };
     let deadline_ms = ready
         .0
@@ -253,16 +286,15 @@ async fn expire(
         .saturating_add(ttl.saturating_mul(1000));
     let left_ms = deadline_ms - Timestamp::now().as_millisecond();
     if left_ms > 0 {
-        return Ok(Action::requeue(Duration::from_millis(
-            left_ms.unsigned_abs(),
-        )));
+        let left = Duration::from_millis(left_ms.unsigned_abs());
+        return Ok((left < ctx.recheck).then(|| Action::requeue(left)));
     }
     let note = format!("Deleting snapshot: {ttl} s after it became Ready");
     ctx.event(snap, EventType::Normal, "Expired", "Delete", note)
         .await;
     match api.delete(&snap.name_any(), &DeleteParams::default()).await {
-        Ok(_) => Ok(Action::await_change()),
-        Err(e) if is_not_found(&e) => Ok(Action::await_change()),
+        Ok(_) => Ok(Some(Action::await_change())),
+        Err(e) if is_not_found(&e) => Ok(Some(Action::await_change())),
         Err(e) => Err(e.into()),
     }
 }

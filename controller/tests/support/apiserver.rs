@@ -124,7 +124,11 @@ impl TestApiServer {
                 });
             }
         });
-        Self { addr, task, state: state_handle }
+        Self {
+            addr,
+            task,
+            state: state_handle,
+        }
     }
 
     /// A kube client whose requests are recorded as `actor`'s.
@@ -357,9 +361,17 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
     };
     let params = query(&req);
     let method = req.method().clone();
-    if let Some(actor) = req.headers().get(ACTOR_HEADER).and_then(|v| v.to_str().ok()) {
+    if let Some(actor) = req
+        .headers()
+        .get(ACTOR_HEADER)
+        .and_then(|v| v.to_str().ok())
+    {
         let verb = match (&method, target.name.is_some()) {
-            (&Method::GET, false) if params.get("watch").is_some_and(|w| w == "true" || w == "1") => "watch",
+            (&Method::GET, false)
+                if params.get("watch").is_some_and(|w| w == "true" || w == "1") =>
+            {
+                "watch"
+            }
             (&Method::GET, false) => "list",
             (&Method::GET, true) => "get",
             (&Method::POST, _) => "create",
@@ -368,17 +380,25 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
             (&Method::DELETE, _) => "delete",
             _ => "unknown",
         };
-        let group = target.api.strip_prefix("apis/").and_then(|gv| gv.split('/').next()).unwrap_or_default();
+        let group = target
+            .api
+            .strip_prefix("apis/")
+            .and_then(|gv| gv.split('/').next())
+            .unwrap_or_default();
         let resource = match &target.subresource {
             Some(sub) => format!("{}/{sub}", target.plural),
             None => target.plural.clone(),
         };
-        state.requests.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(Access {
-            actor: actor.to_string(),
-            verb: verb.to_string(),
-            group: group.to_string(),
-            resource,
-        });
+        state
+            .requests
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(Access {
+                actor: actor.to_string(),
+                verb: verb.to_string(),
+                group: group.to_string(),
+                resource,
+            });
     }
     let content_type = req
         .headers()

@@ -25,6 +25,7 @@ pub enum Call {
         snapshot_id: String,
         operation_id: String,
     },
+    Stats(String),
     DeleteSnapshot(String),
     EnsureTemplate(String),
     DeleteTemplate(String),
@@ -102,6 +103,16 @@ impl FakeNode {
     /// Whether the node store still holds this snapshot.
     pub fn stored(&self, id: &str) -> bool {
         self.lock().store.contains(id)
+    }
+
+    /// Calls in flight now, on all sandboxes.
+    pub fn in_flight(&self) -> usize {
+        self.lock().in_flight.values().sum()
+    }
+
+    /// The node store loses a snapshot (e.g. the node's disk was wiped).
+    pub fn lose(&self, id: &str) {
+        self.lock().store.remove(id);
     }
 
     /// Most operations that ran at once on one sandbox.
@@ -237,7 +248,8 @@ impl TwigShim for FakeNode {
         if let Some(e) = self.gone(&sandbox.id) {
             return Err(e);
         }
-        let st = self.lock();
+        let mut st = self.lock();
+        st.calls.push(Call::Stats(sandbox.id.clone()));
         let sb = st.sandboxes.get(&sandbox.id);
         Ok(SandboxStats {
             snapshots: sb.map(|s| s.snapshots.clone()).unwrap_or_default(),
@@ -253,6 +265,10 @@ impl NodeService for FakeNode {
         st.calls.push(Call::DeleteSnapshot(snapshot_id.to_string()));
         st.store.remove(snapshot_id);
         Ok(())
+    }
+
+    async fn has_snapshot(&self, snapshot_id: &str) -> Result<bool, ShimError> {
+        Ok(self.lock().store.contains(snapshot_id))
     }
 
     async fn ensure_template(

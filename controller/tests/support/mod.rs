@@ -57,7 +57,8 @@ pub fn start_controller(server: &TestApiServer, node: &str, fake: &Arc<FakeNode>
         node_service,
         metrics.clone(),
     )
-    .with_retry(Duration::from_millis(200));
+    .with_retry(Duration::from_millis(200))
+    .with_recheck(Duration::from_millis(300));
     let task = tokio::spawn(twig_controller::run(Arc::new(ctx)));
     Controller { task, metrics }
 }

@@ -11,6 +11,7 @@ use clap::Parser;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::Duration;
 use twig_snapshotter::{service, SnapshotStore, StoreOptions};
 
 #[derive(Parser)]
@@ -48,11 +49,13 @@ async fn main() -> ExitCode {
         allow_copy: args.allow_copy,
     };
     let root = args.root.clone();
-    let store = match tokio::task::spawn_blocking(move || SnapshotStore::open(&root, &opts)).await
-    {
+    let store = match tokio::task::spawn_blocking(move || SnapshotStore::open(&root, &opts)).await {
         Ok(Ok(s)) => Arc::new(s),
         Ok(Err(e)) => {
-            eprintln!("twig-snapshotter: cannot open store {}: {e}", args.root.display());
+            eprintln!(
+                "twig-snapshotter: cannot open store {}: {e}",
+                args.root.display()
+            );
             return ExitCode::FAILURE;
         }
         Err(e) => {
@@ -60,27 +63,47 @@ async fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let shutdown = async {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::error!(error = %e, "cannot watch SIGTERM; stop with SIGINT");
-                let _ = tokio::signal::ctrl_c().await;
-                return;
-            }
-        };
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = tokio::signal::ctrl_c() => {}
-        }
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let signalled = async move {
+        wait_for_signal().await;
         tracing::info!("shutting down");
+        let _ = stop_tx.send(());
+        tokio::time::sleep(SHUTDOWN_GRACE).await;
     };
-    match service::serve(store, &args.address, shutdown).await {
+    let server = service::serve(store, &args.address, async {
+        let _ = stop_rx.await;
+    });
+    let result = tokio::select! {
+        r = server => r,
+        () = signalled => {
+            tracing::warn!(grace = ?SHUTDOWN_GRACE, "clients still connected; exiting anyway");
+            Ok(())
+        }
+    };
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("twig-snapshotter: {e}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// How long open connections may delay exit after SIGTERM/SIGINT. Every store
+/// operation is crash-safe, so cutting a request short loses nothing.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
+async fn wait_for_signal() {
+    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "cannot watch SIGTERM; stop with SIGINT");
+            let _ = tokio::signal::ctrl_c().await;
         }
     }
 }

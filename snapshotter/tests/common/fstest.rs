@@ -48,9 +48,8 @@ pub fn apply(root: &Path, ops: &[Op]) {
                 std::os::unix::fs::lchown(at(root, p), Some(*uid), Some(*gid))
                     .unwrap_or_else(|e| panic!("{op:?}: {e}"));
             }
-            Op::Link(old, new) => {
-                fs::hard_link(at(root, old), at(root, new)).unwrap_or_else(|e| panic!("{op:?}: {e}"))
-            }
+            Op::Link(old, new) => fs::hard_link(at(root, old), at(root, new))
+                .unwrap_or_else(|e| panic!("{op:?}: {e}")),
             Op::Symlink(target, link) => std::os::unix::fs::symlink(target, at(root, link))
                 .unwrap_or_else(|e| panic!("{op:?}: {e}")),
             Op::Rename(old, new) => {
@@ -90,7 +89,9 @@ pub fn snapshot_tree(root: &Path) -> BTreeMap<String, Entry> {
             "other"
         };
         let link_of = if kind == "file" {
-            let first = first_of_inode.entry(meta.ino()).or_insert_with(|| rel.clone());
+            let first = first_of_inode
+                .entry(meta.ino())
+                .or_insert_with(|| rel.clone());
             (*first != rel).then(|| first.clone())
         } else {
             None
@@ -115,7 +116,11 @@ fn walk(root: &Path, dir: &Path, out: &mut Vec<(String, fs::Metadata, Vec<u8>)>)
         let entry = entry.unwrap();
         let path = entry.path();
         let meta = fs::symlink_metadata(&path).unwrap();
-        let rel = path.strip_prefix(root).unwrap().to_string_lossy().into_owned();
+        let rel = path
+            .strip_prefix(root)
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
         let content = if meta.file_type().is_file() {
             fs::read(&path).unwrap()
         } else if meta.file_type().is_symlink() {
@@ -149,9 +154,16 @@ pub fn assert_tree_equals(actual: &Path, layers: &[&[Op]]) {
         let mut diff = String::new();
         for k in keys {
             if want.get(k) != got.get(k) {
-                diff += &format!("  {k}: want {:?}\n       got  {:?}\n", want.get(k), got.get(k));
+                diff += &format!(
+                    "  {k}: want {:?}\n       got  {:?}\n",
+                    want.get(k),
+                    got.get(k)
+                );
             }
         }
-        panic!("{} differs from the expected tree:\n{diff}", actual.display());
+        panic!(
+            "{} differs from the expected tree:\n{diff}",
+            actual.display()
+        );
     }
 }

@@ -56,16 +56,26 @@ pub fn sh(cmd: &mut Command) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// A loop-mounted XFS with reflink, in its own temp dir and loop device.
-pub struct Xfs {
+/// A loop-mounted filesystem in its own temp dir and loop device.
+pub struct LoopFs {
     pub dir: TempDir,
     pub mnt: PathBuf,
     loopdev: String,
 }
 
-impl Xfs {
-    pub fn new(size_mib: u64) -> Xfs {
-        require(&["mkfs.xfs", "losetup", "mount", "umount"]);
+impl LoopFs {
+    /// XFS with reflink, like the store's production filesystem.
+    pub fn xfs(size_mib: u64) -> LoopFs {
+        LoopFs::new(size_mib, "xfs", &["mkfs.xfs", "-q", "-m", "reflink=1"])
+    }
+
+    /// ext4: no FICLONE.
+    pub fn ext4(size_mib: u64) -> LoopFs {
+        LoopFs::new(size_mib, "ext4", &["mkfs.ext4", "-q"])
+    }
+
+    fn new(size_mib: u64, fstype: &str, mkfs: &[&str]) -> LoopFs {
+        require(&[mkfs[0], "losetup", "mount", "umount"]);
         let dir = tempfile::Builder::new()
             .prefix("twig-snap-test-")
             .tempdir()
@@ -74,17 +84,17 @@ impl Xfs {
         fs::File::create(&img)
             .and_then(|f| f.set_len(size_mib << 20))
             .expect("sizing the XFS image");
-        sh(Command::new("mkfs.xfs").args(["-q", "-m", "reflink=1"]).arg(&img));
+        sh(Command::new(mkfs[0]).args(&mkfs[1..]).arg(&img));
         let loopdev = sh(Command::new("losetup").args(["--find", "--show"]).arg(&img))
             .trim()
             .to_string();
         let mnt = dir.path().join("mnt");
         fs::create_dir(&mnt).expect("mount point");
-        let xfs = Xfs { dir, mnt, loopdev };
+        let fs = LoopFs { dir, mnt, loopdev };
         sh(Command::new("mount")
-            .args(["-t", "xfs", &xfs.loopdev])
-            .arg(&xfs.mnt));
-        xfs
+            .args(["-t", fstype, &fs.loopdev])
+            .arg(&fs.mnt));
+        fs
     }
 
     pub fn path(&self) -> &Path {
@@ -102,9 +112,36 @@ impl Xfs {
             .collect();
         v[0] * (v[1] - v[2])
     }
+
+    /// Fills the filesystem until writes fail with ENOSPC; returns the
+    /// directory of filler files (remove it to free the space).
+    pub fn fill_up(&self) -> PathBuf {
+        let dir = self.mnt.join("filler");
+        fs::create_dir_all(&dir).expect("filler dir");
+        let out = sh(Command::new("stat")
+            .args(["-f", "-c", "%S %a"])
+            .arg(&self.mnt));
+        let v: Vec<u64> = out
+            .split_whitespace()
+            .map(|x| x.parse().expect("stat output"))
+            .collect();
+        let avail = v[0] * v[1];
+        if avail > 1 << 20 {
+            let _ = Command::new("fallocate")
+                .args(["-l", &(avail - (1 << 20)).to_string()])
+                .arg(dir.join("big"))
+                .status();
+        }
+        for i in 0.. {
+            if fs::write(dir.join(format!("small-{i}")), [0u8; 4096]).is_err() {
+                break;
+            }
+        }
+        dir
+    }
 }
 
-impl Drop for Xfs {
+impl Drop for LoopFs {
     fn drop(&mut self) {
         let ok = Command::new("umount")
             .arg(&self.mnt)
@@ -283,12 +320,12 @@ pub async fn connect(socket: &Path) -> Client {
 pub struct Rig {
     pub snap: Snapshotter,
     pub work: PathBuf,
-    pub xfs: Xfs,
+    pub xfs: LoopFs,
 }
 
 impl Rig {
     pub fn new() -> Rig {
-        let xfs = Xfs::new(320);
+        let xfs = LoopFs::xfs(320);
         let work = xfs.dir.path().join("work");
         fs::create_dir(&work).expect("work dir");
         let snap = Snapshotter::start(&xfs.mnt.join("store"), &xfs.dir.path().join("snap.sock"));
@@ -310,7 +347,11 @@ pub struct Mounted {
 
 impl Mounted {
     pub fn new(mounts: &[Mount], work: &Path, name: &str) -> Mounted {
-        assert_eq!(mounts.len(), 1, "twig returns exactly one mount: {mounts:?}");
+        assert_eq!(
+            mounts.len(),
+            1,
+            "twig returns exactly one mount: {mounts:?}"
+        );
         let m = &mounts[0];
         let path = work.join(name);
         fs::create_dir_all(&path).expect("mount point");

@@ -1,0 +1,169 @@
+//! The VM snapshot node store, on a loop-mounted XFS (and a refusal on ext4).
+
+mod common;
+
+use common::LoopFs;
+use std::fs;
+use std::io::Write;
+use twig_snapshotter::{Artefact, CloneMode, Error, NodeStore};
+
+fn write_pattern(path: &std::path::Path, mib: usize, byte: u8) {
+    let mut f = fs::File::create(path).unwrap();
+    for _ in 0..mib {
+        f.write_all(&vec![byte; 1 << 20]).unwrap();
+    }
+    f.sync_all().unwrap();
+}
+
+#[test]
+fn stage_publish_clone_account_delete() {
+    let xfs = LoopFs::xfs(320);
+    let store = NodeStore::open(&xfs.path().join("vm"), false).expect("open");
+    assert_eq!(store.clone_mode(), CloneMode::Reflink);
+
+    // Artefacts: memory written in place, disk reflinked in from a pod's disk.
+    let pod_disk = xfs.path().join("pod-disk.img");
+    write_pattern(&pod_disk, 16, 0xd1);
+    let mut staging = store.stage("tpl-1").expect("stage");
+    write_pattern(&staging.path(Artefact::Memory), 8, 0x3e);
+    staging.put_bytes(Artefact::State, b"vcpu state").unwrap();
+    staging.put_file(Artefact::Disk, &pod_disk).unwrap();
+    staging.set_label("twig.dev/pod", "default/agent-0");
+    assert!(
+        matches!(store.get("tpl-1"), Err(Error::NotFound(_))),
+        "a staged snapshot must not be visible"
+    );
+    assert!(store.list().unwrap().is_empty());
+    let snap = staging.publish().expect("publish");
+    assert_eq!(snap.artefacts[&Artefact::Memory], 8 << 20);
+    assert_eq!(snap.artefacts[&Artefact::State], 10);
+    assert_eq!(snap.artefacts[&Artefact::Disk], 16 << 20);
+    assert_eq!(snap.labels["twig.dev/pod"], "default/agent-0");
+    assert_eq!(store.get("tpl-1").unwrap(), snap);
+    assert_eq!(
+        fs::read(snap.path(Artefact::State).unwrap()).unwrap(),
+        b"vcpu state"
+    );
+
+    // The same name cannot be published twice.
+    let mut again = store.stage("tpl-1-b").unwrap();
+    again.put_bytes(Artefact::State, b"x").unwrap();
+    drop(again);
+    assert!(matches!(store.stage("tpl-1"), Err(Error::AlreadyExists(_))));
+    assert!(matches!(
+        store.stage("../evil"),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(store.stage(""), Err(Error::InvalidArgument(_))));
+
+    // A child on top of it, and reflinked disks for restored pods.
+    let mut child = store.stage("tpl-1.snap-1").unwrap();
+    child.set_parent("tpl-1").unwrap();
+    child.put_bytes(Artefact::Memory, &[1u8; 4096]).unwrap();
+    let child = child.publish().unwrap();
+    assert_eq!(child.parent.as_deref(), Some("tpl-1"));
+    assert_eq!(
+        store
+            .list()
+            .unwrap()
+            .iter()
+            .map(|s| s.name.as_str())
+            .collect::<Vec<_>>(),
+        ["tpl-1", "tpl-1.snap-1"]
+    );
+    for i in 0..10 {
+        let dest = xfs.path().join(format!("pod-{i}.img"));
+        store.reflink_out("tpl-1", Artefact::Disk, &dest).unwrap();
+        assert_eq!(fs::metadata(&dest).unwrap().len(), 16 << 20);
+    }
+    assert!(matches!(
+        store.reflink_out("tpl-1.snap-1", Artefact::Disk, &xfs.path().join("x")),
+        Err(Error::NotFound(_))
+    ));
+    let pods: Vec<_> = (0..10)
+        .map(|i| xfs.path().join(format!("pod-{i}.img")))
+        .collect();
+    let pods_usage = twig_snapshotter::fsops::usage_of(pods.iter().map(|p| p.as_path())).unwrap();
+    assert_eq!(pods_usage.allocated_bytes, 160 << 20);
+    assert!(
+        pods_usage.unique_bytes <= 16 << 20,
+        "ten reflinked disks occupy {} distinct bytes",
+        pods_usage.unique_bytes
+    );
+
+    let usage = store.usage().unwrap();
+    assert_eq!(usage.files, 4);
+    assert_eq!(usage.logical_bytes, (8 << 20) + 10 + (16 << 20) + 4096);
+    assert!(usage.shared_bytes >= 16 << 20, "{usage:?}");
+    let one = store.usage_of("tpl-1").unwrap();
+    assert_eq!(one.files, 3);
+
+    // Deleting a parent is refused while its child exists.
+    assert!(matches!(
+        store.delete("tpl-1"),
+        Err(Error::FailedPrecondition(_))
+    ));
+    store.delete("tpl-1.snap-1").unwrap();
+    store.delete("tpl-1").unwrap();
+    assert!(matches!(store.delete("tpl-1"), Err(Error::NotFound(_))));
+    assert!(store.list().unwrap().is_empty());
+    // The pods' disks are independent of the deleted snapshot.
+    assert_eq!(fs::read(&pods[3]).unwrap(), vec![0xd1; 16 << 20]);
+}
+
+#[test]
+fn crash_leftovers_are_cleaned_but_live_staging_is_not() {
+    let xfs = LoopFs::xfs(320);
+    let root = xfs.path().join("vm");
+    let store = NodeStore::open(&root, false).unwrap();
+    // What a writer killed mid-staging leaves behind: an unlocked directory.
+    let dead = root.join("tmp/crashed.123.0.staging");
+    fs::create_dir(&dead).unwrap();
+    fs::write(dead.join("memory"), b"half").unwrap();
+    // A writer still at work in another handle (as another process would).
+    let other = NodeStore::open(&root, false).unwrap();
+    assert!(!dead.exists(), "open() removes crash leftovers");
+    let mut live = other.stage("live").unwrap();
+    live.put_bytes(Artefact::State, b"s").unwrap();
+    assert_eq!(store.cleanup().unwrap(), 0, "a locked staging dir is kept");
+    let published = live.publish().unwrap();
+    assert_eq!(store.get("live").unwrap(), published);
+    // A staging dropped without publishing vanishes.
+    let mut dropped = store.stage("dropped").unwrap();
+    dropped.put_bytes(Artefact::State, b"s").unwrap();
+    let path = dropped.path(Artefact::State);
+    drop(dropped);
+    assert!(!path.exists());
+    assert!(matches!(store.get("dropped"), Err(Error::NotFound(_))));
+    assert_eq!(fs::read_dir(root.join("tmp")).unwrap().count(), 0);
+    // Publishing nothing is refused.
+    assert!(matches!(
+        store.stage("empty").unwrap().publish(),
+        Err(Error::InvalidArgument(_))
+    ));
+}
+
+#[test]
+fn refuses_ext4_without_allow_copy() {
+    let ext4 = LoopFs::ext4(64);
+    let root = ext4.path().join("vm");
+    match NodeStore::open(&root, false) {
+        Err(e @ Error::NoReflink { .. }) => {
+            let msg = e.to_string();
+            assert!(
+                msg.contains("reflink") && msg.contains("--allow-copy"),
+                "{msg}"
+            );
+        }
+        Err(e) => panic!("unexpected error {e}"),
+        Ok(_) => panic!("ext4 must be refused"),
+    }
+    let store = NodeStore::open(&root, true).unwrap();
+    assert_eq!(store.clone_mode(), CloneMode::Copy);
+    let mut s = store.stage("a").unwrap();
+    s.put_bytes(Artefact::Disk, &[9u8; 8192]).unwrap();
+    s.publish().unwrap();
+    let dest = ext4.path().join("copy.img");
+    store.reflink_out("a", Artefact::Disk, &dest).unwrap();
+    assert_eq!(fs::read(&dest).unwrap(), vec![9u8; 8192]);
+}

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# The nested lab: real KVM for twig's tests on machines whose /dev/kvm cannot
+# run them (see ../shared/DESIGN.md, "This machine").
+#
+# Boots Debian's cloud kernel under QEMU TCG with `-cpu max` (SVM, nested
+# paging, XSAVE) from an initramfs holding busybox, irqbypass/kvm/kvm-amd and
+# the test binaries with their shared libraries; /init loads kvm-amd and runs
+# every test binary against that /dev/kvm, printing their output to the
+# serial console, which this script relays and judges.
+#
+# Usage: tests/lab/run.sh [cargo test selection...]   (default: -p twig-vmm)
+# The kernel is cached under ${XDG_CACHE_HOME:-~/.cache}/twig/lab, keyed by
+# the Debian package version. Every wait has a deadline.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+LAB_TIMEOUT=${TWIG_LAB_TIMEOUT:-1500}   # seconds for the whole outer VM
+TEST_TIMEOUT=${TWIG_LAB_TEST_TIMEOUT:-600}
+# Test binaries that need host tools the lab lacks (mount namespaces,
+# setpriv, a 2 GiB guest) stay on the host.
+SKIP_IN_LAB=${TWIG_LAB_SKIP:-api}
+
+die() { echo "lab: $*" >&2; exit 1; }
+[[ $(id -u) -eq 0 ]] || die "needs root (apt-get, building the initramfs)"
+command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 missing (scripts/install-deps.sh installs it)"
+[[ -x /bin/busybox ]] || die "busybox-static missing (scripts/install-deps.sh installs it)"
+
+cache=${XDG_CACHE_HOME:-$HOME/.cache}/twig/lab
+mkdir -p "$cache"
+
+# 1. The outer kernel and its KVM modules, from Debian's package (cached).
+pkg=$(apt-cache depends linux-image-cloud-amd64 2>/dev/null | awk '/Depends: linux-image-/{print $2; exit}')
+[[ -n $pkg ]] || { apt-get update -qq; pkg=$(apt-cache depends linux-image-cloud-amd64 | awk '/Depends: linux-image-/{print $2; exit}'); }
+[[ -n $pkg ]] || die "cannot resolve linux-image-cloud-amd64"
+ver=$(apt-cache policy "$pkg" | awk '/Candidate:/{print $2}')
+kdir=$cache/kernel-$pkg-$ver
+if [[ ! -f $kdir/done ]]; then
+  rm -rf "$kdir"; mkdir -p "$kdir/deb"
+  (cd "$kdir/deb" && apt-get download "$pkg" >/dev/null 2>&1) || die "apt-get download $pkg failed"
+  dpkg-deb -x "$kdir"/deb/*.deb "$kdir/x"
+  touch "$kdir/done"
+fi
+kver=${pkg#linux-image-}
+vmlinuz=$kdir/x/boot/vmlinuz-$kver
+mods=$kdir/x/lib/modules/$kver/kernel
+[[ -f $vmlinuz ]] || die "no $vmlinuz in $pkg"
+
+# 2. The test binaries.
+sel=("$@"); ((${#sel[@]})) || sel=(-p twig-vmm)
+mapfile -t bins < <(cargo test --locked "${sel[@]}" --no-run --message-format=json 2>/dev/null \
+  | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    t = m.get("target", {})
+    if m.get("executable") and ("lib" in t.get("kind", []) or "test" in t.get("kind", [])):
+        print(m["executable"])
+' | sort -u)
+((${#bins[@]})) || die "cargo built no test binaries for ${sel[*]}"
+
+# 3. The initramfs.
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+root=$work/root
+mkdir -p "$root"/{bin,dev,proc,sys,tmp,lib/modules,tests}
+cp /bin/busybox "$root/bin/busybox"
+for m in virt/lib/irqbypass.ko arch/x86/kvm/kvm.ko arch/x86/kvm/kvm-amd.ko; do
+  cp "$mods/$m" "$root/lib/modules/"
+done
+copy_with_libs() {
+  cp "$1" "$2"
+  ldd "$1" 2>/dev/null | grep -o '/[^ ]*' | while read -r lib; do
+    mkdir -p "$root$(dirname "$lib")"
+    cp -L "$lib" "$root$lib"
+  done
+}
+n=0
+for b in "${bins[@]}"; do
+  name=$(basename "$b"); name=${name%-*}
+  [[ " $SKIP_IN_LAB " == *" $name "* ]] && { echo "lab: $name runs on the host only"; continue; }
+  copy_with_libs "$b" "$root/tests/$name"; n=$((n + 1))
+done
+cat > "$root/init" <<INIT
+#!/bin/busybox sh
+/bin/busybox --install -s /bin
+mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
+mount -t tmpfs tmp /tmp
+for m in irqbypass kvm kvm-amd; do insmod /lib/modules/\$m.ko || echo "LAB-ERROR insmod \$m"; done
+[ -c /dev/kvm ] || echo "LAB-ERROR no /dev/kvm"
+echo LAB-BEGIN
+for t in /tests/*; do
+  echo "LAB-RUN \$t"
+  timeout $TEST_TIMEOUT \$t --test-threads=1 2>&1
+  echo "LAB-EXIT \$(basename \$t) \$?"
+done
+echo LAB-END
+poweroff -f
+INIT
+chmod +x "$root/init"
+(cd "$root" && find . | cpio -o -H newc --quiet | gzip -1) > "$work/initrd"
+
+# 4. Boot it and judge what it prints.
+log=$work/serial.log
+echo "lab: booting $pkg ($ver) under QEMU TCG with $n test binaries"
+set +e
+timeout "$LAB_TIMEOUT" qemu-system-x86_64 -M pc -accel tcg,thread=multi -smp 2 -cpu max -m 3072 \
+  -nographic -no-reboot -serial stdio -monitor none \
+  -kernel "$vmlinuz" -initrd "$work/initrd" \
+  -append "console=ttyS0 panic=-1 quiet" </dev/null | tr -d '\r' | tee "$log"
+qemu=${PIPESTATUS[0]}
+set -e
+grep -q '^LAB-END' "$log" || die "the lab did not finish (qemu exit $qemu); see output above"
+! grep -q '^LAB-ERROR' "$log" || die "$(grep '^LAB-ERROR' "$log")"
+passed=$(grep -o '[0-9]* passed' "$log" | awk '{s+=$1} END {print s+0}')
+failed=$(grep -o '[0-9]* failed' "$log" | awk '{s+=$1} END {print s+0}')
+bad=$(grep '^LAB-EXIT' "$log" | awk '$3 != 0 {printf "%s (exit %s) ", $2, $3}')
+echo "lab: $passed passed, $failed failed"
+[[ -z $bad ]] || die "failing test binaries in the lab: $bad"
