@@ -9,8 +9,10 @@ packages=(
   containerd runc umoci skopeo  # the snapshotter's real containerd tests
   xfsprogs btrfs-progs          # reflink filesystems, loop-mounted by tests
   protobuf-compiler             # .proto files (containerd snapshots API, shim service)
+  linux-source-6.1 bc flex bison libelf-dev  # the guest kernel (guest/build-kernel.sh)
   qemu-system-x86 cpio          # the nested lab (tests/lab/run.sh)
   libprotobuf-dev busybox-static  # protobuf well-known .protos; a static shell in test images
+  e2fsprogs                     # mkfs.ext4/debugfs: the snapshotter's ext4 images
 )
 
 missing=()

@@ -11,4 +11,4 @@ scripts/install-deps.sh
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked
-tests/lab/run.sh -p twig-vmm
+tests/lab/run.sh -p twig-vmm --features twig-vmm/lab

@@ -25,9 +25,12 @@ pub struct Args {
     /// Number of concurrent Prepares from the parent.
     #[arg(long, default_value_t = 100)]
     children: usize,
-    /// Repetitions of the single reflink-Prepare and full-copy timings.
-    #[arg(long, default_value_t = 5)]
+    /// Repetitions of the single reflink-Prepare timing.
+    #[arg(long, default_value_t = 20)]
     runs: usize,
+    /// Repetitions of the full-copy timing (each copies the whole parent).
+    #[arg(long, default_value_t = 5)]
+    copy_runs: usize,
     /// Use this directory (on XFS with reflink, or btrfs) instead of a
     /// loop-mounted XFS made for the run.
     #[arg(long)]
@@ -92,8 +95,23 @@ impl Drop for LoopXfs {
     }
 }
 
-/// Bytes in use on the filesystem holding `path`.
+/// Removes the benchmark's store directory, also when the run fails.
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        if let Err(e) = fs::remove_dir_all(&self.0) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                eprintln!("twig-bench: cannot remove {}: {e}", self.0.display());
+            }
+        }
+    }
+}
+
+/// Bytes in use on the filesystem holding `path`, after a syncfs (which also
+/// lets XFS finish freeing blocks of deleted files in the background).
 fn fs_used(path: &Path) -> Result<u64, Error> {
+    settle(path)?;
     let out = exec(
         Command::new("stat")
             .args(["-f", "-c", "%S %b %f"])
@@ -107,6 +125,11 @@ fn fs_used(path: &Path) -> Result<u64, Error> {
         [bsize, blocks, free] => Ok(bsize * (blocks - free)),
         _ => Err(format!("unexpected `stat -f` output {out:?}").into()),
     }
+}
+
+/// syncfs on the filesystem of `path`: timings start from a quiet filesystem.
+fn settle(path: &Path) -> Result<(), Error> {
+    exec(Command::new("sync").arg("-f").arg(path)).map(|_| ())
 }
 
 /// Mounts a snapshot's mounts with mount(8), runs `f` on the mount point,
@@ -132,8 +155,8 @@ fn with_mounted(
 const MIB: f64 = 1048576.0;
 
 pub fn run(args: &Args) -> Result<serde_json::Value, Error> {
-    if args.runs == 0 || args.children == 0 || args.parent_mib == 0 {
-        return Err("--runs, --children and --parent-mib must be positive".into());
+    if args.runs == 0 || args.copy_runs == 0 || args.children == 0 || args.parent_mib == 0 {
+        return Err("--runs, --copy-runs, --children and --parent-mib must be positive".into());
     }
     let image_mib = args.parent_mib + args.parent_mib / 4 + 64;
     let loop_xfs;
@@ -145,7 +168,15 @@ pub fn run(args: &Args) -> Result<serde_json::Value, Error> {
             loop_xfs.mnt.clone()
         }
     };
-    let root = dir.join("store");
+    let root = dir.join("twig-bench-store");
+    if root.exists() {
+        return Err(format!(
+            "{} already exists; the benchmark needs to create it fresh (and removes it after)",
+            root.display()
+        )
+        .into());
+    }
+    let _cleanup = RemoveOnDrop(root.clone());
     let store = SnapshotStore::open(
         &root,
         &StoreOptions {
@@ -160,7 +191,7 @@ pub fn run(args: &Args) -> Result<serde_json::Value, Error> {
         args.parent_mib
     );
     let mounts = store.prepare("parent-active", None, Default::default())?;
-    with_mounted(&mounts, &dir.join("mnt-parent"), |m| {
+    with_mounted(&mounts, &root.join("mnt-parent"), |m| {
         let mut f = fs::File::create(m.join("data"))?;
         let mut chunk = vec![0u8; 1 << 20];
         for i in 0..args.parent_mib {
@@ -175,6 +206,7 @@ pub fn run(args: &Args) -> Result<serde_json::Value, Error> {
     store.commit("parent", "parent-active", Default::default())?;
     let parent_image = store.image_path("parent")?;
     let parent_alloc = fsops::usage_of([parent_image.as_path()])?.allocated_bytes;
+    settle(&dir)?;
 
     // One Prepare (reflink) versus one full copy of the parent's image.
     let mut prepare = Vec::new();
@@ -187,12 +219,13 @@ pub fn run(args: &Args) -> Result<serde_json::Value, Error> {
     }
     let mut copy = Vec::new();
     let copy_dest = root.join("full-copy.img");
-    for _ in 0..args.runs {
+    for _ in 0..args.copy_runs {
         let t = Instant::now();
         fsops::sparse_copy(&parent_image, &copy_dest)?;
         fsops::sync_path(&copy_dest)?;
         copy.push(t.elapsed());
         fs::remove_file(&copy_dest)?;
+        settle(&dir)?;
     }
     let prepare_s = Summary::of(&prepare);
     let copy_s = Summary::of(&copy);
@@ -264,6 +297,7 @@ pub fn run(args: &Args) -> Result<serde_json::Value, Error> {
     );
 
     Ok(json!({
+        "clone_mode": store.clone_mode(),
         "parent_mib": args.parent_mib,
         "image_mib": image_mib,
         "parent_allocated_bytes": parent_alloc,

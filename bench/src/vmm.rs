@@ -48,6 +48,10 @@ pub struct Args {
     /// twig-vmm processes started for the VMM RSS measurement.
     #[arg(long, default_value_t = 20)]
     rss_vms: usize,
+    /// Measure VMM RSS and max_vms with VMs in this process even when the
+    /// twig-vmm binary is found next to this one.
+    #[arg(long)]
+    in_process: bool,
     /// Directory under which a temporary snapshot directory is made.
     #[arg(long, default_value = "/tmp")]
     dir: PathBuf,
@@ -339,16 +343,18 @@ pub fn run(args: &Args) -> Result<Value, Error> {
         r.timing(&format!("clone{n}_ms"), &samples);
     }
 
-    if have_bin {
+    if have_bin && !args.in_process {
         let (per_vm, detail) = rss_by_process(&bin, &mut dirs, &base, args.rss_vms)?;
         r.value("vmm_rss_method", json!("process"));
         r.value("vmm_rss_kib_per_vm", json!(per_vm));
         r.value("vmm_rss_detail", detail);
+        r.value("max_vms_method", json!("process"));
+        max_vms_processes(&mut r, &bin, &mut dirs, &base, args.max_vms_cap)?;
     } else {
         r.value("vmm_rss_method", json!("in-process (max_vms)"));
+        r.value("max_vms_method", json!("in-process"));
+        max_vms_in_process(&mut r, shape, &base, args.max_vms_cap)?;
     }
-
-    max_vms(&mut r, shape, &base, args.max_vms_cap, !have_bin)?;
     Ok(Value::Object(r.0))
 }
 
@@ -418,15 +424,72 @@ fn clone(base: &Path, n: usize) -> Result<Duration, Error> {
     Ok(took)
 }
 
-/// Restores `base` into as many VMs as run, up to `cap`, in this process;
-/// reports how many ran, what stopped it, and memory per VM.
-fn max_vms(
+/// Starts twig-vmm processes (production's one VM per process), each
+/// restoring `base`, until one fails or `cap` run; reports how many ran,
+/// what stopped it, and memory per VM.
+fn max_vms_processes(
     r: &mut Report,
-    shape: Shape,
+    bin: &Path,
+    dirs: &mut Dirs,
     base: &Path,
     cap: usize,
-    rss_is_primary: bool,
 ) -> Result<(), Error> {
+    let nofile = raise_nofile()?;
+    let guest_file = base.join("memory");
+    let avail_before = mem_available_kib()?;
+    let start = Instant::now();
+    let mut vmms = Vec::new();
+    let stopped = loop {
+        if vmms.len() >= cap {
+            break format!("the cap (--max-vms-cap {cap})");
+        }
+        match restored_vmm(bin, dirs, base) {
+            Ok(v) => vmms.push(v),
+            Err(e) => break format!("VMM {} failed: {e}", vmms.len() + 1),
+        }
+        if vmms.len() % 100 == 0 {
+            eprintln!(
+                "  {} VMMs running after {:.1} s",
+                vmms.len(),
+                start.elapsed().as_secs_f64()
+            );
+        }
+    };
+    let took = start.elapsed();
+    // All of them still run, and what each costs.
+    let (mut pss, mut private) = (0u64, 0u64);
+    for (p, api) in vmms.iter_mut() {
+        let stats = api.call(&json!({"op": "stats"}))?;
+        if stats["state"] != json!("running") {
+            return Err(format!("twig-vmm {} is no longer running: {stats}", p.pid()).into());
+        }
+        let m = smaps(&p.pid().to_string(), &guest_file)?;
+        pss += m.pss_kib;
+        private += m.private_kib;
+    }
+    let avail_after = mem_available_kib()?;
+    let n = vmms.len().max(1) as f64;
+    r.value("max_vms", json!(vmms.len()));
+    r.value("max_vms_stopped_by", json!(stopped));
+    r.value("max_vms_nofile_limit", json!(nofile));
+    r.value("max_vms_start_s", json!(took.as_secs_f64()));
+    r.value("max_vms_pss_kib_per_vm", json!(pss as f64 / n));
+    r.value("max_vms_private_kib_per_vm", json!(private as f64 / n));
+    r.value(
+        "max_vms_host_mem_kib_per_vm",
+        json!((avail_before as f64 - avail_after as f64) / n),
+    );
+    let start = Instant::now();
+    for (p, mut api) in vmms.drain(..) {
+        p.shutdown(&mut api)?;
+    }
+    r.value("max_vms_teardown_s", json!(start.elapsed().as_secs_f64()));
+    Ok(())
+}
+
+/// Restores `base` into as many VMs as run, up to `cap`, in this process;
+/// reports how many ran, what stopped it, and memory per VM.
+fn max_vms_in_process(r: &mut Report, shape: Shape, base: &Path, cap: usize) -> Result<(), Error> {
     let nofile = raise_nofile()?;
     let image = Image::open(base).context(|| format!("opening {}", base.display()))?;
     let guest_file = base.join("memory");
@@ -473,14 +536,11 @@ fn max_vms(
         "max_vms_guest_rss_kib_per_vm",
         json!((after.guest_rss_kib as f64 - before.guest_rss_kib as f64) / n),
     );
-    r.value("max_vms_vmm_rss_kib_per_vm", json!(vmm / n));
     r.value(
         "max_vms_host_mem_kib_per_vm",
         json!((avail_before as f64 - avail_after as f64) / n),
     );
-    if rss_is_primary {
-        r.value("vmm_rss_kib_per_vm", json!(vmm / n));
-    }
+    r.value("vmm_rss_kib_per_vm", json!(vmm / n));
     let start = Instant::now();
     drop(vms);
     r.value("max_vms_teardown_s", json!(start.elapsed().as_secs_f64()));
@@ -650,6 +710,32 @@ fn boot_process(
     Ok(took)
 }
 
+/// Starts a twig-vmm process and restores `base` in it through the API;
+/// returns once the guest runs (has left KVM at its idle port).
+fn restored_vmm(bin: &Path, dirs: &mut Dirs, base: &Path) -> Result<(VmmProcess, Api), Error> {
+    let mut p = VmmProcess::spawn(bin, dirs.fresh("vmm.sock"), Path::new("/dev/null"))?;
+    let mut api = p.connect()?;
+    api.call(&json!({"op": "restore", "dir": base}))?;
+    wait_exits(&mut api)?;
+    Ok((p, api))
+}
+
+/// Waits until a VMM's guest has made a VM exit: a restored VM starts with
+/// none, and the test guest's first exit is its idle port, so it ran.
+fn wait_exits(api: &mut Api) -> Result<(), Error> {
+    let deadline = Instant::now() + T;
+    loop {
+        let stats = api.call(&json!({"op": "stats"}))?;
+        if stats["exits"].as_u64().unwrap_or(0) > 0 && stats["state"] == json!("running") {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!("the restored guest did not run within {T:?}: {stats}").into());
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// Starts `k` twig-vmm processes, restores `base` in each through the API,
 /// and returns per-process RSS beyond the guest RAM mapping.
 fn rss_by_process(
@@ -662,37 +748,16 @@ fn rss_by_process(
         return Err("--rss-vms must be at least 1".into());
     }
     let guest_file = base.join("memory");
-    let null = Path::new("/dev/null");
-    let mut procs = (0..k)
-        .map(|_| VmmProcess::spawn(bin, dirs.fresh("rss.sock"), null))
+    let mut vmms = (0..k)
+        .map(|_| restored_vmm(bin, dirs, base))
         .collect::<Result<Vec<_>, Error>>()?;
-    let mut apis = Vec::with_capacity(k);
-    for p in procs.iter_mut() {
-        let mut api = p.connect()?;
-        api.call(&json!({"op": "restore", "dir": base}))?;
-        apis.push(api);
-    }
-    // The guests run: each has left KVM at least once (its idle port).
-    for api in apis.iter_mut() {
-        let deadline = Instant::now() + T;
-        while api.call(&json!({"op": "stats"}))?["exits"]
-            .as_u64()
-            .unwrap_or(0)
-            == 0
-        {
-            if Instant::now() > deadline {
-                return Err("a restored guest made no VM exit".into());
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    }
     let mut vmm_rss = Vec::with_capacity(k);
     let mut vmm_pss = Vec::with_capacity(k);
     let mut guest = Vec::with_capacity(k);
     let mut total = Vec::with_capacity(k);
     let mut private = Vec::with_capacity(k);
     let mut breakdown = BTreeMap::new();
-    for p in &procs {
+    for (p, _) in &vmms {
         let m = smaps(&p.pid().to_string(), &guest_file)?;
         if m.guest_size_kib == 0 {
             return Err(format!(
@@ -711,7 +776,7 @@ fn rss_by_process(
             breakdown = m.by_name;
         }
     }
-    for (p, mut api) in procs.drain(..).zip(apis) {
+    for (p, mut api) in vmms.drain(..) {
         p.shutdown(&mut api)?;
     }
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
@@ -729,7 +794,7 @@ fn rss_by_process(
     );
     // The first process's RSS by mapping, largest first.
     let mut top: Vec<(String, u64)> = breakdown.into_iter().filter(|(_, kib)| *kib > 0).collect();
-    top.sort_by(|a, b| b.1.cmp(&a.1));
+    top.sort_by_key(|(_, kib)| std::cmp::Reverse(*kib));
     for (name, kib) in &top {
         eprintln!("    {kib:>6} KiB  {name}");
     }

@@ -66,12 +66,13 @@ pub enum DeletionPolicy {
     Retain,
 }
 
-/// A point-in-time copy of a running Twig pod: memory, processes and disk.
+/// Which pod to snapshot, how, and what happens to the data afterwards.
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[kube(
     group = "twig.dev",
     version = "v1alpha1",
     kind = "Snapshot",
+    doc = "A point-in-time copy of a running Twig pod (memory, processes and disk), held on its node.",
     namespaced,
     status = "SnapshotStatus",
     shortname = "tsnap",
@@ -158,12 +159,13 @@ pub struct CloneSource {
     pub pod_name: Option<String>,
 }
 
-/// N running copies of a pod, restored from one snapshot on the snapshot's node.
+/// Where the clones come from, how many, and how they are named and labelled.
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[kube(
     group = "twig.dev",
     version = "v1alpha1",
     kind = "Clone",
+    doc = "N running copies of a pod, restored from one snapshot on the snapshot's node.",
     root = "PodClone",
     namespaced,
     status = "CloneStatus",
@@ -180,7 +182,7 @@ pub struct CloneSource {
     ),
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
-#[x_kube(validation = Rule::new("self.source == oldSelf.source").message("source is immutable"))]
+#[x_kube(validation = Rule::new("self.source == oldSelf.source && self.replicas == oldSelf.replicas").message("source and replicas are immutable; create another Clone"))]
 #[serde(rename_all = "camelCase")]
 pub struct CloneSpec {
     pub source: CloneSource,
@@ -220,12 +222,13 @@ pub struct CloneStatus {
     pub message: Option<String>,
 }
 
-/// Rewinds a running pod in place to one of its snapshots.
+/// Which pod to roll back, and to which snapshot.
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[kube(
     group = "twig.dev",
     version = "v1alpha1",
     kind = "Rollback",
+    doc = "Rewinds a running Twig pod in place to a snapshot of its lineage.",
     namespaced,
     status = "RollbackStatus",
     shortname = "trb",
@@ -267,12 +270,13 @@ pub struct RollbackStatus {
     pub message: Option<String>,
 }
 
-/// A paused, pre-booted VM that new pods are restored from instead of booted.
+/// What the template VM runs and how big it is.
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[kube(
     group = "twig.dev",
     version = "v1alpha1",
     kind = "SandboxTemplate",
+    doc = "A paused, pre-booted VM that new Twig pods are restored from instead of booted.",
     namespaced,
     status = "SandboxTemplateStatus",
     shortname = "ttpl",

@@ -160,12 +160,48 @@ fn every_cel_rule_compiles() {
             .map(|e| format!("{e:?}"))
             .collect();
         assert!(errors.is_empty(), "{plural}: {errors:?}");
-        rules += crd.doc.to_string().matches("\"rule\"").count();
+        let mut found = Vec::new();
+        rules_in(&crd.schema, plural, &mut found);
+        for (path, node, rule) in found {
+            // Scope (only self/oldSelf and root variables) and cost within the API server's budget.
+            let node_compiled = kube_cel::compile_schema(node);
+            let warnings = kube_cel::analyze_rule(
+                &rule,
+                &node_compiled,
+                kube_cel::ScopeContext::CrdValidation,
+            );
+            assert!(warnings.is_empty(), "{path}: {rule}: {warnings:?}");
+            rules += 1;
+        }
     }
     assert_eq!(
         rules, 4,
         "a CEL rule was added or lost; cover it in cel_rules_decide_as_intended"
     );
+}
+
+/// Every `x-kubernetes-validations` rule with the schema node it sits on.
+fn rules_in<'a>(schema: &'a Value, path: &str, out: &mut Vec<(String, &'a Value, String)>) {
+    for rule in schema["x-kubernetes-validations"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
+        out.push((
+            path.to_string(),
+            schema,
+            rule["rule"].as_str().unwrap_or_default().to_string(),
+        ));
+    }
+    for (k, v) in schema["properties"].as_object().into_iter().flatten() {
+        rules_in(v, &format!("{path}.{k}"), out);
+    }
+    if schema["items"].is_object() {
+        rules_in(&schema["items"], &format!("{path}[]"), out);
+    }
+    if schema["additionalProperties"].is_object() {
+        rules_in(&schema["additionalProperties"], &format!("{path}[*]"), out);
+    }
 }
 
 fn object(kind: &str, spec: Value) -> Value {
@@ -204,18 +240,20 @@ fn cel_rules_decide_as_intended() {
             "{err}"
         );
     }
-    // Clone: the source cannot change; replicas can.
-    let more = object(
+    // Clone: source and replicas cannot change; labels can.
+    let relabelled = object(
         "Clone",
-        json!({"source": {"snapshotName": "s"}, "replicas": 9}),
+        json!({"source": {"snapshotName": "s"}, "replicas": 8, "labels": {"a": "b"}}),
     );
-    assert_eq!(check("clones", more, Some(one.clone())), Ok(()));
-    let moved = object(
-        "Clone",
+    assert_eq!(check("clones", relabelled, Some(one.clone())), Ok(()));
+    for changed in [
         json!({"source": {"snapshotName": "t"}, "replicas": 8}),
-    );
-    let err = check("clones", moved, Some(one)).expect_err("source changed");
-    assert!(err.contains("source is immutable"), "{err}");
+        json!({"source": {"snapshotName": "s"}, "replicas": 9}),
+    ] {
+        let err =
+            check("clones", object("Clone", changed), Some(one.clone())).expect_err("changed");
+        assert!(err.contains("source and replicas are immutable"), "{err}");
+    }
 
     // Snapshot: podName and mode are immutable; the TTL is not.
     let snap = object(

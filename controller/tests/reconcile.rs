@@ -15,8 +15,8 @@ use twig_controller::crd::{
 
 use support::fake::{Call, FakeNode};
 use support::{
-    api_server, event_reasons, events_about, eventually, mark_ready, running_pod, start_controller,
-    NS,
+    api_server, events_about, eventually, expect_reasons, mark_ready, running_pod,
+    start_controller, NS,
 };
 
 fn snapshot(name: &str, pod: &str) -> Snapshot {
@@ -139,15 +139,7 @@ async fn snapshot_reaches_ready_with_status_and_events() {
     let second = snapshot_in(&client, "snap-2", Phase::Ready).await;
     assert_eq!(second.status.and_then(|s| s.parent), created.uid());
 
-    let reasons = eventually("snapshot events", || {
-        let client = client.clone();
-        async move {
-            let r = event_reasons(&client, "snap-1").await;
-            (r.len() >= 2).then_some(r)
-        }
-    })
-    .await;
-    assert_eq!(reasons, ["Started", "Ready"]);
+    expect_reasons(&client, "snap-1", &["Started", "Ready"]).await;
 }
 
 #[tokio::test]
@@ -300,15 +292,7 @@ async fn pod_deleted_mid_snapshot_fails_with_reason() {
         message.contains("pod doomed was deleted during the snapshot"),
         "{message}"
     );
-    let reasons = eventually("failure event", || {
-        let client = client.clone();
-        async move {
-            let r = event_reasons(&client, "snap-doomed").await;
-            r.contains(&"Failed".to_string()).then_some(r)
-        }
-    })
-    .await;
-    assert_eq!(reasons, ["Started", "Failed"]);
+    expect_reasons(&client, "snap-doomed", &["Started", "Failed"]).await;
 }
 
 #[tokio::test]
@@ -457,8 +441,7 @@ async fn a_snapshot_whose_data_leaves_the_node_is_lost() {
     let lost = snapshot_in(&client, "fragile", Phase::Lost).await;
     let message = lost.status.and_then(|s| s.message).unwrap_or_default();
     assert!(message.contains("no longer on node node-a"), "{message}");
-    let reasons = event_reasons(&client, "fragile").await;
-    assert_eq!(reasons, ["Started", "Ready", "Lost"]);
+    expect_reasons(&client, "fragile", &["Started", "Ready", "Lost"]).await;
 }
 
 #[tokio::test]
@@ -469,16 +452,28 @@ async fn ttl_expiry_deletes_the_snapshot() {
     let _ctrl = start_controller(&server, "node-a", &fake);
     running_pod(&client, "redis", "node-a").await;
     let mut short = snapshot("short-lived", "redis");
-    short.spec.ttl_seconds_after_ready = Some(1);
+    short.spec.ttl_seconds_after_ready = Some(2);
     let created = create(&client, &short).await;
-    snapshot_in(&client, "short-lived", Phase::Ready).await;
     gone::<Snapshot>(&client, "short-lived").await;
     assert!(!fake.stored(&created.uid().expect("uid")));
-    let reasons = event_reasons(&client, "short-lived").await;
-    assert!(
-        reasons.contains(&"Expired".to_string()) && reasons.contains(&"DataDeleted".to_string()),
-        "{reasons:?}"
-    );
+    expect_reasons(
+        &client,
+        "short-lived",
+        &["Started", "Ready", "Expired", "DataDeleted"],
+    )
+    .await;
+    // readyTime has whole seconds, so 2 s after it is at least 1 s after the Ready event.
+    let events = events_about(&client, "short-lived").await;
+    let at = |reason: &str| {
+        events
+            .iter()
+            .find(|e| e.reason.as_deref() == Some(reason))
+            .and_then(|e| e.event_time.as_ref())
+            .map(|t| t.0.as_millisecond())
+            .expect("event time")
+    };
+    let waited_ms = at("Expired") - at("Ready");
+    assert!(waited_ms >= 1000, "expired {waited_ms} ms after Ready");
 }
 
 #[tokio::test]
@@ -516,8 +511,7 @@ async fn rollback_reaches_ready_once_even_when_applied_twice() {
     create(&client, &rollback("undo-2", "sandbox", "before-rm")).await;
     rollback_in(&client, "undo-2", Phase::Ready).await;
     assert_eq!(fake.rollback_calls(), 2, "{:?}", fake.calls());
-    let reasons = event_reasons(&client, "undo").await;
-    assert_eq!(reasons, ["Started", "RolledBack"]);
+    expect_reasons(&client, "undo", &["Started", "RolledBack"]).await;
 }
 
 #[tokio::test]
@@ -682,8 +676,7 @@ async fn clone_of_a_snapshot_creates_eight_pinned_owned_pods() {
     assert_eq!(status.ready_replicas, 8);
     assert_eq!(status.pods.len(), 8);
     assert!(status.duration_ms.is_some());
-    let reasons = event_reasons(&client, "fork").await;
-    assert_eq!(reasons, ["PodsCreated", "Ready"]);
+    expect_reasons(&client, "fork", &["PodsCreated", "Ready"]).await;
 
     // Deleting the Clone deletes its pods.
     let api: Api<PodClone> = Api::namespaced(client.clone(), NS);
@@ -716,8 +709,12 @@ async fn clone_of_a_pod_first_takes_a_snapshot_it_owns() {
         ready.status.and_then(|s| s.snapshot_name).as_deref(),
         Some("explore-source")
     );
-    let reasons = event_reasons(&client, "explore").await;
-    assert_eq!(reasons, ["SnapshotRequested", "PodsCreated", "Ready"]);
+    expect_reasons(
+        &client,
+        "explore",
+        &["SnapshotRequested", "PodsCreated", "Ready"],
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -1028,4 +1025,30 @@ async fn test_api_server_has_kubernetes_semantics() {
         .await
         .expect("delete owner");
     assert!(api.get_opt("dependent").await.expect("get").is_none());
+}
+
+/// Objects that reached the API server without schema validation (e.g.
+/// written before the CRD was updated) are refused by the controller too.
+#[tokio::test]
+async fn controller_refuses_invalid_objects_the_api_server_let_through() {
+    let server = support::apiserver::TestApiServer::start(None).await;
+    let client = server.client();
+    let fake = Arc::new(FakeNode::default());
+    let _ctrl = start_controller(&server, "node-a", &fake);
+    let both = CloneSource {
+        snapshot_name: Some("s".into()),
+        pod_name: Some("p".into()),
+    };
+    create(&client, &clone_of("ambiguous", both, 3)).await;
+    let failed = clone_in(&client, "ambiguous", Phase::Failed).await;
+    let message = failed.status.and_then(|s| s.message).unwrap_or_default();
+    assert!(
+        message.contains("set exactly one of spec.source.snapshotName and spec.source.podName"),
+        "{message}"
+    );
+    expect_reasons(&client, "ambiguous", &["Invalid"]).await;
+    let events = events_about(&client, "ambiguous").await;
+    assert_eq!(events[0].type_.as_deref(), Some("Warning"));
+    assert_eq!(events[0].reason.as_deref(), Some("Invalid"));
+    assert!(fake.calls().is_empty());
 }

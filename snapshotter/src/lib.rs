@@ -19,7 +19,7 @@ pub mod store;
 pub use error::{Error, Result};
 pub use fsops::{CloneMode, Usage};
 pub use nodestore::{Artefact, NodeStore, Staging, VmSnapshot};
-pub use store::{Info, Kind, Mount, SnapshotStore, StoreOptions};
+pub use store::{block_image, Info, Kind, Mount, SnapshotStore, StoreOptions};
 
 /// Generated gRPC bindings of containerd's snapshots API (client and server).
 pub mod api {

@@ -74,6 +74,15 @@ pub struct Mount {
     pub options: Vec<String>,
 }
 
+/// How the twig shim reads a rootfs mount containerd hands it: a mount of
+/// type `ext4` with the `loop` option is a twig snapshot, and its `source` is
+/// the image file to attach to the VM as virtio-blk (instead of mounting it).
+/// Any other mount is not a twig block image.
+pub fn block_image(fstype: &str, source: &str, options: &[String]) -> Option<PathBuf> {
+    (fstype == "ext4" && options.iter().any(|o| o == "loop") && !source.is_empty())
+        .then(|| PathBuf::from(source))
+}
+
 /// Disk use of one snapshot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SnapshotUsage {
@@ -214,11 +223,6 @@ impl SnapshotStore {
     /// Whether children are reflinks or full copies.
     pub fn clone_mode(&self) -> CloneMode {
         self.mode
-    }
-
-    /// The store's root directory.
-    pub fn root(&self) -> &Path {
-        &self.root
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -738,4 +742,21 @@ fn ext4_used_inodes(image: &Path) -> Result<u64> {
         });
     }
     Ok(u64::from(le32(0).saturating_sub(le32(16))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_image_recognises_twig_mounts_only() {
+        let opts = |o: &[&str]| o.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            block_image("ext4", "/s/snapshots/3/rootfs.img", &opts(&["rw", "loop"])),
+            Some(PathBuf::from("/s/snapshots/3/rootfs.img"))
+        );
+        assert_eq!(block_image("ext4", "/dev/vdb", &opts(&["rw"])), None);
+        assert_eq!(block_image("overlay", "overlay", &opts(&["loop"])), None);
+        assert_eq!(block_image("ext4", "", &opts(&["loop"])), None);
+    }
 }

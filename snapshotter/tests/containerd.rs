@@ -112,6 +112,30 @@ fn run_with_deadline(cmd: &mut Command, within: Duration) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// A 64-bit ELF without a PT_INTERP program header (runs without a libc in
+/// the image).
+fn is_static_elf(elf: &[u8]) -> bool {
+    let u16_at = |o: usize| {
+        elf.get(o..o + 2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]) as usize)
+    };
+    let u64_at = |o: usize| {
+        elf.get(o..o + 8)
+            .and_then(|b| b.try_into().ok())
+            .map(|b| u64::from_le_bytes(b) as usize)
+    };
+    if elf.get(..5) != Some(b"\x7fELF\x02") {
+        return false;
+    }
+    let (Some(phoff), Some(entsize), Some(num)) = (u64_at(0x20), u16_at(0x36), u16_at(0x38)) else {
+        return false;
+    };
+    (0..num).all(|i| {
+        let o = phoff + i * entsize;
+        elf.get(o..o + 4) != Some(&3u32.to_le_bytes()[..])
+    })
+}
+
 fn chown(path: &Path, uid: u32, gid: u32) {
     std::os::unix::fs::lchown(path, Some(uid), Some(gid)).expect("chown");
 }
@@ -203,9 +227,11 @@ async fn import_unpack_run_and_gc_with_containerd() {
         "mkfs.ext4",
         "debugfs",
     ]);
+    let busybox = fs::read("/bin/busybox").unwrap_or_default();
     assert!(
-        Path::new("/bin/busybox").exists(),
-        "this test needs /bin/busybox (Debian's busybox-static); run scripts/install-deps.sh"
+        is_static_elf(&busybox),
+        "this test needs a static /bin/busybox (Debian's busybox-static, not busybox); \
+         run scripts/install-deps.sh"
     );
     let xfs = LoopFs::xfs(400);
     let dir = xfs.dir.path().to_path_buf();
@@ -256,7 +282,7 @@ async fn import_unpack_run_and_gc_with_containerd() {
         .await
         .expect("usage")
         .into_inner();
-    let busybox = fs::metadata("/bin/busybox").unwrap().len() as i64;
+    let busybox = busybox.len() as i64;
     assert!(
         top_usage.size < busybox / 2,
         "top layer owns {} bytes; busybox alone is {busybox}",
@@ -325,6 +351,47 @@ async fn import_unpack_run_and_gc_with_containerd() {
                 no-olddir\n";
     assert_eq!(out, want, "container view of the rootfs");
 
+    // What containerd relays to a runtime for a container on twig: one
+    // ext4 loop mount whose source is the image file the twig shim attaches
+    // as virtio-blk.
+    let ls = containerd.ctr(&["snapshots", "--snapshotter", "twig", "ls"]);
+    let top_name = ls
+        .lines()
+        .skip(1)
+        .find_map(|l| {
+            let cols: Vec<&str> = l.split_whitespace().collect();
+            (cols.len() == 3).then(|| cols[0].to_string())
+        })
+        .unwrap_or_else(|| panic!("no layer with a parent in `ctr snapshots ls`:\n{ls}"));
+    containerd.ctr(&[
+        "snapshots",
+        "--snapshotter",
+        "twig",
+        "prepare",
+        "rootfs-for-vm",
+        &top_name,
+    ]);
+    let cmd = containerd.ctr(&[
+        "snapshots",
+        "--snapshotter",
+        "twig",
+        "mounts",
+        "/target",
+        "rootfs-for-vm",
+    ]);
+    let words: Vec<&str> = cmd.split_whitespace().collect();
+    assert_eq!(words.len(), 7, "{cmd}");
+    assert_eq!(&words[..3], ["mount", "-t", "ext4"], "{cmd}");
+    let options: Vec<String> = words[6].split(',').map(str::to_string).collect();
+    let image = twig_snapshotter::block_image(words[2], words[3], &options)
+        .unwrap_or_else(|| panic!("not a twig block image: {cmd}"));
+    assert!(image.starts_with(snap.root.join("snapshots")), "{cmd}");
+    let mut magic = [0u8; 2];
+    std::os::unix::fs::FileExt::read_exact_at(&fs::File::open(&image).unwrap(), &mut magic, 1080)
+        .unwrap();
+    assert_eq!(magic, [0x53, 0xef], "{} is an ext4 image", image.display());
+    containerd.ctr(&["snapshots", "--snapshotter", "twig", "rm", "rootfs-for-vm"]);
+
     // Removing the image lets containerd's label-driven GC remove every
     // snapshot through the proxy: the store ends up empty.
     containerd.ctr(&["images", "rm", "--sync", IMAGE]);
@@ -344,4 +411,13 @@ async fn import_unpack_run_and_gc_with_containerd() {
     }
     drop(containerd);
     drop(snap);
+}
+
+#[test]
+fn static_elf_check_tells_static_from_dynamic() {
+    let ls = fs::read("/bin/ls").expect("/bin/ls");
+    assert!(!is_static_elf(&ls), "/bin/ls is dynamically linked");
+    assert!(!is_static_elf(b"#!/bin/sh\n"));
+    let busybox = fs::read("/bin/busybox").expect("/bin/busybox from busybox-static");
+    assert!(is_static_elf(&busybox), "Debian's busybox-static is static");
 }

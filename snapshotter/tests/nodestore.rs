@@ -167,3 +167,36 @@ fn refuses_ext4_without_allow_copy() {
     store.reflink_out("a", Artefact::Disk, &dest).unwrap();
     assert_eq!(fs::read(&dest).unwrap(), vec![9u8; 8192]);
 }
+
+/// Both stores work on btrfs, the other reflink filesystem the issue names.
+#[test]
+fn both_stores_reflink_on_btrfs() {
+    let btrfs = LoopFs::btrfs(320);
+    let vm = NodeStore::open(&btrfs.path().join("vm"), false).expect("node store on btrfs");
+    assert_eq!(vm.clone_mode(), CloneMode::Reflink);
+
+    let store = twig_snapshotter::SnapshotStore::open(
+        &btrfs.path().join("snapshots"),
+        &twig_snapshotter::StoreOptions {
+            image_size: 32 << 20,
+            allow_copy: false,
+        },
+    )
+    .expect("snapshot store on btrfs");
+    assert_eq!(store.clone_mode(), CloneMode::Reflink);
+    store.prepare("a", None, Default::default()).unwrap();
+    store.commit("c", "a", Default::default()).unwrap();
+    for i in 0..10 {
+        store
+            .prepare(&format!("child-{i}"), Some("c"), Default::default())
+            .unwrap();
+    }
+    let usage = store.disk_usage().unwrap();
+    assert_eq!(usage.files, 11);
+    assert!(
+        usage.unique_bytes * 5 < usage.allocated_bytes,
+        "children must share the parent's blocks: {usage:?}"
+    );
+    let image = store.image_path("child-3").unwrap();
+    assert_eq!(fs::metadata(&image).unwrap().len(), 32 << 20);
+}

@@ -371,3 +371,16 @@ async fn full_disk_fails_cleanly_and_loses_nothing() {
         .expect("commit after freeing space");
     assert_consistent(&rig.snap, &mut c).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_snapshotter_on_one_store_is_refused() {
+    let rig = Rig::new();
+    let log = Snapshotter::try_start(&rig.snap.root, &rig.xfs.dir.path().join("second.sock"), &[])
+        .err()
+        .expect("a second process on the same store must not start");
+    assert!(log.contains("locked by another process"), "{log}");
+    let mut c = rig.snap.client().await;
+    prepare(&mut c, "still-works", "")
+        .await
+        .expect("first instance unaffected");
+}

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::fstest::{assert_tree_equals, Op};
+use common::fstest::{assert_same_tree, assert_tree_equals, Op};
 use common::{Client, Mounted, Rig};
 use std::collections::HashMap;
 use std::time::SystemTime;
@@ -788,4 +788,176 @@ async fn list_filters_and_usage() {
         "written child owns only {} bytes",
         child.size
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn root_permission() {
+    let rig = Rig::new();
+    let mut c = rig.snap.client().await;
+    let mounts = prepare(&mut c, "preparing", "").await.unwrap();
+    let m = Mounted::new(&mounts, &rig.work, "preparing");
+    let meta = std::fs::metadata(&m.path).unwrap();
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(&meta.permissions()) & 0o7777,
+        0o755
+    );
+    assert_eq!(
+        std::fs::read_dir(&m.path).unwrap().count(),
+        0,
+        "a new snapshot is empty (no lost+found)"
+    );
+}
+
+/// containerd's 128LayersMount: a chain of 128 layers; before and after
+/// applying each layer the mounted snapshot equals a flat directory that got
+/// the same changes, and a view of the top equals it at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn layers_128_mount() {
+    let rig = Rig::new();
+    let mut c = rig.snap.client().await;
+    let leak = |s: String| -> &'static str { Box::leak(s.into_boxed_str()) };
+    let mut layers: Vec<Vec<Op>> = vec![vec![
+        Op::File("/bottom", b"way at the bottom\n", 0o777),
+        Op::File("/overwriteme", b"FIRST!\n", 0o777),
+        Op::Dir("/addhere", 0o755),
+        Op::Dir("/onlyme", 0o755),
+        Op::File("/onlyme/bottom", b"bye!\n", 0o777),
+    ]];
+    for i in 1..=127 {
+        layers.push(vec![
+            Op::File(
+                "/overwriteme",
+                leak(format!("{i} WAS HERE!\n")).as_bytes(),
+                0o777,
+            ),
+            Op::File(leak(format!("/addhere/file-{i}")), b"same\n", 0o755),
+            Op::RemoveAll("/onlyme"),
+            Op::Dir("/onlyme", 0o755),
+            Op::File(leak(format!("/onlyme/file-{i}")), b"only me!\n", 0o777),
+        ]);
+    }
+    let flat = tempfile::tempdir().unwrap();
+    let mut parent = String::new();
+    for (i, ops) in layers.iter().enumerate() {
+        let key = format!("prepare-layer-{i}");
+        let mounts = prepare(&mut c, &key, &parent).await.expect("prepare");
+        {
+            let m = Mounted::new(&mounts, &rig.work, &key);
+            assert_same_tree(flat.path(), &m.path);
+            common::fstest::apply(flat.path(), ops);
+            common::fstest::apply(&m.path, ops);
+            assert_same_tree(flat.path(), &m.path);
+        }
+        parent = format!("committed-{i}");
+        commit(&mut c, &parent, &key).await.expect("commit");
+    }
+    let mounts = view(&mut c, "fullview", &parent).await.expect("view");
+    let m = Mounted::new(&mounts, &rig.work, "fullview");
+    assert_same_tree(flat.path(), &m.path);
+}
+
+/// containerd's Walk: filters on kind, name, parent and labels.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn walk_with_filters() {
+    let rig = Rig::new();
+    let mut c = rig.snap.client().await;
+    let labels = |l: Option<&str>| {
+        let mut m = HashMap::from([(
+            "containerd.io/gc.root".to_string(),
+            "check-walk".to_string(),
+        )]);
+        if let Some(v) = l {
+            m.insert("l".to_string(), v.to_string());
+        }
+        m
+    };
+    let req = |key: &str, parent: &str, l: Option<&str>| PrepareSnapshotRequest {
+        snapshotter: NS.into(),
+        key: key.into(),
+        parent: parent.into(),
+        labels: labels(l),
+    };
+    let view_req = |key: &str, parent: &str, l: Option<&str>| ViewSnapshotRequest {
+        snapshotter: NS.into(),
+        key: key.into(),
+        parent: parent.into(),
+        labels: labels(l),
+    };
+    let commit_req = |name: &str, key: &str, l: Option<&str>| CommitSnapshotRequest {
+        snapshotter: NS.into(),
+        name: name.into(),
+        key: key.into(),
+        labels: labels(l),
+    };
+    c.prepare(req("a-np", "", None)).await.unwrap();
+    c.prepare(req("p-tmp", "", None)).await.unwrap();
+    c.commit(commit_req("p", "p-tmp", None)).await.unwrap();
+    c.prepare(req("a", "p", None)).await.unwrap();
+    c.view(view_req("v", "p", None)).await.unwrap();
+    c.prepare(req("p-wl-tmp", "", None)).await.unwrap();
+    c.commit(commit_req("p-wl", "p-wl-tmp", Some("1")))
+        .await
+        .unwrap();
+    c.prepare(req("a-wl", "p-wl", Some("2"))).await.unwrap();
+    c.view(view_req("v-wl", "p-wl", Some("3"))).await.unwrap();
+    c.prepare(req("a-np-wl", "", Some("2"))).await.unwrap();
+
+    let cases: &[(&[&str], &[&str])] = &[
+        (
+            &["a-np", "p", "a", "v", "p-wl", "a-wl", "v-wl", "a-np-wl"],
+            &[r#"labels."containerd.io/gc.root"==check-walk"#],
+        ),
+        (
+            &["a-np", "a", "a-wl", "a-np-wl"],
+            &[r#"kind==active,labels."containerd.io/gc.root"==check-walk"#],
+        ),
+        (
+            &["v", "v-wl"],
+            &[r#"kind==view,labels."containerd.io/gc.root"==check-walk"#],
+        ),
+        (
+            &["p", "p-wl"],
+            &[r#"kind==committed,labels."containerd.io/gc.root"==check-walk"#],
+        ),
+        (&["p", "a-np-wl"], &["name==p", "name==a-np-wl"]),
+        (&["a-wl"], &["name==a-wl,labels.l"]),
+        (&["a", "v"], &["parent==p"]),
+        (
+            &["a", "v", "a-wl", "v-wl"],
+            &[r#"parent!="",labels."containerd.io/gc.root"==check-walk"#],
+        ),
+        (&["p-wl", "a-wl", "v-wl", "a-np-wl"], &["labels.l"]),
+        (&["a-wl", "a-np-wl"], &["labels.l==2"]),
+    ];
+    for (i, (want, filters)) in cases.iter().enumerate() {
+        let mut got: Vec<String> = list(&mut c, filters)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|i| i.name)
+            .collect();
+        got.sort();
+        let mut want: Vec<String> = want.iter().map(|s| s.to_string()).collect();
+        want.sort();
+        assert_eq!(got, want, "case {i}: filters {filters:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cleanup_removes_leftovers_only() {
+    let rig = Rig::new();
+    let mut c = rig.snap.client().await;
+    prepare(&mut c, "a", "").await.unwrap();
+    let tmp = rig.snap.root.join("tmp");
+    std::fs::create_dir(tmp.join("999")).unwrap();
+    std::fs::write(tmp.join("999/rootfs.img"), b"half-made").unwrap();
+    std::fs::write(tmp.join("7.3.info"), b"{").unwrap();
+    c.cleanup(twig_snapshotter::api::snapshots::CleanupRequest {
+        snapshotter: NS.into(),
+    })
+    .await
+    .expect("cleanup");
+    assert_eq!(std::fs::read_dir(&tmp).unwrap().count(), 0);
+    assert_eq!(kind(&stat(&mut c, "a").await.unwrap()), Kind::Active);
+    assert_eq!(list(&mut c, &[]).await.unwrap().len(), 1);
 }

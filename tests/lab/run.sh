@@ -8,7 +8,8 @@
 # every test binary against that /dev/kvm, printing their output to the
 # serial console, which this script relays and judges.
 #
-# Usage: tests/lab/run.sh [cargo test selection...]   (default: -p twig-vmm)
+# Usage: tests/lab/run.sh [cargo test selection...]
+#        (default: -p twig-vmm --features twig-vmm/lab)
 # The kernel is cached under ${XDG_CACHE_HOME:-~/.cache}/twig/lab, keyed by
 # the Debian package version. Every wait has a deadline.
 set -euo pipefail
@@ -45,8 +46,27 @@ vmlinuz=$kdir/x/boot/vmlinuz-$kver
 mods=$kdir/x/lib/modules/$kver/kernel
 [[ -f $vmlinuz ]] || die "no $vmlinuz in $pkg"
 
-# 2. The test binaries.
-sel=("$@"); ((${#sel[@]})) || sel=(-p twig-vmm)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+# 2. Twig's guest kernel (cached by guest/build-kernel.sh) and a busybox
+#    initramfs for it that prints a tick a second: the Linux guests of the
+#    `lab` tests.
+gk=$(guest/build-kernel.sh) || die "guest kernel build failed"
+ginit=$work/guest-initrd
+mkdir -p "$ginit"/{bin,proc,dev}
+cp /bin/busybox "$ginit/bin/busybox"
+cat > "$ginit/init" <<'GINIT'
+#!/bin/busybox sh
+/bin/busybox mount -t proc proc /proc
+echo TWIG-GUEST-READY
+i=0
+while true; do i=$((i + 1)); echo "tick $i"; /bin/busybox sleep 1; done
+GINIT
+chmod +x "$ginit/init"
+
+# 3. The test binaries.
+sel=("$@"); ((${#sel[@]})) || sel=(-p twig-vmm --features twig-vmm/lab)
 mapfile -t bins < <(cargo test --locked "${sel[@]}" --no-run --message-format=json 2>/dev/null \
   | python3 -c '
 import json, sys
@@ -58,9 +78,7 @@ for line in sys.stdin:
 ' | sort -u)
 ((${#bins[@]})) || die "cargo built no test binaries for ${sel[*]}"
 
-# 3. The initramfs.
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+# 4. The lab's initramfs.
 root=$work/root
 mkdir -p "$root"/{bin,dev,proc,sys,tmp,lib/modules,tests}
 cp /bin/busybox "$root/bin/busybox"
@@ -80,6 +98,9 @@ for b in "${bins[@]}"; do
   [[ " $SKIP_IN_LAB " == *" $name "* ]] && { echo "lab: $name runs on the host only"; continue; }
   copy_with_libs "$b" "$root/tests/$name"; n=$((n + 1))
 done
+mkdir -p "$root/guest"
+cp "$gk/bzImage" "$root/guest/bzImage"
+(cd "$ginit" && find . | cpio -o -H newc --quiet | gzip -1) > "$root/guest/initrd"
 cat > "$root/init" <<INIT
 #!/bin/busybox sh
 /bin/busybox --install -s /bin
@@ -87,6 +108,7 @@ mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
 mount -t tmpfs tmp /tmp
 for m in irqbypass kvm kvm-amd; do insmod /lib/modules/\$m.ko || echo "LAB-ERROR insmod \$m"; done
 [ -c /dev/kvm ] || echo "LAB-ERROR no /dev/kvm"
+export TWIG_GUEST_KERNEL=/guest/bzImage TWIG_GUEST_INITRD=/guest/initrd
 echo LAB-BEGIN
 for t in /tests/*; do
   echo "LAB-RUN \$t"
@@ -99,7 +121,7 @@ INIT
 chmod +x "$root/init"
 (cd "$root" && find . | cpio -o -H newc --quiet | gzip -1) > "$work/initrd"
 
-# 4. Boot it and judge what it prints.
+# 5. Boot it and judge what it prints.
 log=$work/serial.log
 echo "lab: booting $pkg ($ver) under QEMU TCG with $n test binaries"
 set +e

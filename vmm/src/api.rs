@@ -2,7 +2,7 @@
 //! line on a Unix socket, one response per line.
 //!
 //! ```text
-//! {"op":"boot","kernel":"/path/vmlinux","cmdline":"console=ttyS0","mem_mib":128,"vcpus":1}
+//! {"op":"boot","kernel":"/path/vmlinux","initrd":"/path/initrd","cmdline":"console=ttyS0","mem_mib":128,"vcpus":1}
 //! {"op":"restore","dir":"/snapshots/a"}
 //! {"op":"pause"}  {"op":"resume"}  {"op":"stats"}  {"op":"shutdown"}
 //! {"op":"snapshot","dir":"/snapshots/b","kind":"incremental"}
@@ -42,6 +42,8 @@ pub enum Request {
     /// Boot a kernel.
     Boot {
         kernel: PathBuf,
+        #[serde(default)]
+        initrd: Option<PathBuf>,
         #[serde(default)]
         cmdline: String,
         #[serde(default = "default_mem")]
@@ -118,13 +120,14 @@ impl Server {
         let v = match req {
             Request::Boot {
                 kernel,
+                initrd,
                 cmdline,
                 mem_mib,
                 vcpus,
             } => {
                 let shape = Shape::new(mem_mib, vcpus);
                 let vm = self.fresh_vm(shape)?;
-                if let Err(e) = vm.boot(&kernel, &cmdline) {
+                if let Err(e) = vm.boot_linux(&kernel, initrd.as_deref(), &cmdline) {
                     self.vm = None;
                     return Err(e);
                 }

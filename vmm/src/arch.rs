@@ -18,6 +18,8 @@ use linux_loader::loader::bootparam::boot_params;
 use linux_loader::loader::{load_cmdline, BzImage, Elf, KernelLoader, KernelLoaderResult};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
+const PAGE_SIZE: u64 = crate::memory::PAGE_SIZE as u64;
+
 use crate::error::{Error, Result};
 
 /// Guest physical layout used at boot.
@@ -92,6 +94,7 @@ pub fn load_kernel(
     mem: &GuestMemoryMmap,
     mem_size: u64,
     kernel: &Path,
+    initrd: Option<&Path>,
     cmdline: &str,
 ) -> Result<BootEntry> {
     let mut file = File::open(kernel).map_err(|e| kernel_err(kernel, e.to_string()))?;
@@ -139,6 +142,11 @@ pub fn load_kernel(
     params.hdr.cmd_line_ptr = layout::CMDLINE as u32;
     params.hdr.cmdline_size = cmdline.len() as u32 + 1;
     params.hdr.kernel_alignment = 0x0100_0000;
+    if let Some(initrd) = initrd {
+        let (addr, size) = load_initrd(mem, mem_size, result.kernel_end, &params, initrd)?;
+        params.hdr.ramdisk_image = addr as u32;
+        params.hdr.ramdisk_size = size as u32;
+    }
     let e820 = [(0, layout::EBDA), (layout::HIMEM, mem_size - layout::HIMEM)];
     for (i, (addr, size)) in e820.iter().enumerate() {
         params.e820_table[i].addr = *addr;
@@ -152,6 +160,36 @@ pub fn load_kernel(
     )
     .map_err(|e| Error::Config(format!("writing boot_params: {e}")))?;
     Ok(BootEntry { entry })
+}
+
+/// Places an initramfs as high in RAM as the kernel allows (below
+/// `initrd_addr_max`, page-aligned, above the kernel).
+fn load_initrd(
+    mem: &GuestMemoryMmap,
+    mem_size: u64,
+    kernel_end: u64,
+    params: &boot_params,
+    path: &Path,
+) -> Result<(u64, u64)> {
+    let err = |reason: String| Error::Kernel {
+        path: path.to_path_buf(),
+        reason: format!("initramfs: {reason}"),
+    };
+    let mut file = File::open(path).map_err(|e| err(e.to_string()))?;
+    let size = file.metadata().map_err(|e| err(e.to_string()))?.len();
+    let max = match params.hdr.initrd_addr_max {
+        0 => 0x37ff_ffff,
+        m => u64::from(m),
+    };
+    let top = mem_size.min(max + 1);
+    let addr = top
+        .checked_sub(size)
+        .map(|a| a & !(PAGE_SIZE - 1))
+        .filter(|a| *a >= kernel_end)
+        .ok_or_else(|| err(format!("{size} bytes do not fit in guest RAM above the kernel")))?;
+    mem.read_exact_volatile_from(GuestAddress(addr), &mut file, size as usize)
+        .map_err(|e| err(e.to_string()))?;
+    Ok((addr, size))
 }
 
 fn gdt_entry(flags: u16, base: u32, limit: u32) -> u64 {

@@ -280,12 +280,23 @@ impl Vm {
 
     /// Boots `kernel` (ELF vmlinux or bzImage) with `cmdline` and runs it.
     pub fn boot(&mut self, kernel: &Path, cmdline: &str) -> Result<()> {
+        self.boot_linux(kernel, None, cmdline)
+    }
+
+    /// Boots `kernel` with an optional initramfs and runs it.
+    pub fn boot_linux(
+        &mut self,
+        kernel: &Path,
+        initrd: Option<&Path>,
+        cmdline: &str,
+    ) -> Result<()> {
         self.need("boot", &[RunState::Created], "newly created")?;
         self.ram.back_with_memfd()?;
         let entry = arch::load_kernel(
             self.ram.memory(),
             self.shape.mem_size as u64,
             kernel,
+            initrd,
             cmdline,
         )?;
         let supported = arch::supported_cpuid(&self.kvm)?;

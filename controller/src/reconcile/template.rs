@@ -103,11 +103,15 @@ pub async fn reconcile(template: Arc<SandboxTemplate>, ctx: Arc<Context>) -> Res
             ready: state.ready,
             message: state.message,
         },
-        Err(e) => TemplateNodeStatus {
-            node_name: ctx.node_name.clone(),
-            ready: false,
-            message: Some(format!("building the template failed: {e}")),
-        },
+        Err(e) => {
+            ctx.metrics
+                .observe("template", false, started.elapsed().as_secs_f64());
+            TemplateNodeStatus {
+                node_name: ctx.node_name.clone(),
+                ready: false,
+                message: Some(format!("building the template failed: {e}")),
+            }
+        }
     };
     if mine.as_ref() != Some(&entry) {
         let template = write_status(&api, &template, upsert(status, entry.clone())).await?;

@@ -135,6 +135,22 @@ pub async fn event_reasons(client: &Client, name: &str) -> Vec<String> {
         .collect()
 }
 
+/// Waits until the Events about `name` have exactly these reasons, in order.
+pub async fn expect_reasons(client: &Client, name: &str, expected: &[&str]) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let seen = event_reasons(client, name).await;
+        if seen == expected {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "events about {name}: expected {expected:?}, saw {seen:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
 pub async fn events_about(client: &Client, name: &str) -> Vec<Event> {
     let events: Api<Event> = Api::namespaced(client.clone(), NS);
     let mut list: Vec<Event> = events

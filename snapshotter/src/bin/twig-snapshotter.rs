@@ -15,7 +15,11 @@ use std::time::Duration;
 use twig_snapshotter::{service, SnapshotStore, StoreOptions};
 
 #[derive(Parser)]
-#[command(name = "twig-snapshotter", version, about)]
+#[command(
+    name = "twig-snapshotter",
+    version,
+    about = "containerd proxy snapshotter: every snapshot is an ext4 image, children are reflinks"
+)]
 struct Args {
     /// Store directory; must be on a reflink-capable filesystem (XFS with
     /// reflink=1, or btrfs).
@@ -25,7 +29,7 @@ struct Args {
     #[arg(long, default_value = "/run/twig/snapshotter.sock")]
     address: PathBuf,
     /// Size of each snapshot's ext4 filesystem, in MiB (files are sparse).
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(16..=1 << 24))]
     image_size_mib: u64,
     /// Copy images in full when the filesystem cannot reflink (slow, no
     /// shared blocks). Without it the snapshotter refuses to start there.

@@ -147,7 +147,12 @@ pub fn assert_tree_equals(actual: &Path, layers: &[&[Op]]) {
     for ops in layers {
         apply(expected_dir.path(), ops);
     }
-    let want = snapshot_tree(expected_dir.path());
+    assert_same_tree(expected_dir.path(), actual);
+}
+
+/// Asserts that two trees are equal (below their roots).
+pub fn assert_same_tree(expected: &Path, actual: &Path) {
+    let want = snapshot_tree(expected);
     let got = snapshot_tree(actual);
     if want != got {
         let keys: std::collections::BTreeSet<&String> = want.keys().chain(got.keys()).collect();

@@ -69,6 +69,11 @@ impl LoopFs {
         LoopFs::new(size_mib, "xfs", &["mkfs.xfs", "-q", "-m", "reflink=1"])
     }
 
+    /// btrfs: reflinks too.
+    pub fn btrfs(size_mib: u64) -> LoopFs {
+        LoopFs::new(size_mib, "btrfs", &["mkfs.btrfs", "-q"])
+    }
+
     /// ext4: no FICLONE.
     pub fn ext4(size_mib: u64) -> LoopFs {
         LoopFs::new(size_mib, "ext4", &["mkfs.ext4", "-q"])
