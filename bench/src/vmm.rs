@@ -148,11 +148,10 @@ fn median(mut v: Vec<usize>) -> usize {
 struct Report(Map<String, Value>);
 
 impl Report {
-    fn timing(&mut self, key: &str, samples: &[Duration]) -> Summary {
+    fn timing(&mut self, key: &str, samples: &[Duration]) {
         let s = Summary::of(samples);
         row(key, &s);
         self.0.insert(key.to_string(), json!(s));
-        s
     }
 
     fn value(&mut self, key: &str, v: Value) {

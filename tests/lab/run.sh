@@ -112,7 +112,7 @@ export TWIG_GUEST_KERNEL=/guest/bzImage TWIG_GUEST_INITRD=/guest/initrd
 echo LAB-BEGIN
 for t in /tests/*; do
   echo "LAB-RUN \$t"
-  timeout $TEST_TIMEOUT \$t --test-threads=1 2>&1
+  timeout $TEST_TIMEOUT \$t --test-threads=1 ${TWIG_LAB_TEST_ARGS:-} 2>&1
   echo "LAB-EXIT \$(basename \$t) \$?"
 done
 echo LAB-END
@@ -128,13 +128,13 @@ set +e
 timeout "$LAB_TIMEOUT" qemu-system-x86_64 -M pc -accel tcg,thread=multi -smp 2 -cpu max -m 3072 \
   -nographic -no-reboot -serial stdio -monitor none \
   -kernel "$vmlinuz" -initrd "$work/initrd" \
-  -append "console=ttyS0 panic=-1 quiet" </dev/null | tr -d '\r' | tee "$log"
+  -append "console=ttyS0 panic=-1 quiet" </dev/null | sed -u 's/\r//' | tee "$log"
 qemu=${PIPESTATUS[0]}
 set -e
 grep -q '^LAB-END' "$log" || die "the lab did not finish (qemu exit $qemu); see output above"
 ! grep -q '^LAB-ERROR' "$log" || die "$(grep '^LAB-ERROR' "$log")"
-passed=$(grep -o '[0-9]* passed' "$log" | awk '{s+=$1} END {print s+0}')
-failed=$(grep -o '[0-9]* failed' "$log" | awk '{s+=$1} END {print s+0}')
+passed=$(grep '^test result:' "$log" | grep -o '[0-9]* passed' | awk '{s+=$1} END {print s+0}')
+failed=$(grep '^test result:' "$log" | grep -o '[0-9]* failed' | awk '{s+=$1} END {print s+0}')
 bad=$(grep '^LAB-EXIT' "$log" | awk '$3 != 0 {printf "%s (exit %s) ", $2, $3}')
 echo "lab: $passed passed, $failed failed"
 [[ -z $bad ]] || die "failing test binaries in the lab: $bad"

@@ -9,6 +9,7 @@
  * speed and talks to the host through a mailbox in guest memory:
  *
  *   MAILBOX+0x00 cmd      host writes a command, guest clears it when done
+ *                         (after counting it in done)
  *   MAILBOX+0x08 arg0
  *   MAILBOX+0x10 arg1
  *   MAILBOX+0x18 arg2
@@ -105,8 +106,8 @@ cmd_crash:
         ud2
 
 done:
+        incq    MAILBOX+0x20          /* count first: cmd == 0 means done */
         movq    $0, MAILBOX
-        incq    MAILBOX+0x20
         jmp     idle
 
         .data

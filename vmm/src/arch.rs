@@ -186,7 +186,11 @@ fn load_initrd(
         .checked_sub(size)
         .map(|a| a & !(PAGE_SIZE - 1))
         .filter(|a| *a >= kernel_end)
-        .ok_or_else(|| err(format!("{size} bytes do not fit in guest RAM above the kernel")))?;
+        .ok_or_else(|| {
+            err(format!(
+                "{size} bytes do not fit in guest RAM above the kernel"
+            ))
+        })?;
     mem.read_exact_volatile_from(GuestAddress(addr), &mut file, size as usize)
         .map_err(|e| err(e.to_string()))?;
     Ok((addr, size))
@@ -445,6 +449,23 @@ pub fn missing_features(saved: &[kvm_cpuid_entry2], host: &[kvm_cpuid_entry2]) -
     missing
 }
 
+/// Whether two vCPUs' CPUID tables describe the same CPU. KVM reports some
+/// bits from the guest's own control registers (OSXSAVE and OSPKE follow CR4,
+/// the XSAVE area sizes of leaf 0xd follow XCR0), so those are not compared.
+pub fn same_cpuid(a: &[kvm_cpuid_entry2], b: &[kvm_cpuid_entry2]) -> bool {
+    let key = |e: &kvm_cpuid_entry2| {
+        let (mut ebx, mut ecx) = (e.ebx, e.ecx);
+        match (e.function, e.index) {
+            (0x1, _) => ecx &= !(1 << 27),
+            (0x7, 0) => ecx &= !(1 << 4),
+            (0xd, 0 | 1) => ebx = 0,
+            _ => {}
+        }
+        (e.function, e.index, e.flags, e.eax, ebx, ecx, e.edx)
+    };
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| key(x) == key(y))
+}
+
 /// Orders MSRs so that KVM accepts them on restore: the TSC before the TSC
 /// deadline (which is relative to it).
 pub fn order_msrs(entries: &mut [kvm_msr_entry]) {
@@ -471,6 +492,23 @@ mod tests {
             (data.db, data.g, data.type_, data.selector),
             (1, 1, 3, 0x18)
         );
+    }
+
+    #[test]
+    fn cpuid_comparison_ignores_guest_controlled_bits() {
+        let e = |function, index, ebx, ecx| kvm_cpuid_entry2 {
+            function,
+            index,
+            ebx,
+            ecx,
+            ..Default::default()
+        };
+        let a = [e(1, 0, 0, 0x1), e(0xd, 0, 0x240, 0)];
+        let b = [e(1, 0, 0, 0x1 | 1 << 27), e(0xd, 0, 0x340, 0)];
+        assert!(same_cpuid(&a, &b));
+        let c = [e(1, 0, 0, 0x3), e(0xd, 0, 0x240, 0)];
+        assert!(!same_cpuid(&a, &c));
+        assert!(!same_cpuid(&a, &a[..1]));
     }
 
     #[test]

@@ -95,11 +95,14 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn main() -> ExitCode {
+    // A plain level (TWIG_LOG=error|warn|info|debug|trace), not an
+    // EnvFilter: its regex engine would add to every VMM process's memory.
+    let level = std::env::var("TWIG_LOG")
+        .ok()
+        .and_then(|l| l.parse::<tracing::Level>().ok())
+        .unwrap_or(tracing::Level::WARN);
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("TWIG_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
+        .with_max_level(level)
         .with_writer(std::io::stderr)
         .init();
     match run(Cli::parse()) {

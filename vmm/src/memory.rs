@@ -358,16 +358,32 @@ impl GuestRam {
         Ok(unsafe { std::slice::from_raw_parts(self.addr.add(off), len) })
     }
 
-    /// Resident bytes of guest RAM in this process (pages the guest touched).
-    pub fn resident_bytes(&self) -> usize {
-        let pages = self.pages();
-        let mut vec = vec![0u8; pages];
-        // SAFETY: mincore over our own mapping into a buffer of one byte per page.
-        let r = unsafe { libc::mincore(self.addr.cast(), self.size, vec.as_mut_ptr()) };
-        if r != 0 {
-            return 0;
+    /// Guest RAM mapped in this process, from `/proc/self/smaps`:
+    /// `(resident, private)` bytes. Resident pages include those shared with
+    /// other VMs through the snapshot's page cache; private ones are this
+    /// VM's own copies (what it dirtied or was given by a layer).
+    pub fn residency(&self) -> Result<(usize, usize)> {
+        let smaps = std::fs::read_to_string("/proc/self/smaps")
+            .map_err(|e| Error::io("reading /proc/self/smaps", e))?;
+        let header = format!("{:x}-", self.addr as usize);
+        let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&header));
+        lines.next();
+        let (mut rss, mut private) = (0, 0);
+        for l in lines {
+            let mut parts = l.split_whitespace();
+            let (Some(key), Some(kib)) = (parts.next(), parts.next()) else {
+                break;
+            };
+            let Ok(kib) = kib.parse::<usize>() else {
+                break; // the next mapping's header
+            };
+            match key {
+                "Rss:" => rss = kib * 1024,
+                "Anonymous:" => private = kib * 1024,
+                _ => {}
+            }
         }
-        vec.iter().filter(|b| **b & 1 != 0).count() * PAGE_SIZE
+        Ok((rss, private))
     }
 }
 

@@ -60,9 +60,17 @@ pub fn write_image(dir: &Path, name: &str, image: &[u8]) -> Result<PathBuf> {
     Ok(path)
 }
 
+/// How long [`post`] waits for the previous command to finish.
+const POST_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Posts a command and kicks the guest; returns the completion count to
-/// wait for.
+/// wait for. Waits first for the previous command to finish (the guest
+/// counts a command in [`DONE`] before it clears `cmd`), so that no command
+/// is overwritten and no completion is mistaken for another's.
 pub fn post(vm: &mut Vm, cmd: Command, args: [u64; 3]) -> Result<u64> {
+    poll(POST_TIMEOUT, "the previous command to finish", || {
+        Ok(vm.read_u64(CMD)? == 0)
+    })?;
     let done = vm.read_u64(DONE)?;
     vm.write_u64(ARG0, args[0])?;
     vm.write_u64(ARG1, args[1])?;

@@ -14,7 +14,6 @@ use kvm_ioctls::{Cap, Kvm, VmFd};
 use serde::Serialize;
 use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
-use zerocopy::IntoBytes;
 
 use crate::arch;
 use crate::devices::{Devices, ExitState, GuestExit, SerialOut, COM1_IRQ};
@@ -132,8 +131,12 @@ pub struct Stats {
     pub dirty_pages: usize,
     /// VM exits handled in user space.
     pub exits: u64,
-    /// Guest RAM resident in this process, KiB.
+    /// Guest RAM mapped in this process, KiB (includes pages shared with
+    /// other VMs through the snapshot's page cache).
     pub guest_resident_kib: usize,
+    /// Guest RAM private to this VM, KiB: pages it changed or got from an
+    /// incremental layer.
+    pub guest_private_kib: usize,
     /// Why the guest stopped, if it did.
     pub guest_exit: Option<String>,
 }
@@ -755,7 +758,7 @@ impl Vm {
             .vcpus
             .iter()
             .zip(&self.cpuid)
-            .all(|(s, mine)| s.cpuid.as_bytes() == mine.as_bytes());
+            .all(|(s, mine)| arch::same_cpuid(&s.cpuid, mine));
         if same {
             Ok(())
         } else {
@@ -910,6 +913,7 @@ impl Vm {
         if self.state() != RunState::Created {
             self.collect_dirty()?;
         }
+        let (resident, private) = self.ram.residency()?;
         Ok(Stats {
             state: self.state(),
             vcpus: self.shape.vcpus,
@@ -925,7 +929,8 @@ impl Vm {
                         .load(std::sync::atomic::Ordering::Relaxed)
                 })
                 .sum(),
-            guest_resident_kib: self.ram.resident_bytes() / 1024,
+            guest_resident_kib: resident / 1024,
+            guest_private_kib: private / 1024,
             guest_exit: self.devices.exit().get().map(|e| format!("{e:?}")),
         })
     }

@@ -11,15 +11,16 @@ use std::time::Duration;
 use common::*;
 use twig_vmm::{Capture, Kind, RunState, Shape, Vm};
 
-const BOOT: Duration = Duration::from_secs(300);
-const CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 quiet";
+const BOOT: Duration = Duration::from_secs(120);
+const CMDLINE: &str = "console=ttyS0 earlyprintk=ttyS0 reboot=k panic=-1";
 
 fn guest() -> (PathBuf, PathBuf) {
-    let var = |name: &str| -> PathBuf {
-        std::env::var_os(name).map(PathBuf::from).unwrap_or_else(|| {
+    let var =
+        |name: &str| -> PathBuf {
+            std::env::var_os(name).map(PathBuf::from).unwrap_or_else(|| {
             panic!("{name} is not set: this test runs inside the nested lab (tests/lab/run.sh)")
         })
-    };
+        };
     (var("TWIG_GUEST_KERNEL"), var("TWIG_GUEST_INITRD"))
 }
 
@@ -46,7 +47,7 @@ fn last_tick(serial: &Capture) -> u64 {
 fn linux_boots_snapshots_restores_and_rolls_back() {
     let d = tmp();
     let (mut vm, serial) = boot_linux();
-    serial.wait_for(b"tick 2\n", 0, BOOT).unwrap();
+    serial.wait_for(b"tick 2\r", 0, BOOT).unwrap();
     vm.pause().unwrap();
     let at = last_tick(&serial);
     let s = d.path().join("s");
@@ -56,7 +57,7 @@ fn linux_boots_snapshots_restores_and_rolls_back() {
     let rserial = Capture::new();
     let mut r = Vm::create(Shape::new(128, 1), rserial.writer()).unwrap();
     r.restore(&s).unwrap();
-    let next = format!("tick {}\n", at + 1);
+    let next = format!("tick {}\r", at + 1);
     rserial.wait_for(next.as_bytes(), 0, BOOT).unwrap();
     assert!(
         !String::from_utf8_lossy(&rserial.bytes()).contains("TWIG-GUEST-READY"),
@@ -65,7 +66,7 @@ fn linux_boots_snapshots_restores_and_rolls_back() {
 
     // The original runs on, then rolls back: its ticks rewind.
     vm.resume().unwrap();
-    let later = format!("tick {}\n", at + 3);
+    let later = format!("tick {}\r", at + 3);
     serial.wait_for(later.as_bytes(), 0, BOOT).unwrap();
     let mark = serial.bytes().len();
     vm.rollback(&s).unwrap();
@@ -77,13 +78,14 @@ fn linux_boots_snapshots_restores_and_rolls_back() {
 fn linux_clones_run_side_by_side() {
     let d = tmp();
     let (mut vm, serial) = boot_linux();
-    serial.wait_for(b"tick 1\n", 0, BOOT).unwrap();
+    serial.wait_for(b"tick 1\r", 0, BOOT).unwrap();
+    vm.pause().unwrap();
+    let at = last_tick(&serial);
     let s = d.path().join("s");
     vm.snapshot(&s, Kind::Full).unwrap();
-    let at = last_tick(&serial);
     let captures: Vec<Capture> = (0..3).map(|_| Capture::new()).collect();
     let clones = Vm::clone_from(&s, 3, |i| captures[i].writer()).unwrap();
-    let next = format!("tick {}\n", at + 1);
+    let next = format!("tick {}\r", at + 1);
     for c in &captures {
         c.wait_for(next.as_bytes(), 0, BOOT).unwrap();
     }

@@ -89,6 +89,13 @@ fn clones_run_and_diverge_independently() {
         mapped >= 4,
         "clones map the snapshot memory privately:\n{maps}"
     );
+    // A clone owns only the pages it changed.
+    let st = clones[0].stats().unwrap();
+    assert!(
+        st.guest_private_kib >= 16 && st.guest_private_kib < 1024,
+        "{st:?}"
+    );
+    assert!(st.guest_resident_kib >= st.guest_private_kib, "{st:?}");
     // The snapshot itself is unchanged.
     let mem = std::fs::read(s.join("memory")).unwrap();
     let off = testguest::SCRATCH as usize;
