@@ -237,18 +237,22 @@ pub fn run(args: &Args) -> Result<Value, Error> {
 
     // Full snapshots of the idle guest; the last one is the base of the rest.
     let mut samples = Vec::with_capacity(args.runs);
+    let mut pauses = Vec::with_capacity(args.runs);
     let mut base: Option<PathBuf> = None;
     for i in 0..args.runs {
         let dir = dirs.fresh("full");
         let start = Instant::now();
-        g.vm.snapshot(&dir, Kind::Full)
-            .context(|| format!("full snapshot run {i}"))?;
+        let info =
+            g.vm.snapshot(&dir, Kind::Full)
+                .context(|| format!("full snapshot run {i}"))?;
         samples.push(start.elapsed());
+        pauses.push(Duration::from_secs_f64(info.pause_ms / 1e3));
         if let Some(old) = base.replace(dir) {
             remove(&old)?;
         }
     }
     r.timing("snapshot_full_ms", &samples);
+    r.timing("snapshot_full_pause_ms", &pauses);
     let base = base.ok_or("no full snapshot was taken")?;
 
     // Incremental snapshots of N dirtied pages, each on top of the last.
@@ -257,6 +261,7 @@ pub fn run(args: &Args) -> Result<Value, Error> {
     let mut value = 1u64;
     for n in PAGE_COUNTS {
         let mut samples = Vec::with_capacity(args.runs);
+        let mut pauses = Vec::with_capacity(args.runs);
         let mut pages = Vec::with_capacity(args.runs);
         for i in 0..args.runs {
             value += n;
@@ -267,6 +272,7 @@ pub fn run(args: &Args) -> Result<Value, Error> {
                 g.vm.snapshot(&dir, Kind::Incremental)
                     .context(|| format!("incremental snapshot of {n} pages, run {i}"))?;
             samples.push(start.elapsed());
+            pauses.push(Duration::from_secs_f64(info.pause_ms / 1e3));
             if info.pages_written < n as usize {
                 return Err(format!(
                     "an incremental snapshot after dirtying {n} pages wrote {}",
@@ -282,6 +288,7 @@ pub fn run(args: &Args) -> Result<Value, Error> {
             }
         }
         r.timing(&format!("snapshot_incr_{n}_ms"), &samples);
+        r.timing(&format!("snapshot_incr_{n}_pause_ms"), &pauses);
         written.insert(n.to_string(), json!(median(pages)));
     }
     r.value("snapshot_incr_pages_written_p50", Value::Object(written));

@@ -382,15 +382,26 @@ fn sync_dir_in_background(dir: PathBuf) {
     }
 }
 
-/// Writes a snapshot directory atomically. `write_memory` fills the memory
-/// file (created empty) and returns the CRC32 of what it wrote, which goes
-/// into the state's metadata before the state is written. Returns the
-/// memory file, still open.
-pub fn publish(
+/// A snapshot written into its hidden staging directory, not yet durable or
+/// visible. The VM can run again once it is staged: its pages are in the
+/// page cache, copied. Dropping it without [`Staged::commit`] removes it.
+pub struct Staged {
+    tmp: PathBuf,
+    dir: PathBuf,
+    parent: PathBuf,
+    memory: File,
+    state: File,
+    committed: bool,
+}
+
+/// Writes a snapshot into a hidden sibling of `dir`: `write_memory` fills the
+/// memory file (created empty) and returns the CRC32 of what it wrote, which
+/// goes into the state's metadata before the state is written.
+pub fn stage(
     dir: &Path,
     state: &mut VmState,
     write_memory: impl FnOnce(&File) -> Result<u32>,
-) -> Result<File> {
+) -> Result<Staged> {
     let name = dir
         .file_name()
         .ok_or_else(|| Error::snapshot(dir, "snapshot path has no directory name"))?;
@@ -410,35 +421,72 @@ pub fn publish(
         new_id()
     ));
     std::fs::create_dir(&tmp).map_err(io_err(dir, "cannot create the temporary directory"))?;
-    let result = (|| {
-        let mem = OpenOptions::new()
+    let files = (|| {
+        let memory = OpenOptions::new()
             .create_new(true)
             .read(true)
             .write(true)
             .open(tmp.join(MEMORY_FILE))
             .map_err(io_err(dir, "cannot create the memory file"))?;
-        state.meta.memory_crc = write_memory(&mem)?;
+        state.meta.memory_crc = write_memory(&memory)?;
         let bytes = state.encode()?;
         let mut f = File::create(tmp.join(STATE_FILE))
             .map_err(io_err(dir, "cannot create the state file"))?;
         f.write_all(&bytes)
             .map_err(io_err(dir, "cannot write the state file"))?;
-        // Start writeback of both files, then wait for both: one journal
-        // commit on a journaling filesystem instead of one per file.
-        start_writeback(&mem);
-        start_writeback(&f);
-        mem.sync_all()
-            .map_err(io_err(dir, "cannot fsync the memory file"))?;
-        f.sync_all()
-            .map_err(io_err(dir, "cannot fsync the state file"))?;
-        rename_noreplace(&tmp, dir)?;
-        sync_dir_in_background(parent.clone());
-        Ok(mem)
+        Ok((memory, f))
     })();
-    if result.is_err() {
-        let _ = std::fs::remove_dir_all(&tmp);
+    match files {
+        Ok((memory, state)) => Ok(Staged {
+            tmp,
+            dir: dir.to_path_buf(),
+            parent,
+            memory,
+            state,
+            committed: false,
+        }),
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            Err(e)
+        }
     }
-    result
+}
+
+impl Staged {
+    /// The staged memory file.
+    pub fn memory(&self) -> &File {
+        &self.memory
+    }
+
+    /// Makes the snapshot durable and visible: writeback of both files is
+    /// started together and then waited for (one journal commit covers both
+    /// on a journaling filesystem), then the rename into place. Returns the
+    /// memory file.
+    pub fn commit(mut self) -> Result<File> {
+        let dir = self.dir.clone();
+        start_writeback(&self.memory);
+        start_writeback(&self.state);
+        self.memory
+            .sync_all()
+            .map_err(io_err(&dir, "cannot fsync the memory file"))?;
+        self.state
+            .sync_all()
+            .map_err(io_err(&dir, "cannot fsync the state file"))?;
+        rename_noreplace(&self.tmp, &dir)?;
+        self.committed = true;
+        sync_dir_in_background(self.parent.clone());
+        self.memory
+            .try_clone()
+            .map_err(io_err(&dir, "cannot reopen the memory file"))
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = std::fs::remove_dir_all(&self.tmp);
+        }
+    }
 }
 
 fn rename_noreplace(from: &Path, to: &Path) -> Result<()> {

@@ -102,7 +102,10 @@ pub struct SnapshotInfo {
     pub parent: Option<String>,
     /// Guest pages written to its memory file.
     pub pages_written: usize,
-    /// Wall time of the whole call.
+    /// How long the guest was paused.
+    pub pause_ms: f64,
+    /// Wall time of the whole call, until the snapshot was durable and
+    /// published.
     pub duration_ms: f64,
 }
 
@@ -521,9 +524,11 @@ impl Vm {
     }
 
     /// Snapshots the VM into the new directory `dir`. A running VM is paused
-    /// for the duration and resumed after. An incremental snapshot writes only
-    /// the pages changed since the VM's baseline (its last snapshot, restore
-    /// or rollback point), which becomes its parent.
+    /// only while its state and changed pages are copied out, and runs again
+    /// while the snapshot is made durable; the call returns once it is
+    /// published. An incremental snapshot writes only the pages changed since
+    /// the VM's baseline (its last snapshot, restore or rollback point),
+    /// which becomes its parent.
     pub fn snapshot(&mut self, dir: &Path, kind: Kind) -> Result<SnapshotInfo> {
         let start = Instant::now();
         let was = self.need(
@@ -542,28 +547,64 @@ impl Vm {
         };
         let dir = absolute(dir)?;
         self.pause()?;
-        let result = self.snapshot_paused(&dir, kind, parent);
+        let staged = self.stage_snapshot(&dir, kind, parent.as_ref());
+        // A full snapshot becomes the memory the VM runs on: map it before
+        // the guest runs again, while RAM and file are identical.
+        let remapped = match &staged {
+            Ok((st, _, _)) if kind == Kind::Full => Some(
+                st.memory()
+                    .try_clone()
+                    .map_err(|e| Error::io("reopening the snapshot memory", e))
+                    .and_then(|f| self.ram.map_private(Arc::new(f))),
+            ),
+            _ => None,
+        };
         if was == RunState::Running {
             self.resume()?;
         }
-        let (image, pages) = result?;
+        let pause_ms = ms(start);
+        let (staged, state, pages) = staged?;
+        if let Some(Err(e)) = remapped {
+            return Err(e);
+        }
+        let memory = match staged.commit() {
+            Ok(m) => m,
+            Err(e) => {
+                if kind == Kind::Full {
+                    // RAM now maps the unpublished file: no baseline to
+                    // track changes against until the next full snapshot.
+                    self.baseline = None;
+                }
+                return Err(e);
+            }
+        };
+        let image = Arc::new(Image {
+            dir: dir.to_path_buf(),
+            state,
+            memory: Arc::new(memory),
+            parent,
+        });
+        self.baseline = Some(image.clone());
+        self.dirty = PageSet::new(self.ram.pages());
         let info = SnapshotInfo {
             id: image.id().to_string(),
             kind,
             parent: image.state.meta.parent.as_ref().map(|p| p.id.clone()),
             pages_written: pages,
+            pause_ms,
             duration_ms: ms(start),
         };
         tracing::info!(id = %info.id, ?kind, pages, ms = info.duration_ms, "snapshot");
         Ok(info)
     }
 
-    fn snapshot_paused(
+    /// Copies the paused VM's state and pages into a staged snapshot.
+    fn stage_snapshot(
         &mut self,
         dir: &Path,
         kind: Kind,
-        parent: Option<Arc<Image>>,
-    ) -> Result<(Arc<Image>, usize)> {
+        parent: Option<&Arc<Image>>,
+    ) -> Result<(snapshot::Staged, VmState, usize)> {
         self.collect_dirty()?;
         let vcpus = self.save_vcpus()?;
         let (irqchips, pit, clock) = self.save_vm_state()?;
@@ -574,13 +615,11 @@ impl Vm {
             meta: Meta {
                 id: id.clone(),
                 kind,
-                parent: parent.as_ref().map(|p| ParentRef {
+                parent: parent.map(|p| ParentRef {
                     id: p.id().to_string(),
                     dir: p.dir.clone(),
                 }),
-                root_id: parent
-                    .as_ref()
-                    .map_or(id.clone(), |p| p.state.meta.root_id.clone()),
+                root_id: parent.map_or(id.clone(), |p| p.state.meta.root_id.clone()),
                 mem_size: self.shape.mem_size as u64,
                 vcpus: self.shape.vcpus,
                 pages,
@@ -599,22 +638,11 @@ impl Vm {
         };
         let ram = &self.ram;
         let write_layer = state.layer.clone();
-        let memory = snapshot::publish(dir, &mut state, |f| match &write_layer {
+        let staged = snapshot::stage(dir, &mut state, |f| match &write_layer {
             None => snapshot::write_full_memory(ram, f),
             Some(l) => snapshot::write_layer_memory(ram, l, f),
         })?;
-        let image = Arc::new(Image {
-            dir: dir.to_path_buf(),
-            state,
-            memory: Arc::new(memory),
-            parent,
-        });
-        if kind == Kind::Full {
-            self.ram.map_private(image.memory.clone())?;
-        }
-        self.baseline = Some(image.clone());
-        self.dirty = PageSet::new(self.ram.pages());
-        Ok((image, pages))
+        Ok((staged, state, pages))
     }
 
     /// Restores the snapshot in `dir` into this newly created VM and runs it.
