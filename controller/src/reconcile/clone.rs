@@ -10,6 +10,7 @@ use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::{Api, Resource, ResourceExt};
 
+use super::write_status;
 use crate::context::{is_not_found, millis_since, Context, Error};
 use crate::crd::{
     CloneStatus, DeletionPolicy, Phase, PodClone, Snapshot, SnapshotMode, SnapshotSpec,
@@ -356,16 +357,4 @@ async fn fail(
     ctx.event(&clone, EventType::Warning, reason, "Clone", message)
         .await;
     Ok(Action::await_change())
-}
-
-async fn write_status(
-    api: &Api<PodClone>,
-    clone: &PodClone,
-    status: CloneStatus,
-) -> Result<PodClone, Error> {
-    let mut new = clone.clone();
-    new.status = Some(status);
-    Ok(api
-        .replace_status(&clone.name_any(), &PostParams::default(), &new)
-        .await?)
 }

@@ -12,6 +12,28 @@ use kube::{Api, Resource};
 use crate::context::{Context, Error};
 use crate::crd::{PodClone, Rollback, SandboxTemplate, Snapshot, CLONE_LABEL};
 
+/// Replaces an object's status through the status subresource (409 when the
+/// object changed since it was read).
+pub(crate) async fn write_status<K>(api: &Api<K>, obj: &K, status: K::Status) -> Result<K, Error>
+where
+    K: Resource
+        + kube::core::object::HasStatus
+        + Clone
+        + Debug
+        + serde::Serialize
+        + serde::de::DeserializeOwned,
+{
+    let mut new = obj.clone();
+    *new.status_mut() = Some(status);
+    Ok(api
+        .replace_status(
+            &kube::ResourceExt::name_any(obj),
+            &kube::api::PostParams::default(),
+            &new,
+        )
+        .await?)
+}
+
 pub mod clone;
 pub mod rollback;
 pub mod snapshot;

@@ -4,11 +4,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{ListParams, PostParams};
+use kube::api::ListParams;
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::{Api, ResourceExt};
 
+use super::write_status;
 use crate::context::{millis_since, now, Context, Error};
 use crate::crd::{Phase, Rollback, RollbackStatus, Snapshot, RESTORE_FROM_ANNOTATION};
 use crate::reconcile::{current_pod, validate_name};
@@ -266,16 +267,4 @@ async fn fail(
     ctx.event(&rb, EventType::Warning, reason, "Rollback", message)
         .await;
     Ok(Action::await_change())
-}
-
-async fn write_status(
-    api: &Api<Rollback>,
-    rb: &Rollback,
-    status: RollbackStatus,
-) -> Result<Rollback, Error> {
-    let mut new = rb.clone();
-    new.status = Some(status);
-    Ok(api
-        .replace_status(&rb.name_any(), &PostParams::default(), &new)
-        .await?)
 }

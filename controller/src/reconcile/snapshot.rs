@@ -7,11 +7,12 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{DeleteParams, PostParams};
+use kube::api::DeleteParams;
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::{Api, ResourceExt};
 
+use super::write_status;
 use crate::context::{
     add_finalizer, is_not_found, millis_since, now, remove_finalizer, Context, Error,
 };
@@ -357,18 +358,6 @@ async fn fail(
     ctx.event(&snap, EventType::Warning, "Failed", "Snapshot", message)
         .await;
     Ok(Action::await_change())
-}
-
-async fn write_status(
-    api: &Api<Snapshot>,
-    snap: &Snapshot,
-    status: SnapshotStatus,
-) -> Result<Snapshot, Error> {
-    let mut new = snap.clone();
-    new.status = Some(status);
-    Ok(api
-        .replace_status(&snap.name_any(), &PostParams::default(), &new)
-        .await?)
 }
 
 fn ready_condition(snap: &Snapshot, status: &str, reason: &str, message: &str) -> Condition {

@@ -4,11 +4,11 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kube::api::PostParams;
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::{Api, ResourceExt};
 
+use super::write_status;
 use crate::context::{add_finalizer, remove_finalizer, Context, Error};
 use crate::crd::{SandboxTemplate, SandboxTemplateStatus, TemplateNodeStatus};
 
@@ -151,16 +151,4 @@ fn upsert(mut status: SandboxTemplateStatus, entry: TemplateNodeStatus) -> Sandb
     status.ready_nodes =
         i32::try_from(status.nodes.iter().filter(|n| n.ready).count()).unwrap_or(i32::MAX);
     status
-}
-
-async fn write_status(
-    api: &Api<SandboxTemplate>,
-    template: &SandboxTemplate,
-    status: SandboxTemplateStatus,
-) -> Result<SandboxTemplate, Error> {
-    let mut new = template.clone();
-    new.status = Some(status);
-    Ok(api
-        .replace_status(&template.name_any(), &PostParams::default(), &new)
-        .await?)
 }
