@@ -214,9 +214,7 @@ pub fn run(args: &Args) -> Result<Value, Error> {
     r.timing("boot_ms", &boots);
 
     // Boot, as a process: spawn `twig-vmm serve` to the guest's 'B'.
-    let bin = std::env::current_exe()
-        .context(|| "finding the benchmark executable".into())?
-        .with_file_name("twig-vmm");
+    let bin = vmm_binary()?;
     let have_bin = bin.is_file();
     if have_bin {
         let mut samples = Vec::with_capacity(args.runs);
@@ -495,6 +493,37 @@ fn max_vms_processes(
 
 /// Restores `base` into as many VMs as run, up to `cap`, in this process;
 /// reports how many ran, what stopped it, and memory per VM.
+/// The `twig-vmm` binary next to this executable. Under `cargo run`
+/// (which sets `CARGO`), it is built first if missing, with the same profile,
+/// so that `cargo run --release -p twig-bench -- vmm` measures VMM processes.
+fn vmm_binary() -> Result<PathBuf, Error> {
+    let exe = std::env::current_exe().context(|| "finding the benchmark executable".into())?;
+    let bin = exe.with_file_name("twig-vmm");
+    if bin.is_file() {
+        return Ok(bin);
+    }
+    let Some(cargo) = std::env::var_os("CARGO") else {
+        return Ok(bin);
+    };
+    let release = exe
+        .parent()
+        .and_then(|d| d.file_name())
+        .is_some_and(|n| n == "release");
+    eprintln!("building twig-vmm next to {}", exe.display());
+    let mut cmd = std::process::Command::new(cargo);
+    cmd.args(["build", "-p", "twig-vmm", "--bin", "twig-vmm"]);
+    if release {
+        cmd.arg("--release");
+    }
+    let status = cmd
+        .status()
+        .context(|| "running cargo build -p twig-vmm".into())?;
+    if !status.success() {
+        return Err(format!("cargo build -p twig-vmm failed: {status}").into());
+    }
+    Ok(bin)
+}
+
 fn max_vms_in_process(r: &mut Report, shape: Shape, base: &Path, cap: usize) -> Result<(), Error> {
     let nofile = raise_nofile()?;
     let image = Image::open(base).context(|| format!("opening {}", base.display()))?;
