@@ -68,11 +68,6 @@ impl PageSet {
         &self.words
     }
 
-    /// How many pages the set spans (its universe, not its population).
-    pub fn universe(&self) -> usize {
-        self.pages
-    }
-
     /// Adds page `p`.
     pub fn insert(&mut self, p: usize) {
         if p < self.pages {
