@@ -50,8 +50,8 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
 # 2. Twig's guest kernel (cached by guest/build-kernel.sh) and a busybox
-#    initramfs for it that prints a tick a second: the Linux guests of the
-#    `lab` tests.
+#    initramfs for it that prints a tick a second with 16 bytes read from
+#    the virtio-rng device: the Linux guests of the `lab` tests.
 gk=$(guest/build-kernel.sh) || die "guest kernel build failed"
 ginit=$work/guest-initrd
 mkdir -p "$ginit"/{bin,proc,dev}
@@ -59,9 +59,14 @@ cp /bin/busybox "$ginit/bin/busybox"
 cat > "$ginit/init" <<'GINIT'
 #!/bin/busybox sh
 /bin/busybox mount -t proc proc /proc
+/bin/busybox mount -t devtmpfs dev /dev
 echo TWIG-GUEST-READY
 i=0
-while true; do i=$((i + 1)); echo "tick $i"; /bin/busybox sleep 1; done
+while true; do
+  i=$((i + 1))
+  echo "tick $i $(/bin/busybox hexdump -n 16 -e '16/1 "%02x"' /dev/hwrng)"
+  /bin/busybox sleep 1
+done
 GINIT
 chmod +x "$ginit/init"
 

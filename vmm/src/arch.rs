@@ -16,7 +16,9 @@ use linux_loader::configurator::linux::LinuxBootConfigurator;
 use linux_loader::configurator::{BootConfigurator, BootParams};
 use linux_loader::loader::bootparam::boot_params;
 use linux_loader::loader::{load_cmdline, BzImage, Elf, KernelLoader, KernelLoaderResult};
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress};
+
+use crate::memory::GuestMem;
 
 const PAGE_SIZE: u64 = crate::memory::PAGE_SIZE as u64;
 
@@ -91,7 +93,7 @@ fn kernel_err(path: &Path, reason: impl Into<String>) -> Error {
 /// Loads an ELF vmlinux or a bzImage, writes the command line and the zero
 /// page (e820 map, setup header) into guest memory.
 pub fn load_kernel(
-    mem: &GuestMemoryMmap,
+    mem: &GuestMem,
     mem_size: u64,
     kernel: &Path,
     initrd: Option<&Path>,
@@ -154,7 +156,7 @@ pub fn load_kernel(
         params.e820_table[i].r#type = E820_RAM;
     }
     params.e820_entries = e820.len() as u8;
-    LinuxBootConfigurator::write_bootparams::<GuestMemoryMmap>(
+    LinuxBootConfigurator::write_bootparams::<GuestMem>(
         &BootParams::new::<boot_params>(&params, GuestAddress(layout::ZERO_PAGE)),
         mem,
     )
@@ -165,7 +167,7 @@ pub fn load_kernel(
 /// Places an initramfs as high in RAM as the kernel allows (below
 /// `initrd_addr_max`, page-aligned, above the kernel).
 fn load_initrd(
-    mem: &GuestMemoryMmap,
+    mem: &GuestMem,
     mem_size: u64,
     kernel_end: u64,
     params: &boot_params,
@@ -222,14 +224,14 @@ fn segment(entry: u64, index: u16) -> kvm_segment {
     }
 }
 
-fn write_mem<T: vm_memory::ByteValued>(mem: &GuestMemoryMmap, addr: u64, v: T) -> Result<()> {
+fn write_mem<T: vm_memory::ByteValued>(mem: &GuestMem, addr: u64, v: T) -> Result<()> {
     mem.write_obj(v, GuestAddress(addr))
         .map_err(|e| Error::Config(format!("writing boot structures at {addr:#x}: {e}")))
 }
 
 /// Writes the boot GDT and identity page tables and returns the special
 /// registers for 64-bit entry (`__BOOT_CS` = 0x10, `__BOOT_DS` = 0x18).
-pub fn boot_sregs(mem: &GuestMemoryMmap, mut sregs: kvm_sregs) -> Result<kvm_sregs> {
+pub fn boot_sregs(mem: &GuestMem, mut sregs: kvm_sregs) -> Result<kvm_sregs> {
     let gdt = [
         gdt_entry(0, 0, 0),
         gdt_entry(0, 0, 0),

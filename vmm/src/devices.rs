@@ -15,6 +15,7 @@ use vm_superio::{I8042Device, Serial, Trigger};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::error::{Error, Result};
+use crate::virtio::{self, MmioTransport, TransportState};
 
 /// COM1 base port.
 pub const COM1: u16 = 0x3f8;
@@ -121,11 +122,18 @@ pub enum PioAction {
 
 type Uart = Serial<IrqTrigger, NoEvents, SerialOut>;
 
-/// The VM's port-I/O devices.
+/// The VM's devices: port I/O and virtio-mmio.
 pub struct Devices {
     serial: Mutex<Uart>,
     i8042: Mutex<I8042Device<ResetTrigger>>,
+    virtio: Vec<Mutex<MmioTransport>>,
     exit: Arc<ExitState>,
+}
+
+/// Device state parsed from a snapshot, validated, ready to apply.
+pub struct DeviceState {
+    serial: SerialState,
+    virtio: Vec<TransportState>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -133,12 +141,53 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Devices {
-    /// Creates the devices; `irq` is the eventfd registered for COM1's IRQ.
-    pub fn new(out: SerialOut, irq: EventFd, exit: Arc<ExitState>) -> Devices {
+    /// Creates the devices; `irq` is the eventfd registered for COM1's IRQ,
+    /// `virtio` the virtio-mmio transports in address order.
+    pub fn new(
+        out: SerialOut,
+        irq: EventFd,
+        virtio: Vec<MmioTransport>,
+        exit: Arc<ExitState>,
+    ) -> Devices {
         Devices {
             serial: Mutex::new(Serial::new(IrqTrigger(irq), out)),
             i8042: Mutex::new(I8042Device::new(ResetTrigger(exit.clone()))),
+            virtio: virtio.into_iter().map(Mutex::new).collect(),
             exit,
+        }
+    }
+
+    /// The kernel command-line parameters that announce the virtio devices.
+    pub fn virtio_cmdline(&self) -> String {
+        (0..self.virtio.len())
+            .map(|i| {
+                format!(
+                    " virtio_mmio.device=4K@{:#x}:{}",
+                    virtio::MMIO_BASE + i as u64 * virtio::MMIO_SIZE,
+                    virtio::IRQ_BASE + i as u32
+                )
+            })
+            .collect()
+    }
+
+    fn virtio_at(&self, addr: u64) -> Option<(&Mutex<MmioTransport>, u64)> {
+        let rel = addr.checked_sub(virtio::MMIO_BASE)?;
+        let dev = self.virtio.get((rel / virtio::MMIO_SIZE) as usize)?;
+        Some((dev, rel % virtio::MMIO_SIZE))
+    }
+
+    /// Handles an MMIO read; nothing there reads as all ones.
+    pub fn mmio_read(&self, addr: u64, data: &mut [u8]) {
+        match self.virtio_at(addr) {
+            Some((dev, off)) => lock(dev).read(off, data),
+            None => data.iter_mut().for_each(|b| *b = 0xff),
+        }
+    }
+
+    /// Handles an MMIO write.
+    pub fn mmio_write(&self, addr: u64, data: &[u8]) {
+        if let Some((dev, off)) = self.virtio_at(addr) {
+            lock(dev).write(off, data);
         }
     }
 
@@ -186,10 +235,11 @@ impl Devices {
         }
     }
 
-    /// Device state for a snapshot.
+    /// Device state for a snapshot: the UART's registers and each virtio
+    /// transport's state, each length-prefixed.
     pub fn save(&self) -> Vec<u8> {
         let s = lock(&self.serial).state();
-        let mut out = vec![
+        let mut serial = vec![
             s.baud_divisor_low,
             s.baud_divisor_high,
             s.interrupt_enable,
@@ -200,42 +250,91 @@ impl Devices {
             s.modem_status,
             s.scratch,
         ];
-        out.extend_from_slice(&(s.in_buffer.len() as u32).to_le_bytes());
-        out.extend_from_slice(&s.in_buffer);
+        serial.extend_from_slice(&s.in_buffer);
+        let mut out = Vec::new();
+        let mut blob = |b: &[u8]| {
+            out.extend_from_slice(&(b.len() as u32).to_le_bytes());
+            out.extend_from_slice(b);
+        };
+        blob(&serial);
+        blob(&(self.virtio.len() as u32).to_le_bytes());
+        for v in &self.virtio {
+            blob(&lock(v).save());
+        }
         out
     }
 
-    /// Parses device state saved by [`Devices::save`] without applying it.
-    pub fn parse(state: &[u8]) -> Result<SerialState> {
-        let bad = || {
-            Error::Config(format!(
-                "serial state of {} bytes is malformed",
-                state.len()
-            ))
+    /// Parses and validates device state saved by [`Devices::save`] for
+    /// these devices, without applying it.
+    pub fn parse(&self, state: &[u8]) -> Result<DeviceState> {
+        let bad = |what: &str| Error::Config(format!("device state is malformed: {what}"));
+        let mut r = state;
+        let mut blob = || -> Result<&[u8]> {
+            if r.len() < 4 {
+                return Err(bad("truncated"));
+            }
+            let n = u32::from_le_bytes([r[0], r[1], r[2], r[3]]) as usize;
+            if r.len() < 4 + n {
+                return Err(bad("truncated"));
+            }
+            let (b, rest) = r[4..].split_at(n);
+            r = rest;
+            Ok(b)
         };
-        if state.len() < 13 {
-            return Err(bad());
+        let s = blob()?;
+        if s.len() < 9 || s.len() > 9 + 64 {
+            return Err(bad("serial"));
         }
-        let n = u32::from_le_bytes([state[9], state[10], state[11], state[12]]) as usize;
-        if state.len() != 13 + n || n > 64 {
-            return Err(bad());
+        let serial = SerialState {
+            baud_divisor_low: s[0],
+            baud_divisor_high: s[1],
+            interrupt_enable: s[2],
+            interrupt_identification: s[3],
+            line_control: s[4],
+            line_status: s[5],
+            modem_control: s[6],
+            modem_status: s[7],
+            scratch: s[8],
+            in_buffer: s[9..].to_vec(),
+        };
+        let count = blob()?;
+        if count != (self.virtio.len() as u32).to_le_bytes() {
+            return Err(bad("the snapshot has other virtio devices"));
         }
-        Ok(SerialState {
-            baud_divisor_low: state[0],
-            baud_divisor_high: state[1],
-            interrupt_enable: state[2],
-            interrupt_identification: state[3],
-            line_control: state[4],
-            line_status: state[5],
-            modem_control: state[6],
-            modem_status: state[7],
-            scratch: state[8],
-            in_buffer: state[13..].to_vec(),
-        })
+        let mut virtio = Vec::with_capacity(self.virtio.len());
+        for v in &self.virtio {
+            let b = blob()?;
+            virtio.push(lock(v).parse(b)?);
+        }
+        if !r.is_empty() {
+            return Err(bad("trailing bytes"));
+        }
+        Ok(DeviceState { serial, virtio })
+    }
+
+    /// Raises again every interrupt the devices' state says is pending. An
+    /// interrupt a device raised just before a snapshot can still have been
+    /// on its way through the irqfd into KVM's irqchip when the irqchip was
+    /// saved; without this, a restored guest would wait for it forever.
+    /// A spurious one is harmless: drivers read the device's status first.
+    pub fn retrigger_pending(&self) {
+        let serial = lock(&self.serial);
+        if serial.state().interrupt_identification & 1 == 0 {
+            if let Err(e) = serial.interrupt_evt().trigger() {
+                tracing::warn!("serial interrupt: {e}");
+            }
+        }
+        drop(serial);
+        for v in &self.virtio {
+            lock(v).retrigger_pending();
+        }
     }
 
     /// Applies parsed device state.
-    pub fn restore(&self, state: &SerialState) -> Result<()> {
+    pub fn restore(&self, state: DeviceState) -> Result<()> {
+        for (v, s) in self.virtio.iter().zip(state.virtio) {
+            lock(v).apply(s);
+        }
         let mut serial = lock(&self.serial);
         let irq = serial
             .interrupt_evt()
@@ -246,7 +345,7 @@ impl Devices {
             serial.writer_mut(),
             Box::new(std::io::sink()),
         ));
-        *serial = Serial::from_state(state, IrqTrigger(irq), NoEvents, out)
+        *serial = Serial::from_state(&state.serial, IrqTrigger(irq), NoEvents, out)
             .map_err(|e| Error::Config(format!("serial state: {e:?}")))?;
         Ok(())
     }

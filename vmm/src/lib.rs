@@ -15,6 +15,7 @@ pub mod memory;
 pub mod snapshot;
 pub mod testguest;
 pub mod vcpu;
+pub mod virtio;
 pub mod vm;
 
 pub use devices::{Capture, GuestExit, SerialOut};

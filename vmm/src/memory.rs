@@ -15,7 +15,13 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
-use vm_memory::{GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
+use vm_memory::bitmap::AtomicBitmap;
+use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
+
+/// Guest memory as devices and loaders see it. Every write through it marks
+/// its page in a bitmap, so pages the VMM writes (device buffers, virtqueue
+/// rings) count as dirty just like the guest's own writes.
+pub type GuestMem = GuestMemoryMmap<AtomicBitmap>;
 
 use crate::error::{Error, Result};
 
@@ -141,7 +147,7 @@ pub struct GuestRam {
     addr: *mut u8,
     size: usize,
     backing: Backing,
-    mem: GuestMemoryMmap,
+    mem: GuestMem,
 }
 
 // SAFETY: the mapping is owned by this struct for its whole life; concurrent
@@ -197,7 +203,7 @@ impl GuestRam {
         })
     }
 
-    fn view(addr: *mut u8, size: usize) -> Result<GuestMemoryMmap> {
+    fn view(addr: *mut u8, size: usize) -> Result<GuestMem> {
         let flags = libc::MAP_PRIVATE | libc::MAP_NORESERVE;
         // SAFETY: `addr..addr+size` is a live mapping owned by the GuestRam
         // that owns this view; vm-memory does not unmap raw regions.
@@ -208,6 +214,15 @@ impl GuestRam {
             .ok_or_else(|| Error::Config("guest memory region overflows".into()))?;
         GuestMemoryMmap::from_regions(vec![region])
             .map_err(|e| Error::Config(format!("guest memory view: {e}")))
+    }
+
+    /// Pages written through [`GuestRam::memory`] since the last call, as
+    /// bitmap words; resets the bitmap.
+    pub fn take_vmm_dirty(&self) -> Vec<u64> {
+        self.mem
+            .find_region(GuestAddress(0))
+            .map(|r| r.bitmap().get_and_reset())
+            .unwrap_or_default()
     }
 
     /// Host address of guest physical address 0.
@@ -231,7 +246,7 @@ impl GuestRam {
     }
 
     /// A vm-memory view, for loaders and device emulation.
-    pub fn memory(&self) -> &GuestMemoryMmap {
+    pub fn memory(&self) -> &GuestMem {
         &self.mem
     }
 

@@ -439,11 +439,15 @@ fn vcpu_loop(
                 devices.pio_read(port, data);
                 None
             }
-            VcpuExit::MmioRead(_, data) => {
-                data.iter_mut().for_each(|b| *b = 0xff);
+            VcpuExit::MmioRead(addr, data) => {
+                devices.mmio_read(addr, data);
                 None
             }
-            VcpuExit::MmioWrite(..) | VcpuExit::Hlt => None,
+            VcpuExit::MmioWrite(addr, data) => {
+                devices.mmio_write(addr, data);
+                None
+            }
+            VcpuExit::Hlt => None,
             VcpuExit::Shutdown => Some(GuestExit::TripleFault),
             VcpuExit::SystemEvent(kind, _) => Some(GuestExit::SystemEvent(kind)),
             other => Some(GuestExit::Failed(format!("unhandled VM exit {other:?}"))),

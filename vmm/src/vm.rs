@@ -21,6 +21,7 @@ use crate::error::{Error, Result};
 use crate::memory::{Backing, GuestRam, PageSet, PAGE_SIZE};
 use crate::snapshot::{self, Image, Kind, Meta, ParentRef, VmState};
 use crate::vcpu::{self, VcpuHandle, VcpuState};
+use crate::virtio::{self, rng::Rng, MmioTransport};
 
 /// Most vCPUs a VM may have.
 pub const MAX_VCPUS: usize = 64;
@@ -229,7 +230,17 @@ impl Vm {
         let irq = EventFd::new(EFD_NONBLOCK).map_err(|e| Error::io("creating an eventfd", e))?;
         fd.register_irqfd(&irq, COM1_IRQ)
             .map_err(kvm_err("KVM_IRQFD"))?;
-        let devices = Arc::new(Devices::new(serial, irq, Arc::new(ExitState::default())));
+        let rng_irq =
+            EventFd::new(EFD_NONBLOCK).map_err(|e| Error::io("creating an eventfd", e))?;
+        fd.register_irqfd(&rng_irq, virtio::IRQ_BASE)
+            .map_err(kvm_err("KVM_IRQFD"))?;
+        let rng = MmioTransport::new(Box::new(Rng), rng_irq, ram.memory().clone())?;
+        let devices = Arc::new(Devices::new(
+            serial,
+            irq,
+            vec![rng],
+            Arc::new(ExitState::default()),
+        ));
         let xsave_bytes = fd.check_extension_int(Cap::Xsave2);
         let xsave_words = (xsave_bytes.max(4096) as usize).div_ceil(4);
         let mut vcpus = Vec::with_capacity(shape.vcpus);
@@ -298,12 +309,13 @@ impl Vm {
     ) -> Result<()> {
         self.need("boot", &[RunState::Created], "newly created")?;
         self.ram.back_with_memfd()?;
+        let cmdline = format!("{cmdline}{}", self.devices.virtio_cmdline());
         let entry = arch::load_kernel(
             self.ram.memory(),
             self.shape.mem_size as u64,
             kernel,
             initrd,
-            cmdline,
+            &cmdline,
         )?;
         let supported = arch::supported_cpuid(&self.kvm)?;
         let sregs_mem = self.ram.memory().clone();
@@ -411,7 +423,7 @@ impl Vm {
 
     /// Writes guest memory from the host. The pages count as dirty for the
     /// next incremental snapshot and for rollback.
-    pub fn write_guest(&mut self, gpa: u64, data: &[u8]) -> Result<()> {
+    pub fn write_guest(&self, gpa: u64, data: &[u8]) -> Result<()> {
         self.ram
             .memory()
             .write_slice(data, GuestAddress(gpa))
@@ -419,16 +431,11 @@ impl Vm {
                 addr: gpa,
                 len: data.len(),
             })?;
-        let first = gpa as usize / PAGE_SIZE;
-        let last = (gpa as usize + data.len().max(1) - 1) / PAGE_SIZE;
-        for p in first..=last {
-            self.dirty.insert(p);
-        }
         Ok(())
     }
 
     /// Writes a little-endian u64 into guest memory.
-    pub fn write_u64(&mut self, gpa: u64, v: u64) -> Result<()> {
+    pub fn write_u64(&self, gpa: u64, v: u64) -> Result<()> {
         self.write_guest(gpa, &v.to_le_bytes())
     }
 
@@ -438,8 +445,10 @@ impl Vm {
             .fd
             .get_dirty_log(0, self.shape.mem_size)
             .map_err(kvm_err("KVM_GET_DIRTY_LOG"))?;
+        let pages = self.ram.pages();
+        self.dirty.union_with(&PageSet::from_words(words, pages));
         self.dirty
-            .union_with(&PageSet::from_words(words, self.ram.pages()));
+            .union_with(&PageSet::from_words(self.ram.take_vmm_dirty(), pages));
         Ok(())
     }
 
@@ -672,7 +681,8 @@ impl Vm {
         let s = &image.state;
         self.load_vcpus(&s.vcpus, true)?;
         self.load_vm_state(s)?;
-        self.devices.restore(&Devices::parse(&s.devices)?)?;
+        self.devices.restore(self.devices.parse(&s.devices)?)?;
+        self.devices.retrigger_pending();
         self.adopt(image);
         self.state = RunState::Paused;
         Ok(())
@@ -684,6 +694,7 @@ impl Vm {
         self.msr_indices = Arc::new(s.vcpus[0].msrs.iter().map(|m| m.index).collect());
         self.baseline = Some(image.clone());
         self.dirty = PageSet::new(self.ram.pages());
+        self.ram.take_vmm_dirty();
         self.devices.exit().clear();
     }
 
@@ -861,7 +872,7 @@ impl Vm {
             }
         }
         let s = &target.state;
-        let devices = Devices::parse(&s.devices)?;
+        let devices = self.devices.parse(&s.devices)?;
         let backup = self.save_vcpus()?;
         let (chips, pit, clock) = self.save_vm_state()?;
         if let Err(e) = self
@@ -891,7 +902,8 @@ impl Vm {
         for (p, data) in &staged {
             self.ram.write_pages(*p, data)?;
         }
-        self.devices.restore(&devices)?;
+        self.devices.restore(devices)?;
+        self.devices.retrigger_pending();
         // Clear what the guest dirtied before we put pages back.
         self.fd
             .get_dirty_log(0, self.shape.mem_size)

@@ -32,10 +32,15 @@ fn boots_a_bzimage_with_its_setup_header() {
     let mut hdr = [0u8; 4];
     vm.read_guest(zero_page + 0x202, &mut hdr).unwrap();
     assert_eq!(&hdr, b"HdrS");
-    let mut cmdline = [0u8; 20];
+    // The command line, with the virtio-mmio devices announced.
+    let mut cmdline = [0u8; 128];
     vm.read_guest(twig_vmm::arch::layout::CMDLINE, &mut cmdline)
         .unwrap();
-    assert_eq!(&cmdline, b"console=ttyS0 quiet\0");
+    let end = cmdline.iter().position(|b| *b == 0).unwrap();
+    assert_eq!(
+        std::str::from_utf8(&cmdline[..end]).unwrap(),
+        "console=ttyS0 quiet virtio_mmio.device=4K@0xd0000000:5"
+    );
     let mut g = Guest { vm, serial };
     print(&mut g.vm, &g.serial, b'z');
 }

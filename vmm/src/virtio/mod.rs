@@ -1,0 +1,438 @@
+//! virtio-mmio (version 2) transport and Twig's virtio devices.
+//!
+//! Devices sit at `MMIO_BASE + i * MMIO_SIZE` with interrupt line
+//! `IRQ_BASE + i`; the guest finds them on its command line
+//! (`virtio_mmio.device=4K@<base>:<irq>`, which the VMM appends). Interrupts
+//! go through KVM irqfds. Transport and queue state is part of every
+//! snapshot, so after restore and rollback the queues carry on where they
+//! were. Queue processing uses the virtio-queue crate.
+
+pub mod rng;
+
+use virtio_queue::{Queue, QueueState, QueueT};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::error::{Error, Result};
+use crate::memory::GuestMem;
+
+/// First device's MMIO base.
+pub const MMIO_BASE: u64 = 0xd000_0000;
+/// Each device's MMIO window.
+pub const MMIO_SIZE: u64 = 0x1000;
+/// First device's interrupt line.
+pub const IRQ_BASE: u32 = 5;
+
+const MAGIC: u32 = 0x7472_6976; // "virt"
+const VENDOR: u32 = 0x6769_7774; // "twig"
+const VIRTIO_F_VERSION_1: u64 = 1 << 32;
+const STATUS_DRIVER_OK: u32 = 4;
+const STATUS_FAILED: u32 = 0x80;
+const INT_VRING: u32 = 1;
+
+/// A virtio device behind the MMIO transport.
+pub trait VirtioDevice: Send {
+    /// The virtio device id.
+    fn device_type(&self) -> u32;
+    /// Feature bits the device offers (VIRTIO_F_VERSION_1 is added).
+    fn features(&self) -> u64;
+    /// Largest size of each queue.
+    fn queue_max_sizes(&self) -> &[u16];
+    /// Reads the device configuration space.
+    fn read_config(&self, offset: u64, data: &mut [u8]);
+    /// Serves the buffers the driver made available on queue `index`;
+    /// returns whether any were used.
+    fn process_queue(&mut self, index: usize, queue: &mut Queue, mem: &GuestMem) -> bool;
+}
+
+/// The MMIO transport of one device.
+pub struct MmioTransport {
+    device: Box<dyn VirtioDevice>,
+    queues: Vec<Queue>,
+    queue_sel: u32,
+    device_features_sel: u32,
+    driver_features_sel: u32,
+    driver_features: u64,
+    status: u32,
+    interrupt_status: u32,
+    irq: EventFd,
+    mem: GuestMem,
+}
+
+fn u32_of(data: &[u8]) -> u32 {
+    let mut b = [0u8; 4];
+    let n = data.len().min(4);
+    b[..n].copy_from_slice(&data[..n]);
+    u32::from_le_bytes(b)
+}
+
+fn set_half(value: u64, half: u32, v: u32) -> u64 {
+    match half {
+        0 => (value & !0xffff_ffff) | u64::from(v),
+        _ => (value & 0xffff_ffff) | (u64::from(v) << 32),
+    }
+}
+
+impl MmioTransport {
+    /// A transport for `device`, raising `irq` when it uses buffers.
+    pub fn new(
+        device: Box<dyn VirtioDevice>,
+        irq: EventFd,
+        mem: GuestMem,
+    ) -> Result<MmioTransport> {
+        let queues = device
+            .queue_max_sizes()
+            .iter()
+            .map(|&max| Queue::new(max).map_err(|e| Error::Config(format!("virtqueue: {e}"))))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(MmioTransport {
+            device,
+            queues,
+            queue_sel: 0,
+            device_features_sel: 0,
+            driver_features_sel: 0,
+            driver_features: 0,
+            status: 0,
+            interrupt_status: 0,
+            irq,
+            mem,
+        })
+    }
+
+    fn features(&self) -> u64 {
+        self.device.features() | VIRTIO_F_VERSION_1
+    }
+
+    fn queue(&mut self) -> Option<&mut Queue> {
+        self.queues.get_mut(self.queue_sel as usize)
+    }
+
+    fn reset(&mut self) {
+        self.queues.iter_mut().for_each(|q| q.reset());
+        self.queue_sel = 0;
+        self.device_features_sel = 0;
+        self.driver_features_sel = 0;
+        self.driver_features = 0;
+        self.status = 0;
+        self.interrupt_status = 0;
+    }
+
+    /// A register read at `offset` in the device's window.
+    pub fn read(&mut self, offset: u64, data: &mut [u8]) {
+        if offset >= 0x100 {
+            self.device.read_config(offset - 0x100, data);
+            return;
+        }
+        let v: u32 = match offset {
+            0x000 => MAGIC,
+            0x004 => 2,
+            0x008 => self.device.device_type(),
+            0x00c => VENDOR,
+            0x010 => match self.device_features_sel {
+                0 => self.features() as u32,
+                1 => (self.features() >> 32) as u32,
+                _ => 0,
+            },
+            0x034 => self.queue().map_or(0, |q| u32::from(q.max_size())),
+            0x044 => self.queue().map_or(0, |q| u32::from(q.ready())),
+            0x060 => self.interrupt_status,
+            0x070 => self.status,
+            0x0fc => 0,
+            _ => 0,
+        };
+        let bytes = v.to_le_bytes();
+        let n = data.len().min(4);
+        data[..n].copy_from_slice(&bytes[..n]);
+    }
+
+    /// A register write at `offset` in the device's window.
+    pub fn write(&mut self, offset: u64, data: &[u8]) {
+        let v = u32_of(data);
+        match offset {
+            0x014 => self.device_features_sel = v,
+            0x020 => {
+                let offered = self.features();
+                let half = self.driver_features_sel;
+                if half < 2 {
+                    self.driver_features = set_half(self.driver_features, half, v) & offered;
+                }
+            }
+            0x024 => self.driver_features_sel = v,
+            0x030 => self.queue_sel = v,
+            0x038 => {
+                if let Some(q) = self.queue() {
+                    q.set_size(v as u16);
+                }
+            }
+            0x044 => {
+                if let Some(q) = self.queue() {
+                    q.set_ready(v == 1);
+                }
+            }
+            0x050 => self.notify(v as usize),
+            0x064 => self.interrupt_status &= !v,
+            0x070 => {
+                if v == 0 {
+                    self.reset();
+                } else {
+                    self.status = v;
+                }
+            }
+            0x080 | 0x084 => {
+                let (lo, hi) = if offset == 0x080 {
+                    (Some(v), None)
+                } else {
+                    (None, Some(v))
+                };
+                if let Some(q) = self.queue() {
+                    q.set_desc_table_address(lo, hi);
+                }
+            }
+            0x090 | 0x094 => {
+                let (lo, hi) = if offset == 0x090 {
+                    (Some(v), None)
+                } else {
+                    (None, Some(v))
+                };
+                if let Some(q) = self.queue() {
+                    q.set_avail_ring_address(lo, hi);
+                }
+            }
+            0x0a0 | 0x0a4 => {
+                let (lo, hi) = if offset == 0x0a0 {
+                    (Some(v), None)
+                } else {
+                    (None, Some(v))
+                };
+                if let Some(q) = self.queue() {
+                    q.set_used_ring_address(lo, hi);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn notify(&mut self, index: usize) {
+        if self.status & STATUS_DRIVER_OK == 0 || self.status & STATUS_FAILED != 0 {
+            return;
+        }
+        let Some(q) = self.queues.get_mut(index) else {
+            return;
+        };
+        if !q.ready() || !q.is_valid(&self.mem) {
+            return;
+        }
+        if self.device.process_queue(index, q, &self.mem)
+            && q.needs_notification(&self.mem).unwrap_or(true)
+        {
+            self.interrupt_status |= INT_VRING;
+            if let Err(e) = self.irq.write(1) {
+                tracing::warn!("virtio interrupt: {e}");
+            }
+        }
+    }
+
+    /// Raises the interrupt again if the driver has not acknowledged it.
+    pub fn retrigger_pending(&self) {
+        if self.interrupt_status != 0 {
+            if let Err(e) = self.irq.write(1) {
+                tracing::warn!("virtio interrupt: {e}");
+            }
+        }
+    }
+
+    /// Transport and queue state for a snapshot.
+    pub fn save(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        for v in [
+            self.queue_sel,
+            self.device_features_sel,
+            self.driver_features_sel,
+            self.status,
+            self.interrupt_status,
+        ] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out.extend_from_slice(&self.driver_features.to_le_bytes());
+        out.extend_from_slice(&(self.queues.len() as u32).to_le_bytes());
+        for q in &self.queues {
+            let s = q.state();
+            for v in [s.max_size, s.next_avail, s.next_used, s.size] {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+            out.push(u8::from(s.event_idx_enabled));
+            out.push(u8::from(s.ready));
+            for v in [s.desc_table, s.avail_ring, s.used_ring] {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        out
+    }
+
+    /// Parses state saved by [`MmioTransport::save`] for this transport,
+    /// validating every queue, without applying it.
+    pub fn parse(&self, b: &[u8]) -> Result<TransportState> {
+        let bad = |what: &str| Error::Config(format!("virtio device state: {what}"));
+        let mut r = b;
+        let mut take = |n: usize| -> Result<&[u8]> {
+            if r.len() < n {
+                return Err(bad("truncated"));
+            }
+            let (h, t) = r.split_at(n);
+            r = t;
+            Ok(h)
+        };
+        let mut regs = [0u32; 5];
+        for v in regs.iter_mut() {
+            *v = u32_of(take(4)?);
+        }
+        let mut f = [0u8; 8];
+        f.copy_from_slice(take(8)?);
+        let driver_features = u64::from_le_bytes(f);
+        let count = u32_of(take(4)?) as usize;
+        if count != self.queues.len() {
+            return Err(bad("queue count differs"));
+        }
+        let mut queues = Vec::with_capacity(count);
+        for _ in 0..count {
+            let h = take(8)?;
+            let u16_at = |i: usize| u16::from_le_bytes([h[i], h[i + 1]]);
+            let flags = take(2)?;
+            let mut addrs = [0u64; 3];
+            for a in addrs.iter_mut() {
+                let mut x = [0u8; 8];
+                x.copy_from_slice(take(8)?);
+                *a = u64::from_le_bytes(x);
+            }
+            let state = QueueState {
+                max_size: u16_at(0),
+                next_avail: u16_at(2),
+                next_used: u16_at(4),
+                size: u16_at(6),
+                event_idx_enabled: flags[0] != 0,
+                ready: flags[1] != 0,
+                desc_table: addrs[0],
+                avail_ring: addrs[1],
+                used_ring: addrs[2],
+            };
+            queues.push(Queue::try_from(state).map_err(|e| bad(&e.to_string()))?);
+        }
+        if !r.is_empty() {
+            return Err(bad("trailing bytes"));
+        }
+        Ok(TransportState {
+            regs,
+            driver_features,
+            queues,
+        })
+    }
+
+    /// Applies parsed state; cannot fail.
+    pub fn apply(&mut self, s: TransportState) {
+        [
+            self.queue_sel,
+            self.device_features_sel,
+            self.driver_features_sel,
+            self.status,
+            self.interrupt_status,
+        ] = s.regs;
+        self.driver_features = s.driver_features;
+        self.queues = s.queues;
+    }
+}
+
+/// A transport's state, parsed and validated.
+pub struct TransportState {
+    regs: [u32; 5],
+    driver_features: u64,
+    queues: Vec<Queue>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::GuestRam;
+    use vm_memory::{Bytes, GuestAddress};
+    use vmm_sys_util::eventfd::EFD_NONBLOCK;
+
+    fn reg(t: &mut MmioTransport, off: u64) -> u32 {
+        let mut b = [0u8; 4];
+        t.read(off, &mut b);
+        u32::from_le_bytes(b)
+    }
+
+    fn set(t: &mut MmioTransport, off: u64, v: u32) {
+        t.write(off, &v.to_le_bytes());
+    }
+
+    #[test]
+    fn a_driver_reads_entropy_through_the_transport_and_state_round_trips() {
+        let ram = GuestRam::reserve(64 * 4096).unwrap();
+        let mem = ram.memory().clone();
+        let irq = EventFd::new(EFD_NONBLOCK).unwrap();
+        let mut t =
+            MmioTransport::new(Box::new(rng::Rng), irq.try_clone().unwrap(), mem.clone()).unwrap();
+        assert_eq!(reg(&mut t, 0x000), MAGIC);
+        assert_eq!(reg(&mut t, 0x004), 2);
+        assert_eq!(reg(&mut t, 0x008), 4);
+        set(&mut t, 0x070, 1 | 2);
+        set(&mut t, 0x014, 1);
+        assert_eq!(reg(&mut t, 0x010) & 1, 1, "VIRTIO_F_VERSION_1 offered");
+        set(&mut t, 0x024, 1);
+        set(&mut t, 0x020, 1);
+        set(&mut t, 0x070, 1 | 2 | 8);
+        set(&mut t, 0x030, 0);
+        assert_eq!(reg(&mut t, 0x034), 256);
+        set(&mut t, 0x038, 8);
+        set(&mut t, 0x080, 0x1000);
+        set(&mut t, 0x090, 0x2000);
+        set(&mut t, 0x0a0, 0x3000);
+        set(&mut t, 0x044, 1);
+        set(&mut t, 0x070, 1 | 2 | 8 | 4);
+
+        // One device-writable 32-byte buffer at 0x4000.
+        mem.write_obj(0x4000u64, GuestAddress(0x1000)).unwrap();
+        mem.write_obj(32u32, GuestAddress(0x1008)).unwrap();
+        mem.write_obj(2u16, GuestAddress(0x100c)).unwrap(); // VIRTQ_DESC_F_WRITE
+        mem.write_obj(0u16, GuestAddress(0x2004)).unwrap(); // ring[0] = desc 0
+        mem.write_obj(1u16, GuestAddress(0x2002)).unwrap(); // avail idx
+        set(&mut t, 0x050, 0);
+
+        assert_eq!(
+            mem.read_obj::<u16>(GuestAddress(0x3002)).unwrap(),
+            1,
+            "used idx"
+        );
+        assert_eq!(
+            mem.read_obj::<u32>(GuestAddress(0x3004)).unwrap(),
+            0,
+            "used id"
+        );
+        assert_eq!(
+            mem.read_obj::<u32>(GuestAddress(0x3008)).unwrap(),
+            32,
+            "used len"
+        );
+        let mut buf = [0u8; 32];
+        mem.read_slice(&mut buf, GuestAddress(0x4000)).unwrap();
+        assert!(buf.iter().any(|b| *b != 0), "random bytes written");
+        assert_eq!(irq.read().unwrap(), 1, "interrupt raised");
+        assert_eq!(reg(&mut t, 0x060), INT_VRING);
+        set(&mut t, 0x064, INT_VRING);
+        assert_eq!(reg(&mut t, 0x060), 0);
+
+        // What the device wrote counts as dirty for snapshots and rollback.
+        let dirty = crate::memory::PageSet::from_words(ram.take_vmm_dirty(), 64);
+        assert!(dirty.contains(4) && dirty.contains(3), "{:?}", dirty.runs());
+
+        // The state carries over to another transport, and bad state is refused.
+        let saved = t.save();
+        let mut u = MmioTransport::new(Box::new(rng::Rng), irq, mem).unwrap();
+        let parsed = u.parse(&saved).unwrap();
+        u.apply(parsed);
+        assert_eq!(u.save(), saved);
+        assert!(u.parse(&saved[..saved.len() - 1]).is_err());
+        let mut extra = saved.clone();
+        extra.push(0);
+        assert!(u.parse(&extra).is_err());
+    }
+}
