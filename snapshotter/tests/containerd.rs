@@ -12,9 +12,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-use twig_snapshotter::api::snapshots::{
-    Kind, ListSnapshotsRequest, UsageRequest, ViewSnapshotRequest,
-};
+use twig_snapshotter::api::snapshots::{Kind, UsageRequest, ViewSnapshotRequest};
 
 const IMAGE: &str = "docker.io/library/twigtest:v1";
 const NS: &str = "twigtest";
@@ -249,18 +247,7 @@ async fn import_unpack_run_and_gc_with_containerd() {
 
     // Two committed layers, a parent chain, reported by twig itself.
     let mut client = snap.client().await;
-    let mut stream = client
-        .list(ListSnapshotsRequest {
-            snapshotter: "twig".into(),
-            filters: vec![],
-        })
-        .await
-        .expect("list")
-        .into_inner();
-    let mut infos = Vec::new();
-    while let Some(batch) = stream.message().await.expect("list stream") {
-        infos.extend(batch.info);
-    }
+    let infos = common::list_all(&mut client).await;
     assert_eq!(infos.len(), 2, "one snapshot per layer: {infos:#?}");
     assert!(infos.iter().all(|i| i.kind == Kind::Committed as i32));
     let bottom = infos

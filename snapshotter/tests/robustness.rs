@@ -9,8 +9,8 @@ use std::fs;
 use std::path::Path;
 use tonic::Code;
 use twig_snapshotter::api::snapshots::{
-    CommitSnapshotRequest, Info, Kind, ListSnapshotsRequest, MountsRequest, PrepareSnapshotRequest,
-    StatSnapshotRequest, UsageRequest,
+    CommitSnapshotRequest, Info, Kind, MountsRequest, PrepareSnapshotRequest, StatSnapshotRequest,
+    UsageRequest,
 };
 use twig_snapshotter::api::types::Mount;
 
@@ -56,22 +56,6 @@ async fn mounts(c: &mut Client, key: &str) -> Vec<Mount> {
     .mounts
 }
 
-async fn list(c: &mut Client) -> Vec<Info> {
-    let mut stream = c
-        .list(ListSnapshotsRequest {
-            snapshotter: "twig".into(),
-            filters: vec![],
-        })
-        .await
-        .expect("list")
-        .into_inner();
-    let mut out = Vec::new();
-    while let Some(batch) = stream.message().await.expect("list stream") {
-        out.extend(batch.info);
-    }
-    out
-}
-
 /// A committed `base` holding /shared.
 async fn base(rig: &Rig, c: &mut Client) {
     let m = prepare(c, "base-active", "").await.expect("prepare base");
@@ -92,7 +76,7 @@ fn tmp_entries(root: &Path) -> Vec<String> {
 
 /// Every listed snapshot is complete on disk and every snapshot dir is listed.
 async fn assert_consistent(snap: &Snapshotter, c: &mut Client) -> Vec<Info> {
-    let infos = list(c).await;
+    let infos = common::list_all(c).await;
     let dirs = fs::read_dir(snap.root.join("snapshots")).unwrap().count();
     assert_eq!(dirs, infos.len(), "snapshot dirs vs listed snapshots");
     for i in &infos {
@@ -124,7 +108,7 @@ async fn hundred_concurrent_prepares_from_one_parent() {
             .unwrap_or_else(|e| panic!("child-{i}: {e:?}"));
         assert_eq!(m.len(), 1);
     }
-    let infos = list(&mut c).await;
+    let infos = common::list_all(&mut c).await;
     assert_eq!(infos.len(), 101);
     let children: Vec<&Info> = infos
         .iter()
@@ -336,7 +320,7 @@ async fn full_disk_fails_cleanly_and_loses_nothing() {
     let mut c = rig.snap.client().await;
     base(&rig, &mut c).await;
     prepare(&mut c, "active", "base").await.expect("prepare");
-    let before = list(&mut c).await;
+    let before = common::list_all(&mut c).await;
 
     let filler = rig.xfs.fill_up();
     let e = prepare(&mut c, "doomed", "base").await.unwrap_err();
@@ -353,7 +337,7 @@ async fn full_disk_fails_cleanly_and_loses_nothing() {
         "commit on a full disk: {e:?}"
     );
     assert_eq!(
-        list(&mut c).await,
+        common::list_all(&mut c).await,
         before,
         "a failed call changed the store"
     );

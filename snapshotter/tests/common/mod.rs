@@ -16,6 +16,23 @@ use twig_snapshotter::api::types::Mount;
 
 pub type Client = SnapshotsClient<tonic::transport::Channel>;
 
+/// Every snapshot the snapshotter `twig` reports, unfiltered.
+pub async fn list_all(c: &mut Client) -> Vec<twig_snapshotter::api::snapshots::Info> {
+    let mut stream = c
+        .list(twig_snapshotter::api::snapshots::ListSnapshotsRequest {
+            snapshotter: "twig".into(),
+            filters: vec![],
+        })
+        .await
+        .expect("list")
+        .into_inner();
+    let mut out = Vec::new();
+    while let Some(batch) = stream.message().await.expect("list stream") {
+        out.extend(batch.info);
+    }
+    out
+}
+
 /// Fails the test (never skips) unless running as root with `tools` on PATH.
 pub fn require(tools: &[&str]) {
     // SAFETY: geteuid has no preconditions.

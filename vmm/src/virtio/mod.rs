@@ -177,34 +177,20 @@ impl MmioTransport {
                     self.status = v;
                 }
             }
-            0x080 | 0x084 => {
-                let (lo, hi) = if offset == 0x080 {
+            0x080 | 0x084 | 0x090 | 0x094 | 0x0a0 | 0x0a4 => {
+                // Low and high halves of the descriptor table, available
+                // ring and used ring addresses.
+                let (lo, hi) = if offset & 4 == 0 {
                     (Some(v), None)
                 } else {
                     (None, Some(v))
                 };
                 if let Some(q) = self.queue() {
-                    q.set_desc_table_address(lo, hi);
-                }
-            }
-            0x090 | 0x094 => {
-                let (lo, hi) = if offset == 0x090 {
-                    (Some(v), None)
-                } else {
-                    (None, Some(v))
-                };
-                if let Some(q) = self.queue() {
-                    q.set_avail_ring_address(lo, hi);
-                }
-            }
-            0x0a0 | 0x0a4 => {
-                let (lo, hi) = if offset == 0x0a0 {
-                    (Some(v), None)
-                } else {
-                    (None, Some(v))
-                };
-                if let Some(q) = self.queue() {
-                    q.set_used_ring_address(lo, hi);
+                    match offset & !4 {
+                        0x080 => q.set_desc_table_address(lo, hi),
+                        0x090 => q.set_avail_ring_address(lo, hi),
+                        _ => q.set_used_ring_address(lo, hi),
+                    }
                 }
             }
             _ => {}
