@@ -315,10 +315,7 @@ impl VcpuHandle {
         f: impl FnOnce(&mut VcpuFd) -> R + Send + 'static,
     ) -> Result<R> {
         let rx = self.submit(f)?;
-        rx.recv().map_err(|_| Error::Vcpu {
-            index: self.index,
-            reason: "vCPU thread exited".into(),
-        })
+        job_result(self.index, &rx)
     }
 
     /// Queues `f` on the parked thread; the receiver yields its result.
@@ -340,6 +337,22 @@ impl VcpuHandle {
         self.shared.cv.notify_all();
         Ok(rx)
     }
+}
+
+/// How long a job on a parked vCPU thread may take.
+const JOB_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Waits for a job queued with [`VcpuHandle::submit`] on vCPU `index`.
+pub fn job_result<R>(index: usize, rx: &mpsc::Receiver<R>) -> Result<R> {
+    rx.recv_timeout(JOB_TIMEOUT).map_err(|e| Error::Vcpu {
+        index,
+        reason: match e {
+            mpsc::RecvTimeoutError::Timeout => {
+                format!("a state operation did not finish within {JOB_TIMEOUT:?}")
+            }
+            mpsc::RecvTimeoutError::Disconnected => "vCPU thread exited".into(),
+        },
+    })
 }
 
 impl Drop for VcpuHandle {

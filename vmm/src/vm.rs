@@ -464,12 +464,7 @@ impl Vm {
             .collect::<Result<Vec<_>>>()?;
         rxs.into_iter()
             .enumerate()
-            .map(|(index, rx)| {
-                rx.recv().map_err(|_| Error::Vcpu {
-                    index,
-                    reason: "vCPU thread exited".into(),
-                })?
-            })
+            .map(|(index, rx)| vcpu::job_result(index, &rx)?)
             .collect()
     }
 
@@ -484,10 +479,7 @@ impl Vm {
             })
             .collect::<Result<Vec<_>>>()?;
         for (index, rx) in rxs.into_iter().enumerate() {
-            rx.recv().map_err(|_| Error::Vcpu {
-                index,
-                reason: "vCPU thread exited".into(),
-            })??;
+            vcpu::job_result(index, &rx)??;
         }
         Ok(())
     }
