@@ -13,6 +13,7 @@ packages=(
   qemu-system-x86 cpio          # the nested lab (tests/lab/run.sh)
   libprotobuf-dev busybox-static  # protobuf well-known .protos; a static shell in test images
   e2fsprogs                     # mkfs.ext4/debugfs: the snapshotter's ext4 images
+  iproute2                      # ip: taps for virtio-net tests, namespaces for the agent
 )
 
 missing=()

@@ -1,6 +1,7 @@
 //! `twig-bench`: Twig's benchmarks. Each subcommand prints a human table to
 //! stderr and, with `--json`, one JSON object to stdout.
 
+mod linux;
 mod snapshotter;
 mod stats;
 mod vmm;
@@ -23,6 +24,10 @@ enum Command {
     Vmm(vmm::Args),
     /// twig-snapshotter: reflink versus copy, concurrent Prepares, shared blocks.
     Snapshotter(snapshotter::Args),
+    /// Linux guests with twig-agent (in the nested lab: tests/lab/run.sh --bench):
+    /// boot versus template restore to agent ready; snapshot, rollback and clone
+    /// with a 64 MiB working set.
+    Linux(linux::Args),
 }
 
 fn main() {
@@ -30,6 +35,7 @@ fn main() {
     let result = match cli.command {
         Command::Vmm(args) => vmm::run(&args),
         Command::Snapshotter(args) => snapshotter::run(&args),
+        Command::Linux(args) => linux::run(&args),
     };
     match result {
         Ok(value) => {

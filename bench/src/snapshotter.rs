@@ -6,7 +6,7 @@
 //! removes itself (needs root), or on `--dir`, an existing directory on a
 //! reflink-capable filesystem.
 
-use crate::stats::{row, Summary};
+use crate::stats::{row, Error, Summary};
 use serde_json::json;
 use std::fs;
 use std::io::Write;
@@ -14,8 +14,6 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 use twig_snapshotter::{fsops, SnapshotStore, StoreOptions};
-
-pub type Error = Box<dyn std::error::Error>;
 
 #[derive(clap::Args)]
 pub struct Args {

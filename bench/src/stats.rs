@@ -1,7 +1,51 @@
 //! Percentile summaries shared by every benchmark.
 
 use serde::Serialize;
+use serde_json::{json, Map, Value};
 use std::time::Duration;
+
+/// Every benchmark's error type.
+pub type Error = Box<dyn std::error::Error>;
+
+/// Adds what was being done to an error.
+pub trait Context<T> {
+    fn context(self, what: impl FnOnce() -> String) -> Result<T, Error>;
+}
+
+impl<T, E: std::fmt::Display> Context<T> for std::result::Result<T, E> {
+    fn context(self, what: impl FnOnce() -> String) -> Result<T, Error> {
+        self.map_err(|e| format!("{}: {e}", what()).into())
+    }
+}
+
+/// A benchmark's output: the JSON object and the stderr table.
+#[derive(Default)]
+pub struct Report(Map<String, Value>);
+
+impl Report {
+    /// A timing: its summary goes to the table and the JSON.
+    pub fn timing(&mut self, key: &str, samples: &[Duration]) {
+        let s = Summary::of(samples);
+        row(key, &s);
+        self.0.insert(key.to_string(), json!(s));
+    }
+
+    /// A single value, printed and recorded.
+    pub fn value(&mut self, key: &str, v: Value) {
+        eprintln!("{key:<28} {v}");
+        self.0.insert(key.to_string(), v);
+    }
+
+    /// Records `v` without printing it.
+    pub fn insert(&mut self, key: &str, v: Value) {
+        self.0.insert(key.to_string(), v);
+    }
+
+    /// The JSON object.
+    pub fn into_value(self) -> Value {
+        Value::Object(self.0)
+    }
+}
 
 /// p50 / p90 / max of a set of timings, in milliseconds.
 #[derive(Debug, Clone, Copy, Serialize)]

@@ -18,11 +18,9 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Map, Value};
 use twig_vmm::snapshot::Image;
 use twig_vmm::testguest::{self, Command};
-use twig_vmm::{Capture, Kind, Shape, Vm};
+use twig_vmm::{Capture, DeviceConfig, Kind, Shape, Vm};
 
-use crate::stats::{row, Summary};
-
-pub type Error = Box<dyn std::error::Error>;
+use crate::stats::{row, Context, Error, Report, Summary};
 
 /// Deadline of every wait on a guest or a twig-vmm process.
 const T: Duration = Duration::from_secs(20);
@@ -55,17 +53,6 @@ pub struct Args {
     /// Directory under which a temporary snapshot directory is made.
     #[arg(long, default_value = "/tmp")]
     dir: PathBuf,
-}
-
-/// Adds what was being done to an error.
-trait Context<T> {
-    fn context(self, what: impl FnOnce() -> String) -> Result<T, Error>;
-}
-
-impl<T, E: std::fmt::Display> Context<T> for std::result::Result<T, E> {
-    fn context(self, what: impl FnOnce() -> String) -> Result<T, Error> {
-        self.map_err(|e| format!("{}: {e}", what()).into())
-    }
 }
 
 /// A test guest and its serial output.
@@ -144,22 +131,6 @@ fn median(mut v: Vec<usize>) -> usize {
     v.get(v.len() / 2).copied().unwrap_or(0)
 }
 
-/// The benchmark's output: the JSON object and the stderr table.
-struct Report(Map<String, Value>);
-
-impl Report {
-    fn timing(&mut self, key: &str, samples: &[Duration]) {
-        let s = Summary::of(samples);
-        row(key, &s);
-        self.0.insert(key.to_string(), json!(s));
-    }
-
-    fn value(&mut self, key: &str, v: Value) {
-        eprintln!("{key:<28} {v}");
-        self.0.insert(key.to_string(), v);
-    }
-}
-
 /// Fresh, never reused snapshot directory names inside the temporary dir.
 struct Dirs {
     root: PathBuf,
@@ -200,7 +171,7 @@ pub fn run(args: &Args) -> Result<Value, Error> {
     let kernel = testguest::write_to(&root)?;
     let fs_type = filesystem_of(&root)?;
     let mut dirs = Dirs { root, next: 0 };
-    let mut r = Report(Map::new());
+    let mut r = Report::default();
     r.value("mem_mib", json!(args.mem_mib));
     r.value("vcpus", json!(shape.vcpus));
     r.value("snapshot_fs", json!(fs_type));
@@ -359,7 +330,7 @@ pub fn run(args: &Args) -> Result<Value, Error> {
         r.value("max_vms_method", json!("in-process"));
         max_vms_in_process(&mut r, shape, &base, args.max_vms_cap)?;
     }
-    Ok(Value::Object(r.0))
+    Ok(r.into_value())
 }
 
 /// Restore into a pre-created VM (the pool case) and cold (with
@@ -405,7 +376,7 @@ fn restore(r: &mut Report, runs: usize, shape: Shape, base: &Path) -> Result<(),
         row(&format!("  restore phase {name}"), &s);
         out.insert(name.to_string(), json!(s));
     }
-    r.0.insert("restore_phases_ms".into(), Value::Object(out));
+    r.insert("restore_phases_ms", Value::Object(out));
     Ok(())
 }
 
@@ -413,7 +384,12 @@ fn restore(r: &mut Report, runs: usize, shape: Shape, base: &Path) -> Result<(),
 fn clone(base: &Path, n: usize) -> Result<Duration, Error> {
     let captures: Vec<Capture> = (0..n).map(|_| Capture::new()).collect();
     let start = Instant::now();
-    let mut vms = Vm::clone_from(base, n, |i| captures[i].writer())?;
+    let mut vms = Vm::clone_from(
+        base,
+        n,
+        |i| captures[i].writer(),
+        |_| DeviceConfig::default(),
+    )?;
     let mut prints = Vec::with_capacity(n);
     for (vm, c) in vms.iter_mut().zip(&captures) {
         prints.push(post_print(vm, c, b'C')?);

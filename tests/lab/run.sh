@@ -10,6 +10,9 @@
 #
 # Usage: tests/lab/run.sh [cargo test selection...]
 #        (default: -p twig-vmm --features twig-vmm/lab)
+#        tests/lab/run.sh --bench [twig-bench linux options...]
+#        (runs `twig-bench linux --json` in the lab; the JSON goes to stdout,
+#        the table and the lab's console to stderr)
 # The kernel is cached under ${XDG_CACHE_HOME:-~/.cache}/twig/lab, keyed by
 # the Debian package version. Every wait has a deadline.
 set -euo pipefail
@@ -70,7 +73,17 @@ done
 GINIT
 chmod +x "$ginit/init"
 
-# 3. The test binaries.
+# The agent initramfs (guest/build-initramfs.sh): a static twig-agent as /init.
+agent_initrd=$(guest/build-initramfs.sh "$work/agent-initrd") || die "agent initramfs build failed"
+
+# 3. The test binaries, or the benchmark.
+bench=0
+if [[ ${1:-} == --bench ]]; then
+  bench=1; shift
+  cargo build --locked --release -q -p twig-bench || die "building twig-bench failed"
+  bins=("${CARGO_TARGET_DIR:-target}/release/twig-bench")
+  bench_args="$*"
+else
 sel=("$@"); ((${#sel[@]})) || sel=(-p twig-vmm --features twig-vmm/lab)
 mapfile -t bins < <(cargo test --locked "${sel[@]}" --no-run --message-format=json 2>/dev/null \
   | python3 -c '
@@ -82,12 +95,13 @@ for line in sys.stdin:
         print(m["executable"])
 ' | sort -u)
 ((${#bins[@]})) || die "cargo built no test binaries for ${sel[*]}"
+fi
 
 # 4. The lab's initramfs.
 root=$work/root
 mkdir -p "$root"/{bin,dev,proc,sys,tmp,lib/modules,tests}
 cp /bin/busybox "$root/bin/busybox"
-for m in virt/lib/irqbypass.ko arch/x86/kvm/kvm.ko arch/x86/kvm/kvm-amd.ko; do
+for m in virt/lib/irqbypass.ko arch/x86/kvm/kvm.ko arch/x86/kvm/kvm-amd.ko drivers/net/tun.ko; do
   cp "$mods/$m" "$root/lib/modules/"
 done
 copy_with_libs() {
@@ -97,29 +111,40 @@ copy_with_libs() {
     cp -L "$lib" "$root$lib"
   done
 }
+# mkfs.ext4, for tests that build a container rootfs image themselves.
+mkdir -p "$root/sbin"
+copy_with_libs "$(command -v mkfs.ext4)" "$root/sbin/mkfs.ext4"
 n=0
 for b in "${bins[@]}"; do
-  name=$(basename "$b"); name=${name%-*}
+  name=$(basename "$b"); ((bench)) || name=${name%-*}
   [[ " $SKIP_IN_LAB " == *" $name "* ]] && { echo "lab: $name runs on the host only"; continue; }
   copy_with_libs "$b" "$root/tests/$name"; n=$((n + 1))
 done
 mkdir -p "$root/guest"
 cp "$gk/bzImage" "$root/guest/bzImage"
+cp "$agent_initrd" "$root/guest/agent-initrd"
 (cd "$ginit" && find . | cpio -o -H newc --quiet | gzip -1) > "$root/guest/initrd"
 cat > "$root/init" <<INIT
 #!/bin/busybox sh
 /bin/busybox --install -s /bin
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
 mount -t tmpfs tmp /tmp
-for m in irqbypass kvm kvm-amd; do insmod /lib/modules/\$m.ko || echo "LAB-ERROR insmod \$m"; done
+for m in irqbypass kvm kvm-amd tun; do insmod /lib/modules/\$m.ko || echo "LAB-ERROR insmod \$m"; done
 [ -c /dev/kvm ] || echo "LAB-ERROR no /dev/kvm"
-export TWIG_GUEST_KERNEL=/guest/bzImage TWIG_GUEST_INITRD=/guest/initrd
+export TWIG_GUEST_KERNEL=/guest/bzImage TWIG_GUEST_INITRD=/guest/initrd TWIG_AGENT_INITRD=/guest/agent-initrd
+export PATH=/sbin:/bin
 echo LAB-BEGIN
+if [ $bench = 1 ]; then
+  timeout $TEST_TIMEOUT /tests/twig-bench linux --json ${bench_args:-} > /tmp/bench.json
+  echo "LAB-EXIT twig-bench \$?"
+  sed 's/^/LAB-JSON /' /tmp/bench.json
+else
 for t in /tests/*; do
   echo "LAB-RUN \$t"
   timeout $TEST_TIMEOUT \$t --test-threads=1 ${TWIG_LAB_TEST_ARGS:-} 2>&1
   echo "LAB-EXIT \$(basename \$t) \$?"
 done
+fi
 echo LAB-END
 poweroff -f
 INIT
@@ -133,11 +158,16 @@ set +e
 timeout "$LAB_TIMEOUT" qemu-system-x86_64 -M pc -accel tcg,thread=multi -smp 2 -cpu max -m 3072 \
   -nographic -no-reboot -serial stdio -monitor none \
   -kernel "$vmlinuz" -initrd "$work/initrd" \
-  -append "console=ttyS0 panic=-1 quiet" </dev/null | sed -u 's/\r//' | tee "$log"
+  -append "console=ttyS0 panic=-1 quiet" </dev/null | sed -u 's/\r//' | tee "$log" >&$((bench ? 2 : 1))
 qemu=${PIPESTATUS[0]}
 set -e
 grep -q '^LAB-END' "$log" || die "the lab did not finish (qemu exit $qemu); see output above"
 ! grep -q '^LAB-ERROR' "$log" || die "$(grep '^LAB-ERROR' "$log")"
+if ((bench)); then
+  grep -q '^LAB-EXIT twig-bench 0' "$log" || die "twig-bench failed in the lab"
+  sed -n 's/^LAB-JSON //p' "$log"
+  exit 0
+fi
 passed=$(grep '^test result:' "$log" | grep -o '[0-9]* passed' | awk '{s+=$1} END {print s+0}')
 failed=$(grep '^test result:' "$log" | grep -o '[0-9]* failed' | awk '{s+=$1} END {print s+0}')
 bad=$(grep '^LAB-EXIT' "$log" | awk '$3 != 0 {printf "%s (exit %s) ", $2, $3}')

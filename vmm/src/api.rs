@@ -9,6 +9,10 @@
 //! {"op":"rollback","dir":"/snapshots/a"}
 //! ```
 //! Every response is `{"ok":true,"result":…}` or `{"ok":false,"error":"…"}`.
+//!
+//! The VM gets the devices the server was started with (`--disk`, `--tap`,
+//! `--vsock-uds`), whether it boots or restores; a restored VM's
+//! read-write disk files get the snapshot's disk contents.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -20,7 +24,7 @@ use serde_json::{json, Value};
 use crate::devices::SerialOut;
 use crate::error::{Error, Result};
 use crate::snapshot::{self, Kind};
-use crate::vm::{Shape, Vm};
+use crate::vm::{DeviceConfig, Shape, Vm};
 
 /// Longest request line accepted.
 pub const MAX_REQUEST: usize = 64 * 1024;
@@ -79,20 +83,27 @@ pub struct Server {
     vm: Option<Vm>,
     prepared: Option<Vm>,
     serial: SerialFactory,
+    devices: DeviceConfig,
 }
 
 impl Server {
-    /// A server; with `prepare`, a VM of that shape is created now so that
-    /// a later boot or restore of that shape skips VM creation.
-    pub fn new(serial: SerialFactory, prepare: Option<Shape>) -> Result<Server> {
+    /// A server whose VM gets `devices`; with `prepare`, a VM of that shape
+    /// is created now so that a later boot or restore of that shape skips
+    /// VM creation.
+    pub fn new(
+        serial: SerialFactory,
+        prepare: Option<Shape>,
+        devices: DeviceConfig,
+    ) -> Result<Server> {
         let prepared = match prepare {
-            Some(shape) => Some(Vm::create(shape, serial()?)?),
+            Some(shape) => Some(Vm::create_with(shape, serial()?, &devices)?),
             None => None,
         };
         Ok(Server {
             vm: None,
             prepared,
             serial,
+            devices,
         })
     }
 
@@ -104,7 +115,12 @@ impl Server {
         }
         let vm = match self.prepared.take() {
             Some(vm) if vm.shape() == shape => vm,
-            _ => Vm::create(shape, (self.serial)()?)?,
+            other => {
+                // A prepared VM of another shape holds the devices (tap,
+                // vsock socket): release them first.
+                drop(other);
+                Vm::create_with(shape, (self.serial)()?, &self.devices)?
+            }
         };
         Ok(self.vm.insert(vm))
     }

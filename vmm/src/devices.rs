@@ -1,18 +1,25 @@
 //! Port-I/O devices: a 16550 UART on COM1 (vm-superio), the i8042 reset line
 //! as the guest's way to shut down, and an idle port for ring-3 guests.
 //!
+//! The VM's device thread (one per VM that has devices fed from the host
+//! side) polls those devices' descriptors and lets them fill the guest's
+//! queues; see [`DeviceThread`].
+//!
 //! The idle port (`0x510`) is Twig's stand-in for `hlt` where a guest runs in
 //! ring 3 (as the test guests must on this machine, where ring 0 is emulated):
 //! a write parks the vCPU in the VMM until the host kicks it, so idle guests
 //! cost no CPU.
 
 use std::io::Write;
+use std::os::fd::AsRawFd;
 use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use vm_superio::serial::{NoEvents, SerialState};
 use vm_superio::{I8042Device, Serial, Trigger};
-use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::error::{Error, Result};
 use crate::virtio::{self, MmioTransport, TransportState};
@@ -259,29 +266,30 @@ impl Devices {
         blob(&serial);
         blob(&(self.virtio.len() as u32).to_le_bytes());
         for v in &self.virtio {
-            blob(&lock(v).save());
+            let v = lock(v);
+            let mut b = v.device_type().to_le_bytes().to_vec();
+            b.extend_from_slice(&v.save());
+            blob(&b);
         }
         out
+    }
+
+    /// The virtio device ids, in MMIO order.
+    pub fn virtio_types(&self) -> Vec<u32> {
+        self.virtio.iter().map(|v| lock(v).device_type()).collect()
+    }
+
+    /// The virtio device ids recorded in device state saved by
+    /// [`Devices::save`].
+    pub fn saved_virtio_types(state: &[u8]) -> Result<Vec<u32>> {
+        Ok(split_state(state)?.1.iter().map(|(t, _)| *t).collect())
     }
 
     /// Parses and validates device state saved by [`Devices::save`] for
     /// these devices, without applying it.
     pub fn parse(&self, state: &[u8]) -> Result<DeviceState> {
         let bad = |what: &str| Error::Config(format!("device state is malformed: {what}"));
-        let mut r = state;
-        let mut blob = || -> Result<&[u8]> {
-            if r.len() < 4 {
-                return Err(bad("truncated"));
-            }
-            let n = u32::from_le_bytes([r[0], r[1], r[2], r[3]]) as usize;
-            if r.len() < 4 + n {
-                return Err(bad("truncated"));
-            }
-            let (b, rest) = r[4..].split_at(n);
-            r = rest;
-            Ok(b)
-        };
-        let s = blob()?;
+        let (s, saved) = split_state(state)?;
         if s.len() < 9 || s.len() > 9 + 64 {
             return Err(bad("serial"));
         }
@@ -297,17 +305,17 @@ impl Devices {
             scratch: s[8],
             in_buffer: s[9..].to_vec(),
         };
-        let count = blob()?;
-        if count != (self.virtio.len() as u32).to_le_bytes() {
-            return Err(bad("the snapshot has other virtio devices"));
+        let theirs: Vec<u32> = saved.iter().map(|(t, _)| *t).collect();
+        let ours = self.virtio_types();
+        if theirs != ours {
+            return Err(Error::Config(format!(
+                "the snapshot's virtio devices differ from this VM's: {}",
+                describe_difference(&theirs, &ours)
+            )));
         }
         let mut virtio = Vec::with_capacity(self.virtio.len());
-        for v in &self.virtio {
-            let b = blob()?;
+        for (v, (_, b)) in self.virtio.iter().zip(saved) {
             virtio.push(lock(v).parse(b)?);
-        }
-        if !r.is_empty() {
-            return Err(bad("trailing bytes"));
         }
         Ok(DeviceState { serial, virtio })
     }
@@ -330,6 +338,13 @@ impl Devices {
         }
     }
 
+    /// Tells every virtio device its state was restored or rolled back.
+    pub fn after_restore(&self) {
+        for v in &self.virtio {
+            lock(v).after_restore();
+        }
+    }
+
     /// Applies parsed device state.
     pub fn restore(&self, state: DeviceState) -> Result<()> {
         for (v, s) in self.virtio.iter().zip(state.virtio) {
@@ -348,6 +363,325 @@ impl Devices {
         *serial = Serial::from_state(&state.serial, IrqTrigger(irq), NoEvents, out)
             .map_err(|e| Error::Config(format!("serial state: {e:?}")))?;
         Ok(())
+    }
+}
+
+/// "the snapshot has rng, block; this VM has rng, block, net".
+pub fn describe_difference(snapshot: &[u32], vm: &[u32]) -> String {
+    let names = |v: &[u32]| {
+        v.iter()
+            .map(|t| virtio::device_name(*t))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    format!(
+        "the snapshot has {}; this VM has {}",
+        names(snapshot),
+        names(vm)
+    )
+}
+
+/// Saved device state, split: the serial blob and each virtio device's type
+/// and transport state.
+type SplitState<'a> = (&'a [u8], Vec<(u32, &'a [u8])>);
+
+/// Splits saved device state saved by [`Devices::save`].
+fn split_state(state: &[u8]) -> Result<SplitState<'_>> {
+    let bad = |what: &str| Error::Config(format!("device state is malformed: {what}"));
+    let mut r = state;
+    let mut blob = || -> Result<&[u8]> {
+        if r.len() < 4 {
+            return Err(bad("truncated"));
+        }
+        let n = u32::from_le_bytes([r[0], r[1], r[2], r[3]]) as usize;
+        if r.len() < 4 + n {
+            return Err(bad("truncated"));
+        }
+        let (b, rest) = r[4..].split_at(n);
+        r = rest;
+        Ok(b)
+    };
+    let serial = blob()?;
+    let count = blob()?;
+    let count = match count {
+        [a, b, c, d] => u32::from_le_bytes([*a, *b, *c, *d]) as usize,
+        _ => return Err(bad("virtio device count")),
+    };
+    if count > virtio::MAX_DEVICES {
+        return Err(bad("too many virtio devices"));
+    }
+    let mut virtio = Vec::with_capacity(count);
+    for _ in 0..count {
+        let b = blob()?;
+        if b.len() < 4 {
+            return Err(bad("virtio device type"));
+        }
+        let (t, rest) = b.split_at(4);
+        virtio.push((u32::from_le_bytes([t[0], t[1], t[2], t[3]]), rest));
+    }
+    if !r.is_empty() {
+        return Err(bad("trailing bytes"));
+    }
+    Ok((serial, virtio))
+}
+
+/// What the VM wants of its device thread.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Order {
+    Run,
+    Pause,
+    Exit,
+}
+
+struct ThreadCtl {
+    order: Order,
+    paused: bool,
+}
+
+struct ThreadShared {
+    ctl: Mutex<ThreadCtl>,
+    cv: Condvar,
+}
+
+/// How long [`DeviceThread::pause`] waits for the thread to stop.
+const DEVICE_PAUSE_TIMEOUT: Duration = Duration::from_secs(10);
+const WAKE: u64 = u64::MAX;
+
+/// The thread that serves the host side of a VM's devices (network frames,
+/// vsock connections): it polls every transport's
+/// [`MmioTransport::host_fd`] and an eventfd for control, and calls
+/// [`MmioTransport::process_host`] on readability. It starts paused; the VM
+/// resumes it with its vCPUs and pauses it (waiting for the
+/// acknowledgement) before it saves or loads device state.
+pub struct DeviceThread {
+    shared: Arc<ThreadShared>,
+    wake: EventFd,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl DeviceThread {
+    /// Starts a paused device thread for `devices`, or none if no device has
+    /// a host descriptor.
+    pub fn spawn(devices: &Arc<Devices>) -> Result<Option<DeviceThread>> {
+        let fds: Vec<(usize, i32)> = devices
+            .virtio
+            .iter()
+            .enumerate()
+            .filter_map(|(i, v)| lock(v).host_fd().map(|fd| (i, fd)))
+            .collect();
+        if fds.is_empty() {
+            return Ok(None);
+        }
+        let wake = EventFd::new(EFD_NONBLOCK).map_err(|e| Error::io("creating an eventfd", e))?;
+        let epoll = Epoll::new().map_err(|e| Error::io("creating the device epoll", e))?;
+        epoll
+            .ctl(
+                ControlOperation::Add,
+                wake.as_raw_fd(),
+                EpollEvent::new(EventSet::IN, WAKE),
+            )
+            .map_err(|e| Error::io("polling the device thread's eventfd", e))?;
+        for &(i, fd) in &fds {
+            epoll
+                .ctl(
+                    ControlOperation::Add,
+                    fd,
+                    EpollEvent::new(EventSet::IN, i as u64),
+                )
+                .map_err(|e| Error::io(format!("polling virtio device {i}"), e))?;
+            let w = wake
+                .try_clone()
+                .map_err(|e| Error::io("cloning an eventfd", e))?;
+            lock(&devices.virtio[i]).set_host_wake(w);
+        }
+        let shared = Arc::new(ThreadShared {
+            ctl: Mutex::new(ThreadCtl {
+                order: Order::Pause,
+                paused: false,
+            }),
+            cv: Condvar::new(),
+        });
+        let worker = Worker {
+            shared: shared.clone(),
+            devices: devices.clone(),
+            wake: wake
+                .try_clone()
+                .map_err(|e| Error::io("cloning an eventfd", e))?,
+            epoll,
+            fds,
+        };
+        let thread = std::thread::Builder::new()
+            .name("twig-devices".into())
+            .stack_size(256 * 1024)
+            .spawn(move || worker.run())
+            .map_err(|e| Error::io("spawning the device thread", e))?;
+        let t = DeviceThread {
+            shared,
+            wake,
+            thread: Some(thread),
+        };
+        t.pause()?;
+        Ok(Some(t))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, ThreadCtl> {
+        lock(&self.shared.ctl)
+    }
+
+    fn poke(&self) {
+        if let Err(e) = self.wake.write(1) {
+            tracing::warn!("waking the device thread: {e}");
+        }
+    }
+
+    /// Stops the thread touching devices and waits until it says it has.
+    pub fn pause(&self) -> Result<()> {
+        let mut c = self.lock();
+        if c.order == Order::Run {
+            c.order = Order::Pause;
+        }
+        drop(c);
+        self.poke();
+        let deadline = Instant::now() + DEVICE_PAUSE_TIMEOUT;
+        let mut c = self.lock();
+        while !(c.paused && c.order == Order::Pause) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::Config(format!(
+                    "the device thread did not pause within {DEVICE_PAUSE_TIMEOUT:?}"
+                )));
+            }
+            c = self
+                .shared
+                .cv
+                .wait_timeout(c, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        Ok(())
+    }
+
+    /// Lets the thread serve devices again (and look at every descriptor).
+    pub fn resume(&self) {
+        let mut c = self.lock();
+        if c.order == Order::Pause {
+            c.order = Order::Run;
+        }
+        self.shared.cv.notify_all();
+        drop(c);
+        self.poke();
+    }
+}
+
+impl Drop for DeviceThread {
+    fn drop(&mut self) {
+        self.lock().order = Order::Exit;
+        self.shared.cv.notify_all();
+        self.poke();
+        if let Some(t) = self.thread.take() {
+            if t.join().is_err() {
+                tracing::error!("the device thread panicked");
+            }
+        }
+    }
+}
+
+struct Worker {
+    shared: Arc<ThreadShared>,
+    devices: Arc<Devices>,
+    wake: EventFd,
+    epoll: Epoll,
+    fds: Vec<(usize, i32)>,
+}
+
+impl Worker {
+    /// Waits while paused; false once told to exit.
+    fn wait_for_run(&self) -> bool {
+        let mut c = lock(&self.shared.ctl);
+        loop {
+            match c.order {
+                Order::Exit => return false,
+                Order::Run => {
+                    c.paused = false;
+                    return true;
+                }
+                Order::Pause => {
+                    if !c.paused {
+                        c.paused = true;
+                        self.shared.cv.notify_all();
+                    }
+                    c = self.shared.cv.wait(c).unwrap_or_else(|p| p.into_inner());
+                }
+            }
+        }
+    }
+
+    /// After a fatal error: still acknowledges pauses, until told to exit.
+    fn obey_without_serving(&self) {
+        let mut c = lock(&self.shared.ctl);
+        while c.order != Order::Exit {
+            c.paused = true;
+            self.shared.cv.notify_all();
+            c = self.shared.cv.wait(c).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    fn running(&self) -> bool {
+        lock(&self.shared.ctl).order == Order::Run
+    }
+
+    fn set_polled(&self, fd: i32, index: usize, on: bool) {
+        let events = if on { EventSet::IN } else { EventSet::empty() };
+        if let Err(e) = self.epoll.ctl(
+            ControlOperation::Modify,
+            fd,
+            EpollEvent::new(events, index as u64),
+        ) {
+            tracing::warn!("device thread: polling virtio device {index}: {e}");
+        }
+    }
+
+    fn run(self) {
+        let mut events = vec![EpollEvent::default(); self.fds.len() + 1];
+        let mut idle = vec![false; self.fds.len()];
+        'outer: while self.wait_for_run() {
+            let n = match self.epoll.wait(-1, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    tracing::error!("device thread: epoll_wait: {e}; host-fed devices stop");
+                    self.obey_without_serving();
+                    return;
+                }
+            };
+            for ev in &events[..n] {
+                if ev.data() == WAKE {
+                    let _ = self.wake.read();
+                    // A driver came up, or the VM resumed: poll every
+                    // descriptor again.
+                    for (slot, &(i, fd)) in self.fds.iter().enumerate() {
+                        if idle[slot] {
+                            self.set_polled(fd, i, true);
+                            idle[slot] = false;
+                        }
+                    }
+                    continue;
+                }
+                if !self.running() {
+                    continue 'outer;
+                }
+                let index = ev.data() as usize;
+                let Some(slot) = self.fds.iter().position(|(i, _)| *i == index) else {
+                    continue;
+                };
+                let live = lock(&self.devices.virtio[index]).process_host();
+                if !live {
+                    // The driver is not up: nothing can move until it is.
+                    self.set_polled(self.fds[slot].1, index, false);
+                    idle[slot] = true;
+                }
+            }
+        }
     }
 }
 
@@ -409,5 +743,121 @@ impl Write for Capture {
     }
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::GuestRam;
+    use crate::virtio::VirtioDevice;
+    use std::os::fd::RawFd;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use virtio_queue::Queue;
+
+    /// A device whose host descriptor is always readable.
+    struct Firehose {
+        fd: EventFd,
+        calls: Arc<AtomicUsize>,
+        paused: Arc<AtomicBool>,
+        violations: Arc<AtomicUsize>,
+    }
+
+    impl VirtioDevice for Firehose {
+        fn device_type(&self) -> u32 {
+            42
+        }
+        fn features(&self) -> u64 {
+            0
+        }
+        fn queue_max_sizes(&self) -> &[u16] {
+            &[16]
+        }
+        fn read_config(&self, _offset: u64, _data: &mut [u8]) {}
+        fn process_queue(
+            &mut self,
+            _: usize,
+            _: &mut [Queue],
+            _: &crate::memory::GuestMem,
+        ) -> bool {
+            false
+        }
+        fn host_fd(&self) -> Option<RawFd> {
+            Some(self.fd.as_raw_fd())
+        }
+        fn process_host(&mut self, _: &mut [Queue], _: &crate::memory::GuestMem) -> bool {
+            if self.paused.load(Ordering::SeqCst) {
+                self.violations.fetch_add(1, Ordering::SeqCst);
+            }
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            false
+        }
+    }
+
+    fn wait_until(what: &str, f: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !f() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            std::thread::yield_now();
+        }
+    }
+
+    #[test]
+    fn the_device_thread_pauses_and_resumes_under_a_busy_host_fd() {
+        let ram = GuestRam::reserve(1 << 20).unwrap();
+        let (calls, paused, violations) = (
+            Arc::new(AtomicUsize::new(0)),
+            Arc::new(AtomicBool::new(true)),
+            Arc::new(AtomicUsize::new(0)),
+        );
+        let fd = EventFd::new(EFD_NONBLOCK).unwrap();
+        fd.write(1).unwrap();
+        let dev = Firehose {
+            fd,
+            calls: calls.clone(),
+            paused: paused.clone(),
+            violations: violations.clone(),
+        };
+        let irq = EventFd::new(EFD_NONBLOCK).unwrap();
+        let t = MmioTransport::new(Box::new(dev), irq, ram.memory().clone()).unwrap();
+        let devices = Arc::new(Devices::new(
+            Box::new(std::io::sink()),
+            EventFd::new(EFD_NONBLOCK).unwrap(),
+            vec![t],
+            Arc::new(ExitState::default()),
+        ));
+        let thread = DeviceThread::spawn(&devices)
+            .unwrap()
+            .expect("a device thread");
+
+        // The driver is not up: the thread runs but does not spin on the
+        // device; bringing the driver up wakes it.
+        paused.store(false, Ordering::SeqCst);
+        thread.resume();
+        thread.pause().unwrap();
+        assert_eq!(calls.load(Ordering::SeqCst), 0, "not live, not served");
+        thread.resume();
+        devices.mmio_write(virtio::MMIO_BASE + 0x070, &(1u32 | 2 | 8 | 4).to_le_bytes());
+        wait_until("the device to be served", || {
+            calls.load(Ordering::SeqCst) > 0
+        });
+
+        for _ in 0..100 {
+            thread.pause().unwrap();
+            paused.store(true, Ordering::SeqCst);
+            // What snapshot, restore and rollback do meanwhile.
+            let saved = devices.save();
+            devices.restore(devices.parse(&saved).unwrap()).unwrap();
+            devices.after_restore();
+            let before = calls.load(Ordering::SeqCst);
+            paused.store(false, Ordering::SeqCst);
+            thread.resume();
+            wait_until("the device to be served again", || {
+                calls.load(Ordering::SeqCst) > before
+            });
+        }
+        assert_eq!(violations.load(Ordering::SeqCst), 0, "served while paused");
+        drop(thread);
+        assert_eq!(Arc::strong_count(&devices), 1, "the thread let go");
     }
 }

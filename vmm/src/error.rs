@@ -45,6 +45,8 @@ pub enum Error {
     Vcpu { index: usize, reason: String },
     #[error("guest address {addr:#x}+{len} is outside guest RAM")]
     GuestAddress { addr: u64, len: usize },
+    #[error("template: {0}")]
+    NotReady(String),
     #[error("rollback refused, the VM keeps running on its previous state: {0}")]
     Rollback(Box<Error>),
 }

@@ -21,4 +21,7 @@ pub mod vm;
 pub use devices::{Capture, GuestExit, SerialOut};
 pub use error::{Error, Result};
 pub use snapshot::Kind;
-pub use vm::{RollbackInfo, RunState, Shape, SnapshotInfo, Stats, Vm};
+pub use vm::{
+    DeviceConfig, DiskConfig, NetConfig, RollbackInfo, RunState, Shape, SnapshotInfo, Stats, Vm,
+    VsockConfig,
+};

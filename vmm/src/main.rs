@@ -3,10 +3,12 @@
 use std::fs::OpenOptions;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use twig_vmm::api::{self, Server};
-use twig_vmm::{Result, SerialOut, Shape};
+use twig_vmm::virtio::vsock;
+use twig_vmm::{DeviceConfig, DiskConfig, NetConfig, Result, SerialOut, Shape, Vm, VsockConfig};
 
 /// Twig's microVM monitor. One process runs one VM: start it with `serve`,
 /// then send JSON requests, one per line, to its socket, e.g. with
@@ -45,6 +47,42 @@ enum Cmd {
         /// vCPUs of the VM created ahead of time.
         #[arg(long, default_value_t = 1)]
         prepare_vcpus: usize,
+        #[command(flatten)]
+        devices: DeviceArgs,
+    },
+    /// Make a template: boot a kernel (and initramfs) with the given devices,
+    /// wait until something in the guest accepts vsock connections on
+    /// `--ready-port` (twig-agent listens on 1024), pause, and take a full
+    /// snapshot into DIR. VMs restored from DIR start with the agent ready.
+    Template {
+        /// The new snapshot directory.
+        dir: PathBuf,
+        /// The guest kernel (ELF vmlinux or bzImage).
+        #[arg(long)]
+        kernel: PathBuf,
+        /// The initramfs (twig-agent's, from guest/build-initramfs.sh).
+        #[arg(long)]
+        initrd: Option<PathBuf>,
+        /// The kernel command line (the devices are appended).
+        #[arg(long, default_value = "console=ttyS0 reboot=k panic=-1 loglevel=4")]
+        cmdline: String,
+        /// Guest RAM, MiB.
+        #[arg(long, default_value_t = 256)]
+        mem_mib: usize,
+        /// vCPUs.
+        #[arg(long, default_value_t = 1)]
+        vcpus: usize,
+        /// Where the guest's serial console goes: a file (appended) or `-`.
+        #[arg(long, default_value = "-")]
+        serial: String,
+        /// The guest vsock port whose accepting connections means ready.
+        #[arg(long, default_value_t = 1024)]
+        ready_port: u32,
+        /// Give up when the guest is not ready after this many seconds.
+        #[arg(long, default_value_t = 120)]
+        timeout_s: u64,
+        #[command(flatten)]
+        devices: DeviceArgs,
     },
     /// Check a snapshot end to end (state, chain, memory checksums) and print
     /// its metadata.
@@ -52,6 +90,97 @@ enum Cmd {
         /// The snapshot directory.
         dir: PathBuf,
     },
+}
+
+/// The VM's devices beyond its serial port and entropy source.
+#[derive(clap::Args)]
+struct DeviceArgs {
+    /// A virtio-blk disk: a raw image whose size is a multiple of 512
+    /// bytes, `PATH` (read-write) or `PATH:ro`. Repeatable; the guest
+    /// sees them in order (/dev/vda, /dev/vdb, …). Read-write images are
+    /// copied into snapshots and replaced by the snapshot's copy on
+    /// restore and rollback.
+    #[arg(long = "disk", value_name = "PATH[:ro]", value_parser = parse_disk)]
+    disks: Vec<DiskConfig>,
+    /// A virtio-net device on this tap (created if missing).
+    #[arg(long)]
+    tap: Option<String>,
+    /// The guest's MAC address (default: a random locally administered
+    /// one).
+    #[arg(long, value_parser = parse_mac, requires = "tap")]
+    mac: Option<[u8; 6]>,
+    /// A virtio-vsock device whose host side is this Unix socket.
+    #[arg(long)]
+    vsock_uds: Option<PathBuf>,
+    /// The guest's vsock context id.
+    #[arg(long, default_value_t = 3, requires = "vsock_uds")]
+    vsock_cid: u64,
+}
+
+impl DeviceArgs {
+    fn config(self) -> DeviceConfig {
+        DeviceConfig {
+            disks: self.disks,
+            net: self.tap.map(|tap| NetConfig {
+                tap,
+                mac: self.mac.unwrap_or_else(random_mac),
+            }),
+            vsock: self.vsock_uds.map(|uds_path| VsockConfig {
+                cid: self.vsock_cid,
+                uds_path,
+            }),
+        }
+    }
+}
+
+fn parse_disk(s: &str) -> std::result::Result<DiskConfig, String> {
+    let (path, read_only) = match s.rsplit_once(':') {
+        Some((p, "ro")) => (p, true),
+        Some((p, "rw")) => (p, false),
+        _ => (s, false),
+    };
+    if path.is_empty() {
+        return Err("the disk path is empty".into());
+    }
+    Ok(DiskConfig {
+        path: PathBuf::from(path),
+        read_only,
+    })
+}
+
+fn parse_mac(s: &str) -> std::result::Result<[u8; 6], String> {
+    let parts: Vec<&str> = s.split(':').collect();
+    let mut mac = [0u8; 6];
+    if parts.len() != 6 {
+        return Err(format!("{s:?} is not a MAC address like aa:bb:cc:dd:ee:ff"));
+    }
+    for (b, p) in mac.iter_mut().zip(parts) {
+        *b = u8::from_str_radix(p, 16)
+            .ok()
+            .filter(|_| p.len() == 2)
+            .ok_or_else(|| format!("{s:?} is not a MAC address like aa:bb:cc:dd:ee:ff"))?;
+    }
+    if mac[0] & 1 != 0 {
+        return Err(format!("{s:?} is a multicast address"));
+    }
+    Ok(mac)
+}
+
+/// A random, locally administered, unicast MAC address.
+fn random_mac() -> [u8; 6] {
+    let mut mac = [0u8; 6];
+    // SAFETY: getrandom writes at most mac.len() bytes into mac.
+    let n = unsafe { libc::getrandom(mac.as_mut_ptr().cast(), mac.len(), 0) };
+    if n != mac.len() as isize {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0)
+            ^ u128::from(std::process::id());
+        mac.copy_from_slice(&t.to_le_bytes()[..6]);
+    }
+    mac[0] = (mac[0] & 0xfe) | 0x02;
+    mac
 }
 
 fn serial_factory(spec: String) -> api::SerialFactory {
@@ -75,13 +204,46 @@ fn run(cli: Cli) -> Result<()> {
             serial,
             prepare_mem_mib,
             prepare_vcpus,
+            devices,
         } => {
             let prepare = prepare_mem_mib.map(|m| Shape::new(m, prepare_vcpus));
-            let mut server = Server::new(serial_factory(serial), prepare)?;
+            let devices = devices.config();
+            let mut server = Server::new(serial_factory(serial), prepare, devices)?;
             let listener = api::bind(&api_sock)?;
             let result = server.serve(&listener);
             let _ = std::fs::remove_file(&api_sock);
             result
+        }
+        Cmd::Template {
+            dir,
+            kernel,
+            initrd,
+            cmdline,
+            mem_mib,
+            vcpus,
+            serial,
+            ready_port,
+            timeout_s,
+            devices,
+        } => {
+            let devices = devices.config();
+            let Some(vsock) = devices.vsock.clone() else {
+                return Err(twig_vmm::Error::Config(
+                    "a template needs --vsock-uds: readiness is a vsock connection".into(),
+                ));
+            };
+            let serial = serial_factory(serial)()?;
+            let mut vm = Vm::create_with(Shape::new(mem_mib, vcpus), serial, &devices)?;
+            vm.boot_linux(&kernel, initrd.as_deref(), &cmdline)?;
+            let probe = Duration::from_secs(2);
+            let info = vm.template(&dir, Duration::from_secs(timeout_s), || {
+                vsock::host_connect(&vsock.uds_path, ready_port, probe).is_ok()
+            })?;
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&info).unwrap_or_default()
+            );
+            Ok(())
         }
         Cmd::Verify { dir } => {
             let meta = twig_vmm::snapshot::verify(&dir)?;

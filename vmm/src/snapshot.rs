@@ -1,6 +1,6 @@
 //! The snapshot format.
 //!
-//! A snapshot is a directory holding two files:
+//! A snapshot is a directory holding:
 //! - `state`: a 32-byte header (magic `TWIGSNAP`, format version, payload
 //!   length, CRC32 of the payload) and a payload of length-prefixed sections
 //!   in a fixed order: metadata (JSON), irqchips, PIT, clock, devices, the
@@ -10,8 +10,14 @@
 //!   sparse file holding only the pages dirtied since its parent, each at its
 //!   own offset. Its parent is named by directory and id, so a chain restores
 //!   by mapping the root's memory and reading each layer's pages on top.
+//! - `disk<i>` for each read-write disk `i` (in device order): the whole
+//!   image as it was at the snapshot, a reflink of the VM's disk file where
+//!   the filesystem can (`FICLONE`), a copy of its data otherwise. Every
+//!   snapshot holds its own disks, incremental ones included. The metadata
+//!   records each disk's size and whether it is read-only (read-only disks
+//!   are not copied: the same image must be attached on restore).
 //!
-//! Directories are published atomically: both files are written and fsynced
+//! Directories are published atomically: all files are written and fsynced
 //! in a hidden temporary sibling, which is then renamed into place (refusing
 //! to replace an existing snapshot); the parent directory is fsynced in the
 //! background, so a power cut in the next moments can lose the new name but
@@ -39,7 +45,7 @@ use crate::vcpu::VcpuState;
 /// File magic.
 pub const MAGIC: [u8; 8] = *b"TWIGSNAP";
 /// The format version this build writes and reads.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// Largest `state` file accepted.
 pub const MAX_STATE_BYTES: u64 = 64 << 20;
 /// Longest chain of incremental snapshots followed.
@@ -89,6 +95,24 @@ pub struct Meta {
     pub memory_crc: u32,
     /// Creation time, milliseconds since the Unix epoch.
     pub created_unix_ms: u64,
+    /// The VM's disks, in device order.
+    #[serde(default)]
+    pub disks: Vec<DiskMeta>,
+}
+
+/// A disk of a snapshotted VM.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskMeta {
+    /// Read-only disks are not copied into the snapshot.
+    pub read_only: bool,
+    /// The image's size in bytes.
+    pub size: u64,
+}
+
+/// The name of read-write disk `index`'s copy in a snapshot directory.
+pub fn disk_file_name(index: usize) -> String {
+    format!("disk{index}")
 }
 
 /// Everything in a `state` file.
@@ -391,16 +415,20 @@ pub struct Staged {
     parent: PathBuf,
     memory: File,
     state: File,
+    disks: Vec<File>,
     committed: bool,
 }
 
 /// Writes a snapshot into a hidden sibling of `dir`: `write_memory` fills the
 /// memory file (created empty) and returns the CRC32 of what it wrote, which
-/// goes into the state's metadata before the state is written.
+/// goes into the state's metadata before the state is written. Each
+/// `(index, file)` of `disks` is copied (reflinked where possible) to
+/// `disk<index>`, and must have the size `state.meta.disks[index]` records.
 pub fn stage(
     dir: &Path,
     state: &mut VmState,
     write_memory: impl FnOnce(&File) -> Result<u32>,
+    disks: &[(usize, &File)],
 ) -> Result<Staged> {
     let name = dir
         .file_name()
@@ -429,20 +457,25 @@ pub fn stage(
             .open(tmp.join(MEMORY_FILE))
             .map_err(io_err(dir, "cannot create the memory file"))?;
         state.meta.memory_crc = write_memory(&memory)?;
+        let mut copies = Vec::with_capacity(disks.len());
+        for &(index, src) in disks {
+            copies.push(stage_disk(dir, &tmp, state, index, src)?);
+        }
         let bytes = state.encode()?;
         let mut f = File::create(tmp.join(STATE_FILE))
             .map_err(io_err(dir, "cannot create the state file"))?;
         f.write_all(&bytes)
             .map_err(io_err(dir, "cannot write the state file"))?;
-        Ok((memory, f))
+        Ok((memory, f, copies))
     })();
     match files {
-        Ok((memory, state)) => Ok(Staged {
+        Ok((memory, state, disks)) => Ok(Staged {
             tmp,
             dir: dir.to_path_buf(),
             parent,
             memory,
             state,
+            disks,
             committed: false,
         }),
         Err(e) => {
@@ -450,6 +483,151 @@ pub fn stage(
             Err(e)
         }
     }
+}
+
+fn stage_disk(dir: &Path, tmp: &Path, state: &VmState, index: usize, src: &File) -> Result<File> {
+    let name = disk_file_name(index);
+    let expected = match state.meta.disks.get(index) {
+        Some(d) if !d.read_only => d.size,
+        _ => {
+            return Err(Error::snapshot(
+                dir,
+                format!("{name} is not a read-write disk of this VM"),
+            ))
+        }
+    };
+    let dst = OpenOptions::new()
+        .create_new(true)
+        .read(true)
+        .write(true)
+        .open(tmp.join(&name))
+        .map_err(io_err(dir, &format!("cannot create {name}")))?;
+    copy_file(src, &dst).map_err(io_err(dir, &format!("cannot copy the disk into {name}")))?;
+    let size = dst
+        .metadata()
+        .map_err(io_err(dir, &format!("cannot stat {name}")))?
+        .len();
+    if size != expected {
+        return Err(Error::snapshot(
+            dir,
+            format!("{name} is {size} bytes after copying, the disk {expected} bytes"),
+        ));
+    }
+    Ok(dst)
+}
+
+const FICLONE: libc::c_ulong = 0x4004_9409;
+
+/// Makes `dst` (empty, writable) a copy of all of `src`: a reflink
+/// (`FICLONE`) where the filesystem shares extents, otherwise a copy of the
+/// data ranges (`copy_file_range`, or read and write across filesystems
+/// that cannot), keeping holes.
+pub fn copy_file(src: &File, dst: &File) -> std::io::Result<()> {
+    // SAFETY: FICLONE takes the source descriptor as its argument; both are
+    // open files we own.
+    let r = unsafe { libc::ioctl(dst.as_raw_fd(), FICLONE, src.as_raw_fd()) };
+    if r == 0 {
+        return Ok(());
+    }
+    let e = std::io::Error::last_os_error();
+    if !matches!(
+        e.raw_os_error(),
+        Some(libc::EOPNOTSUPP | libc::EXDEV | libc::EINVAL | libc::ENOTTY | libc::ENOSYS)
+    ) {
+        return Err(e);
+    }
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| {
+        tracing::warn!(
+            "this filesystem cannot reflink ({e}); disk images are copied into snapshots and back"
+        );
+    });
+    let len = src.metadata()?.len();
+    dst.set_len(0)?;
+    let mut pos = 0u64;
+    while pos < len {
+        let (data, end) = match data_range(src, pos, len) {
+            Some(r) => r,
+            None => break,
+        };
+        copy_range(src, dst, data, end - data)?;
+        pos = end;
+    }
+    dst.set_len(len)
+}
+
+/// The next range holding data at or after `pos`, or `None` if only a hole
+/// remains; the whole rest of the file where holes cannot be found.
+fn data_range(f: &File, pos: u64, len: u64) -> Option<(u64, u64)> {
+    let seek = |off: u64, whence: libc::c_int| {
+        // SAFETY: lseek on an open descriptor; the offset is only read by
+        // pread/copy_file_range with explicit offsets afterwards.
+        let r = unsafe { libc::lseek(f.as_raw_fd(), off as libc::off_t, whence) };
+        if r < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(r as u64)
+        }
+    };
+    match seek(pos, libc::SEEK_DATA) {
+        Ok(data) if data >= len => None,
+        Ok(data) => Some((data, seek(data, libc::SEEK_HOLE).unwrap_or(len).min(len))),
+        Err(e) if e.raw_os_error() == Some(libc::ENXIO) => None,
+        Err(_) => Some((pos, len)),
+    }
+}
+
+fn copy_range(src: &File, dst: &File, mut off: u64, mut n: u64) -> std::io::Result<()> {
+    while n > 0 {
+        let mut off_in = off as libc::loff_t;
+        let mut off_out = off as libc::loff_t;
+        // SAFETY: both descriptors are open; the offsets are ours.
+        let r = unsafe {
+            libc::copy_file_range(
+                src.as_raw_fd(),
+                &mut off_in,
+                dst.as_raw_fd(),
+                &mut off_out,
+                n.min(1 << 30) as usize,
+                0,
+            )
+        };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::EXDEV | libc::EOPNOTSUPP | libc::EINVAL | libc::ENOSYS)
+            ) {
+                return copy_range_rw(src, dst, off, n);
+            }
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if r == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "the source ended early",
+            ));
+        }
+        off += r as u64;
+        n -= r as u64;
+    }
+    Ok(())
+}
+
+fn copy_range_rw(src: &File, dst: &File, mut off: u64, mut n: u64) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0u8; (1 << 20).min(n as usize)];
+    while n > 0 {
+        let k = (buf.len() as u64).min(n) as usize;
+        src.read_exact_at(&mut buf[..k], off)?;
+        dst.write_all_at(&buf[..k], off)?;
+        off += k as u64;
+        n -= k as u64;
+    }
+    Ok(())
 }
 
 impl Staged {
@@ -466,12 +644,17 @@ impl Staged {
         let dir = self.dir.clone();
         start_writeback(&self.memory);
         start_writeback(&self.state);
+        self.disks.iter().for_each(start_writeback);
         self.memory
             .sync_all()
             .map_err(io_err(&dir, "cannot fsync the memory file"))?;
         self.state
             .sync_all()
             .map_err(io_err(&dir, "cannot fsync the state file"))?;
+        for d in &self.disks {
+            d.sync_all()
+                .map_err(io_err(&dir, "cannot fsync a disk copy"))?;
+        }
         rename_noreplace(&self.tmp, &dir)?;
         self.committed = true;
         sync_dir_in_background(self.parent.clone());
@@ -578,6 +761,7 @@ impl Image {
                 ),
             ));
         }
+        check_disks(dir, &state.meta)?;
         let parent = match &state.meta.parent {
             None => None,
             Some(p) => {
@@ -628,6 +812,11 @@ impl Image {
         v
     }
 
+    /// The path of read-write disk `index`'s copy.
+    pub fn disk_path(&self, index: usize) -> PathBuf {
+        self.dir.join(disk_file_name(index))
+    }
+
     /// The snapshot's id.
     pub fn id(&self) -> &str {
         &self.state.meta.id
@@ -646,6 +835,29 @@ impl Image {
         }
         None
     }
+}
+
+/// Checks that every read-write disk's copy is there with its recorded size.
+fn check_disks(dir: &Path, meta: &Meta) -> Result<()> {
+    for (i, d) in meta.disks.iter().enumerate() {
+        if d.read_only {
+            continue;
+        }
+        let name = disk_file_name(i);
+        let size = std::fs::metadata(dir.join(&name))
+            .map_err(io_err(dir, &format!("cannot stat the disk copy {name}")))?
+            .len();
+        if size != d.size {
+            return Err(Error::snapshot(
+                dir,
+                format!(
+                    "{name} is {size} bytes but the snapshot's disk {i} was {} bytes (truncated or replaced)",
+                    d.size
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Reads exactly `buf.len()` bytes at `offset`.
@@ -686,7 +898,8 @@ fn check_crc(
 }
 
 /// Checks a snapshot end to end, including the CRC of a full snapshot's
-/// memory (which restore does not read, as it maps memory lazily).
+/// memory (which restore does not read, as it maps memory lazily) and, for
+/// every snapshot of the chain, each disk copy's presence and size.
 pub fn verify(dir: &Path) -> Result<Meta> {
     let img = Image::open(dir)?;
     for i in img.chain() {
@@ -703,4 +916,112 @@ pub fn verify(dir: &Path) -> Result<Meta> {
         }
     }
     Ok(img.state.meta.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::{FileExt, MetadataExt};
+    use std::process::Command;
+
+    fn sparse(path: &Path) -> File {
+        let f = OpenOptions::new()
+            .create(true)
+            .truncate(true)
+            .read(true)
+            .write(true)
+            .open(path)
+            .unwrap();
+        f.write_all_at(&[1u8; 4096], 0).unwrap();
+        f.write_all_at(&[2u8; 4096], 32 << 20).unwrap();
+        f.set_len(64 << 20).unwrap();
+        f
+    }
+
+    /// Copies `src` (made by `sparse`) and checks the copy, which may
+    /// allocate at most `max_alloc` bytes.
+    fn check_copy(src: &File, dst_path: &Path, max_alloc: u64) -> File {
+        let dst = OpenOptions::new()
+            .create_new(true)
+            .read(true)
+            .write(true)
+            .open(dst_path)
+            .unwrap();
+        copy_file(src, &dst).unwrap();
+        assert_eq!(dst.metadata().unwrap().len(), 64 << 20);
+        let mut b = vec![0u8; 8192];
+        dst.read_exact_at(&mut b, 0).unwrap();
+        assert!(b[..4096].iter().all(|x| *x == 1) && b[4096..].iter().all(|x| *x == 0));
+        dst.read_exact_at(&mut b, 32 << 20).unwrap();
+        assert!(b[..4096].iter().all(|x| *x == 2));
+        assert!(
+            dst.metadata().unwrap().blocks() * 512 <= max_alloc,
+            "holes kept"
+        );
+        dst
+    }
+
+    #[test]
+    fn copy_file_copies_contents_and_keeps_holes() {
+        let d = tempfile::tempdir().unwrap();
+        let src = sparse(&d.path().join("src"));
+        check_copy(&src, &d.path().join("dst"), 4 << 20);
+    }
+
+    /// An XFS file system on a loop device, unmounted on drop.
+    struct Xfs(tempfile::TempDir);
+
+    impl Drop for Xfs {
+        fn drop(&mut self) {
+            let _ = Command::new("umount")
+                .arg(self.0.path().join("mnt"))
+                .status();
+        }
+    }
+
+    #[test]
+    fn copy_file_reflinks_where_the_filesystem_can() {
+        let fs = Xfs(tempfile::tempdir().unwrap());
+        let img = fs.0.path().join("xfs.img");
+        File::create(&img).unwrap().set_len(512 << 20).unwrap();
+        let mkfs = Command::new("mkfs.xfs")
+            .args(["-q", "-m", "reflink=1"])
+            .arg(&img)
+            .status()
+            .expect("mkfs.xfs (xfsprogs) is needed");
+        assert!(mkfs.success());
+        let mnt = fs.0.path().join("mnt");
+        std::fs::create_dir(&mnt).unwrap();
+        let ok = Command::new("mount")
+            .args(["-o", "loop"])
+            .arg(&img)
+            .arg(&mnt)
+            .status()
+            .unwrap();
+        assert!(ok.success(), "loop-mounting XFS (needs root)");
+        let src = sparse(&mnt.join("src"));
+        let before = free_bytes(&mnt);
+        let big = vec![3u8; 8 << 20];
+        src.write_all_at(&big, 8 << 20).unwrap();
+        src.sync_all().unwrap();
+        let used_by_src = before - free_bytes(&mnt);
+        let dst = check_copy(&src, &mnt.join("dst"), 12 << 20);
+        dst.sync_all().unwrap();
+        let mut b = vec![0u8; 8 << 20];
+        dst.read_exact_at(&mut b, 8 << 20).unwrap();
+        assert!(b == big);
+        let used_by_copy = before - used_by_src - free_bytes(&mnt);
+        assert!(
+            used_by_copy < 1 << 20,
+            "a reflink shares the 8 MiB of data ({used_by_copy} bytes used)"
+        );
+    }
+
+    fn free_bytes(p: &Path) -> u64 {
+        let c = std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap();
+        // SAFETY: statvfs fills the struct for a valid path.
+        let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+        assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut s) }, 0);
+        s.f_bfree * s.f_frsize
+    }
 }

@@ -1,7 +1,7 @@
 //! A microVM: creation, boot, pause/resume, snapshot, restore, clone and
 //! in-place rollback.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -16,12 +16,15 @@ use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::arch;
-use crate::devices::{Devices, ExitState, GuestExit, SerialOut, COM1_IRQ};
+use crate::devices::{self, DeviceThread, Devices, ExitState, GuestExit, SerialOut, COM1_IRQ};
 use crate::error::{Error, Result};
 use crate::memory::{Backing, GuestRam, PageSet, PAGE_SIZE};
-use crate::snapshot::{self, Image, Kind, Meta, ParentRef, VmState};
+use crate::snapshot::{self, DiskMeta, Image, Kind, Meta, ParentRef, VmState};
 use crate::vcpu::{self, VcpuHandle, VcpuState};
-use crate::virtio::{self, rng::Rng, MmioTransport};
+use crate::virtio::blk::{Blk, DiskFile, Replacement};
+use crate::virtio::net::Net;
+use crate::virtio::vsock::Vsock;
+use crate::virtio::{self, rng::Rng, MmioTransport, VirtioDevice};
 
 /// Most vCPUs a VM may have.
 pub const MAX_VCPUS: usize = 64;
@@ -65,6 +68,48 @@ impl Shape {
         }
         Ok(())
     }
+}
+
+/// The devices a VM has besides the entropy device every VM gets. Their
+/// MMIO order is fixed (rng, the disks in order, net, vsock), so that
+/// snapshots line up with VMs built from the same configuration.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeviceConfig {
+    /// virtio-blk disks.
+    pub disks: Vec<DiskConfig>,
+    /// A virtio-net device on a tap.
+    pub net: Option<NetConfig>,
+    /// A virtio-vsock device.
+    pub vsock: Option<VsockConfig>,
+}
+
+/// A raw disk image.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiskConfig {
+    /// The image file (its size a multiple of 512 bytes). A read-write
+    /// disk's file is copied into every snapshot and replaced by the
+    /// snapshot's copy on restore and rollback.
+    pub path: PathBuf,
+    /// Whether the guest may only read it.
+    pub read_only: bool,
+}
+
+/// A network device on a host tap.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NetConfig {
+    /// The tap's name.
+    pub tap: String,
+    /// The guest's MAC address.
+    pub mac: [u8; 6],
+}
+
+/// A vsock device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VsockConfig {
+    /// The guest's context id.
+    pub cid: u64,
+    /// The host side's Unix socket.
+    pub uds_path: PathBuf,
 }
 
 /// Where a VM is in its life.
@@ -147,9 +192,12 @@ pub struct Stats {
 
 /// A KVM microVM.
 pub struct Vm {
-    // Field order is drop order: vCPU threads stop before RAM is unmapped.
+    // Field order is drop order: the device and vCPU threads stop before RAM
+    // is unmapped.
+    device_thread: Option<DeviceThread>,
     vcpus: Vec<VcpuHandle>,
     devices: Arc<Devices>,
+    disks: Vec<Arc<DiskFile>>,
     fd: Arc<VmFd>,
     ram: GuestRam,
     shape: Shape,
@@ -202,8 +250,42 @@ impl Vm {
     /// Creates a VM of `shape` with its memory slot, irqchip, PIT, devices and
     /// parked vCPU threads, ready to boot or restore. Doing this ahead of time
     /// keeps slot registration and thread creation off the restore path.
+    /// Its only virtio device is the entropy device.
     pub fn create(shape: Shape, serial: SerialOut) -> Result<Vm> {
+        Vm::create_with(shape, serial, &DeviceConfig::default())
+    }
+
+    /// Creates a VM like [`Vm::create`] with the devices of `config` besides
+    /// the entropy device: disk images are opened, the tap attached, the
+    /// vsock socket bound now, and a device thread is started (paused until
+    /// the VM runs) if a device is fed from the host side.
+    pub fn create_with(shape: Shape, serial: SerialOut, config: &DeviceConfig) -> Result<Vm> {
         shape.validate()?;
+        let count = 1
+            + config.disks.len()
+            + usize::from(config.net.is_some())
+            + usize::from(config.vsock.is_some());
+        if count > virtio::MAX_DEVICES {
+            return Err(Error::Config(format!(
+                "{count} virtio devices; a VM has at most {} (interrupt lines {} to {})",
+                virtio::MAX_DEVICES,
+                virtio::IRQ_BASE,
+                virtio::IRQ_LAST
+            )));
+        }
+        let mut disks = Vec::with_capacity(config.disks.len());
+        let mut boxed: Vec<Box<dyn VirtioDevice>> = vec![Box::new(Rng)];
+        for d in &config.disks {
+            let disk = Arc::new(DiskFile::open(&d.path, d.read_only)?);
+            boxed.push(Box::new(Blk::new(disk.clone())));
+            disks.push(disk);
+        }
+        if let Some(n) = &config.net {
+            boxed.push(Box::new(Net::new(&n.tap, n.mac)?));
+        }
+        if let Some(v) = &config.vsock {
+            boxed.push(Box::new(Vsock::new(v.cid, &v.uds_path)?));
+        }
         let kvm = open_kvm()?;
         let fd = kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;
         fd.set_tss_address(arch::layout::KVM_TSS)
@@ -230,17 +312,21 @@ impl Vm {
         let irq = EventFd::new(EFD_NONBLOCK).map_err(|e| Error::io("creating an eventfd", e))?;
         fd.register_irqfd(&irq, COM1_IRQ)
             .map_err(kvm_err("KVM_IRQFD"))?;
-        let rng_irq =
-            EventFd::new(EFD_NONBLOCK).map_err(|e| Error::io("creating an eventfd", e))?;
-        fd.register_irqfd(&rng_irq, virtio::IRQ_BASE)
-            .map_err(kvm_err("KVM_IRQFD"))?;
-        let rng = MmioTransport::new(Box::new(Rng), rng_irq, ram.memory().clone())?;
+        let mut transports = Vec::with_capacity(boxed.len());
+        for (i, dev) in boxed.into_iter().enumerate() {
+            let dev_irq =
+                EventFd::new(EFD_NONBLOCK).map_err(|e| Error::io("creating an eventfd", e))?;
+            fd.register_irqfd(&dev_irq, virtio::IRQ_BASE + i as u32)
+                .map_err(kvm_err("KVM_IRQFD"))?;
+            transports.push(MmioTransport::new(dev, dev_irq, ram.memory().clone())?);
+        }
         let devices = Arc::new(Devices::new(
             serial,
             irq,
-            vec![rng],
+            transports,
             Arc::new(ExitState::default()),
         ));
+        let device_thread = DeviceThread::spawn(&devices)?;
         let xsave_bytes = fd.check_extension_int(Cap::Xsave2);
         let xsave_words = (xsave_bytes.max(4096) as usize).div_ceil(4);
         let mut vcpus = Vec::with_capacity(shape.vcpus);
@@ -256,8 +342,10 @@ impl Vm {
             host_cpuid,
             fd: Arc::new(fd),
             ram,
+            device_thread,
             vcpus,
             devices,
+            disks,
             shape,
             state: RunState::Created,
             xsave_words,
@@ -364,6 +452,9 @@ impl Vm {
         for v in &self.vcpus {
             v.run();
         }
+        if let Some(t) = &self.device_thread {
+            t.resume();
+        }
         self.state = RunState::Running;
         Ok(())
     }
@@ -377,6 +468,9 @@ impl Vm {
         )?;
         if s == RunState::Paused {
             return Ok(());
+        }
+        if let Some(t) = &self.device_thread {
+            t.pause()?;
         }
         for v in &self.vcpus {
             v.request_park();
@@ -524,6 +618,41 @@ impl Vm {
         Ok(())
     }
 
+    /// Makes a template of a booting guest: polls `ready` (the caller's
+    /// readiness probe, such as a ping of the guest's agent) until it
+    /// answers yes or `timeout` passes, then pauses the VM and takes a full
+    /// snapshot into `dir`, which later VMs restore instead of booting. The VM
+    /// stays paused. A guest that stops, or is not ready in time, is an error
+    /// and nothing is written.
+    pub fn template(
+        &mut self,
+        dir: &Path,
+        timeout: Duration,
+        mut ready: impl FnMut() -> bool,
+    ) -> Result<SnapshotInfo> {
+        self.need("template", &[RunState::Running], "running")?;
+        let deadline = Instant::now() + timeout;
+        let mut backoff = Duration::from_millis(1);
+        while !ready() {
+            if let Some(exit) = self.devices.exit().get() {
+                return Err(Error::NotReady(format!(
+                    "the guest stopped before it was ready: {exit:?}"
+                )));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::NotReady(format!(
+                    "the guest was not ready within {timeout:?}"
+                )));
+            }
+            // Between probes: a growing pause, never past the deadline.
+            std::thread::sleep(backoff.min(left));
+            backoff = (backoff * 2).min(Duration::from_millis(50));
+        }
+        self.pause()?;
+        self.snapshot(dir, Kind::Full)
+    }
+
     /// Snapshots the VM into the new directory `dir`. A running VM is paused
     /// only while its state and changed pages are copied out, and runs again
     /// while the snapshot is made durable; the call returns once it is
@@ -629,6 +758,14 @@ impl Vm {
                     .duration_since(std::time::UNIX_EPOCH)
                     .map(|d| d.as_millis() as u64)
                     .unwrap_or(0),
+                disks: self
+                    .disks
+                    .iter()
+                    .map(|d| DiskMeta {
+                        read_only: d.read_only(),
+                        size: d.size(),
+                    })
+                    .collect(),
             },
             irqchips,
             pit,
@@ -637,12 +774,27 @@ impl Vm {
             layer,
             vcpus,
         };
+        // The vCPUs are parked, so every request the guest made of a disk is
+        // complete: make it durable, then copy the images.
+        let mut sources = Vec::new();
+        for (i, d) in self.disks.iter().enumerate() {
+            if !d.read_only() {
+                d.sync()?;
+                sources.push((i, d.try_clone_file()?));
+            }
+        }
+        let sources: Vec<(usize, &std::fs::File)> = sources.iter().map(|(i, f)| (*i, f)).collect();
         let ram = &self.ram;
         let write_layer = state.layer.clone();
-        let staged = snapshot::stage(dir, &mut state, |f| match &write_layer {
-            None => snapshot::write_full_memory(ram, f),
-            Some(l) => snapshot::write_layer_memory(ram, l, f),
-        })?;
+        let staged = snapshot::stage(
+            dir,
+            &mut state,
+            |f| match &write_layer {
+                None => snapshot::write_full_memory(ram, f),
+                Some(l) => snapshot::write_layer_memory(ram, l, f),
+            },
+            &sources,
+        )?;
         Ok((staged, state, pages))
     }
 
@@ -661,6 +813,13 @@ impl Vm {
     pub fn restore_image(&mut self, image: &Arc<Image>) -> Result<()> {
         self.need("restore", &[RunState::Created], "newly created")?;
         self.check_compatible(image)?;
+        let mut disks = self.prepare_disks(image)?;
+        for (r, _) in &mut disks {
+            r.swap_in()?;
+        }
+        for (r, d) in disks {
+            r.finish(&d);
+        }
         let chain = image.chain();
         self.ram.map_private(chain[0].memory.clone())?;
         for layer in &chain[1..] {
@@ -675,9 +834,25 @@ impl Vm {
         self.load_vm_state(s)?;
         self.devices.restore(self.devices.parse(&s.devices)?)?;
         self.devices.retrigger_pending();
+        self.devices.after_restore();
         self.adopt(image);
         self.state = RunState::Paused;
         Ok(())
+    }
+
+    /// Copies the snapshot's image of every read-write disk next to the
+    /// VM's own disk file, ready to replace it; changes nothing visible.
+    fn prepare_disks(&self, image: &Image) -> Result<Vec<(Replacement, Arc<DiskFile>)>> {
+        let mut out = Vec::new();
+        for (i, (d, m)) in self.disks.iter().zip(&image.state.meta.disks).enumerate() {
+            if !d.read_only() {
+                out.push((
+                    d.prepare_replacement(&image.disk_path(i), m.size)?,
+                    d.clone(),
+                ));
+            }
+        }
+        Ok(out)
     }
 
     fn adopt(&mut self, image: &Arc<Image>) {
@@ -713,6 +888,19 @@ impl Vm {
                 ),
             ));
         }
+        let theirs = Devices::saved_virtio_types(&image.state.devices)
+            .map_err(|e| Error::snapshot(&image.dir, e.to_string()))?;
+        let ours = self.devices.virtio_types();
+        if theirs != ours {
+            return Err(Error::snapshot(
+                &image.dir,
+                format!(
+                    "virtio devices differ: {}",
+                    devices::describe_difference(&theirs, &ours)
+                ),
+            ));
+        }
+        self.check_disks(image)?;
         let host = self.host_cpuid;
         let mut missing = Vec::new();
         for v in &image.state.vcpus {
@@ -734,6 +922,40 @@ impl Vm {
                 path: image.dir.clone(),
                 missing: missing.join(", "),
             });
+        }
+        Ok(())
+    }
+
+    /// Refuses a snapshot whose disks do not match this VM's: count,
+    /// read-only or not, and the size of read-only ones (which are not
+    /// copied, so the same image must be attached).
+    fn check_disks(&self, image: &Image) -> Result<()> {
+        let theirs = &image.state.meta.disks;
+        let err = |m: String| Err(Error::snapshot(&image.dir, m));
+        if theirs.len() != self.disks.len() {
+            return err(format!(
+                "disk count differs: the snapshot has {}, this VM {}",
+                theirs.len(),
+                self.disks.len()
+            ));
+        }
+        for (i, (t, d)) in theirs.iter().zip(&self.disks).enumerate() {
+            let kind = |ro: bool| if ro { "read-only" } else { "read-write" };
+            if t.read_only != d.read_only() {
+                return err(format!(
+                    "disk {i} is {} in the snapshot but {} in this VM",
+                    kind(t.read_only),
+                    kind(d.read_only())
+                ));
+            }
+            if t.read_only && t.size != d.size() {
+                return err(format!(
+                    "read-only disk {i} ({}) is {} bytes, the snapshot's was {} bytes; read-only disks are not copied into snapshots, so the same image must be attached",
+                    d.path().display(),
+                    d.size(),
+                    t.size
+                ));
+            }
         }
         Ok(())
     }
@@ -865,6 +1087,13 @@ impl Vm {
         }
         let s = &target.state;
         let devices = self.devices.parse(&s.devices)?;
+        // The disks: copied next to the VM's files, then swapped in with the
+        // old files kept aside; dropped on failure, the replacements put
+        // the old files back.
+        let mut disks = self.prepare_disks(target)?;
+        for (r, _) in &mut disks {
+            r.swap_in()?;
+        }
         let backup = self.save_vcpus()?;
         let (chips, pit, clock) = self.save_vm_state()?;
         if let Err(e) = self
@@ -878,6 +1107,9 @@ impl Vm {
             self.load_vcpus(&backup, false)?;
             self.load_vm_state(&old)?;
             return Err(e);
+        }
+        for (r, d) in disks {
+            r.finish(&d);
         }
         // Past this point nothing can fail half-way: memory operations on
         // our own mapping.
@@ -896,6 +1128,7 @@ impl Vm {
         }
         self.devices.restore(devices)?;
         self.devices.retrigger_pending();
+        self.devices.after_restore();
         // Clear what the guest dirtied before we put pages back.
         self.fd
             .get_dirty_log(0, self.shape.mem_size)
@@ -906,11 +1139,14 @@ impl Vm {
     }
 
     /// Restores `n` VMs from the snapshot in `dir`, concurrently, and runs
-    /// them. `serial(i)` gives clone i its serial output.
+    /// them. `serial(i)` gives clone i its serial output, `devices(i)` its
+    /// devices (each clone needs its own read-write disk files, which get
+    /// the snapshot's disk contents).
     pub fn clone_from(
         dir: &Path,
         n: usize,
         serial: impl Fn(usize) -> SerialOut + Sync,
+        devices: impl Fn(usize) -> DeviceConfig + Sync,
     ) -> Result<Vec<Vm>> {
         let image = Image::open(&absolute(dir)?)?;
         let shape = Shape {
@@ -920,9 +1156,9 @@ impl Vm {
         let results: Vec<Result<Vm>> = std::thread::scope(|scope| {
             let handles: Vec<_> = (0..n)
                 .map(|i| {
-                    let (image, serial) = (&image, &serial);
+                    let (image, serial, devices) = (&image, &serial, &devices);
                     scope.spawn(move || -> Result<Vm> {
-                        let mut vm = Vm::create(shape, serial(i))?;
+                        let mut vm = Vm::create_with(shape, serial(i), &devices(i))?;
                         vm.restore_image(image)?;
                         vm.resume()?;
                         Ok(vm)

@@ -155,6 +155,68 @@ fn boot_snapshot_rollback_restore_over_the_api() {
 }
 
 #[test]
+fn disks_and_devices_from_the_command_line_follow_snapshots() {
+    require_kvm();
+    let d = tmp();
+    let kernel: PathBuf = twig_vmm::testguest::write_to(d.path()).unwrap();
+    let rw = d.path().join("rw.img");
+    std::fs::write(&rw, vec![0x5a; 1 << 20]).unwrap();
+    let ro = d.path().join("ro.img");
+    std::fs::write(&ro, vec![0x11; 64 * 1024]).unwrap();
+    let ro_arg = format!("{}:ro", ro.display());
+    let mut a = Vmm::start(
+        d.path(),
+        "a",
+        &["--disk", rw.to_str().unwrap(), "--disk", &ro_arg],
+    );
+    a.ok(json!({"op":"boot","kernel":kernel,"mem_mib":MIB}));
+    wait_file(&d.path().join("a.serial"), "B");
+    let s1 = d.path().join("s1");
+    a.ok(json!({"op":"snapshot","dir":s1,"kind":"full"}));
+    assert!(std::fs::read(s1.join("disk0")).unwrap() == std::fs::read(&rw).unwrap());
+    assert!(!s1.join("disk1").exists());
+    a.shutdown();
+
+    // Restored in another process with its own disk file.
+    let rw2 = d.path().join("rw2.img");
+    std::fs::write(&rw2, vec![0u8; 512]).unwrap();
+    let mut b = Vmm::start(
+        d.path(),
+        "b",
+        &["--disk", rw2.to_str().unwrap(), "--disk", &ro_arg],
+    );
+    b.ok(json!({"op":"restore","dir":s1}));
+    assert!(std::fs::read(&rw2).unwrap() == std::fs::read(&rw).unwrap());
+    b.shutdown();
+
+    // Without the disks, the snapshot does not fit.
+    let mut c = Vmm::start(d.path(), "c", &[]);
+    let e = c.err(&json!({"op":"restore","dir":s1}).to_string());
+    assert!(e.contains("virtio devices differ"), "{e}");
+    c.shutdown();
+    // A missing image is named when the VM is made.
+    let mut m = Vmm::start(d.path(), "m", &["--disk", "/nonexistent/disk.img"]);
+    let e = m.err(&json!({"op":"boot","kernel":kernel,"mem_mib":MIB}).to_string());
+    assert!(e.contains("/nonexistent/disk.img"), "{e}");
+    m.shutdown();
+
+    for bad in [
+        vec!["--tap", "t0", "--mac", "aa:bb"],
+        vec!["--tap", "t0", "--mac", "01:00:00:00:00:01"],
+        vec!["--mac", "02:00:00:00:00:01"],
+        vec!["--vsock-cid", "5"],
+    ] {
+        let out = Command::new(BIN)
+            .args(["serve", "--api-sock", "/nonexistent/x.sock"])
+            .args(&bad)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{bad:?}");
+        assert!(!out.stderr.is_empty(), "{bad:?}");
+    }
+}
+
+#[test]
 fn bad_requests_get_clear_errors() {
     require_kvm();
     let d = tmp();

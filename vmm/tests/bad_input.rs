@@ -64,8 +64,8 @@ fn corrupted_truncated_and_wrong_version_state_files_are_refused() {
     assert!(e.contains("truncated"), "{e}");
     let e = case("short", &|p| std::fs::write(p, b"TWIG").unwrap());
     assert!(e.contains("truncated"), "{e}");
-    let e = case("version", &|p| patch(p, 8, |b| *b = 2));
-    assert!(e.contains("version 2 is not supported"), "{e}");
+    let e = case("version", &|p| patch(p, 8, |b| *b = 9));
+    assert!(e.contains("version 9 is not supported"), "{e}");
     let e = case("magic", &|p| patch(p, 0, |b| *b = b'X'));
     assert!(e.contains("bad magic"), "{e}");
     let e = case("huge", &|p| {

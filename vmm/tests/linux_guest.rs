@@ -111,7 +111,7 @@ fn linux_clones_run_side_by_side() {
     let s = d.path().join("s");
     vm.snapshot(&s, Kind::Full).unwrap();
     let captures: Vec<Capture> = (0..3).map(|_| Capture::new()).collect();
-    let clones = Vm::clone_from(&s, 3, |i| captures[i].writer()).unwrap();
+    let clones = Vm::clone_from(&s, 3, |i| captures[i].writer(), |_| Default::default()).unwrap();
     // Every clone carries on from the same tick, and its virtio-rng draws
     // its own entropy. The first read after the restore may still be served
     // from bytes the guest's hwrng layers had buffered before the snapshot

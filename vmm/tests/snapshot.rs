@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use twig_vmm::testguest::{self, Command};
-use twig_vmm::{Capture, Kind, RunState, Shape, Vm};
+use twig_vmm::{Capture, DeviceConfig, Kind, RunState, Shape, Vm};
 
 fn spin_and_pause(vm: &mut Vm) -> u64 {
     testguest::post(vm, Command::Spin, [0; 3]).unwrap();
@@ -64,7 +64,8 @@ fn clones_run_and_diverge_independently() {
     let s = snap(d.path(), "s");
     g.vm.snapshot(&s, Kind::Full).unwrap();
     let captures: Vec<Capture> = (0..4).map(|_| Capture::new()).collect();
-    let mut clones = Vm::clone_from(&s, 4, |i| captures[i].writer()).unwrap();
+    let mut clones =
+        Vm::clone_from(&s, 4, |i| captures[i].writer(), |_| DeviceConfig::default()).unwrap();
     assert_eq!(clones.len(), 4);
     for (i, c) in clones.iter_mut().enumerate() {
         dirty(c, 0, 4, 5000 * (i as u64 + 1));
@@ -205,4 +206,89 @@ fn rollback_moves_across_the_snapshot_tree() {
     assert_eq!(word(&g.vm, 6), 400);
     assert_eq!(word(&g.vm, 2), 200);
     print(&mut g.vm, &g.serial, b'!');
+}
+
+#[test]
+fn vms_with_host_fed_devices_snapshot_roll_back_restore_and_stop() {
+    let d = tmp();
+    let name = |i: u32| format!("tws{}x{i}", std::process::id() % 100_000);
+    let devices = |i: u32| DeviceConfig {
+        net: Some(twig_vmm::NetConfig {
+            tap: name(i),
+            mac: [0x02, 0, 0, 0, 0, i as u8],
+        }),
+        vsock: Some(twig_vmm::VsockConfig {
+            cid: 3,
+            uds_path: d.path().join(format!("vsock{i}.sock")),
+        }),
+        ..Default::default()
+    };
+    let mut g = boot_with(d.path(), MIB, 1, &devices(0));
+    dirty(&mut g.vm, 0, 4, 10);
+    let s = snap(d.path(), "s");
+    for _ in 0..3 {
+        g.vm.pause().unwrap();
+        g.vm.resume().unwrap();
+    }
+    g.vm.snapshot(&s, Kind::Full).unwrap();
+    dirty(&mut g.vm, 0, 4, 20);
+    g.vm.rollback(&s).unwrap();
+    assert_eq!(word(&g.vm, 0), 10);
+    print(&mut g.vm, &g.serial, b'n');
+
+    let serial = Capture::new();
+    let mut r = Vm::create_with(Shape::new(MIB, 1), serial.writer(), &devices(1)).unwrap();
+    r.restore(&s).unwrap();
+    assert_eq!(word(&r, 0), 10);
+    print(&mut r, &serial, b'm');
+
+    let mut other = Vm::create(Shape::new(MIB, 1), Box::new(std::io::sink())).unwrap();
+    let e = other.restore(&s).unwrap_err().to_string();
+    assert!(
+        e.contains("the snapshot has rng, net, vsock; this VM has rng"),
+        "{e}"
+    );
+    drop(r);
+    drop(g);
+}
+
+#[test]
+fn a_template_is_taken_once_the_guest_is_ready_and_restores_ready() {
+    let d = tmp();
+    let mut g = boot(d.path(), MIB, 1);
+    // "Ready" is the guest having printed '!', as an agent answering a
+    // ping would be for a Linux guest.
+    testguest::post(&mut g.vm, Command::Print, [u64::from(b'!'), 0, 0]).unwrap();
+    let mut probes = 0;
+    let t = snap(d.path(), "template");
+    let serial = g.serial.clone();
+    let info =
+        g.vm.template(&t, std::time::Duration::from_secs(20), || {
+            probes += 1;
+            serial.bytes().contains(&b'!')
+        })
+        .unwrap();
+    assert!(probes >= 1);
+    assert_eq!(info.kind, Kind::Full);
+    assert_eq!(g.vm.state(), RunState::Paused);
+
+    let rserial = Capture::new();
+    let mut r = Vm::create(Shape::new(MIB, 1), rserial.writer()).unwrap();
+    r.restore(&t).unwrap();
+    r.resume().unwrap();
+    print(&mut r, &rserial, b'R');
+    assert!(
+        !rserial.bytes().contains(&b'B'),
+        "the restored guest did not boot"
+    );
+
+    // A guest that never gets ready: an error at the deadline, nothing written.
+    let mut h = boot(d.path(), MIB, 1);
+    let never = snap(d.path(), "never");
+    let e =
+        h.vm.template(&never, std::time::Duration::from_millis(200), || false)
+            .unwrap_err();
+    assert!(e.to_string().contains("not ready within"), "{e}");
+    assert!(!never.exists());
+    assert_eq!(h.vm.state(), RunState::Running);
 }

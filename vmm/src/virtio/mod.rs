@@ -6,8 +6,17 @@
 //! go through KVM irqfds. Transport and queue state is part of every
 //! snapshot, so after restore and rollback the queues carry on where they
 //! were. Queue processing uses the virtio-queue crate.
+//!
+//! Devices: entropy ([`rng`]), block ([`blk`]), network ([`net`]) and
+//! vsock ([`vsock`]). Devices fed from the host side (net, vsock) expose a
+//! descriptor that the VM's device thread polls (see `devices.rs`).
 
+pub mod blk;
+pub mod net;
 pub mod rng;
+pub mod vsock;
+
+use std::os::fd::RawFd;
 
 use virtio_queue::{Queue, QueueState, QueueT};
 use vmm_sys_util::eventfd::EventFd;
@@ -21,6 +30,12 @@ pub const MMIO_BASE: u64 = 0xd000_0000;
 pub const MMIO_SIZE: u64 = 0x1000;
 /// First device's interrupt line.
 pub const IRQ_BASE: u32 = 5;
+/// Last interrupt line a device may use: the guest has no MP table, so it
+/// drives the legacy PIC, whose lines end at 15 (KVM routes GSIs 16-23 to
+/// the IOAPIC only).
+pub const IRQ_LAST: u32 = 15;
+/// Most virtio devices a VM can have.
+pub const MAX_DEVICES: usize = (IRQ_LAST - IRQ_BASE + 1) as usize;
 
 const MAGIC: u32 = 0x7472_6976; // "virt"
 const VENDOR: u32 = 0x6769_7774; // "twig"
@@ -28,6 +43,17 @@ const VIRTIO_F_VERSION_1: u64 = 1 << 32;
 const STATUS_DRIVER_OK: u32 = 4;
 const STATUS_FAILED: u32 = 0x80;
 const INT_VRING: u32 = 1;
+
+/// A short name for virtio device id `t`, for messages.
+pub fn device_name(t: u32) -> String {
+    match t {
+        1 => "net".into(),
+        2 => "block".into(),
+        4 => "rng".into(),
+        19 => "vsock".into(),
+        _ => format!("device type {t}"),
+    }
+}
 
 /// A virtio device behind the MMIO transport.
 pub trait VirtioDevice: Send {
@@ -39,9 +65,33 @@ pub trait VirtioDevice: Send {
     fn queue_max_sizes(&self) -> &[u16];
     /// Reads the device configuration space.
     fn read_config(&self, offset: u64, data: &mut [u8]);
-    /// Serves the buffers the driver made available on queue `index`;
-    /// returns whether any were used.
-    fn process_queue(&mut self, index: usize, queue: &mut Queue, mem: &GuestMem) -> bool;
+    /// Serves the buffers the driver made available on queue `index`
+    /// (`queues` holds all of the device's queues, so a device may answer on
+    /// another queue); returns whether any buffer was used.
+    fn process_queue(&mut self, index: usize, queues: &mut [Queue], mem: &GuestMem) -> bool;
+    /// One descriptor the VM's device thread polls for readability
+    /// (level-triggered), for devices fed from the host side (vsock, net).
+    /// The device must keep it unreadable while it cannot make progress (for
+    /// instance while the guest has posted no receive buffers) and make it
+    /// readable again when it can, or the device thread would spin.
+    fn host_fd(&self) -> Option<RawFd> {
+        None
+    }
+    /// Called by the device thread when [`VirtioDevice::host_fd`] is
+    /// readable, never while the VM is paused; returns whether any buffer
+    /// was used.
+    fn process_host(&mut self, _queues: &mut [Queue], _mem: &GuestMem) -> bool {
+        false
+    }
+    /// Called after the device's state was restored from a snapshot or
+    /// rolled back, with the driver live: host-side state that a snapshot
+    /// cannot hold (connections) is dropped and the guest told so. Returns
+    /// whether any buffer was used.
+    fn after_restore(&mut self, _queues: &mut [Queue], _mem: &GuestMem) -> bool {
+        false
+    }
+    /// The driver reset the device.
+    fn reset(&mut self) {}
 }
 
 /// The MMIO transport of one device.
@@ -56,6 +106,7 @@ pub struct MmioTransport {
     interrupt_status: u32,
     irq: EventFd,
     mem: GuestMem,
+    host_wake: Option<EventFd>,
 }
 
 fn u32_of(data: &[u8]) -> u32 {
@@ -95,7 +146,19 @@ impl MmioTransport {
             interrupt_status: 0,
             irq,
             mem,
+            host_wake: None,
         })
+    }
+
+    /// The virtio device id of the device behind this transport.
+    pub fn device_type(&self) -> u32 {
+        self.device.device_type()
+    }
+
+    /// Sets the eventfd written when the driver brings the device up, so
+    /// that the device thread looks at its host descriptor again.
+    pub fn set_host_wake(&mut self, wake: EventFd) {
+        self.host_wake = Some(wake);
     }
 
     fn features(&self) -> u64 {
@@ -108,6 +171,7 @@ impl MmioTransport {
 
     fn reset(&mut self) {
         self.queues.iter_mut().for_each(|q| q.reset());
+        self.device.reset();
         self.queue_sel = 0;
         self.device_features_sel = 0;
         self.driver_features_sel = 0;
@@ -174,7 +238,11 @@ impl MmioTransport {
                 if v == 0 {
                     self.reset();
                 } else {
+                    let was_live = self.live();
                     self.status = v;
+                    if self.live() && !was_live {
+                        self.wake_host();
+                    }
                 }
             }
             0x080 | 0x084 | 0x090 | 0x094 | 0x0a0 | 0x0a4 => {
@@ -197,24 +265,73 @@ impl MmioTransport {
         }
     }
 
+    fn live(&self) -> bool {
+        self.status & STATUS_DRIVER_OK != 0 && self.status & STATUS_FAILED == 0
+    }
+
     fn notify(&mut self, index: usize) {
-        if self.status & STATUS_DRIVER_OK == 0 || self.status & STATUS_FAILED != 0 {
+        if !self.live() {
             return;
         }
-        let Some(q) = self.queues.get_mut(index) else {
+        let Some(q) = self.queues.get(index) else {
             return;
         };
         if !q.ready() || !q.is_valid(&self.mem) {
             return;
         }
-        if self.device.process_queue(index, q, &self.mem)
-            && q.needs_notification(&self.mem).unwrap_or(true)
-        {
+        let used = self
+            .device
+            .process_queue(index, &mut self.queues, &self.mem);
+        self.signal(used);
+    }
+
+    /// Raises the used-buffer interrupt if buffers were used and a live queue
+    /// wants to hear of it.
+    fn signal(&mut self, used: bool) {
+        let wanted = self.queues.iter_mut().any(|q| {
+            q.ready() && q.is_valid(&self.mem) && q.needs_notification(&self.mem).unwrap_or(true)
+        });
+        if used && wanted {
             self.interrupt_status |= INT_VRING;
             if let Err(e) = self.irq.write(1) {
                 tracing::warn!("virtio interrupt: {e}");
             }
         }
+    }
+
+    fn wake_host(&self) {
+        if let Some(w) = &self.host_wake {
+            if let Err(e) = w.write(1) {
+                tracing::warn!("waking the device thread: {e}");
+            }
+        }
+    }
+
+    /// The descriptor the device thread polls for this device, if any.
+    pub fn host_fd(&self) -> Option<RawFd> {
+        self.device.host_fd()
+    }
+
+    /// Lets the device move host-side input into the guest's queues. Returns
+    /// false, doing nothing, if the driver has not brought the device up: the
+    /// caller should stop polling its descriptor until woken through
+    /// [`MmioTransport::set_host_wake`].
+    pub fn process_host(&mut self) -> bool {
+        if !self.live() {
+            return false;
+        }
+        let used = self.device.process_host(&mut self.queues, &self.mem);
+        self.signal(used);
+        true
+    }
+
+    /// Tells the device its state was restored or rolled back.
+    pub fn after_restore(&mut self) {
+        if !self.live() {
+            return;
+        }
+        let used = self.device.after_restore(&mut self.queues, &self.mem);
+        self.signal(used);
     }
 
     /// Raises the interrupt again if the driver has not acknowledged it.
@@ -331,6 +448,165 @@ pub struct TransportState {
     regs: [u32; 5],
     driver_features: u64,
     queues: Vec<Queue>,
+}
+
+/// A fake virtio driver over guest memory, for device tests.
+#[cfg(test)]
+pub(crate) mod fake {
+    use super::*;
+    use crate::memory::GuestRam;
+    use vm_memory::{Bytes, GuestAddress};
+    use vmm_sys_util::eventfd::EFD_NONBLOCK;
+
+    const QUEUE_SIZE: u16 = 16;
+    const DATA: u64 = 0x10_0000;
+
+    struct Ring {
+        desc: u64,
+        avail: u64,
+        used: u64,
+        next_desc: u16,
+        avail_idx: u16,
+        used_seen: u16,
+    }
+
+    /// A buffer of a descriptor chain: guest address, length, and whether
+    /// the device writes it.
+    pub type Buf = (u64, u32, bool);
+
+    /// A driver that brought up every queue of its device.
+    pub struct Driver {
+        pub t: MmioTransport,
+        pub mem: GuestMem,
+        pub irq: EventFd,
+        rings: Vec<Ring>,
+        next_data: u64,
+        _ram: GuestRam,
+    }
+
+    fn set(t: &mut MmioTransport, off: u64, v: u32) {
+        t.write(off, &v.to_le_bytes());
+    }
+
+    fn reg(t: &mut MmioTransport, off: u64) -> u32 {
+        let mut b = [0u8; 4];
+        t.read(off, &mut b);
+        u32::from_le_bytes(b)
+    }
+
+    impl Driver {
+        /// Negotiates every offered feature and sets up all queues.
+        pub fn new(device: Box<dyn VirtioDevice>) -> Driver {
+            let ram = GuestRam::reserve(16 << 20).unwrap();
+            let mem = ram.memory().clone();
+            let irq = EventFd::new(EFD_NONBLOCK).unwrap();
+            let mut t = MmioTransport::new(device, irq.try_clone().unwrap(), mem.clone()).unwrap();
+            set(&mut t, 0x070, 1 | 2);
+            for half in 0..2 {
+                set(&mut t, 0x014, half);
+                let f = reg(&mut t, 0x010);
+                set(&mut t, 0x024, half);
+                set(&mut t, 0x020, f);
+            }
+            set(&mut t, 0x070, 1 | 2 | 8);
+            let mut rings = Vec::new();
+            for q in 0..t.queues.len() {
+                let base = 0x1_0000 + q as u64 * 0x4000;
+                let r = Ring {
+                    desc: base,
+                    avail: base + 0x1000,
+                    used: base + 0x2000,
+                    next_desc: 0,
+                    avail_idx: 0,
+                    used_seen: 0,
+                };
+                set(&mut t, 0x030, q as u32);
+                set(&mut t, 0x038, u32::from(QUEUE_SIZE));
+                set(&mut t, 0x080, r.desc as u32);
+                set(&mut t, 0x090, r.avail as u32);
+                set(&mut t, 0x0a0, r.used as u32);
+                set(&mut t, 0x044, 1);
+                rings.push(r);
+            }
+            set(&mut t, 0x070, 1 | 2 | 8 | 4);
+            Driver {
+                t,
+                mem,
+                irq,
+                rings,
+                next_data: DATA,
+                _ram: ram,
+            }
+        }
+
+        /// A fresh buffer of `len` bytes in guest memory.
+        pub fn alloc(&mut self, len: u32) -> u64 {
+            let a = self.next_data;
+            self.next_data += u64::from(len).div_ceil(64) * 64;
+            a
+        }
+
+        pub fn write(&self, addr: u64, data: &[u8]) {
+            self.mem.write_slice(data, GuestAddress(addr)).unwrap();
+        }
+
+        pub fn read(&self, addr: u64, len: usize) -> Vec<u8> {
+            let mut b = vec![0u8; len];
+            self.mem.read_slice(&mut b, GuestAddress(addr)).unwrap();
+            b
+        }
+
+        /// Makes the chain `bufs` available on queue `q` (without notifying);
+        /// returns its head.
+        pub fn post(&mut self, q: usize, bufs: &[Buf]) -> u16 {
+            let r = &mut self.rings[q];
+            let mut idx = Vec::new();
+            for _ in bufs {
+                idx.push(r.next_desc % QUEUE_SIZE);
+                r.next_desc = r.next_desc.wrapping_add(1);
+            }
+            for (i, &(addr, len, write)) in bufs.iter().enumerate() {
+                let d = r.desc + u64::from(idx[i]) * 16;
+                let mut flags = if write { 2u16 } else { 0 };
+                let next = idx.get(i + 1).copied().unwrap_or(0);
+                if i + 1 < bufs.len() {
+                    flags |= 1;
+                }
+                self.mem.write_obj(addr, GuestAddress(d)).unwrap();
+                self.mem.write_obj(len, GuestAddress(d + 8)).unwrap();
+                self.mem.write_obj(flags, GuestAddress(d + 12)).unwrap();
+                self.mem.write_obj(next, GuestAddress(d + 14)).unwrap();
+            }
+            let slot = u64::from(r.avail_idx % QUEUE_SIZE);
+            self.mem
+                .write_obj(idx[0], GuestAddress(r.avail + 4 + slot * 2))
+                .unwrap();
+            r.avail_idx = r.avail_idx.wrapping_add(1);
+            self.mem
+                .write_obj(r.avail_idx, GuestAddress(r.avail + 2))
+                .unwrap();
+            idx[0]
+        }
+
+        pub fn notify(&mut self, q: usize) {
+            set(&mut self.t, 0x050, q as u32);
+        }
+
+        /// The next used element of queue `q`: (head, length).
+        pub fn used(&mut self, q: usize) -> Option<(u32, u32)> {
+            let r = &mut self.rings[q];
+            let idx: u16 = self.mem.read_obj(GuestAddress(r.used + 2)).unwrap();
+            if idx == r.used_seen {
+                return None;
+            }
+            let e = r.used + 4 + u64::from(r.used_seen % QUEUE_SIZE) * 8;
+            r.used_seen = r.used_seen.wrapping_add(1);
+            Some((
+                self.mem.read_obj(GuestAddress(e)).unwrap(),
+                self.mem.read_obj(GuestAddress(e + 4)).unwrap(),
+            ))
+        }
+    }
 }
 
 #[cfg(test)]

@@ -45,7 +45,10 @@ impl VirtioDevice for Rng {
         data.iter_mut().for_each(|b| *b = 0);
     }
 
-    fn process_queue(&mut self, _index: usize, queue: &mut Queue, mem: &GuestMem) -> bool {
+    fn process_queue(&mut self, index: usize, queues: &mut [Queue], mem: &GuestMem) -> bool {
+        let Some(queue) = queues.get_mut(index) else {
+            return false;
+        };
         let mut used = false;
         while let Some(chain) = queue.pop_descriptor_chain(mem) {
             let head = chain.head_index();

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use twig_vmm::testguest::{self, Command};
-use twig_vmm::{Capture, Shape, Vm};
+use twig_vmm::{Capture, DeviceConfig, Shape, Vm};
 
 pub const T: Duration = Duration::from_secs(20);
 pub const MIB: usize = 64;
@@ -26,9 +26,15 @@ pub struct Guest {
 
 /// Boots the test guest and waits for its boot marker.
 pub fn boot(dir: &std::path::Path, mib: usize, vcpus: usize) -> Guest {
+    boot_with(dir, mib, vcpus, &DeviceConfig::default())
+}
+
+/// Boots the test guest with `devices` and waits for its boot marker.
+pub fn boot_with(dir: &std::path::Path, mib: usize, vcpus: usize, devices: &DeviceConfig) -> Guest {
     require_kvm();
     let serial = Capture::new();
-    let mut vm = Vm::create(Shape::new(mib, vcpus), serial.writer()).expect("create VM");
+    let mut vm =
+        Vm::create_with(Shape::new(mib, vcpus), serial.writer(), devices).expect("create VM");
     let kernel = testguest::write_to(dir).expect("write guest");
     vm.boot(&kernel, "console=ttyS0").expect("boot");
     serial.wait_for(b"B", 0, T).expect("boot marker");

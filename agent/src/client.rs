@@ -1,0 +1,607 @@
+//! Host-side client of the agent.
+//!
+//! [`AgentClient`] connects either through a VMM's vsock Unix socket (the
+//! Firecracker-style `CONNECT <port>` handshake) or through a plain Unix
+//! socket (an agent started with `--listen unix://...` on the host), and
+//! wraps every rpc in a typed method with a deadline.
+
+use std::io::{Read, Write};
+use std::os::fd::IntoRawFd;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::proto::agent::{
+    ContainerRequest, CreateContainerRequest, ExecProcessRequest, PingRequest, PingResponse,
+    ProcessRequest, ReadStreamRequest, ReidentifyRequest, ResizeTtyRequest, SignalProcessRequest,
+    StatsResponse, WaitProcessRequest, WriteStdinRequest,
+};
+use crate::proto::agent_ttrpc::AgentClient as RawClient;
+
+/// Extra time the client allows on top of a server-side wait (WaitProcess,
+/// ReadStdout/ReadStderr) before it gives up on the reply.
+pub const CALL_SLACK: Duration = Duration::from_secs(5);
+
+/// The longest server-side wait the agent honours in one call; longer waits
+/// are split into several calls by the helpers here.
+pub const MAX_SERVER_WAIT: Duration = Duration::from_secs(60);
+
+/// `PATH` given to processes started by [`AgentClient::run`].
+pub const DEFAULT_PATH: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// Errors of the client.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The socket could not be reached.
+    #[error("connecting to {path}: {source}")]
+    Connect {
+        /// The Unix socket path.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// The vsock `CONNECT` handshake failed.
+    #[error("vsock handshake on {path} for port {port}: {reason}")]
+    Handshake {
+        /// The VMM's vsock Unix socket.
+        path: PathBuf,
+        /// The guest port asked for.
+        port: u32,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The agent answered with an error status.
+    #[error("{call}: agent replied {code}: {message}")]
+    Status {
+        /// The rpc.
+        call: &'static str,
+        /// The ttrpc status code, e.g. `NOT_FOUND`.
+        code: String,
+        /// The agent's message.
+        message: String,
+    },
+    /// No reply arrived before the deadline.
+    #[error("{call}: no reply within {timeout:?}")]
+    Timeout {
+        /// The rpc.
+        call: &'static str,
+        /// The deadline that passed.
+        timeout: Duration,
+    },
+    /// The connection or the encoding failed.
+    #[error("{call}: {message}")]
+    Transport {
+        /// The rpc.
+        call: &'static str,
+        /// The ttrpc error.
+        message: String,
+    },
+    /// A helper's own deadline passed (e.g. a process did not exit in time).
+    #[error("{0}")]
+    Deadline(String),
+}
+
+impl Error {
+    /// The ttrpc status code name (`"NOT_FOUND"`, `"INVALID_ARGUMENT"`, ...)
+    /// when the agent replied with an error status.
+    pub fn status_code(&self) -> Option<&str> {
+        match self {
+            Error::Status { code, .. } => Some(code),
+            _ => None,
+        }
+    }
+}
+
+/// Result of the client.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// How a process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcessExit {
+    /// Exit code, or 128 + signal if a signal killed it.
+    pub status: i32,
+    /// The signal that killed it, 0 if it exited.
+    pub signal: i32,
+}
+
+/// Which output stream of a process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stream {
+    /// Standard output (for a TTY process: the terminal's output).
+    Stdout,
+    /// Standard error (always empty for a TTY process).
+    Stderr,
+}
+
+/// One read of an output stream.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StreamChunk {
+    /// The bytes read (possibly none if the wait ran out).
+    pub data: Vec<u8>,
+    /// The stream is closed and everything has been read.
+    pub eof: bool,
+}
+
+/// A synchronous client of one agent. Cloning shares the connection; clones
+/// may issue calls concurrently.
+#[derive(Clone)]
+pub struct AgentClient {
+    raw: RawClient,
+}
+
+fn context(timeout: Duration) -> ttrpc::context::Context {
+    let ns = i64::try_from(timeout.as_nanos()).unwrap_or(i64::MAX).max(1);
+    ttrpc::context::with_timeout(ns)
+}
+
+fn map_err(call: &'static str, timeout: Duration, e: ttrpc::Error) -> Error {
+    match e {
+        ttrpc::Error::RpcStatus(s) => Error::Status {
+            call,
+            code: format!("{:?}", s.code()),
+            message: s.message().to_string(),
+        },
+        ttrpc::Error::Others(m) if m.contains("timeout") => Error::Timeout { call, timeout },
+        other => Error::Transport {
+            call,
+            message: other.to_string(),
+        },
+    }
+}
+
+fn millis(d: Duration) -> u32 {
+    u32::try_from(d.min(MAX_SERVER_WAIT).as_millis()).unwrap_or(u32::MAX)
+}
+
+impl AgentClient {
+    /// Connects through a VMM's vsock Unix socket: writes `CONNECT <port>\n`,
+    /// expects `OK <n>\n` before `timeout`, then speaks ttrpc on the stream.
+    pub fn connect_vsock_uds(uds_path: &Path, port: u32, timeout: Duration) -> Result<Self> {
+        let deadline = Instant::now() + timeout;
+        let mut stream = UnixStream::connect(uds_path).map_err(|source| Error::Connect {
+            path: uds_path.to_path_buf(),
+            source,
+        })?;
+        let handshake = |reason: String| Error::Handshake {
+            path: uds_path.to_path_buf(),
+            port,
+            reason,
+        };
+        stream
+            .set_write_timeout(Some(timeout.max(Duration::from_millis(1))))
+            .and_then(|()| stream.write_all(format!("CONNECT {port}\n").as_bytes()))
+            .map_err(|e| handshake(format!("writing CONNECT: {e}")))?;
+        let mut line = Vec::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(handshake(format!("no reply within {timeout:?}")));
+            }
+            stream
+                .set_read_timeout(Some(left))
+                .map_err(|e| handshake(format!("setting a read timeout: {e}")))?;
+            let mut byte = [0u8; 1];
+            match stream.read(&mut byte) {
+                Ok(0) => {
+                    return Err(handshake(format!(
+                    "the VMM closed the connection after {:?} (is anything listening on the port?)",
+                    String::from_utf8_lossy(&line)
+                )))
+                }
+                Ok(_) if byte[0] == b'\n' => break,
+                Ok(_) => {
+                    line.push(byte[0]);
+                    if line.len() > 64 {
+                        return Err(handshake(format!(
+                            "reply too long: {:?}",
+                            String::from_utf8_lossy(&line)
+                        )));
+                    }
+                }
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return Err(handshake(format!("no reply within {timeout:?}")))
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(handshake(format!("reading the reply: {e}"))),
+            }
+        }
+        let reply = String::from_utf8_lossy(&line);
+        let ok = reply
+            .strip_prefix("OK ")
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+        if !ok {
+            return Err(handshake(format!("unexpected reply {reply:?}")));
+        }
+        stream
+            .set_read_timeout(None)
+            .and_then(|()| stream.set_write_timeout(None))
+            .map_err(|e| handshake(format!("clearing timeouts: {e}")))?;
+        Self::from_stream(stream, uds_path)
+    }
+
+    /// Waits until the agent in a booting or just-restored VM answers: tries
+    /// the vsock handshake and a ping (each bounded by a few seconds) until
+    /// one succeeds or `timeout` passes, and returns the connected client.
+    /// The error at the deadline is the last attempt's.
+    pub fn wait_ready(uds_path: &Path, port: u32, timeout: Duration) -> Result<Self> {
+        let deadline = Instant::now() + timeout;
+        let mut pause = Duration::from_millis(1);
+        loop {
+            let attempt = deadline
+                .saturating_duration_since(Instant::now())
+                .min(Duration::from_secs(5))
+                .max(Duration::from_millis(1));
+            let result = Self::connect_vsock_uds(uds_path, port, attempt)
+                .and_then(|c| c.ping(attempt).map(|_| c));
+            match result {
+                Ok(client) => return Ok(client),
+                Err(e) if Instant::now() >= deadline => return Err(e),
+                Err(_) => {
+                    // Nothing listens yet: try again shortly, never past
+                    // the deadline.
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    std::thread::sleep(pause.min(left));
+                    pause = (pause * 2).min(Duration::from_millis(20));
+                }
+            }
+        }
+    }
+
+    /// Connects to an agent listening on a plain Unix socket
+    /// (`twig-agent --listen unix://<path>`), retrying until `timeout` while
+    /// the socket does not exist yet or refuses connections.
+    pub fn connect_unix(path: &Path, timeout: Duration) -> Result<Self> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            match UnixStream::connect(path) {
+                Ok(stream) => return Self::from_stream(stream, path),
+                Err(e)
+                    if Instant::now() < deadline
+                        && matches!(
+                            e.kind(),
+                            std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+                        ) =>
+                {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                Err(source) => {
+                    return Err(Error::Connect {
+                        path: path.to_path_buf(),
+                        source,
+                    })
+                }
+            }
+        }
+    }
+
+    fn from_stream(stream: UnixStream, path: &Path) -> Result<Self> {
+        let client = ttrpc::Client::new(stream.into_raw_fd()).map_err(|e| Error::Connect {
+            path: path.to_path_buf(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        Ok(AgentClient {
+            raw: RawClient::new(client),
+        })
+    }
+
+    /// Ping: the agent's version and the guest's uptime.
+    pub fn ping(&self, timeout: Duration) -> Result<PingResponse> {
+        self.raw
+            .ping(context(timeout), &PingRequest::new())
+            .map_err(|e| map_err("Ping", timeout, e))
+    }
+
+    /// Mounts `rootfs_device` (ext4) and prepares container `container_id`
+    /// from the OCI runtime spec `oci_spec_json` (config.json).
+    pub fn create_container(
+        &self,
+        container_id: &str,
+        rootfs_device: &str,
+        rootfs_read_only: bool,
+        oci_spec_json: &[u8],
+        timeout: Duration,
+    ) -> Result<()> {
+        let req = CreateContainerRequest {
+            container_id: container_id.to_string(),
+            rootfs_device: rootfs_device.to_string(),
+            rootfs_read_only,
+            oci_spec_json: oci_spec_json.to_vec(),
+            ..Default::default()
+        };
+        self.raw
+            .create_container(context(timeout), &req)
+            .map(|_| ())
+            .map_err(|e| map_err("CreateContainer", timeout, e))
+    }
+
+    /// Starts the container's init process; returns its pid (in the VM).
+    pub fn start_container(&self, container_id: &str, timeout: Duration) -> Result<u32> {
+        let req = ContainerRequest {
+            container_id: container_id.to_string(),
+            ..Default::default()
+        };
+        self.raw
+            .start_container(context(timeout), &req)
+            .map(|r| r.pid)
+            .map_err(|e| map_err("StartContainer", timeout, e))
+    }
+
+    /// Runs another process, described by an OCI `process` object as JSON,
+    /// in a started container; returns its pid (in the VM).
+    pub fn exec_process(
+        &self,
+        container_id: &str,
+        exec_id: &str,
+        oci_process_json: &[u8],
+        timeout: Duration,
+    ) -> Result<u32> {
+        let req = ExecProcessRequest {
+            container_id: container_id.to_string(),
+            exec_id: exec_id.to_string(),
+            oci_process_json: oci_process_json.to_vec(),
+            ..Default::default()
+        };
+        self.raw
+            .exec_process(context(timeout), &req)
+            .map(|r| r.pid)
+            .map_err(|e| map_err("ExecProcess", timeout, e))
+    }
+
+    /// Sends `signal` to a process (`exec_id` empty: the container's init).
+    pub fn signal_process(
+        &self,
+        container_id: &str,
+        exec_id: &str,
+        signal: u32,
+        timeout: Duration,
+    ) -> Result<()> {
+        let req = SignalProcessRequest {
+            container_id: container_id.to_string(),
+            exec_id: exec_id.to_string(),
+            signal,
+            ..Default::default()
+        };
+        self.raw
+            .signal_process(context(timeout), &req)
+            .map(|_| ())
+            .map_err(|e| map_err("SignalProcess", timeout, e))
+    }
+
+    /// Waits up to `wait` (at most [`MAX_SERVER_WAIT`] per call) for a
+    /// process to exit; `None` if it is still running.
+    pub fn wait_process(
+        &self,
+        container_id: &str,
+        exec_id: &str,
+        wait: Duration,
+    ) -> Result<Option<ProcessExit>> {
+        let req = WaitProcessRequest {
+            container_id: container_id.to_string(),
+            exec_id: exec_id.to_string(),
+            timeout_ms: millis(wait),
+            ..Default::default()
+        };
+        let deadline = wait.min(MAX_SERVER_WAIT) + CALL_SLACK;
+        let r = self
+            .raw
+            .wait_process(context(deadline), &req)
+            .map_err(|e| map_err("WaitProcess", deadline, e))?;
+        Ok(r.exited.then_some(ProcessExit {
+            status: r.exit_status,
+            signal: r.signal,
+        }))
+    }
+
+    /// Waits for a process to exit, for as long as `timeout`, over as many
+    /// calls as needed; an error if it is still running then.
+    pub fn wait_exit(
+        &self,
+        container_id: &str,
+        exec_id: &str,
+        timeout: Duration,
+    ) -> Result<ProcessExit> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if let Some(exit) = self.wait_process(container_id, exec_id, left)? {
+                return Ok(exit);
+            }
+            if left.is_zero() {
+                return Err(Error::Deadline(format!(
+                    "process {container_id:?}/{exec_id:?} still running after {timeout:?}"
+                )));
+            }
+        }
+    }
+
+    /// Writes to a process's stdin; returns how much the agent wrote.
+    pub fn write_stdin(
+        &self,
+        container_id: &str,
+        exec_id: &str,
+        data: &[u8],
+        timeout: Duration,
+    ) -> Result<u32> {
+        let req = WriteStdinRequest {
+            container_id: container_id.to_string(),
+            exec_id: exec_id.to_string(),
+            data: data.to_vec(),
+            ..Default::default()
+        };
+        self.raw
+            .write_stdin(context(timeout), &req)
+            .map(|r| r.written)
+            .map_err(|e| map_err("WriteStdin", timeout, e))
+    }
+
+    /// Closes a process's stdin (for a TTY: sends end-of-file, ^D).
+    pub fn close_stdin(&self, container_id: &str, exec_id: &str, timeout: Duration) -> Result<()> {
+        let req = ProcessRequest {
+            container_id: container_id.to_string(),
+            exec_id: exec_id.to_string(),
+            ..Default::default()
+        };
+        self.raw
+            .close_stdin(context(timeout), &req)
+            .map(|_| ())
+            .map_err(|e| map_err("CloseStdin", timeout, e))
+    }
+
+    /// Reads up to `max_bytes` (0: the agent's default) of a stream, waiting
+    /// up to `wait` for at least one byte.
+    pub fn read_stream(
+        &self,
+        container_id: &str,
+        exec_id: &str,
+        stream: Stream,
+        max_bytes: u32,
+        wait: Duration,
+    ) -> Result<StreamChunk> {
+        let req = ReadStreamRequest {
+            container_id: container_id.to_string(),
+            exec_id: exec_id.to_string(),
+            max_bytes,
+            timeout_ms: millis(wait),
+            ..Default::default()
+        };
+        let deadline = wait.min(MAX_SERVER_WAIT) + CALL_SLACK;
+        let r = match stream {
+            Stream::Stdout => self
+                .raw
+                .read_stdout(context(deadline), &req)
+                .map_err(|e| map_err("ReadStdout", deadline, e))?,
+            Stream::Stderr => self
+                .raw
+                .read_stderr(context(deadline), &req)
+                .map_err(|e| map_err("ReadStderr", deadline, e))?,
+        };
+        Ok(StreamChunk {
+            data: r.data,
+            eof: r.eof,
+        })
+    }
+
+    /// Reads a stream until end-of-file; an error if that takes longer than
+    /// `timeout`.
+    pub fn read_to_end(
+        &self,
+        container_id: &str,
+        exec_id: &str,
+        stream: Stream,
+        timeout: Duration,
+    ) -> Result<Vec<u8>> {
+        let deadline = Instant::now() + timeout;
+        let mut out = Vec::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let chunk = self.read_stream(container_id, exec_id, stream, 0, left)?;
+            out.extend_from_slice(&chunk.data);
+            if chunk.eof {
+                return Ok(out);
+            }
+            if left.is_zero() {
+                return Err(Error::Deadline(format!(
+                    "{stream:?} of {container_id:?}/{exec_id:?} not closed after {timeout:?} ({} bytes read)",
+                    out.len()
+                )));
+            }
+        }
+    }
+
+    /// Sets the window size of a TTY process.
+    pub fn resize_tty(
+        &self,
+        container_id: &str,
+        exec_id: &str,
+        rows: u32,
+        cols: u32,
+        timeout: Duration,
+    ) -> Result<()> {
+        let req = ResizeTtyRequest {
+            container_id: container_id.to_string(),
+            exec_id: exec_id.to_string(),
+            rows,
+            cols,
+            ..Default::default()
+        };
+        self.raw
+            .resize_tty(context(timeout), &req)
+            .map(|_| ())
+            .map_err(|e| map_err("ResizeTty", timeout, e))
+    }
+
+    /// Kills a container's processes and unmounts its rootfs.
+    pub fn remove_container(&self, container_id: &str, timeout: Duration) -> Result<()> {
+        let req = ContainerRequest {
+            container_id: container_id.to_string(),
+            ..Default::default()
+        };
+        self.raw
+            .remove_container(context(timeout), &req)
+            .map(|_| ())
+            .map_err(|e| map_err("RemoveContainer", timeout, e))
+    }
+
+    /// Memory and CPU use of a container's processes.
+    pub fn stats(&self, container_id: &str, timeout: Duration) -> Result<StatsResponse> {
+        let req = ContainerRequest {
+            container_id: container_id.to_string(),
+            ..Default::default()
+        };
+        self.raw
+            .stats(context(timeout), &req)
+            .map_err(|e| map_err("Stats", timeout, e))
+    }
+
+    /// Gives the VM a new identity; returns the guest's wall clock (ns since
+    /// the epoch) before it was stepped.
+    pub fn reidentify(&self, req: &ReidentifyRequest, timeout: Duration) -> Result<u64> {
+        self.raw
+            .reidentify(context(timeout), req)
+            .map(|r| r.previous_realtime_ns)
+            .map_err(|e| map_err("Reidentify", timeout, e))
+    }
+
+    /// Runs `args` as exec `exec_id` in a started container (no TTY, cwd
+    /// `/`, uid 0, a default `PATH`), reads stdout and stderr to their end
+    /// and waits for the exit; all within `timeout`. Returns (exit status,
+    /// stdout, stderr); the exit status is 128 + signal if a signal killed it.
+    pub fn run(
+        &self,
+        container_id: &str,
+        exec_id: &str,
+        args: &[&str],
+        timeout: Duration,
+    ) -> Result<(i32, Vec<u8>, Vec<u8>)> {
+        let deadline = Instant::now() + timeout;
+        let process = serde_json::json!({
+            "args": args,
+            "env": [DEFAULT_PATH],
+            "cwd": "/",
+            "user": { "uid": 0, "gid": 0 },
+            "terminal": false,
+        });
+        let json = serde_json::to_vec(&process).map_err(|e| Error::Transport {
+            call: "ExecProcess",
+            message: format!("encoding the process: {e}"),
+        })?;
+        self.exec_process(container_id, exec_id, &json, timeout)?;
+        let left = || deadline.saturating_duration_since(Instant::now());
+        let (stdout, stderr) = std::thread::scope(|s| {
+            let err = s.spawn(|| self.read_to_end(container_id, exec_id, Stream::Stderr, left()));
+            let out = self.read_to_end(container_id, exec_id, Stream::Stdout, left());
+            let err = err
+                .join()
+                .unwrap_or_else(|_| Err(Error::Deadline("the stderr reader panicked".to_string())));
+            (out, err)
+        });
+        let (stdout, stderr) = (stdout?, stderr?);
+        let exit = self.wait_exit(container_id, exec_id, left())?;
+        Ok((exit.status, stdout, stderr))
+    }
+}

@@ -1,0 +1,362 @@
+//! The ttrpc service: every rpc of `proto/agent.proto`.
+
+use std::os::fd::AsFd;
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use ttrpc::TtrpcContext;
+use twig_agent::proto::agent::{
+    ContainerRequest, CreateContainerRequest, Empty, ExecProcessRequest, PingRequest, PingResponse,
+    ProcessRequest, ReadStreamRequest, ReadStreamResponse, ReidentifyRequest, ReidentifyResponse,
+    ResizeTtyRequest, SignalProcessRequest, StartResponse, StatsResponse, WaitProcessRequest,
+    WaitProcessResponse, WriteStdinRequest, WriteStdinResponse,
+};
+use twig_agent::proto::agent_ttrpc::{create_agent, Agent};
+
+use crate::container::{mount_rootfs, Container, Process, Registry, State};
+use crate::error::{AgentError, Result};
+use crate::reaper::{lock, Reaper};
+use crate::spec::{parse_process, parse_spec, validate_id};
+use crate::stdio::{set_winsize, write_with_deadline, DEFAULT_READ_BYTES, MAX_READ_BYTES};
+
+/// The longest a call waits (WaitProcess, ReadStdout, ReadStderr).
+pub const MAX_WAIT: Duration = Duration::from_secs(60);
+/// How long WriteStdin waits for the process to take the data.
+pub const STDIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The agent's state behind the rpcs.
+pub struct AgentService {
+    reaper: Arc<Reaper>,
+    containers: Registry,
+    state_dir: PathBuf,
+    no_pivot_root: bool,
+}
+
+fn wait_of(timeout_ms: u32) -> Duration {
+    Duration::from_millis(u64::from(timeout_ms)).min(MAX_WAIT)
+}
+
+/// Logs a failed call and turns it into a ttrpc status.
+fn reply<T>(call: &str, r: Result<T>) -> ttrpc::Result<T> {
+    r.map_err(|e| {
+        tracing::warn!("{call}: {e}");
+        e.into()
+    })
+}
+
+impl AgentService {
+    /// A service keeping container state under `state_dir`.
+    pub fn new(reaper: Arc<Reaper>, state_dir: PathBuf, no_pivot_root: bool) -> Self {
+        AgentService {
+            reaper,
+            containers: Registry::default(),
+            state_dir,
+            no_pivot_root,
+        }
+    }
+
+    fn process(&self, container_id: &str, exec_id: &str) -> Result<Arc<Process>> {
+        let c = self.containers.get(container_id)?;
+        let c = lock(&c);
+        c.process(exec_id)
+    }
+
+    fn create(&self, req: &CreateContainerRequest) -> Result<()> {
+        let id = req.container_id.as_str();
+        validate_id("container", id)?;
+        let spec = parse_spec(&req.oci_spec_json)?;
+        let device = Path::new(&req.rootfs_device);
+        if req.rootfs_device.is_empty() {
+            return Err(AgentError::InvalidArgument(
+                "rootfs_device is empty".to_string(),
+            ));
+        }
+        let meta = std::fs::metadata(device).map_err(|e| {
+            AgentError::InvalidArgument(format!("rootfs device {}: {e}", device.display()))
+        })?;
+        if !meta.file_type().is_block_device() {
+            return Err(AgentError::InvalidArgument(format!(
+                "rootfs device {} is not a block device",
+                device.display()
+            )));
+        }
+        self.containers.insert_new(id, || {
+            let dir = self.state_dir.join("containers").join(id);
+            let rootfs = dir.join("rootfs");
+            std::fs::create_dir_all(&rootfs)
+                .map_err(|e| AgentError::sys(format!("creating {}", rootfs.display()), e))?;
+            if let Err(e) = mount_rootfs(device, &rootfs, req.rootfs_read_only) {
+                let _ = std::fs::remove_dir(&rootfs);
+                let _ = std::fs::remove_dir(&dir);
+                return Err(e);
+            }
+            tracing::info!(id, device = %device.display(), "container created");
+            Ok(Container {
+                id: id.to_string(),
+                rootfs,
+                dir,
+                spec,
+                state: State::Created,
+                execs: Default::default(),
+                own_pid_ns: false,
+            })
+        })
+    }
+
+    fn signal(&self, req: &SignalProcessRequest) -> Result<()> {
+        let p = self.process(&req.container_id, &req.exec_id)?;
+        let sig = i32::try_from(req.signal)
+            .ok()
+            .and_then(|s| Signal::try_from(s).ok())
+            .ok_or_else(|| AgentError::InvalidArgument(format!("invalid signal {}", req.signal)))?;
+        if let Some(exit) = p.exited() {
+            return Err(AgentError::FailedPrecondition(format!(
+                "process {} has exited (status {})",
+                p.pid, exit.status
+            )));
+        }
+        kill(Pid::from_raw(p.pid), sig)
+            .map_err(|e| AgentError::sys(format!("sending {sig} to {}", p.pid), e))
+    }
+
+    fn write_stdin(&self, req: &WriteStdinRequest) -> Result<u32> {
+        let p = self.process(&req.container_id, &req.exec_id)?;
+        let stdin = lock(&p.stdin);
+        let fd = stdin
+            .as_ref()
+            .ok_or_else(|| AgentError::FailedPrecondition("stdin is closed".to_string()))?;
+        let n = write_with_deadline(fd.as_fd(), &req.data, STDIN_TIMEOUT)?;
+        Ok(u32::try_from(n).unwrap_or(u32::MAX))
+    }
+
+    fn close_stdin(&self, req: &ProcessRequest) -> Result<()> {
+        let p = self.process(&req.container_id, &req.exec_id)?;
+        let mut stdin = lock(&p.stdin);
+        if p.tty.is_some() {
+            // A terminal has no end of input to close: send VEOF (^D),
+            // which ends a read on an empty line.
+            if let Some(fd) = stdin.as_ref() {
+                write_with_deadline(fd.as_fd(), &[4], STDIN_TIMEOUT)?;
+            }
+            return Ok(());
+        }
+        stdin.take();
+        Ok(())
+    }
+
+    fn read(&self, req: &ReadStreamRequest, stderr: bool) -> Result<ReadStreamResponse> {
+        let p = self.process(&req.container_id, &req.exec_id)?;
+        let buf = if stderr { &p.stderr } else { &p.stdout };
+        let max = match req.max_bytes as usize {
+            0 => DEFAULT_READ_BYTES,
+            n => n.min(MAX_READ_BYTES),
+        };
+        let (data, eof) = buf.read(max, wait_of(req.timeout_ms));
+        Ok(ReadStreamResponse {
+            data,
+            eof,
+            ..Default::default()
+        })
+    }
+
+    fn resize(&self, req: &ResizeTtyRequest) -> Result<()> {
+        let p = self.process(&req.container_id, &req.exec_id)?;
+        let tty = p.tty.as_ref().ok_or_else(|| {
+            AgentError::FailedPrecondition(format!("process {} has no terminal", p.pid))
+        })?;
+        let rows = u16::try_from(req.rows)
+            .map_err(|_| AgentError::InvalidArgument(format!("rows {} too large", req.rows)))?;
+        let cols = u16::try_from(req.cols)
+            .map_err(|_| AgentError::InvalidArgument(format!("cols {} too large", req.cols)))?;
+        set_winsize(tty.as_fd(), rows, cols)
+    }
+
+    fn remove(&self, id: &str) -> Result<()> {
+        let c = self.containers.get(id)?;
+        let mut c = lock(&c);
+        c.remove()?;
+        self.containers.remove(id);
+        tracing::info!(id, "container removed");
+        Ok(())
+    }
+}
+
+impl Agent for AgentService {
+    fn ping(&self, _ctx: &TtrpcContext, _: PingRequest) -> ttrpc::Result<PingResponse> {
+        let uptime = nix::time::clock_gettime(nix::time::ClockId::CLOCK_BOOTTIME)
+            .map(|t| t.tv_sec() as f64 + t.tv_nsec() as f64 / 1e9)
+            .unwrap_or_default();
+        Ok(PingResponse {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            uptime_s: uptime,
+            ..Default::default()
+        })
+    }
+
+    fn create_container(
+        &self,
+        _ctx: &TtrpcContext,
+        req: CreateContainerRequest,
+    ) -> ttrpc::Result<Empty> {
+        reply("CreateContainer", self.create(&req).map(|()| Empty::new()))
+    }
+
+    fn start_container(
+        &self,
+        _ctx: &TtrpcContext,
+        req: ContainerRequest,
+    ) -> ttrpc::Result<StartResponse> {
+        let r = self.containers.get(&req.container_id).and_then(|c| {
+            let mut c = lock(&c);
+            c.start(&self.reaper, self.no_pivot_root)
+        });
+        reply(
+            "StartContainer",
+            r.map(|pid| StartResponse {
+                pid,
+                ..Default::default()
+            }),
+        )
+    }
+
+    fn exec_process(
+        &self,
+        _ctx: &TtrpcContext,
+        req: ExecProcessRequest,
+    ) -> ttrpc::Result<StartResponse> {
+        let r = validate_id("exec", &req.exec_id)
+            .and_then(|()| parse_process(&req.oci_process_json))
+            .and_then(|process| {
+                let c = self.containers.get(&req.container_id)?;
+                let mut c = lock(&c);
+                c.exec(&self.reaper, &req.exec_id, process)
+            });
+        reply(
+            "ExecProcess",
+            r.map(|pid| StartResponse {
+                pid,
+                ..Default::default()
+            }),
+        )
+    }
+
+    fn signal_process(
+        &self,
+        _ctx: &TtrpcContext,
+        req: SignalProcessRequest,
+    ) -> ttrpc::Result<Empty> {
+        reply("SignalProcess", self.signal(&req).map(|()| Empty::new()))
+    }
+
+    fn wait_process(
+        &self,
+        _ctx: &TtrpcContext,
+        req: WaitProcessRequest,
+    ) -> ttrpc::Result<WaitProcessResponse> {
+        let r = self.process(&req.container_id, &req.exec_id).map(|p| {
+            match p.exit.wait(wait_of(req.timeout_ms)) {
+                Some(exit) => WaitProcessResponse {
+                    exited: true,
+                    exit_status: exit.status,
+                    signal: exit.signal,
+                    ..Default::default()
+                },
+                None => WaitProcessResponse::default(),
+            }
+        });
+        reply("WaitProcess", r)
+    }
+
+    fn write_stdin(
+        &self,
+        _ctx: &TtrpcContext,
+        req: WriteStdinRequest,
+    ) -> ttrpc::Result<WriteStdinResponse> {
+        reply(
+            "WriteStdin",
+            self.write_stdin(&req).map(|written| WriteStdinResponse {
+                written,
+                ..Default::default()
+            }),
+        )
+    }
+
+    fn close_stdin(&self, _ctx: &TtrpcContext, req: ProcessRequest) -> ttrpc::Result<Empty> {
+        reply("CloseStdin", self.close_stdin(&req).map(|()| Empty::new()))
+    }
+
+    fn read_stdout(
+        &self,
+        _ctx: &TtrpcContext,
+        req: ReadStreamRequest,
+    ) -> ttrpc::Result<ReadStreamResponse> {
+        reply("ReadStdout", self.read(&req, false))
+    }
+
+    fn read_stderr(
+        &self,
+        _ctx: &TtrpcContext,
+        req: ReadStreamRequest,
+    ) -> ttrpc::Result<ReadStreamResponse> {
+        reply("ReadStderr", self.read(&req, true))
+    }
+
+    fn resize_tty(&self, _ctx: &TtrpcContext, req: ResizeTtyRequest) -> ttrpc::Result<Empty> {
+        reply("ResizeTty", self.resize(&req).map(|()| Empty::new()))
+    }
+
+    fn remove_container(&self, _ctx: &TtrpcContext, req: ContainerRequest) -> ttrpc::Result<Empty> {
+        reply(
+            "RemoveContainer",
+            self.remove(&req.container_id).map(|()| Empty::new()),
+        )
+    }
+
+    fn stats(&self, _ctx: &TtrpcContext, req: ContainerRequest) -> ttrpc::Result<StatsResponse> {
+        let r = self.containers.get(&req.container_id).map(|c| {
+            let (rss, user, system, count) = lock(&c).stats();
+            StatsResponse {
+                memory_rss_bytes: rss,
+                cpu_user_us: user,
+                cpu_system_us: system,
+                process_count: count,
+                ..Default::default()
+            }
+        });
+        reply("Stats", r)
+    }
+
+    fn reidentify(
+        &self,
+        _ctx: &TtrpcContext,
+        req: ReidentifyRequest,
+    ) -> ttrpc::Result<ReidentifyResponse> {
+        reply(
+            "Reidentify",
+            crate::reidentify::apply(&req).map(|previous| ReidentifyResponse {
+                previous_realtime_ns: previous,
+                ..Default::default()
+            }),
+        )
+    }
+}
+
+/// Starts serving `agent` on `listen` (`vsock://cid:port`, `unix://path`).
+pub fn serve(listen: &str, agent: Arc<AgentService>) -> ttrpc::Result<ttrpc::Server> {
+    if let Some(path) = listen.strip_prefix("unix://") {
+        // A stale socket from an earlier run would make bind fail.
+        if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()) {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+    let service: Arc<dyn Agent + Send + Sync> = agent;
+    let mut server = ttrpc::Server::new()
+        .bind(listen)?
+        .register_service(create_agent(service));
+    server.start()?;
+    Ok(server)
+}

@@ -1,0 +1,112 @@
+//! The host client's vsock handshake, against a fake VMM vsock socket that
+//! forwards an accepted `CONNECT 1024` to a real agent.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::{Agent, T};
+use twig_agent::client::{AgentClient, Error};
+
+/// A fake VMM: accepts one connection on `uds`, reads the CONNECT line and
+/// lets `respond` answer it (and possibly take the stream over).
+fn fake_vmm(
+    uds: &Path,
+    respond: impl FnOnce(String, UnixStream) + Send + 'static,
+) -> std::thread::JoinHandle<()> {
+    let listener = UnixListener::bind(uds).unwrap();
+    std::thread::spawn(move || {
+        let (stream, _) = listener.accept().unwrap();
+        let mut reader = BufReader::new(stream.try_clone().unwrap());
+        let mut line = String::new();
+        reader.read_line(&mut line).unwrap();
+        respond(line, stream);
+    })
+}
+
+fn splice(mut from: UnixStream, mut to: UnixStream) {
+    let mut buf = [0u8; 8192];
+    loop {
+        match from.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                if to.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+            }
+        }
+    }
+    let _ = to.shutdown(std::net::Shutdown::Both);
+}
+
+#[test]
+fn vsock_handshake_then_ttrpc() {
+    let agent = Agent::start();
+    // Wait until the agent serves.
+    agent.client().ping(T).unwrap();
+    let uds = agent.dir.path().join("vsock.sock");
+    let agent_sock = agent.socket.clone();
+    let vmm = fake_vmm(&uds, move |line, mut host| {
+        assert_eq!(line, "CONNECT 1024\n");
+        let guest = UnixStream::connect(&agent_sock).unwrap();
+        host.write_all(b"OK 1073741824\n").unwrap();
+        let (h2, g2) = (host.try_clone().unwrap(), guest.try_clone().unwrap());
+        let t = std::thread::spawn(move || splice(h2, g2));
+        splice(guest, host);
+        t.join().unwrap();
+    });
+    let c = AgentClient::connect_vsock_uds(&uds, twig_agent::AGENT_VSOCK_PORT, T).unwrap();
+    assert_eq!(c.ping(T).unwrap().version, env!("CARGO_PKG_VERSION"));
+    drop(c);
+    vmm.join().unwrap();
+}
+
+#[test]
+fn vsock_handshake_failures_are_errors_within_the_deadline() {
+    let dir = tempfile::tempdir().unwrap();
+
+    let refused = dir.path().join("refused.sock");
+    let vmm = fake_vmm(&refused, |_, mut s| {
+        s.write_all(b"NOPE\n").unwrap();
+    });
+    let e = AgentClient::connect_vsock_uds(&refused, 1024, T)
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&e, Error::Handshake { reason, .. } if reason.contains("NOPE")),
+        "{e}"
+    );
+    vmm.join().unwrap();
+
+    let closed = dir.path().join("closed.sock");
+    let vmm = fake_vmm(&closed, |_, s| drop(s));
+    let e = AgentClient::connect_vsock_uds(&closed, 1024, T)
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("closed the connection"), "{e}");
+    vmm.join().unwrap();
+
+    let silent = dir.path().join("silent.sock");
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let vmm = fake_vmm(&silent, move |_, s| {
+        // Hold the connection open without answering until the client gave up.
+        let _ = rx.recv_timeout(T);
+        drop(s);
+    });
+    let t0 = Instant::now();
+    let e = AgentClient::connect_vsock_uds(&silent, 1024, Duration::from_millis(300))
+        .err()
+        .unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    assert!(e.to_string().contains("no reply"), "{e}");
+    tx.send(()).unwrap();
+    vmm.join().unwrap();
+
+    let e = AgentClient::connect_vsock_uds(&dir.path().join("missing.sock"), 1024, T)
+        .err()
+        .unwrap();
+    assert!(matches!(e, Error::Connect { .. }), "{e}");
+}

@@ -1,0 +1,243 @@
+//! Benchmarks of real Linux guests with twig-agent, run inside the nested lab
+//! (`tests/lab/run.sh --bench`), where /dev/kvm runs guest ring 0:
+//!
+//! - boot to agent ready (kernel boot, agent start, first ttrpc ping over
+//!   vsock) versus template restore to agent ready (restore the template's
+//!   snapshot into a new VM, resume, reconnect, ping): the ratio is what
+//!   matters, since absolute times under TCG mean little;
+//! - snapshot, incremental snapshot, rollback and 4-way clone of a guest
+//!   whose container holds a 64 MiB working set in tmpfs.
+//!
+//! Every VM has a busybox ext4 rootfs on virtio-blk, vsock and virtio-rng.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use twig_agent::client::AgentClient;
+use twig_agent::testkit;
+use twig_vmm::{Capture, DeviceConfig, DiskConfig, Kind, Shape, Vm, VsockConfig};
+
+use crate::stats::{Context, Error, Report};
+
+const AGENT_PORT: u32 = 1024;
+const READY: Duration = Duration::from_secs(180);
+const CALL: Duration = Duration::from_secs(60);
+const CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 loglevel=4";
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Timed boots (each boots the guest kernel).
+    #[arg(long, default_value_t = 3)]
+    boot_runs: usize,
+    /// Timed runs of every other measurement.
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+    /// Guest RAM, MiB.
+    #[arg(long, default_value_t = 256)]
+    mem_mib: usize,
+    /// The container's working set, MiB, written to its tmpfs.
+    #[arg(long, default_value_t = 64)]
+    working_set_mib: usize,
+    /// Directory under which a temporary directory is made.
+    #[arg(long, default_value = "/tmp")]
+    dir: PathBuf,
+}
+
+fn env_path(name: &str) -> Result<PathBuf, Error> {
+    std::env::var_os(name).map(PathBuf::from).ok_or_else(|| {
+        format!("{name} is not set: run this inside the nested lab (tests/lab/run.sh --bench)")
+            .into()
+    })
+}
+
+/// One VM's host-side files.
+struct Slot {
+    disk: PathBuf,
+    uds: PathBuf,
+}
+
+impl Slot {
+    fn new(dir: &Path, name: &str) -> Slot {
+        Slot {
+            disk: dir.join(format!("{name}.ext4")),
+            uds: dir.join(format!("{name}.vsock")),
+        }
+    }
+
+    fn devices(&self) -> DeviceConfig {
+        DeviceConfig {
+            disks: vec![DiskConfig {
+                path: self.disk.clone(),
+                read_only: false,
+            }],
+            net: None,
+            vsock: Some(VsockConfig {
+                cid: 3,
+                uds_path: self.uds.clone(),
+            }),
+        }
+    }
+
+    fn ready(&self) -> Result<AgentClient, Error> {
+        AgentClient::wait_ready(&self.uds, AGENT_PORT, READY)
+            .context(|| format!("agent at {}", self.uds.display()))
+    }
+}
+
+struct Guest {
+    vm: Vm,
+    agent: AgentClient,
+}
+
+fn sh(agent: &AgentClient, exec_id: &str, script: &str) -> Result<(), Error> {
+    let (code, _, err) = agent
+        .run("app", exec_id, &["sh", "-c", script], CALL)
+        .context(|| format!("exec {script:?}"))?;
+    if code != 0 {
+        return Err(format!(
+            "{script:?} exited {code}: {}",
+            String::from_utf8_lossy(&err)
+        )
+        .into());
+    }
+    Ok(())
+}
+
+pub fn run(args: &Args) -> Result<Value, Error> {
+    let kernel = env_path("TWIG_GUEST_KERNEL")?;
+    let initrd = env_path("TWIG_AGENT_INITRD")?;
+    let tmp =
+        tempfile::tempdir_in(&args.dir).context(|| format!("tempdir in {}", args.dir.display()))?;
+    let dir = tmp.path();
+    let shape = Shape::new(args.mem_mib, 1);
+    let base = dir.join("base.ext4");
+    testkit::busybox_rootfs(&base, 32, &[]).context(|| "busybox rootfs".into())?;
+    let mut r = Report::default();
+    let mut next = 0usize;
+    let mut fresh = |tag: &str| {
+        next += 1;
+        Slot::new(dir, &format!("{tag}{next}"))
+    };
+
+    // Boot to agent ready; the last boot becomes the template.
+    let mut boots = Vec::new();
+    let mut template = None;
+    for i in 0..args.boot_runs.max(1) {
+        let slot = fresh("boot");
+        fs::copy(&base, &slot.disk).context(|| "copying the rootfs".into())?;
+        let t0 = Instant::now();
+        let mut vm = Vm::create_with(shape, Capture::new().writer(), &slot.devices())?;
+        vm.boot_linux(&kernel, Some(&initrd), CMDLINE)?;
+        let agent = slot.ready().context(|| format!("boot {i}"))?;
+        boots.push(t0.elapsed());
+        template = Some(Guest { vm, agent });
+    }
+    r.timing("linux_boot_to_agent_ready_ms", &boots);
+    let mut g = template.ok_or("no boot")?;
+    g.vm.pause()?;
+    let tpl = dir.join("template");
+    let info = g.vm.snapshot(&tpl, Kind::Full)?;
+    r.value("template_snapshot_ms", json!(info.duration_ms));
+    drop(g);
+
+    // Template restore to agent ready.
+    let mut restores = Vec::new();
+    for _ in 0..args.runs {
+        let slot = fresh("restore");
+        let t0 = Instant::now();
+        let mut vm = Vm::create_with(shape, Capture::new().writer(), &slot.devices())?;
+        vm.restore(&tpl)?;
+        vm.resume()?;
+        slot.ready()?;
+        restores.push(t0.elapsed());
+    }
+    r.timing("linux_restore_to_agent_ready_ms", &restores);
+    let ratio = median_ms(&boots) / median_ms(&restores);
+    r.value("boot_over_restore_ratio", json!(ratio));
+
+    // A container with a working set.
+    let slot = fresh("ws");
+    let mut vm = Vm::create_with(shape, Capture::new().writer(), &slot.devices())?;
+    vm.restore(&tpl)?;
+    vm.resume()?;
+    let agent = slot.ready()?;
+    let spec_json = testkit::spec(&["sleep", "1000000"], json!({}));
+    agent.create_container("app", "/dev/vda", false, &spec_json, CALL)?;
+    agent.start_container("app", CALL)?;
+    let ws = args.working_set_mib;
+    let write_ws = |agent: &AgentClient, id: &str| {
+        sh(
+            agent,
+            id,
+            &format!("dd if=/dev/zero of=/tmp/ws bs=1M count={ws} conv=notrunc 2>/dev/null"),
+        )
+    };
+    write_ws(&agent, "ws0")?;
+    let mut g = Guest { vm, agent };
+
+    let mut full = Vec::new();
+    let mut incr = Vec::new();
+    let mut incr_pages = Vec::new();
+    let mut rollbacks = Vec::new();
+    let mut rollback_ready = Vec::new();
+    let mut clones = Vec::new();
+    let mut parent = None;
+    for i in 0..args.runs {
+        g.vm.pause()?;
+        let s = dir.join(format!("full{i}"));
+        full.push(ms(g.vm.snapshot(&s, Kind::Full)?.duration_ms));
+        g.vm.resume()?;
+        write_ws(&g.agent, &format!("w{i}"))?;
+        g.vm.pause()?;
+        let inc = dir.join(format!("incr{i}"));
+        let info = g.vm.snapshot(&inc, Kind::Incremental)?;
+        incr.push(ms(info.duration_ms));
+        incr_pages.push(info.pages_written);
+        g.vm.resume()?;
+        write_ws(&g.agent, &format!("x{i}"))?;
+        let t0 = Instant::now();
+        let rb = g.vm.rollback(&inc)?;
+        rollbacks.push(ms(rb.duration_ms));
+        g.agent = slot.ready()?;
+        rollback_ready.push(t0.elapsed());
+        parent = Some(inc);
+    }
+    r.timing("ws_snapshot_full_ms", &full);
+    r.timing("ws_snapshot_incr_ms", &incr);
+    r.value("ws_snapshot_incr_pages", json!(incr_pages));
+    r.timing("ws_rollback_ms", &rollbacks);
+    r.timing("ws_rollback_to_agent_ready_ms", &rollback_ready);
+
+    let snap = parent.ok_or("no snapshot")?;
+    for i in 0..args.runs {
+        let slots: Vec<Slot> = (0..4)
+            .map(|k| Slot::new(dir, &format!("clone{i}-{k}")))
+            .collect();
+        let t0 = Instant::now();
+        let vms = Vm::clone_from(
+            &snap,
+            4,
+            |_| Capture::new().writer(),
+            |k| slots[k].devices(),
+        )?;
+        for s in &slots {
+            s.ready()?;
+        }
+        clones.push(t0.elapsed());
+        drop(vms);
+    }
+    r.timing("ws_clone4_to_agents_ready_ms", &clones);
+    r.value("mem_mib", json!(args.mem_mib));
+    r.value("working_set_mib", json!(ws));
+    Ok(r.into_value())
+}
+
+fn ms(v: f64) -> Duration {
+    Duration::from_secs_f64(v / 1e3)
+}
+
+fn median_ms(v: &[Duration]) -> f64 {
+    crate::stats::Summary::of(v).p50
+}

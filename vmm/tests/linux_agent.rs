@@ -1,0 +1,385 @@
+//! Real Linux guests with twig-agent as PID 1: Twig's guest kernel
+//! (guest/build-kernel.sh) and the agent initramfs (guest/build-initramfs.sh),
+//! a busybox ext4 rootfs built by the test on a virtio-blk disk, the agent
+//! reached over virtio-vsock, and the VM's network on a tap. These need a KVM
+//! that runs guest ring 0, so they are built with `--features lab` and run
+//! inside the nested lab (tests/lab/run.sh), which provides the kernel and
+//! initramfs.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::json;
+use twig_agent::client::{AgentClient, Stream};
+use twig_agent::proto::agent::ReidentifyRequest;
+use twig_agent::testkit;
+use twig_vmm::{
+    Capture, DeviceConfig, DiskConfig, Kind, NetConfig, RunState, Shape, Vm, VsockConfig,
+};
+
+const MEM_MIB: usize = 128;
+const BOOT: Duration = Duration::from_secs(180);
+const CALL: Duration = Duration::from_secs(30);
+const AGENT_PORT: u32 = 1024;
+const CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 loglevel=4 root=/dev/ram0";
+
+fn env_path(name: &str) -> PathBuf {
+    std::env::var_os(name)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            panic!("{name} is not set: this test runs inside the nested lab (tests/lab/run.sh)")
+        })
+}
+
+/// A VM's host-side files: its writable rootfs disk and its vsock socket.
+struct Slot {
+    disk: PathBuf,
+    uds: PathBuf,
+    tap: String,
+    mac: [u8; 6],
+}
+
+impl Slot {
+    fn new(dir: &Path, name: &str, i: u8) -> Slot {
+        Slot {
+            disk: dir.join(format!("{name}.ext4")),
+            uds: dir.join(format!("{name}.vsock")),
+            tap: format!("twt{}x{name}", std::process::id() % 10000),
+            mac: [0x06, 0, 0, 0, 0, i],
+        }
+    }
+
+    fn devices(&self) -> DeviceConfig {
+        DeviceConfig {
+            disks: vec![DiskConfig {
+                path: self.disk.clone(),
+                read_only: false,
+            }],
+            net: Some(NetConfig {
+                tap: self.tap.clone(),
+                mac: self.mac,
+            }),
+            vsock: Some(VsockConfig {
+                cid: 3,
+                uds_path: self.uds.clone(),
+            }),
+        }
+    }
+
+    fn connect(&self) -> AgentClient {
+        AgentClient::wait_ready(&self.uds, AGENT_PORT, BOOT)
+            .unwrap_or_else(|e| panic!("agent at {}: {e}", self.uds.display()))
+    }
+}
+
+struct Guest {
+    vm: Vm,
+    serial: Capture,
+    agent: AgentClient,
+}
+
+/// Boots the guest kernel with the agent initramfs and a fresh busybox
+/// rootfs on /dev/vda, and waits until the agent answers a ping.
+fn boot(slot: &Slot) -> Guest {
+    require_kvm();
+    testkit::busybox_rootfs(&slot.disk, 32, &[]).expect("busybox ext4 image");
+    let serial = Capture::new();
+    let mut vm = Vm::create_with(Shape::new(MEM_MIB, 1), serial.writer(), &slot.devices())
+        .expect("create VM");
+    vm.boot_linux(
+        &env_path("TWIG_GUEST_KERNEL"),
+        Some(&env_path("TWIG_AGENT_INITRD")),
+        CMDLINE,
+    )
+    .expect("boot");
+    let agent = slot.connect();
+    agent.ping(CALL).expect("ping");
+    Guest { vm, serial, agent }
+}
+
+fn restored(image: &Path, slot: &Slot) -> Guest {
+    let serial = Capture::new();
+    let mut vm = Vm::create_with(Shape::new(MEM_MIB, 1), serial.writer(), &slot.devices())
+        .expect("create VM");
+    vm.restore(image).expect("restore");
+    vm.resume().expect("resume");
+    let agent = slot.connect();
+    agent.ping(CALL).expect("ping after restore");
+    Guest { vm, serial, agent }
+}
+
+fn spec(args: &[&str], hostname: &str) -> Vec<u8> {
+    testkit::spec(args, json!({ "hostname": hostname }))
+}
+
+fn create(g: &Guest, id: &str, args: &[&str]) {
+    g.agent
+        .create_container(id, "/dev/vda", false, &spec(args, id), CALL)
+        .expect("create container");
+    g.agent.start_container(id, CALL).expect("start container");
+}
+
+fn sh(agent: &AgentClient, id: &str, exec_id: &str, script: &str) -> (i32, String) {
+    let (code, out, err) = agent
+        .run(id, exec_id, &["sh", "-c", script], CALL)
+        .unwrap_or_else(|e| panic!("exec {script:?}: {e}"));
+    assert!(
+        err.is_empty() || code != 0,
+        "stderr of {script:?}: {}",
+        String::from_utf8_lossy(&err)
+    );
+    (code, String::from_utf8_lossy(&out).trim().to_string())
+}
+
+/// Polls `f` until it returns Some, or panics at the deadline.
+fn poll<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::yield_now();
+    }
+}
+
+const COUNTER: &str = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done";
+
+fn counter(agent: &AgentClient, exec_id: &str) -> u64 {
+    let (code, out) = sh(agent, "app", exec_id, "cat /tmp/counter");
+    assert_eq!(code, 0, "cat /tmp/counter");
+    out.parse().unwrap_or_else(|_| panic!("counter {out:?}"))
+}
+
+/// Waits until the counter passes `n`.
+fn counter_past(agent: &AgentClient, n: u64, tag: &str) -> u64 {
+    let mut k = 0;
+    poll("the counter to advance", BOOT, || {
+        k += 1;
+        let c = counter(agent, &format!("{tag}{k}"));
+        (c > n).then_some(c)
+    })
+}
+
+#[test]
+fn the_agent_runs_containers_from_a_block_rootfs() {
+    let d = tmp();
+    let slot = Slot::new(d.path(), "a", 1);
+    let g = boot(&slot);
+    let pong = g.agent.ping(CALL).unwrap();
+    assert!(!pong.version.is_empty());
+
+    // echo in a container: stdout and exit code.
+    create(&g, "echo", &["echo", "hello from twig"]);
+    let w = g.agent.wait_exit("echo", "", CALL).unwrap();
+    assert_eq!((w.status, w.signal), (0, 0));
+    let out = g
+        .agent
+        .read_to_end("echo", "", Stream::Stdout, CALL)
+        .unwrap();
+    assert_eq!(out, b"hello from twig\n");
+
+    // A long-running container: exec a second process in it, then kill it.
+    create(&g, "app", &["sleep", "1000"]);
+    let (code, out) = sh(&g.agent, "app", "e1", "hostname; ls /bin/busybox; exit 7");
+    assert_eq!(code, 7);
+    assert_eq!(out, "app\n/bin/busybox");
+    g.agent.signal_process("app", "", 9, CALL).unwrap();
+    let w = g.agent.wait_exit("app", "", CALL).unwrap();
+    assert_eq!((w.status, w.signal), (128 + 9, 9));
+
+    // Bad requests get error replies, and the agent carries on.
+    assert!(g
+        .agent
+        .create_container("bad1", "/dev/vdz", false, &spec(&["true"], "x"), CALL)
+        .is_err());
+    assert!(g
+        .agent
+        .create_container("bad2", "/dev/vda", false, b"{not json", CALL)
+        .is_err());
+    assert!(g.agent.wait_process("nope", "", Duration::ZERO).is_err());
+    g.agent.ping(CALL).unwrap();
+    assert_eq!(g.vm.state(), RunState::Running);
+}
+
+#[test]
+fn a_counter_continues_in_a_vm_restored_from_its_snapshot() {
+    let d = tmp();
+    let slot = Slot::new(d.path(), "c", 2);
+    let mut g = boot(&slot);
+    create(&g, "app", &["sh", "-c", COUNTER]);
+    let before = counter_past(&g.agent, 5, "a");
+    g.vm.pause().unwrap();
+    let s = d.path().join("snap");
+    g.vm.snapshot(&s, Kind::Full).unwrap();
+    g.vm.resume().unwrap();
+    let after = counter(&g.agent, "b");
+    assert!(after >= before);
+
+    // The original runs on well past the snapshot's value.
+    let ran_on = counter_past(&g.agent, after + 20, "c");
+    g.vm.pause().unwrap();
+
+    let r = restored(&s, &Slot::new(d.path(), "r", 3));
+    let first = counter(&r.agent, "d");
+    assert!(
+        (before..=after + 2).contains(&first),
+        "restored counter {first}: not from the snapshot (taken between {before} and {after}; the original reached {ran_on})"
+    );
+    let later = counter_past(&r.agent, first, "e");
+    assert!(later > first);
+    assert!(
+        !String::from_utf8_lossy(&r.serial.bytes()).contains("Linux version"),
+        "the restored guest did not boot again"
+    );
+}
+
+#[test]
+fn four_clones_get_their_own_identity_entropy_and_disk() {
+    let d = tmp();
+    let slot = Slot::new(d.path(), "p", 4);
+    let mut g = boot(&slot);
+    create(&g, "app", &["sleep", "100000"]);
+    g.vm.pause().unwrap();
+    let s = d.path().join("snap");
+    g.vm.snapshot(&s, Kind::Full).unwrap();
+
+    let slots: Vec<Slot> = (0..4)
+        .map(|i| Slot::new(d.path(), &format!("k{i}"), 10 + i as u8))
+        .collect();
+    let captures: Vec<Capture> = (0..4).map(|_| Capture::new()).collect();
+    let clones =
+        Vm::clone_from(&s, 4, |i| captures[i].writer(), |i| slots[i].devices()).expect("clone ×4");
+    assert_eq!(clones.len(), 4);
+    let mut rng = Vec::new();
+    let mut ips = Vec::new();
+    for (i, slot) in slots.iter().enumerate() {
+        let agent = slot.connect();
+        let mut entropy = vec![0u8; 64];
+        std::fs::File::open("/dev/urandom")
+            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut entropy))
+            .unwrap();
+        let ip = format!("10.77.0.{}", 10 + i);
+        agent
+            .reidentify(
+                &ReidentifyRequest {
+                    hostname: format!("clone-{i}"),
+                    interface: "eth0".into(),
+                    mac: format!("06:00:00:00:01:{:02x}", i),
+                    ipv4_cidr: format!("{ip}/24"),
+                    entropy,
+                    realtime_ns: std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .unwrap()
+                        .as_nanos() as u64,
+                    ..Default::default()
+                },
+                CALL,
+            )
+            .expect("reidentify");
+        let (_, bytes) = sh(
+            &agent,
+            "app",
+            "rng",
+            "head -c 16 /dev/urandom | od -An -tx1",
+        );
+        rng.push(bytes);
+        let (_, addr) = sh(&agent, "app", "ip", "ip -4 -o addr show dev eth0");
+        assert!(addr.contains(&format!("{ip}/24")), "clone {i}: {addr}");
+        ips.push(addr);
+        let (_, host) = sh(&agent, "app", "host", "cat /proc/sys/kernel/hostname");
+        assert_eq!(host, format!("clone-{i}"));
+        if i == 0 {
+            assert_eq!(sh(&agent, "app", "w", "echo mine > /marker && sync").0, 0);
+        } else {
+            assert_eq!(
+                sh(&agent, "app", "w", "test -e /marker").0,
+                1,
+                "clone {i} sees clone 0's file"
+            );
+        }
+    }
+    rng.sort();
+    rng.dedup();
+    assert_eq!(rng.len(), 4, "clones shared RNG output: {rng:?}");
+    assert!(clones.iter().all(|c| c.state() == RunState::Running));
+}
+
+#[test]
+fn rollback_rewinds_files_and_processes_and_the_agent_answers() {
+    let d = tmp();
+    let slot = Slot::new(d.path(), "b", 5);
+    let mut g = boot(&slot);
+    create(&g, "app", &["sh", "-c", COUNTER]);
+    let before = counter_past(&g.agent, 3, "a");
+    g.vm.pause().unwrap();
+    let s = d.path().join("snap");
+    g.vm.snapshot(&s, Kind::Full).unwrap();
+    g.vm.resume().unwrap();
+
+    // After the snapshot: files on the rootfs and in tmpfs, a new process.
+    assert_eq!(
+        sh(
+            &g.agent,
+            "app",
+            "w",
+            "echo later > /later && echo t > /tmp/later && sync"
+        )
+        .0,
+        0
+    );
+    g.agent
+        .exec_process(
+            "app",
+            "sleeper",
+            &testkit::process(&["sleep", "1000"], json!({})),
+            CALL,
+        )
+        .unwrap();
+    let ran_on = counter_past(&g.agent, before + 30, "b");
+
+    let info = g.vm.rollback(&s).unwrap();
+    assert_eq!(g.vm.state(), RunState::Running);
+    assert!(info.pages_restored > 0);
+    let agent = slot.connect();
+    agent.ping(CALL).expect("the agent answers after rollback");
+    g.agent = agent;
+    let now = counter(&g.agent, "c");
+    assert!(
+        now < ran_on,
+        "counter {now} not rewound (snapshot at about {before}, reached {ran_on})"
+    );
+    assert_eq!(
+        sh(&g.agent, "app", "r1", "test -e /later").0,
+        1,
+        "rootfs file"
+    );
+    assert_eq!(
+        sh(&g.agent, "app", "r2", "test -e /tmp/later").0,
+        1,
+        "tmpfs file"
+    );
+    assert!(
+        g.agent
+            .wait_process("app", "sleeper", Duration::ZERO)
+            .is_err(),
+        "the process started after the snapshot is unknown again"
+    );
+}
+
+#[test]
+fn a_guest_that_stops_answering_fails_calls_within_their_deadline() {
+    let d = tmp();
+    let slot = Slot::new(d.path(), "h", 6);
+    let mut g = boot(&slot);
+    g.vm.pause().unwrap();
+    let t = Instant::now();
+    assert!(g.agent.ping(Duration::from_secs(2)).is_err());
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    g.vm.resume().unwrap();
+    let agent = slot.connect();
+    agent.ping(CALL).unwrap();
+}
