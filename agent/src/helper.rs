@@ -117,18 +117,6 @@ fn set_cloexec(fd: i32) -> HResult<()> {
     Ok(())
 }
 
-fn ns_flag(typ: LinuxNamespaceType) -> CloneFlags {
-    match typ {
-        LinuxNamespaceType::Mount => CloneFlags::CLONE_NEWNS,
-        LinuxNamespaceType::Uts => CloneFlags::CLONE_NEWUTS,
-        LinuxNamespaceType::Ipc => CloneFlags::CLONE_NEWIPC,
-        LinuxNamespaceType::Pid => CloneFlags::CLONE_NEWPID,
-        LinuxNamespaceType::Network => CloneFlags::CLONE_NEWNET,
-        LinuxNamespaceType::Cgroup => CloneFlags::CLONE_NEWCGROUP,
-        _ => CloneFlags::empty(),
-    }
-}
-
 fn join_ns(path: &Path, flag: CloneFlags) -> HResult<()> {
     let f = File::open(path).map_err(ctx(format!("opening namespace {}", path.display())))?;
     setns(f.as_fd(), flag).map_err(ctx(format!("joining namespace {}", path.display())))
@@ -136,7 +124,7 @@ fn join_ns(path: &Path, flag: CloneFlags) -> HResult<()> {
 
 fn init(t: InitTask) -> HResult<Infallible> {
     for (typ, path) in &t.join {
-        join_ns(path, ns_flag(*typ))?;
+        join_ns(path, crate::spec::ns_flag(*typ).unwrap_or(CloneFlags::empty()))?;
     }
     if t.new_net {
         crate::netdev::set_up("lo").map_err(ctx("bringing lo up"))?;

@@ -161,16 +161,11 @@ impl NamespacePlan {
             .and_then(|l| l.namespaces().clone())
             .unwrap_or_default();
         for ns in namespaces {
-            let flag = match ns.typ() {
-                LinuxNamespaceType::Mount => CloneFlags::CLONE_NEWNS,
-                LinuxNamespaceType::Uts => CloneFlags::CLONE_NEWUTS,
-                LinuxNamespaceType::Ipc => CloneFlags::CLONE_NEWIPC,
-                LinuxNamespaceType::Pid => CloneFlags::CLONE_NEWPID,
-                LinuxNamespaceType::Network => CloneFlags::CLONE_NEWNET,
-                LinuxNamespaceType::Cgroup => CloneFlags::CLONE_NEWCGROUP,
-                other => {
-                    return Err(invalid(format!("{other} namespaces are not supported")));
-                }
+            let Some(flag) = ns_flag(ns.typ()) else {
+                return Err(invalid(format!(
+                    "{} namespaces are not supported",
+                    ns.typ()
+                )));
             };
             match ns.path() {
                 None => {
@@ -243,6 +238,19 @@ pub fn secure_join(root: &Path, path: &Path) -> std::io::Result<PathBuf> {
         }
     }
     Ok(root.join(resolved))
+}
+
+/// The clone/setns flag of a namespace type Twig supports.
+pub fn ns_flag(typ: LinuxNamespaceType) -> Option<CloneFlags> {
+    Some(match typ {
+        LinuxNamespaceType::Mount => CloneFlags::CLONE_NEWNS,
+        LinuxNamespaceType::Uts => CloneFlags::CLONE_NEWUTS,
+        LinuxNamespaceType::Ipc => CloneFlags::CLONE_NEWIPC,
+        LinuxNamespaceType::Pid => CloneFlags::CLONE_NEWPID,
+        LinuxNamespaceType::Network => CloneFlags::CLONE_NEWNET,
+        LinuxNamespaceType::Cgroup => CloneFlags::CLONE_NEWCGROUP,
+        _ => return None,
+    })
 }
 
 #[cfg(test)]

@@ -59,11 +59,15 @@ struct Slot {
 }
 
 impl Slot {
-    fn new(dir: &Path, name: &str) -> Slot {
-        Slot {
-            disk: dir.join(format!("{name}.ext4")),
+    /// A VM's files; its disk starts empty (a restore fills it from the
+    /// snapshot, a boot copies the rootfs image in).
+    fn new(dir: &Path, name: &str) -> Result<Slot, Error> {
+        let disk = dir.join(format!("{name}.ext4"));
+        fs::File::create(&disk).context(|| format!("creating {}", disk.display()))?;
+        Ok(Slot {
+            disk,
             uds: dir.join(format!("{name}.vsock")),
-        }
+        })
     }
 
     fn devices(&self) -> DeviceConfig {
@@ -125,7 +129,7 @@ pub fn run(args: &Args) -> Result<Value, Error> {
     let mut boots = Vec::new();
     let mut template = None;
     for i in 0..args.boot_runs.max(1) {
-        let slot = fresh("boot");
+        let slot = fresh("boot")?;
         fs::copy(&base, &slot.disk).context(|| "copying the rootfs".into())?;
         let t0 = Instant::now();
         let mut vm = Vm::create_with(shape, Capture::new().writer(), &slot.devices())?;
@@ -145,20 +149,22 @@ pub fn run(args: &Args) -> Result<Value, Error> {
     // Template restore to agent ready.
     let mut restores = Vec::new();
     for _ in 0..args.runs {
-        let slot = fresh("restore");
+        let slot = fresh("restore")?;
         let t0 = Instant::now();
         let mut vm = Vm::create_with(shape, Capture::new().writer(), &slot.devices())?;
         vm.restore(&tpl)?;
         vm.resume()?;
         slot.ready()?;
         restores.push(t0.elapsed());
+        drop(vm);
+        fs::remove_file(&slot.disk).context(|| format!("removing {}", slot.disk.display()))?;
     }
     r.timing("linux_restore_to_agent_ready_ms", &restores);
     let ratio = median_ms(&boots) / median_ms(&restores);
     r.value("boot_over_restore_ratio", json!(ratio));
 
     // A container with a working set.
-    let slot = fresh("ws");
+    let slot = fresh("ws")?;
     let mut vm = Vm::create_with(shape, Capture::new().writer(), &slot.devices())?;
     vm.restore(&tpl)?;
     vm.resume()?;
@@ -183,11 +189,17 @@ pub fn run(args: &Args) -> Result<Value, Error> {
     let mut rollbacks = Vec::new();
     let mut rollback_ready = Vec::new();
     let mut clones = Vec::new();
-    let mut parent = None;
+    let mut parent: Option<(PathBuf, PathBuf)> = None;
     for i in 0..args.runs {
         g.vm.pause()?;
         let s = dir.join(format!("full{i}"));
         full.push(ms(g.vm.snapshot(&s, Kind::Full)?.duration_ms));
+        // The lab's /tmp is RAM: keep only the snapshots still needed.
+        if let Some((old_full, old_incr)) = parent.take() {
+            for d in [old_incr, old_full] {
+                fs::remove_dir_all(&d).context(|| format!("removing {}", d.display()))?;
+            }
+        }
         g.vm.resume()?;
         write_ws(&g.agent, &format!("w{i}"))?;
         g.vm.pause()?;
@@ -202,7 +214,7 @@ pub fn run(args: &Args) -> Result<Value, Error> {
         rollbacks.push(ms(rb.duration_ms));
         g.agent = slot.ready()?;
         rollback_ready.push(t0.elapsed());
-        parent = Some(inc);
+        parent = Some((s, inc));
     }
     r.timing("ws_snapshot_full_ms", &full);
     r.timing("ws_snapshot_incr_ms", &incr);
@@ -210,11 +222,11 @@ pub fn run(args: &Args) -> Result<Value, Error> {
     r.timing("ws_rollback_ms", &rollbacks);
     r.timing("ws_rollback_to_agent_ready_ms", &rollback_ready);
 
-    let snap = parent.ok_or("no snapshot")?;
+    let (_, snap) = parent.ok_or("no snapshot")?;
     for i in 0..args.runs {
-        let slots: Vec<Slot> = (0..4)
+        let slots = (0..4)
             .map(|k| Slot::new(dir, &format!("clone{i}-{k}")))
-            .collect();
+            .collect::<Result<Vec<Slot>, Error>>()?;
         let t0 = Instant::now();
         let vms = Vm::clone_from(
             &snap,
@@ -227,6 +239,9 @@ pub fn run(args: &Args) -> Result<Value, Error> {
         }
         clones.push(t0.elapsed());
         drop(vms);
+        for s in &slots {
+            fs::remove_file(&s.disk).context(|| format!("removing {}", s.disk.display()))?;
+        }
     }
     r.timing("ws_clone4_to_agents_ready_ms", &clones);
     r.value("mem_mib", json!(args.mem_mib));

@@ -141,7 +141,23 @@ if [ $bench = 1 ]; then
 else
 for t in /tests/*; do
   echo "LAB-RUN \$t"
-  timeout $TEST_TIMEOUT \$t --test-threads=1 ${TWIG_LAB_TEST_ARGS:-} 2>&1
+  \$t --test-threads=1 ${TWIG_LAB_TEST_ARGS:-} 2>&1 &
+  pid=\$!
+  n=0
+  while kill -0 \$pid 2>/dev/null; do
+    if [ \$n -ge $TEST_TIMEOUT ]; then
+      # A hang: say where every thread waits, then kill the binary.
+      echo "LAB-HANG \$(basename \$t) after $TEST_TIMEOUT s; its threads:"
+      for d in /proc/\$pid/task/*; do
+        echo "  \$(cat \$d/comm) wchan=\$(cat \$d/wchan) syscall=\$(cat \$d/syscall)"
+      done
+      kill -9 \$pid
+      break
+    fi
+    sleep 1
+    n=\$((n + 1))
+  done
+  wait \$pid
   echo "LAB-EXIT \$(basename \$t) \$?"
 done
 fi

@@ -542,21 +542,18 @@ impl DeviceThread {
         }
         drop(c);
         self.poke();
-        let deadline = Instant::now() + DEVICE_PAUSE_TIMEOUT;
-        let mut c = self.lock();
-        while !(c.paused && c.order == Order::Pause) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(Error::Config(format!(
-                    "the device thread did not pause within {DEVICE_PAUSE_TIMEOUT:?}"
-                )));
-            }
-            c = self
-                .shared
-                .cv
-                .wait_timeout(c, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+        let c = self.lock();
+        let (_guard, waited) = self
+            .shared
+            .cv
+            .wait_timeout_while(c, DEVICE_PAUSE_TIMEOUT, |c| {
+                !(c.paused && c.order == Order::Pause)
+            })
+            .unwrap_or_else(|p| p.into_inner());
+        if waited.timed_out() {
+            return Err(Error::Config(format!(
+                "the device thread did not pause within {DEVICE_PAUSE_TIMEOUT:?}"
+            )));
         }
         Ok(())
     }

@@ -13,7 +13,7 @@ use std::os::unix::thread::JoinHandleExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvm_bindings::{
     kvm_cpuid_entry2, kvm_debugregs, kvm_lapic_state, kvm_mp_state, kvm_msr_entry, kvm_regs,
@@ -275,22 +275,17 @@ impl VcpuHandle {
 
     /// Waits until the thread is parked.
     pub fn wait_parked(&self) -> Result<()> {
-        let deadline = Instant::now() + PARK_TIMEOUT;
-        let mut c = self.shared.lock();
-        while !c.parked {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(Error::Vcpu {
-                    index: self.index,
-                    reason: format!("did not pause within {PARK_TIMEOUT:?}"),
-                });
-            }
-            c = self
-                .shared
-                .cv
-                .wait_timeout(c, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+        let c = self.shared.lock();
+        let (_guard, waited) = self
+            .shared
+            .cv
+            .wait_timeout_while(c, PARK_TIMEOUT, |c| !c.parked)
+            .unwrap_or_else(|p| p.into_inner());
+        if waited.timed_out() {
+            return Err(Error::Vcpu {
+                index: self.index,
+                reason: format!("did not pause within {PARK_TIMEOUT:?}"),
+            });
         }
         Ok(())
     }

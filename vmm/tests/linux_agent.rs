@@ -22,7 +22,7 @@ use twig_vmm::{
 
 const MEM_MIB: usize = 128;
 const BOOT: Duration = Duration::from_secs(180);
-const CALL: Duration = Duration::from_secs(30);
+const CALL: Duration = Duration::from_secs(60);
 const AGENT_PORT: u32 = 1024;
 const CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 loglevel=4 root=/dev/ram0";
 
@@ -43,7 +43,10 @@ struct Slot {
 }
 
 impl Slot {
+    /// A VM's files; its disk starts empty (a restore fills it from the
+    /// snapshot, a boot from a fresh rootfs image).
     fn new(dir: &Path, name: &str, i: u8) -> Slot {
+        std::fs::File::create(dir.join(format!("{name}.ext4"))).expect("disk file");
         Slot {
             disk: dir.join(format!("{name}.ext4")),
             uds: dir.join(format!("{name}.vsock")),
@@ -69,6 +72,17 @@ impl Slot {
         }
     }
 
+    /// Waits for the agent; a failure shows what the guest printed.
+    fn connect_logged(&self, serial: &Capture) -> AgentClient {
+        AgentClient::wait_ready(&self.uds, AGENT_PORT, BOOT).unwrap_or_else(|e| {
+            panic!(
+                "agent at {}: {e}; guest console:\n{}",
+                self.uds.display(),
+                String::from_utf8_lossy(&serial.bytes())
+            )
+        })
+    }
+
     fn connect(&self) -> AgentClient {
         AgentClient::wait_ready(&self.uds, AGENT_PORT, BOOT)
             .unwrap_or_else(|e| panic!("agent at {}: {e}", self.uds.display()))
@@ -77,13 +91,12 @@ impl Slot {
 
 struct Guest {
     vm: Vm,
-    serial: Capture,
     agent: AgentClient,
 }
 
-/// Boots the guest kernel with the agent initramfs and a fresh busybox
-/// rootfs on /dev/vda, and waits until the agent answers a ping.
-fn boot(slot: &Slot) -> Guest {
+/// Starts booting the guest kernel with the agent initramfs and a fresh
+/// busybox rootfs on /dev/vda.
+fn start(slot: &Slot) -> (Vm, Capture) {
     require_kvm();
     testkit::busybox_rootfs(&slot.disk, 32, &[]).expect("busybox ext4 image");
     let serial = Capture::new();
@@ -95,9 +108,14 @@ fn boot(slot: &Slot) -> Guest {
         CMDLINE,
     )
     .expect("boot");
-    let agent = slot.connect();
-    agent.ping(CALL).expect("ping");
-    Guest { vm, serial, agent }
+    (vm, serial)
+}
+
+/// Boots as [`start`] does and waits until the agent answers a ping.
+fn boot(slot: &Slot) -> Guest {
+    let (vm, serial) = start(slot);
+    let agent = slot.connect_logged(&serial);
+    Guest { vm, agent }
 }
 
 fn restored(image: &Path, slot: &Slot) -> Guest {
@@ -106,9 +124,8 @@ fn restored(image: &Path, slot: &Slot) -> Guest {
         .expect("create VM");
     vm.restore(image).expect("restore");
     vm.resume().expect("resume");
-    let agent = slot.connect();
-    agent.ping(CALL).expect("ping after restore");
-    Guest { vm, serial, agent }
+    let agent = slot.connect_logged(&serial);
+    Guest { vm, agent }
 }
 
 fn spec(args: &[&str], hostname: &str) -> Vec<u8> {
@@ -146,12 +163,12 @@ fn poll<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T
     }
 }
 
-const COUNTER: &str = "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.1; done";
+const COUNTER: &str =
+    "i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new && mv /tmp/c.new /tmp/counter; sleep 0.1; done";
 
-fn counter(agent: &AgentClient, exec_id: &str) -> u64 {
-    let (code, out) = sh(agent, "app", exec_id, "cat /tmp/counter");
-    assert_eq!(code, 0, "cat /tmp/counter");
-    out.parse().unwrap_or_else(|_| panic!("counter {out:?}"))
+/// The counter's value; polls until the counter has written it once.
+fn counter(agent: &AgentClient, tag: &str) -> u64 {
+    counter_past(agent, 0, tag)
 }
 
 /// Waits until the counter passes `n`.
@@ -159,7 +176,8 @@ fn counter_past(agent: &AgentClient, n: u64, tag: &str) -> u64 {
     let mut k = 0;
     poll("the counter to advance", BOOT, || {
         k += 1;
-        let c = counter(agent, &format!("{tag}{k}"));
+        let (code, out) = sh(agent, "app", &format!("{tag}{k}"), "cat /tmp/counter");
+        let c: u64 = (code == 0).then(|| out.parse().ok()).flatten()?;
         (c > n).then_some(c)
     })
 }
@@ -231,10 +249,15 @@ fn a_counter_continues_in_a_vm_restored_from_its_snapshot() {
     );
     let later = counter_past(&r.agent, first, "e");
     assert!(later > first);
-    assert!(
-        !String::from_utf8_lossy(&r.serial.bytes()).contains("Linux version"),
-        "the restored guest did not boot again"
-    );
+}
+
+const DAY: u64 = 86_400;
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
 }
 
 #[test]
@@ -242,7 +265,21 @@ fn four_clones_get_their_own_identity_entropy_and_disk() {
     let d = tmp();
     let slot = Slot::new(d.path(), "p", 4);
     let mut g = boot(&slot);
-    create(&g, "app", &["sleep", "100000"]);
+    // No UTS namespace of its own: the container sees the VM's hostname.
+    let shared_uts = json!({
+        "hostname": null,
+        "linux": {"namespaces": [{"type": "pid"}, {"type": "ipc"}, {"type": "mount"}]}
+    });
+    g.agent
+        .create_container(
+            "app",
+            "/dev/vda",
+            false,
+            &testkit::spec(&["sleep", "100000"], shared_uts),
+            CALL,
+        )
+        .unwrap();
+    g.agent.start_container("app", CALL).unwrap();
     g.vm.pause().unwrap();
     let s = d.path().join("snap");
     g.vm.snapshot(&s, Kind::Full).unwrap();
@@ -251,13 +288,17 @@ fn four_clones_get_their_own_identity_entropy_and_disk() {
         .map(|i| Slot::new(d.path(), &format!("k{i}"), 10 + i as u8))
         .collect();
     let captures: Vec<Capture> = (0..4).map(|_| Capture::new()).collect();
+    eprintln!("clone: snapshot taken");
     let clones =
         Vm::clone_from(&s, 4, |i| captures[i].writer(), |i| slots[i].devices()).expect("clone ×4");
+    eprintln!("clone: 4 clones running");
     assert_eq!(clones.len(), 4);
     let mut rng = Vec::new();
     let mut ips = Vec::new();
     for (i, slot) in slots.iter().enumerate() {
-        let agent = slot.connect();
+        eprintln!("clone {i}: connecting");
+        let agent = slot.connect_logged(&captures[i]);
+        eprintln!("clone {i}: connected");
         let mut entropy = vec![0u8; 64];
         std::fs::File::open("/dev/urandom")
             .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut entropy))
@@ -271,10 +312,9 @@ fn four_clones_get_their_own_identity_entropy_and_disk() {
                     mac: format!("06:00:00:00:01:{:02x}", i),
                     ipv4_cidr: format!("{ip}/24"),
                     entropy,
-                    realtime_ns: std::time::SystemTime::now()
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .unwrap()
-                        .as_nanos() as u64,
+                    // A day ahead of the host, so that a clock that was
+                    // not stepped cannot pass for one that was.
+                    realtime_ns: (unix_now() + DAY) * 1_000_000_000,
                     ..Default::default()
                 },
                 CALL,
@@ -290,10 +330,27 @@ fn four_clones_get_their_own_identity_entropy_and_disk() {
         let (_, addr) = sh(&agent, "app", "ip", "ip -4 -o addr show dev eth0");
         assert!(addr.contains(&format!("{ip}/24")), "clone {i}: {addr}");
         ips.push(addr);
+        let (_, date) = sh(&agent, "app", "date", "date +%s");
+        let host_now = unix_now() + DAY;
+        let guest_now: u64 = date.parse().unwrap();
+        assert!(
+            guest_now.abs_diff(host_now) <= 30,
+            "clone {i}'s clock was not stepped: {guest_now} vs {host_now}"
+        );
         let (_, host) = sh(&agent, "app", "host", "cat /proc/sys/kernel/hostname");
         assert_eq!(host, format!("clone-{i}"));
         if i == 0 {
             assert_eq!(sh(&agent, "app", "w", "echo mine > /marker && sync").0, 0);
+            // The clone's network works: it reaches the host end of its tap.
+            for args in [
+                vec!["addr", "add", "10.77.0.1/24", "dev", &slot.tap],
+                vec!["link", "set", &slot.tap, "up"],
+            ] {
+                let st = std::process::Command::new("ip").args(&args).status().unwrap();
+                assert!(st.success(), "ip {args:?}");
+            }
+            let (code, out) = sh(&agent, "app", "ping", "ping -c 1 -W 20 10.77.0.1");
+            assert_eq!(code, 0, "ping from clone 0 over its tap: {out}");
         } else {
             assert_eq!(
                 sh(&agent, "app", "w", "test -e /marker").0,
@@ -382,4 +439,41 @@ fn a_guest_that_stops_answering_fails_calls_within_their_deadline() {
     g.vm.resume().unwrap();
     let agent = slot.connect();
     agent.ping(CALL).unwrap();
+}
+
+#[test]
+fn a_template_restores_to_a_ready_agent_without_booting() {
+    let d = tmp();
+    let slot = Slot::new(d.path(), "t", 7);
+    let (mut vm, _serial) = start(&slot);
+    // The kernel's boot id is drawn at every boot: VMs restored from the
+    // template must share it.
+    let boot_id = || {
+        let agent = slot.connect();
+        let args = ["cat", "/proc/sys/kernel/random/boot_id"];
+        agent
+            .create_container("id", "/dev/vda", false, &spec(&args, "id"), CALL)
+            .unwrap();
+        agent.start_container("id", CALL).unwrap();
+        agent.read_to_end("id", "", Stream::Stdout, CALL).unwrap()
+    };
+    let booted = boot_id();
+    assert_eq!(booted.len(), 37, "{booted:?}");
+    // The readiness probe `twig-vmm template` uses: the guest accepts a
+    // vsock connection on the agent's port.
+    let t = d.path().join("template");
+    vm.template(&t, BOOT, || {
+        twig_vmm::virtio::vsock::host_connect(&slot.uds, AGENT_PORT, Duration::from_secs(2))
+            .is_ok()
+    })
+    .expect("template");
+    assert_eq!(vm.state(), RunState::Paused);
+    drop(vm);
+
+    for name in ["u1", "u2"] {
+        let r = restored(&t, &Slot::new(d.path(), name, 8));
+        create(&r, "hi", &["cat", "/proc/sys/kernel/random/boot_id"]);
+        let id = r.agent.read_to_end("hi", "", Stream::Stdout, CALL).unwrap();
+        assert_eq!(id, booted, "the restored guest booted again");
+    }
 }
