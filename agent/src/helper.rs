@@ -124,7 +124,10 @@ fn join_ns(path: &Path, flag: CloneFlags) -> HResult<()> {
 
 fn init(t: InitTask) -> HResult<Infallible> {
     for (typ, path) in &t.join {
-        join_ns(path, crate::spec::ns_flag(*typ).unwrap_or(CloneFlags::empty()))?;
+        join_ns(
+            path,
+            crate::spec::ns_flag(*typ).unwrap_or(CloneFlags::empty()),
+        )?;
     }
     if t.new_net {
         crate::netdev::set_up("lo").map_err(ctx("bringing lo up"))?;

@@ -132,7 +132,7 @@ mount -t tmpfs tmp /tmp
 for m in irqbypass kvm kvm-amd tun; do insmod /lib/modules/\$m.ko || echo "LAB-ERROR insmod \$m"; done
 [ -c /dev/kvm ] || echo "LAB-ERROR no /dev/kvm"
 export TWIG_GUEST_KERNEL=/guest/bzImage TWIG_GUEST_INITRD=/guest/initrd TWIG_AGENT_INITRD=/guest/agent-initrd
-export PATH=/sbin:/bin
+export PATH=/sbin:/bin ${TWIG_LAB_ENV:-}
 echo LAB-BEGIN
 if [ $bench = 1 ]; then
   timeout $TEST_TIMEOUT /tests/twig-bench linux --json ${bench_args:-} > /tmp/bench.json

@@ -338,6 +338,11 @@ impl Devices {
         }
     }
 
+    /// Every virtio transport's and device's state, for diagnostics.
+    pub fn describe(&self) -> Vec<String> {
+        self.virtio.iter().map(|v| lock(v).describe()).collect()
+    }
+
     /// Tells every virtio device its state was restored or rolled back.
     pub fn after_restore(&self) {
         for v in &self.virtio {

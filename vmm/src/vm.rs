@@ -1176,6 +1176,23 @@ impl Vm {
         results.into_iter().collect()
     }
 
+    /// Every virtio device's transport, queue and device state, one line
+    /// each, for diagnostics (a guest that stopped answering, say).
+    pub fn describe_devices(&self) -> Vec<String> {
+        let mut out = self.devices.describe();
+        if let Ok((chips, _, _)) = self.save_vm_state() {
+            for (name, chip) in ["pic master", "pic slave"].iter().zip(&chips) {
+                // SAFETY: PIC chip ids carry the `pic` member of the union.
+                let pic = unsafe { chip.chip.pic };
+                out.push(format!(
+                    "{name}: irr {:#04x} last irr {:#04x} isr {:#04x} imr {:#04x} elcr {:#04x}",
+                    pic.irr, pic.last_irr, pic.isr, pic.imr, pic.elcr
+                ));
+            }
+        }
+        out
+    }
+
     /// The VM's counters. Folds KVM's dirty log in, so the count is current.
     pub fn stats(&mut self) -> Result<Stats> {
         if self.state() != RunState::Created {

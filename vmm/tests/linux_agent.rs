@@ -72,12 +72,17 @@ impl Slot {
         }
     }
 
-    /// Waits for the agent; a failure shows what the guest printed.
-    fn connect_logged(&self, serial: &Capture) -> AgentClient {
+    /// Waits for the agent; a failure shows what the guest printed and the
+    /// state of the VM's devices.
+    fn connect_logged(&self, vm: &mut Vm, serial: &Capture) -> AgentClient {
         AgentClient::wait_ready(&self.uds, AGENT_PORT, BOOT).unwrap_or_else(|e| {
+            let devices = vm.describe_devices().join("\n");
+            let paused = vm.pause();
+            let regs = vm.vcpu_regs(0);
             panic!(
-                "agent at {}: {e}; guest console:\n{}",
+                "agent at {}: {e}; devices:\n{devices}\nvCPU 0 (pause: {paused:?}): {:?}\nguest console:\n{}",
                 self.uds.display(),
+                regs.map(|r| format!("rip {:#x} rflags {:#x}", r.rip, r.rflags)),
                 String::from_utf8_lossy(&serial.bytes())
             )
         })
@@ -113,8 +118,8 @@ fn start(slot: &Slot) -> (Vm, Capture) {
 
 /// Boots as [`start`] does and waits until the agent answers a ping.
 fn boot(slot: &Slot) -> Guest {
-    let (vm, serial) = start(slot);
-    let agent = slot.connect_logged(&serial);
+    let (mut vm, serial) = start(slot);
+    let agent = slot.connect_logged(&mut vm, &serial);
     Guest { vm, agent }
 }
 
@@ -124,7 +129,7 @@ fn restored(image: &Path, slot: &Slot) -> Guest {
         .expect("create VM");
     vm.restore(image).expect("restore");
     vm.resume().expect("resume");
-    let agent = slot.connect_logged(&serial);
+    let agent = slot.connect_logged(&mut vm, &serial);
     Guest { vm, agent }
 }
 
@@ -289,7 +294,7 @@ fn four_clones_get_their_own_identity_entropy_and_disk() {
         .collect();
     let captures: Vec<Capture> = (0..4).map(|_| Capture::new()).collect();
     eprintln!("clone: snapshot taken");
-    let clones =
+    let mut clones =
         Vm::clone_from(&s, 4, |i| captures[i].writer(), |i| slots[i].devices()).expect("clone ×4");
     eprintln!("clone: 4 clones running");
     assert_eq!(clones.len(), 4);
@@ -297,7 +302,7 @@ fn four_clones_get_their_own_identity_entropy_and_disk() {
     let mut ips = Vec::new();
     for (i, slot) in slots.iter().enumerate() {
         eprintln!("clone {i}: connecting");
-        let agent = slot.connect_logged(&captures[i]);
+        let agent = slot.connect_logged(&mut clones[i], &captures[i]);
         eprintln!("clone {i}: connected");
         let mut entropy = vec![0u8; 64];
         std::fs::File::open("/dev/urandom")
@@ -346,7 +351,10 @@ fn four_clones_get_their_own_identity_entropy_and_disk() {
                 vec!["addr", "add", "10.77.0.1/24", "dev", &slot.tap],
                 vec!["link", "set", &slot.tap, "up"],
             ] {
-                let st = std::process::Command::new("ip").args(&args).status().unwrap();
+                let st = std::process::Command::new("ip")
+                    .args(&args)
+                    .status()
+                    .unwrap();
                 assert!(st.success(), "ip {args:?}");
             }
             let (code, out) = sh(&agent, "app", "ping", "ping -c 1 -W 20 10.77.0.1");
@@ -463,8 +471,7 @@ fn a_template_restores_to_a_ready_agent_without_booting() {
     // vsock connection on the agent's port.
     let t = d.path().join("template");
     vm.template(&t, BOOT, || {
-        twig_vmm::virtio::vsock::host_connect(&slot.uds, AGENT_PORT, Duration::from_secs(2))
-            .is_ok()
+        twig_vmm::virtio::vsock::host_connect(&slot.uds, AGENT_PORT, Duration::from_secs(2)).is_ok()
     })
     .expect("template");
     assert_eq!(vm.state(), RunState::Paused);

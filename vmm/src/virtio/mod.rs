@@ -19,6 +19,7 @@ pub mod vsock;
 use std::os::fd::RawFd;
 
 use virtio_queue::{Queue, QueueState, QueueT};
+use vm_memory::Bytes;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::error::{Error, Result};
@@ -92,6 +93,10 @@ pub trait VirtioDevice: Send {
     }
     /// The driver reset the device.
     fn reset(&mut self) {}
+    /// The device's own state, for diagnostics.
+    fn describe(&self) -> String {
+        String::new()
+    }
 }
 
 /// The MMIO transport of one device.
@@ -341,6 +346,41 @@ impl MmioTransport {
                 tracing::warn!("virtio interrupt: {e}");
             }
         }
+    }
+
+    /// Transport, queue and device state, for diagnostics: the status and
+    /// interrupt registers, and for each queue the device's indices next to
+    /// the indices the driver published in guest memory.
+    pub fn describe(&self) -> String {
+        let mut out = format!(
+            "{} status {:#x} interrupt {:#x}",
+            device_name(self.device.device_type()),
+            self.status,
+            self.interrupt_status
+        );
+        for (i, q) in self.queues.iter().enumerate() {
+            let s = q.state();
+            let idx = |ring: u64| {
+                self.mem
+                    .read_obj::<u16>(vm_memory::GuestAddress(ring + 2))
+                    .map_or_else(|_| "?".to_string(), |v| v.to_string())
+            };
+            out.push_str(&format!(
+                "; q{i} ready {} size {} next avail {} next used {} driver avail {} used {}",
+                s.ready,
+                s.size,
+                s.next_avail,
+                s.next_used,
+                idx(s.avail_ring),
+                idx(s.used_ring)
+            ));
+        }
+        let dev = self.device.describe();
+        if !dev.is_empty() {
+            out.push_str("; ");
+            out.push_str(&dev);
+        }
+        out
     }
 
     /// Transport and queue state for a snapshot.

@@ -1321,6 +1321,31 @@ impl VirtioDevice for Vsock {
         DEVICE_VSOCK
     }
 
+    fn describe(&self) -> String {
+        let mut out = format!(
+            "vsock: {} connections, {} queued for rx, {} control packets, event pending {}, next port {}",
+            self.conns.len(),
+            self.rxq.len(),
+            self.ctrl.len(),
+            self.event_pending,
+            self.next_port
+        );
+        for c in self.conns.values() {
+            out.push_str(&format!(
+                "; {}->{} {:?} tx {} rx {} fwd {} peer credit {}/{}",
+                c.local,
+                c.peer,
+                c.state,
+                c.tx_cnt,
+                c.rx_cnt,
+                c.fwd_cnt,
+                c.peer_fwd_cnt,
+                c.peer_buf_alloc
+            ));
+        }
+        out
+    }
+
     fn features(&self) -> u64 {
         0
     }
