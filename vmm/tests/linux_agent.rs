@@ -78,11 +78,10 @@ impl Slot {
         AgentClient::wait_ready(&self.uds, AGENT_PORT, BOOT).unwrap_or_else(|e| {
             let devices = vm.describe_devices().join("\n");
             let paused = vm.pause();
-            let regs = vm.vcpu_regs(0);
+            let vcpu = vm.describe_vcpu(0);
             panic!(
-                "agent at {}: {e}; devices:\n{devices}\nvCPU 0 (pause: {paused:?}): {:?}\nguest console:\n{}",
+                "agent at {}: {e}; devices:\n{devices}\nvCPU 0 (pause: {paused:?}): {vcpu:?}\nguest console:\n{}",
                 self.uds.display(),
-                regs.map(|r| format!("rip {:#x} rflags {:#x}", r.rip, r.rflags)),
                 String::from_utf8_lossy(&serial.bytes())
             )
         })
