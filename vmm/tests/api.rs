@@ -368,3 +368,48 @@ fn a_vmm_killed_mid_snapshot_leaves_no_valid_looking_snapshot() {
         );
     }
 }
+
+#[test]
+fn template_refuses_without_vsock_and_fails_when_the_guest_never_listens() {
+    require_kvm();
+    let d = tempfile::tempdir().unwrap();
+    let kernel = twig_vmm::testguest::write_to(d.path()).unwrap();
+    let out = |args: &[&str]| {
+        Command::new(BIN)
+            .arg("template")
+            .args(args)
+            .env("TWIG_LOG", "error")
+            .output()
+            .unwrap()
+    };
+    let tpl = d.path().join("tpl");
+    let kernel = kernel.to_str().unwrap();
+    let tpl_s = tpl.to_str().unwrap();
+
+    let o = out(&[tpl_s, "--kernel", kernel, "--mem-mib", "64"]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("needs --vsock-uds"), "{err}");
+
+    // The test guest never accepts vsock connections: not ready in time.
+    let uds = d.path().join("tpl.vsock");
+    let t = Instant::now();
+    let o = out(&[
+        tpl_s,
+        "--kernel",
+        kernel,
+        "--mem-mib",
+        "64",
+        "--serial",
+        "/dev/null",
+        "--vsock-uds",
+        uds.to_str().unwrap(),
+        "--timeout-s",
+        "1",
+    ]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("not ready within"), "{err}");
+    assert!(t.elapsed() < std::time::Duration::from_secs(30));
+    assert!(!tpl.exists(), "nothing is written");
+}
