@@ -8,7 +8,8 @@
 //! optimistic concurrency (409 Conflict on a stale resourceVersion, 409
 //! AlreadyExists); `generation` bumped on spec changes; finalizers and
 //! `deletionTimestamp`; background garbage collection through
-//! `ownerReferences`; and admission of custom resources against their CRD
+//! `ownerReferences` (also of objects created for an owner already gone);
+//! and admission of custom resources against their CRD
 //! schema and CEL rules (see `schema.rs`).
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -667,6 +668,21 @@ fn create(state: &State, target: &Target, mut obj: Value) -> Response<Body> {
     bump(&mut inner, &mut obj);
     inner.objects.insert(k.clone(), obj.clone());
     record(state, &mut inner, "ADDED", &k, obj.clone());
+    // Kubernetes' garbage collector deletes a dependent whose owner is gone
+    // (created by a reconcile that raced the owner's deletion, say).
+    let orphaned = obj["metadata"]["ownerReferences"]
+        .as_array()
+        .is_some_and(|refs| {
+            refs.iter().any(|r| {
+                !inner
+                    .objects
+                    .iter()
+                    .any(|(ok, o)| ok.namespace == k.namespace && o["metadata"]["uid"] == r["uid"])
+            })
+        });
+    if orphaned {
+        delete_key(state, &mut inner, &k);
+    }
     full(StatusCode::CREATED, &obj)
 }
 
