@@ -11,6 +11,7 @@
 //!
 //! Every VM has a busybox ext4 rootfs on virtio-blk, vsock and virtio-rng.
 
+use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -45,8 +46,9 @@ pub struct Args {
     /// The container's working set, MiB, written to its tmpfs.
     #[arg(long, default_value_t = 64)]
     working_set_mib: usize,
-    /// Directory under which a temporary directory is made.
-    #[arg(long, default_value = "/tmp")]
+    /// Directory under which a temporary directory is made (on a reflink
+    /// filesystem, snapshots share the disk's extents).
+    #[arg(long, env = "TWIG_BENCH_DIR", default_value = "/tmp")]
     dir: PathBuf,
 }
 
@@ -133,17 +135,21 @@ pub fn run(args: &Args) -> Result<Value, Error> {
     // Boot to agent ready; the last boot becomes the template.
     let mut boots = Vec::new();
     let mut template = None;
+    let mut boot_events = KvmEvents::default();
     for i in 0..args.boot_runs.max(1) {
         let slot = fresh("boot")?;
         fs::copy(&base, &slot.disk).context(|| "copying the rootfs".into())?;
         let mut vm = Vm::create_with(shape, Capture::new().writer(), &slot.devices())?;
+        let before = kvm_counters();
         let t0 = Instant::now();
         vm.boot_linux(&kernel, Some(&initrd), CMDLINE)?;
         let agent = slot.ready().context(|| format!("boot {i}"))?;
         boots.push(t0.elapsed());
+        boot_events.add(&before);
         template = Some(Guest { vm, agent });
     }
     r.timing("linux_boot_to_agent_ready_ms", &boots);
+    r.value("boot_kvm_events", boot_events.per_phase());
     let mut g = template.ok_or("no boot")?;
     g.vm.pause()?;
     let tpl = dir.join("template");
@@ -156,6 +162,7 @@ pub fn run(args: &Args) -> Result<Value, Error> {
     let mut restores = Vec::new();
     let mut cold = Vec::new();
     let mut phases: [Vec<Duration>; 4] = Default::default();
+    let mut resume_events = KvmEvents::default();
     for _ in 0..args.runs {
         let slot = fresh("restore")?;
         let t0 = Instant::now();
@@ -164,10 +171,12 @@ pub fn run(args: &Args) -> Result<Value, Error> {
         let image = Image::open(&tpl)?;
         let t2 = Instant::now();
         vm.restore_image(&image)?;
+        let before = kvm_counters();
         let t3 = Instant::now();
         vm.resume()?;
         slot.ready()?;
         let t4 = Instant::now();
+        resume_events.add(&before);
         restores.push(t4 - t1);
         cold.push(t4 - t0);
         for (p, d) in phases.iter_mut().zip([t1 - t0, t2 - t1, t3 - t2, t4 - t3]) {
@@ -188,6 +197,7 @@ pub fn run(args: &Args) -> Result<Value, Error> {
         split.insert(name.to_string(), json!(s));
     }
     r.insert("restore_phases_ms", Value::Object(split));
+    r.value("resume_to_ping_kvm_events", resume_events.per_phase());
     let ratio = median_ms(&boots) / median_ms(&restores);
     r.value("boot_over_restore_ratio", json!(ratio));
 
@@ -280,6 +290,50 @@ pub fn run(args: &Args) -> Result<Value, Error> {
     r.value("mem_mib", json!(args.mem_mib));
     r.value("working_set_mib", json!(ws));
     Ok(r.into_value())
+}
+
+/// KVM's VM-wide event counters (exits, page faults fixed, halts, ...),
+/// summed over every VM, from debugfs; empty where it is not mounted.
+fn kvm_counters() -> BTreeMap<String, u64> {
+    let Ok(dir) = fs::read_dir("/sys/kernel/debug/kvm") else {
+        return BTreeMap::new();
+    };
+    dir.flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+        .filter_map(|e| {
+            let v = fs::read_to_string(e.path()).ok()?.trim().parse().ok()?;
+            Some((e.file_name().to_string_lossy().into_owned(), v))
+        })
+        .collect()
+}
+
+/// Counts KVM events over phases, to say where a phase's time goes.
+#[derive(Default)]
+struct KvmEvents {
+    total: BTreeMap<String, u64>,
+    phases: u64,
+}
+
+impl KvmEvents {
+    fn add(&mut self, before: &BTreeMap<String, u64>) {
+        for (k, v) in kvm_counters() {
+            let d = v.saturating_sub(before.get(&k).copied().unwrap_or(0));
+            *self.total.entry(k).or_default() += d;
+        }
+        self.phases += 1;
+    }
+
+    /// The non-zero counters, averaged per phase.
+    fn per_phase(&self) -> Value {
+        let n = self.phases.max(1);
+        Value::Object(
+            self.total
+                .iter()
+                .filter(|(_, v)| **v > 0)
+                .map(|(k, v)| (k.clone(), json!(v / n)))
+                .collect(),
+        )
+    }
 }
 
 fn ms(v: f64) -> Duration {
