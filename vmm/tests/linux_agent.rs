@@ -369,7 +369,14 @@ fn four_clones_get_their_own_identity_entropy_and_disk() {
     rng.sort();
     rng.dedup();
     assert_eq!(rng.len(), 4, "clones shared RNG output: {rng:?}");
-    assert!(clones.iter().all(|c| c.state() == RunState::Running));
+    for (i, c) in clones.iter().enumerate() {
+        assert!(
+            c.state() == RunState::Running,
+            "clone {i} stopped: {}\nguest console:\n{}",
+            c.describe_devices().join("\n"),
+            String::from_utf8_lossy(&captures[i].bytes())
+        );
+    }
 }
 
 #[test]
