@@ -39,15 +39,30 @@ command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 missing (scr
 cache=${XDG_CACHE_HOME:-$HOME/.cache}/twig/lab
 mkdir -p "$cache"
 
-# 1. The outer kernel and its KVM modules, from Debian's package (cached).
-pkg=$(apt-cache depends linux-image-cloud-amd64 2>/dev/null | awk '/Depends: linux-image-/{print $2; exit}')
-[[ -n $pkg ]] || { apt-get update -qq; pkg=$(apt-cache depends linux-image-cloud-amd64 | awk '/Depends: linux-image-/{print $2; exit}'); }
-[[ -n $pkg ]] || die "cannot resolve linux-image-cloud-amd64"
-ver=$(apt-cache policy "$pkg" | awk '/Candidate:/{print $2}')
+# 1. The outer kernel and its KVM modules, from Debian's package (cached),
+#    from TWIG_LAB_KERNEL_SUITE (default: bookworm's own suites, as the
+#    machine's apt sources have them; e.g. bookworm-backports for 6.12),
+#    resolved with a private apt list under the cache so the machine's apt
+#    configuration is left alone.
+suite=${TWIG_LAB_KERNEL_SUITE:-}
+apt_opts=()
+if [[ -n $suite ]]; then
+  aptdir=$cache/apt-$suite
+  mkdir -p "$aptdir/lists/partial" "$aptdir/cache/archives/partial"
+  echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian $suite main" > "$aptdir/sources.list"
+  apt_opts=(-o "Dir::Etc::SourceList=$aptdir/sources.list" -o Dir::Etc::SourceParts=/dev/null
+    -o "Dir::State::Lists=$aptdir/lists" -o "Dir::Cache=$aptdir/cache")
+  apt-get "${apt_opts[@]}" update -qq 2>/dev/null || echo "lab: apt-get update for $suite failed; using the cached lists" >&2
+fi
+resolve() { apt-cache "${apt_opts[@]}" depends linux-image-cloud-amd64 2>/dev/null | awk '/Depends: linux-image-/{print $2; exit}'; }
+pkg=$(resolve)
+[[ -n $pkg || -n $suite ]] || { apt-get update -qq; pkg=$(resolve); }
+[[ -n $pkg ]] || die "cannot resolve linux-image-cloud-amd64${suite:+ in $suite}"
+ver=$(apt-cache "${apt_opts[@]}" policy "$pkg" | awk '/Candidate:/{print $2}')
 kdir=$cache/kernel-$pkg-$ver
 if [[ ! -f $kdir/done ]]; then
   rm -rf "$kdir"; mkdir -p "$kdir/deb"
-  (cd "$kdir/deb" && apt-get download "$pkg" >/dev/null 2>&1) || die "apt-get download $pkg failed"
+  (cd "$kdir/deb" && apt-get "${apt_opts[@]}" download "$pkg" >/dev/null 2>&1) || die "apt-get download $pkg failed"
   dpkg-deb -x "$kdir"/deb/*.deb "$kdir/x"
   touch "$kdir/done"
 fi
@@ -108,9 +123,12 @@ fi
 root=$work/root
 mkdir -p "$root"/{bin,dev,proc,sys,tmp,lib/modules,tests}
 cp /bin/busybox "$root/bin/busybox"
-for m in virt/lib/irqbypass.ko arch/x86/kvm/kvm.ko arch/x86/kvm/kvm-amd.ko drivers/net/tun.ko \
-  drivers/block/loop.ko lib/libcrc32c.ko fs/xfs/xfs.ko; do
-  cp "$mods/$m" "$root/lib/modules/"
+for m in virt/lib/irqbypass arch/x86/kvm/kvm arch/x86/kvm/kvm-amd drivers/net/tun \
+  drivers/block/loop lib/libcrc32c fs/xfs/xfs; do
+  # Newer Debian kernels ship xz-compressed modules; busybox insmod wants them plain.
+  if [[ -f $mods/$m.ko ]]; then cp "$mods/$m.ko" "$root/lib/modules/"
+  elif [[ -f $mods/$m.ko.xz ]]; then xz -dc "$mods/$m.ko.xz" > "$root/lib/modules/$(basename "$m").ko"
+  else die "no module $m in $pkg"; fi
 done
 copy_with_libs() {
   cp "$1" "$2"
