@@ -23,6 +23,8 @@ TEST_TIMEOUT=${TWIG_LAB_TEST_TIMEOUT:-400}
 KVM_AMD_PARAMS=${TWIG_LAB_KVM_AMD:-vgif=0 vls=0 lbrv=0}
 SMP=${TWIG_LAB_SMP:-2}
 CPU=${TWIG_LAB_CPU:-max}
+ACCEL=${TWIG_LAB_ACCEL:-tcg,thread=multi}
+QEMU_ARGS=${TWIG_LAB_QEMU_ARGS:-}
 # Test binaries that need host tools the lab lacks (mount namespaces,
 # setpriv, a 2 GiB guest) stay on the host.
 SKIP_IN_LAB=${TWIG_LAB_SKIP:-api}
@@ -229,7 +231,7 @@ for attempt in $(seq 1 "$LAB_BOOTS"); do
   beat=$work/beat-$attempt
   : > "$beat"
   echo "lab: booting $pkg ($ver) under QEMU TCG with $n test binaries (boot $attempt of at most $LAB_BOOTS)${passed_bins:+; passed already: $passed_bins}" >&2
-  { timeout "$LAB_TIMEOUT" qemu-system-x86_64 -M pc -accel tcg,thread=multi -smp "$SMP" -cpu "$CPU" -m 3072 \
+  { timeout "$LAB_TIMEOUT" qemu-system-x86_64 -M pc -accel "$ACCEL" -smp "$SMP" -cpu "$CPU" -m 3072 $QEMU_ARGS \
       -nographic -no-reboot -serial stdio -serial "file:$beat" -monitor none \
       -pidfile "$work/qemu.pid" -kernel "$vmlinuz" -initrd "$work/initrd" \
       -append "console=ttyS0 panic=-1 quiet twig_done=$(echo $passed_bins | tr ' ' ,)" </dev/null
