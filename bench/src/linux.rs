@@ -91,9 +91,17 @@ impl Slot {
         }
     }
 
-    fn ready(&self) -> Result<AgentClient, Error> {
-        AgentClient::wait_ready(&self.uds, AGENT_PORT, READY)
-            .context(|| format!("agent at {}", self.uds.display()))
+    /// Waits for the agent of `vm`; a failure says what state the VM's
+    /// devices and vCPU are in.
+    fn ready(&self, vm: &mut Vm) -> Result<AgentClient, Error> {
+        AgentClient::wait_ready(&self.uds, AGENT_PORT, READY).map_err(|e| {
+            format!(
+                "agent at {}: {e}; the VM:\n{}",
+                self.uds.display(),
+                vm.post_mortem()
+            )
+            .into()
+        })
     }
 }
 
@@ -143,7 +151,7 @@ pub fn run(args: &Args) -> Result<Value, Error> {
         let before = kvm_counters();
         let t0 = Instant::now();
         vm.boot_linux(&kernel, Some(&initrd), CMDLINE)?;
-        let agent = slot.ready().context(|| format!("boot {i}"))?;
+        let agent = slot.ready(&mut vm).context(|| format!("boot {i}"))?;
         boots.push(t0.elapsed());
         boot_events.add(&before);
         template = Some(Guest { vm, agent });
@@ -174,7 +182,7 @@ pub fn run(args: &Args) -> Result<Value, Error> {
         let before = kvm_counters();
         let t3 = Instant::now();
         vm.resume()?;
-        slot.ready()?;
+        slot.ready(&mut vm)?;
         let t4 = Instant::now();
         resume_events.add(&before);
         restores.push(t4 - t1);
@@ -206,7 +214,7 @@ pub fn run(args: &Args) -> Result<Value, Error> {
     let mut vm = Vm::create_with(shape, Capture::new().writer(), &slot.devices())?;
     vm.restore(&tpl)?;
     vm.resume()?;
-    let agent = slot.ready()?;
+    let agent = slot.ready(&mut vm)?;
     let spec_json = testkit::spec(&["sleep", "1000000"], json!({}));
     agent.create_container("app", "/dev/vda", false, &spec_json, CALL)?;
     agent.start_container("app", CALL)?;
@@ -250,7 +258,7 @@ pub fn run(args: &Args) -> Result<Value, Error> {
         let t0 = Instant::now();
         let rb = g.vm.rollback(&inc)?;
         rollbacks.push(ms(rb.duration_ms));
-        g.agent = slot.ready()?;
+        g.agent = slot.ready(&mut g.vm)?;
         rollback_ready.push(t0.elapsed());
         parent = Some((s, inc));
     }
@@ -273,12 +281,7 @@ pub fn run(args: &Args) -> Result<Value, Error> {
             |k| slots[k].devices(),
         )?;
         for (s, vm) in slots.iter().zip(vms.iter_mut()) {
-            s.ready().map_err(|e| {
-                let devices = vm.describe_devices().join("\n  ");
-                let paused = vm.pause();
-                let vcpu = vm.describe_vcpu(0);
-                format!("{e}\n  {devices}\n  vCPU 0 (pause {paused:?}): {vcpu:?}")
-            })?;
+            s.ready(vm)?;
         }
         clones.push(t0.elapsed());
         drop(vms);

@@ -330,6 +330,30 @@ pub fn boot_lapic(mut lapic: kvm_lapic_state) -> kvm_lapic_state {
     lapic
 }
 
+/// Reads the MSRs `indices`, failing with the index of the first one KVM
+/// could not read.
+pub fn get_msrs(vcpu: &VcpuFd, indices: &[u32]) -> Result<Vec<kvm_msr_entry>> {
+    let entries: Vec<kvm_msr_entry> = indices
+        .iter()
+        .map(|&index| kvm_msr_entry {
+            index,
+            ..Default::default()
+        })
+        .collect();
+    let mut msrs =
+        Msrs::from_entries(&entries).map_err(|e| Error::Config(format!("MSR list: {e:?}")))?;
+    let n = vcpu
+        .get_msrs(&mut msrs)
+        .map_err(|e| Error::kvm("KVM_GET_MSRS", e))?;
+    if n != entries.len() {
+        return Err(Error::Config(format!(
+            "KVM could not read MSR {:#x}",
+            entries[n].index
+        )));
+    }
+    Ok(msrs.as_slice().to_vec())
+}
+
 /// Writes a list of MSRs, failing with the index of the first one KVM refused.
 pub fn set_msrs(vcpu: &VcpuFd, entries: &[kvm_msr_entry]) -> Result<()> {
     let msrs = Msrs::from_entries(entries)
@@ -385,9 +409,22 @@ pub fn effective_cpuid(
     Ok(EFFECTIVE.get_or_init(|| got))
 }
 
+/// KVM's paravirtual feature leaf (`KVM_CPUID_FEATURES`).
+const KVM_CPUID_FEATURES: u32 = 0x4000_0001;
+/// Its async-page-fault bits: `KVM_FEATURE_ASYNC_PF`, `_ASYNC_PF_VMEXIT`,
+/// `_ASYNC_PF_INT`.
+const KVM_ASYNC_PF_FEATURES: u32 = (1 << 4) | (1 << 10) | (1 << 14);
+
 /// The guest CPUID for vCPU `index` of `count`: the host's supported set, with
 /// the vCPU's APIC id, the hypervisor bit, and a consistent topology. Every
 /// vCPU of a VM gets the same entries but for its APIC id.
+///
+/// Async page faults are hidden. With them, a guest task that touches a page
+/// the host has not faulted in yet sleeps until KVM says "page ready"; that
+/// promise lives in the KVM instance, not in guest memory, so a snapshot
+/// taken while a task sleeps on it restores into VMs where nobody ever wakes
+/// the task. Restored VMs map their RAM from a file and fault it in lazily,
+/// which is exactly when KVM goes asynchronous.
 pub fn guest_cpuid(supported: &CpuId, index: usize, count: usize) -> Result<CpuId> {
     let mut entries: Vec<kvm_cpuid_entry2> = supported.as_slice().to_vec();
     let apic_id = index as u32;
@@ -401,6 +438,7 @@ pub fn guest_cpuid(supported: &CpuId, index: usize, count: usize) -> Result<CpuI
                 }
             }
             0xb | 0x1f => e.edx = apic_id,
+            KVM_CPUID_FEATURES => e.eax &= !KVM_ASYNC_PF_FEATURES,
             _ => {}
         }
     }
@@ -494,6 +532,28 @@ mod tests {
             (data.db, data.g, data.type_, data.selector),
             (1, 1, 3, 0x18)
         );
+    }
+
+    #[test]
+    fn guests_never_see_async_page_faults() {
+        let leaf = |function, eax| kvm_cpuid_entry2 {
+            function,
+            eax,
+            ..Default::default()
+        };
+        let supported = CpuId::from_entries(&[leaf(0x1, 0), leaf(KVM_CPUID_FEATURES, !0)])
+            .expect("two entries");
+        let cpuid = guest_cpuid(&supported, 1, 2).expect("guest CPUID");
+        let kvm = cpuid
+            .as_slice()
+            .iter()
+            .find(|e| e.function == KVM_CPUID_FEATURES)
+            .expect("KVM's feature leaf");
+        assert_eq!(kvm.eax & KVM_ASYNC_PF_FEATURES, 0);
+        // Clock sources, PV EOI and the rest stay.
+        assert_eq!(kvm.eax | KVM_ASYNC_PF_FEATURES, !0);
+        let leaf1 = cpuid.as_slice().iter().find(|e| e.function == 1).unwrap();
+        assert_eq!(leaf1.ebx >> 24, 1, "APIC id of vCPU 1");
     }
 
     #[test]

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use kvm_bindings::{
     kvm_cpuid_entry2, kvm_debugregs, kvm_lapic_state, kvm_mp_state, kvm_msr_entry, kvm_regs,
-    kvm_run, kvm_sregs, kvm_vcpu_events, kvm_xcrs, CpuId, Msrs, Xsave,
+    kvm_run, kvm_sregs, kvm_vcpu_events, kvm_xcrs, CpuId, Xsave,
 };
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
@@ -71,23 +71,7 @@ pub fn save_state(fd: &VcpuFd, msr_indices: &[u32], xsave_words: usize) -> Resul
     let xcrs = fd.get_xcrs().map_err(kvm_err("KVM_GET_XCRS"))?;
     let debugregs = fd.get_debug_regs().map_err(kvm_err("KVM_GET_DEBUGREGS"))?;
     let lapic = fd.get_lapic().map_err(kvm_err("KVM_GET_LAPIC"))?;
-    let entries: Vec<kvm_msr_entry> = msr_indices
-        .iter()
-        .map(|&index| kvm_msr_entry {
-            index,
-            ..Default::default()
-        })
-        .collect();
-    let mut msrs =
-        Msrs::from_entries(&entries).map_err(|e| Error::Config(format!("MSR list: {e:?}")))?;
-    let n = fd.get_msrs(&mut msrs).map_err(kvm_err("KVM_GET_MSRS"))?;
-    if n != entries.len() {
-        return Err(Error::Config(format!(
-            "KVM could not read MSR {:#x}",
-            entries[n].index
-        )));
-    }
-    let msrs = msrs.as_slice().to_vec();
+    let msrs = arch::get_msrs(fd, msr_indices)?;
     let tsc_khz = fd.get_tsc_khz().unwrap_or(0);
     let events = fd
         .get_vcpu_events()

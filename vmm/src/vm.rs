@@ -1230,15 +1230,25 @@ impl Vm {
         self.ram.pages_slice(0, self.ram.pages())
     }
 
-    /// vCPU `i`'s general registers (the VM must be paused).
+    /// What a VM whose guest stopped answering is doing: its devices (as
+    /// [`Vm::describe_devices`]), then, after pausing it, every vCPU (as
+    /// [`Vm::describe_vcpu`]); one line each.
+    pub fn post_mortem(&mut self) -> String {
+        let mut lines = self.describe_devices();
+        let paused = self.pause();
+        for i in 0..self.vcpus.len() {
+            lines.push(format!(
+                "vCPU {i} (pause: {paused:?}): {:?}",
+                self.describe_vcpu(i)
+            ));
+        }
+        lines.join("\n")
+    }
+
     /// A parked vCPU's registers, pending events, run state and local APIC
     /// interrupt registers, one line, for diagnostics.
     pub fn describe_vcpu(&self, i: usize) -> Result<String> {
-        let v = self.vcpus.get(i).ok_or(Error::Vcpu {
-            index: i,
-            reason: "no such vCPU".into(),
-        })?;
-        v.exec(|fd| -> Result<String> {
+        self.vcpu(i)?.exec(|fd| -> Result<String> {
             let r = fd.get_regs().map_err(kvm_err("KVM_GET_REGS"))?;
             let e = fd
                 .get_vcpu_events()
@@ -1274,12 +1284,23 @@ impl Vm {
         })?
     }
 
+    /// vCPU `i`'s general registers (the VM must be paused).
     pub fn vcpu_regs(&self, i: usize) -> Result<kvm_bindings::kvm_regs> {
-        let v = self.vcpus.get(i).ok_or(Error::Vcpu {
+        self.vcpu(i)?
+            .exec(|fd| fd.get_regs().map_err(kvm_err("KVM_GET_REGS")))?
+    }
+
+    /// The value of MSR `index` on vCPU `i` (the VM must be paused).
+    pub fn vcpu_msr(&self, i: usize, index: u32) -> Result<u64> {
+        self.vcpu(i)?
+            .exec(move |fd| Ok(arch::get_msrs(fd, &[index])?[0].data))?
+    }
+
+    fn vcpu(&self, i: usize) -> Result<&VcpuHandle> {
+        self.vcpus.get(i).ok_or(Error::Vcpu {
             index: i,
             reason: "no such vCPU".into(),
-        })?;
-        v.exec(|fd| fd.get_regs().map_err(kvm_err("KVM_GET_REGS")))?
+        })
     }
 }
 

@@ -24,6 +24,8 @@ const MEM_MIB: usize = 128;
 const BOOT: Duration = Duration::from_secs(180);
 const CALL: Duration = Duration::from_secs(60);
 const AGENT_PORT: u32 = 1024;
+const MSR_KVM_SYSTEM_TIME_NEW: u32 = 0x4b56_4d01;
+const MSR_KVM_ASYNC_PF_EN: u32 = 0x4b56_4d02;
 const CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 loglevel=4 root=/dev/ram0";
 
 fn env_path(name: &str) -> PathBuf {
@@ -76,12 +78,10 @@ impl Slot {
     /// state of the VM's devices.
     fn connect_logged(&self, vm: &mut Vm, serial: &Capture) -> AgentClient {
         AgentClient::wait_ready(&self.uds, AGENT_PORT, BOOT).unwrap_or_else(|e| {
-            let devices = vm.describe_devices().join("\n");
-            let paused = vm.pause();
-            let vcpu = vm.describe_vcpu(0);
             panic!(
-                "agent at {}: {e}; devices:\n{devices}\nvCPU 0 (pause: {paused:?}): {vcpu:?}\nguest console:\n{}",
+                "agent at {}: {e}; the VM:\n{}\nguest console:\n{}",
                 self.uds.display(),
+                vm.post_mortem(),
                 String::from_utf8_lossy(&serial.bytes())
             )
         })
@@ -481,6 +481,11 @@ fn a_template_restores_to_a_ready_agent_without_booting() {
     })
     .expect("template");
     assert_eq!(vm.state(), RunState::Paused);
+    // The guest took kvmclock but not async page faults, which twig hides:
+    // a task waiting on KVM's "page ready" would never wake in a restore.
+    let msr = |index| vm.vcpu_msr(0, index).expect("read MSR");
+    assert_ne!(msr(MSR_KVM_SYSTEM_TIME_NEW) & 1, 0, "kvmclock is off");
+    assert_eq!(msr(MSR_KVM_ASYNC_PF_EN), 0, "async page faults are on");
     drop(vm);
 
     for name in ["u1", "u2"] {
