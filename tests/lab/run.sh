@@ -209,7 +209,7 @@ trace_tail() {
 done_bins=" \$(sed -n 's/.*twig_done=\([^ ]*\).*/\1/p' /proc/cmdline | tr , ' ') "
 echo LAB-BEGIN
 if [ $bench = 1 ]; then
-  timeout $TEST_TIMEOUT /tests/twig-bench linux --json ${bench_args:-} > /tmp/bench.json
+  timeout $TEST_TIMEOUT ${TWIG_LAB_WRAP:-} /tests/twig-bench linux --json ${bench_args:-} > /tmp/bench.json
   echo "LAB-EXIT twig-bench \$?"
   sed 's/^/LAB-JSON /' /tmp/bench.json
 else
@@ -217,7 +217,7 @@ for t in /tests/*; do
   case "\$done_bins" in *" \$(basename \$t) "*) echo "LAB-DONE-EARLIER \$(basename \$t)"; continue;; esac
   for rep in \$(seq $REPEAT); do
   echo "LAB-RUN \$t"
-  \$t --test-threads=1 $skip_tests ${TWIG_LAB_TEST_ARGS:-} 2>&1 &
+  ${TWIG_LAB_WRAP:-} \$t --test-threads=1 $skip_tests ${TWIG_LAB_TEST_ARGS:-} 2>&1 &
   pid=\$!
   n=0
   while kill -0 \$pid 2>/dev/null; do
