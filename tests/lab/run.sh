@@ -260,7 +260,7 @@ chmod +x "$root/init"
 # on with the binaries that have not yet passed. A failing test is never
 # retried.
 BEAT_TIMEOUT=${TWIG_LAB_BEAT_TIMEOUT:-90}
-LAB_BOOTS=${TWIG_LAB_BOOTS:-4}
+LAB_BOOTS=${TWIG_LAB_BOOTS:-8}
 all=$work/all.log
 : > "$all"
 passed_bins=""
