@@ -552,7 +552,11 @@ mod tests {
         assert_eq!(kvm.eax & KVM_ASYNC_PF_FEATURES, 0);
         // Clock sources, PV EOI and the rest stay.
         assert_eq!(kvm.eax | KVM_ASYNC_PF_FEATURES, !0);
-        let leaf1 = cpuid.as_slice().iter().find(|e| e.function == 1).unwrap();
+        let leaf1 = cpuid
+            .as_slice()
+            .iter()
+            .find(|e| e.function == 1)
+            .expect("leaf 1");
         assert_eq!(leaf1.ebx >> 24, 1, "APIC id of vCPU 1");
     }
 
