@@ -477,7 +477,7 @@ fn a_template_restores_to_a_ready_agent_without_booting() {
     // vsock connection on the agent's port.
     let t = d.path().join("template");
     vm.template(&t, BOOT, || {
-        twig_vmm::virtio::vsock::host_connect(&slot.uds, AGENT_PORT, Duration::from_secs(2)).is_ok()
+        twig_vmm::host_connect(&slot.uds, AGENT_PORT, Duration::from_secs(2)).is_ok()
     })
     .expect("template");
     assert_eq!(vm.state(), RunState::Paused);
