@@ -230,12 +230,14 @@ impl Client {
         let r = stream
             .set_write_timeout(Some(left))
             .and_then(|_| stream.write_all(&line));
-        if let Err(e) = r {
-            if is_timeout(&e) {
-                return Err(timeout(self));
-            }
-            return Err(self.io(format!("sending {op}"))(e));
-        }
+        let write_err = match r {
+            Ok(()) => None,
+            Err(e) if is_timeout(&e) => return Err(timeout(self)),
+            // The VMM may have answered and closed (a `busy` refusal): read
+            // what it said before reporting the broken pipe.
+            Err(e) if e.kind() == IoKind::BrokenPipe => Some(e),
+            Err(e) => return Err(self.io(format!("sending {op}"))(e)),
+        };
         let mut answer = Vec::new();
         loop {
             let Some(left) = remaining(deadline) else {
@@ -254,6 +256,9 @@ impl Client {
                 Err(e) => return Err(self.io(format!("reading the answer to {op}"))(e)),
             };
             if buf.is_empty() {
+                if let Some(e) = write_err {
+                    return Err(self.io(format!("sending {op}"))(e));
+                }
                 return Err(self.protocol(format!("the VMM closed the connection during {op}")));
             }
             let (take, done) = match buf.iter().position(|b| *b == b'\n') {
@@ -397,7 +402,7 @@ impl Client {
     }
 
     /// Stops the VM; the VMM process exits after answering.
-    pub fn shutdown(mut self, timeout: Duration) -> Result<(), ClientError> {
+    pub fn shutdown(&mut self, timeout: Duration) -> Result<(), ClientError> {
         match self.call(&Request::Shutdown {}, timeout)? {
             Reply::ShutDown {} => Ok(()),
             other => Err(self.unexpected("shutdown", &other)),
