@@ -24,8 +24,8 @@ pub enum ErrorKind {
     NotFound,
     /// The guest (a vCPU, or its readiness probe) did not respond in time.
     GuestNotAnswering,
-    /// The guest has shut down or crashed; only snapshot, rollback, stats and
-    /// shutdown still make sense.
+    /// The guest has shut down or crashed; only rollback, stats and shutdown
+    /// still make sense.
     GuestStopped,
     /// The VM can no longer be trusted: replace it (shut this VMM down).
     Lost,
