@@ -579,7 +579,7 @@ impl VirtioDevice for Blk {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::virtio::fake::Driver;
+    use crate::virtio::testing::Driver;
     use std::process::Command;
 
     const SECTORS: u64 = 128;

@@ -273,7 +273,7 @@ impl VirtioDevice for Net {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::virtio::fake::Driver;
+    use crate::virtio::testing::Driver;
     use std::os::fd::{FromRawFd, OwnedFd};
     use std::sync::atomic::AtomicUsize;
 
