@@ -15,10 +15,10 @@ use virtio_bindings::virtio_config::{
     VIRTIO_CONFIG_S_FEATURES_OK,
 };
 use virtio_bindings::virtio_mmio::{
-    VIRTIO_MMIO_DEVICE_FEATURES, VIRTIO_MMIO_DEVICE_FEATURES_SEL, VIRTIO_MMIO_DRIVER_FEATURES,
-    VIRTIO_MMIO_DRIVER_FEATURES_SEL, VIRTIO_MMIO_QUEUE_AVAIL_LOW, VIRTIO_MMIO_QUEUE_DESC_LOW,
-    VIRTIO_MMIO_QUEUE_NOTIFY, VIRTIO_MMIO_QUEUE_NUM, VIRTIO_MMIO_QUEUE_READY,
-    VIRTIO_MMIO_QUEUE_SEL, VIRTIO_MMIO_QUEUE_USED_LOW, VIRTIO_MMIO_STATUS,
+    VIRTIO_MMIO_CONFIG, VIRTIO_MMIO_DEVICE_FEATURES, VIRTIO_MMIO_DEVICE_FEATURES_SEL,
+    VIRTIO_MMIO_DRIVER_FEATURES, VIRTIO_MMIO_DRIVER_FEATURES_SEL, VIRTIO_MMIO_QUEUE_AVAIL_LOW,
+    VIRTIO_MMIO_QUEUE_DESC_LOW, VIRTIO_MMIO_QUEUE_NOTIFY, VIRTIO_MMIO_QUEUE_NUM,
+    VIRTIO_MMIO_QUEUE_READY, VIRTIO_MMIO_QUEUE_SEL, VIRTIO_MMIO_QUEUE_USED_LOW, VIRTIO_MMIO_STATUS,
 };
 use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use virtio_queue::{Queue, QueueT};
@@ -280,6 +280,23 @@ impl Driver {
         let mut b = [0u8; 4];
         self.t.read(u64::from(off), &mut b);
         u32::from_le_bytes(b)
+    }
+
+    /// The device's feature bits, both halves.
+    pub fn device_features(&mut self) -> u64 {
+        let mut f = 0;
+        for half in 0..2 {
+            self.set(VIRTIO_MMIO_DEVICE_FEATURES_SEL, half);
+            f |= u64::from(self.reg(VIRTIO_MMIO_DEVICE_FEATURES)) << (32 * half);
+        }
+        f
+    }
+
+    /// The first `len` bytes of the device's configuration space.
+    pub fn config(&mut self, len: usize) -> Vec<u8> {
+        let mut b = vec![0u8; len];
+        self.t.read(u64::from(VIRTIO_MMIO_CONFIG), &mut b);
+        b
     }
 
     /// The driver's side of queue `q`.
