@@ -133,34 +133,34 @@ impl ConnState {
         )
     }
 
-    /// Closes the host-to-guest direction; `linger` is the deadline should
-    /// the connection start draining.
-    fn close_to_guest(&mut self, linger: Instant) {
-        *self = match self {
-            ConnState::Established { held } => ConnState::ToHostOnly {
+    /// Closes direction `dir`; `linger` is the deadline should the
+    /// connection start draining.
+    fn close(&mut self, dir: Direction, linger: Instant) {
+        let next = match (dir, &mut *self) {
+            (Direction::ToGuest, ConnState::Established { held }) => ConnState::ToHostOnly {
                 held: std::mem::take(held),
             },
-            ConnState::ToGuestOnly { held } => ConnState::Draining {
+            (Direction::ToHost, ConnState::Established { held }) => ConnState::ToGuestOnly {
+                held: std::mem::take(held),
+            },
+            (Direction::ToGuest, ConnState::ToGuestOnly { held })
+            | (Direction::ToHost, ConnState::ToHostOnly { held }) => ConnState::Draining {
                 held: std::mem::take(held),
                 deadline: linger,
             },
             _ => return,
         };
+        *self = next;
     }
+}
 
-    /// Closes the guest-to-host direction; `linger` as above.
-    fn close_to_host(&mut self, linger: Instant) {
-        *self = match self {
-            ConnState::Established { held } => ConnState::ToGuestOnly {
-                held: std::mem::take(held),
-            },
-            ConnState::ToHostOnly { held } => ConnState::Draining {
-                held: std::mem::take(held),
-                deadline: linger,
-            },
-            _ => return,
-        };
-    }
+/// One direction of a connection's data.
+#[derive(Clone, Copy, Debug)]
+enum Direction {
+    /// From the host stream to the guest.
+    ToGuest,
+    /// From the guest to the host stream.
+    ToHost,
 }
 
 /// A packet a connection owes the guest; sent in this order when a
@@ -578,7 +578,7 @@ impl Conn {
     pub fn host_eof(&mut self, linger: Instant) {
         self.owed.remove(Owed::Data);
         self.owed.insert(Owed::ShutdownSend);
-        self.state.close_to_guest(linger);
+        self.state.close(Direction::ToGuest, linger);
     }
 
     /// The guest's `SHUTDOWN` with `flags`; `linger` bounds the draining of
@@ -587,13 +587,13 @@ impl Conn {
         if flags & SHUTDOWN_RCV != 0 {
             self.owed.remove(Owed::Data);
             let _ = self.stream.shutdown(Shutdown::Read);
-            self.state.close_to_guest(linger);
+            self.state.close(Direction::ToGuest, linger);
         }
         if flags & SHUTDOWN_SEND != 0 {
             if self.held_len() == 0 {
                 let _ = self.stream.shutdown(Shutdown::Write);
             }
-            self.state.close_to_host(linger);
+            self.state.close(Direction::ToHost, linger);
         }
     }
 
