@@ -228,7 +228,10 @@ mod tests {
                 Error::Rollback(Box::new(Error::SnapshotNotFound("/s".into()))),
                 ErrorKind::NotFound,
             ),
-            (Error::Rollback(Box::new(state("stopped"))), ErrorKind::GuestStopped),
+            (
+                Error::Rollback(Box::new(state("stopped"))),
+                ErrorKind::GuestStopped,
+            ),
             (
                 Error::Refused {
                     op: "snapshot",

@@ -253,9 +253,18 @@ fn bad_requests_get_invalid_request_errors() {
         (r#"{"op":"fly"}"#, "unknown variant"),
         (r#"{"op":"restore"}"#, "missing field `dir`"),
         (r#"{"op":"pause","extra":1}"#, "unknown field"),
-        (r#"{"op":"boot","kernel":"/etc/hostname","mem_mib":64}"#, "neither an ELF vmlinux"),
-        (r#"{"op":"boot","kernel":"/etc/hostname","mem_mib":5}"#, "multiple of 2 MiB"),
-        (r#"{"op":"attach_disk","slot":0,"path":"/d.img"}"#, "no VM yet"),
+        (
+            r#"{"op":"boot","kernel":"/etc/hostname","mem_mib":64}"#,
+            "neither an ELF vmlinux",
+        ),
+        (
+            r#"{"op":"boot","kernel":"/etc/hostname","mem_mib":5}"#,
+            "multiple of 2 MiB",
+        ),
+        (
+            r#"{"op":"attach_disk","slot":0,"path":"/d.img"}"#,
+            "no VM yet",
+        ),
     ] {
         let e = raw_err(&mut raw, line);
         assert_eq!(e.kind, ErrorKind::InvalidRequest, "{line}: {e:?}");
@@ -295,7 +304,10 @@ fn bad_requests_get_invalid_request_errors() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot open the state file"));
     let out = Command::new(BIN).arg("--help").output().unwrap();
     let help = String::from_utf8_lossy(&out.stdout);
-    assert!(help.contains("serve") && help.contains("guest_stopped"), "{help}");
+    assert!(
+        help.contains("serve") && help.contains("guest_stopped"),
+        "{help}"
+    );
 }
 
 /// A test guest whose first instruction is `ud2` (with no IDT: a triple
@@ -500,7 +512,11 @@ fn client_deadlines_and_version_checks() {
         Err(ClientError::Timeout { op, .. }) => assert_eq!(op, "stats"),
         other => panic!("{other:?}"),
     }
-    assert!(t.elapsed() >= short && t.elapsed() < short * 3, "{:?}", t.elapsed());
+    assert!(
+        t.elapsed() >= short && t.elapsed() < short * 3,
+        "{:?}",
+        t.elapsed()
+    );
     drop(c);
     fake.join().unwrap();
 
@@ -518,7 +534,11 @@ fn client_deadlines_and_version_checks() {
     // Nobody there: an I/O error once the connect deadline passes.
     let t = Instant::now();
     let r = Client::connect(&d.path().join("nobody.sock"), short);
-    assert!(matches!(r, Err(ClientError::Io { .. })), "{:?}", r.map(|_| ()));
+    assert!(
+        matches!(r, Err(ClientError::Io { .. })),
+        "{:?}",
+        r.map(|_| ())
+    );
     assert!(t.elapsed() >= short && t.elapsed() < short * 3);
 }
 
@@ -609,7 +629,10 @@ fn a_vmm_killed_mid_snapshot_leaves_no_valid_looking_snapshot() {
     // The client sees the VMM gone, not a hang.
     let r = a.api.stats(T);
     assert!(
-        matches!(r, Err(ClientError::Io { .. }) | Err(ClientError::Protocol { .. })),
+        matches!(
+            r,
+            Err(ClientError::Io { .. }) | Err(ClientError::Protocol { .. })
+        ),
         "{r:?}"
     );
     // Either the snapshot was published whole, or it is not there at all;

@@ -7,9 +7,7 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use super::types::{
-    ApiError, Hello, Reply, Request, Response, MAX_RESPONSE, PROTOCOL_VERSION,
-};
+use super::types::{ApiError, Hello, Reply, Request, Response, MAX_RESPONSE, PROTOCOL_VERSION};
 use crate::error::ErrorKind;
 use crate::snapshot::Kind;
 use crate::vm::{RollbackInfo, RunState, SnapshotInfo, Stats};
@@ -56,7 +54,9 @@ pub enum ClientError {
         reason: String,
     },
     /// The VMM speaks another protocol version.
-    #[error("twig-vmm at {path} speaks protocol {vmm} (version {version}); this client speaks {client}")]
+    #[error(
+        "twig-vmm at {path} speaks protocol {vmm} (version {version}); this client speaks {client}"
+    )]
     Version {
         /// The API socket.
         path: PathBuf,
@@ -219,8 +219,8 @@ impl Client {
             op,
             after: budget,
         };
-        let mut line = serde_json::to_vec(req)
-            .map_err(|e| self.protocol(format!("encoding {op}: {e}")))?;
+        let mut line =
+            serde_json::to_vec(req).map_err(|e| self.protocol(format!("encoding {op}: {e}")))?;
         line.push(b'\n');
         let left = remaining(deadline).ok_or_else(|| timeout(self))?;
         let Some(conn) = self.conn.as_mut() else {
@@ -268,7 +268,9 @@ impl Client {
             answer.extend_from_slice(&buf[..take]);
             conn.consume(take);
             if answer.len() > MAX_RESPONSE {
-                return Err(self.protocol(format!("answer to {op} longer than {MAX_RESPONSE} bytes")));
+                return Err(
+                    self.protocol(format!("answer to {op} longer than {MAX_RESPONSE} bytes"))
+                );
             }
             if done {
                 break;
@@ -276,7 +278,9 @@ impl Client {
         }
         match serde_json::from_slice::<Response>(&answer) {
             Ok(Response::Ok(reply)) => Ok(reply),
-            Ok(Response::Error(ApiError { kind, message })) => Err(ClientError::Vmm { kind, message }),
+            Ok(Response::Error(ApiError { kind, message })) => {
+                Err(ClientError::Vmm { kind, message })
+            }
             Err(e) => Err(self.protocol(format!(
                 "cannot parse the answer to {op} ({e}): {:?}",
                 String::from_utf8_lossy(&answer)

@@ -70,7 +70,9 @@ impl Server {
         limits: Limits,
     ) -> Result<Server> {
         if limits.max_connections == 0 {
-            return Err(Error::Config("at least one API connection is needed".into()));
+            return Err(Error::Config(
+                "at least one API connection is needed".into(),
+            ));
         }
         let prepared = match prepare {
             Some(shape) => Some(Vm::create_with(shape, serial()?, &devices)?),
@@ -203,8 +205,7 @@ fn serve_conn(shared: &Shared, conn: UnixStream) -> Result<bool> {
         } else {
             handle_line(shared, &line)
         };
-        writeln!(out, "{}", resp.to_line())
-            .map_err(|e| Error::io("writing an API response", e))?;
+        writeln!(out, "{}", resp.to_line()).map_err(|e| Error::io("writing an API response", e))?;
         if exit || too_long {
             return Ok(exit);
         }
@@ -331,7 +332,9 @@ impl Machine {
                 vm.resume()?;
                 Reply::State { state: vm.state() }
             }
-            Request::Snapshot { dir, kind } => Reply::Snapshot(snapshot_op(self.vm()?, &dir, kind)?),
+            Request::Snapshot { dir, kind } => {
+                Reply::Snapshot(snapshot_op(self.vm()?, &dir, kind)?)
+            }
             Request::Rollback { dir } => {
                 let vm = self.vm()?;
                 let dir = existing_snapshot(&dir).map_err(|e| Error::Rollback(Box::new(e)))?;
