@@ -49,6 +49,15 @@ pub enum Error {
     NotReady(String),
     #[error("rollback refused, the VM keeps running on its previous state: {0}")]
     Rollback(Box<Error>),
+    /// An attach or detach of a disk slot was refused: no such slot, the
+    /// slot busy or empty, or an image that cannot be attached.
+    #[error("disk slot {slot}: {reason}")]
+    Slot {
+        /// The slot.
+        slot: usize,
+        /// Why.
+        reason: String,
+    },
 }
 
 impl Error {

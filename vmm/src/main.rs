@@ -129,6 +129,7 @@ impl DeviceArgs {
                 cid: self.vsock_cid,
                 uds_path,
             }),
+            ..Default::default()
         }
     }
 }

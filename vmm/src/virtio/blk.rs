@@ -6,12 +6,23 @@
 //! included) answers `VIRTIO_BLK_S_IOERR`, never a VMM failure.
 //!
 //! The image file is shared with the VM through [`DiskFile`], which
-//! snapshots copy and restores replace (see `vm.rs`).
+//! snapshots copy and restores replace (see `vm/persist.rs`).
+//!
+//! A **disk slot** is a virtio-blk device that starts empty: capacity 0,
+//! every read, write and flush answered `VIRTIO_BLK_S_IOERR` without
+//! touching any file, GET_ID an id of zeros. A file attached while the VM
+//! runs (`vm/disks.rs`) is served from the next request on, and the
+//! configuration generation changes so the transport raises the
+//! configuration-change interrupt: Linux's virtio_blk then re-reads the
+//! capacity. Feature bits are negotiated once, at the driver's probe, so a
+//! slot never offers `VIRTIO_BLK_F_RO`: a read-only attachment is enforced
+//! here (writes answer `VIRTIO_BLK_S_IOERR`) and by mounting read-only in
+//! the guest.
 
-use std::fs::{File, OpenOptions};
+mod image;
+
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_SIZE_MAX,
@@ -23,13 +34,11 @@ use virtio_queue::desc::split::Descriptor;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Address, Bytes, GuestAddress};
 
-use super::VirtioDevice;
-use crate::error::{Error, Result};
-use crate::memory::GuestMem;
-use crate::snapshot;
+pub use image::{DiskFile, Replacement, ID_LEN, SECTOR};
 
-/// Sector size of the virtio-blk protocol.
-pub const SECTOR: u64 = 512;
+use super::VirtioDevice;
+use crate::memory::GuestMem;
+
 const QUEUE_SIZE: u16 = 256;
 /// Data segments per request the driver may use (the queue less header and
 /// status).
@@ -39,259 +48,6 @@ const SIZE_MAX: u32 = 1 << 20;
 /// Bytes moved between the image and guest memory at a time.
 const CHUNK: usize = 128 * 1024;
 const HEADER_LEN: u64 = 16;
-const ID_LEN: usize = 20;
-
-struct Inner {
-    file: File,
-    size: u64,
-}
-
-/// A disk image file, shared between its virtio-blk device and the VM
-/// (which copies it into snapshots and replaces it on restore).
-pub struct DiskFile {
-    path: PathBuf,
-    read_only: bool,
-    id: [u8; ID_LEN],
-    inner: Mutex<Inner>,
-}
-
-fn open_image(path: &Path, read_only: bool) -> Result<(File, u64)> {
-    let file = OpenOptions::new()
-        .read(true)
-        .write(!read_only)
-        .open(path)
-        .map_err(|e| Error::io(format!("opening disk image {}", path.display()), e))?;
-    let meta = file
-        .metadata()
-        .map_err(|e| Error::io(format!("reading disk image {}", path.display()), e))?;
-    if !meta.is_file() {
-        return Err(Error::Config(format!(
-            "disk image {} is not a regular file",
-            path.display()
-        )));
-    }
-    let size = meta.len();
-    if size % SECTOR != 0 {
-        return Err(Error::Config(format!(
-            "disk image {} is {size} bytes, not a multiple of {SECTOR}",
-            path.display()
-        )));
-    }
-    Ok((file, size))
-}
-
-impl DiskFile {
-    /// Opens the raw image at `path` (read-only or read-write); its size must
-    /// be a multiple of 512 bytes.
-    pub fn open(path: &Path, read_only: bool) -> Result<DiskFile> {
-        let (file, size) = open_image(path, read_only)?;
-        let mut id = [0u8; ID_LEN];
-        if let Some(name) = path.file_name() {
-            let b = name.as_encoded_bytes();
-            let n = b.len().min(ID_LEN);
-            id[..n].copy_from_slice(&b[..n]);
-        }
-        Ok(DiskFile {
-            path: path.to_path_buf(),
-            read_only,
-            id,
-            inner: Mutex::new(Inner { file, size }),
-        })
-    }
-
-    fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// The image's path.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
-    /// Whether the guest may only read it.
-    pub fn read_only(&self) -> bool {
-        self.read_only
-    }
-
-    /// The image's size in bytes.
-    pub fn size(&self) -> u64 {
-        self.lock().size
-    }
-
-    /// A second descriptor for the open image (for copying it).
-    pub fn try_clone_file(&self) -> Result<File> {
-        self.lock()
-            .file
-            .try_clone()
-            .map_err(|e| Error::io(format!("duplicating disk image {}", self.path.display()), e))
-    }
-
-    /// Makes what the guest wrote durable (`fdatasync`).
-    pub fn sync(&self) -> Result<()> {
-        self.lock().file.sync_data().map_err(|e| {
-            Error::io(
-                format!("fdatasync of disk image {}", self.path.display()),
-                e,
-            )
-        })
-    }
-
-    /// Copies `src` (a snapshot's copy of this disk, which must be `size`
-    /// bytes) into a new file next to this disk's image, ready to take its
-    /// place. Nothing visible changes until [`Replacement::swap_in`].
-    pub fn prepare_replacement(&self, src: &Path, size: u64) -> Result<Replacement> {
-        let (from, actual) = open_image(src, true)?;
-        if actual != size {
-            return Err(Error::snapshot(
-                src,
-                format!("disk copy is {actual} bytes, the snapshot recorded {size}"),
-            ));
-        }
-        let tmp = sibling(&self.path, "new");
-        let file = OpenOptions::new()
-            .create_new(true)
-            .read(true)
-            .write(true)
-            .open(&tmp)
-            .map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
-        let r = Replacement {
-            path: self.path.clone(),
-            holder: tmp,
-            file: Some(file),
-            size,
-            swapped: false,
-        };
-        let copied = r
-            .file
-            .as_ref()
-            .map_or(Ok(()), |f| snapshot::copy_file(&from, f));
-        copied.map_err(|e| {
-            Error::io(
-                format!("copying {} to {}", src.display(), r.holder.display()),
-                e,
-            )
-        })?;
-        if let Ok(m) = std::fs::metadata(&self.path) {
-            if let Err(e) = std::fs::set_permissions(&r.holder, m.permissions()) {
-                tracing::warn!("copying permissions to {}: {e}", r.holder.display());
-            }
-        }
-        Ok(r)
-    }
-
-    /// Serves requests from `file` (`size` bytes) from now on.
-    fn install(&self, file: File, size: u64) {
-        let mut g = self.lock();
-        g.file = file;
-        g.size = size;
-    }
-}
-
-fn sibling(path: &Path, what: &str) -> PathBuf {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    path.with_file_name(format!(".{name}.twig-{what}-{}", snapshot::new_id()))
-}
-
-/// A disk image about to replace a VM's disk file. Dropped before
-/// [`Replacement::finish`], it puts the old file back (if swapped in) and
-/// removes the new one.
-pub struct Replacement {
-    path: PathBuf,
-    /// The new image before the swap, the old one after.
-    holder: PathBuf,
-    file: Option<File>,
-    size: u64,
-    swapped: bool,
-}
-
-fn rename_exchange(a: &Path, b: &Path) -> std::io::Result<()> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = |p: &Path| {
-        std::ffi::CString::new(p.as_os_str().as_bytes())
-            .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))
-    };
-    let (a, b) = (c(a)?, c(b)?);
-    // SAFETY: both are valid NUL-terminated paths.
-    let r = unsafe {
-        libc::renameat2(
-            libc::AT_FDCWD,
-            a.as_ptr(),
-            libc::AT_FDCWD,
-            b.as_ptr(),
-            libc::RENAME_EXCHANGE,
-        )
-    };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
-}
-
-impl Replacement {
-    /// Puts the new image at the disk's path (atomically where the
-    /// filesystem can exchange names); the old one is kept aside until
-    /// [`Replacement::finish`].
-    pub fn swap_in(&mut self) -> Result<()> {
-        let err = |e| Error::io(format!("replacing disk image {}", self.path.display()), e);
-        match rename_exchange(&self.holder, &self.path) {
-            Ok(()) => {}
-            Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS)) => {
-                let old = sibling(&self.path, "old");
-                std::fs::rename(&self.path, &old).map_err(err)?;
-                if let Err(e) = std::fs::rename(&self.holder, &self.path) {
-                    if let Err(back) = std::fs::rename(&old, &self.path) {
-                        tracing::error!(
-                            "disk image {} is left at {}: {back}",
-                            self.path.display(),
-                            old.display()
-                        );
-                    }
-                    return Err(err(e));
-                }
-                self.holder = old;
-            }
-            Err(e) => return Err(err(e)),
-        }
-        self.swapped = true;
-        Ok(())
-    }
-
-    /// Serves `disk` from the new image and deletes the old one.
-    pub fn finish(mut self, disk: &DiskFile) {
-        if let Some(f) = self.file.take() {
-            disk.install(f, self.size);
-        }
-        if self.swapped {
-            self.swapped = false;
-            if let Err(e) = std::fs::remove_file(&self.holder) {
-                tracing::warn!("removing the old disk image {}: {e}", self.holder.display());
-            }
-        }
-    }
-}
-
-impl Drop for Replacement {
-    fn drop(&mut self) {
-        if self.file.is_none() {
-            return;
-        }
-        if self.swapped {
-            if let Err(e) = std::fs::rename(&self.holder, &self.path) {
-                tracing::error!(
-                    "cannot put disk image {} back from {}: {e}",
-                    self.path.display(),
-                    self.holder.display()
-                );
-            }
-        } else {
-            let _ = std::fs::remove_file(&self.holder);
-        }
-    }
-}
 
 /// The block device.
 pub struct Blk {
@@ -379,19 +135,39 @@ impl Blk {
                 ))
             })
         };
+        let guard = self.disk.lock();
+        if r.kind == VIRTIO_BLK_T_GET_ID {
+            let id = guard.backing.as_ref().map_or([0u8; ID_LEN], |b| b.id);
+            let mut written = 0;
+            for &(addr, n) in &r.data_in {
+                let k = n.min(ID_LEN - written);
+                if k == 0 {
+                    break;
+                }
+                mem.write_slice(&id[written..written + k], addr)
+                    .map_err(|e| Failure::Bad(format!("guest buffer: {e}")))?;
+                written += k;
+            }
+            return Ok(written as u32);
+        }
+        if !matches!(r.kind, VIRTIO_BLK_T_IN | VIRTIO_BLK_T_OUT | VIRTIO_BLK_T_FLUSH) {
+            return Err(Failure::Unsupported);
+        }
+        let Some(backing) = guard.backing.as_ref() else {
+            return Err(Failure::Bad("the disk slot is empty".into()));
+        };
         match r.kind {
             VIRTIO_BLK_T_IN => {
                 if r.out_len != 0 {
                     return Err(Failure::Bad("a read with data to write".into()));
                 }
-                let inner = self.disk.lock();
-                let mut off = range(r.in_len, inner.size)?;
+                let mut off = range(r.in_len, backing.size)?;
                 for &(addr, n) in &r.data_in {
                     let mut done = 0;
                     while done < n {
                         let k = (n - done).min(CHUNK);
                         let buf = &mut self.buf[..k];
-                        inner
+                        backing
                             .file
                             .read_exact_at(buf, off)
                             .map_err(|e| Failure::Host(format!("read at {off}: {e}")))?;
@@ -407,11 +183,10 @@ impl Blk {
                 Ok(r.in_len as u32)
             }
             VIRTIO_BLK_T_OUT => {
-                if self.disk.read_only {
+                if backing.read_only {
                     return Err(Failure::Bad("write to a read-only disk".into()));
                 }
-                let inner = self.disk.lock();
-                let mut off = range(r.out_len, inner.size)?;
+                let mut off = range(r.out_len, backing.size)?;
                 for (addr, n) in pieces(r.out, HEADER_LEN, r.out_len) {
                     let mut done = 0;
                     while done < n {
@@ -422,7 +197,7 @@ impl Blk {
                             .ok_or_else(|| Failure::Bad("buffer address overflows".into()))?;
                         mem.read_slice(buf, at)
                             .map_err(|e| Failure::Bad(format!("guest buffer: {e}")))?;
-                        inner
+                        backing
                             .file
                             .write_all_at(buf, off)
                             .map_err(|e| Failure::Host(format!("write at {off}: {e}")))?;
@@ -432,31 +207,23 @@ impl Blk {
                 }
                 Ok(0)
             }
-            VIRTIO_BLK_T_FLUSH => {
-                if !self.disk.read_only {
-                    self.disk
-                        .lock()
+            _ => {
+                if !backing.read_only {
+                    backing
                         .file
                         .sync_data()
                         .map_err(|e| Failure::Host(format!("fdatasync: {e}")))?;
                 }
                 Ok(0)
             }
-            VIRTIO_BLK_T_GET_ID => {
-                let mut written = 0;
-                for &(addr, n) in &r.data_in {
-                    let k = n.min(ID_LEN - written);
-                    if k == 0 {
-                        break;
-                    }
-                    mem.write_slice(&self.disk.id[written..written + k], addr)
-                        .map_err(|e| Failure::Bad(format!("guest buffer: {e}")))?;
-                    written += k;
-                }
-                Ok(written as u32)
-            }
-            _ => Err(Failure::Unsupported),
         }
+    }
+
+    /// The attached image's path, for messages.
+    fn name(&self) -> String {
+        self.disk
+            .path()
+            .map_or_else(|| "(empty slot)".into(), |p| p.display().to_string())
     }
 
     /// Handles one descriptor chain; returns the used length (0 if there is
@@ -507,11 +274,11 @@ impl Blk {
         let (status, written) = match result {
             Ok(n) => (VIRTIO_BLK_S_OK, n),
             Err(Failure::Bad(why)) => {
-                tracing::debug!(disk = %self.disk.path.display(), "virtio-blk: bad request: {why}");
+                tracing::debug!(disk = %self.name(), "virtio-blk: bad request: {why}");
                 (VIRTIO_BLK_S_IOERR, 0)
             }
             Err(Failure::Host(why)) => {
-                tracing::warn!(disk = %self.disk.path.display(), "virtio-blk: I/O error: {why}");
+                tracing::warn!(disk = %self.name(), "virtio-blk: I/O error: {why}");
                 (VIRTIO_BLK_S_IOERR, 0)
             }
             Err(Failure::Unsupported) => (VIRTIO_BLK_S_UNSUPP, 0),
@@ -532,10 +299,29 @@ impl VirtioDevice for Blk {
         let mut f = (1u64 << VIRTIO_BLK_F_FLUSH)
             | (1 << VIRTIO_BLK_F_SEG_MAX)
             | (1 << VIRTIO_BLK_F_SIZE_MAX);
-        if self.disk.read_only {
+        // A slot's feature bits are fixed before anything is attached.
+        if !self.disk.is_slot() && self.disk.read_only() {
             f |= 1 << VIRTIO_BLK_F_RO;
         }
         f
+    }
+
+    fn config_generation(&self) -> u32 {
+        self.disk.generation()
+    }
+
+    fn describe(&self) -> String {
+        match (self.disk.is_slot(), self.disk.path()) {
+            (true, None) => "empty slot".into(),
+            (slot, Some(p)) => format!(
+                "{}{} ({} bytes{})",
+                if slot { "slot: " } else { "" },
+                p.display(),
+                self.disk.size(),
+                if self.disk.read_only() { ", read-only" } else { "" }
+            ),
+            (false, None) => String::new(),
+        }
     }
 
     fn queue_max_sizes(&self) -> &[u16] {

@@ -44,6 +44,7 @@ const VIRTIO_F_VERSION_1: u64 = 1 << 32;
 const STATUS_DRIVER_OK: u32 = 4;
 const STATUS_FAILED: u32 = 0x80;
 const INT_VRING: u32 = 1;
+const INT_CONFIG: u32 = 2;
 
 /// A short name for virtio device id `t`, for messages.
 pub fn device_name(t: u32) -> String {
@@ -91,6 +92,12 @@ pub trait VirtioDevice: Send {
     fn after_restore(&mut self, _queues: &mut [Queue], _mem: &GuestMem) -> bool {
         false
     }
+    /// The configuration generation: a device whose configuration space
+    /// changes while the driver runs (a disk slot's capacity) changes it,
+    /// and the transport raises the configuration-change interrupt.
+    fn config_generation(&self) -> u32 {
+        0
+    }
     /// The driver reset the device.
     fn reset(&mut self) {}
     /// The device's own state, for diagnostics.
@@ -112,6 +119,8 @@ pub struct MmioTransport {
     irq: EventFd,
     mem: GuestMem,
     host_wake: Option<EventFd>,
+    /// The device's configuration generation the driver was last told of.
+    announced_generation: u32,
 }
 
 fn u32_of(data: &[u8]) -> u32 {
@@ -140,6 +149,7 @@ impl MmioTransport {
             .iter()
             .map(|&max| Queue::new(max).map_err(|e| Error::Config(format!("virtqueue: {e}"))))
             .collect::<Result<Vec<_>>>()?;
+        let announced_generation = device.config_generation();
         Ok(MmioTransport {
             device,
             queues,
@@ -152,6 +162,7 @@ impl MmioTransport {
             irq,
             mem,
             host_wake: None,
+            announced_generation,
         })
     }
 
@@ -205,7 +216,7 @@ impl MmioTransport {
             0x044 => self.queue().map_or(0, |q| u32::from(q.ready())),
             0x060 => self.interrupt_status,
             0x070 => self.status,
-            0x0fc => 0,
+            0x0fc => self.device.config_generation(),
             _ => 0,
         };
         let bytes = v.to_le_bytes();
@@ -330,8 +341,27 @@ impl MmioTransport {
         true
     }
 
-    /// Tells the device its state was restored or rolled back.
+    /// Raises the configuration-change interrupt if the device's
+    /// configuration changed since the driver was last told (and the driver
+    /// is live: a driver that is not reads the configuration when it probes).
+    pub fn announce_config(&mut self) {
+        let generation = self.device.config_generation();
+        if generation == self.announced_generation {
+            return;
+        }
+        self.announced_generation = generation;
+        if self.live() {
+            self.interrupt_status |= INT_CONFIG;
+            if let Err(e) = self.irq.write(1) {
+                tracing::warn!("virtio interrupt: {e}");
+            }
+        }
+    }
+
+    /// Tells the device its state was restored or rolled back (and the
+    /// driver of a configuration that changed meanwhile).
     pub fn after_restore(&mut self) {
+        self.announce_config();
         if !self.live() {
             return;
         }
