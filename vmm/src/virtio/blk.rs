@@ -366,6 +366,8 @@ impl VirtioDevice for Blk {
 mod tests {
     use super::*;
     use crate::virtio::fake::Driver;
+    use std::fs::File;
+    use std::path::{Path, PathBuf};
     use std::process::Command;
 
     const SECTORS: u64 = 128;
@@ -600,5 +602,191 @@ mod tests {
         // The device carries on: reads still work.
         assert_eq!(request(&mut d, VIRTIO_BLK_T_IN, 0, &[], 512).0, OK);
         assert_eq!(request(&mut d, VIRTIO_BLK_T_FLUSH, 0, &[], 0).0, OK);
+    }
+
+    /// The interrupt status register's configuration-change bit.
+    const INT_CONFIG: u32 = 2;
+
+    fn reg(d: &mut Driver, off: u64) -> u32 {
+        let mut b = [0u8; 4];
+        d.t.read(off, &mut b);
+        u32::from_le_bytes(b)
+    }
+
+    fn capacity(d: &mut Driver) -> u64 {
+        let mut cfg = [0u8; 8];
+        d.t.read(0x100, &mut cfg);
+        u64::from_le_bytes(cfg)
+    }
+
+    fn slot_driver() -> (Driver, Arc<DiskFile>) {
+        let disk = Arc::new(DiskFile::slot());
+        (Driver::new(Box::new(Blk::new(disk.clone()))), disk)
+    }
+
+    /// Asserts that the driver was told of a configuration change (and
+    /// acknowledges it, as Linux's interrupt handler does).
+    fn config_interrupt(d: &mut Driver) {
+        assert_eq!(d.irq.read().unwrap(), 1, "interrupt raised");
+        assert_ne!(reg(d, 0x060) & INT_CONFIG, 0, "configuration change");
+        d.t.write(0x064, &INT_CONFIG.to_le_bytes());
+        assert_eq!(reg(d, 0x060) & INT_CONFIG, 0, "acknowledged");
+    }
+
+    #[test]
+    fn an_empty_slot_has_capacity_0_and_fails_every_request_without_a_file() {
+        let (mut d, disk) = slot_driver();
+        assert!(disk.is_slot() && !disk.attached());
+        assert_eq!(capacity(&mut d), 0);
+        d.t.write(0x014, &0u32.to_le_bytes());
+        assert_eq!(reg(&mut d, 0x010) & (1 << VIRTIO_BLK_F_RO), 0, "no RO");
+        assert_eq!(request(&mut d, VIRTIO_BLK_T_IN, 0, &[], 512).0, IOERR);
+        assert_eq!(request(&mut d, VIRTIO_BLK_T_OUT, 0, &[1; 512], 0).0, IOERR);
+        assert_eq!(request(&mut d, VIRTIO_BLK_T_FLUSH, 0, &[], 0).0, IOERR);
+        let (st, len, data) = request(&mut d, VIRTIO_BLK_T_GET_ID, 0, &[], 20);
+        assert_eq!((st, len), (OK, 21));
+        assert_eq!(d.read(data, 20), vec![0; 20], "a stable empty id");
+        assert_eq!(request(&mut d, 99, 0, &[], 0).0, VIRTIO_BLK_S_UNSUPP as u8);
+        assert!(disk.detach().unwrap_err().to_string().contains("empty"));
+        assert!(disk.try_clone_file().is_err());
+        disk.sync().unwrap();
+        assert_eq!(disk.meta().has_copy(), false);
+    }
+
+    #[test]
+    fn attach_and_detach_announce_the_capacity_and_switch_the_file_served() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = image(dir.path(), "ctr-rootfs.img");
+        let (mut d, disk) = slot_driver();
+        let gen0 = reg(&mut d, 0x0fc);
+        d.t.announce_config();
+        assert!(d.irq.read().is_err(), "nothing changed: no interrupt");
+
+        disk.attach(&p, false).unwrap();
+        d.t.announce_config();
+        config_interrupt(&mut d);
+        let gen1 = reg(&mut d, 0x0fc);
+        assert_ne!(gen1, gen0, "generation bumped");
+        assert_eq!(capacity(&mut d), SECTORS);
+        let (st, _, data) = request(&mut d, VIRTIO_BLK_T_IN, 9, &[], 512);
+        assert_eq!(st, OK);
+        assert_eq!(d.read(data, 512), vec![9; 512], "the file's bytes");
+        let _ = d.irq.read();
+        assert_eq!(request(&mut d, VIRTIO_BLK_T_OUT, 3, &[0xcd; 512], 0).0, OK);
+        assert_eq!(std::fs::read(&p).unwrap()[3 * 512..4 * 512], [0xcd; 512]);
+        assert_eq!(request(&mut d, VIRTIO_BLK_T_FLUSH, 0, &[], 0).0, OK);
+        let (_, _, data) = request(&mut d, VIRTIO_BLK_T_GET_ID, 0, &[], 20);
+        assert_eq!(&d.read(data, 20), b"ctr-rootfs.img\0\0\0\0\0\0");
+        let _ = d.irq.read();
+
+        let other = image(dir.path(), "other.img");
+        let e = disk.attach(&other, false).unwrap_err().to_string();
+        assert!(e.contains("busy") && e.contains("ctr-rootfs.img"), "{e}");
+
+        assert_eq!(disk.detach().unwrap(), p);
+        d.t.announce_config();
+        config_interrupt(&mut d);
+        assert_ne!(reg(&mut d, 0x0fc), gen1, "generation bumped again");
+        assert_eq!(capacity(&mut d), 0);
+        let before = std::fs::read(&p).unwrap();
+        assert_eq!(request(&mut d, VIRTIO_BLK_T_IN, 0, &[], 512).0, IOERR);
+        assert_eq!(request(&mut d, VIRTIO_BLK_T_OUT, 0, &[7; 512], 0).0, IOERR);
+        assert_eq!(std::fs::read(&p).unwrap(), before, "detached: untouched");
+    }
+
+    #[test]
+    fn a_read_only_attachment_refuses_writes_though_rw_was_negotiated() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = image(dir.path(), "base.img");
+        let before = std::fs::read(&p).unwrap();
+        let (mut d, disk) = slot_driver();
+        disk.attach(&p, true).unwrap();
+        d.t.announce_config();
+        config_interrupt(&mut d);
+        d.t.write(0x014, &0u32.to_le_bytes());
+        assert_eq!(reg(&mut d, 0x010) & (1 << VIRTIO_BLK_F_RO), 0);
+        assert_eq!(request(&mut d, VIRTIO_BLK_T_OUT, 0, &[9; 512], 0).0, IOERR);
+        assert_eq!(request(&mut d, VIRTIO_BLK_T_IN, 5, &[], 512).0, OK);
+        assert_eq!(std::fs::read(&p).unwrap(), before);
+        assert!(disk.read_only() && !disk.meta().has_copy());
+    }
+
+    #[test]
+    fn bad_attachments_are_refused_and_leave_the_slot_empty() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut d, disk) = slot_driver();
+        let odd = dir.path().join("odd.img");
+        std::fs::write(&odd, [0u8; 1000]).unwrap();
+        let e = disk.attach(&odd, false).unwrap_err().to_string();
+        assert!(e.contains("not a multiple of 512"), "{e}");
+        let e = disk
+            .attach(&dir.path().join("missing.img"), true)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("missing.img"), "{e}");
+        assert!(disk.attach(dir.path(), true).is_err(), "a directory");
+        assert!(!disk.attached());
+        d.t.announce_config();
+        assert!(d.irq.read().is_err(), "no interrupt");
+        assert_eq!(capacity(&mut d), 0);
+
+        let p = image(dir.path(), "fixed.img");
+        let fixed = DiskFile::open(&p, false).unwrap();
+        assert!(fixed.attach(&p, false).is_err());
+        assert!(fixed.detach().is_err());
+    }
+
+    #[test]
+    fn a_driver_that_is_not_live_is_not_interrupted() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = image(dir.path(), "d.img");
+        let (mut d, disk) = slot_driver();
+        d.t.write(0x070, &0u32.to_le_bytes());
+        disk.attach(&p, false).unwrap();
+        d.t.announce_config();
+        assert!(d.irq.read().is_err());
+        assert_eq!(reg(&mut d, 0x060), 0);
+        assert_eq!(capacity(&mut d), SECTORS, "read at probe");
+    }
+
+    #[test]
+    fn slot_replacements_create_attach_and_empty() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("snap-disk");
+        std::fs::write(&src, vec![0x42u8; 4096]).unwrap();
+        let target = dir.path().join("clone.img");
+        let disk = DiskFile::slot();
+
+        // A copy into a file that does not exist yet; dropped after the
+        // swap, nothing is left.
+        let mut r = Replacement::copy(&target, &src, 4096).unwrap();
+        r.swap_in().unwrap();
+        assert_eq!(std::fs::read(&target).unwrap(), vec![0x42; 4096]);
+        drop(r);
+        assert!(!target.exists());
+        let mut r = Replacement::copy(&target, &src, 4096).unwrap();
+        r.swap_in().unwrap();
+        r.finish(&disk);
+        assert_eq!(
+            (disk.path(), disk.size(), disk.read_only()),
+            (Some(target.clone()), 4096, false)
+        );
+        let g = disk.generation();
+        Replacement::empty().finish(&disk);
+        assert!(!disk.attached() && disk.generation() != g);
+
+        let e = Replacement::attach_read_only(&src, 8192)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("4096 bytes") && e.contains("same image"), "{e}");
+        let r = Replacement::attach_read_only(&src, 4096).unwrap();
+        r.finish(&disk);
+        assert!(disk.read_only() && disk.size() == 4096);
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names.len(), 2, "no temporary files left: {names:?}");
     }
 }

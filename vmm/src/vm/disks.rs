@@ -274,3 +274,126 @@ fn slot_error(slot: usize, e: Error) -> Error {
     };
     Error::Slot { slot, reason }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::devices::Capture;
+    use crate::snapshot::Kind;
+    use crate::testguest;
+    use crate::virtio::{MMIO_BASE, MMIO_SIZE};
+    use crate::vm::{DeviceConfig, Shape};
+
+    const T: Duration = Duration::from_secs(20);
+    /// The configuration-change bit of the interrupt status register.
+    const INT_CONFIG: u32 = 2;
+    /// Virtio device index of slot 0 (after rng and one fixed disk).
+    const SLOT0: usize = 2;
+
+    fn boot(dir: &Path, config: &DeviceConfig) -> Vm {
+        if let Err(e) = crate::vm::open_kvm() {
+            panic!("this test needs a usable /dev/kvm (run as root on a KVM host): {e}");
+        }
+        let serial = Capture::new();
+        let mut vm = Vm::create_with(Shape::new(64, 1), serial.writer(), config).unwrap();
+        let kernel = testguest::write_to(dir).unwrap();
+        vm.boot(&kernel, "console=ttyS0").unwrap();
+        testguest::wait_booted(&vm, T).unwrap();
+        vm
+    }
+
+    /// Register `off` of virtio device `index`, read as the guest reads it.
+    fn reg(vm: &Vm, index: usize, off: u64) -> u32 {
+        let mut b = [0u8; 4];
+        vm.devices
+            .mmio_read(MMIO_BASE + index as u64 * MMIO_SIZE + off, &mut b);
+        u32::from_le_bytes(b)
+    }
+
+    fn set(vm: &Vm, index: usize, off: u64, v: u32) {
+        vm.devices
+            .mmio_write(MMIO_BASE + index as u64 * MMIO_SIZE + off, &v.to_le_bytes());
+    }
+
+    /// The capacity in sectors, as the guest reads it (two 32-bit halves).
+    fn capacity(vm: &Vm, index: usize) -> u64 {
+        u64::from(reg(vm, index, 0x100)) | (u64::from(reg(vm, index, 0x104)) << 32)
+    }
+
+    /// Asserts a pending configuration-change interrupt, then acknowledges it.
+    fn config_changed(vm: &Vm, index: usize) {
+        assert_ne!(reg(vm, index, 0x060) & INT_CONFIG, 0, "config interrupt");
+        set(vm, index, 0x064, INT_CONFIG);
+    }
+
+    #[test]
+    fn the_guest_sees_slots_fill_and_empty_through_attach_detach_and_rollback() {
+        let dir = tempfile::tempdir().unwrap();
+        let fixed = dir.path().join("fixed.img");
+        std::fs::write(&fixed, vec![1u8; 4096]).unwrap();
+        let file = dir.path().join("ctr.img");
+        std::fs::write(&file, vec![0x5au8; 64 * 1024]).unwrap();
+        let mut vm = boot(
+            dir.path(),
+            &DeviceConfig {
+                disks: vec![DiskConfig {
+                    path: fixed,
+                    read_only: false,
+                }],
+                disk_slots: 2,
+                ..Default::default()
+            },
+        );
+        // Play the guest's driver: bring both slots up (status DRIVER_OK).
+        for i in [SLOT0, SLOT0 + 1] {
+            set(&vm, i, 0x070, 1 | 2 | 8 | 4);
+            assert_eq!(capacity(&vm, i), 0);
+        }
+        let s0 = dir.path().join("s0");
+        vm.snapshot(&s0, Kind::Full).unwrap();
+
+        let generation = reg(&vm, SLOT0, 0x0fc);
+        vm.attach_disk(
+            0,
+            &DiskConfig {
+                path: file.clone(),
+                read_only: false,
+            },
+        )
+        .unwrap();
+        config_changed(&vm, SLOT0);
+        assert_ne!(reg(&vm, SLOT0, 0x0fc), generation, "generation bumped");
+        assert_eq!(capacity(&vm, SLOT0), 128);
+        assert_eq!(reg(&vm, SLOT0 + 1, 0x060), 0, "the other slot is quiet");
+        assert_eq!(capacity(&vm, SLOT0 + 1), 0);
+
+        // Rolling back to before the attach empties the slot, and the
+        // guest is told.
+        vm.rollback(&s0).unwrap();
+        config_changed(&vm, SLOT0);
+        assert_eq!(capacity(&vm, SLOT0), 0);
+        assert_eq!(vm.disk_slots()[0].path, None);
+        assert_eq!(
+            std::fs::read(&file).unwrap(),
+            vec![0x5a; 64 * 1024],
+            "the file is left as it is"
+        );
+
+        vm.attach_disk(
+            1,
+            &DiskConfig {
+                path: file.clone(),
+                read_only: true,
+            },
+        )
+        .unwrap();
+        config_changed(&vm, SLOT0 + 1);
+        vm.detach_disk(1).unwrap();
+        config_changed(&vm, SLOT0 + 1);
+        assert_eq!(capacity(&vm, SLOT0 + 1), 0);
+        assert_eq!(vm.state(), RunState::Running);
+    }
+}
