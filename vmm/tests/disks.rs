@@ -266,7 +266,10 @@ fn disk_slots_carry_their_files_through_snapshot_rollback_restore_and_clone() {
     let s1 = snap(d.path(), "s1");
     g.vm.snapshot(&s1, Kind::Incremental).unwrap();
     let at_s1 = std::fs::read(&ctr).unwrap();
-    assert!(std::fs::read(s1.join("disk1")).unwrap() == at_s1, "slot copied");
+    assert!(
+        std::fs::read(s1.join("disk1")).unwrap() == at_s1,
+        "slot copied"
+    );
     assert!(!s1.join("disk2").exists(), "read-only slots are not copied");
     twig_vmm::snapshot::verify(&s1).unwrap();
 
@@ -301,7 +304,11 @@ fn disk_slots_carry_their_files_through_snapshot_rollback_restore_and_clone() {
     )
     .unwrap();
     for (c, (f, ctr_i)) in clones.iter().zip(&paths) {
-        assert!(std::fs::read(ctr_i).unwrap() == at_s1, "{}", ctr_i.display());
+        assert!(
+            std::fs::read(ctr_i).unwrap() == at_s1,
+            "{}",
+            ctr_i.display()
+        );
         assert_eq!(std::fs::read(f).unwrap(), vec![0x11; 64 * 1024]);
         assert_eq!(
             slots_of(c),
@@ -336,7 +343,10 @@ fn disk_slots_carry_their_files_through_snapshot_rollback_restore_and_clone() {
     g.vm.attach_disk(0, &slot(&ctr, false)).unwrap();
     g.vm.attach_disk(1, &slot(&ctr, true)).unwrap();
     let e = g.vm.rollback(&s1).unwrap_err().to_string();
-    assert!(e.contains("disk slot 1: read-only image") && e.contains("same image"), "{e}");
+    assert!(
+        e.contains("disk slot 1: read-only image") && e.contains("same image"),
+        "{e}"
+    );
     g.vm.detach_disk(1).unwrap();
     g.vm.attach_disk(1, &slot(&base, true)).unwrap();
     write_at(&ctr, 0, b"scribble");
@@ -385,7 +395,11 @@ fn restores_need_the_same_slots_and_a_file_for_each_attached_one() {
             && e.contains("slot_files"),
         "{e}"
     );
-    assert_eq!(std::fs::read(&f2).unwrap(), vec![3; 512], "refused: untouched");
+    assert_eq!(
+        std::fs::read(&f2).unwrap(),
+        vec![3; 512],
+        "refused: untouched"
+    );
     let c = d.path().join("c.img");
     let vm = restore(&DeviceConfig {
         slot_files: [(1, c.clone()), (0, d.path().join("unused.img"))].into(),
@@ -393,7 +407,10 @@ fn restores_need_the_same_slots_and_a_file_for_each_attached_one() {
     })
     .unwrap();
     assert_eq!(std::fs::read(&c).unwrap(), vec![2; 8192]);
-    assert_eq!(slots_of(&vm), vec![(None, false, 0), (Some(c), false, 8192)]);
+    assert_eq!(
+        slots_of(&vm),
+        vec![(None, false, 0), (Some(c), false, 8192)]
+    );
     assert!(!d.path().join("unused.img").exists());
 }
 
@@ -415,17 +432,28 @@ fn bad_slot_requests_are_refused_and_change_nothing() {
     let mut g = boot_with(d.path(), MIB, 1, &with_slots(&fixed, 1));
     let err = |r: twig_vmm::Result<()>| r.unwrap_err().to_string();
     let e = err(g.vm.attach_disk(1, &slot(&ctr, false)));
-    assert!(e.contains("disk slot 1: no such slot: this VM has 1 disk slots"), "{e}");
+    assert!(
+        e.contains("disk slot 1: no such slot: this VM has 1 disk slots"),
+        "{e}"
+    );
     let e = err(g.vm.detach_disk(0));
     assert!(e.contains("disk slot 0: empty"), "{e}");
-    let e = err(g.vm.attach_disk(0, &slot(&d.path().join("missing.img"), false)));
-    assert!(e.contains("disk slot 0") && e.contains("missing.img"), "{e}");
+    let e = err(g
+        .vm
+        .attach_disk(0, &slot(&d.path().join("missing.img"), false)));
+    assert!(
+        e.contains("disk slot 0") && e.contains("missing.img"),
+        "{e}"
+    );
     let e = err(g.vm.attach_disk(0, &slot(&odd, false)));
     assert!(e.contains("not a multiple of 512"), "{e}");
     assert_eq!(slots_of(&g.vm), vec![(None, false, 0)]);
     g.vm.attach_disk(0, &slot(&ctr, false)).unwrap();
     let e = err(g.vm.attach_disk(0, &slot(&fixed, true)));
-    assert!(e.contains("disk slot 0: busy") && e.contains("ctr.img"), "{e}");
+    assert!(
+        e.contains("disk slot 0: busy") && e.contains("ctr.img"),
+        "{e}"
+    );
     assert_eq!(slots_of(&g.vm)[0].0.as_deref(), Some(ctr.as_path()));
     g.vm.pause().unwrap();
     g.vm.detach_disk(0).unwrap();
@@ -444,5 +472,8 @@ fn bad_slot_requests_are_refused_and_change_nothing() {
         ..with_slots(&fixed, 2)
     })
     .unwrap();
-    assert!(e.contains("slot_files names slot 2, but the VM has 2 disk slots"), "{e}");
+    assert!(
+        e.contains("slot_files names slot 2, but the VM has 2 disk slots"),
+        "{e}"
+    );
 }

@@ -150,7 +150,10 @@ impl Blk {
             }
             return Ok(written as u32);
         }
-        if !matches!(r.kind, VIRTIO_BLK_T_IN | VIRTIO_BLK_T_OUT | VIRTIO_BLK_T_FLUSH) {
+        if !matches!(
+            r.kind,
+            VIRTIO_BLK_T_IN | VIRTIO_BLK_T_OUT | VIRTIO_BLK_T_FLUSH
+        ) {
             return Err(Failure::Unsupported);
         }
         let Some(backing) = guard.backing.as_ref() else {
@@ -318,7 +321,11 @@ impl VirtioDevice for Blk {
                 if slot { "slot: " } else { "" },
                 p.display(),
                 self.disk.size(),
-                if self.disk.read_only() { ", read-only" } else { "" }
+                if self.disk.read_only() {
+                    ", read-only"
+                } else {
+                    ""
+                }
             ),
             (false, None) => String::new(),
         }
@@ -650,7 +657,7 @@ mod tests {
         assert!(disk.detach().unwrap_err().to_string().contains("empty"));
         assert!(disk.try_clone_file().is_err());
         disk.sync().unwrap();
-        assert_eq!(disk.meta().has_copy(), false);
+        assert!(!disk.meta().has_copy());
     }
 
     #[test]

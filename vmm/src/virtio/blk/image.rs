@@ -302,7 +302,8 @@ impl Replacement {
     /// into a new file next to `path`, ready to take its place (there may
     /// be no file at `path` yet).
     pub fn copy(path: &Path, src: &Path, size: u64) -> Result<Replacement> {
-        let from = File::open(src).map_err(|e| Error::io(format!("opening {}", src.display()), e))?;
+        let from =
+            File::open(src).map_err(|e| Error::io(format!("opening {}", src.display()), e))?;
         let from = Backing::of(src, true, from)?;
         if from.size != size {
             return Err(Error::snapshot(
