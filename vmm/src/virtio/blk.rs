@@ -372,7 +372,7 @@ impl VirtioDevice for Blk {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::virtio::fake::Driver;
+    use crate::virtio::testing::Driver;
     use std::fs::File;
     use std::path::{Path, PathBuf};
     use std::process::Command;
@@ -429,13 +429,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = image(dir.path(), "rootfs-disk.img");
         let mut d = driver(&p, false);
-        let mut cfg = [0u8; 8];
-        d.t.read(0x100, &mut cfg);
-        assert_eq!(u64::from_le_bytes(cfg), SECTORS, "capacity");
-        let mut f = [0u8; 4];
-        d.t.write(0x014, &0u32.to_le_bytes());
-        d.t.read(0x010, &mut f);
-        assert_eq!(u32::from_le_bytes(f) & (1 << VIRTIO_BLK_F_RO), 0);
+        assert_eq!(d.config(8), SECTORS.to_le_bytes(), "capacity");
+        assert_eq!(d.device_features() & (1 << VIRTIO_BLK_F_RO), 0);
 
         let (st, len, data) = request(&mut d, VIRTIO_BLK_T_IN, 2, &[], 1024);
         assert_eq!((st, len), (OK, 1025));
@@ -513,11 +508,8 @@ mod tests {
         let p = image(dir.path(), "ro.img");
         let before = std::fs::read(&p).unwrap();
         let mut d = driver(&p, true);
-        let mut f = [0u8; 4];
-        d.t.write(0x014, &0u32.to_le_bytes());
-        d.t.read(0x010, &mut f);
         assert_ne!(
-            u32::from_le_bytes(f) & (1 << VIRTIO_BLK_F_RO),
+            d.device_features() & (1 << VIRTIO_BLK_F_RO),
             0,
             "RO offered"
         );
@@ -611,19 +603,15 @@ mod tests {
         assert_eq!(request(&mut d, VIRTIO_BLK_T_FLUSH, 0, &[], 0).0, OK);
     }
 
-    /// The interrupt status register's configuration-change bit.
-    const INT_CONFIG: u32 = 2;
-
-    fn reg(d: &mut Driver, off: u64) -> u32 {
-        let mut b = [0u8; 4];
-        d.t.read(off, &mut b);
-        u32::from_le_bytes(b)
-    }
+    use virtio_bindings::virtio_mmio::{
+        VIRTIO_MMIO_CONFIG_GENERATION, VIRTIO_MMIO_INTERRUPT_ACK, VIRTIO_MMIO_INTERRUPT_STATUS,
+        VIRTIO_MMIO_INT_CONFIG, VIRTIO_MMIO_STATUS,
+    };
 
     fn capacity(d: &mut Driver) -> u64 {
-        let mut cfg = [0u8; 8];
-        d.t.read(0x100, &mut cfg);
-        u64::from_le_bytes(cfg)
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&d.config(8));
+        u64::from_le_bytes(b)
     }
 
     fn slot_driver() -> (Driver, Arc<DiskFile>) {
@@ -635,9 +623,11 @@ mod tests {
     /// acknowledges it, as Linux's interrupt handler does).
     fn config_interrupt(d: &mut Driver) {
         assert_eq!(d.irq.read().unwrap(), 1, "interrupt raised");
-        assert_ne!(reg(d, 0x060) & INT_CONFIG, 0, "configuration change");
-        d.t.write(0x064, &INT_CONFIG.to_le_bytes());
-        assert_eq!(reg(d, 0x060) & INT_CONFIG, 0, "acknowledged");
+        let status = d.reg(VIRTIO_MMIO_INTERRUPT_STATUS);
+        assert_ne!(status & VIRTIO_MMIO_INT_CONFIG, 0, "configuration change");
+        d.set(VIRTIO_MMIO_INTERRUPT_ACK, VIRTIO_MMIO_INT_CONFIG);
+        let status = d.reg(VIRTIO_MMIO_INTERRUPT_STATUS);
+        assert_eq!(status & VIRTIO_MMIO_INT_CONFIG, 0, "acknowledged");
     }
 
     #[test]
@@ -645,8 +635,7 @@ mod tests {
         let (mut d, disk) = slot_driver();
         assert!(disk.is_slot() && !disk.attached());
         assert_eq!(capacity(&mut d), 0);
-        d.t.write(0x014, &0u32.to_le_bytes());
-        assert_eq!(reg(&mut d, 0x010) & (1 << VIRTIO_BLK_F_RO), 0, "no RO");
+        assert_eq!(d.device_features() & (1 << VIRTIO_BLK_F_RO), 0, "no RO");
         assert_eq!(request(&mut d, VIRTIO_BLK_T_IN, 0, &[], 512).0, IOERR);
         assert_eq!(request(&mut d, VIRTIO_BLK_T_OUT, 0, &[1; 512], 0).0, IOERR);
         assert_eq!(request(&mut d, VIRTIO_BLK_T_FLUSH, 0, &[], 0).0, IOERR);
@@ -665,14 +654,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = image(dir.path(), "ctr-rootfs.img");
         let (mut d, disk) = slot_driver();
-        let gen0 = reg(&mut d, 0x0fc);
+        let gen0 = d.reg(VIRTIO_MMIO_CONFIG_GENERATION);
         d.t.announce_config();
         assert!(d.irq.read().is_err(), "nothing changed: no interrupt");
 
         disk.attach(&p, false).unwrap();
         d.t.announce_config();
         config_interrupt(&mut d);
-        let gen1 = reg(&mut d, 0x0fc);
+        let gen1 = d.reg(VIRTIO_MMIO_CONFIG_GENERATION);
         assert_ne!(gen1, gen0, "generation bumped");
         assert_eq!(capacity(&mut d), SECTORS);
         let (st, _, data) = request(&mut d, VIRTIO_BLK_T_IN, 9, &[], 512);
@@ -693,7 +682,11 @@ mod tests {
         assert_eq!(disk.detach().unwrap(), p);
         d.t.announce_config();
         config_interrupt(&mut d);
-        assert_ne!(reg(&mut d, 0x0fc), gen1, "generation bumped again");
+        assert_ne!(
+            d.reg(VIRTIO_MMIO_CONFIG_GENERATION),
+            gen1,
+            "generation bumped again"
+        );
         assert_eq!(capacity(&mut d), 0);
         let before = std::fs::read(&p).unwrap();
         assert_eq!(request(&mut d, VIRTIO_BLK_T_IN, 0, &[], 512).0, IOERR);
@@ -710,8 +703,7 @@ mod tests {
         disk.attach(&p, true).unwrap();
         d.t.announce_config();
         config_interrupt(&mut d);
-        d.t.write(0x014, &0u32.to_le_bytes());
-        assert_eq!(reg(&mut d, 0x010) & (1 << VIRTIO_BLK_F_RO), 0);
+        assert_eq!(d.device_features() & (1 << VIRTIO_BLK_F_RO), 0);
         assert_eq!(request(&mut d, VIRTIO_BLK_T_OUT, 0, &[9; 512], 0).0, IOERR);
         assert_eq!(request(&mut d, VIRTIO_BLK_T_IN, 5, &[], 512).0, OK);
         assert_eq!(std::fs::read(&p).unwrap(), before);
@@ -748,11 +740,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = image(dir.path(), "d.img");
         let (mut d, disk) = slot_driver();
-        d.t.write(0x070, &0u32.to_le_bytes());
+        d.set(VIRTIO_MMIO_STATUS, 0);
         disk.attach(&p, false).unwrap();
         d.t.announce_config();
         assert!(d.irq.read().is_err());
-        assert_eq!(reg(&mut d, 0x060), 0);
+        assert_eq!(d.reg(VIRTIO_MMIO_INTERRUPT_STATUS), 0);
         assert_eq!(capacity(&mut d), SECTORS, "read at probe");
     }
 

@@ -287,9 +287,16 @@ mod tests {
     use crate::virtio::{MMIO_BASE, MMIO_SIZE};
     use crate::vm::{DeviceConfig, Shape};
 
+    use virtio_bindings::virtio_config::{
+        VIRTIO_CONFIG_S_ACKNOWLEDGE, VIRTIO_CONFIG_S_DRIVER, VIRTIO_CONFIG_S_DRIVER_OK,
+        VIRTIO_CONFIG_S_FEATURES_OK,
+    };
+    use virtio_bindings::virtio_mmio::{
+        VIRTIO_MMIO_CONFIG, VIRTIO_MMIO_CONFIG_GENERATION, VIRTIO_MMIO_INTERRUPT_ACK,
+        VIRTIO_MMIO_INTERRUPT_STATUS, VIRTIO_MMIO_INT_CONFIG, VIRTIO_MMIO_STATUS,
+    };
+
     const T: Duration = Duration::from_secs(20);
-    /// The configuration-change bit of the interrupt status register.
-    const INT_CONFIG: u32 = 2;
     /// Virtio device index of slot 0 (after rng and one fixed disk).
     const SLOT0: usize = 2;
 
@@ -306,27 +313,33 @@ mod tests {
     }
 
     /// Register `off` of virtio device `index`, read as the guest reads it.
-    fn reg(vm: &Vm, index: usize, off: u64) -> u32 {
+    fn reg(vm: &Vm, index: usize, off: u32) -> u32 {
         let mut b = [0u8; 4];
-        vm.devices
-            .mmio_read(MMIO_BASE + index as u64 * MMIO_SIZE + off, &mut b);
+        vm.devices.mmio_read(
+            MMIO_BASE + index as u64 * MMIO_SIZE + u64::from(off),
+            &mut b,
+        );
         u32::from_le_bytes(b)
     }
 
-    fn set(vm: &Vm, index: usize, off: u64, v: u32) {
-        vm.devices
-            .mmio_write(MMIO_BASE + index as u64 * MMIO_SIZE + off, &v.to_le_bytes());
+    fn set(vm: &Vm, index: usize, off: u32, v: u32) {
+        vm.devices.mmio_write(
+            MMIO_BASE + index as u64 * MMIO_SIZE + u64::from(off),
+            &v.to_le_bytes(),
+        );
     }
 
     /// The capacity in sectors, as the guest reads it (two 32-bit halves).
     fn capacity(vm: &Vm, index: usize) -> u64 {
-        u64::from(reg(vm, index, 0x100)) | (u64::from(reg(vm, index, 0x104)) << 32)
+        u64::from(reg(vm, index, VIRTIO_MMIO_CONFIG))
+            | (u64::from(reg(vm, index, VIRTIO_MMIO_CONFIG + 4)) << 32)
     }
 
     /// Asserts a pending configuration-change interrupt, then acknowledges it.
     fn config_changed(vm: &Vm, index: usize) {
-        assert_ne!(reg(vm, index, 0x060) & INT_CONFIG, 0, "config interrupt");
-        set(vm, index, 0x064, INT_CONFIG);
+        let status = reg(vm, index, VIRTIO_MMIO_INTERRUPT_STATUS);
+        assert_ne!(status & VIRTIO_MMIO_INT_CONFIG, 0, "config interrupt");
+        set(vm, index, VIRTIO_MMIO_INTERRUPT_ACK, VIRTIO_MMIO_INT_CONFIG);
     }
 
     #[test]
@@ -349,13 +362,21 @@ mod tests {
         );
         // Play the guest's driver: bring both slots up (status DRIVER_OK).
         for i in [SLOT0, SLOT0 + 1] {
-            set(&vm, i, 0x070, 1 | 2 | 8 | 4);
+            set(
+                &vm,
+                i,
+                VIRTIO_MMIO_STATUS,
+                VIRTIO_CONFIG_S_ACKNOWLEDGE
+                    | VIRTIO_CONFIG_S_DRIVER
+                    | VIRTIO_CONFIG_S_FEATURES_OK
+                    | VIRTIO_CONFIG_S_DRIVER_OK,
+            );
             assert_eq!(capacity(&vm, i), 0);
         }
         let s0 = dir.path().join("s0");
         vm.snapshot(&s0, Kind::Full).unwrap();
 
-        let generation = reg(&vm, SLOT0, 0x0fc);
+        let generation = reg(&vm, SLOT0, VIRTIO_MMIO_CONFIG_GENERATION);
         vm.attach_disk(
             0,
             &DiskConfig {
@@ -365,9 +386,17 @@ mod tests {
         )
         .unwrap();
         config_changed(&vm, SLOT0);
-        assert_ne!(reg(&vm, SLOT0, 0x0fc), generation, "generation bumped");
+        assert_ne!(
+            reg(&vm, SLOT0, VIRTIO_MMIO_CONFIG_GENERATION),
+            generation,
+            "generation bumped"
+        );
         assert_eq!(capacity(&vm, SLOT0), 128);
-        assert_eq!(reg(&vm, SLOT0 + 1, 0x060), 0, "the other slot is quiet");
+        assert_eq!(
+            reg(&vm, SLOT0 + 1, VIRTIO_MMIO_INTERRUPT_STATUS),
+            0,
+            "the other slot is quiet"
+        );
         assert_eq!(capacity(&vm, SLOT0 + 1), 0);
 
         // Rolling back to before the attach empties the slot, and the
