@@ -88,6 +88,12 @@ pub enum Request {
         #[serde(default)]
         read_only: bool,
     },
+    /// Empty a disk slot of the VM ([`Reply::DiskDetached`]); the guest
+    /// must have stopped using the disk.
+    DetachDisk {
+        /// The slot.
+        slot: usize,
+    },
     /// Stop the VM and exit the VMM process ([`Reply::ShutDown`]).
     Shutdown {},
 }
@@ -105,6 +111,7 @@ impl Request {
             Request::Rollback { .. } => "rollback",
             Request::Stats {} => "stats",
             Request::AttachDisk { .. } => "attach_disk",
+            Request::DetachDisk { .. } => "detach_disk",
             Request::Shutdown {} => "shutdown",
         }
     }
@@ -145,6 +152,11 @@ pub enum Reply {
     /// To `attach_disk`.
     DiskAttached {
         /// The slot the disk is in.
+        slot: usize,
+    },
+    /// To `detach_disk`.
+    DiskDetached {
+        /// The slot now empty.
         slot: usize,
     },
     /// To `shutdown`: the VM is gone and the process exits.
@@ -224,6 +236,7 @@ mod tests {
                 path: "/d.img".into(),
                 read_only: true,
             },
+            Request::DetachDisk { slot: 1 },
             Request::Shutdown {},
         ];
         for r in reqs {
