@@ -156,7 +156,6 @@ impl DeviceArgs {
                 cid: self.vsock_cid,
                 uds_path,
             }),
-            ..Default::default()
         }
     }
 }
