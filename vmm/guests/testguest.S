@@ -44,8 +44,9 @@
  * is a queue area prepared by the host (+0 the device's MMIO base, +8 the
  * queue size Q, +0x1000 descriptors, +0x2000 available ring, +0x3000 used
  * ring, buffers after); the guest brings the device up, posts all Q
- * buffers, and after every page gives back whatever the device used
- * (available idx = used idx + Q) with a queue notify, counting frames in rx.
+ * buffers, and after every page, once the device has used Q/2 or more,
+ * gives them back (available idx = used idx + Q) with a queue notify,
+ * counting frames in rx.
  * With no command the guest writes the idle port, where the VMM parks the
  * vCPU until the host kicks it.
  */
@@ -274,13 +275,16 @@ net_up:
 
 /* Counts frames the device used and posts their buffers again. */
 net_recycle:
-        movzwl  0x3002(%r12), %eax    /* used idx */
-        mov     %eax, %ecx
+        movzwl  0x3002(%r12), %edx    /* used idx */
+        mov     %edx, %ecx
         sub     %r15d, %ecx
         and     $0xffff, %ecx
-        jz      10f
+        mov     %r13d, %eax           /* wait for half the queue: one */
+        shr     $1, %eax              /* exit per Q/2 frames */
+        cmp     %eax, %ecx
+        jb      10f
         add     %rcx, RX
-        mov     %eax, %r15d
+        mov     %edx, %r15d
 9:      mov     %r15d, %eax           /* available idx = used idx + Q */
         add     %r13d, %eax
         mov     %ax, 0x2002(%r12)
