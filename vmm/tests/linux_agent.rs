@@ -518,7 +518,7 @@ fn a_rootfs_attached_to_a_vm_restored_from_a_template_runs_a_container() {
     let (mut vm, _serial) = start_with(&slot, &with_slot(&slot));
     let t = d.path().join("template");
     vm.template(&t, BOOT, || {
-        twig_vmm::virtio::vsock::host_connect(&slot.uds, AGENT_PORT, Duration::from_secs(2)).is_ok()
+        twig_vmm::host_connect(&slot.uds, AGENT_PORT, Duration::from_secs(2)).is_ok()
     })
     .expect("template with an empty disk slot");
     drop(vm);
