@@ -168,7 +168,7 @@ struct arp_ipv4 {
 	__u8 tpa[4];
 } __attribute__((packed));
 
-SEC("tc")
+SEC("classifier")
 int tap_ingress(struct __sk_buff *skb)
 {
 	__u32 zero = 0;
@@ -176,6 +176,9 @@ int tap_ingress(struct __sk_buff *skb)
 	if (!cfg)
 		return drop(skb, R_DROP_NO_CONFIG);
 
+	// The stack moves an 802.1Q tag out of the frame before tc sees it.
+	if (skb->vlan_present)
+		return drop(skb, R_DROP_ETHERTYPE);
 	if ((void *)(long)skb->data + HEADERS_MAX > (void *)(long)skb->data_end)
 		bpf_skb_pull_data(skb, skb->len < HEADERS_MAX ? skb->len : HEADERS_MAX);
 	void *data = (void *)(long)skb->data;
@@ -247,7 +250,7 @@ int tap_ingress(struct __sk_buff *skb)
 	return bpf_redirect(cfg->veth_ifindex, 0);
 }
 
-SEC("tc")
+SEC("classifier")
 int veth_ingress(struct __sk_buff *skb)
 {
 	__u32 zero = 0;
