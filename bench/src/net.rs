@@ -253,6 +253,9 @@ pub fn run(args: &Args) -> Result<serde_json::Value, Error> {
     pod.detach()?;
 
     let p = bed.pod.clone();
+    // A bridge drops frames whose source is one of its ports' own MACs, and
+    // the guest uses the veth's MAC: give the veth another one here.
+    sh("ip", &["-n", &p, "link", "set", "eth0", "address", "02:00:00:00:00:03"])?;
     sh("ip", &["-n", &p, "link", "add", "br0", "type", "bridge"])?;
     for dev in ["eth0", "tap0"] {
         sh("ip", &["-n", &p, "link", "set", dev, "master", "br0"])?;

@@ -8,7 +8,7 @@ use aya::maps::{Array, Map, MapData, PerCpuArray};
 use aya::programs::links::{FdLink, LinkOrder, PinnedLink};
 use aya::programs::tc::TcAttachOptions;
 use aya::programs::{SchedClassifier, TcAttachType};
-use aya::Ebpf;
+use aya::{Ebpf, EbpfLoader};
 
 use crate::error::Context;
 use crate::maps::{
@@ -140,7 +140,8 @@ impl PodNetwork {
 
             std::fs::create_dir_all(dir).map_err(|source| Error::Bpffs { path: dir.to_owned(), source })?;
             let mut guard = PinGuard { dir, armed: true };
-            let mut ebpf = Ebpf::load(POD_OBJECT).context(|| "loading the eBPF object (maps)".into())?;
+            // No CO-RE relocations: skip parsing the kernel's BTF on every attach.
+            let mut ebpf = EbpfLoader::new().btf(None).load(POD_OBJECT).context(|| "loading the eBPF object (maps)".into())?;
             load_program(&mut ebpf, PROG_TAP)?;
             load_program(&mut ebpf, PROG_VETH)?;
             let mut pod = PodNetwork {
