@@ -37,9 +37,17 @@ const WINDOW: usize = 64;
 const VNET_HDR: [u8; 10] = [0; 10];
 
 fn sh(program: &str, args: &[&str]) -> Result<(), Error> {
-    let out = Command::new(program).args(args).output().context(|| format!("running {program}"))?;
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .context(|| format!("running {program}"))?;
     if !out.status.success() {
-        return Err(format!("{program} {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr)).into());
+        return Err(format!(
+            "{program} {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        )
+        .into());
     }
     Ok(())
 }
@@ -50,7 +58,7 @@ fn in_ns<T: Send>(ns: &Path, work: impl FnOnce() -> Result<T, Error> + Send) -> 
         s.spawn(move || {
             // SAFETY: setns(2) on an open namespace file; affects only this thread.
             if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-                return Err(format!("setns: {}", std::io::Error::last_os_error()).into());
+                return Err(format!("setns: {}", std::io::Error::last_os_error()));
             }
             work().map_err(|e| e.to_string())
         })
@@ -75,18 +83,35 @@ struct IfReq {
 }
 
 fn open_tap() -> Result<File, Error> {
-    let tun = std::fs::OpenOptions::new().read(true).write(true).open("/dev/net/tun").context(|| "/dev/net/tun".into())?;
-    let mut req = IfReq { name: [0; 16], flags: (libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR) as i16, pad: [0; 22] };
+    let tun = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/net/tun")
+        .context(|| "/dev/net/tun".into())?;
+    let mut req = IfReq {
+        name: [0; 16],
+        flags: (libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR) as i16,
+        pad: [0; 22],
+    };
     req.name[..4].copy_from_slice(b"tap0");
     // SAFETY: TUNSETIFF takes a `struct ifreq` (40 bytes, name then flags), which `IfReq` matches; `req` outlives the call.
-    check(unsafe { libc::ioctl(tun.as_raw_fd(), libc::TUNSETIFF, &mut req as *mut IfReq) }.into(), "TUNSETIFF")?;
+    check(
+        unsafe { libc::ioctl(tun.as_raw_fd(), libc::TUNSETIFF, &mut req as *mut IfReq) }.into(),
+        "TUNSETIFF",
+    )?;
     Ok(tun)
 }
 
 fn packet_socket() -> Result<OwnedFd, Error> {
     let protocol = (libc::ETH_P_ALL as u16).to_be();
     // SAFETY: socket(2) with constant arguments; checked below.
-    let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_NONBLOCK, i32::from(protocol)) };
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_PACKET,
+            libc::SOCK_RAW | libc::SOCK_NONBLOCK,
+            i32::from(protocol),
+        )
+    };
     check(fd.into(), "AF_PACKET socket")?;
     // SAFETY: `fd` is a fresh descriptor nobody else owns.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
@@ -98,7 +123,13 @@ fn packet_socket() -> Result<OwnedFd, Error> {
     addr.sll_ifindex = unsafe { libc::if_nametoindex(c"peer0".as_ptr()) } as i32;
     let size = std::mem::size_of::<libc::sockaddr_ll>() as u32;
     // SAFETY: `addr` is a valid `sockaddr_ll` of `size` bytes.
-    let rc = unsafe { libc::bind(fd.as_raw_fd(), (&addr as *const libc::sockaddr_ll).cast(), size) };
+    let rc = unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            (&addr as *const libc::sockaddr_ll).cast(),
+            size,
+        )
+    };
     check(rc.into(), "bind AF_PACKET")?;
     Ok(fd)
 }
@@ -126,16 +157,55 @@ impl Bed {
         let out = format!("twbench-{}-o", std::process::id());
         sh("ip", &["netns", "add", &pod])?;
         sh("ip", &["netns", "add", &out])?;
-        let bpffs = tempfile::Builder::new().prefix("twig-bench-bpffs").tempdir().context(|| "tempdir".into())?;
+        let bpffs = tempfile::Builder::new()
+            .prefix("twig-bench-bpffs")
+            .tempdir()
+            .context(|| "tempdir".into())?;
         twig_net::ensure_bpffs(bpffs.path())?;
-        sh("ip", &["link", "add", "eth0", "netns", &pod, "type", "veth", "peer", "name", "peer0", "netns", &out])?;
-        sh("ip", &["-n", &pod, "link", "set", "eth0", "address", "02:00:00:00:00:02", "up"])?;
-        sh("ip", &["-n", &out, "link", "set", "peer0", "address", "02:00:00:00:00:01", "up"])?;
+        sh(
+            "ip",
+            &[
+                "link", "add", "eth0", "netns", &pod, "type", "veth", "peer", "name", "peer0",
+                "netns", &out,
+            ],
+        )?;
+        sh(
+            "ip",
+            &[
+                "-n",
+                &pod,
+                "link",
+                "set",
+                "eth0",
+                "address",
+                "02:00:00:00:00:02",
+                "up",
+            ],
+        )?;
+        sh(
+            "ip",
+            &[
+                "-n",
+                &out,
+                "link",
+                "set",
+                "peer0",
+                "address",
+                "02:00:00:00:00:01",
+                "up",
+            ],
+        )?;
         let pod_ns = Path::new("/run/netns").join(&pod);
         let tap = in_ns(&pod_ns, open_tap)?;
         sh("ip", &["-n", &pod, "link", "set", "tap0", "up"])?;
         let capture = in_ns(&Path::new("/run/netns").join(&out), packet_socket)?;
-        Ok(Bed { pod, out, tap, capture, bpffs })
+        Ok(Bed {
+            pod,
+            out,
+            tap,
+            capture,
+            bpffs,
+        })
     }
 
     fn pod_ns(&self) -> PathBuf {
@@ -152,7 +222,9 @@ impl Bed {
         frame.extend_from_slice(&PEER_IP.octets());
         frame.extend_from_slice(&[0x9c, 0x40, 0x27, 0x0f, 0, 12, 0, 0]);
         frame.extend_from_slice(&seq.to_be_bytes());
-        self.tap.write_all(&frame).context(|| "writing to the tap".into())
+        self.tap
+            .write_all(&frame)
+            .context(|| "writing to the tap".into())
     }
 
     /// Waits for frames until `count` bench frames arrived or `deadline`; returns how many did.
@@ -161,7 +233,14 @@ impl Bed {
         let mut got = 0;
         while got < count && Instant::now() < deadline {
             // SAFETY: `buf` is writable for its length.
-            let n = unsafe { libc::recv(self.capture.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+            let n = unsafe {
+                libc::recv(
+                    self.capture.as_raw_fd(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    0,
+                )
+            };
             if n >= 42 && buf[12..14] == [0x08, 0x00] && buf[36..38] == [0x27, 0x0f] {
                 got += 1;
             }
@@ -201,12 +280,22 @@ impl Bed {
 }
 
 fn config(bed: &Bed) -> PodNetConfig {
-    PodNetConfig { netns: bed.pod_ns(), veth: "eth0".into(), tap: "tap0".into(), pod_ip: POD_IP }
+    PodNetConfig {
+        netns: bed.pod_ns(),
+        veth: "eth0".into(),
+        tap: "tap0".into(),
+        pod_ip: POD_IP,
+    }
 }
 
 fn rules(n: u32) -> EgressPolicy {
-    let deny = (0..n).map(|i| EgressRule::cidr(&Ipv4Addr::from(0x0b00_0000 + i).to_string())).collect();
-    EgressPolicy { deny, ..Default::default() }
+    let deny = (0..n)
+        .map(|i| EgressRule::cidr(&Ipv4Addr::from(0x0b00_0000 + i).to_string()))
+        .collect();
+    EgressPolicy {
+        deny,
+        ..Default::default()
+    }
 }
 
 fn measure(bed: &mut Bed, args: &Args, report: &mut Report, name: &str) -> Result<(), Error> {
@@ -223,7 +312,10 @@ fn measure(bed: &mut Bed, args: &Args, report: &mut Report, name: &str) -> Resul
 /// Runs the benchmark.
 pub fn run(args: &Args) -> Result<serde_json::Value, Error> {
     if args.frames < WINDOW || args.latency_samples == 0 || args.setup_runs == 0 {
-        return Err(format!("--frames must be at least {WINDOW}; --latency-samples and --setup-runs positive").into());
+        return Err(format!(
+            "--frames must be at least {WINDOW}; --latency-samples and --setup-runs positive"
+        )
+        .into());
     }
     twig_net::check_support()?;
     let mut bed = Bed::new()?;
@@ -248,14 +340,28 @@ pub fn run(args: &Args) -> Result<serde_json::Value, Error> {
     measure(&mut bed, args, &mut report, "ebpf_1_rule")?;
     let start = Instant::now();
     pod.update_policy(&rules(10_000), &node)?;
-    report.value("policy_update_10000_rules_ms", json!(start.elapsed().as_secs_f64() * 1e3));
+    report.value(
+        "policy_update_10000_rules_ms",
+        json!(start.elapsed().as_secs_f64() * 1e3),
+    );
     measure(&mut bed, args, &mut report, "ebpf_10000_rules")?;
     pod.detach()?;
 
     let p = bed.pod.clone();
     // A bridge drops frames whose source is one of its ports' own MACs, and
     // the guest uses the veth's MAC: give the veth another one here.
-    sh("ip", &["-n", &p, "link", "set", "eth0", "address", "02:00:00:00:00:03"])?;
+    sh(
+        "ip",
+        &[
+            "-n",
+            &p,
+            "link",
+            "set",
+            "eth0",
+            "address",
+            "02:00:00:00:00:03",
+        ],
+    )?;
     sh("ip", &["-n", &p, "link", "add", "br0", "type", "bridge"])?;
     for dev in ["eth0", "tap0"] {
         sh("ip", &["-n", &p, "link", "set", dev, "master", "br0"])?;
@@ -266,7 +372,13 @@ pub fn run(args: &Args) -> Result<serde_json::Value, Error> {
 
     for (from, to) in [("tap0", "eth0"), ("eth0", "tap0")] {
         sh("tc", &["-n", &p, "qdisc", "add", "dev", from, "ingress"])?;
-        sh("tc", &["-n", &p, "filter", "add", "dev", from, "parent", "ffff:", "protocol", "all", "matchall", "action", "mirred", "egress", "redirect", "dev", to])?;
+        sh(
+            "tc",
+            &[
+                "-n", &p, "filter", "add", "dev", from, "parent", "ffff:", "protocol", "all",
+                "matchall", "action", "mirred", "egress", "redirect", "dev", to,
+            ],
+        )?;
     }
     measure(&mut bed, args, &mut report, "tc_mirred")?;
     Ok(report.into_value())

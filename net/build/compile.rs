@@ -12,7 +12,10 @@ pub fn compile_bpf(clang: &Path, source: &Path, output: &Path) -> Result<(), Str
     let mut command = Command::new(clang);
     command.args(["-O2", "-g", "-target", "bpf", "-Wall", "-Werror"]);
     // <asm/types.h> lives under the multiarch include directory on Debian.
-    for multiarch in ["/usr/include/x86_64-linux-gnu", "/usr/include/aarch64-linux-gnu"] {
+    for multiarch in [
+        "/usr/include/x86_64-linux-gnu",
+        "/usr/include/aarch64-linux-gnu",
+    ] {
         if Path::new(multiarch).is_dir() {
             command.arg(format!("-I{multiarch}"));
         }

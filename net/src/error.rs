@@ -76,6 +76,9 @@ pub(crate) trait Context<T> {
 
 impl<T, E: std::error::Error + Send + Sync + 'static> Context<T> for Result<T, E> {
     fn context(self, what: impl FnOnce() -> String) -> Result<T, Error> {
-        self.map_err(|e| Error::Bpf { what: what(), source: Box::new(e) })
+        self.map_err(|e| Error::Bpf {
+            what: what(),
+            source: Box::new(e),
+        })
     }
 }

@@ -18,23 +18,24 @@ mod error;
 mod maps;
 mod metrics;
 mod netns;
-mod policy;
 mod pod;
+mod policy;
 mod support;
 
 pub use bpffs::ensure_bpffs;
 pub use error::Error;
 pub use maps::RULE_CAPACITY;
 pub use metrics::{render_openmetrics, Counter, Counters, PodCounters, Reason};
-pub use policy::{
-    Action, CompiledPolicy, EgressPolicy, EgressRule, NodeContext, PolicyError, PortRange, Protocol, ALWAYS_DENIED,
-    MAX_PORTS_PER_RULE, PRIVATE_BY_DEFAULT,
-};
 pub use pod::{PodNetConfig, PodNetwork};
+pub use policy::{
+    Action, CompiledPolicy, EgressPolicy, EgressRule, NodeContext, PolicyError, PortRange,
+    Protocol, ALWAYS_DENIED, MAX_PORTS_PER_RULE, PRIVATE_BY_DEFAULT,
+};
 pub use support::check_support;
 
 /// The compiled eBPF object (`bpf/pod.c`).
-pub(crate) static POD_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/pod.o"));
+pub(crate) static POD_OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/pod.o"));
 
 #[cfg(test)]
 #[path = "../build/compile.rs"]
@@ -60,8 +61,12 @@ mod build_tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let source = dir.path().join("broken.c");
         std::fs::write(&source, "int f(void) { return undeclared; }\n").expect("write");
-        let err = super::compile::compile_bpf("clang".as_ref(), &source, &dir.path().join("broken.o"))
-            .expect_err("does not compile");
-        assert!(err.contains("failed to compile") && err.contains("undeclared"), "{err}");
+        let err =
+            super::compile::compile_bpf("clang".as_ref(), &source, &dir.path().join("broken.o"))
+                .expect_err("does not compile");
+        assert!(
+            err.contains("failed to compile") && err.contains("undeclared"),
+            "{err}"
+        );
     }
 }

@@ -17,7 +17,14 @@ pub(crate) const MAP_COUNTERS: &str = "counters";
 pub(crate) const LINK_TAP: &str = "link_tap";
 pub(crate) const LINK_VETH: &str = "link_veth";
 /// Every pin of a pod's directory.
-pub(crate) const ALL_PINS: [&str; 6] = [LINK_TAP, LINK_VETH, MAP_CONFIG, MAP_STATE, MAP_RULES, MAP_COUNTERS];
+pub(crate) const ALL_PINS: [&str; 6] = [
+    LINK_TAP,
+    LINK_VETH,
+    MAP_CONFIG,
+    MAP_STATE,
+    MAP_RULES,
+    MAP_COUNTERS,
+];
 
 /// Capacity of the `rules` LPM trie (`max_entries` in `bpf/pod.c`), shared
 /// by both generations during an update.

@@ -101,7 +101,11 @@ impl Counters {
 
     /// Frames dropped for any reason.
     pub fn dropped_packets(&self) -> u64 {
-        Reason::ALL.iter().filter(|r| r.is_drop()).map(|&r| self.get(r).packets).sum()
+        Reason::ALL
+            .iter()
+            .filter(|r| r.is_drop())
+            .map(|&r| self.get(r).packets)
+            .sum()
     }
 }
 
@@ -117,7 +121,10 @@ pub struct PodCounters<'a> {
 }
 
 fn escape(value: &str) -> String {
-    value.replace('\\', r"\\").replace('"', "\\\"").replace('\n', r"\n")
+    value
+        .replace('\\', r"\\")
+        .replace('"', "\\\"")
+        .replace('\n', r"\n")
 }
 
 /// Renders the counters of several pods as one OpenMetrics text exposition
@@ -126,14 +133,26 @@ fn escape(value: &str) -> String {
 pub fn render_openmetrics(pods: &[PodCounters<'_>]) -> String {
     let mut out = String::new();
     for (family, help, pick) in [
-        ("twig_pod_network_packets", "Frames through a pod's network path, by verdict and reason.", 0),
-        ("twig_pod_network_bytes", "Bytes through a pod's network path, by verdict and reason.", 1),
+        (
+            "twig_pod_network_packets",
+            "Frames through a pod's network path, by verdict and reason.",
+            0,
+        ),
+        (
+            "twig_pod_network_bytes",
+            "Bytes through a pod's network path, by verdict and reason.",
+            1,
+        ),
     ] {
         let _ = writeln!(out, "# TYPE {family} counter\n# HELP {family} {help}");
         for pod in pods {
             for reason in Reason::ALL {
                 let counter = pod.counters.get(reason);
-                let value = if pick == 0 { counter.packets } else { counter.bytes };
+                let value = if pick == 0 {
+                    counter.packets
+                } else {
+                    counter.bytes
+                };
                 let verdict = if reason.is_drop() { "drop" } else { "pass" };
                 let _ = writeln!(
                     out,
@@ -156,13 +175,28 @@ mod tests {
     #[test]
     fn openmetrics_has_one_family_header_and_escaped_labels() {
         let mut a = Counters::default();
-        a.values[Reason::DenyRule as usize] = Counter { packets: 3, bytes: 180 };
+        a.values[Reason::DenyRule as usize] = Counter {
+            packets: 3,
+            bytes: 180,
+        };
         let b = Counters::default();
         let text = render_openmetrics(&[
-            PodCounters { namespace: "team-a", pod: "agent-0", counters: &a },
-            PodCounters { namespace: "x", pod: "we\"ird\\", counters: &b },
+            PodCounters {
+                namespace: "team-a",
+                pod: "agent-0",
+                counters: &a,
+            },
+            PodCounters {
+                namespace: "x",
+                pod: "we\"ird\\",
+                counters: &b,
+            },
         ]);
-        assert_eq!(text.matches("# TYPE twig_pod_network_packets counter").count(), 1);
+        assert_eq!(
+            text.matches("# TYPE twig_pod_network_packets counter")
+                .count(),
+            1
+        );
         assert!(text.contains(
             "twig_pod_network_packets_total{namespace=\"team-a\",pod=\"agent-0\",verdict=\"drop\",reason=\"deny_rule\"} 3\n"
         ));

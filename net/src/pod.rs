@@ -12,8 +12,9 @@ use aya::{Ebpf, EbpfLoader};
 
 use crate::error::Context;
 use crate::maps::{
-    state_default_index, PodConfig, RawCounter, RuleKey, ALL_PINS, KEY_FIXED_BITS, LINK_TAP, LINK_VETH,
-    MAP_CONFIG, MAP_COUNTERS, MAP_RULES, MAP_STATE, PROG_TAP, PROG_VETH, STATE_ACTIVE_GEN,
+    state_default_index, PodConfig, RawCounter, RuleKey, ALL_PINS, KEY_FIXED_BITS, LINK_TAP,
+    LINK_VETH, MAP_CONFIG, MAP_COUNTERS, MAP_RULES, MAP_STATE, PROG_TAP, PROG_VETH,
+    STATE_ACTIVE_GEN,
 };
 use crate::metrics::{Counter, Counters, Reason};
 use crate::netns::{ifindex, in_netns, mac_of};
@@ -47,7 +48,9 @@ pub struct PodNetwork {
 
 impl std::fmt::Debug for PodNetwork {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PodNetwork").field("dir", &self.dir).finish_non_exhaustive()
+        f.debug_struct("PodNetwork")
+            .field("dir", &self.dir)
+            .finish_non_exhaustive()
     }
 }
 
@@ -86,32 +89,55 @@ fn take_map(ebpf: &mut Ebpf, name: &'static str, dir: &Path) -> Result<Map, Erro
         what: format!("the embedded object has no map {name}"),
         source: "missing map".into(),
     })?;
-    map.pin(dir.join(name)).context(|| format!("pinning map {name} under {}", dir.display()))?;
+    map.pin(dir.join(name))
+        .context(|| format!("pinning map {name} under {}", dir.display()))?;
     Ok(map)
 }
 
-fn attach_program(ebpf: &mut Ebpf, name: &'static str, interface: &str, pin: PathBuf) -> Result<(), Error> {
+fn attach_program(
+    ebpf: &mut Ebpf,
+    name: &'static str,
+    interface: &str,
+    pin: PathBuf,
+) -> Result<(), Error> {
     let program: &mut SchedClassifier = ebpf
         .program_mut(name)
-        .ok_or_else(|| Error::Bpf { what: format!("the embedded object has no program {name}"), source: "missing".into() })?
+        .ok_or_else(|| Error::Bpf {
+            what: format!("the embedded object has no program {name}"),
+            source: "missing".into(),
+        })?
         .try_into()
         .context(|| format!("program {name} is not a tc classifier"))?;
     let link_id = program
-        .attach_with_options(interface, TcAttachType::Ingress, TcAttachOptions::TcxOrder(LinkOrder::default()))
+        .attach_with_options(
+            interface,
+            TcAttachType::Ingress,
+            TcAttachOptions::TcxOrder(LinkOrder::default()),
+        )
         .context(|| format!("attaching {name} to the ingress of {interface}"))?;
-    let link = program.take_link(link_id).context(|| format!("taking the link of {name}"))?;
-    let link: FdLink = link.try_into().context(|| format!("the link of {name} is not a BPF link"))?;
-    link.pin(&pin).context(|| format!("pinning the link of {name} at {}", pin.display()))?;
+    let link = program
+        .take_link(link_id)
+        .context(|| format!("taking the link of {name}"))?;
+    let link: FdLink = link
+        .try_into()
+        .context(|| format!("the link of {name} is not a BPF link"))?;
+    link.pin(&pin)
+        .context(|| format!("pinning the link of {name} at {}", pin.display()))?;
     Ok(())
 }
 
 fn load_program(ebpf: &mut Ebpf, name: &'static str) -> Result<(), Error> {
     let program: &mut SchedClassifier = ebpf
         .program_mut(name)
-        .ok_or_else(|| Error::Bpf { what: format!("the embedded object has no program {name}"), source: "missing".into() })?
+        .ok_or_else(|| Error::Bpf {
+            what: format!("the embedded object has no program {name}"),
+            source: "missing".into(),
+        })?
         .try_into()
         .context(|| format!("program {name} is not a tc classifier"))?;
-    program.load().context(|| format!("loading program {name} (verifier)"))
+    program
+        .load()
+        .context(|| format!("loading program {name} (verifier)"))
 }
 
 impl PodNetwork {
@@ -138,17 +164,26 @@ impl PodNetwork {
             let veth_ifindex = ifindex(&config.veth, &netns)?;
             let mac = mac_of(&config.veth)?;
 
-            std::fs::create_dir_all(dir).map_err(|source| Error::Bpffs { path: dir.to_owned(), source })?;
+            std::fs::create_dir_all(dir).map_err(|source| Error::Bpffs {
+                path: dir.to_owned(),
+                source,
+            })?;
             let mut guard = PinGuard { dir, armed: true };
             // No CO-RE relocations: skip parsing the kernel's BTF on every attach.
-            let mut ebpf = EbpfLoader::new().btf(None).load(POD_OBJECT).context(|| "loading the eBPF object (maps)".into())?;
+            let mut ebpf = EbpfLoader::new()
+                .btf(None)
+                .load(POD_OBJECT)
+                .context(|| "loading the eBPF object (maps)".into())?;
             load_program(&mut ebpf, PROG_TAP)?;
             load_program(&mut ebpf, PROG_VETH)?;
             let mut pod = PodNetwork {
                 dir: dir.to_owned(),
-                config: Array::try_from(take_map(&mut ebpf, MAP_CONFIG, dir)?).context(|| "map config".into())?,
-                state: Array::try_from(take_map(&mut ebpf, MAP_STATE, dir)?).context(|| "map state".into())?,
-                rules: LpmTrie::try_from(take_map(&mut ebpf, MAP_RULES, dir)?).context(|| "map rules".into())?,
+                config: Array::try_from(take_map(&mut ebpf, MAP_CONFIG, dir)?)
+                    .context(|| "map config".into())?,
+                state: Array::try_from(take_map(&mut ebpf, MAP_STATE, dir)?)
+                    .context(|| "map state".into())?,
+                rules: LpmTrie::try_from(take_map(&mut ebpf, MAP_RULES, dir)?)
+                    .context(|| "map rules".into())?,
                 counters: PerCpuArray::try_from(take_map(&mut ebpf, MAP_COUNTERS, dir)?)
                     .context(|| "map counters".into())?,
             };
@@ -159,7 +194,9 @@ impl PodNetwork {
                 mac,
                 pad: 0,
             };
-            pod.config.set(0, pod_config, 0).context(|| "writing the pod's config".into())?;
+            pod.config
+                .set(0, pod_config, 0)
+                .context(|| "writing the pod's config".into())?;
             pod.write_policy(&compiled)?;
             // The config and policy are in place before any frame is seen.
             attach_program(&mut ebpf, PROG_TAP, &config.tap, dir.join(LINK_TAP))?;
@@ -175,11 +212,15 @@ impl PodNetwork {
     pub fn open(dir: &Path) -> Result<Self, Error> {
         for pin in ALL_PINS {
             if !dir.join(pin).exists() {
-                return Err(Error::NotAttached { dir: dir.to_owned(), pin });
+                return Err(Error::NotAttached {
+                    dir: dir.to_owned(),
+                    pin,
+                });
             }
         }
         let map = |name: &'static str| -> Result<Map, Error> {
-            let data = MapData::from_pin(dir.join(name)).context(|| format!("opening pinned map {name}"))?;
+            let data = MapData::from_pin(dir.join(name))
+                .context(|| format!("opening pinned map {name}"))?;
             Map::from_map_data(data).context(|| format!("pinned map {name}"))
         };
         Ok(PodNetwork {
@@ -187,7 +228,8 @@ impl PodNetwork {
             config: Array::try_from(map(MAP_CONFIG)?).context(|| "pinned map config".into())?,
             state: Array::try_from(map(MAP_STATE)?).context(|| "pinned map state".into())?,
             rules: LpmTrie::try_from(map(MAP_RULES)?).context(|| "pinned map rules".into())?,
-            counters: PerCpuArray::try_from(map(MAP_COUNTERS)?).context(|| "pinned map counters".into())?,
+            counters: PerCpuArray::try_from(map(MAP_COUNTERS)?)
+                .context(|| "pinned map counters".into())?,
         })
     }
 
@@ -198,14 +240,22 @@ impl PodNetwork {
 
     /// The MAC the guest must use (the veth's).
     pub fn mac(&self) -> Result<[u8; 6], Error> {
-        Ok(self.config.get(&0, 0).context(|| "reading the pod's config".into())?.mac)
+        Ok(self
+            .config
+            .get(&0, 0)
+            .context(|| "reading the pod's config".into())?
+            .mac)
     }
 
     /// Replaces the pod's policy in place, without touching the path: the new
     /// rules are written as the inactive generation, then one map write makes
     /// them active, then the old generation is removed. A rejected policy
     /// changes nothing.
-    pub fn update_policy(&mut self, policy: &EgressPolicy, node: &NodeContext) -> Result<(), Error> {
+    pub fn update_policy(
+        &mut self,
+        policy: &EgressPolicy,
+        node: &NodeContext,
+    ) -> Result<(), Error> {
         let compiled = policy.compile(node)?;
         self.write_policy(&compiled)?;
         tracing::info!(dir = %self.dir.display(), entries = compiled.len(), "pod egress policy updated");
@@ -225,13 +275,18 @@ impl PodNetwork {
 
     fn remove_generation(&mut self, gen: u8) -> Result<(), Error> {
         for key in self.generation_keys(gen)? {
-            self.rules.remove(&key).context(|| "removing an old policy rule".into())?;
+            self.rules
+                .remove(&key)
+                .context(|| "removing an old policy rule".into())?;
         }
         Ok(())
     }
 
     fn write_policy(&mut self, compiled: &CompiledPolicy) -> Result<(), Error> {
-        let active = self.state.get(&STATE_ACTIVE_GEN, 0).context(|| "reading the active generation".into())?;
+        let active = self
+            .state
+            .get(&STATE_ACTIVE_GEN, 0)
+            .context(|| "reading the active generation".into())?;
         let active = (active & 1) as u8;
         let next = active ^ 1;
         // Left over by an update that failed half-way.
@@ -243,13 +298,26 @@ impl PodNetwork {
             if let Err(e) = self.rules.insert(&key, index, 0) {
                 // Leave the active generation untouched and clean up.
                 let _ = self.remove_generation(next);
-                return Err(e).context(|| format!("writing policy rule {} ({} of {})", entry.addr, index + 1, compiled.len()));
+                return Err(e).context(|| {
+                    format!(
+                        "writing policy rule {} ({} of {})",
+                        entry.addr,
+                        index + 1,
+                        compiled.len()
+                    )
+                });
             }
         }
         self.state
-            .set(state_default_index(next), u32::from(compiled.deny_by_default), 0)
+            .set(
+                state_default_index(next),
+                u32::from(compiled.deny_by_default),
+                0,
+            )
             .context(|| "writing the default action".into())?;
-        self.state.set(STATE_ACTIVE_GEN, u32::from(next), 0).context(|| "activating the new policy".into())?;
+        self.state
+            .set(STATE_ACTIVE_GEN, u32::from(next), 0)
+            .context(|| "activating the new policy".into())?;
         self.remove_generation(active)
     }
 
@@ -257,7 +325,10 @@ impl PodNetwork {
     pub fn counters(&self) -> Result<Counters, Error> {
         let mut counters = Counters::default();
         for reason in Reason::ALL {
-            let values = self.counters.get(&(reason as u32), 0).context(|| "reading counters".into())?;
+            let values = self
+                .counters
+                .get(&(reason as u32), 0)
+                .context(|| "reading counters".into())?;
             let sum = values.iter().fold(Counter::default(), |acc, v| Counter {
                 packets: acc.packets + v.packets,
                 bytes: acc.bytes + v.bytes,
@@ -274,10 +345,14 @@ impl PodNetwork {
             let path = self.dir.join(link);
             match PinnedLink::from_pin(&path) {
                 Ok(pinned) => {
-                    let fd_link = pinned.unpin().context(|| format!("unpinning {}", path.display()))?;
+                    let fd_link = pinned
+                        .unpin()
+                        .context(|| format!("unpinning {}", path.display()))?;
                     drop(fd_link);
                 }
-                Err(e) => tracing::warn!(path = %path.display(), error = %e, "link pin already gone"),
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = %e, "link pin already gone")
+                }
             }
         }
         remove_pins(&self.dir);

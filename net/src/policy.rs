@@ -100,7 +100,11 @@ pub struct EgressRule {
 impl EgressRule {
     /// A rule for every protocol and port of `cidr`.
     pub fn cidr(cidr: &str) -> Self {
-        Self { cidr: cidr.to_owned(), protocol: None, ports: Vec::new() }
+        Self {
+            cidr: cidr.to_owned(),
+            protocol: None,
+            ports: Vec::new(),
+        }
     }
 }
 
@@ -207,16 +211,28 @@ fn parse_cidr(text: &str) -> Result<Cidr, String> {
         Ok(len) if len <= 32 => len,
         _ => return Err(format!("{text:?}: prefix length must be 0–32")),
     };
-    let mask = if prefix_len == 0 { 0 } else { u32::MAX << (32 - prefix_len) };
+    let mask = if prefix_len == 0 {
+        0
+    } else {
+        u32::MAX << (32 - prefix_len)
+    };
     let bits = u32::from(addr);
     if bits & !mask != 0 {
         let network = Ipv4Addr::from(bits & mask);
-        return Err(format!("{text:?} has host bits set (did you mean {network}/{prefix_len}?)"));
+        return Err(format!(
+            "{text:?} has host bits set (did you mean {network}/{prefix_len}?)"
+        ));
     }
     Ok(Cidr { addr, prefix_len })
 }
 
-fn compile_rule(rule: &EgressRule, field: &str, tier: Tier, out: &mut BTreeSet<Entry>, problems: &mut Vec<String>) {
+fn compile_rule(
+    rule: &EgressRule,
+    field: &str,
+    tier: Tier,
+    out: &mut BTreeSet<Entry>,
+    problems: &mut Vec<String>,
+) {
     let cidr = match parse_cidr(rule.cidr.trim()) {
         Ok(cidr) => cidr,
         Err(e) => {
@@ -230,7 +246,10 @@ fn compile_rule(rule: &EgressRule, field: &str, tier: Tier, out: &mut BTreeSet<E
         if range.port == 0 {
             problems.push(format!("{field}.ports[{i}].port: must be 1–65535"));
         } else if end < range.port {
-            problems.push(format!("{field}.ports[{i}].endPort: {end} is below port {}", range.port));
+            problems.push(format!(
+                "{field}.ports[{i}].endPort: {end} is below port {}",
+                range.port
+            ));
         } else if u32::from(end - range.port) + 1 > MAX_PORTS_PER_RULE {
             problems.push(format!(
                 "{field}.ports[{i}]: {}–{end} spans more than {MAX_PORTS_PER_RULE} ports; omit `ports` to match every port",
@@ -254,7 +273,13 @@ fn compile_rule(rule: &EgressRule, field: &str, tier: Tier, out: &mut BTreeSet<E
     }
     for &proto in &protocols {
         for &port in &ports {
-            out.insert(Entry { tier: tier as u8, proto, port, addr: cidr.addr, prefix_len: cidr.prefix_len });
+            out.insert(Entry {
+                tier: tier as u8,
+                proto,
+                port,
+                addr: cidr.addr,
+                prefix_len: cidr.prefix_len,
+            });
         }
     }
 }
@@ -272,26 +297,59 @@ impl EgressPolicy {
         let mut entries = BTreeSet::new();
         let mut problems = Vec::new();
         for (i, rule) in self.deny.iter().enumerate() {
-            compile_rule(rule, &format!("deny[{i}]"), Tier::Deny, &mut entries, &mut problems);
+            compile_rule(
+                rule,
+                &format!("deny[{i}]"),
+                Tier::Deny,
+                &mut entries,
+                &mut problems,
+            );
         }
         for (i, rule) in self.allow.iter().enumerate() {
-            compile_rule(rule, &format!("allow[{i}]"), Tier::Allow, &mut entries, &mut problems);
+            compile_rule(
+                rule,
+                &format!("allow[{i}]"),
+                Tier::Allow,
+                &mut entries,
+                &mut problems,
+            );
         }
         let builtin = |cidr: &str| EgressRule::cidr(cidr);
         for cidr in ALWAYS_DENIED {
-            compile_rule(&builtin(cidr), "builtin", Tier::Deny, &mut entries, &mut problems);
+            compile_rule(
+                &builtin(cidr),
+                "builtin",
+                Tier::Deny,
+                &mut entries,
+                &mut problems,
+            );
         }
         for cidr in PRIVATE_BY_DEFAULT {
-            compile_rule(&builtin(cidr), "builtin", Tier::Private, &mut entries, &mut problems);
+            compile_rule(
+                &builtin(cidr),
+                "builtin",
+                Tier::Private,
+                &mut entries,
+                &mut problems,
+            );
         }
         for addr in &node.node_addrs {
-            compile_rule(&builtin(&addr.to_string()), "node", Tier::Private, &mut entries, &mut problems);
+            compile_rule(
+                &builtin(&addr.to_string()),
+                "node",
+                Tier::Private,
+                &mut entries,
+                &mut problems,
+            );
         }
         for addr in &node.cluster_dns {
             let dns = EgressRule {
                 cidr: addr.to_string(),
                 protocol: None,
-                ports: vec![PortRange { port: 53, end_port: None }],
+                ports: vec![PortRange {
+                    port: 53,
+                    end_port: None,
+                }],
             };
             compile_rule(&dns, "clusterDns", Tier::Allow, &mut entries, &mut problems);
         }
@@ -304,7 +362,10 @@ impl EgressPolicy {
             ));
         }
         if problems.is_empty() {
-            Ok(CompiledPolicy { entries, deny_by_default: self.default_action == Action::Deny })
+            Ok(CompiledPolicy {
+                entries,
+                deny_by_default: self.default_action == Action::Deny,
+            })
         } else {
             Err(PolicyError { problems })
         }
@@ -343,7 +404,8 @@ mod tests {
 
     #[test]
     fn unknown_fields_are_rejected() {
-        let err = serde_json::from_str::<EgressPolicy>(r#"{"alow":[]}"#).expect_err("typo must fail");
+        let err =
+            serde_json::from_str::<EgressPolicy>(r#"{"alow":[]}"#).expect_err("typo must fail");
         assert!(err.to_string().contains("unknown field `alow`"), "{err}");
     }
 
@@ -354,25 +416,60 @@ mod tests {
             allow: vec![EgressRule {
                 cidr: "203.0.113.0/24".into(),
                 protocol: None,
-                ports: vec![PortRange { port: 80, end_port: Some(81) }],
+                ports: vec![PortRange {
+                    port: 80,
+                    end_port: Some(81),
+                }],
             }],
             deny: vec![],
         };
-        let node = NodeContext { node_addrs: vec![Ipv4Addr::new(192, 0, 2, 7)], cluster_dns: vec![Ipv4Addr::new(10, 96, 0, 10)] };
+        let node = NodeContext {
+            node_addrs: vec![Ipv4Addr::new(192, 0, 2, 7)],
+            cluster_dns: vec![Ipv4Addr::new(10, 96, 0, 10)],
+        };
         let compiled = policy.compile(&node).expect("valid");
         assert!(compiled.deny_by_default);
-        let allow: Vec<_> = compiled.entries.iter().filter(|e| e.tier() == Tier::Allow).collect();
+        let allow: Vec<_> = compiled
+            .entries
+            .iter()
+            .filter(|e| e.tier() == Tier::Allow)
+            .collect();
         // TCP and UDP × ports 80, 81, plus DNS over TCP and UDP.
         assert_eq!(allow.len(), 6);
-        assert!(compiled.entries.contains(&Entry { tier: 2, proto: 0, port: 0, addr: Ipv4Addr::new(192, 0, 2, 7), prefix_len: 32 }));
-        assert!(compiled.entries.contains(&Entry { tier: 0, proto: 0, port: 0, addr: Ipv4Addr::new(169, 254, 0, 0), prefix_len: 16 }));
-        assert!(compiled.entries.contains(&Entry { tier: 1, proto: 17, port: 53, addr: Ipv4Addr::new(10, 96, 0, 10), prefix_len: 32 }));
+        assert!(compiled.entries.contains(&Entry {
+            tier: 2,
+            proto: 0,
+            port: 0,
+            addr: Ipv4Addr::new(192, 0, 2, 7),
+            prefix_len: 32
+        }));
+        assert!(compiled.entries.contains(&Entry {
+            tier: 0,
+            proto: 0,
+            port: 0,
+            addr: Ipv4Addr::new(169, 254, 0, 0),
+            prefix_len: 16
+        }));
+        assert!(compiled.entries.contains(&Entry {
+            tier: 1,
+            proto: 17,
+            port: 53,
+            addr: Ipv4Addr::new(10, 96, 0, 10),
+            prefix_len: 32
+        }));
     }
 
     #[test]
     fn a_policy_larger_than_the_trie_is_rejected() {
-        let allow = (0..40_000u32).map(|i| EgressRule::cidr(&Ipv4Addr::from(0x0b00_0000 + i).to_string())).collect();
-        let err = EgressPolicy { allow, ..Default::default() }.validate().expect_err("too big");
+        let allow = (0..40_000u32)
+            .map(|i| EgressRule::cidr(&Ipv4Addr::from(0x0b00_0000 + i).to_string()))
+            .collect();
+        let err = EgressPolicy {
+            allow,
+            ..Default::default()
+        }
+        .validate()
+        .expect_err("too big");
         assert!(err.to_string().contains("at most 32768 fit"), "{err}");
     }
 }

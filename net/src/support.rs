@@ -18,18 +18,39 @@ pub fn check_support() -> Result<(), Error> {
     let version = KernelVersion::current()
         .map_err(|e| Error::Unsupported(format!("cannot read the kernel version: {e}")))?;
     if version < TCX_SINCE {
-        return Err(Error::Unsupported(format!("kernel {version} has no TCX links (Linux 6.6 or later needed)")));
+        return Err(Error::Unsupported(format!(
+            "kernel {version} has no TCX links (Linux 6.6 or later needed)"
+        )));
     }
     match is_program_supported(ProgramType::SchedClassifier) {
         Ok(true) => {}
-        Ok(false) => return Err(Error::Unsupported("tc (sched_cls) BPF programs are not supported".into())),
-        Err(e) => return Err(Error::Unsupported(format!("cannot load a tc BPF program (BPF disabled or not root?): {e}"))),
+        Ok(false) => {
+            return Err(Error::Unsupported(
+                "tc (sched_cls) BPF programs are not supported".into(),
+            ))
+        }
+        Err(e) => {
+            return Err(Error::Unsupported(format!(
+                "cannot load a tc BPF program (BPF disabled or not root?): {e}"
+            )))
+        }
     }
-    for (map, name) in [(MapType::LpmTrie, "LPM trie"), (MapType::PerCpuArray, "per-CPU array")] {
+    for (map, name) in [
+        (MapType::LpmTrie, "LPM trie"),
+        (MapType::PerCpuArray, "per-CPU array"),
+    ] {
         match is_map_supported(map) {
             Ok(true) => {}
-            Ok(false) => return Err(Error::Unsupported(format!("{name} BPF maps are not supported"))),
-            Err(e) => return Err(Error::Unsupported(format!("cannot create a {name} BPF map: {e}"))),
+            Ok(false) => {
+                return Err(Error::Unsupported(format!(
+                    "{name} BPF maps are not supported"
+                )))
+            }
+            Err(e) => {
+                return Err(Error::Unsupported(format!(
+                    "cannot create a {name} BPF map: {e}"
+                )))
+            }
         }
     }
     Ok(())

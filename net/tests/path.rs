@@ -17,7 +17,10 @@ const CLUSTER_DNS: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 const DENIED_POD: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 3);
 
 fn node() -> NodeContext {
-    NodeContext { node_addrs: vec![NODE_IP], cluster_dns: vec![CLUSTER_DNS] }
+    NodeContext {
+        node_addrs: vec![NODE_IP],
+        cluster_dns: vec![CLUSTER_DNS],
+    }
 }
 
 fn policy() -> EgressPolicy {
@@ -29,7 +32,10 @@ fn policy() -> EgressPolicy {
             EgressRule {
                 cidr: "203.0.113.0/24".into(),
                 protocol: Some(Protocol::Tcp),
-                ports: vec![PortRange { port: 22, end_port: None }],
+                ports: vec![PortRange {
+                    port: 22,
+                    end_port: None,
+                }],
             },
         ],
     }
@@ -44,7 +50,10 @@ fn wait_count(pod: &PodNetwork, reason: Reason, want: u64) {
             return;
         }
         assert!(got < want, "{reason:?}: counted {got}, expected {want}");
-        assert!(Instant::now() < deadline, "{reason:?}: counted {got}, expected {want}");
+        assert!(
+            Instant::now() < deadline,
+            "{reason:?}: counted {got}, expected {want}"
+        );
         std::thread::yield_now();
     }
 }
@@ -58,7 +67,10 @@ fn assert_dropped(bed: &mut Bed, pod: &PodNetwork, name: &str, bad: &[u8], reaso
     let marker = format!("marker after {name}");
     bed.guest_send(&guest_udp(PEER_IP, 9999, marker.as_bytes()));
     let leaked = bed.outside_recv_until(marker.as_bytes());
-    assert!(!leaked.iter().any(|f| contains(f, name.as_bytes())), "{name} leaked out of the pod");
+    assert!(
+        !leaked.iter().any(|f| contains(f, name.as_bytes())),
+        "{name} leaked out of the pod"
+    );
 }
 
 /// Sends `good` as the guest and waits for it at the peer.
@@ -72,42 +84,124 @@ fn every_escape_from_the_guest_is_dropped_and_counted() {
     twig_net::check_support().expect("this kernel runs twig-net");
     let mut bed = Bed::new("esc");
     let (pod, mac) =
-        PodNetwork::attach(&bed.bpffs.pod_dir("esc"), &bed.config(), &policy(), &node()).expect("attach");
+        PodNetwork::attach(&bed.bpffs.pod_dir("esc"), &bed.config(), &policy(), &node())
+            .expect("attach");
     assert_eq!(mac, POD_MAC, "the guest gets the veth's MAC");
 
     let cases: Vec<(&str, Vec<u8>, Reason)> = vec![
-        ("metadata", guest_udp(Ipv4Addr::new(169, 254, 169, 254), 80, b"metadata"), Reason::DenyRule),
-        ("node-ip", guest_udp(NODE_IP, 10250, b"node-ip"), Reason::Private),
-        ("denied-pod", guest_udp(DENIED_POD, 8080, b"denied-pod"), Reason::DenyRule),
-        ("private-pod", guest_udp(Ipv4Addr::new(10, 1, 2, 3), 8080, b"private-pod"), Reason::Private),
+        (
+            "metadata",
+            guest_udp(Ipv4Addr::new(169, 254, 169, 254), 80, b"metadata"),
+            Reason::DenyRule,
+        ),
+        (
+            "node-ip",
+            guest_udp(NODE_IP, 10250, b"node-ip"),
+            Reason::Private,
+        ),
+        (
+            "denied-pod",
+            guest_udp(DENIED_POD, 8080, b"denied-pod"),
+            Reason::DenyRule,
+        ),
+        (
+            "private-pod",
+            guest_udp(Ipv4Addr::new(10, 1, 2, 3), 8080, b"private-pod"),
+            Reason::Private,
+        ),
         (
             "ssh-port",
-            ether(PEER_MAC, POD_MAC, 0x0800, &ipv4(POD_IP, Ipv4Addr::new(203, 0, 113, 9), 6, 0, &l4(1, 22, b"ssh-port"))),
+            ether(
+                PEER_MAC,
+                POD_MAC,
+                0x0800,
+                &ipv4(
+                    POD_IP,
+                    Ipv4Addr::new(203, 0, 113, 9),
+                    6,
+                    0,
+                    &l4(1, 22, b"ssh-port"),
+                ),
+            ),
             Reason::DenyRule,
         ),
         (
             "spoofed-ip",
-            ether(PEER_MAC, POD_MAC, 0x0800, &ipv4(Ipv4Addr::new(198, 51, 100, 99), PEER_IP, 17, 0, &l4(1, 9999, b"spoofed-ip"))),
+            ether(
+                PEER_MAC,
+                POD_MAC,
+                0x0800,
+                &ipv4(
+                    Ipv4Addr::new(198, 51, 100, 99),
+                    PEER_IP,
+                    17,
+                    0,
+                    &l4(1, 9999, b"spoofed-ip"),
+                ),
+            ),
             Reason::SpoofedIp,
         ),
         (
             "spoofed-mac",
-            ether(PEER_MAC, [2, 0, 0, 0, 0, 0x99], 0x0800, &ipv4(POD_IP, PEER_IP, 17, 0, &l4(1, 9999, b"spoofed-mac"))),
+            ether(
+                PEER_MAC,
+                [2, 0, 0, 0, 0, 0x99],
+                0x0800,
+                &ipv4(POD_IP, PEER_IP, 17, 0, &l4(1, 9999, b"spoofed-mac")),
+            ),
             Reason::SpoofedMac,
         ),
-        ("ipv6", ether(PEER_MAC, POD_MAC, 0x86dd, b"\x60\0\0\0\0\x08\x11\x40ipv6-frame-ipv6"), Reason::Ipv6),
+        (
+            "ipv6",
+            ether(
+                PEER_MAC,
+                POD_MAC,
+                0x86dd,
+                b"\x60\0\0\0\0\x08\x11\x40ipv6-frame-ipv6",
+            ),
+            Reason::Ipv6,
+        ),
         (
             "first-fragment",
-            ether(PEER_MAC, POD_MAC, 0x0800, &ipv4(POD_IP, PEER_IP, 17, 0x2000, &l4(1, 9999, b"first-fragment"))),
+            ether(
+                PEER_MAC,
+                POD_MAC,
+                0x0800,
+                &ipv4(POD_IP, PEER_IP, 17, 0x2000, &l4(1, 9999, b"first-fragment")),
+            ),
             Reason::Fragment,
         ),
         (
             "later-fragment",
-            ether(PEER_MAC, POD_MAC, 0x0800, &ipv4(POD_IP, Ipv4Addr::new(169, 254, 169, 254), 17, 0x0003, b"later-fragment")),
+            ether(
+                PEER_MAC,
+                POD_MAC,
+                0x0800,
+                &ipv4(
+                    POD_IP,
+                    Ipv4Addr::new(169, 254, 169, 254),
+                    17,
+                    0x0003,
+                    b"later-fragment",
+                ),
+            ),
             Reason::Fragment,
         ),
-        ("vlan", ether(PEER_MAC, POD_MAC, 0x8100, b"\0\x05\x08\0vlan-frame"), Reason::Ethertype),
-        ("truncated-ip", ether(PEER_MAC, POD_MAC, 0x0800, b"\x45\0\0truncated-ip"[..6].as_ref()), Reason::Malformed),
+        (
+            "vlan",
+            ether(PEER_MAC, POD_MAC, 0x8100, b"\0\x05\x08\0vlan-frame"),
+            Reason::Ethertype,
+        ),
+        (
+            "truncated-ip",
+            ether(
+                PEER_MAC,
+                POD_MAC,
+                0x0800,
+                b"\x45\0\0truncated-ip"[..6].as_ref(),
+            ),
+            Reason::Malformed,
+        ),
     ];
     for (name, frame, reason) in &cases {
         assert_dropped(&mut bed, &pod, name, frame, *reason);
@@ -115,22 +209,46 @@ fn every_escape_from_the_guest_is_dropped_and_counted() {
 
     // ARP speaking for an address or a MAC that is not the pod's.
     let before = pod.counters().expect("counters").get(Reason::Arp).packets;
-    bed.guest_send(&arp_request(POD_MAC, Ipv4Addr::new(198, 51, 100, 77), PEER_IP));
+    bed.guest_send(&arp_request(
+        POD_MAC,
+        Ipv4Addr::new(198, 51, 100, 77),
+        PEER_IP,
+    ));
     bed.guest_send(&arp_request([2, 0, 0, 0, 0, 0x77], POD_IP, PEER_IP));
     wait_count(&pod, Reason::Arp, before + 2);
 
     // Allowed: the pod's own ARP, DNS to the cluster resolver (a private
     // address), a public destination, and UDP to port 22 (only TCP is denied).
-    let passed_before = pod.counters().expect("counters").get(Reason::PassEgress).packets;
+    let passed_before = pod
+        .counters()
+        .expect("counters")
+        .get(Reason::PassEgress)
+        .packets;
     let own_arp = arp_request(POD_MAC, POD_IP, PEER_IP);
     bed.guest_send(&own_arp);
     bed.outside_recv_until(&own_arp[22..]);
-    assert_passes(&mut bed, &guest_udp(CLUSTER_DNS, 53, b"dns-query"), "dns-query");
-    assert_passes(&mut bed, &guest_udp(Ipv4Addr::new(203, 0, 113, 9), 22, b"udp-22"), "udp-22");
-    assert_passes(&mut bed, &guest_udp(PEER_IP, 9999, b"public-ok"), "public-ok");
+    assert_passes(
+        &mut bed,
+        &guest_udp(CLUSTER_DNS, 53, b"dns-query"),
+        "dns-query",
+    );
+    assert_passes(
+        &mut bed,
+        &guest_udp(Ipv4Addr::new(203, 0, 113, 9), 22, b"udp-22"),
+        "udp-22",
+    );
+    assert_passes(
+        &mut bed,
+        &guest_udp(PEER_IP, 9999, b"public-ok"),
+        "public-ok",
+    );
     let counters = pod.counters().expect("counters");
     assert!(counters.get(Reason::PassEgress).packets >= passed_before + 4);
-    assert_eq!(counters.dropped_packets(), cases.len() as u64 + 2, "{counters:?}");
+    assert_eq!(
+        counters.dropped_packets(),
+        cases.len() as u64 + 2,
+        "{counters:?}"
+    );
     assert!(counters.get(Reason::DenyRule).bytes > 0);
     pod.detach().expect("detach");
 }
@@ -138,8 +256,14 @@ fn every_escape_from_the_guest_is_dropped_and_counted() {
 #[test]
 fn frames_from_outside_reach_the_guest() {
     let mut bed = Bed::new("in");
-    let (pod, _) = PodNetwork::attach(&bed.bpffs.pod_dir("in"), &bed.config(), &policy(), &node()).expect("attach");
-    let frame = ether(POD_MAC, PEER_MAC, 0x0800, &ipv4(PEER_IP, POD_IP, 17, 0, &l4(53, 40000, b"reply-to-guest")));
+    let (pod, _) = PodNetwork::attach(&bed.bpffs.pod_dir("in"), &bed.config(), &policy(), &node())
+        .expect("attach");
+    let frame = ether(
+        POD_MAC,
+        PEER_MAC,
+        0x0800,
+        &ipv4(PEER_IP, POD_IP, 17, 0, &l4(53, 40000, b"reply-to-guest")),
+    );
     bed.outside_send(&frame);
     let got = bed.guest_recv_until(|f| contains(f, b"reply-to-guest"));
     assert_eq!(got, frame, "the guest gets the frame unchanged");
@@ -158,34 +282,80 @@ fn policy_changes_in_place_and_survives_reopening_from_pins() {
     };
     let (pod, _) = PodNetwork::attach(&dir, &bed.config(), &deny_all, &node()).expect("attach");
     let public = Ipv4Addr::new(203, 0, 113, 7);
-    assert_dropped(&mut bed, &pod, "default-deny", &guest_udp(public, 443, b"default-deny"), Reason::Default);
+    assert_dropped(
+        &mut bed,
+        &pod,
+        "default-deny",
+        &guest_udp(public, 443, b"default-deny"),
+        Reason::Default,
+    );
     // The handle goes away (a shim restart); the path keeps working.
     drop(pod);
-    assert_dropped(&mut bed, &PodNetwork::open(&dir).expect("reopen"), "still-deny", &guest_udp(public, 443, b"still-deny"), Reason::Default);
+    assert_dropped(
+        &mut bed,
+        &PodNetwork::open(&dir).expect("reopen"),
+        "still-deny",
+        &guest_udp(public, 443, b"still-deny"),
+        Reason::Default,
+    );
 
     let mut pod = PodNetwork::open(&dir).expect("reopen");
-    assert_eq!(pod.counters().expect("counters").get(Reason::Default).packets, 2, "counters survive");
+    assert_eq!(
+        pod.counters()
+            .expect("counters")
+            .get(Reason::Default)
+            .packets,
+        2,
+        "counters survive"
+    );
     assert_eq!(pod.mac().expect("mac"), POD_MAC);
 
     // A malformed update is rejected and the old policy stays.
-    let bad = EgressPolicy { deny: vec![EgressRule::cidr("203.0.113.7/16")], ..Default::default() };
+    let bad = EgressPolicy {
+        deny: vec![EgressRule::cidr("203.0.113.7/16")],
+        ..Default::default()
+    };
     match pod.update_policy(&bad, &node()) {
         Err(Error::Policy(e)) => assert!(e.to_string().contains("deny[0].cidr"), "{e}"),
         other => panic!("expected a policy error, got {other:?}"),
     }
-    assert_dropped(&mut bed, &pod, "after-bad", &guest_udp(public, 443, b"after-bad"), Reason::Default);
+    assert_dropped(
+        &mut bed,
+        &pod,
+        "after-bad",
+        &guest_udp(public, 443, b"after-bad"),
+        Reason::Default,
+    );
 
-    pod.update_policy(&EgressPolicy::default(), &node()).expect("update");
-    assert_passes(&mut bed, &guest_udp(public, 443, b"now-allowed"), "now-allowed");
+    pod.update_policy(&EgressPolicy::default(), &node())
+        .expect("update");
+    assert_passes(
+        &mut bed,
+        &guest_udp(public, 443, b"now-allowed"),
+        "now-allowed",
+    );
     // Built-in denies hold under the new policy too, and allowing private
     // ranges does not allow the metadata range.
     let open = EgressPolicy {
-        allow: vec![EgressRule::cidr("10.0.0.0/8"), EgressRule::cidr("169.254.169.254")],
+        allow: vec![
+            EgressRule::cidr("10.0.0.0/8"),
+            EgressRule::cidr("169.254.169.254"),
+        ],
         ..Default::default()
     };
     pod.update_policy(&open, &node()).expect("update");
-    assert_passes(&mut bed, &guest_udp(Ipv4Addr::new(10, 1, 2, 3), 80, b"private-allowed"), "private-allowed");
-    assert_dropped(&mut bed, &pod, "meta-again", &guest_udp(Ipv4Addr::new(169, 254, 169, 254), 80, b"meta-again"), Reason::DenyRule);
+    assert_passes(
+        &mut bed,
+        &guest_udp(Ipv4Addr::new(10, 1, 2, 3), 80, b"private-allowed"),
+        "private-allowed",
+    );
+    assert_dropped(
+        &mut bed,
+        &pod,
+        "meta-again",
+        &guest_udp(Ipv4Addr::new(169, 254, 169, 254), 80, b"meta-again"),
+        Reason::DenyRule,
+    );
     pod.detach().expect("detach");
 }
 
@@ -223,11 +393,16 @@ fn bad_input_is_refused_and_leaves_nothing() {
     let mut config = bed.config();
     config.tap = "nosuchtap".into();
     match PodNetwork::attach(&dir, &config, &policy(), &node()) {
-        Err(e @ Error::NoInterface { .. }) => assert!(e.to_string().contains("no interface \"nosuchtap\""), "{e}"),
+        Err(e @ Error::NoInterface { .. }) => {
+            assert!(e.to_string().contains("no interface \"nosuchtap\""), "{e}")
+        }
         other => panic!("expected NoInterface, got {other:?}"),
     }
     assert!(!dir.exists());
-    let bad = EgressPolicy { allow: vec![EgressRule::cidr("fd00::/8")], ..Default::default() };
+    let bad = EgressPolicy {
+        allow: vec![EgressRule::cidr("fd00::/8")],
+        ..Default::default()
+    };
     match PodNetwork::attach(&dir, &bed.config(), &bad, &node()) {
         Err(Error::Policy(e)) => assert!(e.to_string().contains("IPv6"), "{e}"),
         other => panic!("expected a policy error, got {other:?}"),
@@ -235,9 +410,15 @@ fn bad_input_is_refused_and_leaves_nothing() {
     assert!(!dir.exists());
     let mut config = bed.config();
     config.netns = "/run/netns/twig-net-no-such-ns".into();
-    assert!(matches!(PodNetwork::attach(&dir, &config, &policy(), &node()), Err(Error::Netns { .. })));
+    assert!(matches!(
+        PodNetwork::attach(&dir, &config, &policy(), &node()),
+        Err(Error::Netns { .. })
+    ));
     let attached = in_ns(&bed.pod_netns(), || {
-        aya::programs::SchedClassifier::query_tcx("tap0", aya::programs::TcAttachType::Ingress).expect("query").1.len()
+        aya::programs::SchedClassifier::query_tcx("tap0", aya::programs::TcAttachType::Ingress)
+            .expect("query")
+            .1
+            .len()
     });
     assert_eq!(attached, 0, "nothing attached after failures");
 }

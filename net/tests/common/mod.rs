@@ -22,8 +22,16 @@ pub const DEADLINE: Duration = Duration::from_secs(5);
 const VNET_HDR_LEN: usize = 10;
 
 fn ip(args: &[&str]) {
-    let out = Command::new("ip").args(args).output().expect("run ip (iproute2)");
-    assert!(out.status.success(), "ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .expect("run ip (iproute2)");
+    assert!(
+        out.status.success(),
+        "ip {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// Runs `work` on a thread inside the namespace file `netns`.
@@ -46,7 +54,10 @@ pub struct Bpffs {
 
 impl Bpffs {
     pub fn new() -> Self {
-        let dir = tempfile::Builder::new().prefix("twig-net-bpffs").tempdir().expect("tempdir");
+        let dir = tempfile::Builder::new()
+            .prefix("twig-net-bpffs")
+            .tempdir()
+            .expect("tempdir");
         twig_net::ensure_bpffs(dir.path()).expect("mount bpffs (needs root)");
         Bpffs { dir }
     }
@@ -79,8 +90,16 @@ struct IfReq {
 }
 
 fn open_tap(name: &str) -> File {
-    let tun = std::fs::OpenOptions::new().read(true).write(true).open("/dev/net/tun").expect("open /dev/net/tun");
-    let mut req = IfReq { name: [0; 16], flags: (libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR) as i16, pad: [0; 22] };
+    let tun = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/net/tun")
+        .expect("open /dev/net/tun");
+    let mut req = IfReq {
+        name: [0; 16],
+        flags: (libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR) as i16,
+        pad: [0; 22],
+    };
     req.name[..name.len()].copy_from_slice(name.as_bytes());
     // SAFETY: TUNSETIFF reads and writes a `struct ifreq`, which `IfReq`
     // matches in size (40 bytes) and layout for the name and flags fields;
@@ -101,7 +120,11 @@ fn packet_socket(ifname: &str) -> OwnedFd {
     let protocol = (libc::ETH_P_ALL as u16).to_be();
     // SAFETY: plain socket(2) call; the result is checked before use.
     let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, i32::from(protocol)) };
-    assert!(fd >= 0, "AF_PACKET socket: {}", std::io::Error::last_os_error());
+    assert!(
+        fd >= 0,
+        "AF_PACKET socket: {}",
+        std::io::Error::last_os_error()
+    );
     // SAFETY: `fd` was just returned by socket(2) and is owned by nobody else.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
     let index = nix::net::if_::if_nametoindex(ifname).expect("peer ifindex");
@@ -130,20 +153,71 @@ impl Bed {
         let out_ns = format!("twn-{tag}-{}-o", std::process::id());
         ip(&["netns", "add", &pod_ns]);
         ip(&["netns", "add", &out_ns]);
-        ip(&["link", "add", "eth0", "netns", &pod_ns, "type", "veth", "peer", "name", "peer0", "netns", &out_ns]);
-        let mac = |m: [u8; 6]| m.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":");
-        ip(&["-n", &pod_ns, "link", "set", "eth0", "address", &mac(POD_MAC)]);
-        ip(&["-n", &out_ns, "link", "set", "peer0", "address", &mac(PEER_MAC)]);
-        ip(&["-n", &pod_ns, "addr", "add", &format!("{POD_IP}/24"), "dev", "eth0"]);
-        ip(&["-n", &out_ns, "addr", "add", &format!("{PEER_IP}/24"), "dev", "peer0"]);
-        for (ns, dev) in [(&pod_ns, "eth0"), (&out_ns, "peer0"), (&pod_ns, "lo"), (&out_ns, "lo")] {
+        ip(&[
+            "link", "add", "eth0", "netns", &pod_ns, "type", "veth", "peer", "name", "peer0",
+            "netns", &out_ns,
+        ]);
+        let mac = |m: [u8; 6]| {
+            m.iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<Vec<_>>()
+                .join(":")
+        };
+        ip(&[
+            "-n",
+            &pod_ns,
+            "link",
+            "set",
+            "eth0",
+            "address",
+            &mac(POD_MAC),
+        ]);
+        ip(&[
+            "-n",
+            &out_ns,
+            "link",
+            "set",
+            "peer0",
+            "address",
+            &mac(PEER_MAC),
+        ]);
+        ip(&[
+            "-n",
+            &pod_ns,
+            "addr",
+            "add",
+            &format!("{POD_IP}/24"),
+            "dev",
+            "eth0",
+        ]);
+        ip(&[
+            "-n",
+            &out_ns,
+            "addr",
+            "add",
+            &format!("{PEER_IP}/24"),
+            "dev",
+            "peer0",
+        ]);
+        for (ns, dev) in [
+            (&pod_ns, "eth0"),
+            (&out_ns, "peer0"),
+            (&pod_ns, "lo"),
+            (&out_ns, "lo"),
+        ] {
             ip(&["-n", ns, "link", "set", dev, "up"]);
         }
         let pod_path = Self::ns_path(&pod_ns);
         let tap = in_ns(&pod_path, || open_tap("tap0"));
         ip(&["-n", &pod_ns, "link", "set", "tap0", "up"]);
         let capture = in_ns(&Self::ns_path(&out_ns), || packet_socket("peer0"));
-        Bed { pod_ns, out_ns, tap, capture, bpffs: Bpffs::new() }
+        Bed {
+            pod_ns,
+            out_ns,
+            tap,
+            capture,
+            bpffs: Bpffs::new(),
+        }
     }
 
     pub fn ns_path(name: &str) -> PathBuf {
@@ -159,7 +233,12 @@ impl Bed {
     }
 
     pub fn config(&self) -> twig_net::PodNetConfig {
-        twig_net::PodNetConfig { netns: self.pod_netns(), veth: "eth0".into(), tap: "tap0".into(), pod_ip: POD_IP }
+        twig_net::PodNetConfig {
+            netns: self.pod_netns(),
+            veth: "eth0".into(),
+            tap: "tap0".into(),
+            pod_ip: POD_IP,
+        }
     }
 
     /// Writes one frame as the guest would (with an empty virtio-net header).
@@ -175,10 +254,15 @@ impl Bed {
         let mut buf = vec![0u8; 65_536];
         loop {
             match self.tap.read(&mut buf) {
-                Ok(n) if n >= VNET_HDR_LEN && want(&buf[VNET_HDR_LEN..n]) => return buf[VNET_HDR_LEN..n].to_vec(),
+                Ok(n) if n >= VNET_HDR_LEN && want(&buf[VNET_HDR_LEN..n]) => {
+                    return buf[VNET_HDR_LEN..n].to_vec()
+                }
                 Ok(_) => continue,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    assert!(Instant::now() < deadline, "no matching frame reached the guest in time");
+                    assert!(
+                        Instant::now() < deadline,
+                        "no matching frame reached the guest in time"
+                    );
                     wait_readable(self.tap.as_raw_fd(), deadline);
                 }
                 Err(e) => panic!("read tap: {e}"),
@@ -189,8 +273,20 @@ impl Bed {
     /// Sends a raw frame out of the peer (towards the pod).
     pub fn outside_send(&self, frame: &[u8]) {
         // SAFETY: `frame` is a valid buffer of `frame.len()` bytes; the socket is bound to peer0.
-        let n = unsafe { libc::send(self.capture.as_raw_fd(), frame.as_ptr().cast(), frame.len(), 0) };
-        assert_eq!(n, frame.len() as isize, "send on peer0: {}", std::io::Error::last_os_error());
+        let n = unsafe {
+            libc::send(
+                self.capture.as_raw_fd(),
+                frame.as_ptr().cast(),
+                frame.len(),
+                0,
+            )
+        };
+        assert_eq!(
+            n,
+            frame.len() as isize,
+            "send on peer0: {}",
+            std::io::Error::last_os_error()
+        );
     }
 
     /// Reads frames arriving at the peer until one contains `marker`;
@@ -201,11 +297,21 @@ impl Bed {
         let mut buf = vec![0u8; 65_536];
         loop {
             // SAFETY: `buf` is a valid writable buffer of `buf.len()` bytes.
-            let n = unsafe { libc::recv(self.capture.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+            let n = unsafe {
+                libc::recv(
+                    self.capture.as_raw_fd(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    0,
+                )
+            };
             if n < 0 {
                 let e = std::io::Error::last_os_error();
                 assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock, "recv peer0: {e}");
-                assert!(Instant::now() < deadline, "marker {marker:?} never reached the outside");
+                assert!(
+                    Instant::now() < deadline,
+                    "marker {marker:?} never reached the outside"
+                );
                 wait_readable(self.capture.as_raw_fd(), deadline);
                 continue;
             }
@@ -219,8 +325,15 @@ impl Bed {
 }
 
 fn wait_readable(fd: i32, deadline: Instant) {
-    let left = deadline.saturating_duration_since(Instant::now()).as_millis().max(1) as i32;
-    let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .as_millis()
+        .max(1) as i32;
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
     // SAFETY: one valid `pollfd`, count 1.
     unsafe { libc::poll(&mut pfd, 1, left) };
 }
@@ -257,7 +370,10 @@ pub fn ipv4(src: Ipv4Addr, dst: Ipv4Addr, proto: u8, frag_off: u16, payload: &[u
     h.extend_from_slice(&[64, proto, 0, 0]);
     h.extend_from_slice(&src.octets());
     h.extend_from_slice(&dst.octets());
-    let mut sum: u32 = h.chunks(2).map(|c| u32::from(u16::from_be_bytes([c[0], c[1]]))).sum();
+    let mut sum: u32 = h
+        .chunks(2)
+        .map(|c| u32::from(u16::from_be_bytes([c[0], c[1]])))
+        .sum();
     while sum > 0xffff {
         sum = (sum & 0xffff) + (sum >> 16);
     }
@@ -279,7 +395,12 @@ pub fn l4(sport: u16, dport: u16, payload: &[u8]) -> Vec<u8> {
 
 /// A frame from the guest: UDP from the pod to `dst:dport`.
 pub fn guest_udp(dst: Ipv4Addr, dport: u16, payload: &[u8]) -> Vec<u8> {
-    ether(PEER_MAC, POD_MAC, 0x0800, &ipv4(POD_IP, dst, 17, 0, &l4(40000, dport, payload)))
+    ether(
+        PEER_MAC,
+        POD_MAC,
+        0x0800,
+        &ipv4(POD_IP, dst, 17, 0, &l4(40000, dport, payload)),
+    )
 }
 
 /// An ARP request: `sha`/`spa` asking for `tpa`.
