@@ -527,7 +527,10 @@ impl DeviceThread {
         let thread = std::thread::Builder::new()
             .name("twig-devices".into())
             .stack_size(256 * 1024)
-            .spawn(move || worker.run())
+            .spawn(move || {
+                crate::jail::seccomp::thread_start(crate::jail::seccomp::Role::Device);
+                worker.run()
+            })
             .map_err(|e| Error::io("spawning the device thread", e))?;
         let t = DeviceThread {
             shared,

@@ -13,6 +13,7 @@ pub mod api;
 mod arch;
 mod devices;
 mod error;
+pub mod jail;
 mod memory;
 pub mod snapshot;
 #[cfg(feature = "testguest")]

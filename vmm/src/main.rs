@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use twig_vmm::api::{self, Limits, Server};
+use twig_vmm::jail::{seccomp, JailArgs};
 use twig_vmm::{
     host_connect, DeviceConfig, DiskConfig, NetConfig, Result, SerialOut, Shape, Vm, VsockConfig,
 };
@@ -64,6 +65,8 @@ enum Cmd {
         idle_timeout_s: u64,
         #[command(flatten)]
         devices: DeviceArgs,
+        #[command(flatten)]
+        jail: JailArgs,
     },
     /// Make a template: boot a kernel (and initramfs) with the given devices,
     /// wait until something in the guest accepts vsock connections on
@@ -237,6 +240,10 @@ fn serial_factory(spec: String) -> api::SerialFactory {
     })
 }
 
+fn jail_error(e: twig_vmm::jail::JailError) -> twig_vmm::Error {
+    twig_vmm::Error::Config(format!("confining the VMM: {e}"))
+}
+
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Cmd::Serve {
@@ -247,7 +254,9 @@ fn run(cli: Cli) -> Result<()> {
             max_connections,
             idle_timeout_s,
             devices,
+            jail,
         } => {
+            jail.apply(devices.tap.is_some()).map_err(jail_error)?;
             let prepare = prepare_mem_mib.map(|m| Shape::new(m, prepare_vcpus));
             let devices = devices.config();
             let limits = Limits {
@@ -256,6 +265,9 @@ fn run(cli: Cli) -> Result<()> {
             };
             let server = Server::new(serial_factory(serial), prepare, devices, limits)?;
             let listener = api::bind(&api_sock)?;
+            // Everything needing broader rights is open: from here on the
+            // main thread and the API threads it spawns are filtered.
+            seccomp::confine(seccomp::Role::Api).map_err(jail_error)?;
             let result = server.serve(&listener);
             let _ = std::fs::remove_file(&api_sock);
             result

@@ -222,7 +222,10 @@ impl VcpuHandle {
         let thread = std::thread::Builder::new()
             .name(format!("twig-vcpu{index}"))
             .stack_size(256 * 1024)
-            .spawn(move || vcpu_loop(fd, s, devices, c))
+            .spawn(move || {
+                crate::jail::seccomp::thread_start(crate::jail::seccomp::Role::Vcpu);
+                vcpu_loop(fd, s, devices, c)
+            })
             .map_err(|e| Error::io(format!("spawning vCPU {index} thread"), e))?;
         let h = VcpuHandle {
             index,

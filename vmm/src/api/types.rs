@@ -96,6 +96,10 @@ pub enum Request {
     },
     /// Stop the VM and exit the VMM process ([`Reply::ShutDown`]).
     Shutdown {},
+    /// Make a system call no seccomp filter allows ([`Reply::Triggered`]
+    /// when the filters are off). Only with the `test-trigger` feature.
+    #[cfg(feature = "test-trigger")]
+    TestTrigger {},
 }
 
 impl Request {
@@ -113,6 +117,8 @@ impl Request {
             Request::AttachDisk { .. } => "attach_disk",
             Request::DetachDisk { .. } => "detach_disk",
             Request::Shutdown {} => "shutdown",
+            #[cfg(feature = "test-trigger")]
+            Request::TestTrigger {} => "test_trigger",
         }
     }
 }
@@ -161,6 +167,12 @@ pub enum Reply {
     },
     /// To `shutdown`: the VM is gone and the process exits.
     ShutDown {},
+    /// To `test_trigger` when no filter stopped it: the call's result.
+    #[cfg(feature = "test-trigger")]
+    Triggered {
+        /// What the forbidden system call returned.
+        result: i64,
+    },
 }
 
 /// An error answer: what went wrong and what the caller can do about it.

@@ -1,0 +1,317 @@
+//! The confined `twig-vmm serve`: seccomp filters per thread and the jail
+//! (mount namespace rooted in a per-VM directory, an unprivileged user with
+//! no capabilities, a new network and PID namespace, a cgroup), driven
+//! through `api::Client` like the shim drives it. Needs root and /dev/kvm.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::Instant;
+
+use common::*;
+use twig_vmm::api::{Client, ClientError, Reply, Request};
+use twig_vmm::{ErrorKind, Kind, RunState};
+
+const BIN: &str = env!("CARGO_BIN_EXE_twig-vmm");
+const UID: u32 = 4242;
+const GID: u32 = 4343;
+
+struct Vmm {
+    child: Child,
+    api: Client,
+}
+
+impl Vmm {
+    /// Starts `twig-vmm serve` with `args`; its API socket is `sock` (a
+    /// host path) and it is told `inner` (the path it sees).
+    fn start(sock: &Path, inner: &Path, args: &[&str]) -> Vmm {
+        let child = Command::new(BIN)
+            .arg("serve")
+            .arg("--api-sock")
+            .arg(inner)
+            .args(args)
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn twig-vmm");
+        let api = Client::connect(sock, T).expect("connect to twig-vmm");
+        Vmm { child, api }
+    }
+
+    /// The VMM's own process: with --new-pid-ns, the child of the one
+    /// started.
+    fn vmm_pid(&self, pid_ns: bool) -> u32 {
+        let pid = self.child.id();
+        if !pid_ns {
+            return pid;
+        }
+        let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+            .expect("read children");
+        let kids: Vec<u32> = children
+            .split_whitespace()
+            .map(|c| c.parse().unwrap())
+            .collect();
+        assert_eq!(kids.len(), 1, "one VMM child: {children:?}");
+        kids[0]
+    }
+
+    fn wait(&mut self) -> ExitStatus {
+        let deadline = Instant::now() + T;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "twig-vmm did not exit");
+            std::thread::yield_now();
+        }
+    }
+}
+
+impl Drop for Vmm {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn status_field(pid: u32, field: &str) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{field}:")))
+        .unwrap_or_else(|| panic!("no {field} in {status}"))
+        .trim()
+        .to_string()
+}
+
+/// A directory owned by the jail's user (tempdirs are 0700 root).
+fn owned_dir(path: &Path) {
+    std::fs::create_dir_all(path).unwrap();
+    std::os::unix::fs::chown(path, Some(UID), Some(GID)).unwrap();
+}
+
+fn world_readable(path: &Path) {
+    let mut p = std::fs::metadata(path).unwrap().permissions();
+    p.set_mode(p.mode() | 0o755);
+    std::fs::set_permissions(path, p).unwrap();
+}
+
+fn jail_args<'a>(jail: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut v = vec![
+        "--jail",
+        jail,
+        "--uid",
+        "4242",
+        "--gid",
+        "4343",
+        "--serial",
+        "/serial",
+    ];
+    v.extend_from_slice(extra);
+    v
+}
+
+fn remove_cgroup(name: &str) {
+    for h in twig_vmm::jail::cgroup::hierarchies().unwrap() {
+        let _ = std::fs::remove_dir(h.mount.join(name));
+        let _ = std::fs::remove_dir(h.mount.join("twig-jail-test"));
+    }
+}
+
+#[test]
+fn a_jailed_vmm_boots_snapshots_rolls_back_and_restores() {
+    require_kvm();
+    let d = tmp();
+    world_readable(d.path());
+    let (ja, jb, store) = (d.path().join("a"), d.path().join("b"), d.path().join("store"));
+    for j in [&ja, &jb, &store] {
+        owned_dir(j);
+    }
+    // The kernel is put into the jail by the caller, as the shim would.
+    twig_vmm::testguest::write_to(&ja).unwrap();
+    let kernel_name = std::fs::read_dir(&ja).unwrap().next().unwrap().unwrap().file_name();
+    let kernel = Path::new("/").join(&kernel_name);
+    let bind = format!("{}:/store", store.display());
+    let cgroup = format!("twig-jail-test/vm-{}", std::process::id());
+    let ja_s = ja.to_str().unwrap();
+    let mut a = Vmm::start(
+        &ja.join("api.sock"),
+        Path::new("/api.sock"),
+        &jail_args(
+            ja_s,
+            &[
+                "--jail-bind",
+                &bind,
+                "--new-pid-ns",
+                "--cgroup",
+                &cgroup,
+                "--cgroup-set",
+                "pids.max=64",
+            ],
+        ),
+    );
+    let pid = a.vmm_pid(true);
+    // Who it runs as.
+    assert_eq!(status_field(pid, "Uid"), "4242\t4242\t4242\t4242");
+    assert_eq!(status_field(pid, "Gid"), "4343\t4343\t4343\t4343");
+    assert_eq!(status_field(pid, "Groups"), "");
+    for caps in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
+        assert_eq!(status_field(pid, caps), "0000000000000000", "{caps}");
+    }
+    assert_eq!(status_field(pid, "NoNewPrivs"), "1");
+    assert_eq!(status_field(pid, "Seccomp"), "2");
+    // It is PID 1 of its own PID namespace, in a network namespace of its
+    // own, and sees only its jail.
+    assert_eq!(status_field(pid, "NSpid").split_whitespace().last(), Some("1"));
+    let ns = |p: &str, n: &str| std::fs::read_link(format!("/proc/{p}/ns/{n}")).unwrap();
+    assert_ne!(ns(&pid.to_string(), "net"), ns("self", "net"));
+    assert_ne!(ns(&pid.to_string(), "mnt"), ns("self", "mnt"));
+    let root = PathBuf::from(format!("/proc/{pid}/root"));
+    assert!(root.join("dev/kvm").exists());
+    assert!(root.join("store").is_dir());
+    assert!(root.join(&kernel_name).exists());
+    assert!(!root.join("etc").exists(), "the host's /etc is not in the jail");
+    assert!(!root.join("dev/net/tun").exists(), "no tap, no tun");
+    // Its cgroup, with the setting, on the v1 hierarchies here.
+    let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    assert!(cg.lines().any(|l| l.contains(":pids:") && l.ends_with(&cgroup)), "{cg}");
+    let pids = twig_vmm::jail::cgroup::hierarchies()
+        .unwrap()
+        .into_iter()
+        .find(|h| h.controllers.iter().any(|c| c == "pids"))
+        .expect("a pids hierarchy");
+    assert_eq!(
+        std::fs::read_to_string(pids.mount.join(&cgroup).join("pids.max")).unwrap().trim(),
+        "64"
+    );
+
+    let state = a.api.boot(&kernel, None, "console=ttyS0", MIB, 1, T).expect("boot");
+    assert_eq!(state, RunState::Running);
+    let full = a.api.snapshot(Path::new("/store/s1"), Kind::Full, T).unwrap();
+    let incr = a
+        .api
+        .snapshot(Path::new("/store/s2"), Kind::Incremental, T)
+        .unwrap();
+    assert_eq!(incr.parent.as_deref(), Some(full.id.as_str()));
+    assert!(store.join("s1/state").exists(), "written through the bind");
+    let r = a.api.rollback(Path::new("/store/s1"), T).unwrap();
+    assert_eq!(r.id, full.id);
+    // Paths outside the jail do not exist for it.
+    let outside = store.join("s1");
+    let (kind, e) = match a.api.rollback(&outside, T) {
+        Err(ClientError::Vmm { kind, message }) => (kind, message),
+        other => panic!("rollback outside the jail: {other:?}"),
+    };
+    assert_eq!(kind, ErrorKind::NotFound, "{e}");
+    assert!(e.contains(outside.to_str().unwrap()), "{e}");
+    assert_eq!(a.api.stats(T).unwrap().state, RunState::Running);
+
+    // A second jailed VMM (its own jail, the same store) restores.
+    let jb_s = jb.to_str().unwrap();
+    let mut b = Vmm::start(
+        &jb.join("api.sock"),
+        Path::new("/api.sock"),
+        &jail_args(jb_s, &["--jail-bind", &format!("{}:/store:ro", store.display())]),
+    );
+    let (kind, e) = match b.api.restore(&outside, T) {
+        Err(ClientError::Vmm { kind, message }) => (kind, message),
+        other => panic!("restore outside the jail: {other:?}"),
+    };
+    assert_eq!(kind, ErrorKind::NotFound, "{e}");
+    assert_eq!(b.api.restore(Path::new("/store/s2"), T).unwrap(), incr.id);
+    assert_eq!(b.api.stats(T).unwrap().state, RunState::Running);
+    let (kind, e) = match b.api.snapshot(Path::new("/store/s3"), Kind::Full, T) {
+        Err(ClientError::Vmm { kind, message }) => (kind, message),
+        other => panic!("snapshot into a read-only bind: {other:?}"),
+    };
+    assert_eq!(kind, ErrorKind::Refused, "{e}");
+    assert!(!store.join("s3").exists());
+
+    b.api.shutdown(T).unwrap();
+    assert!(b.wait().success());
+    a.api.shutdown(T).unwrap();
+    assert!(a.wait().success(), "the PID namespace's parent exits like the VMM");
+    assert!(!d.path().join("a/api.sock").exists());
+    remove_cgroup(&cgroup);
+}
+
+#[test]
+fn a_forbidden_syscall_kills_the_vmm_with_sigsys() {
+    require_kvm();
+    let d = tmp();
+    let kernel = twig_vmm::testguest::write_to(d.path()).unwrap();
+    let sock = d.path().join("api.sock");
+    let serial = d.path().join("serial");
+    let serial_s = serial.to_str().unwrap();
+
+    // Control: without the filters the same call is harmless.
+    let mut off = Vmm::start(&sock, &sock, &["--serial", serial_s, "--seccomp", "off"]);
+    match off.api.call(&Request::TestTrigger {}, T) {
+        Ok(Reply::Triggered { result }) => assert!(result >= 0, "personality: {result}"),
+        other => panic!("trigger without filters: {other:?}"),
+    }
+    off.api.shutdown(T).unwrap();
+    assert!(off.wait().success());
+
+    // Unjailed, filters on (the default): a running VM, a snapshot, then
+    // the call; the process dies of SIGSYS and the snapshot stays valid.
+    let mut on = Vmm::start(&sock, &sock, &["--serial", serial_s]);
+    on.api.boot(&kernel, None, "console=ttyS0", MIB, 1, T).unwrap();
+    let s1 = d.path().join("s1");
+    on.api.snapshot(&s1, Kind::Full, T).unwrap();
+    let r = on.api.call(&Request::TestTrigger {}, T);
+    assert!(
+        matches!(r, Err(ClientError::Io(_) | ClientError::Protocol(_))),
+        "no answer from a killed VMM: {r:?}"
+    );
+    let status = on.wait();
+    assert_eq!(status.signal(), Some(libc::SIGSYS), "{status}");
+    twig_vmm::snapshot::verify(&s1).expect("the snapshot taken before is intact");
+
+    // Jailed in a PID namespace: the process the caller started ends the
+    // same way.
+    let j = d.path().join("jail");
+    owned_dir(&j);
+    world_readable(d.path());
+    let mut jailed = Vmm::start(
+        &j.join("api.sock"),
+        Path::new("/api.sock"),
+        &jail_args(j.to_str().unwrap(), &["--new-pid-ns"]),
+    );
+    assert!(jailed.api.call(&Request::TestTrigger {}, T).is_err());
+    let status = jailed.wait();
+    assert_eq!(status.signal(), Some(libc::SIGSYS), "{status}");
+}
+
+#[test]
+fn bad_jail_configurations_are_refused_clearly() {
+    let d = tmp();
+    let j = d.path().to_str().unwrap();
+    let run = |args: &[&str]| {
+        let out = Command::new(BIN)
+            .args(["serve", "--api-sock", "/api.sock"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    let e = run(&["--jail", j, "--uid", "0", "--gid", "0"]);
+    assert!(e.contains("must not be 0"), "{e}");
+    let e = run(&["--jail", j, "--uid", "1", "--gid", "1", "--tap", "tap0"]);
+    assert!(e.contains("needs --netns"), "{e}");
+    let e = run(&["--jail", "/nonexistent/jail", "--uid", "1", "--gid", "1"]);
+    assert!(e.contains("/nonexistent/jail"), "{e}");
+    let e = run(&["--jail", j, "--uid", "1"]);
+    assert!(e.contains("--gid"), "{e}");
+    let e = run(&["--jail", j, "--uid", "1", "--gid", "1", "--jail-bind", "relative"]);
+    assert!(e.contains("absolute"), "{e}");
+    let e = run(&[
+        "--jail", j, "--uid", "1", "--gid", "1", "--cgroup", "twig-jail-test/x", "--cgroup-set",
+        "nosuch.file=1",
+    ]);
+    assert!(e.contains("nosuch.file"), "{e}");
+    remove_cgroup("twig-jail-test/x");
+}
