@@ -174,6 +174,13 @@ fn a_jailed_vmm_boots_snapshots_rolls_back_and_restores() {
     assert!(root.join(&kernel_name).exists());
     assert!(!root.join("etc").exists(), "the host's /etc is not in the jail");
     assert!(!root.join("dev/net/tun").exists(), "no tap, no tun");
+    // Its /proc shows its PID namespace: itself only.
+    let pids_seen: Vec<String> = std::fs::read_dir(root.join("proc"))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.parse::<u32>().is_ok())
+        .collect();
+    assert_eq!(pids_seen, vec!["1".to_string()]);
     // Its cgroup, with the setting, on the v1 hierarchies here.
     let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
     assert!(cg.lines().any(|l| l.contains(":pids:") && l.ends_with(&cgroup)), "{cg}");
@@ -263,7 +270,7 @@ fn a_forbidden_syscall_kills_the_vmm_with_sigsys() {
     on.api.snapshot(&s1, Kind::Full, T).unwrap();
     let r = on.api.call(&Request::TestTrigger {}, T);
     assert!(
-        matches!(r, Err(ClientError::Io(_) | ClientError::Protocol(_))),
+        matches!(r, Err(ClientError::Io { .. } | ClientError::Protocol { .. })),
         "no answer from a killed VMM: {r:?}"
     );
     let status = on.wait();

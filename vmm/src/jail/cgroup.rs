@@ -98,7 +98,7 @@ pub fn join(cfg: &CgroupConfig, pid: u32) -> Result<(), JailError> {
         std::fs::create_dir_all(&group)
             .map_err(|e| JailError::sys(format!("creating cgroup {}", group.display()), e))?;
         if h.controllers.iter().any(|c| c == "cpuset") {
-            inherit_cpuset(&h.mount, &group)?;
+            inherit_cpuset(&h.mount, &cfg.name)?;
         }
         let mut i = 0;
         while i < unplaced.len() {
@@ -131,25 +131,22 @@ pub fn join(cfg: &CgroupConfig, pid: u32) -> Result<(), JailError> {
 }
 
 /// v1 cpuset groups start with no CPUs and no memory nodes, and refuse
-/// tasks until they have some: copy them from the nearest ancestor that
-/// has them.
-fn inherit_cpuset(mount: &Path, group: &Path) -> Result<(), JailError> {
-    for file in ["cpuset.cpus", "cpuset.mems"] {
-        let mine = std::fs::read_to_string(group.join(file)).unwrap_or_default();
-        if !mine.trim().is_empty() {
-            continue;
+/// tasks (and children with some) until they have some: from the top
+/// down, each level of the new group that has none gets its parent's.
+fn inherit_cpuset(mount: &Path, name: &Path) -> Result<(), JailError> {
+    let mut parent = mount.to_path_buf();
+    for part in name.components() {
+        let group = parent.join(part);
+        for file in ["cpuset.cpus", "cpuset.mems"] {
+            let mine = std::fs::read_to_string(group.join(file)).unwrap_or_default();
+            if mine.trim().is_empty() {
+                let theirs = std::fs::read_to_string(parent.join(file)).map_err(|e| {
+                    JailError::sys(format!("reading {}", parent.join(file).display()), e)
+                })?;
+                write(&group.join(file), theirs.trim())?;
+            }
         }
-        let value = group
-            .ancestors()
-            .skip(1)
-            .take_while(|a| a.starts_with(mount))
-            .find_map(|a| {
-                std::fs::read_to_string(a.join(file))
-                    .ok()
-                    .filter(|v| !v.trim().is_empty())
-            })
-            .ok_or_else(|| JailError::Config(format!("no ancestor of {} has {file}", group.display())))?;
-        write(&group.join(file), value.trim())?;
+        parent = group;
     }
     Ok(())
 }

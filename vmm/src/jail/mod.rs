@@ -126,7 +126,12 @@ pub fn enter(cfg: &JailConfig) -> Result<(), JailError> {
     mount::pivot(&root, &cfg.binds, &devices, cfg.uid, cfg.gid)?;
     setrlimit(Resource::RLIMIT_NOFILE, cfg.max_files, cfg.max_files)
         .map_err(|e| JailError::sys("setting RLIMIT_NOFILE", e))?;
-    drop_privileges(cfg.uid, cfg.gid)
+    drop_privileges(cfg.uid, cfg.gid)?;
+    if cfg.new_pid_ns {
+        // Changing credentials cleared the parent-death signal.
+        pidns::die_with_parent()?;
+    }
+    Ok(())
 }
 
 /// Becomes `uid:gid` with no supplementary groups, an empty capability
@@ -168,6 +173,20 @@ mod pidns {
 
     use super::JailError;
 
+    /// Has the kernel SIGKILL this process when its parent dies (a PID
+    /// namespace's init ignores signals it has no handler for, SIGTERM
+    /// included, so the parent's death is how a caller's signal reaches it).
+    pub(super) fn die_with_parent() -> Result<(), JailError> {
+        // SAFETY: PR_SET_PDEATHSIG takes integers only.
+        if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) } != 0 {
+            return Err(JailError::sys(
+                "PR_SET_PDEATHSIG",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(())
+    }
+
     /// Forks; returns in the child (PID 1 of the new namespace, killed if
     /// the parent dies). The parent waits for the child and ends the way it
     /// ended.
@@ -175,16 +194,7 @@ mod pidns {
         // SAFETY: the process has a single thread (the caller's contract),
         // so the child may run anything.
         match unsafe { fork() }.map_err(|e| JailError::sys("fork into the PID namespace", e))? {
-            ForkResult::Child => {
-                // SAFETY: PR_SET_PDEATHSIG takes integers only.
-                if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) } != 0 {
-                    return Err(JailError::sys(
-                        "PR_SET_PDEATHSIG",
-                        std::io::Error::last_os_error(),
-                    ));
-                }
-                Ok(())
-            }
+            ForkResult::Child => die_with_parent(),
             ForkResult::Parent { child } => loop {
                 match waitpid(child, None) {
                     Ok(WaitStatus::Exited(_, code)) => std::process::exit(code),

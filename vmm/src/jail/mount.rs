@@ -76,8 +76,9 @@ fn sys(op: String) -> impl FnOnce(nix::errno::Errno) -> JailError {
 }
 
 /// In a fresh mount namespace: makes every mount private, mounts a tmpfs
-/// on `root/dev` with the devices (owned by `uid:gid`, mode 0600), binds
-/// `binds`, and pivots into `root`, detaching the old root.
+/// on `root/dev` with the devices (owned by `uid:gid`, mode 0600) and
+/// proc on `root/proc`, binds `binds`, and pivots into `root`, detaching
+/// the old root.
 pub(super) fn pivot(
     root: &Path,
     binds: &[Bind],
@@ -120,6 +121,20 @@ pub(super) fn pivot(
         chown(&path, Some(Uid::from_raw(uid)), Some(Gid::from_raw(gid)))
             .map_err(sys(format!("chown of {}", path.display())))?;
     }
+    // The VMM reads /proc/self (smaps for its stats). Other users'
+    // processes stay hidden (hidepid=2); in a new PID namespace it sees
+    // only its own anyway.
+    let proc = root.join("proc");
+    std::fs::create_dir_all(&proc)
+        .map_err(|e| JailError::sys(format!("creating {}", proc.display()), e))?;
+    mount(
+        Some("proc"),
+        &proc,
+        Some("proc"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        Some("hidepid=2"),
+    )
+    .map_err(sys(format!("mounting proc on {}", proc.display())))?;
     chdir(root).map_err(sys(format!("chdir to {}", root.display())))?;
     // The old root is stacked under the new one and detached at once, so
     // no directory for it is needed.
