@@ -100,14 +100,7 @@ fn world_readable(path: &Path) {
 
 fn jail_args<'a>(jail: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     let mut v = vec![
-        "--jail",
-        jail,
-        "--uid",
-        "4242",
-        "--gid",
-        "4343",
-        "--serial",
-        "/serial",
+        "--jail", jail, "--uid", "4242", "--gid", "4343", "--serial", "/serial",
     ];
     v.extend_from_slice(extra);
     v
@@ -125,13 +118,22 @@ fn a_jailed_vmm_boots_snapshots_rolls_back_and_restores() {
     require_kvm();
     let d = tmp();
     world_readable(d.path());
-    let (ja, jb, store) = (d.path().join("a"), d.path().join("b"), d.path().join("store"));
+    let (ja, jb, store) = (
+        d.path().join("a"),
+        d.path().join("b"),
+        d.path().join("store"),
+    );
     for j in [&ja, &jb, &store] {
         owned_dir(j);
     }
     // The kernel is put into the jail by the caller, as the shim would.
     twig_vmm::testguest::write_to(&ja).unwrap();
-    let kernel_name = std::fs::read_dir(&ja).unwrap().next().unwrap().unwrap().file_name();
+    let kernel_name = std::fs::read_dir(&ja)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .file_name();
     let kernel = Path::new("/").join(&kernel_name);
     let bind = format!("{}:/store", store.display());
     let cgroup = format!("twig-jail-test/vm-{}", std::process::id());
@@ -164,7 +166,10 @@ fn a_jailed_vmm_boots_snapshots_rolls_back_and_restores() {
     assert_eq!(status_field(pid, "Seccomp"), "2");
     // It is PID 1 of its own PID namespace, in a network namespace of its
     // own, and sees only its jail.
-    assert_eq!(status_field(pid, "NSpid").split_whitespace().last(), Some("1"));
+    assert_eq!(
+        status_field(pid, "NSpid").split_whitespace().last(),
+        Some("1")
+    );
     let ns = |p: &str, n: &str| std::fs::read_link(format!("/proc/{p}/ns/{n}")).unwrap();
     assert_ne!(ns(&pid.to_string(), "net"), ns("self", "net"));
     assert_ne!(ns(&pid.to_string(), "mnt"), ns("self", "mnt"));
@@ -172,7 +177,10 @@ fn a_jailed_vmm_boots_snapshots_rolls_back_and_restores() {
     assert!(root.join("dev/kvm").exists());
     assert!(root.join("store").is_dir());
     assert!(root.join(&kernel_name).exists());
-    assert!(!root.join("etc").exists(), "the host's /etc is not in the jail");
+    assert!(
+        !root.join("etc").exists(),
+        "the host's /etc is not in the jail"
+    );
     assert!(!root.join("dev/net/tun").exists(), "no tap, no tun");
     // Its /proc shows its PID namespace: itself only.
     let pids_seen: Vec<String> = std::fs::read_dir(root.join("proc"))
@@ -183,20 +191,32 @@ fn a_jailed_vmm_boots_snapshots_rolls_back_and_restores() {
     assert_eq!(pids_seen, vec!["1".to_string()]);
     // Its cgroup, with the setting, on the v1 hierarchies here.
     let cg = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
-    assert!(cg.lines().any(|l| l.contains(":pids:") && l.ends_with(&cgroup)), "{cg}");
+    assert!(
+        cg.lines()
+            .any(|l| l.contains(":pids:") && l.ends_with(&cgroup)),
+        "{cg}"
+    );
     let pids = twig_vmm::jail::cgroup::hierarchies()
         .unwrap()
         .into_iter()
         .find(|h| h.controllers.iter().any(|c| c == "pids"))
         .expect("a pids hierarchy");
     assert_eq!(
-        std::fs::read_to_string(pids.mount.join(&cgroup).join("pids.max")).unwrap().trim(),
+        std::fs::read_to_string(pids.mount.join(&cgroup).join("pids.max"))
+            .unwrap()
+            .trim(),
         "64"
     );
 
-    let state = a.api.boot(&kernel, None, "console=ttyS0", MIB, 1, T).expect("boot");
+    let state = a
+        .api
+        .boot(&kernel, None, "console=ttyS0", MIB, 1, T)
+        .expect("boot");
     assert_eq!(state, RunState::Running);
-    let full = a.api.snapshot(Path::new("/store/s1"), Kind::Full, T).unwrap();
+    let full = a
+        .api
+        .snapshot(Path::new("/store/s1"), Kind::Full, T)
+        .unwrap();
     let incr = a
         .api
         .snapshot(Path::new("/store/s2"), Kind::Incremental, T)
@@ -220,7 +240,10 @@ fn a_jailed_vmm_boots_snapshots_rolls_back_and_restores() {
     let mut b = Vmm::start(
         &jb.join("api.sock"),
         Path::new("/api.sock"),
-        &jail_args(jb_s, &["--jail-bind", &format!("{}:/store:ro", store.display())]),
+        &jail_args(
+            jb_s,
+            &["--jail-bind", &format!("{}:/store:ro", store.display())],
+        ),
     );
     let (kind, e) = match b.api.restore(&outside, T) {
         Err(ClientError::Vmm { kind, message }) => (kind, message),
@@ -239,7 +262,10 @@ fn a_jailed_vmm_boots_snapshots_rolls_back_and_restores() {
     b.api.shutdown(T).unwrap();
     assert!(b.wait().success());
     a.api.shutdown(T).unwrap();
-    assert!(a.wait().success(), "the PID namespace's parent exits like the VMM");
+    assert!(
+        a.wait().success(),
+        "the PID namespace's parent exits like the VMM"
+    );
     assert!(!d.path().join("a/api.sock").exists());
     remove_cgroup(&cgroup);
 }
@@ -265,12 +291,17 @@ fn a_forbidden_syscall_kills_the_vmm_with_sigsys() {
     // Unjailed, filters on (the default): a running VM, a snapshot, then
     // the call; the process dies of SIGSYS and the snapshot stays valid.
     let mut on = Vmm::start(&sock, &sock, &["--serial", serial_s]);
-    on.api.boot(&kernel, None, "console=ttyS0", MIB, 1, T).unwrap();
+    on.api
+        .boot(&kernel, None, "console=ttyS0", MIB, 1, T)
+        .unwrap();
     let s1 = d.path().join("s1");
     on.api.snapshot(&s1, Kind::Full, T).unwrap();
     let r = on.api.call(&Request::TestTrigger {}, T);
     assert!(
-        matches!(r, Err(ClientError::Io { .. } | ClientError::Protocol { .. })),
+        matches!(
+            r,
+            Err(ClientError::Io { .. } | ClientError::Protocol { .. })
+        ),
         "no answer from a killed VMM: {r:?}"
     );
     let status = on.wait();
@@ -313,10 +344,27 @@ fn bad_jail_configurations_are_refused_clearly() {
     assert!(e.contains("/nonexistent/jail"), "{e}");
     let e = run(&["--jail", j, "--uid", "1"]);
     assert!(e.contains("--gid"), "{e}");
-    let e = run(&["--jail", j, "--uid", "1", "--gid", "1", "--jail-bind", "relative"]);
+    let e = run(&[
+        "--jail",
+        j,
+        "--uid",
+        "1",
+        "--gid",
+        "1",
+        "--jail-bind",
+        "relative",
+    ]);
     assert!(e.contains("absolute"), "{e}");
     let e = run(&[
-        "--jail", j, "--uid", "1", "--gid", "1", "--cgroup", "twig-jail-test/x", "--cgroup-set",
+        "--jail",
+        j,
+        "--uid",
+        "1",
+        "--gid",
+        "1",
+        "--cgroup",
+        "twig-jail-test/x",
+        "--cgroup-set",
         "nosuch.file=1",
     ]);
     assert!(e.contains("nosuch.file"), "{e}");

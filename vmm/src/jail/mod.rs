@@ -120,9 +120,14 @@ pub fn enter(cfg: &JailConfig) -> Result<(), JailError> {
             .map_err(|e| JailError::sys("creating a PID namespace", e))?;
         pidns::fork_and_wait()?;
     }
-    unshare(CloneFlags::CLONE_NEWNS).map_err(|e| JailError::sys("creating a mount namespace", e))?;
-    nix::unistd::chown(&root, Some(Uid::from_raw(cfg.uid)), Some(Gid::from_raw(cfg.gid)))
-        .map_err(|e| JailError::sys(format!("chown of {}", root.display()), e))?;
+    unshare(CloneFlags::CLONE_NEWNS)
+        .map_err(|e| JailError::sys("creating a mount namespace", e))?;
+    nix::unistd::chown(
+        &root,
+        Some(Uid::from_raw(cfg.uid)),
+        Some(Gid::from_raw(cfg.gid)),
+    )
+    .map_err(|e| JailError::sys(format!("chown of {}", root.display()), e))?;
     mount::pivot(&root, &cfg.binds, &devices, cfg.uid, cfg.gid)?;
     setrlimit(Resource::RLIMIT_NOFILE, cfg.max_files, cfg.max_files)
         .map_err(|e| JailError::sys("setting RLIMIT_NOFILE", e))?;

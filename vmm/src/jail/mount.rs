@@ -89,8 +89,14 @@ pub(super) fn pivot(
     let none: Option<&str> = None;
     mount(none, "/", none, MsFlags::MS_REC | MsFlags::MS_PRIVATE, none)
         .map_err(sys("making / private".into()))?;
-    mount(Some(root), root, none, MsFlags::MS_BIND | MsFlags::MS_REC, none)
-        .map_err(sys(format!("binding {} onto itself", root.display())))?;
+    mount(
+        Some(root),
+        root,
+        none,
+        MsFlags::MS_BIND | MsFlags::MS_REC,
+        none,
+    )
+    .map_err(sys(format!("binding {} onto itself", root.display())))?;
     for b in binds {
         bind(root, b)?;
     }
@@ -111,13 +117,8 @@ pub(super) fn pivot(
             std::fs::create_dir_all(parent)
                 .map_err(|e| JailError::sys(format!("creating {}", parent.display()), e))?;
         }
-        mknod(
-            &path,
-            SFlag::S_IFCHR,
-            Mode::S_IRUSR | Mode::S_IWUSR,
-            d.rdev,
-        )
-        .map_err(sys(format!("mknod {}", path.display())))?;
+        mknod(&path, SFlag::S_IFCHR, Mode::S_IRUSR | Mode::S_IWUSR, d.rdev)
+            .map_err(sys(format!("mknod {}", path.display())))?;
         chown(&path, Some(Uid::from_raw(uid)), Some(Gid::from_raw(gid)))
             .map_err(sys(format!("chown of {}", path.display())))?;
     }

@@ -22,8 +22,7 @@ use std::sync::OnceLock;
 use kvm_bindings::{
     kvm_clock_data, kvm_cpuid2, kvm_debugregs, kvm_dirty_log, kvm_fpu, kvm_irqchip, kvm_irqfd,
     kvm_lapic_state, kvm_mp_state, kvm_msr_list, kvm_msrs, kvm_pit_config, kvm_pit_state2,
-    kvm_regs, kvm_sregs, kvm_userspace_memory_region, kvm_vcpu_events, kvm_xcrs, kvm_xsave,
-    KVMIO,
+    kvm_regs, kvm_sregs, kvm_userspace_memory_region, kvm_vcpu_events, kvm_xcrs, kvm_xsave, KVMIO,
 };
 use seccompiler::{
     BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
@@ -294,14 +293,12 @@ fn kvm_system_ioctls() -> Vec<u64> {
         KVM_GET_CLOCK(),
         KVM_GET_PIT2(),
         KVM_SET_PIT2(),
-        u64::from(libc::TUNSETIFF),
-        u64::from(libc::TUNSETVNETHDRSZ),
-        u64::from(libc::FIONBIO),
+        libc::TUNSETIFF,
+        libc::TUNSETVNETHDRSZ,
+        libc::FIONBIO,
         FICLONE,
     ]
-    .into_iter()
-    .map(u64::from)
-    .collect()
+    .to_vec()
 }
 
 fn kvm_vcpu_ioctls() -> Vec<u64> {
@@ -331,11 +328,9 @@ fn kvm_vcpu_ioctls() -> Vec<u64> {
         KVM_GET_XCRS(),
         KVM_SET_XCRS(),
         KVM_CHECK_EXTENSION(),
-        u64::from(libc::FIONBIO),
+        libc::FIONBIO,
     ]
-    .into_iter()
-    .map(u64::from)
-    .collect()
+    .to_vec()
 }
 
 /// One rule per allowed value of argument `arg`.
@@ -357,11 +352,7 @@ fn rules(role: Role) -> Result<BTreeMap<i64, Vec<SeccompRule>>, JailError> {
             ioctls.extend(kvm_vcpu_ioctls());
             ioctls.sort_unstable();
             ioctls.dedup();
-            (
-                [COMMON, DEVICE_IO, API_ONLY].concat(),
-                ioctls,
-                true,
-            )
+            ([COMMON, DEVICE_IO, API_ONLY].concat(), ioctls, true)
         }
         Role::Vcpu => ([COMMON, DEVICE_IO].concat(), kvm_vcpu_ioctls(), false),
         Role::Device => ([COMMON, DEVICE_IO].concat(), vec![], false),
