@@ -52,7 +52,14 @@ pub struct Args {
     /// Directory under which a temporary snapshot directory is made.
     #[arg(long, default_value = "/tmp")]
     dir: PathBuf,
+    /// `--seccomp` of the twig-vmm processes started (`off` measures the
+    /// VMM without its filters, for a before/after).
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    vmm_seccomp: String,
 }
+
+/// The `--seccomp` every spawned twig-vmm gets.
+static VMM_SECCOMP: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
 /// A test guest and its serial output.
 struct Guest {
@@ -184,6 +191,8 @@ pub fn run(args: &Args) -> Result<Value, Error> {
     r.timing("boot_ms", &boots);
 
     // Boot, as a process: spawn `twig-vmm serve` to the guest's 'B'.
+    let _ = VMM_SECCOMP.set(args.vmm_seccomp.clone());
+    r.value("vmm_seccomp", json!(args.vmm_seccomp));
     let bin = vmm_binary()?;
     let have_bin = bin.is_file();
     if have_bin {
@@ -315,6 +324,10 @@ pub fn run(args: &Args) -> Result<Value, Error> {
             samples.push(clone(&base, n).context(|| format!("{n}-way clone run {i}"))?);
         }
         r.timing(&format!("clone{n}_ms"), &samples);
+    }
+
+    if have_bin {
+        process_restore_rollback(&mut r, &bin, &mut dirs, &base, args.runs)?;
     }
 
     if have_bin && !args.in_process {
@@ -595,12 +608,24 @@ struct VmmProcess {
 
 impl VmmProcess {
     fn spawn(bin: &Path, sock: PathBuf, serial: &Path) -> Result<VmmProcess, Error> {
+        VmmProcess::spawn_with(bin, sock, serial, &[])
+    }
+
+    fn spawn_with(
+        bin: &Path,
+        sock: PathBuf,
+        serial: &Path,
+        extra: &[&str],
+    ) -> Result<VmmProcess, Error> {
         let child = std::process::Command::new(bin)
             .arg("serve")
+            .args(extra)
             .arg("--api-sock")
             .arg(&sock)
             .arg("--serial")
             .arg(serial)
+            .arg("--seccomp")
+            .arg(VMM_SECCOMP.get().map_or("on", String::as_str))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
@@ -685,6 +710,44 @@ fn boot_process(
     p.shutdown(&mut api)?;
     fs::remove_file(&serial).context(|| format!("removing {}", serial.display()))?;
     Ok(took)
+}
+
+/// Restore and rollback as the shim sees them: API calls to a `twig-vmm
+/// serve` process (with its seccomp filters unless `--vmm-seccomp off`)
+/// whose VM of the right shape was prepared at start (the pool case).
+fn process_restore_rollback(
+    r: &mut Report,
+    bin: &Path,
+    dirs: &mut Dirs,
+    base: &Path,
+    runs: usize,
+) -> Result<(), Error> {
+    let meta = twig_vmm::snapshot::read_state(base)?.meta;
+    let mib = (meta.mem_size >> 20).to_string();
+    let (mut restores, mut rollbacks) = (Vec::with_capacity(runs), Vec::with_capacity(runs));
+    for i in 0..runs {
+        let sock = dirs.fresh("vmm.sock");
+        let mut p = VmmProcess::spawn_with(
+            bin,
+            sock,
+            Path::new("/dev/null"),
+            &["--prepare-mem-mib", &mib],
+        )?;
+        let mut api = p.connect()?;
+        let start = Instant::now();
+        api.restore(base, T)
+            .map_err(|e| format!("process restore run {i}: {e}"))?;
+        restores.push(start.elapsed());
+        wait_exits(&mut api)?;
+        let start = Instant::now();
+        api.rollback(base, T)
+            .map_err(|e| format!("process rollback run {i}: {e}"))?;
+        rollbacks.push(start.elapsed());
+        p.shutdown(&mut api)?;
+    }
+    r.timing("restore_process_ms", &restores);
+    r.timing("rollback_process_ms", &rollbacks);
+    Ok(())
 }
 
 /// Starts a twig-vmm process and restores `base` in it through the API;
