@@ -1,0 +1,456 @@
+//! A node in a box: a reflink XFS, `twig-snapshotter` on it, and containerd
+//! with `twig` as its proxy snapshotter and the twig and runc runtimes, with
+//! the test image imported. Everything it starts is stopped by PID when the
+//! node is dropped, also when a test panics.
+
+use std::ffi::OsStr;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use nix::mount::{umount2, MntFlags};
+use tempfile::TempDir;
+
+use crate::error::{io, Error, Result};
+use crate::process::{kill_processes_with_arg, run, run_ok, tail, Daemon, Output};
+use crate::{require, IMAGE_REF};
+
+/// containerd namespace of every test.
+pub const NAMESPACE: &str = "twig-e2e";
+/// Deadline of a daemon's start. Under the lab's TCG everything is 10–50×
+/// slower than on a host.
+const START: Duration = Duration::from_secs(180);
+/// Deadline of one `ctr` command.
+const CTR: Duration = Duration::from_secs(300);
+/// Deadline of one `ctr` command while tearing down.
+const TEARDOWN: Duration = Duration::from_secs(30);
+/// Size of the harness's own XFS, when it makes one.
+const XFS_MIB: u64 = 1024;
+/// Size of each snapshot's ext4 image (sparse).
+const IMAGE_MIB: &str = "256";
+
+/// A containerd runtime (shim) the tests run containers with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Runtime {
+    /// runc's v2 shim: the runc mounts twig's loop image itself.
+    Runc,
+    /// Twig's shim: the container runs in a microVM.
+    Twig,
+}
+
+impl Runtime {
+    /// The runtime's name for `ctr run --runtime`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Runtime::Runc => "io.containerd.runc.v2",
+            Runtime::Twig => "io.containerd.twig.v2",
+        }
+    }
+
+    /// The shim binary containerd looks up on its `PATH` for this runtime.
+    pub fn shim(self) -> &'static str {
+        match self {
+            Runtime::Runc => "containerd-shim-runc-v2",
+            Runtime::Twig => "containerd-shim-twig-v2",
+        }
+    }
+}
+
+/// containerd's configuration: its own root, state and socket; `twig` as a
+/// proxy snapshotter; CRI with the runtimes `runc` and `twig`, both on the
+/// `twig` snapshotter. `disable_apparmor` and `restrict_oom_score_adj` are
+/// what runc's sandboxes need on this machine (DESIGN.md).
+pub fn containerd_config(dir: &Path, snapshotter_socket: &Path) -> String {
+    format!(
+        r#"version = 2
+root = "{root}"
+state = "{state}"
+
+[grpc]
+  address = "{socket}"
+
+[proxy_plugins.twig]
+  type = "snapshot"
+  address = "{snap}"
+
+[plugins."io.containerd.grpc.v1.cri"]
+  disable_apparmor = true
+  restrict_oom_score_adj = true
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "twig"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "{runc}"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.twig]
+      runtime_type = "{twig}"
+"#,
+        root = dir.join("root").display(),
+        state = dir.join("state").display(),
+        socket = dir.join("containerd.sock").display(),
+        snap = snapshotter_socket.display(),
+        runc = Runtime::Runc.name(),
+        twig = Runtime::Twig.name(),
+    )
+}
+
+/// The mount points under `dir` in the mount table, deepest first.
+pub fn mounts_under(mountinfo: &str, dir: &Path) -> Vec<PathBuf> {
+    let mut found: Vec<PathBuf> = mountinfo
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(unescape_mount_path)
+        .filter(|p| p.starts_with(dir))
+        .collect();
+    found.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    found
+}
+
+/// The kernel writes space, tab, newline and backslash in mount paths as
+/// octal escapes (`\040`).
+fn unescape_mount_path(field: &str) -> PathBuf {
+    let b = field.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let octal = b.get(i + 1..i + 4).and_then(|d| {
+            std::str::from_utf8(d)
+                .ok()
+                .and_then(|s| u8::from_str_radix(s, 8).ok())
+        });
+        match (b[i], octal) {
+            (b'\\', Some(byte)) => {
+                out.push(byte);
+                i += 4;
+            }
+            (c, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    PathBuf::from(std::ffi::OsString::from(
+        <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(&out),
+    ))
+}
+
+/// Detaches every mount under `dir`, deepest first.
+fn unmount_all_under(dir: &Path) {
+    let table = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    for m in mounts_under(&table, dir) {
+        // Already gone with its parent is fine: nothing is left to do.
+        let _ = umount2(&m, MntFlags::MNT_DETACH);
+    }
+}
+
+/// Where the node's files live.
+#[derive(Debug)]
+enum Xfs {
+    /// A reflink-capable directory given by `TWIG_E2E_XFS` (the lab's `/xfs`).
+    Given(PathBuf),
+    /// The harness's own loop-mounted XFS (image and mount point in a temp
+    /// dir), unmounted on drop.
+    Own { _dir: TempDir, mnt: PathBuf },
+}
+
+impl Xfs {
+    fn open() -> Result<Xfs> {
+        if let Some(dir) = std::env::var_os("TWIG_E2E_XFS") {
+            return Ok(Xfs::Given(PathBuf::from(dir)));
+        }
+        require(&["mkfs.xfs", "mount"])?;
+        let dir = tempfile::Builder::new()
+            .prefix("twig-e2e-xfs-")
+            .tempdir()
+            .map_err(io("creating a temp dir for the XFS image"))?;
+        let img = dir.path().join("xfs.img");
+        fs::File::create(&img)
+            .and_then(|f| f.set_len(XFS_MIB << 20))
+            .map_err(io(format!("sizing {}", img.display())))?;
+        run_ok(
+            Command::new("mkfs.xfs")
+                .args(["-q", "-m", "reflink=1"])
+                .arg(&img),
+            START,
+        )?;
+        let mnt = dir.path().join("mnt");
+        fs::create_dir(&mnt).map_err(io(format!("creating {}", mnt.display())))?;
+        run_ok(
+            Command::new("mount")
+                .args(["-t", "xfs", "-o", "loop"])
+                .arg(&img)
+                .arg(&mnt),
+            START,
+        )?;
+        Ok(Xfs::Own { _dir: dir, mnt })
+    }
+
+    fn path(&self) -> &Path {
+        match self {
+            Xfs::Given(p) => p,
+            Xfs::Own { mnt, .. } => mnt,
+        }
+    }
+}
+
+impl Drop for Xfs {
+    fn drop(&mut self) {
+        if let Xfs::Own { mnt, .. } = self {
+            unmount_all_under(mnt);
+            // The loop device was set up with autoclear: it goes with the
+            // mount; the image goes with the temp dir, dropped after this.
+            let _ = umount2(mnt.as_path(), MntFlags::MNT_DETACH);
+        }
+    }
+}
+
+/// A running node: XFS, `twig-snapshotter`, containerd, the test image
+/// imported onto the `twig` snapshotter.
+#[derive(Debug)]
+pub struct Node {
+    containerd: Daemon,
+    snapshotter: Daemon,
+    socket: PathBuf,
+    /// The node's directory on the XFS; `None` once torn down.
+    work: Option<TempDir>,
+    /// Held for its drop, after the teardown: unmounted when it is the
+    /// harness's own.
+    _xfs: Xfs,
+}
+
+impl Node {
+    /// Starts a node and imports the image of `TWIG_E2E_IMAGE` (an OCI
+    /// archive named [`IMAGE_REF`], from `e2e/build-image.sh`) with
+    /// `ctr images import --snapshotter twig`.
+    pub fn start() -> Result<Node> {
+        require(&[
+            "containerd",
+            "ctr",
+            "runc",
+            Runtime::Runc.shim(),
+            "twig-snapshotter",
+            "mkfs.ext4",
+            "debugfs",
+        ])?;
+        let image = std::env::var_os("TWIG_E2E_IMAGE")
+            .map(PathBuf::from)
+            .ok_or_else(|| {
+                Error::Environment(
+                "TWIG_E2E_IMAGE is not set: build the test image with `e2e/build-image.sh OUT.tar` \
+                 and point TWIG_E2E_IMAGE at it, or run the tests through tests/lab/run.sh"
+                    .into(),
+            )
+            })?;
+        let xfs = Xfs::open()?;
+        let work = tempfile::Builder::new()
+            .prefix("node-")
+            .tempdir_in(xfs.path())
+            .map_err(io(format!(
+                "creating a node dir in {}",
+                xfs.path().display()
+            )))?;
+        let dir = work.path().to_path_buf();
+
+        let snap_socket = dir.join("twig.sock");
+        let mut snapshotter = Daemon::spawn(
+            "twig-snapshotter",
+            Command::new("twig-snapshotter")
+                .arg("--root")
+                .arg(dir.join("snapshotter"))
+                .arg("--address")
+                .arg(&snap_socket)
+                .args(["--image-size-mib", IMAGE_MIB])
+                .env("RUST_LOG", "info"),
+            dir.join("twig-snapshotter.log"),
+        )?;
+        snapshotter.wait_for_socket(&snap_socket, START)?;
+
+        let cdir = dir.join("containerd");
+        fs::create_dir(&cdir).map_err(io(format!("creating {}", cdir.display())))?;
+        let config = cdir.join("config.toml");
+        fs::write(&config, containerd_config(&cdir, &snap_socket))
+            .map_err(io(format!("writing {}", config.display())))?;
+        let socket = cdir.join("containerd.sock");
+        let mut containerd = Daemon::spawn(
+            "containerd",
+            Command::new("containerd").arg("--config").arg(&config),
+            cdir.join("containerd.log"),
+        )?;
+        containerd.wait_for_socket(&socket, START)?;
+
+        let node = Node {
+            containerd,
+            snapshotter,
+            socket,
+            work: Some(work),
+            _xfs: xfs,
+        };
+        node.ctr_ok([
+            OsStr::new("images"),
+            OsStr::new("import"),
+            OsStr::new("--snapshotter"),
+            OsStr::new("twig"),
+            image.as_os_str(),
+        ])?;
+        let images = node.ctr_ok(["images", "ls", "-q"])?;
+        if !images.lines().any(|l| l == IMAGE_REF) {
+            return Err(Error::Environment(format!(
+                "{} did not hold {IMAGE_REF} (containerd has: {images:?}); \
+                 build it with e2e/build-image.sh",
+                image.display()
+            )));
+        }
+        Ok(node)
+    }
+
+    /// containerd's socket.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// `ctr` against this node's containerd in [`NAMESPACE`], within a
+    /// deadline, whatever its exit status.
+    pub fn ctr<I, S>(&self, args: I) -> Result<Output>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        self.ctr_within(args, CTR)
+    }
+
+    fn ctr_within<I, S>(&self, args: I, within: Duration) -> Result<Output>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        run(
+            Command::new("ctr")
+                .arg("--address")
+                .arg(&self.socket)
+                .args(["--namespace", NAMESPACE])
+                .args(args),
+            within,
+        )
+    }
+
+    /// [`Node::ctr`] that fails on a failure status; returns stdout.
+    pub fn ctr_ok<I, S>(&self, args: I) -> Result<String>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let args: Vec<S> = args.into_iter().collect();
+        let what = format!(
+            "ctr {}",
+            args.iter()
+                .map(|a| a.as_ref().to_string_lossy())
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+        let out = self.ctr(&args)?;
+        if out.status.success() {
+            Ok(out.stdout)
+        } else {
+            Err(Error::Failed {
+                what,
+                status: out.status,
+                output: format!("stdout: {}\nstderr: {}", out.stdout, out.stderr),
+            })
+        }
+    }
+
+    /// `ctr run --rm --runtime <runtime> --snapshotter twig` of the test
+    /// image as container `id`, running `argv`, without a TTY; the output
+    /// and exit status are the container's.
+    pub fn run(&self, runtime: Runtime, id: &str, argv: &[&str]) -> Result<Output> {
+        let mut args = vec![
+            "run",
+            "--rm",
+            "--runtime",
+            runtime.name(),
+            "--snapshotter",
+            "twig",
+            IMAGE_REF,
+            id,
+        ];
+        args.extend_from_slice(argv);
+        self.ctr(args)
+    }
+
+    /// The end of containerd's and twig-snapshotter's logs, for a failing
+    /// test's message.
+    pub fn logs(&self) -> String {
+        format!(
+            "--- containerd ({}):\n{}\n--- twig-snapshotter ({}):\n{}",
+            self.containerd.log().display(),
+            tail(self.containerd.log(), 40),
+            self.snapshotter.log().display(),
+            tail(self.snapshotter.log(), 40)
+        )
+    }
+
+    /// Kills and deletes what is left of the node's tasks, stops containerd,
+    /// its shims and the snapshotter by PID, and removes the node's files.
+    fn teardown(&mut self) {
+        if self.containerd.pid().is_some() {
+            let tasks = self
+                .ctr_within(["tasks", "ls", "-q"], TEARDOWN)
+                .map(|o| o.stdout)
+                .unwrap_or_default();
+            for id in tasks.lines().filter(|l| !l.is_empty()) {
+                // Best effort: the shims are killed below in any case.
+                let _ = self.ctr_within(["tasks", "rm", "-f", id], TEARDOWN);
+            }
+        }
+        self.containerd.stop();
+        // Shims outlive containerd; each names its socket in `-address`.
+        kill_processes_with_arg(&self.socket.to_string_lossy());
+        self.snapshotter.stop();
+        if let Some(work) = self.work.take() {
+            unmount_all_under(work.path());
+            // Removing is best effort: an own XFS goes away with its image.
+            let _ = work.close();
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        // The XFS (a field) is unmounted after this, once nothing uses it.
+        self.teardown();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_names_the_proxy_snapshotter_and_both_runtimes() {
+        let c = containerd_config(Path::new("/n/containerd"), Path::new("/n/twig.sock"));
+        assert!(
+            c.contains("[proxy_plugins.twig]\n  type = \"snapshot\"\n  address = \"/n/twig.sock\"")
+        );
+        assert!(c.contains("address = \"/n/containerd/containerd.sock\""));
+        assert!(c.contains("runtime_type = \"io.containerd.twig.v2\""));
+        assert!(c.contains("runtime_type = \"io.containerd.runc.v2\""));
+        assert!(c.contains("snapshotter = \"twig\""));
+    }
+
+    #[test]
+    fn mounts_under_finds_escaped_paths_deepest_first() {
+        let table = "\
+22 1 8:1 / / rw - ext4 /dev/sda1 rw
+90 22 7:0 / /x/node-1 rw - xfs /dev/loop0 rw
+91 90 7:1 / /x/node-1/a\\040b/rootfs rw - ext4 /dev/loop1 rw
+92 22 7:2 / /x/node-10 rw - xfs /dev/loop2 rw
+";
+        assert_eq!(
+            mounts_under(table, Path::new("/x/node-1")),
+            vec![
+                PathBuf::from("/x/node-1/a b/rootfs"),
+                PathBuf::from("/x/node-1")
+            ]
+        );
+    }
+}
