@@ -146,7 +146,7 @@ fn unmount_all_under(dir: &Path) {
 /// Where the node's files live.
 #[derive(Debug)]
 enum Xfs {
-    /// A reflink-capable directory given by `TWIG_E2E_XFS` (the lab's `/xfs`).
+    /// A reflink-capable directory given by [`NodeConfig::xfs`] (the lab's `/xfs`).
     Given(PathBuf),
     /// The harness's own loop-mounted XFS (image and mount point in a temp
     /// dir), unmounted on drop.
@@ -154,9 +154,9 @@ enum Xfs {
 }
 
 impl Xfs {
-    fn open() -> Result<Xfs> {
-        if let Some(dir) = std::env::var_os("TWIG_E2E_XFS") {
-            return Ok(Xfs::Given(PathBuf::from(dir)));
+    fn open(given: Option<&Path>) -> Result<Xfs> {
+        if let Some(dir) = given {
+            return Ok(Xfs::Given(dir.to_path_buf()));
         }
         require(&["mkfs.xfs", "mount"])?;
         let dir = tempfile::Builder::new()
@@ -204,6 +204,37 @@ impl Drop for Xfs {
     }
 }
 
+/// Where a node takes its image and keeps its files.
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    /// An OCI archive holding [`IMAGE_REF`] (from `e2e/build-image.sh`).
+    pub image: PathBuf,
+    /// A reflink-capable directory for the node's files; `None`: the
+    /// harness mounts its own loop XFS.
+    pub xfs: Option<PathBuf>,
+}
+
+impl NodeConfig {
+    /// `TWIG_E2E_IMAGE` (required) and `TWIG_E2E_XFS` (optional), as
+    /// tests/lab/run.sh sets them in the lab.
+    pub fn from_env() -> Result<NodeConfig> {
+        let image = std::env::var_os("TWIG_E2E_IMAGE")
+            .map(PathBuf::from)
+            .ok_or_else(|| {
+                Error::Environment(
+                    "TWIG_E2E_IMAGE is not set: build the test image with \
+                     `e2e/build-image.sh OUT.tar` and point TWIG_E2E_IMAGE at it, or run the \
+                     tests through tests/lab/run.sh"
+                        .into(),
+                )
+            })?;
+        Ok(NodeConfig {
+            image,
+            xfs: std::env::var_os("TWIG_E2E_XFS").map(PathBuf::from),
+        })
+    }
+}
+
 /// A running node: XFS, `twig-snapshotter`, containerd, the test image
 /// imported onto the `twig` snapshotter.
 #[derive(Debug)]
@@ -219,10 +250,15 @@ pub struct Node {
 }
 
 impl Node {
-    /// Starts a node and imports the image of `TWIG_E2E_IMAGE` (an OCI
-    /// archive named [`IMAGE_REF`], from `e2e/build-image.sh`) with
-    /// `ctr images import --snapshotter twig`.
+    /// Starts a node as [`NodeConfig::from_env`] says.
     pub fn start() -> Result<Node> {
+        Node::start_with(&NodeConfig::from_env()?)
+    }
+
+    /// Starts a node on `config.xfs` (or its own loop XFS) and imports
+    /// `config.image` with `ctr images import --snapshotter twig`; on any
+    /// failure, what was started is stopped and removed again.
+    pub fn start_with(config: &NodeConfig) -> Result<Node> {
         require(&[
             "containerd",
             "ctr",
@@ -232,16 +268,8 @@ impl Node {
             "mkfs.ext4",
             "debugfs",
         ])?;
-        let image = std::env::var_os("TWIG_E2E_IMAGE")
-            .map(PathBuf::from)
-            .ok_or_else(|| {
-                Error::Environment(
-                "TWIG_E2E_IMAGE is not set: build the test image with `e2e/build-image.sh OUT.tar` \
-                 and point TWIG_E2E_IMAGE at it, or run the tests through tests/lab/run.sh"
-                    .into(),
-            )
-            })?;
-        let xfs = Xfs::open()?;
+        let image = &config.image;
+        let xfs = Xfs::open(config.xfs.as_deref())?;
         let work = tempfile::Builder::new()
             .prefix("node-")
             .tempdir_in(xfs.path())
@@ -267,13 +295,13 @@ impl Node {
 
         let cdir = dir.join("containerd");
         fs::create_dir(&cdir).map_err(io(format!("creating {}", cdir.display())))?;
-        let config = cdir.join("config.toml");
-        fs::write(&config, containerd_config(&cdir, &snap_socket))
-            .map_err(io(format!("writing {}", config.display())))?;
+        let config_file = cdir.join("config.toml");
+        fs::write(&config_file, containerd_config(&cdir, &snap_socket))
+            .map_err(io(format!("writing {}", config_file.display())))?;
         let socket = cdir.join("containerd.sock");
         let mut containerd = Daemon::spawn(
             "containerd",
-            Command::new("containerd").arg("--config").arg(&config),
+            Command::new("containerd").arg("--config").arg(&config_file),
             cdir.join("containerd.log"),
         )?;
         containerd.wait_for_socket(&socket, START)?;

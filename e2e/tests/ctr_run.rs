@@ -4,6 +4,8 @@
 //! and run inside the nested lab by
 //! `tests/lab/run.sh -p twig-e2e --features twig-e2e/lab`.
 
+use std::time::Instant;
+
 use twig_e2e::{find_on_path, Node, Runtime};
 
 /// Prints a line on stdout and one on stderr, then exits 3.
@@ -13,10 +15,18 @@ const SCRIPT: &str = "echo hello from $(cat /etc/hostname 2>/dev/null || echo tw
 /// Runs [`SCRIPT`] with `runtime` and checks the container's output, its
 /// exit code as `ctr run` reports it, and that `--rm` left no container.
 fn run_prints_and_exits_3(runtime: Runtime, id: &str) {
+    let started = Instant::now();
     let node = Node::start().unwrap_or_else(|e| panic!("the node did not start: {e}"));
+    let up = started.elapsed();
+    let started = Instant::now();
     let out = node
         .run(runtime, id, &["sh", "-c", SCRIPT])
         .unwrap_or_else(|e| panic!("ctr run with {}: {e}\n{}", runtime.name(), node.logs()));
+    eprintln!(
+        "{}: node up with the image imported in {up:.2?}, ctr run in {:.2?}",
+        runtime.name(),
+        started.elapsed()
+    );
     let fail = |what: &str| -> String {
         format!(
             "{what} (runtime {}): ctr run ended with {out}\n{}",
