@@ -49,6 +49,12 @@ pub enum Error {
     NotReady(String),
     #[error("rollback refused, the VM keeps running on its previous state: {0}")]
     Rollback(Box<Error>),
+    /// A rollback failed after changing the VM, and neither undoing it nor
+    /// completing it (rolling forward to the snapshot) worked: the VM is
+    /// stopped and its state is unknown. Replace the VM (a later rollback
+    /// may also revive it: it restores every part of the snapshot).
+    #[error("rollback failed and the VM is lost (stopped; replace it): {0}")]
+    VmLost(Box<Error>),
 }
 
 impl Error {

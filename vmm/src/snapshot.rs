@@ -697,24 +697,32 @@ fn rename_noreplace(from: &Path, to: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Writes all of guest RAM into `file`; returns its CRC32.
+/// Writes all of guest RAM into `file`; returns its CRC32. The VM must be
+/// paused for the file to hold one moment's memory.
 pub fn write_full_memory(ram: &GuestRam, file: &File) -> Result<u32> {
-    let data = ram.pages_slice(0, ram.pages())?;
-    (&*file)
-        .write_all(data)
-        .map_err(|e| Error::io("writing guest memory to the snapshot", e))?;
-    Ok(crc32fast::hash(data))
+    write_pages(ram, &[(0, ram.pages())], file)
 }
 
 /// Writes the pages of `set` into `file` at their own offsets (a sparse file
-/// of RAM size); returns the CRC32 of those pages in page order.
+/// of RAM size); returns the CRC32 of those pages in page order. The VM must
+/// be paused for the file to hold one moment's memory.
 pub fn write_layer_memory(ram: &GuestRam, set: &PageSet, file: &File) -> Result<u32> {
     file.set_len(ram.size() as u64)
         .map_err(|e| Error::io("sizing the snapshot memory file", e))?;
+    write_pages(ram, &set.runs(), file)
+}
+
+/// Copies the page runs `(first, count)` of guest RAM out (in chunks, see
+/// [`GuestRam::copy_out`]) into `file` at their own offsets; returns the
+/// CRC32 of what it wrote, in order.
+fn write_pages(ram: &GuestRam, runs: &[(usize, usize)], file: &File) -> Result<u32> {
     let mut crc = crc32fast::Hasher::new();
-    for (start, n) in set.runs() {
-        ram.write_pages_to(file, start, n)?;
-        crc.update(ram.pages_slice(start, n)?);
+    for &(start, n) in runs {
+        ram.copy_out(start, n, |off, bytes| {
+            crc.update(bytes);
+            std::os::unix::fs::FileExt::write_all_at(file, bytes, off)
+                .map_err(|e| Error::io("writing guest memory to the snapshot", e))
+        })?;
     }
     Ok(crc.finalize())
 }
