@@ -47,6 +47,8 @@ pub enum Error {
     GuestAddress { addr: u64, len: usize },
     #[error("template: {0}")]
     NotReady(String),
+    /// A rollback failed before it changed the VM, or every change was
+    /// undone: the VM is on exactly its previous state.
     #[error("rollback refused, the VM keeps running on its previous state: {0}")]
     Rollback(Box<Error>),
     /// A rollback failed after changing the VM, and neither undoing it nor

@@ -10,37 +10,28 @@
 use crate::error::Result;
 
 #[cfg(test)]
-mod armed {
-    use std::cell::RefCell;
-    use std::collections::HashSet;
-
-    thread_local! {
-        static ARMED: RefCell<HashSet<&'static str>> = RefCell::new(HashSet::new());
-    }
-
-    /// Makes `name` fail every time it is reached on this thread, until
-    /// [`disarm_all`].
-    pub fn arm(name: &'static str) {
-        ARMED.with(|a| a.borrow_mut().insert(name));
-    }
-
-    /// Disarms every failpoint of this thread.
-    pub fn disarm_all() {
-        ARMED.with(|a| a.borrow_mut().clear());
-    }
-
-    pub(super) fn is_armed(name: &str) -> bool {
-        ARMED.with(|a| a.borrow().contains(name))
-    }
+thread_local! {
+    static ARMED: std::cell::RefCell<std::collections::HashSet<&'static str>> =
+        std::cell::RefCell::new(std::collections::HashSet::new());
 }
 
+/// Makes `name` fail every time it is reached on this thread, until
+/// [`disarm_all`].
 #[cfg(test)]
-pub use armed::{arm, disarm_all};
+pub fn arm(name: &'static str) {
+    ARMED.with(|a| a.borrow_mut().insert(name));
+}
+
+/// Disarms every failpoint of this thread.
+#[cfg(test)]
+pub fn disarm_all() {
+    ARMED.with(|a| a.borrow_mut().clear());
+}
 
 /// Fails with an injected I/O error if a test armed `name`.
 #[cfg(test)]
 pub fn check(name: &'static str) -> Result<()> {
-    if armed::is_armed(name) {
+    if ARMED.with(|a| a.borrow().contains(name)) {
         return Err(crate::error::Error::io(
             format!("failpoint {name}"),
             std::io::Error::other("injected failure"),

@@ -4,6 +4,8 @@
 //! vCPU state, irqchip/PIT, device state and the disk are compared with
 //! the state the VM must be on (its old one, or exactly the snapshot after a
 //! roll-forward), the VM must run, and a rollback must then succeed.
+//! Each round first changes memory, disk and device state, so that every
+//! part differs between the VM and the snapshot.
 
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -31,13 +33,15 @@ struct Seen {
     pit: Vec<u8>,
     devices: Vec<u8>,
     disk: Vec<u8>,
+    /// kvmclock, ns: not compared, but it must never go back.
+    clock: u64,
 }
 
 fn seen(vm: &Vm, disk: &Path) -> Seen {
     assert_eq!(vm.state, RunState::Paused, "seen() needs a paused VM");
     let v = vm.save_vcpus().expect("saving vCPU state");
     let v = &v[0];
-    let (chips, mut pit, _clock) = vm.save_vm_state().expect("saving VM state");
+    let (chips, mut pit, clock) = vm.save_vm_state().expect("saving VM state");
     // When a channel was (re)loaded: KVM stamps it with the time of
     // KVM_SET_PIT2.
     for c in pit.channels.iter_mut() {
@@ -59,6 +63,7 @@ fn seen(vm: &Vm, disk: &Path) -> Seen {
         pit: pit.as_bytes().to_vec(),
         devices: vm.devices.save(),
         disk: std::fs::read(disk).expect("reading the disk image"),
+        clock: clock.clock,
     }
 }
 
@@ -89,6 +94,16 @@ fn dirty(vm: &mut Vm, first: u64, pages: u64, value: u64) {
         T,
     )
     .expect("dirty command");
+}
+
+/// Changes device state as a guest driver would: the UART's scratch
+/// register and the entropy device's feature-select register.
+fn poke_devices(vm: &Vm, v: u8) {
+    vm.devices.pio_write(0x3f8 + 7, &[v]);
+    vm.devices.mmio_write(
+        crate::virtio::MMIO_BASE + 0x014,
+        &u32::from(v).to_le_bytes(),
+    );
 }
 
 fn write_disk(path: &Path, off: u64, data: &[u8]) {
@@ -140,6 +155,7 @@ fn fixture() -> Fixture {
         .expect("full snapshot");
     dirty(&mut vm, 0, 4, 200);
     write_disk(&disk, 4096, b"s2-time");
+    poke_devices(&vm, 0x55);
     vm.pause().expect("pause");
     let s2 = dir.path().join("s2");
     vm.snapshot(&s2, Kind::Incremental)
@@ -221,6 +237,7 @@ fn round(fx: &mut Fixture, armed: &[&'static str], other_lineage: bool, expect: 
     }
     dirty(&mut fx.vm, 2, 8, 1000 * fx.round);
     write_disk(&fx.disk, 0, format!("live-{}", fx.round).as_bytes());
+    poke_devices(&fx.vm, fx.round as u8);
     let before = fx.seen();
 
     for name in armed {
@@ -237,6 +254,12 @@ fn round(fx: &mut Fixture, armed: &[&'static str], other_lineage: bool, expect: 
             assert_eq!(fx.vm.state(), RunState::Running, "{what}");
             let after = fx.seen();
             assert_same(&what, &before, &after);
+            assert!(
+                after.clock >= before.clock,
+                "{what}: the clock went back from {} to {} ns",
+                before.clock,
+                after.clock
+            );
             fx.runs(&what);
         }
         Expect::RolledForward => {
