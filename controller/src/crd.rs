@@ -137,6 +137,7 @@ pub struct SnapshotStatus {
     pub start_time: Option<Time>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ready_time: Option<Time>,
+    /// `Ready`, `Progressing` and `Failure`, each with a reason.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
@@ -218,6 +219,10 @@ pub struct CloneStatus {
     /// Time from the Clone's creation until all pods were Ready.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub duration_ms: Option<u64>,
+    /// `Ready`, `Progressing` and `Failure`, each with a reason.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
 }
@@ -266,6 +271,10 @@ pub struct RollbackStatus {
     pub duration_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub completion_time: Option<Time>,
+    /// `Ready`, `Progressing` and `Failure`, each with a reason.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
 }
@@ -294,8 +303,9 @@ pub struct SandboxTemplateSpec {
     pub image: String,
     #[schemars(range(min = 1, max = 64))]
     pub vcpus: u32,
+    /// Guest RAM in MiB: what twig-vmm accepts, a multiple of 2 from 16 to 3072 (3 GiB).
     #[serde(rename = "memoryMiB")]
-    #[schemars(range(min = 64, max = 262144))]
+    #[schemars(range(min = 16, max = 3072), extend("multipleOf" = 2))]
     pub memory_mib: u32,
     /// Overrides the image's entrypoint.
     #[serde(default, skip_serializing_if = "Option::is_none")]

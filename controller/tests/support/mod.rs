@@ -7,6 +7,7 @@ pub mod apiserver;
 pub mod fake;
 pub mod rbac;
 pub mod schema;
+pub mod ssa;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -27,7 +28,9 @@ pub const NS: &str = "default";
 
 /// A test API server that admits objects against the checked-in CRDs.
 pub async fn api_server() -> TestApiServer {
-    TestApiServer::start(Some(schema::load().validator())).await
+    let crds = schema::load();
+    let schemas = crds.schemas();
+    TestApiServer::start_with(Some(crds.validator()), schemas).await
 }
 
 /// A controller process for `node`; aborting the handle is a crash.
@@ -58,7 +61,9 @@ pub fn start_controller(server: &TestApiServer, node: &str, fake: &Arc<FakeNode>
         metrics.clone(),
     )
     .with_retry(Duration::from_millis(200))
-    .with_recheck(Duration::from_millis(300));
+    .with_recheck(Duration::from_millis(300))
+    .with_orphan_check(Duration::from_millis(200))
+    .with_backoff(Duration::from_millis(100), Duration::from_millis(800));
     let task = tokio::spawn(twig_controller::run(Arc::new(ctx)));
     Controller { task, metrics }
 }
