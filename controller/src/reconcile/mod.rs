@@ -317,8 +317,19 @@ mod tests {
                 warmup: None,
             },
         );
-        assert!(template::validate(&template).is_err_and(|e| e.contains("memoryMiB")));
-        template.spec.memory_mib = 512;
-        assert_eq!(template::validate(&template), Ok(()));
+        // twig-vmm's bounds: a multiple of 2 MiB from 16 MiB to 3 GiB.
+        for bad in [0, 8, 14, 33, 3074, 4096, 262_144] {
+            template.spec.memory_mib = bad;
+            let err = template::validate(&template).expect_err("out of bounds");
+            assert!(
+                err.contains(&format!("spec.memoryMiB {bad} is not accepted by twig-vmm"))
+                    && err.contains("multiple of 2 MiB from 16 to 3072 MiB"),
+                "{err}"
+            );
+        }
+        for good in [16, 32, 512, 3072] {
+            template.spec.memory_mib = good;
+            assert_eq!(template::validate(&template), Ok(()));
+        }
     }
 }

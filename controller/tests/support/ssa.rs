@@ -193,6 +193,17 @@ pub fn field_set(obj: &Value, schema: &Schema, scope: Scope) -> FieldSet {
     out
 }
 
+/// A key field of a map list's item: it stays as long as the item does.
+fn is_key_of_item(path: &Path) -> bool {
+    let [.., item, field] = path.as_slice() else {
+        return false;
+    };
+    let (Some(keys), Some(field)) = (item.strip_prefix("k:"), field.strip_prefix("f:")) else {
+        return false;
+    };
+    serde_json::from_str::<Map<String, Value>>(keys).is_ok_and(|k| k.contains_key(field))
+}
+
 fn is_item(elem: &str) -> bool {
     elem.starts_with("k:") || elem.starts_with("v:")
 }
@@ -401,15 +412,20 @@ pub fn apply(
         .iter()
         .filter(|p| !applied_set.contains(*p) && !others.contains(*p))
         .collect();
-    // Deepest first, so an item's fields go before the item.
-    released.sort_by_key(|p| std::cmp::Reverse(p.len()));
+    // Shallowest first: an item goes with everything in it, and is found by its keys.
+    released.sort_by_key(|p| p.len());
+    let mut gone: Vec<&Path> = Vec::new();
     for p in released {
+        if gone.iter().any(|g| p.starts_with(g)) || is_key_of_item(p) {
+            continue;
+        }
         let still_used = others
             .iter()
             .chain(applied_set.iter())
             .any(|o| o.len() > p.len() && o.starts_with(p));
         if !still_used {
             remove_at(&mut merged, p);
+            gone.push(p);
         }
     }
     new_managers.push(Manager {
