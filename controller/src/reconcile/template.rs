@@ -211,10 +211,11 @@ async fn release_gone_nodes(
     template: &SandboxTemplate,
     ctx: &Context,
 ) -> Result<Action, Error> {
+    let mine = ctx.template_finalizer();
     let ours: Vec<&String> = template
         .finalizers()
         .iter()
-        .filter(|f| f.starts_with(FINALIZER_PREFIX))
+        .filter(|f| f.starts_with(FINALIZER_PREFIX) && **f != mine)
         .collect();
     if ours.is_empty() {
         return Ok(Action::await_change());
@@ -235,17 +236,23 @@ async fn release_gone_nodes(
     if gone.is_empty() {
         return Ok(Action::requeue(ctx.orphan_check));
     }
-    // Remove them all at once, only if the list is still the one we read.
-    let kept: Vec<&String> = template
+    // Remove them all at once, only if the list is still the one we read
+    // (without ours, which the helper has removed).
+    let current: Vec<&String> = template
         .finalizers()
         .iter()
+        .filter(|f| **f != mine)
+        .collect();
+    let kept: Vec<&String> = current
+        .iter()
+        .copied()
         .filter(|f| !gone.contains(f))
         .collect();
     let path = || PointerBuf::from_tokens(["metadata", "finalizers"]);
     let patch = json_patch::Patch(vec![
         PatchOperation::Test(TestOperation {
             path: path(),
-            value: json!(template.finalizers()),
+            value: json!(current),
         }),
         PatchOperation::Replace(ReplaceOperation {
             path: path(),
