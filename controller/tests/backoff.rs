@@ -12,14 +12,19 @@ use twig_controller::context::Backoff;
 use twig_controller::crd::{DeletionPolicy, Phase, Snapshot, SnapshotMode, SnapshotSpec};
 
 use support::fake::FakeNode;
-use support::{api_server, create, eventually, running_pod, start_controller, wait_for, wait_gone, NS};
+use support::{
+    api_server, create, eventually, running_pod, start_controller, wait_for, wait_gone, NS,
+};
 
 #[test]
 fn backoff_grows_per_object_up_to_its_cap_and_resets() {
     let ms = Duration::from_millis;
     let backoff = Backoff::new(ms(100), ms(800));
     let delays: Vec<Duration> = (0..6).map(|_| backoff.failed("Snapshot/ns/a")).collect();
-    assert_eq!(delays, [ms(100), ms(200), ms(400), ms(800), ms(800), ms(800)]);
+    assert_eq!(
+        delays,
+        [ms(100), ms(200), ms(400), ms(800), ms(800), ms(800)]
+    );
     assert_eq!(backoff.failure_count("Snapshot/ns/a"), 6);
     // Another object has its own.
     assert_eq!(backoff.failed("Snapshot/ns/b"), ms(100));

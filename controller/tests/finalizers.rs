@@ -152,9 +152,12 @@ async fn each_node_holds_its_own_template_finalizer_and_gone_nodes_are_released(
     let _a = start_controller(&server, "node-a", &fake_a);
     let b = start_controller(&server, "node-b", &fake_b);
     create(&client, &template("python")).await;
-    let ready = wait_for(&client, "python", "ready on both nodes", |t: &SandboxTemplate| {
-        t.status.as_ref().is_some_and(|s| s.ready_nodes == 2)
-    })
+    let ready = wait_for(
+        &client,
+        "python",
+        "ready on both nodes",
+        |t: &SandboxTemplate| t.status.as_ref().is_some_and(|s| s.ready_nodes == 2),
+    )
     .await;
     let mut finalizers = ready.finalizers().to_vec();
     finalizers.sort();
@@ -209,7 +212,10 @@ fn long_node_names_give_valid_finalizers() {
     assert_eq!(prefix, "twig.dev");
     assert!(name.len() <= 63, "{name}");
     assert!(name.starts_with("template.ip-10-0-0-1"), "{name}");
-    assert!(name.ends_with(|c: char| c.is_ascii_alphanumeric()), "{name}");
+    assert!(
+        name.ends_with(|c: char| c.is_ascii_alphanumeric()),
+        "{name}"
+    );
     let other = twig_controller::context::template_finalizer(&format!("{long}x"));
     assert_ne!(f, other, "two long names share a finalizer");
     assert_eq!(

@@ -91,7 +91,11 @@ fn metrics_server_keeps_serving_after_accept_fails() {
         logs.text()
             .contains("accepting a metrics connection failed; going on")
     });
-    assert!(logs.text().contains("Too many open files"), "{}", logs.text());
+    assert!(
+        logs.text().contains("Too many open files"),
+        "{}",
+        logs.text()
+    );
 
     // Descriptors are free again: the waiting scrape is served, and so is a new one.
     drop(hog);

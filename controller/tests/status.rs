@@ -72,11 +72,19 @@ async fn test_api_server_applies_like_kube_apiserver() {
     let apply = |manager: &str| PatchParams::apply(manager);
 
     // Two managers apply their own entries of a map list: both survive.
-    api.patch_status("t", &apply("node-a"), &Patch::Apply(node_status("a", true, 1)))
-        .await
-        .expect("apply a");
+    api.patch_status(
+        "t",
+        &apply("node-a"),
+        &Patch::Apply(node_status("a", true, 1)),
+    )
+    .await
+    .expect("apply a");
     let both = api
-        .patch_status("t", &apply("node-b"), &Patch::Apply(node_status("b", false, 1)))
+        .patch_status(
+            "t",
+            &apply("node-b"),
+            &Patch::Apply(node_status("b", false, 1)),
+        )
         .await
         .expect("apply b (same readyNodes: shared, no conflict)");
     assert_eq!(entry_names(&both), ["a", "b"]);
@@ -99,7 +107,11 @@ async fn test_api_server_applies_like_kube_apiserver() {
 
     // Changing a field another manager owns is a conflict, unless forced.
     let err = api
-        .patch_status("t", &apply("node-b"), &Patch::Apply(node_status("b", true, 2)))
+        .patch_status(
+            "t",
+            &apply("node-b"),
+            &Patch::Apply(node_status("b", true, 2)),
+        )
         .await
         .expect_err("conflict");
     let kube::Error::Api(resp) = err else {
@@ -107,7 +119,8 @@ async fn test_api_server_applies_like_kube_apiserver() {
     };
     assert_eq!((resp.code, resp.reason.as_str()), (409, "Conflict"));
     assert!(
-        resp.message.contains("conflict with \"node-a\": .status.readyNodes"),
+        resp.message
+            .contains("conflict with \"node-a\": .status.readyNodes"),
         "{}",
         resp.message
     );
@@ -129,8 +142,11 @@ async fn test_api_server_applies_like_kube_apiserver() {
     // Someone else (an Update) sets a message on b's entry.
     let mut edited = forced.clone();
     if let Some(s) = edited.status.as_mut() {
-        s.nodes.iter_mut().find(|n| n.node_name == "b").expect("b").message =
-            Some("looked at by hand".into());
+        s.nodes
+            .iter_mut()
+            .find(|n| n.node_name == "b")
+            .expect("b")
+            .message = Some("looked at by hand".into());
     }
     let edited = api
         .replace_status("t", &PostParams::default(), &edited)
@@ -178,7 +194,10 @@ async fn test_api_server_applies_like_kube_apiserver() {
         .patch_status("t", &apply("node-b").force(), &Patch::Apply(stale))
         .await
         .expect_err("stale");
-    assert!(matches!(err, kube::Error::Api(ref e) if e.code == 409), "{err}");
+    assert!(
+        matches!(err, kube::Error::Api(ref e) if e.code == 409),
+        "{err}"
+    );
 
     // JSON Patch: a test of null passes on a missing field, fails on a present one.
     let add: json_patch::Patch = serde_json::from_value(json!([
@@ -187,7 +206,11 @@ async fn test_api_server_applies_like_kube_apiserver() {
     ]))
     .expect("patch");
     let patched = api
-        .patch("t", &PatchParams::default(), &Patch::Json::<()>(add.clone()))
+        .patch(
+            "t",
+            &PatchParams::default(),
+            &Patch::Json::<()>(add.clone()),
+        )
         .await
         .expect("json patch");
     assert_eq!(patched.finalizers(), ["x/y"]);
@@ -195,7 +218,10 @@ async fn test_api_server_applies_like_kube_apiserver() {
         .patch("t", &PatchParams::default(), &Patch::Json::<()>(add))
         .await
         .expect_err("test fails");
-    assert!(matches!(err, kube::Error::Api(ref e) if e.code == 422), "{err}");
+    assert!(
+        matches!(err, kube::Error::Api(ref e) if e.code == 422),
+        "{err}"
+    );
 }
 
 #[tokio::test]
@@ -210,9 +236,16 @@ async fn many_nodes_apply_their_template_entries_without_losing_any() {
         .map(|(n, f)| start_controller(&server, n, f))
         .collect();
     create(&client, &template("shared", 512)).await;
-    let done = wait_for(&client, "shared", "ready on every node", |t: &SandboxTemplate| {
-        t.status.as_ref().is_some_and(|s| s.ready_nodes == 6 && s.nodes.len() == 6)
-    })
+    let done = wait_for(
+        &client,
+        "shared",
+        "ready on every node",
+        |t: &SandboxTemplate| {
+            t.status
+                .as_ref()
+                .is_some_and(|s| s.ready_nodes == 6 && s.nodes.len() == 6)
+        },
+    )
     .await;
     assert_eq!(entry_names(&done), nodes);
     for node in &nodes {
@@ -286,7 +319,9 @@ async fn snapshot_clone_and_rollback_report_ready_progressing_and_failure() {
     );
     create(&client, &clone).await;
     let progressing = wait_for(&client, "fork", "InProgress", |c: &PodClone| {
-        c.status.as_ref().is_some_and(|s| s.phase == Phase::InProgress)
+        c.status
+            .as_ref()
+            .is_some_and(|s| s.phase == Phase::InProgress)
     })
     .await;
     let conds = progressing.status.expect("status").conditions;

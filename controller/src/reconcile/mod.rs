@@ -63,7 +63,9 @@ where
         .clone()
         .ok_or(Error::MissingField("metadata.name"))?;
     let params = PatchParams::apply(&ctx.field_manager).force();
-    Ok(api.patch_status(&name, &params, &Patch::Apply(body)).await?)
+    Ok(api
+        .patch_status(&name, &params, &Patch::Apply(body))
+        .await?)
 }
 
 /// The conditions of a Snapshot, Clone or Rollback in `phase`: `Ready`
@@ -203,14 +205,18 @@ pub async fn run(ctx: Arc<Context>) {
     )
     .run(
         |o, c| reset_on_success(snapshot::reconcile, o, c),
-        error_policy, ctx.clone());
+        error_policy,
+        ctx.clone(),
+    );
     let rollbacks = Controller::new(
         Api::<Rollback>::all(client.clone()),
         watcher::Config::default(),
     )
     .run(
         |o, c| reset_on_success(rollback::reconcile, o, c),
-        error_policy, ctx.clone());
+        error_policy,
+        ctx.clone(),
+    );
     let clones = Controller::new(
         Api::<PodClone>::all(client.clone()),
         watcher::Config::default(),
@@ -225,14 +231,18 @@ pub async fn run(ctx: Arc<Context>) {
     )
     .run(
         |o, c| reset_on_success(clone::reconcile, o, c),
-        error_policy, ctx.clone());
+        error_policy,
+        ctx.clone(),
+    );
     let templates = Controller::new(
         Api::<SandboxTemplate>::all(client),
         watcher::Config::default(),
     )
     .run(
         |o, c| reset_on_success(template::reconcile, o, c),
-        error_policy, ctx.clone());
+        error_policy,
+        ctx.clone(),
+    );
     tokio::join!(
         drain(snapshots),
         drain(rollbacks),

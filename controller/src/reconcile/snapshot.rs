@@ -102,7 +102,9 @@ async fn precheck(
     ctx: &Context,
 ) -> Result<Result<Pod, Action>, Error> {
     if let Err(message) = validate(snap) {
-        return fail(api, snap, None, "Invalid", message, ctx).await.map(Err);
+        return fail(api, snap, None, "Invalid", message, ctx)
+            .await
+            .map(Err);
     }
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
     let pod_name = &snap.spec.pod_name;
@@ -196,8 +198,14 @@ async fn release_if_node_gone(
             let note = format!(
                 "Node {node} is gone (no Node object); its data of this snapshot went with it"
             );
-            ctx.event(snap.as_ref(), EventType::Warning, "NodeGone", "Delete", note)
-                .await;
+            ctx.event(
+                snap.as_ref(),
+                EventType::Warning,
+                "NodeGone",
+                "Delete",
+                note,
+            )
+            .await;
         }
         Ok::<_, Error>(Action::await_change())
     })

@@ -71,12 +71,11 @@ pub async fn reconcile(template: Arc<SandboxTemplate>, ctx: Arc<Context>) -> Res
     let action = if deleting && !template.finalizers().contains(&mine) {
         Action::await_change()
     } else {
-        let ctx = ctx.clone();
-        let api = api.clone();
-        finalizer(&api.clone(), &mine, template.clone(), |event| async move {
+        let (inner, ctx) = (api.clone(), ctx.clone());
+        finalizer(&api, &mine, template.clone(), |event| async move {
             match event {
-                Event::Apply(template) => build(&api, &template, &ctx).await,
-                Event::Cleanup(template) => remove(&api, &template, &ctx).await,
+                Event::Apply(template) => build(&inner, &template, &ctx).await,
+                Event::Cleanup(template) => remove(&inner, &template, &ctx).await,
             }
         })
         .await?
@@ -112,7 +111,10 @@ async fn build(
         return Ok(Action::await_change());
     }
     let started = Instant::now();
-    let result = ctx.node.ensure_template(&key(template), &template.spec).await;
+    let result = ctx
+        .node
+        .ensure_template(&key(template), &template.spec)
+        .await;
     let entry = match result {
         Ok(state) => TemplateNodeStatus {
             node_name: ctx.node_name.clone(),
@@ -260,7 +262,11 @@ async fn release_gone_nodes(
         }),
     ]);
     match api
-        .patch(&template.name_any(), &PatchParams::default(), &Patch::Json::<()>(patch))
+        .patch(
+            &template.name_any(),
+            &PatchParams::default(),
+            &Patch::Json::<()>(patch),
+        )
         .await
     {
         Ok(_) => {}

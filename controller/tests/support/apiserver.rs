@@ -37,7 +37,9 @@ use tokio::task::JoinHandle;
 use super::ssa::{self, Manager, Schema, Scope, Writer};
 
 mod patch;
+mod select;
 use patch::{json_patch, merge_patch, server_side_apply};
+use select::{parse_selector, Filter};
 
 /// The header that names who sends a request (see [`TestApiServer::client_as`]).
 pub const ACTOR_HEADER: &str = "x-test-actor";
@@ -119,7 +121,10 @@ impl TestApiServer {
     }
 
     /// Starts a server that merges applies by these CRD schemas (by plural).
-    pub async fn start_with(validator: Option<Validator>, schemas: BTreeMap<String, Value>) -> Self {
+    pub async fn start_with(
+        validator: Option<Validator>,
+        schemas: BTreeMap<String, Value>,
+    ) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind test API server");
@@ -326,71 +331,6 @@ fn query(req: &Request<Incoming>) -> BTreeMap<String, String> {
         .collect()
 }
 
-/// One term of a label or field selector.
-enum Term {
-    Eq(String, String),
-    Ne(String, String),
-    Exists(String),
-    NotExists(String),
-}
-
-fn parse_selector(s: &str) -> Vec<Term> {
-    s.split(',')
-        .filter(|t| !t.is_empty())
-        .map(|t| {
-            if let Some((k, v)) = t.split_once("!=") {
-                Term::Ne(k.trim().to_string(), v.trim().to_string())
-            } else if let Some((k, v)) = t.split_once("==").or_else(|| t.split_once('=')) {
-                Term::Eq(k.trim().to_string(), v.trim().to_string())
-            } else if let Some(k) = t.strip_prefix('!') {
-                Term::NotExists(k.trim().to_string())
-            } else {
-                Term::Exists(t.trim().to_string())
-            }
-        })
-        .collect()
-}
-
-fn selector_matches(terms: &[Term], lookup: impl Fn(&str) -> Option<String>) -> bool {
-    terms.iter().all(|t| match t {
-        Term::Eq(k, v) => lookup(k).as_deref() == Some(v.as_str()),
-        Term::Ne(k, v) => lookup(k).as_deref() != Some(v.as_str()),
-        Term::Exists(k) => lookup(k).is_some(),
-        Term::NotExists(k) => lookup(k).is_none(),
-    })
-}
-
-struct Filter {
-    api: String,
-    plural: String,
-    namespace: Option<String>,
-    labels: Vec<Term>,
-    fields: Vec<Term>,
-}
-
-impl Filter {
-    fn matches(&self, api: &str, plural: &str, namespace: &str, obj: &Value) -> bool {
-        if api != self.api
-            || plural != self.plural
-            || self.namespace.as_deref().is_some_and(|n| n != namespace)
-        {
-            return false;
-        }
-        let labels = &obj["metadata"]["labels"];
-        let label_ok = selector_matches(&self.labels, |k| {
-            labels.get(k).and_then(Value::as_str).map(String::from)
-        });
-        let field_ok = selector_matches(&self.fields, |path| {
-            let mut v = obj;
-            for part in path.split('.') {
-                v = v.get(part)?;
-            }
-            v.as_str().map(String::from)
-        });
-        label_ok && field_ok
-    }
-}
-
 async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_string();
     let Some(target) = parse_path(&path) else {
@@ -498,13 +438,17 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
                     serde_saphyr::from_slice::<Value>(&body).map_err(|e| e.to_string())
                 });
                 return match applied {
-                    Ok(applied) => server_side_apply(&state, &target, &name, &applied, status, manager, force),
+                    Ok(applied) => {
+                        server_side_apply(&state, &target, &name, &applied, status, manager, force)
+                    }
                     Err(e) => status_error(StatusCode::BAD_REQUEST, "BadRequest", e.to_string()),
                 };
             }
             let patch = match parsed() {
                 Ok(patch) => patch,
-                Err(e) => return status_error(StatusCode::BAD_REQUEST, "BadRequest", e.to_string()),
+                Err(e) => {
+                    return status_error(StatusCode::BAD_REQUEST, "BadRequest", e.to_string())
+                }
             };
             match kind {
                 "application/merge-patch+json" => {

@@ -467,7 +467,8 @@ pub fn record_update(
     let removed: FieldSet = old_set.difference(&new_set).cloned().collect();
     let mut out: Vec<Manager> = managers.to_vec();
     for m in &mut out {
-        m.fields.retain(|p| !changed.contains(p) && !removed.contains(p));
+        m.fields
+            .retain(|p| !changed.contains(p) && !removed.contains(p));
     }
     if !changed.is_empty() {
         match out

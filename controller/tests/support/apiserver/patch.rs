@@ -51,7 +51,14 @@ pub(super) fn merge_patch(
     let mut patched = stored.clone();
     merge(&mut patched, patch);
     let new = split_status(&stored, patched, status, &target.plural);
-    update(state, &mut inner, &k, &stored, new, updater(target, status, manager))
+    update(
+        state,
+        &mut inner,
+        &k,
+        &stored,
+        new,
+        updater(target, status, manager),
+    )
 }
 
 /// JSON Patch (RFC 6902). Like kube-apiserver (evanphx/json-patch), a
@@ -90,7 +97,14 @@ pub(super) fn json_patch(
         }
     }
     let new = split_status(&stored, patched, status, &target.plural);
-    update(state, &mut inner, &k, &stored, new, updater(target, status, manager))
+    update(
+        state,
+        &mut inner,
+        &k,
+        &stored,
+        new,
+        updater(target, status, manager),
+    )
 }
 
 /// Server-side apply of `applied` by `manager`.
@@ -131,7 +145,11 @@ pub(super) fn server_side_apply(
         }
         // Apply creates a missing object.
         let Ok((obj, _)) = ssa::apply(&json!({}), &[], applied, &schema, &w, force) else {
-            return status_error(StatusCode::CONFLICT, "Conflict", "conflict on a new object".into());
+            return status_error(
+                StatusCode::CONFLICT,
+                "Conflict",
+                "conflict on a new object".into(),
+            );
         };
         drop(inner);
         return create(state, target, obj, manager);
