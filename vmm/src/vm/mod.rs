@@ -1,0 +1,216 @@
+//! A microVM: creation ([`create`]), snapshot, restore and clone
+//! ([`persist`]), in-place rollback ([`rollback`]) and diagnostics
+//! ([`diagnostics`]). This file holds the [`Vm`] itself and its lifecycle.
+
+mod config;
+mod create;
+mod diagnostics;
+mod disks;
+mod persist;
+mod rollback;
+
+pub use config::{
+    DeviceConfig, DiskConfig, NetConfig, RollbackInfo, RunState, Shape, SnapshotInfo, Stats,
+    VsockConfig, MAX_VCPUS, MIN_MEM,
+};
+pub use create::open_kvm;
+pub use disks::SlotInfo;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvm_bindings::kvm_cpuid_entry2;
+use kvm_ioctls::{Kvm, VmFd};
+use vm_memory::{Bytes, GuestAddress};
+
+use crate::devices::{DeviceThread, Devices, GuestExit};
+use crate::error::{Error, Result};
+use crate::memory::{GuestRam, PageSet};
+use crate::snapshot::Image;
+use crate::vcpu::VcpuHandle;
+use crate::virtio::blk::DiskFile;
+
+/// A KVM microVM.
+pub struct Vm {
+    // Field order is drop order: the device and vCPU threads stop before RAM
+    // is unmapped.
+    device_thread: Option<DeviceThread>,
+    vcpus: Vec<VcpuHandle>,
+    devices: Arc<Devices>,
+    /// The fixed disks, then the disk slots, in MMIO order.
+    disks: Vec<Arc<DiskFile>>,
+    /// Where a restore puts the disks of attached slots.
+    slot_files: BTreeMap<usize, PathBuf>,
+    fd: Arc<VmFd>,
+    ram: GuestRam,
+    shape: Shape,
+    state: RunState,
+    xsave_words: usize,
+    msr_indices: Arc<Vec<u32>>,
+    cpuid: Vec<Vec<kvm_cpuid_entry2>>,
+    baseline: Option<Arc<Image>>,
+    dirty: PageSet,
+    host_cpuid: &'static [kvm_cpuid_entry2],
+    kvm: Kvm,
+}
+
+fn kvm_err(op: &'static str) -> impl Fn(kvm_ioctls::Error) -> Error {
+    move |e| Error::kvm(op, e)
+}
+
+fn ms(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1e3
+}
+
+impl Vm {
+    /// The VM's shape.
+    pub fn shape(&self) -> Shape {
+        self.shape
+    }
+
+    /// Where the VM is in its life.
+    pub fn state(&self) -> RunState {
+        if self.state != RunState::Created && self.devices.exit().get().is_some() {
+            return RunState::Stopped;
+        }
+        self.state
+    }
+
+    fn need(&self, op: &'static str, ok: &[RunState], needs: &'static str) -> Result<RunState> {
+        let s = self.state();
+        if ok.contains(&s) {
+            Ok(s)
+        } else {
+            Err(Error::State {
+                op,
+                state: s.name(),
+                needs,
+            })
+        }
+    }
+
+    /// Lets the vCPUs run.
+    pub fn resume(&mut self) -> Result<()> {
+        self.need("resume", &[RunState::Paused, RunState::Running], "paused")?;
+        for v in &self.vcpus {
+            v.run();
+        }
+        if let Some(t) = &self.device_thread {
+            t.resume();
+        }
+        self.state = RunState::Running;
+        Ok(())
+    }
+
+    /// Parks every vCPU. Pending port or MMIO accesses complete first.
+    pub fn pause(&mut self) -> Result<()> {
+        let s = self.need(
+            "pause",
+            &[RunState::Running, RunState::Paused, RunState::Stopped],
+            "running",
+        )?;
+        if s == RunState::Paused {
+            return Ok(());
+        }
+        if let Some(t) = &self.device_thread {
+            t.pause()?;
+        }
+        for v in &self.vcpus {
+            v.request_park();
+        }
+        for v in &self.vcpus {
+            v.wait_parked()?;
+        }
+        self.devices.flush();
+        if self.state == RunState::Running {
+            self.state = RunState::Paused;
+        }
+        Ok(())
+    }
+
+    /// Wakes a guest parked on the idle port.
+    pub fn kick(&self) {
+        for v in &self.vcpus {
+            v.kick();
+        }
+    }
+
+    /// Waits up to `timeout` for the guest to stop; returns why it did.
+    pub fn wait_exit(&self, timeout: Duration) -> Option<GuestExit> {
+        self.devices.exit().wait(timeout)
+    }
+
+    /// Reads guest memory.
+    pub fn read_guest(&self, gpa: u64, buf: &mut [u8]) -> Result<()> {
+        self.ram
+            .memory()
+            .read_slice(buf, GuestAddress(gpa))
+            .map_err(|_| Error::GuestAddress {
+                addr: gpa,
+                len: buf.len(),
+            })
+    }
+
+    /// Reads a little-endian u64 from guest memory.
+    pub fn read_u64(&self, gpa: u64) -> Result<u64> {
+        let mut b = [0u8; 8];
+        self.read_guest(gpa, &mut b)?;
+        Ok(u64::from_le_bytes(b))
+    }
+
+    /// Writes guest memory from the host. The pages count as dirty for the
+    /// next incremental snapshot and for rollback.
+    pub fn write_guest(&self, gpa: u64, data: &[u8]) -> Result<()> {
+        self.ram
+            .memory()
+            .write_slice(data, GuestAddress(gpa))
+            .map_err(|_| Error::GuestAddress {
+                addr: gpa,
+                len: data.len(),
+            })?;
+        Ok(())
+    }
+
+    /// Writes a little-endian u64 into guest memory.
+    pub fn write_u64(&self, gpa: u64, v: u64) -> Result<()> {
+        self.write_guest(gpa, &v.to_le_bytes())
+    }
+
+    /// The VM's counters. Folds KVM's dirty log in, so the count is current.
+    pub fn stats(&mut self) -> Result<Stats> {
+        if self.state() != RunState::Created {
+            self.collect_dirty()?;
+        }
+        let (resident, private) = self.ram.residency()?;
+        Ok(Stats {
+            state: self.state(),
+            vcpus: self.shape.vcpus,
+            mem_mib: self.shape.mem_size >> 20,
+            baseline: self.baseline.as_ref().map(|b| b.id().to_string()),
+            dirty_pages: self.dirty.count(),
+            exits: self
+                .vcpus
+                .iter()
+                .map(|v| {
+                    v.counters()
+                        .exits
+                        .load(std::sync::atomic::Ordering::Relaxed)
+                })
+                .sum(),
+            guest_resident_kib: resident / 1024,
+            guest_private_kib: private / 1024,
+            guest_exit: self.devices.exit().get().map(|e| format!("{e:?}")),
+        })
+    }
+
+    /// Guest RAM bytes (for tests and checks; pause the VM for a stable view).
+    pub fn guest_ram(&self) -> Result<&[u8]> {
+        self.ram.pages_slice(0, self.ram.pages())
+    }
+}
+
+fn absolute(p: &Path) -> Result<PathBuf> {
+    std::path::absolute(p).map_err(|e| Error::io(format!("resolving {}", p.display()), e))
+}

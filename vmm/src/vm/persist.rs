@@ -1,0 +1,431 @@
+//! Saving and loading a VM: vCPU and VM state, templates, full and
+//! incremental snapshots, restore into a new VM, and clones.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvm_bindings::{
+    kvm_clock_data, kvm_irqchip, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE,
+};
+
+use crate::arch;
+use crate::devices::{self, Devices, SerialOut};
+use crate::error::{Error, Result};
+use crate::memory::PageSet;
+use crate::snapshot::{self, Image, Kind, Meta, ParentRef, VmState};
+use crate::vcpu::{self, VcpuState};
+
+use super::{absolute, kvm_err, ms, DeviceConfig, RunState, Shape, SnapshotInfo, Vm};
+
+impl Vm {
+    /// Folds KVM's dirty log into the pages changed since the baseline.
+    pub(super) fn collect_dirty(&mut self) -> Result<()> {
+        let words = self
+            .fd
+            .get_dirty_log(0, self.shape.mem_size)
+            .map_err(kvm_err("KVM_GET_DIRTY_LOG"))?;
+        let pages = self.ram.pages();
+        self.dirty.union_with(&PageSet::from_words(words, pages));
+        self.dirty
+            .union_with(&PageSet::from_words(self.ram.take_vmm_dirty(), pages));
+        Ok(())
+    }
+
+    pub(super) fn save_vcpus(&self) -> Result<Vec<VcpuState>> {
+        let rxs = self
+            .vcpus
+            .iter()
+            .map(|v| {
+                let msrs = self.msr_indices.clone();
+                let words = self.xsave_words;
+                v.submit(move |fd| vcpu::save_state(fd, &msrs, words))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        rxs.into_iter()
+            .enumerate()
+            .map(|(index, rx)| vcpu::job_result(index, &rx)?)
+            .collect()
+    }
+
+    pub(super) fn load_vcpus(&self, states: &[VcpuState], set_cpuid: bool) -> Result<()> {
+        let rxs = self
+            .vcpus
+            .iter()
+            .zip(states)
+            .map(|(v, s)| {
+                let s = s.clone();
+                v.submit(move |fd| vcpu::restore_state(fd, &s, set_cpuid))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        for (index, rx) in rxs.into_iter().enumerate() {
+            vcpu::job_result(index, &rx)??;
+        }
+        Ok(())
+    }
+
+    pub(super) fn save_vm_state(
+        &self,
+    ) -> Result<(
+        [kvm_irqchip; 3],
+        kvm_bindings::kvm_pit_state2,
+        kvm_clock_data,
+    )> {
+        let mut chips = [kvm_irqchip::default(); 3];
+        for (chip, id) in chips.iter_mut().zip([
+            KVM_IRQCHIP_PIC_MASTER,
+            KVM_IRQCHIP_PIC_SLAVE,
+            KVM_IRQCHIP_IOAPIC,
+        ]) {
+            chip.chip_id = id;
+            self.fd
+                .get_irqchip(chip)
+                .map_err(kvm_err("KVM_GET_IRQCHIP"))?;
+        }
+        let pit = self.fd.get_pit2().map_err(kvm_err("KVM_GET_PIT2"))?;
+        let clock = self.fd.get_clock().map_err(kvm_err("KVM_GET_CLOCK"))?;
+        Ok((chips, pit, clock))
+    }
+
+    pub(super) fn load_vm_state(&self, s: &VmState) -> Result<()> {
+        for chip in &s.irqchips {
+            self.fd
+                .set_irqchip(chip)
+                .map_err(kvm_err("KVM_SET_IRQCHIP"))?;
+        }
+        self.fd.set_pit2(&s.pit).map_err(kvm_err("KVM_SET_PIT2"))?;
+        let clock = kvm_clock_data {
+            clock: s.clock.clock,
+            ..Default::default()
+        };
+        self.fd
+            .set_clock(&clock)
+            .map_err(kvm_err("KVM_SET_CLOCK"))?;
+        Ok(())
+    }
+
+    /// Makes a template of a booting guest: polls `ready` (the caller's
+    /// readiness probe, such as a ping of the guest's agent) until it
+    /// answers yes or `timeout` passes, then pauses the VM and takes a full
+    /// snapshot into `dir`, which later VMs restore instead of booting. The VM
+    /// stays paused. A guest that stops, or is not ready in time, is an error
+    /// and nothing is written.
+    pub fn template(
+        &mut self,
+        dir: &Path,
+        timeout: Duration,
+        mut ready: impl FnMut() -> bool,
+    ) -> Result<SnapshotInfo> {
+        self.need("template", &[RunState::Running], "running")?;
+        let deadline = Instant::now() + timeout;
+        let mut backoff = Duration::from_millis(1);
+        while !ready() {
+            if let Some(exit) = self.devices.exit().get() {
+                return Err(Error::NotReady(format!(
+                    "the guest stopped before it was ready: {exit:?}"
+                )));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::NotReady(format!(
+                    "the guest was not ready within {timeout:?}"
+                )));
+            }
+            // Between probes: a growing pause, never past the deadline.
+            std::thread::sleep(backoff.min(left));
+            backoff = (backoff * 2).min(Duration::from_millis(50));
+        }
+        self.pause()?;
+        self.snapshot(dir, Kind::Full)
+    }
+
+    /// Snapshots the VM into the new directory `dir`. A running VM is paused
+    /// only while its state and changed pages are copied out, and runs again
+    /// while the snapshot is made durable; the call returns once it is
+    /// published. An incremental snapshot writes only the pages changed since
+    /// the VM's baseline (its last snapshot, restore or rollback point),
+    /// which becomes its parent.
+    pub fn snapshot(&mut self, dir: &Path, kind: Kind) -> Result<SnapshotInfo> {
+        let start = Instant::now();
+        let was = self.need(
+            "snapshot",
+            &[RunState::Running, RunState::Paused],
+            "running or paused",
+        )?;
+        let parent = match kind {
+            Kind::Full => None,
+            Kind::Incremental => Some(self.baseline.clone().ok_or_else(|| {
+                Error::Config(
+                    "an incremental snapshot needs a parent: take a full snapshot or restore one first"
+                        .into(),
+                )
+            })?),
+        };
+        let dir = absolute(dir)?;
+        self.pause()?;
+        let staged = self.stage_snapshot(&dir, kind, parent.as_ref());
+        // A full snapshot becomes the memory the VM runs on: map it before
+        // the guest runs again, while RAM and file are identical.
+        let remapped = match &staged {
+            Ok((st, _, _)) if kind == Kind::Full => Some(
+                st.memory()
+                    .try_clone()
+                    .map_err(|e| Error::io("reopening the snapshot memory", e))
+                    .and_then(|f| self.ram.map_private(Arc::new(f))),
+            ),
+            _ => None,
+        };
+        if was == RunState::Running {
+            self.resume()?;
+        }
+        let pause_ms = ms(start);
+        let (staged, state, pages) = staged?;
+        if let Some(Err(e)) = remapped {
+            return Err(e);
+        }
+        let memory = match staged.commit() {
+            Ok(m) => m,
+            Err(e) => {
+                if kind == Kind::Full {
+                    // RAM now maps the unpublished file: no baseline to
+                    // track changes against until the next full snapshot.
+                    self.baseline = None;
+                }
+                return Err(e);
+            }
+        };
+        let image = Arc::new(Image {
+            dir: dir.to_path_buf(),
+            state,
+            memory: Arc::new(memory),
+            parent,
+        });
+        self.baseline = Some(image.clone());
+        self.dirty = PageSet::new(self.ram.pages());
+        let info = SnapshotInfo {
+            id: image.id().to_string(),
+            kind,
+            parent: image.state.meta.parent.as_ref().map(|p| p.id.clone()),
+            pages_written: pages,
+            pause_ms,
+            duration_ms: ms(start),
+        };
+        tracing::info!(id = %info.id, ?kind, pages, ms = info.duration_ms, "snapshot");
+        Ok(info)
+    }
+
+    /// Copies the paused VM's state and pages into a staged snapshot.
+    fn stage_snapshot(
+        &mut self,
+        dir: &Path,
+        kind: Kind,
+        parent: Option<&Arc<Image>>,
+    ) -> Result<(snapshot::Staged, VmState, usize)> {
+        self.collect_dirty()?;
+        let vcpus = self.save_vcpus()?;
+        let (irqchips, pit, clock) = self.save_vm_state()?;
+        let id = snapshot::new_id();
+        let layer = layer_of(kind, &self.dirty);
+        let pages = layer.as_ref().map_or(self.ram.pages(), PageSet::count);
+        let mut state = VmState {
+            meta: Meta {
+                id: id.clone(),
+                kind,
+                parent: parent.map(|p| ParentRef {
+                    id: p.id().to_string(),
+                    dir: p.dir.clone(),
+                }),
+                root_id: parent.map_or(id.clone(), |p| p.state.meta.root_id.clone()),
+                mem_size: self.shape.mem_size as u64,
+                vcpus: self.shape.vcpus,
+                pages,
+                memory_crc: 0,
+                created_unix_ms: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_millis() as u64)
+                    .unwrap_or(0),
+                disks: self.disk_metas(),
+            },
+            irqchips,
+            pit,
+            clock,
+            devices: self.devices.save(),
+            layer,
+            vcpus,
+        };
+        // The vCPUs are parked, so every request the guest made of a disk is
+        // complete: make it durable, then copy the images.
+        let sources = self.disk_sources()?;
+        let sources: Vec<(usize, &std::fs::File)> = sources.iter().map(|(i, f)| (*i, f)).collect();
+        let ram = &self.ram;
+        let write_layer = state.layer.clone();
+        let staged = snapshot::stage(
+            dir,
+            &mut state,
+            |f| match &write_layer {
+                None => snapshot::write_full_memory(ram, f),
+                Some(l) => snapshot::write_layer_memory(ram, l, f),
+            },
+            &sources,
+        )?;
+        Ok((staged, state, pages))
+    }
+
+    /// Restores the snapshot in `dir` into this newly created VM and runs it.
+    pub fn restore(&mut self, dir: &Path) -> Result<()> {
+        let image = Image::open(&absolute(dir)?)?;
+        self.restore_image(&image)?;
+        self.resume()
+    }
+
+    /// Restores an opened snapshot into this newly created VM, leaving it
+    /// paused: guest RAM maps the root snapshot's memory privately (lazy,
+    /// copy-on-write, shared through the page cache), each incremental
+    /// layer's pages are read on top, then vCPU, irqchip, PIT, clock and
+    /// device state are loaded.
+    pub fn restore_image(&mut self, image: &Arc<Image>) -> Result<()> {
+        self.need("restore", &[RunState::Created], "newly created")?;
+        self.check_compatible(image)?;
+        let mut disks = self.prepare_disks(image)?;
+        for (r, _) in &mut disks {
+            r.swap_in()?;
+        }
+        for (r, d) in disks {
+            r.finish(&d);
+        }
+        let chain = image.chain();
+        self.ram.map_private(chain[0].memory.clone())?;
+        for layer in &chain[1..] {
+            if let Some(pages) = &layer.state.layer {
+                for (start, n) in pages.runs() {
+                    self.ram.read_pages_from(&layer.memory, start, n)?;
+                }
+            }
+        }
+        let s = &image.state;
+        self.load_vcpus(&s.vcpus, true)?;
+        self.load_vm_state(s)?;
+        self.devices.restore(self.devices.parse(&s.devices)?)?;
+        self.devices.retrigger_pending();
+        self.devices.after_restore();
+        self.adopt(image);
+        self.state = RunState::Paused;
+        Ok(())
+    }
+
+    pub(super) fn adopt(&mut self, image: &Arc<Image>) {
+        let s = &image.state;
+        self.cpuid = s.vcpus.iter().map(|v| v.cpuid.clone()).collect();
+        self.msr_indices = Arc::new(s.vcpus[0].msrs.iter().map(|m| m.index).collect());
+        self.baseline = Some(image.clone());
+        self.dirty = PageSet::new(self.ram.pages());
+        self.ram.take_vmm_dirty();
+        self.devices.exit().clear();
+    }
+
+    /// Refuses snapshots this VM cannot take: other shape, CPU features this
+    /// host lacks, a larger XSAVE area than KVM here handles.
+    pub(super) fn check_compatible(&self, image: &Image) -> Result<()> {
+        let m = &image.state.meta;
+        if m.mem_size != self.shape.mem_size as u64 {
+            return Err(Error::snapshot(
+                &image.dir,
+                format!(
+                    "memory size mismatch: the snapshot has {} MiB of guest RAM, this VM {} MiB",
+                    m.mem_size >> 20,
+                    self.shape.mem_size >> 20
+                ),
+            ));
+        }
+        if m.vcpus != self.shape.vcpus {
+            return Err(Error::snapshot(
+                &image.dir,
+                format!(
+                    "vCPU count mismatch: the snapshot has {}, this VM {}",
+                    m.vcpus, self.shape.vcpus
+                ),
+            ));
+        }
+        let theirs = Devices::saved_virtio_types(&image.state.devices)
+            .map_err(|e| Error::snapshot(&image.dir, e.to_string()))?;
+        let ours = self.devices.virtio_types();
+        if theirs != ours {
+            return Err(Error::snapshot(
+                &image.dir,
+                format!(
+                    "virtio devices differ: {}",
+                    devices::describe_difference(&theirs, &ours)
+                ),
+            ));
+        }
+        self.check_disks(image)?;
+        let host = self.host_cpuid;
+        let mut missing = Vec::new();
+        for v in &image.state.vcpus {
+            for f in arch::missing_features(&v.cpuid, host) {
+                if !missing.contains(&f) {
+                    missing.push(f);
+                }
+            }
+            if v.xsave.len() > self.xsave_words {
+                missing.push(format!(
+                    "an XSAVE area of {} bytes (this host: {})",
+                    v.xsave.len() * 4,
+                    self.xsave_words * 4
+                ));
+            }
+        }
+        if !missing.is_empty() {
+            return Err(Error::CpuIncompatible {
+                path: image.dir.clone(),
+                missing: missing.join(", "),
+            });
+        }
+        Ok(())
+    }
+
+    /// Restores `n` VMs from the snapshot in `dir`, concurrently, and runs
+    /// them. `serial(i)` gives clone i its serial output, `devices(i)` its
+    /// devices (each clone needs its own read-write disk files, which get
+    /// the snapshot's disk contents).
+    pub fn clone_from(
+        dir: &Path,
+        n: usize,
+        serial: impl Fn(usize) -> SerialOut + Sync,
+        devices: impl Fn(usize) -> DeviceConfig + Sync,
+    ) -> Result<Vec<Vm>> {
+        let image = Image::open(&absolute(dir)?)?;
+        let shape = Shape {
+            mem_size: image.state.meta.mem_size as usize,
+            vcpus: image.state.meta.vcpus,
+        };
+        let results: Vec<Result<Vm>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..n)
+                .map(|i| {
+                    let (image, serial, devices) = (&image, &serial, &devices);
+                    scope.spawn(move || -> Result<Vm> {
+                        let mut vm = Vm::create_with(shape, serial(i), &devices(i))?;
+                        vm.restore_image(image)?;
+                        vm.resume()?;
+                        Ok(vm)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(Error::Config("a clone thread panicked".into())))
+                })
+                .collect()
+        });
+        results.into_iter().collect()
+    }
+}
+
+fn layer_of(kind: Kind, dirty: &PageSet) -> Option<PageSet> {
+    match kind {
+        Kind::Full => None,
+        Kind::Incremental => Some(dirty.clone()),
+    }
+}
