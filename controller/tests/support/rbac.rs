@@ -8,8 +8,9 @@ pub const NOT_REQUESTED: &[(&str, &str, &str)] = &[
     ("twig.dev", "clones/finalizers", "update"),
     // The event recorder patches an Event only when the same event repeats.
     ("events.k8s.io", "events", "patch"),
-    // Only when another node's Snapshot is deleted (tests/finalizers.rs).
+    // Only when an object another node holds a finalizer on is deleted (tests/finalizers.rs).
     ("", "nodes", "get"),
+    ("", "nodes", "list"),
 ];
 
 /// (API group, resource, verbs).
