@@ -139,13 +139,19 @@ pub fn disk_file_name(index: usize) -> String {
 /// Everything in a `state` file.
 #[derive(Clone)]
 pub struct VmState {
+    /// What the snapshot is: id, kind, parent, shape, disks.
     pub meta: Meta,
+    /// The PIC master, PIC slave and IOAPIC.
     pub irqchips: [kvm_irqchip; 3],
+    /// The PIT.
     pub pit: kvm_pit_state2,
+    /// The KVM clock.
     pub clock: kvm_clock_data,
+    /// Every device's state, as `Devices::save` wrote it.
     pub devices: Vec<u8>,
     /// Pages held by an incremental snapshot.
     pub layer: Option<PageSet>,
+    /// Each vCPU's state, in vCPU order.
     pub vcpus: Vec<VcpuState>,
 }
 
@@ -1048,8 +1054,10 @@ mod tests {
 
     fn free_bytes(p: &Path) -> u64 {
         let c = std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap();
-        // SAFETY: statvfs fills the struct for a valid path.
+        // SAFETY: statvfs is plain old data; all zeroes is a valid value.
         let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: `c` is a NUL-terminated path and `s` outlives the call,
+        // which only fills it.
         assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut s) }, 0);
         s.f_bfree * s.f_frsize
     }
