@@ -1,6 +1,7 @@
 //! `twig-bench`: Twig's benchmarks. Each subcommand prints a human table to
 //! stderr and, with `--json`, one JSON object to stdout.
 
+mod cri;
 mod linux;
 mod snapshotter;
 mod stats;
@@ -28,6 +29,9 @@ enum Command {
     /// boot versus template restore to agent ready; snapshot, rollback and clone
     /// with a 64 MiB working set.
     Linux(linux::Args),
+    /// Pod start through containerd's CRI plugin (RunPodSandbox + CreateContainer +
+    /// StartContainer → first output) at concurrency 1 and 8, per runtime handler.
+    Cri(cri::Args),
 }
 
 fn main() {
@@ -36,6 +40,7 @@ fn main() {
         Command::Vmm(args) => vmm::run(&args),
         Command::Snapshotter(args) => snapshotter::run(&args),
         Command::Linux(args) => linux::run(&args),
+        Command::Cri(args) => cri::run(&args),
     };
     match result {
         Ok(value) => {
