@@ -3,7 +3,9 @@
 //! first output line appears in the log file CRI writes (polled every 1 ms),
 //! at several concurrencies, for each runtime handler given — `runc` today,
 //! `twig=io.containerd.twig.v2` once the shim exists, in the same run and
-//! the same environment, so the ratio between them is the figure.
+//! the same environment, so the ratio between them is the figure. Pods of
+//! the handlers are interleaved (pod `i` uses handler `i mod n`), so slow
+//! drifts in the machine's load hit every handler alike.
 //!
 //! Everything runs on a `twig_cri::Node`: its own containerd, CNI bridge and
 //! local registry (needs root). Teardown of each pod is not timed; at
@@ -84,29 +86,39 @@ async fn measure(args: &Args, node: &Node) -> Result<Value, Error> {
         )),
     );
     r.value("load_average_before", json!(load_average()));
+    let pods = Pods {
+        cri,
+        handlers: args.handlers.iter().map(|h| h.name.clone()).collect(),
+        image,
+        logs: node.dir().join("bench-pods"),
+    };
+    for (h, name) in pods.handlers.iter().enumerate() {
+        for i in 0..args.warmup {
+            pods.start_one(h, &format!("warmup-{i}"))
+                .await
+                .context(|| format!("warm-up pod with handler {name}"))?;
+        }
+    }
     let mut p50 = Vec::new();
     let mut p99 = Vec::new();
-    for h in &args.handlers {
-        let ctx = Pods {
-            cri: cri.clone(),
-            handler: h.name.clone(),
-            image: image.clone(),
-            logs: node.dir().join("bench-pods"),
-        };
-        for i in 0..args.warmup {
-            ctx.start_one(&format!("warmup-{i}"))
-                .await
-                .context(|| format!("warm-up pod with handler {}", h.name))?;
-        }
-        for &c in &args.concurrency {
-            let t0 = Instant::now();
-            let samples = ctx.run_concurrently(args.runs, c).await?;
-            let wall = t0.elapsed();
-            let key = format!("{}_c{c}", h.name);
-            let firsts: Vec<Duration> = samples.iter().map(|s| s.first_output).collect();
-            let s = summary(&mut r, &format!("{key}_first_output_ms"), &firsts);
-            p50.push((h.name.clone(), c, s.0.p50));
-            p99.push((h.name.clone(), c, s.1));
+    for &c in &args.concurrency {
+        let t0 = Instant::now();
+        let samples = pods.run_concurrently(args.runs, c).await?;
+        r.value(
+            &format!("c{c}_pods_per_s"),
+            json!(samples.len() as f64 / t0.elapsed().as_secs_f64()),
+        );
+        for (h, name) in pods.handlers.iter().enumerate() {
+            let mine: Vec<Sample> = samples
+                .iter()
+                .filter(|(i, _)| *i == h)
+                .map(|(_, s)| *s)
+                .collect();
+            let key = format!("{name}_c{c}");
+            let firsts: Vec<Duration> = mine.iter().map(|s| s.first_output).collect();
+            let (s, s99) = summary(&mut r, &format!("{key}_first_output_ms"), &firsts);
+            p50.push((name.clone(), c, s.p50));
+            p99.push((name.clone(), c, s99));
             for (phase, pick) in [
                 (
                     "run_pod_sandbox",
@@ -115,13 +127,9 @@ async fn measure(args: &Args, node: &Node) -> Result<Value, Error> {
                 ("create_container", |s| s.create_container),
                 ("start_container", |s| s.start_container),
             ] {
-                let v: Vec<Duration> = samples.iter().map(pick).collect();
+                let v: Vec<Duration> = mine.iter().map(pick).collect();
                 summary(&mut r, &format!("{key}_{phase}_ms"), &v);
             }
-            r.value(
-                &format!("{key}_pods_per_s"),
-                json!(samples.len() as f64 / wall.as_secs_f64()),
-            );
         }
     }
     if args.handlers.len() > 1 {
@@ -176,45 +184,54 @@ fn load_average() -> String {
         .unwrap_or_default()
 }
 
-/// Starts pods of one handler on the node.
+/// Starts pods on the node.
 #[derive(Clone)]
 struct Pods {
     cri: CriClient,
-    handler: String,
+    /// The runtime handlers, taken in turn pod by pod.
+    handlers: Vec<String>,
     image: String,
     /// Where each pod's log directory goes.
     logs: PathBuf,
 }
 
 impl Pods {
-    /// `runs` pods, `concurrency` at a time, each worker its own task.
+    /// `runs` pods per handler, `concurrency` at a time, each worker its
+    /// own task; pod `i` uses handler `i mod handlers`, so the handlers are
+    /// interleaved and share the machine's drift in load. Each sample comes
+    /// with its handler's index.
     async fn run_concurrently(
         &self,
         runs: usize,
         concurrency: usize,
-    ) -> Result<Vec<Sample>, Error> {
+    ) -> Result<Vec<(usize, Sample)>, Error> {
+        let total = runs * self.handlers.len();
         let next = Arc::new(AtomicUsize::new(0));
         let mut workers = tokio::task::JoinSet::new();
-        for _ in 0..concurrency.min(runs) {
+        for _ in 0..concurrency.min(total) {
             let (next, pods) = (Arc::clone(&next), self.clone());
             workers.spawn(async move {
                 let mut out = Vec::new();
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= runs {
+                    if i >= total {
                         return Ok::<_, String>(out);
                     }
-                    let sample = pods.start_one(&format!("c{concurrency}-{i}")).await;
-                    out.push(sample.map_err(|e| {
-                        format!(
-                            "pod {i} with handler {} at concurrency {concurrency}: {e}",
-                            pods.handler
-                        )
-                    })?);
+                    let h = i % pods.handlers.len();
+                    let sample = pods.start_one(h, &format!("c{concurrency}-{i}")).await;
+                    out.push((
+                        h,
+                        sample.map_err(|e| {
+                            format!(
+                                "pod {i} with handler {} at concurrency {concurrency}: {e}",
+                                pods.handlers[h]
+                            )
+                        })?,
+                    ));
                 }
             });
         }
-        let mut samples = Vec::with_capacity(runs);
+        let mut samples = Vec::with_capacity(total);
         while let Some(worker) = workers.join_next().await {
             samples.extend(worker.context(|| "a benchmark worker".into())??);
         }
@@ -222,8 +239,9 @@ impl Pods {
     }
 
     /// One timed pod start, then its untimed removal.
-    async fn start_one(&self, name: &str) -> Result<Sample, SendError> {
-        let pod_name = format!("bench-{}-{name}", self.handler);
+    async fn start_one(&self, handler: usize, name: &str) -> Result<Sample, SendError> {
+        let handler = &self.handlers[handler];
+        let pod_name = format!("bench-{handler}-{name}");
         let log_dir = self.logs.join(&pod_name);
         std::fs::create_dir_all(&log_dir)
             .map_err(|e| format!("creating {}: {e}", log_dir.display()))?;
@@ -236,7 +254,7 @@ impl Pods {
         );
         let log = Node::container_log(&pod, "app.log");
         let t0 = Instant::now();
-        let pod_id = self.cri.run_pod_sandbox(&pod, &self.handler).await?;
+        let pod_id = self.cri.run_pod_sandbox(&pod, handler).await?;
         let t1 = Instant::now();
         let result = async {
             let id = self.cri.create_container(&pod_id, &config, &pod).await?;
