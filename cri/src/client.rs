@@ -18,12 +18,12 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The socket did not accept a gRPC connection.
-    #[error("connecting to the CRI socket {socket}: {source}")]
+    #[error("connecting to the CRI socket {socket}: {reason}")]
     Connect {
         /// The socket the client dialled.
         socket: PathBuf,
-        /// Why the connection failed.
-        source: tonic::transport::Error,
+        /// Why the connection failed, with every cause.
+        reason: String,
     },
     /// The runtime answered the call with an error status.
     #[error("CRI {call} failed: {code:?}: {message}")]
@@ -105,9 +105,9 @@ impl CriClient {
                 }
             }))
             .await
-            .map_err(|source| Error::Connect {
+            .map_err(|e| Error::Connect {
                 socket: socket.to_path_buf(),
-                source,
+                reason: error_chain(&e),
             })?;
         Ok(CriClient {
             runtime: RuntimeServiceClient::new(channel.clone()),
@@ -372,6 +372,17 @@ pub fn container_config(
         linux: Some(api::LinuxContainerConfig::default()),
         ..Default::default()
     }
+}
+
+/// An error and its causes, `: `-separated.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        s = format!("{s}: {c}");
+        cause = c.source();
+    }
+    s
 }
 
 fn request<T>(msg: T, timeout: Duration) -> tonic::Request<T> {

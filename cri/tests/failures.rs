@@ -135,3 +135,18 @@ async fn a_command_that_does_not_exist_shows_in_the_container_status() {
     let ip = cri.pod_ip(&pod_id).await.unwrap_or_else(|e| panic!("{e}"));
     assert!(ip.is_ipv4(), "{ip}");
 }
+
+#[tokio::test]
+async fn connecting_where_nothing_listens_names_the_socket() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let socket = dir.path().join("no-containerd.sock");
+    let err = twig_cri::CriClient::connect(&socket)
+        .await
+        .err()
+        .map(|e| e.to_string());
+    let err = err.unwrap_or_else(|| panic!("connected to {}", socket.display()));
+    assert!(
+        err.contains(&socket.display().to_string()) && err.contains("No such file"),
+        "{err}"
+    );
+}

@@ -38,19 +38,9 @@ impl Daemon {
         })
     }
 
-    /// The process id, while it runs.
-    pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
-    }
-
     /// The daemon's log so far.
     pub fn log_text(&self) -> String {
         fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// The file the daemon logs to.
-    pub fn log_path(&self) -> &Path {
-        &self.log
     }
 
     /// Polls `ready` until it holds; fails with the daemon's log if the

@@ -19,7 +19,8 @@ pub const BUSYBOX: &str = "/bin/busybox";
 
 /// A running registry on `127.0.0.1:<port>`, plain HTTP; stopped on drop.
 pub struct Registry {
-    daemon: Daemon,
+    /// Held to stop the registry on drop.
+    _daemon: Daemon,
     addr: SocketAddr,
 }
 
@@ -56,7 +57,12 @@ impl Registry {
             match daemon.wait_until("listening socket", Duration::from_secs(30), || {
                 TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()
             }) {
-                Ok(()) => return Ok(Registry { daemon, addr }),
+                Ok(()) => {
+                    return Ok(Registry {
+                        _daemon: daemon,
+                        addr,
+                    })
+                }
                 Err(e) => last = Some(e),
             }
         }
@@ -69,11 +75,6 @@ impl Registry {
     /// `127.0.0.1:<port>`: the registry host in image references.
     pub fn host(&self) -> String {
         self.addr.to_string()
-    }
-
-    /// The registry's process id.
-    pub fn pid(&self) -> Option<u32> {
-        self.daemon.pid()
     }
 
     /// Pushes the image `tag` of the OCI layout `layout` as
