@@ -3,6 +3,7 @@
 
 mod cri;
 mod linux;
+mod net;
 mod snapshotter;
 mod stats;
 mod vmm;
@@ -29,6 +30,8 @@ enum Command {
     /// boot versus template restore to agent ready; snapshot, rollback and clone
     /// with a 64 MiB working set.
     Linux(linux::Args),
+    /// twig-net: eBPF redirect versus bridge and tc mirred (pps, latency), path set-up time.
+    Net(net::Args),
     /// Pod start through containerd's CRI plugin (RunPodSandbox + CreateContainer +
     /// StartContainer → first output) at concurrency 1 and 8, per runtime handler.
     Cri(cri::Args),
@@ -40,6 +43,7 @@ fn main() {
         Command::Vmm(args) => vmm::run(&args),
         Command::Snapshotter(args) => snapshotter::run(&args),
         Command::Linux(args) => linux::run(&args),
+        Command::Net(args) => net::run(&args),
         Command::Cri(args) => cri::run(&args),
     };
     match result {

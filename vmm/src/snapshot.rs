@@ -15,7 +15,9 @@
 //!   the filesystem can (`FICLONE`), a copy of its data otherwise. Every
 //!   snapshot holds its own disks, incremental ones included. The metadata
 //!   records each disk's size and whether it is read-only (read-only disks
-//!   are not copied: the same image must be attached on restore).
+//!   are not copied: the same image must be attached on restore). Disk
+//!   slots follow the fixed disks; the metadata says which disks are slots
+//!   and whether a file was attached (an empty slot has no copy).
 //!
 //! Directories are published atomically: all files are written and fsynced
 //! in a hidden temporary sibling, which is then renamed into place (refusing
@@ -100,14 +102,33 @@ pub struct Meta {
     pub disks: Vec<DiskMeta>,
 }
 
-/// A disk of a snapshotted VM.
+/// A disk of a snapshotted VM: a fixed disk, or a disk slot (empty, or
+/// with a file attached).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DiskMeta {
     /// Read-only disks are not copied into the snapshot.
     pub read_only: bool,
-    /// The image's size in bytes.
+    /// The image's size in bytes (0 for an empty slot).
     pub size: u64,
+    /// Whether this is a disk slot rather than a fixed disk.
+    #[serde(default)]
+    pub slot: bool,
+    /// Whether an image was attached (always, for a fixed disk).
+    #[serde(default = "attached_default")]
+    pub attached: bool,
+}
+
+fn attached_default() -> bool {
+    true
+}
+
+impl DiskMeta {
+    /// Whether the snapshot holds a copy of this disk (`disk<i>`): it had a
+    /// read-write image attached.
+    pub fn has_copy(&self) -> bool {
+        self.attached && !self.read_only
+    }
 }
 
 /// The name of read-write disk `index`'s copy in a snapshot directory.
@@ -488,7 +509,7 @@ pub fn stage(
 fn stage_disk(dir: &Path, tmp: &Path, state: &VmState, index: usize, src: &File) -> Result<File> {
     let name = disk_file_name(index);
     let expected = match state.meta.disks.get(index) {
-        Some(d) if !d.read_only => d.size,
+        Some(d) if d.has_copy() => d.size,
         _ => {
             return Err(Error::snapshot(
                 dir,
@@ -697,24 +718,32 @@ fn rename_noreplace(from: &Path, to: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Writes all of guest RAM into `file`; returns its CRC32.
+/// Writes all of guest RAM into `file`; returns its CRC32. The VM must be
+/// paused for the file to hold one moment's memory.
 pub fn write_full_memory(ram: &GuestRam, file: &File) -> Result<u32> {
-    let data = ram.pages_slice(0, ram.pages())?;
-    (&*file)
-        .write_all(data)
-        .map_err(|e| Error::io("writing guest memory to the snapshot", e))?;
-    Ok(crc32fast::hash(data))
+    write_pages(ram, &[(0, ram.pages())], file)
 }
 
 /// Writes the pages of `set` into `file` at their own offsets (a sparse file
-/// of RAM size); returns the CRC32 of those pages in page order.
+/// of RAM size); returns the CRC32 of those pages in page order. The VM must
+/// be paused for the file to hold one moment's memory.
 pub fn write_layer_memory(ram: &GuestRam, set: &PageSet, file: &File) -> Result<u32> {
     file.set_len(ram.size() as u64)
         .map_err(|e| Error::io("sizing the snapshot memory file", e))?;
+    write_pages(ram, &set.runs(), file)
+}
+
+/// Copies the page runs `(first, count)` of guest RAM out (in chunks, see
+/// [`GuestRam::copy_out`]) into `file` at their own offsets; returns the
+/// CRC32 of what it wrote, in order.
+fn write_pages(ram: &GuestRam, runs: &[(usize, usize)], file: &File) -> Result<u32> {
     let mut crc = crc32fast::Hasher::new();
-    for (start, n) in set.runs() {
-        ram.write_pages_to(file, start, n)?;
-        crc.update(ram.pages_slice(start, n)?);
+    for &(start, n) in runs {
+        ram.copy_out(start, n, |off, bytes| {
+            crc.update(bytes);
+            std::os::unix::fs::FileExt::write_all_at(file, bytes, off)
+                .map_err(|e| Error::io("writing guest memory to the snapshot", e))
+        })?;
     }
     Ok(crc.finalize())
 }
@@ -840,7 +869,7 @@ impl Image {
 /// Checks that every read-write disk's copy is there with its recorded size.
 fn check_disks(dir: &Path, meta: &Meta) -> Result<()> {
     for (i, d) in meta.disks.iter().enumerate() {
-        if d.read_only {
+        if !d.has_copy() {
             continue;
         }
         let name = disk_file_name(i);

@@ -1,9 +1,10 @@
 //! The public types of a VM: its shape, its devices, its run state and what
 //! its operations report.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::arch;
 use crate::error::{Error, Result};
@@ -54,12 +55,23 @@ impl Shape {
 }
 
 /// The devices a VM has besides the entropy device every VM gets. Their
-/// MMIO order is fixed (rng, the disks in order, net, vsock), so that
-/// snapshots line up with VMs built from the same configuration.
+/// MMIO order is fixed (rng, the disks in order, the disk slots, net,
+/// vsock), so that snapshots line up with VMs built from the same
+/// configuration.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DeviceConfig {
     /// virtio-blk disks.
     pub disks: Vec<DiskConfig>,
+    /// Empty virtio-blk disk slots after the disks: files are attached to
+    /// them while the VM runs ([`super::Vm::attach_disk`]).
+    pub disk_slots: usize,
+    /// For a VM that restores a snapshot with files attached to its slots:
+    /// slot → the file that slot's disk goes to. A read-write slot's file
+    /// gets the snapshot's copy (created, or replaced if it exists); a
+    /// read-only slot's file must be the image that was attached (same
+    /// size), opened read-only. Names for slots empty in the snapshot are
+    /// not used.
+    pub slot_files: BTreeMap<usize, PathBuf>,
     /// A virtio-net device on a tap.
     pub net: Option<NetConfig>,
     /// A virtio-vsock device.
@@ -96,7 +108,7 @@ pub struct VsockConfig {
 }
 
 /// Where a VM is in its life.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RunState {
     /// Created, neither booted nor restored yet.
@@ -121,7 +133,7 @@ impl RunState {
 }
 
 /// What a snapshot call did.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SnapshotInfo {
     /// The new snapshot's id.
     pub id: String,
@@ -139,7 +151,7 @@ pub struct SnapshotInfo {
 }
 
 /// What a rollback call did.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RollbackInfo {
     /// The snapshot rolled back to.
     pub id: String,
@@ -152,10 +164,13 @@ pub struct RollbackInfo {
 }
 
 /// A VM's counters.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Stats {
+    /// Where the VM is in its life.
     pub state: RunState,
+    /// vCPUs.
     pub vcpus: usize,
+    /// Guest RAM, MiB.
     pub mem_mib: usize,
     /// The snapshot the VM's memory is tracked against.
     pub baseline: Option<String>,

@@ -5,6 +5,8 @@
 mod config;
 mod create;
 mod diagnostics;
+mod disks;
+mod failpoint;
 mod persist;
 mod rollback;
 
@@ -13,8 +15,10 @@ pub use config::{
     VsockConfig, MAX_VCPUS, MIN_MEM,
 };
 pub use create::open_kvm;
+pub use disks::SlotInfo;
 
-use std::path::Path;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -36,7 +40,10 @@ pub struct Vm {
     device_thread: Option<DeviceThread>,
     vcpus: Vec<VcpuHandle>,
     devices: Arc<Devices>,
+    /// The fixed disks, then the disk slots, in MMIO order.
     disks: Vec<Arc<DiskFile>>,
+    /// Where a restore puts the disks of attached slots.
+    slot_files: BTreeMap<usize, PathBuf>,
     fd: Arc<VmFd>,
     ram: GuestRam,
     shape: Shape,
@@ -199,12 +206,15 @@ impl Vm {
         })
     }
 
-    /// Guest RAM bytes (for tests and checks; pause the VM for a stable view).
-    pub fn guest_ram(&self) -> Result<&[u8]> {
-        self.ram.pages_slice(0, self.ram.pages())
+    /// A copy of all of guest RAM (for tests and checks; pause the VM for
+    /// one moment's memory: a running guest may write it during the copy).
+    pub fn read_guest_ram(&self) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; self.shape.mem_size];
+        self.read_guest(0, &mut out)?;
+        Ok(out)
     }
 }
 
-fn absolute(p: &Path) -> Result<std::path::PathBuf> {
+fn absolute(p: &Path) -> Result<PathBuf> {
     std::path::absolute(p).map_err(|e| Error::io(format!("resolving {}", p.display()), e))
 }
