@@ -10,6 +10,10 @@
 #
 # Usage: tests/lab/run.sh [cargo test selection...]
 #        (default: -p twig-vmm --features twig-vmm/lab)
+#        tests/lab/run.sh -p twig-e2e --features twig-e2e/lab
+#        (end-to-end: also carries containerd, runc, twig-snapshotter,
+#        twig-vmm, containerd-shim-twig-v2 when it exists, and a busybox
+#        image built with e2e/build-image.sh)
 #        tests/lab/run.sh --bench [twig-bench linux options...]
 #        (runs `twig-bench linux --json` in the lab; the JSON goes to stdout,
 #        the table and the lab's console to stderr)
