@@ -10,6 +10,7 @@ pub mod config;
 pub mod error;
 pub mod process;
 pub mod sandbox;
+pub mod server;
 pub mod service;
 pub mod spec;
 pub mod stdio;
