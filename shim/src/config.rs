@@ -107,7 +107,9 @@ impl Config {
     }
 
     fn validate(&self, path: &Path) -> Result<()> {
-        let bad = |m: String| Error::InvalidArgument(format!("shim configuration {}: {m}", path.display()));
+        let bad = |m: String| {
+            Error::InvalidArgument(format!("shim configuration {}: {m}", path.display()))
+        };
         if self.disk_slots == 0 || self.disk_slots > 10 {
             return Err(bad(format!(
                 "disk_slots is {}; it must be 1..=10 (11 virtio devices at most, one is the vsock)",
@@ -115,7 +117,9 @@ impl Config {
             )));
         }
         if self.template.mem_mib < 16 || self.template.vcpus == 0 {
-            return Err(bad("template.mem_mib must be at least 16 and template.vcpus at least 1".into()));
+            return Err(bad(
+                "template.mem_mib must be at least 16 and template.vcpus at least 1".into(),
+            ));
         }
         Ok(())
     }
@@ -146,7 +150,10 @@ mod tests {
 
         std::fs::write(&p, r#"{"disk_slot": 4}"#).unwrap();
         let e = Config::from_file(&p, true).unwrap_err();
-        assert!(matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("disk_slot"), "{e}");
+        assert!(
+            matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("disk_slot"),
+            "{e}"
+        );
         std::fs::write(&p, r#"{"disk_slots": 11}"#).unwrap();
         let e = Config::from_file(&p, true).unwrap_err();
         assert!(e.to_string().contains("disk_slots is 11"), "{e}");

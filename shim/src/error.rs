@@ -114,9 +114,7 @@ fn agent_code(e: &AgentError) -> ttrpc::Code {
         Some("UNIMPLEMENTED") => ttrpc::Code::UNIMPLEMENTED,
         Some("DEADLINE_EXCEEDED") => ttrpc::Code::DEADLINE_EXCEEDED,
         _ => match e {
-            AgentError::Timeout { .. } | AgentError::Deadline(_) => {
-                ttrpc::Code::DEADLINE_EXCEEDED
-            }
+            AgentError::Timeout { .. } | AgentError::Deadline(_) => ttrpc::Code::DEADLINE_EXCEEDED,
             _ => ttrpc::Code::INTERNAL,
         },
     }
@@ -136,7 +134,10 @@ mod tests {
     fn errors_map_to_containerd_errdefs_codes() {
         let cases = [
             (Error::NotFound("x".into()), ttrpc::Code::NOT_FOUND),
-            (Error::AlreadyExists("x".into()), ttrpc::Code::ALREADY_EXISTS),
+            (
+                Error::AlreadyExists("x".into()),
+                ttrpc::Code::ALREADY_EXISTS,
+            ),
             (
                 Error::FailedPrecondition("x".into()),
                 ttrpc::Code::FAILED_PRECONDITION,
@@ -147,7 +148,10 @@ mod tests {
             ),
             (Error::Unimplemented("x".into()), ttrpc::Code::UNIMPLEMENTED),
             (
-                Error::io("opening", std::io::Error::from(std::io::ErrorKind::NotFound)),
+                Error::io(
+                    "opening",
+                    std::io::Error::from(std::io::ErrorKind::NotFound),
+                ),
                 ttrpc::Code::NOT_FOUND,
             ),
             (Error::Internal("x".into()), ttrpc::Code::INTERNAL),

@@ -17,7 +17,9 @@ fn init_logging(debug: bool) {
         .write(true)
         .custom_flags(libc::O_NONBLOCK)
         .open("log");
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_ansi(false);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(false);
     match fifo {
         Ok(f) => builder.with_writer(std::sync::Mutex::new(f)).init(),
         Err(_) => builder.with_writer(std::io::stderr).init(),
@@ -55,11 +57,16 @@ fn main() -> ExitCode {
                 .write_all(&bytes)
                 .map_err(|e| twig_shim::Error::io("writing the delete response", e))
         }),
-        "" => match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        "" => match tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+        {
             Ok(rt) => rt.block_on(server::serve(flags)),
             Err(e) => Err(twig_shim::Error::io("starting the runtime", e)),
         },
-        other => Err(twig_shim::Error::InvalidArgument(format!("unknown action {other:?}"))),
+        other => Err(twig_shim::Error::InvalidArgument(format!(
+            "unknown action {other:?}"
+        ))),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

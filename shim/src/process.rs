@@ -97,7 +97,12 @@ pub struct Proc {
 
 impl Proc {
     /// A created, not yet started process.
-    pub fn new(exec_id: &str, stdio: StdioPaths, opened: OpenedStdio, process_json: Vec<u8>) -> Proc {
+    pub fn new(
+        exec_id: &str,
+        stdio: StdioPaths,
+        opened: OpenedStdio,
+        process_json: Vec<u8>,
+    ) -> Proc {
         Proc {
             exec_id: exec_id.to_string(),
             stdio,
@@ -152,13 +157,49 @@ mod tests {
 
     #[test]
     fn exit_statuses_are_runcs() {
-        assert_eq!(exit_status(ProcessExit { status: 0, signal: 0 }), 0);
-        assert_eq!(exit_status(ProcessExit { status: 3, signal: 0 }), 3);
-        assert_eq!(exit_status(ProcessExit { status: 137, signal: 9 }), 137);
-        assert_eq!(exit_status(ProcessExit { status: 143, signal: 15 }), 143);
+        assert_eq!(
+            exit_status(ProcessExit {
+                status: 0,
+                signal: 0
+            }),
+            0
+        );
+        assert_eq!(
+            exit_status(ProcessExit {
+                status: 3,
+                signal: 0
+            }),
+            3
+        );
+        assert_eq!(
+            exit_status(ProcessExit {
+                status: 137,
+                signal: 9
+            }),
+            137
+        );
+        assert_eq!(
+            exit_status(ProcessExit {
+                status: 143,
+                signal: 15
+            }),
+            143
+        );
         // Trust the signal when both are present.
-        assert_eq!(exit_status(ProcessExit { status: 0, signal: 15 }), 143);
-        assert_eq!(exit_status(ProcessExit { status: -1, signal: 0 }), 255);
+        assert_eq!(
+            exit_status(ProcessExit {
+                status: 0,
+                signal: 15
+            }),
+            143
+        );
+        assert_eq!(
+            exit_status(ProcessExit {
+                status: -1,
+                signal: 0
+            }),
+            255
+        );
     }
 
     #[test]

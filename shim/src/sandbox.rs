@@ -65,8 +65,12 @@ pub struct HostSandbox {
 impl HostSandbox {
     /// Connects to the agent listening on the Unix socket `socket`.
     pub fn connect(socket: &Path, timeout: Duration) -> Result<HostSandbox> {
-        let agent = AgentClient::connect_unix(socket, timeout)
-            .map_err(|e| Error::agent(format!("connecting to the agent at {}", socket.display()), e))?;
+        let agent = AgentClient::connect_unix(socket, timeout).map_err(|e| {
+            Error::agent(
+                format!("connecting to the agent at {}", socket.display()),
+                e,
+            )
+        })?;
         Ok(HostSandbox { agent, timeout })
     }
 }
@@ -107,9 +111,9 @@ impl Sandbox for HostSandbox {
         }
         let device = losetup(&args, Some(image))?;
         let attachment = Attachment { device, slot: None };
-        if let Err(e) = self
-            .agent
-            .create_container(id, &attachment.device, read_only, spec_json, self.timeout)
+        if let Err(e) =
+            self.agent
+                .create_container(id, &attachment.device, read_only, spec_json, self.timeout)
         {
             if let Err(d) = self.detach(&attachment) {
                 tracing::warn!(device = %attachment.device, "detaching after a failed create: {d}");

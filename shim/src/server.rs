@@ -76,17 +76,23 @@ pub fn state_dir(config: &Config, address: &str) -> PathBuf {
 pub fn address_for(flags: &Flags, bundle: &Path) -> Result<String> {
     let oci = spec::read_spec(bundle)?;
     let grouping = spec::grouping(&flags.id, &oci);
-    Ok(containerd_shim::socket_address(&flags.address, &flags.namespace, &grouping))
+    Ok(containerd_shim::socket_address(
+        &flags.address,
+        &flags.namespace,
+        &grouping,
+    ))
 }
 
 /// The `start` action: returns the address of the pod's shim, spawning it
 /// (with its listening socket as fd 3) unless one already serves it.
 pub fn start(flags: &Flags) -> Result<String> {
-    let bundle = std::env::current_dir().map_err(|e| Error::io("the bundle (current directory)", e))?;
+    let bundle =
+        std::env::current_dir().map_err(|e| Error::io("the bundle (current directory)", e))?;
     let address = address_for(flags, &bundle)?;
     let path = socket_path(&address).to_string();
     if let Some(dir) = Path::new(&path).parent() {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+        std::fs::create_dir_all(dir)
+            .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
     }
     let listener = match UnixListener::bind(&path) {
         Ok(l) => l,
@@ -96,7 +102,8 @@ pub fn start(flags: &Flags) -> Result<String> {
                 write_address(&bundle, &address)?;
                 return Ok(address);
             }
-            std::fs::remove_file(&path).map_err(|e| Error::io(format!("removing the stale socket {path}"), e))?;
+            std::fs::remove_file(&path)
+                .map_err(|e| Error::io(format!("removing the stale socket {path}"), e))?;
             UnixListener::bind(&path).map_err(|e| Error::io(format!("listening on {path}"), e))?
         }
         Err(e) => return Err(Error::io(format!("listening on {path}"), e)),
@@ -104,8 +111,20 @@ pub fn start(flags: &Flags) -> Result<String> {
     let exe = std::env::current_exe().map_err(|e| Error::io("finding the shim binary", e))?;
     let mut cmd = Command::new(exe);
     cmd.current_dir(&bundle)
-        .args(["-namespace", &flags.namespace, "-id", &flags.id, "-address", &flags.address])
-        .args(["-publish-binary", &flags.publish_binary, "-socket", &address])
+        .args([
+            "-namespace",
+            &flags.namespace,
+            "-id",
+            &flags.id,
+            "-address",
+            &flags.address,
+        ])
+        .args([
+            "-publish-binary",
+            &flags.publish_binary,
+            "-socket",
+            &address,
+        ])
         .env(LISTEN_FD_ENV, LISTEN_FD.to_string())
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -133,7 +152,9 @@ pub fn start(flags: &Flags) -> Result<String> {
             Ok(())
         });
     }
-    let child = cmd.spawn().map_err(|e| Error::io("spawning the shim server", e))?;
+    let child = cmd
+        .spawn()
+        .map_err(|e| Error::io("spawning the shim server", e))?;
     std::fs::write(bundle.join("shim.pid"), child.id().to_string())
         .map_err(|e| Error::io("writing shim.pid", e))?;
     write_address(&bundle, &address)?;
@@ -149,7 +170,8 @@ fn write_address(bundle: &Path, address: &str) -> Result<()> {
 /// pod's VMM if it still runs and removes its state. The process was
 /// killed with the VM: 128 + SIGKILL, as runc's shim reports.
 pub fn delete(flags: &Flags) -> Result<DeleteResponse> {
-    let bundle = std::env::current_dir().map_err(|e| Error::io("the bundle (current directory)", e))?;
+    let bundle =
+        std::env::current_dir().map_err(|e| Error::io("the bundle (current directory)", e))?;
     let config = Config::load()?;
     match address_for(flags, &bundle) {
         Ok(address) => stop_orphan_vmm(&state_dir(&config, &address)),
@@ -171,7 +193,10 @@ fn stop_orphan_vmm(dir: &Path) {
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
         if String::from_utf8_lossy(&cmdline).contains("twig-vmm") {
             tracing::info!(pid, "killing the orphaned twig-vmm");
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
         }
     }
     if let Err(e) = std::fs::remove_dir_all(dir) {
@@ -194,24 +219,34 @@ pub async fn serve(flags: Flags) -> Result<()> {
         let path = socket_path(&flags.socket);
         UnixListener::bind(path).map_err(|e| Error::io(format!("listening on {path}"), e))?
     };
-    let publisher = RemotePublisher::new(&ttrpc_address)
-        .await
-        .map_err(|e| Error::Internal(format!("connecting to containerd's events at {ttrpc_address}: {e}")))?;
+    let publisher = RemotePublisher::new(&ttrpc_address).await.map_err(|e| {
+        Error::Internal(format!(
+            "connecting to containerd's events at {ttrpc_address}: {e}"
+        ))
+    })?;
     let (tx, mut rx) = mpsc::unbounded_channel::<Event>();
     let namespace = flags.namespace.clone();
     tokio::spawn(async move {
         while let Some(ev) = rx.recv().await {
-            if let Err(e) = publisher.publish(Context::default(), ev.topic, &namespace, ev.message).await {
+            if let Err(e) = publisher
+                .publish(Context::default(), ev.topic, &namespace, ev.message)
+                .await
+            {
                 tracing::warn!(topic = ev.topic, "publishing: {e}");
             }
         }
     });
     let exit = Arc::new(ExitSignal::default());
     let timeout = Duration::from_secs(config.call_timeout_s);
-    let launcher = Arc::new(VmLauncher::new(config.clone(), state_dir(&config, &flags.socket)));
+    let launcher = Arc::new(VmLauncher::new(
+        config.clone(),
+        state_dir(&config, &flags.socket),
+    ));
     let service = TaskService::new(launcher, tx, exit.clone(), timeout);
     let listener = Listener::try_from(listener).map_err(|e| Error::io("the ttrpc listener", e))?;
-    let mut server = Server::new().add_listener(listener).register_service(task_services(service));
+    let mut server = Server::new()
+        .add_listener(listener)
+        .register_service(task_services(service));
     server
         .start()
         .await
@@ -234,13 +269,19 @@ mod tests {
     #[test]
     fn state_dirs_are_short_and_follow_the_socket() {
         let config = Config::default();
-        let a = containerd_shim::socket_address("/run/containerd/containerd.sock", "k8s.io", "pod1");
-        let b = containerd_shim::socket_address("/run/containerd/containerd.sock", "k8s.io", "pod2");
+        let a =
+            containerd_shim::socket_address("/run/containerd/containerd.sock", "k8s.io", "pod1");
+        let b =
+            containerd_shim::socket_address("/run/containerd/containerd.sock", "k8s.io", "pod2");
         let (da, db) = (state_dir(&config, &a), state_dir(&config, &b));
         assert_ne!(da, db);
         assert!(da.starts_with("/run/twig/shim"));
         // Room for the vsock socket and its per-port suffix under 108 bytes.
-        assert!(da.join("vsock_1024").as_os_str().len() < 100, "{}", da.display());
+        assert!(
+            da.join("vsock_1024").as_os_str().len() < 100,
+            "{}",
+            da.display()
+        );
         assert_eq!(state_dir(&config, &a), da);
     }
 }

@@ -8,10 +8,12 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 use containerd_shim::asynchronous::ExitSignal;
 use containerd_shim_protos::api;
-use containerd_shim_protos::cgroups::metrics::{CPUStat, CPUUsage, MemoryEntry, MemoryStat, Metrics, PidsStat};
+use containerd_shim_protos::cgroups::metrics::{
+    CPUStat, CPUUsage, MemoryEntry, MemoryStat, Metrics, PidsStat,
+};
 use containerd_shim_protos::events::task::{
-    TaskCreate, TaskDelete, TaskExecAdded, TaskExecStarted, TaskExit, TaskIO, TaskPaused, TaskResumed,
-    TaskStart,
+    TaskCreate, TaskDelete, TaskExecAdded, TaskExecStarted, TaskExit, TaskIO, TaskPaused,
+    TaskResumed, TaskStart,
 };
 use containerd_shim_protos::protobuf::well_known_types::any::Any;
 use containerd_shim_protos::protobuf::{EnumOrUnknown, MessageDyn, MessageField, MessageFull};
@@ -78,7 +80,12 @@ fn shim_pid() -> u32 {
 impl TaskService {
     /// A service whose sandbox comes from `launcher`, publishing to
     /// `events`, signalling `exit` when containerd shuts it down.
-    pub fn new(launcher: Arc<dyn Launcher>, events: EventTx, exit: Arc<ExitSignal>, timeout: Duration) -> TaskService {
+    pub fn new(
+        launcher: Arc<dyn Launcher>,
+        events: EventTx,
+        exit: Arc<ExitSignal>,
+        timeout: Duration,
+    ) -> TaskService {
         TaskService {
             inner: Arc::new(Inner {
                 launcher,
@@ -94,7 +101,10 @@ impl TaskService {
     }
 
     fn containers(&self) -> MutexGuard<'_, HashMap<String, Container>> {
-        self.inner.containers.lock().unwrap_or_else(|p| p.into_inner())
+        self.inner
+            .containers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
     }
 
     fn publish(&self, topic: &'static str, message: Box<dyn MessageDyn>) {
@@ -112,14 +122,19 @@ impl TaskService {
             .ok_or_else(|| Error::FailedPrecondition("the pod's VM does not exist yet".into()))
     }
 
-    fn with_proc<R>(&self, id: &str, exec_id: &str, f: impl FnOnce(&mut Proc) -> Result<R>) -> Result<R> {
+    fn with_proc<R>(
+        &self,
+        id: &str,
+        exec_id: &str,
+        f: impl FnOnce(&mut Proc) -> Result<R>,
+    ) -> Result<R> {
         let mut containers = self.containers();
         let c = containers
             .get_mut(id)
             .ok_or_else(|| Error::NotFound(format!("container {id} not found")))?;
-        let p = c
-            .process(exec_id)
-            .ok_or_else(|| Error::NotFound(format!("process {exec_id} of container {id} not found")))?;
+        let p = c.process(exec_id).ok_or_else(|| {
+            Error::NotFound(format!("process {exec_id} of container {id} not found"))
+        })?;
         f(p)
     }
 
@@ -128,10 +143,15 @@ impl TaskService {
             return Err(Error::InvalidArgument("create: empty container id".into()));
         }
         if !req.checkpoint.is_empty() {
-            return Err(Error::Unimplemented("create from a checkpoint: use twig.dev/restore-from".into()));
+            return Err(Error::Unimplemented(
+                "create from a checkpoint: use twig.dev/restore-from".into(),
+            ));
         }
         if self.containers().contains_key(&req.id) {
-            return Err(Error::AlreadyExists(format!("container {} already exists", req.id)));
+            return Err(Error::AlreadyExists(format!(
+                "container {} already exists",
+                req.id
+            )));
         }
         let bundle = PathBuf::from(&req.bundle);
         let oci = spec::read_spec(&bundle)?;
@@ -158,13 +178,18 @@ impl TaskService {
                 }
             }
         };
-        let sandbox_init = *self.inner.sandbox_init.lock().unwrap_or_else(|p| p.into_inner());
+        let sandbox_init = *self
+            .inner
+            .sandbox_init
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         let guest = spec::guest_spec(oci, sandbox_init)?;
         let spec_json = serde_json::to_vec(&guest)
             .map_err(|e| Error::Internal(format!("encoding the OCI spec: {e}")))?;
         let id = req.id.clone();
         let sb = sandbox.clone();
-        let attachment = blocking(move || sb.create_container(&id, &image, read_only, &spec_json)).await?;
+        let attachment =
+            blocking(move || sb.create_container(&id, &image, read_only, &spec_json)).await?;
         let container = Container {
             id: req.id.clone(),
             bundle,
@@ -205,7 +230,11 @@ impl TaskService {
                     req.id, req.exec_id
                 )));
             }
-            Ok((p.opened.take().unwrap_or_default(), p.stdio.terminal, p.process_json.clone()))
+            Ok((
+                p.opened.take().unwrap_or_default(),
+                p.stdio.terminal,
+                p.process_json.clone(),
+            ))
         })?;
         let sandbox = self.sandbox().await?;
         let (id, exec_id) = (req.id.clone(), req.exec_id.clone());
@@ -231,12 +260,19 @@ impl TaskService {
             }
         };
         if req.exec_id.is_empty() {
-            let mut init = self.inner.sandbox_init.lock().unwrap_or_else(|p| p.into_inner());
+            let mut init = self
+                .inner
+                .sandbox_init
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
             init.get_or_insert(guest_pid);
         }
         let mut copiers = Vec::new();
         let agent = sandbox.agent().clone();
-        let streams = [(Stream::Stdout, opened.stdout), (Stream::Stderr, opened.stderr)];
+        let streams = [
+            (Stream::Stdout, opened.stdout),
+            (Stream::Stderr, opened.stderr),
+        ];
         for (stream, out) in streams {
             let Some(out) = out else { continue };
             let (a, id, e) = (agent.clone(), req.id.clone(), req.exec_id.clone());
@@ -340,7 +376,11 @@ impl TaskService {
             };
             for c in copiers {
                 if tokio::time::timeout(DRAIN_DEADLINE, c).await.is_err() {
-                    tracing::warn!(id, exec_id, "output did not drain within {DRAIN_DEADLINE:?}");
+                    tracing::warn!(
+                        id,
+                        exec_id,
+                        "output did not drain within {DRAIN_DEADLINE:?}"
+                    );
                 }
             }
             let exited = match exit {
@@ -363,7 +403,11 @@ impl TaskService {
                     topics::TASK_EXIT_EVENT_TOPIC,
                     Box::new(TaskExit {
                         container_id: id.clone(),
-                        id: if exec_id.is_empty() { id.clone() } else { exec_id.clone() },
+                        id: if exec_id.is_empty() {
+                            id.clone()
+                        } else {
+                            exec_id.clone()
+                        },
                         pid: shim_pid(),
                         exit_status: exited.status,
                         exited_at: timestamp(exited.at),
@@ -381,10 +425,9 @@ impl TaskService {
                 let c = containers
                     .get_mut(&req.id)
                     .ok_or_else(|| Error::NotFound(format!("container {} not found", req.id)))?;
-                let p = c
-                    .execs
-                    .get(&req.exec_id)
-                    .ok_or_else(|| Error::NotFound(format!("exec {} of {} not found", req.exec_id, req.id)))?;
+                let p = c.execs.get(&req.exec_id).ok_or_else(|| {
+                    Error::NotFound(format!("exec {} of {} not found", req.exec_id, req.id))
+                })?;
                 if p.phase == Phase::Running {
                     return Err(Error::FailedPrecondition(format!(
                         "exec {} of {} is running",
@@ -460,7 +503,12 @@ impl TaskService {
             sandbox
                 .agent()
                 .signal_process(&req.id, &req.exec_id, req.signal, timeout)
-                .map_err(|e| Error::agent(format!("signal {} to {}/{}", req.signal, req.id, req.exec_id), e))
+                .map_err(|e| {
+                    Error::agent(
+                        format!("signal {} to {}/{}", req.signal, req.id, req.exec_id),
+                        e,
+                    )
+                })
         })
         .await
     }
@@ -474,19 +522,28 @@ impl TaskService {
             .as_ref()
             .map(|a| a.value.clone())
             .filter(|v| !v.is_empty())
-            .ok_or_else(|| Error::InvalidArgument(format!("exec {}: no process spec", req.exec_id)))?;
-        serde_json::from_slice::<serde_json::Value>(&process_json)
-            .map_err(|e| Error::InvalidArgument(format!("exec {}: process spec: {e}", req.exec_id)))?;
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("exec {}: no process spec", req.exec_id))
+            })?;
+        serde_json::from_slice::<serde_json::Value>(&process_json).map_err(|e| {
+            Error::InvalidArgument(format!("exec {}: process spec: {e}", req.exec_id))
+        })?;
         {
             let containers = self.containers();
             let c = containers
                 .get(&req.id)
                 .ok_or_else(|| Error::NotFound(format!("container {} not found", req.id)))?;
             if c.execs.contains_key(&req.exec_id) {
-                return Err(Error::AlreadyExists(format!("exec {} already exists in {}", req.exec_id, req.id)));
+                return Err(Error::AlreadyExists(format!(
+                    "exec {} already exists in {}",
+                    req.exec_id, req.id
+                )));
             }
             if c.init.phase != Phase::Running {
-                return Err(Error::FailedPrecondition(format!("container {} is not running", req.id)));
+                return Err(Error::FailedPrecondition(format!(
+                    "container {} is not running",
+                    req.id
+                )));
             }
         }
         let paths = StdioPaths {
@@ -502,10 +559,15 @@ impl TaskService {
                 .get_mut(&req.id)
                 .ok_or_else(|| Error::NotFound(format!("container {} not found", req.id)))?;
             if c.execs.contains_key(&req.exec_id) {
-                return Err(Error::AlreadyExists(format!("exec {} already exists in {}", req.exec_id, req.id)));
+                return Err(Error::AlreadyExists(format!(
+                    "exec {} already exists in {}",
+                    req.exec_id, req.id
+                )));
             }
-            c.execs
-                .insert(req.exec_id.clone(), Proc::new(&req.exec_id, paths, opened, process_json));
+            c.execs.insert(
+                req.exec_id.clone(),
+                Proc::new(&req.exec_id, paths, opened, process_json),
+            );
         }
         self.publish(
             topics::TASK_EXEC_ADDED_EVENT_TOPIC,
@@ -525,9 +587,9 @@ impl TaskService {
             .get_mut(&req.id)
             .ok_or_else(|| Error::NotFound(format!("container {} not found", req.id)))?;
         let bundle = c.bundle.display().to_string();
-        let p = c
-            .process(&req.exec_id)
-            .ok_or_else(|| Error::NotFound(format!("process {} of {} not found", req.exec_id, req.id)))?;
+        let p = c.process(&req.exec_id).ok_or_else(|| {
+            Error::NotFound(format!("process {} of {} not found", req.exec_id, req.id))
+        })?;
         let status = match (p.phase, paused) {
             (Phase::Created, _) => Status::CREATED,
             (Phase::Running, true) => Status::PAUSED,
@@ -553,10 +615,9 @@ impl TaskService {
 
     async fn do_wait(&self, req: api::WaitRequest) -> Result<api::WaitResponse> {
         let mut rx = self.with_proc(&req.id, &req.exec_id, |p| Ok(p.exit.subscribe()))?;
-        let exited = *rx
-            .wait_for(Option::is_some)
-            .await
-            .map_err(|_| Error::NotFound(format!("process {}/{} was deleted", req.id, req.exec_id)))?;
+        let exited = *rx.wait_for(Option::is_some).await.map_err(|_| {
+            Error::NotFound(format!("process {}/{} was deleted", req.id, req.exec_id))
+        })?;
         let exited = exited.ok_or_else(|| Error::Internal("exit without a status".into()))?;
         Ok(api::WaitResponse {
             exit_status: exited.status,
@@ -569,13 +630,18 @@ impl TaskService {
         if !req.stdin {
             return Ok(());
         }
-        let (tx, copier) = self.with_proc(&req.id, &req.exec_id, |p| Ok((p.close_stdin.take(), p.stdin_copier.take())))?;
+        let (tx, copier) = self.with_proc(&req.id, &req.exec_id, |p| {
+            Ok((p.close_stdin.take(), p.stdin_copier.take()))
+        })?;
         if let Some(tx) = tx {
             let _ = tx.send(());
         }
         if let Some(c) = copier {
             if tokio::time::timeout(self.inner.timeout, c).await.is_err() {
-                return Err(Error::Internal(format!("stdin of {}/{} did not close in time", req.id, req.exec_id)));
+                return Err(Error::Internal(format!(
+                    "stdin of {}/{} did not close in time",
+                    req.id, req.exec_id
+                )));
             }
         }
         Ok(())
@@ -584,7 +650,10 @@ impl TaskService {
     async fn do_resize(&self, req: api::ResizePtyRequest) -> Result<()> {
         let terminal = self.with_proc(&req.id, &req.exec_id, |p| Ok(p.stdio.terminal))?;
         if !terminal {
-            return Err(Error::FailedPrecondition(format!("process {}/{} has no terminal", req.id, req.exec_id)));
+            return Err(Error::FailedPrecondition(format!(
+                "process {}/{} has no terminal",
+                req.id, req.exec_id
+            )));
         }
         let sandbox = self.sandbox().await?;
         let timeout = self.inner.timeout;
@@ -592,21 +661,45 @@ impl TaskService {
             sandbox
                 .agent()
                 .resize_tty(&req.id, &req.exec_id, req.height, req.width, timeout)
-                .map_err(|e| Error::agent(format!("resizing the terminal of {}/{}", req.id, req.exec_id), e))
+                .map_err(|e| {
+                    Error::agent(
+                        format!("resizing the terminal of {}/{}", req.id, req.exec_id),
+                        e,
+                    )
+                })
         })
         .await
     }
 
     async fn do_pause(&self, resume: bool) -> Result<()> {
         let sandbox = self.sandbox().await?;
-        blocking(move || if resume { sandbox.resume() } else { sandbox.pause() }).await?;
+        blocking(move || {
+            if resume {
+                sandbox.resume()
+            } else {
+                sandbox.pause()
+            }
+        })
+        .await?;
         *self.inner.paused.lock().unwrap_or_else(|p| p.into_inner()) = !resume;
         let ids: Vec<String> = self.containers().keys().cloned().collect();
         for id in ids {
             if resume {
-                self.publish(topics::TASK_RESUMED_EVENT_TOPIC, Box::new(TaskResumed { container_id: id, ..Default::default() }));
+                self.publish(
+                    topics::TASK_RESUMED_EVENT_TOPIC,
+                    Box::new(TaskResumed {
+                        container_id: id,
+                        ..Default::default()
+                    }),
+                );
             } else {
-                self.publish(topics::TASK_PAUSED_EVENT_TOPIC, Box::new(TaskPaused { container_id: id, ..Default::default() }));
+                self.publish(
+                    topics::TASK_PAUSED_EVENT_TOPIC,
+                    Box::new(TaskPaused {
+                        container_id: id,
+                        ..Default::default()
+                    }),
+                );
             }
         }
         Ok(())
@@ -627,7 +720,12 @@ impl TaskService {
         })
         .await?;
         Ok(api::StatsResponse {
-            stats: MessageField::some(metrics_any(&metrics(s.memory_rss_bytes, s.cpu_user_us, s.cpu_system_us, s.process_count))?),
+            stats: MessageField::some(metrics_any(&metrics(
+                s.memory_rss_bytes,
+                s.cpu_user_us,
+                s.cpu_system_us,
+                s.process_count,
+            ))?),
             ..Default::default()
         })
     }
@@ -700,26 +798,46 @@ pub fn metrics_any(m: &Metrics) -> Result<Any> {
 
 #[async_trait]
 impl Task for TaskService {
-    async fn state(&self, _ctx: &TtrpcContext, req: api::StateRequest) -> TtrpcResult<api::StateResponse> {
+    async fn state(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::StateRequest,
+    ) -> TtrpcResult<api::StateResponse> {
         Ok(self.do_state(req).await?)
     }
 
-    async fn create(&self, _ctx: &TtrpcContext, req: api::CreateTaskRequest) -> TtrpcResult<api::CreateTaskResponse> {
+    async fn create(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::CreateTaskRequest,
+    ) -> TtrpcResult<api::CreateTaskResponse> {
         tracing::info!(id = req.id, bundle = req.bundle, "create");
         Ok(self.do_create(req).await?)
     }
 
-    async fn start(&self, _ctx: &TtrpcContext, req: api::StartRequest) -> TtrpcResult<api::StartResponse> {
+    async fn start(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::StartRequest,
+    ) -> TtrpcResult<api::StartResponse> {
         tracing::info!(id = req.id, exec_id = req.exec_id, "start");
         Ok(self.do_start(req).await?)
     }
 
-    async fn delete(&self, _ctx: &TtrpcContext, req: api::DeleteRequest) -> TtrpcResult<api::DeleteResponse> {
+    async fn delete(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::DeleteRequest,
+    ) -> TtrpcResult<api::DeleteResponse> {
         tracing::info!(id = req.id, exec_id = req.exec_id, "delete");
         Ok(self.do_delete(req).await?)
     }
 
-    async fn pids(&self, _ctx: &TtrpcContext, req: api::PidsRequest) -> TtrpcResult<api::PidsResponse> {
+    async fn pids(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::PidsRequest,
+    ) -> TtrpcResult<api::PidsResponse> {
         if !self.containers().contains_key(&req.id) {
             return Err(Error::NotFound(format!("container {} not found", req.id)).into());
         }
@@ -737,42 +855,75 @@ impl Task for TaskService {
         Ok(api::Empty::default())
     }
 
-    async fn resume(&self, _ctx: &TtrpcContext, _req: api::ResumeRequest) -> TtrpcResult<api::Empty> {
+    async fn resume(
+        &self,
+        _ctx: &TtrpcContext,
+        _req: api::ResumeRequest,
+    ) -> TtrpcResult<api::Empty> {
         self.do_pause(true).await?;
         Ok(api::Empty::default())
     }
 
     async fn kill(&self, _ctx: &TtrpcContext, req: api::KillRequest) -> TtrpcResult<api::Empty> {
-        tracing::info!(id = req.id, exec_id = req.exec_id, signal = req.signal, "kill");
+        tracing::info!(
+            id = req.id,
+            exec_id = req.exec_id,
+            signal = req.signal,
+            "kill"
+        );
         self.do_kill(req).await?;
         Ok(api::Empty::default())
     }
 
-    async fn exec(&self, _ctx: &TtrpcContext, req: api::ExecProcessRequest) -> TtrpcResult<api::Empty> {
+    async fn exec(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::ExecProcessRequest,
+    ) -> TtrpcResult<api::Empty> {
         tracing::info!(id = req.id, exec_id = req.exec_id, "exec");
         self.do_exec(req).await?;
         Ok(api::Empty::default())
     }
 
-    async fn resize_pty(&self, _ctx: &TtrpcContext, req: api::ResizePtyRequest) -> TtrpcResult<api::Empty> {
+    async fn resize_pty(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::ResizePtyRequest,
+    ) -> TtrpcResult<api::Empty> {
         self.do_resize(req).await?;
         Ok(api::Empty::default())
     }
 
-    async fn close_io(&self, _ctx: &TtrpcContext, req: api::CloseIORequest) -> TtrpcResult<api::Empty> {
+    async fn close_io(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::CloseIORequest,
+    ) -> TtrpcResult<api::Empty> {
         self.do_close_io(req).await?;
         Ok(api::Empty::default())
     }
 
-    async fn wait(&self, _ctx: &TtrpcContext, req: api::WaitRequest) -> TtrpcResult<api::WaitResponse> {
+    async fn wait(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::WaitRequest,
+    ) -> TtrpcResult<api::WaitResponse> {
         Ok(self.do_wait(req).await?)
     }
 
-    async fn stats(&self, _ctx: &TtrpcContext, req: api::StatsRequest) -> TtrpcResult<api::StatsResponse> {
+    async fn stats(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::StatsRequest,
+    ) -> TtrpcResult<api::StatsResponse> {
         Ok(self.do_stats(req).await?)
     }
 
-    async fn connect(&self, _ctx: &TtrpcContext, _req: api::ConnectRequest) -> TtrpcResult<api::ConnectResponse> {
+    async fn connect(
+        &self,
+        _ctx: &TtrpcContext,
+        _req: api::ConnectRequest,
+    ) -> TtrpcResult<api::ConnectResponse> {
         Ok(api::ConnectResponse {
             shim_pid: shim_pid(),
             task_pid: shim_pid(),
@@ -781,7 +932,11 @@ impl Task for TaskService {
         })
     }
 
-    async fn shutdown(&self, _ctx: &TtrpcContext, req: api::ShutdownRequest) -> TtrpcResult<api::Empty> {
+    async fn shutdown(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::ShutdownRequest,
+    ) -> TtrpcResult<api::Empty> {
         tracing::info!(now = req.now, "shutdown");
         self.do_shutdown(req).await?;
         Ok(api::Empty::default())

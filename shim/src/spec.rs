@@ -59,7 +59,8 @@ pub fn root_read_only(spec: &Value) -> bool {
 /// on the host; overlay and other snapshotters) is refused with the way to
 /// fix it.
 pub fn rootfs_image(id: &str, mounts: &[Mount]) -> Result<PathBuf> {
-    let fix = "run it with `--snapshotter twig` (ctr) or set the CRI runtime's snapshotter to `twig`";
+    let fix =
+        "run it with `--snapshotter twig` (ctr) or set the CRI runtime's snapshotter to `twig`";
     match mounts {
         [m] => twig_snapshotter::block_image(&m.type_, &m.source, &m.options).ok_or_else(|| {
             Error::InvalidArgument(format!(
@@ -101,12 +102,17 @@ pub fn guest_spec(mut spec: Value, sandbox_init: Option<u32>) -> Result<Value> {
         let kind = ns
             .get("type")
             .and_then(Value::as_str)
-            .ok_or_else(|| Error::InvalidArgument(format!("OCI spec: a namespace without a type: {ns}")))?
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("OCI spec: a namespace without a type: {ns}"))
+            })?
             .to_string();
         if kind == "network" {
             continue;
         }
-        let has_path = ns.get("path").and_then(Value::as_str).is_some_and(|p| !p.is_empty());
+        let has_path = ns
+            .get("path")
+            .and_then(Value::as_str)
+            .is_some_and(|p| !p.is_empty());
         if !has_path {
             kept.push(ns);
             continue;
@@ -124,7 +130,9 @@ pub fn guest_spec(mut spec: Value, sandbox_init: Option<u32>) -> Result<Value> {
             }
         };
         kept.push(match sandbox_init {
-            Some(pid) => serde_json::json!({"type": kind, "path": format!("/proc/{pid}/ns/{file}")}),
+            Some(pid) => {
+                serde_json::json!({"type": kind, "path": format!("/proc/{pid}/ns/{file}")})
+            }
             None => serde_json::json!({"type": kind}),
         });
     }
@@ -157,7 +165,8 @@ mod tests {
         let member = json!({"annotations": {
             CONTAINER_TYPE_ANNOTATION: "container", SANDBOX_ID_ANNOTATION: "pod1"}});
         assert_eq!(grouping("c2", &member), "pod1");
-        let grouped = json!({"annotations": {GROUP_ANNOTATION: "g", SANDBOX_ID_ANNOTATION: "pod1"}});
+        let grouped =
+            json!({"annotations": {GROUP_ANNOTATION: "g", SANDBOX_ID_ANNOTATION: "pod1"}});
         assert_eq!(grouping("c3", &grouped), "g");
         let empty = json!({"annotations": {SANDBOX_ID_ANNOTATION: ""}});
         assert_eq!(grouping("c4", &empty), "c4");
@@ -165,15 +174,28 @@ mod tests {
 
     #[test]
     fn rootfs_must_be_one_twig_block_image() {
-        let img = rootfs_image("c", &[mount("ext4", "/s/snapshots/3/rootfs.img", &["rw", "loop"])]).unwrap();
+        let img = rootfs_image(
+            "c",
+            &[mount("ext4", "/s/snapshots/3/rootfs.img", &["rw", "loop"])],
+        )
+        .unwrap();
         assert_eq!(img, PathBuf::from("/s/snapshots/3/rootfs.img"));
         let e = rootfs_image("c", &[mount("overlay", "overlay", &["lowerdir=/a"])]).unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)));
-        assert!(e.to_string().contains("--snapshotter twig") && e.to_string().contains("overlay"), "{e}");
+        assert!(
+            e.to_string().contains("--snapshotter twig") && e.to_string().contains("overlay"),
+            "{e}"
+        );
         let e = rootfs_image("c", &[]).unwrap_err();
         assert!(e.to_string().contains("--snapshotter twig"), "{e}");
-        let two = [mount("ext4", "/a", &["loop"]), mount("ext4", "/b", &["loop"])];
-        assert!(rootfs_image("c", &two).unwrap_err().to_string().contains("2 rootfs mounts"));
+        let two = [
+            mount("ext4", "/a", &["loop"]),
+            mount("ext4", "/b", &["loop"]),
+        ];
+        assert!(rootfs_image("c", &two)
+            .unwrap_err()
+            .to_string()
+            .contains("2 rootfs mounts"));
     }
 
     #[test]
@@ -205,7 +227,10 @@ mod tests {
             json!([{"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}])
         );
         let bad = json!({"linux": {"namespaces": [{"type": "user", "path": "/proc/1/ns/user"}]}});
-        assert!(matches!(guest_spec(bad, Some(1)), Err(Error::InvalidArgument(_))));
+        assert!(matches!(
+            guest_spec(bad, Some(1)),
+            Err(Error::InvalidArgument(_))
+        ));
         let untyped = json!({"linux": {"namespaces": [{"path": "/x"}]}});
         assert!(guest_spec(untyped, None).is_err());
     }

@@ -13,7 +13,6 @@
 //! end later), and a read-write stdin FIFO never reports end of file when a
 //! writer comes and goes — stdin ends with `CloseIO`, as in runc's shim.
 
-use std::io::ErrorKind;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -88,7 +87,9 @@ pub async fn open_output(uri: &str) -> Result<Option<Output>> {
     }
     if let Some(path) = uri.strip_prefix("file://") {
         if !Path::new(path).is_absolute() {
-            return Err(Error::InvalidArgument(format!("stdio {uri}: the path must be absolute")));
+            return Err(Error::InvalidArgument(format!(
+                "stdio {uri}: the path must be absolute"
+            )));
         }
         let f = tokio::fs::OpenOptions::new()
             .create(true)
@@ -158,7 +159,11 @@ async fn forward(write: &WriteFn, data: Vec<u8>) -> bool {
         let mut at = 0;
         while at < data.len() {
             match w(&data[at..]) {
-                Ok(0) => return Err(Error::Internal("the process does not read its stdin".into())),
+                Ok(0) => {
+                    return Err(Error::Internal(
+                        "the process does not read its stdin".into(),
+                    ))
+                }
                 Ok(n) => at += n as usize,
                 Err(e) => return Err(e),
             }
@@ -209,12 +214,14 @@ pub fn copy_in(
                 },
             }
         }
-        // Drain what containerd wrote before it asked to close.
+        // Drain what containerd wrote before it asked to close. A plain
+        // non-blocking read: tokio's `try_read` trusts its cached readiness
+        // and may answer "would block" with bytes in the FIFO.
         while ok {
-            match fifo.try_read(&mut buf) {
+            match nix::unistd::read(&fifo, &mut buf) {
                 Ok(0) => break,
                 Ok(n) => ok = forward(&write, buf[..n].to_vec()).await,
-                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(nix::errno::Errno::EAGAIN) => break,
                 Err(e) => {
                     tracing::warn!("draining the stdin FIFO: {e}");
                     break;
@@ -244,7 +251,13 @@ mod tests {
         let c = CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
         // SAFETY: `c` is a valid NUL-terminated path that outlives the call.
         let rc = unsafe { libc::mkfifo(c.as_ptr(), 0o600) };
-        assert_eq!(rc, 0, "mkfifo {}: {}", path.display(), std::io::Error::last_os_error());
+        assert_eq!(
+            rc,
+            0,
+            "mkfifo {}: {}",
+            path.display(),
+            std::io::Error::last_os_error()
+        );
     }
 
     #[tokio::test]
@@ -254,9 +267,18 @@ mod tests {
         mkfifo(&fifo);
         let mut reader = pipe::OpenOptions::new().open_receiver(&fifo).unwrap();
         let chunks = Mutex::new(vec![
-            StreamChunk { data: b"hello ".to_vec(), eof: false },
-            StreamChunk { data: vec![], eof: false },
-            StreamChunk { data: b"world\n".to_vec(), eof: true },
+            StreamChunk {
+                data: b"hello ".to_vec(),
+                eof: false,
+            },
+            StreamChunk {
+                data: vec![],
+                eof: false,
+            },
+            StreamChunk {
+                data: b"world\n".to_vec(),
+                eof: true,
+            },
         ]);
         let read: ReadFn = Arc::new(move || Ok(chunks.lock().unwrap().remove(0)));
         let out = open_output(fifo.to_str().unwrap()).await.unwrap().unwrap();
@@ -276,11 +298,24 @@ mod tests {
         let log = dir.path().join("log");
         std::fs::write(&log, "old\n").unwrap();
         let uri = format!("file://{}", log.display());
-        let read: ReadFn = Arc::new(|| Ok(StreamChunk { data: b"new\n".to_vec(), eof: true }));
-        copy_out(read, open_output(&uri).await.unwrap().unwrap()).await.unwrap();
+        let read: ReadFn = Arc::new(|| {
+            Ok(StreamChunk {
+                data: b"new\n".to_vec(),
+                eof: true,
+            })
+        });
+        copy_out(read, open_output(&uri).await.unwrap().unwrap())
+            .await
+            .unwrap();
         assert_eq!(std::fs::read_to_string(&log).unwrap(), "old\nnew\n");
-        assert!(matches!(open_output("binary:///bin/logger").await, Err(Error::InvalidArgument(_))));
-        assert!(matches!(open_output("file://relative").await, Err(Error::InvalidArgument(_))));
+        assert!(matches!(
+            open_output("binary:///bin/logger").await,
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            open_output("file://relative").await,
+            Err(Error::InvalidArgument(_))
+        ));
         let missing = dir.path().join("nofifo");
         let e = open_output(missing.to_str().unwrap()).await.err().unwrap();
         assert!(e.to_string().contains("nofifo"), "{e}");
@@ -291,7 +326,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let fifo = dir.path().join("stdin");
         mkfifo(&fifo);
-        let paths = StdioPaths { stdin: fifo.to_str().unwrap().into(), ..Default::default() };
+        let paths = StdioPaths {
+            stdin: fifo.to_str().unwrap().into(),
+            ..Default::default()
+        };
         let opened = paths.open().await.unwrap();
         let got = Arc::new(Mutex::new(Vec::new()));
         let closed = Arc::new(Mutex::new(false));
@@ -322,7 +360,10 @@ mod tests {
         let mut w = std::fs::OpenOptions::new().write(true).open(&fifo).unwrap();
         std::io::Write::write_all(&mut w, b"tail").unwrap();
         tx.send(()).unwrap();
-        tokio::time::timeout(Duration::from_secs(10), copier).await.unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(10), copier)
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(&got.lock().unwrap()[..], b"line one\ntail");
         assert!(*closed.lock().unwrap());
     }

@@ -97,10 +97,13 @@ impl VmSandbox {
             .map_err(|e| Error::io(format!("writing {}/vmm.pid", state_dir.display()), e))?;
         let timeout = Duration::from_secs(config.call_timeout_s);
         let mut guard = KillOnDrop(Some(child));
-        let mut api = Client::connect(&api_sock, timeout).map_err(vmm_error("connecting to twig-vmm"))?;
+        let mut api =
+            Client::connect(&api_sock, timeout).map_err(vmm_error("connecting to twig-vmm"))?;
         let started = Instant::now();
-        api.restore(&t.dir, timeout)
-            .map_err(vmm_error(format!("restoring the template {}", t.dir.display())))?;
+        api.restore(&t.dir, timeout).map_err(vmm_error(format!(
+            "restoring the template {}",
+            t.dir.display()
+        )))?;
         let agent = AgentClient::connect_vsock_uds(&vsock, twig_agent::AGENT_VSOCK_PORT, timeout)
             .map_err(|e| Error::agent("connecting to the agent of the restored VM", e))?;
         agent
@@ -135,7 +138,12 @@ impl VmSandbox {
     }
 
     fn free_slot(&self, slot: usize) {
-        if let Some(s) = self.slots.lock().unwrap_or_else(|p| p.into_inner()).get_mut(slot) {
+        if let Some(s) = self
+            .slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_mut(slot)
+        {
             *s = false;
         }
     }
@@ -180,16 +188,26 @@ impl Sandbox for VmSandbox {
             device: slot_device(slot)?,
             slot: Some(slot),
         };
-        if let Err(e) = self.vmm().api.attach_disk(slot, image, read_only, self.timeout) {
+        if let Err(e) = self
+            .vmm()
+            .api
+            .attach_disk(slot, image, read_only, self.timeout)
+        {
             self.free_slot(slot);
-            return Err(vmm_error(format!("attaching {} to disk slot {slot}", image.display()))(e));
+            return Err(vmm_error(format!(
+                "attaching {} to disk slot {slot}",
+                image.display()
+            ))(e));
         }
         let deadline = Instant::now() + CAPACITY_WAIT;
         let created = loop {
-            match self
-                .agent
-                .create_container(id, &attachment.device, read_only, spec_json, self.timeout)
-            {
+            match self.agent.create_container(
+                id,
+                &attachment.device,
+                read_only,
+                spec_json,
+                self.timeout,
+            ) {
                 // The guest has not seen the new capacity yet: the mount
                 // fails; try again until the deadline.
                 Err(e)
@@ -206,7 +224,10 @@ impl Sandbox for VmSandbox {
             if let Err(d) = self.detach(&attachment) {
                 tracing::warn!(slot, "detaching after a failed create: {d}");
             }
-            return Err(Error::agent(format!("creating container {id} on {}", attachment.device), e));
+            return Err(Error::agent(
+                format!("creating container {id} on {}", attachment.device),
+                e,
+            ));
         }
         Ok(attachment)
     }
@@ -224,11 +245,19 @@ impl Sandbox for VmSandbox {
     }
 
     fn pause(&self) -> Result<()> {
-        self.vmm().api.pause(self.timeout).map(|_| ()).map_err(vmm_error("pausing the VM"))
+        self.vmm()
+            .api
+            .pause(self.timeout)
+            .map(|_| ())
+            .map_err(vmm_error("pausing the VM"))
     }
 
     fn resume(&self) -> Result<()> {
-        self.vmm().api.resume(self.timeout).map(|_| ()).map_err(vmm_error("resuming the VM"))
+        self.vmm()
+            .api
+            .resume(self.timeout)
+            .map(|_| ())
+            .map_err(vmm_error("resuming the VM"))
     }
 
     fn shutdown(&self) -> Result<()> {
@@ -270,9 +299,8 @@ pub fn ensure_template(config: &Config, state_dir: &Path) -> Result<()> {
     let lock_path = PathBuf::from(format!("{}.lock", t.dir.display()));
     let lock_file = File::create(&lock_path)
         .map_err(|e| Error::io(format!("creating {}", lock_path.display()), e))?;
-    let _lock = Flock::lock(lock_file, FlockArg::LockExclusive).map_err(|(_, e)| {
-        Error::io(format!("locking {}", lock_path.display()), e.into())
-    })?;
+    let _lock = Flock::lock(lock_file, FlockArg::LockExclusive)
+        .map_err(|(_, e)| Error::io(format!("locking {}", lock_path.display()), e.into()))?;
     if t.dir.join("state").exists() {
         return Ok(());
     }
@@ -307,7 +335,12 @@ pub fn ensure_template(config: &Config, state_dir: &Path) -> Result<()> {
         .arg(&vsock)
         .stdin(Stdio::null())
         .output()
-        .map_err(|e| Error::io(format!("running {} template", config.vmm_binary.display()), e))?;
+        .map_err(|e| {
+            Error::io(
+                format!("running {} template", config.vmm_binary.display()),
+                e,
+            )
+        })?;
     if !out.status.success() {
         return Err(Error::Internal(format!(
             "building the template {} failed ({}): {}",
