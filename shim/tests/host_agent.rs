@@ -152,9 +152,10 @@ async fn fixture() -> Fixture {
 }
 
 fn ctx() -> Context {
-    let mut c = Context::default();
-    c.timeout_nano = 60_000_000_000;
-    c
+    Context {
+        timeout_nano: 60_000_000_000,
+        ..Default::default()
+    }
 }
 
 /// A bundle with `config.json` and a busybox rootfs image.
