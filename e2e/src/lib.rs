@@ -19,7 +19,9 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 
 pub use error::{Error, Result};
-pub use node::{containerd_config, mounts_under, Node, NodeConfig, Runtime, NAMESPACE};
+pub use node::{
+    containerd_config, mounts_under, shim_config, Guest, Node, NodeConfig, Runtime, NAMESPACE,
+};
 pub use process::{kill_processes_with_arg, run, run_ok, tail, Daemon, Output};
 
 /// The test image's name, as `e2e/build-image.sh` names it by default.

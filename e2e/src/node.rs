@@ -14,7 +14,7 @@ use tempfile::TempDir;
 
 use crate::error::{io, Error, Result};
 use crate::process::{kill_processes_with_arg, run, run_ok, tail, Daemon, Output};
-use crate::{require, IMAGE_REF};
+use crate::{find_on_path, require, IMAGE_REF};
 
 /// containerd namespace of every test.
 pub const NAMESPACE: &str = "twig-e2e";
@@ -29,6 +29,8 @@ const TEARDOWN: Duration = Duration::from_secs(30);
 const XFS_MIB: u64 = 1024;
 /// Size of each snapshot's ext4 image (sparse).
 const IMAGE_MIB: &str = "256";
+/// Guest memory of the twig shim's base template: the lab has 3 GiB.
+const SHIM_MEM_MIB: u64 = 128;
 
 /// A containerd runtime (shim) the tests run containers with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -94,6 +96,28 @@ state = "{state}"
     )
 }
 
+/// The twig shim's configuration (`TWIG_SHIM_CONFIG`) for a node in
+/// `dir`: its state and base template in the node's directory, `twig-vmm`
+/// from `PATH`, a 128 MiB template booting `guest` when given.
+pub fn shim_config(dir: &Path, guest: Option<&Guest>) -> serde_json::Value {
+    let mut template = serde_json::json!({
+        "dir": dir.join("templates").join("base"),
+        "mem_mib": SHIM_MEM_MIB,
+    });
+    if let Some(g) = guest {
+        template["kernel"] = serde_json::json!(g.kernel);
+        template["initrd"] = serde_json::json!(g.initrd);
+    }
+    let mut config = serde_json::json!({
+        "state_root": dir.join("shim"),
+        "template": template,
+    });
+    if let Some(vmm) = find_on_path("twig-vmm") {
+        config["vmm_binary"] = serde_json::json!(vmm);
+    }
+    config
+}
+
 /// The mount points under `dir` in the mount table, deepest first.
 pub fn mounts_under(mountinfo: &str, dir: &Path) -> Vec<PathBuf> {
     let mut found: Vec<PathBuf> = mountinfo
@@ -132,6 +156,23 @@ fn unescape_mount_path(field: &str) -> PathBuf {
     PathBuf::from(std::ffi::OsString::from(
         <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(&out),
     ))
+}
+
+/// The `*.log` files in `dir` and its subdirectories, `depth` levels down.
+fn log_files(dir: &Path, depth: usize) -> Vec<PathBuf> {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut found = Vec::new();
+    for path in entries.flatten().map(|e| e.path()) {
+        if path.is_dir() && depth > 0 {
+            found.extend(log_files(&path, depth - 1));
+        } else if path.extension().is_some_and(|e| e == "log") {
+            found.push(path);
+        }
+    }
+    found.sort();
+    found
 }
 
 /// Detaches every mount under `dir`, deepest first.
@@ -212,11 +253,25 @@ pub struct NodeConfig {
     /// A reflink-capable directory for the node's files; `None`: the
     /// harness mounts its own loop XFS.
     pub xfs: Option<PathBuf>,
+    /// The guest kernel and agent initramfs the twig shim builds its base
+    /// template from; `None`: the shim's defaults.
+    pub guest: Option<Guest>,
+}
+
+/// What the twig shim's base template boots (the lab's `TWIG_GUEST_KERNEL`
+/// and `TWIG_AGENT_INITRD`).
+#[derive(Clone, Debug)]
+pub struct Guest {
+    /// Twig's guest kernel (`guest/build-kernel.sh`).
+    pub kernel: PathBuf,
+    /// The agent initramfs (`guest/build-initramfs.sh`).
+    pub initrd: PathBuf,
 }
 
 impl NodeConfig {
-    /// `TWIG_E2E_IMAGE` (required) and `TWIG_E2E_XFS` (optional), as
-    /// tests/lab/run.sh sets them in the lab.
+    /// `TWIG_E2E_IMAGE` (required), `TWIG_E2E_XFS`, `TWIG_GUEST_KERNEL`
+    /// and `TWIG_AGENT_INITRD` (optional), as tests/lab/run.sh sets them in
+    /// the lab.
     pub fn from_env() -> Result<NodeConfig> {
         let image = std::env::var_os("TWIG_E2E_IMAGE")
             .map(PathBuf::from)
@@ -228,9 +283,15 @@ impl NodeConfig {
                         .into(),
                 )
             })?;
+        let var = |name| std::env::var_os(name).map(PathBuf::from);
+        let guest = match (var("TWIG_GUEST_KERNEL"), var("TWIG_AGENT_INITRD")) {
+            (Some(kernel), Some(initrd)) => Some(Guest { kernel, initrd }),
+            _ => None,
+        };
         Ok(NodeConfig {
             image,
-            xfs: std::env::var_os("TWIG_E2E_XFS").map(PathBuf::from),
+            xfs: var("TWIG_E2E_XFS"),
+            guest,
         })
     }
 }
@@ -298,10 +359,20 @@ impl Node {
         let config_file = cdir.join("config.toml");
         fs::write(&config_file, containerd_config(&cdir, &snap_socket))
             .map_err(io(format!("writing {}", config_file.display())))?;
+        // containerd's environment is its shims'.
+        let shim_file = dir.join("shim.json");
+        fs::write(
+            &shim_file,
+            shim_config(&dir, config.guest.as_ref()).to_string(),
+        )
+        .map_err(io(format!("writing {}", shim_file.display())))?;
         let socket = cdir.join("containerd.sock");
         let mut containerd = Daemon::spawn(
             "containerd",
-            Command::new("containerd").arg("--config").arg(&config_file),
+            Command::new("containerd")
+                .arg("--config")
+                .arg(&config_file)
+                .env("TWIG_SHIM_CONFIG", &shim_file),
             cdir.join("containerd.log"),
         )?;
         containerd.wait_for_socket(&socket, START)?;
@@ -405,16 +476,22 @@ impl Node {
         self.ctr(args)
     }
 
-    /// The end of containerd's and twig-snapshotter's logs, for a failing
-    /// test's message.
+    /// The end of containerd's and twig-snapshotter's logs, and of the twig
+    /// shim's VM logs (VMM, serial console), for a failing test's message.
     pub fn logs(&self) -> String {
-        format!(
+        let mut text = format!(
             "--- containerd ({}):\n{}\n--- twig-snapshotter ({}):\n{}",
             self.containerd.log().display(),
             tail(self.containerd.log(), 40),
             self.snapshotter.log().display(),
             tail(self.snapshotter.log(), 40)
-        )
+        );
+        if let Some(work) = &self.work {
+            for log in log_files(&work.path().join("shim"), 3) {
+                text.push_str(&format!("\n--- {}:\n{}", log.display(), tail(&log, 40)));
+            }
+        }
+        text
     }
 
     /// Kills and deletes what is left of the node's tasks, stops containerd,
@@ -463,6 +540,21 @@ mod tests {
         assert!(c.contains("runtime_type = \"io.containerd.twig.v2\""));
         assert!(c.contains("runtime_type = \"io.containerd.runc.v2\""));
         assert!(c.contains("snapshotter = \"twig\""));
+    }
+
+    #[test]
+    fn shim_config_keeps_the_shim_in_the_node_and_boots_the_given_guest() {
+        let guest = Guest {
+            kernel: PathBuf::from("/guest/bzImage"),
+            initrd: PathBuf::from("/guest/agent-initrd"),
+        };
+        let c = shim_config(Path::new("/n"), Some(&guest));
+        assert_eq!(c["state_root"], "/n/shim");
+        assert_eq!(c["template"]["dir"], "/n/templates/base");
+        assert_eq!(c["template"]["kernel"], "/guest/bzImage");
+        assert_eq!(c["template"]["initrd"], "/guest/agent-initrd");
+        let bare = shim_config(Path::new("/n"), None);
+        assert!(bare["template"].get("kernel").is_none(), "{bare}");
     }
 
     #[test]
