@@ -55,8 +55,8 @@ fn runc_runs_busybox_from_the_twig_snapshotter() {
     run_prints_and_exits_3(Runtime::Runc, "e2e-runc");
 }
 
-/// Needs the shim crate (`shim/`, `containerd-shim-twig-v2`): red until it
-/// is in the workspace, by design.
+/// Needs the shim crate (`shim/`, `containerd-shim-twig-v2`) on `PATH`
+/// (tests/lab/run.sh carries it); fails loudly, never skips, without it.
 #[test]
 fn twig_runs_busybox_from_the_twig_snapshotter() {
     assert!(
