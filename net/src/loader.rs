@@ -179,17 +179,29 @@ impl Loader {
                 }
             }
             // The config and policy are in place before any frame is seen.
+            let (tap_program, veth_program) = tc::two_programs(&mut ebpf, PROG_TAP, PROG_VETH)?;
+            let link_veth = dir.join(LINK_VETH);
+            // Both at once: each attach waits for an RCU grace period (TCX
+            // always, netlink on a new qdisc), and concurrent waits share one.
+            // The second thread inherits this thread's network namespace.
+            let (tap, veth) = std::thread::scope(|scope| {
+                let veth = scope.spawn(|| {
+                    tc::attach(veth_program, PROG_VETH, &config.veth, mode, &link_veth)
+                });
+                let tap = tc::attach(tap_program, PROG_TAP, &config.tap, mode, &dir.join(LINK_TAP));
+                let veth = veth
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+                (tap, veth)
+            });
             let mut filters = FilterGuard::new();
-            let tap = tc::attach(&mut ebpf, PROG_TAP, &config.tap, mode, &dir.join(LINK_TAP))?;
-            filters.push(&config.tap, tap);
-            let veth = tc::attach(
-                &mut ebpf,
-                PROG_VETH,
-                &config.veth,
-                mode,
-                &dir.join(LINK_VETH),
-            )?;
-            filters.push(&config.veth, veth);
+            if let Ok(tap) = tap {
+                filters.push(&config.tap, tap);
+            }
+            if let Ok(veth) = veth {
+                filters.push(&config.veth, veth);
+            }
+            let (tap, veth) = (tap?, veth?);
             if let (
                 Attached::Filter {
                     prio: tap_prio,

@@ -41,18 +41,44 @@ pub(crate) fn program<'a>(
         .context(|| format!("program {name} is not a tc classifier"))
 }
 
-/// Attaches program `name` to the ingress of `interface`. In TCX mode the
-/// link is pinned at `link_pin`; in netlink mode a `clsact` qdisc is added
-/// unless the interface has one, then a filter whose priority and handle are
-/// returned (the caller records them).
+/// The two classifiers of `ebpf`, `first` and `second`, borrowed together
+/// (to attach them from two threads).
+pub(crate) fn two_programs<'a>(
+    ebpf: &'a mut Ebpf,
+    first: &'static str,
+    second: &'static str,
+) -> Result<(&'a mut SchedClassifier, &'a mut SchedClassifier), Error> {
+    let (mut a, mut b) = (None, None);
+    for (name, program) in ebpf.programs_mut() {
+        if name == first {
+            a = Some(program);
+        } else if name == second {
+            b = Some(program);
+        }
+    }
+    let classifier = |program: Option<&'a mut aya::programs::Program>, name: &'static str| {
+        program
+            .ok_or_else(|| Error::Bpf {
+                what: format!("the embedded object has no program {name}"),
+                source: "missing".into(),
+            })?
+            .try_into()
+            .context(|| format!("program {name} is not a tc classifier"))
+    };
+    Ok((classifier(a, first)?, classifier(b, second)?))
+}
+
+/// Attaches `program` (named `name`) to the ingress of `interface`. In TCX
+/// mode the link is pinned at `link_pin`; in netlink mode a `clsact` qdisc is
+/// added unless the interface has one, then a filter whose priority and
+/// handle are returned (the caller records them).
 pub(crate) fn attach(
-    ebpf: &mut Ebpf,
+    program: &mut SchedClassifier,
     name: &'static str,
     interface: &str,
     mode: AttachMode,
     link_pin: &Path,
 ) -> Result<Attached, Error> {
-    let program = program(ebpf, name)?;
     match mode {
         AttachMode::Tcx => {
             let link_id = program
