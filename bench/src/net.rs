@@ -285,7 +285,11 @@ impl Bed {
     }
 
     /// Frames per second with `WINDOW` frames in flight, frames sent and lost.
-    fn throughput(&mut self, frames: usize, budget: Duration) -> Result<(f64, usize, usize), Error> {
+    fn throughput(
+        &mut self,
+        frames: usize,
+        budget: Duration,
+    ) -> Result<(f64, usize, usize), Error> {
         let start = Instant::now();
         let (mut sent, mut lost) = (0, 0);
         while sent + WINDOW <= frames && start.elapsed() < budget {
@@ -304,7 +308,11 @@ impl Bed {
     }
 
     /// One-way latency tap → peer, one frame in flight; and frames lost.
-    fn latency(&mut self, samples: usize, budget: Duration) -> Result<(Vec<Duration>, usize), Error> {
+    fn latency(
+        &mut self,
+        samples: usize,
+        budget: Duration,
+    ) -> Result<(Vec<Duration>, usize), Error> {
         let mut out = Vec::with_capacity(samples);
         let mut lost = 0;
         let begin = Instant::now();
@@ -338,7 +346,9 @@ impl Bed {
 /// checksum: a bridge with `br_netfilter` on (`bridge-nf-call-iptables=1`, as
 /// Kubernetes nodes run) drops frames whose header checksum is wrong.
 fn ipv4_header() -> [u8; 20] {
-    let mut h = [0x45, 0, 0, 32, 0, 1, 0x40, 0, 64, 17, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+    let mut h = [
+        0x45, 0, 0, 32, 0, 1, 0x40, 0, 64, 17, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    ];
     h[12..16].copy_from_slice(&POD_IP.octets());
     h[16..20].copy_from_slice(&PEER_IP.octets());
     let mut sum: u32 = h

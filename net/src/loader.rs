@@ -10,8 +10,8 @@ use aya::{Ebpf, EbpfLoader};
 
 use crate::error::Context;
 use crate::maps::{
-    Attachment, PodConfig, LINK_TAP, LINK_VETH, MODE_NETLINK, MODE_TCX, PIN_NETNS,
-    PIN_PROG_TAP, PIN_PROG_VETH, PROG_TAP, PROG_VETH,
+    Attachment, PodConfig, LINK_TAP, LINK_VETH, MODE_NETLINK, MODE_TCX, PIN_NETNS, PIN_PROG_TAP,
+    PIN_PROG_VETH, PROG_TAP, PROG_VETH,
 };
 use crate::netns::{in_netns, netns_id, open_netns, IfSocket};
 use crate::pod::{is_attached, PinGuard, PodNetConfig, PodNetwork};
@@ -84,7 +84,10 @@ impl Loader {
 
     /// How many ready sets the pool holds.
     pub fn pooled(&self) -> usize {
-        self.pool.lock().unwrap_or_else(PoisonError::into_inner).len()
+        self.pool
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
     }
 
     /// Loads sets until the pool holds `count` (the pool is not locked while
@@ -101,7 +104,11 @@ impl Loader {
     }
 
     fn take_set(&self) -> Result<Ebpf, Error> {
-        let pooled = self.pool.lock().unwrap_or_else(PoisonError::into_inner).pop();
+        let pooled = self
+            .pool
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop();
         match pooled {
             Some(set) => Ok(set),
             None => {
@@ -185,10 +192,15 @@ impl Loader {
             // always, netlink on a new qdisc), and concurrent waits share one.
             // The second thread inherits this thread's network namespace.
             let (tap, veth) = std::thread::scope(|scope| {
-                let veth = scope.spawn(|| {
-                    tc::attach(veth_program, PROG_VETH, &config.veth, mode, &link_veth)
-                });
-                let tap = tc::attach(tap_program, PROG_TAP, &config.tap, mode, &dir.join(LINK_TAP));
+                let veth = scope
+                    .spawn(|| tc::attach(veth_program, PROG_VETH, &config.veth, mode, &link_veth));
+                let tap = tc::attach(
+                    tap_program,
+                    PROG_TAP,
+                    &config.tap,
+                    mode,
+                    &dir.join(LINK_TAP),
+                );
                 let veth = veth
                     .join()
                     .unwrap_or_else(|panic| std::panic::resume_unwind(panic));

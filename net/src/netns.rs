@@ -69,13 +69,7 @@ impl IfSocket {
     /// Opens the socket (in the namespace of the calling thread).
     pub fn new() -> Result<Self, Error> {
         // SAFETY: socket(2) with constant arguments; the result is checked.
-        let fd = unsafe {
-            libc::socket(
-                libc::AF_INET,
-                libc::SOCK_DGRAM | libc::SOCK_CLOEXEC,
-                0,
-            )
-        };
+        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
         if fd < 0 {
             return Err(Error::Bpf {
                 what: "opening a socket for interface look-ups".into(),

@@ -100,9 +100,15 @@ fn take_map(ebpf: &mut Ebpf, name: &'static str, dir: &Path) -> Result<Map, Erro
 
 /// Whether `dir` holds (part of) an attached path.
 pub(crate) fn is_attached(dir: &Path) -> bool {
-    [MAP_ATTACHMENT, LINK_TAP, LINK_VETH, PIN_PROG_TAP, PIN_PROG_VETH]
-        .iter()
-        .any(|pin| dir.join(pin).symlink_metadata().is_ok())
+    [
+        MAP_ATTACHMENT,
+        LINK_TAP,
+        LINK_VETH,
+        PIN_PROG_TAP,
+        PIN_PROG_VETH,
+    ]
+    .iter()
+    .any(|pin| dir.join(pin).symlink_metadata().is_ok())
 }
 
 impl PodNetwork {
@@ -352,7 +358,12 @@ impl PodNetwork {
                 tracing::info!(netns = %netns.display(), "the pod's namespace is gone, and its filters with it");
                 return Ok(());
             }
-            Err(source) => return Err(Error::Netns { path: netns, source }),
+            Err(source) => {
+                return Err(Error::Netns {
+                    path: netns,
+                    source,
+                })
+            }
         };
         if netns_id(&file, &netns)? != (attachment.netns_dev, attachment.netns_ino) {
             tracing::info!(netns = %netns.display(), "the file names another namespace now: the pod's is gone, and its filters with it");

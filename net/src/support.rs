@@ -134,6 +134,9 @@ mod tests {
             assert_eq!(mode.to_string().parse::<AttachMode>().ok(), Some(mode));
         }
         let err = "tc".parse::<AttachMode>().expect_err("not a mode");
-        assert!(err.to_string().contains("expected `tcx` or `netlink`"), "{err}");
+        assert!(
+            err.to_string().contains("expected `tcx` or `netlink`"),
+            "{err}"
+        );
     }
 }

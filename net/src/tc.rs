@@ -94,9 +94,8 @@ pub(crate) fn attach(
             let link: FdLink = link
                 .try_into()
                 .context(|| format!("the link of {name} is not a BPF link"))?;
-            link.pin(link_pin).context(|| {
-                format!("pinning the link of {name} at {}", link_pin.display())
-            })?;
+            link.pin(link_pin)
+                .context(|| format!("pinning the link of {name} at {}", link_pin.display()))?;
             Ok(Attached::Tcx)
         }
         AttachMode::Netlink => {
@@ -113,13 +112,18 @@ pub(crate) fn attach(
                     TcAttachType::Ingress,
                     TcAttachOptions::Netlink(NlOptions::default()),
                 )
-                .context(|| format!("attaching {name} to the ingress of {interface} (tc filter)"))?;
+                .context(|| {
+                    format!("attaching {name} to the ingress of {interface} (tc filter)")
+                })?;
             let link = program
                 .take_link(link_id)
                 .context(|| format!("taking the filter of {name}"))?;
             let attached = Attached::Filter {
                 prio: link.priority().context(|| "the filter's priority".into())?,
-                handle: link.handle().context(|| "the filter's handle".into())?.into(),
+                handle: link
+                    .handle()
+                    .context(|| "the filter's handle".into())?
+                    .into(),
             };
             // Dropping the link would delete the filter: the filter now
             // belongs to the pod's record (priority and handle, written by the

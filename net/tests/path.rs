@@ -391,16 +391,37 @@ fn detach_removes_programs_and_pins(mode: AttachMode) {
     let (pod, _) = loader
         .attach(&dir, &bed.config(), &policy(), &node())
         .expect("attach");
-    assert_eq!((attached(mode, &netns, "tap0"), attached(mode, &netns, "eth0")), (1, 1));
+    assert_eq!(
+        (
+            attached(mode, &netns, "tap0"),
+            attached(mode, &netns, "eth0")
+        ),
+        (1, 1)
+    );
     match loader.attach(&dir, &bed.config(), &policy(), &node()) {
         Err(Error::AlreadyAttached(d)) => assert_eq!(d, dir),
         other => panic!("expected AlreadyAttached, got {other:?}"),
     }
-    assert_eq!((attached(mode, &netns, "tap0"), attached(mode, &netns, "eth0")), (1, 1));
+    assert_eq!(
+        (
+            attached(mode, &netns, "tap0"),
+            attached(mode, &netns, "eth0")
+        ),
+        (1, 1)
+    );
     // Detached by a handle re-opened from the pins (as after a restart).
     drop(pod);
-    PodNetwork::open(&dir).expect("reopen").detach().expect("detach");
-    assert_eq!((attached(mode, &netns, "tap0"), attached(mode, &netns, "eth0")), (0, 0));
+    PodNetwork::open(&dir)
+        .expect("reopen")
+        .detach()
+        .expect("detach");
+    assert_eq!(
+        (
+            attached(mode, &netns, "tap0"),
+            attached(mode, &netns, "eth0")
+        ),
+        (0, 0)
+    );
     assert!(!dir.exists(), "pins removed");
     match PodNetwork::open(&dir) {
         Err(Error::NotAttached { .. }) => {}
@@ -446,7 +467,10 @@ fn bad_input_is_refused_and_leaves_nothing(mode: AttachMode) {
     assert!(!dir.exists());
     let netns = bed.pod_netns();
     assert_eq!(
-        (attached(mode, &netns, "tap0"), attached(mode, &netns, "eth0")),
+        (
+            attached(mode, &netns, "tap0"),
+            attached(mode, &netns, "eth0")
+        ),
         (0, 0),
         "nothing attached after failures"
     );
@@ -505,10 +529,19 @@ fn attaches_take_preloaded_sets_from_the_pool() {
     loader.preload(2).expect("preload");
     assert_eq!(loader.pooled(), 2);
     let (pod, _) = loader
-        .attach(&bed.bpffs.pod_dir("pool"), &bed.config(), &policy(), &node())
+        .attach(
+            &bed.bpffs.pod_dir("pool"),
+            &bed.config(),
+            &policy(),
+            &node(),
+        )
         .expect("attach");
     assert_eq!(loader.pooled(), 1, "the attach used a pooled set");
-    assert_passes(&mut bed, &guest_udp(PEER_IP, 9999, b"pooled-ok"), "pooled-ok");
+    assert_passes(
+        &mut bed,
+        &guest_udp(PEER_IP, 9999, b"pooled-ok"),
+        "pooled-ok",
+    );
     assert_dropped(
         &mut bed,
         &pod,
@@ -519,10 +552,19 @@ fn attaches_take_preloaded_sets_from_the_pool() {
     pod.detach().expect("detach");
     // An empty pool still attaches (loading on the path).
     let (pod, _) = loader
-        .attach(&bed.bpffs.pod_dir("pool2"), &bed.config(), &policy(), &node())
+        .attach(
+            &bed.bpffs.pod_dir("pool2"),
+            &bed.config(),
+            &policy(),
+            &node(),
+        )
         .expect("attach");
     assert_eq!(loader.pooled(), 0);
-    assert_passes(&mut bed, &guest_udp(PEER_IP, 9999, b"unpooled-ok"), "unpooled-ok");
+    assert_passes(
+        &mut bed,
+        &guest_udp(PEER_IP, 9999, b"unpooled-ok"),
+        "unpooled-ok",
+    );
     pod.detach().expect("detach");
 }
 
@@ -537,7 +579,16 @@ fn netlink_detach_after_a_restart_removes_exactly_its_own_filters() {
     tc(
         &netns,
         &[
-            "filter", "add", "dev", "eth0", "ingress", "prio", "1", "bpf", "bytecode", "1,6 0 0 0",
+            "filter",
+            "add",
+            "dev",
+            "eth0",
+            "ingress",
+            "prio",
+            "1",
+            "bpf",
+            "bytecode",
+            "1,6 0 0 0",
         ],
     );
     let dir = bed.bpffs.pod_dir("own");
@@ -553,7 +604,10 @@ fn netlink_detach_after_a_restart_removes_exactly_its_own_filters() {
     };
     assert_eq!(foreign(&netns), 1);
     drop(pod);
-    PodNetwork::open(&dir).expect("reopen").detach().expect("detach");
+    PodNetwork::open(&dir)
+        .expect("reopen")
+        .detach()
+        .expect("detach");
     assert_eq!(
         (
             attached(AttachMode::Netlink, &netns, "tap0"),
@@ -574,6 +628,9 @@ fn netlink_detach_after_the_namespace_is_gone_removes_the_pins() {
         .expect("attach");
     drop(pod);
     bed.delete_pod_netns();
-    PodNetwork::open(&dir).expect("reopen").detach().expect("detach");
+    PodNetwork::open(&dir)
+        .expect("reopen")
+        .detach()
+        .expect("detach");
     assert!(!dir.exists(), "pins removed");
 }
