@@ -139,13 +139,19 @@ pub fn disk_file_name(index: usize) -> String {
 /// Everything in a `state` file.
 #[derive(Clone)]
 pub struct VmState {
+    /// What the snapshot is: id, kind, parent, shape, disks.
     pub meta: Meta,
+    /// The PIC master, PIC slave and IOAPIC.
     pub irqchips: [kvm_irqchip; 3],
+    /// The PIT.
     pub pit: kvm_pit_state2,
+    /// The KVM clock.
     pub clock: kvm_clock_data,
+    /// Every device's state, as `Devices::save` wrote it.
     pub devices: Vec<u8>,
     /// Pages held by an incremental snapshot.
     pub layer: Option<PageSet>,
+    /// Each vCPU's state, in vCPU order.
     pub vcpus: Vec<VcpuState>,
 }
 
@@ -718,24 +724,32 @@ fn rename_noreplace(from: &Path, to: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Writes all of guest RAM into `file`; returns its CRC32.
+/// Writes all of guest RAM into `file`; returns its CRC32. The VM must be
+/// paused for the file to hold one moment's memory.
 pub fn write_full_memory(ram: &GuestRam, file: &File) -> Result<u32> {
-    let data = ram.pages_slice(0, ram.pages())?;
-    (&*file)
-        .write_all(data)
-        .map_err(|e| Error::io("writing guest memory to the snapshot", e))?;
-    Ok(crc32fast::hash(data))
+    write_pages(ram, &[(0, ram.pages())], file)
 }
 
 /// Writes the pages of `set` into `file` at their own offsets (a sparse file
-/// of RAM size); returns the CRC32 of those pages in page order.
+/// of RAM size); returns the CRC32 of those pages in page order. The VM must
+/// be paused for the file to hold one moment's memory.
 pub fn write_layer_memory(ram: &GuestRam, set: &PageSet, file: &File) -> Result<u32> {
     file.set_len(ram.size() as u64)
         .map_err(|e| Error::io("sizing the snapshot memory file", e))?;
+    write_pages(ram, &set.runs(), file)
+}
+
+/// Copies the page runs `(first, count)` of guest RAM out (in chunks, see
+/// [`GuestRam::copy_out`]) into `file` at their own offsets; returns the
+/// CRC32 of what it wrote, in order.
+fn write_pages(ram: &GuestRam, runs: &[(usize, usize)], file: &File) -> Result<u32> {
     let mut crc = crc32fast::Hasher::new();
-    for (start, n) in set.runs() {
-        ram.write_pages_to(file, start, n)?;
-        crc.update(ram.pages_slice(start, n)?);
+    for &(start, n) in runs {
+        ram.copy_out(start, n, |off, bytes| {
+            crc.update(bytes);
+            std::os::unix::fs::FileExt::write_all_at(file, bytes, off)
+                .map_err(|e| Error::io("writing guest memory to the snapshot", e))
+        })?;
     }
     Ok(crc.finalize())
 }
@@ -1040,8 +1054,10 @@ mod tests {
 
     fn free_bytes(p: &Path) -> u64 {
         let c = std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap();
-        // SAFETY: statvfs fills the struct for a valid path.
+        // SAFETY: statvfs is plain old data; all zeroes is a valid value.
         let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: `c` is a NUL-terminated path and `s` outlives the call,
+        // which only fills it.
         assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut s) }, 0);
         s.f_bfree * s.f_frsize
     }

@@ -154,7 +154,7 @@ impl Net {
 
     fn receive(&mut self, queue: &mut Queue, mem: &GuestMem) -> bool {
         let mut used = false;
-        loop {
+        for _ in 0..RX_BATCH {
             let posted = queue
                 .avail_idx(mem, Ordering::Acquire)
                 .is_ok_and(|i| i.0 != queue.next_avail());
