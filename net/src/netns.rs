@@ -77,9 +77,8 @@ impl IfSocket {
             });
         }
         // SAFETY: `fd` was just returned by socket(2) and nobody else owns it.
-        Ok(Self {
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
-        })
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(Self { fd })
     }
 
     fn request(name: &str) -> Option<IfReq> {
