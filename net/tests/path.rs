@@ -634,3 +634,37 @@ fn netlink_detach_after_the_namespace_is_gone_removes_the_pins() {
         .expect("detach");
     assert!(!dir.exists(), "pins removed");
 }
+
+/// `TWIG_NET_ATTACH_MODE` forces the mode, and a bad value is refused. The
+/// environment is read in a child run of this test (`EXPECT` says what the
+/// child must see), so no other test sees it changed.
+#[test]
+fn the_environment_forces_the_attach_mode() {
+    const EXPECT: &str = "TWIG_NET_TEST_EXPECT_MODE";
+    const NAME: &str = "the_environment_forces_the_attach_mode";
+    if let Some(expect) = std::env::var_os(EXPECT) {
+        match (expect.to_str(), twig_net::check_support()) {
+            (Some("netlink"), Ok(AttachMode::Netlink)) | (Some("tcx"), Ok(AttachMode::Tcx)) => {}
+            (Some("error"), Err(e)) => {
+                assert!(e.to_string().contains("expected `tcx` or `netlink`"), "{e}")
+            }
+            (expect, got) => panic!("expected {expect:?}, got {got:?}"),
+        }
+        return;
+    }
+    let exe = std::env::current_exe().expect("test binary");
+    for (value, expect) in [("netlink", "netlink"), ("tcx", "tcx"), ("bpf", "error")] {
+        let out = std::process::Command::new(&exe)
+            .args(["--exact", NAME, "--test-threads", "1"])
+            .env(twig_net::ATTACH_MODE_ENV, value)
+            .env(EXPECT, expect)
+            .output()
+            .expect("run the test binary");
+        assert!(
+            out.status.success() && String::from_utf8_lossy(&out.stdout).contains("1 passed"),
+            "{value}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
