@@ -187,25 +187,36 @@ impl Loader {
             }
             // The config and policy are in place before any frame is seen.
             let (tap_program, veth_program) = tc::two_programs(&mut ebpf, PROG_TAP, PROG_VETH)?;
-            let link_veth = dir.join(LINK_VETH);
-            // Both at once: each attach waits for an RCU grace period (TCX
-            // always, netlink on a new qdisc), and concurrent waits share one.
-            // The second thread inherits this thread's network namespace.
-            let (tap, veth) = std::thread::scope(|scope| {
-                let veth = scope
-                    .spawn(|| tc::attach(veth_program, PROG_VETH, &config.veth, mode, &link_veth));
-                let tap = tc::attach(
-                    tap_program,
-                    PROG_TAP,
-                    &config.tap,
-                    mode,
-                    &dir.join(LINK_TAP),
-                );
-                let veth = veth
-                    .join()
-                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-                (tap, veth)
-            });
+            let (link_tap, link_veth) = (dir.join(LINK_TAP), dir.join(LINK_VETH));
+            let (tap, veth) = match mode {
+                // Each TCX attach waits for an RCU grace period: attach both
+                // at once so the waits overlap. The second thread inherits
+                // this thread's network namespace.
+                AttachMode::Tcx => std::thread::scope(|scope| {
+                    let veth = scope.spawn(|| {
+                        tc::attach(veth_program, PROG_VETH, &config.veth, mode, &link_veth)
+                    });
+                    let tap = tc::attach(tap_program, PROG_TAP, &config.tap, mode, &link_tap);
+                    let veth = veth
+                        .join()
+                        .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+                    (tap, veth)
+                }),
+                // Filters are added without waiting: no second thread.
+                AttachMode::Netlink => {
+                    let tap = tc::attach(tap_program, PROG_TAP, &config.tap, mode, &link_tap);
+                    let veth = match tap {
+                        Ok(_) => {
+                            tc::attach(veth_program, PROG_VETH, &config.veth, mode, &link_veth)
+                        }
+                        Err(_) => Err(Error::Bpf {
+                            what: format!("attaching {PROG_VETH}"),
+                            source: "not tried: the tap's attach failed".into(),
+                        }),
+                    };
+                    (tap, veth)
+                }
+            };
             let mut filters = FilterGuard::new();
             if let Ok(tap) = tap {
                 filters.push(&config.tap, tap);

@@ -10,25 +10,31 @@ use nix::sched::{setns, CloneFlags};
 
 use crate::Error;
 
-/// Runs `work` on a fresh thread that has joined the network namespace open
-/// as `file` (the caller's thread never changes namespace).
+/// Runs `work` in the network namespace open as `file`, on the calling
+/// thread, and moves the thread back to its own namespace afterwards (also
+/// when `work` fails or panics). No thread is spawned: on a busy node every
+/// hand-off to another thread waits for a CPU.
 pub(crate) fn in_netns<T, F>(file: &File, netns: &Path, work: F) -> Result<T, Error>
 where
-    T: Send,
-    F: FnOnce() -> Result<T, Error> + Send,
+    F: FnOnce() -> Result<T, Error>,
 {
-    std::thread::scope(|scope| {
-        let thread = scope.spawn(move || {
-            setns(file, CloneFlags::CLONE_NEWNET).map_err(|e| Error::Netns {
-                path: netns.to_owned(),
-                source: e.into(),
-            })?;
-            work()
-        });
-        thread
-            .join()
-            .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-    })
+    let own = Path::new("/proc/thread-self/ns/net");
+    let home = File::open(own).map_err(|source| Error::Netns {
+        path: own.to_owned(),
+        source,
+    })?;
+    setns(file, CloneFlags::CLONE_NEWNET).map_err(|e| Error::Netns {
+        path: netns.to_owned(),
+        source: e.into(),
+    })?;
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work));
+    if let Err(e) = setns(&home, CloneFlags::CLONE_NEWNET) {
+        // A thread of the node's daemon left in a pod's namespace would do
+        // its later work there: stop rather than go on.
+        tracing::error!(error = %e, "cannot return to the thread's own network namespace");
+        std::process::abort();
+    }
+    result.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
 
 /// Opens the namespace file `netns`.
