@@ -31,6 +31,9 @@ use crate::{Error, POD_OBJECT};
 pub struct Loader {
     mode: AttachMode,
     pool: Mutex<Vec<Ebpf>>,
+    /// Made once: `EbpfLoader::new` parses the kernel's BTF (megabytes, ~10
+    /// ms) even when it is then told not to use it.
+    ebpf_loader: Mutex<EbpfLoader<'static>>,
 }
 
 impl std::fmt::Debug for Loader {
@@ -40,21 +43,6 @@ impl std::fmt::Debug for Loader {
             .field("pooled", &self.pooled())
             .finish()
     }
-}
-
-/// Loads one set: maps created, programs verified.
-fn load_set() -> Result<Ebpf, Error> {
-    // No CO-RE relocations: skip parsing the kernel's BTF.
-    let mut ebpf = EbpfLoader::new()
-        .btf(None)
-        .load(POD_OBJECT)
-        .context(|| "loading the eBPF object (maps)".into())?;
-    for name in [PROG_TAP, PROG_VETH] {
-        tc::program(&mut ebpf, name)?
-            .load()
-            .context(|| format!("loading program {name} (verifier)"))?;
-    }
-    Ok(ebpf)
 }
 
 impl Loader {
@@ -71,10 +59,30 @@ impl Loader {
     }
 
     fn unchecked(mode: AttachMode) -> Self {
+        let mut ebpf_loader = EbpfLoader::new();
+        // No CO-RE relocations: the kernel's BTF is not needed.
+        ebpf_loader.btf(None);
         Self {
             mode,
             pool: Mutex::new(Vec::new()),
+            ebpf_loader: Mutex::new(ebpf_loader),
         }
+    }
+
+    /// Loads one set: maps created, programs verified.
+    fn load_set(&self) -> Result<Ebpf, Error> {
+        let mut ebpf = self
+            .ebpf_loader
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .load(POD_OBJECT)
+            .context(|| "loading the eBPF object (maps)".into())?;
+        for name in [PROG_TAP, PROG_VETH] {
+            tc::program(&mut ebpf, name)?
+                .load()
+                .context(|| format!("loading program {name} (verifier)"))?;
+        }
+        Ok(ebpf)
     }
 
     /// How this loader attaches programs.
@@ -94,7 +102,7 @@ impl Loader {
     /// loading, so attaches go on meanwhile).
     pub fn preload(&self, count: usize) -> Result<(), Error> {
         while self.pooled() < count {
-            let set = load_set()?;
+            let set = self.load_set()?;
             self.pool
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
@@ -113,7 +121,7 @@ impl Loader {
             Some(set) => Ok(set),
             None => {
                 tracing::debug!("twig-net pool empty: loading a set on the pod's path");
-                load_set()
+                self.load_set()
             }
         }
     }
