@@ -46,8 +46,8 @@ impl std::fmt::Debug for Loader {
 }
 
 impl Loader {
-    /// A loader in the mode [`check_support`] picks (TCX when the kernel has
-    /// it, netlink tc filters otherwise; `TWIG_NET_ATTACH_MODE` forces one).
+    /// A loader in the mode [`check_support`] picks (netlink tc filters, or
+    /// TCX links when `TWIG_NET_ATTACH_MODE` asks for them).
     /// Fails if the kernel cannot run the path.
     pub fn new() -> Result<Self, Error> {
         Ok(Self::unchecked(check_support()?))

@@ -63,9 +63,9 @@ impl std::fmt::Display for AttachMode {
     }
 }
 
-/// Checks the kernel and returns the attach mode to use: TCX when the kernel
-/// has it (6.6+), netlink tc filters otherwise; [`ATTACH_MODE_ENV`] forces
-/// one. Fails with [`Error::Unsupported`] unless the kernel can load tc
+/// Checks the kernel and returns the attach mode to use: netlink tc filters
+/// (any kernel; set-up well under a millisecond), or TCX links (6.6+) when
+/// [`ATTACH_MODE_ENV`] asks for them. Fails with [`Error::Unsupported`] unless the kernel can load tc
 /// programs and create LPM-trie and per-CPU array maps. Callers run it at
 /// start: a node that cannot enforce the policy must refuse pods, not run
 /// them with an open network.
@@ -73,8 +73,8 @@ pub fn check_support() -> Result<AttachMode, Error> {
     check_support_with(AttachMode::from_env()?)
 }
 
-/// [`check_support`] with the mode chosen by the caller (`None`: the kernel's
-/// best). Asking for [`AttachMode::Tcx`] on a kernel before 6.6 fails.
+/// [`check_support`] with the mode chosen by the caller (`None`: netlink).
+/// Asking for [`AttachMode::Tcx`] on a kernel before 6.6 fails.
 pub fn check_support_with(requested: Option<AttachMode>) -> Result<AttachMode, Error> {
     let version = KernelVersion::current()
         .map_err(|e| Error::Unsupported(format!("cannot read the kernel version: {e}")))?;
@@ -86,7 +86,6 @@ pub fn check_support_with(requested: Option<AttachMode>) -> Result<AttachMode, E
             )))
         }
         Some(mode) => mode,
-        None if has_tcx => AttachMode::Tcx,
         None => AttachMode::Netlink,
     };
     match is_program_supported(ProgramType::SchedClassifier) {

@@ -510,16 +510,16 @@ in_both_modes!(
 );
 
 #[test]
-fn the_default_mode_is_tcx_on_this_kernel_and_netlink_can_be_forced() {
+fn the_default_mode_is_netlink_and_tcx_can_be_asked_for() {
     assert_eq!(
         twig_net::check_support_with(None).expect("supported"),
-        AttachMode::Tcx
-    );
-    assert_eq!(
-        twig_net::check_support_with(Some(AttachMode::Netlink)).expect("supported"),
         AttachMode::Netlink
     );
-    assert_eq!(loader(AttachMode::Netlink).mode(), AttachMode::Netlink);
+    assert_eq!(
+        twig_net::check_support_with(Some(AttachMode::Tcx)).expect("supported"),
+        AttachMode::Tcx
+    );
+    assert_eq!(loader(AttachMode::Tcx).mode(), AttachMode::Tcx);
 }
 
 #[test]
