@@ -97,18 +97,9 @@ impl VmSandbox {
             .map_err(|e| Error::io(format!("writing {}/vmm.pid", state_dir.display()), e))?;
         let timeout = Duration::from_secs(config.call_timeout_s);
         let mut guard = KillOnDrop(Some(child));
-        let mut api =
-            Client::connect(&api_sock, timeout).map_err(vmm_error("connecting to twig-vmm"))?;
         let started = Instant::now();
-        api.restore(&t.dir, timeout).map_err(vmm_error(format!(
-            "restoring the template {}",
-            t.dir.display()
-        )))?;
-        // A connection made while the restored guest is still handling the
-        // vsock transport reset that every restore sends is reset with it:
-        // retry the handshake and a ping until the agent answers.
-        let agent = AgentClient::wait_ready(&vsock, twig_agent::AGENT_VSOCK_PORT, timeout)
-            .map_err(|e| Error::agent("waiting for the agent of the restored VM", e))?;
+        let (api, agent) = Self::restore(&t.dir, &api_sock, &vsock, timeout)
+            .map_err(|e| with_vm_logs(e, state_dir))?;
         tracing::info!(pid, elapsed = ?started.elapsed(), "sandbox VM restored, agent answers");
         Ok(VmSandbox {
             vmm: Mutex::new(Vmm {
@@ -119,6 +110,28 @@ impl VmSandbox {
             slots: Mutex::new(vec![false; config.disk_slots]),
             timeout,
         })
+    }
+
+    /// Restores `template` into the VMM serving `api_sock` and waits for
+    /// its agent on `vsock`.
+    fn restore(
+        template: &Path,
+        api_sock: &Path,
+        vsock: &Path,
+        timeout: Duration,
+    ) -> Result<(Client, AgentClient)> {
+        let mut api =
+            Client::connect(api_sock, timeout).map_err(vmm_error("connecting to twig-vmm"))?;
+        api.restore(template, timeout).map_err(vmm_error(format!(
+            "restoring the template {}",
+            template.display()
+        )))?;
+        // A connection made while the restored guest is still handling the
+        // vsock transport reset that every restore sends is reset with it:
+        // retry the handshake and a ping until the agent answers.
+        let agent = AgentClient::wait_ready(vsock, twig_agent::AGENT_VSOCK_PORT, timeout)
+            .map_err(|e| Error::agent("waiting for the agent of the restored VM", e))?;
+        Ok((api, agent))
     }
 
     fn vmm(&self) -> MutexGuard<'_, Vmm> {
@@ -350,6 +363,37 @@ pub fn ensure_template(config: &Config, state_dir: &Path) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// Lines of each log a failed VM start quotes.
+const LOG_TAIL_LINES: usize = 12;
+
+/// `e` with the end of the VMM's log and of the guest's console appended,
+/// so the error containerd shows says why the VM did not come up (the state
+/// directory holding the logs goes with the failed task).
+fn with_vm_logs(e: Error, state_dir: &Path) -> Error {
+    let tail = |name: &str| {
+        let text = std::fs::read(state_dir.join(name)).unwrap_or_default();
+        let text = String::from_utf8_lossy(&text);
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(LOG_TAIL_LINES)..].join(" | ")
+    };
+    let logs = format!(
+        " [twig-vmm log: {}] [guest console: {}]",
+        tail("vmm.log"),
+        tail("serial.log")
+    );
+    match e {
+        Error::Agent { what, source } => Error::Agent {
+            what: what + &logs,
+            source,
+        },
+        Error::Vmm { what, source } => Error::Vmm {
+            what: what + &logs,
+            source,
+        },
+        other => other,
+    }
 }
 
 #[cfg(test)]
