@@ -17,7 +17,7 @@
 
 use crate::error::{ctx, Error, Result};
 use crate::filter::Filter;
-use crate::fsops::{self, CloneMode};
+use twig_store::fsops::{self, CloneMode};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{self, File, OpenOptions};

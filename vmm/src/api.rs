@@ -3,11 +3,13 @@
 //!
 //! ```text
 //! {"op":"boot","kernel":"/path/vmlinux","initrd":"/path/initrd","cmdline":"console=ttyS0","mem_mib":128,"vcpus":1}
-//! {"op":"restore","dir":"/snapshots/a"}
+//! {"op":"restore","dir":"/store/snapshots/a"}
 //! {"op":"pause"}  {"op":"resume"}  {"op":"stats"}  {"op":"shutdown"}
-//! {"op":"snapshot","dir":"/snapshots/b","kind":"incremental"}
-//! {"op":"rollback","dir":"/snapshots/a"}
+//! {"op":"snapshot","dir":"/store/tmp/<lease>/b","kind":"incremental"}
+//! {"op":"rollback","dir":"/store/snapshots/a"}
 //! ```
+//! A snapshot is written into a staging directory the node store handed out
+//! (`twig_store::NodeStore::stage`); the store publishes it.
 //! Every response is `{"ok":true,"result":…}` or `{"ok":false,"error":"…"}`.
 //!
 //! The VM gets the devices the server was started with (`--disk`, `--tap`,
@@ -61,7 +63,7 @@ pub enum Request {
     Pause {},
     /// Run the vCPUs.
     Resume {},
-    /// Snapshot into a new directory.
+    /// Snapshot into a staging directory of the node store.
     Snapshot {
         dir: PathBuf,
         #[serde(default = "default_kind")]

@@ -49,6 +49,9 @@ pub enum Error {
     NotReady(String),
     #[error("rollback refused, the VM keeps running on its previous state: {0}")]
     Rollback(Box<Error>),
+    /// The node store refused or failed an operation (staging, publishing).
+    #[error("node store: {0}")]
+    Store(#[from] twig_store::Error),
 }
 
 impl Error {

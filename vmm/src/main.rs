@@ -15,9 +15,9 @@ use twig_vmm::{DeviceConfig, DiskConfig, NetConfig, Result, SerialOut, Shape, Vm
 /// `socat - UNIX-CONNECT:/run/vm.sock`:
 ///
 ///   {"op":"boot","kernel":"vmlinux","cmdline":"console=ttyS0","mem_mib":128}
-///   {"op":"snapshot","dir":"/var/lib/twig/s1","kind":"full"}
-///   {"op":"rollback","dir":"/var/lib/twig/s1"}
-///   {"op":"restore","dir":"/var/lib/twig/s1"}   (in a fresh process)
+///   {"op":"snapshot","dir":"/var/lib/twig/vm/tmp/<lease>/s1","kind":"full"}  (a staging dir)
+///   {"op":"rollback","dir":"/var/lib/twig/vm/snapshots/s1"}
+///   {"op":"restore","dir":"/var/lib/twig/vm/snapshots/s1"}   (in a fresh process)
 ///   {"op":"pause"} {"op":"resume"} {"op":"stats"} {"op":"shutdown"}
 ///
 /// Answers are {"ok":true,"result":…} or {"ok":false,"error":"…"}.
@@ -55,7 +55,8 @@ enum Cmd {
     /// `--ready-port` (twig-agent listens on 1024), pause, and take a full
     /// snapshot into DIR. VMs restored from DIR start with the agent ready.
     Template {
-        /// The new snapshot directory.
+        /// The new snapshot directory, `<store>/snapshots/<id>`: staged and
+        /// published in the node store at `<store>` (created if needed).
         dir: PathBuf,
         /// The guest kernel (ELF vmlinux or bzImage).
         #[arg(long)]
@@ -235,10 +236,14 @@ fn run(cli: Cli) -> Result<()> {
             let serial = serial_factory(serial)()?;
             let mut vm = Vm::create_with(Shape::new(mem_mib, vcpus), serial, &devices)?;
             vm.boot_linux(&kernel, initrd.as_deref(), &cmdline)?;
+            let (root, id) = twig_store::layout::locate(&dir)?;
+            let store = twig_store::NodeStore::open(&root, true)?;
+            let staging = store.stage(&id)?;
             let probe = Duration::from_secs(2);
-            let info = vm.template(&dir, Duration::from_secs(timeout_s), || {
+            let info = vm.template(staging.dir(), Duration::from_secs(timeout_s), || {
                 vsock::host_connect(&vsock.uds_path, ready_port, probe).is_ok()
             })?;
+            staging.publish()?;
             println!(
                 "{}",
                 serde_json::to_string_pretty(&info).unwrap_or_default()

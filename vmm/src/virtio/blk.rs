@@ -164,7 +164,7 @@ impl DiskFile {
         let copied = r
             .file
             .as_ref()
-            .map_or(Ok(()), |f| snapshot::copy_file(&from, f));
+            .map_or(Ok(()), |f| twig_store::fsops::copy_file(&from, f).map(drop));
         copied.map_err(|e| {
             Error::io(
                 format!("copying {} to {}", src.display(), r.holder.display()),
