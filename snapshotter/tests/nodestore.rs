@@ -1,11 +1,12 @@
-//! The VM snapshot node store, on a loop-mounted XFS (and a refusal on ext4).
+//! The VM snapshot node store (twig-store), on a loop-mounted XFS, btrfs
+//! (and a refusal on ext4): the filesystems a node runs it on.
 
 mod common;
 
 use common::LoopFs;
 use std::fs;
 use std::io::Write;
-use twig_snapshotter::{Artefact, CloneMode, Error, NodeStore};
+use twig_store::{Artefact, CloneMode, Draft, Error, Kind, NodeStore};
 
 fn write_pattern(path: &std::path::Path, mib: usize, byte: u8) {
     let mut f = fs::File::create(path).unwrap();
@@ -27,17 +28,20 @@ fn stage_publish_clone_account_delete() {
     let mut staging = store.stage("tpl-1").expect("stage");
     write_pattern(&staging.path(Artefact::Memory), 8, 0x3e);
     staging.put_bytes(Artefact::State, b"vcpu state").unwrap();
-    staging.put_file(Artefact::Disk, &pod_disk).unwrap();
+    staging.put_file(Artefact::Disk(0), &pod_disk).unwrap();
     staging.set_label("twig.dev/pod", "default/agent-0");
     assert!(
         matches!(store.get("tpl-1"), Err(Error::NotFound(_))),
         "a staged snapshot must not be visible"
     );
     assert!(store.list().unwrap().is_empty());
+    assert!(staging.dir().ends_with("tpl-1"), "named by the id");
     let snap = staging.publish().expect("publish");
+    assert_eq!(snap.dir(), store.snapshot_dir("tpl-1"));
+    assert_eq!(snap.kind, Kind::Full);
     assert_eq!(snap.artefacts[&Artefact::Memory], 8 << 20);
     assert_eq!(snap.artefacts[&Artefact::State], 10);
-    assert_eq!(snap.artefacts[&Artefact::Disk], 16 << 20);
+    assert_eq!(snap.artefacts[&Artefact::Disk(0)], 16 << 20);
     assert_eq!(snap.labels["twig.dev/pod"], "default/agent-0");
     assert_eq!(store.get("tpl-1").unwrap(), snap);
     assert_eq!(
@@ -62,28 +66,29 @@ fn stage_publish_clone_account_delete() {
     child.put_bytes(Artefact::Memory, &[1u8; 4096]).unwrap();
     let child = child.publish().unwrap();
     assert_eq!(child.parent.as_deref(), Some("tpl-1"));
+    assert_eq!(child.kind, Kind::Full, "no draft, no set_kind");
     assert_eq!(
         store
             .list()
             .unwrap()
             .iter()
-            .map(|s| s.name.as_str())
+            .map(|s| s.id.as_str())
             .collect::<Vec<_>>(),
         ["tpl-1", "tpl-1.snap-1"]
     );
     for i in 0..10 {
         let dest = xfs.path().join(format!("pod-{i}.img"));
-        store.reflink_out("tpl-1", Artefact::Disk, &dest).unwrap();
+        store.reflink_out("tpl-1", Artefact::Disk(0), &dest).unwrap();
         assert_eq!(fs::metadata(&dest).unwrap().len(), 16 << 20);
     }
     assert!(matches!(
-        store.reflink_out("tpl-1.snap-1", Artefact::Disk, &xfs.path().join("x")),
+        store.reflink_out("tpl-1.snap-1", Artefact::Disk(0), &xfs.path().join("x")),
         Err(Error::NotFound(_))
     ));
     let pods: Vec<_> = (0..10)
         .map(|i| xfs.path().join(format!("pod-{i}.img")))
         .collect();
-    let pods_usage = twig_snapshotter::fsops::usage_of(pods.iter().map(|p| p.as_path())).unwrap();
+    let pods_usage = twig_store::fsops::usage_of(pods.iter().map(|p| p.as_path())).unwrap();
     assert_eq!(pods_usage.allocated_bytes, 160 << 20);
     assert!(
         pods_usage.unique_bytes <= 16 << 20,
@@ -143,6 +148,61 @@ fn crash_leftovers_are_cleaned_but_live_staging_is_not() {
     ));
 }
 
+/// What a writer in another process (twig-vmm) leaves in its staging
+/// directory decides what is published: its draft manifest gives the parent
+/// and kind; anything outside the layout is refused and nothing is visible.
+#[test]
+fn a_writers_draft_is_checked_and_foreign_files_are_refused() {
+    let xfs = LoopFs::xfs(320);
+    let store = NodeStore::open(&xfs.path().join("vm"), false).unwrap();
+    let mut base = store.stage("base").unwrap();
+    base.put_bytes(Artefact::State, b"s").unwrap();
+    base.publish().unwrap();
+
+    let draft = |id: &str, parent: Option<&str>, kind| Draft {
+        id: id.into(),
+        parent: parent.map(str::to_string),
+        kind,
+    };
+    // A draft naming another id, or a parent the store lacks, is refused.
+    for (d, why) in [
+        (draft("other", Some("base"), Kind::Incremental), "id"),
+        (draft("c", Some("gone"), Kind::Incremental), "gone"),
+        (draft("c", None, Kind::Incremental), "needs a parent"),
+    ] {
+        let mut c = store.stage("c").unwrap();
+        c.put_bytes(Artefact::Memory, &[1u8; 4096]).unwrap();
+        d.write(c.dir()).unwrap();
+        let e = c.publish().unwrap_err().to_string();
+        assert!(e.contains(why), "{why}: {e}");
+        assert!(matches!(store.get("c"), Err(Error::NotFound(_))));
+    }
+    // A file outside the layout (or a misspelt disk) is refused.
+    for name in ["disk.img", "disk01", "notes"] {
+        let mut c = store.stage("c").unwrap();
+        c.put_bytes(Artefact::State, b"s").unwrap();
+        fs::write(c.dir().join(name), b"x").unwrap();
+        let e = c.publish().unwrap_err().to_string();
+        assert!(e.contains("is not an artefact"), "{name}: {e}");
+    }
+    // The staging and the draft must agree.
+    let mut c = store.stage("c").unwrap();
+    c.put_bytes(Artefact::State, b"s").unwrap();
+    c.set_kind(Kind::Full);
+    draft("c", Some("base"), Kind::Incremental).write(c.dir()).unwrap();
+    assert!(c.publish().unwrap_err().to_string().contains("disagree"));
+    // A good draft: parent and kind recorded; the parent is then pinned.
+    let mut c = store.stage("c").unwrap();
+    c.put_bytes(Artefact::Memory, &[1u8; 4096]).unwrap();
+    c.put_bytes(Artefact::Disk(3), &[2u8; 512]).unwrap();
+    draft("c", Some("base"), Kind::Incremental).write(c.dir()).unwrap();
+    let c = c.publish().unwrap();
+    assert_eq!((c.parent.as_deref(), c.kind), (Some("base"), Kind::Incremental));
+    assert_eq!(c.artefacts.keys().copied().collect::<Vec<_>>(), [Artefact::Memory, Artefact::Disk(3)]);
+    assert!(matches!(store.delete("base"), Err(Error::FailedPrecondition(_))));
+    assert_eq!(fs::read_dir(xfs.path().join("vm/tmp")).unwrap().count(), 0);
+}
+
 #[test]
 fn refuses_ext4_without_allow_copy() {
     let ext4 = LoopFs::ext4(64);
@@ -161,10 +221,10 @@ fn refuses_ext4_without_allow_copy() {
     let store = NodeStore::open(&root, true).unwrap();
     assert_eq!(store.clone_mode(), CloneMode::Copy);
     let mut s = store.stage("a").unwrap();
-    s.put_bytes(Artefact::Disk, &[9u8; 8192]).unwrap();
+    s.put_bytes(Artefact::Disk(0), &[9u8; 8192]).unwrap();
     s.publish().unwrap();
     let dest = ext4.path().join("copy.img");
-    store.reflink_out("a", Artefact::Disk, &dest).unwrap();
+    store.reflink_out("a", Artefact::Disk(0), &dest).unwrap();
     assert_eq!(fs::read(&dest).unwrap(), vec![9u8; 8192]);
 }
 

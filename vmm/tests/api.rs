@@ -112,14 +112,20 @@ fn boot_snapshot_rollback_restore_over_the_api() {
     wait_file(&d.path().join("a.serial"), "B");
     let e = a.err(&json!({"op":"boot","kernel":kernel}).to_string());
     assert!(e.contains("already has a VM"), "{e}");
-    let s1 = d.path().join("s1");
-    let r = a.ok(json!({"op":"snapshot","dir":s1,"kind":"full"}));
+    // The shim's way: the node store hands out a staging directory, the
+    // VMM writes into it, the store publishes.
+    let store = twig_store::NodeStore::open(&d.path().join("store"), true).unwrap();
+    let staging = store.stage("s1").unwrap();
+    let r = a.ok(json!({"op":"snapshot","dir":staging.dir(),"kind":"full"}));
     assert_eq!(r["kind"], "full");
-    let r = a.ok(json!({"op":"snapshot","dir":d.path().join("s2"),"kind":"incremental"}));
-    assert_eq!(
-        r["parent"],
-        json!(twig_vmm::snapshot::read_state(&s1).unwrap().meta.id)
-    );
+    assert_eq!(r["id"], "s1");
+    let s1 = staging.publish().unwrap().dir().to_path_buf();
+    let staging = store.stage("s2").unwrap();
+    let r = a.ok(json!({"op":"snapshot","dir":staging.dir(),"kind":"incremental"}));
+    assert_eq!(r["parent"], "s1");
+    let s2 = staging.publish().unwrap();
+    assert_eq!(s2.parent.as_deref(), Some("s1"));
+    assert_eq!(s2.kind, twig_store::Kind::Incremental);
     let r = a.ok(json!({"op":"rollback","dir":s1}));
     assert_eq!(r["remapped"], false);
     a.ok(json!({"op":"pause"}));
@@ -142,10 +148,7 @@ fn boot_snapshot_rollback_restore_over_the_api() {
     b.ok(json!({"op":"restore","dir":s1}));
     let st = b.ok(json!({"op":"stats"}));
     assert_eq!(st["state"], "running");
-    assert_eq!(
-        st["baseline"],
-        json!(twig_vmm::snapshot::read_state(&s1).unwrap().meta.id)
-    );
+    assert_eq!(st["baseline"], "s1");
     b.shutdown();
     a.shutdown();
 
@@ -171,8 +174,10 @@ fn disks_and_devices_from_the_command_line_follow_snapshots() {
     );
     a.ok(json!({"op":"boot","kernel":kernel,"mem_mib":MIB}));
     wait_file(&d.path().join("a.serial"), "B");
-    let s1 = d.path().join("s1");
-    a.ok(json!({"op":"snapshot","dir":s1,"kind":"full"}));
+    let store = twig_store::NodeStore::open(&d.path().join("store"), true).unwrap();
+    let staging = store.stage("s1").unwrap();
+    a.ok(json!({"op":"snapshot","dir":staging.dir(),"kind":"full"}));
+    let s1 = staging.publish().unwrap().dir().to_path_buf();
     assert!(std::fs::read(s1.join("disk0")).unwrap() == std::fs::read(&rw).unwrap());
     assert!(!s1.join("disk1").exists());
     a.shutdown();
@@ -326,46 +331,48 @@ fn a_vmm_killed_mid_snapshot_leaves_no_valid_looking_snapshot() {
     require_kvm();
     let d = tmp();
     let kernel = twig_vmm::testguest::write_to(d.path()).unwrap();
-    let snaps = d.path().join("snaps");
-    std::fs::create_dir(&snaps).unwrap();
+    let root = d.path().join("store");
+    let store = twig_store::NodeStore::open(&root, true).unwrap();
     let mut a = Vmm::start(d.path(), "a", &[]);
     a.ok(json!({"op":"boot","kernel":kernel,"mem_mib":2048}));
-    let target = snaps.join("big");
+    let staging = store.stage("big").unwrap();
     writeln!(
         a.conn.get_mut(),
         "{}",
-        json!({"op":"snapshot","dir":target,"kind":"full"})
+        json!({"op":"snapshot","dir":staging.dir(),"kind":"full"})
     )
     .unwrap();
     // Kill the VMM as soon as the snapshot is being written.
     let deadline = Instant::now() + T;
-    loop {
-        let staging = std::fs::read_dir(&snaps)
-            .unwrap()
-            .filter_map(|e| e.ok())
-            .any(|e| e.file_name().to_string_lossy().starts_with(".twig-tmp"));
-        if staging || target.exists() {
-            break;
-        }
+    while !staging.dir().join("memory").exists() {
         assert!(Instant::now() < deadline, "the snapshot never started");
         std::thread::yield_now();
     }
     a.child.kill().unwrap();
     a.child.wait().unwrap();
-    // Either the snapshot was published whole, or it is not there at all;
-    // debris is only ever a hidden staging directory.
-    if target.exists() {
-        twig_vmm::snapshot::verify(&target).unwrap();
+    // The VMM publishes nothing itself: the store does, when the writer
+    // answers. Its draft manifest, written last, says whether it finished.
+    let finished = staging
+        .dir()
+        .join(twig_store::layout::MANIFEST)
+        .exists();
+    assert!(store.list().unwrap().is_empty(), "nothing published");
+    assert!(matches!(
+        store.get("big"),
+        Err(twig_store::Error::NotFound(_))
+    ));
+    if finished {
+        let s = staging.publish().unwrap();
+        twig_vmm::snapshot::verify(s.dir()).unwrap();
     } else {
-        let e = twig_vmm::snapshot::verify(&target).unwrap_err().to_string();
+        // The shim never got an answer: the staging is dropped.
+        drop(staging);
+        assert!(store.list().unwrap().is_empty());
+        assert_eq!(std::fs::read_dir(root.join("tmp")).unwrap().count(), 0);
+        let e = twig_vmm::snapshot::verify(&store.snapshot_dir("big"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("cannot open the state file"), "{e}");
-    }
-    for e in std::fs::read_dir(&snaps).unwrap().filter_map(|e| e.ok()) {
-        let name = e.file_name().to_string_lossy().to_string();
-        assert!(
-            name == "big" || name.starts_with(".twig-tmp-big-"),
-            "{name}"
-        );
     }
 }
 

@@ -65,7 +65,7 @@ fn snapshots_carry_read_write_disks_through_rollback_restore_and_clone() {
     let mut g = boot_with(d.path(), MIB, 1, &disks(&rw, &ro));
     dirty(&mut g.vm, 0, 4, 100);
     let s = snap(d.path(), "s");
-    g.vm.snapshot(&s, Kind::Full).unwrap();
+    take(&mut g.vm, &s, Kind::Full).unwrap();
     let want = std::fs::read(&rw).unwrap();
     assert!(std::fs::read(s.join("disk0")).unwrap() == want, "disk0");
     assert!(!s.join("disk1").exists(), "read-only disks are not copied");
@@ -139,7 +139,7 @@ fn restoring_into_a_vm_with_other_devices_is_refused() {
     let ro = image(d.path().join("ro.img"), 2, 64 * 1024);
     let mut g = boot_with(d.path(), MIB, 1, &disks(&rw, &ro));
     let s = snap(d.path(), "s");
-    g.vm.snapshot(&s, Kind::Full).unwrap();
+    take(&mut g.vm, &s, Kind::Full).unwrap();
     let restore = |devices: &DeviceConfig| {
         let mut vm =
             Vm::create_with(Shape::new(MIB, 1), Box::new(std::io::sink()), devices).unwrap();
@@ -181,9 +181,9 @@ fn a_rollback_whose_disk_copy_fails_leaves_the_vm_and_its_disk_as_they_were() {
     let mut g = boot_with(d.path(), MIB, 1, &disks(&rw, &ro));
     dirty(&mut g.vm, 0, 4, 100);
     let s1 = snap(d.path(), "s1");
-    g.vm.snapshot(&s1, Kind::Full).unwrap();
+    take(&mut g.vm, &s1, Kind::Full).unwrap();
     let s2 = snap(d.path(), "s2");
-    g.vm.snapshot(&s2, Kind::Incremental).unwrap();
+    take(&mut g.vm, &s2, Kind::Incremental).unwrap();
     write_at(&rw, 0, b"live-state");
     dirty(&mut g.vm, 0, 4, 300);
     let live = std::fs::read(&rw).unwrap();
