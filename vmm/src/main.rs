@@ -227,6 +227,7 @@ fn run(cli: Cli) -> Result<()> {
             timeout_s,
             devices,
         } => {
+            let (root, id) = twig_store::layout::locate(&dir)?;
             let devices = devices.config();
             let Some(vsock) = devices.vsock.clone() else {
                 return Err(twig_vmm::Error::Config(
@@ -236,7 +237,6 @@ fn run(cli: Cli) -> Result<()> {
             let serial = serial_factory(serial)()?;
             let mut vm = Vm::create_with(Shape::new(mem_mib, vcpus), serial, &devices)?;
             vm.boot_linux(&kernel, initrd.as_deref(), &cmdline)?;
-            let (root, id) = twig_store::layout::locate(&dir)?;
             let store = twig_store::NodeStore::open(&root, true)?;
             let staging = store.stage(&id)?;
             let probe = Duration::from_secs(2);

@@ -389,9 +389,15 @@ fn template_refuses_without_vsock_and_fails_when_the_guest_never_listens() {
             .output()
             .unwrap()
     };
-    let tpl = d.path().join("tpl");
+    let tpl = d.path().join("store/snapshots/tpl");
     let kernel = kernel.to_str().unwrap();
     let tpl_s = tpl.to_str().unwrap();
+
+    // A template lands in a node store: <store>/snapshots/<id>.
+    let o = out(&[d.path().join("tpl").to_str().unwrap(), "--kernel", kernel]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("not a snapshot directory of a store"), "{err}");
 
     let o = out(&[tpl_s, "--kernel", kernel, "--mem-mib", "64"]);
     assert!(!o.status.success());
@@ -419,4 +425,9 @@ fn template_refuses_without_vsock_and_fails_when_the_guest_never_listens() {
     assert!(err.contains("not ready within"), "{err}");
     assert!(t.elapsed() < std::time::Duration::from_secs(30));
     assert!(!tpl.exists(), "nothing is written");
+    assert_eq!(
+        std::fs::read_dir(d.path().join("store/tmp")).unwrap().count(),
+        0,
+        "nor staged"
+    );
 }
