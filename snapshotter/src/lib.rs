@@ -15,8 +15,8 @@ pub mod service;
 pub mod store;
 
 pub use error::{Error, Result};
-pub use twig_store::fsops::{CloneMode, Usage};
 pub use store::{block_image, Info, Kind, Mount, SnapshotStore, StoreOptions};
+pub use twig_store::fsops::{CloneMode, Usage};
 
 /// Generated gRPC bindings of containerd's snapshots API (client and server).
 pub mod api {

@@ -78,7 +78,9 @@ fn stage_publish_clone_account_delete() {
     );
     for i in 0..10 {
         let dest = xfs.path().join(format!("pod-{i}.img"));
-        store.reflink_out("tpl-1", Artefact::Disk(0), &dest).unwrap();
+        store
+            .reflink_out("tpl-1", Artefact::Disk(0), &dest)
+            .unwrap();
         assert_eq!(fs::metadata(&dest).unwrap().len(), 16 << 20);
     }
     assert!(matches!(
@@ -189,17 +191,30 @@ fn a_writers_draft_is_checked_and_foreign_files_are_refused() {
     let mut c = store.stage("c").unwrap();
     c.put_bytes(Artefact::State, b"s").unwrap();
     c.set_kind(Kind::Full);
-    draft("c", Some("base"), Kind::Incremental).write(c.dir()).unwrap();
+    draft("c", Some("base"), Kind::Incremental)
+        .write(c.dir())
+        .unwrap();
     assert!(c.publish().unwrap_err().to_string().contains("disagree"));
     // A good draft: parent and kind recorded; the parent is then pinned.
     let mut c = store.stage("c").unwrap();
     c.put_bytes(Artefact::Memory, &[1u8; 4096]).unwrap();
     c.put_bytes(Artefact::Disk(3), &[2u8; 512]).unwrap();
-    draft("c", Some("base"), Kind::Incremental).write(c.dir()).unwrap();
+    draft("c", Some("base"), Kind::Incremental)
+        .write(c.dir())
+        .unwrap();
     let c = c.publish().unwrap();
-    assert_eq!((c.parent.as_deref(), c.kind), (Some("base"), Kind::Incremental));
-    assert_eq!(c.artefacts.keys().copied().collect::<Vec<_>>(), [Artefact::Memory, Artefact::Disk(3)]);
-    assert!(matches!(store.delete("base"), Err(Error::FailedPrecondition(_))));
+    assert_eq!(
+        (c.parent.as_deref(), c.kind),
+        (Some("base"), Kind::Incremental)
+    );
+    assert_eq!(
+        c.artefacts.keys().copied().collect::<Vec<_>>(),
+        [Artefact::Memory, Artefact::Disk(3)]
+    );
+    assert!(matches!(
+        store.delete("base"),
+        Err(Error::FailedPrecondition(_))
+    ));
     assert_eq!(fs::read_dir(xfs.path().join("vm/tmp")).unwrap().count(), 0);
 }
 

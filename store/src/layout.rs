@@ -228,7 +228,9 @@ mod tests {
         ] {
             assert_eq!(Artefact::from_file_name(&a.file_name()), Some(a));
         }
-        for bad in ["disk", "disk01", "disk+1", "disk-1", "disk.img", MANIFEST, "x"] {
+        for bad in [
+            "disk", "disk01", "disk+1", "disk-1", "disk.img", MANIFEST, "x",
+        ] {
             assert_eq!(Artefact::from_file_name(bad), None, "{bad}");
         }
     }

@@ -63,7 +63,8 @@ impl NodeStore {
     /// Opens (creating if needed) the store at `root`. Refuses a filesystem
     /// without reflink unless `allow_copy`. Removes abandoned staging.
     pub fn open(root: &Path, allow_copy: bool) -> Result<NodeStore> {
-        let root = std::path::absolute(root).map_err(ctx(format!("resolving {}", root.display())))?;
+        let root =
+            std::path::absolute(root).map_err(ctx(format!("resolving {}", root.display())))?;
         for dir in [root.join(SNAPSHOTS_DIR), root.join(TMP_DIR)] {
             fs::create_dir_all(&dir).map_err(ctx(format!("creating {}", dir.display())))?;
         }
@@ -409,7 +410,8 @@ impl Staging<'_> {
     /// Anything else there (but the manifest) is refused.
     fn artefacts(&self) -> Result<BTreeMap<String, u64>> {
         let mut artefacts = BTreeMap::new();
-        let entries = fs::read_dir(&self.dir).map_err(ctx(format!("reading {}", self.dir.display())))?;
+        let entries =
+            fs::read_dir(&self.dir).map_err(ctx(format!("reading {}", self.dir.display())))?;
         for entry in entries {
             let entry = entry.map_err(ctx(format!("reading {}", self.dir.display())))?;
             let name = entry.file_name().to_string_lossy().into_owned();
@@ -417,7 +419,8 @@ impl Staging<'_> {
                 continue;
             }
             let path = entry.path();
-            let meta = fs::symlink_metadata(&path).map_err(ctx(format!("inspecting {}", path.display())))?;
+            let meta = fs::symlink_metadata(&path)
+                .map_err(ctx(format!("inspecting {}", path.display())))?;
             if Artefact::from_file_name(&name).is_none() || !meta.is_file() {
                 return Err(Error::InvalidArgument(format!(
                     "VM snapshot {:?}: {name:?} is not an artefact (memory, state, disk<i> files)",

@@ -638,8 +638,7 @@ impl Image {
                         ),
                     ));
                 }
-                if theirs.mem_size != state.meta.mem_size || theirs.root_id != state.meta.root_id
-                {
+                if theirs.mem_size != state.meta.mem_size || theirs.root_id != state.meta.root_id {
                     return Err(Error::snapshot(dir, "parent belongs to another VM lineage"));
                 }
                 Some(parent)

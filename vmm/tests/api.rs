@@ -352,10 +352,7 @@ fn a_vmm_killed_mid_snapshot_leaves_no_valid_looking_snapshot() {
     a.child.wait().unwrap();
     // The VMM publishes nothing itself: the store does, when the writer
     // answers. Its draft manifest, written last, says whether it finished.
-    let finished = staging
-        .dir()
-        .join(twig_store::layout::MANIFEST)
-        .exists();
+    let finished = staging.dir().join(twig_store::layout::MANIFEST).exists();
     assert!(store.list().unwrap().is_empty(), "nothing published");
     assert!(matches!(
         store.get("big"),
@@ -426,7 +423,9 @@ fn template_refuses_without_vsock_and_fails_when_the_guest_never_listens() {
     assert!(t.elapsed() < std::time::Duration::from_secs(30));
     assert!(!tpl.exists(), "nothing is written");
     assert_eq!(
-        std::fs::read_dir(d.path().join("store/tmp")).unwrap().count(),
+        std::fs::read_dir(d.path().join("store/tmp"))
+            .unwrap()
+            .count(),
         0,
         "nor staged"
     );

@@ -229,7 +229,10 @@ fn failed_rollback_and_snapshot_leave_the_vm_running_on_its_state() {
     let (store, _) = store_of(&s0);
     let staging = store.stage("half").unwrap();
     std::fs::create_dir(staging.dir().join("state")).unwrap();
-    let e = g.vm.snapshot(staging.dir(), Kind::Full).unwrap_err().to_string();
+    let e =
+        g.vm.snapshot(staging.dir(), Kind::Full)
+            .unwrap_err()
+            .to_string();
     assert!(e.contains("cannot create state"), "{e}");
     let left: Vec<_> = std::fs::read_dir(staging.dir())
         .unwrap()
@@ -256,10 +259,9 @@ fn failed_rollback_and_snapshot_leave_the_vm_running_on_its_state() {
 fn incremental_needs_a_parent() {
     let d = tmp();
     let mut g = boot(d.path(), MIB, 1);
-    let e =
-        take(&mut g.vm, &snap(d.path(), "i"), Kind::Incremental)
-            .unwrap_err()
-            .to_string();
+    let e = take(&mut g.vm, &snap(d.path(), "i"), Kind::Incremental)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("needs a parent"), "{e}");
     assert_eq!(g.vm.state(), RunState::Running);
 }

@@ -142,14 +142,11 @@ fn incremental_chain_restores_the_same_bytes_as_a_full_snapshot() {
     dirty(&mut g.vm, 0, 30, 10);
     take(&mut g.vm, &snap(d.path(), "s0"), Kind::Full).unwrap();
     dirty(&mut g.vm, 20, 30, 20);
-    let i1 =
-        take(&mut g.vm, &snap(d.path(), "s1"), Kind::Incremental)
-            .unwrap();
+    let i1 = take(&mut g.vm, &snap(d.path(), "s1"), Kind::Incremental).unwrap();
     assert!(i1.pages_written >= 30 && i1.pages_written < 40, "{i1:?}");
     dirty(&mut g.vm, 40, 100, 30);
     g.vm.pause().unwrap();
-    take(&mut g.vm, &snap(d.path(), "s2"), Kind::Incremental)
-        .unwrap();
+    take(&mut g.vm, &snap(d.path(), "s2"), Kind::Incremental).unwrap();
     take(&mut g.vm, &snap(d.path(), "full"), Kind::Full).unwrap();
 
     let restore = |name: &str| {

@@ -29,8 +29,7 @@ fn with_disk(path: &Path) -> DeviceConfig {
 }
 
 fn restore(dir: &Path, devices: &DeviceConfig) -> Vm {
-    let mut vm =
-        Vm::create_with(Shape::new(MIB, 1), Box::new(std::io::sink()), devices).unwrap();
+    let mut vm = Vm::create_with(Shape::new(MIB, 1), Box::new(std::io::sink()), devices).unwrap();
     vm.restore(dir).unwrap();
     vm.pause().unwrap();
     vm
@@ -48,7 +47,9 @@ fn a_vmm_snapshot_is_stored_listed_restored_and_deleted_through_the_node_store()
     assert_eq!((base.id.as_str(), base.parent.as_deref()), ("base", None));
     std::fs::write(&rw, vec![0x77; DISK]).unwrap();
     dirty(&mut g.vm, 4, 8, 20);
-    let child = g.vm.snapshot_into(&store, "child", Kind::Incremental).unwrap();
+    let child =
+        g.vm.snapshot_into(&store, "child", Kind::Incremental)
+            .unwrap();
     assert_eq!(child.parent.as_deref(), Some("base"));
 
     // Listed with the layout's artefacts, their sizes as on disk.
@@ -56,7 +57,10 @@ fn a_vmm_snapshot_is_stored_listed_restored_and_deleted_through_the_node_store()
     let ids: Vec<_> = list.iter().map(|s| s.id.as_str()).collect();
     assert_eq!(ids, ["base", "child"]);
     let (b, c) = (&list[0], &list[1]);
-    assert_eq!((b.kind, b.parent.as_deref()), (twig_store::Kind::Full, None));
+    assert_eq!(
+        (b.kind, b.parent.as_deref()),
+        (twig_store::Kind::Full, None)
+    );
     assert_eq!(
         (c.kind, c.parent.as_deref()),
         (twig_store::Kind::Incremental, Some("base"))
@@ -64,7 +68,14 @@ fn a_vmm_snapshot_is_stored_listed_restored_and_deleted_through_the_node_store()
     for s in &list {
         let sizes: BTreeMap<Artefact, u64> = [Artefact::Memory, Artefact::State, Artefact::Disk(0)]
             .into_iter()
-            .map(|a| (a, std::fs::metadata(s.dir().join(a.file_name())).unwrap().len()))
+            .map(|a| {
+                (
+                    a,
+                    std::fs::metadata(s.dir().join(a.file_name()))
+                        .unwrap()
+                        .len(),
+                )
+            })
             .collect();
         assert_eq!(s.artefacts, sizes, "{}", s.id);
         assert_eq!(s.dir(), store.snapshot_dir(&s.id));
@@ -93,20 +104,26 @@ fn a_vmm_snapshot_is_stored_listed_restored_and_deleted_through_the_node_store()
     store.delete("base").unwrap();
     assert!(store.list().unwrap().is_empty());
     assert!(matches!(store.get("base"), Err(StoreError::NotFound(_))));
-    let mut vm = Vm::create_with(Shape::new(MIB, 1), Box::new(std::io::sink()), &with_disk(&rw2))
-        .unwrap();
-    let e = vm.restore(&store.snapshot_dir("base")).unwrap_err().to_string();
+    let mut vm = Vm::create_with(
+        Shape::new(MIB, 1),
+        Box::new(std::io::sink()),
+        &with_disk(&rw2),
+    )
+    .unwrap();
+    let e = vm
+        .restore(&store.snapshot_dir("base"))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("cannot open the state file"), "{e}");
     // The restored VM's disk and the pod's disk are their own.
     assert!(std::fs::read(&pod).unwrap() == vec![0x5a; DISK]);
 
     // The VM's baseline was deleted: an incremental on it cannot publish,
     // and the store says why.
-    let e = g
-        .vm
-        .snapshot_into(&store, "orphan", Kind::Incremental)
-        .unwrap_err()
-        .to_string();
+    let e =
+        g.vm.snapshot_into(&store, "orphan", Kind::Incremental)
+            .unwrap_err()
+            .to_string();
     assert!(e.contains("\"child\" not found"), "{e}");
     assert!(store.list().unwrap().is_empty());
     // A full snapshot needs no parent and starts a new baseline.
@@ -151,14 +168,20 @@ fn a_moved_store_still_restores_its_chains() {
     assert_eq!((word(&mid, 3), word(&mid, 6)), (201, 0));
 
     // Clones and a rollback of a running VM read the moved chain too.
-    let clones = Vm::clone_from(tip.dir(), 2, |_| Box::new(std::io::sink()), |_| {
-        DeviceConfig::default()
-    })
+    let clones = Vm::clone_from(
+        tip.dir(),
+        2,
+        |_| Box::new(std::io::sink()),
+        |_| DeviceConfig::default(),
+    )
     .unwrap();
     assert_eq!(clones.len(), 2);
     let mut other = boot(d.path(), MIB, 1);
     dirty(&mut other.vm, 0, 8, 9);
     other.vm.rollback(&store.snapshot_dir("s1")).unwrap();
     other.vm.pause().unwrap();
-    assert_eq!((word(&other.vm, 0), word(&other.vm, 3), word(&other.vm, 7)), (100, 201, 0));
+    assert_eq!(
+        (word(&other.vm, 0), word(&other.vm, 3), word(&other.vm, 7)),
+        (100, 201, 0)
+    );
 }

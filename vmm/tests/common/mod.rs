@@ -57,7 +57,10 @@ pub fn snap(dir: &Path, id: &str) -> PathBuf {
 /// and the id.
 pub fn store_of(dir: &Path) -> (NodeStore, String) {
     let (root, id) = twig_store::layout::locate(dir).expect("a snapshot directory of a store");
-    (NodeStore::open(&root, true).expect("open the node store"), id)
+    (
+        NodeStore::open(&root, true).expect("open the node store"),
+        id,
+    )
 }
 
 /// Snapshots `vm` into the node store as the snapshot directory `dir`
