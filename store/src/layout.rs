@@ -90,8 +90,11 @@ pub enum Kind {
 }
 
 /// What a writer says about the snapshot it staged, in the staging
-/// directory's `manifest.json`, written as its last act (so its presence
-/// also says the writer finished). The store completes it when publishing.
+/// directory's `manifest.json`: id, parent and kind. A writer that leaves a
+/// draft vouches that, once it reports success, its artefacts, the draft
+/// and the staging directory are durable (fsynced), so publishing does not
+/// sync them again; a store publishes only after its writer reported
+/// success. The store completes it into the final [`Manifest`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Draft {
@@ -104,15 +107,21 @@ pub struct Draft {
 }
 
 impl Draft {
-    /// Writes the draft into `staging` durably. Writers call this after every
-    /// artefact is written and fsynced.
-    pub fn write(&self, staging: &Path) -> Result<()> {
-        let path = staging.join(MANIFEST);
-        let bytes = serde_json::to_vec_pretty(self).map_err(|e| Error::Io {
+    /// The draft's bytes, for writers that make it durable together with
+    /// their artefacts (one journal commit for all).
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        serde_json::to_vec_pretty(self).map_err(|e| Error::Io {
             context: "encoding a snapshot draft manifest".into(),
             source: std::io::Error::other(e),
-        })?;
-        crate::fsops::write_durable(&path, &bytes)
+        })
+    }
+
+    /// Writes the draft into `staging` and fsyncs it and the directory.
+    /// Writers call this after every artefact is written and fsynced.
+    pub fn write(&self, staging: &Path) -> Result<()> {
+        let path = staging.join(MANIFEST);
+        crate::fsops::write_durable(&path, &self.to_bytes()?)
+            .and_then(|()| crate::fsops::sync_path(staging))
             .map_err(|e| Error::io(format!("writing {}", path.display()), e))
     }
 }

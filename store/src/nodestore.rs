@@ -296,6 +296,20 @@ impl NodeStore {
     }
 }
 
+/// fsyncs `dir` on a thread of its own, logging a failure.
+fn sync_in_background(dir: PathBuf) {
+    let spawned = std::thread::Builder::new()
+        .name("twig-dirsync".into())
+        .spawn(move || {
+            if let Err(e) = fsops::sync_path(&dir) {
+                tracing::warn!(path = %dir.display(), error = %e, "fsync of a published name");
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "cannot start the directory fsync thread");
+    }
+}
+
 fn artefact_paths(s: &VmSnapshot) -> Vec<PathBuf> {
     s.artefacts.keys().filter_map(|a| s.path(*a)).collect()
 }
@@ -366,8 +380,9 @@ impl Staging<'_> {
         self.labels.insert(key.to_string(), value.to_string());
     }
 
-    /// The writer's draft manifest merged with what was set here.
-    fn lineage(&self) -> Result<(Option<String>, Kind)> {
+    /// The writer's draft manifest merged with what was set here, and
+    /// whether there was a draft (the writer synced its files).
+    fn lineage(&self) -> Result<(Option<String>, Kind, bool)> {
         let path = self.dir.join(MANIFEST);
         let draft: Option<Draft> = match fs::read(&path) {
             Ok(b) => Some(serde_json::from_slice(&b).map_err(|e| {
@@ -380,7 +395,7 @@ impl Staging<'_> {
             Err(e) => return Err(Error::io(format!("reading {}", path.display()), e)),
         };
         let Some(d) = draft else {
-            return Ok((self.parent.clone(), self.kind.unwrap_or_default()));
+            return Ok((self.parent.clone(), self.kind.unwrap_or_default(), false));
         };
         let disagree = |what: &str| {
             Error::InvalidArgument(format!(
@@ -403,12 +418,13 @@ impl Staging<'_> {
                 self.id
             )));
         }
-        Ok((d.parent, d.kind))
+        Ok((d.parent, d.kind, true))
     }
 
-    /// The artefacts in the staging directory, fsynced, with their sizes.
-    /// Anything else there (but the manifest) is refused.
-    fn artefacts(&self) -> Result<BTreeMap<String, u64>> {
+    /// The artefacts in the staging directory with their sizes, fsynced
+    /// unless the writer did. Anything else there (but the manifest) is
+    /// refused.
+    fn artefacts(&self, sync: bool) -> Result<BTreeMap<String, u64>> {
         let mut artefacts = BTreeMap::new();
         let entries =
             fs::read_dir(&self.dir).map_err(ctx(format!("reading {}", self.dir.display())))?;
@@ -427,7 +443,9 @@ impl Staging<'_> {
                     self.id
                 )));
             }
-            fsops::sync_path(&path).map_err(ctx(format!("syncing {}", path.display())))?;
+            if sync {
+                fsops::sync_path(&path).map_err(ctx(format!("syncing {}", path.display())))?;
+            }
             artefacts.insert(name, meta.len());
         }
         if artefacts.is_empty() {
@@ -439,13 +457,17 @@ impl Staging<'_> {
         Ok(artefacts)
     }
 
-    /// fsyncs every artefact and the manifest, then atomically renames the
-    /// staging directory into place. Fails with `AlreadyExists` if the id
-    /// was published meanwhile, `NotFound` if the parent is gone; nothing is
-    /// visible before this returns Ok.
+    /// Makes every artefact and the manifest durable (the artefacts and the
+    /// directory only if no writer's draft says it did), then atomically
+    /// renames the staging directory into place. Fails with `AlreadyExists`
+    /// if the id was published meanwhile, `NotFound` if the parent is gone;
+    /// nothing is visible before this returns Ok. The new name itself is
+    /// made durable by a background fsync of `snapshots/` (as a rename is
+    /// atomic, a power cut in the next moments can lose the name but never
+    /// expose a partial snapshot).
     pub fn publish(mut self) -> Result<VmSnapshot> {
-        let (parent, kind) = self.lineage()?;
-        let artefacts = self.artefacts()?;
+        let (parent, kind, drafted) = self.lineage()?;
+        let artefacts = self.artefacts(!drafted)?;
         let manifest = Manifest {
             id: self.id.clone(),
             parent: parent.clone(),
@@ -459,9 +481,12 @@ impl Staging<'_> {
             source: std::io::Error::other(e),
         })?;
         let mpath = self.dir.join(MANIFEST);
+        // Over a draft, in place: the directory entry is already durable.
         fsops::write_durable(&mpath, &bytes)
             .map_err(ctx(format!("writing {}", mpath.display())))?;
-        fsops::sync_path(&self.dir).map_err(ctx(format!("syncing {}", self.dir.display())))?;
+        if !drafted {
+            fsops::sync_path(&self.dir).map_err(ctx(format!("syncing {}", self.dir.display())))?;
+        }
         let guard = self.store.exclusive()?;
         if let Some(p) = &parent {
             // Under the lock: a parent cannot be deleted until its child is in.
@@ -479,9 +504,8 @@ impl Staging<'_> {
             }
         })?;
         self.published = true;
-        let snapshots = self.store.root.join(SNAPSHOTS_DIR);
-        fsops::sync_path(&snapshots).map_err(ctx(format!("syncing {}", snapshots.display())))?;
         drop(guard);
+        sync_in_background(self.store.root.join(SNAPSHOTS_DIR));
         if let Err(e) = fs::remove_dir(&self.lease) {
             tracing::warn!(path = %self.lease.display(), error = %e, "leaving an empty lease for cleanup");
         }

@@ -524,15 +524,25 @@ impl Staged {
         &self.memory
     }
 
-    /// Makes the snapshot durable and ready for the store to publish:
-    /// writeback of every file is started together and then waited for (one
-    /// journal commit covers them on a journaling filesystem), then the
-    /// draft manifest is written, last. Returns the memory file.
+    /// Makes the snapshot durable and ready for the store to publish: the
+    /// draft manifest is written last, then writeback of every file is
+    /// started together and waited for (one journal commit covers them on a
+    /// journaling filesystem), then the directory is synced. Returns the
+    /// memory file.
     pub fn commit(mut self) -> Result<File> {
         let dir = self.dir.clone();
+        let mut draft = self.written.create(&dir, twig_store::layout::MANIFEST)?;
+        let bytes = self
+            .draft
+            .to_bytes()
+            .map_err(|e| Error::snapshot(&dir, e.to_string()))?;
+        draft
+            .write_all(&bytes)
+            .map_err(io_err(&dir, "cannot write the draft manifest"))?;
         start_writeback(&self.memory);
         start_writeback(&self.state);
         self.disks.iter().for_each(start_writeback);
+        start_writeback(&draft);
         self.memory
             .sync_all()
             .map_err(io_err(&dir, "cannot fsync the memory file"))?;
@@ -543,9 +553,12 @@ impl Staged {
             d.sync_all()
                 .map_err(io_err(&dir, "cannot fsync a disk copy"))?;
         }
-        self.draft
-            .write(&dir)
-            .map_err(|e| Error::snapshot(&dir, e.to_string()))?;
+        draft
+            .sync_all()
+            .map_err(io_err(&dir, "cannot fsync the draft manifest"))?;
+        File::open(&dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io_err(&dir, "cannot fsync the staging directory"))?;
         self.written.keep = true;
         self.memory
             .try_clone()

@@ -350,27 +350,27 @@ fn a_vmm_killed_mid_snapshot_leaves_no_valid_looking_snapshot() {
     }
     a.child.kill().unwrap();
     a.child.wait().unwrap();
-    // The VMM publishes nothing itself: the store does, when the writer
-    // answers. Its draft manifest, written last, says whether it finished.
-    let finished = staging.dir().join(twig_store::layout::MANIFEST).exists();
+    // The VMM publishes nothing itself: the store does, once the writer
+    // answers, and this one never did. The staging goes with its holder.
     assert!(store.list().unwrap().is_empty(), "nothing published");
+    drop(staging);
     assert!(matches!(
         store.get("big"),
         Err(twig_store::Error::NotFound(_))
     ));
-    if finished {
-        let s = staging.publish().unwrap();
-        twig_vmm::snapshot::verify(s.dir()).unwrap();
-    } else {
-        // The shim never got an answer: the staging is dropped.
-        drop(staging);
-        assert!(store.list().unwrap().is_empty());
-        assert_eq!(std::fs::read_dir(root.join("tmp")).unwrap().count(), 0);
-        let e = twig_vmm::snapshot::verify(&store.snapshot_dir("big"))
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("cannot open the state file"), "{e}");
-    }
+    assert_eq!(std::fs::read_dir(root.join("tmp")).unwrap().count(), 0);
+    let e = twig_vmm::snapshot::verify(&store.snapshot_dir("big"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("cannot open the state file"), "{e}");
+    // The store still takes a snapshot under that id.
+    let mut b = Vmm::start(d.path(), "b", &[]);
+    b.ok(json!({"op":"boot","kernel":kernel,"mem_mib":MIB}));
+    let staging = store.stage("big").unwrap();
+    b.ok(json!({"op":"snapshot","dir":staging.dir(),"kind":"full"}));
+    let s = staging.publish().unwrap();
+    twig_vmm::snapshot::verify(s.dir()).unwrap();
+    b.shutdown();
 }
 
 #[test]
