@@ -45,6 +45,11 @@ fn bzimage(payload: &[u8]) -> Vec<u8> {
 }
 
 fn main() {
+    // The test guest is only built for the `testguest` feature.
+    if env::var_os("CARGO_FEATURE_TESTGUEST").is_none() {
+        println!("cargo:rerun-if-changed=build.rs");
+        return;
+    }
     let out = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
     let src = "guests/testguest.S";
     println!("cargo:rerun-if-changed={src}");

@@ -1,11 +1,10 @@
 //! Host-side client of the agent.
 //!
 //! [`AgentClient`] connects either through a VMM's vsock Unix socket (the
-//! Firecracker-style `CONNECT <port>` handshake) or through a plain Unix
-//! socket (an agent started with `--listen unix://...` on the host), and
-//! wraps every rpc in a typed method with a deadline.
+//! Firecracker-style `CONNECT <port>` handshake of [`twig_proto::vsock`]) or
+//! through a plain Unix socket (an agent started with `--listen unix://...`
+//! on the host), and wraps every rpc in a typed method with a deadline.
 
-use std::io::{Read, Write};
 use std::os::fd::IntoRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -40,16 +39,9 @@ pub enum Error {
         /// The underlying error.
         source: std::io::Error,
     },
-    /// The vsock `CONNECT` handshake failed.
-    #[error("vsock handshake on {path} for port {port}: {reason}")]
-    Handshake {
-        /// The VMM's vsock Unix socket.
-        path: PathBuf,
-        /// The guest port asked for.
-        port: u32,
-        /// What went wrong.
-        reason: String,
-    },
+    /// The vsock `CONNECT` handshake failed (refused, bad answer, timeout).
+    #[error(transparent)]
+    Vsock(#[from] twig_proto::vsock::Error),
     /// The agent answered with an error status.
     #[error("{call}: agent replied {code}: {message}")]
     Status {
@@ -157,70 +149,7 @@ impl AgentClient {
     /// Connects through a VMM's vsock Unix socket: writes `CONNECT <port>\n`,
     /// expects `OK <n>\n` before `timeout`, then speaks ttrpc on the stream.
     pub fn connect_vsock_uds(uds_path: &Path, port: u32, timeout: Duration) -> Result<Self> {
-        let deadline = Instant::now() + timeout;
-        let mut stream = UnixStream::connect(uds_path).map_err(|source| Error::Connect {
-            path: uds_path.to_path_buf(),
-            source,
-        })?;
-        let handshake = |reason: String| Error::Handshake {
-            path: uds_path.to_path_buf(),
-            port,
-            reason,
-        };
-        stream
-            .set_write_timeout(Some(timeout.max(Duration::from_millis(1))))
-            .and_then(|()| stream.write_all(format!("CONNECT {port}\n").as_bytes()))
-            .map_err(|e| handshake(format!("writing CONNECT: {e}")))?;
-        let mut line = Vec::new();
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(handshake(format!("no reply within {timeout:?}")));
-            }
-            stream
-                .set_read_timeout(Some(left))
-                .map_err(|e| handshake(format!("setting a read timeout: {e}")))?;
-            let mut byte = [0u8; 1];
-            match stream.read(&mut byte) {
-                Ok(0) => {
-                    return Err(handshake(format!(
-                    "the VMM closed the connection after {:?} (is anything listening on the port?)",
-                    String::from_utf8_lossy(&line)
-                )))
-                }
-                Ok(_) if byte[0] == b'\n' => break,
-                Ok(_) => {
-                    line.push(byte[0]);
-                    if line.len() > 64 {
-                        return Err(handshake(format!(
-                            "reply too long: {:?}",
-                            String::from_utf8_lossy(&line)
-                        )));
-                    }
-                }
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                    ) =>
-                {
-                    return Err(handshake(format!("no reply within {timeout:?}")))
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(handshake(format!("reading the reply: {e}"))),
-            }
-        }
-        let reply = String::from_utf8_lossy(&line);
-        let ok = reply
-            .strip_prefix("OK ")
-            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
-        if !ok {
-            return Err(handshake(format!("unexpected reply {reply:?}")));
-        }
-        stream
-            .set_read_timeout(None)
-            .and_then(|()| stream.set_write_timeout(None))
-            .map_err(|e| handshake(format!("clearing timeouts: {e}")))?;
+        let stream = twig_proto::vsock::connect(uds_path, port, timeout)?;
         Self::from_stream(stream, uds_path)
     }
 

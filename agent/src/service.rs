@@ -1,4 +1,4 @@
-//! The ttrpc service: every rpc of `proto/agent.proto`.
+//! The ttrpc service: every rpc of twig-proto's `agent.proto`.
 
 use std::os::fd::AsFd;
 use std::os::unix::fs::FileTypeExt;

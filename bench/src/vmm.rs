@@ -8,8 +8,6 @@
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::sync::Arc;
@@ -17,9 +15,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
 use twig_store::NodeStore;
+use twig_vmm::api::Client;
 use twig_vmm::snapshot::Image;
 use twig_vmm::testguest::{self, Command};
-use twig_vmm::{Capture, DeviceConfig, Kind, Shape, Vm};
+use twig_vmm::{Capture, DeviceConfig, Kind, RunState, Shape, Vm};
 
 use crate::stats::{row, Context, Error, Report, Summary};
 
@@ -146,7 +145,7 @@ impl Dirs {
 }
 
 pub fn run(args: &Args) -> Result<Value, Error> {
-    twig_vmm::vm::open_kvm().context(|| "this benchmark needs a usable /dev/kvm".into())?;
+    twig_vmm::open_kvm().context(|| "this benchmark needs a usable /dev/kvm".into())?;
     if args.runs == 0 || args.clone64_runs == 0 {
         return Err("--runs and --clone64-runs must be at least 1".into());
     }
@@ -445,9 +444,9 @@ fn max_vms_processes(
     // All of them still run, and what each costs.
     let (mut pss, mut private) = (0u64, 0u64);
     for (p, api) in vmms.iter_mut() {
-        let stats = api.call(&json!({"op": "stats"}))?;
-        if stats["state"] != json!("running") {
-            return Err(format!("twig-vmm {} is no longer running: {stats}", p.pid()).into());
+        let stats = api.stats(T)?;
+        if stats.state != RunState::Running {
+            return Err(format!("twig-vmm {} is no longer running: {stats:?}", p.pid()).into());
         }
         let m = smaps(&p.pid().to_string(), &guest_file)?;
         pss += m.pss_kib;
@@ -617,11 +616,11 @@ impl VmmProcess {
     }
 
     /// Connects to the API socket once it is there.
-    fn connect(&mut self) -> Result<Api, Error> {
+    fn connect(&mut self) -> Result<Client, Error> {
         let deadline = Instant::now() + T;
         loop {
-            match UnixStream::connect(&self.sock) {
-                Ok(s) => return Api::new(s),
+            match Client::connect(&self.sock, Duration::from_millis(50)) {
+                Ok(api) => return Ok(api),
                 Err(e) => {
                     if let Some(status) = self.child.try_wait()? {
                         return Err(
@@ -629,9 +628,8 @@ impl VmmProcess {
                         );
                     }
                     if Instant::now() > deadline {
-                        return Err(format!("connecting to {}: {e}", self.sock.display()).into());
+                        return Err(e.into());
                     }
-                    std::thread::sleep(Duration::from_micros(100));
                 }
             }
         }
@@ -642,8 +640,8 @@ impl VmmProcess {
     }
 
     /// Shuts the VMM down through its API and reaps it.
-    fn shutdown(mut self, api: &mut Api) -> Result<(), Error> {
-        api.call(&json!({"op": "shutdown"}))?;
+    fn shutdown(mut self, api: &mut Client) -> Result<(), Error> {
+        api.shutdown(T)?;
         let status = self
             .child
             .wait()
@@ -664,38 +662,6 @@ impl Drop for VmmProcess {
     }
 }
 
-/// A connection to a twig-vmm JSON API.
-struct Api {
-    reader: BufReader<UnixStream>,
-    writer: UnixStream,
-}
-
-impl Api {
-    fn new(stream: UnixStream) -> Result<Api, Error> {
-        stream.set_read_timeout(Some(T))?;
-        let writer = stream.try_clone()?;
-        Ok(Api {
-            reader: BufReader::new(stream),
-            writer,
-        })
-    }
-
-    /// Sends one request; returns its result or the VMM's error.
-    fn call(&mut self, req: &Value) -> Result<Value, Error> {
-        writeln!(self.writer, "{req}").context(|| format!("sending {req}"))?;
-        let mut line = String::new();
-        self.reader
-            .read_line(&mut line)
-            .context(|| format!("reading the answer to {req}"))?;
-        let resp: Value =
-            serde_json::from_str(&line).context(|| format!("parsing the answer {line:?}"))?;
-        if resp["ok"] != json!(true) {
-            return Err(format!("twig-vmm answered {req} with {}", line.trim()).into());
-        }
-        Ok(resp["result"].clone())
-    }
-}
-
 /// Spawns `twig-vmm serve`, boots the test guest through the API and
 /// returns the time from spawn to the guest's first serial byte.
 fn boot_process(
@@ -709,7 +675,7 @@ fn boot_process(
     let start = Instant::now();
     let mut p = VmmProcess::spawn(bin, sock, &serial)?;
     let mut api = p.connect()?;
-    api.call(&json!({"op": "boot", "kernel": kernel, "cmdline": "console=ttyS0", "mem_mib": mem_mib, "vcpus": 1}))?;
+    api.boot(kernel, None, "console=ttyS0", mem_mib, 1, T)?;
     let deadline = Instant::now() + T;
     while fs::metadata(&serial).map(|m| m.len()).unwrap_or(0) == 0 {
         if Instant::now() > deadline {
@@ -729,25 +695,25 @@ fn boot_process(
 
 /// Starts a twig-vmm process and restores `base` in it through the API;
 /// returns once the guest runs (has left KVM at its idle port).
-fn restored_vmm(bin: &Path, dirs: &mut Dirs, base: &Path) -> Result<(VmmProcess, Api), Error> {
+fn restored_vmm(bin: &Path, dirs: &mut Dirs, base: &Path) -> Result<(VmmProcess, Client), Error> {
     let mut p = VmmProcess::spawn(bin, dirs.fresh("vmm.sock"), Path::new("/dev/null"))?;
     let mut api = p.connect()?;
-    api.call(&json!({"op": "restore", "dir": base}))?;
+    api.restore(base, T)?;
     wait_exits(&mut api)?;
     Ok((p, api))
 }
 
 /// Waits until a VMM's guest has made a VM exit: a restored VM starts with
 /// none, and the test guest's first exit is its idle port, so it ran.
-fn wait_exits(api: &mut Api) -> Result<(), Error> {
+fn wait_exits(api: &mut Client) -> Result<(), Error> {
     let deadline = Instant::now() + T;
     loop {
-        let stats = api.call(&json!({"op": "stats"}))?;
-        if stats["exits"].as_u64().unwrap_or(0) > 0 && stats["state"] == json!("running") {
+        let stats = api.stats(T)?;
+        if stats.exits > 0 && stats.state == RunState::Running {
             return Ok(());
         }
         if Instant::now() > deadline {
-            return Err(format!("the restored guest did not run within {T:?}: {stats}").into());
+            return Err(format!("the restored guest did not run within {T:?}: {stats:?}").into());
         }
         std::thread::sleep(Duration::from_millis(1));
     }

@@ -10,10 +10,10 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::ObjectMeta;
 use twig_controller::crd::{SandboxTemplateSpec, SnapshotMode};
 use twig_controller::sandbox::{ContainerdLocator, LocateError, SandboxLocator};
-use twig_controller::shim::proto::{twig as pb, twig_ttrpc as rpc};
 use twig_controller::shim::{
     NodeService, Sandbox, ShimError, SnapshotInfo, TtrpcNode, TtrpcShim, TwigShim,
 };
+use twig_proto::{twig as pb, twig_ttrpc as rpc};
 
 /// A minimal shim and node daemon: remembers what it was asked.
 #[derive(Default)]

@@ -755,6 +755,11 @@ mod tests {
     use crate::virtio::VirtioDevice;
     use std::os::fd::RawFd;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use virtio_bindings::virtio_config::{
+        VIRTIO_CONFIG_S_ACKNOWLEDGE, VIRTIO_CONFIG_S_DRIVER, VIRTIO_CONFIG_S_DRIVER_OK,
+        VIRTIO_CONFIG_S_FEATURES_OK,
+    };
+    use virtio_bindings::virtio_mmio::VIRTIO_MMIO_STATUS;
     use virtio_queue::Queue;
 
     /// A device whose host descriptor is always readable.
@@ -839,7 +844,14 @@ mod tests {
         thread.pause().unwrap();
         assert_eq!(calls.load(Ordering::SeqCst), 0, "not live, not served");
         thread.resume();
-        devices.mmio_write(virtio::MMIO_BASE + 0x070, &(1u32 | 2 | 8 | 4).to_le_bytes());
+        let status = VIRTIO_CONFIG_S_ACKNOWLEDGE
+            | VIRTIO_CONFIG_S_DRIVER
+            | VIRTIO_CONFIG_S_FEATURES_OK
+            | VIRTIO_CONFIG_S_DRIVER_OK;
+        devices.mmio_write(
+            virtio::MMIO_BASE + u64::from(VIRTIO_MMIO_STATUS),
+            &status.to_le_bytes(),
+        );
         wait_until("the device to be served", || {
             calls.load(Ordering::SeqCst) > 0
         });

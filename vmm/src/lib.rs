@@ -4,24 +4,28 @@
 //! itself (full, or incremental from KVM's dirty log), restores from a
 //! snapshot by mapping its memory copy-on-write, clones N ways, and rolls
 //! back in place at a cost that grows with the pages changed, not with RAM.
-//! The `twig-vmm` binary serves one VM over a JSON API on a Unix socket
-//! ([`api`]).
+//! The `twig-vmm` binary serves one VM over a JSON API on a Unix socket;
+//! [`api`] holds its types, server and client.
+//!
+//! The test guest ([`testguest`]) is behind the cargo feature `testguest`.
 
 pub mod api;
-pub mod arch;
-pub mod devices;
-pub mod error;
-pub mod memory;
+mod arch;
+mod devices;
+mod error;
+mod memory;
 pub mod snapshot;
+#[cfg(feature = "testguest")]
 pub mod testguest;
-pub mod vcpu;
-pub mod virtio;
-pub mod vm;
+mod vcpu;
+mod virtio;
+mod vm;
 
 pub use devices::{Capture, GuestExit, SerialOut};
-pub use error::{Error, Result};
+pub use error::{Error, ErrorKind, Result};
 pub use snapshot::Kind;
+pub use virtio::vsock::host_connect;
 pub use vm::{
-    DeviceConfig, DiskConfig, NetConfig, RollbackInfo, RunState, Shape, SnapshotInfo, Stats, Vm,
-    VsockConfig,
+    open_kvm, DeviceConfig, DiskConfig, NetConfig, RollbackInfo, RunState, Shape, SnapshotInfo,
+    Stats, Vm, VsockConfig, MAX_VCPUS, MIN_MEM,
 };

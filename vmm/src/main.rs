@@ -6,21 +6,28 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use twig_vmm::api::{self, Server};
-use twig_vmm::virtio::vsock;
-use twig_vmm::{DeviceConfig, DiskConfig, NetConfig, Result, SerialOut, Shape, Vm, VsockConfig};
+use twig_vmm::api::{self, Limits, Server};
+use twig_vmm::{
+    host_connect, DeviceConfig, DiskConfig, NetConfig, Result, SerialOut, Shape, Vm, VsockConfig,
+};
 
 /// Twig's microVM monitor. One process runs one VM: start it with `serve`,
-/// then send JSON requests, one per line, to its socket, e.g. with
-/// `socat - UNIX-CONNECT:/run/vm.sock`:
+/// then send JSON requests, one per line, to its socket (programs use
+/// twig_vmm::api::Client; by hand, `socat - UNIX-CONNECT:/run/vm.sock`):
 ///
+///   {"op":"hello"}
 ///   {"op":"boot","kernel":"vmlinux","cmdline":"console=ttyS0","mem_mib":128}
 ///   {"op":"snapshot","dir":"/var/lib/twig/vm/tmp/<lease>/s1","kind":"full"}  (a staging dir)
 ///   {"op":"rollback","dir":"/var/lib/twig/vm/snapshots/s1"}
 ///   {"op":"restore","dir":"/var/lib/twig/vm/snapshots/s1"}   (in a fresh process)
+///   {"op":"attach_disk","slot":0,"path":"rootfs.img","read_only":false}
 ///   {"op":"pause"} {"op":"resume"} {"op":"stats"} {"op":"shutdown"}
 ///
-/// Answers are {"ok":true,"result":…} or {"ok":false,"error":"…"}.
+/// Answers are {"ok":{…}} or {"error":{"kind":K,"message":"…"}}, K one of
+/// invalid_request, refused (the VM still runs on its previous state),
+/// not_found, guest_not_answering, guest_stopped, lost (replace the VM),
+/// busy (too many connections), internal. Connections are served
+/// concurrently; requests on the VM run one at a time.
 /// Needs read/write access to /dev/kvm.
 #[derive(Parser)]
 #[command(name = "twig-vmm", version, verbatim_doc_comment)]
@@ -47,6 +54,14 @@ enum Cmd {
         /// vCPUs of the VM created ahead of time.
         #[arg(long, default_value_t = 1)]
         prepare_vcpus: usize,
+        /// API connections served at once; one more is refused with a
+        /// `busy` error.
+        #[arg(long, default_value_t = 16)]
+        max_connections: usize,
+        /// Close an API connection that sends no complete request for this
+        /// many seconds.
+        #[arg(long, default_value_t = 300)]
+        idle_timeout_s: u64,
         #[command(flatten)]
         devices: DeviceArgs,
     },
@@ -205,11 +220,17 @@ fn run(cli: Cli) -> Result<()> {
             serial,
             prepare_mem_mib,
             prepare_vcpus,
+            max_connections,
+            idle_timeout_s,
             devices,
         } => {
             let prepare = prepare_mem_mib.map(|m| Shape::new(m, prepare_vcpus));
             let devices = devices.config();
-            let mut server = Server::new(serial_factory(serial), prepare, devices)?;
+            let limits = Limits {
+                max_connections,
+                idle_timeout: Duration::from_secs(idle_timeout_s),
+            };
+            let server = Server::new(serial_factory(serial), prepare, devices, limits)?;
             let listener = api::bind(&api_sock)?;
             let result = server.serve(&listener);
             let _ = std::fs::remove_file(&api_sock);
@@ -241,7 +262,7 @@ fn run(cli: Cli) -> Result<()> {
             let staging = store.stage(&id)?;
             let probe = Duration::from_secs(2);
             let info = vm.template(staging.dir(), Duration::from_secs(timeout_s), || {
-                vsock::host_connect(&vsock.uds_path, ready_port, probe).is_ok()
+                host_connect(&vsock.uds_path, ready_port, probe).is_ok()
             })?;
             staging.publish()?;
             println!(

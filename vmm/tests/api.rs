@@ -1,22 +1,29 @@
-//! The `twig-vmm` binary: its JSON API on a Unix socket, driven by a client
-//! the way the shim will, with the process started and stopped by PID.
+//! The `twig-vmm` binary: its API on a Unix socket, driven by
+//! `twig_vmm::api::Client` the way the shim will, with the process started
+//! and stopped by PID. Hand-written JSON appears only where a test sends
+//! malformed lines on purpose.
 
 mod common;
 
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use common::*;
-use serde_json::{json, Value};
+use twig_store::NodeStore;
+use twig_vmm::api::{
+    ApiError, Client, ClientError, Hello, Reply, Request, Response, PROTOCOL_VERSION,
+};
+use twig_vmm::{ErrorKind, Kind, RunState, SnapshotInfo};
 
 const BIN: &str = env!("CARGO_BIN_EXE_twig-vmm");
 
 struct Vmm {
     child: Child,
-    conn: BufReader<UnixStream>,
+    sock: PathBuf,
+    api: Client,
 }
 
 impl Vmm {
@@ -31,45 +38,29 @@ impl Vmm {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("spawn twig-vmm");
-        let deadline = Instant::now() + T;
-        let conn = loop {
-            match UnixStream::connect(&sock) {
-                Ok(c) => break c,
-                Err(e) if Instant::now() > deadline => panic!("twig-vmm did not listen: {e}"),
-                Err(_) => std::thread::yield_now(),
-            }
-        };
-        Vmm {
-            child,
-            conn: BufReader::new(conn),
-        }
+        let api = Client::connect(&sock, T).expect("connect to twig-vmm");
+        Vmm { child, sock, api }
     }
 
-    fn call(&mut self, req: &str) -> Value {
-        writeln!(self.conn.get_mut(), "{req}").unwrap();
-        let mut line = String::new();
-        self.conn.read_line(&mut line).unwrap();
-        serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad response {line:?}: {e}"))
+    /// Another client of the same VMM.
+    fn client(&self) -> Client {
+        Client::connect(&self.sock, T).expect("connect to twig-vmm")
     }
 
-    fn ok(&mut self, req: Value) -> Value {
-        let r = self.call(&req.to_string());
-        assert_eq!(r["ok"], true, "{req} -> {r}");
-        r["result"].clone()
-    }
-
-    fn err(&mut self, req: &str) -> String {
-        let r = self.call(req);
-        assert_eq!(r["ok"], false, "{req} -> {r}");
-        r["error"].as_str().unwrap().to_string()
+    /// A raw connection, for malformed requests.
+    fn raw(&self) -> BufReader<UnixStream> {
+        let s = UnixStream::connect(&self.sock).expect("connect");
+        s.set_read_timeout(Some(T)).unwrap();
+        BufReader::new(s)
     }
 
     fn shutdown(mut self) {
-        self.ok(json!({"op": "shutdown"}));
+        self.api.shutdown(T).expect("shutdown");
         let deadline = Instant::now() + T;
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
                 assert!(status.success(), "twig-vmm exited with {status}");
+                assert!(!self.sock.exists(), "the socket is removed");
                 return;
             }
             assert!(Instant::now() < deadline, "twig-vmm did not exit");
@@ -83,6 +74,50 @@ impl Drop for Vmm {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The VMM's error kind and message, or a panic naming what came instead.
+fn vmm_err<T: std::fmt::Debug>(r: Result<T, ClientError>) -> (ErrorKind, String) {
+    match r {
+        Err(ClientError::Vmm { kind, message }) => (kind, message),
+        other => panic!("expected an error from the VMM, got {other:?}"),
+    }
+}
+
+/// Sends one raw line and parses the answer.
+fn raw_call(conn: &mut BufReader<UnixStream>, line: &str) -> Response {
+    writeln!(conn.get_mut(), "{line}").unwrap();
+    let mut answer = String::new();
+    conn.read_line(&mut answer).unwrap();
+    serde_json::from_str(&answer).unwrap_or_else(|e| panic!("bad response {answer:?}: {e}"))
+}
+
+fn raw_err(conn: &mut BufReader<UnixStream>, line: &str) -> ApiError {
+    match raw_call(conn, line) {
+        Response::Error(e) => e,
+        Response::Ok(r) => panic!("{line} answered {r:?}"),
+    }
+}
+
+/// A node store in the test's directory (copies allowed: /tmp cannot
+/// reflink).
+fn node_store(d: &Path) -> NodeStore {
+    NodeStore::open(&d.join("store"), true).expect("open the node store")
+}
+
+/// The shim's way to snapshot: the store stages `id`, the VMM writes into
+/// the staging directory, the store publishes once the VMM answered.
+/// Returns the reply and the published directory.
+fn snapshot(
+    api: &mut Client,
+    store: &NodeStore,
+    id: &str,
+    kind: Kind,
+) -> Result<(SnapshotInfo, PathBuf), ClientError> {
+    let staging = store.stage(id).expect("stage");
+    let info = api.snapshot(staging.dir(), kind, T)?;
+    let published = staging.publish().expect("publish");
+    Ok((info, published.dir().to_path_buf()))
 }
 
 fn wait_file(path: &Path, pat: &str) {
@@ -101,38 +136,47 @@ fn wait_file(path: &Path, pat: &str) {
     }
 }
 
+fn boot(vmm: &mut Vmm, kernel: &Path, vcpus: usize) {
+    let state = vmm
+        .api
+        .boot(kernel, None, "console=ttyS0", MIB, vcpus, T)
+        .expect("boot");
+    assert_eq!(state, RunState::Running);
+}
+
 #[test]
 fn boot_snapshot_rollback_restore_over_the_api() {
     require_kvm();
     let d = tmp();
     let kernel: PathBuf = twig_vmm::testguest::write_to(d.path()).unwrap();
     let mut a = Vmm::start(d.path(), "a", &[]);
-    assert!(a.err(r#"{"op":"stats"}"#).contains("no VM yet"));
-    a.ok(json!({"op":"boot","kernel":kernel,"mem_mib":MIB,"vcpus":2}));
+    let hello = a.api.hello(T).unwrap();
+    assert_eq!(hello.protocol, PROTOCOL_VERSION);
+    let (kind, e) = vmm_err(a.api.stats(T));
+    assert_eq!(kind, ErrorKind::InvalidRequest);
+    assert!(e.contains("no VM yet"), "{e}");
+    boot(&mut a, &kernel, 2);
     wait_file(&d.path().join("a.serial"), "B");
-    let e = a.err(&json!({"op":"boot","kernel":kernel}).to_string());
+    let (kind, e) = vmm_err(a.api.boot(&kernel, None, "", MIB, 1, T));
+    assert_eq!(kind, ErrorKind::InvalidRequest);
     assert!(e.contains("already has a VM"), "{e}");
-    // The shim's way: the node store hands out a staging directory, the
-    // VMM writes into it, the store publishes.
-    let store = twig_store::NodeStore::open(&d.path().join("store"), true).unwrap();
-    let staging = store.stage("s1").unwrap();
-    let r = a.ok(json!({"op":"snapshot","dir":staging.dir(),"kind":"full"}));
-    assert_eq!(r["kind"], "full");
-    assert_eq!(r["id"], "s1");
-    let s1 = staging.publish().unwrap().dir().to_path_buf();
-    let staging = store.stage("s2").unwrap();
-    let r = a.ok(json!({"op":"snapshot","dir":staging.dir(),"kind":"incremental"}));
-    assert_eq!(r["parent"], "s1");
-    let s2 = staging.publish().unwrap();
+    let store = node_store(d.path());
+    let (full, s1) = snapshot(&mut a.api, &store, "s1", Kind::Full).unwrap();
+    assert_eq!(full.kind, Kind::Full);
+    assert_eq!(full.id, "s1");
+    let (incr, _) = snapshot(&mut a.api, &store, "s2", Kind::Incremental).unwrap();
+    assert_eq!(incr.parent.as_deref(), Some(full.id.as_str()));
+    let s2 = store.get("s2").unwrap();
     assert_eq!(s2.parent.as_deref(), Some("s1"));
     assert_eq!(s2.kind, twig_store::Kind::Incremental);
-    let r = a.ok(json!({"op":"rollback","dir":s1}));
-    assert_eq!(r["remapped"], false);
-    a.ok(json!({"op":"pause"}));
-    let st = a.ok(json!({"op":"stats"}));
-    assert_eq!(st["state"], "paused");
-    assert_eq!(st["vcpus"], 2);
-    a.ok(json!({"op":"resume"}));
+    let r = a.api.rollback(&s1, T).unwrap();
+    assert_eq!(r.id, full.id);
+    assert!(!r.remapped);
+    assert_eq!(a.api.pause(T).unwrap(), RunState::Paused);
+    let st = a.api.stats(T).unwrap();
+    assert_eq!(st.state, RunState::Paused);
+    assert_eq!(st.vcpus, 2);
+    assert_eq!(a.api.resume(T).unwrap(), RunState::Running);
 
     // A second process, with a VM prepared ahead of time, restores s1.
     let mut b = Vmm::start(
@@ -145,10 +189,10 @@ fn boot_snapshot_rollback_restore_over_the_api() {
             "2",
         ],
     );
-    b.ok(json!({"op":"restore","dir":s1}));
-    let st = b.ok(json!({"op":"stats"}));
-    assert_eq!(st["state"], "running");
-    assert_eq!(st["baseline"], "s1");
+    assert_eq!(b.api.restore(&s1, T).unwrap(), full.id);
+    let st = b.api.stats(T).unwrap();
+    assert_eq!(st.state, RunState::Running);
+    assert_eq!(st.baseline.as_deref(), Some(full.id.as_str()));
     b.shutdown();
     a.shutdown();
 
@@ -172,12 +216,10 @@ fn disks_and_devices_from_the_command_line_follow_snapshots() {
         "a",
         &["--disk", rw.to_str().unwrap(), "--disk", &ro_arg],
     );
-    a.ok(json!({"op":"boot","kernel":kernel,"mem_mib":MIB}));
+    boot(&mut a, &kernel, 1);
     wait_file(&d.path().join("a.serial"), "B");
-    let store = twig_store::NodeStore::open(&d.path().join("store"), true).unwrap();
-    let staging = store.stage("s1").unwrap();
-    a.ok(json!({"op":"snapshot","dir":staging.dir(),"kind":"full"}));
-    let s1 = staging.publish().unwrap().dir().to_path_buf();
+    let store = node_store(d.path());
+    let (_, s1) = snapshot(&mut a.api, &store, "s1", Kind::Full).unwrap();
     assert!(std::fs::read(s1.join("disk0")).unwrap() == std::fs::read(&rw).unwrap());
     assert!(!s1.join("disk1").exists());
     a.shutdown();
@@ -190,18 +232,19 @@ fn disks_and_devices_from_the_command_line_follow_snapshots() {
         "b",
         &["--disk", rw2.to_str().unwrap(), "--disk", &ro_arg],
     );
-    b.ok(json!({"op":"restore","dir":s1}));
+    b.api.restore(&s1, T).unwrap();
     assert!(std::fs::read(&rw2).unwrap() == std::fs::read(&rw).unwrap());
     b.shutdown();
 
     // Without the disks, the snapshot does not fit.
     let mut c = Vmm::start(d.path(), "c", &[]);
-    let e = c.err(&json!({"op":"restore","dir":s1}).to_string());
+    let (kind, e) = vmm_err(c.api.restore(&s1, T));
+    assert_eq!(kind, ErrorKind::InvalidRequest);
     assert!(e.contains("virtio devices differ"), "{e}");
     c.shutdown();
     // A missing image is named when the VM is made.
     let mut m = Vmm::start(d.path(), "m", &["--disk", "/nonexistent/disk.img"]);
-    let e = m.err(&json!({"op":"boot","kernel":kernel,"mem_mib":MIB}).to_string());
+    let (_, e) = vmm_err(m.api.boot(&kernel, None, "", MIB, 1, T));
     assert!(e.contains("/nonexistent/disk.img"), "{e}");
     m.shutdown();
 
@@ -210,6 +253,7 @@ fn disks_and_devices_from_the_command_line_follow_snapshots() {
         vec!["--tap", "t0", "--mac", "01:00:00:00:00:01"],
         vec!["--mac", "02:00:00:00:00:01"],
         vec!["--vsock-cid", "5"],
+        vec!["--max-connections", "0"],
     ] {
         let out = Command::new(BIN)
             .args(["serve", "--api-sock", "/nonexistent/x.sock"])
@@ -222,36 +266,56 @@ fn disks_and_devices_from_the_command_line_follow_snapshots() {
 }
 
 #[test]
-fn bad_requests_get_clear_errors() {
+fn bad_requests_get_invalid_request_errors() {
     require_kvm();
     let d = tmp();
-    let mut a = Vmm::start(d.path(), "a", &[]);
-    assert!(a.err("not json").contains("bad request"));
-    assert!(a.err(r#"{"op":"fly"}"#).contains("unknown variant"));
-    assert!(a.err(r#"{"op":"restore"}"#).contains("missing field `dir`"));
-    assert!(a
-        .err(r#"{"op":"pause","extra":1}"#)
-        .contains("unknown field"));
-    let e = a.err(r#"{"op":"restore","dir":"/nonexistent/snap"}"#);
-    assert!(e.contains("cannot open the state file"), "{e}");
-    let e = a.err(r#"{"op":"boot","kernel":"/etc/hostname","mem_mib":64}"#);
-    assert!(e.contains("neither an ELF vmlinux"), "{e}");
-    let e = a.err(r#"{"op":"boot","kernel":"/etc/hostname","mem_mib":5}"#);
-    assert!(e.contains("multiple of 2 MiB"), "{e}");
+    let a = Vmm::start(d.path(), "a", &[]);
+    let mut raw = a.raw();
+    for (line, says) in [
+        ("not json", "bad request"),
+        (r#"{"op":"fly"}"#, "unknown variant"),
+        (r#"{"op":"restore"}"#, "missing field `dir`"),
+        (r#"{"op":"pause","extra":1}"#, "unknown field"),
+        (
+            r#"{"op":"boot","kernel":"/etc/hostname","mem_mib":64}"#,
+            "neither an ELF vmlinux",
+        ),
+        (
+            r#"{"op":"boot","kernel":"/etc/hostname","mem_mib":5}"#,
+            "multiple of 2 MiB",
+        ),
+        (
+            r#"{"op":"attach_disk","slot":0,"path":"/d.img"}"#,
+            "no VM yet",
+        ),
+    ] {
+        let e = raw_err(&mut raw, line);
+        assert_eq!(e.kind, ErrorKind::InvalidRequest, "{line}: {e:?}");
+        assert!(e.message.contains(says), "{line}: {e:?}");
+    }
+    // Not UTF-8.
+    raw.get_mut().write_all(b"\xff\xfe\n").unwrap();
+    let mut line = String::new();
+    raw.read_line(&mut line).unwrap();
+    let e: Response = serde_json::from_str(&line).unwrap();
+    assert!(
+        matches!(&e, Response::Error(e) if e.kind == ErrorKind::InvalidRequest),
+        "{line}"
+    );
     // An oversized request gets an error and the connection is closed.
     let long = format!("{{\"op\":\"stats\",\"x\":\"{}\"}}\n", "a".repeat(70_000));
-    let _ = a.conn.get_mut().write_all(long.as_bytes());
-    let mut line = String::new();
-    a.conn.read_line(&mut line).unwrap();
-    assert!(line.contains("longer than"), "{line}");
-    let deadline = Instant::now() + T;
-    a.conn = loop {
-        match UnixStream::connect(d.path().join("a.sock")) {
-            Ok(c) => break BufReader::new(c),
-            Err(e) if Instant::now() > deadline => panic!("reconnect: {e}"),
-            Err(_) => std::thread::yield_now(),
-        }
+    let _ = raw.get_mut().write_all(long.as_bytes());
+    let e = {
+        let mut line = String::new();
+        raw.read_line(&mut line).unwrap();
+        serde_json::from_str::<Response>(&line).unwrap()
     };
+    assert!(
+        matches!(&e, Response::Error(e) if e.kind == ErrorKind::InvalidRequest && e.message.contains("longer than")),
+        "{e:?}"
+    );
+    let mut rest = String::new();
+    assert_eq!(raw.read_line(&mut rest).unwrap(), 0, "closed after: {rest}");
     a.shutdown();
 
     let out = Command::new(BIN)
@@ -262,7 +326,266 @@ fn bad_requests_get_clear_errors() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot open the state file"));
     let out = Command::new(BIN).arg("--help").output().unwrap();
-    assert!(String::from_utf8_lossy(&out.stdout).contains("serve"));
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        help.contains("serve") && help.contains("guest_stopped"),
+        "{help}"
+    );
+}
+
+/// A test guest whose first instruction is `ud2` (with no IDT: a triple
+/// fault): it stops as soon as it runs.
+fn crashing_kernel(dir: &Path) -> PathBuf {
+    let mut image = twig_vmm::testguest::BZIMAGE.to_vec();
+    // The 64-bit entry: 0x200 into the payload, after 4 setup sectors and
+    // the boot sector.
+    image[5 * 512 + 0x200..5 * 512 + 0x202].copy_from_slice(&[0x0f, 0x0b]);
+    twig_vmm::testguest::write_image(dir, "crash.bzImage", &image).unwrap()
+}
+
+#[test]
+fn each_error_kind_says_what_the_caller_can_do() {
+    require_kvm();
+    let d = tmp();
+    let kernel = twig_vmm::testguest::write_to(d.path()).unwrap();
+    let mut a = Vmm::start(d.path(), "a", &[]);
+    let missing = d.path().join("missing");
+
+    // not_found: the snapshot does not exist; nothing changed.
+    let (kind, e) = vmm_err(a.api.restore(&missing, T));
+    assert_eq!(kind, ErrorKind::NotFound, "{e}");
+    assert!(e.contains("does not exist"), "{e}");
+    boot(&mut a, &kernel, 1);
+    wait_file(&d.path().join("a.serial"), "B");
+    let (kind, e) = vmm_err(a.api.rollback(&missing, T));
+    assert_eq!(kind, ErrorKind::NotFound, "{e}");
+
+    // refused: a rollback to a corrupted snapshot, and a snapshot that
+    // cannot be written, leave the VM running on its previous state.
+    let store = node_store(d.path());
+    let (full, s1) = snapshot(&mut a.api, &store, "s1", Kind::Full).unwrap();
+    let bad = d.path().join("bad");
+    std::fs::create_dir(&bad).unwrap();
+    std::fs::write(bad.join("state"), b"not a snapshot").unwrap();
+    std::fs::copy(s1.join("memory"), bad.join("memory")).unwrap();
+    let (kind, e) = vmm_err(a.api.rollback(&bad, T));
+    assert_eq!(kind, ErrorKind::Refused, "{e}");
+    assert!(e.contains("keeps running on its previous state"), "{e}");
+    let staging = store.stage("s").unwrap();
+    std::fs::create_dir(staging.dir().join("state")).unwrap();
+    let (kind, e) = vmm_err(a.api.snapshot(staging.dir(), Kind::Full, T));
+    assert_eq!(kind, ErrorKind::Refused, "{e}");
+    drop(staging);
+    let st = a.api.stats(T).unwrap();
+    assert_eq!(st.state, RunState::Running);
+    assert_eq!(st.baseline.as_deref(), Some(full.id.as_str()));
+    assert_eq!(a.api.rollback(&s1, T).unwrap().id, full.id);
+
+    // invalid_request: a disk without disk slots.
+    let (kind, e) = vmm_err(a.api.attach_disk(0, &d.path().join("d.img"), false, T));
+    assert_eq!(kind, ErrorKind::InvalidRequest, "{e}");
+    assert!(e.contains("no disk slots"), "{e}");
+    a.shutdown();
+
+    // guest_stopped: the guest crashed; resuming it makes no sense, but its
+    // stats still answer.
+    let mut c = Vmm::start(d.path(), "c", &[]);
+    let crash = crashing_kernel(d.path());
+    c.api.boot(&crash, None, "", MIB, 1, T).unwrap();
+    let deadline = Instant::now() + T;
+    while c.api.stats(T).unwrap().state != RunState::Stopped {
+        assert!(Instant::now() < deadline, "the guest never stopped");
+        std::thread::yield_now();
+    }
+    let (kind, e) = vmm_err(c.api.resume(T));
+    assert_eq!(kind, ErrorKind::GuestStopped, "{e}");
+    let staging = store.stage("s3").unwrap();
+    let (kind, e) = vmm_err(c.api.snapshot(staging.dir(), Kind::Full, T));
+    assert_eq!(kind, ErrorKind::GuestStopped, "{e}");
+    c.shutdown();
+
+    // busy: covered with the connection limit below; internal: a VMM
+    // without a usable /dev/kvm (missing_or_forbidden_kvm_is_reported).
+}
+
+#[test]
+fn idle_slow_and_vanishing_clients_block_no_one() {
+    require_kvm();
+    let d = tmp();
+    let kernel = twig_vmm::testguest::write_to(d.path()).unwrap();
+    let mut a = Vmm::start(
+        d.path(),
+        "a",
+        &["--max-connections", "5", "--idle-timeout-s", "2"],
+    );
+    boot(&mut a, &kernel, 1);
+    // One client connects and says nothing, another sends half a line.
+    let idle = a.raw();
+    let mut half = a.raw();
+    half.get_mut().write_all(br#"{"op":"st"#).unwrap();
+    // A third one's stats answer promptly (connect, hello, stats).
+    let t = Instant::now();
+    let mut b = a.client();
+    assert_eq!(b.stats(T).unwrap().state, RunState::Running);
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+
+    // A client that disconnects mid-request: the operation completes, the
+    // server lives on.
+    let store = node_store(d.path());
+    let staging = store.stage("s1").unwrap();
+    {
+        let mut gone = a.raw();
+        let req = Request::Snapshot {
+            dir: staging.dir().to_path_buf(),
+            kind: Kind::Full,
+        };
+        writeln!(gone.get_mut(), "{}", serde_json::to_string(&req).unwrap()).unwrap();
+    }
+    drop(half);
+    // Nobody hears the answer: the writer's draft manifest, complete, says
+    // every artefact is written.
+    let draft = staging.dir().join(twig_store::layout::MANIFEST);
+    let deadline = Instant::now() + T;
+    while std::fs::read(&draft)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<twig_store::Draft>(&b).ok())
+        .is_none()
+    {
+        assert!(Instant::now() < deadline, "the snapshot never completed");
+        std::thread::yield_now();
+    }
+    let s1 = staging.publish().unwrap();
+    twig_vmm::snapshot::verify(s1.dir()).unwrap();
+    assert_eq!(b.stats(T).unwrap().state, RunState::Running);
+
+    // Over the limit: a's client, idle and b hold 3 of 5 slots (once the
+    // connections just closed are gone); a 4th and 5th are served, a 6th
+    // is told the server is busy.
+    let deadline = Instant::now() + T;
+    let mut more = Vec::new();
+    while more.len() < 2 {
+        match Client::connect(&a.sock, T) {
+            Ok(c) => more.push(c),
+            Err(e) if e.kind() == Some(ErrorKind::Busy) && Instant::now() < deadline => {
+                std::thread::yield_now()
+            }
+            Err(e) => panic!("connection {}: {e}", more.len() + 4),
+        }
+    }
+    let (kind, e) = match Client::connect(&a.sock, T) {
+        Err(ClientError::Vmm { kind, message }) => (kind, message),
+        other => panic!("a 6th connection: {:?}", other.map(|_| ())),
+    };
+    assert_eq!(kind, ErrorKind::Busy, "{e}");
+    assert!(e.contains("5 API connections"), "{e}");
+    drop(more);
+
+    // Idle connections are closed after --idle-timeout-s; a client whose
+    // connection was closed connects again by itself on its next call.
+    // (The server frees the slots of the connections just dropped a moment
+    // later.)
+    let deadline = Instant::now() + T;
+    let mut c = loop {
+        match Client::connect(&a.sock, T) {
+            Ok(c) => break c,
+            Err(e) if e.kind() == Some(ErrorKind::Busy) && Instant::now() < deadline => {
+                std::thread::yield_now()
+            }
+            Err(e) => panic!("reconnecting: {e}"),
+        }
+    };
+    let mut later = a.raw();
+    let t = Instant::now();
+    let mut line = String::new();
+    let mut idle = idle;
+    assert_eq!(idle.read_line(&mut line).unwrap(), 0, "{line}");
+    assert_eq!(later.read_line(&mut line).unwrap(), 0, "{line}");
+    assert!(t.elapsed() >= Duration::from_secs(1), "{:?}", t.elapsed());
+    assert_eq!(c.stats(T).unwrap().state, RunState::Running);
+    assert_eq!(b.stats(T).unwrap().state, RunState::Running);
+    a.shutdown();
+}
+
+/// A fake VMM: accepts one connection, answers `hello` with `protocol`
+/// unless it is None, then reads requests and never answers.
+fn fake_vmm(sock: &Path, protocol: Option<u32>) -> std::thread::JoinHandle<()> {
+    let listener = UnixListener::bind(sock).unwrap();
+    std::thread::spawn(move || {
+        let Ok((conn, _)) = listener.accept() else {
+            return;
+        };
+        let mut r = BufReader::new(conn);
+        let mut line = String::new();
+        if let Some(protocol) = protocol {
+            let _ = r.read_line(&mut line);
+            let hello = Response::Ok(Reply::Hello(Hello {
+                protocol,
+                version: "fake".into(),
+            }));
+            let _ = writeln!(r.get_mut(), "{}", hello.to_line());
+        }
+        // Hold the connection open, answering nothing, until the client
+        // gives up and closes it.
+        while r.read_line(&mut line).map(|n| n > 0).unwrap_or(false) {}
+    })
+}
+
+#[test]
+fn client_deadlines_and_version_checks() {
+    let d = tmp();
+    let short = Duration::from_millis(300);
+
+    // Never answers hello: connect times out within its deadline.
+    let sock = d.path().join("mute.sock");
+    let fake = fake_vmm(&sock, None);
+    let t = Instant::now();
+    match Client::connect(&sock, short) {
+        Err(ClientError::Timeout { op, after, .. }) => {
+            assert_eq!(op, "hello");
+            assert_eq!(after, short);
+        }
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+    assert!(t.elapsed() < short * 3, "{:?}", t.elapsed());
+    fake.join().unwrap();
+
+    // Answers hello, then nothing: each call has its own deadline.
+    let sock = d.path().join("slow.sock");
+    let fake = fake_vmm(&sock, Some(PROTOCOL_VERSION));
+    let mut c = Client::connect(&sock, T).unwrap();
+    let t = Instant::now();
+    match c.stats(short) {
+        Err(ClientError::Timeout { op, .. }) => assert_eq!(op, "stats"),
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        t.elapsed() >= short && t.elapsed() < short * 3,
+        "{:?}",
+        t.elapsed()
+    );
+    drop(c);
+    fake.join().unwrap();
+
+    // Speaks another protocol: refused at connect.
+    let sock = d.path().join("old.sock");
+    let fake = fake_vmm(&sock, Some(PROTOCOL_VERSION + 1));
+    match Client::connect(&sock, T) {
+        Err(ClientError::Version { vmm, client, .. }) => {
+            assert_eq!((vmm, client), (PROTOCOL_VERSION + 1, PROTOCOL_VERSION));
+        }
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+    fake.join().unwrap();
+
+    // Nobody there: an I/O error once the connect deadline passes.
+    let t = Instant::now();
+    let r = Client::connect(&d.path().join("nobody.sock"), short);
+    assert!(
+        matches!(r, Err(ClientError::Io { .. })),
+        "{:?}",
+        r.map(|_| ())
+    );
+    assert!(t.elapsed() >= short && t.elapsed() < short * 3);
 }
 
 #[test]
@@ -270,8 +593,7 @@ fn missing_or_forbidden_kvm_is_reported() {
     require_kvm();
     let d = tmp();
     let kernel = twig_vmm::testguest::write_to(d.path()).unwrap();
-    let boot = json!({"op":"boot","kernel":kernel,"mem_mib":MIB}).to_string();
-    let run = |name: &str, argv: &dyn Fn(&str) -> Vec<String>| -> String {
+    let run = |name: &str, argv: &dyn Fn(&str) -> Vec<String>| -> (ErrorKind, String) {
         let sock = d.path().join(format!("{name}.sock"));
         let serve = format!(
             "{BIN} serve --api-sock {} --serial /dev/null",
@@ -279,36 +601,28 @@ fn missing_or_forbidden_kvm_is_reported() {
         );
         let args = argv(&serve);
         let mut child = Command::new(&args[0]).args(&args[1..]).spawn().unwrap();
-        let deadline = Instant::now() + T;
-        let mut conn = loop {
-            match UnixStream::connect(&sock) {
-                Ok(c) => break BufReader::new(c),
-                Err(e) if Instant::now() > deadline => panic!("no socket: {e}"),
-                Err(_) => std::thread::yield_now(),
-            }
-        };
-        writeln!(conn.get_mut(), "{boot}").unwrap();
-        let mut line = String::new();
-        conn.read_line(&mut line).unwrap();
+        let mut api = Client::connect(&sock, T).unwrap();
+        let r = vmm_err(api.boot(&kernel, None, "", MIB, 1, T));
         let _ = child.kill();
         let _ = child.wait();
-        line
+        r
     };
     // /dev/kvm replaced by /dev/null in a private mount namespace.
-    let r = run("nokvm", &|serve| {
+    let (kind, e) = run("nokvm", &|serve| {
         let script = format!("mount --bind /dev/null /dev/kvm && exec {serve}");
         ["unshare", "-m", "sh", "-c", &script]
             .map(String::from)
             .to_vec()
     });
-    assert!(r.contains("not a usable KVM device"), "{r}");
+    assert_eq!(kind, ErrorKind::Internal);
+    assert!(e.contains("not a usable KVM device"), "{e}");
     // An unprivileged user.
     std::fs::set_permissions(
         d.path(),
         std::os::unix::fs::PermissionsExt::from_mode(0o777),
     )
     .unwrap();
-    let r = run("nobody", &|serve| {
+    let (kind, e) = run("nobody", &|serve| {
         let mut v: Vec<String> = [
             "setpriv",
             "--reuid=65534",
@@ -320,9 +634,10 @@ fn missing_or_forbidden_kvm_is_reported() {
         v.extend(serve.split(' ').map(String::from));
         v
     });
+    assert_eq!(kind, ErrorKind::Internal);
     assert!(
-        r.contains("cannot open /dev/kvm") && r.contains("ermission"),
-        "{r}"
+        e.contains("cannot open /dev/kvm") && e.contains("ermission"),
+        "{e}"
     );
 }
 
@@ -332,16 +647,16 @@ fn a_vmm_killed_mid_snapshot_leaves_no_valid_looking_snapshot() {
     let d = tmp();
     let kernel = twig_vmm::testguest::write_to(d.path()).unwrap();
     let root = d.path().join("store");
-    let store = twig_store::NodeStore::open(&root, true).unwrap();
+    let store = node_store(d.path());
     let mut a = Vmm::start(d.path(), "a", &[]);
-    a.ok(json!({"op":"boot","kernel":kernel,"mem_mib":2048}));
+    a.api.boot(&kernel, None, "", 2048, 1, T).unwrap();
     let staging = store.stage("big").unwrap();
-    writeln!(
-        a.conn.get_mut(),
-        "{}",
-        json!({"op":"snapshot","dir":staging.dir(),"kind":"full"})
-    )
-    .unwrap();
+    let mut conn = a.raw();
+    let req = Request::Snapshot {
+        dir: staging.dir().to_path_buf(),
+        kind: Kind::Full,
+    };
+    writeln!(conn.get_mut(), "{}", serde_json::to_string(&req).unwrap()).unwrap();
     // Kill the VMM as soon as the snapshot is being written.
     let deadline = Instant::now() + T;
     while !staging.dir().join("memory").exists() {
@@ -350,6 +665,15 @@ fn a_vmm_killed_mid_snapshot_leaves_no_valid_looking_snapshot() {
     }
     a.child.kill().unwrap();
     a.child.wait().unwrap();
+    // The client sees the VMM gone, not a hang.
+    let r = a.api.stats(T);
+    assert!(
+        matches!(
+            r,
+            Err(ClientError::Io { .. }) | Err(ClientError::Protocol { .. })
+        ),
+        "{r:?}"
+    );
     // The VMM publishes nothing itself: the store does, once the writer
     // answers, and this one never did. The staging goes with its holder.
     assert!(store.list().unwrap().is_empty(), "nothing published");
@@ -365,11 +689,9 @@ fn a_vmm_killed_mid_snapshot_leaves_no_valid_looking_snapshot() {
     assert!(e.contains("cannot open the state file"), "{e}");
     // The store still takes a snapshot under that id.
     let mut b = Vmm::start(d.path(), "b", &[]);
-    b.ok(json!({"op":"boot","kernel":kernel,"mem_mib":MIB}));
-    let staging = store.stage("big").unwrap();
-    b.ok(json!({"op":"snapshot","dir":staging.dir(),"kind":"full"}));
-    let s = staging.publish().unwrap();
-    twig_vmm::snapshot::verify(s.dir()).unwrap();
+    boot(&mut b, &kernel, 1);
+    let (_, big) = snapshot(&mut b.api, &store, "big", Kind::Full).unwrap();
+    twig_vmm::snapshot::verify(&big).unwrap();
     b.shutdown();
 }
 

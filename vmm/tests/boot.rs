@@ -27,14 +27,18 @@ fn boots_a_bzimage_with_its_setup_header() {
     vm.boot(&kernel, "console=ttyS0 quiet").unwrap();
     serial.wait_for(b"B", 0, T).unwrap();
     testguest::wait_booted(&vm, T).unwrap();
-    // boot_params carries the image's setup header and our command line.
-    let zero_page = twig_vmm::arch::layout::ZERO_PAGE;
+    // boot_params (at the VMM's zero page, 0x7000) carries the image's
+    // setup header and our command line.
+    let zero_page = 0x7000;
     let mut hdr = [0u8; 4];
     vm.read_guest(zero_page + 0x202, &mut hdr).unwrap();
     assert_eq!(&hdr, b"HdrS");
-    // The command line, with the virtio-mmio devices announced.
+    // The command line (at hdr.cmd_line_ptr), with the virtio-mmio devices
+    // announced.
+    let mut ptr = [0u8; 4];
+    vm.read_guest(zero_page + 0x228, &mut ptr).unwrap();
     let mut cmdline = [0u8; 128];
-    vm.read_guest(twig_vmm::arch::layout::CMDLINE, &mut cmdline)
+    vm.read_guest(u32::from_le_bytes(ptr).into(), &mut cmdline)
         .unwrap();
     let end = cmdline.iter().position(|b| *b == 0).unwrap();
     assert_eq!(
@@ -111,28 +115,32 @@ fn vcpus_get_consistent_cpuid_but_their_own_apic_ids() {
     let s = snap(d.path(), "s");
     take(&mut g.vm, &s, twig_vmm::Kind::Full).unwrap();
     let state = twig_vmm::snapshot::read_state(&s).unwrap();
-    let strip = |v: &twig_vmm::vcpu::VcpuState| -> Vec<[u32; 6]> {
-        v.cpuid
-            .iter()
-            .map(|e| {
-                let mut r = [e.function, e.index, e.eax, e.ebx, e.ecx, e.edx];
-                match e.function {
-                    1 => r[3] &= 0x00ff_ffff,
-                    0xb | 0x1f => r[5] = 0,
-                    _ => {}
-                }
-                r
-            })
-            .collect()
-    };
-    let apic = |v: &twig_vmm::vcpu::VcpuState| {
-        v.cpuid
+    // CPUID as each vCPU got it, with the per-vCPU APIC ids masked out.
+    let stripped: Vec<Vec<[u32; 6]>> = state
+        .vcpus
+        .iter()
+        .map(|v| {
+            v.cpuid
+                .iter()
+                .map(|e| {
+                    let mut r = [e.function, e.index, e.eax, e.ebx, e.ecx, e.edx];
+                    match e.function {
+                        1 => r[3] &= 0x00ff_ffff,
+                        0xb | 0x1f => r[5] = 0,
+                        _ => {}
+                    }
+                    r
+                })
+                .collect()
+        })
+        .collect();
+    for (i, v) in state.vcpus.iter().enumerate() {
+        assert_eq!(stripped[i], stripped[0], "vCPU {i} CPUID differs");
+        let apic = v
+            .cpuid
             .iter()
             .find(|e| e.function == 1)
-            .map(|e| e.ebx >> 24)
-    };
-    for (i, v) in state.vcpus.iter().enumerate() {
-        assert_eq!(strip(v), strip(&state.vcpus[0]), "vCPU {i} CPUID differs");
-        assert_eq!(apic(v), Some(i as u32), "vCPU {i} APIC id");
+            .map(|e| e.ebx >> 24);
+        assert_eq!(apic, Some(i as u32), "vCPU {i} APIC id");
     }
 }

@@ -479,7 +479,7 @@ fn a_template_restores_to_a_ready_agent_without_booting() {
     let (store, id) = store_of(&t);
     let staging = store.stage(&id).expect("stage the template");
     vm.template(staging.dir(), BOOT, || {
-        twig_vmm::virtio::vsock::host_connect(&slot.uds, AGENT_PORT, Duration::from_secs(2)).is_ok()
+        twig_vmm::host_connect(&slot.uds, AGENT_PORT, Duration::from_secs(2)).is_ok()
     })
     .expect("template");
     staging.publish().expect("publish the template");

@@ -579,7 +579,7 @@ impl VirtioDevice for Blk {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::virtio::fake::Driver;
+    use crate::virtio::testing::Driver;
     use std::process::Command;
 
     const SECTORS: u64 = 128;
@@ -634,13 +634,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = image(dir.path(), "rootfs-disk.img");
         let mut d = driver(&p, false);
-        let mut cfg = [0u8; 8];
-        d.t.read(0x100, &mut cfg);
-        assert_eq!(u64::from_le_bytes(cfg), SECTORS, "capacity");
-        let mut f = [0u8; 4];
-        d.t.write(0x014, &0u32.to_le_bytes());
-        d.t.read(0x010, &mut f);
-        assert_eq!(u32::from_le_bytes(f) & (1 << VIRTIO_BLK_F_RO), 0);
+        assert_eq!(d.config(8), SECTORS.to_le_bytes(), "capacity");
+        assert_eq!(d.device_features() & (1 << VIRTIO_BLK_F_RO), 0);
 
         let (st, len, data) = request(&mut d, VIRTIO_BLK_T_IN, 2, &[], 1024);
         assert_eq!((st, len), (OK, 1025));
@@ -718,11 +713,8 @@ mod tests {
         let p = image(dir.path(), "ro.img");
         let before = std::fs::read(&p).unwrap();
         let mut d = driver(&p, true);
-        let mut f = [0u8; 4];
-        d.t.write(0x014, &0u32.to_le_bytes());
-        d.t.read(0x010, &mut f);
         assert_ne!(
-            u32::from_le_bytes(f) & (1 << VIRTIO_BLK_F_RO),
+            d.device_features() & (1 << VIRTIO_BLK_F_RO),
             0,
             "RO offered"
         );

@@ -14,10 +14,26 @@
 pub mod blk;
 pub mod net;
 pub mod rng;
+#[cfg(test)]
+pub(crate) mod testing;
 pub mod vsock;
 
 use std::os::fd::RawFd;
 
+use virtio_bindings::virtio_config::{
+    VIRTIO_CONFIG_S_DRIVER_OK, VIRTIO_CONFIG_S_FAILED, VIRTIO_F_VERSION_1,
+};
+use virtio_bindings::virtio_ids::{VIRTIO_ID_BLOCK, VIRTIO_ID_NET, VIRTIO_ID_RNG, VIRTIO_ID_VSOCK};
+use virtio_bindings::virtio_mmio::{
+    VIRTIO_MMIO_CONFIG, VIRTIO_MMIO_CONFIG_GENERATION, VIRTIO_MMIO_DEVICE_FEATURES,
+    VIRTIO_MMIO_DEVICE_FEATURES_SEL, VIRTIO_MMIO_DEVICE_ID, VIRTIO_MMIO_DRIVER_FEATURES,
+    VIRTIO_MMIO_DRIVER_FEATURES_SEL, VIRTIO_MMIO_INTERRUPT_ACK, VIRTIO_MMIO_INTERRUPT_STATUS,
+    VIRTIO_MMIO_INT_VRING, VIRTIO_MMIO_MAGIC_VALUE, VIRTIO_MMIO_QUEUE_AVAIL_HIGH,
+    VIRTIO_MMIO_QUEUE_AVAIL_LOW, VIRTIO_MMIO_QUEUE_DESC_HIGH, VIRTIO_MMIO_QUEUE_DESC_LOW,
+    VIRTIO_MMIO_QUEUE_NOTIFY, VIRTIO_MMIO_QUEUE_NUM, VIRTIO_MMIO_QUEUE_NUM_MAX,
+    VIRTIO_MMIO_QUEUE_READY, VIRTIO_MMIO_QUEUE_SEL, VIRTIO_MMIO_QUEUE_USED_HIGH,
+    VIRTIO_MMIO_QUEUE_USED_LOW, VIRTIO_MMIO_STATUS, VIRTIO_MMIO_VENDOR_ID, VIRTIO_MMIO_VERSION,
+};
 use virtio_queue::{Queue, QueueState, QueueT};
 use vm_memory::Bytes;
 use vmm_sys_util::eventfd::EventFd;
@@ -38,20 +54,20 @@ pub const IRQ_LAST: u32 = 15;
 /// Most virtio devices a VM can have.
 pub const MAX_DEVICES: usize = (IRQ_LAST - IRQ_BASE + 1) as usize;
 
-const MAGIC: u32 = 0x7472_6976; // "virt"
-const VENDOR: u32 = 0x6769_7774; // "twig"
-const VIRTIO_F_VERSION_1: u64 = 1 << 32;
-const STATUS_DRIVER_OK: u32 = 4;
-const STATUS_FAILED: u32 = 0x80;
-const INT_VRING: u32 = 1;
+/// The magic value register's contents, "virt".
+const MAGIC: u32 = 0x7472_6976;
+/// The vendor id register's contents, "twig".
+const VENDOR: u32 = 0x6769_7774;
+/// The virtio-mmio version implemented (the modern, non-legacy layout).
+const MMIO_VERSION: u32 = 2;
 
 /// A short name for virtio device id `t`, for messages.
 pub fn device_name(t: u32) -> String {
     match t {
-        1 => "net".into(),
-        2 => "block".into(),
-        4 => "rng".into(),
-        19 => "vsock".into(),
+        VIRTIO_ID_NET => "net".into(),
+        VIRTIO_ID_BLOCK => "block".into(),
+        VIRTIO_ID_RNG => "rng".into(),
+        VIRTIO_ID_VSOCK => "vsock".into(),
         _ => format!("device type {t}"),
     }
 }
@@ -167,7 +183,7 @@ impl MmioTransport {
     }
 
     fn features(&self) -> u64 {
-        self.device.features() | VIRTIO_F_VERSION_1
+        self.device.features() | 1 << VIRTIO_F_VERSION_1
     }
 
     fn queue(&mut self) -> Option<&mut Queue> {
@@ -187,25 +203,29 @@ impl MmioTransport {
 
     /// A register read at `offset` in the device's window.
     pub fn read(&mut self, offset: u64, data: &mut [u8]) {
-        if offset >= 0x100 {
-            self.device.read_config(offset - 0x100, data);
+        let config = u64::from(VIRTIO_MMIO_CONFIG);
+        if offset >= config {
+            self.device.read_config(offset - config, data);
             return;
         }
+        let Ok(offset) = u32::try_from(offset) else {
+            return;
+        };
         let v: u32 = match offset {
-            0x000 => MAGIC,
-            0x004 => 2,
-            0x008 => self.device.device_type(),
-            0x00c => VENDOR,
-            0x010 => match self.device_features_sel {
+            VIRTIO_MMIO_MAGIC_VALUE => MAGIC,
+            VIRTIO_MMIO_VERSION => MMIO_VERSION,
+            VIRTIO_MMIO_DEVICE_ID => self.device.device_type(),
+            VIRTIO_MMIO_VENDOR_ID => VENDOR,
+            VIRTIO_MMIO_DEVICE_FEATURES => match self.device_features_sel {
                 0 => self.features() as u32,
                 1 => (self.features() >> 32) as u32,
                 _ => 0,
             },
-            0x034 => self.queue().map_or(0, |q| u32::from(q.max_size())),
-            0x044 => self.queue().map_or(0, |q| u32::from(q.ready())),
-            0x060 => self.interrupt_status,
-            0x070 => self.status,
-            0x0fc => 0,
+            VIRTIO_MMIO_QUEUE_NUM_MAX => self.queue().map_or(0, |q| u32::from(q.max_size())),
+            VIRTIO_MMIO_QUEUE_READY => self.queue().map_or(0, |q| u32::from(q.ready())),
+            VIRTIO_MMIO_INTERRUPT_STATUS => self.interrupt_status,
+            VIRTIO_MMIO_STATUS => self.status,
+            VIRTIO_MMIO_CONFIG_GENERATION => 0,
             _ => 0,
         };
         let bytes = v.to_le_bytes();
@@ -215,31 +235,26 @@ impl MmioTransport {
 
     /// A register write at `offset` in the device's window.
     pub fn write(&mut self, offset: u64, data: &[u8]) {
+        let Ok(offset) = u32::try_from(offset) else {
+            return;
+        };
         let v = u32_of(data);
         match offset {
-            0x014 => self.device_features_sel = v,
-            0x020 => {
+            VIRTIO_MMIO_DEVICE_FEATURES_SEL => self.device_features_sel = v,
+            VIRTIO_MMIO_DRIVER_FEATURES => {
                 let offered = self.features();
                 let half = self.driver_features_sel;
                 if half < 2 {
                     self.driver_features = set_half(self.driver_features, half, v) & offered;
                 }
             }
-            0x024 => self.driver_features_sel = v,
-            0x030 => self.queue_sel = v,
-            0x038 => {
-                if let Some(q) = self.queue() {
-                    q.set_size(v as u16);
-                }
-            }
-            0x044 => {
-                if let Some(q) = self.queue() {
-                    q.set_ready(v == 1);
-                }
-            }
-            0x050 => self.notify(v as usize),
-            0x064 => self.interrupt_status &= !v,
-            0x070 => {
+            VIRTIO_MMIO_DRIVER_FEATURES_SEL => self.driver_features_sel = v,
+            VIRTIO_MMIO_QUEUE_SEL => self.queue_sel = v,
+            VIRTIO_MMIO_QUEUE_NUM => self.with_queue(|q| q.set_size(v as u16)),
+            VIRTIO_MMIO_QUEUE_READY => self.with_queue(|q| q.set_ready(v == 1)),
+            VIRTIO_MMIO_QUEUE_NOTIFY => self.notify(v as usize),
+            VIRTIO_MMIO_INTERRUPT_ACK => self.interrupt_status &= !v,
+            VIRTIO_MMIO_STATUS => {
                 if v == 0 {
                     self.reset();
                 } else {
@@ -250,28 +265,37 @@ impl MmioTransport {
                     }
                 }
             }
-            0x080 | 0x084 | 0x090 | 0x094 | 0x0a0 | 0x0a4 => {
-                // Low and high halves of the descriptor table, available
-                // ring and used ring addresses.
-                let (lo, hi) = if offset & 4 == 0 {
-                    (Some(v), None)
-                } else {
-                    (None, Some(v))
-                };
-                if let Some(q) = self.queue() {
-                    match offset & !4 {
-                        0x080 => q.set_desc_table_address(lo, hi),
-                        0x090 => q.set_avail_ring_address(lo, hi),
-                        _ => q.set_used_ring_address(lo, hi),
-                    }
-                }
+            VIRTIO_MMIO_QUEUE_DESC_LOW => {
+                self.with_queue(|q| q.set_desc_table_address(Some(v), None))
+            }
+            VIRTIO_MMIO_QUEUE_DESC_HIGH => {
+                self.with_queue(|q| q.set_desc_table_address(None, Some(v)))
+            }
+            VIRTIO_MMIO_QUEUE_AVAIL_LOW => {
+                self.with_queue(|q| q.set_avail_ring_address(Some(v), None))
+            }
+            VIRTIO_MMIO_QUEUE_AVAIL_HIGH => {
+                self.with_queue(|q| q.set_avail_ring_address(None, Some(v)))
+            }
+            VIRTIO_MMIO_QUEUE_USED_LOW => {
+                self.with_queue(|q| q.set_used_ring_address(Some(v), None))
+            }
+            VIRTIO_MMIO_QUEUE_USED_HIGH => {
+                self.with_queue(|q| q.set_used_ring_address(None, Some(v)))
             }
             _ => {}
         }
     }
 
+    /// Applies `f` to the selected queue, if there is one.
+    fn with_queue(&mut self, f: impl FnOnce(&mut Queue)) {
+        if let Some(q) = self.queue() {
+            f(q);
+        }
+    }
+
     fn live(&self) -> bool {
-        self.status & STATUS_DRIVER_OK != 0 && self.status & STATUS_FAILED == 0
+        self.status & VIRTIO_CONFIG_S_DRIVER_OK != 0 && self.status & VIRTIO_CONFIG_S_FAILED == 0
     }
 
     fn notify(&mut self, index: usize) {
@@ -297,7 +321,7 @@ impl MmioTransport {
             q.ready() && q.is_valid(&self.mem) && q.needs_notification(&self.mem).unwrap_or(true)
         });
         if used && wanted {
-            self.interrupt_status |= INT_VRING;
+            self.interrupt_status |= VIRTIO_MMIO_INT_VRING;
             if let Err(e) = self.irq.write(1) {
                 tracing::warn!("virtio interrupt: {e}");
             }
@@ -490,245 +514,57 @@ pub struct TransportState {
     queues: Vec<Queue>,
 }
 
-/// A fake virtio driver over guest memory, for device tests.
-#[cfg(test)]
-pub(crate) mod fake {
-    use super::*;
-    use crate::memory::GuestRam;
-    use vm_memory::{Bytes, GuestAddress};
-    use vmm_sys_util::eventfd::EFD_NONBLOCK;
-
-    const QUEUE_SIZE: u16 = 16;
-    const DATA: u64 = 0x10_0000;
-
-    struct Ring {
-        desc: u64,
-        avail: u64,
-        used: u64,
-        next_desc: u16,
-        avail_idx: u16,
-        used_seen: u16,
-    }
-
-    /// A buffer of a descriptor chain: guest address, length, and whether
-    /// the device writes it.
-    pub type Buf = (u64, u32, bool);
-
-    /// A driver that brought up every queue of its device.
-    pub struct Driver {
-        pub t: MmioTransport,
-        pub mem: GuestMem,
-        pub irq: EventFd,
-        rings: Vec<Ring>,
-        next_data: u64,
-        _ram: GuestRam,
-    }
-
-    fn set(t: &mut MmioTransport, off: u64, v: u32) {
-        t.write(off, &v.to_le_bytes());
-    }
-
-    fn reg(t: &mut MmioTransport, off: u64) -> u32 {
-        let mut b = [0u8; 4];
-        t.read(off, &mut b);
-        u32::from_le_bytes(b)
-    }
-
-    impl Driver {
-        /// Negotiates every offered feature and sets up all queues.
-        pub fn new(device: Box<dyn VirtioDevice>) -> Driver {
-            let ram = GuestRam::reserve(16 << 20).unwrap();
-            let mem = ram.memory().clone();
-            let irq = EventFd::new(EFD_NONBLOCK).unwrap();
-            let mut t = MmioTransport::new(device, irq.try_clone().unwrap(), mem.clone()).unwrap();
-            set(&mut t, 0x070, 1 | 2);
-            for half in 0..2 {
-                set(&mut t, 0x014, half);
-                let f = reg(&mut t, 0x010);
-                set(&mut t, 0x024, half);
-                set(&mut t, 0x020, f);
-            }
-            set(&mut t, 0x070, 1 | 2 | 8);
-            let mut rings = Vec::new();
-            for q in 0..t.queues.len() {
-                let base = 0x1_0000 + q as u64 * 0x4000;
-                let r = Ring {
-                    desc: base,
-                    avail: base + 0x1000,
-                    used: base + 0x2000,
-                    next_desc: 0,
-                    avail_idx: 0,
-                    used_seen: 0,
-                };
-                set(&mut t, 0x030, q as u32);
-                set(&mut t, 0x038, u32::from(QUEUE_SIZE));
-                set(&mut t, 0x080, r.desc as u32);
-                set(&mut t, 0x090, r.avail as u32);
-                set(&mut t, 0x0a0, r.used as u32);
-                set(&mut t, 0x044, 1);
-                rings.push(r);
-            }
-            set(&mut t, 0x070, 1 | 2 | 8 | 4);
-            Driver {
-                t,
-                mem,
-                irq,
-                rings,
-                next_data: DATA,
-                _ram: ram,
-            }
-        }
-
-        /// A fresh buffer of `len` bytes in guest memory.
-        pub fn alloc(&mut self, len: u32) -> u64 {
-            let a = self.next_data;
-            self.next_data += u64::from(len).div_ceil(64) * 64;
-            a
-        }
-
-        pub fn write(&self, addr: u64, data: &[u8]) {
-            self.mem.write_slice(data, GuestAddress(addr)).unwrap();
-        }
-
-        pub fn read(&self, addr: u64, len: usize) -> Vec<u8> {
-            let mut b = vec![0u8; len];
-            self.mem.read_slice(&mut b, GuestAddress(addr)).unwrap();
-            b
-        }
-
-        /// Makes the chain `bufs` available on queue `q` (without notifying);
-        /// returns its head.
-        pub fn post(&mut self, q: usize, bufs: &[Buf]) -> u16 {
-            let r = &mut self.rings[q];
-            let mut idx = Vec::new();
-            for _ in bufs {
-                idx.push(r.next_desc % QUEUE_SIZE);
-                r.next_desc = r.next_desc.wrapping_add(1);
-            }
-            for (i, &(addr, len, write)) in bufs.iter().enumerate() {
-                let d = r.desc + u64::from(idx[i]) * 16;
-                let mut flags = if write { 2u16 } else { 0 };
-                let next = idx.get(i + 1).copied().unwrap_or(0);
-                if i + 1 < bufs.len() {
-                    flags |= 1;
-                }
-                self.mem.write_obj(addr, GuestAddress(d)).unwrap();
-                self.mem.write_obj(len, GuestAddress(d + 8)).unwrap();
-                self.mem.write_obj(flags, GuestAddress(d + 12)).unwrap();
-                self.mem.write_obj(next, GuestAddress(d + 14)).unwrap();
-            }
-            let slot = u64::from(r.avail_idx % QUEUE_SIZE);
-            self.mem
-                .write_obj(idx[0], GuestAddress(r.avail + 4 + slot * 2))
-                .unwrap();
-            r.avail_idx = r.avail_idx.wrapping_add(1);
-            self.mem
-                .write_obj(r.avail_idx, GuestAddress(r.avail + 2))
-                .unwrap();
-            idx[0]
-        }
-
-        pub fn notify(&mut self, q: usize) {
-            set(&mut self.t, 0x050, q as u32);
-        }
-
-        /// The next used element of queue `q`: (head, length).
-        pub fn used(&mut self, q: usize) -> Option<(u32, u32)> {
-            let r = &mut self.rings[q];
-            let idx: u16 = self.mem.read_obj(GuestAddress(r.used + 2)).unwrap();
-            if idx == r.used_seen {
-                return None;
-            }
-            let e = r.used + 4 + u64::from(r.used_seen % QUEUE_SIZE) * 8;
-            r.used_seen = r.used_seen.wrapping_add(1);
-            Some((
-                self.mem.read_obj(GuestAddress(e)).unwrap(),
-                self.mem.read_obj(GuestAddress(e + 4)).unwrap(),
-            ))
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use super::testing::Driver;
     use super::*;
-    use crate::memory::GuestRam;
-    use vm_memory::{Bytes, GuestAddress};
-    use vmm_sys_util::eventfd::EFD_NONBLOCK;
-
-    fn reg(t: &mut MmioTransport, off: u64) -> u32 {
-        let mut b = [0u8; 4];
-        t.read(off, &mut b);
-        u32::from_le_bytes(b)
-    }
-
-    fn set(t: &mut MmioTransport, off: u64, v: u32) {
-        t.write(off, &v.to_le_bytes());
-    }
 
     #[test]
     fn a_driver_reads_entropy_through_the_transport_and_state_round_trips() {
-        let ram = GuestRam::reserve(64 * 4096).unwrap();
-        let mem = ram.memory().clone();
-        let irq = EventFd::new(EFD_NONBLOCK).unwrap();
-        let mut t =
-            MmioTransport::new(Box::new(rng::Rng), irq.try_clone().unwrap(), mem.clone()).unwrap();
-        assert_eq!(reg(&mut t, 0x000), MAGIC);
-        assert_eq!(reg(&mut t, 0x004), 2);
-        assert_eq!(reg(&mut t, 0x008), 4);
-        set(&mut t, 0x070, 1 | 2);
-        set(&mut t, 0x014, 1);
-        assert_eq!(reg(&mut t, 0x010) & 1, 1, "VIRTIO_F_VERSION_1 offered");
-        set(&mut t, 0x024, 1);
-        set(&mut t, 0x020, 1);
-        set(&mut t, 0x070, 1 | 2 | 8);
-        set(&mut t, 0x030, 0);
-        assert_eq!(reg(&mut t, 0x034), 256);
-        set(&mut t, 0x038, 8);
-        set(&mut t, 0x080, 0x1000);
-        set(&mut t, 0x090, 0x2000);
-        set(&mut t, 0x0a0, 0x3000);
-        set(&mut t, 0x044, 1);
-        set(&mut t, 0x070, 1 | 2 | 8 | 4);
+        let mut d = Driver::new(Box::new(rng::Rng));
+        assert_eq!(d.reg(VIRTIO_MMIO_MAGIC_VALUE), MAGIC);
+        assert_eq!(d.reg(VIRTIO_MMIO_VERSION), 2);
+        assert_eq!(d.reg(VIRTIO_MMIO_DEVICE_ID), VIRTIO_ID_RNG);
+        assert_eq!(d.reg(VIRTIO_MMIO_VENDOR_ID), VENDOR);
+        d.set(VIRTIO_MMIO_DEVICE_FEATURES_SEL, 1);
+        assert_eq!(
+            d.reg(VIRTIO_MMIO_DEVICE_FEATURES),
+            1 << (VIRTIO_F_VERSION_1 - 32),
+            "VIRTIO_F_VERSION_1 offered"
+        );
+        d.set(VIRTIO_MMIO_QUEUE_SEL, 0);
+        assert_eq!(d.reg(VIRTIO_MMIO_QUEUE_NUM_MAX), 256);
+        assert_eq!(d.reg(VIRTIO_MMIO_QUEUE_READY), 1);
+        assert_ne!(d.reg(VIRTIO_MMIO_STATUS) & VIRTIO_CONFIG_S_DRIVER_OK, 0);
+        d.ram.take_vmm_dirty();
 
-        // One device-writable 32-byte buffer at 0x4000.
-        mem.write_obj(0x4000u64, GuestAddress(0x1000)).unwrap();
-        mem.write_obj(32u32, GuestAddress(0x1008)).unwrap();
-        mem.write_obj(2u16, GuestAddress(0x100c)).unwrap(); // VIRTQ_DESC_F_WRITE
-        mem.write_obj(0u16, GuestAddress(0x2004)).unwrap(); // ring[0] = desc 0
-        mem.write_obj(1u16, GuestAddress(0x2002)).unwrap(); // avail idx
-        set(&mut t, 0x050, 0);
-
-        assert_eq!(
-            mem.read_obj::<u16>(GuestAddress(0x3002)).unwrap(),
-            1,
-            "used idx"
+        // One device-writable 32-byte buffer.
+        let buf = d.alloc(32);
+        let head = d.post(0, &[(buf, 32, true)]);
+        d.notify(0);
+        assert_eq!(d.used(0), Some((u32::from(head), 32)));
+        assert!(
+            d.read(buf, 32).iter().any(|b| *b != 0),
+            "random bytes written"
         );
-        assert_eq!(
-            mem.read_obj::<u32>(GuestAddress(0x3004)).unwrap(),
-            0,
-            "used id"
-        );
-        assert_eq!(
-            mem.read_obj::<u32>(GuestAddress(0x3008)).unwrap(),
-            32,
-            "used len"
-        );
-        let mut buf = [0u8; 32];
-        mem.read_slice(&mut buf, GuestAddress(0x4000)).unwrap();
-        assert!(buf.iter().any(|b| *b != 0), "random bytes written");
-        assert_eq!(irq.read().unwrap(), 1, "interrupt raised");
-        assert_eq!(reg(&mut t, 0x060), INT_VRING);
-        set(&mut t, 0x064, INT_VRING);
-        assert_eq!(reg(&mut t, 0x060), 0);
+        assert_eq!(d.irq.read().unwrap(), 1, "interrupt raised");
+        assert_eq!(d.reg(VIRTIO_MMIO_INTERRUPT_STATUS), VIRTIO_MMIO_INT_VRING);
+        d.set(VIRTIO_MMIO_INTERRUPT_ACK, VIRTIO_MMIO_INT_VRING);
+        assert_eq!(d.reg(VIRTIO_MMIO_INTERRUPT_STATUS), 0);
 
         // What the device wrote counts as dirty for snapshots and rollback.
-        let dirty = crate::memory::PageSet::from_words(ram.take_vmm_dirty(), 64);
-        assert!(dirty.contains(4) && dirty.contains(3), "{:?}", dirty.runs());
+        let dirty = crate::memory::PageSet::from_words(d.ram.take_vmm_dirty(), d.ram.pages());
+        let used_page = d.queue(0).used_ring() / 4096;
+        assert!(
+            dirty.contains((buf / 4096) as usize) && dirty.contains(used_page as usize),
+            "{:?}",
+            dirty.runs()
+        );
 
         // The state carries over to another transport, and bad state is refused.
-        let saved = t.save();
-        let mut u = MmioTransport::new(Box::new(rng::Rng), irq, mem).unwrap();
+        let saved = d.t.save();
+        let irq = d.irq.try_clone().unwrap();
+        let mut u = MmioTransport::new(Box::new(rng::Rng), irq, d.mem.clone()).unwrap();
         let parsed = u.parse(&saved).unwrap();
         u.apply(parsed);
         assert_eq!(u.save(), saved);

@@ -273,9 +273,10 @@ impl VirtioDevice for Net {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::virtio::fake::Driver;
+    use crate::virtio::testing::Driver;
     use std::os::fd::{FromRawFd, OwnedFd};
     use std::sync::atomic::AtomicUsize;
+    use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 
     const MAC: [u8; 6] = [0x02, 0x74, 0x77, 0x69, 0x67, 0x01];
     const ETHERTYPE: [u8; 2] = [0x88, 0xb5];
@@ -387,13 +388,12 @@ mod tests {
     fn offers_its_mac_and_refuses_bad_taps() {
         let tap = tap_name();
         let mut d = Driver::new(Box::new(Net::new(&tap, MAC).unwrap()));
-        let mut mac = [0u8; 6];
-        d.t.read(0x100, &mut mac);
-        assert_eq!(mac, MAC);
-        let mut f = [0u8; 4];
-        d.t.write(0x014, &0u32.to_le_bytes());
-        d.t.read(0x010, &mut f);
-        assert_eq!(u32::from_le_bytes(f), 1 << VIRTIO_NET_F_MAC, "MAC only");
+        assert_eq!(d.config(6), MAC);
+        assert_eq!(
+            d.device_features(),
+            1 << VIRTIO_NET_F_MAC | 1 << VIRTIO_F_VERSION_1,
+            "MAC only"
+        );
         let e = Net::new("a-name-far-too-long", MAC)
             .err()
             .unwrap()

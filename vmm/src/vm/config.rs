@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::arch;
 use crate::error::{Error, Result};
@@ -96,7 +96,7 @@ pub struct VsockConfig {
 }
 
 /// Where a VM is in its life.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RunState {
     /// Created, neither booted nor restored yet.
@@ -121,7 +121,7 @@ impl RunState {
 }
 
 /// What a snapshot call did.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SnapshotInfo {
     /// The new snapshot's id.
     pub id: String,
@@ -139,7 +139,7 @@ pub struct SnapshotInfo {
 }
 
 /// What a rollback call did.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RollbackInfo {
     /// The snapshot rolled back to.
     pub id: String,
@@ -152,10 +152,13 @@ pub struct RollbackInfo {
 }
 
 /// A VM's counters.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Stats {
+    /// Where the VM is in its life.
     pub state: RunState,
+    /// vCPUs.
     pub vcpus: usize,
+    /// Guest RAM, MiB.
     pub mem_mib: usize,
     /// The snapshot the VM's memory is tracked against.
     pub baseline: Option<String>,

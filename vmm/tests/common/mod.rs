@@ -15,7 +15,7 @@ pub const MIB: usize = 64;
 
 /// Fails the test with a clear message if /dev/kvm cannot be used.
 pub fn require_kvm() {
-    if let Err(e) = twig_vmm::vm::open_kvm() {
+    if let Err(e) = twig_vmm::open_kvm() {
         panic!("this test needs a usable /dev/kvm (run as root on a KVM host): {e}");
     }
 }

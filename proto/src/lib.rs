@@ -1,0 +1,57 @@
+//! twig-proto: Twig's protocols in one place.
+//!
+//! - [`agent`] — messages of `agent.proto` (package `twig.agent.v1`, service
+//!   `Agent`): the host ↔ guest-agent protocol, spoken over vsock.
+//! - [`twig`] — messages of `twig.proto` (package `twig.v1`, services `Twig`
+//!   and `Node`): what the controller asks of the shim and the node daemon.
+//! - `agent_ttrpc` (feature `sync`) — sync `AgentClient`, `Agent` server
+//!   trait and `create_agent`.
+//! - `agent_ttrpc_async` (feature `async`) — the same for tokio.
+//! - `twig_ttrpc` (feature `async`) — async `TwigClient`/`NodeClient`,
+//!   `Twig`/`Node` server traits, `create_twig`/`create_node`.
+//! - [`vsock`] — the host side of the Firecracker-style `CONNECT <port>`
+//!   handshake on a VMM's vsock Unix socket (async variant with `async`).
+//!
+//! Without features the crate holds only the messages and the sync vsock
+//! client (dependencies: protobuf, thiserror).
+
+/// Messages generated from `agent.proto`.
+#[allow(unused, nonstandard_style, missing_docs, clippy::all, clippy::pedantic)]
+pub mod agent {
+    include!(concat!(env!("OUT_DIR"), "/sync/agent.rs"));
+}
+
+/// Messages generated from `twig.proto`.
+#[allow(unused, nonstandard_style, missing_docs, clippy::all, clippy::pedantic)]
+pub mod twig {
+    include!(concat!(env!("OUT_DIR"), "/sync/twig.rs"));
+}
+
+/// Sync ttrpc client, server trait and registration helper of service
+/// `Agent`.
+#[cfg(feature = "sync")]
+#[allow(unused, nonstandard_style, missing_docs, clippy::all, clippy::pedantic)]
+pub mod agent_ttrpc {
+    include!(concat!(env!("OUT_DIR"), "/sync/agent_ttrpc.rs"));
+}
+
+/// Async (tokio) ttrpc client, server trait and registration helper of
+/// service `Agent`.
+#[cfg(feature = "async")]
+#[allow(unused, nonstandard_style, missing_docs, clippy::all, clippy::pedantic)]
+pub mod agent_ttrpc_async {
+    include!(concat!(env!("OUT_DIR"), "/async/agent_ttrpc.rs"));
+}
+
+/// Async (tokio) ttrpc clients, server traits and registration helpers of
+/// services `Twig` and `Node`.
+#[cfg(feature = "async")]
+#[allow(unused, nonstandard_style, missing_docs, clippy::all, clippy::pedantic)]
+pub mod twig_ttrpc {
+    include!(concat!(env!("OUT_DIR"), "/async/twig_ttrpc.rs"));
+}
+
+pub mod vsock;
+
+/// The vsock port the guest agent listens on.
+pub const AGENT_VSOCK_PORT: u32 = 1024;

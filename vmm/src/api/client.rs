@@ -1,0 +1,425 @@
+//! The client side: a blocking client with a deadline on every call. Async
+//! callers run it on a blocking thread (`tokio::task::spawn_blocking`).
+
+use std::io::{BufRead, BufReader, ErrorKind as IoKind, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use super::types::{ApiError, Hello, Reply, Request, Response, MAX_RESPONSE, PROTOCOL_VERSION};
+use crate::error::ErrorKind;
+use crate::snapshot::Kind;
+use crate::vm::{RollbackInfo, RunState, SnapshotInfo, Stats};
+
+/// Why a call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The VMM answered with an error.
+    #[error("twig-vmm: {message} ({kind:?})")]
+    Vmm {
+        /// What the caller can do about it.
+        kind: ErrorKind,
+        /// The VMM's message.
+        message: String,
+    },
+    /// No answer within the deadline. The connection is dropped: a late
+    /// answer is never taken for the next call's.
+    #[error("twig-vmm at {path}: no answer to {op} within {after:?}")]
+    Timeout {
+        /// The API socket.
+        path: PathBuf,
+        /// The operation.
+        op: &'static str,
+        /// The deadline.
+        after: Duration,
+    },
+    /// The socket failed (the VMM exited, refused the connection, …).
+    #[error("twig-vmm at {path}: {what}: {source}")]
+    Io {
+        /// The API socket.
+        path: PathBuf,
+        /// What was being done.
+        what: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The VMM's answer is not what the protocol allows.
+    #[error("twig-vmm at {path}: {reason}")]
+    Protocol {
+        /// The API socket.
+        path: PathBuf,
+        /// What was wrong.
+        reason: String,
+    },
+    /// The VMM speaks another protocol version.
+    #[error(
+        "twig-vmm at {path} speaks protocol {vmm} (version {version}); this client speaks {client}"
+    )]
+    Version {
+        /// The API socket.
+        path: PathBuf,
+        /// The VMM's protocol version.
+        vmm: u32,
+        /// The VMM's build version.
+        version: String,
+        /// This client's [`PROTOCOL_VERSION`].
+        client: u32,
+    },
+}
+
+impl ClientError {
+    /// The VMM's error kind, when the VMM answered with an error.
+    pub fn kind(&self) -> Option<ErrorKind> {
+        match self {
+            ClientError::Vmm { kind, .. } => Some(*kind),
+            _ => None,
+        }
+    }
+}
+
+/// A connection to one `twig-vmm serve` process.
+///
+/// Each call sends one request and waits for its answer up to the call's
+/// timeout. After a timeout, an I/O error or a protocol error the
+/// connection is dropped, and the next call connects again (and checks the
+/// protocol version again); so does a call finding that the VMM closed an
+/// idle connection.
+pub struct Client {
+    path: PathBuf,
+    conn: Option<BufReader<UnixStream>>,
+    connect_timeout: Duration,
+}
+
+impl Client {
+    /// Connects to the VMM at `path`, retrying until it listens or `timeout`
+    /// passes, and checks that it speaks this client's protocol.
+    pub fn connect(path: &Path, timeout: Duration) -> Result<Client, ClientError> {
+        let mut c = Client {
+            path: path.to_path_buf(),
+            conn: None,
+            connect_timeout: timeout,
+        };
+        c.reconnect(Instant::now() + timeout)?;
+        Ok(c)
+    }
+
+    /// The API socket's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn io(&self, what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ClientError + '_ {
+        let what = what.into();
+        move |source| ClientError::Io {
+            path: self.path.clone(),
+            what,
+            source,
+        }
+    }
+
+    fn protocol(&self, reason: impl Into<String>) -> ClientError {
+        ClientError::Protocol {
+            path: self.path.clone(),
+            reason: reason.into(),
+        }
+    }
+
+    fn reconnect(&mut self, deadline: Instant) -> Result<(), ClientError> {
+        self.conn = None;
+        let stream = loop {
+            match UnixStream::connect(&self.path) {
+                Ok(s) => break s,
+                // Not there yet, or not listening yet: a VMM starting.
+                Err(e)
+                    if matches!(e.kind(), IoKind::NotFound | IoKind::ConnectionRefused)
+                        && Instant::now() < deadline =>
+                {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(e) => return Err(self.io("connecting")(e)),
+            }
+        };
+        self.conn = Some(BufReader::new(stream));
+        let budget = self.connect_timeout;
+        let hello = match self.exchange(&Request::Hello {}, deadline, budget)? {
+            Reply::Hello(h) => h,
+            other => return Err(self.unexpected("hello", &other)),
+        };
+        if hello.protocol != PROTOCOL_VERSION {
+            self.conn = None;
+            return Err(ClientError::Version {
+                path: self.path.clone(),
+                vmm: hello.protocol,
+                version: hello.version,
+                client: PROTOCOL_VERSION,
+            });
+        }
+        Ok(())
+    }
+
+    /// Whether the open connection can carry a request: the VMM has not
+    /// closed it and nothing unasked-for waits in it.
+    fn usable(&self) -> bool {
+        let Some(conn) = &self.conn else {
+            return false;
+        };
+        if !conn.buffer().is_empty() {
+            return false;
+        }
+        let mut byte = 0u8;
+        // SAFETY: recv writes at most one byte into `byte`, which outlives
+        // the call; the descriptor belongs to the open stream.
+        let n = unsafe {
+            libc::recv(
+                conn.get_ref().as_raw_fd(),
+                (&mut byte as *mut u8).cast(),
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        // Nothing to read and not closed: the connection is idle and usable.
+        n < 0 && std::io::Error::last_os_error().kind() == IoKind::WouldBlock
+    }
+
+    /// Sends `req` and returns the VMM's reply, within `timeout`.
+    pub fn call(&mut self, req: &Request, timeout: Duration) -> Result<Reply, ClientError> {
+        let deadline = Instant::now() + timeout;
+        if !self.usable() {
+            self.reconnect(deadline.min(Instant::now() + self.connect_timeout))?;
+        }
+        self.exchange(req, deadline, timeout)
+    }
+
+    /// One request and its answer on the open connection; drops the
+    /// connection on anything but an answer.
+    fn exchange(
+        &mut self,
+        req: &Request,
+        deadline: Instant,
+        budget: Duration,
+    ) -> Result<Reply, ClientError> {
+        let r = self.exchange_inner(req, deadline, budget);
+        if !matches!(r, Ok(_) | Err(ClientError::Vmm { .. })) {
+            self.conn = None;
+        }
+        r
+    }
+
+    fn exchange_inner(
+        &mut self,
+        req: &Request,
+        deadline: Instant,
+        budget: Duration,
+    ) -> Result<Reply, ClientError> {
+        let op = req.op();
+        let timeout = |c: &Client| ClientError::Timeout {
+            path: c.path.clone(),
+            op,
+            after: budget,
+        };
+        let mut line =
+            serde_json::to_vec(req).map_err(|e| self.protocol(format!("encoding {op}: {e}")))?;
+        line.push(b'\n');
+        let left = remaining(deadline).ok_or_else(|| timeout(self))?;
+        let Some(conn) = self.conn.as_mut() else {
+            return Err(self.protocol("not connected"));
+        };
+        let stream = conn.get_mut();
+        let r = stream
+            .set_write_timeout(Some(left))
+            .and_then(|_| stream.write_all(&line));
+        let write_err = match r {
+            Ok(()) => None,
+            Err(e) if is_timeout(&e) => return Err(timeout(self)),
+            // The VMM may have answered and closed (a `busy` refusal): read
+            // what it said before reporting the broken pipe.
+            Err(e) if e.kind() == IoKind::BrokenPipe => Some(e),
+            Err(e) => return Err(self.io(format!("sending {op}"))(e)),
+        };
+        let mut answer = Vec::new();
+        loop {
+            let Some(left) = remaining(deadline) else {
+                return Err(timeout(self));
+            };
+            let Some(conn) = self.conn.as_mut() else {
+                return Err(self.protocol("not connected"));
+            };
+            if let Err(e) = conn.get_ref().set_read_timeout(Some(left)) {
+                return Err(self.io("setting the read timeout")(e));
+            }
+            let buf = match conn.fill_buf() {
+                Ok(b) => b,
+                Err(e) if e.kind() == IoKind::Interrupted => continue,
+                Err(e) if is_timeout(&e) => return Err(timeout(self)),
+                Err(e) => return Err(self.io(format!("reading the answer to {op}"))(e)),
+            };
+            if buf.is_empty() {
+                if let Some(e) = write_err {
+                    return Err(self.io(format!("sending {op}"))(e));
+                }
+                return Err(self.protocol(format!("the VMM closed the connection during {op}")));
+            }
+            let (take, done) = match buf.iter().position(|b| *b == b'\n') {
+                Some(i) => (i + 1, true),
+                None => (buf.len(), false),
+            };
+            answer.extend_from_slice(&buf[..take]);
+            conn.consume(take);
+            if answer.len() > MAX_RESPONSE {
+                return Err(
+                    self.protocol(format!("answer to {op} longer than {MAX_RESPONSE} bytes"))
+                );
+            }
+            if done {
+                break;
+            }
+        }
+        match serde_json::from_slice::<Response>(&answer) {
+            Ok(Response::Ok(reply)) => Ok(reply),
+            Ok(Response::Error(ApiError { kind, message })) => {
+                Err(ClientError::Vmm { kind, message })
+            }
+            Err(e) => Err(self.protocol(format!(
+                "cannot parse the answer to {op} ({e}): {:?}",
+                String::from_utf8_lossy(&answer)
+            ))),
+        }
+    }
+
+    fn unexpected(&mut self, op: &str, reply: &Reply) -> ClientError {
+        self.conn = None;
+        self.protocol(format!("unexpected answer to {op}: {reply:?}"))
+    }
+
+    /// The VMM's protocol and build versions.
+    pub fn hello(&mut self, timeout: Duration) -> Result<Hello, ClientError> {
+        match self.call(&Request::Hello {}, timeout)? {
+            Reply::Hello(h) => Ok(h),
+            other => Err(self.unexpected("hello", &other)),
+        }
+    }
+
+    /// Boots `kernel` in a new VM of `mem_mib` MiB and `vcpus` vCPUs.
+    pub fn boot(
+        &mut self,
+        kernel: &Path,
+        initrd: Option<&Path>,
+        cmdline: &str,
+        mem_mib: usize,
+        vcpus: usize,
+        timeout: Duration,
+    ) -> Result<RunState, ClientError> {
+        let req = Request::Boot {
+            kernel: kernel.to_path_buf(),
+            initrd: initrd.map(Path::to_path_buf),
+            cmdline: cmdline.to_string(),
+            mem_mib,
+            vcpus,
+        };
+        self.state_call(&req, timeout)
+    }
+
+    /// Restores the snapshot in `dir` into a new VM and runs it; returns the
+    /// snapshot's id.
+    pub fn restore(&mut self, dir: &Path, timeout: Duration) -> Result<String, ClientError> {
+        let req = Request::Restore {
+            dir: dir.to_path_buf(),
+        };
+        match self.call(&req, timeout)? {
+            Reply::Restored { id } => Ok(id),
+            other => Err(self.unexpected("restore", &other)),
+        }
+    }
+
+    /// Parks the vCPUs.
+    pub fn pause(&mut self, timeout: Duration) -> Result<RunState, ClientError> {
+        self.state_call(&Request::Pause {}, timeout)
+    }
+
+    /// Runs the vCPUs.
+    pub fn resume(&mut self, timeout: Duration) -> Result<RunState, ClientError> {
+        self.state_call(&Request::Resume {}, timeout)
+    }
+
+    fn state_call(&mut self, req: &Request, timeout: Duration) -> Result<RunState, ClientError> {
+        match self.call(req, timeout)? {
+            Reply::State { state } => Ok(state),
+            other => Err(self.unexpected(req.op(), &other)),
+        }
+    }
+
+    /// Snapshots the VM into the new directory `dir`.
+    pub fn snapshot(
+        &mut self,
+        dir: &Path,
+        kind: Kind,
+        timeout: Duration,
+    ) -> Result<SnapshotInfo, ClientError> {
+        let req = Request::Snapshot {
+            dir: dir.to_path_buf(),
+            kind,
+        };
+        match self.call(&req, timeout)? {
+            Reply::Snapshot(info) => Ok(info),
+            other => Err(self.unexpected("snapshot", &other)),
+        }
+    }
+
+    /// Rolls the VM back in place to the snapshot in `dir`.
+    pub fn rollback(&mut self, dir: &Path, timeout: Duration) -> Result<RollbackInfo, ClientError> {
+        let req = Request::Rollback {
+            dir: dir.to_path_buf(),
+        };
+        match self.call(&req, timeout)? {
+            Reply::Rollback(info) => Ok(info),
+            other => Err(self.unexpected("rollback", &other)),
+        }
+    }
+
+    /// The VM's counters.
+    pub fn stats(&mut self, timeout: Duration) -> Result<Stats, ClientError> {
+        match self.call(&Request::Stats {}, timeout)? {
+            Reply::Stats(s) => Ok(s),
+            other => Err(self.unexpected("stats", &other)),
+        }
+    }
+
+    /// Attaches the image at `path` to disk slot `slot` of the running VM.
+    pub fn attach_disk(
+        &mut self,
+        slot: usize,
+        path: &Path,
+        read_only: bool,
+        timeout: Duration,
+    ) -> Result<(), ClientError> {
+        let req = Request::AttachDisk {
+            slot,
+            path: path.to_path_buf(),
+            read_only,
+        };
+        match self.call(&req, timeout)? {
+            Reply::DiskAttached { slot: s } if s == slot => Ok(()),
+            other => Err(self.unexpected("attach_disk", &other)),
+        }
+    }
+
+    /// Stops the VM; the VMM process exits after answering.
+    pub fn shutdown(&mut self, timeout: Duration) -> Result<(), ClientError> {
+        match self.call(&Request::Shutdown {}, timeout)? {
+            Reply::ShutDown {} => Ok(()),
+            other => Err(self.unexpected("shutdown", &other)),
+        }
+    }
+}
+
+fn remaining(deadline: Instant) -> Option<Duration> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    // A zero timeout means "block forever" to the socket API.
+    (!left.is_zero()).then_some(left)
+}
+
+fn is_timeout(e: &std::io::Error) -> bool {
+    matches!(e.kind(), IoKind::WouldBlock | IoKind::TimedOut)
+}

@@ -1,0 +1,397 @@
+//! The server side: one VM behind a mutex, a thread per connection.
+
+use std::io::{BufRead, BufReader, ErrorKind as IoKind, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use super::types::{ApiError, Hello, Reply, Request, Response, MAX_REQUEST, PROTOCOL_VERSION};
+use crate::devices::SerialOut;
+use crate::error::{Error, ErrorKind, Result};
+use crate::snapshot::{self, Kind};
+use crate::vm::{DeviceConfig, DiskConfig, RunState, Shape, Vm};
+
+/// Makes serial writers for the VMs this server creates.
+pub type SerialFactory = Box<dyn Fn() -> Result<SerialOut> + Send>;
+
+/// How the server treats its connections.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Connections served at once; one more is answered with a `busy`
+    /// error and closed.
+    pub max_connections: usize,
+    /// A connection that sends no complete request for this long is
+    /// closed; so is one that does not take its response for this long.
+    pub idle_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits {
+            max_connections: 16,
+            idle_timeout: Duration::from_secs(300),
+        }
+    }
+}
+
+/// The VM and what makes it.
+struct Machine {
+    vm: Option<Vm>,
+    prepared: Option<Vm>,
+    serial: SerialFactory,
+    devices: DeviceConfig,
+    shut_down: bool,
+}
+
+struct Shared {
+    machine: Mutex<Machine>,
+    limits: Limits,
+    connections: AtomicUsize,
+    stop: AtomicBool,
+}
+
+/// One VM and the API server around it. Requests from every connection are
+/// served one at a time on the VM (they serialize on a mutex); reading and
+/// writing happen outside it, so a slow or idle client blocks nobody.
+pub struct Server {
+    shared: Arc<Shared>,
+}
+
+impl Server {
+    /// A server whose VM gets `devices`; with `prepare`, a VM of that shape
+    /// is created now so that a later boot or restore of that shape skips
+    /// VM creation.
+    pub fn new(
+        serial: SerialFactory,
+        prepare: Option<Shape>,
+        devices: DeviceConfig,
+        limits: Limits,
+    ) -> Result<Server> {
+        if limits.max_connections == 0 {
+            return Err(Error::Config(
+                "at least one API connection is needed".into(),
+            ));
+        }
+        let prepared = match prepare {
+            Some(shape) => Some(Vm::create_with(shape, serial()?, &devices)?),
+            None => None,
+        };
+        Ok(Server {
+            shared: Arc::new(Shared {
+                machine: Mutex::new(Machine {
+                    vm: None,
+                    prepared,
+                    serial,
+                    devices,
+                    shut_down: false,
+                }),
+                limits,
+                connections: AtomicUsize::new(0),
+                stop: AtomicBool::new(false),
+            }),
+        })
+    }
+
+    /// Serves clients on `listener` (bound to a path) until a shutdown
+    /// request has been answered.
+    pub fn serve(&self, listener: &UnixListener) -> Result<()> {
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::io("reading the API socket's address", e))?;
+        let wake: Option<PathBuf> = addr.as_pathname().map(Path::to_path_buf);
+        for conn in listener.incoming() {
+            if self.shared.stop.load(Ordering::SeqCst) {
+                return Ok(());
+            }
+            let conn = match conn {
+                Ok(c) => c,
+                // Out of descriptors or memory: refuse this one, keep serving.
+                Err(e) => {
+                    tracing::warn!("accepting an API connection: {e}");
+                    continue;
+                }
+            };
+            let limits = self.shared.limits;
+            let open = self.shared.connections.fetch_add(1, Ordering::SeqCst);
+            let slot = ConnSlot(self.shared.clone());
+            if open >= limits.max_connections {
+                drop(slot);
+                refuse(conn, limits.max_connections);
+                continue;
+            }
+            let shared = self.shared.clone();
+            let wake = wake.clone();
+            let spawned = std::thread::Builder::new()
+                .name("twig-api".into())
+                .spawn(move || {
+                    let _slot = slot;
+                    match serve_conn(&shared, conn) {
+                        Ok(true) => {
+                            shared.stop.store(true, Ordering::SeqCst);
+                            // Wake the accept loop so that it sees the stop.
+                            if let Some(p) = wake {
+                                let _ = UnixStream::connect(p);
+                            }
+                        }
+                        Ok(false) => {}
+                        Err(e) => tracing::debug!("API connection: {e}"),
+                    }
+                });
+            if let Err(e) = spawned {
+                tracing::warn!("cannot start an API connection thread: {e}");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Counts a connection until dropped.
+struct ConnSlot(Arc<Shared>);
+
+impl Drop for ConnSlot {
+    fn drop(&mut self) {
+        self.0.connections.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Answers a connection over the limit with a `busy` error and closes it.
+fn refuse(mut conn: UnixStream, max: usize) {
+    let resp = Response::Error(ApiError::new(
+        ErrorKind::Busy,
+        format!("this twig-vmm already serves {max} API connections; close one and retry"),
+    ));
+    let _ = conn.set_write_timeout(Some(Duration::from_secs(1)));
+    let _ = writeln!(conn, "{}", resp.to_line());
+}
+
+/// Serves one connection; true once a shutdown was answered.
+fn serve_conn(shared: &Shared, conn: UnixStream) -> Result<bool> {
+    let idle = Some(shared.limits.idle_timeout);
+    conn.set_read_timeout(idle)
+        .and_then(|_| conn.set_write_timeout(idle))
+        .map_err(|e| Error::io("setting API connection timeouts", e))?;
+    let mut out = conn
+        .try_clone()
+        .map_err(|e| Error::io("cloning the API connection", e))?;
+    let mut reader = BufReader::new(conn);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        let n = match (&mut reader)
+            .take(MAX_REQUEST as u64 + 1)
+            .read_until(b'\n', &mut line)
+        {
+            Ok(n) => n,
+            Err(e) if matches!(e.kind(), IoKind::WouldBlock | IoKind::TimedOut) => {
+                tracing::debug!("closing an API connection idle for {idle:?}");
+                return Ok(false);
+            }
+            Err(e) => return Err(Error::io("reading an API request", e)),
+        };
+        if n == 0 {
+            return Ok(false);
+        }
+        let too_long = n > MAX_REQUEST;
+        let (resp, exit) = if too_long {
+            (
+                Response::Error(ApiError::new(
+                    ErrorKind::InvalidRequest,
+                    format!("request longer than {MAX_REQUEST} bytes"),
+                )),
+                false,
+            )
+        } else {
+            handle_line(shared, &line)
+        };
+        writeln!(out, "{}", resp.to_line()).map_err(|e| Error::io("writing an API response", e))?;
+        if exit || too_long {
+            return Ok(exit);
+        }
+    }
+}
+
+/// Parses and handles one request line.
+fn handle_line(shared: &Shared, line: &[u8]) -> (Response, bool) {
+    let req = match std::str::from_utf8(line)
+        .map_err(|e| e.to_string())
+        .and_then(|s| serde_json::from_str::<Request>(s.trim()).map_err(|e| e.to_string()))
+    {
+        Ok(r) => r,
+        Err(e) => {
+            let err = ApiError::new(ErrorKind::InvalidRequest, format!("bad request: {e}"));
+            return (Response::Error(err), false);
+        }
+    };
+    let op = req.op();
+    let mut machine = lock(&shared.machine);
+    if machine.shut_down {
+        let err = ApiError::new(ErrorKind::InvalidRequest, "this twig-vmm is shutting down");
+        return (Response::Error(err), false);
+    }
+    match machine.handle(req) {
+        Ok(reply) => {
+            let exit = matches!(reply, Reply::ShutDown {});
+            machine.shut_down |= exit;
+            (Response::Ok(reply), exit)
+        }
+        Err(e) => {
+            tracing::warn!(op, kind = ?e.kind(), "API request failed: {e}");
+            (Response::Error(ApiError::from(&e)), false)
+        }
+    }
+}
+
+fn lock(m: &Mutex<Machine>) -> MutexGuard<'_, Machine> {
+    // A panic while holding the lock leaves the VM as it was at the panic;
+    // the next request finds out through the VM's own state checks.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Fails with [`Error::SnapshotNotFound`] unless `dir` exists.
+fn existing_snapshot(dir: &Path) -> Result<PathBuf> {
+    let dir = std::path::absolute(dir)
+        .map_err(|e| Error::io(format!("resolving {}", dir.display()), e))?;
+    match std::fs::symlink_metadata(&dir) {
+        Ok(_) => Ok(dir),
+        Err(e) if e.kind() == IoKind::NotFound => Err(Error::SnapshotNotFound(dir)),
+        Err(e) => Err(Error::io(format!("looking at {}", dir.display()), e)),
+    }
+}
+
+impl Machine {
+    fn fresh_vm(&mut self, shape: Shape) -> Result<&mut Vm> {
+        if self.vm.is_some() {
+            return Err(Error::Config(
+                "this twig-vmm already has a VM; start another process for another VM".into(),
+            ));
+        }
+        let vm = match self.prepared.take() {
+            Some(vm) if vm.shape() == shape => vm,
+            other => {
+                // A prepared VM of another shape holds the devices (tap,
+                // vsock socket): release them first.
+                drop(other);
+                Vm::create_with(shape, (self.serial)()?, &self.devices)?
+            }
+        };
+        Ok(self.vm.insert(vm))
+    }
+
+    fn vm(&mut self) -> Result<&mut Vm> {
+        self.vm
+            .as_mut()
+            .ok_or_else(|| Error::Config("no VM yet: boot or restore one first".into()))
+    }
+
+    fn handle(&mut self, req: Request) -> Result<Reply> {
+        Ok(match req {
+            Request::Hello {} => Reply::Hello(Hello {
+                protocol: PROTOCOL_VERSION,
+                version: env!("CARGO_PKG_VERSION").to_string(),
+            }),
+            Request::Boot {
+                kernel,
+                initrd,
+                cmdline,
+                mem_mib,
+                vcpus,
+            } => {
+                let vm = self.fresh_vm(Shape::new(mem_mib, vcpus))?;
+                if let Err(e) = vm.boot_linux(&kernel, initrd.as_deref(), &cmdline) {
+                    self.vm = None;
+                    return Err(e);
+                }
+                Reply::State {
+                    state: RunState::Running,
+                }
+            }
+            Request::Restore { dir } => {
+                let image = snapshot::Image::open(&existing_snapshot(&dir)?)?;
+                let shape = Shape {
+                    mem_size: image.state.meta.mem_size as usize,
+                    vcpus: image.state.meta.vcpus,
+                };
+                let vm = self.fresh_vm(shape)?;
+                if let Err(e) = vm.restore_image(&image).and_then(|_| vm.resume()) {
+                    self.vm = None;
+                    return Err(e);
+                }
+                Reply::Restored {
+                    id: image.id().to_string(),
+                }
+            }
+            Request::Pause {} => {
+                let vm = self.vm()?;
+                vm.pause()?;
+                Reply::State { state: vm.state() }
+            }
+            Request::Resume {} => {
+                let vm = self.vm()?;
+                vm.resume()?;
+                Reply::State { state: vm.state() }
+            }
+            Request::Snapshot { dir, kind } => {
+                Reply::Snapshot(snapshot_op(self.vm()?, &dir, kind)?)
+            }
+            Request::Rollback { dir } => {
+                let vm = self.vm()?;
+                let dir = existing_snapshot(&dir).map_err(|e| Error::Rollback(Box::new(e)))?;
+                Reply::Rollback(vm.rollback(&dir)?)
+            }
+            Request::Stats {} => Reply::Stats(self.vm()?.stats()?),
+            Request::AttachDisk {
+                slot,
+                path,
+                read_only,
+            } => {
+                let disk = DiskConfig { path, read_only };
+                attach_disk(self.vm()?, slot, &disk)?;
+                Reply::DiskAttached { slot }
+            }
+            Request::Shutdown {} => {
+                self.vm = None;
+                self.prepared = None;
+                Reply::ShutDown {}
+            }
+        })
+    }
+}
+
+/// A snapshot; a failure after which the VM still runs as before is
+/// [`Error::Refused`].
+fn snapshot_op(vm: &mut Vm, dir: &Path, kind: Kind) -> Result<crate::vm::SnapshotInfo> {
+    let was = vm.state();
+    vm.snapshot(dir, kind).map_err(|e| match e {
+        Error::State { .. } | Error::Config(_) => e,
+        e if vm.state() == was => Error::Refused {
+            op: "snapshot",
+            source: Box::new(e),
+        },
+        e => e,
+    })
+}
+
+/// Attaching disks needs disk slots, which this build's VMs do not have.
+fn attach_disk(_vm: &mut Vm, slot: usize, disk: &DiskConfig) -> Result<()> {
+    Err(Error::Config(format!(
+        "this twig-vmm has no disk slots: cannot attach {} to slot {slot}",
+        disk.path.display()
+    )))
+}
+
+/// Binds the API socket, replacing a stale socket file nobody listens on.
+pub fn bind(path: &Path) -> Result<UnixListener> {
+    if path.exists() {
+        if UnixStream::connect(path).is_ok() {
+            return Err(Error::Config(format!(
+                "{} is in use by another twig-vmm",
+                path.display()
+            )));
+        }
+        std::fs::remove_file(path)
+            .map_err(|e| Error::io(format!("removing stale socket {}", path.display()), e))?;
+    }
+    UnixListener::bind(path).map_err(|e| Error::io(format!("binding {}", path.display()), e))
+}
