@@ -14,6 +14,7 @@ packages=(
   libprotobuf-dev busybox-static  # protobuf well-known .protos; a static shell in test images
   e2fsprogs                     # mkfs.ext4/debugfs: the snapshotter's ext4 images
   iproute2                      # ip: taps for virtio-net tests, namespaces for the agent
+  clang llvm libbpf-dev         # twig-net's eBPF programs (clang -target bpf, bpf_helpers.h)
 )
 
 missing=()

@@ -89,6 +89,7 @@ impl Slot {
                 cid: 3,
                 uds_path: self.uds.clone(),
             }),
+            ..Default::default()
         }
     }
 

@@ -2,6 +2,7 @@
 //! stderr and, with `--json`, one JSON object to stdout.
 
 mod linux;
+mod net;
 mod snapshotter;
 mod stats;
 mod vmm;
@@ -28,6 +29,8 @@ enum Command {
     /// boot versus template restore to agent ready; snapshot, rollback and clone
     /// with a 64 MiB working set.
     Linux(linux::Args),
+    /// twig-net: eBPF redirect versus bridge and tc mirred (pps, latency), path set-up time.
+    Net(net::Args),
 }
 
 fn main() {
@@ -36,6 +39,7 @@ fn main() {
         Command::Vmm(args) => vmm::run(&args),
         Command::Snapshotter(args) => snapshotter::run(&args),
         Command::Linux(args) => linux::run(&args),
+        Command::Net(args) => net::run(&args),
     };
     match result {
         Ok(value) => {

@@ -29,6 +29,8 @@ pub const SNAPSHOTS_DIR: &str = "snapshots";
 pub const TMP_DIR: &str = "tmp";
 /// Name of a snapshot's manifest.
 pub const MANIFEST: &str = "manifest.json";
+/// How the name of a staging lease in `tmp/` ends.
+pub const LEASE_SUFFIX: &str = ".staging";
 
 /// One file of a VM snapshot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -209,7 +211,12 @@ pub fn parent_dir(snapshot_dir: &Path, parent_id: &str) -> Result<PathBuf> {
 /// home before it exists.
 pub fn staging_target(staging: &Path) -> Result<(String, PathBuf)> {
     let id = name_of(staging)?;
-    let tmp = staging.parent().and_then(Path::parent).filter(|p| {
+    let lease = staging.parent().filter(|l| {
+        l.file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.ends_with(LEASE_SUFFIX))
+    });
+    let tmp = lease.and_then(Path::parent).filter(|p| {
         p.file_name()
             .is_some_and(|n| n == std::ffi::OsStr::new(TMP_DIR))
     });
@@ -254,6 +261,10 @@ mod tests {
         assert_eq!(id, "a");
         assert_eq!(dest, Path::new("/s/snapshots/a"));
         assert!(staging_target(Path::new("/s/a.staging/a")).is_err());
+        assert!(
+            staging_target(Path::new("/tmp/.tmpX/a")).is_err(),
+            "not a lease"
+        );
         assert_eq!(
             parent_dir(Path::new("/moved/snapshots/b"), "a").unwrap(),
             Path::new("/moved/snapshots/a")

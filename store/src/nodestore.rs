@@ -16,7 +16,7 @@ use std::time::SystemTime;
 use crate::error::{ctx, Error, Result};
 use crate::fsops::{self, CloneMode, Usage};
 use crate::layout::{
-    validate_id, Artefact, Draft, Kind, Manifest, MANIFEST, SNAPSHOTS_DIR, TMP_DIR,
+    validate_id, Artefact, Draft, Kind, Manifest, LEASE_SUFFIX, MANIFEST, SNAPSHOTS_DIR, TMP_DIR,
 };
 
 /// A published VM snapshot.
@@ -128,7 +128,7 @@ impl NodeStore {
         if self.snapshot_dir(id).exists() {
             return Err(Error::AlreadyExists(format!("VM snapshot {id:?}")));
         }
-        let lease = self.tmp_name(id, "staging");
+        let lease = self.tmp_name(id, LEASE_SUFFIX.trim_start_matches('.'));
         fs::create_dir(&lease).map_err(ctx(format!("creating {}", lease.display())))?;
         let lock = File::open(&lease).map_err(ctx(format!("opening {}", lease.display())))?;
         if !fsops::try_flock(&lock).map_err(ctx(format!("locking {}", lease.display())))? {

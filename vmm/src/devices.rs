@@ -343,6 +343,15 @@ impl Devices {
         self.virtio.iter().map(|v| lock(v).describe()).collect()
     }
 
+    /// Tells the driver of virtio device `index` (MMIO order) that its
+    /// configuration changed, if it did (see
+    /// [`MmioTransport::announce_config`]).
+    pub fn announce_config(&self, index: usize) {
+        if let Some(v) = self.virtio.get(index) {
+            lock(v).announce_config();
+        }
+    }
+
     /// Tells every virtio device its state was restored or rolled back.
     pub fn after_restore(&self) {
         for v in &self.virtio {

@@ -138,6 +138,15 @@ pub enum Error {
         #[source]
         source: Box<Error>,
     },
+    /// An attach or detach of a disk slot was refused: no such slot, the
+    /// slot busy or empty, or an image that cannot be attached.
+    #[error("disk slot {slot}: {reason}")]
+    Slot {
+        /// The slot.
+        slot: usize,
+        /// Why.
+        reason: String,
+    },
     /// The node store refused or failed an operation (staging, publishing).
     #[error("node store: {0}")]
     Store(#[from] twig_store::Error),
@@ -173,7 +182,8 @@ impl Error {
             | Error::Kernel { .. }
             | Error::Snapshot { .. }
             | Error::CpuIncompatible { .. }
-            | Error::GuestAddress { .. } => ErrorKind::InvalidRequest,
+            | Error::GuestAddress { .. }
+            | Error::Slot { .. } => ErrorKind::InvalidRequest,
             Error::State { state, .. } if *state == "stopped" => ErrorKind::GuestStopped,
             Error::State { .. } => ErrorKind::InvalidRequest,
             Error::SnapshotNotFound(_) => ErrorKind::NotFound,

@@ -118,6 +118,16 @@ struct DeviceArgs {
     /// restore and rollback.
     #[arg(long = "disk", value_name = "PATH[:ro]", value_parser = parse_disk)]
     disks: Vec<DiskConfig>,
+    /// Empty disk slots after the disks: virtio-blk devices with no image
+    /// until `attach_disk` fills one (a container's rootfs arriving after
+    /// the VM runs). Snapshots restore only into VMs with as many slots.
+    #[arg(long, default_value_t = 0)]
+    disk_slots: usize,
+    /// On restore, the file that gets the snapshot's copy of an attached
+    /// read-write slot (or, for a read-only slot, the same image),
+    /// `SLOT=PATH`. Repeatable; every slot attached in the snapshot needs one.
+    #[arg(long = "slot-file", value_name = "SLOT=PATH", value_parser = parse_slot_file)]
+    slot_files: Vec<(usize, PathBuf)>,
     /// A virtio-net device on this tap (created if missing).
     #[arg(long)]
     tap: Option<String>,
@@ -137,6 +147,8 @@ impl DeviceArgs {
     fn config(self) -> DeviceConfig {
         DeviceConfig {
             disks: self.disks,
+            disk_slots: self.disk_slots,
+            slot_files: self.slot_files.into_iter().collect(),
             net: self.tap.map(|tap| NetConfig {
                 tap,
                 mac: self.mac.unwrap_or_else(random_mac),
@@ -147,6 +159,19 @@ impl DeviceArgs {
             }),
         }
     }
+}
+
+fn parse_slot_file(s: &str) -> std::result::Result<(usize, PathBuf), String> {
+    let (slot, path) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?} is not SLOT=PATH"))?;
+    let slot = slot
+        .parse()
+        .map_err(|_| format!("{slot:?} is not a slot number"))?;
+    if path.is_empty() {
+        return Err("the slot's file path is empty".into());
+    }
+    Ok((slot, PathBuf::from(path)))
 }
 
 fn parse_disk(s: &str) -> std::result::Result<DiskConfig, String> {

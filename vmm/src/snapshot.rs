@@ -18,7 +18,9 @@
 //!   the filesystem can (`FICLONE`), a copy of its data otherwise. Every
 //!   snapshot holds its own disks, incremental ones included. The metadata
 //!   records each disk's size and whether it is read-only (read-only disks
-//!   are not copied: the same image must be attached on restore).
+//!   are not copied: the same image must be attached on restore). Disk
+//!   slots follow the fixed disks; the metadata says which disks are slots
+//!   and whether a file was attached (an empty slot has no copy).
 //!
 //! twig-vmm writes a snapshot into a staging directory the node store hands
 //! out (`<store>/tmp/<lease>/<id>`, named by the snapshot's id): the files
@@ -107,14 +109,33 @@ pub struct Meta {
     pub disks: Vec<DiskMeta>,
 }
 
-/// A disk of a snapshotted VM.
+/// A disk of a snapshotted VM: a fixed disk, or a disk slot (empty, or
+/// with a file attached).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DiskMeta {
     /// Read-only disks are not copied into the snapshot.
     pub read_only: bool,
-    /// The image's size in bytes.
+    /// The image's size in bytes (0 for an empty slot).
     pub size: u64,
+    /// Whether this is a disk slot rather than a fixed disk.
+    #[serde(default)]
+    pub slot: bool,
+    /// Whether an image was attached (always, for a fixed disk).
+    #[serde(default = "attached_default")]
+    pub attached: bool,
+}
+
+fn attached_default() -> bool {
+    true
+}
+
+impl DiskMeta {
+    /// Whether the snapshot holds a copy of this disk (`disk<i>`): it had a
+    /// read-write image attached.
+    pub fn has_copy(&self) -> bool {
+        self.attached && !self.read_only
+    }
 }
 
 /// The name of read-write disk `index`'s copy in a snapshot directory.
@@ -495,7 +516,7 @@ pub fn stage(
 fn copy_disk(dir: &Path, state: &VmState, index: usize, src: &File, dst: &File) -> Result<()> {
     let name = disk_file_name(index);
     let expected = match state.meta.disks.get(index) {
-        Some(d) if !d.read_only => d.size,
+        Some(d) if d.has_copy() => d.size,
         _ => {
             return Err(Error::snapshot(
                 dir,
@@ -712,7 +733,7 @@ impl Image {
 /// Checks that every read-write disk's copy is there with its recorded size.
 fn check_disks(dir: &Path, meta: &Meta) -> Result<()> {
     for (i, d) in meta.disks.iter().enumerate() {
-        if d.read_only {
+        if !d.has_copy() {
             continue;
         }
         let name = disk_file_name(i);

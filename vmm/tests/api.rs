@@ -266,6 +266,61 @@ fn disks_and_devices_from_the_command_line_follow_snapshots() {
 }
 
 #[test]
+fn disk_slots_are_filled_and_emptied_over_the_api() {
+    require_kvm();
+    let d = tmp();
+    let kernel: PathBuf = twig_vmm::testguest::write_to(d.path()).unwrap();
+    let rootfs = d.path().join("rootfs.img");
+    std::fs::write(&rootfs, vec![0x77; 256 * 1024]).unwrap();
+    let mut a = Vmm::start(d.path(), "a", &["--disk-slots", "2"]);
+    boot(&mut a, &kernel, 1);
+    a.api.attach_disk(0, &rootfs, false, T).expect("attach");
+    let (kind, e) = vmm_err(a.api.attach_disk(0, &rootfs, false, T));
+    assert_eq!(kind, ErrorKind::InvalidRequest);
+    assert!(e.contains("disk slot 0"), "{e}");
+    let (kind, e) = vmm_err(a.api.attach_disk(5, &rootfs, false, T));
+    assert_eq!(kind, ErrorKind::InvalidRequest);
+    assert!(e.contains("disk slot 5"), "{e}");
+    let odd = d.path().join("odd.img");
+    std::fs::write(&odd, [0u8; 100]).unwrap();
+    let (kind, _) = vmm_err(a.api.attach_disk(1, &odd, false, T));
+    assert_eq!(kind, ErrorKind::InvalidRequest);
+    let store = node_store(d.path());
+    let (_, s1) = snapshot(&mut a.api, &store, "s1", Kind::Full).unwrap();
+    assert!(std::fs::read(s1.join("disk0")).unwrap() == std::fs::read(&rootfs).unwrap());
+    a.api.detach_disk(0, T).expect("detach");
+    let (kind, _) = vmm_err(a.api.detach_disk(0, T));
+    assert_eq!(kind, ErrorKind::InvalidRequest);
+    a.shutdown();
+
+    // A clone names the file its attached slot goes to.
+    let mine = d.path().join("clone-rootfs.img");
+    let slot_file = format!("0={}", mine.display());
+    let mut b = Vmm::start(
+        d.path(),
+        "b",
+        &["--disk-slots", "2", "--slot-file", &slot_file],
+    );
+    b.api.restore(&s1, T).expect("restore with the slot's file");
+    assert!(std::fs::read(&mine).unwrap() == std::fs::read(&rootfs).unwrap());
+    b.shutdown();
+    // Without one, or with other slots, the restore is refused.
+    let mut c = Vmm::start(d.path(), "c", &["--disk-slots", "2"]);
+    let (kind, e) = vmm_err(c.api.restore(&s1, T));
+    assert_eq!(kind, ErrorKind::InvalidRequest);
+    assert!(e.contains("slot 0"), "{e}");
+    c.shutdown();
+    let mut f = Vmm::start(
+        d.path(),
+        "f",
+        &["--disk-slots", "1", "--slot-file", &slot_file],
+    );
+    let (kind, _) = vmm_err(f.api.restore(&s1, T));
+    assert_eq!(kind, ErrorKind::InvalidRequest);
+    f.shutdown();
+}
+
+#[test]
 fn bad_requests_get_invalid_request_errors() {
     require_kvm();
     let d = tmp();
@@ -384,7 +439,7 @@ fn each_error_kind_says_what_the_caller_can_do() {
     // invalid_request: a disk without disk slots.
     let (kind, e) = vmm_err(a.api.attach_disk(0, &d.path().join("d.img"), false, T));
     assert_eq!(kind, ErrorKind::InvalidRequest, "{e}");
-    assert!(e.contains("no disk slots"), "{e}");
+    assert!(e.contains("0 disk slots"), "{e}");
     a.shutdown();
 
     // guest_stopped: the guest crashed; resuming it makes no sense, but its

@@ -214,3 +214,266 @@ fn a_rollback_whose_disk_copy_fails_leaves_the_vm_and_its_disk_as_they_were() {
     let e = twig_vmm::snapshot::verify(&s2).unwrap_err().to_string();
     assert!(e.contains("disk0"), "{e}");
 }
+
+fn slot(path: &Path, read_only: bool) -> DiskConfig {
+    DiskConfig {
+        path: path.to_path_buf(),
+        read_only,
+    }
+}
+
+/// One read-write fixed disk and `slots` disk slots.
+fn with_slots(fixed: &Path, slots: usize) -> DeviceConfig {
+    DeviceConfig {
+        disks: vec![slot(fixed, false)],
+        disk_slots: slots,
+        ..Default::default()
+    }
+}
+
+/// `(path, read_only, size)` of every slot.
+fn slots_of(vm: &Vm) -> Vec<(Option<PathBuf>, bool, u64)> {
+    vm.disk_slots()
+        .into_iter()
+        .map(|s| (s.path, s.read_only, s.size))
+        .collect()
+}
+
+#[test]
+fn disk_slots_carry_their_files_through_snapshot_rollback_restore_and_clone() {
+    let d = tmp();
+    let fixed = image(d.path().join("fixed.img"), 0x11, 64 * 1024);
+    let ctr = image(d.path().join("ctr.img"), 0xa1, DISK);
+    write_at(&ctr, 8192, b"container-rootfs");
+    let base = image(d.path().join("base.img"), 0x0b, 128 * 1024);
+    let mut g = boot_with(d.path(), MIB, 1, &with_slots(&fixed, 2));
+    assert_eq!(slots_of(&g.vm), vec![(None, false, 0), (None, false, 0)]);
+    dirty(&mut g.vm, 0, 2, 100);
+    let s0 = snap(d.path(), "s0");
+    take(&mut g.vm, &s0, Kind::Full).unwrap();
+    assert!(!s0.join("disk1").exists() && !s0.join("disk2").exists());
+
+    g.vm.attach_disk(0, &slot(&ctr, false)).unwrap();
+    g.vm.attach_disk(1, &slot(&base, true)).unwrap();
+    assert_eq!(
+        slots_of(&g.vm),
+        vec![
+            (Some(ctr.clone()), false, DISK as u64),
+            (Some(base.clone()), true, 128 * 1024)
+        ]
+    );
+    dirty(&mut g.vm, 0, 2, 200);
+    let s1 = snap(d.path(), "s1");
+    take(&mut g.vm, &s1, Kind::Incremental).unwrap();
+    let at_s1 = std::fs::read(&ctr).unwrap();
+    assert!(
+        std::fs::read(s1.join("disk1")).unwrap() == at_s1,
+        "slot copied"
+    );
+    assert!(!s1.join("disk2").exists(), "read-only slots are not copied");
+    twig_vmm::snapshot::verify(&s1).unwrap();
+
+    // The container writes, then the pod rolls back: the slot's content
+    // comes back in the same file.
+    write_at(&ctr, 8192, b"written-after-s1");
+    dirty(&mut g.vm, 0, 2, 300);
+    g.vm.rollback(&s1).unwrap();
+    assert!(std::fs::read(&ctr).unwrap() == at_s1, "slot content back");
+    assert_eq!(word(&g.vm, 0), 200);
+    assert_eq!(slots_of(&g.vm)[0].0.as_deref(), Some(ctr.as_path()));
+    assert!(!holds_deleted(&ctr), "the slot serves the new image");
+    assert!(leftovers(d.path()).is_empty(), "{:?}", leftovers(d.path()));
+
+    // Clones: each names the file its attached slots go to.
+    let paths: Vec<(PathBuf, PathBuf)> = (0..2)
+        .map(|i| {
+            (
+                image(d.path().join(format!("f{i}.img")), 0, 512),
+                d.path().join(format!("ctr{i}.img")),
+            )
+        })
+        .collect();
+    let clones = Vm::clone_from(
+        &s1,
+        2,
+        |_| Box::new(std::io::sink()),
+        |i| DeviceConfig {
+            slot_files: [(0, paths[i].1.clone()), (1, base.clone())].into(),
+            ..with_slots(&paths[i].0, 2)
+        },
+    )
+    .unwrap();
+    for (c, (f, ctr_i)) in clones.iter().zip(&paths) {
+        assert!(
+            std::fs::read(ctr_i).unwrap() == at_s1,
+            "{}",
+            ctr_i.display()
+        );
+        assert_eq!(std::fs::read(f).unwrap(), vec![0x11; 64 * 1024]);
+        assert_eq!(
+            slots_of(c),
+            vec![
+                (Some(ctr_i.clone()), false, DISK as u64),
+                (Some(base.clone()), true, 128 * 1024)
+            ]
+        );
+        assert_eq!(word(c, 0), 200);
+    }
+    write_at(&paths[0].1, 0, b"clone-0");
+    assert!(std::fs::read(&paths[1].1).unwrap() == at_s1, "own files");
+    assert!(std::fs::read(s1.join("disk1")).unwrap() == at_s1);
+    drop(clones);
+
+    // Back to before the attach: both slots empty, the files left alone.
+    g.vm.rollback(&s0).unwrap();
+    assert_eq!(slots_of(&g.vm), vec![(None, false, 0), (None, false, 0)]);
+    assert_eq!(word(&g.vm, 0), 100);
+    assert!(std::fs::read(&ctr).unwrap() == at_s1);
+
+    // Forward to s1 needs the files attached again: refused until they are.
+    let e = g.vm.rollback(&s1).unwrap_err().to_string();
+    assert!(
+        e.contains("rollback refused")
+            && e.contains("disk slot 0 had a read-write image attached")
+            && e.contains("attach the file"),
+        "{e}"
+    );
+    assert_eq!(g.vm.state(), RunState::Running);
+    assert_eq!(word(&g.vm, 0), 100);
+    g.vm.attach_disk(0, &slot(&ctr, false)).unwrap();
+    g.vm.attach_disk(1, &slot(&ctr, true)).unwrap();
+    let e = g.vm.rollback(&s1).unwrap_err().to_string();
+    assert!(
+        e.contains("disk slot 1: read-only image") && e.contains("same image"),
+        "{e}"
+    );
+    g.vm.detach_disk(1).unwrap();
+    g.vm.attach_disk(1, &slot(&base, true)).unwrap();
+    write_at(&ctr, 0, b"scribble");
+    g.vm.rollback(&s1).unwrap();
+    assert!(std::fs::read(&ctr).unwrap() == at_s1);
+    assert_eq!(word(&g.vm, 0), 200);
+    print(&mut g.vm, &g.serial, b's');
+    assert!(leftovers(d.path()).is_empty(), "{:?}", leftovers(d.path()));
+}
+
+#[test]
+fn restores_need_the_same_slots_and_a_file_for_each_attached_one() {
+    let d = tmp();
+    let fixed = image(d.path().join("fixed.img"), 1, 4096);
+    let ctr = image(d.path().join("ctr.img"), 2, 8192);
+    let mut g = boot_with(d.path(), MIB, 1, &with_slots(&fixed, 2));
+    g.vm.attach_disk(1, &slot(&ctr, false)).unwrap();
+    let s = snap(d.path(), "s");
+    take(&mut g.vm, &s, Kind::Full).unwrap();
+    let f2 = image(d.path().join("f2.img"), 3, 512);
+    let restore = |devices: &DeviceConfig| {
+        let mut vm =
+            Vm::create_with(Shape::new(MIB, 1), Box::new(std::io::sink()), devices).unwrap();
+        vm.restore(&s).map(|_| vm)
+    };
+    let e = restore(&with_slots(&f2, 3)).err().unwrap().to_string();
+    assert!(
+        e.contains("the snapshot has rng, block, block, block; this VM has rng, block, block, block, block"),
+        "{e}"
+    );
+    let e = restore(&DeviceConfig {
+        disks: vec![slot(&f2, false), slot(&fixed, true)],
+        disk_slots: 1,
+        ..Default::default()
+    })
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        e.contains("disks differ: the snapshot has 1 disks and 2 disk slots, this VM 2 disks and 1 disk slots"),
+        "{e}"
+    );
+    let e = restore(&with_slots(&f2, 2)).err().unwrap().to_string();
+    assert!(
+        e.contains("disk slot 1 has a read-write image of 8192 bytes attached")
+            && e.contains("slot_files"),
+        "{e}"
+    );
+    assert_eq!(
+        std::fs::read(&f2).unwrap(),
+        vec![3; 512],
+        "refused: untouched"
+    );
+    let c = d.path().join("c.img");
+    let vm = restore(&DeviceConfig {
+        slot_files: [(1, c.clone()), (0, d.path().join("unused.img"))].into(),
+        ..with_slots(&f2, 2)
+    })
+    .unwrap();
+    assert_eq!(std::fs::read(&c).unwrap(), vec![2; 8192]);
+    assert_eq!(
+        slots_of(&vm),
+        vec![(None, false, 0), (Some(c), false, 8192)]
+    );
+    assert!(!d.path().join("unused.img").exists());
+}
+
+#[test]
+fn bad_slot_requests_are_refused_and_change_nothing() {
+    let d = tmp();
+    let fixed = image(d.path().join("fixed.img"), 1, 4096);
+    let ctr = image(d.path().join("ctr.img"), 2, 8192);
+    let odd = image(d.path().join("odd.img"), 3, 1000);
+    let created = Vm::create_with(
+        Shape::new(MIB, 1),
+        Box::new(std::io::sink()),
+        &with_slots(&fixed, 1),
+    );
+    let mut created = created.unwrap();
+    let e = created.attach_disk(0, &slot(&ctr, false)).unwrap_err();
+    assert!(e.to_string().contains("running or paused"), "{e}");
+
+    let mut g = boot_with(d.path(), MIB, 1, &with_slots(&fixed, 1));
+    let err = |r: twig_vmm::Result<()>| r.unwrap_err().to_string();
+    let e = err(g.vm.attach_disk(1, &slot(&ctr, false)));
+    assert!(
+        e.contains("disk slot 1: no such slot: this VM has 1 disk slots"),
+        "{e}"
+    );
+    let e = err(g.vm.detach_disk(0));
+    assert!(e.contains("disk slot 0: empty"), "{e}");
+    let e = err(g
+        .vm
+        .attach_disk(0, &slot(&d.path().join("missing.img"), false)));
+    assert!(
+        e.contains("disk slot 0") && e.contains("missing.img"),
+        "{e}"
+    );
+    let e = err(g.vm.attach_disk(0, &slot(&odd, false)));
+    assert!(e.contains("not a multiple of 512"), "{e}");
+    assert_eq!(slots_of(&g.vm), vec![(None, false, 0)]);
+    g.vm.attach_disk(0, &slot(&ctr, false)).unwrap();
+    let e = err(g.vm.attach_disk(0, &slot(&fixed, true)));
+    assert!(
+        e.contains("disk slot 0: busy") && e.contains("ctr.img"),
+        "{e}"
+    );
+    assert_eq!(slots_of(&g.vm)[0].0.as_deref(), Some(ctr.as_path()));
+    g.vm.pause().unwrap();
+    g.vm.detach_disk(0).unwrap();
+    g.vm.resume().unwrap();
+    assert_eq!(std::fs::read(&ctr).unwrap(), vec![2; 8192]);
+
+    let create = |c: &DeviceConfig| {
+        Vm::create_with(Shape::new(MIB, 1), Box::new(std::io::sink()), c)
+            .err()
+            .map(|e| e.to_string())
+    };
+    let e = create(&with_slots(&fixed, 10)).unwrap();
+    assert!(e.contains("12 virtio devices; a VM has at most 11"), "{e}");
+    let e = create(&DeviceConfig {
+        slot_files: [(2, ctr.clone())].into(),
+        ..with_slots(&fixed, 2)
+    })
+    .unwrap();
+    assert!(
+        e.contains("slot_files names slot 2, but the VM has 2 disk slots"),
+        "{e}"
+    );
+}

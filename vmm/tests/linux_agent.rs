@@ -71,6 +71,7 @@ impl Slot {
                 cid: 3,
                 uds_path: self.uds.clone(),
             }),
+            ..Default::default()
         }
     }
 
@@ -101,11 +102,16 @@ struct Guest {
 /// Starts booting the guest kernel with the agent initramfs and a fresh
 /// busybox rootfs on /dev/vda.
 fn start(slot: &Slot) -> (Vm, Capture) {
+    start_with(slot, &slot.devices())
+}
+
+/// Starts booting as [`start`] does, with `devices`.
+fn start_with(slot: &Slot, devices: &DeviceConfig) -> (Vm, Capture) {
     require_kvm();
     testkit::busybox_rootfs(&slot.disk, 32, &[]).expect("busybox ext4 image");
     let serial = Capture::new();
-    let mut vm = Vm::create_with(Shape::new(MEM_MIB, 1), serial.writer(), &slot.devices())
-        .expect("create VM");
+    let mut vm =
+        Vm::create_with(Shape::new(MEM_MIB, 1), serial.writer(), devices).expect("create VM");
     vm.boot_linux(
         &env_path("TWIG_GUEST_KERNEL"),
         Some(&env_path("TWIG_AGENT_INITRD")),
@@ -123,9 +129,14 @@ fn boot(slot: &Slot) -> Guest {
 }
 
 fn restored(image: &Path, slot: &Slot) -> Guest {
+    restored_with(image, slot, &slot.devices())
+}
+
+/// Restores as [`restored`] does, with `devices`.
+fn restored_with(image: &Path, slot: &Slot, devices: &DeviceConfig) -> Guest {
     let serial = Capture::new();
-    let mut vm = Vm::create_with(Shape::new(MEM_MIB, 1), serial.writer(), &slot.devices())
-        .expect("create VM");
+    let mut vm =
+        Vm::create_with(Shape::new(MEM_MIB, 1), serial.writer(), devices).expect("create VM");
     vm.restore(image).expect("restore");
     vm.resume().expect("resume");
     let agent = slot.connect_logged(&mut vm, &serial);
@@ -497,4 +508,54 @@ fn a_template_restores_to_a_ready_agent_without_booting() {
         let id = r.agent.read_to_end("hi", "", Stream::Stdout, CALL).unwrap();
         assert_eq!(id, booted, "the restored guest booted again");
     }
+}
+
+#[test]
+fn a_rootfs_attached_to_a_vm_restored_from_a_template_runs_a_container() {
+    let d = tmp();
+    let with_slot = |s: &Slot| DeviceConfig {
+        disk_slots: 1,
+        ..s.devices()
+    };
+    let slot = Slot::new(d.path(), "v", 9);
+    let (mut vm, _serial) = start_with(&slot, &with_slot(&slot));
+    let t = snap(d.path(), "template");
+    let (store, id) = store_of(&t);
+    let staging = store.stage(&id).expect("stage the template");
+    vm.template(staging.dir(), BOOT, || {
+        twig_vmm::host_connect(&slot.uds, AGENT_PORT, Duration::from_secs(2)).is_ok()
+    })
+    .expect("template with an empty disk slot");
+    staging.publish().expect("publish the template");
+    drop(vm);
+
+    // The pod's VM is restored (no boot); the container's rootfs is made
+    // afterwards and attached to the slot, /dev/vdb.
+    let pod = Slot::new(d.path(), "w", 9);
+    let mut g = restored_with(&t, &pod, &with_slot(&pod));
+    let ctr = d.path().join("ctr.ext4");
+    testkit::busybox_rootfs(&ctr, 16, &[("marker", "attached-later")]).expect("rootfs");
+    let disk = DiskConfig {
+        path: ctr.clone(),
+        read_only: false,
+    };
+    g.vm.attach_disk(0, &disk).expect("attach");
+    // The guest re-reads the capacity in a work item after the interrupt:
+    // until then the mount fails.
+    let mut k = 0;
+    let id = poll("the guest to mount the attached disk", BOOT, || {
+        k += 1;
+        let id = format!("ctr{k}");
+        let spec = spec(&["cat", "/marker"], "ctr");
+        g.agent
+            .create_container(&id, "/dev/vdb", false, &spec, CALL)
+            .ok()
+            .map(|_| id)
+    });
+    g.agent.start_container(&id, CALL).expect("start");
+    let out = g.agent.read_to_end(&id, "", Stream::Stdout, CALL).unwrap();
+    assert_eq!(out, b"attached-later");
+    let w = g.agent.wait_exit(&id, "", CALL).unwrap();
+    assert_eq!((w.status, w.signal), (0, 0));
+    assert_eq!(g.vm.state(), RunState::Running);
 }

@@ -405,6 +405,14 @@ impl Client {
         }
     }
 
+    /// Empties disk slot `slot`; the guest must have stopped using its disk.
+    pub fn detach_disk(&mut self, slot: usize, timeout: Duration) -> Result<(), ClientError> {
+        match self.call(&Request::DetachDisk { slot }, timeout)? {
+            Reply::DiskDetached { slot: s } if s == slot => Ok(()),
+            other => Err(self.unexpected("detach_disk", &other)),
+        }
+    }
+
     /// Stops the VM; the VMM process exits after answering.
     pub fn shutdown(&mut self, timeout: Duration) -> Result<(), ClientError> {
         match self.call(&Request::Shutdown {}, timeout)? {

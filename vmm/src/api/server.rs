@@ -346,9 +346,13 @@ impl Machine {
                 path,
                 read_only,
             } => {
-                let disk = DiskConfig { path, read_only };
-                attach_disk(self.vm()?, slot, &disk)?;
+                self.vm()?
+                    .attach_disk(slot, &DiskConfig { path, read_only })?;
                 Reply::DiskAttached { slot }
+            }
+            Request::DetachDisk { slot } => {
+                self.vm()?.detach_disk(slot)?;
+                Reply::DiskDetached { slot }
             }
             Request::Shutdown {} => {
                 self.vm = None;
@@ -371,14 +375,6 @@ fn snapshot_op(vm: &mut Vm, dir: &Path, kind: Kind) -> Result<crate::vm::Snapsho
         },
         e => e,
     })
-}
-
-/// Attaching disks needs disk slots, which this build's VMs do not have.
-fn attach_disk(_vm: &mut Vm, slot: usize, disk: &DiskConfig) -> Result<()> {
-    Err(Error::Config(format!(
-        "this twig-vmm has no disk slots: cannot attach {} to slot {slot}",
-        disk.path.display()
-    )))
 }
 
 /// Binds the API socket, replacing a stale socket file nobody listens on.

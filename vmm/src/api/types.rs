@@ -90,6 +90,12 @@ pub enum Request {
         #[serde(default)]
         read_only: bool,
     },
+    /// Empty a disk slot of the VM ([`Reply::DiskDetached`]); the guest
+    /// must have stopped using the disk.
+    DetachDisk {
+        /// The slot.
+        slot: usize,
+    },
     /// Stop the VM and exit the VMM process ([`Reply::ShutDown`]).
     Shutdown {},
 }
@@ -107,6 +113,7 @@ impl Request {
             Request::Rollback { .. } => "rollback",
             Request::Stats {} => "stats",
             Request::AttachDisk { .. } => "attach_disk",
+            Request::DetachDisk { .. } => "detach_disk",
             Request::Shutdown {} => "shutdown",
         }
     }
@@ -147,6 +154,11 @@ pub enum Reply {
     /// To `attach_disk`.
     DiskAttached {
         /// The slot the disk is in.
+        slot: usize,
+    },
+    /// To `detach_disk`.
+    DiskDetached {
+        /// The slot now empty.
         slot: usize,
     },
     /// To `shutdown`: the VM is gone and the process exits.
@@ -226,6 +238,7 @@ mod tests {
                 path: "/d.img".into(),
                 read_only: true,
             },
+            Request::DetachDisk { slot: 1 },
             Request::Shutdown {},
         ];
         for r in reqs {

@@ -6,12 +6,23 @@
 //! included) answers `VIRTIO_BLK_S_IOERR`, never a VMM failure.
 //!
 //! The image file is shared with the VM through [`DiskFile`], which
-//! snapshots copy and restores replace (see `vm.rs`).
+//! snapshots copy and restores replace (see `vm/persist.rs`).
+//!
+//! A **disk slot** is a virtio-blk device that starts empty: capacity 0,
+//! every read, write and flush answered `VIRTIO_BLK_S_IOERR` without
+//! touching any file, GET_ID an id of zeros. A file attached while the VM
+//! runs (`vm/disks.rs`) is served from the next request on, and the
+//! configuration generation changes so the transport raises the
+//! configuration-change interrupt: Linux's virtio_blk then re-reads the
+//! capacity. Feature bits are negotiated once, at the driver's probe, so a
+//! slot never offers `VIRTIO_BLK_F_RO`: a read-only attachment is enforced
+//! here (writes answer `VIRTIO_BLK_S_IOERR`) and by mounting read-only in
+//! the guest.
 
-use std::fs::{File, OpenOptions};
+mod image;
+
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_F_SEG_MAX, VIRTIO_BLK_F_SIZE_MAX,
@@ -23,13 +34,11 @@ use virtio_queue::desc::split::Descriptor;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Address, Bytes, GuestAddress};
 
-use super::VirtioDevice;
-use crate::error::{Error, Result};
-use crate::memory::GuestMem;
-use crate::snapshot;
+pub use image::{DiskFile, Replacement, ID_LEN, SECTOR};
 
-/// Sector size of the virtio-blk protocol.
-pub const SECTOR: u64 = 512;
+use super::VirtioDevice;
+use crate::memory::GuestMem;
+
 const QUEUE_SIZE: u16 = 256;
 /// Data segments per request the driver may use (the queue less header and
 /// status).
@@ -39,259 +48,6 @@ const SIZE_MAX: u32 = 1 << 20;
 /// Bytes moved between the image and guest memory at a time.
 const CHUNK: usize = 128 * 1024;
 const HEADER_LEN: u64 = 16;
-const ID_LEN: usize = 20;
-
-struct Inner {
-    file: File,
-    size: u64,
-}
-
-/// A disk image file, shared between its virtio-blk device and the VM
-/// (which copies it into snapshots and replaces it on restore).
-pub struct DiskFile {
-    path: PathBuf,
-    read_only: bool,
-    id: [u8; ID_LEN],
-    inner: Mutex<Inner>,
-}
-
-fn open_image(path: &Path, read_only: bool) -> Result<(File, u64)> {
-    let file = OpenOptions::new()
-        .read(true)
-        .write(!read_only)
-        .open(path)
-        .map_err(|e| Error::io(format!("opening disk image {}", path.display()), e))?;
-    let meta = file
-        .metadata()
-        .map_err(|e| Error::io(format!("reading disk image {}", path.display()), e))?;
-    if !meta.is_file() {
-        return Err(Error::Config(format!(
-            "disk image {} is not a regular file",
-            path.display()
-        )));
-    }
-    let size = meta.len();
-    if size % SECTOR != 0 {
-        return Err(Error::Config(format!(
-            "disk image {} is {size} bytes, not a multiple of {SECTOR}",
-            path.display()
-        )));
-    }
-    Ok((file, size))
-}
-
-impl DiskFile {
-    /// Opens the raw image at `path` (read-only or read-write); its size must
-    /// be a multiple of 512 bytes.
-    pub fn open(path: &Path, read_only: bool) -> Result<DiskFile> {
-        let (file, size) = open_image(path, read_only)?;
-        let mut id = [0u8; ID_LEN];
-        if let Some(name) = path.file_name() {
-            let b = name.as_encoded_bytes();
-            let n = b.len().min(ID_LEN);
-            id[..n].copy_from_slice(&b[..n]);
-        }
-        Ok(DiskFile {
-            path: path.to_path_buf(),
-            read_only,
-            id,
-            inner: Mutex::new(Inner { file, size }),
-        })
-    }
-
-    fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// The image's path.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
-    /// Whether the guest may only read it.
-    pub fn read_only(&self) -> bool {
-        self.read_only
-    }
-
-    /// The image's size in bytes.
-    pub fn size(&self) -> u64 {
-        self.lock().size
-    }
-
-    /// A second descriptor for the open image (for copying it).
-    pub fn try_clone_file(&self) -> Result<File> {
-        self.lock()
-            .file
-            .try_clone()
-            .map_err(|e| Error::io(format!("duplicating disk image {}", self.path.display()), e))
-    }
-
-    /// Makes what the guest wrote durable (`fdatasync`).
-    pub fn sync(&self) -> Result<()> {
-        self.lock().file.sync_data().map_err(|e| {
-            Error::io(
-                format!("fdatasync of disk image {}", self.path.display()),
-                e,
-            )
-        })
-    }
-
-    /// Copies `src` (a snapshot's copy of this disk, which must be `size`
-    /// bytes) into a new file next to this disk's image, ready to take its
-    /// place. Nothing visible changes until [`Replacement::swap_in`].
-    pub fn prepare_replacement(&self, src: &Path, size: u64) -> Result<Replacement> {
-        let (from, actual) = open_image(src, true)?;
-        if actual != size {
-            return Err(Error::snapshot(
-                src,
-                format!("disk copy is {actual} bytes, the snapshot recorded {size}"),
-            ));
-        }
-        let tmp = sibling(&self.path, "new");
-        let file = OpenOptions::new()
-            .create_new(true)
-            .read(true)
-            .write(true)
-            .open(&tmp)
-            .map_err(|e| Error::io(format!("creating {}", tmp.display()), e))?;
-        let r = Replacement {
-            path: self.path.clone(),
-            holder: tmp,
-            file: Some(file),
-            size,
-            swapped: false,
-        };
-        let copied = r
-            .file
-            .as_ref()
-            .map_or(Ok(()), |f| twig_store::fsops::copy_file(&from, f).map(drop));
-        copied.map_err(|e| {
-            Error::io(
-                format!("copying {} to {}", src.display(), r.holder.display()),
-                e,
-            )
-        })?;
-        if let Ok(m) = std::fs::metadata(&self.path) {
-            if let Err(e) = std::fs::set_permissions(&r.holder, m.permissions()) {
-                tracing::warn!("copying permissions to {}: {e}", r.holder.display());
-            }
-        }
-        Ok(r)
-    }
-
-    /// Serves requests from `file` (`size` bytes) from now on.
-    fn install(&self, file: File, size: u64) {
-        let mut g = self.lock();
-        g.file = file;
-        g.size = size;
-    }
-}
-
-fn sibling(path: &Path, what: &str) -> PathBuf {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    path.with_file_name(format!(".{name}.twig-{what}-{}", snapshot::new_id()))
-}
-
-/// A disk image about to replace a VM's disk file. Dropped before
-/// [`Replacement::finish`], it puts the old file back (if swapped in) and
-/// removes the new one.
-pub struct Replacement {
-    path: PathBuf,
-    /// The new image before the swap, the old one after.
-    holder: PathBuf,
-    file: Option<File>,
-    size: u64,
-    swapped: bool,
-}
-
-fn rename_exchange(a: &Path, b: &Path) -> std::io::Result<()> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = |p: &Path| {
-        std::ffi::CString::new(p.as_os_str().as_bytes())
-            .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))
-    };
-    let (a, b) = (c(a)?, c(b)?);
-    // SAFETY: both are valid NUL-terminated paths.
-    let r = unsafe {
-        libc::renameat2(
-            libc::AT_FDCWD,
-            a.as_ptr(),
-            libc::AT_FDCWD,
-            b.as_ptr(),
-            libc::RENAME_EXCHANGE,
-        )
-    };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
-}
-
-impl Replacement {
-    /// Puts the new image at the disk's path (atomically where the
-    /// filesystem can exchange names); the old one is kept aside until
-    /// [`Replacement::finish`].
-    pub fn swap_in(&mut self) -> Result<()> {
-        let err = |e| Error::io(format!("replacing disk image {}", self.path.display()), e);
-        match rename_exchange(&self.holder, &self.path) {
-            Ok(()) => {}
-            Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOSYS)) => {
-                let old = sibling(&self.path, "old");
-                std::fs::rename(&self.path, &old).map_err(err)?;
-                if let Err(e) = std::fs::rename(&self.holder, &self.path) {
-                    if let Err(back) = std::fs::rename(&old, &self.path) {
-                        tracing::error!(
-                            "disk image {} is left at {}: {back}",
-                            self.path.display(),
-                            old.display()
-                        );
-                    }
-                    return Err(err(e));
-                }
-                self.holder = old;
-            }
-            Err(e) => return Err(err(e)),
-        }
-        self.swapped = true;
-        Ok(())
-    }
-
-    /// Serves `disk` from the new image and deletes the old one.
-    pub fn finish(mut self, disk: &DiskFile) {
-        if let Some(f) = self.file.take() {
-            disk.install(f, self.size);
-        }
-        if self.swapped {
-            self.swapped = false;
-            if let Err(e) = std::fs::remove_file(&self.holder) {
-                tracing::warn!("removing the old disk image {}: {e}", self.holder.display());
-            }
-        }
-    }
-}
-
-impl Drop for Replacement {
-    fn drop(&mut self) {
-        if self.file.is_none() {
-            return;
-        }
-        if self.swapped {
-            if let Err(e) = std::fs::rename(&self.holder, &self.path) {
-                tracing::error!(
-                    "cannot put disk image {} back from {}: {e}",
-                    self.path.display(),
-                    self.holder.display()
-                );
-            }
-        } else {
-            let _ = std::fs::remove_file(&self.holder);
-        }
-    }
-}
 
 /// The block device.
 pub struct Blk {
@@ -379,19 +135,42 @@ impl Blk {
                 ))
             })
         };
+        let guard = self.disk.lock();
+        if r.kind == VIRTIO_BLK_T_GET_ID {
+            let id = guard.backing.as_ref().map_or([0u8; ID_LEN], |b| b.id);
+            let mut written = 0;
+            for &(addr, n) in &r.data_in {
+                let k = n.min(ID_LEN - written);
+                if k == 0 {
+                    break;
+                }
+                mem.write_slice(&id[written..written + k], addr)
+                    .map_err(|e| Failure::Bad(format!("guest buffer: {e}")))?;
+                written += k;
+            }
+            return Ok(written as u32);
+        }
+        if !matches!(
+            r.kind,
+            VIRTIO_BLK_T_IN | VIRTIO_BLK_T_OUT | VIRTIO_BLK_T_FLUSH
+        ) {
+            return Err(Failure::Unsupported);
+        }
+        let Some(backing) = guard.backing.as_ref() else {
+            return Err(Failure::Bad("the disk slot is empty".into()));
+        };
         match r.kind {
             VIRTIO_BLK_T_IN => {
                 if r.out_len != 0 {
                     return Err(Failure::Bad("a read with data to write".into()));
                 }
-                let inner = self.disk.lock();
-                let mut off = range(r.in_len, inner.size)?;
+                let mut off = range(r.in_len, backing.size)?;
                 for &(addr, n) in &r.data_in {
                     let mut done = 0;
                     while done < n {
                         let k = (n - done).min(CHUNK);
                         let buf = &mut self.buf[..k];
-                        inner
+                        backing
                             .file
                             .read_exact_at(buf, off)
                             .map_err(|e| Failure::Host(format!("read at {off}: {e}")))?;
@@ -407,11 +186,10 @@ impl Blk {
                 Ok(r.in_len as u32)
             }
             VIRTIO_BLK_T_OUT => {
-                if self.disk.read_only {
+                if backing.read_only {
                     return Err(Failure::Bad("write to a read-only disk".into()));
                 }
-                let inner = self.disk.lock();
-                let mut off = range(r.out_len, inner.size)?;
+                let mut off = range(r.out_len, backing.size)?;
                 for (addr, n) in pieces(r.out, HEADER_LEN, r.out_len) {
                     let mut done = 0;
                     while done < n {
@@ -422,7 +200,7 @@ impl Blk {
                             .ok_or_else(|| Failure::Bad("buffer address overflows".into()))?;
                         mem.read_slice(buf, at)
                             .map_err(|e| Failure::Bad(format!("guest buffer: {e}")))?;
-                        inner
+                        backing
                             .file
                             .write_all_at(buf, off)
                             .map_err(|e| Failure::Host(format!("write at {off}: {e}")))?;
@@ -432,31 +210,23 @@ impl Blk {
                 }
                 Ok(0)
             }
-            VIRTIO_BLK_T_FLUSH => {
-                if !self.disk.read_only {
-                    self.disk
-                        .lock()
+            _ => {
+                if !backing.read_only {
+                    backing
                         .file
                         .sync_data()
                         .map_err(|e| Failure::Host(format!("fdatasync: {e}")))?;
                 }
                 Ok(0)
             }
-            VIRTIO_BLK_T_GET_ID => {
-                let mut written = 0;
-                for &(addr, n) in &r.data_in {
-                    let k = n.min(ID_LEN - written);
-                    if k == 0 {
-                        break;
-                    }
-                    mem.write_slice(&self.disk.id[written..written + k], addr)
-                        .map_err(|e| Failure::Bad(format!("guest buffer: {e}")))?;
-                    written += k;
-                }
-                Ok(written as u32)
-            }
-            _ => Err(Failure::Unsupported),
         }
+    }
+
+    /// The attached image's path, for messages.
+    fn name(&self) -> String {
+        self.disk
+            .path()
+            .map_or_else(|| "(empty slot)".into(), |p| p.display().to_string())
     }
 
     /// Handles one descriptor chain; returns the used length (0 if there is
@@ -507,11 +277,11 @@ impl Blk {
         let (status, written) = match result {
             Ok(n) => (VIRTIO_BLK_S_OK, n),
             Err(Failure::Bad(why)) => {
-                tracing::debug!(disk = %self.disk.path.display(), "virtio-blk: bad request: {why}");
+                tracing::debug!(disk = %self.name(), "virtio-blk: bad request: {why}");
                 (VIRTIO_BLK_S_IOERR, 0)
             }
             Err(Failure::Host(why)) => {
-                tracing::warn!(disk = %self.disk.path.display(), "virtio-blk: I/O error: {why}");
+                tracing::warn!(disk = %self.name(), "virtio-blk: I/O error: {why}");
                 (VIRTIO_BLK_S_IOERR, 0)
             }
             Err(Failure::Unsupported) => (VIRTIO_BLK_S_UNSUPP, 0),
@@ -532,10 +302,33 @@ impl VirtioDevice for Blk {
         let mut f = (1u64 << VIRTIO_BLK_F_FLUSH)
             | (1 << VIRTIO_BLK_F_SEG_MAX)
             | (1 << VIRTIO_BLK_F_SIZE_MAX);
-        if self.disk.read_only {
+        // A slot's feature bits are fixed before anything is attached.
+        if !self.disk.is_slot() && self.disk.read_only() {
             f |= 1 << VIRTIO_BLK_F_RO;
         }
         f
+    }
+
+    fn config_generation(&self) -> u32 {
+        self.disk.generation()
+    }
+
+    fn describe(&self) -> String {
+        match (self.disk.is_slot(), self.disk.path()) {
+            (true, None) => "empty slot".into(),
+            (slot, Some(p)) => format!(
+                "{}{} ({} bytes{})",
+                if slot { "slot: " } else { "" },
+                p.display(),
+                self.disk.size(),
+                if self.disk.read_only() {
+                    ", read-only"
+                } else {
+                    ""
+                }
+            ),
+            (false, None) => String::new(),
+        }
     }
 
     fn queue_max_sizes(&self) -> &[u16] {
@@ -580,6 +373,8 @@ impl VirtioDevice for Blk {
 mod tests {
     use super::*;
     use crate::virtio::testing::Driver;
+    use std::fs::File;
+    use std::path::{Path, PathBuf};
     use std::process::Command;
 
     const SECTORS: u64 = 128;
@@ -806,5 +601,191 @@ mod tests {
         // The device carries on: reads still work.
         assert_eq!(request(&mut d, VIRTIO_BLK_T_IN, 0, &[], 512).0, OK);
         assert_eq!(request(&mut d, VIRTIO_BLK_T_FLUSH, 0, &[], 0).0, OK);
+    }
+
+    use virtio_bindings::virtio_mmio::{
+        VIRTIO_MMIO_CONFIG_GENERATION, VIRTIO_MMIO_INTERRUPT_ACK, VIRTIO_MMIO_INTERRUPT_STATUS,
+        VIRTIO_MMIO_INT_CONFIG, VIRTIO_MMIO_STATUS,
+    };
+
+    fn capacity(d: &mut Driver) -> u64 {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&d.config(8));
+        u64::from_le_bytes(b)
+    }
+
+    fn slot_driver() -> (Driver, Arc<DiskFile>) {
+        let disk = Arc::new(DiskFile::slot());
+        (Driver::new(Box::new(Blk::new(disk.clone()))), disk)
+    }
+
+    /// Asserts that the driver was told of a configuration change (and
+    /// acknowledges it, as Linux's interrupt handler does).
+    fn config_interrupt(d: &mut Driver) {
+        assert_eq!(d.irq.read().unwrap(), 1, "interrupt raised");
+        let status = d.reg(VIRTIO_MMIO_INTERRUPT_STATUS);
+        assert_ne!(status & VIRTIO_MMIO_INT_CONFIG, 0, "configuration change");
+        d.set(VIRTIO_MMIO_INTERRUPT_ACK, VIRTIO_MMIO_INT_CONFIG);
+        let status = d.reg(VIRTIO_MMIO_INTERRUPT_STATUS);
+        assert_eq!(status & VIRTIO_MMIO_INT_CONFIG, 0, "acknowledged");
+    }
+
+    #[test]
+    fn an_empty_slot_has_capacity_0_and_fails_every_request_without_a_file() {
+        let (mut d, disk) = slot_driver();
+        assert!(disk.is_slot() && !disk.attached());
+        assert_eq!(capacity(&mut d), 0);
+        assert_eq!(d.device_features() & (1 << VIRTIO_BLK_F_RO), 0, "no RO");
+        assert_eq!(request(&mut d, VIRTIO_BLK_T_IN, 0, &[], 512).0, IOERR);
+        assert_eq!(request(&mut d, VIRTIO_BLK_T_OUT, 0, &[1; 512], 0).0, IOERR);
+        assert_eq!(request(&mut d, VIRTIO_BLK_T_FLUSH, 0, &[], 0).0, IOERR);
+        let (st, len, data) = request(&mut d, VIRTIO_BLK_T_GET_ID, 0, &[], 20);
+        assert_eq!((st, len), (OK, 21));
+        assert_eq!(d.read(data, 20), vec![0; 20], "a stable empty id");
+        assert_eq!(request(&mut d, 99, 0, &[], 0).0, VIRTIO_BLK_S_UNSUPP as u8);
+        assert!(disk.detach().unwrap_err().to_string().contains("empty"));
+        assert!(disk.try_clone_file().is_err());
+        disk.sync().unwrap();
+        assert!(!disk.meta().has_copy());
+    }
+
+    #[test]
+    fn attach_and_detach_announce_the_capacity_and_switch_the_file_served() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = image(dir.path(), "ctr-rootfs.img");
+        let (mut d, disk) = slot_driver();
+        let gen0 = d.reg(VIRTIO_MMIO_CONFIG_GENERATION);
+        d.t.announce_config();
+        assert!(d.irq.read().is_err(), "nothing changed: no interrupt");
+
+        disk.attach(&p, false).unwrap();
+        d.t.announce_config();
+        config_interrupt(&mut d);
+        let gen1 = d.reg(VIRTIO_MMIO_CONFIG_GENERATION);
+        assert_ne!(gen1, gen0, "generation bumped");
+        assert_eq!(capacity(&mut d), SECTORS);
+        let (st, _, data) = request(&mut d, VIRTIO_BLK_T_IN, 9, &[], 512);
+        assert_eq!(st, OK);
+        assert_eq!(d.read(data, 512), vec![9; 512], "the file's bytes");
+        let _ = d.irq.read();
+        assert_eq!(request(&mut d, VIRTIO_BLK_T_OUT, 3, &[0xcd; 512], 0).0, OK);
+        assert_eq!(std::fs::read(&p).unwrap()[3 * 512..4 * 512], [0xcd; 512]);
+        assert_eq!(request(&mut d, VIRTIO_BLK_T_FLUSH, 0, &[], 0).0, OK);
+        let (_, _, data) = request(&mut d, VIRTIO_BLK_T_GET_ID, 0, &[], 20);
+        assert_eq!(&d.read(data, 20), b"ctr-rootfs.img\0\0\0\0\0\0");
+        let _ = d.irq.read();
+
+        let other = image(dir.path(), "other.img");
+        let e = disk.attach(&other, false).unwrap_err().to_string();
+        assert!(e.contains("busy") && e.contains("ctr-rootfs.img"), "{e}");
+
+        assert_eq!(disk.detach().unwrap(), p);
+        d.t.announce_config();
+        config_interrupt(&mut d);
+        assert_ne!(
+            d.reg(VIRTIO_MMIO_CONFIG_GENERATION),
+            gen1,
+            "generation bumped again"
+        );
+        assert_eq!(capacity(&mut d), 0);
+        let before = std::fs::read(&p).unwrap();
+        assert_eq!(request(&mut d, VIRTIO_BLK_T_IN, 0, &[], 512).0, IOERR);
+        assert_eq!(request(&mut d, VIRTIO_BLK_T_OUT, 0, &[7; 512], 0).0, IOERR);
+        assert_eq!(std::fs::read(&p).unwrap(), before, "detached: untouched");
+    }
+
+    #[test]
+    fn a_read_only_attachment_refuses_writes_though_rw_was_negotiated() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = image(dir.path(), "base.img");
+        let before = std::fs::read(&p).unwrap();
+        let (mut d, disk) = slot_driver();
+        disk.attach(&p, true).unwrap();
+        d.t.announce_config();
+        config_interrupt(&mut d);
+        assert_eq!(d.device_features() & (1 << VIRTIO_BLK_F_RO), 0);
+        assert_eq!(request(&mut d, VIRTIO_BLK_T_OUT, 0, &[9; 512], 0).0, IOERR);
+        assert_eq!(request(&mut d, VIRTIO_BLK_T_IN, 5, &[], 512).0, OK);
+        assert_eq!(std::fs::read(&p).unwrap(), before);
+        assert!(disk.read_only() && !disk.meta().has_copy());
+    }
+
+    #[test]
+    fn bad_attachments_are_refused_and_leave_the_slot_empty() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut d, disk) = slot_driver();
+        let odd = dir.path().join("odd.img");
+        std::fs::write(&odd, [0u8; 1000]).unwrap();
+        let e = disk.attach(&odd, false).unwrap_err().to_string();
+        assert!(e.contains("not a multiple of 512"), "{e}");
+        let e = disk
+            .attach(&dir.path().join("missing.img"), true)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("missing.img"), "{e}");
+        assert!(disk.attach(dir.path(), true).is_err(), "a directory");
+        assert!(!disk.attached());
+        d.t.announce_config();
+        assert!(d.irq.read().is_err(), "no interrupt");
+        assert_eq!(capacity(&mut d), 0);
+
+        let p = image(dir.path(), "fixed.img");
+        let fixed = DiskFile::open(&p, false).unwrap();
+        assert!(fixed.attach(&p, false).is_err());
+        assert!(fixed.detach().is_err());
+    }
+
+    #[test]
+    fn a_driver_that_is_not_live_is_not_interrupted() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = image(dir.path(), "d.img");
+        let (mut d, disk) = slot_driver();
+        d.set(VIRTIO_MMIO_STATUS, 0);
+        disk.attach(&p, false).unwrap();
+        d.t.announce_config();
+        assert!(d.irq.read().is_err());
+        assert_eq!(d.reg(VIRTIO_MMIO_INTERRUPT_STATUS), 0);
+        assert_eq!(capacity(&mut d), SECTORS, "read at probe");
+    }
+
+    #[test]
+    fn slot_replacements_create_attach_and_empty() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("snap-disk");
+        std::fs::write(&src, vec![0x42u8; 4096]).unwrap();
+        let target = dir.path().join("clone.img");
+        let disk = DiskFile::slot();
+
+        // A copy into a file that does not exist yet; dropped after the
+        // swap, nothing is left.
+        let mut r = Replacement::copy(&target, &src, 4096).unwrap();
+        r.swap_in().unwrap();
+        assert_eq!(std::fs::read(&target).unwrap(), vec![0x42; 4096]);
+        drop(r);
+        assert!(!target.exists());
+        let mut r = Replacement::copy(&target, &src, 4096).unwrap();
+        r.swap_in().unwrap();
+        r.finish(&disk);
+        assert_eq!(
+            (disk.path(), disk.size(), disk.read_only()),
+            (Some(target.clone()), 4096, false)
+        );
+        let g = disk.generation();
+        Replacement::empty().finish(&disk);
+        assert!(!disk.attached() && disk.generation() != g);
+
+        let e = Replacement::attach_read_only(&src, 8192)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("4096 bytes") && e.contains("same image"), "{e}");
+        let r = Replacement::attach_read_only(&src, 4096).unwrap();
+        r.finish(&disk);
+        assert!(disk.read_only() && disk.size() == 4096);
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names.len(), 2, "no temporary files left: {names:?}");
     }
 }

@@ -28,11 +28,12 @@ use virtio_bindings::virtio_mmio::{
     VIRTIO_MMIO_CONFIG, VIRTIO_MMIO_CONFIG_GENERATION, VIRTIO_MMIO_DEVICE_FEATURES,
     VIRTIO_MMIO_DEVICE_FEATURES_SEL, VIRTIO_MMIO_DEVICE_ID, VIRTIO_MMIO_DRIVER_FEATURES,
     VIRTIO_MMIO_DRIVER_FEATURES_SEL, VIRTIO_MMIO_INTERRUPT_ACK, VIRTIO_MMIO_INTERRUPT_STATUS,
-    VIRTIO_MMIO_INT_VRING, VIRTIO_MMIO_MAGIC_VALUE, VIRTIO_MMIO_QUEUE_AVAIL_HIGH,
-    VIRTIO_MMIO_QUEUE_AVAIL_LOW, VIRTIO_MMIO_QUEUE_DESC_HIGH, VIRTIO_MMIO_QUEUE_DESC_LOW,
-    VIRTIO_MMIO_QUEUE_NOTIFY, VIRTIO_MMIO_QUEUE_NUM, VIRTIO_MMIO_QUEUE_NUM_MAX,
-    VIRTIO_MMIO_QUEUE_READY, VIRTIO_MMIO_QUEUE_SEL, VIRTIO_MMIO_QUEUE_USED_HIGH,
-    VIRTIO_MMIO_QUEUE_USED_LOW, VIRTIO_MMIO_STATUS, VIRTIO_MMIO_VENDOR_ID, VIRTIO_MMIO_VERSION,
+    VIRTIO_MMIO_INT_CONFIG, VIRTIO_MMIO_INT_VRING, VIRTIO_MMIO_MAGIC_VALUE,
+    VIRTIO_MMIO_QUEUE_AVAIL_HIGH, VIRTIO_MMIO_QUEUE_AVAIL_LOW, VIRTIO_MMIO_QUEUE_DESC_HIGH,
+    VIRTIO_MMIO_QUEUE_DESC_LOW, VIRTIO_MMIO_QUEUE_NOTIFY, VIRTIO_MMIO_QUEUE_NUM,
+    VIRTIO_MMIO_QUEUE_NUM_MAX, VIRTIO_MMIO_QUEUE_READY, VIRTIO_MMIO_QUEUE_SEL,
+    VIRTIO_MMIO_QUEUE_USED_HIGH, VIRTIO_MMIO_QUEUE_USED_LOW, VIRTIO_MMIO_STATUS,
+    VIRTIO_MMIO_VENDOR_ID, VIRTIO_MMIO_VERSION,
 };
 use virtio_queue::{Queue, QueueState, QueueT};
 use vm_memory::Bytes;
@@ -107,6 +108,12 @@ pub trait VirtioDevice: Send {
     fn after_restore(&mut self, _queues: &mut [Queue], _mem: &GuestMem) -> bool {
         false
     }
+    /// The configuration generation: a device whose configuration space
+    /// changes while the driver runs (a disk slot's capacity) changes it,
+    /// and the transport raises the configuration-change interrupt.
+    fn config_generation(&self) -> u32 {
+        0
+    }
     /// The driver reset the device.
     fn reset(&mut self) {}
     /// The device's own state, for diagnostics.
@@ -128,6 +135,8 @@ pub struct MmioTransport {
     irq: EventFd,
     mem: GuestMem,
     host_wake: Option<EventFd>,
+    /// The device's configuration generation the driver was last told of.
+    announced_generation: u32,
 }
 
 fn u32_of(data: &[u8]) -> u32 {
@@ -156,6 +165,7 @@ impl MmioTransport {
             .iter()
             .map(|&max| Queue::new(max).map_err(|e| Error::Config(format!("virtqueue: {e}"))))
             .collect::<Result<Vec<_>>>()?;
+        let announced_generation = device.config_generation();
         Ok(MmioTransport {
             device,
             queues,
@@ -168,6 +178,7 @@ impl MmioTransport {
             irq,
             mem,
             host_wake: None,
+            announced_generation,
         })
     }
 
@@ -225,7 +236,7 @@ impl MmioTransport {
             VIRTIO_MMIO_QUEUE_READY => self.queue().map_or(0, |q| u32::from(q.ready())),
             VIRTIO_MMIO_INTERRUPT_STATUS => self.interrupt_status,
             VIRTIO_MMIO_STATUS => self.status,
-            VIRTIO_MMIO_CONFIG_GENERATION => 0,
+            VIRTIO_MMIO_CONFIG_GENERATION => self.device.config_generation(),
             _ => 0,
         };
         let bytes = v.to_le_bytes();
@@ -354,8 +365,27 @@ impl MmioTransport {
         true
     }
 
-    /// Tells the device its state was restored or rolled back.
+    /// Raises the configuration-change interrupt if the device's
+    /// configuration changed since the driver was last told (and the driver
+    /// is live: a driver that is not reads the configuration when it probes).
+    pub fn announce_config(&mut self) {
+        let generation = self.device.config_generation();
+        if generation == self.announced_generation {
+            return;
+        }
+        self.announced_generation = generation;
+        if self.live() {
+            self.interrupt_status |= VIRTIO_MMIO_INT_CONFIG;
+            if let Err(e) = self.irq.write(1) {
+                tracing::warn!("virtio interrupt: {e}");
+            }
+        }
+    }
+
+    /// Tells the device its state was restored or rolled back (and the
+    /// driver of a configuration that changed meanwhile).
     pub fn after_restore(&mut self) {
+        self.announce_config();
         if !self.live() {
             return;
         }

@@ -1,6 +1,7 @@
 //! The public types of a VM: its shape, its devices, its run state and what
 //! its operations report.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
@@ -54,12 +55,23 @@ impl Shape {
 }
 
 /// The devices a VM has besides the entropy device every VM gets. Their
-/// MMIO order is fixed (rng, the disks in order, net, vsock), so that
-/// snapshots line up with VMs built from the same configuration.
+/// MMIO order is fixed (rng, the disks in order, the disk slots, net,
+/// vsock), so that snapshots line up with VMs built from the same
+/// configuration.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DeviceConfig {
     /// virtio-blk disks.
     pub disks: Vec<DiskConfig>,
+    /// Empty virtio-blk disk slots after the disks: files are attached to
+    /// them while the VM runs ([`super::Vm::attach_disk`]).
+    pub disk_slots: usize,
+    /// For a VM that restores a snapshot with files attached to its slots:
+    /// slot → the file that slot's disk goes to. A read-write slot's file
+    /// gets the snapshot's copy (created, or replaced if it exists); a
+    /// read-only slot's file must be the image that was attached (same
+    /// size), opened read-only. Names for slots empty in the snapshot are
+    /// not used.
+    pub slot_files: BTreeMap<usize, PathBuf>,
     /// A virtio-net device on a tap.
     pub net: Option<NetConfig>,
     /// A virtio-vsock device.

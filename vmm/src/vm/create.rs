@@ -67,6 +67,7 @@ impl Vm {
         shape.validate()?;
         let count = 1
             + config.disks.len()
+            + config.disk_slots
             + usize::from(config.net.is_some())
             + usize::from(config.vsock.is_some());
         if count > virtio::MAX_DEVICES {
@@ -81,6 +82,17 @@ impl Vm {
         let mut boxed: Vec<Box<dyn VirtioDevice>> = vec![Box::new(Rng)];
         for d in &config.disks {
             let disk = Arc::new(DiskFile::open(&d.path, d.read_only)?);
+            boxed.push(Box::new(Blk::new(disk.clone())));
+            disks.push(disk);
+        }
+        if let Some(slot) = config.slot_files.keys().find(|s| **s >= config.disk_slots) {
+            return Err(Error::Config(format!(
+                "slot_files names slot {slot}, but the VM has {} disk slots",
+                config.disk_slots
+            )));
+        }
+        for _ in 0..config.disk_slots {
+            let disk = Arc::new(DiskFile::slot());
             boxed.push(Box::new(Blk::new(disk.clone())));
             disks.push(disk);
         }
@@ -150,6 +162,7 @@ impl Vm {
             vcpus,
             devices,
             disks,
+            slot_files: config.slot_files.clone(),
             shape,
             state: RunState::Created,
             xsave_words,

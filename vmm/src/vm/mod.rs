@@ -5,6 +5,7 @@
 mod config;
 mod create;
 mod diagnostics;
+mod disks;
 mod persist;
 mod rollback;
 
@@ -13,8 +14,10 @@ pub use config::{
     VsockConfig, MAX_VCPUS, MIN_MEM,
 };
 pub use create::open_kvm;
+pub use disks::SlotInfo;
 
-use std::path::Path;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -36,7 +39,10 @@ pub struct Vm {
     device_thread: Option<DeviceThread>,
     vcpus: Vec<VcpuHandle>,
     devices: Arc<Devices>,
+    /// The fixed disks, then the disk slots, in MMIO order.
     disks: Vec<Arc<DiskFile>>,
+    /// Where a restore puts the disks of attached slots.
+    slot_files: BTreeMap<usize, PathBuf>,
     fd: Arc<VmFd>,
     ram: GuestRam,
     shape: Shape,
@@ -205,6 +211,6 @@ impl Vm {
     }
 }
 
-fn absolute(p: &Path) -> Result<std::path::PathBuf> {
+fn absolute(p: &Path) -> Result<PathBuf> {
     std::path::absolute(p).map_err(|e| Error::io(format!("resolving {}", p.display()), e))
 }

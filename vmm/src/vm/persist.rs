@@ -13,9 +13,8 @@ use crate::arch;
 use crate::devices::{self, Devices, SerialOut};
 use crate::error::{Error, Result};
 use crate::memory::PageSet;
-use crate::snapshot::{self, DiskMeta, Image, Kind, Meta, ParentRef, VmState};
+use crate::snapshot::{self, Image, Kind, Meta, ParentRef, VmState};
 use crate::vcpu::{self, VcpuState};
-use crate::virtio::blk::{DiskFile, Replacement};
 
 use super::{absolute, kvm_err, ms, DeviceConfig, RunState, Shape, SnapshotInfo, Vm};
 
@@ -275,14 +274,7 @@ impl Vm {
                     .duration_since(std::time::UNIX_EPOCH)
                     .map(|d| d.as_millis() as u64)
                     .unwrap_or(0),
-                disks: self
-                    .disks
-                    .iter()
-                    .map(|d| DiskMeta {
-                        read_only: d.read_only(),
-                        size: d.size(),
-                    })
-                    .collect(),
+                disks: self.disk_metas(),
             },
             irqchips,
             pit,
@@ -293,13 +285,7 @@ impl Vm {
         };
         // The vCPUs are parked, so every request the guest made of a disk is
         // complete: make it durable, then copy the images.
-        let mut sources = Vec::new();
-        for (i, d) in self.disks.iter().enumerate() {
-            if !d.read_only() {
-                d.sync()?;
-                sources.push((i, d.try_clone_file()?));
-            }
-        }
+        let sources = self.disk_sources()?;
         let sources: Vec<(usize, &std::fs::File)> = sources.iter().map(|(i, f)| (*i, f)).collect();
         let ram = &self.ram;
         let write_layer = state.layer.clone();
@@ -356,21 +342,6 @@ impl Vm {
         self.adopt(image);
         self.state = RunState::Paused;
         Ok(())
-    }
-
-    /// Copies the snapshot's image of every read-write disk next to the
-    /// VM's own disk file, ready to replace it; changes nothing visible.
-    pub(super) fn prepare_disks(&self, image: &Image) -> Result<Vec<(Replacement, Arc<DiskFile>)>> {
-        let mut out = Vec::new();
-        for (i, (d, m)) in self.disks.iter().zip(&image.state.meta.disks).enumerate() {
-            if !d.read_only() {
-                out.push((
-                    d.prepare_replacement(&image.disk_path(i), m.size)?,
-                    d.clone(),
-                ));
-            }
-        }
-        Ok(out)
     }
 
     pub(super) fn adopt(&mut self, image: &Arc<Image>) {
@@ -440,40 +411,6 @@ impl Vm {
                 path: image.dir.clone(),
                 missing: missing.join(", "),
             });
-        }
-        Ok(())
-    }
-
-    /// Refuses a snapshot whose disks do not match this VM's: count,
-    /// read-only or not, and the size of read-only ones (which are not
-    /// copied, so the same image must be attached).
-    fn check_disks(&self, image: &Image) -> Result<()> {
-        let theirs = &image.state.meta.disks;
-        let err = |m: String| Err(Error::snapshot(&image.dir, m));
-        if theirs.len() != self.disks.len() {
-            return err(format!(
-                "disk count differs: the snapshot has {}, this VM {}",
-                theirs.len(),
-                self.disks.len()
-            ));
-        }
-        for (i, (t, d)) in theirs.iter().zip(&self.disks).enumerate() {
-            let kind = |ro: bool| if ro { "read-only" } else { "read-write" };
-            if t.read_only != d.read_only() {
-                return err(format!(
-                    "disk {i} is {} in the snapshot but {} in this VM",
-                    kind(t.read_only),
-                    kind(d.read_only())
-                ));
-            }
-            if t.read_only && t.size != d.size() {
-                return err(format!(
-                    "read-only disk {i} ({}) is {} bytes, the snapshot's was {} bytes; read-only disks are not copied into snapshots, so the same image must be attached",
-                    d.path().display(),
-                    d.size(),
-                    t.size
-                ));
-            }
         }
         Ok(())
     }

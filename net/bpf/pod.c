@@ -1,0 +1,262 @@
+// SPDX-License-Identifier: (GPL-2.0-only OR Apache-2.0)
+// twig-net: the data path and egress policy of one pod.
+//
+// Two tc (TCX) programs, attached in the pod's network namespace:
+//   tap_ingress  - frames the guest sends (read from the VM's tap) are checked
+//                  against the pod's identity and egress policy, then
+//                  redirected out of the pod's veth.
+//   veth_ingress - frames arriving on the pod's veth are redirected to the tap.
+//
+// The layout of every map key and value is mirrored in src/maps.rs.
+#include <linux/bpf.h>
+#include <linux/if_ether.h>
+#include <linux/ip.h>
+#include <linux/in.h>
+#include <linux/pkt_cls.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";
+
+// Reasons a frame is counted under; indices into `counters`.
+enum reason {
+	R_PASS_EGRESS = 0,
+	R_PASS_INGRESS = 1,
+	R_DROP_SPOOF_MAC = 2,
+	R_DROP_SPOOF_IP = 3,
+	R_DROP_ARP = 4,
+	R_DROP_IPV6 = 5,
+	R_DROP_FRAGMENT = 6,
+	R_DROP_DENY_RULE = 7,
+	R_DROP_PRIVATE = 8,
+	R_DROP_DEFAULT = 9,
+	R_DROP_MALFORMED = 10,
+	R_DROP_ETHERTYPE = 11,
+	R_DROP_NO_CONFIG = 12,
+	R_MAX = 13,
+};
+
+// Rule tiers, checked in this order: a deny match drops, an allow match
+// passes, a private (baseline) match drops, otherwise the default action.
+enum tier {
+	T_DENY = 0,
+	T_ALLOW = 1,
+	T_PRIVATE = 2,
+};
+
+enum state_index {
+	S_ACTIVE_GEN = 0,
+	S_DEFAULT_GEN0 = 1, // default action of generation 0: 0 allow, 1 deny
+	S_DEFAULT_GEN1 = 2,
+	S_MAX = 3,
+};
+
+struct pod_config {
+	__u32 pod_ip;       // network byte order
+	__u32 veth_ifindex;
+	__u32 tap_ifindex;
+	__u8 mac[6];
+	__u16 pad;
+};
+
+// LPM key: 64 fixed bits (gen, tier, proto, zero, port, zero) then the
+// destination address; a rule for "any port" has port 0 and a rule for "any
+// protocol" has proto 0.
+struct rule_key {
+	__u32 prefixlen;
+	__u8 gen;
+	__u8 tier;
+	__u8 proto;
+	__u8 zero;
+	__u16 port;         // network byte order
+	__u16 zero2;
+	__u32 addr;         // network byte order
+};
+
+struct counter {
+	__u64 packets;
+	__u64 bytes;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct pod_config);
+} config SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, S_MAX);
+	__type(key, __u32);
+	__type(value, __u32);
+} state SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct rule_key);
+	__type(value, __u32);
+} rules SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, R_MAX);
+	__type(key, __u32);
+	__type(value, struct counter);
+} counters SEC(".maps");
+
+#define IP_MF 0x2000
+#define IP_OFFSET 0x1fff
+// Ethernet + the longest IPv4 header + the first 4 bytes of TCP/UDP.
+#define HEADERS_MAX (ETH_HLEN + 60 + 4)
+
+static __always_inline int count(struct __sk_buff *skb, __u32 reason)
+{
+	struct counter *c = bpf_map_lookup_elem(&counters, &reason);
+	if (c) {
+		c->packets += 1;
+		c->bytes += skb->len;
+	}
+	return reason;
+}
+
+static __always_inline int drop(struct __sk_buff *skb, __u32 reason)
+{
+	count(skb, reason);
+	return TC_ACT_SHOT;
+}
+
+static __always_inline int match(__u8 gen, __u8 tier, __u8 proto, __u16 port, __u32 addr)
+{
+	struct rule_key key = {
+		.prefixlen = 96,
+		.gen = gen,
+		.tier = tier,
+		.proto = proto,
+		.port = port,
+		.addr = addr,
+	};
+	if (bpf_map_lookup_elem(&rules, &key))
+		return 1;
+	key.port = 0;
+	if (bpf_map_lookup_elem(&rules, &key))
+		return 1;
+	key.proto = 0;
+	return bpf_map_lookup_elem(&rules, &key) != NULL;
+}
+
+static __always_inline int same_mac(const __u8 *a, const __u8 *b)
+{
+	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] &&
+	       a[3] == b[3] && a[4] == b[4] && a[5] == b[5];
+}
+
+#define ARPHRD_ETHER 1
+
+// An Ethernet/IPv4 ARP packet (linux/if_arp.h pulls in libc headers).
+struct arp_ipv4 {
+	__be16 ar_hrd;
+	__be16 ar_pro;
+	__u8 ar_hln;
+	__u8 ar_pln;
+	__be16 ar_op;
+	__u8 sha[ETH_ALEN];
+	__u8 spa[4];
+	__u8 tha[ETH_ALEN];
+	__u8 tpa[4];
+} __attribute__((packed));
+
+SEC("classifier")
+int tap_ingress(struct __sk_buff *skb)
+{
+	__u32 zero = 0;
+	struct pod_config *cfg = bpf_map_lookup_elem(&config, &zero);
+	if (!cfg)
+		return drop(skb, R_DROP_NO_CONFIG);
+
+	// The stack moves an 802.1Q tag out of the frame before tc sees it.
+	if (skb->vlan_present)
+		return drop(skb, R_DROP_ETHERTYPE);
+	if ((void *)(long)skb->data + HEADERS_MAX > (void *)(long)skb->data_end)
+		bpf_skb_pull_data(skb, skb->len < HEADERS_MAX ? skb->len : HEADERS_MAX);
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+
+	struct ethhdr *eth = data;
+	if ((void *)(eth + 1) > end)
+		return drop(skb, R_DROP_MALFORMED);
+	if (!same_mac(eth->h_source, cfg->mac))
+		return drop(skb, R_DROP_SPOOF_MAC);
+
+	if (eth->h_proto == bpf_htons(ETH_P_ARP)) {
+		struct arp_ipv4 *arp = (void *)(eth + 1);
+		if ((void *)(arp + 1) > end)
+			return drop(skb, R_DROP_MALFORMED);
+		if (arp->ar_hrd != bpf_htons(ARPHRD_ETHER) ||
+		    arp->ar_pro != bpf_htons(ETH_P_IP) ||
+		    arp->ar_hln != ETH_ALEN || arp->ar_pln != 4)
+			return drop(skb, R_DROP_ARP);
+		__u32 spa;
+		__builtin_memcpy(&spa, arp->spa, 4);
+		if (spa != cfg->pod_ip || !same_mac(arp->sha, cfg->mac))
+			return drop(skb, R_DROP_ARP);
+		count(skb, R_PASS_EGRESS);
+		return bpf_redirect(cfg->veth_ifindex, 0);
+	}
+	if (eth->h_proto == bpf_htons(ETH_P_IPV6))
+		return drop(skb, R_DROP_IPV6);
+	if (eth->h_proto != bpf_htons(ETH_P_IP))
+		return drop(skb, R_DROP_ETHERTYPE);
+
+	struct iphdr *ip = (void *)(eth + 1);
+	if ((void *)(ip + 1) > end)
+		return drop(skb, R_DROP_MALFORMED);
+	if (ip->version != 4 || ip->ihl < 5)
+		return drop(skb, R_DROP_MALFORMED);
+	if (ip->saddr != cfg->pod_ip)
+		return drop(skb, R_DROP_SPOOF_IP);
+	if (ip->frag_off & bpf_htons(IP_MF | IP_OFFSET))
+		return drop(skb, R_DROP_FRAGMENT);
+
+	__u8 proto = ip->protocol;
+	__u16 port = 0;
+	if (proto == IPPROTO_TCP || proto == IPPROTO_UDP) {
+		__u16 *l4 = (void *)ip + ip->ihl * 4;
+		if ((void *)(l4 + 2) > end)
+			return drop(skb, R_DROP_MALFORMED);
+		port = l4[1];
+	}
+
+	__u32 gen_index = S_ACTIVE_GEN;
+	__u32 *gen_p = bpf_map_lookup_elem(&state, &gen_index);
+	if (!gen_p)
+		return drop(skb, R_DROP_NO_CONFIG);
+	__u8 gen = *gen_p & 1;
+	__u32 daddr = ip->daddr;
+
+	if (match(gen, T_DENY, proto, port, daddr))
+		return drop(skb, R_DROP_DENY_RULE);
+	if (!match(gen, T_ALLOW, proto, port, daddr)) {
+		if (match(gen, T_PRIVATE, proto, port, daddr))
+			return drop(skb, R_DROP_PRIVATE);
+		__u32 default_index = gen ? S_DEFAULT_GEN1 : S_DEFAULT_GEN0;
+		__u32 *deny_by_default = bpf_map_lookup_elem(&state, &default_index);
+		if (!deny_by_default || *deny_by_default)
+			return drop(skb, R_DROP_DEFAULT);
+	}
+	count(skb, R_PASS_EGRESS);
+	return bpf_redirect(cfg->veth_ifindex, 0);
+}
+
+SEC("classifier")
+int veth_ingress(struct __sk_buff *skb)
+{
+	__u32 zero = 0;
+	struct pod_config *cfg = bpf_map_lookup_elem(&config, &zero);
+	if (!cfg)
+		return drop(skb, R_DROP_NO_CONFIG);
+	count(skb, R_PASS_INGRESS);
+	return bpf_redirect(cfg->tap_ifindex, 0);
+}

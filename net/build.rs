@@ -1,0 +1,20 @@
+//! Compiles `bpf/pod.c` into `$OUT_DIR/pod.o`, which the crate embeds.
+
+#[path = "build/compile.rs"]
+mod compile;
+
+use std::path::PathBuf;
+
+fn main() {
+    let clang =
+        std::env::var_os("TWIG_NET_CLANG").map_or_else(|| PathBuf::from("clang"), PathBuf::from);
+    let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+    println!("cargo:rerun-if-env-changed=TWIG_NET_CLANG");
+    println!("cargo:rerun-if-changed=bpf/pod.c");
+    println!("cargo:rerun-if-changed=build/compile.rs");
+    if let Err(message) = compile::compile_bpf(&clang, "bpf/pod.c".as_ref(), &out_dir.join("pod.o"))
+    {
+        eprintln!("{message}");
+        panic!("{message}");
+    }
+}

@@ -1,0 +1,72 @@
+//! `twig-net`: a pod's network path and egress policy, in eBPF.
+//!
+//! Two tc programs (written in C in `bpf/pod.c`, compiled by `build.rs` with
+//! clang and embedded here) join a pod's veth and its VM's tap by
+//! `bpf_redirect`, with no Linux bridge. Frames from the guest are checked on
+//! the way out: the source MAC and IP must be the pod's own, ARP must speak for
+//! the pod's own address, IPv6, IPv4 fragments and other ethertypes are
+//! dropped, and the destination is matched against the pod's [`EgressPolicy`]
+//! held in an LPM trie. Everything is counted per reason.
+//!
+//! [`PodNetwork::attach`] loads one instance of the programs and maps per pod,
+//! attaches them as TCX links in the pod's network namespace and pins links
+//! and maps under a bpffs directory, so the path and its policy outlive the
+//! process that set them up; [`PodNetwork::open`] finds them again.
+
+mod bpffs;
+mod error;
+mod maps;
+mod metrics;
+mod netns;
+mod pod;
+mod policy;
+mod support;
+
+pub use bpffs::ensure_bpffs;
+pub use error::Error;
+pub use maps::RULE_CAPACITY;
+pub use metrics::{render_openmetrics, Counter, Counters, PodCounters, Reason};
+pub use pod::{PodNetConfig, PodNetwork};
+pub use policy::{
+    Action, CompiledPolicy, EgressPolicy, EgressRule, NodeContext, PolicyError, PortRange,
+    Protocol, ALWAYS_DENIED, MAX_PORTS_PER_RULE, PRIVATE_BY_DEFAULT,
+};
+pub use support::check_support;
+
+/// The compiled eBPF object (`bpf/pod.c`).
+pub(crate) static POD_OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/pod.o"));
+
+#[cfg(test)]
+#[path = "../build/compile.rs"]
+mod compile;
+
+#[cfg(test)]
+mod build_tests {
+    #[test]
+    fn a_missing_clang_fails_the_build_with_what_to_install() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let err = super::compile::compile_bpf(
+            "/nonexistent/clang".as_ref(),
+            "bpf/pod.c".as_ref(),
+            &dir.path().join("pod.o"),
+        )
+        .expect_err("no clang there");
+        assert!(err.contains("cannot run `/nonexistent/clang`"), "{err}");
+        assert!(err.contains("install clang, llvm and libbpf-dev"), "{err}");
+    }
+
+    #[test]
+    fn a_broken_program_fails_the_build_with_clangs_diagnostics() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let source = dir.path().join("broken.c");
+        std::fs::write(&source, "int f(void) { return undeclared; }\n").expect("write");
+        let err =
+            super::compile::compile_bpf("clang".as_ref(), &source, &dir.path().join("broken.o"))
+                .expect_err("does not compile");
+        assert!(
+            err.contains("failed to compile") && err.contains("undeclared"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,113 @@
+//! Rust mirrors of the map keys and values of `bpf/pod.c` (same layout, same
+//! constants) and the names the maps and links are pinned under.
+
+use std::net::Ipv4Addr;
+
+/// Name of the program attached to the tap's ingress (frames from the guest).
+pub(crate) const PROG_TAP: &str = "tap_ingress";
+/// Name of the program attached to the veth's ingress (frames to the guest).
+pub(crate) const PROG_VETH: &str = "veth_ingress";
+
+/// Map names, also the names of their pins in the pod's bpffs directory.
+pub(crate) const MAP_CONFIG: &str = "config";
+pub(crate) const MAP_STATE: &str = "state";
+pub(crate) const MAP_RULES: &str = "rules";
+pub(crate) const MAP_COUNTERS: &str = "counters";
+/// Pins of the TCX links that keep the programs attached.
+pub(crate) const LINK_TAP: &str = "link_tap";
+pub(crate) const LINK_VETH: &str = "link_veth";
+/// Every pin of a pod's directory.
+pub(crate) const ALL_PINS: [&str; 6] = [
+    LINK_TAP,
+    LINK_VETH,
+    MAP_CONFIG,
+    MAP_STATE,
+    MAP_RULES,
+    MAP_COUNTERS,
+];
+
+/// Capacity of the `rules` LPM trie (`max_entries` in `bpf/pod.c`), shared
+/// by both generations during an update.
+pub const RULE_CAPACITY: usize = 65_536;
+
+/// Index of the active generation in `state`.
+pub(crate) const STATE_ACTIVE_GEN: u32 = 0;
+/// Index of the default action of generation `gen` in `state` (0 allow, 1 deny).
+pub(crate) fn state_default_index(gen: u8) -> u32 {
+    1 + u32::from(gen & 1)
+}
+
+/// `struct pod_config`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct PodConfig {
+    pub pod_ip: [u8; 4],
+    pub veth_ifindex: u32,
+    pub tap_ifindex: u32,
+    pub mac: [u8; 6],
+    pub pad: u16,
+}
+
+// SAFETY: `PodConfig` is `repr(C)`, made only of integers and byte arrays,
+// with no implicit padding (4 + 4 + 4 + 6 + 2 bytes), so every bit pattern is
+// a valid value and it can be copied to and from the kernel as bytes.
+unsafe impl aya::Pod for PodConfig {}
+
+/// The tiers of `enum tier`: the order in which rules are checked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Tier {
+    Deny = 0,
+    Allow = 1,
+    Private = 2,
+}
+
+/// Bits of the `rule_key` data before the destination address.
+pub(crate) const KEY_FIXED_BITS: u32 = 64;
+
+/// The data part of `struct rule_key` (aya's `lpm_trie::Key` adds the prefix
+/// length in front).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct RuleKey {
+    pub gen: u8,
+    pub tier: u8,
+    pub proto: u8,
+    pub zero: u8,
+    /// Network byte order.
+    pub port: [u8; 2],
+    pub zero2: u16,
+    /// Network byte order.
+    pub addr: [u8; 4],
+}
+
+// SAFETY: `RuleKey` is `repr(C)` with only integer and byte-array fields and
+// no implicit padding (1 + 1 + 1 + 1 + 2 + 2 + 4 bytes); any bit pattern is
+// valid.
+unsafe impl aya::Pod for RuleKey {}
+
+impl RuleKey {
+    /// A key for generation `gen` of one compiled rule entry.
+    pub fn new(gen: u8, tier: Tier, proto: u8, port: u16, addr: Ipv4Addr) -> Self {
+        Self {
+            gen: gen & 1,
+            tier: tier as u8,
+            proto,
+            zero: 0,
+            port: port.to_be_bytes(),
+            zero2: 0,
+            addr: addr.octets(),
+        }
+    }
+}
+
+/// `struct counter`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct RawCounter {
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+// SAFETY: two `u64`s, `repr(C)`, no padding; any bit pattern is valid.
+unsafe impl aya::Pod for RawCounter {}

@@ -1,0 +1,424 @@
+//! The pod network path on the host: real namespaces, veth, tap and TCX
+//! programs. Every escape from the guest side is dropped and counted; allowed
+//! traffic passes both ways. Needs root.
+
+mod common;
+
+use std::net::Ipv4Addr;
+use std::time::Instant;
+
+use common::*;
+use twig_net::{
+    Action, EgressPolicy, EgressRule, Error, NodeContext, PodNetwork, PortRange, Protocol, Reason,
+};
+
+const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
+const CLUSTER_DNS: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+const DENIED_POD: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 3);
+
+fn node() -> NodeContext {
+    NodeContext {
+        node_addrs: vec![NODE_IP],
+        cluster_dns: vec![CLUSTER_DNS],
+    }
+}
+
+fn policy() -> EgressPolicy {
+    EgressPolicy {
+        default_action: Action::Allow,
+        allow: vec![],
+        deny: vec![
+            EgressRule::cidr(&format!("{DENIED_POD}/32")),
+            EgressRule {
+                cidr: "203.0.113.0/24".into(),
+                protocol: Some(Protocol::Tcp),
+                ports: vec![PortRange {
+                    port: 22,
+                    end_port: None,
+                }],
+            },
+        ],
+    }
+}
+
+/// Polls the counter of `reason` until it reaches `want` (or the deadline).
+fn wait_count(pod: &PodNetwork, reason: Reason, want: u64) {
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        let got = pod.counters().expect("counters").get(reason).packets;
+        if got == want {
+            return;
+        }
+        assert!(got < want, "{reason:?}: counted {got}, expected {want}");
+        assert!(
+            Instant::now() < deadline,
+            "{reason:?}: counted {got}, expected {want}"
+        );
+        std::thread::yield_now();
+    }
+}
+
+/// Sends `bad` as the guest, then an allowed marker; asserts the marker gets
+/// out, `bad` does not, and exactly one more frame is counted under `reason`.
+fn assert_dropped(bed: &mut Bed, pod: &PodNetwork, name: &str, bad: &[u8], reason: Reason) {
+    let before = pod.counters().expect("counters").get(reason).packets;
+    bed.guest_send(bad);
+    wait_count(pod, reason, before + 1);
+    let marker = format!("marker after {name}");
+    bed.guest_send(&guest_udp(PEER_IP, 9999, marker.as_bytes()));
+    let leaked = bed.outside_recv_until(marker.as_bytes());
+    assert!(
+        !leaked.iter().any(|f| contains(f, name.as_bytes())),
+        "{name} leaked out of the pod"
+    );
+}
+
+/// Sends `good` as the guest and waits for it at the peer.
+fn assert_passes(bed: &mut Bed, good: &[u8], marker: &str) {
+    bed.guest_send(good);
+    bed.outside_recv_until(marker.as_bytes());
+}
+
+#[test]
+fn every_escape_from_the_guest_is_dropped_and_counted() {
+    twig_net::check_support().expect("this kernel runs twig-net");
+    let mut bed = Bed::new("esc");
+    let (pod, mac) =
+        PodNetwork::attach(&bed.bpffs.pod_dir("esc"), &bed.config(), &policy(), &node())
+            .expect("attach");
+    assert_eq!(mac, POD_MAC, "the guest gets the veth's MAC");
+
+    let cases: Vec<(&str, Vec<u8>, Reason)> = vec![
+        (
+            "metadata",
+            guest_udp(Ipv4Addr::new(169, 254, 169, 254), 80, b"metadata"),
+            Reason::DenyRule,
+        ),
+        (
+            "node-ip",
+            guest_udp(NODE_IP, 10250, b"node-ip"),
+            Reason::Private,
+        ),
+        (
+            "denied-pod",
+            guest_udp(DENIED_POD, 8080, b"denied-pod"),
+            Reason::DenyRule,
+        ),
+        (
+            "private-pod",
+            guest_udp(Ipv4Addr::new(10, 1, 2, 3), 8080, b"private-pod"),
+            Reason::Private,
+        ),
+        (
+            "ssh-port",
+            ether(
+                PEER_MAC,
+                POD_MAC,
+                0x0800,
+                &ipv4(
+                    POD_IP,
+                    Ipv4Addr::new(203, 0, 113, 9),
+                    6,
+                    0,
+                    &l4(1, 22, b"ssh-port"),
+                ),
+            ),
+            Reason::DenyRule,
+        ),
+        (
+            "spoofed-ip",
+            ether(
+                PEER_MAC,
+                POD_MAC,
+                0x0800,
+                &ipv4(
+                    Ipv4Addr::new(198, 51, 100, 99),
+                    PEER_IP,
+                    17,
+                    0,
+                    &l4(1, 9999, b"spoofed-ip"),
+                ),
+            ),
+            Reason::SpoofedIp,
+        ),
+        (
+            "spoofed-mac",
+            ether(
+                PEER_MAC,
+                [2, 0, 0, 0, 0, 0x99],
+                0x0800,
+                &ipv4(POD_IP, PEER_IP, 17, 0, &l4(1, 9999, b"spoofed-mac")),
+            ),
+            Reason::SpoofedMac,
+        ),
+        (
+            "ipv6",
+            ether(
+                PEER_MAC,
+                POD_MAC,
+                0x86dd,
+                b"\x60\0\0\0\0\x08\x11\x40ipv6-frame-ipv6",
+            ),
+            Reason::Ipv6,
+        ),
+        (
+            "first-fragment",
+            ether(
+                PEER_MAC,
+                POD_MAC,
+                0x0800,
+                &ipv4(POD_IP, PEER_IP, 17, 0x2000, &l4(1, 9999, b"first-fragment")),
+            ),
+            Reason::Fragment,
+        ),
+        (
+            "later-fragment",
+            ether(
+                PEER_MAC,
+                POD_MAC,
+                0x0800,
+                &ipv4(
+                    POD_IP,
+                    Ipv4Addr::new(169, 254, 169, 254),
+                    17,
+                    0x0003,
+                    b"later-fragment",
+                ),
+            ),
+            Reason::Fragment,
+        ),
+        (
+            "vlan",
+            ether(PEER_MAC, POD_MAC, 0x8100, b"\0\x05\x08\0vlan-frame"),
+            Reason::Ethertype,
+        ),
+        (
+            "truncated-ip",
+            ether(
+                PEER_MAC,
+                POD_MAC,
+                0x0800,
+                b"\x45\0\0truncated-ip"[..6].as_ref(),
+            ),
+            Reason::Malformed,
+        ),
+    ];
+    for (name, frame, reason) in &cases {
+        assert_dropped(&mut bed, &pod, name, frame, *reason);
+    }
+
+    // ARP speaking for an address or a MAC that is not the pod's.
+    let before = pod.counters().expect("counters").get(Reason::Arp).packets;
+    bed.guest_send(&arp_request(
+        POD_MAC,
+        Ipv4Addr::new(198, 51, 100, 77),
+        PEER_IP,
+    ));
+    bed.guest_send(&arp_request([2, 0, 0, 0, 0, 0x77], POD_IP, PEER_IP));
+    wait_count(&pod, Reason::Arp, before + 2);
+
+    // Allowed: the pod's own ARP, DNS to the cluster resolver (a private
+    // address), a public destination, and UDP to port 22 (only TCP is denied).
+    let passed_before = pod
+        .counters()
+        .expect("counters")
+        .get(Reason::PassEgress)
+        .packets;
+    let own_arp = arp_request(POD_MAC, POD_IP, PEER_IP);
+    bed.guest_send(&own_arp);
+    bed.outside_recv_until(&own_arp[22..]);
+    assert_passes(
+        &mut bed,
+        &guest_udp(CLUSTER_DNS, 53, b"dns-query"),
+        "dns-query",
+    );
+    assert_passes(
+        &mut bed,
+        &guest_udp(Ipv4Addr::new(203, 0, 113, 9), 22, b"udp-22"),
+        "udp-22",
+    );
+    assert_passes(
+        &mut bed,
+        &guest_udp(PEER_IP, 9999, b"public-ok"),
+        "public-ok",
+    );
+    let counters = pod.counters().expect("counters");
+    assert!(counters.get(Reason::PassEgress).packets >= passed_before + 4);
+    assert_eq!(
+        counters.dropped_packets(),
+        cases.len() as u64 + 2,
+        "{counters:?}"
+    );
+    assert!(counters.get(Reason::DenyRule).bytes > 0);
+    pod.detach().expect("detach");
+}
+
+#[test]
+fn frames_from_outside_reach_the_guest() {
+    let mut bed = Bed::new("in");
+    let (pod, _) = PodNetwork::attach(&bed.bpffs.pod_dir("in"), &bed.config(), &policy(), &node())
+        .expect("attach");
+    let frame = ether(
+        POD_MAC,
+        PEER_MAC,
+        0x0800,
+        &ipv4(PEER_IP, POD_IP, 17, 0, &l4(53, 40000, b"reply-to-guest")),
+    );
+    bed.outside_send(&frame);
+    let got = bed.guest_recv_until(|f| contains(f, b"reply-to-guest"));
+    assert_eq!(got, frame, "the guest gets the frame unchanged");
+    wait_count(&pod, Reason::PassIngress, 1);
+    pod.detach().expect("detach");
+}
+
+#[test]
+fn policy_changes_in_place_and_survives_reopening_from_pins() {
+    let mut bed = Bed::new("upd");
+    let dir = bed.bpffs.pod_dir("upd");
+    let deny_all = EgressPolicy {
+        default_action: Action::Deny,
+        allow: vec![EgressRule::cidr(&format!("{PEER_IP}/32"))],
+        deny: vec![],
+    };
+    let (pod, _) = PodNetwork::attach(&dir, &bed.config(), &deny_all, &node()).expect("attach");
+    let public = Ipv4Addr::new(203, 0, 113, 7);
+    assert_dropped(
+        &mut bed,
+        &pod,
+        "default-deny",
+        &guest_udp(public, 443, b"default-deny"),
+        Reason::Default,
+    );
+    // The handle goes away (a shim restart); the path keeps working.
+    drop(pod);
+    assert_dropped(
+        &mut bed,
+        &PodNetwork::open(&dir).expect("reopen"),
+        "still-deny",
+        &guest_udp(public, 443, b"still-deny"),
+        Reason::Default,
+    );
+
+    let mut pod = PodNetwork::open(&dir).expect("reopen");
+    assert_eq!(
+        pod.counters()
+            .expect("counters")
+            .get(Reason::Default)
+            .packets,
+        2,
+        "counters survive"
+    );
+    assert_eq!(pod.mac().expect("mac"), POD_MAC);
+
+    // A malformed update is rejected and the old policy stays.
+    let bad = EgressPolicy {
+        deny: vec![EgressRule::cidr("203.0.113.7/16")],
+        ..Default::default()
+    };
+    match pod.update_policy(&bad, &node()) {
+        Err(Error::Policy(e)) => assert!(e.to_string().contains("deny[0].cidr"), "{e}"),
+        other => panic!("expected a policy error, got {other:?}"),
+    }
+    assert_dropped(
+        &mut bed,
+        &pod,
+        "after-bad",
+        &guest_udp(public, 443, b"after-bad"),
+        Reason::Default,
+    );
+
+    pod.update_policy(&EgressPolicy::default(), &node())
+        .expect("update");
+    assert_passes(
+        &mut bed,
+        &guest_udp(public, 443, b"now-allowed"),
+        "now-allowed",
+    );
+    // Built-in denies hold under the new policy too, and allowing private
+    // ranges does not allow the metadata range.
+    let open = EgressPolicy {
+        allow: vec![
+            EgressRule::cidr("10.0.0.0/8"),
+            EgressRule::cidr("169.254.169.254"),
+        ],
+        ..Default::default()
+    };
+    pod.update_policy(&open, &node()).expect("update");
+    assert_passes(
+        &mut bed,
+        &guest_udp(Ipv4Addr::new(10, 1, 2, 3), 80, b"private-allowed"),
+        "private-allowed",
+    );
+    assert_dropped(
+        &mut bed,
+        &pod,
+        "meta-again",
+        &guest_udp(Ipv4Addr::new(169, 254, 169, 254), 80, b"meta-again"),
+        Reason::DenyRule,
+    );
+    pod.detach().expect("detach");
+}
+
+#[test]
+fn detach_removes_programs_and_pins() {
+    let bed = Bed::new("det");
+    let dir = bed.bpffs.pod_dir("det");
+    let (pod, _) = PodNetwork::attach(&dir, &bed.config(), &policy(), &node()).expect("attach");
+    let attached = |iface: &'static str| {
+        in_ns(&bed.pod_netns(), move || {
+            aya::programs::SchedClassifier::query_tcx(iface, aya::programs::TcAttachType::Ingress)
+                .expect("query tcx")
+                .1
+                .len()
+        })
+    };
+    assert_eq!((attached("tap0"), attached("eth0")), (1, 1));
+    match PodNetwork::attach(&dir, &bed.config(), &policy(), &node()) {
+        Err(Error::AlreadyAttached(d)) => assert_eq!(d, dir),
+        other => panic!("expected AlreadyAttached, got {other:?}"),
+    }
+    pod.detach().expect("detach");
+    assert_eq!((attached("tap0"), attached("eth0")), (0, 0));
+    assert!(!dir.exists(), "pins removed");
+    match PodNetwork::open(&dir) {
+        Err(Error::NotAttached { .. }) => {}
+        other => panic!("expected NotAttached, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_input_is_refused_and_leaves_nothing() {
+    let bed = Bed::new("bad");
+    let dir = bed.bpffs.pod_dir("bad");
+    let mut config = bed.config();
+    config.tap = "nosuchtap".into();
+    match PodNetwork::attach(&dir, &config, &policy(), &node()) {
+        Err(e @ Error::NoInterface { .. }) => {
+            assert!(e.to_string().contains("no interface \"nosuchtap\""), "{e}")
+        }
+        other => panic!("expected NoInterface, got {other:?}"),
+    }
+    assert!(!dir.exists());
+    let bad = EgressPolicy {
+        allow: vec![EgressRule::cidr("fd00::/8")],
+        ..Default::default()
+    };
+    match PodNetwork::attach(&dir, &bed.config(), &bad, &node()) {
+        Err(Error::Policy(e)) => assert!(e.to_string().contains("IPv6"), "{e}"),
+        other => panic!("expected a policy error, got {other:?}"),
+    }
+    assert!(!dir.exists());
+    let mut config = bed.config();
+    config.netns = "/run/netns/twig-net-no-such-ns".into();
+    assert!(matches!(
+        PodNetwork::attach(&dir, &config, &policy(), &node()),
+        Err(Error::Netns { .. })
+    ));
+    let attached = in_ns(&bed.pod_netns(), || {
+        aya::programs::SchedClassifier::query_tcx("tap0", aya::programs::TcAttachType::Ingress)
+            .expect("query")
+            .1
+            .len()
+    });
+    assert_eq!(attached, 0, "nothing attached after failures");
+}
