@@ -111,6 +111,7 @@ pub struct SnapshotSpec {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct SnapshotStatus {
+    /// Lifecycle phase.
     #[serde(default)]
     pub phase: Phase,
     /// Node whose store holds the snapshot.
@@ -126,20 +127,26 @@ pub struct SnapshotStatus {
     /// Node-store ID of the snapshot this one is incremental on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent: Option<String>,
+    /// Size of the snapshot in the node store, in bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub size_bytes: Option<u64>,
+    /// Bytes written by this snapshot (less than the size when incremental).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub written_bytes: Option<u64>,
+    /// Time from start to Ready, in milliseconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub duration_ms: Option<u64>,
     /// When the node started the snapshot.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub start_time: Option<Time>,
+    /// When the snapshot became Ready.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ready_time: Option<Time>,
+    /// `Ready`, `Progressing` and `Failure`, each with a reason.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
+    /// Why the snapshot is in its phase (failures, loss).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
 }
@@ -185,6 +192,7 @@ pub struct CloneSource {
 #[x_kube(validation = Rule::new("self.source == oldSelf.source && self.replicas == oldSelf.replicas").message("source and replicas are immutable; create another Clone"))]
 #[serde(rename_all = "camelCase")]
 pub struct CloneSpec {
+    /// Where the pods come from.
     pub source: CloneSource,
     /// Number of pods, 1 to 100.
     #[schemars(range(min = 1, max = 100))]
@@ -205,6 +213,7 @@ pub struct CloneSpec {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct CloneStatus {
+    /// Lifecycle phase.
     #[serde(default)]
     pub phase: Phase,
     /// The Snapshot the pods are restored from.
@@ -213,11 +222,17 @@ pub struct CloneStatus {
     /// Names of the clone pods.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pods: Vec<String>,
+    /// Number of clone pods that are Ready.
     #[serde(default)]
     pub ready_replicas: i32,
     /// Time from the Clone's creation until all pods were Ready.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub duration_ms: Option<u64>,
+    /// `Ready`, `Progressing` and `Failure`, each with a reason.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+    /// Why the Clone is in its phase.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
 }
@@ -258,14 +273,23 @@ pub struct RollbackSpec {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct RollbackStatus {
+    /// Lifecycle phase.
     #[serde(default)]
     pub phase: Phase,
+    /// When the node started the rollback.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub start_time: Option<Time>,
+    /// Time from start to done, in milliseconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub duration_ms: Option<u64>,
+    /// When the rollback finished (Ready or Failed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub completion_time: Option<Time>,
+    /// `Ready`, `Progressing` and `Failure`, each with a reason.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+    /// Why the Rollback is in its phase.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
 }
@@ -292,10 +316,12 @@ pub struct SandboxTemplateSpec {
     /// Container image the template runs.
     #[schemars(length(min = 1))]
     pub image: String,
+    /// Number of vCPUs, 1 to 64.
     #[schemars(range(min = 1, max = 64))]
     pub vcpus: u32,
+    /// Guest RAM in MiB: what twig-vmm accepts, a multiple of 2 from 16 to 3072 (3 GiB).
     #[serde(rename = "memoryMiB")]
-    #[schemars(range(min = 64, max = 262144))]
+    #[schemars(range(min = 16, max = 3072), extend("multipleOf" = 2))]
     pub memory_mib: u32,
     /// Overrides the image's entrypoint.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -309,6 +335,7 @@ pub struct SandboxTemplateSpec {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct SandboxTemplateStatus {
+    /// One entry per node, keyed by node name; each node writes only its own.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["nodeName"]))]
     pub nodes: Vec<TemplateNodeStatus>,
@@ -321,8 +348,11 @@ pub struct SandboxTemplateStatus {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct TemplateNodeStatus {
+    /// The node.
     pub node_name: String,
+    /// Whether the template is built and ready to restore from on this node.
     pub ready: bool,
+    /// Why it is not ready (building, or the error).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
 }

@@ -751,6 +751,8 @@ async fn sandbox_template_lists_ready_nodes_and_is_removed_from_each() {
         .nodes
         .into_iter()
         .map(|n| n.node_name)
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
         .collect();
     assert_eq!(nodes, ["node-a", "node-b"]);
     assert!(fake_a

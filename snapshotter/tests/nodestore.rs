@@ -6,7 +6,7 @@ mod common;
 use common::LoopFs;
 use std::fs;
 use std::io::Write;
-use twig_store::{Artefact, CloneMode, Draft, Error, Kind, NodeStore};
+use twig_store::{Artefact, CloneMode, Error, Kind, Manifest, NodeStore};
 
 fn write_pattern(path: &std::path::Path, mib: usize, byte: u8) {
     let mut f = fs::File::create(path).unwrap();
@@ -66,7 +66,7 @@ fn stage_publish_clone_account_delete() {
     child.put_bytes(Artefact::Memory, &[1u8; 4096]).unwrap();
     let child = child.publish().unwrap();
     assert_eq!(child.parent.as_deref(), Some("tpl-1"));
-    assert_eq!(child.kind, Kind::Full, "no draft, no set_kind");
+    assert_eq!(child.kind, Kind::Incremental, "a parent and no set_kind");
     assert_eq!(
         store
             .list()
@@ -151,34 +151,46 @@ fn crash_leftovers_are_cleaned_but_live_staging_is_not() {
 }
 
 /// What a writer in another process (twig-vmm) leaves in its staging
-/// directory decides what is published: its draft manifest gives the parent
-/// and kind; anything outside the layout is refused and nothing is visible.
+/// directory decides what is published: its manifest gives the parent and
+/// kind and must list what the directory holds; anything outside the layout
+/// is refused and nothing is visible.
 #[test]
-fn a_writers_draft_is_checked_and_foreign_files_are_refused() {
+fn a_writers_manifest_is_checked_and_foreign_files_are_refused() {
     let xfs = LoopFs::xfs(320);
     let store = NodeStore::open(&xfs.path().join("vm"), false).unwrap();
     let mut base = store.stage("base").unwrap();
     base.put_bytes(Artefact::State, b"s").unwrap();
     base.publish().unwrap();
 
-    let draft = |id: &str, parent: Option<&str>, kind| Draft {
-        id: id.into(),
-        parent: parent.map(str::to_string),
-        kind,
-    };
-    // A draft naming another id, or a parent the store lacks, is refused.
-    for (d, why) in [
-        (draft("other", Some("base"), Kind::Incremental), "id"),
-        (draft("c", Some("gone"), Kind::Incremental), "gone"),
-        (draft("c", None, Kind::Incremental), "needs a parent"),
-    ] {
+    // A manifest naming another id, a parent the store lacks, or listing
+    // other files than the directory holds, is refused.
+    type Doctor = fn(&mut Manifest);
+    let cases: [(Doctor, &str); 3] = [
+        (|m| m.id = "other".into(), "names snapshot"),
+        (|m| m.parent = Some("gone".into()), "gone"),
+        (
+            |m| {
+                m.artefacts.insert("disk7".into(), 1);
+            },
+            "but the directory holds",
+        ),
+    ];
+    for (doctor, why) in cases {
         let mut c = store.stage("c").unwrap();
         c.put_bytes(Artefact::Memory, &[1u8; 4096]).unwrap();
-        d.write(c.dir()).unwrap();
+        let mut m = Manifest::of_staging(c.dir(), "c", Some("base"), Kind::Incremental).unwrap();
+        doctor(&mut m);
+        m.write(c.dir()).unwrap();
         let e = c.publish().unwrap_err().to_string();
         assert!(e.contains(why), "{why}: {e}");
         assert!(matches!(store.get("c"), Err(Error::NotFound(_))));
     }
+    let c = store.stage("c").unwrap();
+    assert!(Manifest::of_staging(c.dir(), "c", None, Kind::Incremental)
+        .unwrap_err()
+        .to_string()
+        .contains("needs a parent"));
+    drop(c);
     // A file outside the layout (or a misspelt disk) is refused.
     for name in ["disk.img", "disk01", "notes"] {
         let mut c = store.stage("c").unwrap();
@@ -187,26 +199,35 @@ fn a_writers_draft_is_checked_and_foreign_files_are_refused() {
         let e = c.publish().unwrap_err().to_string();
         assert!(e.contains("is not an artefact"), "{name}: {e}");
     }
-    // The staging and the draft must agree.
+    // The staging and the writer's manifest must agree.
     let mut c = store.stage("c").unwrap();
     c.put_bytes(Artefact::State, b"s").unwrap();
     c.set_kind(Kind::Full);
-    draft("c", Some("base"), Kind::Incremental)
+    Manifest::of_staging(c.dir(), "c", Some("base"), Kind::Incremental)
+        .unwrap()
         .write(c.dir())
         .unwrap();
-    assert!(c.publish().unwrap_err().to_string().contains("disagree"));
-    // A good draft: parent and kind recorded; the parent is then pinned.
+    assert!(c
+        .publish()
+        .unwrap_err()
+        .to_string()
+        .contains("another kind"));
+    // A good one: parent and kind recorded, labels added; the parent is
+    // then pinned.
     let mut c = store.stage("c").unwrap();
     c.put_bytes(Artefact::Memory, &[1u8; 4096]).unwrap();
     c.put_bytes(Artefact::Disk(3), &[2u8; 512]).unwrap();
-    draft("c", Some("base"), Kind::Incremental)
+    Manifest::of_staging(c.dir(), "c", Some("base"), Kind::Incremental)
+        .unwrap()
         .write(c.dir())
         .unwrap();
+    c.set_label("twig.dev/pod", "ns/p");
     let c = c.publish().unwrap();
     assert_eq!(
         (c.parent.as_deref(), c.kind),
         (Some("base"), Kind::Incremental)
     );
+    assert_eq!(c.labels["twig.dev/pod"], "ns/p");
     assert_eq!(
         c.artefacts.keys().copied().collect::<Vec<_>>(),
         [Artefact::Memory, Artefact::Disk(3)]

@@ -91,44 +91,13 @@ pub enum Kind {
     Incremental,
 }
 
-/// What a writer says about the snapshot it staged, in the staging
-/// directory's `manifest.json`: id, parent and kind. A writer that leaves a
-/// draft vouches that, once it reports success, its artefacts, the draft
-/// and the staging directory are durable (fsynced), so publishing does not
-/// sync them again; a store publishes only after its writer reported
-/// success. The store completes it into the final [`Manifest`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Draft {
-    /// The snapshot's id (the staging directory's name).
-    pub id: String,
-    /// The id of the snapshot it was taken on top of.
-    pub parent: Option<String>,
-    /// Full or incremental.
-    pub kind: Kind,
-}
-
-impl Draft {
-    /// The draft's bytes, for writers that make it durable together with
-    /// their artefacts (one journal commit for all).
-    pub fn to_bytes(&self) -> Result<Vec<u8>> {
-        serde_json::to_vec_pretty(self).map_err(|e| Error::Io {
-            context: "encoding a snapshot draft manifest".into(),
-            source: std::io::Error::other(e),
-        })
-    }
-
-    /// Writes the draft into `staging` and fsyncs it and the directory.
-    /// Writers call this after every artefact is written and fsynced.
-    pub fn write(&self, staging: &Path) -> Result<()> {
-        let path = staging.join(MANIFEST);
-        crate::fsops::write_durable(&path, &self.to_bytes()?)
-            .and_then(|()| crate::fsops::sync_path(staging))
-            .map_err(|e| Error::io(format!("writing {}", path.display()), e))
-    }
-}
-
-/// A published snapshot's `manifest.json`.
+/// A snapshot's `manifest.json`. A writer in another process (twig-vmm)
+/// writes it into its staging directory together with its artefacts
+/// ([`Manifest::of_staging`]): a writer that does vouches that, once it
+/// reports success, the artefacts, the manifest and the directory are
+/// durable, so the store does not sync them again (a store publishes only
+/// after its writer reported success). The store checks it when publishing
+/// and adds its labels.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Manifest {
@@ -144,6 +113,77 @@ pub struct Manifest {
     pub labels: BTreeMap<String, String>,
     /// Every artefact's file name and size in bytes.
     pub artefacts: BTreeMap<String, u64>,
+}
+
+impl Manifest {
+    /// The manifest of what `staging` holds now: every artefact and its
+    /// size, created now, no labels. Refuses anything in it outside the
+    /// layout (the manifest itself aside) and a staging without artefacts.
+    pub fn of_staging(
+        staging: &Path,
+        id: &str,
+        parent: Option<&str>,
+        kind: Kind,
+    ) -> Result<Manifest> {
+        validate_id(id)?;
+        if (kind == Kind::Incremental) != parent.is_some() {
+            return Err(Error::InvalidArgument(format!(
+                "snapshot {id:?}: an incremental snapshot needs a parent, a full one has none"
+            )));
+        }
+        Ok(Manifest {
+            id: id.to_string(),
+            parent: parent.map(str::to_string),
+            kind,
+            created: SystemTime::now(),
+            labels: BTreeMap::new(),
+            artefacts: artefacts_in(staging, id)?,
+        })
+    }
+
+    /// The manifest's bytes.
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        serde_json::to_vec_pretty(self).map_err(|e| Error::Io {
+            context: "encoding a snapshot manifest".into(),
+            source: std::io::Error::other(e),
+        })
+    }
+
+    /// Writes the manifest into `dir` and fsyncs it and the directory.
+    pub fn write(&self, dir: &Path) -> Result<()> {
+        let path = dir.join(MANIFEST);
+        crate::fsops::write_durable(&path, &self.to_bytes()?)
+            .and_then(|()| crate::fsops::sync_path(dir))
+            .map_err(|e| Error::io(format!("writing {}", path.display()), e))
+    }
+}
+
+/// The artefacts in the snapshot directory `dir` of snapshot `id`, by file
+/// name, with their sizes. Anything else there (but the manifest) is
+/// refused, and so is a directory without artefacts.
+pub fn artefacts_in(dir: &Path, id: &str) -> Result<BTreeMap<String, u64>> {
+    let ctx = |e| Error::io(format!("reading {}", dir.display()), e);
+    let mut artefacts = BTreeMap::new();
+    for entry in std::fs::read_dir(dir).map_err(ctx)? {
+        let entry = entry.map_err(ctx)?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name == MANIFEST {
+            continue;
+        }
+        let meta = entry.metadata().map_err(ctx)?;
+        if Artefact::from_file_name(&name).is_none() || !meta.is_file() {
+            return Err(Error::InvalidArgument(format!(
+                "snapshot {id:?}: {name:?} is not an artefact (memory, state, disk<i> files)"
+            )));
+        }
+        artefacts.insert(name, meta.len());
+    }
+    if artefacts.is_empty() {
+        return Err(Error::InvalidArgument(format!(
+            "snapshot {id:?} has no artefacts to publish"
+        )));
+    }
+    Ok(artefacts)
 }
 
 /// Checks a snapshot id: 1–128 of `[A-Za-z0-9._-]`, not starting with `.`.

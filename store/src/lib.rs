@@ -20,5 +20,5 @@ pub mod nodestore;
 
 pub use error::{Error, Result};
 pub use fsops::{CloneMode, Usage};
-pub use layout::{Artefact, Draft, Kind, Manifest};
+pub use layout::{Artefact, Kind, Manifest};
 pub use nodestore::{NodeStore, Staging, VmSnapshot};

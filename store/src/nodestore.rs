@@ -16,7 +16,8 @@ use std::time::SystemTime;
 use crate::error::{ctx, Error, Result};
 use crate::fsops::{self, CloneMode, Usage};
 use crate::layout::{
-    validate_id, Artefact, Draft, Kind, Manifest, LEASE_SUFFIX, MANIFEST, SNAPSHOTS_DIR, TMP_DIR,
+    artefacts_in, validate_id, Artefact, Kind, Manifest, LEASE_SUFFIX, MANIFEST, SNAPSHOTS_DIR,
+    TMP_DIR,
 };
 
 /// A published VM snapshot.
@@ -363,14 +364,15 @@ impl Staging<'_> {
     }
 
     /// Records the snapshot this one is taken on top of (must be published).
-    /// A writer's draft manifest says the same, or publishing is refused.
+    /// A writer's manifest says the same, or publishing is refused.
     pub fn set_parent(&mut self, parent: &str) -> Result<()> {
         self.store.get(parent)?;
         self.parent = Some(parent.to_string());
         Ok(())
     }
 
-    /// Records full or incremental (full unless set or drafted).
+    /// Records full or incremental (otherwise: the writer's manifest says,
+    /// or incremental with a parent and full without).
     pub fn set_kind(&mut self, kind: Kind) {
         self.kind = Some(kind);
     }
@@ -380,115 +382,95 @@ impl Staging<'_> {
         self.labels.insert(key.to_string(), value.to_string());
     }
 
-    /// The writer's draft manifest merged with what was set here, and
-    /// whether there was a draft (the writer synced its files).
-    fn lineage(&self) -> Result<(Option<String>, Kind, bool)> {
+    /// The writer's manifest, if it left one, checked against the
+    /// directory and what was set here.
+    fn writers_manifest(&self) -> Result<Option<Manifest>> {
         let path = self.dir.join(MANIFEST);
-        let draft: Option<Draft> = match fs::read(&path) {
-            Ok(b) => Some(serde_json::from_slice(&b).map_err(|e| {
+        let m: Manifest = match fs::read(&path) {
+            Ok(b) => serde_json::from_slice(&b).map_err(|e| {
                 Error::InvalidArgument(format!(
-                    "the writer's draft manifest {} is malformed: {e}",
+                    "the writer's manifest {} is malformed: {e}",
                     path.display()
                 ))
-            })?),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            })?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(Error::io(format!("reading {}", path.display()), e)),
         };
-        let Some(d) = draft else {
-            return Ok((self.parent.clone(), self.kind.unwrap_or_default(), false));
-        };
-        let disagree = |what: &str| {
+        let bad = |what: &str| {
             Error::InvalidArgument(format!(
-                "VM snapshot {:?}: the writer's draft manifest and the staging disagree on the {what}",
+                "VM snapshot {:?}: the writer's manifest {what}",
                 self.id
             ))
         };
-        if d.id != self.id {
-            return Err(disagree("id"));
+        if m.id != self.id {
+            return Err(bad(&format!("names snapshot {:?}", m.id)));
         }
-        if self.parent.is_some() && self.parent != d.parent {
-            return Err(disagree("parent"));
+        if self.parent.is_some() && self.parent != m.parent {
+            return Err(bad("names another parent than was set"));
         }
-        if self.kind.is_some_and(|k| k != d.kind) {
-            return Err(disagree("kind"));
+        if self.kind.is_some_and(|k| k != m.kind) {
+            return Err(bad("gives another kind than was set"));
         }
-        if (d.kind == Kind::Incremental) != d.parent.is_some() {
-            return Err(Error::InvalidArgument(format!(
-                "VM snapshot {:?}: an incremental snapshot needs a parent, a full one has none",
-                self.id
+        if (m.kind == Kind::Incremental) != m.parent.is_some() {
+            return Err(bad(
+                "is inconsistent: an incremental snapshot needs a parent, a full one has none",
+            ));
+        }
+        let found = artefacts_in(&self.dir, &self.id)?;
+        if found != m.artefacts {
+            return Err(bad(&format!(
+                "lists {:?} but the directory holds {found:?}",
+                m.artefacts
             )));
         }
-        Ok((d.parent, d.kind, true))
+        Ok(Some(m))
     }
 
-    /// The artefacts in the staging directory with their sizes, fsynced
-    /// unless the writer did. Anything else there (but the manifest) is
-    /// refused.
-    fn artefacts(&self, sync: bool) -> Result<BTreeMap<String, u64>> {
-        let mut artefacts = BTreeMap::new();
-        let entries =
-            fs::read_dir(&self.dir).map_err(ctx(format!("reading {}", self.dir.display())))?;
-        for entry in entries {
-            let entry = entry.map_err(ctx(format!("reading {}", self.dir.display())))?;
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if name == MANIFEST {
-                continue;
+    /// The manifest to publish, durable in the staging directory: the
+    /// writer's (rewritten only to add labels) or, without one, made here
+    /// after syncing every artefact.
+    fn final_manifest(&self) -> Result<Manifest> {
+        if let Some(mut m) = self.writers_manifest()? {
+            if !self.labels.is_empty() {
+                m.labels.extend(self.labels.clone());
+                let path = self.dir.join(MANIFEST);
+                // In place: the directory entry is already durable.
+                fsops::write_durable(&path, &m.to_bytes()?)
+                    .map_err(ctx(format!("writing {}", path.display())))?;
             }
-            let path = entry.path();
-            let meta = fs::symlink_metadata(&path)
-                .map_err(ctx(format!("inspecting {}", path.display())))?;
-            if Artefact::from_file_name(&name).is_none() || !meta.is_file() {
-                return Err(Error::InvalidArgument(format!(
-                    "VM snapshot {:?}: {name:?} is not an artefact (memory, state, disk<i> files)",
-                    self.id
-                )));
-            }
-            if sync {
-                fsops::sync_path(&path).map_err(ctx(format!("syncing {}", path.display())))?;
-            }
-            artefacts.insert(name, meta.len());
+            return Ok(m);
         }
-        if artefacts.is_empty() {
-            return Err(Error::InvalidArgument(format!(
-                "VM snapshot {:?} has no artefacts to publish",
-                self.id
-            )));
+        let mut m = Manifest::of_staging(
+            &self.dir,
+            &self.id,
+            self.parent.as_deref(),
+            self.kind.unwrap_or(match self.parent {
+                Some(_) => Kind::Incremental,
+                None => Kind::Full,
+            }),
+        )?;
+        for name in m.artefacts.keys() {
+            let p = self.dir.join(name);
+            fsops::sync_path(&p).map_err(ctx(format!("syncing {}", p.display())))?;
         }
-        Ok(artefacts)
+        m.labels = self.labels.clone();
+        m.write(&self.dir)?;
+        Ok(m)
     }
 
-    /// Makes every artefact and the manifest durable (the artefacts and the
-    /// directory only if no writer's draft says it did), then atomically
-    /// renames the staging directory into place. Fails with `AlreadyExists`
-    /// if the id was published meanwhile, `NotFound` if the parent is gone;
-    /// nothing is visible before this returns Ok. The new name itself is
-    /// made durable by a background fsync of `snapshots/` (as a rename is
-    /// atomic, a power cut in the next moments can lose the name but never
-    /// expose a partial snapshot).
+    /// Makes the snapshot durable in its staging directory (see
+    /// [`Manifest`]: what a writer's manifest vouches for is not synced
+    /// again), then atomically renames the directory into place. Fails with
+    /// `AlreadyExists` if the id was published meanwhile, `NotFound` if the
+    /// parent is gone, `InvalidArgument` if the directory or the writer's
+    /// manifest break the layout; nothing is visible before this returns
+    /// Ok. The new name itself is made durable by a background fsync of
+    /// `snapshots/` (a rename is atomic: a power cut in the next moments can
+    /// lose the name but never expose a partial snapshot).
     pub fn publish(mut self) -> Result<VmSnapshot> {
-        let (parent, kind, drafted) = self.lineage()?;
-        let artefacts = self.artefacts(!drafted)?;
-        let manifest = Manifest {
-            id: self.id.clone(),
-            parent: parent.clone(),
-            kind,
-            created: SystemTime::now(),
-            labels: self.labels.clone(),
-            artefacts,
-        };
-        let bytes = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Io {
-            context: "encoding a VM snapshot manifest".into(),
-            source: std::io::Error::other(e),
-        })?;
-        let mpath = self.dir.join(MANIFEST);
-        // Over a draft, in place: the directory entry is already durable.
-        fsops::write_durable(&mpath, &bytes)
-            .map_err(ctx(format!("writing {}", mpath.display())))?;
-        if !drafted {
-            fsops::sync_path(&self.dir).map_err(ctx(format!("syncing {}", self.dir.display())))?;
-        }
+        let manifest = self.final_manifest()?;
         let guard = self.store.exclusive()?;
-        if let Some(p) = &parent {
+        if let Some(p) = &manifest.parent {
             // Under the lock: a parent cannot be deleted until its child is in.
             self.store.get(p)?;
         }

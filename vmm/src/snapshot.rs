@@ -24,8 +24,8 @@
 //!
 //! twig-vmm writes a snapshot into a staging directory the node store hands
 //! out (`<store>/tmp/<lease>/<id>`, named by the snapshot's id): the files
-//! above, fsynced, then the store's draft `manifest.json` (id, parent, kind)
-//! as its last act. Publishing (the final manifest, the atomic no-replace
+//! above and the store's `manifest.json` (id, parent, kind, artefacts),
+//! fsynced together with the directory. Publishing (checks, labels, the atomic no-replace
 //! rename into `<store>/snapshots/<id>`) is the store's job, so a writer
 //! killed at any point leaves nothing published.
 
@@ -424,7 +424,8 @@ fn start_writeback(f: &File) {
 /// a failed snapshot leaves an empty staging directory.
 pub struct Staged {
     dir: PathBuf,
-    draft: twig_store::Draft,
+    /// Id, parent id and kind, for the store's manifest.
+    lineage: (String, Option<String>, twig_store::Kind),
     memory: File,
     state: File,
     disks: Vec<File>,
@@ -482,14 +483,14 @@ pub fn stage(
     disks: &[(usize, &File)],
 ) -> Result<Staged> {
     let meta = &state.meta;
-    let draft = twig_store::Draft {
-        id: meta.id.clone(),
-        parent: meta.parent.as_ref().map(|p| p.id.clone()),
-        kind: match meta.kind {
+    let lineage = (
+        meta.id.clone(),
+        meta.parent.as_ref().map(|p| p.id.clone()),
+        match meta.kind {
             Kind::Full => twig_store::Kind::Full,
             Kind::Incremental => twig_store::Kind::Incremental,
         },
-    };
+    );
     let mut written = Written::default();
     let memory = written.create(dir, &Artefact::Memory.file_name())?;
     state.meta.memory_crc = write_memory(&memory)?;
@@ -505,7 +506,7 @@ pub fn stage(
         .map_err(io_err(dir, "cannot write the state file"))?;
     Ok(Staged {
         dir: dir.to_path_buf(),
-        draft,
+        lineage,
         memory,
         state: f,
         disks: copies,
@@ -546,24 +547,24 @@ impl Staged {
     }
 
     /// Makes the snapshot durable and ready for the store to publish: the
-    /// draft manifest is written last, then writeback of every file is
+    /// store's manifest is written last, then writeback of every file is
     /// started together and waited for (one journal commit covers them on a
     /// journaling filesystem), then the directory is synced. Returns the
     /// memory file.
     pub fn commit(mut self) -> Result<File> {
         let dir = self.dir.clone();
-        let mut draft = self.written.create(&dir, twig_store::layout::MANIFEST)?;
-        let bytes = self
-            .draft
-            .to_bytes()
+        let (id, parent, kind) = &self.lineage;
+        let bytes = twig_store::Manifest::of_staging(&dir, id, parent.as_deref(), *kind)
+            .and_then(|m| m.to_bytes())
             .map_err(|e| Error::snapshot(&dir, e.to_string()))?;
-        draft
+        let mut manifest = self.written.create(&dir, twig_store::layout::MANIFEST)?;
+        manifest
             .write_all(&bytes)
-            .map_err(io_err(&dir, "cannot write the draft manifest"))?;
+            .map_err(io_err(&dir, "cannot write the manifest"))?;
         start_writeback(&self.memory);
         start_writeback(&self.state);
         self.disks.iter().for_each(start_writeback);
-        start_writeback(&draft);
+        start_writeback(&manifest);
         self.memory
             .sync_all()
             .map_err(io_err(&dir, "cannot fsync the memory file"))?;
@@ -574,9 +575,9 @@ impl Staged {
             d.sync_all()
                 .map_err(io_err(&dir, "cannot fsync a disk copy"))?;
         }
-        draft
+        manifest
             .sync_all()
-            .map_err(io_err(&dir, "cannot fsync the draft manifest"))?;
+            .map_err(io_err(&dir, "cannot fsync the manifest"))?;
         File::open(&dir)
             .and_then(|d| d.sync_all())
             .map_err(io_err(&dir, "cannot fsync the staging directory"))?;
@@ -587,24 +588,32 @@ impl Staged {
     }
 }
 
-/// Writes all of guest RAM into `file`; returns its CRC32.
+/// Writes all of guest RAM into `file`; returns its CRC32. The VM must be
+/// paused for the file to hold one moment's memory.
 pub fn write_full_memory(ram: &GuestRam, file: &File) -> Result<u32> {
-    let data = ram.pages_slice(0, ram.pages())?;
-    (&*file)
-        .write_all(data)
-        .map_err(|e| Error::io("writing guest memory to the snapshot", e))?;
-    Ok(crc32fast::hash(data))
+    write_pages(ram, &[(0, ram.pages())], file)
 }
 
 /// Writes the pages of `set` into `file` at their own offsets (a sparse file
-/// of RAM size); returns the CRC32 of those pages in page order.
+/// of RAM size); returns the CRC32 of those pages in page order. The VM must
+/// be paused for the file to hold one moment's memory.
 pub fn write_layer_memory(ram: &GuestRam, set: &PageSet, file: &File) -> Result<u32> {
     file.set_len(ram.size() as u64)
         .map_err(|e| Error::io("sizing the snapshot memory file", e))?;
+    write_pages(ram, &set.runs(), file)
+}
+
+/// Copies the page runs `(first, count)` of guest RAM out (in chunks, see
+/// [`GuestRam::copy_out`]) into `file` at their own offsets; returns the
+/// CRC32 of what it wrote, in order.
+fn write_pages(ram: &GuestRam, runs: &[(usize, usize)], file: &File) -> Result<u32> {
     let mut crc = crc32fast::Hasher::new();
-    for (start, n) in set.runs() {
-        ram.write_pages_to(file, start, n)?;
-        crc.update(ram.pages_slice(start, n)?);
+    for &(start, n) in runs {
+        ram.copy_out(start, n, |off, bytes| {
+            crc.update(bytes);
+            std::os::unix::fs::FileExt::write_all_at(file, bytes, off)
+                .map_err(|e| Error::io("writing guest memory to the snapshot", e))
+        })?;
     }
     Ok(crc.finalize())
 }

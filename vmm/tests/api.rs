@@ -497,13 +497,13 @@ fn idle_slow_and_vanishing_clients_block_no_one() {
         writeln!(gone.get_mut(), "{}", serde_json::to_string(&req).unwrap()).unwrap();
     }
     drop(half);
-    // Nobody hears the answer: the writer's draft manifest, complete, says
-    // every artefact is written.
+    // Nobody hears the answer: the writer's manifest, complete, says every
+    // artefact is written.
     let draft = staging.dir().join(twig_store::layout::MANIFEST);
     let deadline = Instant::now() + T;
     while std::fs::read(&draft)
         .ok()
-        .and_then(|b| serde_json::from_slice::<twig_store::Draft>(&b).ok())
+        .and_then(|b| serde_json::from_slice::<twig_store::Manifest>(&b).ok())
         .is_none()
     {
         assert!(Instant::now() < deadline, "the snapshot never completed");
@@ -537,8 +537,8 @@ fn idle_slow_and_vanishing_clients_block_no_one() {
 
     // Idle connections are closed after --idle-timeout-s; a client whose
     // connection was closed connects again by itself on its next call.
-    // (The server frees the slots of the connections just dropped a moment
-    // later.)
+    // (The slots of the connections just dropped free up when their server
+    // threads notice.)
     let deadline = Instant::now() + T;
     let mut c = loop {
         match Client::connect(&a.sock, T) {
@@ -546,7 +546,7 @@ fn idle_slow_and_vanishing_clients_block_no_one() {
             Err(e) if e.kind() == Some(ErrorKind::Busy) && Instant::now() < deadline => {
                 std::thread::yield_now()
             }
-            Err(e) => panic!("reconnecting: {e}"),
+            Err(e) => panic!("a client after the others left: {e}"),
         }
     };
     let mut later = a.raw();

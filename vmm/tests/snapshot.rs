@@ -27,7 +27,7 @@ fn restore_resumes_at_the_exact_instruction_with_identical_memory() {
     let info = take(&mut g.vm, &s, Kind::Full).unwrap();
     assert_eq!(info.pages_written, MIB * 256);
     let regs = g.vm.vcpu_regs(0).unwrap();
-    let ram = g.vm.guest_ram().unwrap().to_vec();
+    let ram = g.vm.read_guest_ram().unwrap();
 
     let serial = Capture::new();
     let mut r = Vm::create(Shape::new(MIB, 2), serial.writer()).unwrap();
@@ -37,7 +37,7 @@ fn restore_resumes_at_the_exact_instruction_with_identical_memory() {
     let rregs = r.vcpu_regs(0).unwrap();
     assert_eq!(rregs.rip, regs.rip, "same instruction");
     assert_eq!(format!("{rregs:?}"), format!("{regs:?}"), "same registers");
-    assert!(r.guest_ram().unwrap() == ram.as_slice(), "same memory");
+    assert!(r.read_guest_ram().unwrap() == ram, "same memory");
     assert_eq!(r.read_u64(testguest::COUNTER).unwrap(), counter);
 
     r.resume().unwrap();
@@ -158,7 +158,7 @@ fn incremental_chain_restores_the_same_bytes_as_a_full_snapshot() {
     let a = restore("s2");
     let b = restore("full");
     assert!(
-        a.guest_ram().unwrap() == b.guest_ram().unwrap(),
+        a.read_guest_ram().unwrap() == b.read_guest_ram().unwrap(),
         "chain == full"
     );
     assert_eq!(

@@ -5,12 +5,14 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
 use kube::api::{ListParams, ObjectMeta, PostParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::{Api, Resource, ResourceExt};
 
-use super::write_status;
+use super::{conditions, write_status};
 use crate::context::{is_not_found, millis_since, Context, Error};
 use crate::crd::{
     CloneStatus, DeletionPolicy, Phase, PodClone, Snapshot, SnapshotMode, SnapshotSpec,
@@ -173,20 +175,33 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
     let ready = i32::try_from(ready).unwrap_or(i32::MAX);
     let all_ready = ready == clone.spec.replicas;
     let duration_ms = all_ready.then(|| millis_since(clone.metadata.creation_timestamp.as_ref()));
+    let phase = if all_ready {
+        Phase::Ready
+    } else {
+        Phase::InProgress
+    };
+    let message = (!all_ready).then(|| format!("{ready}/{} pods ready", clone.spec.replicas));
+    let (reason, condition_message) = match &message {
+        Some(m) => ("PodsNotReady", m.clone()),
+        None => ("AllPodsReady", format!("all {ready} pods are Ready")),
+    };
     let new = CloneStatus {
-        phase: if all_ready {
-            Phase::Ready
-        } else {
-            Phase::InProgress
-        },
+        phase,
         snapshot_name: Some(snap_name.clone()),
         pods: names,
         ready_replicas: ready,
         duration_ms: status.duration_ms.or(duration_ms),
-        message: (!all_ready).then(|| format!("{ready}/{} pods ready", clone.spec.replicas)),
+        conditions: conditions(
+            &status.conditions,
+            phase,
+            reason,
+            &condition_message,
+            clone.metadata.generation,
+        ),
+        message,
     };
-    if new != status {
-        let clone = write_status(&api, &clone, new).await?;
+    if !same_status(&new, &status) {
+        let clone = write_status(&api, &clone, new, &ctx).await?;
         if all_ready && status.phase != Phase::Ready {
             let ms = duration_ms.unwrap_or_default();
             ctx.metrics.observe("clone", true, ms as f64 / 1000.0);
@@ -255,13 +270,21 @@ async fn ensure_source_snapshot(
         Err(kube::Error::Api(e)) if e.code == 409 => return Ok(Err(Action::requeue(ctx.retry))),
         Err(e) => return Err(e.into()),
     }
+    let message = format!("taking snapshot {name} of pod {pod_name}");
     let status = CloneStatus {
         phase: Phase::InProgress,
         snapshot_name: Some(name.clone()),
-        message: Some(format!("taking snapshot {name} of pod {pod_name}")),
+        conditions: conditions(
+            &[],
+            Phase::InProgress,
+            "SnapshotInProgress",
+            &message,
+            clone.metadata.generation,
+        ),
+        message: Some(message),
         ..Default::default()
     };
-    let clone = write_status(api, clone, status).await?;
+    let clone = write_status(api, clone, status, ctx).await?;
     let note = format!("Taking snapshot {name} of pod {pod_name} to clone it");
     ctx.event(
         &clone,
@@ -272,6 +295,18 @@ async fn ensure_source_snapshot(
     )
     .await;
     Ok(Err(Action::await_change()))
+}
+
+/// Equal but for the conditions' transition times (which a rewrite would not change anyway).
+fn same_status(a: &CloneStatus, b: &CloneStatus) -> bool {
+    let strip = |s: &CloneStatus| {
+        let mut s = s.clone();
+        for c in &mut s.conditions {
+            c.last_transition_time = Time(Timestamp::UNIX_EPOCH);
+        }
+        s
+    };
+    strip(a) == strip(b)
 }
 
 fn owned_by<K: Resource>(obj: &K, clone: &PodClone) -> bool {
@@ -339,12 +374,20 @@ async fn fail(
     message: String,
     ctx: &Context,
 ) -> Result<Action, Error> {
+    let old = clone.status.clone().unwrap_or_default();
     let status = CloneStatus {
         phase: Phase::Failed,
         message: Some(format!("{reason}: {message}")),
-        ..clone.status.clone().unwrap_or_default()
+        conditions: conditions(
+            &old.conditions,
+            Phase::Failed,
+            reason,
+            &message,
+            clone.metadata.generation,
+        ),
+        ..old
     };
-    let clone = match write_status(api, clone, status).await {
+    let clone = match write_status(api, clone, status, ctx).await {
         Ok(c) => c,
         Err(Error::Kube(e)) if is_not_found(&e) => return Ok(Action::await_change()),
         Err(e) => return Err(e),

@@ -9,8 +9,13 @@
 //! AlreadyExists); `generation` bumped on spec changes; finalizers and
 //! `deletionTimestamp`; background garbage collection through
 //! `ownerReferences` (also of objects created for an owner already gone);
-//! and admission of custom resources against their CRD
-//! schema and CEL rules (see `schema.rs`).
+//! admission of custom resources against their CRD schema and CEL rules
+//! (see `schema.rs`); JSON Patch (RFC 6902, with kube-apiserver's `test` of
+//! `null` passing on a missing field); field ownership (`managedFields`) on
+//! every write and server-side apply with `fieldManager` and `force`,
+//! merging by the CRD schema's list types (see `ssa.rs`); and cluster-scoped
+//! Nodes. What it does not do: a client's own `managedFields` in a request
+//! body are ignored (the server keeps its own).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::convert::Infallible;
@@ -28,6 +33,13 @@ use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::{broadcast, mpsc};
 use tokio::task::JoinHandle;
+
+use super::ssa::{self, Manager, Schema, Scope, Writer};
+
+mod patch;
+mod select;
+use patch::{json_patch, merge_patch, server_side_apply};
+use select::{parse_selector, Filter};
 
 /// The header that names who sends a request (see [`TestApiServer::client_as`]).
 pub const ACTOR_HEADER: &str = "x-test-actor";
@@ -69,6 +81,7 @@ struct Inner {
     rv: u64,
     uids: u64,
     objects: BTreeMap<Key, Value>,
+    managed: ssa::Table<Key>,
     history: Vec<Arc<Change>>,
 }
 
@@ -78,6 +91,14 @@ struct State {
     requests: Mutex<BTreeSet<Access>>,
     changes: broadcast::Sender<Arc<Change>>,
     validator: Option<Validator>,
+    /// `openAPIV3Schema` of each custom resource, by plural.
+    schemas: BTreeMap<String, Value>,
+}
+
+impl State {
+    fn schema(&self, plural: &str) -> Schema {
+        Schema::new(self.schemas.get(plural))
+    }
 }
 
 /// The running server; stops when dropped.
@@ -94,8 +115,16 @@ impl Drop for TestApiServer {
 }
 
 impl TestApiServer {
-    /// Starts a server on a free port of 127.0.0.1.
+    /// Starts a server on a free port of 127.0.0.1 that knows no CRD schemas.
     pub async fn start(validator: Option<Validator>) -> Self {
+        Self::start_with(validator, BTreeMap::new()).await
+    }
+
+    /// Starts a server that merges applies by these CRD schemas (by plural).
+    pub async fn start_with(
+        validator: Option<Validator>,
+        schemas: BTreeMap<String, Value>,
+    ) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind test API server");
@@ -106,6 +135,7 @@ impl TestApiServer {
             requests: Mutex::default(),
             changes,
             validator,
+            schemas,
         });
         let state_handle = state.clone();
         let task = tokio::spawn(async move {
@@ -178,6 +208,7 @@ fn kind_of(plural: &str) -> &'static str {
         "clones" => "Clone",
         "rollbacks" => "Rollback",
         "sandboxtemplates" => "SandboxTemplate",
+        "nodes" => "Node",
         _ => "Unknown",
     }
 }
@@ -191,6 +222,20 @@ fn api_version(api: &str) -> String {
 
 fn has_status(plural: &str) -> bool {
     plural != "events"
+}
+
+fn cluster_scoped(plural: &str) -> bool {
+    plural == "nodes"
+}
+
+fn scope(plural: &str, status: bool) -> Scope {
+    if status {
+        Scope::Status
+    } else {
+        Scope::Main {
+            has_status: has_status(plural),
+        }
+    }
 }
 
 fn now() -> String {
@@ -286,71 +331,6 @@ fn query(req: &Request<Incoming>) -> BTreeMap<String, String> {
         .collect()
 }
 
-/// One term of a label or field selector.
-enum Term {
-    Eq(String, String),
-    Ne(String, String),
-    Exists(String),
-    NotExists(String),
-}
-
-fn parse_selector(s: &str) -> Vec<Term> {
-    s.split(',')
-        .filter(|t| !t.is_empty())
-        .map(|t| {
-            if let Some((k, v)) = t.split_once("!=") {
-                Term::Ne(k.trim().to_string(), v.trim().to_string())
-            } else if let Some((k, v)) = t.split_once("==").or_else(|| t.split_once('=')) {
-                Term::Eq(k.trim().to_string(), v.trim().to_string())
-            } else if let Some(k) = t.strip_prefix('!') {
-                Term::NotExists(k.trim().to_string())
-            } else {
-                Term::Exists(t.trim().to_string())
-            }
-        })
-        .collect()
-}
-
-fn selector_matches(terms: &[Term], lookup: impl Fn(&str) -> Option<String>) -> bool {
-    terms.iter().all(|t| match t {
-        Term::Eq(k, v) => lookup(k).as_deref() == Some(v.as_str()),
-        Term::Ne(k, v) => lookup(k).as_deref() != Some(v.as_str()),
-        Term::Exists(k) => lookup(k).is_some(),
-        Term::NotExists(k) => lookup(k).is_none(),
-    })
-}
-
-struct Filter {
-    api: String,
-    plural: String,
-    namespace: Option<String>,
-    labels: Vec<Term>,
-    fields: Vec<Term>,
-}
-
-impl Filter {
-    fn matches(&self, api: &str, plural: &str, namespace: &str, obj: &Value) -> bool {
-        if api != self.api
-            || plural != self.plural
-            || self.namespace.as_deref().is_some_and(|n| n != namespace)
-        {
-            return false;
-        }
-        let labels = &obj["metadata"]["labels"];
-        let label_ok = selector_matches(&self.labels, |k| {
-            labels.get(k).and_then(Value::as_str).map(String::from)
-        });
-        let field_ok = selector_matches(&self.fields, |path| {
-            let mut v = obj;
-            for part in path.split('.') {
-                v = v.get(part)?;
-            }
-            v.as_str().map(String::from)
-        });
-        label_ok && field_ok
-    }
-}
-
 async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_string();
     let Some(target) = parse_path(&path) else {
@@ -407,6 +387,19 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default()
         .to_string();
+    // Like kube-apiserver: the fieldManager parameter, else the user agent up to its first '/'.
+    let user_agent = req
+        .headers()
+        .get(hyper::header::USER_AGENT)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("unknown");
+    let manager = params.get("fieldManager").cloned().unwrap_or_else(|| {
+        user_agent
+            .split('/')
+            .next()
+            .unwrap_or(user_agent)
+            .to_string()
+    });
     let body = match req.into_body().collect().await {
         Ok(b) => b.to_bytes(),
         Err(e) => return status_error(StatusCode::BAD_REQUEST, "BadRequest", e.to_string()),
@@ -422,24 +415,53 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
         (Method::GET, None, None) => list(&state, &target, &params),
         (Method::GET, Some(name), None | Some("status")) => get(&state, &target, &name),
         (Method::POST, None, None) => match parsed() {
-            Ok(obj) => create(&state, &target, obj),
+            Ok(obj) => create(&state, &target, obj, &manager),
             Err(e) => status_error(StatusCode::BAD_REQUEST, "BadRequest", e.to_string()),
         },
         (Method::PUT, Some(name), sub @ (None | Some("status"))) => match parsed() {
-            Ok(obj) => replace(&state, &target, &name, obj, sub.is_some()),
+            Ok(obj) => replace(&state, &target, &name, obj, sub.is_some(), &manager),
             Err(e) => status_error(StatusCode::BAD_REQUEST, "BadRequest", e.to_string()),
         },
         (Method::PATCH, Some(name), sub @ (None | Some("status"))) => {
-            if !content_type.starts_with("application/merge-patch+json") {
-                return status_error(
+            let status = sub.is_some();
+            let kind = content_type.split(';').next().unwrap_or_default().trim();
+            if kind == "application/apply-patch+yaml" {
+                let Some(manager) = params.get("fieldManager") else {
+                    return status_error(
+                        StatusCode::BAD_REQUEST,
+                        "BadRequest",
+                        "fieldManager: Required value: is required for apply patch".into(),
+                    );
+                };
+                let force = params.get("force").is_some_and(|f| f == "true");
+                let applied = serde_json::from_slice::<Value>(&body).or_else(|_| {
+                    serde_saphyr::from_slice::<Value>(&body).map_err(|e| e.to_string())
+                });
+                return match applied {
+                    Ok(applied) => {
+                        server_side_apply(&state, &target, &name, &applied, status, manager, force)
+                    }
+                    Err(e) => status_error(StatusCode::BAD_REQUEST, "BadRequest", e.to_string()),
+                };
+            }
+            let patch = match parsed() {
+                Ok(patch) => patch,
+                Err(e) => {
+                    return status_error(StatusCode::BAD_REQUEST, "BadRequest", e.to_string())
+                }
+            };
+            match kind {
+                "application/merge-patch+json" => {
+                    merge_patch(&state, &target, &name, &patch, status, &manager)
+                }
+                "application/json-patch+json" => {
+                    json_patch(&state, &target, &name, &patch, status, &manager)
+                }
+                _ => status_error(
                     StatusCode::UNSUPPORTED_MEDIA_TYPE,
                     "UnsupportedMediaType",
                     format!("patch type {content_type} is not supported by the test API server"),
-                );
-            }
-            match parsed() {
-                Ok(patch) => merge_patch(&state, &target, &name, &patch, sub.is_some()),
-                Err(e) => status_error(StatusCode::BAD_REQUEST, "BadRequest", e.to_string()),
+                ),
             }
         }
         (Method::DELETE, Some(name), None) => delete(&state, &target, &name),
@@ -613,13 +635,17 @@ fn admit(state: &State, plural: &str, obj: &Value, old: Option<&Value>) -> Optio
         .map(|m| status_error(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", m))
 }
 
-fn create(state: &State, target: &Target, mut obj: Value) -> Response<Body> {
-    let Some(namespace) = target.namespace.clone() else {
-        return status_error(
-            StatusCode::BAD_REQUEST,
-            "BadRequest",
-            "only namespaced resources are served".into(),
-        );
+fn create(state: &State, target: &Target, mut obj: Value, manager: &str) -> Response<Body> {
+    let namespace = match target.namespace.clone() {
+        Some(ns) if !cluster_scoped(&target.plural) => Some(ns),
+        None if cluster_scoped(&target.plural) => None,
+        _ => {
+            return status_error(
+                StatusCode::NOT_FOUND,
+                "NotFound",
+                format!("{} cannot be created at this scope", target.plural),
+            )
+        }
     };
     let mut inner = lock(state);
     let name = match (
@@ -653,7 +679,9 @@ fn create(state: &State, target: &Target, mut obj: Value) -> Response<Body> {
     inner.uids += 1;
     let meta = &mut obj["metadata"];
     meta["name"] = json!(name);
-    meta["namespace"] = json!(namespace);
+    if let Some(namespace) = namespace {
+        meta["namespace"] = json!(namespace);
+    }
     meta["uid"] = json!(format!("00000000-0000-0000-0000-{:012x}", inner.uids));
     meta["creationTimestamp"] = json!(now());
     meta["generation"] = json!(1);
@@ -665,6 +693,17 @@ fn create(state: &State, target: &Target, mut obj: Value) -> Response<Body> {
             o.remove("status");
         }
     }
+    normalize(&mut obj);
+    let writer = writer(target, false, manager);
+    let managers = ssa::record_update(
+        &json!({}),
+        &obj,
+        &[],
+        &state.schema(&target.plural),
+        &writer,
+    );
+    obj["metadata"]["managedFields"] = ssa::render(&managers);
+    inner.managed.insert(k.clone(), managers);
     bump(&mut inner, &mut obj);
     inner.objects.insert(k.clone(), obj.clone());
     record(state, &mut inner, "ADDED", &k, obj.clone());
@@ -695,6 +734,25 @@ fn conflict(target: &Target, name: &str) -> Response<Body> {
     status_error(StatusCode::CONFLICT, "Conflict", message)
 }
 
+/// Drops what kube-apiserver does not store: an empty finalizer list.
+fn normalize(obj: &mut Value) {
+    if obj["metadata"]["finalizers"]
+        .as_array()
+        .is_some_and(|a| a.is_empty())
+    {
+        if let Some(m) = obj["metadata"].as_object_mut() {
+            m.remove("finalizers");
+        }
+    }
+}
+
+/// Who writes, and the field owners after the write when they are already
+/// known (server-side apply); otherwise they are derived from the change.
+struct Write {
+    writer: Writer,
+    managers: Option<Vec<Manager>>,
+}
+
 /// Writes `new` over `stored` (the caller has merged what the endpoint may change).
 fn update(
     state: &State,
@@ -702,7 +760,9 @@ fn update(
     k: &Key,
     stored: &Value,
     mut new: Value,
+    write: Write,
 ) -> Response<Body> {
+    normalize(&mut new);
     for field in [
         "uid",
         "creationTimestamp",
@@ -711,6 +771,7 @@ fn update(
         "name",
         "generation",
         "resourceVersion",
+        "managedFields",
     ] {
         match stored["metadata"].get(field) {
             Some(v) => new["metadata"][field] = v.clone(),
@@ -743,6 +804,18 @@ fn update(
     if new == *stored {
         return full(StatusCode::OK, stored);
     }
+    let old_managers = inner.managed.get(k).cloned().unwrap_or_default();
+    let managers = write.managers.unwrap_or_else(|| {
+        ssa::record_update(
+            stored,
+            &new,
+            &old_managers,
+            &state.schema(&k.plural),
+            &write.writer,
+        )
+    });
+    new["metadata"]["managedFields"] = ssa::render(&managers);
+    inner.managed.insert(k.clone(), managers);
     if new.get("spec") != stored.get("spec") {
         let generation = stored["metadata"]["generation"].as_i64().unwrap_or(1) + 1;
         new["metadata"]["generation"] = json!(generation);
@@ -772,6 +845,7 @@ fn replace(
     name: &str,
     body: Value,
     status: bool,
+    manager: &str,
 ) -> Response<Body> {
     let k = key(target, name);
     let mut inner = lock(state);
@@ -782,7 +856,24 @@ fn replace(
         return conflict(target, name);
     }
     let new = split_status(&stored, body, status, &target.plural);
-    update(state, &mut inner, &k, &stored, new)
+    let write = updater(target, status, manager);
+    update(state, &mut inner, &k, &stored, new, write)
+}
+
+fn writer(target: &Target, status: bool, manager: &str) -> Writer {
+    Writer {
+        manager: manager.to_string(),
+        api_version: api_version(&target.api),
+        time: now(),
+        scope: scope(&target.plural, status),
+    }
+}
+
+fn updater(target: &Target, status: bool, manager: &str) -> Write {
+    Write {
+        writer: writer(target, status, manager),
+        managers: None,
+    }
 }
 
 /// The main resource cannot change `status`; `/status` can change only `status`.
@@ -809,47 +900,6 @@ fn split_status(stored: &Value, mut body: Value, status: bool, plural: &str) -> 
         }
         body
     }
-}
-
-fn merge(target: &mut Value, patch: &Value) {
-    match patch {
-        Value::Object(p) => {
-            if !target.is_object() {
-                *target = json!({});
-            }
-            for (k, v) in p {
-                if v.is_null() {
-                    if let Some(t) = target.as_object_mut() {
-                        t.remove(k);
-                    }
-                } else {
-                    merge(&mut target[k.as_str()], v);
-                }
-            }
-        }
-        other => *target = other.clone(),
-    }
-}
-
-fn merge_patch(
-    state: &State,
-    target: &Target,
-    name: &str,
-    patch: &Value,
-    status: bool,
-) -> Response<Body> {
-    let k = key(target, name);
-    let mut inner = lock(state);
-    let Some(stored) = inner.objects.get(&k).cloned() else {
-        return not_found(target, name);
-    };
-    if stale(patch["metadata"]["resourceVersion"].as_str(), &stored) {
-        return conflict(target, name);
-    }
-    let mut patched = stored.clone();
-    merge(&mut patched, patch);
-    let new = split_status(&stored, patched, status, &target.plural);
-    update(state, &mut inner, &k, &stored, new)
 }
 
 fn delete(state: &State, target: &Target, name: &str) -> Response<Body> {
@@ -886,6 +936,7 @@ fn remove(state: &State, inner: &mut Inner, k: &Key) {
     let Some(mut obj) = inner.objects.remove(k) else {
         return;
     };
+    inner.managed.remove(k);
     bump(inner, &mut obj);
     let uid = obj["metadata"]["uid"].clone();
     record(state, inner, "DELETED", k, obj);
