@@ -94,10 +94,13 @@ pub enum Kind {
 /// A snapshot's `manifest.json`. A writer in another process (twig-vmm)
 /// writes it into its staging directory together with its artefacts
 /// ([`Manifest::of_staging`]): a writer that does vouches that, once it
-/// reports success, the artefacts, the manifest and the directory are
-/// durable, so the store does not sync them again (a store publishes only
-/// after its writer reported success). The store checks it when publishing
-/// and adds its labels.
+/// reports success, the artefacts and the manifest are durable (fsynced),
+/// so the store does not sync them again (a store publishes only after its
+/// writer reported success). The entries of the staging directory are made
+/// durable by the publishing rename's directory fsync: on the journaling
+/// filesystems a store runs on (XFS, btrfs, ext4), metadata commits in
+/// order. The store checks the manifest when publishing and adds its
+/// labels.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Manifest {

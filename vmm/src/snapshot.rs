@@ -25,7 +25,7 @@
 //! twig-vmm writes a snapshot into a staging directory the node store hands
 //! out (`<store>/tmp/<lease>/<id>`, named by the snapshot's id): the files
 //! above and the store's `manifest.json` (id, parent, kind, artefacts),
-//! fsynced together with the directory. Publishing (checks, labels, the atomic no-replace
+//! fsynced in one batch. Publishing (checks, labels, the atomic no-replace
 //! rename into `<store>/snapshots/<id>`) is the store's job, so a writer
 //! killed at any point leaves nothing published.
 
@@ -549,8 +549,9 @@ impl Staged {
     /// Makes the snapshot durable and ready for the store to publish: the
     /// store's manifest is written last, then writeback of every file is
     /// started together and waited for (one journal commit covers them on a
-    /// journaling filesystem), then the directory is synced. Returns the
-    /// memory file.
+    /// journaling filesystem). The directory's entries become durable with
+    /// the store's rename (see `twig_store::Manifest`). Returns the memory
+    /// file.
     pub fn commit(mut self) -> Result<File> {
         let dir = self.dir.clone();
         let (id, parent, kind) = &self.lineage;
@@ -578,9 +579,6 @@ impl Staged {
         manifest
             .sync_all()
             .map_err(io_err(&dir, "cannot fsync the manifest"))?;
-        File::open(&dir)
-            .and_then(|d| d.sync_all())
-            .map_err(io_err(&dir, "cannot fsync the staging directory"))?;
         self.written.keep = true;
         self.memory
             .try_clone()
