@@ -15,6 +15,7 @@ packages=(
   e2fsprogs                     # mkfs.ext4/debugfs: the snapshotter's ext4 images
   iproute2                      # ip: taps for virtio-net tests, namespaces for the agent
   clang llvm libbpf-dev         # twig-net's eBPF programs (clang -target bpf, bpf_helpers.h)
+  docker-registry containernetworking-plugins  # twig-cri: a local registry, CNI bridge/host-local
 )
 
 missing=()

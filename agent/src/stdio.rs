@@ -298,8 +298,11 @@ mod tests {
         let (master, slave) = open_pty().unwrap();
         assert!(nix::unistd::isatty(&slave).unwrap());
         set_winsize(master.as_fd(), 40, 100).unwrap();
+        // SAFETY: winsize is plain old data; all zeroes is a valid value.
         let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
         assert_eq!(
+            // SAFETY: TIOCGWINSZ writes one winsize into `ws`, which lives
+            // across the call; `slave` is an open terminal.
             unsafe { libc::ioctl(slave.as_raw_fd(), libc::TIOCGWINSZ, &mut ws) },
             0
         );

@@ -94,8 +94,9 @@ fn open_tap() -> Result<File, Error> {
         pad: [0; 22],
     };
     req.name[..4].copy_from_slice(b"tap0");
-    // SAFETY: TUNSETIFF takes a `struct ifreq` (40 bytes, name then flags), which `IfReq` matches; `req` outlives the call.
     check(
+        // SAFETY: TUNSETIFF takes a `struct ifreq` (40 bytes, name then
+        // flags), which `IfReq` matches; `req` outlives the call.
         unsafe { libc::ioctl(tun.as_raw_fd(), libc::TUNSETIFF, &mut req as *mut IfReq) }.into(),
         "TUNSETIFF",
     )?;

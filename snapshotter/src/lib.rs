@@ -19,6 +19,9 @@ pub use store::{block_image, Info, Kind, Mount, SnapshotStore, StoreOptions};
 pub use twig_store::fsops::{CloneMode, Usage};
 
 /// Generated gRPC bindings of containerd's snapshots API (client and server).
+/// The generated items carry the .proto's comments, which containerd's
+/// snapshots.proto leaves off most fields.
+#[allow(missing_docs)]
 pub mod api {
     pub use self::containerd::services::snapshots::v1 as snapshots;
     pub use self::containerd::types;

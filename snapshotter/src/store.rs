@@ -58,19 +58,28 @@ impl Kind {
 /// What containerd's `Stat` returns.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Info {
+    /// The key (active, view) or name (committed).
     pub name: String,
+    /// The committed parent's name.
     pub parent: Option<String>,
+    /// Active, view or committed.
     pub kind: Kind,
+    /// When it was created (committed: when it was committed).
     pub created: SystemTime,
+    /// When it last changed.
     pub updated: SystemTime,
+    /// containerd's labels, verbatim.
     pub labels: BTreeMap<String, String>,
 }
 
 /// One mount as containerd consumes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mount {
+    /// The filesystem type (`ext4`).
     pub fstype: String,
+    /// The image file.
     pub source: PathBuf,
+    /// Mount options (`rw`/`ro`, `loop`).
     pub options: Vec<String>,
 }
 

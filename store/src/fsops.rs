@@ -521,8 +521,10 @@ mod tests {
 
     fn free_bytes(p: &Path) -> u64 {
         let c = CString::new(p.as_os_str().as_bytes()).unwrap();
-        // SAFETY: statvfs fills the struct for a valid path.
+        // SAFETY: statvfs is plain old data; all zeroes is a valid value.
         let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: `c` is a NUL-terminated path and `s` outlives the call,
+        // which only fills it.
         assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut s) }, 0);
         s.f_bfree * s.f_frsize
     }

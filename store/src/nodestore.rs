@@ -199,6 +199,11 @@ impl NodeStore {
             let Some(id) = entry.file_name().to_str().map(str::to_string) else {
                 continue;
             };
+            // Not a snapshot: e.g. a lock file a template builder keeps
+            // next to the snapshot it builds.
+            if !entry.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
             if validate_id(&id).is_err() {
                 continue;
             }

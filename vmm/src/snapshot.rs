@@ -146,13 +146,19 @@ pub fn disk_file_name(index: usize) -> String {
 /// Everything in a `state` file.
 #[derive(Clone)]
 pub struct VmState {
+    /// What the snapshot is: id, kind, parent, shape, disks.
     pub meta: Meta,
+    /// The PIC master, PIC slave and IOAPIC.
     pub irqchips: [kvm_irqchip; 3],
+    /// The PIT.
     pub pit: kvm_pit_state2,
+    /// The KVM clock.
     pub clock: kvm_clock_data,
+    /// Every device's state, as `Devices::save` wrote it.
     pub devices: Vec<u8>,
     /// Pages held by an incremental snapshot.
     pub layer: Option<PageSet>,
+    /// Each vCPU's state, in vCPU order.
     pub vcpus: Vec<VcpuState>,
 }
 
