@@ -137,7 +137,7 @@ fn crash_leftovers_are_cleaned_but_live_staging_is_not() {
     assert_eq!(store.get("live").unwrap(), published);
     // A file beside the snapshots (a template builder's lock) is no snapshot.
     fs::write(root.join("snapshots/live.lock"), b"").unwrap();
-    assert_eq!(store.list().unwrap(), [published.clone()]);
+    assert_eq!(store.list().unwrap(), std::slice::from_ref(&published));
     fs::remove_file(root.join("snapshots/live.lock")).unwrap();
     // A staging dropped without publishing vanishes.
     let mut dropped = store.stage("dropped").unwrap();
