@@ -104,11 +104,11 @@ impl VmSandbox {
             "restoring the template {}",
             t.dir.display()
         )))?;
-        let agent = AgentClient::connect_vsock_uds(&vsock, twig_agent::AGENT_VSOCK_PORT, timeout)
-            .map_err(|e| Error::agent("connecting to the agent of the restored VM", e))?;
-        agent
-            .ping(timeout)
-            .map_err(|e| Error::agent("pinging the agent of the restored VM", e))?;
+        // A connection made while the restored guest is still handling the
+        // vsock transport reset that every restore sends is reset with it:
+        // retry the handshake and a ping until the agent answers.
+        let agent = AgentClient::wait_ready(&vsock, twig_agent::AGENT_VSOCK_PORT, timeout)
+            .map_err(|e| Error::agent("waiting for the agent of the restored VM", e))?;
         tracing::info!(pid, elapsed = ?started.elapsed(), "sandbox VM restored, agent answers");
         Ok(VmSandbox {
             vmm: Mutex::new(Vmm {
