@@ -101,7 +101,7 @@ state = "{state}"
 /// from `PATH`, a 128 MiB template booting `guest` when given.
 pub fn shim_config(dir: &Path, guest: Option<&Guest>) -> serde_json::Value {
     let mut template = serde_json::json!({
-        "dir": dir.join("templates").join("base"),
+        "dir": dir.join("vm").join("snapshots").join("base"),
         "mem_mib": SHIM_MEM_MIB,
     });
     if let Some(g) = guest {
@@ -550,7 +550,7 @@ mod tests {
         };
         let c = shim_config(Path::new("/n"), Some(&guest));
         assert_eq!(c["state_root"], "/n/shim");
-        assert_eq!(c["template"]["dir"], "/n/templates/base");
+        assert_eq!(c["template"]["dir"], "/n/vm/snapshots/base");
         assert_eq!(c["template"]["kernel"], "/guest/bzImage");
         assert_eq!(c["template"]["initrd"], "/guest/agent-initrd");
         let bare = shim_config(Path::new("/n"), None);

@@ -37,7 +37,8 @@ pub struct Config {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TemplateConfig {
-    /// The template's snapshot directory (made by `twig-vmm template`).
+    /// The template's snapshot directory (made by `twig-vmm template`): a
+    /// snapshot of a node store, `<store>/snapshots/<id>`.
     pub dir: PathBuf,
     /// Guest kernel, for building the template.
     pub kernel: PathBuf,
@@ -66,7 +67,7 @@ impl Default for Config {
 impl Default for TemplateConfig {
     fn default() -> TemplateConfig {
         TemplateConfig {
-            dir: PathBuf::from("/var/lib/twig/templates/base"),
+            dir: PathBuf::from("/var/lib/twig/vm/snapshots/base"),
             kernel: PathBuf::from("/usr/share/twig/vmlinux"),
             initrd: PathBuf::from("/usr/share/twig/agent-initrd.cpio.gz"),
             mem_mib: 256,

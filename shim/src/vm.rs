@@ -411,7 +411,7 @@ mod tests {
     fn a_missing_template_without_inputs_is_a_clear_error() {
         let dir = tempfile::tempdir().unwrap();
         let mut config = Config::default();
-        config.template.dir = dir.path().join("tpl");
+        config.template.dir = dir.path().join("store/snapshots/tpl");
         config.template.kernel = dir.path().join("no-kernel");
         let e = ensure_template(&config, &dir.path().join("state")).unwrap_err();
         assert!(matches!(e, Error::FailedPrecondition(_)), "{e}");

@@ -429,8 +429,8 @@ fn rollback_experiment(layout: Layout) {
         };
         let tag = 0x7467_0000_0000 + i;
         g.vm.write_u64(testguest::HOST_TAG, tag).expect("tag");
-        let dir = d.path().join(format!("s{i}"));
-        g.vm.snapshot(&dir, kind).expect("snapshot");
+        let dir = snap(d.path(), &format!("s{i}"));
+        take(&mut g.vm, &dir, kind).expect("snapshot");
         match kind {
             Kind::Full => full += 1,
             Kind::Incremental => incremental += 1,
@@ -523,8 +523,8 @@ fn clone_experiment(layout: Layout) {
         let at = assert_consistent(&g.vm, &format!("source, round {round}"));
         let tag = 0x636c_0000_0000 + round as u64;
         g.vm.write_u64(testguest::HOST_TAG, tag).expect("tag");
-        let s = d.path().join(format!("s{round}"));
-        g.vm.snapshot(&s, Kind::Full).expect("snapshot");
+        let s = snap(d.path(), &format!("s{round}"));
+        take(&mut g.vm, &s, Kind::Full).expect("snapshot");
         // Restored concurrently, from threads on CPU a: so are their vCPUs.
         let (clones, vcpus, _) = new_threads(|| {
             Vm::clone_from(
