@@ -8,12 +8,15 @@ use std::time::Instant;
 
 use twig_e2e::{find_on_path, Node, Runtime};
 
-/// Prints a line on stdout and one on stderr, then exits 3.
-const SCRIPT: &str = "echo hello from $(cat /etc/hostname 2>/dev/null || echo twig); \
+/// Prints a line on stdout naming the kernel it runs on, one on stderr,
+/// then exits 3.
+const SCRIPT: &str =
+    "echo hello from $(cat /etc/hostname 2>/dev/null || echo twig) on $(uname -r); \
                       echo to stderr >&2; exit 3";
 
 /// Runs [`SCRIPT`] with `runtime` and checks the container's output, its
-/// exit code as `ctr run` reports it, and that `--rm` left no container.
+/// exit code as `ctr run` reports it, that `--rm` left no container, and
+/// which kernel it ran on: the node's with runc, the microVM's own with twig.
 fn run_prints_and_exits_3(runtime: Runtime, id: &str) {
     let started = Instant::now();
     let node = Node::start().unwrap_or_else(|e| panic!("the node did not start: {e}"));
@@ -41,6 +44,21 @@ fn run_prints_and_exits_3(runtime: Runtime, id: &str) {
         fail("wrong stdout")
     );
     assert!(out.stderr.contains("to stderr"), "{}", fail("no stderr"));
+    let node_kernel = nix::sys::utsname::uname()
+        .map(|u| u.release().to_string_lossy().into_owned())
+        .unwrap_or_else(|e| panic!("uname: {e}"));
+    let on_node_kernel = out
+        .stdout
+        .trim_end()
+        .ends_with(&format!(" on {node_kernel}"));
+    match runtime {
+        Runtime::Runc => assert!(on_node_kernel, "{}", fail("runc not on the node's kernel")),
+        Runtime::Twig => assert!(
+            !on_node_kernel && out.stdout.contains(" on "),
+            "{}",
+            fail("not in a microVM: the container saw the node's kernel")
+        ),
+    }
     let left = node
         .ctr_ok(["containers", "ls", "-q"])
         .unwrap_or_else(|e| panic!("listing containers: {e}"));
