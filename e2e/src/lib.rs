@@ -11,6 +11,7 @@
 //! `tests/lab/run.sh -p twig-e2e --features twig-e2e/lab` carries all of
 //! that in, with the test image (`e2e/build-image.sh`).
 
+mod background;
 mod error;
 mod node;
 mod process;
@@ -18,6 +19,7 @@ mod process;
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 
+pub use background::{run_on_pty, Background};
 pub use error::{Error, Result};
 pub use node::{
     containerd_config, mounts_under, shim_config, Guest, Node, NodeConfig, Runtime, NAMESPACE,

@@ -12,6 +12,7 @@ use std::time::Duration;
 use nix::mount::{umount2, MntFlags};
 use tempfile::TempDir;
 
+use crate::background::{run_on_pty, Background};
 use crate::error::{io, Error, Result};
 use crate::process::{kill_processes_with_arg, run, run_ok, tail, Daemon, Output};
 use crate::{find_on_path, require, IMAGE_REF};
@@ -97,11 +98,12 @@ state = "{state}"
 }
 
 /// The twig shim's configuration (`TWIG_SHIM_CONFIG`) for a node in
-/// `dir`: its state and base template in the node's directory, `twig-vmm`
-/// from `PATH`, a 128 MiB template booting `guest` when given.
-pub fn shim_config(dir: &Path, guest: Option<&Guest>) -> serde_json::Value {
+/// `dir`: its state in the node's directory, its base template in
+/// `template`, `twig-vmm` from `PATH`, a 128 MiB template booting `guest`
+/// when given.
+pub fn shim_config(dir: &Path, template: &Path, guest: Option<&Guest>) -> serde_json::Value {
     let mut template = serde_json::json!({
-        "dir": dir.join("vm").join("snapshots").join("base"),
+        "dir": template,
         "mem_mib": SHIM_MEM_MIB,
     });
     if let Some(g) = guest {
@@ -116,6 +118,20 @@ pub fn shim_config(dir: &Path, guest: Option<&Guest>) -> serde_json::Value {
         config["vmm_binary"] = serde_json::json!(vmm);
     }
     config
+}
+
+/// Where a node's twig shim keeps its base template: on a given XFS (the
+/// lab's), one template shared by every node of the run, built by the first
+/// shim that needs it (the shim builds under a lock, and the template is
+/// only read once built), so a test binary's nodes after the first restore
+/// from a warm template; on the harness's own XFS, in the node's directory
+/// `dir`.
+fn template_dir(xfs: &Xfs, dir: &Path) -> PathBuf {
+    let root = match xfs {
+        Xfs::Given(given) => given.join("twig-e2e-shared"),
+        Xfs::Own { .. } => dir.to_path_buf(),
+    };
+    root.join("vm").join("snapshots").join("base")
 }
 
 /// The mount points under `dir` in the mount table, deepest first.
@@ -363,7 +379,7 @@ impl Node {
         let shim_file = dir.join("shim.json");
         fs::write(
             &shim_file,
-            shim_config(&dir, config.guest.as_ref()).to_string(),
+            shim_config(&dir, &template_dir(&xfs, &dir), config.guest.as_ref()).to_string(),
         )
         .map_err(io(format!("writing {}", shim_file.display())))?;
         let socket = cdir.join("containerd.sock");
@@ -422,14 +438,43 @@ impl Node {
         I: IntoIterator<Item = S>,
         S: AsRef<OsStr>,
     {
-        run(
-            Command::new("ctr")
-                .arg("--address")
-                .arg(&self.socket)
-                .args(["--namespace", NAMESPACE])
-                .args(args),
-            within,
-        )
+        run(&mut self.ctr_command(args), within)
+    }
+
+    fn ctr_command<I, S>(&self, args: I) -> Command
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let mut cmd = Command::new("ctr");
+        cmd.arg("--address")
+            .arg(&self.socket)
+            .args(["--namespace", NAMESPACE])
+            .args(args);
+        cmd
+    }
+
+    /// `ctr` against this node's containerd in [`NAMESPACE`], in the
+    /// background (e.g. a `ctr run` or `ctr task exec` waiting for its
+    /// process while the test signals, pauses or measures it).
+    pub fn ctr_background<I, S>(&self, args: I) -> Result<Background>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        Background::spawn(&mut self.ctr_command(args))
+    }
+
+    /// `ctr` against this node's containerd in [`NAMESPACE`] with a new
+    /// pseudo-terminal as its stdin, stdout and stderr (what `ctr run -t`
+    /// and `ctr task exec -t` need), within a deadline; the terminal's
+    /// output is the result's stdout.
+    pub fn ctr_tty<I, S>(&self, args: I) -> Result<Output>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        run_on_pty(&mut self.ctr_command(args), CTR)
     }
 
     /// [`Node::ctr`] that fails on a failure status; returns stdout.
@@ -548,12 +593,12 @@ mod tests {
             kernel: PathBuf::from("/guest/bzImage"),
             initrd: PathBuf::from("/guest/agent-initrd"),
         };
-        let c = shim_config(Path::new("/n"), Some(&guest));
+        let c = shim_config(Path::new("/n"), Path::new("/t/base"), Some(&guest));
         assert_eq!(c["state_root"], "/n/shim");
-        assert_eq!(c["template"]["dir"], "/n/vm/snapshots/base");
+        assert_eq!(c["template"]["dir"], "/t/base");
         assert_eq!(c["template"]["kernel"], "/guest/bzImage");
         assert_eq!(c["template"]["initrd"], "/guest/agent-initrd");
-        let bare = shim_config(Path::new("/n"), None);
+        let bare = shim_config(Path::new("/n"), Path::new("/t/base"), None);
         assert!(bare["template"].get("kernel").is_none(), "{bare}");
     }
 
