@@ -26,6 +26,15 @@ const TRAPS_USR1: &str =
     "trap 'echo got USR1; exit 42' USR1; echo ready; while :; do sleep 0.1; done";
 /// A process that prints `ready` and then waits, trapping nothing.
 const WAITS: &str = "echo ready; while :; do sleep 0.1; done";
+/// A TTY process: says whether stdin and stdout are terminals, waits (at
+/// most 30 s) until its terminal has the size of ctr's (ctr resizes it
+/// after the start, through ResizePty), prints that size and `end`, exits
+/// 7. (With runc, the last line of a TTY process that exits at once was
+/// seen lost on the host: runc's shim does not drain a console before
+/// reporting the exit; twig's does, so only twig's run must show `end`.)
+const TTY_SIZE: &str = "[ -t 0 ] && [ -t 1 ] && echo on a tty; i=0; \
+     while [ \"$(stty size)\" != '24 80' ] && [ $i -lt 300 ]; do i=$((i+1)); sleep 0.1; done; \
+     echo size $(stty size); echo end; exit 7";
 /// A container that prints a counter, one line every 50 ms.
 const COUNTS: &str = "i=0; while :; do i=$((i+1)); echo $i; sleep 0.05; done";
 
@@ -308,14 +317,25 @@ fn tty(runtime: Runtime, prefix: &str) {
             &id,
             "sh",
             "-c",
-            "[ -t 0 ] && [ -t 1 ] && echo on a tty $(tty); exit 7",
+            TTY_SIZE,
         ])
         .unwrap_or_else(|e| panic!("ctr run -t: {e}\n{}", node.logs()));
     assert_eq!(out.code(), Some(7), "ctr run -t: {out}\n{}", node.logs());
+    let lines = out.stdout.replace('\r', "");
     assert!(
-        out.stdout.contains("on a tty /dev/pts/"),
+        lines.lines().any(|l| l == "on a tty"),
         "ctr run -t: no terminal in the container: {out:?}"
     );
+    assert!(
+        lines.lines().any(|l| l == "size 24 80"),
+        "ctr run -t: the container's terminal did not get ctr's size (80x24): {out:?}"
+    );
+    if runtime == Runtime::Twig {
+        assert!(
+            lines.lines().any(|l| l == "end"),
+            "ctr run -t: the output's end was lost: {out:?}"
+        );
+    }
 
     let id = format!("{prefix}-tty-exec");
     let mut init = run_background(&node, runtime, &id, WAITS);
