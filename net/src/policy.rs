@@ -519,8 +519,14 @@ mod tests {
                 r#"{"defaultAction":"block"}"#,
                 "unknown variant `block`, expected `allow` or `deny`",
             ),
-            (r#"{"allow":[{"cidr":"1.2.3.4/8","protocol":"sctp"}]}"#, "unknown variant `sctp`"),
-            (r#"{"allow":[{"cidr":"1.2.3.0/24","ports":[{"port":70000}]}]}"#, "70000"),
+            (
+                r#"{"allow":[{"cidr":"1.2.3.4/8","protocol":"sctp"}]}"#,
+                "unknown variant `sctp`",
+            ),
+            (
+                r#"{"allow":[{"cidr":"1.2.3.0/24","ports":[{"port":70000}]}]}"#,
+                "70000",
+            ),
         ] {
             let err = effective_policy(Some(&template), Some(annotation))
                 .expect_err(&format!("{annotation:?} must be rejected"));
@@ -549,7 +555,8 @@ mod tests {
         let err = effective_policy(Some(&template), None).expect_err("invalid");
         assert_eq!(err.problems.len(), 1, "{err}");
         assert!(
-            err.problems[0].starts_with("spec.egressPolicy.deny[0].cidr: \"fd00::/8\" is an IPv6 network"),
+            err.problems[0]
+                .starts_with("spec.egressPolicy.deny[0].cidr: \"fd00::/8\" is an IPv6 network"),
             "{err}"
         );
     }

@@ -16,7 +16,7 @@ use super::{conditions, write_status};
 use crate::context::{is_not_found, millis_since, Context, Error};
 use crate::crd::{
     CloneStatus, DeletionPolicy, Phase, PodClone, Snapshot, SnapshotMode, SnapshotSpec,
-    CLONE_LABEL, RESTORE_FROM_ANNOTATION, RUNTIME_CLASS,
+    CLONE_LABEL, EGRESS_POLICY_ANNOTATION, RESTORE_FROM_ANNOTATION, RUNTIME_CLASS,
 };
 use crate::reconcile::validate_name;
 
@@ -326,7 +326,9 @@ fn pod_ready(pod: &Pod) -> bool {
 }
 
 /// The pod spec of clone `index`: the source's spec, pinned to the snapshot's
-/// node, under the twig RuntimeClass, restored from the snapshot.
+/// node, under the twig RuntimeClass, restored from the snapshot, with the
+/// source's egress policy annotation (`twig.dev/egress-policy`) when it has
+/// one: a clone gets its source's policy.
 pub fn clone_pod(
     clone: &PodClone,
     source: &Pod,
@@ -343,13 +345,16 @@ pub fn clone_pod(
     spec.ephemeral_containers = None;
     let mut labels: BTreeMap<String, String> = clone.spec.labels.clone().unwrap_or_default();
     labels.insert(CLONE_LABEL.to_string(), clone.name_any());
-    let annotations = BTreeMap::from([
+    let mut annotations = BTreeMap::from([
         (RESTORE_FROM_ANNOTATION.to_string(), snapshot_id.to_string()),
         (
             SOURCE_SNAPSHOT_ANNOTATION.to_string(),
             snapshot_name.to_string(),
         ),
     ]);
+    if let Some(policy) = source.annotations().get(EGRESS_POLICY_ANNOTATION) {
+        annotations.insert(EGRESS_POLICY_ANNOTATION.to_string(), policy.clone());
+    }
     let owner = clone
         .controller_owner_ref(&())
         .ok_or(Error::MissingField("metadata.uid"))?;
