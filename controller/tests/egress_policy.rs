@@ -14,14 +14,17 @@ use kube::api::{ApiResource, DynamicObject, ObjectMeta, Patch, PatchParams, Post
 use kube::{Api, Resource};
 use serde_json::{json, Value};
 use twig_controller::crd::{
-    CloneSource, CloneSpec, PodClone, SandboxTemplate, SandboxTemplateSpec,
-    EGRESS_POLICY_ANNOTATION, RESTORE_FROM_ANNOTATION,
+    CloneSource, CloneSpec, Phase, PodClone, SandboxTemplate, SandboxTemplateSpec, Snapshot,
+    SnapshotSpec, EGRESS_POLICY_ANNOTATION, RESTORE_FROM_ANNOTATION, TEMPLATE_ANNOTATION,
 };
 use twig_controller::reconcile::{clone::clone_pod, template};
 use twig_net::{effective_policy, Action, EgressPolicy};
 
 use support::fake::{Call, FakeNode};
-use support::{api_server, create, events_about, expect_reasons, start_controller, wait_for, NS};
+use support::{
+    api_server, create, events_about, eventually, expect_reasons, running_pod, start_controller,
+    wait_for, NS,
+};
 
 fn template_json(name: &str, policy: Value) -> Value {
     json!({
@@ -293,4 +296,102 @@ fn a_clone_pod_carries_its_sources_egress_policy_annotation() {
     .expect("pod");
     let annotations = pod.metadata.annotations.expect("annotations");
     assert!(!annotations.contains_key(EGRESS_POLICY_ANNOTATION));
+}
+
+/// A running pod named by `name`, restored from `template`, and a Ready
+/// Snapshot of it.
+async fn snapshotted_pod_of_template(client: &kube::Client, name: &str, template: &str) {
+    running_pod(client, name, "node-a").await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let patch = json!({"metadata": {"annotations": {TEMPLATE_ANNOTATION: template}}});
+    pods.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .expect("annotate");
+    let snap = Snapshot::new(
+        &format!("{name}-snap"),
+        SnapshotSpec {
+            pod_name: name.into(),
+            mode: Default::default(),
+            deletion_policy: Default::default(),
+            ttl_seconds_after_ready: None,
+        },
+    );
+    create(client, &snap).await;
+    wait_for(client, &format!("{name}-snap"), "Ready", |s: &Snapshot| {
+        s.status.as_ref().is_some_and(|s| s.phase == Phase::Ready)
+    })
+    .await;
+}
+
+fn clone_of_snapshot(name: &str, snapshot: &str) -> PodClone {
+    PodClone::new(
+        name,
+        CloneSpec {
+            source: CloneSource {
+                snapshot_name: Some(snapshot.into()),
+                pod_name: None,
+            },
+            replicas: 2,
+            name_prefix: None,
+            labels: None,
+        },
+    )
+}
+
+#[tokio::test]
+async fn clones_of_a_pod_restored_from_a_template_keep_the_templates_policy() {
+    let server = api_server().await;
+    let client = server.client();
+    let fake = Arc::new(FakeNode::default());
+    let _ctrl = start_controller(&server, "node-a", &fake);
+    let policy = json!({"defaultAction": "deny", "allow": [{"cidr": "0.0.0.0/0", "protocol": "tcp", "ports": [{"port": 443}]}]});
+    let tpl: SandboxTemplate =
+        serde_json::from_value(template_json("locked", policy.clone())).expect("typed");
+    create(&client, &tpl).await;
+    snapshotted_pod_of_template(&client, "agent", "locked").await;
+
+    // The clone pods do not name the template: its policy goes with them.
+    create(&client, &clone_of_snapshot("fork", "agent-snap")).await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let clones = eventually("2 clone pods", || {
+        let pods = pods.clone();
+        async move {
+            let l = pods
+                .list(&kube::api::ListParams::default().labels("twig.dev/clone=fork"))
+                .await
+                .ok()?;
+            (l.items.len() == 2).then_some(l.items)
+        }
+    })
+    .await;
+    let expected: EgressPolicy = serde_json::from_value(policy).expect("policy");
+    for pod in &clones {
+        let annotations = pod.metadata.annotations.clone().unwrap_or_default();
+        let text = annotations
+            .get(EGRESS_POLICY_ANNOTATION)
+            .expect("the template's policy, as the annotation");
+        assert_eq!(effective_policy(None, Some(text)), Ok(expected.clone()));
+        assert!(!annotations.contains_key(TEMPLATE_ANNOTATION));
+    }
+
+    // A source whose template is gone: its policy is unknown, so no clone
+    // is made (none may run looser than its source).
+    snapshotted_pod_of_template(&client, "orphan", "deleted-template").await;
+    create(&client, &clone_of_snapshot("orphan-fork", "orphan-snap")).await;
+    let failed = wait_for(&client, "orphan-fork", "Failed", |c: &PodClone| {
+        c.status.as_ref().is_some_and(|s| s.phase == Phase::Failed)
+    })
+    .await;
+    let message = failed.status.and_then(|s| s.message).unwrap_or_default();
+    assert!(
+        message.starts_with(
+            "TemplateNotFound: SandboxTemplate deleted-template of source pod orphan is gone"
+        ),
+        "{message}"
+    );
+    let listed = pods
+        .list(&kube::api::ListParams::default().labels("twig.dev/clone=orphan-fork"))
+        .await
+        .expect("list");
+    assert!(listed.items.is_empty(), "no clone pods: {:?}", listed.items);
 }

@@ -15,8 +15,9 @@ use kube::{Api, Resource, ResourceExt};
 use super::{conditions, write_status};
 use crate::context::{is_not_found, millis_since, Context, Error};
 use crate::crd::{
-    CloneStatus, DeletionPolicy, Phase, PodClone, Snapshot, SnapshotMode, SnapshotSpec,
-    CLONE_LABEL, EGRESS_POLICY_ANNOTATION, RESTORE_FROM_ANNOTATION, RUNTIME_CLASS,
+    CloneStatus, DeletionPolicy, Phase, PodClone, SandboxTemplate, Snapshot, SnapshotMode,
+    SnapshotSpec, CLONE_LABEL, EGRESS_POLICY_ANNOTATION, RESTORE_FROM_ANNOTATION, RUNTIME_CLASS,
+    TEMPLATE_ANNOTATION,
 };
 use crate::reconcile::validate_name;
 
@@ -134,10 +135,19 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
         );
         return fail(&api, &clone, "SourcePodNotFound", message, &ctx).await;
     };
+    let policy = match source_policy(&source, &ns, &ctx).await? {
+        Ok(policy) => policy,
+        Err(message) => return fail(&api, &clone, "TemplateNotFound", message, &ctx).await,
+    };
     let mut created = 0;
     let mut names = Vec::new();
     for index in 0..clone.spec.replicas {
-        let pod = clone_pod(&clone, &source, &node, &snapshot_id, &snap_name, index)?;
+        let mut pod = clone_pod(&clone, &source, &node, &snapshot_id, &snap_name, index)?;
+        if let (Some(policy), Some(annotations)) = (&policy, pod.metadata.annotations.as_mut()) {
+            annotations
+                .entry(EGRESS_POLICY_ANNOTATION.to_string())
+                .or_insert_with(|| policy.clone());
+        }
         let name = pod.name_any();
         match pods.create(&PostParams::default(), &pod).await {
             Ok(_) => created += 1,
@@ -316,6 +326,48 @@ fn owned_by<K: Resource>(obj: &K, clone: &PodClone) -> bool {
         .iter()
         .flatten()
         .any(|o| Some(o.uid.as_str()) == uid && o.controller == Some(true))
+}
+
+/// The egress policy a source pod restored from a SandboxTemplate runs with
+/// when it has no `twig.dev/egress-policy` of its own: its template's
+/// `spec.egressPolicy` as JSON, for the clones' annotation (clone pods do not
+/// name the template, so the shim could not find that policy). `Ok(None)`
+/// when the source has its own annotation (`clone_pod` copies it), no
+/// template, or a template without a policy (the built-in default holds for
+/// both). `Ok(Err)` when the template is gone: the clones' policy cannot be
+/// known, and a clone must not run with a looser one than its source.
+async fn source_policy(
+    source: &Pod,
+    ns: &str,
+    ctx: &Context,
+) -> Result<Result<Option<String>, String>, Error> {
+    let annotations = source.annotations();
+    if annotations.contains_key(EGRESS_POLICY_ANNOTATION) {
+        return Ok(Ok(None));
+    }
+    let Some(name) = annotations.get(TEMPLATE_ANNOTATION) else {
+        return Ok(Ok(None));
+    };
+    // `list` by name: the controller's role lists and watches templates.
+    let templates: Api<SandboxTemplate> = Api::namespaced(ctx.client.clone(), ns);
+    let found = templates
+        .list(&ListParams::default().fields(&format!("metadata.name={name}")))
+        .await?
+        .items
+        .into_iter()
+        .find(|t| t.name_any() == *name);
+    let Some(template) = found else {
+        return Ok(Err(format!(
+            "SandboxTemplate {name} of source pod {} is gone, so the egress policy its clones must keep is unknown; set the {EGRESS_POLICY_ANNOTATION} annotation on the source pod and create the Clone again",
+            source.name_any()
+        )));
+    };
+    match &template.spec.egress_policy {
+        None => Ok(Ok(None)),
+        Some(policy) => Ok(Ok(Some(
+            serde_json::to_string(policy).map_err(kube::Error::SerdeError)?,
+        ))),
+    }
 }
 
 fn pod_ready(pod: &Pod) -> bool {
