@@ -5,6 +5,7 @@
 
 pub mod apiserver;
 pub mod fake;
+pub mod kube_tools;
 pub mod rbac;
 pub mod schema;
 pub mod ssa;
