@@ -70,3 +70,52 @@ pub fn run(command: &mut Command) -> Output {
         .output()
         .unwrap_or_else(|e| panic!("running {command:?}: {e}"))
 }
+
+/// A real kubectl configured for one test API server (its own kubeconfig
+/// and discovery cache, removed with it).
+pub struct Kubectl {
+    dir: tempfile::TempDir,
+}
+
+impl Kubectl {
+    /// A kubectl talking plain HTTP to `server` (`127.0.0.1:port`), namespace `default`.
+    pub fn new(server: std::net::SocketAddr) -> Self {
+        let dir = tempfile::tempdir().expect("kubectl dir");
+        let config = format!(
+            "apiVersion: v1\nkind: Config\n\
+             clusters: [{{name: test, cluster: {{server: \"http://{server}\"}}}}]\n\
+             users: [{{name: test, user: {{}}}}]\n\
+             contexts: [{{name: test, context: {{cluster: test, user: test, namespace: default}}}}]\n\
+             current-context: test\n"
+        );
+        std::fs::write(dir.path().join("kubeconfig"), config).expect("write kubeconfig");
+        Self { dir }
+    }
+
+    /// `kubectl <args>`, not yet started.
+    pub fn command(&self, args: &[&str]) -> Command {
+        let mut command = Command::new(kubectl());
+        command
+            .env("KUBECONFIG", self.dir.path().join("kubeconfig"))
+            .arg("--cache-dir")
+            .arg(self.dir.path().join("cache"))
+            .args(args);
+        command
+    }
+
+    /// Runs `kubectl <args>` to its end (off the async runtime, which serves the API).
+    pub async fn run(&self, args: &[&str]) -> Output {
+        let mut command = self.command(args);
+        tokio::task::spawn_blocking(move || run(&mut command))
+            .await
+            .expect("kubectl task")
+    }
+
+    /// Runs `kubectl <args>`, failing the test unless it succeeds; its stdout.
+    pub async fn ok(&self, args: &[&str]) -> String {
+        let mut command = self.command(args);
+        tokio::task::spawn_blocking(move || succeed(&mut command))
+            .await
+            .expect("kubectl task")
+    }
+}
