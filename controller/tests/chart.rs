@@ -143,7 +143,11 @@ fn controller_container(docs: &[Value], service_account: &str) -> Container {
 
 #[test]
 fn helm_lints_the_chart_with_default_and_changed_values() {
-    succeed(Command::new(helm()).args(["lint", "--strict"]).arg(chart_dir()));
+    succeed(
+        Command::new(helm())
+            .args(["lint", "--strict"])
+            .arg(chart_dir()),
+    );
     let changed = values_file(&json!({
         "nodeSetup": {"enabled": false},
         "controller": {"image": "registry.example/twig/controller:9.9.9"},
@@ -442,6 +446,10 @@ fn chart_crds_are_the_generated_ones() {
         .collect();
     assert_eq!(crds.len(), generated.len());
     for crd in generated {
-        assert!(crds.contains(&&crd), "helm does not install {}", crd["metadata"]["name"]);
+        assert!(
+            crds.contains(&&crd),
+            "helm does not install {}",
+            crd["metadata"]["name"]
+        );
     }
 }

@@ -191,6 +191,11 @@ impl TestApiServer {
             .collect()
     }
 
+    /// How many watches are open (a client waiting on a watch counts once per watch).
+    pub fn open_watches(&self) -> usize {
+        self.state.changes.receiver_count()
+    }
+
     /// A kube client for this server, default namespace `default`.
     pub fn client(&self) -> kube::Client {
         let url = format!("http://{}", self.addr).parse().expect("url");
@@ -469,9 +474,7 @@ fn validate_fields(
         (&Method::PATCH, "application/apply-patch+yaml") => false,
         _ => return Ok(Vec::new()),
     };
-    let directive = params
-        .get("fieldValidation")
-        .map_or("Warn", String::as_str);
+    let directive = params.get("fieldValidation").map_or("Warn", String::as_str);
     if directive == "Ignore" {
         return Ok(Vec::new());
     }
@@ -500,7 +503,10 @@ fn validate_fields(
             .iter()
             .map(|f| format!("unknown field \"{f}\""))
             .collect();
-        return Err(cannot(format!("strict decoding error: {}", list.join(", "))));
+        return Err(cannot(format!(
+            "strict decoding error: {}",
+            list.join(", ")
+        )));
     }
     Ok(unknown
         .iter()

@@ -122,7 +122,9 @@ pub(super) fn find(state: &State, api: &str, plural: &str) -> Option<Resource> {
         .find(|r| r.api() == api && r.plural == plural)
 }
 
-const VERBS: &[&str] = &["create", "delete", "get", "list", "patch", "update", "watch"];
+const VERBS: &[&str] = &[
+    "create", "delete", "get", "list", "patch", "update", "watch",
+];
 
 fn resource_list(group_version: &str, resources: &[&Resource]) -> Value {
     let mut list = Vec::new();
@@ -163,7 +165,9 @@ pub(super) fn serve(state: &State, path: &str) -> Option<Response<Body>> {
             "major": "1", "minor": "30", "gitVersion": "v1.30.0-twig-test",
             "platform": "linux/amd64",
         }),
-        ["api"] => json!({"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": []}),
+        ["api"] => {
+            json!({"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": []})
+        }
         ["apis"] => {
             let list: Vec<Value> = groups(&all)
                 .into_iter()
@@ -273,10 +277,9 @@ fn openapi_document(resources: &[&Resource]) -> Value {
                 json!({"get": op("get", &[]), "put": op("put", &writes), "patch": op("patch", &patch)}),
             );
         }
-        let mut schema = r
-            .schema
-            .clone()
-            .unwrap_or_else(|| json!({"type": "object", "x-kubernetes-preserve-unknown-fields": true}));
+        let mut schema = r.schema.clone().unwrap_or_else(
+            || json!({"type": "object", "x-kubernetes-preserve-unknown-fields": true}),
+        );
         schema["x-kubernetes-group-version-kind"] = json!([gvk]);
         schemas.insert(schema_name(r), schema);
     }

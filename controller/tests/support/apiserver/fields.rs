@@ -81,7 +81,11 @@ fn round_trip<T: serde::de::DeserializeOwned + serde::Serialize>(
 /// The unknown fields of `body`, a whole object or a patch of one (`partial`:
 /// a built-in kind's patch is not checked, as it need not deserialize).
 /// `Err` is a body its built-in kind cannot decode at all.
-pub(super) fn unknown(resource: &Resource, body: &Value, partial: bool) -> Result<Vec<String>, String> {
+pub(super) fn unknown(
+    resource: &Resource,
+    body: &Value,
+    partial: bool,
+) -> Result<Vec<String>, String> {
     let mut out = Vec::new();
     if resource.schema.is_some() || partial {
         if let Some(meta) = body.get("metadata").filter(|m| m.is_object()) {

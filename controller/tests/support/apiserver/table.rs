@@ -18,14 +18,18 @@ pub(super) const TABLE_CONTENT_TYPE: &str = "application/json;as=Table;v=v1;g=me
 pub(super) fn wanted(accept: &str) -> bool {
     accept.split(',').any(|media| {
         let params: Vec<&str> = media.split(';').map(str::trim).collect();
-        params.contains(&"as=Table") && params.contains(&"v=v1") && params.contains(&"g=meta.k8s.io")
+        params.contains(&"as=Table")
+            && params.contains(&"v=v1")
+            && params.contains(&"g=meta.k8s.io")
     })
 }
 
 fn columns(resource: &Resource) -> Vec<Value> {
     let mut columns = resource.columns.clone();
     if columns.is_empty() {
-        columns.push(json!({"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}));
+        columns.push(
+            json!({"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}),
+        );
     }
     columns
 }
@@ -122,7 +126,8 @@ pub(super) fn human_duration(seconds: i64) -> String {
 /// The first result of a printer column's JSONPath: fields (`.a.b`),
 /// indexes (`[0]`) and equality filters (`[?(@.type=="Ready")]`).
 fn evaluate<'a>(obj: &'a Value, path: &str) -> Result<Option<&'a Value>, String> {
-    let unsupported = || format!("printer column JSONPath {path} is not supported by the test API server");
+    let unsupported =
+        || format!("printer column JSONPath {path} is not supported by the test API server");
     let mut current = Some(obj);
     let mut rest = path.trim_start_matches('{').trim_end_matches('}');
     while !rest.is_empty() {
@@ -135,9 +140,11 @@ fn evaluate<'a>(obj: &'a Value, path: &str) -> Result<Option<&'a Value>, String>
             let end = after.find(")]").ok_or_else(unsupported)?;
             let (field, wanted) = after[..end].split_once("==").ok_or_else(unsupported)?;
             let wanted = wanted.trim().trim_matches(['"', '\'']);
-            current = current
-                .and_then(Value::as_array)
-                .and_then(|items| items.iter().find(|i| i[field.trim()].as_str() == Some(wanted)));
+            current = current.and_then(Value::as_array).and_then(|items| {
+                items
+                    .iter()
+                    .find(|i| i[field.trim()].as_str() == Some(wanted))
+            });
             rest = &after[end + 2..];
         } else if let Some(after) = rest.strip_prefix('[') {
             let end = after.find(']').ok_or_else(unsupported)?;
