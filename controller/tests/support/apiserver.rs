@@ -428,7 +428,7 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
     };
     let warnings = match validate_fields(&state, &target, &method, &content_type, &params, &body) {
         Ok(warnings) => warnings,
-        Err(resp) => return resp,
+        Err(message) => return status_error(StatusCode::BAD_REQUEST, "BadRequest", message),
     };
     let request = Call {
         method,
@@ -458,7 +458,8 @@ struct Call {
 }
 
 /// Server-side field validation of a write (see `fields.rs`): `Err` is the
-/// refusal of a Strict request, `Ok` the `Warning` headers of a Warn one.
+/// message of a Strict request's refusal (400), `Ok` the `Warning` headers of
+/// a Warn one.
 fn validate_fields(
     state: &State,
     target: &Target,
@@ -466,7 +467,7 @@ fn validate_fields(
     content_type: &str,
     params: &BTreeMap<String, String>,
     body: &[u8],
-) -> Result<Vec<String>, Response<Body>> {
+) -> Result<Vec<String>, String> {
     let media = content_type.split(';').next().unwrap_or_default().trim();
     let partial = match (method, media) {
         (&Method::POST | &Method::PUT, _) => false,
@@ -492,7 +493,7 @@ fn validate_fields(
             kind = resource.kind,
             version = resource.version
         );
-        status_error(StatusCode::BAD_REQUEST, "BadRequest", message)
+        message
     };
     let unknown = fields::unknown(&resource, &value, partial).map_err(cannot)?;
     if unknown.is_empty() {
