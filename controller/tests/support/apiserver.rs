@@ -426,7 +426,7 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
         Ok(b) => b.to_bytes(),
         Err(e) => return status_error(StatusCode::BAD_REQUEST, "BadRequest", e.to_string()),
     };
-    let warnings = match validate_fields(&state, &target, &method, &content_type, &params, &body) {
+    let warnings = match fields::validate(&state, &target, &method, &content_type, &params, &body) {
         Ok(warnings) => warnings,
         Err(message) => return status_error(StatusCode::BAD_REQUEST, "BadRequest", message),
     };
@@ -455,64 +455,6 @@ struct Call {
     manager: String,
     params: BTreeMap<String, String>,
     body: Bytes,
-}
-
-/// Server-side field validation of a write (see `fields.rs`): `Err` is the
-/// message of a Strict request's refusal (400), `Ok` the `Warning` headers of
-/// a Warn one.
-fn validate_fields(
-    state: &State,
-    target: &Target,
-    method: &Method,
-    content_type: &str,
-    params: &BTreeMap<String, String>,
-    body: &[u8],
-) -> Result<Vec<String>, String> {
-    let media = content_type.split(';').next().unwrap_or_default().trim();
-    let partial = match (method, media) {
-        (&Method::POST | &Method::PUT, _) => false,
-        (&Method::PATCH, "application/merge-patch+json") => true,
-        (&Method::PATCH, "application/apply-patch+yaml") => false,
-        _ => return Ok(Vec::new()),
-    };
-    let directive = params.get("fieldValidation").map_or("Warn", String::as_str);
-    if directive == "Ignore" {
-        return Ok(Vec::new());
-    }
-    let Some(resource) = discovery::find(state, &target.api, &target.plural) else {
-        return Ok(Vec::new());
-    };
-    let Ok(value) = serde_json::from_slice::<Value>(body)
-        .or_else(|_| serde_saphyr::from_slice::<Value>(body).map_err(|e| e.to_string()))
-    else {
-        return Ok(Vec::new());
-    };
-    let cannot = |why: String| {
-        let message = format!(
-            "{kind} in version \"{version}\" cannot be handled as a {kind}: {why}",
-            kind = resource.kind,
-            version = resource.version
-        );
-        message
-    };
-    let unknown = fields::unknown(&resource, &value, partial).map_err(cannot)?;
-    if unknown.is_empty() {
-        return Ok(Vec::new());
-    }
-    if directive == "Strict" {
-        let list: Vec<String> = unknown
-            .iter()
-            .map(|f| format!("unknown field \"{f}\""))
-            .collect();
-        return Err(cannot(format!(
-            "strict decoding error: {}",
-            list.join(", ")
-        )));
-    }
-    Ok(unknown
-        .iter()
-        .map(|f| format!("299 - \"unknown field \\\"{f}\\\"\""))
-        .collect())
 }
 
 fn dispatch(state: &State, target: &Target, path: &str, call: &Call) -> Response<Body> {
@@ -629,37 +571,8 @@ fn get(
         return not_found(target, name);
     };
     match table {
-        Some(params) => as_table(state, target, &[obj], &inner.rv.to_string(), params),
+        Some(params) => table::respond(state, target, &[obj], &inner.rv.to_string(), params),
         None => full(StatusCode::OK, obj),
-    }
-}
-
-/// The Table of `objects` (server-side printing, `table.rs`).
-fn as_table(
-    state: &State,
-    target: &Target,
-    objects: &[&Value],
-    rv: &str,
-    params: &BTreeMap<String, String>,
-) -> Response<Body> {
-    let Some(resource) = discovery::find(state, &target.api, &target.plural) else {
-        return status_error(
-            StatusCode::NOT_FOUND,
-            "NotFound",
-            format!("the server does not serve {}/{}", target.api, target.plural),
-        );
-    };
-    let include = params.get("includeObject").map(String::as_str);
-    match table::table(&resource, objects, rv, include) {
-        Ok(table) => {
-            let mut resp = full(StatusCode::OK, &table);
-            resp.headers_mut().insert(
-                hyper::header::CONTENT_TYPE,
-                hyper::header::HeaderValue::from_static(table::TABLE_CONTENT_TYPE),
-            );
-            resp
-        }
-        Err(e) => status_error(StatusCode::INTERNAL_SERVER_ERROR, "InternalError", e),
     }
 }
 
@@ -698,7 +611,7 @@ fn list(
         .map(|(_, v)| v)
         .collect();
     if table {
-        return as_table(state, target, &items, &inner.rv.to_string(), params);
+        return table::respond(state, target, &items, &inner.rv.to_string(), params);
     }
     let body = json!({
         "apiVersion": api_version(&target.api),
@@ -753,6 +666,8 @@ fn watch(state: &State, target: &Target, params: &BTreeMap<String, String>) -> R
         loop {
             tokio::select! {
                 () = &mut deadline => return,
+                // The client went away: end the watch now, not at the next change.
+                () = tx.closed() => return,
                 change = rx.recv() => match change {
                     Ok(c) if f.matches(&c.api, &c.plural, &c.namespace, &c.object) => {
                         if !send(json!({"type": c.kind, "object": c.object})).await {

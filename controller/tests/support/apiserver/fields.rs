@@ -12,7 +12,12 @@ use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::Value;
 
-use super::discovery::Resource;
+use std::collections::BTreeMap;
+
+use hyper::Method;
+
+use super::discovery::{find, Resource};
+use super::{State, Target};
 
 fn join(path: &str, field: &str) -> String {
     if path.is_empty() {
@@ -118,4 +123,62 @@ pub(super) fn unknown(
         }
     }
     Ok(out)
+}
+
+/// Server-side field validation of a write: `Err` is the
+/// message of a Strict request's refusal (400), `Ok` the `Warning` headers of
+/// a Warn one.
+pub(super) fn validate(
+    state: &State,
+    target: &Target,
+    method: &Method,
+    content_type: &str,
+    params: &BTreeMap<String, String>,
+    body: &[u8],
+) -> Result<Vec<String>, String> {
+    let media = content_type.split(';').next().unwrap_or_default().trim();
+    let partial = match (method, media) {
+        (&Method::POST | &Method::PUT, _) => false,
+        (&Method::PATCH, "application/merge-patch+json") => true,
+        (&Method::PATCH, "application/apply-patch+yaml") => false,
+        _ => return Ok(Vec::new()),
+    };
+    let directive = params.get("fieldValidation").map_or("Warn", String::as_str);
+    if directive == "Ignore" {
+        return Ok(Vec::new());
+    }
+    let Some(resource) = find(state, &target.api, &target.plural) else {
+        return Ok(Vec::new());
+    };
+    let Ok(value) = serde_json::from_slice::<Value>(body)
+        .or_else(|_| serde_saphyr::from_slice::<Value>(body).map_err(|e| e.to_string()))
+    else {
+        return Ok(Vec::new());
+    };
+    let cannot = |why: String| {
+        let message = format!(
+            "{kind} in version \"{version}\" cannot be handled as a {kind}: {why}",
+            kind = resource.kind,
+            version = resource.version
+        );
+        message
+    };
+    let unknown = unknown(&resource, &value, partial).map_err(cannot)?;
+    if unknown.is_empty() {
+        return Ok(Vec::new());
+    }
+    if directive == "Strict" {
+        let list: Vec<String> = unknown
+            .iter()
+            .map(|f| format!("unknown field \"{f}\""))
+            .collect();
+        return Err(cannot(format!(
+            "strict decoding error: {}",
+            list.join(", ")
+        )));
+    }
+    Ok(unknown
+        .iter()
+        .map(|f| format!("299 - \"unknown field \\\"{f}\\\"\""))
+        .collect())
 }

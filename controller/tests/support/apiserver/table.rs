@@ -9,7 +9,12 @@
 use k8s_openapi::jiff::Timestamp;
 use serde_json::{json, Value};
 
-use super::discovery::Resource;
+use std::collections::BTreeMap;
+
+use hyper::{Response, StatusCode};
+
+use super::discovery::{find, Resource};
+use super::{full, status_error, Body, State, Target};
 
 /// The media type of a Table response.
 pub(super) const TABLE_CONTENT_TYPE: &str = "application/json;as=Table;v=v1;g=meta.k8s.io";
@@ -156,4 +161,33 @@ fn evaluate<'a>(obj: &'a Value, path: &str) -> Result<Option<&'a Value>, String>
         }
     }
     Ok(current)
+}
+
+/// The response with the Table of `objects` of `target`.
+pub(super) fn respond(
+    state: &State,
+    target: &Target,
+    objects: &[&Value],
+    rv: &str,
+    params: &BTreeMap<String, String>,
+) -> Response<Body> {
+    let Some(resource) = find(state, &target.api, &target.plural) else {
+        return status_error(
+            StatusCode::NOT_FOUND,
+            "NotFound",
+            format!("the server does not serve {}/{}", target.api, target.plural),
+        );
+    };
+    let include = params.get("includeObject").map(String::as_str);
+    match table(&resource, objects, rv, include) {
+        Ok(table) => {
+            let mut resp = full(StatusCode::OK, &table);
+            resp.headers_mut().insert(
+                hyper::header::CONTENT_TYPE,
+                hyper::header::HeaderValue::from_static(TABLE_CONTENT_TYPE),
+            );
+            resp
+        }
+        Err(e) => status_error(StatusCode::INTERNAL_SERVER_ERROR, "InternalError", e),
+    }
 }
