@@ -14,8 +14,12 @@
 //! `null` passing on a missing field); field ownership (`managedFields`) on
 //! every write and server-side apply with `fieldManager` and `force`,
 //! merging by the CRD schema's list types (see `ssa.rs`); and cluster-scoped
-//! Nodes. What it does not do: a client's own `managedFields` in a request
-//! body are ignored (the server keeps its own).
+//! Nodes. For the real kubectl it also serves discovery and OpenAPI v3
+//! (`discovery.rs`), `meta.k8s.io/v1` Tables from the CRDs' printer columns
+//! (`table.rs`) and server-side field validation (`fields.rs`). What it does
+//! not do: a client's own `managedFields` in a request body are ignored (the
+//! server keeps its own); unknown fields are not pruned; no strategic merge
+//! patch, aggregated discovery or OpenAPI v2.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::convert::Infallible;
