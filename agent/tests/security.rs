@@ -332,16 +332,28 @@ fn runtime_default_seccomp_blocks_unshare_and_keyctl() {
     assert!(text.contains("personality-set errno=1\n"), "{text}");
     assert!(text.contains("forked child\n"), "{text}");
 
-    // Execs get the container's filter too.
+    // Without no_new_privs the filter goes on while CAP_SYS_ADMIN still
+    // allows it (before the capabilities are dropped); execs (here too
+    // without no_new_privs) get the container's filter.
     let id = "exec-filtered";
     let s = spec(
         &["sleep", "1000"],
-        json!({"linux": {"seccomp": runtime_default_profile()}}),
+        json!({"process": {"noNewPrivileges": false},
+               "linux": {"seccomp": runtime_default_profile()}}),
     );
     c.create_container(id, &image.device, false, &s, T).unwrap();
     c.start_container(id, T).unwrap();
     let (_, out, _) = c.run(id, "k", &["probe", "keyctl"], T).unwrap();
     assert_eq!(out, b"errno=1\n");
+    let (_, out, _) = c
+        .run(
+            id,
+            "status",
+            &["grep", "-E", "^(Seccomp|NoNewPrivs):", "/proc/1/status"],
+            T,
+        )
+        .unwrap();
+    assert_eq!(out, b"NoNewPrivs:\t0\nSeccomp:\t2\n");
     c.remove_container(id, T).unwrap();
 
     // A kill action kills (SIGSYS); a log action allows.
