@@ -2,7 +2,9 @@
 # The one test command (README, .ci/run). Installs what the tests need, checks
 # formatting and lints, runs every workspace test on the real components
 # (/dev/kvm, containerd, loop-mounted reflink filesystems), then runs the
-# VMM's tests again inside the nested lab on a real kvm-amd. Tests that need
+# VMM's tests again inside the nested lab on a real kvm-amd, then containerd
+# with twig-snapshotter and the twig shim in the lab (a container in a
+# microVM restored from a template, through `ctr run`). Tests that need
 # root, KVM, containerd or the lab fail loudly when those are missing; they
 # never skip.
 set -euo pipefail
@@ -12,3 +14,4 @@ cargo fmt --all --check
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 cargo test --workspace --locked
 tests/lab/run.sh -p twig-vmm --features twig-vmm/lab
+tests/lab/run.sh -p twig-e2e --features twig-e2e/lab

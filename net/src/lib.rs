@@ -8,22 +8,27 @@
 //! dropped, and the destination is matched against the pod's [`EgressPolicy`]
 //! held in an LPM trie. Everything is counted per reason.
 //!
-//! [`PodNetwork::attach`] loads one instance of the programs and maps per pod,
-//! attaches them as TCX links in the pod's network namespace and pins links
-//! and maps under a bpffs directory, so the path and its policy outlive the
-//! process that set them up; [`PodNetwork::open`] finds them again.
+//! A [`Loader`] (one per process) keeps a pool of ready instances of the
+//! programs and maps; [`Loader::attach`] gives one to a pod, attaches it in
+//! the pod's network namespace — as TCX links (Linux ≥ 6.6) or as
+//! direct-action filters on a `clsact` qdisc ([`AttachMode`]) — and pins it
+//! under a bpffs directory, so the path and its policy outlive the process
+//! that set them up; [`PodNetwork::open`] finds them again.
 
 mod bpffs;
 mod error;
+mod loader;
 mod maps;
 mod metrics;
 mod netns;
 mod pod;
 mod policy;
 mod support;
+mod tc;
 
 pub use bpffs::ensure_bpffs;
 pub use error::Error;
+pub use loader::Loader;
 pub use maps::RULE_CAPACITY;
 pub use metrics::{render_openmetrics, Counter, Counters, PodCounters, Reason};
 pub use pod::{PodNetConfig, PodNetwork};
@@ -31,7 +36,7 @@ pub use policy::{
     Action, CompiledPolicy, EgressPolicy, EgressRule, NodeContext, PolicyError, PortRange,
     Protocol, ALWAYS_DENIED, MAX_PORTS_PER_RULE, PRIVATE_BY_DEFAULT,
 };
-pub use support::check_support;
+pub use support::{check_support, check_support_with, AttachMode, ATTACH_MODE_ENV};
 
 /// The compiled eBPF object (`bpf/pod.c`).
 pub(crate) static POD_OBJECT: &[u8] =

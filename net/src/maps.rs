@@ -13,17 +13,36 @@ pub(crate) const MAP_CONFIG: &str = "config";
 pub(crate) const MAP_STATE: &str = "state";
 pub(crate) const MAP_RULES: &str = "rules";
 pub(crate) const MAP_COUNTERS: &str = "counters";
-/// Pins of the TCX links that keep the programs attached.
+pub(crate) const MAP_ATTACHMENT: &str = "attachment";
+/// Pins of the TCX links that keep the programs attached (TCX mode).
 pub(crate) const LINK_TAP: &str = "link_tap";
 pub(crate) const LINK_VETH: &str = "link_veth";
-/// Every pin of a pod's directory.
-pub(crate) const ALL_PINS: [&str; 6] = [
-    LINK_TAP,
-    LINK_VETH,
+/// Pins of the programs (netlink mode: the tc filters hold them, the pins let
+/// a restarted process find them).
+pub(crate) const PIN_PROG_TAP: &str = "prog_tap";
+pub(crate) const PIN_PROG_VETH: &str = "prog_veth";
+/// Netlink mode: a symlink to the namespace file the filters were added in.
+pub(crate) const PIN_NETNS: &str = "netns";
+/// The map pins every pod directory holds.
+pub(crate) const MAP_PINS: [&str; 5] = [
     MAP_CONFIG,
     MAP_STATE,
     MAP_RULES,
     MAP_COUNTERS,
+    MAP_ATTACHMENT,
+];
+/// Every name a pod directory may hold, in either mode.
+pub(crate) const ALL_PINS: [&str; 10] = [
+    LINK_TAP,
+    LINK_VETH,
+    PIN_PROG_TAP,
+    PIN_PROG_VETH,
+    PIN_NETNS,
+    MAP_CONFIG,
+    MAP_STATE,
+    MAP_RULES,
+    MAP_COUNTERS,
+    MAP_ATTACHMENT,
 ];
 
 /// Capacity of the `rules` LPM trie (`max_entries` in `bpf/pod.c`), shared
@@ -111,3 +130,27 @@ pub(crate) struct RawCounter {
 
 // SAFETY: two `u64`s, `repr(C)`, no padding; any bit pattern is valid.
 unsafe impl aya::Pod for RawCounter {}
+
+/// `attachment.mode` of a path attached as TCX links.
+pub(crate) const MODE_TCX: u32 = 1;
+/// `attachment.mode` of a path attached as netlink tc filters.
+pub(crate) const MODE_NETLINK: u32 = 2;
+
+/// `struct attachment`: where the programs are attached.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Attachment {
+    pub mode: u32,
+    pub tap_ifindex: u32,
+    pub veth_ifindex: u32,
+    pub tap_prio: u16,
+    pub veth_prio: u16,
+    pub tap_handle: u32,
+    pub veth_handle: u32,
+    pub netns_dev: u64,
+    pub netns_ino: u64,
+}
+
+// SAFETY: `repr(C)`, integers only, no implicit padding (3 * 4 + 2 * 2 +
+// 2 * 4 = 24 bytes, then two 8-byte-aligned `u64`s); any bit pattern is valid.
+unsafe impl aya::Pod for Attachment {}

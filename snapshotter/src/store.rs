@@ -17,7 +17,6 @@
 
 use crate::error::{ctx, Error, Result};
 use crate::filter::Filter;
-use crate::fsops::{self, CloneMode};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{self, File, OpenOptions};
@@ -28,6 +27,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::SystemTime;
+use twig_store::fsops::{self, CloneMode};
 
 const IMAGE: &str = "rootfs.img";
 const INFO: &str = "info.json";

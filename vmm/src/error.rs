@@ -154,6 +154,9 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// The node store refused or failed an operation (staging, publishing).
+    #[error("node store: {0}")]
+    Store(#[from] twig_store::Error),
 }
 
 impl Error {
@@ -199,6 +202,16 @@ impl Error {
                 _ => ErrorKind::Refused,
             },
             Error::VmLost(_) => ErrorKind::Lost,
+            Error::Store(e) => match e {
+                twig_store::Error::NotFound(_) => ErrorKind::NotFound,
+                twig_store::Error::AlreadyExists(_)
+                | twig_store::Error::InvalidArgument(_)
+                | twig_store::Error::FailedPrecondition(_) => ErrorKind::InvalidRequest,
+                twig_store::Error::NoSpace { .. }
+                | twig_store::Error::NoReflink { .. }
+                | twig_store::Error::Corrupt { .. }
+                | twig_store::Error::Io { .. } => ErrorKind::Internal,
+            },
             Error::KvmOpen(_)
             | Error::KvmApi(_)
             | Error::KvmCapability(_)
@@ -259,6 +272,14 @@ mod tests {
                 ErrorKind::Refused,
             ),
             (io(), ErrorKind::Internal),
+            (
+                twig_store::Error::NotFound("s".into()).into(),
+                ErrorKind::NotFound,
+            ),
+            (
+                twig_store::Error::AlreadyExists("s".into()).into(),
+                ErrorKind::InvalidRequest,
+            ),
             (Error::KvmApi(11), ErrorKind::Internal),
         ];
         for (e, kind) in cases {

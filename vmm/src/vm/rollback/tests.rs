@@ -151,20 +151,22 @@ fn fixture() -> Fixture {
     testguest::wait_booted(&vm, T).expect("guest magic");
 
     dirty(&mut vm, 0, 8, 100);
-    vm.snapshot(&dir.path().join("s1"), Kind::Full)
+    let store = twig_store::NodeStore::open(&dir.path().join("store"), true).expect("node store");
+    vm.snapshot_into(&store, "s1", Kind::Full)
         .expect("full snapshot");
     dirty(&mut vm, 0, 4, 200);
     write_disk(&disk, 4096, b"s2-time");
     poke_devices(&vm, 0x55);
     vm.pause().expect("pause");
-    let s2 = dir.path().join("s2");
-    vm.snapshot(&s2, Kind::Incremental)
+    vm.snapshot_into(&store, "s2", Kind::Incremental)
         .expect("incremental snapshot");
+    let s2 = store.snapshot_dir("s2");
     let at_s2 = seen(&vm, &disk);
     vm.resume().expect("resume");
     dirty(&mut vm, 0, 2, 900);
-    let s3 = dir.path().join("s3");
-    vm.snapshot(&s3, Kind::Full).expect("second full snapshot");
+    vm.snapshot_into(&store, "s3", Kind::Full)
+        .expect("second full snapshot");
+    let s3 = store.snapshot_dir("s3");
     Fixture {
         dir,
         vm,
