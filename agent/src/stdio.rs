@@ -267,8 +267,12 @@ mod tests {
         // Write until the pipe is full: the buffer (1 MiB) plus the pipe.
         let block = vec![7u8; 64 << 10];
         let mut total = 0usize;
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            assert!(
+                Instant::now() < deadline,
+                "the buffer never filled: {total} bytes written"
+            );
             match nix::unistd::write(&w, &block) {
                 Ok(n) => total += n,
                 Err(nix::errno::Errno::EAGAIN) => {
