@@ -10,6 +10,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
+# The real helm and kubectl of the controller's tests (downloaded once, cached).
+TWIG_KUBE_TOOLS="$(scripts/kube-tools.sh)"
+export TWIG_KUBE_TOOLS
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 cargo test --workspace --locked

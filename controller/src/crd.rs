@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::{CustomResource, CustomResourceExt, KubeSchema};
 use serde::{Deserialize, Serialize};
+use twig_net::EgressPolicy;
 
 /// API group of every Twig resource.
 pub const GROUP: &str = "twig.dev";
@@ -13,6 +14,9 @@ pub const GROUP: &str = "twig.dev";
 pub const RESTORE_FROM_ANNOTATION: &str = "twig.dev/restore-from";
 /// Pod annotation naming the SandboxTemplate a pod starts from.
 pub const TEMPLATE_ANNOTATION: &str = "twig.dev/template";
+/// Pod annotation holding the pod's own egress policy (JSON
+/// `twig_net::EgressPolicy`); it replaces its template's `spec.egressPolicy`.
+pub use twig_net::EGRESS_POLICY_ANNOTATION;
 /// Label on every pod a Clone creates, valued with the Clone's name.
 pub const CLONE_LABEL: &str = "twig.dev/clone";
 /// The RuntimeClass (and containerd handler) of Twig pods.
@@ -329,6 +333,12 @@ pub struct SandboxTemplateSpec {
     /// Run in the template VM before it is saved (e.g. to load the app and warm caches).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warmup: Option<Vec<String>>,
+    /// Egress policy of the pods restored from this template (a pod's
+    /// `twig.dev/egress-policy` annotation replaces it for that pod); the
+    /// built-in default (public destinations allowed, private ones and the
+    /// metadata range denied) when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_policy: Option<EgressPolicy>,
 }
 
 /// Observed state of a SandboxTemplate: one entry per node that built it.

@@ -46,6 +46,7 @@ fn template(name: &str) -> SandboxTemplate {
             memory_mib: 256,
             command: None,
             warmup: None,
+            egress_policy: None,
         },
     )
 }

@@ -214,6 +214,7 @@ async fn invalid_specs_are_refused_with_a_clear_message() {
             memory_mib: 256,
             command: None,
             warmup: None,
+            egress_policy: None,
         },
     );
     let err = templates
@@ -733,6 +734,7 @@ async fn sandbox_template_lists_ready_nodes_and_is_removed_from_each() {
             memory_mib: 256,
             command: Some(vec!["python3".into(), "-i".into()]),
             warmup: None,
+            egress_policy: None,
         },
     );
     create(&client, &template).await;
@@ -856,6 +858,7 @@ async fn controller_calls_only_what_its_rbac_grants() {
             memory_mib: 128,
             command: None,
             warmup: None,
+            egress_policy: None,
         },
     );
     create(&client, &template).await;

@@ -30,6 +30,7 @@ fn template(name: &str, memory_mib: u32) -> SandboxTemplate {
             memory_mib,
             command: None,
             warmup: None,
+            egress_policy: None,
         },
     )
 }

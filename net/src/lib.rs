@@ -14,39 +14,64 @@
 //! direct-action filters on a `clsact` qdisc ([`AttachMode`]) — and pins it
 //! under a bpffs directory, so the path and its policy outlive the process
 //! that set them up; [`PodNetwork::open`] finds them again.
+//!
+//! # Features
+//!
+//! - `loader` (default): everything that loads, attaches and manages the
+//!   programs — aya, the embedded BPF object (and the clang compile in
+//!   `build.rs`), [`Loader`], [`PodNetwork`], [`check_support`],
+//!   [`ensure_bpffs`], [`Error`]. Without it the crate is only the policy
+//!   types, their validation and compilation, [`effective_policy`] and the
+//!   metrics renderer (what the controller needs for its CRDs), with no aya,
+//!   nix or clang.
+//! - `schemars`: `JsonSchema` on the policy types.
 
+#[cfg(feature = "loader")]
 mod bpffs;
+#[cfg(feature = "loader")]
 mod error;
+#[cfg(feature = "loader")]
 mod loader;
 mod maps;
 mod metrics;
+#[cfg(feature = "loader")]
 mod netns;
+#[cfg(feature = "loader")]
 mod pod;
 mod policy;
+#[cfg(feature = "loader")]
 mod support;
+#[cfg(feature = "loader")]
 mod tc;
 
+#[cfg(feature = "loader")]
 pub use bpffs::ensure_bpffs;
+#[cfg(feature = "loader")]
 pub use error::Error;
+#[cfg(feature = "loader")]
 pub use loader::Loader;
 pub use maps::RULE_CAPACITY;
 pub use metrics::{render_openmetrics, Counter, Counters, PodCounters, Reason};
+#[cfg(feature = "loader")]
 pub use pod::{PodNetConfig, PodNetwork};
 pub use policy::{
-    Action, CompiledPolicy, EgressPolicy, EgressRule, NodeContext, PolicyError, PortRange,
-    Protocol, ALWAYS_DENIED, MAX_PORTS_PER_RULE, PRIVATE_BY_DEFAULT,
+    effective_policy, Action, CompiledPolicy, EgressPolicy, EgressRule, NodeContext, PolicyError,
+    PortRange, Protocol, ALWAYS_DENIED, EGRESS_POLICY_ANNOTATION, MAX_PORTS_PER_RULE,
+    PRIVATE_BY_DEFAULT,
 };
+#[cfg(feature = "loader")]
 pub use support::{check_support, check_support_with, AttachMode, ATTACH_MODE_ENV};
 
 /// The compiled eBPF object (`bpf/pod.c`).
+#[cfg(feature = "loader")]
 pub(crate) static POD_OBJECT: &[u8] =
     aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/pod.o"));
 
-#[cfg(test)]
+#[cfg(all(test, feature = "loader"))]
 #[path = "../build/compile.rs"]
 mod compile;
 
-#[cfg(test)]
+#[cfg(all(test, feature = "loader"))]
 mod build_tests {
     #[test]
     fn a_missing_clang_fails_the_build_with_what_to_install() {

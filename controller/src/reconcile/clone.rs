@@ -15,8 +15,9 @@ use kube::{Api, Resource, ResourceExt};
 use super::{conditions, write_status};
 use crate::context::{is_not_found, millis_since, Context, Error};
 use crate::crd::{
-    CloneStatus, DeletionPolicy, Phase, PodClone, Snapshot, SnapshotMode, SnapshotSpec,
-    CLONE_LABEL, RESTORE_FROM_ANNOTATION, RUNTIME_CLASS,
+    CloneStatus, DeletionPolicy, Phase, PodClone, SandboxTemplate, Snapshot, SnapshotMode,
+    SnapshotSpec, CLONE_LABEL, EGRESS_POLICY_ANNOTATION, RESTORE_FROM_ANNOTATION, RUNTIME_CLASS,
+    TEMPLATE_ANNOTATION,
 };
 use crate::reconcile::validate_name;
 
@@ -134,10 +135,19 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
         );
         return fail(&api, &clone, "SourcePodNotFound", message, &ctx).await;
     };
+    let policy = match source_policy(&source, &ns, &ctx).await? {
+        Ok(policy) => policy,
+        Err(message) => return fail(&api, &clone, "TemplateNotFound", message, &ctx).await,
+    };
     let mut created = 0;
     let mut names = Vec::new();
     for index in 0..clone.spec.replicas {
-        let pod = clone_pod(&clone, &source, &node, &snapshot_id, &snap_name, index)?;
+        let mut pod = clone_pod(&clone, &source, &node, &snapshot_id, &snap_name, index)?;
+        if let (Some(policy), Some(annotations)) = (&policy, pod.metadata.annotations.as_mut()) {
+            annotations
+                .entry(EGRESS_POLICY_ANNOTATION.to_string())
+                .or_insert_with(|| policy.clone());
+        }
         let name = pod.name_any();
         match pods.create(&PostParams::default(), &pod).await {
             Ok(_) => created += 1,
@@ -318,6 +328,48 @@ fn owned_by<K: Resource>(obj: &K, clone: &PodClone) -> bool {
         .any(|o| Some(o.uid.as_str()) == uid && o.controller == Some(true))
 }
 
+/// The egress policy a source pod restored from a SandboxTemplate runs with
+/// when it has no `twig.dev/egress-policy` of its own: its template's
+/// `spec.egressPolicy` as JSON, for the clones' annotation (clone pods do not
+/// name the template, so the shim could not find that policy). `Ok(None)`
+/// when the source has its own annotation (`clone_pod` copies it), no
+/// template, or a template without a policy (the built-in default holds for
+/// both). `Ok(Err)` when the template is gone: the clones' policy cannot be
+/// known, and a clone must not run with a looser one than its source.
+async fn source_policy(
+    source: &Pod,
+    ns: &str,
+    ctx: &Context,
+) -> Result<Result<Option<String>, String>, Error> {
+    let annotations = source.annotations();
+    if annotations.contains_key(EGRESS_POLICY_ANNOTATION) {
+        return Ok(Ok(None));
+    }
+    let Some(name) = annotations.get(TEMPLATE_ANNOTATION) else {
+        return Ok(Ok(None));
+    };
+    // `list` by name: the controller's role lists and watches templates.
+    let templates: Api<SandboxTemplate> = Api::namespaced(ctx.client.clone(), ns);
+    let found = templates
+        .list(&ListParams::default().fields(&format!("metadata.name={name}")))
+        .await?
+        .items
+        .into_iter()
+        .find(|t| t.name_any() == *name);
+    let Some(template) = found else {
+        return Ok(Err(format!(
+            "SandboxTemplate {name} of source pod {} is gone, so the egress policy its clones must keep is unknown; set the {EGRESS_POLICY_ANNOTATION} annotation on the source pod and create the Clone again",
+            source.name_any()
+        )));
+    };
+    match &template.spec.egress_policy {
+        None => Ok(Ok(None)),
+        Some(policy) => Ok(Ok(Some(
+            serde_json::to_string(policy).map_err(kube::Error::SerdeError)?,
+        ))),
+    }
+}
+
 fn pod_ready(pod: &Pod) -> bool {
     pod.status
         .as_ref()
@@ -326,7 +378,9 @@ fn pod_ready(pod: &Pod) -> bool {
 }
 
 /// The pod spec of clone `index`: the source's spec, pinned to the snapshot's
-/// node, under the twig RuntimeClass, restored from the snapshot.
+/// node, under the twig RuntimeClass, restored from the snapshot, with the
+/// source's egress policy annotation (`twig.dev/egress-policy`) when it has
+/// one: a clone gets its source's policy.
 pub fn clone_pod(
     clone: &PodClone,
     source: &Pod,
@@ -343,13 +397,16 @@ pub fn clone_pod(
     spec.ephemeral_containers = None;
     let mut labels: BTreeMap<String, String> = clone.spec.labels.clone().unwrap_or_default();
     labels.insert(CLONE_LABEL.to_string(), clone.name_any());
-    let annotations = BTreeMap::from([
+    let mut annotations = BTreeMap::from([
         (RESTORE_FROM_ANNOTATION.to_string(), snapshot_id.to_string()),
         (
             SOURCE_SNAPSHOT_ANNOTATION.to_string(),
             snapshot_name.to_string(),
         ),
     ]);
+    if let Some(policy) = source.annotations().get(EGRESS_POLICY_ANNOTATION) {
+        annotations.insert(EGRESS_POLICY_ANNOTATION.to_string(), policy.clone());
+    }
     let owner = clone
         .controller_owner_ref(&())
         .ok_or(Error::MissingField("metadata.uid"))?;

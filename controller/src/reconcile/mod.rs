@@ -325,6 +325,7 @@ mod tests {
                 memory_mib: 32,
                 command: None,
                 warmup: None,
+                egress_policy: None,
             },
         );
         // twig-vmm's bounds: a multiple of 2 MiB from 16 MiB to 3 GiB.

@@ -31,7 +31,10 @@ pub const MIN_MEMORY_MIB: u32 = 16;
 /// Largest guest RAM twig-vmm accepts, in MiB (guest RAM ends below the 3 GiB MMIO gap).
 pub const MAX_MEMORY_MIB: u32 = 3072;
 
-/// Checks what the CRD schema checks, for objects written before it was installed.
+/// Checks what the CRD schema checks, for objects written before it was
+/// installed, and what it cannot say: the egress policy's CIDR syntax, port
+/// ranges upside down or too wide, ports on ICMP (`EgressPolicy::validate`,
+/// every problem with its field under `spec.egressPolicy`).
 pub fn validate(template: &SandboxTemplate) -> Result<(), String> {
     let spec = &template.spec;
     if spec.image.is_empty() {
@@ -48,6 +51,11 @@ pub fn validate(template: &SandboxTemplate) -> Result<(), String> {
         return Err(format!(
             "spec.memoryMiB {mib} is not accepted by twig-vmm: guest RAM is a multiple of 2 MiB from {MIN_MEMORY_MIB} to {MAX_MEMORY_MIB} MiB"
         ));
+    }
+    if let Some(policy) = &spec.egress_policy {
+        policy
+            .validate()
+            .map_err(|e| e.at("spec.egressPolicy").to_string())?;
     }
     Ok(())
 }

@@ -14,8 +14,12 @@
 //! `null` passing on a missing field); field ownership (`managedFields`) on
 //! every write and server-side apply with `fieldManager` and `force`,
 //! merging by the CRD schema's list types (see `ssa.rs`); and cluster-scoped
-//! Nodes. What it does not do: a client's own `managedFields` in a request
-//! body are ignored (the server keeps its own).
+//! Nodes. For the real kubectl it also serves discovery and OpenAPI v3
+//! (`discovery.rs`), `meta.k8s.io/v1` Tables from the CRDs' printer columns
+//! (`table.rs`) and server-side field validation (`fields.rs`). What it does
+//! not do: a client's own `managedFields` in a request body are ignored (the
+//! server keeps its own); unknown fields are not pruned; no strategic merge
+//! patch, aggregated discovery or OpenAPI v2.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::convert::Infallible;
@@ -36,8 +40,11 @@ use tokio::task::JoinHandle;
 
 use super::ssa::{self, Manager, Schema, Scope, Writer};
 
+mod discovery;
+mod fields;
 mod patch;
 mod select;
+mod table;
 use patch::{json_patch, merge_patch, server_side_apply};
 use select::{parse_selector, Filter};
 
@@ -91,13 +98,17 @@ struct State {
     requests: Mutex<BTreeSet<Access>>,
     changes: broadcast::Sender<Arc<Change>>,
     validator: Option<Validator>,
-    /// `openAPIV3Schema` of each custom resource, by plural.
-    schemas: BTreeMap<String, Value>,
+    /// Each CustomResourceDefinition, by plural.
+    crds: BTreeMap<String, Value>,
 }
 
 impl State {
     fn schema(&self, plural: &str) -> Schema {
-        Schema::new(self.schemas.get(plural))
+        Schema::new(
+            self.crds
+                .get(plural)
+                .map(|crd| &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]),
+        )
     }
 }
 
@@ -120,11 +131,10 @@ impl TestApiServer {
         Self::start_with(validator, BTreeMap::new()).await
     }
 
-    /// Starts a server that merges applies by these CRD schemas (by plural).
-    pub async fn start_with(
-        validator: Option<Validator>,
-        schemas: BTreeMap<String, Value>,
-    ) -> Self {
+    /// Starts a server that serves these CustomResourceDefinitions (by
+    /// plural): discovery, OpenAPI, printer columns, and applies merged by
+    /// their schemas.
+    pub async fn start_with(validator: Option<Validator>, crds: BTreeMap<String, Value>) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind test API server");
@@ -135,7 +145,7 @@ impl TestApiServer {
             requests: Mutex::default(),
             changes,
             validator,
-            schemas,
+            crds,
         });
         let state_handle = state.clone();
         let task = tokio::spawn(async move {
@@ -183,6 +193,11 @@ impl TestApiServer {
             .filter(|a| a.actor == actor)
             .cloned()
             .collect()
+    }
+
+    /// How many watches are open (a client waiting on a watch counts once per watch).
+    pub fn open_watches(&self) -> usize {
+        self.state.changes.receiver_count()
     }
 
     /// A kube client for this server, default namespace `default`.
@@ -333,6 +348,11 @@ fn query(req: &Request<Incoming>) -> BTreeMap<String, String> {
 
 async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_string();
+    if req.method() == Method::GET {
+        if let Some(resp) = discovery::serve(&state, &path) {
+            return resp;
+        }
+    }
     let Some(target) = parse_path(&path) else {
         return status_error(
             StatusCode::NOT_FOUND,
@@ -400,26 +420,75 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
             .unwrap_or(user_agent)
             .to_string()
     });
+    let accept = req
+        .headers()
+        .get(hyper::header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
     let body = match req.into_body().collect().await {
         Ok(b) => b.to_bytes(),
         Err(e) => return status_error(StatusCode::BAD_REQUEST, "BadRequest", e.to_string()),
     };
-    let parsed = || serde_json::from_slice::<Value>(&body);
+    let warnings = match fields::validate(&state, &target, &method, &content_type, &params, &body) {
+        Ok(warnings) => warnings,
+        Err(message) => return status_error(StatusCode::BAD_REQUEST, "BadRequest", message),
+    };
+    let request = Call {
+        method,
+        content_type,
+        accept,
+        manager,
+        params,
+        body,
+    };
+    let mut resp = dispatch(&state, &target, &path, &request);
+    for warning in warnings {
+        if let Ok(value) = hyper::header::HeaderValue::from_str(&warning) {
+            resp.headers_mut().append("warning", value);
+        }
+    }
+    resp
+}
+
+/// The parts of a request [`dispatch`] acts on.
+struct Call {
+    method: Method,
+    content_type: String,
+    accept: String,
+    manager: String,
+    params: BTreeMap<String, String>,
+    body: Bytes,
+}
+
+fn dispatch(state: &State, target: &Target, path: &str, call: &Call) -> Response<Body> {
+    let Call {
+        method,
+        content_type,
+        accept,
+        manager,
+        params,
+        body,
+    } = call;
+    let table = table::wanted(accept);
+    let parsed = || serde_json::from_slice::<Value>(body);
     let name = target.name.clone();
-    match (method, name, target.subresource.as_deref()) {
+    match (method.clone(), name, target.subresource.as_deref()) {
         (Method::GET, None, None)
             if matches!(params.get("watch").map(String::as_str), Some("true" | "1")) =>
         {
-            watch(&state, &target, &params)
+            watch(state, target, params)
         }
-        (Method::GET, None, None) => list(&state, &target, &params),
-        (Method::GET, Some(name), None | Some("status")) => get(&state, &target, &name),
+        (Method::GET, None, None) => list(state, target, params, table),
+        (Method::GET, Some(name), None | Some("status")) => {
+            get(state, target, &name, table.then_some(params))
+        }
         (Method::POST, None, None) => match parsed() {
-            Ok(obj) => create(&state, &target, obj, &manager),
+            Ok(obj) => create(state, target, obj, manager),
             Err(e) => status_error(StatusCode::BAD_REQUEST, "BadRequest", e.to_string()),
         },
         (Method::PUT, Some(name), sub @ (None | Some("status"))) => match parsed() {
-            Ok(obj) => replace(&state, &target, &name, obj, sub.is_some(), &manager),
+            Ok(obj) => replace(state, target, &name, obj, sub.is_some(), manager),
             Err(e) => status_error(StatusCode::BAD_REQUEST, "BadRequest", e.to_string()),
         },
         (Method::PATCH, Some(name), sub @ (None | Some("status"))) => {
@@ -434,12 +503,12 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
                     );
                 };
                 let force = params.get("force").is_some_and(|f| f == "true");
-                let applied = serde_json::from_slice::<Value>(&body).or_else(|_| {
-                    serde_saphyr::from_slice::<Value>(&body).map_err(|e| e.to_string())
+                let applied = serde_json::from_slice::<Value>(body).or_else(|_| {
+                    serde_saphyr::from_slice::<Value>(body).map_err(|e| e.to_string())
                 });
                 return match applied {
                     Ok(applied) => {
-                        server_side_apply(&state, &target, &name, &applied, status, manager, force)
+                        server_side_apply(state, target, &name, &applied, status, manager, force)
                     }
                     Err(e) => status_error(StatusCode::BAD_REQUEST, "BadRequest", e.to_string()),
                 };
@@ -452,10 +521,10 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
             };
             match kind {
                 "application/merge-patch+json" => {
-                    merge_patch(&state, &target, &name, &patch, status, &manager)
+                    merge_patch(state, target, &name, &patch, status, manager)
                 }
                 "application/json-patch+json" => {
-                    json_patch(&state, &target, &name, &patch, status, &manager)
+                    json_patch(state, target, &name, &patch, status, manager)
                 }
                 _ => status_error(
                     StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -464,7 +533,7 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
                 ),
             }
         }
-        (Method::DELETE, Some(name), None) => delete(&state, &target, &name),
+        (Method::DELETE, Some(name), None) => delete(state, target, &name),
         (m, _, _) => status_error(
             StatusCode::METHOD_NOT_ALLOWED,
             "MethodNotAllowed",
@@ -494,10 +563,20 @@ fn not_found(target: &Target, name: &str) -> Response<Body> {
     )
 }
 
-fn get(state: &State, target: &Target, name: &str) -> Response<Body> {
-    match lock(state).objects.get(&key(target, name)) {
-        Some(obj) => full(StatusCode::OK, obj),
-        None => not_found(target, name),
+/// One object, or (`table`: the request's parameters) its Table.
+fn get(
+    state: &State,
+    target: &Target,
+    name: &str,
+    table: Option<&BTreeMap<String, String>>,
+) -> Response<Body> {
+    let inner = lock(state);
+    let Some(obj) = inner.objects.get(&key(target, name)) else {
+        return not_found(target, name);
+    };
+    match table {
+        Some(params) => table::respond(state, target, &[obj], &inner.rv.to_string(), params),
+        None => full(StatusCode::OK, obj),
     }
 }
 
@@ -521,7 +600,12 @@ fn filter(target: &Target, params: &BTreeMap<String, String>) -> Filter {
     }
 }
 
-fn list(state: &State, target: &Target, params: &BTreeMap<String, String>) -> Response<Body> {
+fn list(
+    state: &State,
+    target: &Target,
+    params: &BTreeMap<String, String>,
+    table: bool,
+) -> Response<Body> {
     let f = filter(target, params);
     let inner = lock(state);
     let items: Vec<&Value> = inner
@@ -530,6 +614,9 @@ fn list(state: &State, target: &Target, params: &BTreeMap<String, String>) -> Re
         .filter(|(k, v)| f.matches(&k.api, &k.plural, &k.namespace, v))
         .map(|(_, v)| v)
         .collect();
+    if table {
+        return table::respond(state, target, &items, &inner.rv.to_string(), params);
+    }
     let body = json!({
         "apiVersion": api_version(&target.api),
         "kind": format!("{}List", kind_of(&target.plural)),
@@ -583,6 +670,8 @@ fn watch(state: &State, target: &Target, params: &BTreeMap<String, String>) -> R
         loop {
             tokio::select! {
                 () = &mut deadline => return,
+                // The client went away: end the watch now, not at the next change.
+                () = tx.closed() => return,
                 change = rx.recv() => match change {
                     Ok(c) if f.matches(&c.api, &c.plural, &c.namespace, &c.object) => {
                         if !send(json!({"type": c.kind, "object": c.object})).await {

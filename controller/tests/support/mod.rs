@@ -5,6 +5,7 @@
 
 pub mod apiserver;
 pub mod fake;
+pub mod kube_tools;
 pub mod rbac;
 pub mod schema;
 pub mod ssa;
@@ -29,8 +30,12 @@ pub const NS: &str = "default";
 /// A test API server that admits objects against the checked-in CRDs.
 pub async fn api_server() -> TestApiServer {
     let crds = schema::load();
-    let schemas = crds.schemas();
-    TestApiServer::start_with(Some(crds.validator()), schemas).await
+    let docs = crds
+        .by_plural
+        .iter()
+        .map(|(plural, crd)| (plural.clone(), crd.doc.clone()))
+        .collect();
+    TestApiServer::start_with(Some(crds.validator()), docs).await
 }
 
 /// A controller process for `node`; aborting the handle is a crash.
