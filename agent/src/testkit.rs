@@ -55,24 +55,7 @@ pub fn busybox_rootfs(image: &Path, size_mib: u64, files: &[(&str, &str)]) -> io
     Ok(())
 }
 
-/// containerd's default capabilities (what CRI gives a container that asks
-/// for none), in OCI's `bounding`/`effective`/`permitted` sets.
-pub const DEFAULT_CAPS: &[&str] = &[
-    "CAP_CHOWN",
-    "CAP_DAC_OVERRIDE",
-    "CAP_FSETID",
-    "CAP_FOWNER",
-    "CAP_MKNOD",
-    "CAP_NET_RAW",
-    "CAP_SETGID",
-    "CAP_SETUID",
-    "CAP_SETFCAP",
-    "CAP_SETPCAP",
-    "CAP_NET_BIND_SERVICE",
-    "CAP_SYS_CHROOT",
-    "CAP_KILL",
-    "CAP_AUDIT_WRITE",
-];
+pub use crate::client::DEFAULT_CAPS;
 
 fn default_caps() -> Value {
     json!({"bounding": DEFAULT_CAPS, "effective": DEFAULT_CAPS, "permitted": DEFAULT_CAPS})

@@ -367,8 +367,21 @@ fn four_clones_get_their_own_identity_entropy_and_disk() {
                     .unwrap();
                 assert!(st.success(), "ip {args:?}");
             }
-            let (code, out) = sh(&agent, "app", "ping", "ping -c 1 -W 20 10.77.0.1");
-            assert_eq!(code, 0, "ping from clone 0 over its tap: {out}");
+            let (code, out, err) = agent
+                .run(
+                    "app",
+                    "ping",
+                    &["sh", "-c", "ping -c 1 -W 20 10.77.0.1"],
+                    CALL,
+                )
+                .unwrap_or_else(|e| panic!("exec ping: {e}"));
+            assert_eq!(
+                code,
+                0,
+                "ping from clone 0 over its tap: {} / {}",
+                String::from_utf8_lossy(&out),
+                String::from_utf8_lossy(&err)
+            );
         } else {
             assert_eq!(
                 sh(&agent, "app", "w", "test -e /marker").0,
