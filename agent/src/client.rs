@@ -114,6 +114,26 @@ pub struct StreamChunk {
     pub eof: bool,
 }
 
+/// containerd's default capabilities (what CRI gives a container that asks
+/// for none), in OCI's `bounding`/`effective`/`permitted` sets. A process
+/// spec without `capabilities` gets none (runc's rule).
+pub const DEFAULT_CAPS: &[&str] = &[
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FSETID",
+    "CAP_FOWNER",
+    "CAP_MKNOD",
+    "CAP_NET_RAW",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETFCAP",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_KILL",
+    "CAP_AUDIT_WRITE",
+];
+
 /// A synchronous client of one agent. Cloning shares the connection; clones
 /// may issue calls concurrently.
 #[derive(Clone)]
@@ -497,7 +517,8 @@ impl AgentClient {
     }
 
     /// Runs `args` as exec `exec_id` in a started container (no TTY, cwd
-    /// `/`, uid 0, a default `PATH`), reads stdout and stderr to their end
+    /// `/`, uid 0 with containerd's default capabilities, [`DEFAULT_CAPS`],
+    /// a default `PATH`), reads stdout and stderr to their end
     /// and waits for the exit; all within `timeout`. Returns (exit status,
     /// stdout, stderr); the exit status is 128 + signal if a signal killed it.
     pub fn run(
@@ -514,6 +535,11 @@ impl AgentClient {
             "cwd": "/",
             "user": { "uid": 0, "gid": 0 },
             "terminal": false,
+            "capabilities": {
+                "bounding": DEFAULT_CAPS,
+                "effective": DEFAULT_CAPS,
+                "permitted": DEFAULT_CAPS,
+            },
         });
         let json = serde_json::to_vec(&process).map_err(|e| Error::Transport {
             call: "ExecProcess",

@@ -213,6 +213,7 @@ impl Container {
         let task = HelperTask::Exec(Box::new(ExecTask {
             init_pid: init.pid,
             process,
+            seccomp: self.spec.linux().as_ref().and_then(|l| l.seccomp().clone()),
         }));
         let pid_ns = PathBuf::from(format!("/proc/{}/ns/pid", init.pid));
         let p = start_process(

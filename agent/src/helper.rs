@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use nix::sched::{setns, CloneFlags};
 use oci_spec::runtime::{
-    LinuxDeviceType, LinuxNamespaceType, Mount, PosixRlimitType, Process, Spec,
+    LinuxDeviceType, LinuxNamespaceType, LinuxSeccomp, Mount, PosixRlimitType, Process, Spec,
 };
 use serde::{Deserialize, Serialize};
 
@@ -60,6 +60,8 @@ pub struct ExecTask {
     pub init_pid: i32,
     /// The process to run.
     pub process: Process,
+    /// The container's seccomp profile, which every process gets.
+    pub seccomp: Option<LinuxSeccomp>,
 }
 
 type HResult<T> = Result<T, String>;
@@ -132,6 +134,10 @@ fn init(t: InitTask) -> HResult<Infallible> {
     if t.new_net {
         crate::netdev::set_up("lo").map_err(ctx("bringing lo up"))?;
     }
+    // In the container's namespaces, with the VM's (writable) /proc.
+    if let Some(sysctls) = t.spec.linux().as_ref().and_then(|l| l.sysctl().as_ref()) {
+        crate::sysctl::apply(sysctls)?;
+    }
     mount(
         None::<&str>,
         "/",
@@ -195,7 +201,8 @@ fn init(t: InitTask) -> HResult<Infallible> {
         .process()
         .clone()
         .ok_or_else(|| "the spec has no process".to_string())?;
-    exec_process(&process)
+    let seccomp = t.spec.linux().as_ref().and_then(|l| l.seccomp().as_ref());
+    exec_process(&process, seccomp)
 }
 
 fn exec(t: ExecTask) -> HResult<Infallible> {
@@ -225,7 +232,7 @@ fn exec(t: ExecTask) -> HResult<Infallible> {
     nix::unistd::fchdir(&root).map_err(ctx("entering the container's root"))?;
     nix::unistd::chroot(".").map_err(ctx("chroot into the container's root"))?;
     drop(root);
-    exec_process(&t.process)
+    exec_process(&t.process, t.seccomp.as_ref())
 }
 
 /// Mount flags and data parsed from OCI mount options.
@@ -592,7 +599,17 @@ fn cstring(s: &OsStr) -> HResult<CString> {
     CString::new(s.as_bytes()).map_err(ctx(format!("{s:?} contains a NUL byte")))
 }
 
-fn exec_process(p: &Process) -> HResult<Infallible> {
+/// Sets up the calling helper as process `p` and execs it. The security
+/// context comes last, in runc's order: bounding set, keep-caps, groups,
+/// gid, uid, capabilities, umask, no_new_privs, and the seccomp filter
+/// right before `execve` (or, without no_new_privs, before the
+/// capabilities are dropped, while CAP_SYS_ADMIN still allows it).
+fn exec_process(p: &Process, seccomp: Option<&LinuxSeccomp>) -> HResult<Infallible> {
+    let filter = seccomp
+        .map(crate::seccomp::compile)
+        .transpose()
+        .map_err(ctx("seccomp profile"))?;
+    let no_new_privs = p.no_new_privileges() == Some(true);
     nix::unistd::setsid().map_err(ctx("setsid"))?;
     if p.terminal() == Some(true) {
         // SAFETY: TIOCSCTTY on stdin (the pty slave) with arg 0.
@@ -632,6 +649,11 @@ fn exec_process(p: &Process) -> HResult<Infallible> {
             .map_err(ctx("setting oom_score_adj"))?;
     }
     nix::unistd::chdir(p.cwd()).map_err(ctx(format!("cwd {}", p.cwd().display())))?;
+    if let (Some(f), false) = (&filter, no_new_privs) {
+        crate::seccomp::install(f).map_err(|e| e.to_string())?;
+    }
+    let caps = crate::caps::CapSets::of(p);
+    crate::caps::before_setuid(&caps)?;
     let user = p.user();
     let groups: Vec<nix::unistd::Gid> = user
         .additional_gids()
@@ -644,10 +666,11 @@ fn exec_process(p: &Process) -> HResult<Infallible> {
         .map_err(ctx(format!("setgid {}", user.gid())))?;
     nix::unistd::setuid(nix::unistd::Uid::from_raw(user.uid()))
         .map_err(ctx(format!("setuid {}", user.uid())))?;
+    crate::caps::after_setuid(&caps)?;
     if let Some(mask) = user.umask() {
         nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(mask));
     }
-    if p.no_new_privileges() == Some(true) {
+    if no_new_privs {
         // SAFETY: prctl with integer arguments.
         if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } < 0 {
             return Err(format!(
@@ -681,6 +704,9 @@ fn exec_process(p: &Process) -> HResult<Infallible> {
             libc::CLOSE_RANGE_CLOEXEC,
         )
     };
+    if let (Some(f), true) = (&filter, no_new_privs) {
+        crate::seccomp::install(f).map_err(|e| e.to_string())?;
+    }
     let e = nix::unistd::execve(&c_program, &c_args, &c_env).unwrap_err();
     Err(format!("exec {}: {e}", program.display()))
 }

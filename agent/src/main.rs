@@ -6,16 +6,20 @@
 //! `twig-agent __twig-init` is the agent re-executing itself as the first
 //! program of a container process (see `helper.rs`).
 
+mod caps;
 mod container;
 mod error;
 mod helper;
 mod netdev;
 mod reaper;
 mod reidentify;
+mod seccomp;
 mod service;
 mod spawn;
 mod spec;
 mod stdio;
+mod syscalls;
+mod sysctl;
 mod system;
 
 use std::path::PathBuf;

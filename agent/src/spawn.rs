@@ -158,23 +158,28 @@ unsafe fn child_exec(
     argv: *const *const libc::c_char,
     envp: *const *const libc::c_char,
 ) -> ! {
-    let mut high = [0 as RawFd; 5];
-    for (i, fd) in fds.iter().enumerate() {
-        high[i] = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, 10);
-        if high[i] < 0 {
-            libc::_exit(126);
+    // SAFETY: the caller guarantees we are the child right after clone;
+    // every call below is async-signal-safe and takes only the fds and
+    // pointers the caller prepared before the clone.
+    unsafe {
+        let mut high = [0 as RawFd; 5];
+        for (i, fd) in fds.iter().enumerate() {
+            high[i] = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, 10);
+            if high[i] < 0 {
+                libc::_exit(126);
+            }
         }
-    }
-    for (i, fd) in high.iter().enumerate() {
-        // dup2 to a different number clears close-on-exec on the target.
-        if libc::dup2(*fd, i as RawFd) < 0 {
-            libc::_exit(126);
+        for (i, fd) in high.iter().enumerate() {
+            // dup2 to a different number clears close-on-exec on the target.
+            if libc::dup2(*fd, i as RawFd) < 0 {
+                libc::_exit(126);
+            }
         }
+        libc::execve(path, argv, envp);
+        let msg = b"E cannot exec /proc/self/exe (the agent helper)\n";
+        libc::write(STATUS_FD, msg.as_ptr().cast(), msg.len());
+        libc::_exit(127);
     }
-    libc::execve(path, argv, envp);
-    let msg = b"E cannot exec /proc/self/exe (the agent helper)\n";
-    libc::write(STATUS_FD, msg.as_ptr().cast(), msg.len());
-    libc::_exit(127);
 }
 
 #[derive(Debug, Default)]

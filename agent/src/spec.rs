@@ -77,6 +77,16 @@ pub fn parse_spec(json: &[u8]) -> Result<Spec> {
                 )));
             }
         }
+        if let Some(profile) = linux.seccomp() {
+            let compiled = crate::seccomp::compile(profile)
+                .map_err(|e| invalid(format!("linux.seccomp: {e}")))?;
+            if !compiled.unknown.is_empty() {
+                tracing::debug!(names = ?compiled.unknown, "seccomp: syscalls x86_64 does not have are skipped");
+            }
+        }
+        if let Some(sysctls) = linux.sysctl() {
+            crate::sysctl::validate(sysctls).map_err(|e| invalid(format!("linux.sysctl: {e}")))?;
+        }
         for d in linux.devices().iter().flatten() {
             if !d.path().is_absolute() {
                 return Err(invalid(format!(

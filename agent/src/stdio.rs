@@ -267,19 +267,25 @@ mod tests {
         // Write until the pipe is full: the buffer (1 MiB) plus the pipe.
         let block = vec![7u8; 64 << 10];
         let mut total = 0usize;
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while Instant::now() < deadline {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            assert!(
+                Instant::now() < deadline,
+                "the buffer never filled: {total} bytes written"
+            );
+            // Full before the write, and the pipe full too: the drain has
+            // stopped reading with data still in the pipe. (A full buffer
+            // seen only after a refused write may just have taken the
+            // pipe's last bytes.)
+            let full = lock(&buf.state).data.len() >= OUTPUT_BUFFER_BYTES;
             match nix::unistd::write(&w, &block) {
                 Ok(n) => total += n,
-                Err(nix::errno::Errno::EAGAIN) => {
-                    if lock(&buf.state).data.len() >= OUTPUT_BUFFER_BYTES {
-                        break;
-                    }
-                }
+                Err(nix::errno::Errno::EAGAIN) if full => break,
+                Err(nix::errno::Errno::EAGAIN) => {}
                 Err(e) => panic!("{e}"),
             }
         }
-        assert!(total > OUTPUT_BUFFER_BYTES);
+        assert!(total > OUTPUT_BUFFER_BYTES, "{total} bytes written");
         drop(w);
         let mut got = 0usize;
         loop {
@@ -298,8 +304,11 @@ mod tests {
         let (master, slave) = open_pty().unwrap();
         assert!(nix::unistd::isatty(&slave).unwrap());
         set_winsize(master.as_fd(), 40, 100).unwrap();
+        // SAFETY: winsize is plain old data; all zeroes is a valid value.
         let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
         assert_eq!(
+            // SAFETY: TIOCGWINSZ writes one winsize into `ws`, which lives
+            // across the call; `slave` is an open terminal.
             unsafe { libc::ioctl(slave.as_raw_fd(), libc::TIOCGWINSZ, &mut ws) },
             0
         );

@@ -55,6 +55,12 @@ pub fn busybox_rootfs(image: &Path, size_mib: u64, files: &[(&str, &str)]) -> io
     Ok(())
 }
 
+pub use crate::client::DEFAULT_CAPS;
+
+fn default_caps() -> Value {
+    json!({"bounding": DEFAULT_CAPS, "effective": DEFAULT_CAPS, "permitted": DEFAULT_CAPS})
+}
+
 /// Merges `b` into `a`: objects key by key, anything else replaced.
 pub fn merge(a: &mut Value, b: Value) {
     match (a, b) {
@@ -68,7 +74,8 @@ pub fn merge(a: &mut Value, b: Value) {
 }
 
 /// A runc-style container spec running `args` (pid, ipc, uts and mount
-/// namespaces; the VM's network), with `extra` merged in.
+/// namespaces; the VM's network; containerd's default capabilities), with
+/// `extra` merged in.
 pub fn spec(args: &[&str], extra: Value) -> Vec<u8> {
     let mut spec = json!({
         "ociVersion": "1.0.2",
@@ -79,7 +86,8 @@ pub fn spec(args: &[&str], extra: Value) -> Vec<u8> {
             "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "TERM=xterm"],
             "cwd": "/",
             "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}],
-            "noNewPrivileges": true
+            "noNewPrivileges": true,
+            "capabilities": default_caps()
         },
         "root": {"path": "rootfs"},
         "hostname": "twig-test",
@@ -105,7 +113,8 @@ pub fn spec(args: &[&str], extra: Value) -> Vec<u8> {
     spec.to_string().into_bytes()
 }
 
-/// An OCI process object running `args`, with `extra` merged in.
+/// An OCI process object running `args` (containerd's default
+/// capabilities), with `extra` merged in.
 pub fn process(args: &[&str], extra: Value) -> Vec<u8> {
     let mut p = json!({
         "terminal": false,
@@ -113,6 +122,7 @@ pub fn process(args: &[&str], extra: Value) -> Vec<u8> {
         "args": args,
         "env": ["PATH=/bin"],
         "cwd": "/",
+        "capabilities": default_caps(),
     });
     merge(&mut p, extra);
     p.to_string().into_bytes()

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use twig_agent::client::AgentClient;
 use twig_agent::testkit;
+use twig_store::NodeStore;
 use twig_vmm::snapshot::Image;
 use twig_vmm::{Capture, DeviceConfig, DiskConfig, Kind, Shape, Vm, VsockConfig};
 
@@ -161,8 +162,9 @@ pub fn run(args: &Args) -> Result<Value, Error> {
     r.value("boot_kvm_events", boot_events.per_phase());
     let mut g = template.ok_or("no boot")?;
     g.vm.pause()?;
-    let tpl = dir.join("template");
-    let info = g.vm.snapshot(&tpl, Kind::Full)?;
+    let store = NodeStore::open(&dir.join("store"), true)?;
+    let info = g.vm.snapshot_into(&store, "template", Kind::Full)?;
+    let tpl = store.snapshot_dir("template");
     r.value("template_snapshot_ms", json!(info.duration_ms));
     drop(g);
 
@@ -236,28 +238,28 @@ pub fn run(args: &Args) -> Result<Value, Error> {
     let mut rollbacks = Vec::new();
     let mut rollback_ready = Vec::new();
     let mut clones = Vec::new();
-    let mut parent: Option<(PathBuf, PathBuf)> = None;
+    let mut parent: Option<(String, String)> = None;
     for i in 0..args.runs {
         g.vm.pause()?;
-        let s = dir.join(format!("full{i}"));
-        full.push(ms(g.vm.snapshot(&s, Kind::Full)?.duration_ms));
+        let s = format!("full{i}");
+        full.push(ms(g.vm.snapshot_into(&store, &s, Kind::Full)?.duration_ms));
         // The lab's /tmp is RAM: keep only the snapshots still needed.
         if let Some((old_full, old_incr)) = parent.take() {
-            for d in [old_incr, old_full] {
-                fs::remove_dir_all(&d).context(|| format!("removing {}", d.display()))?;
+            for id in [old_incr, old_full] {
+                store.delete(&id).context(|| format!("deleting {id}"))?;
             }
         }
         g.vm.resume()?;
         write_ws(&g.agent, &format!("w{i}"))?;
         g.vm.pause()?;
-        let inc = dir.join(format!("incr{i}"));
-        let info = g.vm.snapshot(&inc, Kind::Incremental)?;
+        let inc = format!("incr{i}");
+        let info = g.vm.snapshot_into(&store, &inc, Kind::Incremental)?;
         incr.push(ms(info.duration_ms));
         incr_pages.push(info.pages_written);
         g.vm.resume()?;
         write_ws(&g.agent, &format!("x{i}"))?;
         let t0 = Instant::now();
-        let rb = g.vm.rollback(&inc)?;
+        let rb = g.vm.rollback(&store.snapshot_dir(&inc))?;
         rollbacks.push(ms(rb.duration_ms));
         g.agent = slot.ready(&mut g.vm)?;
         rollback_ready.push(t0.elapsed());
@@ -270,6 +272,7 @@ pub fn run(args: &Args) -> Result<Value, Error> {
     r.timing("ws_rollback_to_agent_ready_ms", &rollback_ready);
 
     let (_, snap) = parent.ok_or("no snapshot")?;
+    let snap = store.snapshot_dir(&snap);
     for i in 0..args.clone_runs {
         let slots = (0..4)
             .map(|k| Slot::new(dir, &format!("clone{i}-{k}")))

@@ -1,6 +1,7 @@
 //! `twig-bench`: Twig's benchmarks. Each subcommand prints a human table to
 //! stderr and, with `--json`, one JSON object to stdout.
 
+mod cri;
 mod linux;
 mod net;
 mod snapshotter;
@@ -31,6 +32,9 @@ enum Command {
     Linux(linux::Args),
     /// twig-net: eBPF redirect versus bridge and tc mirred (pps, latency), path set-up time.
     Net(net::Args),
+    /// Pod start through containerd's CRI plugin (RunPodSandbox + CreateContainer +
+    /// StartContainer → first output) at concurrency 1 and 8, per runtime handler.
+    Cri(cri::Args),
 }
 
 fn main() {
@@ -40,6 +44,7 @@ fn main() {
         Command::Snapshotter(args) => snapshotter::run(&args),
         Command::Linux(args) => linux::run(&args),
         Command::Net(args) => net::run(&args),
+        Command::Cri(args) => cri::run(&args),
     };
     match result {
         Ok(value) => {

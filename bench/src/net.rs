@@ -1,8 +1,14 @@
 //! twig-net: frames per second and one-way latency from a pod's tap to the
 //! outside of its veth, through the eBPF redirect (policy of 1 and 10,000
 //! rules) against a Linux bridge and `tc mirred` (Kata's way), and the set-up
-//! time of a pod's network path. Runs on the host in network namespaces
-//! (root). The `ip`/`tc` commands build the comparison set-ups only.
+//! time of a pod's network path in each attach mode. Runs on the host in
+//! network namespaces (root). The `ip`/`tc` commands build the comparison
+//! set-ups only.
+//!
+//! Every frame carries a sequence number; a window of frames is sent, then
+//! received until all of them arrived or none arrived for `IDLE` (those are
+//! counted lost), so a lossy path costs at most `IDLE` a window, and each
+//! measurement stops at `--budget-secs` whatever happened.
 
 use crate::stats::{Context, Error, Report};
 use serde_json::json;
@@ -13,7 +19,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
-use twig_net::{EgressPolicy, EgressRule, NodeContext, PodNetConfig, PodNetwork};
+use twig_net::{AttachMode, EgressPolicy, EgressRule, Loader, NodeContext, PodNetConfig};
 
 /// Options of `twig-bench net`.
 #[derive(clap::Args)]
@@ -24,9 +30,12 @@ pub struct Args {
     /// Frames timed one by one per latency measurement.
     #[arg(long, default_value_t = 2_000)]
     latency_samples: usize,
-    /// Attach/detach cycles timed for the set-up time.
+    /// Attach/detach cycles timed for the set-up time (per mode).
     #[arg(long, default_value_t = 50)]
     setup_runs: usize,
+    /// Upper bound on each throughput or latency measurement, in seconds.
+    #[arg(long, default_value_t = 20)]
+    budget_secs: u64,
 }
 
 const POD_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
@@ -34,6 +43,8 @@ const PEER_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
 const POD_MAC: [u8; 6] = [2, 0, 0, 0, 0, 2];
 const PEER_MAC: [u8; 6] = [2, 0, 0, 0, 0, 1];
 const WINDOW: usize = 64;
+/// A window's missing frames are declared lost after this long without one.
+const IDLE: Duration = Duration::from_millis(5);
 const VNET_HDR: [u8; 10] = [0; 10];
 
 fn sh(program: &str, args: &[&str]) -> Result<(), Error> {
@@ -94,8 +105,9 @@ fn open_tap() -> Result<File, Error> {
         pad: [0; 22],
     };
     req.name[..4].copy_from_slice(b"tap0");
-    // SAFETY: TUNSETIFF takes a `struct ifreq` (40 bytes, name then flags), which `IfReq` matches; `req` outlives the call.
     check(
+        // SAFETY: TUNSETIFF takes a `struct ifreq` (40 bytes, name then
+        // flags), which `IfReq` matches; `req` outlives the call.
         unsafe { libc::ioctl(tun.as_raw_fd(), libc::TUNSETIFF, &mut req as *mut IfReq) }.into(),
         "TUNSETIFF",
     )?;
@@ -140,6 +152,7 @@ struct Bed {
     tap: File,
     capture: OwnedFd,
     bpffs: tempfile::TempDir,
+    seq: u32,
 }
 
 impl Drop for Bed {
@@ -205,6 +218,7 @@ impl Bed {
             tap,
             capture,
             bpffs,
+            seq: 0,
         })
     }
 
@@ -217,9 +231,8 @@ impl Bed {
         frame.extend_from_slice(&VNET_HDR);
         frame.extend_from_slice(&PEER_MAC);
         frame.extend_from_slice(&POD_MAC);
-        frame.extend_from_slice(&[0x08, 0x00, 0x45, 0, 0, 32, 0, 1, 0x40, 0, 64, 17, 0, 0]);
-        frame.extend_from_slice(&POD_IP.octets());
-        frame.extend_from_slice(&PEER_IP.octets());
+        frame.extend_from_slice(&[0x08, 0x00]);
+        frame.extend_from_slice(&ipv4_header());
         frame.extend_from_slice(&[0x9c, 0x40, 0x27, 0x0f, 0, 12, 0, 0]);
         frame.extend_from_slice(&seq.to_be_bytes());
         self.tap
@@ -227,11 +240,13 @@ impl Bed {
             .context(|| "writing to the tap".into())
     }
 
-    /// Waits for frames until `count` bench frames arrived or `deadline`; returns how many did.
-    fn receive(&self, count: usize, deadline: Instant) -> usize {
+    /// Receives bench frames with a sequence number in `first..first + count`
+    /// until all of them arrived or none arrived for `IDLE`; returns how many did.
+    fn receive(&self, first: u32, count: usize) -> usize {
         let mut buf = [0u8; 2048];
+        let mut seen = vec![false; count];
         let mut got = 0;
-        while got < count && Instant::now() < deadline {
+        while got < count {
             // SAFETY: `buf` is writable for its length.
             let n = unsafe {
                 libc::recv(
@@ -241,42 +256,111 @@ impl Bed {
                     0,
                 )
             };
-            if n >= 42 && buf[12..14] == [0x08, 0x00] && buf[36..38] == [0x27, 0x0f] {
+            if n < 0 {
+                let mut pfd = libc::pollfd {
+                    fd: self.capture.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                // SAFETY: one valid `pollfd`, count 1.
+                let ready = unsafe { libc::poll(&mut pfd, 1, IDLE.as_millis() as i32) };
+                if ready <= 0 {
+                    break;
+                }
+                continue;
+            }
+            let n = n as usize;
+            if n < 46 || buf[12..14] != [0x08, 0x00] || buf[36..38] != [0x27, 0x0f] {
+                continue;
+            }
+            let seq = u32::from_be_bytes([buf[42], buf[43], buf[44], buf[45]]);
+            let Some(i) = seq.checked_sub(first).map(|i| i as usize) else {
+                continue;
+            };
+            if i < count && !seen[i] {
+                seen[i] = true;
                 got += 1;
             }
         }
         got
     }
 
-    /// Frames per second with `WINDOW` frames in flight, and lost frames.
-    fn throughput(&mut self, frames: usize) -> Result<(f64, usize), Error> {
+    /// Frames per second with `WINDOW` frames in flight, frames sent and lost.
+    fn throughput(
+        &mut self,
+        frames: usize,
+        budget: Duration,
+    ) -> Result<(f64, usize, usize), Error> {
         let start = Instant::now();
-        let mut lost = 0;
-        for batch in 0..frames / WINDOW {
-            for i in 0..WINDOW {
-                self.send((batch * WINDOW + i) as u32)?;
+        let (mut sent, mut lost) = (0, 0);
+        while sent + WINDOW <= frames && start.elapsed() < budget {
+            let first = self.seq;
+            for _ in 0..WINDOW {
+                self.send_next()?;
             }
-            lost += WINDOW - self.receive(WINDOW, Instant::now() + Duration::from_secs(1));
+            sent += WINDOW;
+            lost += WINDOW - self.receive(first, WINDOW);
         }
-        let sent = frames / WINDOW * WINDOW;
-        Ok(((sent - lost) as f64 / start.elapsed().as_secs_f64(), lost))
+        Ok((
+            (sent - lost) as f64 / start.elapsed().as_secs_f64(),
+            sent,
+            lost,
+        ))
     }
 
-    /// One-way latency tap → peer, one frame in flight.
-    fn latency(&mut self, samples: usize) -> Result<Vec<Duration>, Error> {
+    /// One-way latency tap → peer, one frame in flight; and frames lost.
+    fn latency(
+        &mut self,
+        samples: usize,
+        budget: Duration,
+    ) -> Result<(Vec<Duration>, usize), Error> {
         let mut out = Vec::with_capacity(samples);
-        for seq in 0..samples {
+        let mut lost = 0;
+        let begin = Instant::now();
+        for _ in 0..samples {
+            if begin.elapsed() >= budget {
+                break;
+            }
+            let first = self.seq;
             let start = Instant::now();
-            self.send(seq as u32)?;
-            if self.receive(1, start + Duration::from_secs(1)) == 1 {
+            self.send_next()?;
+            if self.receive(first, 1) == 1 {
                 out.push(start.elapsed());
+            } else {
+                lost += 1;
             }
         }
         if out.is_empty() {
             return Err("no frame got through".into());
         }
-        Ok(out)
+        Ok((out, lost))
     }
+
+    fn send_next(&mut self) -> Result<(), Error> {
+        let seq = self.seq;
+        self.seq = self.seq.wrapping_add(1);
+        self.send(seq)
+    }
+}
+
+/// The IPv4 header of every bench frame (UDP, 32 bytes in all), with its
+/// checksum: a bridge with `br_netfilter` on (`bridge-nf-call-iptables=1`, as
+/// Kubernetes nodes run) drops frames whose header checksum is wrong.
+fn ipv4_header() -> [u8; 20] {
+    let mut h = [
+        0x45, 0, 0, 32, 0, 1, 0x40, 0, 64, 17, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    ];
+    h[12..16].copy_from_slice(&POD_IP.octets());
+    h[16..20].copy_from_slice(&PEER_IP.octets());
+    let mut sum: u32 = h
+        .chunks(2)
+        .map(|c| u32::from(u16::from_be_bytes([c[0], c[1]])))
+        .sum();
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    h[10..12].copy_from_slice(&(!(sum as u16)).to_be_bytes());
+    h
 }
 
 fn config(bed: &Bed) -> PodNetConfig {
@@ -299,13 +383,52 @@ fn rules(n: u32) -> EgressPolicy {
 }
 
 fn measure(bed: &mut Bed, args: &Args, report: &mut Report, name: &str) -> Result<(), Error> {
+    let budget = Duration::from_secs(args.budget_secs);
     // Warm up (bridge learning, caches).
-    bed.throughput(WINDOW * 4)?;
-    let (pps, lost) = bed.throughput(args.frames)?;
+    bed.throughput(WINDOW * 4, budget)?;
+    let (pps, sent, lost) = bed.throughput(args.frames, budget)?;
     report.value(&format!("{name}_pps"), json!(pps.round()));
-    report.insert(&format!("{name}_lost"), json!(lost));
-    let latency = bed.latency(args.latency_samples)?;
+    report.value(&format!("{name}_sent_lost"), json!([sent, lost]));
+    let (latency, lost) = bed.latency(args.latency_samples, budget)?;
     report.timing(&format!("{name}_latency_ms"), &latency);
+    report.insert(&format!("{name}_latency_lost"), json!(lost));
+    Ok(())
+}
+
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+/// Set-up and removal times of a pod's path in `mode`: from a preloaded set
+/// (the pod's path), with an empty pool, and the off-path load of a set.
+fn setup(bed: &Bed, args: &Args, report: &mut Report, mode: AttachMode) -> Result<(), Error> {
+    let loader = Loader::with_mode(mode)?;
+    let node = NodeContext::default();
+    let dir = bed.bpffs.path().join("pod");
+    let policy = EgressPolicy::default();
+    let (mut load, mut attach, mut cold, mut detach) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..args.setup_runs {
+        let start = Instant::now();
+        loader.preload(1)?;
+        load.push(start.elapsed());
+        let start = Instant::now();
+        let (pod, _) = loader.attach(&dir, &config(bed), &policy, &node)?;
+        attach.push(start.elapsed());
+        let start = Instant::now();
+        pod.detach()?;
+        detach.push(start.elapsed());
+        let start = Instant::now();
+        let (pod, _) = loader.attach(&dir, &config(bed), &policy, &node)?;
+        cold.push(start.elapsed());
+        pod.detach()?;
+    }
+    report.timing(&format!("setup_{mode}_load_set_ms"), &load);
+    report.timing(&format!("setup_{mode}_attach_ms"), &attach);
+    report.timing(&format!("setup_{mode}_attach_cold_ms"), &cold);
+    report.timing(&format!("setup_{mode}_detach_ms"), &detach);
     Ok(())
 }
 
@@ -317,26 +440,23 @@ pub fn run(args: &Args) -> Result<serde_json::Value, Error> {
         )
         .into());
     }
-    twig_net::check_support()?;
+    let mode = twig_net::check_support()?;
     let mut bed = Bed::new()?;
     let mut report = Report::default();
-    let node = NodeContext::default();
-    let dir = bed.bpffs.path().join("pod");
-
-    let mut attach = Vec::new();
-    let mut detach = Vec::new();
-    for _ in 0..args.setup_runs {
-        let start = Instant::now();
-        let (pod, _) = PodNetwork::attach(&dir, &config(&bed), &EgressPolicy::default(), &node)?;
-        attach.push(start.elapsed());
-        let start = Instant::now();
-        pod.detach()?;
-        detach.push(start.elapsed());
+    report.value("load_average_start", json!(load_average()));
+    report.value("attach_mode", json!(mode.to_string()));
+    let modes = match twig_net::check_support_with(Some(AttachMode::Tcx)) {
+        Ok(_) => vec![AttachMode::Tcx, AttachMode::Netlink],
+        Err(_) => vec![AttachMode::Netlink],
+    };
+    for m in modes {
+        setup(&bed, args, &mut report, m)?;
     }
-    report.timing("setup_attach_ms", &attach);
-    report.timing("setup_detach_ms", &detach);
 
-    let (mut pod, _) = PodNetwork::attach(&dir, &config(&bed), &rules(1), &node)?;
+    let node = NodeContext::default();
+    let loader = Loader::with_mode(mode)?;
+    let dir = bed.bpffs.path().join("pod");
+    let (mut pod, _) = loader.attach(&dir, &config(&bed), &rules(1), &node)?;
     measure(&mut bed, args, &mut report, "ebpf_1_rule")?;
     let start = Instant::now();
     pod.update_policy(&rules(10_000), &node)?;
@@ -370,16 +490,20 @@ pub fn run(args: &Args) -> Result<serde_json::Value, Error> {
     measure(&mut bed, args, &mut report, "bridge")?;
     sh("ip", &["-n", &p, "link", "del", "br0"])?;
 
+    // A clsact qdisc (it may be there already from the netlink mode) and a
+    // u32 match-all filter with a mirred redirect: this kernel config, like
+    // many, has neither matchall nor gact, but u32 and mirred.
     for (from, to) in [("tap0", "eth0"), ("eth0", "tap0")] {
-        sh("tc", &["-n", &p, "qdisc", "add", "dev", from, "ingress"])?;
+        sh("tc", &["-n", &p, "qdisc", "replace", "dev", from, "clsact"])?;
         sh(
             "tc",
             &[
-                "-n", &p, "filter", "add", "dev", from, "parent", "ffff:", "protocol", "all",
-                "matchall", "action", "mirred", "egress", "redirect", "dev", to,
+                "-n", &p, "filter", "add", "dev", from, "ingress", "protocol", "all", "u32",
+                "match", "u32", "0", "0", "action", "mirred", "egress", "redirect", "dev", to,
             ],
         )?;
     }
     measure(&mut bed, args, &mut report, "tc_mirred")?;
+    report.value("load_average_end", json!(load_average()));
     Ok(report.into_value())
 }

@@ -13,7 +13,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
-use twig_snapshotter::{fsops, SnapshotStore, StoreOptions};
+use twig_snapshotter::{SnapshotStore, StoreOptions};
+use twig_store::fsops;
 
 #[derive(clap::Args)]
 pub struct Args {

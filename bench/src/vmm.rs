@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
+use twig_store::NodeStore;
 use twig_vmm::api::Client;
 use twig_vmm::snapshot::Image;
 use twig_vmm::testguest::{self, Command};
@@ -150,10 +151,6 @@ impl Dirs {
     }
 }
 
-fn remove(dir: &Path) -> Result<(), Error> {
-    fs::remove_dir_all(dir).context(|| format!("removing {}", dir.display()))
-}
-
 pub fn run(args: &Args) -> Result<Value, Error> {
     twig_vmm::open_kvm().context(|| "this benchmark needs a usable /dev/kvm".into())?;
     if args.runs == 0 || args.clone64_runs == 0 {
@@ -176,6 +173,8 @@ pub fn run(args: &Args) -> Result<Value, Error> {
     let root = std::path::absolute(tmp.path()).context(|| "resolving the temp dir".into())?;
     let kernel = testguest::write_to(&root)?;
     let fs_type = filesystem_of(&root)?;
+    let store = NodeStore::open(&root.join("store"), true)
+        .context(|| format!("opening a node store in {}", root.display()))?;
     let mut dirs = Dirs { root, next: 0 };
     let mut r = Report::default();
     r.value("mem_mib", json!(args.mem_mib));
@@ -212,28 +211,32 @@ pub fn run(args: &Args) -> Result<Value, Error> {
 
     let (mut g, _) = boot(shape, &kernel)?;
 
-    // Full snapshots of the idle guest; the last one is the base of the rest.
+    // Full snapshots of the idle guest, staged and published in the node
+    // store (both timed); the last one is the base of the rest.
     let mut samples = Vec::with_capacity(args.runs);
     let mut pauses = Vec::with_capacity(args.runs);
-    let mut base: Option<PathBuf> = None;
+    let mut base: Option<String> = None;
     for i in 0..args.runs {
-        let dir = dirs.fresh("full");
+        let id = format!("full-{i}");
         let start = Instant::now();
         let info =
-            g.vm.snapshot(&dir, Kind::Full)
+            g.vm.snapshot_into(&store, &id, Kind::Full)
                 .context(|| format!("full snapshot run {i}"))?;
         samples.push(start.elapsed());
         pauses.push(Duration::from_secs_f64(info.pause_ms / 1e3));
-        if let Some(old) = base.replace(dir) {
-            remove(&old)?;
+        if let Some(old) = base.replace(id) {
+            store.delete(&old).context(|| format!("deleting {old}"))?;
         }
     }
     r.timing("snapshot_full_ms", &samples);
     r.timing("snapshot_full_pause_ms", &pauses);
-    let base = base.ok_or("no full snapshot was taken")?;
+    let base_id = base.ok_or("no full snapshot was taken")?;
+    let base = store.snapshot_dir(&base_id);
 
-    // Incremental snapshots of N dirtied pages, each on top of the last.
-    let mut last_incr: Option<PathBuf> = None;
+    // Incremental snapshots of N dirtied pages on top of the base (the VM
+    // is rolled back to it, untimed, before each), so that the previous one
+    // has no child and the store can delete it.
+    let mut last_incr: Option<String> = None;
     let mut written = Map::new();
     let mut value = 1u64;
     for n in PAGE_COUNTS {
@@ -241,12 +244,14 @@ pub fn run(args: &Args) -> Result<Value, Error> {
         let mut pauses = Vec::with_capacity(args.runs);
         let mut pages = Vec::with_capacity(args.runs);
         for i in 0..args.runs {
+            g.vm.rollback(&base)
+                .context(|| "rolling back to the base snapshot".into())?;
             value += n;
             dirty(&mut g.vm, n, value)?;
-            let dir = dirs.fresh("incr");
+            let id = format!("incr-{n}-{i}");
             let start = Instant::now();
             let info =
-                g.vm.snapshot(&dir, Kind::Incremental)
+                g.vm.snapshot_into(&store, &id, Kind::Incremental)
                     .context(|| format!("incremental snapshot of {n} pages, run {i}"))?;
             samples.push(start.elapsed());
             pauses.push(Duration::from_secs_f64(info.pause_ms / 1e3));
@@ -258,10 +263,8 @@ pub fn run(args: &Args) -> Result<Value, Error> {
                 .into());
             }
             pages.push(info.pages_written);
-            // Nothing reads an incremental snapshot's parent while taking
-            // the next one, so only the newest is kept.
-            if let Some(old) = last_incr.replace(dir) {
-                remove(&old)?;
+            if let Some(old) = last_incr.replace(id) {
+                store.delete(&old).context(|| format!("deleting {old}"))?;
             }
         }
         r.timing(&format!("snapshot_incr_{n}_ms"), &samples);
@@ -272,6 +275,9 @@ pub fn run(args: &Args) -> Result<Value, Error> {
 
     // Rollback to the base after dirtying N pages. The first rollback moves
     // the VM's baseline from the last incremental snapshot to the base.
+    if let Some(old) = last_incr {
+        store.delete(&old).context(|| format!("deleting {old}"))?;
+    }
     g.vm.rollback(&base)
         .context(|| "rolling back to the base snapshot".into())?;
     print(&mut g.vm, &g.serial, b'r')?;

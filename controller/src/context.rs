@@ -1,17 +1,14 @@
 //! State shared by the reconcilers, their error type and small helpers.
 
 use std::collections::HashMap;
-use std::fmt::Debug;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::PostParams;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Api, Client, Resource, ResourceExt};
-use serde::de::DeserializeOwned;
-use serde::Serialize;
 use tokio::sync::OwnedMutexGuard;
 
 use crate::metrics::Metrics;
@@ -21,17 +18,112 @@ use crate::shim::{NodeService, ShimError, TwigShim};
 /// `reportingController` of the controller's Events.
 pub const CONTROLLER_NAME: &str = "twig.dev/controller";
 
-/// A reconciler failure; the object is retried after [`Context::retry`].
+/// A reconciler failure; the object is retried after a per-object
+/// exponential backoff (see [`Backoff`]).
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// A call to the Kubernetes API failed.
     #[error("Kubernetes API: {0}")]
     Kube(#[from] kube::Error),
+    /// A call to the shim or the node service failed.
     #[error("node service: {0}")]
     Shim(#[from] ShimError),
+    /// The pod's sandbox could not be found on this node.
     #[error("finding the pod's sandbox: {0}")]
     Locate(#[from] LocateError),
+    /// The object lacks a field the reconciler needs.
     #[error("object has no {0}")]
     MissingField(&'static str),
+    /// Adding or removing a finalizer, or the work done under it, failed.
+    #[error("{0}")]
+    Finalizer(#[source] Box<kube::runtime::finalizer::Error<Error>>),
+}
+
+impl From<kube::runtime::finalizer::Error<Error>> for Error {
+    fn from(e: kube::runtime::finalizer::Error<Error>) -> Self {
+        Self::Finalizer(Box::new(e))
+    }
+}
+
+/// Per-object exponential backoff of failed reconciles: the first retry
+/// after `start`, each further one `factor` times later, at most `cap`; a
+/// successful reconcile of the object resets it.
+pub struct Backoff {
+    /// Delay before the first retry.
+    pub start: Duration,
+    /// Growth of the delay per consecutive failure.
+    pub factor: u32,
+    /// Longest delay.
+    pub cap: Duration,
+    failures: Mutex<HashMap<String, u32>>,
+}
+
+impl Backoff {
+    /// A backoff from `start`, doubling, capped at `cap`.
+    pub fn new(start: Duration, cap: Duration) -> Self {
+        Self {
+            start,
+            factor: 2,
+            cap,
+            failures: Mutex::default(),
+        }
+    }
+
+    fn failures(&self) -> std::sync::MutexGuard<'_, HashMap<String, u32>> {
+        self.failures
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Records one more failure of `key` and returns the delay before its retry.
+    pub fn failed(&self, key: &str) -> Duration {
+        let mut failures = self.failures();
+        let n = failures.entry(key.to_string()).or_default();
+        let delay = self
+            .factor
+            .checked_pow(*n)
+            .and_then(|f| self.start.checked_mul(f))
+            .map_or(self.cap, |d| d.min(self.cap));
+        *n = n.saturating_add(1);
+        delay
+    }
+
+    /// Forgets the failures of `key` (it reconciled successfully).
+    pub fn succeeded(&self, key: &str) {
+        self.failures().remove(key);
+    }
+
+    /// Consecutive failures of `key` so far.
+    pub fn failure_count(&self, key: &str) -> u32 {
+        self.failures().get(key).copied().unwrap_or_default()
+    }
+}
+
+/// Longest field manager name the API server accepts.
+const MAX_FIELD_MANAGER: usize = 128;
+/// Longest name part of a qualified name (a finalizer's after the `/`).
+const MAX_NAME_PART: usize = 63;
+
+/// `prefix` + `node`, at most `max` characters: a name that does not fit
+/// keeps its start and ends with a hash of the whole, so it stays unique.
+pub(crate) fn bounded_name(prefix: &str, node: &str, max: usize) -> String {
+    let full = format!("{prefix}{node}");
+    if full.len() <= max {
+        return full;
+    }
+    // FNV-1a: stable across releases and platforms (std's hasher is not).
+    let hash = full.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    let suffix = format!("-{hash:016x}");
+    let keep = full
+        .char_indices()
+        .map(|(i, _)| i)
+        .take_while(|i| *i + suffix.len() <= max)
+        .last()
+        .unwrap_or(0);
+    let head = full[..keep].trim_end_matches(['-', '.']);
+    format!("{head}{suffix}")
 }
 
 /// Namespace and name of a pod.
@@ -39,22 +131,36 @@ type PodKey = (String, String);
 
 /// Everything a reconciler needs; one per controller process (one per node).
 pub struct Context {
+    /// Client of the Kubernetes API.
     pub client: Client,
     /// The node this controller serves (from the downward API).
     pub node_name: String,
+    /// Field manager of this node's server-side applies: `twig-controller/<node>`.
+    pub field_manager: String,
+    /// Finds a pod's sandbox (and its shim) on this node.
     pub locator: Arc<dyn SandboxLocator>,
+    /// The shims of this node's sandboxes.
     pub shim: Arc<dyn TwigShim>,
+    /// This node's node service (node store, templates).
     pub node: Arc<dyn NodeService>,
+    /// Operation metrics.
     pub metrics: Arc<Metrics>,
-    /// Delay before an object waiting on something else, or after an error, is looked at again.
+    /// Delay before an object waiting on something else is looked at again.
     pub retry: Duration,
     /// How often a Ready snapshot's data is checked to still be on the node.
     pub recheck: Duration,
+    /// How often a deleting object whose finalizer belongs to another node
+    /// is checked for that node's Node object being gone.
+    pub orphan_check: Duration,
+    /// Delays of retries after failed reconciles.
+    pub backoff: Backoff,
     recorder: Recorder,
     pod_locks: Mutex<HashMap<PodKey, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl Context {
+    /// A context for the controller of `node_name`, with default delays
+    /// (retry 5 s, recheck 5 min, orphan check 1 min, backoff 1 s ×2 up to 5 min).
     pub fn new(
         client: Client,
         node_name: String,
@@ -70,6 +176,7 @@ impl Context {
         Self {
             recorder: Recorder::new(client.clone(), reporter),
             client,
+            field_manager: bounded_name("twig-controller/", &node_name, MAX_FIELD_MANAGER),
             node_name,
             locator,
             shim,
@@ -77,11 +184,13 @@ impl Context {
             metrics,
             retry: Duration::from_secs(5),
             recheck: Duration::from_secs(300),
+            orphan_check: Duration::from_secs(60),
+            backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(300)),
             pod_locks: Mutex::default(),
         }
     }
 
-    /// Sets the delay before waiting or failed objects are retried.
+    /// Sets the delay before waiting objects are looked at again.
     #[must_use]
     pub fn with_retry(mut self, retry: Duration) -> Self {
         self.retry = retry;
@@ -93,6 +202,31 @@ impl Context {
     pub fn with_recheck(mut self, recheck: Duration) -> Self {
         self.recheck = recheck;
         self
+    }
+
+    /// Sets how often other nodes' deleting objects are checked for their node being gone.
+    #[must_use]
+    pub fn with_orphan_check(mut self, every: Duration) -> Self {
+        self.orphan_check = every;
+        self
+    }
+
+    /// Sets the backoff of failed reconciles: first retry after `start`, doubling up to `cap`.
+    #[must_use]
+    pub fn with_backoff(mut self, start: Duration, cap: Duration) -> Self {
+        self.backoff = Backoff::new(start, cap);
+        self
+    }
+
+    /// This node's finalizer on SandboxTemplates: `twig.dev/template.<node>`.
+    pub fn template_finalizer(&self) -> String {
+        template_finalizer(&self.node_name)
+    }
+
+    /// Does the Node object `name` still exist?
+    pub(crate) async fn node_exists(&self, name: &str) -> Result<bool, Error> {
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        Ok(nodes.get_opt(name).await?.is_some())
     }
 
     /// Serializes operations on one pod: held across every shim call on it.
@@ -151,40 +285,11 @@ pub(crate) fn millis_since(since: Option<&Time>) -> u64 {
         .unwrap_or(0)
 }
 
-/// Adds `finalizer` to the object (optimistically, against its resourceVersion).
-pub(crate) async fn add_finalizer<K>(api: &Api<K>, obj: &K, finalizer: &str) -> Result<K, Error>
-where
-    K: Resource + Clone + Serialize + DeserializeOwned + Debug,
-{
-    if obj.finalizers().iter().any(|f| f == finalizer) {
-        return Ok(obj.clone());
-    }
-    let mut new = obj.clone();
-    new.finalizers_mut().push(finalizer.to_string());
-    Ok(api
-        .replace(&obj.name_any(), &PostParams::default(), &new)
-        .await?)
-}
-
-/// Removes `finalizer` from the object (optimistically, against its resourceVersion).
-pub(crate) async fn remove_finalizer<K>(api: &Api<K>, obj: &K, finalizer: &str) -> Result<(), Error>
-where
-    K: Resource + Clone + Serialize + DeserializeOwned + Debug,
-{
-    if !obj.finalizers().iter().any(|f| f == finalizer) {
-        return Ok(());
-    }
-    let mut new = obj.clone();
-    new.finalizers_mut().retain(|f| f != finalizer);
-    match api
-        .replace(&obj.name_any(), &PostParams::default(), &new)
-        .await
-    {
-        Ok(_) => Ok(()),
-        // Removing the last finalizer of a deleted object deletes it; a 404 means it is already gone.
-        Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
-        Err(e) => Err(e.into()),
-    }
+/// The SandboxTemplate finalizer of `node`: `twig.dev/template.<node>`
+/// (shortened with a hash when the node's name is long).
+pub fn template_finalizer(node: &str) -> String {
+    let name = bounded_name("template.", node, MAX_NAME_PART);
+    format!("{}/{name}", crate::crd::GROUP)
 }
 
 /// Is this a 404 from the API server?

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::{CustomResource, CustomResourceExt, KubeSchema};
 use serde::{Deserialize, Serialize};
+use twig_net::EgressPolicy;
 
 /// API group of every Twig resource.
 pub const GROUP: &str = "twig.dev";
@@ -13,6 +14,9 @@ pub const GROUP: &str = "twig.dev";
 pub const RESTORE_FROM_ANNOTATION: &str = "twig.dev/restore-from";
 /// Pod annotation naming the SandboxTemplate a pod starts from.
 pub const TEMPLATE_ANNOTATION: &str = "twig.dev/template";
+/// Pod annotation holding the pod's own egress policy (JSON
+/// `twig_net::EgressPolicy`); it replaces its template's `spec.egressPolicy`.
+pub use twig_net::EGRESS_POLICY_ANNOTATION;
 /// Label on every pod a Clone creates, valued with the Clone's name.
 pub const CLONE_LABEL: &str = "twig.dev/clone";
 /// The RuntimeClass (and containerd handler) of Twig pods.
@@ -111,6 +115,7 @@ pub struct SnapshotSpec {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct SnapshotStatus {
+    /// Lifecycle phase.
     #[serde(default)]
     pub phase: Phase,
     /// Node whose store holds the snapshot.
@@ -126,20 +131,26 @@ pub struct SnapshotStatus {
     /// Node-store ID of the snapshot this one is incremental on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent: Option<String>,
+    /// Size of the snapshot in the node store, in bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub size_bytes: Option<u64>,
+    /// Bytes written by this snapshot (less than the size when incremental).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub written_bytes: Option<u64>,
+    /// Time from start to Ready, in milliseconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub duration_ms: Option<u64>,
     /// When the node started the snapshot.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub start_time: Option<Time>,
+    /// When the snapshot became Ready.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ready_time: Option<Time>,
+    /// `Ready`, `Progressing` and `Failure`, each with a reason.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
+    /// Why the snapshot is in its phase (failures, loss).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
 }
@@ -185,6 +196,7 @@ pub struct CloneSource {
 #[x_kube(validation = Rule::new("self.source == oldSelf.source && self.replicas == oldSelf.replicas").message("source and replicas are immutable; create another Clone"))]
 #[serde(rename_all = "camelCase")]
 pub struct CloneSpec {
+    /// Where the pods come from.
     pub source: CloneSource,
     /// Number of pods, 1 to 100.
     #[schemars(range(min = 1, max = 100))]
@@ -205,6 +217,7 @@ pub struct CloneSpec {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct CloneStatus {
+    /// Lifecycle phase.
     #[serde(default)]
     pub phase: Phase,
     /// The Snapshot the pods are restored from.
@@ -213,11 +226,17 @@ pub struct CloneStatus {
     /// Names of the clone pods.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pods: Vec<String>,
+    /// Number of clone pods that are Ready.
     #[serde(default)]
     pub ready_replicas: i32,
     /// Time from the Clone's creation until all pods were Ready.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub duration_ms: Option<u64>,
+    /// `Ready`, `Progressing` and `Failure`, each with a reason.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+    /// Why the Clone is in its phase.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
 }
@@ -258,14 +277,23 @@ pub struct RollbackSpec {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct RollbackStatus {
+    /// Lifecycle phase.
     #[serde(default)]
     pub phase: Phase,
+    /// When the node started the rollback.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub start_time: Option<Time>,
+    /// Time from start to done, in milliseconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub duration_ms: Option<u64>,
+    /// When the rollback finished (Ready or Failed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub completion_time: Option<Time>,
+    /// `Ready`, `Progressing` and `Failure`, each with a reason.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+    /// Why the Rollback is in its phase.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
 }
@@ -292,10 +320,12 @@ pub struct SandboxTemplateSpec {
     /// Container image the template runs.
     #[schemars(length(min = 1))]
     pub image: String,
+    /// Number of vCPUs, 1 to 64.
     #[schemars(range(min = 1, max = 64))]
     pub vcpus: u32,
+    /// Guest RAM in MiB: what twig-vmm accepts, a multiple of 2 from 16 to 3072 (3 GiB).
     #[serde(rename = "memoryMiB")]
-    #[schemars(range(min = 64, max = 262144))]
+    #[schemars(range(min = 16, max = 3072), extend("multipleOf" = 2))]
     pub memory_mib: u32,
     /// Overrides the image's entrypoint.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -303,12 +333,19 @@ pub struct SandboxTemplateSpec {
     /// Run in the template VM before it is saved (e.g. to load the app and warm caches).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warmup: Option<Vec<String>>,
+    /// Egress policy of the pods restored from this template (a pod's
+    /// `twig.dev/egress-policy` annotation replaces it for that pod); the
+    /// built-in default (public destinations allowed, private ones and the
+    /// metadata range denied) when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_policy: Option<EgressPolicy>,
 }
 
 /// Observed state of a SandboxTemplate: one entry per node that built it.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct SandboxTemplateStatus {
+    /// One entry per node, keyed by node name; each node writes only its own.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["nodeName"]))]
     pub nodes: Vec<TemplateNodeStatus>,
@@ -321,8 +358,11 @@ pub struct SandboxTemplateStatus {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct TemplateNodeStatus {
+    /// The node.
     pub node_name: String,
+    /// Whether the template is built and ready to restore from on this node.
     pub ready: bool,
+    /// Why it is not ready (building, or the error).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
 }

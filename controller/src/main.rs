@@ -107,7 +107,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
             tokio::select! {
                 () = twig_controller::run(ctx) => {}
-                served = twig_controller::metrics::serve(listener, metrics) => served.map_err(|e| format!("metrics server: {e}"))?,
+                () = twig_controller::metrics::serve(listener, metrics) => {}
                 _ = tokio::signal::ctrl_c() => tracing::info!("interrupted; stopping"),
                 _ = sigterm.recv() => tracing::info!("terminated; stopping"),
             }

@@ -3,6 +3,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::time::Duration;
 
 use http_body_util::Full;
 use hyper::body::Bytes;
@@ -45,6 +46,7 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Empty metrics, registered under the `twig` prefix.
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("twig");
         let durations: HistogramFamily = Family::new_with_constructor(new_histogram);
@@ -114,10 +116,23 @@ fn respond(metrics: &Metrics, req: &Request<hyper::body::Incoming>) -> Response<
     resp
 }
 
+/// Pause after a failed `accept` (e.g. out of file descriptors), so the
+/// loop does not spin while the condition lasts.
+const ACCEPT_RETRY: Duration = Duration::from_millis(100);
+
 /// Serves `/metrics` and `/healthz` on `listener` until the task is dropped.
-pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>) -> std::io::Result<()> {
+/// A failed `accept` (the process out of file descriptors, a connection
+/// reset before it was accepted) is logged and the server goes on.
+pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>) {
     loop {
-        let (stream, peer) = listener.accept().await?;
+        let (stream, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                tracing::warn!(error = %e, "accepting a metrics connection failed; going on");
+                tokio::time::sleep(ACCEPT_RETRY).await;
+                continue;
+            }
+        };
         let metrics = metrics.clone();
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {

@@ -21,13 +21,18 @@ const SANDBOX_UID: &str = "io.kubernetes.cri.sandbox-uid";
 /// Failure to find a pod's sandbox.
 #[derive(Debug, thiserror::Error)]
 pub enum LocateError {
+    /// The pod object has no `metadata.uid`.
     #[error("pod has no UID")]
     NoUid,
+    /// No sandbox of the pod (by UID) runs on this node.
     #[error("no sandbox of pod UID {0} on this node")]
     NotFound(String),
+    /// containerd's state directory could not be read.
     #[error("reading containerd state {path}: {source}")]
     Io {
+        /// The file or directory.
         path: PathBuf,
+        /// The error.
         #[source]
         source: std::io::Error,
     },
@@ -36,6 +41,7 @@ pub enum LocateError {
 /// Finds the sandbox that runs a pod on this node.
 #[async_trait]
 pub trait SandboxLocator: Send + Sync {
+    /// The sandbox running `pod` on this node.
     async fn locate(&self, pod: &Pod) -> Result<Sandbox, LocateError>;
 }
 

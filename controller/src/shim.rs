@@ -24,23 +24,32 @@ pub struct Sandbox {
 /// A snapshot as the shim reports it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SnapshotInfo {
+    /// The node-store id of the snapshot.
     pub snapshot_id: String,
+    /// Its parent's id, for an incremental snapshot.
     pub parent_id: Option<String>,
+    /// Bytes the snapshot holds (memory, state and disks).
     pub size_bytes: u64,
+    /// Bytes written to take it.
     pub written_bytes: u64,
 }
 
 /// What the shim knows about a sandbox.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SandboxStats {
+    /// The snapshots taken of the sandbox.
     pub snapshots: Vec<SnapshotInfo>,
+    /// The operation id of the last rollback done, so a restarted
+    /// controller knows whether its rollback happened.
     pub last_rollback_operation_id: Option<String>,
 }
 
 /// A template's state on this node.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TemplateState {
+    /// Whether the template can be restored from on this node.
     pub ready: bool,
+    /// Why not, or what is happening.
     pub message: Option<String>,
 }
 
@@ -49,7 +58,12 @@ pub struct TemplateState {
 pub enum ShimError {
     /// The service could not be reached (socket missing, connection refused, timeout).
     #[error("cannot reach {address}: {message}")]
-    Unavailable { address: String, message: String },
+    Unavailable {
+        /// The service's address.
+        address: String,
+        /// Why it could not be reached.
+        message: String,
+    },
     /// The service does not know the sandbox, snapshot or method.
     #[error("not found: {0}")]
     NotFound(String),
@@ -58,7 +72,12 @@ pub enum ShimError {
     Refused(String),
     /// Any other failure of the call.
     #[error("{call} failed: {message}")]
-    Call { call: &'static str, message: String },
+    Call {
+        /// The method called.
+        call: &'static str,
+        /// What the service or transport said.
+        message: String,
+    },
 }
 
 /// The shim's `twig.v1.Twig` service.

@@ -1,187 +1,67 @@
-//! Renders charts/twig without Helm and checks the manifests strictly.
-//!
-//! The chart keeps to a small subset of Helm's template language (value
-//! substitution, `quote`, `toYaml | nindent N`, `if`/`end`, `{{-`/`-}}`
-//! trimming); this renderer implements exactly that subset and fails on
-//! anything else, so the chart cannot drift beyond what is checked here.
+//! `charts/twig` through the real Helm 3 (`helm lint`, `helm template`), with
+//! its default values and with changed ones; every rendered manifest is
+//! checked strictly against its Kubernetes type, the RBAC against what the
+//! controller calls, and the arguments against the controller binary.
 
 mod support;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use k8s_openapi::api::apps::v1::DaemonSet;
-use k8s_openapi::api::core::v1::{ConfigMap, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, ServiceAccount};
 use k8s_openapi::api::node::v1::RuntimeClass;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use serde_json::{json, Value};
+
+use support::kube_tools::{helm, run, succeed};
+
+const RELEASE: &str = "twig";
+const NAMESPACE: &str = "twig-system";
 
 fn chart_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../charts/twig")
 }
 
-fn lookup<'a>(ctx: &'a Value, path: &str) -> &'a Value {
-    let mut v = ctx;
-    for part in path.trim_start_matches('.').split('.') {
-        v = v
-            .get(part)
-            .unwrap_or_else(|| panic!("template refers to missing value {path}"));
-    }
-    v
+/// A values file holding `values` (JSON is YAML), kept while the test runs.
+fn values_file(values: &Value) -> tempfile::NamedTempFile {
+    let file = tempfile::Builder::new()
+        .suffix(".yaml")
+        .tempfile()
+        .expect("values file");
+    std::fs::write(file.path(), values.to_string()).expect("write values");
+    file
 }
 
-fn scalar(v: &Value, what: &str) -> String {
-    match v {
-        Value::String(s) => s.clone(),
-        Value::Number(n) => n.to_string(),
-        Value::Bool(b) => b.to_string(),
-        other => panic!("{what} renders a non-scalar {other}; use toYaml"),
-    }
-}
-
-fn truthy(v: &Value) -> bool {
-    !matches!(v, Value::Null | Value::Bool(false))
-        && *v != json!(0)
-        && *v != json!("")
-        && *v != json!([])
-        && *v != json!({})
-}
-
-fn to_yaml(v: &Value) -> String {
-    serde_saphyr::to_string(v)
-        .expect("toYaml")
-        .trim_end_matches('\n')
-        .to_string()
-}
-
-/// Evaluates one action; `None` for control actions.
-fn eval(action: &str, ctx: &Value, used: &mut BTreeSet<String>) -> String {
-    let stages: Vec<&str> = action.split('|').map(str::trim).collect();
-    let mut value = match stages[0].split_whitespace().collect::<Vec<_>>().as_slice() {
-        [path] if path.starts_with('.') => {
-            used.insert(path.to_string());
-            scalar(lookup(ctx, path), path)
-        }
-        ["toYaml", path] if path.starts_with('.') => {
-            used.insert(path.to_string());
-            to_yaml(lookup(ctx, path))
-        }
-        _ => panic!("unsupported template action {{{{ {action} }}}}"),
-    };
-    for stage in &stages[1..] {
-        value = match stage.split_whitespace().collect::<Vec<_>>().as_slice() {
-            ["quote"] => serde_json::to_string(&value).expect("quote"),
-            ["nindent", n] => {
-                let pad = " ".repeat(n.parse().expect("nindent width"));
-                format!(
-                    "\n{}",
-                    value
-                        .lines()
-                        .map(|l| format!("{pad}{l}"))
-                        .collect::<Vec<_>>()
-                        .join("\n")
-                )
-            }
-            _ => panic!("unsupported template function in {{{{ {action} }}}}"),
-        };
-    }
-    value
-}
-
-/// Renders one template file.
-fn render(template: &str, ctx: &Value, used: &mut BTreeSet<String>) -> String {
-    let mut out = String::new();
-    let mut conditions: Vec<bool> = Vec::new();
-    let mut rest = template;
-    let mut trim_next = false;
-    while let Some(start) = rest.find("{{") {
-        let (text, after) = rest.split_at(start);
-        let end = after.find("}}").expect("unclosed action");
-        let raw = &after[2..end];
-        let (trim_before, raw) = raw.strip_prefix('-').map_or((false, raw), |r| (true, r));
-        let (trim_after, raw) = raw.strip_suffix('-').map_or((false, raw), |r| (true, r));
-        let text = if trim_next { text.trim_start() } else { text };
-        if conditions.iter().all(|c| *c) {
-            out.push_str(text);
-        }
-        if trim_before {
-            let kept = out.trim_end().len();
-            out.truncate(kept);
-        }
-        let action = raw.trim();
-        match action.split_whitespace().collect::<Vec<_>>().as_slice() {
-            ["if", path] => {
-                used.insert(path.to_string());
-                conditions.push(truthy(lookup(ctx, path)));
-            }
-            ["end"] => {
-                conditions.pop().expect("end without if");
-            }
-            _ => {
-                if conditions.iter().all(|c| *c) {
-                    out.push_str(&eval(action, ctx, used));
-                }
-            }
-        }
-        trim_next = trim_after;
-        rest = &after[end + 2..];
-    }
-    assert!(conditions.is_empty(), "if without end");
-    let tail = if trim_next { rest.trim_start() } else { rest };
-    out.push_str(tail);
-    out
-}
-
-fn merge(base: &mut Value, over: &Value) {
-    match (base, over) {
-        (Value::Object(b), Value::Object(o)) => {
-            for (k, v) in o {
-                merge(b.entry(k.clone()).or_insert(Value::Null), v);
-            }
-        }
-        (b, o) => *b = o.clone(),
-    }
-}
-
-/// Renders every template with values.yaml plus `overrides`; returns the documents.
-fn render_chart(overrides: Value, used: &mut BTreeSet<String>) -> Vec<Value> {
-    let dir = chart_dir();
-    let chart: Value = serde_saphyr::from_str(
-        &std::fs::read_to_string(dir.join("Chart.yaml")).expect("Chart.yaml"),
+/// `helm template` of the chart with `values` over values.yaml.
+fn template_args(values: &Value, release: &str, namespace: &str, extra: &[&str]) -> String {
+    let file = values_file(values);
+    succeed(
+        Command::new(helm())
+            .args(["template", release])
+            .arg(chart_dir())
+            .args(["--namespace", namespace, "--values"])
+            .arg(file.path())
+            .args(extra),
     )
-    .expect("parse Chart.yaml");
-    let mut values: Value = serde_saphyr::from_str(
-        &std::fs::read_to_string(dir.join("values.yaml")).expect("values.yaml"),
-    )
-    .expect("parse values.yaml");
-    merge(&mut values, &overrides);
-    let ctx = json!({
-        "Values": values,
-        "Release": {"Name": "twig", "Namespace": "twig-system"},
-        "Chart": {"Name": chart["name"], "Version": chart["version"], "AppVersion": chart["appVersion"]},
-    });
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir.join("templates"))
-        .expect("templates")
-        .map(|e| e.expect("entry").path())
-        .collect();
-    files.sort();
-    let mut docs = Vec::new();
-    for file in files {
-        let text = std::fs::read_to_string(&file).expect("template");
-        let rendered = render(&text, &ctx, used);
-        for doc in rendered.split("\n---") {
-            let meaningful = doc
-                .lines()
-                .any(|l| !l.trim().is_empty() && !l.trim_start().starts_with('#'));
-            if meaningful {
-                let value: Value = serde_saphyr::from_str(doc).unwrap_or_else(|e| {
-                    panic!("{} renders invalid YAML: {e}\n{doc}", file.display())
-                });
-                docs.push(value);
-            }
-        }
-    }
-    docs
+}
+
+fn template(values: &Value) -> String {
+    template_args(values, RELEASE, NAMESPACE, &[])
+}
+
+/// The documents of a multi-document YAML stream (comments and empty documents dropped).
+fn documents(yaml: &str) -> Vec<Value> {
+    yaml.split("\n---")
+        .filter(|doc| {
+            doc.lines()
+                .any(|l| !l.trim().is_empty() && !l.trim_start().starts_with('#'))
+        })
+        .map(|doc| {
+            serde_saphyr::from_str(doc).unwrap_or_else(|e| panic!("invalid YAML: {e}\n{doc}"))
+        })
+        .collect()
 }
 
 /// Deserializes into the typed Kubernetes object and back: a field the
@@ -199,23 +79,8 @@ fn find<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("no {kind} {name}"))
 }
 
-fn leaf_paths(v: &Value, prefix: &str, out: &mut Vec<String>) {
-    match v.as_object() {
-        Some(map) if !map.is_empty() => {
-            for (k, child) in map {
-                leaf_paths(child, &format!("{prefix}.{k}"), out);
-            }
-        }
-        _ => out.push(prefix.to_string()),
-    }
-}
-
-#[test]
-fn chart_renders_to_valid_manifests() {
-    let mut used = BTreeSet::new();
-    let docs = render_chart(json!({}), &mut used);
-    let kinds: BTreeSet<String> = docs
-        .iter()
+fn kinds(docs: &[Value]) -> BTreeSet<String> {
+    docs.iter()
         .map(|d| {
             format!(
                 "{}/{}",
@@ -223,43 +88,16 @@ fn chart_renders_to_valid_manifests() {
                 d["metadata"]["name"].as_str().unwrap_or_default()
             )
         })
-        .collect();
-    let expected: BTreeSet<String> = [
-        "ServiceAccount/twig-controller",
-        "ClusterRole/twig-controller",
-        "ClusterRoleBinding/twig-controller",
-        "RuntimeClass/twig",
-        "DaemonSet/twig-controller",
-        "ConfigMap/twig-containerd-config",
-        "DaemonSet/twig-node-setup",
-    ]
-    .into_iter()
-    .map(String::from)
-    .collect();
-    assert_eq!(kinds, expected);
+        .collect()
+}
 
-    let sa: ServiceAccount = strict(find(&docs, "ServiceAccount", "twig-controller"));
-    let binding: ClusterRoleBinding = strict(find(&docs, "ClusterRoleBinding", "twig-controller"));
-    strict::<ClusterRole>(find(&docs, "ClusterRole", "twig-controller"));
-    let subject = &binding.subjects.as_ref().expect("subjects")[0];
-    assert_eq!(
-        (
-            subject.kind.as_str(),
-            Some(&subject.name),
-            subject.namespace.as_deref()
-        ),
-        (
-            "ServiceAccount",
-            sa.metadata.name.as_ref(),
-            Some("twig-system")
-        )
-    );
-    assert_eq!(binding.role_ref.name, "twig-controller");
+fn set(items: &[&str]) -> BTreeSet<String> {
+    items.iter().map(|s| s.to_string()).collect()
+}
 
-    let rc: RuntimeClass = strict(find(&docs, "RuntimeClass", "twig"));
-    assert_eq!(rc.handler, "twig");
-
-    let ds: DaemonSet = strict(find(&docs, "DaemonSet", "twig-controller"));
+/// The controller DaemonSet's container, after checking the DaemonSet as a whole.
+fn controller_container(docs: &[Value], service_account: &str) -> Container {
+    let ds: DaemonSet = strict(find(docs, "DaemonSet", "twig-controller"));
     let spec = ds.spec;
     let selector = spec.selector.match_labels.clone().expect("selector");
     let pod_labels = spec
@@ -273,8 +111,90 @@ fn chart_renders_to_valid_manifests() {
         "selector does not match the pod labels"
     );
     let pod = spec.template.spec.expect("pod spec");
-    assert_eq!(pod.service_account_name, sa.metadata.name);
-    let container = &pod.containers[0];
+    assert_eq!(pod.service_account_name.as_deref(), Some(service_account));
+    let container = pod.containers[0].clone();
+    let volumes: BTreeSet<String> = pod
+        .volumes
+        .iter()
+        .flatten()
+        .map(|v| v.name.clone())
+        .collect();
+    for mount in container.volume_mounts.iter().flatten() {
+        assert!(
+            volumes.contains(&mount.name),
+            "mount of undefined volume {}",
+            mount.name
+        );
+    }
+    // The controller binary accepts the rendered arguments.
+    let args = container.args.clone().expect("args");
+    let status = Command::new(env!("CARGO_BIN_EXE_twig-controller"))
+        .args(&args)
+        .arg("--help")
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("run twig-controller");
+    assert!(
+        status.success(),
+        "twig-controller rejects the chart's arguments {args:?}"
+    );
+    container
+}
+
+#[test]
+fn helm_lints_the_chart_with_default_and_changed_values() {
+    succeed(
+        Command::new(helm())
+            .args(["lint", "--strict"])
+            .arg(chart_dir()),
+    );
+    let changed = values_file(&json!({
+        "nodeSetup": {"enabled": false},
+        "controller": {"image": "registry.example/twig/controller:9.9.9"},
+    }));
+    succeed(
+        Command::new(helm())
+            .args(["lint", "--strict"])
+            .arg(chart_dir())
+            .arg("--values")
+            .arg(changed.path()),
+    );
+}
+
+#[test]
+fn chart_renders_to_valid_manifests() {
+    let docs = documents(&template(&json!({})));
+    assert_eq!(
+        kinds(&docs),
+        set(&[
+            "ServiceAccount/twig-controller",
+            "ClusterRole/twig-controller",
+            "ClusterRoleBinding/twig-controller",
+            "RuntimeClass/twig",
+            "DaemonSet/twig-controller",
+            "ConfigMap/twig-containerd-config",
+            "DaemonSet/twig-node-setup",
+        ])
+    );
+    let sa: ServiceAccount = strict(find(&docs, "ServiceAccount", "twig-controller"));
+    assert_eq!(sa.metadata.namespace.as_deref(), Some(NAMESPACE));
+    let binding: ClusterRoleBinding = strict(find(&docs, "ClusterRoleBinding", "twig-controller"));
+    strict::<ClusterRole>(find(&docs, "ClusterRole", "twig-controller"));
+    let subject = &binding.subjects.as_ref().expect("subjects")[0];
+    assert_eq!(
+        (
+            subject.kind.as_str(),
+            Some(&subject.name),
+            subject.namespace.as_deref()
+        ),
+        ("ServiceAccount", sa.metadata.name.as_ref(), Some(NAMESPACE))
+    );
+    assert_eq!(binding.role_ref.name, "twig-controller");
+
+    let rc: RuntimeClass = strict(find(&docs, "RuntimeClass", "twig"));
+    assert_eq!(rc.handler, "twig");
+
+    let container = controller_container(&docs, "twig-controller");
     let node_name = container
         .env
         .iter()
@@ -298,31 +218,6 @@ fn chart_renders_to_valid_manifests() {
         security.capabilities.as_ref().and_then(|c| c.drop.clone()),
         Some(vec!["ALL".to_string()])
     );
-    let volumes: BTreeSet<String> = pod
-        .volumes
-        .iter()
-        .flatten()
-        .map(|v| v.name.clone())
-        .collect();
-    for mount in container.volume_mounts.iter().flatten() {
-        assert!(
-            volumes.contains(&mount.name),
-            "mount of undefined volume {}",
-            mount.name
-        );
-    }
-    // The controller binary accepts the rendered arguments.
-    let args = container.args.clone().expect("args");
-    let status = std::process::Command::new(env!("CARGO_BIN_EXE_twig-controller"))
-        .args(&args)
-        .arg("--help")
-        .stdout(std::process::Stdio::null())
-        .status()
-        .expect("run twig-controller");
-    assert!(
-        status.success(),
-        "twig-controller rejects the chart's arguments {args:?}"
-    );
 
     let cm: ConfigMap = strict(find(&docs, "ConfigMap", "twig-containerd-config"));
     let toml = cm
@@ -343,44 +238,162 @@ fn chart_renders_to_valid_manifests() {
         );
     }
     strict::<DaemonSet>(find(&docs, "DaemonSet", "twig-node-setup"));
+}
 
-    // Every documented value is used by some template.
-    let values: Value = serde_saphyr::from_str(
-        &std::fs::read_to_string(chart_dir().join("values.yaml")).expect("values"),
-    )
-    .expect("parse");
-    let mut leaves = Vec::new();
-    leaf_paths(&values, ".Values", &mut leaves);
-    for leaf in leaves {
-        let covered = used
-            .iter()
-            .any(|u| leaf == *u || leaf.starts_with(&format!("{u}.")));
-        assert!(covered, "value {leaf} is not used by any template");
+#[test]
+fn changed_values_reach_the_manifests() {
+    let values = json!({
+        "controller": {
+            "image": "registry.example/twig/controller:9.9.9",
+            "imagePullPolicy": "Always",
+            "metricsPort": 9191,
+            "logLevel": "twig_controller=debug",
+            "callTimeoutSeconds": 30,
+            "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
+        },
+        "node": {"twigRunDir": "/var/run/twig"},
+        // Helm merges maps with the defaults: a null drops the default label.
+        "nodeSelector": {"example.com/pool": "sandboxes", "twig.dev/runtime": null},
+        "tolerations": [{"key": "sandbox", "operator": "Exists", "effect": "NoSchedule"}],
+        "runtimeClass": {"name": "microvm", "handler": "twig-kvm"},
+        "nodeSetup": {"enabled": false},
+    });
+    let docs = documents(&template_args(&values, "sandbox", "agents", &[]));
+    assert_eq!(
+        kinds(&docs),
+        set(&[
+            "ServiceAccount/twig-controller",
+            "ClusterRole/twig-controller",
+            "ClusterRoleBinding/twig-controller",
+            "RuntimeClass/microvm",
+            "DaemonSet/twig-controller",
+        ]),
+        "node setup off: no ConfigMap, no node-setup DaemonSet"
+    );
+    let binding: ClusterRoleBinding = strict(find(&docs, "ClusterRoleBinding", "twig-controller"));
+    assert_eq!(
+        binding.subjects.expect("subjects")[0].namespace.as_deref(),
+        Some("agents")
+    );
+    let rc: RuntimeClass = strict(find(&docs, "RuntimeClass", "microvm"));
+    assert_eq!(rc.handler, "twig-kvm");
+    assert_eq!(
+        rc.scheduling.and_then(|s| s.node_selector),
+        Some([("example.com/pool".to_string(), "sandboxes".to_string())].into())
+    );
+
+    let ds: DaemonSet = strict(find(&docs, "DaemonSet", "twig-controller"));
+    assert_eq!(
+        ds.metadata.labels.expect("labels")["app.kubernetes.io/instance"],
+        "sandbox"
+    );
+    let pod = ds.spec.template.spec.expect("pod spec");
+    let toleration = &pod.tolerations.expect("tolerations")[0];
+    assert_eq!(
+        (toleration.key.as_deref(), toleration.effect.as_deref()),
+        (Some("sandbox"), Some("NoSchedule"))
+    );
+    let container = controller_container(&docs, "twig-controller");
+    assert_eq!(
+        container.image.as_deref(),
+        Some("registry.example/twig/controller:9.9.9")
+    );
+    assert_eq!(container.image_pull_policy.as_deref(), Some("Always"));
+    let args = container.args.clone().expect("args");
+    for arg in [
+        "--metrics-addr=0.0.0.0:9191",
+        "--node-socket=unix:///var/run/twig/node.sock",
+        "--call-timeout-secs=30",
+    ] {
+        assert!(args.iter().any(|a| a == arg), "{arg} not in {args:?}");
+    }
+    assert_eq!(
+        container.ports.expect("ports")[0].container_port,
+        9191,
+        "metrics port"
+    );
+    let resources = serde_json::to_value(container.resources.expect("resources")).expect("json");
+    assert_eq!(resources, values["controller"]["resources"]);
+    let log = container
+        .env
+        .iter()
+        .flatten()
+        .find(|e| e.name == "RUST_LOG")
+        .and_then(|e| e.value.clone());
+    assert_eq!(log.as_deref(), Some("twig_controller=debug"));
+}
+
+/// A value of the same type as `v` that differs from it.
+fn changed(v: &Value) -> Value {
+    match v {
+        Value::String(s) => json!(format!("{s}-changed")),
+        Value::Number(n) => json!(n.as_i64().expect("integer value") + 1),
+        Value::Bool(b) => json!(!b),
+        Value::Array(_) => json!([{"key": "changed", "operator": "Exists"}]),
+        Value::Object(_) => json!({"changed": "yes"}),
+        Value::Null => json!("changed"),
+    }
+}
+
+/// Every leaf of `v` (non-empty objects are descended), as a key path.
+fn leaf_paths(v: &Value, prefix: &[String], out: &mut Vec<Vec<String>>) {
+    match v.as_object() {
+        Some(map) if !map.is_empty() => {
+            for (k, child) in map {
+                let mut path = prefix.to_vec();
+                path.push(k.clone());
+                leaf_paths(child, &path, out);
+            }
+        }
+        _ => out.push(prefix.to_vec()),
     }
 }
 
 #[test]
-fn node_setup_can_be_turned_off() {
-    let docs = render_chart(
-        json!({"nodeSetup": {"enabled": false}, "tolerations": [{"operator": "Exists"}]}),
-        &mut BTreeSet::new(),
+fn every_value_changes_the_rendered_chart() {
+    let values: Value = serde_saphyr::from_str(
+        &std::fs::read_to_string(chart_dir().join("values.yaml")).expect("values.yaml"),
+    )
+    .expect("parse values.yaml");
+    let defaults = template(&json!({}));
+    let mut leaves = Vec::new();
+    leaf_paths(&values, &[], &mut leaves);
+    assert!(leaves.len() > 10, "values.yaml has its leaves: {leaves:?}");
+    for path in leaves {
+        let mut current = &values;
+        for key in &path {
+            current = &current[key.as_str()];
+        }
+        let mut over = changed(current);
+        for key in path.iter().rev() {
+            over = json!({ key.clone(): over });
+        }
+        assert_ne!(
+            template(&over),
+            defaults,
+            "value {} is not used by any template",
+            path.join(".")
+        );
+    }
+}
+
+#[test]
+fn chart_refuses_kubernetes_older_than_it_supports() {
+    let out = run(Command::new(helm())
+        .args(["template", RELEASE])
+        .arg(chart_dir())
+        .args(["--kube-version", "1.29.9"]));
+    assert!(!out.status.success(), "rendered for Kubernetes 1.29");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("kubeVersion"),
+        "the error names the kubeVersion requirement: {stderr}"
     );
-    assert!(docs
-        .iter()
-        .all(|d| d["metadata"]["name"] != "twig-node-setup" && d["kind"] != "ConfigMap"));
-    let ds: DaemonSet = strict(find(&docs, "DaemonSet", "twig-controller"));
-    let tolerations = ds
-        .spec
-        .template
-        .spec
-        .and_then(|p| p.tolerations)
-        .expect("tolerations");
-    assert_eq!(tolerations[0].operator.as_deref(), Some("Exists"));
 }
 
 #[test]
 fn cluster_role_grants_exactly_what_the_controller_calls() {
-    let docs = render_chart(json!({}), &mut BTreeSet::new());
+    let docs = documents(&template(&json!({})));
     let role: ClusterRole = strict(find(&docs, "ClusterRole", "twig-controller"));
     let mut granted = BTreeSet::new();
     for rule in role.rules.iter().flatten() {
@@ -409,15 +422,34 @@ fn cluster_role_grants_exactly_what_the_controller_calls() {
 #[test]
 fn chart_crds_are_the_generated_ones() {
     let chart_crds = chart_dir().join("crds");
-    let mut names = Vec::new();
+    let mut generated = Vec::new();
     for (file, yaml) in twig_controller::crd::crd_files().expect("CRDs") {
         let path: &Path = &chart_crds.join(&file);
         let on_disk = std::fs::read_to_string(path).unwrap_or_default();
         assert!(on_disk == yaml, "charts/twig/crds/{file} is stale; regenerate with `cargo run -p twig-controller -- crds --out charts/twig/crds`");
-        names.push(file);
+        generated.push(serde_saphyr::from_str::<Value>(&yaml).expect("generated CRD"));
     }
     assert_eq!(
         std::fs::read_dir(&chart_crds).expect("dir").count(),
-        names.len()
+        generated.len()
     );
+    // Helm installs exactly these (`helm install` applies crds/ before the templates).
+    let rendered = documents(&template_args(
+        &json!({}),
+        RELEASE,
+        NAMESPACE,
+        &["--include-crds"],
+    ));
+    let crds: Vec<&Value> = rendered
+        .iter()
+        .filter(|d| d["kind"] == "CustomResourceDefinition")
+        .collect();
+    assert_eq!(crds.len(), generated.len());
+    for crd in generated {
+        assert!(
+            crds.contains(&&crd),
+            "helm does not install {}",
+            crd["metadata"]["name"]
+        );
+    }
 }

@@ -340,9 +340,25 @@ fn openapi_validation_refuses_bad_values() {
             "sandboxtemplates",
             object(
                 "SandboxTemplate",
-                json!({"image": "i", "vcpus": 1, "memoryMiB": 16}),
+                json!({"image": "i", "vcpus": 1, "memoryMiB": 8}),
             ),
-            "spec.memoryMiB",
+            "spec.memoryMiB: Invalid value: 8: should be greater than or equal to 16",
+        ),
+        (
+            "sandboxtemplates",
+            object(
+                "SandboxTemplate",
+                json!({"image": "i", "vcpus": 1, "memoryMiB": 257}),
+            ),
+            "spec.memoryMiB: Invalid value: 257: should be a multiple of 2",
+        ),
+        (
+            "sandboxtemplates",
+            object(
+                "SandboxTemplate",
+                json!({"image": "i", "vcpus": 1, "memoryMiB": 4096}),
+            ),
+            "spec.memoryMiB: Invalid value: 4096: should be less than or equal to 3072",
         ),
     ];
     for (plural, obj, expected) in cases {

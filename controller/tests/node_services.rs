@@ -243,6 +243,7 @@ async fn ttrpc_shim_client_calls_the_twig_service() {
         memory_mib: 512,
         command: Some(vec!["python3".into()]),
         warmup: None,
+        egress_policy: None,
     };
     let state = node
         .ensure_template("default/py", &spec)

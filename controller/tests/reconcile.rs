@@ -214,6 +214,7 @@ async fn invalid_specs_are_refused_with_a_clear_message() {
             memory_mib: 256,
             command: None,
             warmup: None,
+            egress_policy: None,
         },
     );
     let err = templates
@@ -733,6 +734,7 @@ async fn sandbox_template_lists_ready_nodes_and_is_removed_from_each() {
             memory_mib: 256,
             command: Some(vec!["python3".into(), "-i".into()]),
             warmup: None,
+            egress_policy: None,
         },
     );
     create(&client, &template).await;
@@ -751,6 +753,8 @@ async fn sandbox_template_lists_ready_nodes_and_is_removed_from_each() {
         .nodes
         .into_iter()
         .map(|n| n.node_name)
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
         .collect();
     assert_eq!(nodes, ["node-a", "node-b"]);
     assert!(fake_a
@@ -854,6 +858,7 @@ async fn controller_calls_only_what_its_rbac_grants() {
             memory_mib: 128,
             command: None,
             warmup: None,
+            egress_policy: None,
         },
     );
     create(&client, &template).await;

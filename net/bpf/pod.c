@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: (GPL-2.0-only OR Apache-2.0)
 // twig-net: the data path and egress policy of one pod.
 //
-// Two tc (TCX) programs, attached in the pod's network namespace:
+// Two tc programs (TCX links, or direct-action filters on a clsact qdisc on
+// kernels before 6.6), attached in the pod's network namespace:
 //   tap_ingress  - frames the guest sends (read from the VM's tap) are checked
 //                  against the pod's identity and egress policy, then
 //                  redirected out of the pod's veth.
@@ -106,6 +107,28 @@ struct {
 	__type(key, __u32);
 	__type(value, struct counter);
 } counters SEC(".maps");
+
+// Where the two programs are attached: read by user space only, so that a
+// restarted process detaches exactly what was attached (a netlink tc filter
+// is not a BPF link and has no pin of its own).
+struct attachment {
+	__u32 mode;         // 1: TCX links, 2: netlink tc filters (clsact)
+	__u32 tap_ifindex;
+	__u32 veth_ifindex;
+	__u16 tap_prio;     // netlink mode: the filters' priority and handle
+	__u16 veth_prio;
+	__u32 tap_handle;
+	__u32 veth_handle;
+	__u64 netns_dev;    // the namespace attached in (st_dev, st_ino of its file)
+	__u64 netns_ino;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct attachment);
+} attachment SEC(".maps");
 
 #define IP_MF 0x2000
 #define IP_OFFSET 0x1fff

@@ -8,40 +8,70 @@
 //! dropped, and the destination is matched against the pod's [`EgressPolicy`]
 //! held in an LPM trie. Everything is counted per reason.
 //!
-//! [`PodNetwork::attach`] loads one instance of the programs and maps per pod,
-//! attaches them as TCX links in the pod's network namespace and pins links
-//! and maps under a bpffs directory, so the path and its policy outlive the
-//! process that set them up; [`PodNetwork::open`] finds them again.
+//! A [`Loader`] (one per process) keeps a pool of ready instances of the
+//! programs and maps; [`Loader::attach`] gives one to a pod, attaches it in
+//! the pod's network namespace — as TCX links (Linux ≥ 6.6) or as
+//! direct-action filters on a `clsact` qdisc ([`AttachMode`]) — and pins it
+//! under a bpffs directory, so the path and its policy outlive the process
+//! that set them up; [`PodNetwork::open`] finds them again.
+//!
+//! # Features
+//!
+//! - `loader` (default): everything that loads, attaches and manages the
+//!   programs — aya, the embedded BPF object (and the clang compile in
+//!   `build.rs`), [`Loader`], [`PodNetwork`], [`check_support`],
+//!   [`ensure_bpffs`], [`Error`]. Without it the crate is only the policy
+//!   types, their validation and compilation, [`effective_policy`] and the
+//!   metrics renderer (what the controller needs for its CRDs), with no aya,
+//!   nix or clang.
+//! - `schemars`: `JsonSchema` on the policy types.
 
+#[cfg(feature = "loader")]
 mod bpffs;
+#[cfg(feature = "loader")]
 mod error;
+#[cfg(feature = "loader")]
+mod loader;
 mod maps;
 mod metrics;
+#[cfg(feature = "loader")]
 mod netns;
+#[cfg(feature = "loader")]
 mod pod;
 mod policy;
+#[cfg(feature = "loader")]
 mod support;
+#[cfg(feature = "loader")]
+mod tc;
 
+#[cfg(feature = "loader")]
 pub use bpffs::ensure_bpffs;
+#[cfg(feature = "loader")]
 pub use error::Error;
+#[cfg(feature = "loader")]
+pub use loader::Loader;
 pub use maps::RULE_CAPACITY;
 pub use metrics::{render_openmetrics, Counter, Counters, PodCounters, Reason};
+#[cfg(feature = "loader")]
 pub use pod::{PodNetConfig, PodNetwork};
 pub use policy::{
-    Action, CompiledPolicy, EgressPolicy, EgressRule, NodeContext, PolicyError, PortRange,
-    Protocol, ALWAYS_DENIED, MAX_PORTS_PER_RULE, PRIVATE_BY_DEFAULT,
+    effective_policy, Action, CompiledPolicy, EgressPolicy, EgressRule, NodeContext, PolicyError,
+    PortRange, Protocol, ALWAYS_DENIED, EGRESS_POLICY_ANNOTATION, MAX_PORTS_PER_RULE,
+    PRIVATE_BY_DEFAULT,
 };
-pub use support::check_support;
+#[cfg(feature = "loader")]
+pub use support::{check_support, check_support_with, AttachMode, ATTACH_MODE_ENV};
 
 /// The compiled eBPF object (`bpf/pod.c`).
+#[cfg(feature = "loader")]
 pub(crate) static POD_OBJECT: &[u8] =
     aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/pod.o"));
 
-#[cfg(test)]
+#[cfg(all(test, feature = "loader"))]
 #[path = "../build/compile.rs"]
 mod compile;
 
-#[cfg(test)]
+#[cfg(all(test, feature = "loader"))]
 mod build_tests {
     #[test]
     fn a_missing_clang_fails_the_build_with_what_to_install() {

@@ -1,42 +1,79 @@
 //! Rust mirrors of the map keys and values of `bpf/pod.c` (same layout, same
 //! constants) and the names the maps and links are pinned under.
 
+#[cfg(feature = "loader")]
 use std::net::Ipv4Addr;
 
+#[cfg(feature = "loader")]
 /// Name of the program attached to the tap's ingress (frames from the guest).
 pub(crate) const PROG_TAP: &str = "tap_ingress";
+#[cfg(feature = "loader")]
 /// Name of the program attached to the veth's ingress (frames to the guest).
 pub(crate) const PROG_VETH: &str = "veth_ingress";
 
+#[cfg(feature = "loader")]
 /// Map names, also the names of their pins in the pod's bpffs directory.
 pub(crate) const MAP_CONFIG: &str = "config";
+#[cfg(feature = "loader")]
 pub(crate) const MAP_STATE: &str = "state";
+#[cfg(feature = "loader")]
 pub(crate) const MAP_RULES: &str = "rules";
+#[cfg(feature = "loader")]
 pub(crate) const MAP_COUNTERS: &str = "counters";
-/// Pins of the TCX links that keep the programs attached.
+#[cfg(feature = "loader")]
+pub(crate) const MAP_ATTACHMENT: &str = "attachment";
+#[cfg(feature = "loader")]
+/// Pins of the TCX links that keep the programs attached (TCX mode).
 pub(crate) const LINK_TAP: &str = "link_tap";
+#[cfg(feature = "loader")]
 pub(crate) const LINK_VETH: &str = "link_veth";
-/// Every pin of a pod's directory.
-pub(crate) const ALL_PINS: [&str; 6] = [
-    LINK_TAP,
-    LINK_VETH,
+#[cfg(feature = "loader")]
+/// Pins of the programs (netlink mode: the tc filters hold them, the pins let
+/// a restarted process find them).
+pub(crate) const PIN_PROG_TAP: &str = "prog_tap";
+#[cfg(feature = "loader")]
+pub(crate) const PIN_PROG_VETH: &str = "prog_veth";
+#[cfg(feature = "loader")]
+/// Netlink mode: a symlink to the namespace file the filters were added in.
+pub(crate) const PIN_NETNS: &str = "netns";
+#[cfg(feature = "loader")]
+/// The map pins every pod directory holds.
+pub(crate) const MAP_PINS: [&str; 5] = [
     MAP_CONFIG,
     MAP_STATE,
     MAP_RULES,
     MAP_COUNTERS,
+    MAP_ATTACHMENT,
+];
+#[cfg(feature = "loader")]
+/// Every name a pod directory may hold, in either mode.
+pub(crate) const ALL_PINS: [&str; 10] = [
+    LINK_TAP,
+    LINK_VETH,
+    PIN_PROG_TAP,
+    PIN_PROG_VETH,
+    PIN_NETNS,
+    MAP_CONFIG,
+    MAP_STATE,
+    MAP_RULES,
+    MAP_COUNTERS,
+    MAP_ATTACHMENT,
 ];
 
 /// Capacity of the `rules` LPM trie (`max_entries` in `bpf/pod.c`), shared
 /// by both generations during an update.
 pub const RULE_CAPACITY: usize = 65_536;
 
+#[cfg(feature = "loader")]
 /// Index of the active generation in `state`.
 pub(crate) const STATE_ACTIVE_GEN: u32 = 0;
+#[cfg(feature = "loader")]
 /// Index of the default action of generation `gen` in `state` (0 allow, 1 deny).
 pub(crate) fn state_default_index(gen: u8) -> u32 {
     1 + u32::from(gen & 1)
 }
 
+#[cfg(feature = "loader")]
 /// `struct pod_config`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,6 +85,7 @@ pub(crate) struct PodConfig {
     pub pad: u16,
 }
 
+#[cfg(feature = "loader")]
 // SAFETY: `PodConfig` is `repr(C)`, made only of integers and byte arrays,
 // with no implicit padding (4 + 4 + 4 + 6 + 2 bytes), so every bit pattern is
 // a valid value and it can be copied to and from the kernel as bytes.
@@ -62,9 +100,11 @@ pub(crate) enum Tier {
     Private = 2,
 }
 
+#[cfg(feature = "loader")]
 /// Bits of the `rule_key` data before the destination address.
 pub(crate) const KEY_FIXED_BITS: u32 = 64;
 
+#[cfg(feature = "loader")]
 /// The data part of `struct rule_key` (aya's `lpm_trie::Key` adds the prefix
 /// length in front).
 #[repr(C)]
@@ -81,11 +121,13 @@ pub(crate) struct RuleKey {
     pub addr: [u8; 4],
 }
 
+#[cfg(feature = "loader")]
 // SAFETY: `RuleKey` is `repr(C)` with only integer and byte-array fields and
 // no implicit padding (1 + 1 + 1 + 1 + 2 + 2 + 4 bytes); any bit pattern is
 // valid.
 unsafe impl aya::Pod for RuleKey {}
 
+#[cfg(feature = "loader")]
 impl RuleKey {
     /// A key for generation `gen` of one compiled rule entry.
     pub fn new(gen: u8, tier: Tier, proto: u8, port: u16, addr: Ipv4Addr) -> Self {
@@ -101,6 +143,7 @@ impl RuleKey {
     }
 }
 
+#[cfg(feature = "loader")]
 /// `struct counter`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -109,5 +152,34 @@ pub(crate) struct RawCounter {
     pub bytes: u64,
 }
 
+#[cfg(feature = "loader")]
 // SAFETY: two `u64`s, `repr(C)`, no padding; any bit pattern is valid.
 unsafe impl aya::Pod for RawCounter {}
+
+#[cfg(feature = "loader")]
+/// `attachment.mode` of a path attached as TCX links.
+pub(crate) const MODE_TCX: u32 = 1;
+#[cfg(feature = "loader")]
+/// `attachment.mode` of a path attached as netlink tc filters.
+pub(crate) const MODE_NETLINK: u32 = 2;
+
+#[cfg(feature = "loader")]
+/// `struct attachment`: where the programs are attached.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Attachment {
+    pub mode: u32,
+    pub tap_ifindex: u32,
+    pub veth_ifindex: u32,
+    pub tap_prio: u16,
+    pub veth_prio: u16,
+    pub tap_handle: u32,
+    pub veth_handle: u32,
+    pub netns_dev: u64,
+    pub netns_ino: u64,
+}
+
+#[cfg(feature = "loader")]
+// SAFETY: `repr(C)`, integers only, no implicit padding (3 * 4 + 2 * 2 +
+// 2 * 4 = 24 bytes, then two 8-byte-aligned `u64`s); any bit pattern is valid.
+unsafe impl aya::Pod for Attachment {}

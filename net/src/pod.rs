@@ -1,25 +1,26 @@
 //! [`PodNetwork`]: attach, update, re-open and detach one pod's path.
 
+use std::fs::File;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{Array, Map, MapData, PerCpuArray};
-use aya::programs::links::{FdLink, LinkOrder, PinnedLink};
-use aya::programs::tc::TcAttachOptions;
-use aya::programs::{SchedClassifier, TcAttachType};
-use aya::{Ebpf, EbpfLoader};
+use aya::programs::links::PinnedLink;
+use aya::Ebpf;
 
 use crate::error::Context;
 use crate::maps::{
-    state_default_index, PodConfig, RawCounter, RuleKey, ALL_PINS, KEY_FIXED_BITS, LINK_TAP,
-    LINK_VETH, MAP_CONFIG, MAP_COUNTERS, MAP_RULES, MAP_STATE, PROG_TAP, PROG_VETH,
-    STATE_ACTIVE_GEN,
+    state_default_index, Attachment, PodConfig, RawCounter, RuleKey, ALL_PINS, KEY_FIXED_BITS,
+    LINK_TAP, LINK_VETH, MAP_ATTACHMENT, MAP_CONFIG, MAP_COUNTERS, MAP_PINS, MAP_RULES, MAP_STATE,
+    MODE_NETLINK, MODE_TCX, PIN_NETNS, PIN_PROG_TAP, PIN_PROG_VETH, STATE_ACTIVE_GEN,
 };
 use crate::metrics::{Counter, Counters, Reason};
-use crate::netns::{ifindex, in_netns, mac_of};
+use crate::netns::{in_netns, netns_id, IfSocket};
 use crate::policy::{CompiledPolicy, EgressPolicy, NodeContext};
-use crate::{Error, POD_OBJECT};
+use crate::support::AttachMode;
+use crate::tc::detach_filter;
+use crate::Error;
 
 /// Where and what to attach.
 #[derive(Clone, Debug)]
@@ -44,6 +45,7 @@ pub struct PodNetwork {
     state: Array<MapData, u32>,
     rules: LpmTrie<MapData, RuleKey, u32>,
     counters: PerCpuArray<MapData, RawCounter>,
+    attachment: Array<MapData, Attachment>,
 }
 
 impl std::fmt::Debug for PodNetwork {
@@ -55,9 +57,11 @@ impl std::fmt::Debug for PodNetwork {
 }
 
 /// Removes whatever pins an attach created if it fails half-way.
-struct PinGuard<'a> {
-    dir: &'a Path,
-    armed: bool,
+pub(crate) struct PinGuard<'a> {
+    /// The pod's directory.
+    pub dir: &'a Path,
+    /// Whether to remove the pins on drop.
+    pub armed: bool,
 }
 
 impl Drop for PinGuard<'_> {
@@ -94,123 +98,78 @@ fn take_map(ebpf: &mut Ebpf, name: &'static str, dir: &Path) -> Result<Map, Erro
     Ok(map)
 }
 
-fn attach_program(
-    ebpf: &mut Ebpf,
-    name: &'static str,
-    interface: &str,
-    pin: PathBuf,
-) -> Result<(), Error> {
-    let program: &mut SchedClassifier = ebpf
-        .program_mut(name)
-        .ok_or_else(|| Error::Bpf {
-            what: format!("the embedded object has no program {name}"),
-            source: "missing".into(),
-        })?
-        .try_into()
-        .context(|| format!("program {name} is not a tc classifier"))?;
-    let link_id = program
-        .attach_with_options(
-            interface,
-            TcAttachType::Ingress,
-            TcAttachOptions::TcxOrder(LinkOrder::default()),
-        )
-        .context(|| format!("attaching {name} to the ingress of {interface}"))?;
-    let link = program
-        .take_link(link_id)
-        .context(|| format!("taking the link of {name}"))?;
-    let link: FdLink = link
-        .try_into()
-        .context(|| format!("the link of {name} is not a BPF link"))?;
-    link.pin(&pin)
-        .context(|| format!("pinning the link of {name} at {}", pin.display()))?;
-    Ok(())
-}
-
-fn load_program(ebpf: &mut Ebpf, name: &'static str) -> Result<(), Error> {
-    let program: &mut SchedClassifier = ebpf
-        .program_mut(name)
-        .ok_or_else(|| Error::Bpf {
-            what: format!("the embedded object has no program {name}"),
-            source: "missing".into(),
-        })?
-        .try_into()
-        .context(|| format!("program {name} is not a tc classifier"))?;
-    program
-        .load()
-        .context(|| format!("loading program {name} (verifier)"))
+/// Whether `dir` holds (part of) an attached path.
+pub(crate) fn is_attached(dir: &Path) -> bool {
+    [
+        MAP_ATTACHMENT,
+        LINK_TAP,
+        LINK_VETH,
+        PIN_PROG_TAP,
+        PIN_PROG_VETH,
+    ]
+    .iter()
+    .any(|pin| dir.join(pin).symlink_metadata().is_ok())
 }
 
 impl PodNetwork {
-    /// Joins the pod's veth and tap and starts enforcing `policy`.
-    ///
-    /// `dir` is the pod's own directory on a bpffs (e.g.
-    /// `/sys/fs/bpf/twig/<pod-id>`; see [`crate::ensure_bpffs`] for its parent)
-    /// and must not hold a path already. The policy is validated first; on
-    /// any error nothing stays attached or pinned. Returns the handle and the
-    /// veth's MAC, which the guest must use.
-    pub fn attach(
-        dir: &Path,
-        config: &PodNetConfig,
-        policy: &EgressPolicy,
-        node: &NodeContext,
-    ) -> Result<(Self, [u8; 6]), Error> {
-        let compiled = policy.compile(node)?;
-        if dir.join(LINK_TAP).exists() || dir.join(LINK_VETH).exists() {
-            return Err(Error::AlreadyAttached(dir.to_owned()));
-        }
-        let netns = config.netns.clone();
-        in_netns(&config.netns, move || {
-            let tap_ifindex = ifindex(&config.tap, &netns)?;
-            let veth_ifindex = ifindex(&config.veth, &netns)?;
-            let mac = mac_of(&config.veth)?;
-
-            std::fs::create_dir_all(dir).map_err(|source| Error::Bpffs {
-                path: dir.to_owned(),
-                source,
-            })?;
-            let mut guard = PinGuard { dir, armed: true };
-            // No CO-RE relocations: skip parsing the kernel's BTF on every attach.
-            let mut ebpf = EbpfLoader::new()
-                .btf(None)
-                .load(POD_OBJECT)
-                .context(|| "loading the eBPF object (maps)".into())?;
-            load_program(&mut ebpf, PROG_TAP)?;
-            load_program(&mut ebpf, PROG_VETH)?;
-            let mut pod = PodNetwork {
-                dir: dir.to_owned(),
-                config: Array::try_from(take_map(&mut ebpf, MAP_CONFIG, dir)?)
-                    .context(|| "map config".into())?,
-                state: Array::try_from(take_map(&mut ebpf, MAP_STATE, dir)?)
-                    .context(|| "map state".into())?,
-                rules: LpmTrie::try_from(take_map(&mut ebpf, MAP_RULES, dir)?)
-                    .context(|| "map rules".into())?,
-                counters: PerCpuArray::try_from(take_map(&mut ebpf, MAP_COUNTERS, dir)?)
-                    .context(|| "map counters".into())?,
-            };
-            let pod_config = PodConfig {
-                pod_ip: config.pod_ip.octets(),
-                veth_ifindex,
-                tap_ifindex,
-                mac,
-                pad: 0,
-            };
-            pod.config
-                .set(0, pod_config, 0)
-                .context(|| "writing the pod's config".into())?;
-            pod.write_policy(&compiled)?;
-            // The config and policy are in place before any frame is seen.
-            attach_program(&mut ebpf, PROG_TAP, &config.tap, dir.join(LINK_TAP))?;
-            attach_program(&mut ebpf, PROG_VETH, &config.veth, dir.join(LINK_VETH))?;
-            guard.armed = false;
-            tracing::info!(dir = %dir.display(), tap = %config.tap, veth = %config.veth, entries = compiled.len(), "pod network attached");
-            Ok((pod, mac))
+    /// Takes the maps of a freshly loaded object and pins them in `dir`.
+    pub(crate) fn from_ebpf(ebpf: &mut Ebpf, dir: &Path) -> Result<Self, Error> {
+        Ok(PodNetwork {
+            dir: dir.to_owned(),
+            config: Array::try_from(take_map(ebpf, MAP_CONFIG, dir)?)
+                .context(|| "map config".into())?,
+            state: Array::try_from(take_map(ebpf, MAP_STATE, dir)?)
+                .context(|| "map state".into())?,
+            rules: LpmTrie::try_from(take_map(ebpf, MAP_RULES, dir)?)
+                .context(|| "map rules".into())?,
+            counters: PerCpuArray::try_from(take_map(ebpf, MAP_COUNTERS, dir)?)
+                .context(|| "map counters".into())?,
+            attachment: Array::try_from(take_map(ebpf, MAP_ATTACHMENT, dir)?)
+                .context(|| "map attachment".into())?,
         })
+    }
+
+    /// Writes the pod's config (before anything is attached).
+    pub(crate) fn write_config(&mut self, config: PodConfig) -> Result<(), Error> {
+        self.config
+            .set(0, config, 0)
+            .context(|| "writing the pod's config".into())
+    }
+
+    /// Records where the programs are attached.
+    pub(crate) fn write_attachment(&mut self, attachment: Attachment) -> Result<(), Error> {
+        self.attachment
+            .set(0, attachment, 0)
+            .context(|| "recording the attachment".into())
+    }
+
+    fn read_attachment(&self) -> Result<(Attachment, AttachMode), Error> {
+        let attachment = self
+            .attachment
+            .get(&0, 0)
+            .context(|| "reading the attachment record".into())?;
+        let mode = match attachment.mode {
+            MODE_TCX => AttachMode::Tcx,
+            MODE_NETLINK => AttachMode::Netlink,
+            other => {
+                return Err(Error::Bpf {
+                    what: format!("the attachment record of {}", self.dir.display()),
+                    source: format!("unknown mode {other}").into(),
+                })
+            }
+        };
+        Ok((attachment, mode))
+    }
+
+    /// How the path's programs are attached.
+    pub fn mode(&self) -> Result<AttachMode, Error> {
+        Ok(self.read_attachment()?.1)
     }
 
     /// Re-opens a path attached earlier (by this or an earlier process) from
     /// its pins in `dir`.
     pub fn open(dir: &Path) -> Result<Self, Error> {
-        for pin in ALL_PINS {
+        for pin in MAP_PINS {
             if !dir.join(pin).exists() {
                 return Err(Error::NotAttached {
                     dir: dir.to_owned(),
@@ -223,14 +182,29 @@ impl PodNetwork {
                 .context(|| format!("opening pinned map {name}"))?;
             Map::from_map_data(data).context(|| format!("pinned map {name}"))
         };
-        Ok(PodNetwork {
+        let pod = PodNetwork {
             dir: dir.to_owned(),
             config: Array::try_from(map(MAP_CONFIG)?).context(|| "pinned map config".into())?,
             state: Array::try_from(map(MAP_STATE)?).context(|| "pinned map state".into())?,
             rules: LpmTrie::try_from(map(MAP_RULES)?).context(|| "pinned map rules".into())?,
             counters: PerCpuArray::try_from(map(MAP_COUNTERS)?)
                 .context(|| "pinned map counters".into())?,
-        })
+            attachment: Array::try_from(map(MAP_ATTACHMENT)?)
+                .context(|| "pinned map attachment".into())?,
+        };
+        let pins: [&'static str; 2] = match pod.mode()? {
+            AttachMode::Tcx => [LINK_TAP, LINK_VETH],
+            AttachMode::Netlink => [PIN_PROG_TAP, PIN_PROG_VETH],
+        };
+        for pin in pins {
+            if !dir.join(pin).exists() {
+                return Err(Error::NotAttached {
+                    dir: dir.to_owned(),
+                    pin,
+                });
+            }
+        }
+        Ok(pod)
     }
 
     /// The pod's bpffs directory.
@@ -282,7 +256,7 @@ impl PodNetwork {
         Ok(())
     }
 
-    fn write_policy(&mut self, compiled: &CompiledPolicy) -> Result<(), Error> {
+    pub(crate) fn write_policy(&mut self, compiled: &CompiledPolicy) -> Result<(), Error> {
         let active = self
             .state
             .get(&STATE_ACTIVE_GEN, 0)
@@ -340,23 +314,83 @@ impl PodNetwork {
 
     /// Detaches the programs from the veth and tap and removes every pin:
     /// the interfaces are back to carrying nothing between them.
+    ///
+    /// TCX links go with their pins. Netlink filters are deleted by the
+    /// priority and handle recorded at attach, in the namespace recorded at
+    /// attach (its file must still name the same namespace; if it is gone,
+    /// so are its interfaces and their filters). The `clsact` qdisc stays. On
+    /// an error the pins stay, so [`PodNetwork::open`] and `detach` can retry.
     pub fn detach(self) -> Result<(), Error> {
-        for link in [LINK_TAP, LINK_VETH] {
-            let path = self.dir.join(link);
-            match PinnedLink::from_pin(&path) {
-                Ok(pinned) => {
-                    let fd_link = pinned
-                        .unpin()
-                        .context(|| format!("unpinning {}", path.display()))?;
-                    drop(fd_link);
-                }
-                Err(e) => {
-                    tracing::warn!(path = %path.display(), error = %e, "link pin already gone")
+        let (attachment, mode) = self.read_attachment()?;
+        match mode {
+            AttachMode::Tcx => {
+                for link in [LINK_TAP, LINK_VETH] {
+                    let path = self.dir.join(link);
+                    match PinnedLink::from_pin(&path) {
+                        Ok(pinned) => {
+                            let fd_link = pinned
+                                .unpin()
+                                .context(|| format!("unpinning {}", path.display()))?;
+                            drop(fd_link);
+                        }
+                        Err(e) => {
+                            tracing::warn!(path = %path.display(), error = %e, "link pin already gone")
+                        }
+                    }
                 }
             }
+            AttachMode::Netlink => self.delete_filters(&attachment)?,
         }
         remove_pins(&self.dir);
-        tracing::info!(dir = %self.dir.display(), "pod network detached");
+        tracing::info!(dir = %self.dir.display(), %mode, "pod network detached");
         Ok(())
+    }
+
+    fn delete_filters(&self, attachment: &Attachment) -> Result<(), Error> {
+        let link = self.dir.join(PIN_NETNS);
+        let netns = std::fs::read_link(&link).map_err(|source| Error::Bpffs {
+            path: link.clone(),
+            source,
+        })?;
+        let file = match File::open(&netns) {
+            Ok(file) => file,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                tracing::info!(netns = %netns.display(), "the pod's namespace is gone, and its filters with it");
+                return Ok(());
+            }
+            Err(source) => {
+                return Err(Error::Netns {
+                    path: netns,
+                    source,
+                })
+            }
+        };
+        if netns_id(&file, &netns)? != (attachment.netns_dev, attachment.netns_ino) {
+            tracing::info!(netns = %netns.display(), "the file names another namespace now: the pod's is gone, and its filters with it");
+            return Ok(());
+        }
+        in_netns(&file, &netns, || {
+            let socket = IfSocket::new()?;
+            for (ifindex, prio, handle) in [
+                (
+                    attachment.tap_ifindex,
+                    attachment.tap_prio,
+                    attachment.tap_handle,
+                ),
+                (
+                    attachment.veth_ifindex,
+                    attachment.veth_prio,
+                    attachment.veth_handle,
+                ),
+            ] {
+                match socket.name(ifindex) {
+                    Some(interface) => detach_filter(&interface, prio, handle)?,
+                    None => {
+                        tracing::info!(ifindex, "interface gone, and its filter with it")
+                    }
+                }
+            }
+            Ok(())
+        })
     }
 }

@@ -10,6 +10,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::maps::{Tier, RULE_CAPACITY};
 
+/// Pod annotation holding the pod's own [`EgressPolicy`] as JSON; it replaces
+/// its SandboxTemplate's `spec.egressPolicy` for that pod (see
+/// [`effective_policy`]).
+pub const EGRESS_POLICY_ANNOTATION: &str = "twig.dev/egress-policy";
+
 /// Most ports one rule may expand to (each port is one trie entry).
 pub const MAX_PORTS_PER_RULE: u32 = 1024;
 
@@ -74,9 +79,11 @@ impl Protocol {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PortRange {
     /// The first (or only) port, 1–65535.
+    #[cfg_attr(feature = "schemars", schemars(range(min = 1, max = 65535)))]
     pub port: u16,
     /// The last port of the range, inclusive; at most 1,024 ports per rule.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "schemars", schemars(range(min = 1, max = 65535)))]
     pub end_port: Option<u16>,
 }
 
@@ -145,6 +152,57 @@ pub struct PolicyError {
     pub problems: Vec<String>,
 }
 
+impl PolicyError {
+    /// The same problems, each placed under `path` (the field or annotation
+    /// the policy came from): `allow[0].cidr: …` becomes
+    /// `spec.egressPolicy.allow[0].cidr: …`; a problem of the whole policy
+    /// becomes `spec.egressPolicy: …`.
+    pub fn at(self, path: &str) -> Self {
+        let problems = self
+            .problems
+            .into_iter()
+            .map(|p| {
+                if p.starts_with("allow[") || p.starts_with("deny[") {
+                    format!("{path}.{p}")
+                } else {
+                    format!("{path}: {p}")
+                }
+            })
+            .collect();
+        Self { problems }
+    }
+}
+
+/// The policy a pod runs with: its [`EGRESS_POLICY_ANNOTATION`] (JSON, the
+/// annotation's value) when it has one — it replaces the template's whole,
+/// rules are not merged — else its SandboxTemplate's `spec.egressPolicy`,
+/// else the built-in default ([`EgressPolicy::default`]: allow public
+/// destinations, deny private ones and the metadata range). The chosen
+/// policy is validated; every problem names where it came from
+/// (`metadata.annotations[twig.dev/egress-policy].allow[0].cidr: …` or
+/// `spec.egressPolicy.deny[1].ports[0].endPort: …`). An annotation that is
+/// not a policy is an error, never a fallback to the template's.
+pub fn effective_policy(
+    template: Option<&EgressPolicy>,
+    annotation: Option<&str>,
+) -> Result<EgressPolicy, PolicyError> {
+    let (policy, path) = match annotation {
+        Some(text) => {
+            let path = format!("metadata.annotations[{EGRESS_POLICY_ANNOTATION}]");
+            let policy = serde_json::from_str::<EgressPolicy>(text).map_err(|e| PolicyError {
+                problems: vec![format!("{path}: not an egress policy: {e}")],
+            })?;
+            (policy, path)
+        }
+        None => match template {
+            Some(policy) => (policy.clone(), "spec.egressPolicy".to_string()),
+            None => return Ok(EgressPolicy::default()),
+        },
+    };
+    policy.validate().map_err(|e| e.at(&path))?;
+    Ok(policy)
+}
+
 /// One entry of the `rules` trie, generation-independent.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) struct Entry {
@@ -156,6 +214,7 @@ pub(crate) struct Entry {
 }
 
 impl Entry {
+    #[cfg(any(test, feature = "loader"))]
     pub fn tier(&self) -> Tier {
         match self.tier {
             0 => Tier::Deny,
@@ -400,6 +459,118 @@ mod tests {
             assert!(text.contains(expected), "{expected:?} missing from {text}");
         }
         assert_eq!(err.problems.len(), 8, "{text}");
+    }
+
+    fn deny_ssh() -> EgressPolicy {
+        EgressPolicy {
+            default_action: Action::Allow,
+            allow: vec![],
+            deny: vec![EgressRule {
+                cidr: "0.0.0.0/0".into(),
+                protocol: Some(Protocol::Tcp),
+                ports: vec![PortRange {
+                    port: 22,
+                    end_port: None,
+                }],
+            }],
+        }
+    }
+
+    #[test]
+    fn effective_policy_is_the_default_without_template_or_annotation() {
+        assert_eq!(effective_policy(None, None), Ok(EgressPolicy::default()));
+        assert_eq!(EgressPolicy::default().default_action, Action::Allow);
+    }
+
+    #[test]
+    fn effective_policy_is_the_templates_without_an_annotation() {
+        let template = deny_ssh();
+        assert_eq!(effective_policy(Some(&template), None), Ok(template));
+    }
+
+    #[test]
+    fn the_annotation_replaces_the_templates_policy_whole() {
+        let template = deny_ssh();
+        let annotation = r#"{"defaultAction":"deny","allow":[{"cidr":"203.0.113.0/24","protocol":"tcp","ports":[{"port":443}]}]}"#;
+        let policy = effective_policy(Some(&template), Some(annotation)).expect("valid");
+        assert_eq!(policy.default_action, Action::Deny);
+        assert_eq!(policy.allow.len(), 1);
+        assert!(policy.deny.is_empty(), "rules are not merged: {policy:?}");
+        // `{}` is a policy too: the built-in default, not the template's.
+        assert_eq!(
+            effective_policy(Some(&template), Some("{}")),
+            Ok(EgressPolicy::default())
+        );
+        assert_eq!(
+            effective_policy(None, Some(annotation)),
+            Ok(policy),
+            "no template needed"
+        );
+    }
+
+    #[test]
+    fn a_malformed_annotation_is_an_error_naming_it_not_a_fallback() {
+        let template = deny_ssh();
+        for (annotation, expected) in [
+            ("", "not an egress policy: EOF while parsing"),
+            ("deny all", "not an egress policy: expected value"),
+            (r#"{"alow":[]}"#, "unknown field `alow`"),
+            (
+                r#"{"defaultAction":"block"}"#,
+                "unknown variant `block`, expected `allow` or `deny`",
+            ),
+            (
+                r#"{"allow":[{"cidr":"1.2.3.4/8","protocol":"sctp"}]}"#,
+                "unknown variant `sctp`",
+            ),
+            (
+                r#"{"allow":[{"cidr":"1.2.3.0/24","ports":[{"port":70000}]}]}"#,
+                "70000",
+            ),
+        ] {
+            let err = effective_policy(Some(&template), Some(annotation))
+                .expect_err(&format!("{annotation:?} must be rejected"));
+            let text = err.to_string();
+            assert!(
+                text.contains("metadata.annotations[twig.dev/egress-policy]: not an egress policy"),
+                "{text}"
+            );
+            assert!(text.contains(expected), "{expected:?} missing from {text}");
+        }
+    }
+
+    #[test]
+    fn an_invalid_policy_is_rejected_with_the_field_under_where_it_came_from() {
+        let annotation = r#"{"allow":[{"cidr":"10.0.0.1/8"}],"deny":[{"cidr":"1.0.0.0/8","ports":[{"port":9,"endPort":8}]}]}"#;
+        let err = effective_policy(None, Some(annotation)).expect_err("invalid");
+        assert_eq!(
+            err.problems,
+            vec![
+                "metadata.annotations[twig.dev/egress-policy].deny[0].ports[0].endPort: 8 is below port 9",
+                "metadata.annotations[twig.dev/egress-policy].allow[0].cidr: \"10.0.0.1/8\" has host bits set (did you mean 10.0.0.0/8?)",
+            ]
+        );
+        let mut template = deny_ssh();
+        template.deny[0].cidr = "fd00::/8".into();
+        let err = effective_policy(Some(&template), None).expect_err("invalid");
+        assert_eq!(err.problems.len(), 1, "{err}");
+        assert!(
+            err.problems[0]
+                .starts_with("spec.egressPolicy.deny[0].cidr: \"fd00::/8\" is an IPv6 network"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_problem_of_the_whole_policy_is_placed_under_the_path() {
+        let err = PolicyError {
+            problems: vec!["the policy expands to 9 trie entries".into()],
+        }
+        .at("spec.egressPolicy");
+        assert_eq!(
+            err.problems,
+            vec!["spec.egressPolicy: the policy expands to 9 trie entries"]
+        );
     }
 
     #[test]

@@ -1,6 +1,7 @@
-//! The pod network path on the host: real namespaces, veth, tap and TCX
-//! programs. Every escape from the guest side is dropped and counted; allowed
-//! traffic passes both ways. Needs root.
+//! The pod network path on the host: real namespaces, veth, tap and tc
+//! programs, in both attach modes (TCX links and netlink tc filters). Every
+//! escape from the guest side is dropped and counted; allowed traffic passes
+//! both ways. Needs root.
 
 mod common;
 
@@ -9,7 +10,8 @@ use std::time::Instant;
 
 use common::*;
 use twig_net::{
-    Action, EgressPolicy, EgressRule, Error, NodeContext, PodNetwork, PortRange, Protocol, Reason,
+    Action, AttachMode, EgressPolicy, EgressRule, Error, Loader, NodeContext, PodNetwork,
+    PortRange, Protocol, Reason,
 };
 
 const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
@@ -79,13 +81,34 @@ fn assert_passes(bed: &mut Bed, good: &[u8], marker: &str) {
     bed.outside_recv_until(marker.as_bytes());
 }
 
-#[test]
-fn every_escape_from_the_guest_is_dropped_and_counted() {
-    twig_net::check_support().expect("this kernel runs twig-net");
-    let mut bed = Bed::new("esc");
-    let (pod, mac) =
-        PodNetwork::attach(&bed.bpffs.pod_dir("esc"), &bed.config(), &policy(), &node())
-            .expect("attach");
+fn loader(mode: AttachMode) -> Loader {
+    Loader::with_mode(mode).expect("this kernel runs twig-net in this mode")
+}
+
+/// How many programs are attached to the ingress of `iface` in `netns`, as
+/// the kernel reports them for `mode` (TCX query, or `tc filter show`).
+fn attached(mode: AttachMode, netns: &std::path::Path, iface: &'static str) -> usize {
+    match mode {
+        AttachMode::Tcx => in_ns(netns, move || {
+            aya::programs::SchedClassifier::query_tcx(iface, aya::programs::TcAttachType::Ingress)
+                .expect("query tcx")
+                .1
+                .len()
+        }),
+        AttachMode::Netlink => tc_filters(netns, iface)
+            .iter()
+            .filter(|line| line.contains(" bpf ") && line.contains("direct-action"))
+            .count(),
+    }
+}
+
+fn every_escape_from_the_guest_is_dropped_and_counted(mode: AttachMode) {
+    let tag = format!("esc{}", mode_tag(mode));
+    let mut bed = Bed::new(&tag);
+    let (pod, mac) = loader(mode)
+        .attach(&bed.bpffs.pod_dir("esc"), &bed.config(), &policy(), &node())
+        .expect("attach");
+    assert_eq!(pod.mode().expect("mode"), mode);
     assert_eq!(mac, POD_MAC, "the guest gets the veth's MAC");
 
     let cases: Vec<(&str, Vec<u8>, Reason)> = vec![
@@ -253,10 +276,10 @@ fn every_escape_from_the_guest_is_dropped_and_counted() {
     pod.detach().expect("detach");
 }
 
-#[test]
-fn frames_from_outside_reach_the_guest() {
-    let mut bed = Bed::new("in");
-    let (pod, _) = PodNetwork::attach(&bed.bpffs.pod_dir("in"), &bed.config(), &policy(), &node())
+fn frames_from_outside_reach_the_guest(mode: AttachMode) {
+    let mut bed = Bed::new(&format!("in{}", mode_tag(mode)));
+    let (pod, _) = loader(mode)
+        .attach(&bed.bpffs.pod_dir("in"), &bed.config(), &policy(), &node())
         .expect("attach");
     let frame = ether(
         POD_MAC,
@@ -271,16 +294,17 @@ fn frames_from_outside_reach_the_guest() {
     pod.detach().expect("detach");
 }
 
-#[test]
-fn policy_changes_in_place_and_survives_reopening_from_pins() {
-    let mut bed = Bed::new("upd");
+fn policy_changes_in_place_and_survives_reopening_from_pins(mode: AttachMode) {
+    let mut bed = Bed::new(&format!("upd{}", mode_tag(mode)));
     let dir = bed.bpffs.pod_dir("upd");
     let deny_all = EgressPolicy {
         default_action: Action::Deny,
         allow: vec![EgressRule::cidr(&format!("{PEER_IP}/32"))],
         deny: vec![],
     };
-    let (pod, _) = PodNetwork::attach(&dir, &bed.config(), &deny_all, &node()).expect("attach");
+    let (pod, _) = loader(mode)
+        .attach(&dir, &bed.config(), &deny_all, &node())
+        .expect("attach");
     let public = Ipv4Addr::new(203, 0, 113, 7);
     assert_dropped(
         &mut bed,
@@ -359,26 +383,45 @@ fn policy_changes_in_place_and_survives_reopening_from_pins() {
     pod.detach().expect("detach");
 }
 
-#[test]
-fn detach_removes_programs_and_pins() {
-    let bed = Bed::new("det");
+fn detach_removes_programs_and_pins(mode: AttachMode) {
+    let bed = Bed::new(&format!("det{}", mode_tag(mode)));
     let dir = bed.bpffs.pod_dir("det");
-    let (pod, _) = PodNetwork::attach(&dir, &bed.config(), &policy(), &node()).expect("attach");
-    let attached = |iface: &'static str| {
-        in_ns(&bed.pod_netns(), move || {
-            aya::programs::SchedClassifier::query_tcx(iface, aya::programs::TcAttachType::Ingress)
-                .expect("query tcx")
-                .1
-                .len()
-        })
-    };
-    assert_eq!((attached("tap0"), attached("eth0")), (1, 1));
-    match PodNetwork::attach(&dir, &bed.config(), &policy(), &node()) {
+    let netns = bed.pod_netns();
+    let loader = loader(mode);
+    let (pod, _) = loader
+        .attach(&dir, &bed.config(), &policy(), &node())
+        .expect("attach");
+    assert_eq!(
+        (
+            attached(mode, &netns, "tap0"),
+            attached(mode, &netns, "eth0")
+        ),
+        (1, 1)
+    );
+    match loader.attach(&dir, &bed.config(), &policy(), &node()) {
         Err(Error::AlreadyAttached(d)) => assert_eq!(d, dir),
         other => panic!("expected AlreadyAttached, got {other:?}"),
     }
-    pod.detach().expect("detach");
-    assert_eq!((attached("tap0"), attached("eth0")), (0, 0));
+    assert_eq!(
+        (
+            attached(mode, &netns, "tap0"),
+            attached(mode, &netns, "eth0")
+        ),
+        (1, 1)
+    );
+    // Detached by a handle re-opened from the pins (as after a restart).
+    drop(pod);
+    PodNetwork::open(&dir)
+        .expect("reopen")
+        .detach()
+        .expect("detach");
+    assert_eq!(
+        (
+            attached(mode, &netns, "tap0"),
+            attached(mode, &netns, "eth0")
+        ),
+        (0, 0)
+    );
     assert!(!dir.exists(), "pins removed");
     match PodNetwork::open(&dir) {
         Err(Error::NotAttached { .. }) => {}
@@ -386,13 +429,13 @@ fn detach_removes_programs_and_pins() {
     }
 }
 
-#[test]
-fn bad_input_is_refused_and_leaves_nothing() {
-    let bed = Bed::new("bad");
+fn bad_input_is_refused_and_leaves_nothing(mode: AttachMode) {
+    let bed = Bed::new(&format!("bad{}", mode_tag(mode)));
+    let loader = loader(mode);
     let dir = bed.bpffs.pod_dir("bad");
     let mut config = bed.config();
     config.tap = "nosuchtap".into();
-    match PodNetwork::attach(&dir, &config, &policy(), &node()) {
+    match loader.attach(&dir, &config, &policy(), &node()) {
         Err(e @ Error::NoInterface { .. }) => {
             assert!(e.to_string().contains("no interface \"nosuchtap\""), "{e}")
         }
@@ -403,7 +446,7 @@ fn bad_input_is_refused_and_leaves_nothing() {
         allow: vec![EgressRule::cidr("fd00::/8")],
         ..Default::default()
     };
-    match PodNetwork::attach(&dir, &bed.config(), &bad, &node()) {
+    match loader.attach(&dir, &bed.config(), &bad, &node()) {
         Err(Error::Policy(e)) => assert!(e.to_string().contains("IPv6"), "{e}"),
         other => panic!("expected a policy error, got {other:?}"),
     }
@@ -411,14 +454,217 @@ fn bad_input_is_refused_and_leaves_nothing() {
     let mut config = bed.config();
     config.netns = "/run/netns/twig-net-no-such-ns".into();
     assert!(matches!(
-        PodNetwork::attach(&dir, &config, &policy(), &node()),
+        loader.attach(&dir, &config, &policy(), &node()),
         Err(Error::Netns { .. })
     ));
-    let attached = in_ns(&bed.pod_netns(), || {
-        aya::programs::SchedClassifier::query_tcx("tap0", aya::programs::TcAttachType::Ingress)
-            .expect("query")
-            .1
-            .len()
-    });
-    assert_eq!(attached, 0, "nothing attached after failures");
+    // A veth without an Ethernet address is refused before anything is attached.
+    let mut config = bed.config();
+    config.veth = "lo".into();
+    match loader.attach(&dir, &config, &policy(), &node()) {
+        Err(e @ Error::NoMac(_)) => assert!(e.to_string().contains("\"lo\""), "{e}"),
+        other => panic!("expected NoMac, got {other:?}"),
+    }
+    assert!(!dir.exists());
+    let netns = bed.pod_netns();
+    assert_eq!(
+        (
+            attached(mode, &netns, "tap0"),
+            attached(mode, &netns, "eth0")
+        ),
+        (0, 0),
+        "nothing attached after failures"
+    );
+}
+
+fn mode_tag(mode: AttachMode) -> &'static str {
+    match mode {
+        AttachMode::Tcx => "x",
+        AttachMode::Netlink => "n",
+    }
+}
+
+/// Every test, in each attach mode.
+macro_rules! in_both_modes {
+    ($($test:ident),* $(,)?) => {
+        mod tcx {
+            $(#[test]
+            fn $test() {
+                super::$test(twig_net::AttachMode::Tcx)
+            })*
+        }
+        mod netlink {
+            $(#[test]
+            fn $test() {
+                super::$test(twig_net::AttachMode::Netlink)
+            })*
+        }
+    };
+}
+
+in_both_modes!(
+    every_escape_from_the_guest_is_dropped_and_counted,
+    frames_from_outside_reach_the_guest,
+    policy_changes_in_place_and_survives_reopening_from_pins,
+    detach_removes_programs_and_pins,
+    bad_input_is_refused_and_leaves_nothing,
+);
+
+#[test]
+fn the_default_mode_is_netlink_and_tcx_can_be_asked_for() {
+    assert_eq!(
+        twig_net::check_support_with(None).expect("supported"),
+        AttachMode::Netlink
+    );
+    assert_eq!(
+        twig_net::check_support_with(Some(AttachMode::Tcx)).expect("supported"),
+        AttachMode::Tcx
+    );
+    assert_eq!(loader(AttachMode::Tcx).mode(), AttachMode::Tcx);
+}
+
+#[test]
+fn attaches_take_preloaded_sets_from_the_pool() {
+    let mut bed = Bed::new("pool");
+    let loader = loader(AttachMode::Tcx);
+    loader.preload(2).expect("preload");
+    assert_eq!(loader.pooled(), 2);
+    let (pod, _) = loader
+        .attach(
+            &bed.bpffs.pod_dir("pool"),
+            &bed.config(),
+            &policy(),
+            &node(),
+        )
+        .expect("attach");
+    assert_eq!(loader.pooled(), 1, "the attach used a pooled set");
+    assert_passes(
+        &mut bed,
+        &guest_udp(PEER_IP, 9999, b"pooled-ok"),
+        "pooled-ok",
+    );
+    assert_dropped(
+        &mut bed,
+        &pod,
+        "pooled-deny",
+        &guest_udp(DENIED_POD, 80, b"pooled-deny"),
+        Reason::DenyRule,
+    );
+    pod.detach().expect("detach");
+    // An empty pool still attaches (loading on the path).
+    let (pod, _) = loader
+        .attach(
+            &bed.bpffs.pod_dir("pool2"),
+            &bed.config(),
+            &policy(),
+            &node(),
+        )
+        .expect("attach");
+    assert_eq!(loader.pooled(), 0);
+    assert_passes(
+        &mut bed,
+        &guest_udp(PEER_IP, 9999, b"unpooled-ok"),
+        "unpooled-ok",
+    );
+    pod.detach().expect("detach");
+}
+
+#[test]
+fn netlink_detach_after_a_restart_removes_exactly_its_own_filters() {
+    let mut bed = Bed::new("own");
+    let netns = bed.pod_netns();
+    // Someone else's filter on the veth, before and after ours.
+    tc(&netns, &["qdisc", "add", "dev", "eth0", "clsact"]);
+    // (a classic BPF classifier that never matches: this kernel has
+    // neither matchall nor the gact action.)
+    tc(
+        &netns,
+        &[
+            "filter",
+            "add",
+            "dev",
+            "eth0",
+            "ingress",
+            "prio",
+            "1",
+            "bpf",
+            "bytecode",
+            "1,6 0 0 0",
+        ],
+    );
+    let dir = bed.bpffs.pod_dir("own");
+    let (pod, _) = loader(AttachMode::Netlink)
+        .attach(&dir, &bed.config(), &policy(), &node())
+        .expect("attach");
+    assert_passes(&mut bed, &guest_udp(PEER_IP, 9999, b"own-ok"), "own-ok");
+    let foreign = |netns: &std::path::Path| {
+        tc_filters(netns, "eth0")
+            .iter()
+            .filter(|l| l.contains("bytecode"))
+            .count()
+    };
+    assert_eq!(foreign(&netns), 1);
+    drop(pod);
+    PodNetwork::open(&dir)
+        .expect("reopen")
+        .detach()
+        .expect("detach");
+    assert_eq!(
+        (
+            attached(AttachMode::Netlink, &netns, "tap0"),
+            attached(AttachMode::Netlink, &netns, "eth0")
+        ),
+        (0, 0)
+    );
+    assert_eq!(foreign(&netns), 1, "the other filter stays");
+    assert!(!dir.exists(), "pins removed");
+}
+
+#[test]
+fn netlink_detach_after_the_namespace_is_gone_removes_the_pins() {
+    let bed = Bed::new("gone");
+    let dir = bed.bpffs.pod_dir("gone");
+    let (pod, _) = loader(AttachMode::Netlink)
+        .attach(&dir, &bed.config(), &policy(), &node())
+        .expect("attach");
+    drop(pod);
+    bed.delete_pod_netns();
+    PodNetwork::open(&dir)
+        .expect("reopen")
+        .detach()
+        .expect("detach");
+    assert!(!dir.exists(), "pins removed");
+}
+
+/// `TWIG_NET_ATTACH_MODE` forces the mode, and a bad value is refused. The
+/// environment is read in a child run of this test (`EXPECT` says what the
+/// child must see), so no other test sees it changed.
+#[test]
+fn the_environment_forces_the_attach_mode() {
+    const EXPECT: &str = "TWIG_NET_TEST_EXPECT_MODE";
+    const NAME: &str = "the_environment_forces_the_attach_mode";
+    if let Some(expect) = std::env::var_os(EXPECT) {
+        match (expect.to_str(), twig_net::check_support()) {
+            (Some("netlink"), Ok(AttachMode::Netlink)) | (Some("tcx"), Ok(AttachMode::Tcx)) => {}
+            (Some("error"), Err(e)) => {
+                assert!(e.to_string().contains("expected `tcx` or `netlink`"), "{e}")
+            }
+            (expect, got) => panic!("expected {expect:?}, got {got:?}"),
+        }
+        return;
+    }
+    let exe = std::env::current_exe().expect("test binary");
+    for (value, expect) in [("netlink", "netlink"), ("tcx", "tcx"), ("bpf", "error")] {
+        let out = std::process::Command::new(&exe)
+            .args(["--exact", NAME, "--test-threads", "1"])
+            .env(twig_net::ATTACH_MODE_ENV, value)
+            .env(EXPECT, expect)
+            .output()
+            .expect("run the test binary");
+        assert!(
+            out.status.success() && String::from_utf8_lossy(&out.stdout).contains("1 passed"),
+            "{value}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }

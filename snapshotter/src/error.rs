@@ -7,6 +7,7 @@ use std::path::PathBuf;
 /// Result alias of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// A store operation's failure.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// No snapshot (or artefact) by that name.
@@ -23,26 +24,49 @@ pub enum Error {
     InvalidArgument(String),
     /// The filesystem under the store is full; nothing was changed.
     #[error("{context}: no space left on the store's filesystem")]
-    NoSpace { context: String },
+    NoSpace {
+        /// What was being done.
+        context: String,
+    },
     /// The store's filesystem cannot reflink and the copy fallback is off.
     #[error(
         "{root} does not support reflinks (FICLONE failed: {source}); put the store on a \
          reflink-capable filesystem (XFS made with `mkfs.xfs -m reflink=1`, or btrfs), or \
          start with --allow-copy to copy images in full (slow, no shared blocks)"
     )]
-    NoReflink { root: PathBuf, source: io::Error },
+    NoReflink {
+        /// The store's root.
+        root: PathBuf,
+        /// The FICLONE probe's error.
+        source: io::Error,
+    },
     /// Another process holds the store.
     #[error("store {0} is locked by another process")]
     Locked(PathBuf),
     /// An external tool (mkfs.ext4, debugfs) failed.
     #[error("{context}: {detail}")]
-    Tool { context: String, detail: String },
+    Tool {
+        /// What was being done.
+        context: String,
+        /// What the tool said.
+        detail: String,
+    },
     /// A metadata file could not be parsed.
     #[error("corrupt metadata in {path}: {detail}")]
-    Corrupt { path: PathBuf, detail: String },
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        detail: String,
+    },
     /// Any other I/O failure.
     #[error("{context}: {source}")]
-    Io { context: String, source: io::Error },
+    Io {
+        /// What was being done.
+        context: String,
+        /// The I/O error.
+        source: io::Error,
+    },
 }
 
 impl Error {

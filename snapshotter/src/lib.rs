@@ -5,23 +5,23 @@
 //!   parent. [`service`] serves it as containerd's snapshots gRPC API (a
 //!   `proxy_plugins` snapshotter) on a Unix socket; the `twig-snapshotter`
 //!   binary runs that server.
-//! * [`nodestore::NodeStore`] keeps VM snapshots (memory, state, disk) with
-//!   staged, atomically published directories and reflink copies; the shim
-//!   and the controller use it as a library.
+//!
+//! The node store for VM snapshots and the filesystem primitives (FICLONE,
+//! sparse copy, no-replace rename) live in `twig-store`, shared with twig-vmm.
 
 pub mod error;
 pub mod filter;
-pub mod fsops;
-pub mod nodestore;
 pub mod service;
 pub mod store;
 
 pub use error::{Error, Result};
-pub use fsops::{CloneMode, Usage};
-pub use nodestore::{Artefact, NodeStore, Staging, VmSnapshot};
 pub use store::{block_image, Info, Kind, Mount, SnapshotStore, StoreOptions};
+pub use twig_store::fsops::{CloneMode, Usage};
 
 /// Generated gRPC bindings of containerd's snapshots API (client and server).
+/// The generated items carry the .proto's comments, which containerd's
+/// snapshots.proto leaves off most fields.
+#[allow(missing_docs)]
 pub mod api {
     pub use self::containerd::services::snapshots::v1 as snapshots;
     pub use self::containerd::types;

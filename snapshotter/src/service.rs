@@ -31,6 +31,7 @@ pub struct SnapshotService {
 }
 
 impl SnapshotService {
+    /// The gRPC service over `store`.
     pub fn new(store: Arc<SnapshotStore>) -> SnapshotService {
         SnapshotService { store }
     }

@@ -17,7 +17,6 @@
 
 use crate::error::{ctx, Error, Result};
 use crate::filter::Filter;
-use crate::fsops::{self, CloneMode};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{self, File, OpenOptions};
@@ -28,6 +27,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::SystemTime;
+use twig_store::fsops::{self, CloneMode};
 
 const IMAGE: &str = "rootfs.img";
 const INFO: &str = "info.json";
@@ -58,19 +58,28 @@ impl Kind {
 /// What containerd's `Stat` returns.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Info {
+    /// The key (active, view) or name (committed).
     pub name: String,
+    /// The committed parent's name.
     pub parent: Option<String>,
+    /// Active, view or committed.
     pub kind: Kind,
+    /// When it was created (committed: when it was committed).
     pub created: SystemTime,
+    /// When it last changed.
     pub updated: SystemTime,
+    /// containerd's labels, verbatim.
     pub labels: BTreeMap<String, String>,
 }
 
 /// One mount as containerd consumes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mount {
+    /// The filesystem type (`ext4`).
     pub fstype: String,
+    /// The image file.
     pub source: PathBuf,
+    /// Mount options (`rw`/`ro`, `loop`).
     pub options: Vec<String>,
 }
 

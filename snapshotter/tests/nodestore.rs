@@ -1,11 +1,12 @@
-//! The VM snapshot node store, on a loop-mounted XFS (and a refusal on ext4).
+//! The VM snapshot node store (twig-store), on a loop-mounted XFS, btrfs
+//! (and a refusal on ext4): the filesystems a node runs it on.
 
 mod common;
 
 use common::LoopFs;
 use std::fs;
 use std::io::Write;
-use twig_snapshotter::{Artefact, CloneMode, Error, NodeStore};
+use twig_store::{Artefact, CloneMode, Error, Kind, Manifest, NodeStore};
 
 fn write_pattern(path: &std::path::Path, mib: usize, byte: u8) {
     let mut f = fs::File::create(path).unwrap();
@@ -27,17 +28,20 @@ fn stage_publish_clone_account_delete() {
     let mut staging = store.stage("tpl-1").expect("stage");
     write_pattern(&staging.path(Artefact::Memory), 8, 0x3e);
     staging.put_bytes(Artefact::State, b"vcpu state").unwrap();
-    staging.put_file(Artefact::Disk, &pod_disk).unwrap();
+    staging.put_file(Artefact::Disk(0), &pod_disk).unwrap();
     staging.set_label("twig.dev/pod", "default/agent-0");
     assert!(
         matches!(store.get("tpl-1"), Err(Error::NotFound(_))),
         "a staged snapshot must not be visible"
     );
     assert!(store.list().unwrap().is_empty());
+    assert!(staging.dir().ends_with("tpl-1"), "named by the id");
     let snap = staging.publish().expect("publish");
+    assert_eq!(snap.dir(), store.snapshot_dir("tpl-1"));
+    assert_eq!(snap.kind, Kind::Full);
     assert_eq!(snap.artefacts[&Artefact::Memory], 8 << 20);
     assert_eq!(snap.artefacts[&Artefact::State], 10);
-    assert_eq!(snap.artefacts[&Artefact::Disk], 16 << 20);
+    assert_eq!(snap.artefacts[&Artefact::Disk(0)], 16 << 20);
     assert_eq!(snap.labels["twig.dev/pod"], "default/agent-0");
     assert_eq!(store.get("tpl-1").unwrap(), snap);
     assert_eq!(
@@ -62,28 +66,31 @@ fn stage_publish_clone_account_delete() {
     child.put_bytes(Artefact::Memory, &[1u8; 4096]).unwrap();
     let child = child.publish().unwrap();
     assert_eq!(child.parent.as_deref(), Some("tpl-1"));
+    assert_eq!(child.kind, Kind::Incremental, "a parent and no set_kind");
     assert_eq!(
         store
             .list()
             .unwrap()
             .iter()
-            .map(|s| s.name.as_str())
+            .map(|s| s.id.as_str())
             .collect::<Vec<_>>(),
         ["tpl-1", "tpl-1.snap-1"]
     );
     for i in 0..10 {
         let dest = xfs.path().join(format!("pod-{i}.img"));
-        store.reflink_out("tpl-1", Artefact::Disk, &dest).unwrap();
+        store
+            .reflink_out("tpl-1", Artefact::Disk(0), &dest)
+            .unwrap();
         assert_eq!(fs::metadata(&dest).unwrap().len(), 16 << 20);
     }
     assert!(matches!(
-        store.reflink_out("tpl-1.snap-1", Artefact::Disk, &xfs.path().join("x")),
+        store.reflink_out("tpl-1.snap-1", Artefact::Disk(0), &xfs.path().join("x")),
         Err(Error::NotFound(_))
     ));
     let pods: Vec<_> = (0..10)
         .map(|i| xfs.path().join(format!("pod-{i}.img")))
         .collect();
-    let pods_usage = twig_snapshotter::fsops::usage_of(pods.iter().map(|p| p.as_path())).unwrap();
+    let pods_usage = twig_store::fsops::usage_of(pods.iter().map(|p| p.as_path())).unwrap();
     assert_eq!(pods_usage.allocated_bytes, 160 << 20);
     assert!(
         pods_usage.unique_bytes <= 16 << 20,
@@ -128,6 +135,10 @@ fn crash_leftovers_are_cleaned_but_live_staging_is_not() {
     assert_eq!(store.cleanup().unwrap(), 0, "a locked staging dir is kept");
     let published = live.publish().unwrap();
     assert_eq!(store.get("live").unwrap(), published);
+    // A file beside the snapshots (a template builder's lock) is no snapshot.
+    fs::write(root.join("snapshots/live.lock"), b"").unwrap();
+    assert_eq!(store.list().unwrap(), std::slice::from_ref(&published));
+    fs::remove_file(root.join("snapshots/live.lock")).unwrap();
     // A staging dropped without publishing vanishes.
     let mut dropped = store.stage("dropped").unwrap();
     dropped.put_bytes(Artefact::State, b"s").unwrap();
@@ -141,6 +152,95 @@ fn crash_leftovers_are_cleaned_but_live_staging_is_not() {
         store.stage("empty").unwrap().publish(),
         Err(Error::InvalidArgument(_))
     ));
+}
+
+/// What a writer in another process (twig-vmm) leaves in its staging
+/// directory decides what is published: its manifest gives the parent and
+/// kind and must list what the directory holds; anything outside the layout
+/// is refused and nothing is visible.
+#[test]
+fn a_writers_manifest_is_checked_and_foreign_files_are_refused() {
+    let xfs = LoopFs::xfs(320);
+    let store = NodeStore::open(&xfs.path().join("vm"), false).unwrap();
+    let mut base = store.stage("base").unwrap();
+    base.put_bytes(Artefact::State, b"s").unwrap();
+    base.publish().unwrap();
+
+    // A manifest naming another id, a parent the store lacks, or listing
+    // other files than the directory holds, is refused.
+    type Doctor = fn(&mut Manifest);
+    let cases: [(Doctor, &str); 3] = [
+        (|m| m.id = "other".into(), "names snapshot"),
+        (|m| m.parent = Some("gone".into()), "gone"),
+        (
+            |m| {
+                m.artefacts.insert("disk7".into(), 1);
+            },
+            "but the directory holds",
+        ),
+    ];
+    for (doctor, why) in cases {
+        let mut c = store.stage("c").unwrap();
+        c.put_bytes(Artefact::Memory, &[1u8; 4096]).unwrap();
+        let mut m = Manifest::of_staging(c.dir(), "c", Some("base"), Kind::Incremental).unwrap();
+        doctor(&mut m);
+        m.write(c.dir()).unwrap();
+        let e = c.publish().unwrap_err().to_string();
+        assert!(e.contains(why), "{why}: {e}");
+        assert!(matches!(store.get("c"), Err(Error::NotFound(_))));
+    }
+    let c = store.stage("c").unwrap();
+    assert!(Manifest::of_staging(c.dir(), "c", None, Kind::Incremental)
+        .unwrap_err()
+        .to_string()
+        .contains("needs a parent"));
+    drop(c);
+    // A file outside the layout (or a misspelt disk) is refused.
+    for name in ["disk.img", "disk01", "notes"] {
+        let mut c = store.stage("c").unwrap();
+        c.put_bytes(Artefact::State, b"s").unwrap();
+        fs::write(c.dir().join(name), b"x").unwrap();
+        let e = c.publish().unwrap_err().to_string();
+        assert!(e.contains("is not an artefact"), "{name}: {e}");
+    }
+    // The staging and the writer's manifest must agree.
+    let mut c = store.stage("c").unwrap();
+    c.put_bytes(Artefact::State, b"s").unwrap();
+    c.set_kind(Kind::Full);
+    Manifest::of_staging(c.dir(), "c", Some("base"), Kind::Incremental)
+        .unwrap()
+        .write(c.dir())
+        .unwrap();
+    assert!(c
+        .publish()
+        .unwrap_err()
+        .to_string()
+        .contains("another kind"));
+    // A good one: parent and kind recorded, labels added; the parent is
+    // then pinned.
+    let mut c = store.stage("c").unwrap();
+    c.put_bytes(Artefact::Memory, &[1u8; 4096]).unwrap();
+    c.put_bytes(Artefact::Disk(3), &[2u8; 512]).unwrap();
+    Manifest::of_staging(c.dir(), "c", Some("base"), Kind::Incremental)
+        .unwrap()
+        .write(c.dir())
+        .unwrap();
+    c.set_label("twig.dev/pod", "ns/p");
+    let c = c.publish().unwrap();
+    assert_eq!(
+        (c.parent.as_deref(), c.kind),
+        (Some("base"), Kind::Incremental)
+    );
+    assert_eq!(c.labels["twig.dev/pod"], "ns/p");
+    assert_eq!(
+        c.artefacts.keys().copied().collect::<Vec<_>>(),
+        [Artefact::Memory, Artefact::Disk(3)]
+    );
+    assert!(matches!(
+        store.delete("base"),
+        Err(Error::FailedPrecondition(_))
+    ));
+    assert_eq!(fs::read_dir(xfs.path().join("vm/tmp")).unwrap().count(), 0);
 }
 
 #[test]
@@ -161,10 +261,10 @@ fn refuses_ext4_without_allow_copy() {
     let store = NodeStore::open(&root, true).unwrap();
     assert_eq!(store.clone_mode(), CloneMode::Copy);
     let mut s = store.stage("a").unwrap();
-    s.put_bytes(Artefact::Disk, &[9u8; 8192]).unwrap();
+    s.put_bytes(Artefact::Disk(0), &[9u8; 8192]).unwrap();
     s.publish().unwrap();
     let dest = ext4.path().join("copy.img");
-    store.reflink_out("a", Artefact::Disk, &dest).unwrap();
+    store.reflink_out("a", Artefact::Disk(0), &dest).unwrap();
     assert_eq!(fs::read(&dest).unwrap(), vec![9u8; 8192]);
 }
 

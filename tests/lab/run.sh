@@ -10,6 +10,10 @@
 #
 # Usage: tests/lab/run.sh [cargo test selection...]
 #        (default: -p twig-vmm --features twig-vmm/lab)
+#        tests/lab/run.sh -p twig-e2e --features twig-e2e/lab
+#        (end-to-end: also carries containerd, runc, twig-snapshotter,
+#        twig-vmm, containerd-shim-twig-v2 when it exists, and a busybox
+#        image built with e2e/build-image.sh)
 #        tests/lab/run.sh --bench [twig-bench linux options...]
 #        (runs `twig-bench linux --json` in the lab; the JSON goes to stdout,
 #        the table and the lab's console to stderr)
@@ -130,6 +134,23 @@ for line in sys.stdin:
 ' | sort -u)
 ((${#bins[@]})) || die "cargo built no test binaries for ${sel[*]}"
 fi
+# The end-to-end tests (twig-e2e) drive a whole node: containerd and runc
+# from Debian, and twig-snapshotter, twig-vmm and (once the workspace has
+# it) containerd-shim-twig-v2 from the workspace build. Carried only when
+# twig-e2e is asked for: they add ~30 MB to the gzip'd initramfs.
+e2e=0
+((bench)) || [[ " ${sel[*]} " != *twig-e2e* ]] || e2e=1
+daemons=()
+if ((e2e)); then
+  ws_bins=(twig-snapshotter twig-vmm)
+  cargo metadata --locked --no-deps --format-version 1 | python3 -c '
+import json, sys
+sys.exit(0 if any("containerd-shim-twig-v2" == t["name"] and "bin" in t["kind"]
+                  for p in json.load(sys.stdin)["packages"] for t in p["targets"]) else 1)
+' && ws_bins+=(containerd-shim-twig-v2)
+  cargo build --locked -q $(printf -- '--bin %s ' "${ws_bins[@]}") || die "building ${ws_bins[*]} failed"
+  for b in "${ws_bins[@]}"; do daemons+=("${CARGO_TARGET_DIR:-target}/debug/$b"); done
+fi
 
 # 4. The lab's initramfs.
 root=$work/root
@@ -154,6 +175,19 @@ copy_with_libs() {
 mkdir -p "$root/sbin"
 copy_with_libs "$(command -v mkfs.ext4)" "$root/sbin/mkfs.ext4"
 copy_with_libs "$(command -v mkfs.xfs)" "$root/sbin/mkfs.xfs"
+if ((e2e)); then
+  mkdir -p "$root/usr/bin" "$root/usr/local/bin" "$root/e2e"
+  for b in containerd containerd-shim-runc-v2 ctr runc; do
+    p=$(command -v $b) || die "$b missing (scripts/install-deps.sh installs it)"
+    copy_with_libs "$p" "$root/usr/bin/$b"
+  done
+  copy_with_libs "$(command -v debugfs)" "$root/sbin/debugfs"
+  for b in "${daemons[@]}"; do
+    copy_with_libs "$b" "$root/usr/local/bin/$(basename "$b")"
+    strip "$root/usr/local/bin/$(basename "$b")"
+  done
+  e2e/build-image.sh "$root/e2e/busybox.tar" || die "building the e2e test image failed"
+fi
 n=0
 for b in "${bins[@]}"; do
   name=$(basename "$b"); ((bench)) || name=${name%-*}
@@ -166,6 +200,19 @@ cp "$agent_initrd" "$root/guest/agent-initrd"
 (cd "$ginit" && find . | cpio -o -H newc --quiet | gzip -1) > "$root/guest/initrd"
 cat > "$root/init" <<INIT
 #!/bin/busybox sh
+# runc's pivot_root cannot leave the initramfs (rootfs): for the end-to-end
+# tests, the lab's root moves to a tmpfs first, as a node's root is a real
+# filesystem. (Not for twig-vmm's tests: the copy would only cost time.)
+if [ $e2e = 1 ] && [ ! -e /.lab-tmpfs-root ]; then
+  copied=0
+  /bin/busybox mkdir /newroot && /bin/busybox mount -t tmpfs -o mode=755 root /newroot && copied=1
+  for d in /*; do
+    [ "\$d" = /newroot ] || /bin/busybox cp -a "\$d" /newroot/ || copied=0
+  done
+  [ \$copied = 1 ] && /bin/busybox touch /newroot/.lab-tmpfs-root &&
+    exec /bin/busybox switch_root /newroot /init
+  echo "LAB-ERROR moving the root to a tmpfs"
+fi
 /bin/busybox --install -s /bin
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
 mount -t tmpfs tmp /tmp; mount -t debugfs debugfs /sys/kernel/debug
@@ -174,7 +221,11 @@ insmod /lib/modules/kvm-amd.ko $KVM_AMD_PARAMS || echo "LAB-ERROR insmod kvm-amd
 echo "LAB-KVM-AMD \$(cd /sys/module/kvm_amd/parameters && grep . * | tr '\\n' ' ')"
 [ -c /dev/kvm ] || echo "LAB-ERROR no /dev/kvm"
 export TWIG_GUEST_KERNEL=/guest/bzImage TWIG_GUEST_INITRD=/guest/initrd TWIG_AGENT_INITRD=/guest/agent-initrd
-export PATH=/sbin:/bin ${TWIG_LAB_ENV:-}
+export PATH=/sbin:/bin:/usr/bin:/usr/local/bin ${TWIG_LAB_ENV:-}
+# What containerd and runc expect of a node: cgroups (v2), /run, a loopback.
+mkdir -p /run /var/lib && mount -t cgroup2 cgroup2 /sys/fs/cgroup || echo "LAB-ERROR no cgroup2"
+ip link set lo up || echo "LAB-ERROR lo"
+[ $e2e = 0 ] || export TWIG_E2E_IMAGE=/e2e/busybox.tar TWIG_E2E_XFS=/xfs
 # The benchmark's files live on XFS, as in production: snapshots and
 # restores share disk extents (reflinks) instead of copying them.
 truncate -s 4G /tmp/xfs.img && mkfs.xfs -q -m reflink=1 /tmp/xfs.img && mkdir /xfs &&
@@ -246,6 +297,7 @@ poweroff -f
 INIT
 chmod +x "$root/init"
 (cd "$root" && find . | cpio -o -H newc --quiet | gzip -1) > "$work/initrd"
+echo "lab: initramfs $(du -m "$work/initrd" | cut -f1) MiB (gzip -1)" >&2
 
 # 5. Boot it and judge what it prints.
 # The outer kernel's nested KVM runs on QEMU's emulation of SVM, which has

@@ -359,23 +359,28 @@ impl Devices {
         }
     }
 
-    /// Applies parsed device state.
+    /// Applies parsed device state. Everything that can fail happens
+    /// before any device changes, so an error leaves them as they were.
     pub fn restore(&self, state: DeviceState) -> Result<()> {
-        for (v, s) in self.virtio.iter().zip(state.virtio) {
-            lock(v).apply(s);
-        }
         let mut serial = lock(&self.serial);
         let irq = serial
             .interrupt_evt()
             .0
             .try_clone()
             .map_err(|e| Error::io("cloning the serial irqfd", e))?;
-        let out: SerialOut = Box::new(std::mem::replace(
-            serial.writer_mut(),
-            Box::new(std::io::sink()),
-        ));
-        *serial = Serial::from_state(&state.serial, IrqTrigger(irq), NoEvents, out)
-            .map_err(|e| Error::Config(format!("serial state: {e:?}")))?;
+        let mut restored = Serial::from_state(
+            &state.serial,
+            IrqTrigger(irq),
+            NoEvents,
+            Box::new(std::io::sink()) as SerialOut,
+        )
+        .map_err(|e| Error::Config(format!("serial state: {e:?}")))?;
+        std::mem::swap(restored.writer_mut(), serial.writer_mut());
+        *serial = restored;
+        drop(serial);
+        for (v, s) in self.virtio.iter().zip(state.virtio) {
+            lock(v).apply(s);
+        }
         Ok(())
     }
 }

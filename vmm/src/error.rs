@@ -125,9 +125,16 @@ pub enum Error {
     /// A template's guest did not become ready.
     #[error("template: {0}")]
     NotReady(String),
-    /// A rollback failed before it changed the VM.
+    /// A rollback failed before it changed the VM, or every change was
+    /// undone: the VM is on exactly its previous state.
     #[error("rollback refused, the VM keeps running on its previous state: {0}")]
     Rollback(Box<Error>),
+    /// A rollback failed after changing the VM, and neither undoing it nor
+    /// completing it (rolling forward to the snapshot) worked: the VM is
+    /// stopped and its state is unknown. Replace the VM (a later rollback
+    /// may also revive it: it restores every part of the snapshot).
+    #[error("rollback failed and the VM is lost (stopped; replace it): {0}")]
+    VmLost(Box<Error>),
     /// An operation (e.g. a snapshot) failed and the VM keeps running on
     /// its previous state.
     #[error("{op} failed, the VM keeps running on its previous state: {source}")]
@@ -147,6 +154,9 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// The node store refused or failed an operation (staging, publishing).
+    #[error("node store: {0}")]
+    Store(#[from] twig_store::Error),
 }
 
 impl Error {
@@ -191,6 +201,17 @@ impl Error {
                 k @ (ErrorKind::NotFound | ErrorKind::GuestStopped | ErrorKind::Lost) => k,
                 _ => ErrorKind::Refused,
             },
+            Error::VmLost(_) => ErrorKind::Lost,
+            Error::Store(e) => match e {
+                twig_store::Error::NotFound(_) => ErrorKind::NotFound,
+                twig_store::Error::AlreadyExists(_)
+                | twig_store::Error::InvalidArgument(_)
+                | twig_store::Error::FailedPrecondition(_) => ErrorKind::InvalidRequest,
+                twig_store::Error::NoSpace { .. }
+                | twig_store::Error::NoReflink { .. }
+                | twig_store::Error::Corrupt { .. }
+                | twig_store::Error::Io { .. } => ErrorKind::Internal,
+            },
             Error::KvmOpen(_)
             | Error::KvmApi(_)
             | Error::KvmCapability(_)
@@ -230,6 +251,7 @@ mod tests {
             ),
             (Error::NotReady("x".into()), ErrorKind::GuestNotAnswering),
             (Error::Rollback(Box::new(io())), ErrorKind::Refused),
+            (Error::VmLost(Box::new(io())), ErrorKind::Lost),
             (
                 Error::Rollback(Box::new(Error::snapshot("/s", "bad crc"))),
                 ErrorKind::Refused,
@@ -250,6 +272,14 @@ mod tests {
                 ErrorKind::Refused,
             ),
             (io(), ErrorKind::Internal),
+            (
+                twig_store::Error::NotFound("s".into()).into(),
+                ErrorKind::NotFound,
+            ),
+            (
+                twig_store::Error::AlreadyExists("s".into()).into(),
+                ErrorKind::InvalidRequest,
+            ),
             (Error::KvmApi(11), ErrorKind::Internal),
         ];
         for (e, kind) in cases {

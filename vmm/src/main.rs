@@ -18,9 +18,9 @@ use twig_vmm::{
 ///
 ///   {"op":"hello"}
 ///   {"op":"boot","kernel":"vmlinux","cmdline":"console=ttyS0","mem_mib":128}
-///   {"op":"snapshot","dir":"/var/lib/twig/s1","kind":"full"}
-///   {"op":"rollback","dir":"/var/lib/twig/s1"}
-///   {"op":"restore","dir":"/var/lib/twig/s1"}   (in a fresh process)
+///   {"op":"snapshot","dir":"/var/lib/twig/vm/tmp/<lease>/s1","kind":"full"}  (a staging dir)
+///   {"op":"rollback","dir":"/var/lib/twig/vm/snapshots/s1"}
+///   {"op":"restore","dir":"/var/lib/twig/vm/snapshots/s1"}   (in a fresh process)
 ///   {"op":"attach_disk","slot":0,"path":"rootfs.img","read_only":false}
 ///   {"op":"pause"} {"op":"resume"} {"op":"stats"} {"op":"shutdown"}
 ///
@@ -73,7 +73,8 @@ enum Cmd {
     /// `--ready-port` (twig-agent listens on 1024), pause, and take a full
     /// snapshot into DIR. VMs restored from DIR start with the agent ready.
     Template {
-        /// The new snapshot directory.
+        /// The new snapshot directory, `<store>/snapshots/<id>`: staged and
+        /// published in the node store at `<store>` (created if needed).
         dir: PathBuf,
         /// The guest kernel (ELF vmlinux or bzImage).
         #[arg(long)]
@@ -284,6 +285,7 @@ fn run(cli: Cli) -> Result<()> {
             timeout_s,
             devices,
         } => {
+            let (root, id) = twig_store::layout::locate(&dir)?;
             let devices = devices.config();
             let Some(vsock) = devices.vsock.clone() else {
                 return Err(twig_vmm::Error::Config(
@@ -293,10 +295,13 @@ fn run(cli: Cli) -> Result<()> {
             let serial = serial_factory(serial)()?;
             let mut vm = Vm::create_with(Shape::new(mem_mib, vcpus), serial, &devices)?;
             vm.boot_linux(&kernel, initrd.as_deref(), &cmdline)?;
+            let store = twig_store::NodeStore::open(&root, true)?;
+            let staging = store.stage(&id)?;
             let probe = Duration::from_secs(2);
-            let info = vm.template(&dir, Duration::from_secs(timeout_s), || {
+            let info = vm.template(staging.dir(), Duration::from_secs(timeout_s), || {
                 host_connect(&vsock.uds_path, ready_port, probe).is_ok()
             })?;
+            staging.publish()?;
             println!(
                 "{}",
                 serde_json::to_string_pretty(&info).unwrap_or_default()

@@ -12,11 +12,12 @@
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use vm_memory::bitmap::AtomicBitmap;
-use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
+use vm_memory::{
+    Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestRegionMmap, MmapRegion,
+};
 
 /// Guest memory as devices and loaders see it. Every write through it marks
 /// its page in a bitmap, so pages the VMM writes (device buffers, virtqueue
@@ -150,14 +151,117 @@ pub struct GuestRam {
     mem: GuestMem,
 }
 
-// SAFETY: the mapping is owned by this struct for its whole life; concurrent
-// access goes through vm-memory's volatile accessors or through KVM.
+// SAFETY: the mapping is owned by this struct for its whole life and no
+// reference into it is ever handed out: every access copies through raw
+// pointers (memcpy, syscalls), vm-memory's volatile accessors or KVM.
 unsafe impl Send for GuestRam {}
 // SAFETY: as above.
 unsafe impl Sync for GuestRam {}
 
 fn last_os_error(what: impl Into<String>) -> Error {
     Error::io(what, std::io::Error::last_os_error())
+}
+
+/// Bytes [`GuestRam::copy_out`] copies at a time: small enough to stay in
+/// cache while a chunk is checksummed and written out.
+pub const COPY_CHUNK: usize = 256 * 1024;
+
+fn check_range(size: usize, page: usize, count: usize) -> Result<(usize, usize)> {
+    let out = || Error::GuestAddress {
+        addr: (page as u64).saturating_mul(PAGE_SIZE as u64),
+        len: count.saturating_mul(PAGE_SIZE),
+    };
+    let off = page.checked_mul(PAGE_SIZE).ok_or_else(out)?;
+    let len = count.checked_mul(PAGE_SIZE).ok_or_else(out)?;
+    match off.checked_add(len) {
+        Some(end) if end <= size => Ok((off, len)),
+        _ => Err(out()),
+    }
+}
+
+/// Copies whole pages into the mapping at `base` (`size` bytes).
+fn write_into(base: *mut u8, size: usize, page: usize, data: &[u8]) -> Result<()> {
+    if data.len() % PAGE_SIZE != 0 {
+        return Err(Error::Config(format!(
+            "{} bytes are not whole pages",
+            data.len()
+        )));
+    }
+    let (off, len) = check_range(size, page, data.len() / PAGE_SIZE)?;
+    // SAFETY: the destination range lies inside the mapping at `base`
+    // (checked above), which the caller owns; the source is a caller's slice,
+    // which cannot overlap it since no reference into the mapping is ever
+    // handed out. No Rust reference to the destination is created.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), base.add(off), len) };
+    Ok(())
+}
+
+/// `pread`s `count` pages of `file`, at the pages' own offsets, into the
+/// mapping at `base` (`size` bytes).
+fn read_into(base: *mut u8, size: usize, file: &File, page: usize, count: usize) -> Result<()> {
+    let (off, len) = check_range(size, page, count)?;
+    let mut done = 0;
+    while done < len {
+        // SAFETY: the kernel writes at most `len - done` bytes from
+        // `base + off + done`, inside the caller's mapping (checked above);
+        // no Rust reference to that memory exists.
+        let n = unsafe {
+            libc::pread(
+                file.as_raw_fd(),
+                base.add(off + done).cast(),
+                len - done,
+                (off + done) as libc::off_t,
+            )
+        };
+        match n {
+            n if n > 0 => done += n as usize,
+            0 => {
+                return Err(Error::io(
+                    "reading snapshot pages into guest RAM",
+                    std::io::ErrorKind::UnexpectedEof.into(),
+                ))
+            }
+            _ => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(Error::io("reading snapshot pages into guest RAM", e));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A snapshot's memory mapped privately at a scratch address, filled in
+/// before it replaces guest RAM as a whole ([`GuestRam::install`]).
+/// Dropped without being installed, it is unmapped.
+pub struct PreparedRam {
+    addr: *mut u8,
+    size: usize,
+    file: Arc<File>,
+}
+
+impl PreparedRam {
+    /// Copies `data` (whole pages) into the prepared memory at `page`.
+    pub fn write_pages(&self, page: usize, data: &[u8]) -> Result<()> {
+        write_into(self.addr, self.size, page, data)
+    }
+
+    /// Reads `count` pages from `file`, at the pages' own offsets, into the
+    /// prepared memory.
+    pub fn read_pages_from(&self, file: &File, page: usize, count: usize) -> Result<()> {
+        read_into(self.addr, self.size, file, page, count)
+    }
+}
+
+impl Drop for PreparedRam {
+    fn drop(&mut self) {
+        if !self.addr.is_null() {
+            // SAFETY: unmapping the scratch mapping this struct owns (it was
+            // never moved over guest RAM).
+            unsafe { libc::munmap(self.addr.cast(), self.size) };
+        }
+    }
 }
 
 impl GuestRam {
@@ -301,29 +405,30 @@ impl GuestRam {
         Ok(())
     }
 
-    fn check(&self, page: usize, count: usize) -> Result<(usize, usize)> {
-        let off = page
-            .checked_mul(PAGE_SIZE)
-            .filter(|o| *o <= self.size)
-            .ok_or(Error::GuestAddress {
-                addr: (page as u64).saturating_mul(PAGE_SIZE as u64),
-                len: count * PAGE_SIZE,
-            })?;
-        let len = count * PAGE_SIZE;
-        if len > self.size - off {
-            return Err(Error::GuestAddress {
-                addr: off as u64,
-                len,
-            });
-        }
-        Ok((off, len))
+    /// Backs RAM with zeroed anonymous memory again (a VM whose memory is
+    /// lost).
+    pub fn clear(&mut self) -> Result<()> {
+        self.map_fixed(
+            -1,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            "zeroing guest RAM",
+        )?;
+        self.backing = Backing::Placeholder;
+        Ok(())
+    }
+
+    /// Checks that `count` pages from `page` lie inside guest RAM; returns
+    /// their byte offset and length.
+    pub fn check(&self, page: usize, count: usize) -> Result<(usize, usize)> {
+        check_range(self.size, page, count)
     }
 
     /// Drops private copies of `count` pages from `page`: with a private file
     /// backing they read the file's contents again.
     pub fn discard(&self, page: usize, count: usize) -> Result<()> {
         let (off, len) = self.check(page, count)?;
-        // SAFETY: the range lies inside our mapping (checked above).
+        // SAFETY: the range lies inside our mapping (checked above);
+        // MADV_DONTNEED changes only what backs it, never the mapping.
         let r = unsafe { libc::madvise(self.addr.add(off).cast(), len, libc::MADV_DONTNEED) };
         if r != 0 {
             return Err(last_os_error("madvise(MADV_DONTNEED) on guest RAM"));
@@ -331,41 +436,109 @@ impl GuestRam {
         Ok(())
     }
 
-    /// Copies `data` (whole pages) into guest RAM at `page`.
+    /// Copies `data` (whole pages) into guest RAM at `page`, bypassing the
+    /// dirty bitmap (rollback puts the baseline's own bytes back). A running
+    /// guest sees the bytes change under it, as with a device's DMA: pause
+    /// the VM first for a consistent result.
     pub fn write_pages(&self, page: usize, data: &[u8]) -> Result<()> {
-        let (off, len) = self.check(page, data.len() / PAGE_SIZE)?;
-        // SAFETY: destination range checked above; source is a live slice that
-        // cannot overlap guest RAM (it is owned by the caller).
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.addr.add(off), len) };
-        Ok(())
+        write_into(self.addr, self.size, page, data)
     }
 
     /// Reads `count` pages from `file` at the pages' own offsets into guest
-    /// RAM. The VM must be paused.
+    /// RAM. Pause the VM first for a consistent result.
     pub fn read_pages_from(&self, file: &File, page: usize, count: usize) -> Result<()> {
-        let (off, len) = self.check(page, count)?;
-        // SAFETY: the range is inside our mapping and no vCPU runs (paused),
-        // so nothing else accesses it while the slice lives.
-        let dst = unsafe { std::slice::from_raw_parts_mut(self.addr.add(off), len) };
-        file.read_exact_at(dst, off as u64)
-            .map_err(|e| Error::io("reading snapshot pages into guest RAM", e))
+        read_into(self.addr, self.size, file, page, count)
     }
 
-    /// Writes `count` pages of guest RAM from `page` into `file` at the same
-    /// offsets. The VM must be paused.
-    pub fn write_pages_to(&self, file: &File, page: usize, count: usize) -> Result<()> {
-        let src = self.pages_slice(page, count)?;
-        file.write_all_at(src, (page * PAGE_SIZE) as u64)
-            .map_err(|e| Error::io("writing guest RAM to the snapshot", e))
+    /// Copies `count` pages of guest RAM from `page` out in chunks of at
+    /// most [`COPY_CHUNK`] bytes, calling `f(offset, bytes)` with each
+    /// chunk's byte offset in RAM and a private copy of its bytes (the guest
+    /// may write RAM concurrently, so no reference to RAM itself is ever
+    /// handed out). Pause the VM first for a consistent result.
+    pub fn copy_out(
+        &self,
+        page: usize,
+        count: usize,
+        mut f: impl FnMut(u64, &[u8]) -> Result<()>,
+    ) -> Result<()> {
+        let (off, len) = self.check(page, count)?;
+        let mut buf = vec![0u8; len.min(COPY_CHUNK)];
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(COPY_CHUNK);
+            let at = (off + done) as u64;
+            self.mem
+                .read_slice(&mut buf[..n], GuestAddress(at))
+                .map_err(|_| Error::GuestAddress { addr: at, len: n })?;
+            f(at, &buf[..n])?;
+            done += n;
+        }
+        Ok(())
     }
 
-    /// Guest RAM as a byte slice for checksums and copies. The guest may be
-    /// writing concurrently unless it is paused.
-    pub fn pages_slice(&self, page: usize, count: usize) -> Result<&[u8]> {
-        let (off, len) = self.check(page, count)?;
-        // SAFETY: the range is inside our mapping; callers read it while the
-        // VM is paused (snapshots) and treat the bytes as plain data.
-        Ok(unsafe { std::slice::from_raw_parts(self.addr.add(off), len) })
+    /// Maps `file` (exactly RAM-sized) privately at a scratch address, where
+    /// [`PreparedRam`] fills in pages before [`GuestRam::install`] moves it
+    /// over guest RAM in one step. Guest RAM is not touched.
+    pub fn prepare_private(&self, file: Arc<File>) -> Result<PreparedRam> {
+        // SAFETY: a new private mapping of `file` at an address the kernel
+        // picks; it overlaps nothing we own.
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                self.size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_NORESERVE,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if addr == libc::MAP_FAILED {
+            return Err(last_os_error(
+                "mapping snapshot memory at a scratch address",
+            ));
+        }
+        Ok(PreparedRam {
+            addr: addr.cast(),
+            size: self.size,
+            file,
+        })
+    }
+
+    /// Moves a prepared mapping over guest RAM with one
+    /// `mremap(MREMAP_MAYMOVE | MREMAP_FIXED)`: guest RAM is either all the
+    /// old memory or all the prepared one, never a mix. On failure the
+    /// prepared mapping is dropped; the kernel may have unmapped guest RAM
+    /// first (the failure modes are a lack of kernel memory), so a caller
+    /// must then map all of RAM again before the guest runs.
+    pub fn install(&mut self, mut prepared: PreparedRam) -> Result<()> {
+        if prepared.size != self.size {
+            return Err(Error::Config(format!(
+                "a prepared mapping of {} bytes cannot replace {} bytes of guest RAM",
+                prepared.size, self.size
+            )));
+        }
+        // SAFETY: moves the scratch mapping, which `prepared` owns, onto the
+        // range this struct owns; `MREMAP_FIXED` replaces what was there (KVM
+        // drops its translations through the MMU notifier). On failure the
+        // scratch mapping stays where it was and `prepared` unmaps it.
+        let r = unsafe {
+            libc::mremap(
+                prepared.addr.cast(),
+                prepared.size,
+                self.size,
+                libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+                self.addr.cast::<libc::c_void>(),
+            )
+        };
+        if r == libc::MAP_FAILED {
+            return Err(last_os_error(
+                "moving prepared memory over guest RAM (mremap)",
+            ));
+        }
+        // Moved: the scratch range is no longer ours to unmap.
+        prepared.addr = std::ptr::null_mut();
+        self.backing = Backing::Private(prepared.file.clone());
+        Ok(())
     }
 
     /// Guest RAM mapped in this process, from `/proc/self/smaps`:
@@ -425,17 +598,91 @@ mod tests {
         assert!(PageSet::new(10).is_empty());
     }
 
-    #[test]
-    fn discard_restores_file_contents() {
+    fn byte_at(ram: &GuestRam, page: usize) -> u8 {
+        let mut b = [0u8; 1];
+        ram.memory()
+            .read_slice(&mut b, GuestAddress((page * PAGE_SIZE) as u64))
+            .unwrap();
+        b[0]
+    }
+
+    fn file_of(bytes: &[u8]) -> Arc<File> {
         use std::io::Write;
         let mut f = tempfile::tempfile().unwrap();
-        f.write_all(&vec![7u8; 4 * PAGE_SIZE]).unwrap();
+        f.write_all(bytes).unwrap();
+        Arc::new(f)
+    }
+
+    #[test]
+    fn discard_restores_file_contents() {
         let mut ram = GuestRam::reserve(4 * PAGE_SIZE).unwrap();
-        ram.map_private(Arc::new(f)).unwrap();
+        ram.map_private(file_of(&[7u8; 4 * PAGE_SIZE])).unwrap();
         ram.write_pages(1, &[9u8; PAGE_SIZE]).unwrap();
-        assert_eq!(ram.pages_slice(1, 1).unwrap()[0], 9);
+        assert_eq!(byte_at(&ram, 1), 9);
         ram.discard(1, 1).unwrap();
-        assert_eq!(ram.pages_slice(1, 1).unwrap()[0], 7);
+        assert_eq!(byte_at(&ram, 1), 7);
         assert!(ram.write_pages(4, &[0u8; PAGE_SIZE]).is_err());
+        assert!(ram.write_pages(3, &[0u8; PAGE_SIZE + 1]).is_err());
+        assert!(ram.discard(3, 2).is_err());
+        assert!(ram.check(usize::MAX / 2, 1).is_err());
+        assert!(ram.check(0, usize::MAX).is_err());
+        assert_eq!(byte_at(&ram, 3), 7, "refused operations change nothing");
+    }
+
+    #[test]
+    fn pages_are_read_from_files_and_copied_out_in_chunks() {
+        let pages = 2 * COPY_CHUNK / PAGE_SIZE + 3;
+        let mut content = vec![0u8; pages * PAGE_SIZE];
+        for (i, b) in content.iter_mut().enumerate() {
+            *b = (i / PAGE_SIZE) as u8 ^ (i as u8);
+        }
+        let file = file_of(&content);
+        let ram = GuestRam::reserve(pages * PAGE_SIZE).unwrap();
+        ram.read_pages_from(&file, 1, pages - 1).unwrap();
+        let mut seen = Vec::new();
+        let mut offsets = Vec::new();
+        ram.copy_out(0, pages, |off, b| {
+            assert!(b.len() <= COPY_CHUNK);
+            offsets.push(off);
+            seen.extend_from_slice(b);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(offsets, [0, COPY_CHUNK as u64, 2 * COPY_CHUNK as u64]);
+        assert!(seen[..PAGE_SIZE].iter().all(|b| *b == 0), "page 0 not read");
+        assert!(seen[PAGE_SIZE..] == content[PAGE_SIZE..]);
+        // A short file is an error.
+        let short = file_of(&content[..PAGE_SIZE]);
+        assert!(ram.read_pages_from(&short, 1, 1).is_err());
+        assert!(ram.copy_out(pages, 1, |_, _| Ok(())).is_err());
+    }
+
+    #[test]
+    fn a_prepared_mapping_replaces_ram_as_a_whole() {
+        let mut ram = GuestRam::reserve(4 * PAGE_SIZE).unwrap();
+        ram.back_with_memfd().unwrap();
+        ram.write_pages(0, &[1u8; 4 * PAGE_SIZE]).unwrap();
+        let target = file_of(&[5u8; 4 * PAGE_SIZE]);
+        let p = ram.prepare_private(target.clone()).unwrap();
+        p.write_pages(2, &[6u8; PAGE_SIZE]).unwrap();
+        assert!(p.write_pages(4, &[6u8; PAGE_SIZE]).is_err());
+        assert_eq!(byte_at(&ram, 2), 1, "RAM untouched until installed");
+        let addr = ram.host_addr();
+        ram.install(p).unwrap();
+        assert_eq!(ram.host_addr(), addr);
+        let bytes: Vec<u8> = (0..4).map(|i| byte_at(&ram, i)).collect();
+        assert_eq!(bytes, [5, 5, 6, 5]);
+        assert!(matches!(ram.backing(), Backing::Private(_)));
+        // Private: the file is unchanged, and discarding shows it again.
+        ram.discard(2, 1).unwrap();
+        assert_eq!(byte_at(&ram, 2), 5);
+        // A mapping of another size is refused and RAM stays.
+        let mut small = GuestRam::reserve(2 * PAGE_SIZE).unwrap();
+        let other = small
+            .prepare_private(file_of(&[8u8; 2 * PAGE_SIZE]))
+            .unwrap();
+        assert!(ram.install(other).is_err());
+        assert_eq!(byte_at(&ram, 0), 5);
+        small.map_private(target).unwrap();
     }
 }

@@ -8,8 +8,11 @@
 //!   is capped so hostile files cannot make us allocate without bound.
 //! - `memory`: a full snapshot holds all of guest RAM; an incremental one is a
 //!   sparse file holding only the pages dirtied since its parent, each at its
-//!   own offset. Its parent is named by directory and id, so a chain restores
-//!   by mapping the root's memory and reading each layer's pages on top.
+//!   own offset. Its parent is named by id (and a random uid that catches a
+//!   replaced parent) and found as a sibling directory, as the node store's
+//!   layout (`twig_store::layout`) says, so a store moved elsewhere keeps its
+//!   chains. A chain restores by mapping the root's memory and reading each
+//!   layer's pages on top.
 //! - `disk<i>` for each read-write disk `i` (in device order): the whole
 //!   image as it was at the snapshot, a reflink of the VM's disk file where
 //!   the filesystem can (`FICLONE`), a copy of its data otherwise. Every
@@ -19,17 +22,16 @@
 //!   slots follow the fixed disks; the metadata says which disks are slots
 //!   and whether a file was attached (an empty slot has no copy).
 //!
-//! Directories are published atomically: all files are written and fsynced
-//! in a hidden temporary sibling, which is then renamed into place (refusing
-//! to replace an existing snapshot); the parent directory is fsynced in the
-//! background, so a power cut in the next moments can lose the new name but
-//! never expose a partial snapshot. A crash leaves at most a `.twig-tmp-*`
-//! directory, never something that opens as a snapshot.
+//! twig-vmm writes a snapshot into a staging directory the node store hands
+//! out (`<store>/tmp/<lease>/<id>`, named by the snapshot's id): the files
+//! above and the store's `manifest.json` (id, parent, kind, artefacts),
+//! fsynced in one batch. Publishing (checks, labels, the atomic no-replace
+//! rename into `<store>/snapshots/<id>`) is the store's job, so a writer
+//! killed at any point leaves nothing published.
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -40,6 +42,8 @@ use kvm_bindings::{
 use serde::{Deserialize, Serialize};
 use zerocopy::{FromBytes, Immutable, IntoBytes};
 
+use twig_store::Artefact;
+
 use crate::error::{Error, Result};
 use crate::memory::{GuestRam, PageSet, PAGE_SIZE};
 use crate::vcpu::VcpuState;
@@ -47,14 +51,12 @@ use crate::vcpu::VcpuState;
 /// File magic.
 pub const MAGIC: [u8; 8] = *b"TWIGSNAP";
 /// The format version this build writes and reads.
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 /// Largest `state` file accepted.
 pub const MAX_STATE_BYTES: u64 = 64 << 20;
 /// Longest chain of incremental snapshots followed.
 pub const MAX_CHAIN: usize = 1024;
 const HEADER_LEN: usize = 32;
-const STATE_FILE: &str = "state";
-const MEMORY_FILE: &str = "memory";
 
 /// Full or incremental.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -66,26 +68,31 @@ pub enum Kind {
     Incremental,
 }
 
-/// A snapshot's parent.
+/// A snapshot's parent: a sibling directory named by its id.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ParentRef {
-    /// The parent's id.
+    /// The parent's id (its directory's name in the store).
     pub id: String,
-    /// The parent's directory.
-    pub dir: PathBuf,
+    /// The parent's uid, which a snapshot published later under the same id
+    /// would not have.
+    pub uid: String,
 }
 
 /// Snapshot metadata (the JSON section).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Meta {
-    /// Random unique id.
+    /// The snapshot's id in its store (its directory's name).
     pub id: String,
+    /// Random unique id (128 bits, hex), never reused.
+    pub uid: String,
     /// Full or incremental.
     pub kind: Kind,
     /// The parent of an incremental snapshot.
     pub parent: Option<ParentRef>,
-    /// Id of the full snapshot at the root of the chain (own id if full).
+    /// The uid of the full snapshot at the root of the chain (its own uid
+    /// if full): snapshots of one VM lineage share it.
     pub root_id: String,
     /// Guest RAM size in bytes.
     pub mem_size: u64,
@@ -133,19 +140,25 @@ impl DiskMeta {
 
 /// The name of read-write disk `index`'s copy in a snapshot directory.
 pub fn disk_file_name(index: usize) -> String {
-    format!("disk{index}")
+    twig_store::Artefact::Disk(index).file_name()
 }
 
 /// Everything in a `state` file.
 #[derive(Clone)]
 pub struct VmState {
+    /// What the snapshot is: id, kind, parent, shape, disks.
     pub meta: Meta,
+    /// The PIC master, PIC slave and IOAPIC.
     pub irqchips: [kvm_irqchip; 3],
+    /// The PIT.
     pub pit: kvm_pit_state2,
+    /// The KVM clock.
     pub clock: kvm_clock_data,
+    /// Every device's state, as `Devices::save` wrote it.
     pub devices: Vec<u8>,
     /// Pages held by an incremental snapshot.
     pub layer: Option<PageSet>,
+    /// Each vCPU's state, in vCPU order.
     pub vcpus: Vec<VcpuState>,
 }
 
@@ -372,7 +385,7 @@ fn io_err(path: &Path, what: &str) -> impl Fn(std::io::Error) -> Error {
 
 /// Reads and validates the `state` file of the snapshot in `dir`.
 pub fn read_state(dir: &Path) -> Result<VmState> {
-    let path = dir.join(STATE_FILE);
+    let path = dir.join(Artefact::State.file_name());
     let mut f = File::open(&path).map_err(io_err(dir, "cannot open the state file"))?;
     let len = f
         .metadata()
@@ -411,36 +424,60 @@ fn start_writeback(f: &File) {
     unsafe { libc::sync_file_range(f.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE) };
 }
 
-/// Makes the rename of a new snapshot durable without holding up the caller:
-/// the snapshot is already complete and visible; the directory fsync only
-/// guards its name against a power cut in the next moments.
-fn sync_dir_in_background(dir: PathBuf) {
-    let spawned = std::thread::Builder::new()
-        .name("twig-dirsync".into())
-        .spawn(move || {
-            if let Err(e) = File::open(&dir).and_then(|d| d.sync_all()) {
-                tracing::warn!("fsync of {}: {e}", dir.display());
-            }
-        });
-    if let Err(e) = spawned {
-        tracing::warn!("cannot start the directory fsync thread: {e}");
-    }
-}
-
-/// A snapshot written into its hidden staging directory, not yet durable or
-/// visible. The VM can run again once it is staged: its pages are in the
-/// page cache, copied. Dropping it without [`Staged::commit`] removes it.
+/// A snapshot written into its staging directory, not yet durable. The VM
+/// can run again once it is staged: its pages are in the page cache,
+/// copied. Dropping it without [`Staged::commit`] removes what it wrote, so
+/// a failed snapshot leaves an empty staging directory.
 pub struct Staged {
-    tmp: PathBuf,
     dir: PathBuf,
-    parent: PathBuf,
+    /// Id, parent id and kind, for the store's manifest.
+    lineage: (String, Option<String>, twig_store::Kind),
     memory: File,
     state: File,
     disks: Vec<File>,
-    committed: bool,
+    written: Written,
 }
 
-/// Writes a snapshot into a hidden sibling of `dir`: `write_memory` fills the
+/// Files written into a staging directory, removed on drop unless kept.
+#[derive(Default)]
+struct Written {
+    paths: Vec<PathBuf>,
+    keep: bool,
+}
+
+impl Written {
+    /// Creates the new file `name` in `dir` (never overwriting one) and
+    /// remembers it.
+    fn create(&mut self, dir: &Path, name: &str) -> Result<File> {
+        let path = dir.join(name);
+        let f = OpenOptions::new()
+            .create_new(true)
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(io_err(
+                dir,
+                &format!("cannot create {name} in the staging directory"),
+            ))?;
+        self.paths.push(path);
+        Ok(f)
+    }
+}
+
+impl Drop for Written {
+    fn drop(&mut self) {
+        if !self.keep {
+            for p in &self.paths {
+                if let Err(e) = std::fs::remove_file(p) {
+                    tracing::warn!("removing {} of a failed snapshot: {e}", p.display());
+                }
+            }
+        }
+    }
+}
+
+/// Writes a snapshot into `dir`, an existing staging directory handed out by
+/// the node store and named by the snapshot's id: `write_memory` fills the
 /// memory file (created empty) and returns the CRC32 of what it wrote, which
 /// goes into the state's metadata before the state is written. Each
 /// `(index, file)` of `disks` is copied (reflinked where possible) to
@@ -451,62 +488,39 @@ pub fn stage(
     write_memory: impl FnOnce(&File) -> Result<u32>,
     disks: &[(usize, &File)],
 ) -> Result<Staged> {
-    let name = dir
-        .file_name()
-        .ok_or_else(|| Error::snapshot(dir, "snapshot path has no directory name"))?;
-    let parent = match dir.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    if dir.exists() {
-        return Err(Error::snapshot(
-            dir,
-            "already exists; snapshots are never overwritten",
-        ));
+    let meta = &state.meta;
+    let lineage = (
+        meta.id.clone(),
+        meta.parent.as_ref().map(|p| p.id.clone()),
+        match meta.kind {
+            Kind::Full => twig_store::Kind::Full,
+            Kind::Incremental => twig_store::Kind::Incremental,
+        },
+    );
+    let mut written = Written::default();
+    let memory = written.create(dir, &Artefact::Memory.file_name())?;
+    state.meta.memory_crc = write_memory(&memory)?;
+    let mut copies = Vec::with_capacity(disks.len());
+    for &(index, src) in disks {
+        let dst = written.create(dir, &disk_file_name(index))?;
+        copy_disk(dir, state, index, src, &dst)?;
+        copies.push(dst);
     }
-    let tmp = parent.join(format!(
-        ".twig-tmp-{}-{}",
-        String::from_utf8_lossy(name.as_bytes()),
-        new_id()
-    ));
-    std::fs::create_dir(&tmp).map_err(io_err(dir, "cannot create the temporary directory"))?;
-    let files = (|| {
-        let memory = OpenOptions::new()
-            .create_new(true)
-            .read(true)
-            .write(true)
-            .open(tmp.join(MEMORY_FILE))
-            .map_err(io_err(dir, "cannot create the memory file"))?;
-        state.meta.memory_crc = write_memory(&memory)?;
-        let mut copies = Vec::with_capacity(disks.len());
-        for &(index, src) in disks {
-            copies.push(stage_disk(dir, &tmp, state, index, src)?);
-        }
-        let bytes = state.encode()?;
-        let mut f = File::create(tmp.join(STATE_FILE))
-            .map_err(io_err(dir, "cannot create the state file"))?;
-        f.write_all(&bytes)
-            .map_err(io_err(dir, "cannot write the state file"))?;
-        Ok((memory, f, copies))
-    })();
-    match files {
-        Ok((memory, state, disks)) => Ok(Staged {
-            tmp,
-            dir: dir.to_path_buf(),
-            parent,
-            memory,
-            state,
-            disks,
-            committed: false,
-        }),
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&tmp);
-            Err(e)
-        }
-    }
+    let bytes = state.encode()?;
+    let mut f = written.create(dir, &Artefact::State.file_name())?;
+    f.write_all(&bytes)
+        .map_err(io_err(dir, "cannot write the state file"))?;
+    Ok(Staged {
+        dir: dir.to_path_buf(),
+        lineage,
+        memory,
+        state: f,
+        disks: copies,
+        written,
+    })
 }
 
-fn stage_disk(dir: &Path, tmp: &Path, state: &VmState, index: usize, src: &File) -> Result<File> {
+fn copy_disk(dir: &Path, state: &VmState, index: usize, src: &File, dst: &File) -> Result<()> {
     let name = disk_file_name(index);
     let expected = match state.meta.disks.get(index) {
         Some(d) if d.has_copy() => d.size,
@@ -517,13 +531,8 @@ fn stage_disk(dir: &Path, tmp: &Path, state: &VmState, index: usize, src: &File)
             ))
         }
     };
-    let dst = OpenOptions::new()
-        .create_new(true)
-        .read(true)
-        .write(true)
-        .open(tmp.join(&name))
-        .map_err(io_err(dir, &format!("cannot create {name}")))?;
-    copy_file(src, &dst).map_err(io_err(dir, &format!("cannot copy the disk into {name}")))?;
+    twig_store::fsops::copy_file(src, dst)
+        .map_err(io_err(dir, &format!("cannot copy the disk into {name}")))?;
     let size = dst
         .metadata()
         .map_err(io_err(dir, &format!("cannot stat {name}")))?
@@ -534,120 +543,6 @@ fn stage_disk(dir: &Path, tmp: &Path, state: &VmState, index: usize, src: &File)
             format!("{name} is {size} bytes after copying, the disk {expected} bytes"),
         ));
     }
-    Ok(dst)
-}
-
-const FICLONE: libc::c_ulong = 0x4004_9409;
-
-/// Makes `dst` (empty, writable) a copy of all of `src`: a reflink
-/// (`FICLONE`) where the filesystem shares extents, otherwise a copy of the
-/// data ranges (`copy_file_range`, or read and write across filesystems
-/// that cannot), keeping holes.
-pub fn copy_file(src: &File, dst: &File) -> std::io::Result<()> {
-    // SAFETY: FICLONE takes the source descriptor as its argument; both are
-    // open files we own.
-    let r = unsafe { libc::ioctl(dst.as_raw_fd(), FICLONE, src.as_raw_fd()) };
-    if r == 0 {
-        return Ok(());
-    }
-    let e = std::io::Error::last_os_error();
-    if !matches!(
-        e.raw_os_error(),
-        Some(libc::EOPNOTSUPP | libc::EXDEV | libc::EINVAL | libc::ENOTTY | libc::ENOSYS)
-    ) {
-        return Err(e);
-    }
-    static WARNED: std::sync::Once = std::sync::Once::new();
-    WARNED.call_once(|| {
-        tracing::warn!(
-            "this filesystem cannot reflink ({e}); disk images are copied into snapshots and back"
-        );
-    });
-    let len = src.metadata()?.len();
-    dst.set_len(0)?;
-    let mut pos = 0u64;
-    while pos < len {
-        let (data, end) = match data_range(src, pos, len) {
-            Some(r) => r,
-            None => break,
-        };
-        copy_range(src, dst, data, end - data)?;
-        pos = end;
-    }
-    dst.set_len(len)
-}
-
-/// The next range holding data at or after `pos`, or `None` if only a hole
-/// remains; the whole rest of the file where holes cannot be found.
-fn data_range(f: &File, pos: u64, len: u64) -> Option<(u64, u64)> {
-    let seek = |off: u64, whence: libc::c_int| {
-        // SAFETY: lseek on an open descriptor; the offset is only read by
-        // pread/copy_file_range with explicit offsets afterwards.
-        let r = unsafe { libc::lseek(f.as_raw_fd(), off as libc::off_t, whence) };
-        if r < 0 {
-            Err(std::io::Error::last_os_error())
-        } else {
-            Ok(r as u64)
-        }
-    };
-    match seek(pos, libc::SEEK_DATA) {
-        Ok(data) if data >= len => None,
-        Ok(data) => Some((data, seek(data, libc::SEEK_HOLE).unwrap_or(len).min(len))),
-        Err(e) if e.raw_os_error() == Some(libc::ENXIO) => None,
-        Err(_) => Some((pos, len)),
-    }
-}
-
-fn copy_range(src: &File, dst: &File, mut off: u64, mut n: u64) -> std::io::Result<()> {
-    while n > 0 {
-        let mut off_in = off as libc::loff_t;
-        let mut off_out = off as libc::loff_t;
-        // SAFETY: both descriptors are open; the offsets are ours.
-        let r = unsafe {
-            libc::copy_file_range(
-                src.as_raw_fd(),
-                &mut off_in,
-                dst.as_raw_fd(),
-                &mut off_out,
-                n.min(1 << 30) as usize,
-                0,
-            )
-        };
-        if r < 0 {
-            let e = std::io::Error::last_os_error();
-            if matches!(
-                e.raw_os_error(),
-                Some(libc::EXDEV | libc::EOPNOTSUPP | libc::EINVAL | libc::ENOSYS)
-            ) {
-                return copy_range_rw(src, dst, off, n);
-            }
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if r == 0 {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::UnexpectedEof,
-                "the source ended early",
-            ));
-        }
-        off += r as u64;
-        n -= r as u64;
-    }
-    Ok(())
-}
-
-fn copy_range_rw(src: &File, dst: &File, mut off: u64, mut n: u64) -> std::io::Result<()> {
-    use std::os::unix::fs::FileExt;
-    let mut buf = vec![0u8; (1 << 20).min(n as usize)];
-    while n > 0 {
-        let k = (buf.len() as u64).min(n) as usize;
-        src.read_exact_at(&mut buf[..k], off)?;
-        dst.write_all_at(&buf[..k], off)?;
-        off += k as u64;
-        n -= k as u64;
-    }
     Ok(())
 }
 
@@ -657,85 +552,83 @@ impl Staged {
         &self.memory
     }
 
-    /// Makes the snapshot durable and visible: writeback of both files is
-    /// started together and then waited for (one journal commit covers both
-    /// on a journaling filesystem), then the rename into place. Returns the
-    /// memory file.
+    /// Makes the snapshot durable and ready for the store to publish: the
+    /// store's manifest is written last, then writeback of every file is
+    /// started together and waited for (one journal commit covers them on a
+    /// journaling filesystem). The directory's entries become durable with
+    /// the store's rename (see `twig_store::Manifest`). Returns the memory
+    /// file.
     pub fn commit(mut self) -> Result<File> {
         let dir = self.dir.clone();
+        let (id, parent, kind) = &self.lineage;
+        let bytes = twig_store::Manifest::of_staging(&dir, id, parent.as_deref(), *kind)
+            .and_then(|m| m.to_bytes())
+            .map_err(|e| Error::snapshot(&dir, e.to_string()))?;
+        let mut manifest = self.written.create(&dir, twig_store::layout::MANIFEST)?;
+        manifest
+            .write_all(&bytes)
+            .map_err(io_err(&dir, "cannot write the manifest"))?;
         start_writeback(&self.memory);
         start_writeback(&self.state);
         self.disks.iter().for_each(start_writeback);
-        self.memory
-            .sync_all()
-            .map_err(io_err(&dir, "cannot fsync the memory file"))?;
-        self.state
-            .sync_all()
-            .map_err(io_err(&dir, "cannot fsync the state file"))?;
-        for d in &self.disks {
-            d.sync_all()
-                .map_err(io_err(&dir, "cannot fsync a disk copy"))?;
-        }
-        rename_noreplace(&self.tmp, &dir)?;
-        self.committed = true;
-        sync_dir_in_background(self.parent.clone());
+        start_writeback(&manifest);
+        // The fsyncs run side by side, so they share journal commits and
+        // device flushes instead of paying one after another.
+        let mut files = vec![
+            (&self.memory, "cannot fsync the memory file"),
+            (&self.state, "cannot fsync the state file"),
+            (&manifest, "cannot fsync the manifest"),
+        ];
+        files.extend(self.disks.iter().map(|d| (d, "cannot fsync a disk copy")));
+        std::thread::scope(|scope| {
+            let others: Vec<_> = files[1..]
+                .iter()
+                .map(|&(f, what)| scope.spawn(move || f.sync_all().map_err(|e| (what, e))))
+                .collect();
+            let (f, what) = files[0];
+            let mut result = f.sync_all().map_err(|e| (what, e));
+            for h in others {
+                let r = h.join().unwrap_or_else(|_| {
+                    Err(("an fsync thread panicked", std::io::Error::other("panic")))
+                });
+                result = result.and(r);
+            }
+            result
+        })
+        .map_err(|(what, e)| io_err(&dir, what)(e))?;
+        self.written.keep = true;
         self.memory
             .try_clone()
             .map_err(io_err(&dir, "cannot reopen the memory file"))
     }
 }
 
-impl Drop for Staged {
-    fn drop(&mut self) {
-        if !self.committed {
-            let _ = std::fs::remove_dir_all(&self.tmp);
-        }
-    }
-}
-
-fn rename_noreplace(from: &Path, to: &Path) -> Result<()> {
-    let c = |p: &Path| {
-        std::ffi::CString::new(p.as_os_str().as_bytes())
-            .map_err(|_| Error::snapshot(p, "path contains a NUL byte"))
-    };
-    let (f, t) = (c(from)?, c(to)?);
-    // SAFETY: both are valid NUL-terminated paths.
-    let r = unsafe {
-        libc::renameat2(
-            libc::AT_FDCWD,
-            f.as_ptr(),
-            libc::AT_FDCWD,
-            t.as_ptr(),
-            libc::RENAME_NOREPLACE,
-        )
-    };
-    if r != 0 {
-        return Err(Error::snapshot(
-            to,
-            format!("cannot publish: {}", std::io::Error::last_os_error()),
-        ));
-    }
-    Ok(())
-}
-
-/// Writes all of guest RAM into `file`; returns its CRC32.
+/// Writes all of guest RAM into `file`; returns its CRC32. The VM must be
+/// paused for the file to hold one moment's memory.
 pub fn write_full_memory(ram: &GuestRam, file: &File) -> Result<u32> {
-    let data = ram.pages_slice(0, ram.pages())?;
-    (&*file)
-        .write_all(data)
-        .map_err(|e| Error::io("writing guest memory to the snapshot", e))?;
-    Ok(crc32fast::hash(data))
+    write_pages(ram, &[(0, ram.pages())], file)
 }
 
 /// Writes the pages of `set` into `file` at their own offsets (a sparse file
-/// of RAM size); returns the CRC32 of those pages in page order.
+/// of RAM size); returns the CRC32 of those pages in page order. The VM must
+/// be paused for the file to hold one moment's memory.
 pub fn write_layer_memory(ram: &GuestRam, set: &PageSet, file: &File) -> Result<u32> {
     file.set_len(ram.size() as u64)
         .map_err(|e| Error::io("sizing the snapshot memory file", e))?;
+    write_pages(ram, &set.runs(), file)
+}
+
+/// Copies the page runs `(first, count)` of guest RAM out (in chunks, see
+/// [`GuestRam::copy_out`]) into `file` at their own offsets; returns the
+/// CRC32 of what it wrote, in order.
+fn write_pages(ram: &GuestRam, runs: &[(usize, usize)], file: &File) -> Result<u32> {
     let mut crc = crc32fast::Hasher::new();
-    for (start, n) in set.runs() {
-        ram.write_pages_to(file, start, n)?;
-        crc.update(ram.pages_slice(start, n)?);
+    for &(start, n) in runs {
+        ram.copy_out(start, n, |off, bytes| {
+            crc.update(bytes);
+            std::os::unix::fs::FileExt::write_all_at(file, bytes, off)
+                .map_err(|e| Error::io("writing guest memory to the snapshot", e))
+        })?;
     }
     Ok(crc.finalize())
 }
@@ -767,7 +660,7 @@ impl Image {
             ));
         }
         let state = read_state(dir)?;
-        let memory = File::open(dir.join(MEMORY_FILE))
+        let memory = File::open(dir.join(Artefact::Memory.file_name()))
             .map_err(io_err(dir, "cannot open the memory file"))?;
         let size = memory
             .metadata()
@@ -786,21 +679,24 @@ impl Image {
         let parent = match &state.meta.parent {
             None => None,
             Some(p) => {
-                let parent = Self::open_depth(&p.dir, depth + 1)?;
-                if parent.state.meta.id != p.id {
+                let pdir = twig_store::layout::parent_dir(dir, &p.id)
+                    .map_err(|e| Error::snapshot(dir, format!("parent: {e}")))?;
+                let parent = Self::open_depth(&pdir, depth + 1)?;
+                let theirs = &parent.state.meta;
+                if theirs.id != p.id || theirs.uid != p.uid {
                     return Err(Error::snapshot(
                         dir,
                         format!(
-                            "parent {} has id {}, expected {} (replaced or moved)",
-                            p.dir.display(),
-                            parent.state.meta.id,
-                            p.id
+                            "parent {} is snapshot {} (uid {}), expected {} (uid {}): replaced",
+                            pdir.display(),
+                            theirs.id,
+                            theirs.uid,
+                            p.id,
+                            p.uid
                         ),
                     ));
                 }
-                if parent.state.meta.mem_size != state.meta.mem_size
-                    || parent.state.meta.root_id != state.meta.root_id
-                {
+                if theirs.mem_size != state.meta.mem_size || theirs.root_id != state.meta.root_id {
                     return Err(Error::snapshot(dir, "parent belongs to another VM lineage"));
                 }
                 Some(parent)
@@ -937,112 +833,4 @@ pub fn verify(dir: &Path) -> Result<Meta> {
         }
     }
     Ok(img.state.meta.clone())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::os::unix::fs::{FileExt, MetadataExt};
-    use std::process::Command;
-
-    fn sparse(path: &Path) -> File {
-        let f = OpenOptions::new()
-            .create(true)
-            .truncate(true)
-            .read(true)
-            .write(true)
-            .open(path)
-            .unwrap();
-        f.write_all_at(&[1u8; 4096], 0).unwrap();
-        f.write_all_at(&[2u8; 4096], 32 << 20).unwrap();
-        f.set_len(64 << 20).unwrap();
-        f
-    }
-
-    /// Copies `src` (made by `sparse`) and checks the copy, which may
-    /// allocate at most `max_alloc` bytes.
-    fn check_copy(src: &File, dst_path: &Path, max_alloc: u64) -> File {
-        let dst = OpenOptions::new()
-            .create_new(true)
-            .read(true)
-            .write(true)
-            .open(dst_path)
-            .unwrap();
-        copy_file(src, &dst).unwrap();
-        assert_eq!(dst.metadata().unwrap().len(), 64 << 20);
-        let mut b = vec![0u8; 8192];
-        dst.read_exact_at(&mut b, 0).unwrap();
-        assert!(b[..4096].iter().all(|x| *x == 1) && b[4096..].iter().all(|x| *x == 0));
-        dst.read_exact_at(&mut b, 32 << 20).unwrap();
-        assert!(b[..4096].iter().all(|x| *x == 2));
-        assert!(
-            dst.metadata().unwrap().blocks() * 512 <= max_alloc,
-            "holes kept"
-        );
-        dst
-    }
-
-    #[test]
-    fn copy_file_copies_contents_and_keeps_holes() {
-        let d = tempfile::tempdir().unwrap();
-        let src = sparse(&d.path().join("src"));
-        check_copy(&src, &d.path().join("dst"), 4 << 20);
-    }
-
-    /// An XFS file system on a loop device, unmounted on drop.
-    struct Xfs(tempfile::TempDir);
-
-    impl Drop for Xfs {
-        fn drop(&mut self) {
-            let _ = Command::new("umount")
-                .arg(self.0.path().join("mnt"))
-                .status();
-        }
-    }
-
-    #[test]
-    fn copy_file_reflinks_where_the_filesystem_can() {
-        let fs = Xfs(tempfile::tempdir().unwrap());
-        let img = fs.0.path().join("xfs.img");
-        File::create(&img).unwrap().set_len(512 << 20).unwrap();
-        let mkfs = Command::new("mkfs.xfs")
-            .args(["-q", "-m", "reflink=1"])
-            .arg(&img)
-            .status()
-            .expect("mkfs.xfs (xfsprogs) is needed");
-        assert!(mkfs.success());
-        let mnt = fs.0.path().join("mnt");
-        std::fs::create_dir(&mnt).unwrap();
-        let ok = Command::new("mount")
-            .args(["-o", "loop"])
-            .arg(&img)
-            .arg(&mnt)
-            .status()
-            .unwrap();
-        assert!(ok.success(), "loop-mounting XFS (needs root)");
-        let src = sparse(&mnt.join("src"));
-        let before = free_bytes(&mnt);
-        let big = vec![3u8; 8 << 20];
-        src.write_all_at(&big, 8 << 20).unwrap();
-        src.sync_all().unwrap();
-        let used_by_src = before - free_bytes(&mnt);
-        let dst = check_copy(&src, &mnt.join("dst"), 12 << 20);
-        dst.sync_all().unwrap();
-        let mut b = vec![0u8; 8 << 20];
-        dst.read_exact_at(&mut b, 8 << 20).unwrap();
-        assert!(b == big);
-        let used_by_copy = before - used_by_src - free_bytes(&mnt);
-        assert!(
-            used_by_copy < 1 << 20,
-            "a reflink shares the 8 MiB of data ({used_by_copy} bytes used)"
-        );
-    }
-
-    fn free_bytes(p: &Path) -> u64 {
-        let c = std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap();
-        // SAFETY: statvfs fills the struct for a valid path.
-        let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
-        assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut s) }, 0);
-        s.f_bfree * s.f_frsize
-    }
 }

@@ -12,10 +12,11 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
+use twig_store::NodeStore;
 use twig_vmm::api::{
     ApiError, Client, ClientError, Hello, Reply, Request, Response, PROTOCOL_VERSION,
 };
-use twig_vmm::{ErrorKind, Kind, RunState};
+use twig_vmm::{ErrorKind, Kind, RunState, SnapshotInfo};
 
 const BIN: &str = env!("CARGO_BIN_EXE_twig-vmm");
 
@@ -98,6 +99,27 @@ fn raw_err(conn: &mut BufReader<UnixStream>, line: &str) -> ApiError {
     }
 }
 
+/// A node store in the test's directory (copies allowed: /tmp cannot
+/// reflink).
+fn node_store(d: &Path) -> NodeStore {
+    NodeStore::open(&d.join("store"), true).expect("open the node store")
+}
+
+/// The shim's way to snapshot: the store stages `id`, the VMM writes into
+/// the staging directory, the store publishes once the VMM answered.
+/// Returns the reply and the published directory.
+fn snapshot(
+    api: &mut Client,
+    store: &NodeStore,
+    id: &str,
+    kind: Kind,
+) -> Result<(SnapshotInfo, PathBuf), ClientError> {
+    let staging = store.stage(id).expect("stage");
+    let info = api.snapshot(staging.dir(), kind, T)?;
+    let published = staging.publish().expect("publish");
+    Ok((info, published.dir().to_path_buf()))
+}
+
 fn wait_file(path: &Path, pat: &str) {
     let deadline = Instant::now() + T;
     loop {
@@ -138,14 +160,15 @@ fn boot_snapshot_rollback_restore_over_the_api() {
     let (kind, e) = vmm_err(a.api.boot(&kernel, None, "", MIB, 1, T));
     assert_eq!(kind, ErrorKind::InvalidRequest);
     assert!(e.contains("already has a VM"), "{e}");
-    let s1 = d.path().join("s1");
-    let full = a.api.snapshot(&s1, Kind::Full, T).unwrap();
+    let store = node_store(d.path());
+    let (full, s1) = snapshot(&mut a.api, &store, "s1", Kind::Full).unwrap();
     assert_eq!(full.kind, Kind::Full);
-    let incr = a
-        .api
-        .snapshot(&d.path().join("s2"), Kind::Incremental, T)
-        .unwrap();
+    assert_eq!(full.id, "s1");
+    let (incr, _) = snapshot(&mut a.api, &store, "s2", Kind::Incremental).unwrap();
     assert_eq!(incr.parent.as_deref(), Some(full.id.as_str()));
+    let s2 = store.get("s2").unwrap();
+    assert_eq!(s2.parent.as_deref(), Some("s1"));
+    assert_eq!(s2.kind, twig_store::Kind::Incremental);
     let r = a.api.rollback(&s1, T).unwrap();
     assert_eq!(r.id, full.id);
     assert!(!r.remapped);
@@ -195,8 +218,8 @@ fn disks_and_devices_from_the_command_line_follow_snapshots() {
     );
     boot(&mut a, &kernel, 1);
     wait_file(&d.path().join("a.serial"), "B");
-    let s1 = d.path().join("s1");
-    a.api.snapshot(&s1, Kind::Full, T).unwrap();
+    let store = node_store(d.path());
+    let (_, s1) = snapshot(&mut a.api, &store, "s1", Kind::Full).unwrap();
     assert!(std::fs::read(s1.join("disk0")).unwrap() == std::fs::read(&rw).unwrap());
     assert!(!s1.join("disk1").exists());
     a.shutdown();
@@ -262,8 +285,8 @@ fn disk_slots_are_filled_and_emptied_over_the_api() {
     std::fs::write(&odd, [0u8; 100]).unwrap();
     let (kind, _) = vmm_err(a.api.attach_disk(1, &odd, false, T));
     assert_eq!(kind, ErrorKind::InvalidRequest);
-    let s1 = d.path().join("s1");
-    a.api.snapshot(&s1, Kind::Full, T).unwrap();
+    let store = node_store(d.path());
+    let (_, s1) = snapshot(&mut a.api, &store, "s1", Kind::Full).unwrap();
     assert!(std::fs::read(s1.join("disk0")).unwrap() == std::fs::read(&rootfs).unwrap());
     a.api.detach_disk(0, T).expect("detach");
     let (kind, _) = vmm_err(a.api.detach_disk(0, T));
@@ -394,8 +417,8 @@ fn each_error_kind_says_what_the_caller_can_do() {
 
     // refused: a rollback to a corrupted snapshot, and a snapshot that
     // cannot be written, leave the VM running on its previous state.
-    let s1 = d.path().join("s1");
-    let full = a.api.snapshot(&s1, Kind::Full, T).unwrap();
+    let store = node_store(d.path());
+    let (full, s1) = snapshot(&mut a.api, &store, "s1", Kind::Full).unwrap();
     let bad = d.path().join("bad");
     std::fs::create_dir(&bad).unwrap();
     std::fs::write(bad.join("state"), b"not a snapshot").unwrap();
@@ -403,10 +426,11 @@ fn each_error_kind_says_what_the_caller_can_do() {
     let (kind, e) = vmm_err(a.api.rollback(&bad, T));
     assert_eq!(kind, ErrorKind::Refused, "{e}");
     assert!(e.contains("keeps running on its previous state"), "{e}");
-    let blocker = d.path().join("file");
-    std::fs::write(&blocker, b"").unwrap();
-    let (kind, e) = vmm_err(a.api.snapshot(&blocker.join("s"), Kind::Full, T));
+    let staging = store.stage("s").unwrap();
+    std::fs::create_dir(staging.dir().join("state")).unwrap();
+    let (kind, e) = vmm_err(a.api.snapshot(staging.dir(), Kind::Full, T));
     assert_eq!(kind, ErrorKind::Refused, "{e}");
+    drop(staging);
     let st = a.api.stats(T).unwrap();
     assert_eq!(st.state, RunState::Running);
     assert_eq!(st.baseline.as_deref(), Some(full.id.as_str()));
@@ -430,7 +454,8 @@ fn each_error_kind_says_what_the_caller_can_do() {
     }
     let (kind, e) = vmm_err(c.api.resume(T));
     assert_eq!(kind, ErrorKind::GuestStopped, "{e}");
-    let (kind, e) = vmm_err(c.api.snapshot(&d.path().join("s3"), Kind::Full, T));
+    let staging = store.stage("s3").unwrap();
+    let (kind, e) = vmm_err(c.api.snapshot(staging.dir(), Kind::Full, T));
     assert_eq!(kind, ErrorKind::GuestStopped, "{e}");
     c.shutdown();
 
@@ -461,21 +486,31 @@ fn idle_slow_and_vanishing_clients_block_no_one() {
 
     // A client that disconnects mid-request: the operation completes, the
     // server lives on.
-    let s1 = d.path().join("s1");
+    let store = node_store(d.path());
+    let staging = store.stage("s1").unwrap();
     {
         let mut gone = a.raw();
         let req = Request::Snapshot {
-            dir: s1.clone(),
+            dir: staging.dir().to_path_buf(),
             kind: Kind::Full,
         };
         writeln!(gone.get_mut(), "{}", serde_json::to_string(&req).unwrap()).unwrap();
     }
     drop(half);
+    // Nobody hears the answer: the writer's manifest, complete, says every
+    // artefact is written.
+    let draft = staging.dir().join(twig_store::layout::MANIFEST);
     let deadline = Instant::now() + T;
-    while twig_vmm::snapshot::verify(&s1).is_err() {
+    while std::fs::read(&draft)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<twig_store::Manifest>(&b).ok())
+        .is_none()
+    {
         assert!(Instant::now() < deadline, "the snapshot never completed");
         std::thread::yield_now();
     }
+    let s1 = staging.publish().unwrap();
+    twig_vmm::snapshot::verify(s1.dir()).unwrap();
     assert_eq!(b.stats(T).unwrap().state, RunState::Running);
 
     // Over the limit: a's client, idle and b hold 3 of 5 slots (once the
@@ -502,7 +537,18 @@ fn idle_slow_and_vanishing_clients_block_no_one() {
 
     // Idle connections are closed after --idle-timeout-s; a client whose
     // connection was closed connects again by itself on its next call.
-    let mut c = a.client();
+    // (The slots of the connections just dropped free up when their server
+    // threads notice.)
+    let deadline = Instant::now() + T;
+    let mut c = loop {
+        match Client::connect(&a.sock, T) {
+            Ok(c) => break c,
+            Err(e) if e.kind() == Some(ErrorKind::Busy) && Instant::now() < deadline => {
+                std::thread::yield_now()
+            }
+            Err(e) => panic!("a client after the others left: {e}"),
+        }
+    };
     let mut later = a.raw();
     let t = Instant::now();
     let mut line = String::new();
@@ -655,27 +701,20 @@ fn a_vmm_killed_mid_snapshot_leaves_no_valid_looking_snapshot() {
     require_kvm();
     let d = tmp();
     let kernel = twig_vmm::testguest::write_to(d.path()).unwrap();
-    let snaps = d.path().join("snaps");
-    std::fs::create_dir(&snaps).unwrap();
+    let root = d.path().join("store");
+    let store = node_store(d.path());
     let mut a = Vmm::start(d.path(), "a", &[]);
     a.api.boot(&kernel, None, "", 2048, 1, T).unwrap();
-    let target = snaps.join("big");
+    let staging = store.stage("big").unwrap();
     let mut conn = a.raw();
     let req = Request::Snapshot {
-        dir: target.clone(),
+        dir: staging.dir().to_path_buf(),
         kind: Kind::Full,
     };
     writeln!(conn.get_mut(), "{}", serde_json::to_string(&req).unwrap()).unwrap();
     // Kill the VMM as soon as the snapshot is being written.
     let deadline = Instant::now() + T;
-    loop {
-        let staging = std::fs::read_dir(&snaps)
-            .unwrap()
-            .filter_map(|e| e.ok())
-            .any(|e| e.file_name().to_string_lossy().starts_with(".twig-tmp"));
-        if staging || target.exists() {
-            break;
-        }
+    while !staging.dir().join("memory").exists() {
         assert!(Instant::now() < deadline, "the snapshot never started");
         std::thread::yield_now();
     }
@@ -690,21 +729,25 @@ fn a_vmm_killed_mid_snapshot_leaves_no_valid_looking_snapshot() {
         ),
         "{r:?}"
     );
-    // Either the snapshot was published whole, or it is not there at all;
-    // debris is only ever a hidden staging directory.
-    if target.exists() {
-        twig_vmm::snapshot::verify(&target).unwrap();
-    } else {
-        let e = twig_vmm::snapshot::verify(&target).unwrap_err().to_string();
-        assert!(e.contains("cannot open the state file"), "{e}");
-    }
-    for e in std::fs::read_dir(&snaps).unwrap().filter_map(|e| e.ok()) {
-        let name = e.file_name().to_string_lossy().to_string();
-        assert!(
-            name == "big" || name.starts_with(".twig-tmp-big-"),
-            "{name}"
-        );
-    }
+    // The VMM publishes nothing itself: the store does, once the writer
+    // answers, and this one never did. The staging goes with its holder.
+    assert!(store.list().unwrap().is_empty(), "nothing published");
+    drop(staging);
+    assert!(matches!(
+        store.get("big"),
+        Err(twig_store::Error::NotFound(_))
+    ));
+    assert_eq!(std::fs::read_dir(root.join("tmp")).unwrap().count(), 0);
+    let e = twig_vmm::snapshot::verify(&store.snapshot_dir("big"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("cannot open the state file"), "{e}");
+    // The store still takes a snapshot under that id.
+    let mut b = Vmm::start(d.path(), "b", &[]);
+    boot(&mut b, &kernel, 1);
+    let (_, big) = snapshot(&mut b.api, &store, "big", Kind::Full).unwrap();
+    twig_vmm::snapshot::verify(&big).unwrap();
+    b.shutdown();
 }
 
 #[test]
@@ -720,9 +763,15 @@ fn template_refuses_without_vsock_and_fails_when_the_guest_never_listens() {
             .output()
             .unwrap()
     };
-    let tpl = d.path().join("tpl");
+    let tpl = d.path().join("store/snapshots/tpl");
     let kernel = kernel.to_str().unwrap();
     let tpl_s = tpl.to_str().unwrap();
+
+    // A template lands in a node store: <store>/snapshots/<id>.
+    let o = out(&[d.path().join("tpl").to_str().unwrap(), "--kernel", kernel]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("not a snapshot directory of a store"), "{err}");
 
     let o = out(&[tpl_s, "--kernel", kernel, "--mem-mib", "64"]);
     assert!(!o.status.success());
@@ -750,4 +799,11 @@ fn template_refuses_without_vsock_and_fails_when_the_guest_never_listens() {
     assert!(err.contains("not ready within"), "{err}");
     assert!(t.elapsed() < std::time::Duration::from_secs(30));
     assert!(!tpl.exists(), "nothing is written");
+    assert_eq!(
+        std::fs::read_dir(d.path().join("store/tmp"))
+            .unwrap()
+            .count(),
+        0,
+        "nor staged"
+    );
 }

@@ -13,11 +13,11 @@ use twig_vmm::{Kind, RunState, Shape, Vm};
 fn snapshots(d: &Path) -> (Guest, PathBuf, PathBuf) {
     let mut g = boot(d, MIB, 1);
     dirty(&mut g.vm, 0, 4, 11);
-    let s0 = d.join("s0");
-    g.vm.snapshot(&s0, Kind::Full).unwrap();
+    let s0 = snap(d, "s0");
+    take(&mut g.vm, &s0, Kind::Full).unwrap();
     dirty(&mut g.vm, 2, 4, 22);
-    let s1 = d.join("s1");
-    g.vm.snapshot(&s1, Kind::Incremental).unwrap();
+    let s1 = snap(d, "s1");
+    take(&mut g.vm, &s1, Kind::Incremental).unwrap();
     (g, s0, s1)
 }
 
@@ -66,6 +66,15 @@ fn corrupted_truncated_and_wrong_version_state_files_are_refused() {
     assert!(e.contains("truncated"), "{e}");
     let e = case("version", &|p| patch(p, 8, |b| *b = 9));
     assert!(e.contains("version 9 is not supported"), "{e}");
+    // Version 2 named parents by absolute path: a clear refusal, not a
+    // misread chain.
+    let e = case("v2", &|p| patch(p, 8, |b| *b = 2));
+    assert!(
+        e.contains("version 2 is not supported")
+            && e.contains(&format!("reads version {}", snapshot::VERSION)),
+        "{e}"
+    );
+    assert_eq!(snapshot::VERSION, 3);
     let e = case("magic", &|p| patch(p, 0, |b| *b = b'X'));
     assert!(e.contains("bad magic"), "{e}");
     let e = case("huge", &|p| {
@@ -133,10 +142,7 @@ fn broken_chains_and_mismatched_shapes_are_refused() {
     std::fs::rename(&s0, d.path().join("s0.orig")).unwrap();
     copy_dir(&other, &s0);
     let e = restore_err(&s1);
-    assert!(
-        e.contains("expected") && e.contains("replaced or moved"),
-        "{e}"
-    );
+    assert!(e.contains("expected s0") && e.contains("replaced"), "{e}");
     std::fs::remove_dir_all(&s0).unwrap();
     let e = restore_err(&s1);
     assert!(
@@ -204,31 +210,45 @@ fn failed_rollback_and_snapshot_leave_the_vm_running_on_its_state() {
     assert!(e.contains("rollback refused"), "{e}");
     let other = d.path().join("big").tap_mkdir();
     let mut big = boot(&other, MIB * 2, 1);
-    let bs = other.join("bs");
-    big.vm.snapshot(&bs, Kind::Full).unwrap();
+    let bs = snap(&other, "bs");
+    take(&mut big.vm, &bs, Kind::Full).unwrap();
     let e = g.vm.rollback(&bs).unwrap_err().to_string();
     assert!(e.contains("memory size mismatch"), "{e}");
     assert_eq!(word(&g.vm, 0), 99);
 
     // Snapshots never overwrite, and a failed one leaves no debris.
-    let e = g.vm.snapshot(&s0, Kind::Full).unwrap_err().to_string();
+    let e = take(&mut g.vm, &s0, Kind::Full).unwrap_err().to_string();
     assert!(e.contains("already exists"), "{e}");
     let e =
         g.vm.snapshot(&d.path().join("no/such/dir"), Kind::Full)
             .unwrap_err()
             .to_string();
-    assert!(e.contains("temporary directory"), "{e}");
-    let leftovers: Vec<_> = std::fs::read_dir(d.path())
+    assert!(e.contains("not a staging directory of a store"), "{e}");
+    // A write that fails halfway (the state file cannot be created) takes
+    // back what it wrote, so the staging cannot be published.
+    let (store, _) = store_of(&s0);
+    let staging = store.stage("half").unwrap();
+    std::fs::create_dir(staging.dir().join("state")).unwrap();
+    let e =
+        g.vm.snapshot(staging.dir(), Kind::Full)
+            .unwrap_err()
+            .to_string();
+    assert!(e.contains("cannot create state"), "{e}");
+    let left: Vec<_> = std::fs::read_dir(staging.dir())
         .unwrap()
-        .filter_map(|e| e.ok())
-        .filter(|e| e.file_name().to_string_lossy().starts_with(".twig-tmp"))
+        .map(|e| e.unwrap().file_name())
         .collect();
-    assert!(leftovers.is_empty());
+    assert_eq!(left, ["state"], "no debris besides what was planted");
+    assert!(staging.publish().is_err());
+    assert!(matches!(
+        store.get("half"),
+        Err(twig_store::Error::NotFound(_))
+    ));
     assert_eq!(g.vm.state(), RunState::Running);
     // Nothing was lost: an incremental snapshot still carries the pages
     // dirtied before the failures.
-    let s2 = d.path().join("s2");
-    let info = g.vm.snapshot(&s2, Kind::Incremental).unwrap();
+    let s2 = snap(d.path(), "s2");
+    let info = take(&mut g.vm, &s2, Kind::Incremental).unwrap();
     assert!(info.pages_written >= 2, "{info:?}");
     let mut r = Vm::create(Shape::new(MIB, 1), Box::new(std::io::sink())).unwrap();
     r.restore(&s2).unwrap();
@@ -239,10 +259,9 @@ fn failed_rollback_and_snapshot_leave_the_vm_running_on_its_state() {
 fn incremental_needs_a_parent() {
     let d = tmp();
     let mut g = boot(d.path(), MIB, 1);
-    let e =
-        g.vm.snapshot(&d.path().join("i"), Kind::Incremental)
-            .unwrap_err()
-            .to_string();
+    let e = take(&mut g.vm, &snap(d.path(), "i"), Kind::Incremental)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("needs a parent"), "{e}");
     assert_eq!(g.vm.state(), RunState::Running);
 }

@@ -77,9 +77,7 @@ fn guest_reset_and_crash_stop_the_vm() {
     testguest::post(&mut g.vm, Command::Stop, [0; 3]).unwrap();
     assert_eq!(g.vm.wait_exit(T), Some(GuestExit::Reset));
     assert_eq!(g.vm.state(), RunState::Stopped);
-    let err =
-        g.vm.snapshot(&d.path().join("s"), twig_vmm::Kind::Full)
-            .unwrap_err();
+    let err = take(&mut g.vm, &snap(d.path(), "s"), twig_vmm::Kind::Full).unwrap_err();
     assert!(err.to_string().contains("stopped"), "{err}");
 
     let mut g = boot(d.path(), MIB, 1);
@@ -114,8 +112,8 @@ fn bad_kernels_and_shapes_are_refused() {
 fn vcpus_get_consistent_cpuid_but_their_own_apic_ids() {
     let d = tmp();
     let mut g = boot(d.path(), MIB, 3);
-    let s = d.path().join("s");
-    g.vm.snapshot(&s, twig_vmm::Kind::Full).unwrap();
+    let s = snap(d.path(), "s");
+    take(&mut g.vm, &s, twig_vmm::Kind::Full).unwrap();
     let state = twig_vmm::snapshot::read_state(&s).unwrap();
     // CPUID as each vCPU got it, with the per-vCPU APIC ids masked out.
     let stripped: Vec<Vec<[u32; 6]>> = state

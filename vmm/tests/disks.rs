@@ -65,7 +65,7 @@ fn snapshots_carry_read_write_disks_through_rollback_restore_and_clone() {
     let mut g = boot_with(d.path(), MIB, 1, &disks(&rw, &ro));
     dirty(&mut g.vm, 0, 4, 100);
     let s = snap(d.path(), "s");
-    g.vm.snapshot(&s, Kind::Full).unwrap();
+    take(&mut g.vm, &s, Kind::Full).unwrap();
     let want = std::fs::read(&rw).unwrap();
     assert!(std::fs::read(s.join("disk0")).unwrap() == want, "disk0");
     assert!(!s.join("disk1").exists(), "read-only disks are not copied");
@@ -139,7 +139,7 @@ fn restoring_into_a_vm_with_other_devices_is_refused() {
     let ro = image(d.path().join("ro.img"), 2, 64 * 1024);
     let mut g = boot_with(d.path(), MIB, 1, &disks(&rw, &ro));
     let s = snap(d.path(), "s");
-    g.vm.snapshot(&s, Kind::Full).unwrap();
+    take(&mut g.vm, &s, Kind::Full).unwrap();
     let restore = |devices: &DeviceConfig| {
         let mut vm =
             Vm::create_with(Shape::new(MIB, 1), Box::new(std::io::sink()), devices).unwrap();
@@ -181,9 +181,9 @@ fn a_rollback_whose_disk_copy_fails_leaves_the_vm_and_its_disk_as_they_were() {
     let mut g = boot_with(d.path(), MIB, 1, &disks(&rw, &ro));
     dirty(&mut g.vm, 0, 4, 100);
     let s1 = snap(d.path(), "s1");
-    g.vm.snapshot(&s1, Kind::Full).unwrap();
+    take(&mut g.vm, &s1, Kind::Full).unwrap();
     let s2 = snap(d.path(), "s2");
-    g.vm.snapshot(&s2, Kind::Incremental).unwrap();
+    take(&mut g.vm, &s2, Kind::Incremental).unwrap();
     write_at(&rw, 0, b"live-state");
     dirty(&mut g.vm, 0, 4, 300);
     let live = std::fs::read(&rw).unwrap();
@@ -250,7 +250,7 @@ fn disk_slots_carry_their_files_through_snapshot_rollback_restore_and_clone() {
     assert_eq!(slots_of(&g.vm), vec![(None, false, 0), (None, false, 0)]);
     dirty(&mut g.vm, 0, 2, 100);
     let s0 = snap(d.path(), "s0");
-    g.vm.snapshot(&s0, Kind::Full).unwrap();
+    take(&mut g.vm, &s0, Kind::Full).unwrap();
     assert!(!s0.join("disk1").exists() && !s0.join("disk2").exists());
 
     g.vm.attach_disk(0, &slot(&ctr, false)).unwrap();
@@ -264,7 +264,7 @@ fn disk_slots_carry_their_files_through_snapshot_rollback_restore_and_clone() {
     );
     dirty(&mut g.vm, 0, 2, 200);
     let s1 = snap(d.path(), "s1");
-    g.vm.snapshot(&s1, Kind::Incremental).unwrap();
+    take(&mut g.vm, &s1, Kind::Incremental).unwrap();
     let at_s1 = std::fs::read(&ctr).unwrap();
     assert!(
         std::fs::read(s1.join("disk1")).unwrap() == at_s1,
@@ -365,7 +365,7 @@ fn restores_need_the_same_slots_and_a_file_for_each_attached_one() {
     let mut g = boot_with(d.path(), MIB, 1, &with_slots(&fixed, 2));
     g.vm.attach_disk(1, &slot(&ctr, false)).unwrap();
     let s = snap(d.path(), "s");
-    g.vm.snapshot(&s, Kind::Full).unwrap();
+    take(&mut g.vm, &s, Kind::Full).unwrap();
     let f2 = image(d.path().join("f2.img"), 3, 512);
     let restore = |devices: &DeviceConfig| {
         let mut vm =

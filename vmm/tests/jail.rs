@@ -12,6 +12,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::Instant;
 
 use common::*;
+use twig_store::NodeStore;
 use twig_vmm::api::{Client, ClientError, Reply, Request};
 use twig_vmm::{ErrorKind, Kind, RunState};
 
@@ -104,6 +105,25 @@ fn jail_args<'a>(jail: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     ];
     v.extend_from_slice(extra);
     v
+}
+
+/// Snapshots `id` the shim's way: the node store stages it, the VMM writes
+/// into the staging directory (owned by the jail's user, seen by the VMM
+/// under `inner`, the store's path inside its jail), the store publishes.
+/// Returns the reply and the published directory as the VMM sees it.
+fn snapshot(
+    api: &mut Client,
+    store: &NodeStore,
+    inner: &Path,
+    id: &str,
+    kind: Kind,
+) -> Result<(twig_vmm::SnapshotInfo, PathBuf), ClientError> {
+    let staging = store.stage(id).expect("stage");
+    std::os::unix::fs::chown(staging.dir(), Some(UID), Some(GID)).unwrap();
+    let jailed = |p: &Path| inner.join(p.strip_prefix(store.root()).unwrap());
+    let info = api.snapshot(&jailed(staging.dir()), kind, T)?;
+    let published = staging.publish().expect("publish");
+    Ok((info, jailed(published.dir())))
 }
 
 fn remove_cgroup(name: &str) {
@@ -213,20 +233,20 @@ fn a_jailed_vmm_boots_snapshots_rolls_back_and_restores() {
         .boot(&kernel, None, "console=ttyS0", MIB, 1, T)
         .expect("boot");
     assert_eq!(state, RunState::Running);
-    let full = a
-        .api
-        .snapshot(Path::new("/store/s1"), Kind::Full, T)
-        .unwrap();
-    let incr = a
-        .api
-        .snapshot(Path::new("/store/s2"), Kind::Incremental, T)
-        .unwrap();
+    let node = NodeStore::open(&store, true).expect("open the node store");
+    let jailed_store = Path::new("/store");
+    let (full, s1) = snapshot(&mut a.api, &node, jailed_store, "s1", Kind::Full).unwrap();
+    let (incr, s2) = snapshot(&mut a.api, &node, jailed_store, "s2", Kind::Incremental).unwrap();
     assert_eq!(incr.parent.as_deref(), Some(full.id.as_str()));
-    assert!(store.join("s1/state").exists(), "written through the bind");
-    let r = a.api.rollback(Path::new("/store/s1"), T).unwrap();
+    assert_eq!(s1, Path::new("/store/snapshots/s1"));
+    assert!(
+        store.join("snapshots/s1/state").exists(),
+        "written through the bind"
+    );
+    let r = a.api.rollback(&s1, T).unwrap();
     assert_eq!(r.id, full.id);
     // Paths outside the jail do not exist for it.
-    let outside = store.join("s1");
+    let outside = store.join("snapshots/s1");
     let (kind, e) = match a.api.rollback(&outside, T) {
         Err(ClientError::Vmm { kind, message }) => (kind, message),
         other => panic!("rollback outside the jail: {other:?}"),
@@ -250,14 +270,14 @@ fn a_jailed_vmm_boots_snapshots_rolls_back_and_restores() {
         other => panic!("restore outside the jail: {other:?}"),
     };
     assert_eq!(kind, ErrorKind::NotFound, "{e}");
-    assert_eq!(b.api.restore(Path::new("/store/s2"), T).unwrap(), incr.id);
+    assert_eq!(b.api.restore(&s2, T).unwrap(), incr.id);
     assert_eq!(b.api.stats(T).unwrap().state, RunState::Running);
-    let (kind, e) = match b.api.snapshot(Path::new("/store/s3"), Kind::Full, T) {
+    let (kind, e) = match snapshot(&mut b.api, &node, jailed_store, "s3", Kind::Full) {
         Err(ClientError::Vmm { kind, message }) => (kind, message),
         other => panic!("snapshot into a read-only bind: {other:?}"),
     };
     assert_eq!(kind, ErrorKind::Refused, "{e}");
-    assert!(!store.join("s3").exists());
+    assert!(node.get("s3").is_err(), "nothing published");
 
     b.api.shutdown(T).unwrap();
     assert!(b.wait().success());
@@ -294,8 +314,8 @@ fn a_forbidden_syscall_kills_the_vmm_with_sigsys() {
     on.api
         .boot(&kernel, None, "console=ttyS0", MIB, 1, T)
         .unwrap();
-    let s1 = d.path().join("s1");
-    on.api.snapshot(&s1, Kind::Full, T).unwrap();
+    let node = NodeStore::open(&d.path().join("store"), true).expect("open the node store");
+    let (_, s1) = snapshot(&mut on.api, &node, node.root(), "s1", Kind::Full).unwrap();
     let r = on.api.call(&Request::TestTrigger {}, T);
     assert!(
         matches!(

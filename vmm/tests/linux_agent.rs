@@ -246,8 +246,8 @@ fn a_counter_continues_in_a_vm_restored_from_its_snapshot() {
     create(&g, "app", &["sh", "-c", COUNTER]);
     let before = counter_past(&g.agent, 5, "a");
     g.vm.pause().unwrap();
-    let s = d.path().join("snap");
-    g.vm.snapshot(&s, Kind::Full).unwrap();
+    let s = snap(d.path(), "snap");
+    take(&mut g.vm, &s, Kind::Full).unwrap();
     g.vm.resume().unwrap();
     let after = counter(&g.agent, "b");
     assert!(after >= before);
@@ -296,8 +296,8 @@ fn four_clones_get_their_own_identity_entropy_and_disk() {
         .unwrap();
     g.agent.start_container("app", CALL).unwrap();
     g.vm.pause().unwrap();
-    let s = d.path().join("snap");
-    g.vm.snapshot(&s, Kind::Full).unwrap();
+    let s = snap(d.path(), "snap");
+    take(&mut g.vm, &s, Kind::Full).unwrap();
 
     let slots: Vec<Slot> = (0..4)
         .map(|i| Slot::new(d.path(), &format!("k{i}"), 10 + i as u8))
@@ -367,8 +367,21 @@ fn four_clones_get_their_own_identity_entropy_and_disk() {
                     .unwrap();
                 assert!(st.success(), "ip {args:?}");
             }
-            let (code, out) = sh(&agent, "app", "ping", "ping -c 1 -W 20 10.77.0.1");
-            assert_eq!(code, 0, "ping from clone 0 over its tap: {out}");
+            let (code, out, err) = agent
+                .run(
+                    "app",
+                    "ping",
+                    &["sh", "-c", "ping -c 1 -W 20 10.77.0.1"],
+                    CALL,
+                )
+                .unwrap_or_else(|e| panic!("exec ping: {e}"));
+            assert_eq!(
+                code,
+                0,
+                "ping from clone 0 over its tap: {} / {}",
+                String::from_utf8_lossy(&out),
+                String::from_utf8_lossy(&err)
+            );
         } else {
             assert_eq!(
                 sh(&agent, "app", "w", "test -e /marker").0,
@@ -398,8 +411,8 @@ fn rollback_rewinds_files_and_processes_and_the_agent_answers() {
     create(&g, "app", &["sh", "-c", COUNTER]);
     let before = counter_past(&g.agent, 3, "a");
     g.vm.pause().unwrap();
-    let s = d.path().join("snap");
-    g.vm.snapshot(&s, Kind::Full).unwrap();
+    let s = snap(d.path(), "snap");
+    take(&mut g.vm, &s, Kind::Full).unwrap();
     g.vm.resume().unwrap();
 
     // After the snapshot: files on the rootfs and in tmpfs, a new process.
@@ -486,11 +499,14 @@ fn a_template_restores_to_a_ready_agent_without_booting() {
     assert_eq!(booted.len(), 37, "{booted:?}");
     // The readiness probe `twig-vmm template` uses: the guest accepts a
     // vsock connection on the agent's port.
-    let t = d.path().join("template");
-    vm.template(&t, BOOT, || {
+    let t = snap(d.path(), "template");
+    let (store, id) = store_of(&t);
+    let staging = store.stage(&id).expect("stage the template");
+    vm.template(staging.dir(), BOOT, || {
         twig_vmm::host_connect(&slot.uds, AGENT_PORT, Duration::from_secs(2)).is_ok()
     })
     .expect("template");
+    staging.publish().expect("publish the template");
     assert_eq!(vm.state(), RunState::Paused);
     // The guest took kvmclock but not async page faults, which twig hides:
     // a task waiting on KVM's "page ready" would never wake in a restore.
@@ -516,11 +532,14 @@ fn a_rootfs_attached_to_a_vm_restored_from_a_template_runs_a_container() {
     };
     let slot = Slot::new(d.path(), "v", 9);
     let (mut vm, _serial) = start_with(&slot, &with_slot(&slot));
-    let t = d.path().join("template");
-    vm.template(&t, BOOT, || {
+    let t = snap(d.path(), "template");
+    let (store, id) = store_of(&t);
+    let staging = store.stage(&id).expect("stage the template");
+    vm.template(staging.dir(), BOOT, || {
         twig_vmm::host_connect(&slot.uds, AGENT_PORT, Duration::from_secs(2)).is_ok()
     })
     .expect("template with an empty disk slot");
+    staging.publish().expect("publish the template");
     drop(vm);
 
     // The pod's VM is restored (no boot); the container's rootfs is made

@@ -79,8 +79,8 @@ fn linux_boots_snapshots_restores_and_rolls_back() {
     wait_tick(&serial, 2, 0);
     vm.pause().unwrap();
     let at = last_tick(&serial);
-    let s = d.path().join("s");
-    vm.snapshot(&s, Kind::Full).unwrap();
+    let s = snap(d.path(), "s");
+    take(&mut vm, &s, Kind::Full).unwrap();
 
     // A new VM restored from the snapshot carries on from the same tick.
     let rserial = Capture::new();
@@ -108,8 +108,8 @@ fn linux_clones_run_side_by_side() {
     wait_tick(&serial, 1, 0);
     vm.pause().unwrap();
     let at = last_tick(&serial);
-    let s = d.path().join("s");
-    vm.snapshot(&s, Kind::Full).unwrap();
+    let s = snap(d.path(), "s");
+    take(&mut vm, &s, Kind::Full).unwrap();
     let captures: Vec<Capture> = (0..3).map(|_| Capture::new()).collect();
     let clones = Vm::clone_from(&s, 3, |i| captures[i].writer(), |_| Default::default()).unwrap();
     // Every clone carries on from the same tick, and its virtio-rng draws

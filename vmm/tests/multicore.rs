@@ -33,12 +33,12 @@ const MEM_MIB: usize = 32;
 const PAGES: u64 = 512;
 /// Receive buffers the guest keeps posted.
 const RX_QUEUE: u16 = 64;
-/// How long the rollback experiment runs at most (it stops at `ROLLBACKS`).
-const ROLLBACK_TIME: Duration = Duration::from_secs(25);
-/// Rollbacks the rollback experiment aims for.
-const ROLLBACKS: usize = 40;
-/// Fewest rollbacks that make a run count, on a loaded machine.
-const MIN_ROLLBACKS: usize = 8;
+/// Deadline of the rollback experiment: a guest that has not made the
+/// progress `ROLLBACKS` rollbacks need by then has stalled. (A deadline,
+/// not a speed target: a loaded machine takes longer, and that is fine.)
+const ROLLBACK_TIME: Duration = Duration::from_secs(180);
+/// Rollbacks the rollback experiment makes.
+const ROLLBACKS: usize = 12;
 /// Rounds of concurrent clones in the clone experiment.
 const CLONE_ROUNDS: usize = 6;
 /// Clones per round.
@@ -429,8 +429,8 @@ fn rollback_experiment(layout: Layout) {
         };
         let tag = 0x7467_0000_0000 + i;
         g.vm.write_u64(testguest::HOST_TAG, tag).expect("tag");
-        let dir = d.path().join(format!("s{i}"));
-        g.vm.snapshot(&dir, kind).expect("snapshot");
+        let dir = snap(d.path(), &format!("s{i}"));
+        take(&mut g.vm, &dir, kind).expect("snapshot");
         match kind {
             Kind::Full => full += 1,
             Kind::Incremental => incremental += 1,
@@ -492,9 +492,9 @@ fn rollback_experiment(layout: Layout) {
         start.elapsed().as_secs_f64(),
         placement(&vcpus, &devs)
     );
-    assert!(
-        rollbacks >= MIN_ROLLBACKS,
-        "only {rollbacks} rollbacks in {ROLLBACK_TIME:?}"
+    assert_eq!(
+        rollbacks, ROLLBACKS,
+        "the guest stalled: {rollbacks} rollbacks by the {ROLLBACK_TIME:?} deadline"
     );
     assert!(frames > 0, "the device thread delivered no frame");
 }
@@ -523,8 +523,8 @@ fn clone_experiment(layout: Layout) {
         let at = assert_consistent(&g.vm, &format!("source, round {round}"));
         let tag = 0x636c_0000_0000 + round as u64;
         g.vm.write_u64(testguest::HOST_TAG, tag).expect("tag");
-        let s = d.path().join(format!("s{round}"));
-        g.vm.snapshot(&s, Kind::Full).expect("snapshot");
+        let s = snap(d.path(), &format!("s{round}"));
+        take(&mut g.vm, &s, Kind::Full).expect("snapshot");
         // Restored concurrently, from threads on CPU a: so are their vCPUs.
         let (clones, vcpus, _) = new_threads(|| {
             Vm::clone_from(

@@ -24,10 +24,10 @@ fn restore_resumes_at_the_exact_instruction_with_identical_memory() {
     dirty(&mut g.vm, 0, 64, 7);
     let counter = spin_and_pause(&mut g.vm);
     let s = snap(d.path(), "s");
-    let info = g.vm.snapshot(&s, Kind::Full).unwrap();
+    let info = take(&mut g.vm, &s, Kind::Full).unwrap();
     assert_eq!(info.pages_written, MIB * 256);
     let regs = g.vm.vcpu_regs(0).unwrap();
-    let ram = g.vm.guest_ram().unwrap().to_vec();
+    let ram = g.vm.read_guest_ram().unwrap();
 
     let serial = Capture::new();
     let mut r = Vm::create(Shape::new(MIB, 2), serial.writer()).unwrap();
@@ -37,7 +37,7 @@ fn restore_resumes_at_the_exact_instruction_with_identical_memory() {
     let rregs = r.vcpu_regs(0).unwrap();
     assert_eq!(rregs.rip, regs.rip, "same instruction");
     assert_eq!(format!("{rregs:?}"), format!("{regs:?}"), "same registers");
-    assert!(r.guest_ram().unwrap() == ram.as_slice(), "same memory");
+    assert!(r.read_guest_ram().unwrap() == ram, "same memory");
     assert_eq!(r.read_u64(testguest::COUNTER).unwrap(), counter);
 
     r.resume().unwrap();
@@ -62,7 +62,7 @@ fn clones_run_and_diverge_independently() {
     let mut g = boot(d.path(), MIB, 1);
     dirty(&mut g.vm, 0, 8, 1000);
     let s = snap(d.path(), "s");
-    g.vm.snapshot(&s, Kind::Full).unwrap();
+    take(&mut g.vm, &s, Kind::Full).unwrap();
     let captures: Vec<Capture> = (0..4).map(|_| Capture::new()).collect();
     let mut clones =
         Vm::clone_from(&s, 4, |i| captures[i].writer(), |_| DeviceConfig::default()).unwrap();
@@ -113,7 +113,7 @@ fn rollback_discards_exactly_what_changed_repeatedly() {
     let mut g = boot(d.path(), MIB, 1);
     dirty(&mut g.vm, 0, 10, 1);
     let s = snap(d.path(), "s");
-    g.vm.snapshot(&s, Kind::Full).unwrap();
+    take(&mut g.vm, &s, Kind::Full).unwrap();
     for round in 0..3u64 {
         dirty(&mut g.vm, 0, 20, 1000 * (round + 2));
         assert_eq!(word(&g.vm, 15), 1000 * (round + 2) + 15);
@@ -140,17 +140,14 @@ fn incremental_chain_restores_the_same_bytes_as_a_full_snapshot() {
     let d = tmp();
     let mut g = boot(d.path(), MIB, 1);
     dirty(&mut g.vm, 0, 30, 10);
-    g.vm.snapshot(&snap(d.path(), "s0"), Kind::Full).unwrap();
+    take(&mut g.vm, &snap(d.path(), "s0"), Kind::Full).unwrap();
     dirty(&mut g.vm, 20, 30, 20);
-    let i1 =
-        g.vm.snapshot(&snap(d.path(), "s1"), Kind::Incremental)
-            .unwrap();
+    let i1 = take(&mut g.vm, &snap(d.path(), "s1"), Kind::Incremental).unwrap();
     assert!(i1.pages_written >= 30 && i1.pages_written < 40, "{i1:?}");
     dirty(&mut g.vm, 40, 100, 30);
     g.vm.pause().unwrap();
-    g.vm.snapshot(&snap(d.path(), "s2"), Kind::Incremental)
-        .unwrap();
-    g.vm.snapshot(&snap(d.path(), "full"), Kind::Full).unwrap();
+    take(&mut g.vm, &snap(d.path(), "s2"), Kind::Incremental).unwrap();
+    take(&mut g.vm, &snap(d.path(), "full"), Kind::Full).unwrap();
 
     let restore = |name: &str| {
         let mut vm = Vm::create(Shape::new(MIB, 1), Box::new(std::io::sink())).unwrap();
@@ -161,7 +158,7 @@ fn incremental_chain_restores_the_same_bytes_as_a_full_snapshot() {
     let a = restore("s2");
     let b = restore("full");
     assert!(
-        a.guest_ram().unwrap() == b.guest_ram().unwrap(),
+        a.read_guest_ram().unwrap() == b.read_guest_ram().unwrap(),
         "chain == full"
     );
     assert_eq!(
@@ -182,10 +179,10 @@ fn rollback_moves_across_the_snapshot_tree() {
     let mut g = boot(d.path(), MIB, 1);
     dirty(&mut g.vm, 0, 4, 100);
     let s0 = snap(d.path(), "s0");
-    g.vm.snapshot(&s0, Kind::Full).unwrap();
+    take(&mut g.vm, &s0, Kind::Full).unwrap();
     dirty(&mut g.vm, 2, 4, 200);
     let s1 = snap(d.path(), "s1");
-    g.vm.snapshot(&s1, Kind::Incremental).unwrap();
+    take(&mut g.vm, &s1, Kind::Incremental).unwrap();
     dirty(&mut g.vm, 0, 8, 300);
 
     g.vm.rollback(&s0).unwrap();
@@ -199,7 +196,7 @@ fn rollback_moves_across_the_snapshot_tree() {
     // A branch: from s1, a sibling of s1's future.
     dirty(&mut g.vm, 6, 1, 400);
     let s2 = snap(d.path(), "s2");
-    g.vm.snapshot(&s2, Kind::Incremental).unwrap();
+    take(&mut g.vm, &s2, Kind::Incremental).unwrap();
     g.vm.rollback(&s0).unwrap();
     assert_eq!(word(&g.vm, 6), 0);
     g.vm.rollback(&s2).unwrap();
@@ -230,7 +227,7 @@ fn vms_with_host_fed_devices_snapshot_roll_back_restore_and_stop() {
         g.vm.pause().unwrap();
         g.vm.resume().unwrap();
     }
-    g.vm.snapshot(&s, Kind::Full).unwrap();
+    take(&mut g.vm, &s, Kind::Full).unwrap();
     dirty(&mut g.vm, 0, 4, 20);
     g.vm.rollback(&s).unwrap();
     assert_eq!(word(&g.vm, 0), 10);
@@ -261,13 +258,16 @@ fn a_template_is_taken_once_the_guest_is_ready_and_restores_ready() {
     testguest::post(&mut g.vm, Command::Print, [u64::from(b'!'), 0, 0]).unwrap();
     let mut probes = 0;
     let t = snap(d.path(), "template");
+    let (store, id) = store_of(&t);
+    let staging = store.stage(&id).unwrap();
     let serial = g.serial.clone();
     let info =
-        g.vm.template(&t, std::time::Duration::from_secs(20), || {
+        g.vm.template(staging.dir(), std::time::Duration::from_secs(20), || {
             probes += 1;
             serial.bytes().contains(&b'!')
         })
         .unwrap();
+    staging.publish().unwrap();
     assert!(probes >= 1);
     assert_eq!(info.kind, Kind::Full);
     assert_eq!(g.vm.state(), RunState::Paused);
@@ -284,11 +284,16 @@ fn a_template_is_taken_once_the_guest_is_ready_and_restores_ready() {
 
     // A guest that never gets ready: an error at the deadline, nothing written.
     let mut h = boot(d.path(), MIB, 1);
-    let never = snap(d.path(), "never");
+    let never = store.stage("never").unwrap();
     let e =
-        h.vm.template(&never, std::time::Duration::from_millis(200), || false)
+        h.vm.template(never.dir(), std::time::Duration::from_millis(200), || false)
             .unwrap_err();
     assert!(e.to_string().contains("not ready within"), "{e}");
-    assert!(!never.exists());
+    assert_eq!(std::fs::read_dir(never.dir()).unwrap().count(), 0);
+    assert!(matches!(
+        never.publish(),
+        Err(twig_store::Error::InvalidArgument(_))
+    ));
+    assert_eq!(store.list().unwrap().len(), 1, "only the template");
     assert_eq!(h.vm.state(), RunState::Running);
 }

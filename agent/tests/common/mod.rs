@@ -34,10 +34,19 @@ pub struct Image {
 
 impl Image {
     pub fn new() -> Image {
+        Self::with_programs(&[])
+    }
+
+    /// The image with host files added as `/bin/<name>` (mode kept).
+    pub fn with_programs(programs: &[(&Path, &str)]) -> Image {
         let dir = tempfile::tempdir().unwrap();
         let img = dir.path().join("rootfs.ext4");
         twig_agent::testkit::busybox_rootfs(&img, 16, &[("etc/twig-marker", "twig-image\n")])
             .unwrap();
+        for (host, name) in programs {
+            let cmd = format!("write {} /bin/{name}", host.display());
+            run_cmd(Command::new("debugfs").args(["-w", "-R", &cmd]).arg(&img));
+        }
         let device = run_cmd(Command::new("losetup").args(["--find", "--show"]).arg(&img))
             .trim()
             .to_string();

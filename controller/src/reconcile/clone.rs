@@ -5,16 +5,19 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
 use kube::api::{ListParams, ObjectMeta, PostParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::{Api, Resource, ResourceExt};
 
-use super::write_status;
+use super::{conditions, write_status};
 use crate::context::{is_not_found, millis_since, Context, Error};
 use crate::crd::{
-    CloneStatus, DeletionPolicy, Phase, PodClone, Snapshot, SnapshotMode, SnapshotSpec,
-    CLONE_LABEL, RESTORE_FROM_ANNOTATION, RUNTIME_CLASS,
+    CloneStatus, DeletionPolicy, Phase, PodClone, SandboxTemplate, Snapshot, SnapshotMode,
+    SnapshotSpec, CLONE_LABEL, EGRESS_POLICY_ANNOTATION, RESTORE_FROM_ANNOTATION, RUNTIME_CLASS,
+    TEMPLATE_ANNOTATION,
 };
 use crate::reconcile::validate_name;
 
@@ -132,10 +135,19 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
         );
         return fail(&api, &clone, "SourcePodNotFound", message, &ctx).await;
     };
+    let policy = match source_policy(&source, &ns, &ctx).await? {
+        Ok(policy) => policy,
+        Err(message) => return fail(&api, &clone, "TemplateNotFound", message, &ctx).await,
+    };
     let mut created = 0;
     let mut names = Vec::new();
     for index in 0..clone.spec.replicas {
-        let pod = clone_pod(&clone, &source, &node, &snapshot_id, &snap_name, index)?;
+        let mut pod = clone_pod(&clone, &source, &node, &snapshot_id, &snap_name, index)?;
+        if let (Some(policy), Some(annotations)) = (&policy, pod.metadata.annotations.as_mut()) {
+            annotations
+                .entry(EGRESS_POLICY_ANNOTATION.to_string())
+                .or_insert_with(|| policy.clone());
+        }
         let name = pod.name_any();
         match pods.create(&PostParams::default(), &pod).await {
             Ok(_) => created += 1,
@@ -173,20 +185,33 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
     let ready = i32::try_from(ready).unwrap_or(i32::MAX);
     let all_ready = ready == clone.spec.replicas;
     let duration_ms = all_ready.then(|| millis_since(clone.metadata.creation_timestamp.as_ref()));
+    let phase = if all_ready {
+        Phase::Ready
+    } else {
+        Phase::InProgress
+    };
+    let message = (!all_ready).then(|| format!("{ready}/{} pods ready", clone.spec.replicas));
+    let (reason, condition_message) = match &message {
+        Some(m) => ("PodsNotReady", m.clone()),
+        None => ("AllPodsReady", format!("all {ready} pods are Ready")),
+    };
     let new = CloneStatus {
-        phase: if all_ready {
-            Phase::Ready
-        } else {
-            Phase::InProgress
-        },
+        phase,
         snapshot_name: Some(snap_name.clone()),
         pods: names,
         ready_replicas: ready,
         duration_ms: status.duration_ms.or(duration_ms),
-        message: (!all_ready).then(|| format!("{ready}/{} pods ready", clone.spec.replicas)),
+        conditions: conditions(
+            &status.conditions,
+            phase,
+            reason,
+            &condition_message,
+            clone.metadata.generation,
+        ),
+        message,
     };
-    if new != status {
-        let clone = write_status(&api, &clone, new).await?;
+    if !same_status(&new, &status) {
+        let clone = write_status(&api, &clone, new, &ctx).await?;
         if all_ready && status.phase != Phase::Ready {
             let ms = duration_ms.unwrap_or_default();
             ctx.metrics.observe("clone", true, ms as f64 / 1000.0);
@@ -255,13 +280,21 @@ async fn ensure_source_snapshot(
         Err(kube::Error::Api(e)) if e.code == 409 => return Ok(Err(Action::requeue(ctx.retry))),
         Err(e) => return Err(e.into()),
     }
+    let message = format!("taking snapshot {name} of pod {pod_name}");
     let status = CloneStatus {
         phase: Phase::InProgress,
         snapshot_name: Some(name.clone()),
-        message: Some(format!("taking snapshot {name} of pod {pod_name}")),
+        conditions: conditions(
+            &[],
+            Phase::InProgress,
+            "SnapshotInProgress",
+            &message,
+            clone.metadata.generation,
+        ),
+        message: Some(message),
         ..Default::default()
     };
-    let clone = write_status(api, clone, status).await?;
+    let clone = write_status(api, clone, status, ctx).await?;
     let note = format!("Taking snapshot {name} of pod {pod_name} to clone it");
     ctx.event(
         &clone,
@@ -274,6 +307,18 @@ async fn ensure_source_snapshot(
     Ok(Err(Action::await_change()))
 }
 
+/// Equal but for the conditions' transition times (which a rewrite would not change anyway).
+fn same_status(a: &CloneStatus, b: &CloneStatus) -> bool {
+    let strip = |s: &CloneStatus| {
+        let mut s = s.clone();
+        for c in &mut s.conditions {
+            c.last_transition_time = Time(Timestamp::UNIX_EPOCH);
+        }
+        s
+    };
+    strip(a) == strip(b)
+}
+
 fn owned_by<K: Resource>(obj: &K, clone: &PodClone) -> bool {
     let uid = clone.meta().uid.as_deref();
     obj.meta()
@@ -281,6 +326,48 @@ fn owned_by<K: Resource>(obj: &K, clone: &PodClone) -> bool {
         .iter()
         .flatten()
         .any(|o| Some(o.uid.as_str()) == uid && o.controller == Some(true))
+}
+
+/// The egress policy a source pod restored from a SandboxTemplate runs with
+/// when it has no `twig.dev/egress-policy` of its own: its template's
+/// `spec.egressPolicy` as JSON, for the clones' annotation (clone pods do not
+/// name the template, so the shim could not find that policy). `Ok(None)`
+/// when the source has its own annotation (`clone_pod` copies it), no
+/// template, or a template without a policy (the built-in default holds for
+/// both). `Ok(Err)` when the template is gone: the clones' policy cannot be
+/// known, and a clone must not run with a looser one than its source.
+async fn source_policy(
+    source: &Pod,
+    ns: &str,
+    ctx: &Context,
+) -> Result<Result<Option<String>, String>, Error> {
+    let annotations = source.annotations();
+    if annotations.contains_key(EGRESS_POLICY_ANNOTATION) {
+        return Ok(Ok(None));
+    }
+    let Some(name) = annotations.get(TEMPLATE_ANNOTATION) else {
+        return Ok(Ok(None));
+    };
+    // `list` by name: the controller's role lists and watches templates.
+    let templates: Api<SandboxTemplate> = Api::namespaced(ctx.client.clone(), ns);
+    let found = templates
+        .list(&ListParams::default().fields(&format!("metadata.name={name}")))
+        .await?
+        .items
+        .into_iter()
+        .find(|t| t.name_any() == *name);
+    let Some(template) = found else {
+        return Ok(Err(format!(
+            "SandboxTemplate {name} of source pod {} is gone, so the egress policy its clones must keep is unknown; set the {EGRESS_POLICY_ANNOTATION} annotation on the source pod and create the Clone again",
+            source.name_any()
+        )));
+    };
+    match &template.spec.egress_policy {
+        None => Ok(Ok(None)),
+        Some(policy) => Ok(Ok(Some(
+            serde_json::to_string(policy).map_err(kube::Error::SerdeError)?,
+        ))),
+    }
 }
 
 fn pod_ready(pod: &Pod) -> bool {
@@ -291,7 +378,9 @@ fn pod_ready(pod: &Pod) -> bool {
 }
 
 /// The pod spec of clone `index`: the source's spec, pinned to the snapshot's
-/// node, under the twig RuntimeClass, restored from the snapshot.
+/// node, under the twig RuntimeClass, restored from the snapshot, with the
+/// source's egress policy annotation (`twig.dev/egress-policy`) when it has
+/// one: a clone gets its source's policy.
 pub fn clone_pod(
     clone: &PodClone,
     source: &Pod,
@@ -308,13 +397,16 @@ pub fn clone_pod(
     spec.ephemeral_containers = None;
     let mut labels: BTreeMap<String, String> = clone.spec.labels.clone().unwrap_or_default();
     labels.insert(CLONE_LABEL.to_string(), clone.name_any());
-    let annotations = BTreeMap::from([
+    let mut annotations = BTreeMap::from([
         (RESTORE_FROM_ANNOTATION.to_string(), snapshot_id.to_string()),
         (
             SOURCE_SNAPSHOT_ANNOTATION.to_string(),
             snapshot_name.to_string(),
         ),
     ]);
+    if let Some(policy) = source.annotations().get(EGRESS_POLICY_ANNOTATION) {
+        annotations.insert(EGRESS_POLICY_ANNOTATION.to_string(), policy.clone());
+    }
     let owner = clone
         .controller_owner_ref(&())
         .ok_or(Error::MissingField("metadata.uid"))?;
@@ -339,12 +431,20 @@ async fn fail(
     message: String,
     ctx: &Context,
 ) -> Result<Action, Error> {
+    let old = clone.status.clone().unwrap_or_default();
     let status = CloneStatus {
         phase: Phase::Failed,
         message: Some(format!("{reason}: {message}")),
-        ..clone.status.clone().unwrap_or_default()
+        conditions: conditions(
+            &old.conditions,
+            Phase::Failed,
+            reason,
+            &message,
+            clone.metadata.generation,
+        ),
+        ..old
     };
-    let clone = match write_status(api, clone, status).await {
+    let clone = match write_status(api, clone, status, ctx).await {
         Ok(c) => c,
         Err(Error::Kube(e)) if is_not_found(&e) => return Ok(Action::await_change()),
         Err(e) => return Err(e),

@@ -5,33 +5,112 @@ use std::sync::Arc;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::watcher;
 use kube::{Api, Resource};
 
-use crate::context::{Context, Error};
-use crate::crd::{PodClone, Rollback, SandboxTemplate, Snapshot, CLONE_LABEL};
+use crate::context::{now, Context, Error};
+use crate::crd::{Phase, PodClone, Rollback, SandboxTemplate, Snapshot, CLONE_LABEL};
 
-/// Replaces an object's status through the status subresource (409 when the
-/// object changed since it was read).
-pub(crate) async fn write_status<K>(api: &Api<K>, obj: &K, status: K::Status) -> Result<K, Error>
+/// Writes an object's status with server-side apply, as this node's field
+/// manager (forcing: a controller owns what it writes). The whole status is
+/// applied, so fields this node wrote before and leaves out now are removed.
+/// The apply is pinned to the resourceVersion `obj` was read at: a 409
+/// means the object changed since, and it is looked at again.
+pub(crate) async fn write_status<K>(
+    api: &Api<K>,
+    obj: &K,
+    status: K::Status,
+    ctx: &Context,
+) -> Result<K, Error>
 where
-    K: Resource
+    K: Resource<DynamicType = ()>
         + kube::core::object::HasStatus
         + Clone
         + Debug
         + serde::Serialize
         + serde::de::DeserializeOwned,
+    K::Status: serde::Serialize,
 {
-    let mut new = obj.clone();
-    *new.status_mut() = Some(status);
+    let body = serde_json::json!({
+        "apiVersion": K::api_version(&()),
+        "kind": K::kind(&()),
+        "metadata": {
+            "name": obj.meta().name,
+            "resourceVersion": obj.meta().resource_version,
+        },
+        "status": status,
+    });
+    apply_status(api, obj, body, ctx).await
+}
+
+/// Server-side applies `body` (a partial object with `apiVersion`, `kind`,
+/// `metadata.name` and `status`) to the status subresource of `obj`.
+pub(crate) async fn apply_status<K>(
+    api: &Api<K>,
+    obj: &K,
+    body: serde_json::Value,
+    ctx: &Context,
+) -> Result<K, Error>
+where
+    K: Resource + Clone + Debug + serde::de::DeserializeOwned,
+{
+    let name = obj
+        .meta()
+        .name
+        .clone()
+        .ok_or(Error::MissingField("metadata.name"))?;
+    let params = PatchParams::apply(&ctx.field_manager).force();
     Ok(api
-        .replace_status(
-            &kube::ResourceExt::name_any(obj),
-            &kube::api::PostParams::default(),
-            &new,
-        )
+        .patch_status(&name, &params, &Patch::Apply(body))
         .await?)
+}
+
+/// The conditions of a Snapshot, Clone or Rollback in `phase`: `Ready`
+/// (True once done), `Progressing` (True while Pending or InProgress) and
+/// `Failure` (True once Failed or Lost), each with `reason` and `message`
+/// when True. A condition keeps its lastTransitionTime while its status
+/// does not change.
+pub(crate) fn conditions(
+    old: &[Condition],
+    phase: Phase,
+    reason: &str,
+    message: &str,
+    generation: Option<i64>,
+) -> Vec<Condition> {
+    let states = [
+        ("Ready", phase == Phase::Ready),
+        (
+            "Progressing",
+            matches!(phase, Phase::Pending | Phase::InProgress),
+        ),
+        ("Failure", matches!(phase, Phase::Failed | Phase::Lost)),
+    ];
+    states
+        .into_iter()
+        .map(|(type_, on)| {
+            let status = if on { "True" } else { "False" };
+            let previous = old.iter().find(|c| c.type_ == type_);
+            let last_transition_time = previous
+                .filter(|c| c.status == status)
+                .map_or_else(now, |c| c.last_transition_time.clone());
+            let (reason, message) = if on {
+                (reason.to_string(), message.to_string())
+            } else {
+                (format!("Not{type_}"), format!("the object is {phase}"))
+            };
+            Condition {
+                type_: type_.to_string(),
+                status: status.to_string(),
+                reason,
+                message,
+                last_transition_time,
+                observed_generation: generation,
+            }
+        })
+        .collect()
 }
 
 pub mod clone;
@@ -67,12 +146,43 @@ pub(crate) async fn current_pod(
     }))
 }
 
+/// Identifies an object in the backoff table: kind, namespace, name.
+fn backoff_key<K: Resource<DynamicType = ()>>(obj: &K) -> String {
+    format!(
+        "{}/{}/{}",
+        K::kind(&()),
+        obj.meta().namespace.as_deref().unwrap_or_default(),
+        obj.meta().name.as_deref().unwrap_or_default()
+    )
+}
+
+/// Retries a failed object after its next exponential backoff delay.
 fn error_policy<K>(obj: Arc<K>, err: &Error, ctx: Arc<Context>) -> Action
 where
     K: Resource<DynamicType = ()>,
 {
-    tracing::warn!(kind = %K::kind(&()), name = ?obj.meta().name, error = %err, "reconcile failed; retrying");
-    Action::requeue(ctx.retry)
+    let key = backoff_key(obj.as_ref());
+    let delay = ctx.backoff.failed(&key);
+    tracing::warn!(object = %key, error = %err, retry_in = ?delay, "reconcile failed; retrying");
+    Action::requeue(delay)
+}
+
+/// Runs `reconcile` and resets the object's backoff when it succeeds.
+async fn reset_on_success<K, Fut>(
+    reconcile: fn(Arc<K>, Arc<Context>) -> Fut,
+    obj: Arc<K>,
+    ctx: Arc<Context>,
+) -> Result<Action, Error>
+where
+    K: Resource<DynamicType = ()>,
+    Fut: std::future::Future<Output = Result<Action, Error>>,
+{
+    let key = backoff_key(obj.as_ref());
+    let result = reconcile(obj, ctx.clone()).await;
+    if result.is_ok() {
+        ctx.backoff.succeeded(&key);
+    }
+    result
 }
 
 async fn drain<T: Debug, E: std::error::Error>(stream: impl futures::Stream<Item = Result<T, E>>) {
@@ -93,12 +203,20 @@ pub async fn run(ctx: Arc<Context>) {
         Api::<Snapshot>::all(client.clone()),
         watcher::Config::default(),
     )
-    .run(snapshot::reconcile, error_policy, ctx.clone());
+    .run(
+        |o, c| reset_on_success(snapshot::reconcile, o, c),
+        error_policy,
+        ctx.clone(),
+    );
     let rollbacks = Controller::new(
         Api::<Rollback>::all(client.clone()),
         watcher::Config::default(),
     )
-    .run(rollback::reconcile, error_policy, ctx.clone());
+    .run(
+        |o, c| reset_on_success(rollback::reconcile, o, c),
+        error_policy,
+        ctx.clone(),
+    );
     let clones = Controller::new(
         Api::<PodClone>::all(client.clone()),
         watcher::Config::default(),
@@ -111,12 +229,20 @@ pub async fn run(ctx: Arc<Context>) {
         Api::<Pod>::all(client.clone()),
         watcher::Config::default().labels(CLONE_LABEL),
     )
-    .run(clone::reconcile, error_policy, ctx.clone());
+    .run(
+        |o, c| reset_on_success(clone::reconcile, o, c),
+        error_policy,
+        ctx.clone(),
+    );
     let templates = Controller::new(
         Api::<SandboxTemplate>::all(client),
         watcher::Config::default(),
     )
-    .run(template::reconcile, error_policy, ctx.clone());
+    .run(
+        |o, c| reset_on_success(template::reconcile, o, c),
+        error_policy,
+        ctx.clone(),
+    );
     tokio::join!(
         drain(snapshots),
         drain(rollbacks),
@@ -199,10 +325,22 @@ mod tests {
                 memory_mib: 32,
                 command: None,
                 warmup: None,
+                egress_policy: None,
             },
         );
-        assert!(template::validate(&template).is_err_and(|e| e.contains("memoryMiB")));
-        template.spec.memory_mib = 512;
-        assert_eq!(template::validate(&template), Ok(()));
+        // twig-vmm's bounds: a multiple of 2 MiB from 16 MiB to 3 GiB.
+        for bad in [0, 8, 14, 33, 3074, 4096, 262_144] {
+            template.spec.memory_mib = bad;
+            let err = template::validate(&template).expect_err("out of bounds");
+            assert!(
+                err.contains(&format!("spec.memoryMiB {bad} is not accepted by twig-vmm"))
+                    && err.contains("multiple of 2 MiB from 16 to 3072 MiB"),
+                "{err}"
+            );
+        }
+        for good in [16, 32, 512, 3072] {
+            template.spec.memory_mib = good;
+            assert_eq!(template::validate(&template), Ok(()));
+        }
     }
 }

@@ -9,7 +9,7 @@ use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::{Api, ResourceExt};
 
-use super::write_status;
+use super::{conditions, write_status};
 use crate::context::{millis_since, now, Context, Error};
 use crate::crd::{Phase, Rollback, RollbackStatus, Snapshot, RESTORE_FROM_ANNOTATION};
 use crate::reconcile::{current_pod, validate_name};
@@ -87,15 +87,21 @@ async fn start(
     if let Err(message) = in_lineage(&pod, &snap, &snapshots).await? {
         return fail(api, rb, "NotInLineage", message, ctx).await;
     }
+    let message = format!("rolling pod {pod_name} back to snapshot {snap_name}");
     let status = RollbackStatus {
         phase: Phase::InProgress,
         start_time: Some(now()),
-        message: Some(format!(
-            "rolling pod {pod_name} back to snapshot {snap_name}"
-        )),
+        conditions: conditions(
+            &[],
+            Phase::InProgress,
+            "RollingBack",
+            &message,
+            rb.metadata.generation,
+        ),
+        message: Some(message),
         ..Default::default()
     };
-    let rb = write_status(api, rb, status).await?;
+    let rb = write_status(api, rb, status, ctx).await?;
     let note = format!(
         "Rolling pod {pod_name} back to snapshot {snap_name} on node {}",
         ctx.node_name
@@ -231,10 +237,17 @@ async fn roll_back(
         phase: Phase::Ready,
         duration_ms: Some(duration_ms),
         completion_time: Some(now()),
+        conditions: conditions(
+            &status.conditions,
+            Phase::Ready,
+            "RolledBack",
+            &format!("rolled back to snapshot {}", rb.spec.snapshot_name),
+            rb.metadata.generation,
+        ),
         message: None,
         ..status
     };
-    let rb = write_status(api, rb, ready).await?;
+    let rb = write_status(api, rb, ready, ctx).await?;
     ctx.metrics
         .observe("rollback", true, duration_ms as f64 / 1000.0);
     let note = format!(
@@ -259,9 +272,16 @@ async fn fail(
         phase: Phase::Failed,
         message: Some(format!("{reason}: {message}")),
         completion_time: Some(now()),
+        conditions: conditions(
+            &status.conditions,
+            Phase::Failed,
+            reason,
+            &message,
+            rb.metadata.generation,
+        ),
         ..status
     };
-    let rb = write_status(api, rb, failed).await?;
+    let rb = write_status(api, rb, failed, ctx).await?;
     ctx.metrics
         .observe("rollback", false, duration_ms as f64 / 1000.0);
     ctx.event(&rb, EventType::Warning, reason, "Rollback", message)

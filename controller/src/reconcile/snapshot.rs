@@ -5,17 +5,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::DeleteParams;
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
+use kube::runtime::finalizer::{finalizer, Event};
 use kube::{Api, ResourceExt};
 
-use super::write_status;
-use crate::context::{
-    add_finalizer, is_not_found, millis_since, now, remove_finalizer, Context, Error,
-};
+use super::{conditions, write_status};
+use crate::context::{is_not_found, millis_since, now, Context, Error};
 use crate::crd::{DeletionPolicy, Phase, Snapshot, SnapshotMode, SnapshotStatus, RUNTIME_CLASS};
 use crate::reconcile::{current_pod, validate_name};
 use crate::shim::{ShimError, SnapshotInfo};
@@ -32,29 +30,114 @@ pub fn validate(snap: &Snapshot) -> Result<(), String> {
     Ok(())
 }
 
-/// Reconciles one Snapshot.
+/// Reconciles one Snapshot. Its finalizer is managed by kube-runtime's
+/// helper, on the node that takes the snapshot: added before the node
+/// claims the snapshot (writes its name into the status), removed after the
+/// node-side data is gone. When that node's Node object no longer exists,
+/// any other node removes the finalizer (see [`release_if_node_gone`]).
 pub async fn reconcile(snap: Arc<Snapshot>, ctx: Arc<Context>) -> Result<Action, Error> {
     let ns = snap
         .namespace()
         .ok_or(Error::MissingField("metadata.namespace"))?;
     let api: Api<Snapshot> = Api::namespaced(ctx.client.clone(), &ns);
     let status = snap.status.clone().unwrap_or_default();
-    if status
-        .node_name
-        .as_ref()
-        .is_some_and(|n| *n != ctx.node_name)
-    {
-        return Ok(Action::await_change());
+    let deleting = snap.metadata.deletion_timestamp.is_some();
+    match status.node_name.as_deref() {
+        Some(node) if node != ctx.node_name => {
+            if deleting && snap.finalizers().iter().any(|f| f == FINALIZER) {
+                return release_if_node_gone(&api, snap.clone(), node, &ctx).await;
+            }
+            return Ok(Action::await_change());
+        }
+        Some(_) => {}
+        None if deleting => {
+            // No node claimed it, so no node took (or is taking) it: nothing to remove.
+            return Ok(finalizer(&api, FINALIZER, snap, |_| async {
+                Ok::<_, Error>(Action::await_change())
+            })
+            .await?);
+        }
+        None => {
+            if status.phase != Phase::Pending {
+                return Ok(Action::await_change());
+            }
+            if let Err(action) = precheck(&api, &snap, &ns, &ctx).await? {
+                return Ok(action);
+            }
+        }
     }
-    if snap.metadata.deletion_timestamp.is_some() {
-        return finalize(&api, &snap, &status, &ctx).await;
-    }
+    let ctx = ctx.clone();
+    let inner = api.clone();
+    Ok(finalizer(&api, FINALIZER, snap, |event| async move {
+        match event {
+            Event::Apply(snap) => apply(&inner, snap, &ns, &ctx).await,
+            Event::Cleanup(snap) => cleanup(&snap, &ctx).await,
+        }
+    })
+    .await?)
+}
+
+async fn apply(
+    api: &Api<Snapshot>,
+    snap: Arc<Snapshot>,
+    ns: &str,
+    ctx: &Context,
+) -> Result<Action, Error> {
+    let status = snap.status.clone().unwrap_or_default();
     match status.phase {
-        Phase::Pending => start(&api, &snap, &ns, &ctx).await,
-        Phase::InProgress => take(&api, (*snap).clone(), &ns, &ctx, true).await,
-        Phase::Ready => ready(&api, &snap, &status, &ctx).await,
+        Phase::Pending => start(api, &snap, ns, ctx).await,
+        Phase::InProgress => take(api, (*snap).clone(), ns, ctx, true).await,
+        Phase::Ready => ready(api, &snap, &status, ctx).await,
         Phase::Failed | Phase::Lost => Ok(Action::await_change()),
     }
+}
+
+/// Whether this node should take the snapshot: `Ok(pod)` when its pod runs
+/// here under Twig; otherwise the Snapshot was failed (with a reason) or is
+/// left to another node, and `Err` says when to look again.
+async fn precheck(
+    api: &Api<Snapshot>,
+    snap: &Snapshot,
+    ns: &str,
+    ctx: &Context,
+) -> Result<Result<Pod, Action>, Error> {
+    if let Err(message) = validate(snap) {
+        return fail(api, snap, None, "Invalid", message, ctx)
+            .await
+            .map(Err);
+    }
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
+    let pod_name = &snap.spec.pod_name;
+    let Some(pod) = pods.get_opt(pod_name).await? else {
+        let message = format!("pod {pod_name} not found");
+        return fail(api, snap, None, "PodNotFound", message, ctx)
+            .await
+            .map(Err);
+    };
+    let Some(pod_node) = pod.spec.as_ref().and_then(|s| s.node_name.clone()) else {
+        // Not scheduled yet: look again later.
+        return Ok(Err(Action::requeue(ctx.retry)));
+    };
+    if pod_node != ctx.node_name {
+        return Ok(Err(Action::await_change()));
+    }
+    let runtime_class = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.runtime_class_name.as_deref());
+    if runtime_class != Some(RUNTIME_CLASS) {
+        let message = format!("pod {pod_name} does not run under RuntimeClass {RUNTIME_CLASS}");
+        return fail(api, snap, None, "NotATwigPod", message, ctx)
+            .await
+            .map(Err);
+    }
+    if pod.metadata.deletion_timestamp.is_some() {
+        let message = format!("pod {pod_name} is terminating");
+        return fail(api, snap, None, "PodTerminating", message, ctx)
+            .await
+            .map(Err);
+    }
+    Ok(Ok(pod))
 }
 
 async fn start(
@@ -63,64 +146,28 @@ async fn start(
     ns: &str,
     ctx: &Context,
 ) -> Result<Action, Error> {
-    if let Err(message) = validate(snap) {
-        return fail(api, snap, None, "Invalid", message, ctx).await;
-    }
-    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
+    let pod = match precheck(api, snap, ns, ctx).await? {
+        Ok(pod) => pod,
+        Err(action) => return Ok(action),
+    };
     let pod_name = &snap.spec.pod_name;
-    let Some(pod) = pods.get_opt(pod_name).await? else {
-        return fail(
-            api,
-            snap,
-            None,
-            "PodNotFound",
-            format!("pod {pod_name} not found"),
-            ctx,
-        )
-        .await;
-    };
-    let Some(pod_node) = pod.spec.as_ref().and_then(|s| s.node_name.clone()) else {
-        // Not scheduled yet: look again later.
-        return Ok(Action::requeue(ctx.retry));
-    };
-    if pod_node != ctx.node_name {
-        return Ok(Action::await_change());
-    }
-    let runtime_class = pod
-        .spec
-        .as_ref()
-        .and_then(|s| s.runtime_class_name.as_deref());
-    if runtime_class != Some(RUNTIME_CLASS) {
-        let message = format!("pod {pod_name} does not run under RuntimeClass {RUNTIME_CLASS}");
-        return fail(api, snap, None, "NotATwigPod", message, ctx).await;
-    }
-    if pod.metadata.deletion_timestamp.is_some() {
-        return fail(
-            api,
-            snap,
-            None,
-            "PodTerminating",
-            format!("pod {pod_name} is terminating"),
-            ctx,
-        )
-        .await;
-    }
-    let snap = add_finalizer(api, snap, FINALIZER).await?;
+    let message = format!("taking a snapshot of pod {pod_name}");
     let status = SnapshotStatus {
         phase: Phase::InProgress,
         node_name: Some(ctx.node_name.clone()),
         pod_uid: pod.metadata.uid.clone(),
         start_time: Some(now()),
-        message: Some(format!("taking a snapshot of pod {pod_name}")),
-        conditions: vec![ready_condition(
-            &snap,
-            "False",
-            "InProgress",
-            "snapshot in progress",
-        )],
+        conditions: conditions(
+            &[],
+            Phase::InProgress,
+            "SnapshotInProgress",
+            &message,
+            snap.metadata.generation,
+        ),
+        message: Some(message),
         ..Default::default()
     };
-    let snap = write_status(api, &snap, status).await?;
+    let snap = write_status(api, snap, status, ctx).await?;
     let mode = match snap.spec.mode {
         SnapshotMode::Incremental => "an incremental",
         SnapshotMode::Full => "a full",
@@ -132,6 +179,37 @@ async fn start(
     ctx.event(&snap, EventType::Normal, "Started", "Snapshot", note)
         .await;
     take(api, snap, ns, ctx, false).await
+}
+
+/// Removes the finalizer of a Snapshot whose node is gone (its Node object
+/// no longer exists, so neither does its node store); until then, looks
+/// again every `orphan_check`. Any node's controller may do it.
+async fn release_if_node_gone(
+    api: &Api<Snapshot>,
+    snap: Arc<Snapshot>,
+    node: &str,
+    ctx: &Context,
+) -> Result<Action, Error> {
+    if ctx.node_exists(node).await? {
+        return Ok(Action::requeue(ctx.orphan_check));
+    }
+    Ok(finalizer(api, FINALIZER, snap, |event| async move {
+        if let Event::Cleanup(snap) = event {
+            let note = format!(
+                "Node {node} is gone (no Node object); its data of this snapshot went with it"
+            );
+            ctx.event(
+                snap.as_ref(),
+                EventType::Warning,
+                "NodeGone",
+                "Delete",
+                note,
+            )
+            .await;
+        }
+        Ok::<_, Error>(Action::await_change())
+    })
+    .await?)
 }
 
 /// Takes the snapshot, or (when `resumed`) first asks the shim whether a
@@ -182,16 +260,17 @@ async fn take(
         written_bytes: Some(info.written_bytes),
         duration_ms: Some(duration_ms),
         ready_time: Some(now()),
-        conditions: vec![ready_condition(
-            &snap,
-            "True",
+        conditions: conditions(
+            &status.conditions,
+            Phase::Ready,
             "SnapshotTaken",
             "snapshot is ready",
-        )],
+            snap.metadata.generation,
+        ),
         message: None,
         ..status
     };
-    let snap = write_status(api, &snap, ready).await?;
+    let snap = write_status(api, &snap, ready, ctx).await?;
     ctx.metrics
         .observe("snapshot", true, duration_ms as f64 / 1000.0);
     let note = format!(
@@ -226,11 +305,17 @@ async fn ready(
         let message = format!("snapshot {id} is no longer on node {}", ctx.node_name);
         let lost = SnapshotStatus {
             phase: Phase::Lost,
-            conditions: vec![ready_condition(snap, "False", "Lost", &message)],
+            conditions: conditions(
+                &status.conditions,
+                Phase::Lost,
+                "Lost",
+                &message,
+                snap.metadata.generation,
+            ),
             message: Some(message.clone()),
             ..status.clone()
         };
-        let snap = write_status(api, snap, lost).await?;
+        let snap = write_status(api, snap, lost, ctx).await?;
         ctx.event(&snap, EventType::Warning, "Lost", "Snapshot", message)
             .await;
         return Ok(Action::await_change());
@@ -300,15 +385,10 @@ async fn expire(
     }
 }
 
-async fn finalize(
-    api: &Api<Snapshot>,
-    snap: &Snapshot,
-    status: &SnapshotStatus,
-    ctx: &Context,
-) -> Result<Action, Error> {
-    if !snap.finalizers().iter().any(|f| f == FINALIZER) {
-        return Ok(Action::await_change());
-    }
+/// Removes this node's data of a deleted Snapshot (policy Delete); the
+/// finalizer helper then removes the finalizer.
+async fn cleanup(snap: &Snapshot, ctx: &Context) -> Result<Action, Error> {
+    let status = snap.status.clone().unwrap_or_default();
     let on_this_node = status.node_name.as_deref() == Some(ctx.node_name.as_str());
     if on_this_node && snap.spec.deletion_policy == DeletionPolicy::Delete {
         // An interrupted snapshot may exist under the object's UID without a status saying so.
@@ -332,7 +412,6 @@ async fn finalize(
         ctx.event(snap, EventType::Normal, "DataDeleted", "Delete", note)
             .await;
     }
-    remove_finalizer(api, snap, FINALIZER).await?;
     Ok(Action::await_change())
 }
 
@@ -348,25 +427,20 @@ async fn fail(
     let duration_ms = millis_since(status.start_time.as_ref());
     let failed = SnapshotStatus {
         phase: Phase::Failed,
-        conditions: vec![ready_condition(snap, "False", reason, &message)],
+        conditions: conditions(
+            &status.conditions,
+            Phase::Failed,
+            reason,
+            &message,
+            snap.metadata.generation,
+        ),
         message: Some(message.clone()),
         ..status
     };
-    let snap = write_status(api, snap, failed).await?;
+    let snap = write_status(api, snap, failed, ctx).await?;
     ctx.metrics
         .observe("snapshot", false, duration_ms as f64 / 1000.0);
     ctx.event(&snap, EventType::Warning, "Failed", "Snapshot", message)
         .await;
     Ok(Action::await_change())
-}
-
-fn ready_condition(snap: &Snapshot, status: &str, reason: &str, message: &str) -> Condition {
-    Condition {
-        type_: "Ready".to_string(),
-        status: status.to_string(),
-        reason: reason.to_string(),
-        message: message.to_string(),
-        last_transition_time: now(),
-        observed_generation: snap.metadata.generation,
-    }
 }

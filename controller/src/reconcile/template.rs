@@ -1,21 +1,40 @@
 //! SandboxTemplate: every node builds the template through its node service
-//! and lists itself in the status; deleting the object removes it from every node.
+//! and server-side applies its own entry of `status.nodes` (a map keyed by
+//! node name), so nodes never overwrite each other's entries. Each node keeps
+//! its own finalizer `twig.dev/template.<node>` (kube-runtime's helper) and
+//! removes it once the template is gone from its node; the finalizers of
+//! nodes whose Node object no longer exists are removed by any other node.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Instant;
 
+use json_patch::jsonptr::PointerBuf;
+use json_patch::{PatchOperation, ReplaceOperation, TestOperation};
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{ListParams, Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
-use kube::{Api, ResourceExt};
+use kube::runtime::finalizer::{finalizer, Event};
+use kube::{Api, Resource, ResourceExt};
+use serde_json::json;
 
-use super::write_status;
-use crate::context::{add_finalizer, remove_finalizer, Context, Error};
+use super::apply_status;
+use crate::context::{is_not_found, template_finalizer, Context, Error};
 use crate::crd::{SandboxTemplate, SandboxTemplateStatus, TemplateNodeStatus};
 
-/// Finalizer that keeps a SandboxTemplate until every node has removed it.
-pub const FINALIZER: &str = "twig.dev/template-data";
+/// Prefix of every node's SandboxTemplate finalizer (`twig.dev/template.<node>`).
+pub const FINALIZER_PREFIX: &str = "twig.dev/template";
 
-/// Checks what the CRD schema checks, for objects written before it was installed.
+/// Smallest guest RAM twig-vmm accepts, in MiB.
+pub const MIN_MEMORY_MIB: u32 = 16;
+/// Largest guest RAM twig-vmm accepts, in MiB (guest RAM ends below the 3 GiB MMIO gap).
+pub const MAX_MEMORY_MIB: u32 = 3072;
+
+/// Checks what the CRD schema checks, for objects written before it was
+/// installed, and what it cannot say: the egress policy's CIDR syntax, port
+/// ranges upside down or too wide, ports on ICMP (`EgressPolicy::validate`,
+/// every problem with its field under `spec.egressPolicy`).
 pub fn validate(template: &SandboxTemplate) -> Result<(), String> {
     let spec = &template.spec;
     if spec.image.is_empty() {
@@ -27,11 +46,16 @@ pub fn validate(template: &SandboxTemplate) -> Result<(), String> {
             spec.vcpus
         ));
     }
-    if !(64..=262_144).contains(&spec.memory_mib) {
+    let mib = spec.memory_mib;
+    if !(MIN_MEMORY_MIB..=MAX_MEMORY_MIB).contains(&mib) || mib % 2 != 0 {
         return Err(format!(
-            "spec.memoryMiB must be between 64 and 262144, not {}",
-            spec.memory_mib
+            "spec.memoryMiB {mib} is not accepted by twig-vmm: guest RAM is a multiple of 2 MiB from {MIN_MEMORY_MIB} to {MAX_MEMORY_MIB} MiB"
         ));
+    }
+    if let Some(policy) = &spec.egress_policy {
+        policy
+            .validate()
+            .map_err(|e| e.at("spec.egressPolicy").to_string())?;
     }
     Ok(())
 }
@@ -50,52 +74,54 @@ pub async fn reconcile(template: Arc<SandboxTemplate>, ctx: Arc<Context>) -> Res
         .namespace()
         .ok_or(Error::MissingField("metadata.namespace"))?;
     let api: Api<SandboxTemplate> = Api::namespaced(ctx.client.clone(), &ns);
+    let deleting = template.metadata.deletion_timestamp.is_some();
+    let mine = ctx.template_finalizer();
+    let action = if deleting && !template.finalizers().contains(&mine) {
+        Action::await_change()
+    } else {
+        let (inner, ctx) = (api.clone(), ctx.clone());
+        finalizer(&api, &mine, template.clone(), |event| async move {
+            match event {
+                Event::Apply(template) => build(&inner, &template, &ctx).await,
+                Event::Cleanup(template) => remove(&inner, &template, &ctx).await,
+            }
+        })
+        .await?
+    };
+    if deleting {
+        return release_gone_nodes(&api, &template, &ctx).await;
+    }
+    Ok(action)
+}
+
+/// Builds the template on this node and applies this node's status entry.
+async fn build(
+    api: &Api<SandboxTemplate>,
+    template: &SandboxTemplate,
+    ctx: &Context,
+) -> Result<Action, Error> {
     let status = template.status.clone().unwrap_or_default();
     let mine = status
         .nodes
         .iter()
         .find(|n| n.node_name == ctx.node_name)
         .cloned();
-    if template.metadata.deletion_timestamp.is_some() {
-        let mut template = (*template).clone();
-        if mine.is_some() {
-            ctx.node.delete_template(&key(&template)).await?;
-            let mut status = status;
-            status.nodes.retain(|n| n.node_name != ctx.node_name);
-            template = write_status(&api, &template, status).await?;
-            let note = format!("Removed template from node {}", ctx.node_name);
-            ctx.event(&template, EventType::Normal, "Removed", "Delete", note)
-                .await;
-        }
-        if template.status.as_ref().is_none_or(|s| s.nodes.is_empty()) {
-            remove_finalizer(&api, &template, FINALIZER).await?;
-        }
-        return Ok(Action::await_change());
-    }
-    if let Err(message) = validate(&template) {
+    if let Err(message) = validate(template) {
         let entry = TemplateNodeStatus {
             node_name: ctx.node_name.clone(),
             ready: false,
             message: Some(message.clone()),
         };
-        if mine.as_ref() != Some(&entry) {
-            write_status(&api, &template, upsert(status, entry)).await?;
-            ctx.event(
-                template.as_ref(),
-                EventType::Warning,
-                "Invalid",
-                "Template",
-                message,
-            )
-            .await;
+        if write_entry(api, template, &status, Some(&entry), ctx).await? {
+            ctx.event(template, EventType::Warning, "Invalid", "Template", message)
+                .await;
         }
         return Ok(Action::await_change());
     }
-    let template = add_finalizer(&api, &template, FINALIZER).await?;
     let started = Instant::now();
     let result = ctx
         .node
-        .ensure_template(&key(&template), &template.spec)
+        .ensure_template(&key(template), &template.spec)
         .await;
     let entry = match result {
         Ok(state) => TemplateNodeStatus {
@@ -113,21 +139,22 @@ pub async fn reconcile(template: Arc<SandboxTemplate>, ctx: Arc<Context>) -> Res
             }
         }
     };
-    if mine.as_ref() != Some(&entry) {
-        let template = write_status(&api, &template, upsert(status, entry.clone())).await?;
+    let changed = mine.as_ref() != Some(&entry);
+    write_entry(api, template, &status, Some(&entry), ctx).await?;
+    if changed {
         let was_ready = mine.is_some_and(|m| m.ready);
         if entry.ready && !was_ready {
             ctx.metrics
                 .observe("template", true, started.elapsed().as_secs_f64());
             let note = format!("Template ready on node {}", ctx.node_name);
-            ctx.event(&template, EventType::Normal, "Ready", "Template", note)
+            ctx.event(template, EventType::Normal, "Ready", "Template", note)
                 .await;
         } else if !entry.ready {
             let note = entry
                 .message
                 .clone()
                 .unwrap_or_else(|| "template not ready".to_string());
-            ctx.event(&template, EventType::Normal, "Building", "Template", note)
+            ctx.event(template, EventType::Normal, "Building", "Template", note)
                 .await;
         }
     }
@@ -138,17 +165,132 @@ pub async fn reconcile(template: Arc<SandboxTemplate>, ctx: Arc<Context>) -> Res
     })
 }
 
-fn upsert(mut status: SandboxTemplateStatus, entry: TemplateNodeStatus) -> SandboxTemplateStatus {
-    match status
-        .nodes
-        .iter_mut()
-        .find(|n| n.node_name == entry.node_name)
-    {
-        Some(existing) => *existing = entry,
-        None => status.nodes.push(entry),
+/// Removes the template from this node and this node's entry from the status.
+async fn remove(
+    api: &Api<SandboxTemplate>,
+    template: &SandboxTemplate,
+    ctx: &Context,
+) -> Result<Action, Error> {
+    ctx.node.delete_template(&key(template)).await?;
+    let status = template.status.clone().unwrap_or_default();
+    if status.nodes.iter().any(|n| n.node_name == ctx.node_name) {
+        write_entry(api, template, &status, None, ctx).await?;
     }
-    status.nodes.sort_by(|a, b| a.node_name.cmp(&b.node_name));
-    status.ready_nodes =
-        i32::try_from(status.nodes.iter().filter(|n| n.ready).count()).unwrap_or(i32::MAX);
-    status
+    let note = format!("Removed template from node {}", ctx.node_name);
+    ctx.event(template, EventType::Normal, "Removed", "Delete", note)
+        .await;
+    Ok(Action::await_change())
+}
+
+/// Server-side applies this node's entry of `status.nodes` (none: removes
+/// it) and the ready count it sees; `Ok(false)` when nothing needed writing.
+async fn write_entry(
+    api: &Api<SandboxTemplate>,
+    template: &SandboxTemplate,
+    status: &SandboxTemplateStatus,
+    entry: Option<&TemplateNodeStatus>,
+    ctx: &Context,
+) -> Result<bool, Error> {
+    let others = status.nodes.iter().filter(|n| n.node_name != ctx.node_name);
+    let ready = others.filter(|n| n.ready).count() + usize::from(entry.is_some_and(|e| e.ready));
+    let ready_nodes = i32::try_from(ready).unwrap_or(i32::MAX);
+    let current = status.nodes.iter().find(|n| n.node_name == ctx.node_name);
+    if current == entry && status.ready_nodes == ready_nodes {
+        return Ok(false);
+    }
+    let body = json!({
+        "apiVersion": SandboxTemplate::api_version(&()),
+        "kind": SandboxTemplate::kind(&()),
+        "metadata": {"name": template.name_any()},
+        "status": {"nodes": entry.into_iter().collect::<Vec<_>>(), "readyNodes": ready_nodes},
+    });
+    match apply_status(api, template, body, ctx).await {
+        Ok(_) => Ok(true),
+        // The last finalizer went while we worked: the object is gone.
+        Err(Error::Kube(e)) if is_not_found(&e) && entry.is_none() => Ok(true),
+        Err(e) => Err(e),
+    }
+}
+
+/// On a deleting template, removes the finalizers of nodes that are gone
+/// (no Node object with their name, so no node store either), and of any
+/// `twig.dev/template…` finalizer no existing node owns. While other live
+/// nodes still hold theirs, looks again every `orphan_check`.
+async fn release_gone_nodes(
+    api: &Api<SandboxTemplate>,
+    template: &SandboxTemplate,
+    ctx: &Context,
+) -> Result<Action, Error> {
+    let mine = ctx.template_finalizer();
+    let ours: Vec<&String> = template
+        .finalizers()
+        .iter()
+        .filter(|f| f.starts_with(FINALIZER_PREFIX) && **f != mine)
+        .collect();
+    if ours.is_empty() {
+        return Ok(Action::await_change());
+    }
+    let nodes: Api<Node> = Api::all(ctx.client.clone());
+    let live: BTreeSet<String> = nodes
+        .list(&ListParams::default())
+        .await?
+        .items
+        .iter()
+        .map(|n| template_finalizer(&n.name_any()))
+        .collect();
+    let gone: Vec<String> = ours
+        .iter()
+        .filter(|f| !live.contains(**f))
+        .map(|f| (*f).clone())
+        .collect();
+    if gone.is_empty() {
+        return Ok(Action::requeue(ctx.orphan_check));
+    }
+    // Remove them all at once, only if the list is still the one we read
+    // (without ours, which the helper has removed).
+    let current: Vec<&String> = template
+        .finalizers()
+        .iter()
+        .filter(|f| **f != mine)
+        .collect();
+    let kept: Vec<&String> = current
+        .iter()
+        .copied()
+        .filter(|f| !gone.contains(f))
+        .collect();
+    let path = || PointerBuf::from_tokens(["metadata", "finalizers"]);
+    let patch = json_patch::Patch(vec![
+        PatchOperation::Test(TestOperation {
+            path: path(),
+            value: json!(current),
+        }),
+        PatchOperation::Replace(ReplaceOperation {
+            path: path(),
+            value: json!(kept),
+        }),
+    ]);
+    match api
+        .patch(
+            &template.name_any(),
+            &PatchParams::default(),
+            &Patch::Json::<()>(patch),
+        )
+        .await
+    {
+        Ok(_) => {}
+        Err(e) if is_not_found(&e) => return Ok(Action::await_change()),
+        Err(e) => return Err(e.into()),
+    }
+    let note = format!(
+        "Released the finalizers of nodes that are gone: {}",
+        gone.join(", ")
+    );
+    ctx.event(template, EventType::Warning, "NodeGone", "Delete", note)
+        .await;
+    tracing::info!(template = %key(template), ?gone, "released the finalizers of gone nodes");
+    Ok(if kept.is_empty() {
+        Action::await_change()
+    } else {
+        Action::requeue(ctx.orphan_check)
+    })
 }

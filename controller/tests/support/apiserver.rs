@@ -9,8 +9,17 @@
 //! AlreadyExists); `generation` bumped on spec changes; finalizers and
 //! `deletionTimestamp`; background garbage collection through
 //! `ownerReferences` (also of objects created for an owner already gone);
-//! and admission of custom resources against their CRD
-//! schema and CEL rules (see `schema.rs`).
+//! admission of custom resources against their CRD schema and CEL rules
+//! (see `schema.rs`); JSON Patch (RFC 6902, with kube-apiserver's `test` of
+//! `null` passing on a missing field); field ownership (`managedFields`) on
+//! every write and server-side apply with `fieldManager` and `force`,
+//! merging by the CRD schema's list types (see `ssa.rs`); and cluster-scoped
+//! Nodes. For the real kubectl it also serves discovery and OpenAPI v3
+//! (`discovery.rs`), `meta.k8s.io/v1` Tables from the CRDs' printer columns
+//! (`table.rs`) and server-side field validation (`fields.rs`). What it does
+//! not do: a client's own `managedFields` in a request body are ignored (the
+//! server keeps its own); unknown fields are not pruned; no strategic merge
+//! patch, aggregated discovery or OpenAPI v2.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::convert::Infallible;
@@ -28,6 +37,16 @@ use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::{broadcast, mpsc};
 use tokio::task::JoinHandle;
+
+use super::ssa::{self, Manager, Schema, Scope, Writer};
+
+mod discovery;
+mod fields;
+mod patch;
+mod select;
+mod table;
+use patch::{json_patch, merge_patch, server_side_apply};
+use select::{parse_selector, Filter};
 
 /// The header that names who sends a request (see [`TestApiServer::client_as`]).
 pub const ACTOR_HEADER: &str = "x-test-actor";
@@ -69,6 +88,7 @@ struct Inner {
     rv: u64,
     uids: u64,
     objects: BTreeMap<Key, Value>,
+    managed: ssa::Table<Key>,
     history: Vec<Arc<Change>>,
 }
 
@@ -78,6 +98,18 @@ struct State {
     requests: Mutex<BTreeSet<Access>>,
     changes: broadcast::Sender<Arc<Change>>,
     validator: Option<Validator>,
+    /// Each CustomResourceDefinition, by plural.
+    crds: BTreeMap<String, Value>,
+}
+
+impl State {
+    fn schema(&self, plural: &str) -> Schema {
+        Schema::new(
+            self.crds
+                .get(plural)
+                .map(|crd| &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]),
+        )
+    }
 }
 
 /// The running server; stops when dropped.
@@ -94,8 +126,15 @@ impl Drop for TestApiServer {
 }
 
 impl TestApiServer {
-    /// Starts a server on a free port of 127.0.0.1.
+    /// Starts a server on a free port of 127.0.0.1 that knows no CRD schemas.
     pub async fn start(validator: Option<Validator>) -> Self {
+        Self::start_with(validator, BTreeMap::new()).await
+    }
+
+    /// Starts a server that serves these CustomResourceDefinitions (by
+    /// plural): discovery, OpenAPI, printer columns, and applies merged by
+    /// their schemas.
+    pub async fn start_with(validator: Option<Validator>, crds: BTreeMap<String, Value>) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind test API server");
@@ -106,6 +145,7 @@ impl TestApiServer {
             requests: Mutex::default(),
             changes,
             validator,
+            crds,
         });
         let state_handle = state.clone();
         let task = tokio::spawn(async move {
@@ -155,6 +195,11 @@ impl TestApiServer {
             .collect()
     }
 
+    /// How many watches are open (a client waiting on a watch counts once per watch).
+    pub fn open_watches(&self) -> usize {
+        self.state.changes.receiver_count()
+    }
+
     /// A kube client for this server, default namespace `default`.
     pub fn client(&self) -> kube::Client {
         let url = format!("http://{}", self.addr).parse().expect("url");
@@ -178,6 +223,7 @@ fn kind_of(plural: &str) -> &'static str {
         "clones" => "Clone",
         "rollbacks" => "Rollback",
         "sandboxtemplates" => "SandboxTemplate",
+        "nodes" => "Node",
         _ => "Unknown",
     }
 }
@@ -191,6 +237,20 @@ fn api_version(api: &str) -> String {
 
 fn has_status(plural: &str) -> bool {
     plural != "events"
+}
+
+fn cluster_scoped(plural: &str) -> bool {
+    plural == "nodes"
+}
+
+fn scope(plural: &str, status: bool) -> Scope {
+    if status {
+        Scope::Status
+    } else {
+        Scope::Main {
+            has_status: has_status(plural),
+        }
+    }
 }
 
 fn now() -> String {
@@ -286,73 +346,13 @@ fn query(req: &Request<Incoming>) -> BTreeMap<String, String> {
         .collect()
 }
 
-/// One term of a label or field selector.
-enum Term {
-    Eq(String, String),
-    Ne(String, String),
-    Exists(String),
-    NotExists(String),
-}
-
-fn parse_selector(s: &str) -> Vec<Term> {
-    s.split(',')
-        .filter(|t| !t.is_empty())
-        .map(|t| {
-            if let Some((k, v)) = t.split_once("!=") {
-                Term::Ne(k.trim().to_string(), v.trim().to_string())
-            } else if let Some((k, v)) = t.split_once("==").or_else(|| t.split_once('=')) {
-                Term::Eq(k.trim().to_string(), v.trim().to_string())
-            } else if let Some(k) = t.strip_prefix('!') {
-                Term::NotExists(k.trim().to_string())
-            } else {
-                Term::Exists(t.trim().to_string())
-            }
-        })
-        .collect()
-}
-
-fn selector_matches(terms: &[Term], lookup: impl Fn(&str) -> Option<String>) -> bool {
-    terms.iter().all(|t| match t {
-        Term::Eq(k, v) => lookup(k).as_deref() == Some(v.as_str()),
-        Term::Ne(k, v) => lookup(k).as_deref() != Some(v.as_str()),
-        Term::Exists(k) => lookup(k).is_some(),
-        Term::NotExists(k) => lookup(k).is_none(),
-    })
-}
-
-struct Filter {
-    api: String,
-    plural: String,
-    namespace: Option<String>,
-    labels: Vec<Term>,
-    fields: Vec<Term>,
-}
-
-impl Filter {
-    fn matches(&self, api: &str, plural: &str, namespace: &str, obj: &Value) -> bool {
-        if api != self.api
-            || plural != self.plural
-            || self.namespace.as_deref().is_some_and(|n| n != namespace)
-        {
-            return false;
-        }
-        let labels = &obj["metadata"]["labels"];
-        let label_ok = selector_matches(&self.labels, |k| {
-            labels.get(k).and_then(Value::as_str).map(String::from)
-        });
-        let field_ok = selector_matches(&self.fields, |path| {
-            let mut v = obj;
-            for part in path.split('.') {
-                v = v.get(part)?;
-            }
-            v.as_str().map(String::from)
-        });
-        label_ok && field_ok
-    }
-}
-
 async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_string();
+    if req.method() == Method::GET {
+        if let Some(resp) = discovery::serve(&state, &path) {
+            return resp;
+        }
+    }
     let Some(target) = parse_path(&path) else {
         return status_error(
             StatusCode::NOT_FOUND,
@@ -407,42 +407,133 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default()
         .to_string();
+    // Like kube-apiserver: the fieldManager parameter, else the user agent up to its first '/'.
+    let user_agent = req
+        .headers()
+        .get(hyper::header::USER_AGENT)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("unknown");
+    let manager = params.get("fieldManager").cloned().unwrap_or_else(|| {
+        user_agent
+            .split('/')
+            .next()
+            .unwrap_or(user_agent)
+            .to_string()
+    });
+    let accept = req
+        .headers()
+        .get(hyper::header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
     let body = match req.into_body().collect().await {
         Ok(b) => b.to_bytes(),
         Err(e) => return status_error(StatusCode::BAD_REQUEST, "BadRequest", e.to_string()),
     };
-    let parsed = || serde_json::from_slice::<Value>(&body);
+    let warnings = match fields::validate(&state, &target, &method, &content_type, &params, &body) {
+        Ok(warnings) => warnings,
+        Err(message) => return status_error(StatusCode::BAD_REQUEST, "BadRequest", message),
+    };
+    let request = Call {
+        method,
+        content_type,
+        accept,
+        manager,
+        params,
+        body,
+    };
+    let mut resp = dispatch(&state, &target, &path, &request);
+    for warning in warnings {
+        if let Ok(value) = hyper::header::HeaderValue::from_str(&warning) {
+            resp.headers_mut().append("warning", value);
+        }
+    }
+    resp
+}
+
+/// The parts of a request [`dispatch`] acts on.
+struct Call {
+    method: Method,
+    content_type: String,
+    accept: String,
+    manager: String,
+    params: BTreeMap<String, String>,
+    body: Bytes,
+}
+
+fn dispatch(state: &State, target: &Target, path: &str, call: &Call) -> Response<Body> {
+    let Call {
+        method,
+        content_type,
+        accept,
+        manager,
+        params,
+        body,
+    } = call;
+    let table = table::wanted(accept);
+    let parsed = || serde_json::from_slice::<Value>(body);
     let name = target.name.clone();
-    match (method, name, target.subresource.as_deref()) {
+    match (method.clone(), name, target.subresource.as_deref()) {
         (Method::GET, None, None)
             if matches!(params.get("watch").map(String::as_str), Some("true" | "1")) =>
         {
-            watch(&state, &target, &params)
+            watch(state, target, params)
         }
-        (Method::GET, None, None) => list(&state, &target, &params),
-        (Method::GET, Some(name), None | Some("status")) => get(&state, &target, &name),
+        (Method::GET, None, None) => list(state, target, params, table),
+        (Method::GET, Some(name), None | Some("status")) => {
+            get(state, target, &name, table.then_some(params))
+        }
         (Method::POST, None, None) => match parsed() {
-            Ok(obj) => create(&state, &target, obj),
+            Ok(obj) => create(state, target, obj, manager),
             Err(e) => status_error(StatusCode::BAD_REQUEST, "BadRequest", e.to_string()),
         },
         (Method::PUT, Some(name), sub @ (None | Some("status"))) => match parsed() {
-            Ok(obj) => replace(&state, &target, &name, obj, sub.is_some()),
+            Ok(obj) => replace(state, target, &name, obj, sub.is_some(), manager),
             Err(e) => status_error(StatusCode::BAD_REQUEST, "BadRequest", e.to_string()),
         },
         (Method::PATCH, Some(name), sub @ (None | Some("status"))) => {
-            if !content_type.starts_with("application/merge-patch+json") {
-                return status_error(
+            let status = sub.is_some();
+            let kind = content_type.split(';').next().unwrap_or_default().trim();
+            if kind == "application/apply-patch+yaml" {
+                let Some(manager) = params.get("fieldManager") else {
+                    return status_error(
+                        StatusCode::BAD_REQUEST,
+                        "BadRequest",
+                        "fieldManager: Required value: is required for apply patch".into(),
+                    );
+                };
+                let force = params.get("force").is_some_and(|f| f == "true");
+                let applied = serde_json::from_slice::<Value>(body).or_else(|_| {
+                    serde_saphyr::from_slice::<Value>(body).map_err(|e| e.to_string())
+                });
+                return match applied {
+                    Ok(applied) => {
+                        server_side_apply(state, target, &name, &applied, status, manager, force)
+                    }
+                    Err(e) => status_error(StatusCode::BAD_REQUEST, "BadRequest", e.to_string()),
+                };
+            }
+            let patch = match parsed() {
+                Ok(patch) => patch,
+                Err(e) => {
+                    return status_error(StatusCode::BAD_REQUEST, "BadRequest", e.to_string())
+                }
+            };
+            match kind {
+                "application/merge-patch+json" => {
+                    merge_patch(state, target, &name, &patch, status, manager)
+                }
+                "application/json-patch+json" => {
+                    json_patch(state, target, &name, &patch, status, manager)
+                }
+                _ => status_error(
                     StatusCode::UNSUPPORTED_MEDIA_TYPE,
                     "UnsupportedMediaType",
                     format!("patch type {content_type} is not supported by the test API server"),
-                );
-            }
-            match parsed() {
-                Ok(patch) => merge_patch(&state, &target, &name, &patch, sub.is_some()),
-                Err(e) => status_error(StatusCode::BAD_REQUEST, "BadRequest", e.to_string()),
+                ),
             }
         }
-        (Method::DELETE, Some(name), None) => delete(&state, &target, &name),
+        (Method::DELETE, Some(name), None) => delete(state, target, &name),
         (m, _, _) => status_error(
             StatusCode::METHOD_NOT_ALLOWED,
             "MethodNotAllowed",
@@ -472,10 +563,20 @@ fn not_found(target: &Target, name: &str) -> Response<Body> {
     )
 }
 
-fn get(state: &State, target: &Target, name: &str) -> Response<Body> {
-    match lock(state).objects.get(&key(target, name)) {
-        Some(obj) => full(StatusCode::OK, obj),
-        None => not_found(target, name),
+/// One object, or (`table`: the request's parameters) its Table.
+fn get(
+    state: &State,
+    target: &Target,
+    name: &str,
+    table: Option<&BTreeMap<String, String>>,
+) -> Response<Body> {
+    let inner = lock(state);
+    let Some(obj) = inner.objects.get(&key(target, name)) else {
+        return not_found(target, name);
+    };
+    match table {
+        Some(params) => table::respond(state, target, &[obj], &inner.rv.to_string(), params),
+        None => full(StatusCode::OK, obj),
     }
 }
 
@@ -499,7 +600,12 @@ fn filter(target: &Target, params: &BTreeMap<String, String>) -> Filter {
     }
 }
 
-fn list(state: &State, target: &Target, params: &BTreeMap<String, String>) -> Response<Body> {
+fn list(
+    state: &State,
+    target: &Target,
+    params: &BTreeMap<String, String>,
+    table: bool,
+) -> Response<Body> {
     let f = filter(target, params);
     let inner = lock(state);
     let items: Vec<&Value> = inner
@@ -508,6 +614,9 @@ fn list(state: &State, target: &Target, params: &BTreeMap<String, String>) -> Re
         .filter(|(k, v)| f.matches(&k.api, &k.plural, &k.namespace, v))
         .map(|(_, v)| v)
         .collect();
+    if table {
+        return table::respond(state, target, &items, &inner.rv.to_string(), params);
+    }
     let body = json!({
         "apiVersion": api_version(&target.api),
         "kind": format!("{}List", kind_of(&target.plural)),
@@ -561,6 +670,8 @@ fn watch(state: &State, target: &Target, params: &BTreeMap<String, String>) -> R
         loop {
             tokio::select! {
                 () = &mut deadline => return,
+                // The client went away: end the watch now, not at the next change.
+                () = tx.closed() => return,
                 change = rx.recv() => match change {
                     Ok(c) if f.matches(&c.api, &c.plural, &c.namespace, &c.object) => {
                         if !send(json!({"type": c.kind, "object": c.object})).await {
@@ -613,13 +724,17 @@ fn admit(state: &State, plural: &str, obj: &Value, old: Option<&Value>) -> Optio
         .map(|m| status_error(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", m))
 }
 
-fn create(state: &State, target: &Target, mut obj: Value) -> Response<Body> {
-    let Some(namespace) = target.namespace.clone() else {
-        return status_error(
-            StatusCode::BAD_REQUEST,
-            "BadRequest",
-            "only namespaced resources are served".into(),
-        );
+fn create(state: &State, target: &Target, mut obj: Value, manager: &str) -> Response<Body> {
+    let namespace = match target.namespace.clone() {
+        Some(ns) if !cluster_scoped(&target.plural) => Some(ns),
+        None if cluster_scoped(&target.plural) => None,
+        _ => {
+            return status_error(
+                StatusCode::NOT_FOUND,
+                "NotFound",
+                format!("{} cannot be created at this scope", target.plural),
+            )
+        }
     };
     let mut inner = lock(state);
     let name = match (
@@ -653,7 +768,9 @@ fn create(state: &State, target: &Target, mut obj: Value) -> Response<Body> {
     inner.uids += 1;
     let meta = &mut obj["metadata"];
     meta["name"] = json!(name);
-    meta["namespace"] = json!(namespace);
+    if let Some(namespace) = namespace {
+        meta["namespace"] = json!(namespace);
+    }
     meta["uid"] = json!(format!("00000000-0000-0000-0000-{:012x}", inner.uids));
     meta["creationTimestamp"] = json!(now());
     meta["generation"] = json!(1);
@@ -665,6 +782,17 @@ fn create(state: &State, target: &Target, mut obj: Value) -> Response<Body> {
             o.remove("status");
         }
     }
+    normalize(&mut obj);
+    let writer = writer(target, false, manager);
+    let managers = ssa::record_update(
+        &json!({}),
+        &obj,
+        &[],
+        &state.schema(&target.plural),
+        &writer,
+    );
+    obj["metadata"]["managedFields"] = ssa::render(&managers);
+    inner.managed.insert(k.clone(), managers);
     bump(&mut inner, &mut obj);
     inner.objects.insert(k.clone(), obj.clone());
     record(state, &mut inner, "ADDED", &k, obj.clone());
@@ -695,6 +823,25 @@ fn conflict(target: &Target, name: &str) -> Response<Body> {
     status_error(StatusCode::CONFLICT, "Conflict", message)
 }
 
+/// Drops what kube-apiserver does not store: an empty finalizer list.
+fn normalize(obj: &mut Value) {
+    if obj["metadata"]["finalizers"]
+        .as_array()
+        .is_some_and(|a| a.is_empty())
+    {
+        if let Some(m) = obj["metadata"].as_object_mut() {
+            m.remove("finalizers");
+        }
+    }
+}
+
+/// Who writes, and the field owners after the write when they are already
+/// known (server-side apply); otherwise they are derived from the change.
+struct Write {
+    writer: Writer,
+    managers: Option<Vec<Manager>>,
+}
+
 /// Writes `new` over `stored` (the caller has merged what the endpoint may change).
 fn update(
     state: &State,
@@ -702,7 +849,9 @@ fn update(
     k: &Key,
     stored: &Value,
     mut new: Value,
+    write: Write,
 ) -> Response<Body> {
+    normalize(&mut new);
     for field in [
         "uid",
         "creationTimestamp",
@@ -711,6 +860,7 @@ fn update(
         "name",
         "generation",
         "resourceVersion",
+        "managedFields",
     ] {
         match stored["metadata"].get(field) {
             Some(v) => new["metadata"][field] = v.clone(),
@@ -743,6 +893,18 @@ fn update(
     if new == *stored {
         return full(StatusCode::OK, stored);
     }
+    let old_managers = inner.managed.get(k).cloned().unwrap_or_default();
+    let managers = write.managers.unwrap_or_else(|| {
+        ssa::record_update(
+            stored,
+            &new,
+            &old_managers,
+            &state.schema(&k.plural),
+            &write.writer,
+        )
+    });
+    new["metadata"]["managedFields"] = ssa::render(&managers);
+    inner.managed.insert(k.clone(), managers);
     if new.get("spec") != stored.get("spec") {
         let generation = stored["metadata"]["generation"].as_i64().unwrap_or(1) + 1;
         new["metadata"]["generation"] = json!(generation);
@@ -772,6 +934,7 @@ fn replace(
     name: &str,
     body: Value,
     status: bool,
+    manager: &str,
 ) -> Response<Body> {
     let k = key(target, name);
     let mut inner = lock(state);
@@ -782,7 +945,24 @@ fn replace(
         return conflict(target, name);
     }
     let new = split_status(&stored, body, status, &target.plural);
-    update(state, &mut inner, &k, &stored, new)
+    let write = updater(target, status, manager);
+    update(state, &mut inner, &k, &stored, new, write)
+}
+
+fn writer(target: &Target, status: bool, manager: &str) -> Writer {
+    Writer {
+        manager: manager.to_string(),
+        api_version: api_version(&target.api),
+        time: now(),
+        scope: scope(&target.plural, status),
+    }
+}
+
+fn updater(target: &Target, status: bool, manager: &str) -> Write {
+    Write {
+        writer: writer(target, status, manager),
+        managers: None,
+    }
 }
 
 /// The main resource cannot change `status`; `/status` can change only `status`.
@@ -809,47 +989,6 @@ fn split_status(stored: &Value, mut body: Value, status: bool, plural: &str) -> 
         }
         body
     }
-}
-
-fn merge(target: &mut Value, patch: &Value) {
-    match patch {
-        Value::Object(p) => {
-            if !target.is_object() {
-                *target = json!({});
-            }
-            for (k, v) in p {
-                if v.is_null() {
-                    if let Some(t) = target.as_object_mut() {
-                        t.remove(k);
-                    }
-                } else {
-                    merge(&mut target[k.as_str()], v);
-                }
-            }
-        }
-        other => *target = other.clone(),
-    }
-}
-
-fn merge_patch(
-    state: &State,
-    target: &Target,
-    name: &str,
-    patch: &Value,
-    status: bool,
-) -> Response<Body> {
-    let k = key(target, name);
-    let mut inner = lock(state);
-    let Some(stored) = inner.objects.get(&k).cloned() else {
-        return not_found(target, name);
-    };
-    if stale(patch["metadata"]["resourceVersion"].as_str(), &stored) {
-        return conflict(target, name);
-    }
-    let mut patched = stored.clone();
-    merge(&mut patched, patch);
-    let new = split_status(&stored, patched, status, &target.plural);
-    update(state, &mut inner, &k, &stored, new)
 }
 
 fn delete(state: &State, target: &Target, name: &str) -> Response<Body> {
@@ -886,6 +1025,7 @@ fn remove(state: &State, inner: &mut Inner, k: &Key) {
     let Some(mut obj) = inner.objects.remove(k) else {
         return;
     };
+    inner.managed.remove(k);
     bump(inner, &mut obj);
     let uid = obj["metadata"]["uid"].clone();
     record(state, inner, "DELETED", k, obj);

@@ -46,6 +46,10 @@ struct State {
     hold: bool,
     in_flight: BTreeMap<String, usize>,
     max_in_flight: usize,
+    /// DeleteSnapshot calls still to fail as if the node service were down.
+    failing_deletes: usize,
+    /// When each DeleteSnapshot call arrived.
+    delete_times: Vec<std::time::Instant>,
 }
 
 pub struct FakeNode {
@@ -113,6 +117,16 @@ impl FakeNode {
     /// The node store loses a snapshot (e.g. the node's disk was wiped).
     pub fn lose(&self, id: &str) {
         self.lock().store.remove(id);
+    }
+
+    /// The next `n` DeleteSnapshot calls fail as if the node service were down.
+    pub fn fail_deletes(&self, n: usize) {
+        self.lock().failing_deletes = n;
+    }
+
+    /// When each DeleteSnapshot call arrived, in order.
+    pub fn delete_times(&self) -> Vec<std::time::Instant> {
+        self.lock().delete_times.clone()
     }
 
     /// Most operations that ran at once on one sandbox.
@@ -263,6 +277,14 @@ impl NodeService for FakeNode {
     async fn delete_snapshot(&self, snapshot_id: &str) -> Result<(), ShimError> {
         let mut st = self.lock();
         st.calls.push(Call::DeleteSnapshot(snapshot_id.to_string()));
+        st.delete_times.push(std::time::Instant::now());
+        if st.failing_deletes > 0 {
+            st.failing_deletes -= 1;
+            return Err(ShimError::Unavailable {
+                address: "unix:///run/twig/node.sock".to_string(),
+                message: "connection refused".to_string(),
+            });
+        }
         st.store.remove(snapshot_id);
         Ok(())
     }

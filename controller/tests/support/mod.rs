@@ -5,14 +5,16 @@
 
 pub mod apiserver;
 pub mod fake;
+pub mod kube_tools;
 pub mod rbac;
 pub mod schema;
+pub mod ssa;
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{Container, Pod, PodCondition, PodSpec, PodStatus};
+use k8s_openapi::api::core::v1::{Container, Node, Pod, PodCondition, PodSpec, PodStatus};
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{ListParams, ObjectMeta, PostParams};
 use kube::{Api, Client};
@@ -27,13 +29,20 @@ pub const NS: &str = "default";
 
 /// A test API server that admits objects against the checked-in CRDs.
 pub async fn api_server() -> TestApiServer {
-    TestApiServer::start(Some(schema::load().validator())).await
+    let crds = schema::load();
+    let docs = crds
+        .by_plural
+        .iter()
+        .map(|(plural, crd)| (plural.clone(), crd.doc.clone()))
+        .collect();
+    TestApiServer::start_with(Some(crds.validator()), docs).await
 }
 
 /// A controller process for `node`; aborting the handle is a crash.
 pub struct Controller {
     pub task: JoinHandle<()>,
     pub metrics: Arc<Metrics>,
+    pub ctx: Arc<Context>,
 }
 
 impl Drop for Controller {
@@ -58,9 +67,12 @@ pub fn start_controller(server: &TestApiServer, node: &str, fake: &Arc<FakeNode>
         metrics.clone(),
     )
     .with_retry(Duration::from_millis(200))
-    .with_recheck(Duration::from_millis(300));
-    let task = tokio::spawn(twig_controller::run(Arc::new(ctx)));
-    Controller { task, metrics }
+    .with_recheck(Duration::from_millis(300))
+    .with_orphan_check(Duration::from_millis(200))
+    .with_backoff(Duration::from_millis(100), Duration::from_millis(800));
+    let ctx = Arc::new(ctx);
+    let task = tokio::spawn(twig_controller::run(ctx.clone()));
+    Controller { task, metrics, ctx }
 }
 
 /// Polls `check` until it returns `Some`, failing the test after 30 s.
@@ -168,4 +180,77 @@ pub async fn events_about(client: &Client, name: &str) -> Vec<Event> {
             .and_then(|rv| rv.parse::<u64>().ok())
     });
     list
+}
+
+/// Creates a namespaced object in [`NS`].
+pub async fn create<K>(client: &Client, obj: &K) -> K
+where
+    K: kube::Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
+        + Clone
+        + serde::Serialize
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    let api: Api<K> = Api::namespaced(client.clone(), NS);
+    api.create(&PostParams::default(), obj)
+        .await
+        .expect("create")
+}
+
+/// Waits until the object `name` in [`NS`] satisfies `done`, and returns it.
+pub async fn wait_for<K>(client: &Client, name: &str, what: &str, done: impl Fn(&K) -> bool) -> K
+where
+    K: kube::Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    let api: Api<K> = Api::namespaced(client.clone(), NS);
+    let done = &done;
+    eventually(&format!("{name}: {what}"), || {
+        let api = api.clone();
+        async move { api.get(name).await.ok().filter(|o| done(o)) }
+    })
+    .await
+}
+
+/// Waits until the object `name` in [`NS`] no longer exists.
+pub async fn wait_gone<K>(client: &Client, name: &str)
+where
+    K: kube::Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    let api: Api<K> = Api::namespaced(client.clone(), NS);
+    eventually(&format!("{name} deleted"), || {
+        let api = api.clone();
+        async move { matches!(api.get_opt(name).await, Ok(None)).then_some(()) }
+    })
+    .await;
+}
+
+/// Registers a Node object, as a kubelet does.
+pub async fn register_node(client: &Client, name: &str) {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let node = Node {
+        metadata: ObjectMeta {
+            name: Some(name.to_string()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    nodes
+        .create(&PostParams::default(), &node)
+        .await
+        .expect("create node");
+}
+
+/// Deletes a Node object, as the cloud's node lifecycle controller does when the machine is gone.
+pub async fn delete_node(client: &Client, name: &str) {
+    let nodes: Api<Node> = Api::all(client.clone());
+    nodes
+        .delete(name, &kube::api::DeleteParams::default())
+        .await
+        .expect("delete node");
 }

@@ -8,25 +8,31 @@ pub const NOT_REQUESTED: &[(&str, &str, &str)] = &[
     ("twig.dev", "clones/finalizers", "update"),
     // The event recorder patches an Event only when the same event repeats.
     ("events.k8s.io", "events", "patch"),
+    // Only when an object another node holds a finalizer on is deleted (tests/finalizers.rs).
+    ("", "nodes", "get"),
+    ("", "nodes", "list"),
 ];
 
 /// (API group, resource, verbs).
 pub const CONTROLLER_RULES: &[(&str, &str, &[&str])] = &[
     ("", "pods", &["get", "list", "watch", "create"]),
+    // Whether the node of a deleted object's finalizer is gone.
+    ("", "nodes", &["get", "list"]),
     ("events.k8s.io", "events", &["create", "patch"]),
+    // Finalizers are JSON patches (kube-runtime's helper); status is server-side applied.
     (
         "twig.dev",
         "snapshots",
-        &["get", "list", "watch", "create", "update", "delete"],
+        &["get", "list", "watch", "create", "patch", "delete"],
     ),
-    ("twig.dev", "snapshots/status", &["update"]),
+    ("twig.dev", "snapshots/status", &["patch"]),
     ("twig.dev", "clones", &["list", "watch"]),
-    ("twig.dev", "clones/status", &["update"]),
+    ("twig.dev", "clones/status", &["patch"]),
     // Pods and Snapshots a Clone creates name it with blockOwnerDeletion; the
     // OwnerReferencesPermissionEnforcement admission plugin checks this at create time.
     ("twig.dev", "clones/finalizers", &["update"]),
     ("twig.dev", "rollbacks", &["list", "watch"]),
-    ("twig.dev", "rollbacks/status", &["update"]),
-    ("twig.dev", "sandboxtemplates", &["list", "watch", "update"]),
-    ("twig.dev", "sandboxtemplates/status", &["update"]),
+    ("twig.dev", "rollbacks/status", &["patch"]),
+    ("twig.dev", "sandboxtemplates", &["list", "watch", "patch"]),
+    ("twig.dev", "sandboxtemplates/status", &["patch"]),
 ];

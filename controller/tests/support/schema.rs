@@ -90,6 +90,14 @@ impl Crds {
         ))
     }
 
+    /// Every `openAPIV3Schema`, by plural.
+    pub fn schemas(&self) -> BTreeMap<String, Value> {
+        self.by_plural
+            .iter()
+            .map(|(plural, crd)| (plural.clone(), crd.schema.clone()))
+            .collect()
+    }
+
     pub fn validator(self) -> Validator {
         let me = Arc::new(self);
         Arc::new(move |plural, obj, old| me.validate(plural, obj, old))
@@ -202,6 +210,13 @@ pub fn value_errors(schema: &Value, value: &Value, path: &str, root: bool, out: 
                     "{path}: Invalid value: {n}: should be less than or equal to {}",
                     schema["maximum"]
                 ));
+            }
+            if let Some(m) = schema["multipleOf"].as_f64().filter(|m| *m > 0.0) {
+                if (x / m).fract() != 0.0 {
+                    out.push(format!(
+                        "{path}: Invalid value: {n}: should be a multiple of {m}"
+                    ));
+                }
             }
         }
         _ => {}

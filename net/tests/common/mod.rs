@@ -34,6 +34,35 @@ fn ip(args: &[&str]) {
     );
 }
 
+/// Runs `tc` in the namespace file `netns` and returns its output lines.
+pub fn tc(netns: &Path, args: &[&str]) -> Vec<String> {
+    let out = in_ns(netns, || {
+        Command::new("tc")
+            .args(args)
+            .output()
+            .expect("run tc (iproute2)")
+    });
+    assert!(
+        out.status.success(),
+        "tc {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The lines of `tc filter show` for the ingress of `dev` (empty without a clsact qdisc).
+pub fn tc_filters(netns: &Path, dev: &str) -> Vec<String> {
+    let qdiscs = tc(netns, &["qdisc", "show", "dev", dev]);
+    if !qdiscs.iter().any(|l| l.contains("clsact")) {
+        return Vec::new();
+    }
+    tc(netns, &["filter", "show", "dev", dev, "ingress"])
+}
+
 /// Runs `work` on a thread inside the namespace file `netns`.
 pub fn in_ns<T: Send>(netns: &Path, work: impl FnOnce() -> T + Send) -> T {
     let file = File::open(netns).expect("open netns");
@@ -228,6 +257,11 @@ impl Bed {
         Self::ns_path(&self.pod_ns)
     }
 
+    /// Deletes the pod namespace's name (the namespace goes with its last user).
+    pub fn delete_pod_netns(&self) {
+        ip(&["netns", "del", &self.pod_ns]);
+    }
+
     pub fn out_netns(&self) -> PathBuf {
         Self::ns_path(&self.out_ns)
     }
@@ -341,7 +375,7 @@ fn wait_readable(fd: i32, deadline: Instant) {
 impl Drop for Bed {
     fn drop(&mut self) {
         for ns in [&self.pod_ns, &self.out_ns] {
-            let _ = Command::new("ip").args(["netns", "del", ns]).status();
+            let _ = Command::new("ip").args(["netns", "del", ns]).output();
         }
     }
 }

@@ -8,11 +8,11 @@
 //! ← {"ok":{"hello":{"protocol":1,"version":"0.1.0"}}}
 //! → {"op":"boot","kernel":"/path/vmlinux","initrd":"/path/initrd","cmdline":"console=ttyS0","mem_mib":128,"vcpus":1}
 //! ← {"ok":{"state":{"state":"running"}}}
-//! → {"op":"restore","dir":"/snapshots/a"}          ← {"ok":{"restored":{"id":"…"}}}
+//! → {"op":"restore","dir":"/store/snapshots/a"}    ← {"ok":{"restored":{"id":"…"}}}
 //! → {"op":"pause"}  {"op":"resume"}                ← {"ok":{"state":{"state":"paused"}}}
-//! → {"op":"snapshot","dir":"/snapshots/b","kind":"incremental"}
+//! → {"op":"snapshot","dir":"/store/tmp/<lease>/b","kind":"incremental"}
 //! ← {"ok":{"snapshot":{"id":"…","kind":"incremental","parent":"…",…}}}
-//! → {"op":"rollback","dir":"/snapshots/a"}         ← {"ok":{"rollback":{…}}}
+//! → {"op":"rollback","dir":"/store/snapshots/a"}   ← {"ok":{"rollback":{…}}}
 //! → {"op":"stats"}                                 ← {"ok":{"stats":{…}}}
 //! → {"op":"attach_disk","slot":0,"path":"/d.img","read_only":false}
 //! ← {"error":{"kind":"invalid_request","message":"… has no disk slots …"}}

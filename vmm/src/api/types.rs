@@ -62,9 +62,11 @@ pub enum Request {
     Pause {},
     /// Run the vCPUs ([`Reply::State`]).
     Resume {},
-    /// Snapshot into a new directory ([`Reply::Snapshot`]).
+    /// Snapshot into a node store's staging directory ([`Reply::Snapshot`]);
+    /// the store publishes it once this answers.
     Snapshot {
-        /// The new snapshot directory (must not exist).
+        /// The staging directory (`twig_store::NodeStore::stage`:
+        /// `<store>/tmp/<lease>/<id>`, empty, named by the new id).
         dir: PathBuf,
         /// Full, or incremental from the VM's baseline.
         #[serde(default = "default_kind")]

@@ -19,67 +19,74 @@
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
 
-use kvm_bindings::{
-    kvm_clock_data, kvm_cpuid2, kvm_debugregs, kvm_dirty_log, kvm_fpu, kvm_irqchip, kvm_irqfd,
-    kvm_lapic_state, kvm_mp_state, kvm_msr_list, kvm_msrs, kvm_pit_config, kvm_pit_state2,
-    kvm_regs, kvm_sregs, kvm_userspace_memory_region, kvm_vcpu_events, kvm_xcrs, kvm_xsave, KVMIO,
-};
 use seccompiler::{
     BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
     SeccompRule, TargetArch,
 };
-use vmm_sys_util::{ioctl_io_nr, ioctl_ior_nr, ioctl_iow_nr, ioctl_iowr_nr};
 
 use super::JailError;
+use nr::*;
 
-ioctl_io_nr!(KVM_GET_API_VERSION, KVMIO, 0x00);
-ioctl_io_nr!(KVM_CREATE_VM, KVMIO, 0x01);
-ioctl_iowr_nr!(KVM_GET_MSR_INDEX_LIST, KVMIO, 0x02, kvm_msr_list);
-ioctl_io_nr!(KVM_CHECK_EXTENSION, KVMIO, 0x03);
-ioctl_io_nr!(KVM_GET_VCPU_MMAP_SIZE, KVMIO, 0x04);
-ioctl_iowr_nr!(KVM_GET_SUPPORTED_CPUID, KVMIO, 0x05, kvm_cpuid2);
-ioctl_io_nr!(KVM_CREATE_VCPU, KVMIO, 0x41);
-ioctl_iow_nr!(KVM_GET_DIRTY_LOG, KVMIO, 0x42, kvm_dirty_log);
-ioctl_iow_nr!(
-    KVM_SET_USER_MEMORY_REGION,
-    KVMIO,
-    0x46,
-    kvm_userspace_memory_region
-);
-ioctl_io_nr!(KVM_SET_TSS_ADDR, KVMIO, 0x47);
-ioctl_io_nr!(KVM_CREATE_IRQCHIP, KVMIO, 0x60);
-ioctl_iowr_nr!(KVM_GET_IRQCHIP, KVMIO, 0x62, kvm_irqchip);
-ioctl_ior_nr!(KVM_SET_IRQCHIP, KVMIO, 0x63, kvm_irqchip);
-ioctl_iow_nr!(KVM_IRQFD, KVMIO, 0x76, kvm_irqfd);
-ioctl_iow_nr!(KVM_CREATE_PIT2, KVMIO, 0x77, kvm_pit_config);
-ioctl_iow_nr!(KVM_SET_CLOCK, KVMIO, 0x7b, kvm_clock_data);
-ioctl_ior_nr!(KVM_GET_CLOCK, KVMIO, 0x7c, kvm_clock_data);
-ioctl_ior_nr!(KVM_GET_PIT2, KVMIO, 0x9f, kvm_pit_state2);
-ioctl_iow_nr!(KVM_SET_PIT2, KVMIO, 0xa0, kvm_pit_state2);
-ioctl_io_nr!(KVM_RUN, KVMIO, 0x80);
-ioctl_ior_nr!(KVM_GET_REGS, KVMIO, 0x81, kvm_regs);
-ioctl_iow_nr!(KVM_SET_REGS, KVMIO, 0x82, kvm_regs);
-ioctl_ior_nr!(KVM_GET_SREGS, KVMIO, 0x83, kvm_sregs);
-ioctl_iow_nr!(KVM_SET_SREGS, KVMIO, 0x84, kvm_sregs);
-ioctl_iowr_nr!(KVM_GET_MSRS, KVMIO, 0x88, kvm_msrs);
-ioctl_iow_nr!(KVM_SET_MSRS, KVMIO, 0x89, kvm_msrs);
-ioctl_iow_nr!(KVM_SET_FPU, KVMIO, 0x8d, kvm_fpu);
-ioctl_ior_nr!(KVM_GET_LAPIC, KVMIO, 0x8e, kvm_lapic_state);
-ioctl_iow_nr!(KVM_SET_LAPIC, KVMIO, 0x8f, kvm_lapic_state);
-ioctl_iow_nr!(KVM_SET_CPUID2, KVMIO, 0x90, kvm_cpuid2);
-ioctl_iowr_nr!(KVM_GET_CPUID2, KVMIO, 0x91, kvm_cpuid2);
-ioctl_ior_nr!(KVM_GET_MP_STATE, KVMIO, 0x98, kvm_mp_state);
-ioctl_iow_nr!(KVM_SET_MP_STATE, KVMIO, 0x99, kvm_mp_state);
-ioctl_ior_nr!(KVM_GET_VCPU_EVENTS, KVMIO, 0x9f, kvm_vcpu_events);
-ioctl_iow_nr!(KVM_SET_VCPU_EVENTS, KVMIO, 0xa0, kvm_vcpu_events);
-ioctl_ior_nr!(KVM_GET_DEBUGREGS, KVMIO, 0xa1, kvm_debugregs);
-ioctl_iow_nr!(KVM_SET_DEBUGREGS, KVMIO, 0xa2, kvm_debugregs);
-ioctl_io_nr!(KVM_SET_TSC_KHZ, KVMIO, 0xa2);
-ioctl_io_nr!(KVM_GET_TSC_KHZ, KVMIO, 0xa3);
-ioctl_ior_nr!(KVM_GET_XSAVE2, KVMIO, 0xcf, kvm_xsave);
-ioctl_iow_nr!(KVM_SET_XSAVE, KVMIO, 0xa5, kvm_xsave);
-ioctl_ior_nr!(KVM_GET_XCRS, KVMIO, 0xa6, kvm_xcrs);
-ioctl_iow_nr!(KVM_SET_XCRS, KVMIO, 0xa7, kvm_xcrs);
+/// The request numbers of the KVM ioctls twig-vmm makes, as kvm-ioctls
+/// defines them (its own are private).
+mod nr {
+    use kvm_bindings::{
+        kvm_clock_data, kvm_cpuid2, kvm_debugregs, kvm_dirty_log, kvm_fpu, kvm_irqchip, kvm_irqfd,
+        kvm_lapic_state, kvm_mp_state, kvm_msr_list, kvm_msrs, kvm_pit_config, kvm_pit_state2,
+        kvm_regs, kvm_sregs, kvm_userspace_memory_region, kvm_vcpu_events, kvm_xcrs, kvm_xsave,
+        KVMIO,
+    };
+    use vmm_sys_util::{ioctl_io_nr, ioctl_ior_nr, ioctl_iow_nr, ioctl_iowr_nr};
+
+    ioctl_io_nr!(KVM_GET_API_VERSION, KVMIO, 0x00);
+    ioctl_io_nr!(KVM_CREATE_VM, KVMIO, 0x01);
+    ioctl_iowr_nr!(KVM_GET_MSR_INDEX_LIST, KVMIO, 0x02, kvm_msr_list);
+    ioctl_io_nr!(KVM_CHECK_EXTENSION, KVMIO, 0x03);
+    ioctl_io_nr!(KVM_GET_VCPU_MMAP_SIZE, KVMIO, 0x04);
+    ioctl_iowr_nr!(KVM_GET_SUPPORTED_CPUID, KVMIO, 0x05, kvm_cpuid2);
+    ioctl_io_nr!(KVM_CREATE_VCPU, KVMIO, 0x41);
+    ioctl_iow_nr!(KVM_GET_DIRTY_LOG, KVMIO, 0x42, kvm_dirty_log);
+    ioctl_iow_nr!(
+        KVM_SET_USER_MEMORY_REGION,
+        KVMIO,
+        0x46,
+        kvm_userspace_memory_region
+    );
+    ioctl_io_nr!(KVM_SET_TSS_ADDR, KVMIO, 0x47);
+    ioctl_io_nr!(KVM_CREATE_IRQCHIP, KVMIO, 0x60);
+    ioctl_iowr_nr!(KVM_GET_IRQCHIP, KVMIO, 0x62, kvm_irqchip);
+    ioctl_ior_nr!(KVM_SET_IRQCHIP, KVMIO, 0x63, kvm_irqchip);
+    ioctl_iow_nr!(KVM_IRQFD, KVMIO, 0x76, kvm_irqfd);
+    ioctl_iow_nr!(KVM_CREATE_PIT2, KVMIO, 0x77, kvm_pit_config);
+    ioctl_iow_nr!(KVM_SET_CLOCK, KVMIO, 0x7b, kvm_clock_data);
+    ioctl_ior_nr!(KVM_GET_CLOCK, KVMIO, 0x7c, kvm_clock_data);
+    ioctl_ior_nr!(KVM_GET_PIT2, KVMIO, 0x9f, kvm_pit_state2);
+    ioctl_iow_nr!(KVM_SET_PIT2, KVMIO, 0xa0, kvm_pit_state2);
+    ioctl_io_nr!(KVM_RUN, KVMIO, 0x80);
+    ioctl_ior_nr!(KVM_GET_REGS, KVMIO, 0x81, kvm_regs);
+    ioctl_iow_nr!(KVM_SET_REGS, KVMIO, 0x82, kvm_regs);
+    ioctl_ior_nr!(KVM_GET_SREGS, KVMIO, 0x83, kvm_sregs);
+    ioctl_iow_nr!(KVM_SET_SREGS, KVMIO, 0x84, kvm_sregs);
+    ioctl_iowr_nr!(KVM_GET_MSRS, KVMIO, 0x88, kvm_msrs);
+    ioctl_iow_nr!(KVM_SET_MSRS, KVMIO, 0x89, kvm_msrs);
+    ioctl_iow_nr!(KVM_SET_FPU, KVMIO, 0x8d, kvm_fpu);
+    ioctl_ior_nr!(KVM_GET_LAPIC, KVMIO, 0x8e, kvm_lapic_state);
+    ioctl_iow_nr!(KVM_SET_LAPIC, KVMIO, 0x8f, kvm_lapic_state);
+    ioctl_iow_nr!(KVM_SET_CPUID2, KVMIO, 0x90, kvm_cpuid2);
+    ioctl_iowr_nr!(KVM_GET_CPUID2, KVMIO, 0x91, kvm_cpuid2);
+    ioctl_ior_nr!(KVM_GET_MP_STATE, KVMIO, 0x98, kvm_mp_state);
+    ioctl_iow_nr!(KVM_SET_MP_STATE, KVMIO, 0x99, kvm_mp_state);
+    ioctl_ior_nr!(KVM_GET_VCPU_EVENTS, KVMIO, 0x9f, kvm_vcpu_events);
+    ioctl_iow_nr!(KVM_SET_VCPU_EVENTS, KVMIO, 0xa0, kvm_vcpu_events);
+    ioctl_ior_nr!(KVM_GET_DEBUGREGS, KVMIO, 0xa1, kvm_debugregs);
+    ioctl_iow_nr!(KVM_SET_DEBUGREGS, KVMIO, 0xa2, kvm_debugregs);
+    ioctl_io_nr!(KVM_SET_TSC_KHZ, KVMIO, 0xa2);
+    ioctl_io_nr!(KVM_GET_TSC_KHZ, KVMIO, 0xa3);
+    ioctl_ior_nr!(KVM_GET_XSAVE2, KVMIO, 0xcf, kvm_xsave);
+    ioctl_iow_nr!(KVM_SET_XSAVE, KVMIO, 0xa5, kvm_xsave);
+    ioctl_ior_nr!(KVM_GET_XCRS, KVMIO, 0xa6, kvm_xcrs);
+    ioctl_iow_nr!(KVM_SET_XCRS, KVMIO, 0xa7, kvm_xcrs);
+}
 
 /// `FICLONE` (`_IOW(0x94, 9, int)`): reflinks of disk images.
 const FICLONE: u64 = 0x4004_9409;

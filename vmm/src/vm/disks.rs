@@ -373,8 +373,9 @@ mod tests {
             );
             assert_eq!(capacity(&vm, i), 0);
         }
-        let s0 = dir.path().join("s0");
-        vm.snapshot(&s0, Kind::Full).unwrap();
+        let store = twig_store::NodeStore::open(&dir.path().join("store"), true).unwrap();
+        vm.snapshot_into(&store, "s0", Kind::Full).unwrap();
+        let s0 = store.snapshot_dir("s0");
 
         let generation = reg(&vm, SLOT0, VIRTIO_MMIO_CONFIG_GENERATION);
         vm.attach_disk(

@@ -6,6 +6,7 @@ mod config;
 mod create;
 mod diagnostics;
 mod disks;
+mod failpoint;
 mod persist;
 mod rollback;
 
@@ -205,9 +206,12 @@ impl Vm {
         })
     }
 
-    /// Guest RAM bytes (for tests and checks; pause the VM for a stable view).
-    pub fn guest_ram(&self) -> Result<&[u8]> {
-        self.ram.pages_slice(0, self.ram.pages())
+    /// A copy of all of guest RAM (for tests and checks; pause the VM for
+    /// one moment's memory: a running guest may write it during the copy).
+    pub fn read_guest_ram(&self) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; self.shape.mem_size];
+        self.read_guest(0, &mut out)?;
+        Ok(out)
     }
 }
 

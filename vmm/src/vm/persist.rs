@@ -107,12 +107,13 @@ impl Vm {
     /// Makes a template of a booting guest: polls `ready` (the caller's
     /// readiness probe, such as a ping of the guest's agent) until it
     /// answers yes or `timeout` passes, then pauses the VM and takes a full
-    /// snapshot into `dir`, which later VMs restore instead of booting. The VM
-    /// stays paused. A guest that stops, or is not ready in time, is an error
-    /// and nothing is written.
+    /// snapshot into `staging` (as [`Vm::snapshot`]), which later VMs restore
+    /// instead of booting once the store has published it. The VM stays
+    /// paused. A guest that stops, or is not ready in time, is an error and
+    /// nothing is written.
     pub fn template(
         &mut self,
-        dir: &Path,
+        staging: &Path,
         timeout: Duration,
         mut ready: impl FnMut() -> bool,
     ) -> Result<SnapshotInfo> {
@@ -136,16 +137,22 @@ impl Vm {
             backoff = (backoff * 2).min(Duration::from_millis(50));
         }
         self.pause()?;
-        self.snapshot(dir, Kind::Full)
+        self.snapshot(staging, Kind::Full)
     }
 
-    /// Snapshots the VM into the new directory `dir`. A running VM is paused
-    /// only while its state and changed pages are copied out, and runs again
-    /// while the snapshot is made durable; the call returns once it is
-    /// published. An incremental snapshot writes only the pages changed since
-    /// the VM's baseline (its last snapshot, restore or rollback point),
-    /// which becomes its parent.
-    pub fn snapshot(&mut self, dir: &Path, kind: Kind) -> Result<SnapshotInfo> {
+    /// Snapshots the VM into `staging`, an empty staging directory handed
+    /// out by the node store (`twig_store::NodeStore::stage`,
+    /// `<store>/tmp/<lease>/<id>`): its name is the snapshot's id, and the
+    /// snapshot becomes the VM's baseline at the place the store will
+    /// publish it, `<store>/snapshots/<id>`. A running VM is paused only
+    /// while its state and changed pages are copied out, and runs again
+    /// while the files are made durable; the call returns once they are,
+    /// ready for the store to publish. An incremental snapshot writes only
+    /// the pages changed since the VM's baseline (its last snapshot,
+    /// restore or rollback point), which becomes its parent and must be
+    /// published in the same store. In-process callers can use
+    /// [`Vm::snapshot_into`], which also publishes.
+    pub fn snapshot(&mut self, staging: &Path, kind: Kind) -> Result<SnapshotInfo> {
         let start = Instant::now();
         let was = self.need(
             "snapshot",
@@ -161,9 +168,11 @@ impl Vm {
                 )
             })?),
         };
-        let dir = absolute(dir)?;
+        let staging = absolute(staging)?;
+        let (id, dir) = twig_store::layout::staging_target(&staging)
+            .map_err(|e| Error::snapshot(&staging, e.to_string()))?;
         self.pause()?;
-        let staged = self.stage_snapshot(&dir, kind, parent.as_ref());
+        let staged = self.stage_snapshot(&staging, &id, kind, parent.as_ref());
         // A full snapshot becomes the memory the VM runs on: map it before
         // the guest runs again, while RAM and file are identical.
         let remapped = match &staged {
@@ -195,7 +204,7 @@ impl Vm {
             }
         };
         let image = Arc::new(Image {
-            dir: dir.to_path_buf(),
+            dir,
             state,
             memory: Arc::new(memory),
             parent,
@@ -214,28 +223,49 @@ impl Vm {
         Ok(info)
     }
 
+    /// Takes a snapshot into `store` as `id` and publishes it there (stage,
+    /// [`Vm::snapshot`], publish); it is then at
+    /// `store.snapshot_dir(id)`. If publishing fails, the VM keeps running
+    /// without a baseline (the next snapshot must be full).
+    pub fn snapshot_into(
+        &mut self,
+        store: &twig_store::NodeStore,
+        id: &str,
+        kind: Kind,
+    ) -> Result<SnapshotInfo> {
+        let staging = store.stage(id)?;
+        let info = self.snapshot(staging.dir(), kind)?;
+        if let Err(e) = staging.publish() {
+            self.baseline = None;
+            return Err(e.into());
+        }
+        Ok(info)
+    }
+
     /// Copies the paused VM's state and pages into a staged snapshot.
     fn stage_snapshot(
         &mut self,
-        dir: &Path,
+        staging: &Path,
+        id: &str,
         kind: Kind,
         parent: Option<&Arc<Image>>,
     ) -> Result<(snapshot::Staged, VmState, usize)> {
         self.collect_dirty()?;
         let vcpus = self.save_vcpus()?;
         let (irqchips, pit, clock) = self.save_vm_state()?;
-        let id = snapshot::new_id();
+        let uid = snapshot::new_id();
         let layer = layer_of(kind, &self.dirty);
         let pages = layer.as_ref().map_or(self.ram.pages(), PageSet::count);
         let mut state = VmState {
             meta: Meta {
-                id: id.clone(),
+                id: id.to_string(),
+                uid: uid.clone(),
                 kind,
                 parent: parent.map(|p| ParentRef {
                     id: p.id().to_string(),
-                    dir: p.dir.clone(),
+                    uid: p.state.meta.uid.clone(),
                 }),
-                root_id: parent.map_or(id.clone(), |p| p.state.meta.root_id.clone()),
+                root_id: parent.map_or(uid, |p| p.state.meta.root_id.clone()),
                 mem_size: self.shape.mem_size as u64,
                 vcpus: self.shape.vcpus,
                 pages,
@@ -260,7 +290,7 @@ impl Vm {
         let ram = &self.ram;
         let write_layer = state.layer.clone();
         let staged = snapshot::stage(
-            dir,
+            staging,
             &mut state,
             |f| match &write_layer {
                 None => snapshot::write_full_memory(ram, f),
@@ -271,7 +301,8 @@ impl Vm {
         Ok((staged, state, pages))
     }
 
-    /// Restores the snapshot in `dir` into this newly created VM and runs it.
+    /// Restores the snapshot in `dir` (`<store>/snapshots/<id>`; its parents
+    /// are its siblings) into this newly created VM and runs it.
     pub fn restore(&mut self, dir: &Path) -> Result<()> {
         let image = Image::open(&absolute(dir)?)?;
         self.restore_image(&image)?;

@@ -1,23 +1,116 @@
-//! In-place rollback of a running VM to a snapshot.
+//! In-place rollback of a running VM to a snapshot, all or nothing.
+//!
+//! A rollback runs in four phases on the paused VM:
+//!
+//! 1. **Prepare** (nothing visible changes): plan the pages, read the
+//!    target's layer pages, check every page range (or, for a snapshot of
+//!    another lineage, build all of the target's memory at a scratch
+//!    address), parse the device state, copy the disks next to the VM's
+//!    files, and back up vCPU, irqchip/PIT/clock and device state.
+//! 2. **State**, each step with an undo: vCPUs (undo: load the backup),
+//!    irqchip/PIT/clock (undo: load the backup, the clock advanced by the
+//!    time spent), devices (undo: load the backup), disks (undo: exchange
+//!    the old files back). A failure undoes every step begun, in reverse.
+//! 3. **Memory**, last, after the point of no return: `MADV_DONTNEED` and
+//!    copies on checked ranges of our own mapping, or one `mremap` of the
+//!    prepared memory. Should a syscall still fail, the rollback rolls
+//!    *forward*: all of RAM is rebuilt from the target (as restore does) and
+//!    moved in with one `mremap`, so the VM runs on exactly the snapshot.
+//! 4. **Commit** (cannot fail): the device serves the new disk files,
+//!    devices are told, the target becomes the baseline, and KVM's dirty log
+//!    is cleared; if that read fails, every page counts as dirty.
+//!
+//! Only when an undo or the roll-forward fails too is the VM lost: it is
+//! stopped, its RAM zeroed, and [`Error::VmLost`] returned.
 
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::arch;
-use crate::error::{Error, Result};
-use crate::memory::{Backing, PageSet, PAGE_SIZE};
-use crate::snapshot::{self, Image};
+use kvm_bindings::{kvm_clock_data, kvm_irqchip, kvm_pit_state2};
 
+use crate::arch;
+use crate::devices::{DeviceState, GuestExit};
+use crate::error::{Error, Result};
+use crate::memory::{Backing, PageSet, PreparedRam, PAGE_SIZE};
+use crate::snapshot::{self, Image, VmState};
+use crate::vcpu::VcpuState;
+use crate::virtio::blk::{DiskFile, Replacement};
+
+use super::failpoint;
 use super::{absolute, kvm_err, ms, RollbackInfo, RunState, Vm};
+
+/// How a rollback failed.
+enum Failure {
+    /// Nothing changed, or every change was undone: the VM is on its
+    /// previous state.
+    Refused(Error),
+    /// A change could neither be undone nor completed.
+    Lost(Error),
+}
+
+/// What guest memory needs, prepared before anything changes.
+enum MemoryPlan {
+    /// RAM maps the target's root file: drop the private copies of the
+    /// `discard` runs `(first, count)` (the file holds the target's bytes)
+    /// and copy the `staged` pages from the target's layers.
+    Patch {
+        discard: Vec<(usize, usize)>,
+        staged: Vec<(usize, Vec<u8>)>,
+    },
+    /// Another lineage: all of the target's memory, built at a scratch
+    /// address.
+    Replace(PreparedRam),
+}
+
+/// The VM's state before the rollback, to undo the state steps with.
+struct Backup {
+    vcpus: Vec<VcpuState>,
+    irqchips: [kvm_irqchip; 3],
+    pit: kvm_pit_state2,
+    clock: kvm_clock_data,
+    taken: Instant,
+    devices: DeviceState,
+}
+
+/// Everything a rollback needs, prepared with no visible change.
+struct Prepared {
+    memory: MemoryPlan,
+    pages: usize,
+    devices: DeviceState,
+    disks: Vec<(Replacement, Arc<DiskFile>)>,
+    backup: Backup,
+}
+
+/// The state steps, in the order they are applied.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
+enum Step {
+    None,
+    Vcpus,
+    VmState,
+    Devices,
+    Disks,
+}
 
 impl Vm {
     /// Rolls this VM back, in place, to the snapshot in `dir`: same process,
     /// same VM fd. Only pages that may differ from the snapshot are touched:
     /// those dirtied since the baseline plus those in incremental layers
-    /// between the baseline and the target. If anything fails before the VM
-    /// is changed, it keeps running on its previous state and the error says
-    /// why.
+    /// between the baseline and the target.
+    ///
+    /// All or nothing; the outcomes are:
+    /// - `Ok`: the VM is exactly on the snapshot (memory, vCPUs,
+    ///   irqchip/PIT/clock, devices, read-write disks) and running. If a
+    ///   memory operation failed after the point of no return, all of RAM
+    ///   was rebuilt from the snapshot instead (`remapped` is then true).
+    /// - [`Error::Rollback`]: nothing changed, or every change was undone:
+    ///   the VM is on exactly its previous memory, vCPU, device and disk
+    ///   state, running if it was running (its clock has moved on by the
+    ///   time the call took). A later rollback may succeed.
+    /// - [`Error::VmLost`]: a change could neither be undone nor completed.
+    ///   The VM is stopped ([`RunState::Stopped`]) with zeroed RAM and its
+    ///   disk files put back; replace it. A later rollback restores every
+    ///   part of a snapshot and may revive it.
     pub fn rollback(&mut self, dir: &Path) -> Result<RollbackInfo> {
         let start = Instant::now();
         let was = self
@@ -48,11 +141,15 @@ impl Vm {
                 tracing::info!(id = %info.id, pages, remapped, ms = info.duration_ms, "rollback");
                 Ok(info)
             }
-            Err(e) => {
+            Err(Failure::Refused(e)) => {
                 if was == RunState::Running {
                     self.resume()?;
                 }
                 Err(Error::Rollback(Box::new(e)))
+            }
+            Err(Failure::Lost(e)) => {
+                self.lose(&e);
+                Err(Error::VmLost(Box::new(e)))
             }
         }
     }
@@ -74,8 +171,8 @@ impl Vm {
         }
     }
 
-    /// The pages to put back and, per page, whether the target's root file
-    /// (mapped now) already holds the right contents.
+    /// The pages to put back, or `None` when RAM does not map the target's
+    /// root file (no baseline, or another lineage): then all of RAM is.
     fn rollback_plan(&mut self, target: &Arc<Image>) -> Result<Option<PageSet>> {
         let Some(base) = self.baseline.clone() else {
             return Ok(None);
@@ -108,85 +205,240 @@ impl Vm {
         Ok(Some(pages))
     }
 
-    fn rollback_paused(&mut self, target: &Arc<Image>) -> Result<(usize, bool)> {
-        let plan = self.rollback_plan(target)?;
-        // Stage what the target's layers hold for these pages before the VM
-        // is touched, so that a failing read changes nothing.
-        let mut staged: Vec<(usize, Vec<u8>)> = Vec::new();
-        let mut from_root: Vec<usize> = Vec::new();
-        let wanted: Vec<usize> = match &plan {
-            Some(p) => p.iter().collect(),
-            None => {
-                let mut all = PageSet::new(self.ram.pages());
-                for img in target.chain() {
-                    if let Some(l) = &img.state.layer {
-                        all.union_with(l);
-                    }
+    fn rollback_paused(
+        &mut self,
+        target: &Arc<Image>,
+    ) -> std::result::Result<(usize, bool), Failure> {
+        let Prepared {
+            memory,
+            pages,
+            devices,
+            mut disks,
+            backup,
+        } = self.prepare_rollback(target).map_err(Failure::Refused)?;
+
+        let mut step = Step::None;
+        if let Err(e) = self.apply_state(&target.state, devices, &mut disks, &mut step) {
+            // Reverse order: the disks first (dropping a replacement that
+            // was swapped in puts the old file back), then the rest.
+            drop(disks);
+            return match self.undo_state(step, backup, &target.state) {
+                Ok(()) => Err(Failure::Refused(e)),
+                Err(undo) => {
+                    tracing::error!("rollback failed ({e}) and undoing it failed: {undo}");
+                    Err(Failure::Lost(undo))
                 }
-                all.iter().collect()
+            };
+        }
+
+        // The point of no return: guest memory.
+        let remapped = match self.apply_memory(memory) {
+            Ok(remapped) => remapped,
+            Err(e) => {
+                tracing::warn!("rollback: {e}; rebuilding all of RAM from the snapshot");
+                if let Err(forward) = self.roll_forward(target) {
+                    tracing::error!(
+                        "rollback failed ({e}) and rolling forward to the snapshot failed: {forward}"
+                    );
+                    return Err(Failure::Lost(forward));
+                }
+                true
             }
         };
-        for p in &wanted {
-            match target.layer_for(*p) {
-                Some(img) => {
-                    let mut buf = vec![0u8; PAGE_SIZE];
-                    snapshot::read_exact_at(&img.memory, &mut buf, (*p * PAGE_SIZE) as u64)
-                        .map_err(|e| Error::io(format!("reading {}", img.dir.display()), e))?;
-                    staged.push((*p, buf));
-                }
-                None => from_root.push(*p),
-            }
-        }
-        let s = &target.state;
-        let devices = self.devices.parse(&s.devices)?;
-        // The disks: copied next to the VM's files, then swapped in with the
-        // old files kept aside; dropped on failure, the replacements put
-        // the old files back.
-        let mut disks = self.prepare_disks(target)?;
-        for (r, _) in &mut disks {
-            r.swap_in()?;
-        }
-        let backup = self.save_vcpus()?;
-        let (chips, pit, clock) = self.save_vm_state()?;
-        if let Err(e) = self
-            .load_vcpus(&s.vcpus, false)
-            .and_then(|_| self.load_vm_state(s))
-        {
-            let mut old = s.clone();
-            old.irqchips = chips;
-            old.pit = pit;
-            old.clock = clock;
-            self.load_vcpus(&backup, false)?;
-            self.load_vm_state(&old)?;
-            return Err(e);
-        }
+
         for (r, d) in disks {
             r.finish(&d);
         }
-        // Past this point nothing can fail half-way: memory operations on
-        // our own mapping.
-        let remapped = plan.is_none();
-        if remapped {
-            self.ram.map_private(target.chain()[0].memory.clone())?;
-        } else {
-            let mut runs = PageSet::new(self.ram.pages());
-            from_root.iter().for_each(|p| runs.insert(*p));
-            for (start, n) in runs.runs() {
-                self.ram.discard(start, n)?;
-            }
-        }
-        for (p, data) in &staged {
-            self.ram.write_pages(*p, data)?;
-        }
-        self.devices.restore(devices)?;
         self.devices.retrigger_pending();
         self.devices.after_restore();
-        // Clear what the guest dirtied before we put pages back.
-        self.fd
-            .get_dirty_log(0, self.shape.mem_size)
-            .map_err(kvm_err("KVM_GET_DIRTY_LOG"))?;
         self.adopt(target);
+        // Forget what the guest dirtied before the rollback.
+        let cleared = failpoint::check("rollback.dirty_log").and_then(|_| {
+            self.fd
+                .get_dirty_log(0, self.shape.mem_size)
+                .map_err(kvm_err("KVM_GET_DIRTY_LOG"))
+        });
+        if let Err(e) = cleared {
+            tracing::warn!("rollback: {e}; counting every page as dirty");
+            self.dirty = PageSet::full(self.ram.pages());
+        }
         self.state = RunState::Paused;
-        Ok((wanted.len(), remapped))
+        Ok((pages, remapped))
+    }
+
+    /// Phase 1: everything that can fail, with no visible change.
+    fn prepare_rollback(&mut self, target: &Arc<Image>) -> Result<Prepared> {
+        let plan = self.rollback_plan(target)?;
+        failpoint::check("rollback.plan")?;
+        let (memory, pages) = match plan {
+            Some(wanted) => {
+                let mut discard = PageSet::new(self.ram.pages());
+                let mut staged = Vec::new();
+                for p in wanted.iter() {
+                    match target.layer_for(p) {
+                        Some(img) => {
+                            let mut buf = vec![0u8; PAGE_SIZE];
+                            snapshot::read_exact_at(&img.memory, &mut buf, (p * PAGE_SIZE) as u64)
+                                .map_err(|e| {
+                                    Error::io(format!("reading {}", img.dir.display()), e)
+                                })?;
+                            staged.push((p, buf));
+                        }
+                        None => discard.insert(p),
+                    }
+                }
+                failpoint::check("rollback.stage")?;
+                let discard = discard.runs();
+                for &(start, n) in &discard {
+                    self.ram.check(start, n)?;
+                }
+                for (p, _) in &staged {
+                    self.ram.check(*p, 1)?;
+                }
+                (MemoryPlan::Patch { discard, staged }, wanted.count())
+            }
+            None => {
+                let (prepared, pages) = self.prepare_target_memory(target)?;
+                failpoint::check("rollback.stage")?;
+                (MemoryPlan::Replace(prepared), pages)
+            }
+        };
+        let devices = self.devices.parse(&target.state.devices)?;
+        failpoint::check("rollback.parse_devices")?;
+        let disks = self.prepare_disks(target)?;
+        failpoint::check("rollback.prepare_disks")?;
+        let vcpus = self.save_vcpus()?;
+        let (irqchips, pit, clock) = self.save_vm_state()?;
+        let backup = Backup {
+            vcpus,
+            irqchips,
+            pit,
+            clock,
+            taken: Instant::now(),
+            devices: self.devices.parse(&self.devices.save())?,
+        };
+        failpoint::check("rollback.backup")?;
+        Ok(Prepared {
+            memory,
+            pages,
+            devices,
+            disks,
+            backup,
+        })
+    }
+
+    /// All of the target's memory at a scratch address: its root file
+    /// mapped privately, each layer's pages read on top in chain order.
+    /// Returns it and the number of layer pages.
+    fn prepare_target_memory(&self, target: &Arc<Image>) -> Result<(PreparedRam, usize)> {
+        let chain = target.chain();
+        let prepared = self.ram.prepare_private(chain[0].memory.clone())?;
+        let mut pages = PageSet::new(self.ram.pages());
+        for layer in &chain[1..] {
+            if let Some(l) = &layer.state.layer {
+                for (start, n) in l.runs() {
+                    prepared.read_pages_from(&layer.memory, start, n)?;
+                }
+                pages.union_with(l);
+            }
+        }
+        Ok((prepared, pages.count()))
+    }
+
+    /// Phase 2: loads the target's vCPU, irqchip/PIT/clock and device state
+    /// and swaps its disks in. `step` tells how far it got.
+    fn apply_state(
+        &self,
+        s: &VmState,
+        devices: DeviceState,
+        disks: &mut [(Replacement, Arc<DiskFile>)],
+        step: &mut Step,
+    ) -> Result<()> {
+        *step = Step::Vcpus;
+        self.load_vcpus(&s.vcpus, false)?;
+        failpoint::check("rollback.vcpus")?;
+        *step = Step::VmState;
+        self.load_vm_state(s)?;
+        failpoint::check("rollback.vm_state")?;
+        *step = Step::Devices;
+        self.devices.restore(devices)?;
+        failpoint::check("rollback.devices")?;
+        *step = Step::Disks;
+        for (r, _) in disks.iter_mut() {
+            r.swap_in()?;
+        }
+        failpoint::check("rollback.disks")?;
+        Ok(())
+    }
+
+    /// Undoes the state steps up to `step` (the disks are put back by
+    /// dropping their replacements), in reverse order.
+    fn undo_state(&self, step: Step, backup: Backup, target: &VmState) -> Result<()> {
+        failpoint::check("rollback.undo")?;
+        if step >= Step::Devices {
+            self.devices.restore(backup.devices)?;
+        }
+        if step >= Step::VmState {
+            let mut old = target.clone();
+            old.irqchips = backup.irqchips;
+            old.pit = backup.pit;
+            // The clock keeps running through a failed rollback.
+            let spent = u64::try_from(backup.taken.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            old.clock = kvm_clock_data {
+                clock: backup.clock.clock.saturating_add(spent),
+                ..backup.clock
+            };
+            self.load_vm_state(&old)?;
+        }
+        if step >= Step::Vcpus {
+            self.load_vcpus(&backup.vcpus, false)?;
+        }
+        Ok(())
+    }
+
+    /// Phase 3: puts the target's memory in. Returns whether all of RAM was
+    /// replaced. Ranges were checked, so only a syscall can fail here.
+    fn apply_memory(&mut self, plan: MemoryPlan) -> Result<bool> {
+        match plan {
+            MemoryPlan::Patch { discard, staged } => {
+                for (start, n) in discard {
+                    self.ram.discard(start, n)?;
+                    failpoint::check("rollback.discard")?;
+                }
+                for (p, data) in &staged {
+                    self.ram.write_pages(*p, data)?;
+                    failpoint::check("rollback.write_pages")?;
+                }
+                Ok(false)
+            }
+            MemoryPlan::Replace(prepared) => {
+                failpoint::check("rollback.remap")?;
+                self.ram.install(prepared)?;
+                Ok(true)
+            }
+        }
+    }
+
+    /// Makes guest RAM exactly the target's memory, whatever it holds now.
+    fn roll_forward(&mut self, target: &Arc<Image>) -> Result<()> {
+        failpoint::check("rollback.roll_forward")?;
+        let (prepared, _) = self.prepare_target_memory(target)?;
+        self.ram.install(prepared)
+    }
+
+    /// Stops a VM that a rollback left in an unknown state.
+    fn lose(&mut self, e: &Error) {
+        tracing::error!("rollback lost the VM: {e}");
+        if let Err(e) = self.ram.clear() {
+            tracing::error!("zeroing the lost VM's RAM: {e}");
+        }
+        self.baseline = None;
+        self.dirty = PageSet::full(self.ram.pages());
+        self.devices
+            .exit()
+            .set(GuestExit::Failed(format!("lost in a failed rollback: {e}")));
     }
 }
+
+#[cfg(test)]
+mod tests;

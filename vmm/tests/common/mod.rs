@@ -3,11 +3,12 @@
 
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use twig_store::NodeStore;
 use twig_vmm::testguest::{self, Command};
-use twig_vmm::{Capture, DeviceConfig, Shape, Vm};
+use twig_vmm::{Capture, DeviceConfig, Kind, Shape, SnapshotInfo, Vm};
 
 pub const T: Duration = Duration::from_secs(20);
 pub const MIB: usize = 64;
@@ -46,8 +47,27 @@ pub fn tmp() -> tempfile::TempDir {
     tempfile::tempdir().expect("tempdir")
 }
 
-pub fn snap(dir: &std::path::Path, name: &str) -> PathBuf {
-    dir.join(name)
+/// The directory of snapshot `id` in the node store `<dir>/store`.
+pub fn snap(dir: &Path, id: &str) -> PathBuf {
+    dir.join("store/snapshots").join(id)
+}
+
+/// The node store a snapshot directory `<store>/snapshots/<id>` belongs
+/// to (opened, created if needed; copies allowed, as /tmp cannot reflink),
+/// and the id.
+pub fn store_of(dir: &Path) -> (NodeStore, String) {
+    let (root, id) = twig_store::layout::locate(dir).expect("a snapshot directory of a store");
+    (
+        NodeStore::open(&root, true).expect("open the node store"),
+        id,
+    )
+}
+
+/// Snapshots `vm` into the node store as the snapshot directory `dir`
+/// (`<store>/snapshots/<id>`), published.
+pub fn take(vm: &mut Vm, dir: &Path, kind: Kind) -> twig_vmm::Result<SnapshotInfo> {
+    let (store, id) = store_of(dir);
+    vm.snapshot_into(&store, &id, kind)
 }
 
 /// Dirties `pages` pages from the scratch area, page i holding `value + i`.

@@ -331,9 +331,11 @@ impl Replacement {
             }),
         };
         if let Action::Copy(CopyIn { file: Some(f), .. }) = &r.action {
-            snapshot::copy_file(&from.file, f).map_err(|e| {
-                Error::io(format!("copying {} to {}", src.display(), tmp.display()), e)
-            })?;
+            twig_store::fsops::copy_file(&from.file, f)
+                .map(drop)
+                .map_err(|e| {
+                    Error::io(format!("copying {} to {}", src.display(), tmp.display()), e)
+                })?;
         }
         if let Ok(m) = std::fs::metadata(path) {
             if let Err(e) = std::fs::set_permissions(&tmp, m.permissions()) {

@@ -1,6 +1,6 @@
-//! Filesystem primitives shared by both stores: reflink (FICLONE) and its
-//! sparse copy fallback, durable writes, no-replace renames and block
-//! accounting through FIEMAP.
+//! Filesystem primitives of every Twig store and of twig-vmm: reflink
+//! (FICLONE) and its copy fallbacks, durable writes, no-replace renames,
+//! `flock` and block accounting through FIEMAP. One implementation, shared.
 
 use std::ffi::CString;
 use std::fs::{self, File, OpenOptions};
@@ -29,6 +29,18 @@ pub enum CloneMode {
     Copy,
 }
 
+/// Makes the open, writable `dst` share all of `src`'s extents (FICLONE).
+pub fn ficlone(src: &File, dst: &File) -> io::Result<()> {
+    // SAFETY: FICLONE takes the source descriptor as its integer argument;
+    // both descriptors are open for the duration of the call.
+    let rc = unsafe { libc::ioctl(dst.as_raw_fd(), FICLONE as _, src.as_raw_fd()) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 /// Reflinks `src` to a new file `dst` (which must not exist).
 pub fn reflink(src: &Path, dst: &Path) -> io::Result<()> {
     let from = File::open(src)?;
@@ -37,16 +49,36 @@ pub fn reflink(src: &Path, dst: &Path) -> io::Result<()> {
         .create_new(true)
         .mode(0o600)
         .open(dst)?;
-    // SAFETY: FICLONE takes the source descriptor as its integer argument;
-    // both descriptors are open for the duration of the call.
-    let rc = unsafe { libc::ioctl(to.as_raw_fd(), FICLONE as _, from.as_raw_fd()) };
-    if rc != 0 {
-        let err = io::Error::last_os_error();
+    if let Err(err) = ficlone(&from, &to) {
         drop(to);
         let _ = fs::remove_file(dst);
         return Err(err);
     }
     Ok(())
+}
+
+/// Makes the open, writable, empty `dst` a copy of all of `src`: a reflink
+/// where the filesystem shares extents, otherwise a copy of the data ranges
+/// (`copy_file_range`, or reads and writes where the kernel cannot), keeping
+/// holes. Returns which it did; the first fallback is logged once.
+pub fn copy_file(src: &File, dst: &File) -> io::Result<CloneMode> {
+    let e = match ficlone(src, dst) {
+        Ok(()) => return Ok(CloneMode::Reflink),
+        Err(e) => e,
+    };
+    if !matches!(
+        e.raw_os_error(),
+        Some(libc::EOPNOTSUPP | libc::EXDEV | libc::EINVAL | libc::ENOTTY | libc::ENOSYS)
+    ) {
+        return Err(e);
+    }
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| {
+        tracing::warn!("this filesystem cannot reflink ({e}); disk images are copied in full");
+    });
+    dst.set_len(0)?;
+    copy_data_ranges(src, dst, true)?;
+    Ok(CloneMode::Copy)
 }
 
 /// Copies `src` to a new file `dst`, keeping holes: only the data ranges
@@ -60,7 +92,7 @@ pub fn sparse_copy(src: &Path, dst: &Path) -> io::Result<()> {
         .create_new(true)
         .mode(0o600)
         .open(dst)?;
-    let result = copy_data_ranges(&from, &to);
+    let result = copy_data_ranges(&from, &to, false);
     if result.is_err() {
         drop(to);
         let _ = fs::remove_file(dst);
@@ -68,7 +100,10 @@ pub fn sparse_copy(src: &Path, dst: &Path) -> io::Result<()> {
     result
 }
 
-fn copy_data_ranges(from: &File, to: &File) -> io::Result<()> {
+/// Copies the data ranges of `from` into `to` at the same offsets and gives
+/// `to` the length of `from`. With `in_kernel`, through `copy_file_range`
+/// (falling back to reads and writes where the kernel refuses it).
+fn copy_data_ranges(from: &File, to: &File, in_kernel: bool) -> io::Result<()> {
     let len = from.metadata()?.len();
     to.set_len(len)?;
     let ifd = from.as_raw_fd();
@@ -90,6 +125,10 @@ fn copy_data_ranges(from: &File, to: &File) -> io::Result<()> {
             return Err(io::Error::last_os_error());
         }
         let mut off = data as u64;
+        if in_kernel && copy_range_in_kernel(from, to, &mut off, hole as u64)? {
+            pos = hole;
+            continue;
+        }
         while off < hole as u64 {
             let n = ((hole as u64 - off) as usize).min(buf.len());
             from.read_exact_at(&mut buf[..n], off)?;
@@ -99,6 +138,47 @@ fn copy_data_ranges(from: &File, to: &File) -> io::Result<()> {
         pos = hole;
     }
     Ok(())
+}
+
+/// Copies `[*off, end)` of `from` to the same offsets of `to` with
+/// `copy_file_range`, advancing `*off`. Returns `false` (the rest left to
+/// the caller) where the kernel cannot copy between these files.
+fn copy_range_in_kernel(from: &File, to: &File, off: &mut u64, end: u64) -> io::Result<bool> {
+    while *off < end {
+        let mut off_in = *off as libc::loff_t;
+        let mut off_out = *off as libc::loff_t;
+        let n = ((end - *off).min(1 << 30)) as usize;
+        // SAFETY: both descriptors are open; the offsets are ours and the
+        // kernel only reads and updates them.
+        let r = unsafe {
+            libc::copy_file_range(
+                from.as_raw_fd(),
+                &mut off_in,
+                to.as_raw_fd(),
+                &mut off_out,
+                n,
+                0,
+            )
+        };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EXDEV | libc::EOPNOTSUPP | libc::EINVAL | libc::ENOSYS) => {
+                    return Ok(false)
+                }
+                Some(libc::EINTR) => continue,
+                _ => return Err(e),
+            }
+        }
+        if r == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "the source ended early",
+            ));
+        }
+        *off += r as u64;
+    }
+    Ok(true)
 }
 
 /// Makes `dst` from `src` with the given mode.
@@ -165,6 +245,21 @@ pub fn rename_noreplace(from: &Path, to: &Path) -> io::Result<()> {
     }
 }
 
+/// Takes an exclusive `flock` on an open file or directory, waiting for it.
+pub fn flock(file: &File) -> io::Result<()> {
+    loop {
+        // SAFETY: flock on an open descriptor.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+}
+
 /// Takes a non-blocking exclusive `flock` on an open file or directory.
 /// Returns `Ok(false)` when another descriptor holds it.
 pub fn try_flock(file: &File) -> io::Result<bool> {
@@ -184,7 +279,9 @@ pub fn try_flock(file: &File) -> io::Result<bool> {
 /// One physically allocated range of a file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Extent {
+    /// Where the range starts on the device, in bytes.
     pub physical: u64,
+    /// Its length in bytes.
     pub length: u64,
     /// The filesystem reports the range as shared with another file.
     pub shared: bool,
@@ -315,5 +412,120 @@ pub fn remove_all(path: &Path) -> io::Result<()> {
         Ok(_) => fs::remove_file(path),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+    use std::process::Command;
+
+    fn sparse(path: &Path) -> File {
+        let f = OpenOptions::new()
+            .create(true)
+            .truncate(true)
+            .read(true)
+            .write(true)
+            .open(path)
+            .unwrap();
+        f.write_all_at(&[1u8; 4096], 0).unwrap();
+        f.write_all_at(&[2u8; 4096], 32 << 20).unwrap();
+        f.set_len(64 << 20).unwrap();
+        f
+    }
+
+    /// Copies `src` (made by `sparse`) and checks the copy, which may
+    /// allocate at most `max_alloc` bytes.
+    fn check_copy(src: &File, dst_path: &Path, max_alloc: u64) -> File {
+        let dst = OpenOptions::new()
+            .create_new(true)
+            .read(true)
+            .write(true)
+            .open(dst_path)
+            .unwrap();
+        copy_file(src, &dst).unwrap();
+        assert_eq!(dst.metadata().unwrap().len(), 64 << 20);
+        let mut b = vec![0u8; 8192];
+        dst.read_exact_at(&mut b, 0).unwrap();
+        assert!(b[..4096].iter().all(|x| *x == 1) && b[4096..].iter().all(|x| *x == 0));
+        dst.read_exact_at(&mut b, 32 << 20).unwrap();
+        assert!(b[..4096].iter().all(|x| *x == 2));
+        assert!(
+            dst.metadata().unwrap().blocks() * 512 <= max_alloc,
+            "holes kept"
+        );
+        dst
+    }
+
+    #[test]
+    fn copy_file_copies_contents_and_keeps_holes() {
+        let d = tempfile::tempdir().unwrap();
+        let src = sparse(&d.path().join("src"));
+        check_copy(&src, &d.path().join("dst"), 4 << 20);
+        // The plain read/write copy keeps holes too.
+        sparse_copy(&d.path().join("src"), &d.path().join("dst2")).unwrap();
+        let m = fs::metadata(d.path().join("dst2")).unwrap();
+        assert_eq!(m.len(), 64 << 20);
+        assert!(m.blocks() * 512 <= 4 << 20, "holes kept");
+    }
+
+    /// An XFS file system on a loop device, unmounted on drop.
+    struct Xfs(tempfile::TempDir);
+
+    impl Drop for Xfs {
+        fn drop(&mut self) {
+            let _ = Command::new("umount")
+                .arg(self.0.path().join("mnt"))
+                .status();
+        }
+    }
+
+    #[test]
+    fn copy_file_reflinks_where_the_filesystem_can() {
+        let fs = Xfs(tempfile::tempdir().unwrap());
+        let img = fs.0.path().join("xfs.img");
+        File::create(&img).unwrap().set_len(512 << 20).unwrap();
+        let mkfs = Command::new("mkfs.xfs")
+            .args(["-q", "-m", "reflink=1"])
+            .arg(&img)
+            .status()
+            .expect("mkfs.xfs (xfsprogs) is needed");
+        assert!(mkfs.success());
+        let mnt = fs.0.path().join("mnt");
+        std::fs::create_dir(&mnt).unwrap();
+        let ok = Command::new("mount")
+            .args(["-o", "loop"])
+            .arg(&img)
+            .arg(&mnt)
+            .status()
+            .unwrap();
+        assert!(ok.success(), "loop-mounting XFS (needs root)");
+        let src = sparse(&mnt.join("src"));
+        let before = free_bytes(&mnt);
+        let big = vec![3u8; 8 << 20];
+        src.write_all_at(&big, 8 << 20).unwrap();
+        src.sync_all().unwrap();
+        let used_by_src = before - free_bytes(&mnt);
+        let dst = check_copy(&src, &mnt.join("dst"), 12 << 20);
+        dst.sync_all().unwrap();
+        let mut b = vec![0u8; 8 << 20];
+        dst.read_exact_at(&mut b, 8 << 20).unwrap();
+        assert!(b == big);
+        let used_by_copy = before - used_by_src - free_bytes(&mnt);
+        assert!(
+            used_by_copy < 1 << 20,
+            "a reflink shares the 8 MiB of data ({used_by_copy} bytes used)"
+        );
+    }
+
+    fn free_bytes(p: &Path) -> u64 {
+        let c = CString::new(p.as_os_str().as_bytes()).unwrap();
+        // SAFETY: statvfs is plain old data; all zeroes is a valid value.
+        let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: `c` is a NUL-terminated path and `s` outlives the call,
+        // which only fills it.
+        assert_eq!(unsafe { libc::statvfs(c.as_ptr(), &mut s) }, 0);
+        s.f_bfree * s.f_frsize
     }
 }

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Builds the end-to-end tests' container image: one layer with the host's
+# static busybox (/bin/busybox and a symlink per applet), /etc/passwd and
+# /etc/group for root, and `/bin/sh` as its command. umoci makes the OCI
+# layout, skopeo turns it into an OCI archive that `ctr images import`
+# takes, named REF (default: the harness's twig_e2e::IMAGE_REF).
+#
+# Usage: e2e/build-image.sh OUT.tar [REF]
+# Needs umoci, skopeo and busybox-static (scripts/install-deps.sh).
+set -euo pipefail
+out=${1:?usage: e2e/build-image.sh OUT.tar [REF]}
+ref=${2:-docker.io/library/twig-e2e-busybox:v1}
+die() { echo "build-image: $*" >&2; exit 1; }
+for t in umoci skopeo; do
+  command -v $t >/dev/null || die "$t missing (scripts/install-deps.sh installs it)"
+done
+# A dynamic busybox would not run in an image without a libc.
+file -L /bin/busybox | grep -q 'statically linked' ||
+  die "/bin/busybox is not static (install busybox-static: scripts/install-deps.sh)"
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+layout=$work/layout
+umoci init --layout "$layout"
+umoci new --image "$layout:v1"
+umoci unpack --image "$layout:v1" "$work/bundle" >/dev/null
+r=$work/bundle/rootfs
+mkdir -p "$r"/{bin,etc,proc,sys,dev,tmp,root}
+chmod 1777 "$r/tmp"
+cp /bin/busybox "$r/bin/busybox"
+for a in $(/bin/busybox --list); do
+  [[ $a == busybox ]] || ln -s busybox "$r/bin/$a"
+done
+echo 'root:x:0:0:root:/root:/bin/sh' > "$r/etc/passwd"
+echo 'root:x:0:' > "$r/etc/group"
+umoci repack --image "$layout:v1" "$work/bundle"
+umoci config --image "$layout:v1" --config.cmd /bin/sh --config.env PATH=/bin
+skopeo copy --quiet "oci:$layout:v1" "oci-archive:$out.part:$ref"
+mv "$out.part" "$out"

@@ -1,0 +1,621 @@
+//! A node in a box: a reflink XFS, `twig-snapshotter` on it, and containerd
+//! with `twig` as its proxy snapshotter and the twig and runc runtimes, with
+//! the test image imported. Everything it starts is stopped by PID when the
+//! node is dropped, also when a test panics.
+
+use std::ffi::OsStr;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use nix::mount::{umount2, MntFlags};
+use tempfile::TempDir;
+
+use crate::background::{run_on_pty, Background};
+use crate::error::{io, Error, Result};
+use crate::process::{kill_processes_with_arg, run, run_ok, tail, Daemon, Output};
+use crate::{find_on_path, require, IMAGE_REF};
+
+/// containerd namespace of every test.
+pub const NAMESPACE: &str = "twig-e2e";
+/// Deadline of a daemon's start. Under the lab's TCG everything is 10–50×
+/// slower than on a host.
+const START: Duration = Duration::from_secs(180);
+/// Deadline of one `ctr` command.
+const CTR: Duration = Duration::from_secs(300);
+/// Deadline of one `ctr` command while tearing down.
+const TEARDOWN: Duration = Duration::from_secs(30);
+/// Size of the harness's own XFS, when it makes one.
+const XFS_MIB: u64 = 1024;
+/// Size of each snapshot's ext4 image (sparse).
+const IMAGE_MIB: &str = "256";
+/// Guest memory of the twig shim's base template: the lab has 3 GiB.
+const SHIM_MEM_MIB: u64 = 128;
+
+/// A containerd runtime (shim) the tests run containers with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Runtime {
+    /// runc's v2 shim: the runc mounts twig's loop image itself.
+    Runc,
+    /// Twig's shim: the container runs in a microVM.
+    Twig,
+}
+
+impl Runtime {
+    /// The runtime's name for `ctr run --runtime`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Runtime::Runc => "io.containerd.runc.v2",
+            Runtime::Twig => "io.containerd.twig.v2",
+        }
+    }
+
+    /// The shim binary containerd looks up on its `PATH` for this runtime.
+    pub fn shim(self) -> &'static str {
+        match self {
+            Runtime::Runc => "containerd-shim-runc-v2",
+            Runtime::Twig => "containerd-shim-twig-v2",
+        }
+    }
+}
+
+/// containerd's configuration: its own root, state and socket; `twig` as a
+/// proxy snapshotter; CRI with the runtimes `runc` and `twig`, both on the
+/// `twig` snapshotter. `disable_apparmor` and `restrict_oom_score_adj` are
+/// what runc's sandboxes need on this machine (DESIGN.md).
+pub fn containerd_config(dir: &Path, snapshotter_socket: &Path) -> String {
+    format!(
+        r#"version = 2
+root = "{root}"
+state = "{state}"
+
+[grpc]
+  address = "{socket}"
+
+[proxy_plugins.twig]
+  type = "snapshot"
+  address = "{snap}"
+
+[plugins."io.containerd.grpc.v1.cri"]
+  disable_apparmor = true
+  restrict_oom_score_adj = true
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "twig"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "{runc}"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.twig]
+      runtime_type = "{twig}"
+"#,
+        root = dir.join("root").display(),
+        state = dir.join("state").display(),
+        socket = dir.join("containerd.sock").display(),
+        snap = snapshotter_socket.display(),
+        runc = Runtime::Runc.name(),
+        twig = Runtime::Twig.name(),
+    )
+}
+
+/// The twig shim's configuration (`TWIG_SHIM_CONFIG`) for a node in
+/// `dir`: its state in the node's directory, its base template in
+/// `template`, `twig-vmm` from `PATH`, a 128 MiB template booting `guest`
+/// when given.
+pub fn shim_config(dir: &Path, template: &Path, guest: Option<&Guest>) -> serde_json::Value {
+    let mut template = serde_json::json!({
+        "dir": template,
+        "mem_mib": SHIM_MEM_MIB,
+    });
+    if let Some(g) = guest {
+        template["kernel"] = serde_json::json!(g.kernel);
+        template["initrd"] = serde_json::json!(g.initrd);
+    }
+    let mut config = serde_json::json!({
+        "state_root": dir.join("shim"),
+        "template": template,
+    });
+    if let Some(vmm) = find_on_path("twig-vmm") {
+        config["vmm_binary"] = serde_json::json!(vmm);
+    }
+    config
+}
+
+/// Where a node's twig shim keeps its base template: on a given XFS (the
+/// lab's), one template shared by every node of the run, built by the first
+/// shim that needs it (the shim builds under a lock, and the template is
+/// only read once built), so a test binary's nodes after the first restore
+/// from a warm template; on the harness's own XFS, in the node's directory
+/// `dir`.
+fn template_dir(xfs: &Xfs, dir: &Path) -> PathBuf {
+    let root = match xfs {
+        Xfs::Given(given) => given.join("twig-e2e-shared"),
+        Xfs::Own { .. } => dir.to_path_buf(),
+    };
+    root.join("vm").join("snapshots").join("base")
+}
+
+/// The mount points under `dir` in the mount table, deepest first.
+pub fn mounts_under(mountinfo: &str, dir: &Path) -> Vec<PathBuf> {
+    let mut found: Vec<PathBuf> = mountinfo
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(unescape_mount_path)
+        .filter(|p| p.starts_with(dir))
+        .collect();
+    found.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    found
+}
+
+/// The kernel writes space, tab, newline and backslash in mount paths as
+/// octal escapes (`\040`).
+fn unescape_mount_path(field: &str) -> PathBuf {
+    let b = field.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let octal = b.get(i + 1..i + 4).and_then(|d| {
+            std::str::from_utf8(d)
+                .ok()
+                .and_then(|s| u8::from_str_radix(s, 8).ok())
+        });
+        match (b[i], octal) {
+            (b'\\', Some(byte)) => {
+                out.push(byte);
+                i += 4;
+            }
+            (c, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    PathBuf::from(std::ffi::OsString::from(
+        <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(&out),
+    ))
+}
+
+/// The `*.log` files in `dir` and its subdirectories, `depth` levels down.
+fn log_files(dir: &Path, depth: usize) -> Vec<PathBuf> {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut found = Vec::new();
+    for path in entries.flatten().map(|e| e.path()) {
+        if path.is_dir() && depth > 0 {
+            found.extend(log_files(&path, depth - 1));
+        } else if path.extension().is_some_and(|e| e == "log") {
+            found.push(path);
+        }
+    }
+    found.sort();
+    found
+}
+
+/// Detaches every mount under `dir`, deepest first.
+fn unmount_all_under(dir: &Path) {
+    let table = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    for m in mounts_under(&table, dir) {
+        // Already gone with its parent is fine: nothing is left to do.
+        let _ = umount2(&m, MntFlags::MNT_DETACH);
+    }
+}
+
+/// Where the node's files live.
+#[derive(Debug)]
+enum Xfs {
+    /// A reflink-capable directory given by [`NodeConfig::xfs`] (the lab's `/xfs`).
+    Given(PathBuf),
+    /// The harness's own loop-mounted XFS (image and mount point in a temp
+    /// dir), unmounted on drop.
+    Own { _dir: TempDir, mnt: PathBuf },
+}
+
+impl Xfs {
+    fn open(given: Option<&Path>) -> Result<Xfs> {
+        if let Some(dir) = given {
+            return Ok(Xfs::Given(dir.to_path_buf()));
+        }
+        require(&["mkfs.xfs", "mount"])?;
+        let dir = tempfile::Builder::new()
+            .prefix("twig-e2e-xfs-")
+            .tempdir()
+            .map_err(io("creating a temp dir for the XFS image"))?;
+        let img = dir.path().join("xfs.img");
+        fs::File::create(&img)
+            .and_then(|f| f.set_len(XFS_MIB << 20))
+            .map_err(io(format!("sizing {}", img.display())))?;
+        run_ok(
+            Command::new("mkfs.xfs")
+                .args(["-q", "-m", "reflink=1"])
+                .arg(&img),
+            START,
+        )?;
+        let mnt = dir.path().join("mnt");
+        fs::create_dir(&mnt).map_err(io(format!("creating {}", mnt.display())))?;
+        run_ok(
+            Command::new("mount")
+                .args(["-t", "xfs", "-o", "loop"])
+                .arg(&img)
+                .arg(&mnt),
+            START,
+        )?;
+        Ok(Xfs::Own { _dir: dir, mnt })
+    }
+
+    fn path(&self) -> &Path {
+        match self {
+            Xfs::Given(p) => p,
+            Xfs::Own { mnt, .. } => mnt,
+        }
+    }
+}
+
+impl Drop for Xfs {
+    fn drop(&mut self) {
+        if let Xfs::Own { mnt, .. } = self {
+            unmount_all_under(mnt);
+            // The loop device was set up with autoclear: it goes with the
+            // mount; the image goes with the temp dir, dropped after this.
+            let _ = umount2(mnt.as_path(), MntFlags::MNT_DETACH);
+        }
+    }
+}
+
+/// Where a node takes its image and keeps its files.
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    /// An OCI archive holding [`IMAGE_REF`] (from `e2e/build-image.sh`).
+    pub image: PathBuf,
+    /// A reflink-capable directory for the node's files; `None`: the
+    /// harness mounts its own loop XFS.
+    pub xfs: Option<PathBuf>,
+    /// The guest kernel and agent initramfs the twig shim builds its base
+    /// template from; `None`: the shim's defaults.
+    pub guest: Option<Guest>,
+}
+
+/// What the twig shim's base template boots (the lab's `TWIG_GUEST_KERNEL`
+/// and `TWIG_AGENT_INITRD`).
+#[derive(Clone, Debug)]
+pub struct Guest {
+    /// Twig's guest kernel (`guest/build-kernel.sh`).
+    pub kernel: PathBuf,
+    /// The agent initramfs (`guest/build-initramfs.sh`).
+    pub initrd: PathBuf,
+}
+
+impl NodeConfig {
+    /// `TWIG_E2E_IMAGE` (required), `TWIG_E2E_XFS`, `TWIG_GUEST_KERNEL`
+    /// and `TWIG_AGENT_INITRD` (optional), as tests/lab/run.sh sets them in
+    /// the lab.
+    pub fn from_env() -> Result<NodeConfig> {
+        let image = std::env::var_os("TWIG_E2E_IMAGE")
+            .map(PathBuf::from)
+            .ok_or_else(|| {
+                Error::Environment(
+                    "TWIG_E2E_IMAGE is not set: build the test image with \
+                     `e2e/build-image.sh OUT.tar` and point TWIG_E2E_IMAGE at it, or run the \
+                     tests through tests/lab/run.sh"
+                        .into(),
+                )
+            })?;
+        let var = |name| std::env::var_os(name).map(PathBuf::from);
+        let guest = match (var("TWIG_GUEST_KERNEL"), var("TWIG_AGENT_INITRD")) {
+            (Some(kernel), Some(initrd)) => Some(Guest { kernel, initrd }),
+            _ => None,
+        };
+        Ok(NodeConfig {
+            image,
+            xfs: var("TWIG_E2E_XFS"),
+            guest,
+        })
+    }
+}
+
+/// A running node: XFS, `twig-snapshotter`, containerd, the test image
+/// imported onto the `twig` snapshotter.
+#[derive(Debug)]
+pub struct Node {
+    containerd: Daemon,
+    snapshotter: Daemon,
+    socket: PathBuf,
+    /// The node's directory on the XFS; `None` once torn down.
+    work: Option<TempDir>,
+    /// Held for its drop, after the teardown: unmounted when it is the
+    /// harness's own.
+    _xfs: Xfs,
+}
+
+impl Node {
+    /// Starts a node as [`NodeConfig::from_env`] says.
+    pub fn start() -> Result<Node> {
+        Node::start_with(&NodeConfig::from_env()?)
+    }
+
+    /// Starts a node on `config.xfs` (or its own loop XFS) and imports
+    /// `config.image` with `ctr images import --snapshotter twig`; on any
+    /// failure, what was started is stopped and removed again.
+    pub fn start_with(config: &NodeConfig) -> Result<Node> {
+        require(&[
+            "containerd",
+            "ctr",
+            "runc",
+            Runtime::Runc.shim(),
+            "twig-snapshotter",
+            "mkfs.ext4",
+            "debugfs",
+        ])?;
+        let image = &config.image;
+        let xfs = Xfs::open(config.xfs.as_deref())?;
+        let work = tempfile::Builder::new()
+            .prefix("node-")
+            .tempdir_in(xfs.path())
+            .map_err(io(format!(
+                "creating a node dir in {}",
+                xfs.path().display()
+            )))?;
+        let dir = work.path().to_path_buf();
+
+        let snap_socket = dir.join("twig.sock");
+        let mut snapshotter = Daemon::spawn(
+            "twig-snapshotter",
+            Command::new("twig-snapshotter")
+                .arg("--root")
+                .arg(dir.join("snapshotter"))
+                .arg("--address")
+                .arg(&snap_socket)
+                .args(["--image-size-mib", IMAGE_MIB])
+                .env("RUST_LOG", "info"),
+            dir.join("twig-snapshotter.log"),
+        )?;
+        snapshotter.wait_for_socket(&snap_socket, START)?;
+
+        let cdir = dir.join("containerd");
+        fs::create_dir(&cdir).map_err(io(format!("creating {}", cdir.display())))?;
+        let config_file = cdir.join("config.toml");
+        fs::write(&config_file, containerd_config(&cdir, &snap_socket))
+            .map_err(io(format!("writing {}", config_file.display())))?;
+        // containerd's environment is its shims'.
+        let shim_file = dir.join("shim.json");
+        fs::write(
+            &shim_file,
+            shim_config(&dir, &template_dir(&xfs, &dir), config.guest.as_ref()).to_string(),
+        )
+        .map_err(io(format!("writing {}", shim_file.display())))?;
+        let socket = cdir.join("containerd.sock");
+        let mut containerd = Daemon::spawn(
+            "containerd",
+            Command::new("containerd")
+                .arg("--config")
+                .arg(&config_file)
+                .env("TWIG_SHIM_CONFIG", &shim_file),
+            cdir.join("containerd.log"),
+        )?;
+        containerd.wait_for_socket(&socket, START)?;
+
+        let node = Node {
+            containerd,
+            snapshotter,
+            socket,
+            work: Some(work),
+            _xfs: xfs,
+        };
+        node.ctr_ok([
+            OsStr::new("images"),
+            OsStr::new("import"),
+            OsStr::new("--snapshotter"),
+            OsStr::new("twig"),
+            image.as_os_str(),
+        ])?;
+        let images = node.ctr_ok(["images", "ls", "-q"])?;
+        if !images.lines().any(|l| l == IMAGE_REF) {
+            return Err(Error::Environment(format!(
+                "{} did not hold {IMAGE_REF} (containerd has: {images:?}); \
+                 build it with e2e/build-image.sh",
+                image.display()
+            )));
+        }
+        Ok(node)
+    }
+
+    /// containerd's socket.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// `ctr` against this node's containerd in [`NAMESPACE`], within a
+    /// deadline, whatever its exit status.
+    pub fn ctr<I, S>(&self, args: I) -> Result<Output>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        self.ctr_within(args, CTR)
+    }
+
+    fn ctr_within<I, S>(&self, args: I, within: Duration) -> Result<Output>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        run(&mut self.ctr_command(args), within)
+    }
+
+    fn ctr_command<I, S>(&self, args: I) -> Command
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let mut cmd = Command::new("ctr");
+        cmd.arg("--address")
+            .arg(&self.socket)
+            .args(["--namespace", NAMESPACE])
+            .args(args);
+        cmd
+    }
+
+    /// `ctr` against this node's containerd in [`NAMESPACE`], in the
+    /// background (e.g. a `ctr run` or `ctr task exec` waiting for its
+    /// process while the test signals, pauses or measures it).
+    pub fn ctr_background<I, S>(&self, args: I) -> Result<Background>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        Background::spawn(&mut self.ctr_command(args))
+    }
+
+    /// `ctr` against this node's containerd in [`NAMESPACE`] with a new
+    /// pseudo-terminal as its stdin, stdout and stderr (what `ctr run -t`
+    /// and `ctr task exec -t` need), within a deadline; the terminal's
+    /// output is the result's stdout.
+    pub fn ctr_tty<I, S>(&self, args: I) -> Result<Output>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        run_on_pty(&mut self.ctr_command(args), CTR)
+    }
+
+    /// [`Node::ctr`] that fails on a failure status; returns stdout.
+    pub fn ctr_ok<I, S>(&self, args: I) -> Result<String>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<OsStr>,
+    {
+        let args: Vec<S> = args.into_iter().collect();
+        let what = format!(
+            "ctr {}",
+            args.iter()
+                .map(|a| a.as_ref().to_string_lossy())
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+        let out = self.ctr(&args)?;
+        if out.status.success() {
+            Ok(out.stdout)
+        } else {
+            Err(Error::Failed {
+                what,
+                status: out.status,
+                output: format!("stdout: {}\nstderr: {}", out.stdout, out.stderr),
+            })
+        }
+    }
+
+    /// `ctr run --rm --runtime <runtime> --snapshotter twig` of the test
+    /// image as container `id`, running `argv`, without a TTY; the output
+    /// and exit status are the container's.
+    pub fn run(&self, runtime: Runtime, id: &str, argv: &[&str]) -> Result<Output> {
+        let mut args = vec![
+            "run",
+            "--rm",
+            "--runtime",
+            runtime.name(),
+            "--snapshotter",
+            "twig",
+            IMAGE_REF,
+            id,
+        ];
+        args.extend_from_slice(argv);
+        self.ctr(args)
+    }
+
+    /// The end of containerd's and twig-snapshotter's logs, and of the twig
+    /// shim's VM logs (VMM, serial console), for a failing test's message.
+    pub fn logs(&self) -> String {
+        let mut text = format!(
+            "--- containerd ({}):\n{}\n--- twig-snapshotter ({}):\n{}",
+            self.containerd.log().display(),
+            tail(self.containerd.log(), 40),
+            self.snapshotter.log().display(),
+            tail(self.snapshotter.log(), 40)
+        );
+        if let Some(work) = &self.work {
+            for log in log_files(&work.path().join("shim"), 3) {
+                text.push_str(&format!("\n--- {}:\n{}", log.display(), tail(&log, 40)));
+            }
+        }
+        text
+    }
+
+    /// Kills and deletes what is left of the node's tasks, stops containerd,
+    /// its shims and the snapshotter by PID, and removes the node's files.
+    fn teardown(&mut self) {
+        if self.containerd.pid().is_some() {
+            let tasks = self
+                .ctr_within(["tasks", "ls", "-q"], TEARDOWN)
+                .map(|o| o.stdout)
+                .unwrap_or_default();
+            for id in tasks.lines().filter(|l| !l.is_empty()) {
+                // Best effort: the shims are killed below in any case.
+                let _ = self.ctr_within(["tasks", "rm", "-f", id], TEARDOWN);
+            }
+        }
+        self.containerd.stop();
+        // Shims outlive containerd; each names its socket in `-address`.
+        kill_processes_with_arg(&self.socket.to_string_lossy());
+        self.snapshotter.stop();
+        if let Some(work) = self.work.take() {
+            unmount_all_under(work.path());
+            // Removing is best effort: an own XFS goes away with its image.
+            let _ = work.close();
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        // The XFS (a field) is unmounted after this, once nothing uses it.
+        self.teardown();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_names_the_proxy_snapshotter_and_both_runtimes() {
+        let c = containerd_config(Path::new("/n/containerd"), Path::new("/n/twig.sock"));
+        assert!(
+            c.contains("[proxy_plugins.twig]\n  type = \"snapshot\"\n  address = \"/n/twig.sock\"")
+        );
+        assert!(c.contains("address = \"/n/containerd/containerd.sock\""));
+        assert!(c.contains("runtime_type = \"io.containerd.twig.v2\""));
+        assert!(c.contains("runtime_type = \"io.containerd.runc.v2\""));
+        assert!(c.contains("snapshotter = \"twig\""));
+    }
+
+    #[test]
+    fn shim_config_keeps_the_shim_in_the_node_and_boots_the_given_guest() {
+        let guest = Guest {
+            kernel: PathBuf::from("/guest/bzImage"),
+            initrd: PathBuf::from("/guest/agent-initrd"),
+        };
+        let c = shim_config(Path::new("/n"), Path::new("/t/base"), Some(&guest));
+        assert_eq!(c["state_root"], "/n/shim");
+        assert_eq!(c["template"]["dir"], "/t/base");
+        assert_eq!(c["template"]["kernel"], "/guest/bzImage");
+        assert_eq!(c["template"]["initrd"], "/guest/agent-initrd");
+        let bare = shim_config(Path::new("/n"), Path::new("/t/base"), None);
+        assert!(bare["template"].get("kernel").is_none(), "{bare}");
+    }
+
+    #[test]
+    fn mounts_under_finds_escaped_paths_deepest_first() {
+        let table = "\
+22 1 8:1 / / rw - ext4 /dev/sda1 rw
+90 22 7:0 / /x/node-1 rw - xfs /dev/loop0 rw
+91 90 7:1 / /x/node-1/a\\040b/rootfs rw - ext4 /dev/loop1 rw
+92 22 7:2 / /x/node-10 rw - xfs /dev/loop2 rw
+";
+        assert_eq!(
+            mounts_under(table, Path::new("/x/node-1")),
+            vec![
+                PathBuf::from("/x/node-1/a b/rootfs"),
+                PathBuf::from("/x/node-1")
+            ]
+        );
+    }
+}

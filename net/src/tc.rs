@@ -1,0 +1,196 @@
+//! Attaching a program to the ingress of an interface, as a TCX link or as a
+//! netlink tc filter, and removing a netlink filter again. Runs in the pod's
+//! namespace.
+
+use std::path::Path;
+
+use aya::programs::links::{FdLink, Link, LinkOrder};
+use aya::programs::tc::{qdisc_add_clsact, NlOptions, SchedClassifierLink, TcAttachOptions};
+use aya::programs::{SchedClassifier, TcAttachType, TcError, TcHandle};
+use aya::Ebpf;
+
+use crate::error::Context;
+use crate::support::AttachMode;
+use crate::Error;
+
+/// What an attach left in place.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Attached {
+    /// A TCX link, pinned (its pin keeps it attached).
+    Tcx,
+    /// A direct-action filter on the interface's `clsact` qdisc.
+    Filter {
+        /// The filter's priority (chosen by the kernel).
+        prio: u16,
+        /// The filter's handle (chosen by the kernel).
+        handle: u32,
+    },
+}
+
+/// The loaded classifier `name` of `ebpf`.
+pub(crate) fn program<'a>(
+    ebpf: &'a mut Ebpf,
+    name: &'static str,
+) -> Result<&'a mut SchedClassifier, Error> {
+    ebpf.program_mut(name)
+        .ok_or_else(|| Error::Bpf {
+            what: format!("the embedded object has no program {name}"),
+            source: "missing".into(),
+        })?
+        .try_into()
+        .context(|| format!("program {name} is not a tc classifier"))
+}
+
+/// The two classifiers of `ebpf`, `first` and `second`, borrowed together
+/// (to attach them from two threads).
+pub(crate) fn two_programs<'a>(
+    ebpf: &'a mut Ebpf,
+    first: &'static str,
+    second: &'static str,
+) -> Result<(&'a mut SchedClassifier, &'a mut SchedClassifier), Error> {
+    let (mut a, mut b) = (None, None);
+    for (name, program) in ebpf.programs_mut() {
+        if name == first {
+            a = Some(program);
+        } else if name == second {
+            b = Some(program);
+        }
+    }
+    let classifier = |program: Option<&'a mut aya::programs::Program>, name: &'static str| {
+        program
+            .ok_or_else(|| Error::Bpf {
+                what: format!("the embedded object has no program {name}"),
+                source: "missing".into(),
+            })?
+            .try_into()
+            .context(|| format!("program {name} is not a tc classifier"))
+    };
+    Ok((classifier(a, first)?, classifier(b, second)?))
+}
+
+/// Attaches `program` (named `name`) to the ingress of `interface`. In TCX
+/// mode the link is pinned at `link_pin`; in netlink mode a `clsact` qdisc is
+/// added unless the interface has one, then a filter whose priority and
+/// handle are returned (the caller records them).
+pub(crate) fn attach(
+    program: &mut SchedClassifier,
+    name: &'static str,
+    interface: &str,
+    mode: AttachMode,
+    link_pin: &Path,
+) -> Result<Attached, Error> {
+    match mode {
+        AttachMode::Tcx => {
+            let link_id = program
+                .attach_with_options(
+                    interface,
+                    TcAttachType::Ingress,
+                    TcAttachOptions::TcxOrder(LinkOrder::default()),
+                )
+                .context(|| format!("attaching {name} to the ingress of {interface} (TCX)"))?;
+            let link = program
+                .take_link(link_id)
+                .context(|| format!("taking the link of {name}"))?;
+            let link: FdLink = link
+                .try_into()
+                .context(|| format!("the link of {name} is not a BPF link"))?;
+            link.pin(link_pin)
+                .context(|| format!("pinning the link of {name} at {}", link_pin.display()))?;
+            Ok(Attached::Tcx)
+        }
+        AttachMode::Netlink => {
+            match qdisc_add_clsact(interface) {
+                Ok(()) => {}
+                Err(TcError::NetlinkError(e)) if e.raw_os_error() == Some(libc::EEXIST) => {}
+                Err(e) => {
+                    return Err(e).context(|| format!("adding a clsact qdisc to {interface}"))
+                }
+            }
+            let link_id = program
+                .attach_with_options(
+                    interface,
+                    TcAttachType::Ingress,
+                    TcAttachOptions::Netlink(NlOptions::default()),
+                )
+                .context(|| {
+                    format!("attaching {name} to the ingress of {interface} (tc filter)")
+                })?;
+            let link = program
+                .take_link(link_id)
+                .context(|| format!("taking the filter of {name}"))?;
+            let attached = Attached::Filter {
+                prio: link.priority().context(|| "the filter's priority".into())?,
+                handle: link
+                    .handle()
+                    .context(|| "the filter's handle".into())?
+                    .into(),
+            };
+            // Dropping the link would delete the filter: the filter now
+            // belongs to the pod's record (priority and handle, written by the
+            // caller), not to this process. The link holds no descriptor.
+            std::mem::forget(link);
+            Ok(attached)
+        }
+    }
+}
+
+/// Deletes the ingress filter (`prio`, `handle`) of `interface`. A filter
+/// that is already gone is not an error.
+pub(crate) fn detach_filter(interface: &str, prio: u16, handle: u32) -> Result<(), Error> {
+    let link = SchedClassifierLink::attached(
+        interface,
+        TcAttachType::Ingress,
+        prio,
+        TcHandle::from(handle),
+        None,
+    )
+    .context(|| format!("no interface {interface}"))?;
+    match link.detach() {
+        Ok(()) => Ok(()),
+        Err(aya::programs::ProgramError::NetlinkError(e))
+            if e.raw_os_error() == Some(libc::ENOENT) =>
+        {
+            tracing::warn!(interface, prio, handle, "tc filter already gone");
+            Ok(())
+        }
+        Err(e) => Err(e).context(|| {
+            format!("deleting the tc filter {prio}:{handle:#x} from the ingress of {interface}")
+        }),
+    }
+}
+
+/// Netlink filters attached during a failed set-up, deleted when it unwinds.
+pub(crate) struct FilterGuard {
+    filters: Vec<(String, u16, u32)>,
+}
+
+impl FilterGuard {
+    /// An empty guard.
+    pub fn new() -> Self {
+        Self {
+            filters: Vec::new(),
+        }
+    }
+
+    /// Remembers a filter to delete if the set-up fails.
+    pub fn push(&mut self, interface: &str, attached: Attached) {
+        if let Attached::Filter { prio, handle } = attached {
+            self.filters.push((interface.to_owned(), prio, handle));
+        }
+    }
+
+    /// The set-up succeeded: the filters stay.
+    pub fn disarm(mut self) {
+        self.filters.clear();
+    }
+}
+
+impl Drop for FilterGuard {
+    fn drop(&mut self) {
+        for (interface, prio, handle) in self.filters.drain(..) {
+            if let Err(e) = detach_filter(&interface, prio, handle) {
+                tracing::warn!(error = %e, "cannot delete a tc filter of a failed attach");
+            }
+        }
+    }
+}

@@ -1,0 +1,944 @@
+//! The Task service (containerd's shim API) for the containers of one pod.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use containerd_shim::asynchronous::ExitSignal;
+use containerd_shim_protos::api;
+use containerd_shim_protos::cgroups::metrics::{
+    CPUStat, CPUUsage, MemoryEntry, MemoryStat, Metrics, PidsStat,
+};
+use containerd_shim_protos::events::task::{
+    TaskCreate, TaskDelete, TaskExecAdded, TaskExecStarted, TaskExit, TaskIO, TaskPaused,
+    TaskResumed, TaskStart,
+};
+use containerd_shim_protos::protobuf::well_known_types::any::Any;
+use containerd_shim_protos::protobuf::{EnumOrUnknown, MessageDyn, MessageField, MessageFull};
+use containerd_shim_protos::shim_async::Task;
+use containerd_shim_protos::topics;
+use containerd_shim_protos::ttrpc::r#async::TtrpcContext;
+use containerd_shim_protos::ttrpc::Result as TtrpcResult;
+use containerd_shim_protos::types::task::{ProcessInfo, Status};
+use tokio::sync::{mpsc, oneshot};
+use twig_agent::client::Stream;
+
+use crate::error::{Error, Result};
+use crate::process::{timestamp, Container, Exited, Origin, Phase, Proc};
+use crate::sandbox::{Launcher, Sandbox};
+use crate::spec;
+use crate::stdio::{self, StdioPaths};
+
+/// How long a server-side wait of the agent lasts before it is asked again.
+const AGENT_WAIT: Duration = Duration::from_secs(30);
+/// After a process exits, how long its output may take to drain before
+/// the exit is reported anyway.
+const DRAIN_DEADLINE: Duration = Duration::from_secs(5);
+
+/// An event for containerd's event service.
+pub struct Event {
+    /// The topic (`/tasks/exit`, …).
+    pub topic: &'static str,
+    /// The event message (`TaskExit`, …).
+    pub message: Box<dyn MessageDyn>,
+}
+
+/// Where events go; the server forwards them to containerd.
+pub type EventTx = mpsc::UnboundedSender<Event>;
+
+/// The Task service of one shim.
+#[derive(Clone)]
+pub struct TaskService {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    launcher: Arc<dyn Launcher>,
+    sandbox: tokio::sync::Mutex<Option<Arc<dyn Sandbox>>>,
+    containers: Mutex<HashMap<String, Container>>,
+    /// The guest pid of the pod's first container's init: other containers
+    /// join its namespaces.
+    sandbox_init: Mutex<Option<u32>>,
+    paused: Mutex<bool>,
+    events: EventTx,
+    exit: Arc<ExitSignal>,
+    timeout: Duration,
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::Internal(format!("blocking task: {e}")))?
+}
+
+fn shim_pid() -> u32 {
+    std::process::id()
+}
+
+impl TaskService {
+    /// A service whose sandbox comes from `launcher`, publishing to
+    /// `events`, signalling `exit` when containerd shuts it down.
+    pub fn new(
+        launcher: Arc<dyn Launcher>,
+        events: EventTx,
+        exit: Arc<ExitSignal>,
+        timeout: Duration,
+    ) -> TaskService {
+        TaskService {
+            inner: Arc::new(Inner {
+                launcher,
+                sandbox: tokio::sync::Mutex::new(None),
+                containers: Mutex::new(HashMap::new()),
+                sandbox_init: Mutex::new(None),
+                paused: Mutex::new(false),
+                events,
+                exit,
+                timeout,
+            }),
+        }
+    }
+
+    fn containers(&self) -> MutexGuard<'_, HashMap<String, Container>> {
+        self.inner
+            .containers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn publish(&self, topic: &'static str, message: Box<dyn MessageDyn>) {
+        if self.inner.events.send(Event { topic, message }).is_err() {
+            tracing::warn!(topic, "event dropped: the publisher is gone");
+        }
+    }
+
+    async fn sandbox(&self) -> Result<Arc<dyn Sandbox>> {
+        self.inner
+            .sandbox
+            .lock()
+            .await
+            .clone()
+            .ok_or_else(|| Error::FailedPrecondition("the pod's VM does not exist yet".into()))
+    }
+
+    fn with_proc<R>(
+        &self,
+        id: &str,
+        exec_id: &str,
+        f: impl FnOnce(&mut Proc) -> Result<R>,
+    ) -> Result<R> {
+        let mut containers = self.containers();
+        let c = containers
+            .get_mut(id)
+            .ok_or_else(|| Error::NotFound(format!("container {id} not found")))?;
+        let p = c.process(exec_id).ok_or_else(|| {
+            Error::NotFound(format!("process {exec_id} of container {id} not found"))
+        })?;
+        f(p)
+    }
+
+    async fn do_create(&self, req: api::CreateTaskRequest) -> Result<api::CreateTaskResponse> {
+        if req.id.is_empty() {
+            return Err(Error::InvalidArgument("create: empty container id".into()));
+        }
+        if !req.checkpoint.is_empty() {
+            return Err(Error::Unimplemented(
+                "create from a checkpoint: use twig.dev/restore-from".into(),
+            ));
+        }
+        if self.containers().contains_key(&req.id) {
+            return Err(Error::AlreadyExists(format!(
+                "container {} already exists",
+                req.id
+            )));
+        }
+        let bundle = PathBuf::from(&req.bundle);
+        let oci = spec::read_spec(&bundle)?;
+        let image = spec::rootfs_image(&req.id, &req.rootfs)?;
+        let read_only = spec::root_read_only(&oci);
+        let paths = StdioPaths {
+            stdin: req.stdin.clone(),
+            stdout: req.stdout.clone(),
+            stderr: req.stderr.clone(),
+            terminal: req.terminal,
+        };
+        let opened = paths.open().await?;
+        let sandbox = {
+            let mut slot = self.inner.sandbox.lock().await;
+            match slot.as_ref() {
+                Some(s) => s.clone(),
+                None => {
+                    let group = spec::grouping(&req.id, &oci);
+                    let launcher = self.inner.launcher.clone();
+                    let b = bundle.clone();
+                    let s = blocking(move || launcher.launch(&group, &b)).await?;
+                    *slot = Some(s.clone());
+                    s
+                }
+            }
+        };
+        let sandbox_init = *self
+            .inner
+            .sandbox_init
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let guest = spec::guest_spec(oci, sandbox_init)?;
+        let spec_json = serde_json::to_vec(&guest)
+            .map_err(|e| Error::Internal(format!("encoding the OCI spec: {e}")))?;
+        let id = req.id.clone();
+        let sb = sandbox.clone();
+        let attachment =
+            blocking(move || sb.create_container(&id, &image, read_only, &spec_json)).await?;
+        let container = Container {
+            id: req.id.clone(),
+            bundle,
+            origin: Origin::Created,
+            attachment,
+            init: Proc::new("", paths, opened, Vec::new()),
+            execs: HashMap::new(),
+        };
+        self.containers().insert(req.id.clone(), container);
+        self.publish(
+            topics::TASK_CREATE_EVENT_TOPIC,
+            Box::new(TaskCreate {
+                container_id: req.id.clone(),
+                bundle: req.bundle.clone(),
+                rootfs: req.rootfs.clone(),
+                io: MessageField::some(TaskIO {
+                    stdin: req.stdin.clone(),
+                    stdout: req.stdout.clone(),
+                    stderr: req.stderr.clone(),
+                    terminal: req.terminal,
+                    ..Default::default()
+                }),
+                pid: shim_pid(),
+                ..Default::default()
+            }),
+        );
+        Ok(api::CreateTaskResponse {
+            pid: shim_pid(),
+            ..Default::default()
+        })
+    }
+
+    async fn do_start(&self, req: api::StartRequest) -> Result<api::StartResponse> {
+        let (opened, terminal, process_json) = self.with_proc(&req.id, &req.exec_id, |p| {
+            if p.phase != Phase::Created {
+                return Err(Error::FailedPrecondition(format!(
+                    "process {}/{} was already started",
+                    req.id, req.exec_id
+                )));
+            }
+            Ok((
+                p.opened.take().unwrap_or_default(),
+                p.stdio.terminal,
+                p.process_json.clone(),
+            ))
+        })?;
+        let sandbox = self.sandbox().await?;
+        let (id, exec_id) = (req.id.clone(), req.exec_id.clone());
+        let sb = sandbox.clone();
+        let timeout = self.inner.timeout;
+        let started = blocking(move || {
+            if exec_id.is_empty() {
+                sb.agent()
+                    .start_container(&id, timeout)
+                    .map_err(|e| Error::agent(format!("starting container {id}"), e))
+            } else {
+                sb.agent()
+                    .exec_process(&id, &exec_id, &process_json, timeout)
+                    .map_err(|e| Error::agent(format!("starting exec {exec_id} in {id}"), e))
+            }
+        })
+        .await;
+        let guest_pid = match started {
+            Ok(pid) => pid,
+            Err(e) => {
+                // Nothing runs: the process stays created, its stdio closed.
+                return Err(e);
+            }
+        };
+        if req.exec_id.is_empty() {
+            let mut init = self
+                .inner
+                .sandbox_init
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            init.get_or_insert(guest_pid);
+        }
+        let mut copiers = Vec::new();
+        let agent = sandbox.agent().clone();
+        let streams = [
+            (Stream::Stdout, opened.stdout),
+            (Stream::Stderr, opened.stderr),
+        ];
+        for (stream, out) in streams {
+            let Some(out) = out else { continue };
+            let (a, id, e) = (agent.clone(), req.id.clone(), req.exec_id.clone());
+            let read: stdio::ReadFn = Arc::new(move || {
+                a.read_stream(&id, &e, stream, stdio::CHUNK, AGENT_WAIT)
+                    .map_err(|err| Error::agent(format!("reading {stream:?} of {id}/{e}"), err))
+            });
+            copiers.push(stdio::copy_out(read, out));
+        }
+        let (close_tx, stdin_copier) = match opened.stdin {
+            Some(fifo) => {
+                let (tx, rx) = oneshot::channel();
+                let (a, id, e) = (agent.clone(), req.id.clone(), req.exec_id.clone());
+                let write: stdio::WriteFn = Arc::new(move |d: &[u8]| {
+                    a.write_stdin(&id, &e, d, timeout)
+                        .map_err(|err| Error::agent(format!("writing stdin of {id}/{e}"), err))
+                });
+                let (a, id, e) = (agent.clone(), req.id.clone(), req.exec_id.clone());
+                let close: stdio::CloseFn = Arc::new(move || {
+                    a.close_stdin(&id, &e, timeout)
+                        .map_err(|err| Error::agent(format!("closing stdin of {id}/{e}"), err))
+                });
+                (Some(tx), Some(stdio::copy_in(fifo, rx, write, close)))
+            }
+            None => {
+                if !terminal {
+                    // No stdin: the process reads end of file, as under runc.
+                    let (a, id, e) = (agent.clone(), req.id.clone(), req.exec_id.clone());
+                    if let Err(err) = blocking(move || {
+                        a.close_stdin(&id, &e, timeout)
+                            .map_err(|err| Error::agent("closing stdin", err))
+                    })
+                    .await
+                    {
+                        tracing::debug!("closing an unused stdin: {err}");
+                    }
+                }
+                (None, None)
+            }
+        };
+        self.with_proc(&req.id, &req.exec_id, |p| {
+            p.phase = Phase::Running;
+            p.guest_pid = guest_pid;
+            p.close_stdin = close_tx;
+            p.stdin_copier = stdin_copier;
+            Ok(())
+        })?;
+        self.watch_exit(agent, req.id.clone(), req.exec_id.clone(), copiers);
+        if req.exec_id.is_empty() {
+            self.publish(
+                topics::TASK_START_EVENT_TOPIC,
+                Box::new(TaskStart {
+                    container_id: req.id.clone(),
+                    pid: shim_pid(),
+                    ..Default::default()
+                }),
+            );
+        } else {
+            self.publish(
+                topics::TASK_EXEC_STARTED_EVENT_TOPIC,
+                Box::new(TaskExecStarted {
+                    container_id: req.id.clone(),
+                    exec_id: req.exec_id.clone(),
+                    pid: shim_pid(),
+                    ..Default::default()
+                }),
+            );
+        }
+        Ok(api::StartResponse {
+            pid: shim_pid(),
+            ..Default::default()
+        })
+    }
+
+    /// Waits (through the agent) for the process to exit, lets its output
+    /// drain, records the exit and publishes TaskExit.
+    fn watch_exit(
+        &self,
+        agent: twig_agent::client::AgentClient,
+        id: String,
+        exec_id: String,
+        copiers: Vec<tokio::task::JoinHandle<()>>,
+    ) {
+        let this = self.clone();
+        tokio::spawn(async move {
+            let exit = loop {
+                let (a, i, e) = (agent.clone(), id.clone(), exec_id.clone());
+                let r = blocking(move || {
+                    a.wait_process(&i, &e, AGENT_WAIT)
+                        .map_err(|err| Error::agent(format!("waiting for {i}/{e}"), err))
+                })
+                .await;
+                match r {
+                    Ok(Some(exit)) => break Some(exit),
+                    Ok(None) => continue,
+                    Err(e) => {
+                        tracing::error!(id, exec_id, "lost the process: {e}");
+                        break None;
+                    }
+                }
+            };
+            for c in copiers {
+                if tokio::time::timeout(DRAIN_DEADLINE, c).await.is_err() {
+                    tracing::warn!(
+                        id,
+                        exec_id,
+                        "output did not drain within {DRAIN_DEADLINE:?}"
+                    );
+                }
+            }
+            let exited = match exit {
+                Some(e) => Exited::from_agent(e, SystemTime::now()),
+                None => Exited {
+                    status: 255,
+                    at: SystemTime::now(),
+                },
+            };
+            let recorded = this.with_proc(&id, &exec_id, |p| {
+                p.phase = Phase::Stopped;
+                if let Some(tx) = p.close_stdin.take() {
+                    let _ = tx.send(());
+                }
+                p.exit.send_replace(Some(exited));
+                Ok(())
+            });
+            if recorded.is_ok() {
+                this.publish(
+                    topics::TASK_EXIT_EVENT_TOPIC,
+                    Box::new(TaskExit {
+                        container_id: id.clone(),
+                        id: if exec_id.is_empty() {
+                            id.clone()
+                        } else {
+                            exec_id.clone()
+                        },
+                        pid: shim_pid(),
+                        exit_status: exited.status,
+                        exited_at: timestamp(exited.at),
+                        ..Default::default()
+                    }),
+                );
+            }
+        });
+    }
+
+    async fn do_delete(&self, req: api::DeleteRequest) -> Result<api::DeleteResponse> {
+        if !req.exec_id.is_empty() {
+            let exited = {
+                let mut containers = self.containers();
+                let c = containers
+                    .get_mut(&req.id)
+                    .ok_or_else(|| Error::NotFound(format!("container {} not found", req.id)))?;
+                let p = c.execs.get(&req.exec_id).ok_or_else(|| {
+                    Error::NotFound(format!("exec {} of {} not found", req.exec_id, req.id))
+                })?;
+                if p.phase == Phase::Running {
+                    return Err(Error::FailedPrecondition(format!(
+                        "exec {} of {} is running",
+                        req.exec_id, req.id
+                    )));
+                }
+                let exited = p.exited();
+                c.execs.remove(&req.exec_id);
+                exited
+            };
+            return Ok(delete_response(exited));
+        }
+        let (exited, attachment) = {
+            let containers = self.containers();
+            let c = containers
+                .get(&req.id)
+                .ok_or_else(|| Error::NotFound(format!("container {} not found", req.id)))?;
+            if c.init.phase == Phase::Running {
+                return Err(Error::FailedPrecondition(format!(
+                    "container {} is running; kill it first",
+                    req.id
+                )));
+            }
+            (c.init.exited(), c.attachment.clone())
+        };
+        let sandbox = self.sandbox().await?;
+        let (id, timeout) = (req.id.clone(), self.inner.timeout);
+        blocking(move || {
+            match sandbox.agent().remove_container(&id, timeout) {
+                Ok(()) => {}
+                Err(e) if e.status_code() == Some("NOT_FOUND") => {}
+                Err(e) => return Err(Error::agent(format!("removing container {id}"), e)),
+            }
+            sandbox.detach(&attachment)
+        })
+        .await?;
+        self.containers().remove(&req.id);
+        let resp = delete_response(exited);
+        self.publish(
+            topics::TASK_DELETE_EVENT_TOPIC,
+            Box::new(TaskDelete {
+                container_id: req.id.clone(),
+                id: req.id.clone(),
+                pid: resp.pid,
+                exit_status: resp.exit_status,
+                exited_at: resp.exited_at.clone(),
+                ..Default::default()
+            }),
+        );
+        Ok(resp)
+    }
+
+    async fn do_kill(&self, req: api::KillRequest) -> Result<()> {
+        let phase = self.with_proc(&req.id, &req.exec_id, |p| Ok(p.phase))?;
+        match phase {
+            Phase::Stopped => {
+                return Err(Error::NotFound(format!(
+                    "process {}/{}: process already finished",
+                    req.id, req.exec_id
+                )))
+            }
+            Phase::Created => {
+                return Err(Error::FailedPrecondition(format!(
+                    "process {}/{} is not started; delete it instead",
+                    req.id, req.exec_id
+                )))
+            }
+            Phase::Running => {}
+        }
+        let sandbox = self.sandbox().await?;
+        let timeout = self.inner.timeout;
+        blocking(move || {
+            sandbox
+                .agent()
+                .signal_process(&req.id, &req.exec_id, req.signal, timeout)
+                .map_err(|e| {
+                    Error::agent(
+                        format!("signal {} to {}/{}", req.signal, req.id, req.exec_id),
+                        e,
+                    )
+                })
+        })
+        .await
+    }
+
+    async fn do_exec(&self, req: api::ExecProcessRequest) -> Result<()> {
+        if req.exec_id.is_empty() {
+            return Err(Error::InvalidArgument("exec: empty exec id".into()));
+        }
+        let process_json = req
+            .spec
+            .as_ref()
+            .map(|a| a.value.clone())
+            .filter(|v| !v.is_empty())
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("exec {}: no process spec", req.exec_id))
+            })?;
+        serde_json::from_slice::<serde_json::Value>(&process_json).map_err(|e| {
+            Error::InvalidArgument(format!("exec {}: process spec: {e}", req.exec_id))
+        })?;
+        {
+            let containers = self.containers();
+            let c = containers
+                .get(&req.id)
+                .ok_or_else(|| Error::NotFound(format!("container {} not found", req.id)))?;
+            if c.execs.contains_key(&req.exec_id) {
+                return Err(Error::AlreadyExists(format!(
+                    "exec {} already exists in {}",
+                    req.exec_id, req.id
+                )));
+            }
+            if c.init.phase != Phase::Running {
+                return Err(Error::FailedPrecondition(format!(
+                    "container {} is not running",
+                    req.id
+                )));
+            }
+        }
+        let paths = StdioPaths {
+            stdin: req.stdin.clone(),
+            stdout: req.stdout.clone(),
+            stderr: req.stderr.clone(),
+            terminal: req.terminal,
+        };
+        let opened = paths.open().await?;
+        {
+            let mut containers = self.containers();
+            let c = containers
+                .get_mut(&req.id)
+                .ok_or_else(|| Error::NotFound(format!("container {} not found", req.id)))?;
+            if c.execs.contains_key(&req.exec_id) {
+                return Err(Error::AlreadyExists(format!(
+                    "exec {} already exists in {}",
+                    req.exec_id, req.id
+                )));
+            }
+            c.execs.insert(
+                req.exec_id.clone(),
+                Proc::new(&req.exec_id, paths, opened, process_json),
+            );
+        }
+        self.publish(
+            topics::TASK_EXEC_ADDED_EVENT_TOPIC,
+            Box::new(TaskExecAdded {
+                container_id: req.id.clone(),
+                exec_id: req.exec_id.clone(),
+                ..Default::default()
+            }),
+        );
+        Ok(())
+    }
+
+    async fn do_state(&self, req: api::StateRequest) -> Result<api::StateResponse> {
+        let paused = *self.inner.paused.lock().unwrap_or_else(|p| p.into_inner());
+        let mut containers = self.containers();
+        let c = containers
+            .get_mut(&req.id)
+            .ok_or_else(|| Error::NotFound(format!("container {} not found", req.id)))?;
+        let bundle = c.bundle.display().to_string();
+        let p = c.process(&req.exec_id).ok_or_else(|| {
+            Error::NotFound(format!("process {} of {} not found", req.exec_id, req.id))
+        })?;
+        let status = match (p.phase, paused) {
+            (Phase::Created, _) => Status::CREATED,
+            (Phase::Running, true) => Status::PAUSED,
+            (Phase::Running, false) => Status::RUNNING,
+            (Phase::Stopped, _) => Status::STOPPED,
+        };
+        let exited = p.exited();
+        Ok(api::StateResponse {
+            id: req.id.clone(),
+            bundle,
+            pid: shim_pid(),
+            status: EnumOrUnknown::new(status),
+            stdin: p.stdio.stdin.clone(),
+            stdout: p.stdio.stdout.clone(),
+            stderr: p.stdio.stderr.clone(),
+            terminal: p.stdio.terminal,
+            exit_status: exited.map(|e| e.status).unwrap_or_default(),
+            exited_at: exited.map(|e| timestamp(e.at)).unwrap_or_default(),
+            exec_id: req.exec_id.clone(),
+            ..Default::default()
+        })
+    }
+
+    async fn do_wait(&self, req: api::WaitRequest) -> Result<api::WaitResponse> {
+        let mut rx = self.with_proc(&req.id, &req.exec_id, |p| Ok(p.exit.subscribe()))?;
+        let exited = *rx.wait_for(Option::is_some).await.map_err(|_| {
+            Error::NotFound(format!("process {}/{} was deleted", req.id, req.exec_id))
+        })?;
+        let exited = exited.ok_or_else(|| Error::Internal("exit without a status".into()))?;
+        Ok(api::WaitResponse {
+            exit_status: exited.status,
+            exited_at: timestamp(exited.at),
+            ..Default::default()
+        })
+    }
+
+    async fn do_close_io(&self, req: api::CloseIORequest) -> Result<()> {
+        if !req.stdin {
+            return Ok(());
+        }
+        let (tx, copier) = self.with_proc(&req.id, &req.exec_id, |p| {
+            Ok((p.close_stdin.take(), p.stdin_copier.take()))
+        })?;
+        if let Some(tx) = tx {
+            let _ = tx.send(());
+        }
+        if let Some(c) = copier {
+            if tokio::time::timeout(self.inner.timeout, c).await.is_err() {
+                return Err(Error::Internal(format!(
+                    "stdin of {}/{} did not close in time",
+                    req.id, req.exec_id
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    async fn do_resize(&self, req: api::ResizePtyRequest) -> Result<()> {
+        let terminal = self.with_proc(&req.id, &req.exec_id, |p| Ok(p.stdio.terminal))?;
+        if !terminal {
+            return Err(Error::FailedPrecondition(format!(
+                "process {}/{} has no terminal",
+                req.id, req.exec_id
+            )));
+        }
+        let sandbox = self.sandbox().await?;
+        let timeout = self.inner.timeout;
+        blocking(move || {
+            sandbox
+                .agent()
+                .resize_tty(&req.id, &req.exec_id, req.height, req.width, timeout)
+                .map_err(|e| {
+                    Error::agent(
+                        format!("resizing the terminal of {}/{}", req.id, req.exec_id),
+                        e,
+                    )
+                })
+        })
+        .await
+    }
+
+    async fn do_pause(&self, resume: bool) -> Result<()> {
+        let sandbox = self.sandbox().await?;
+        blocking(move || {
+            if resume {
+                sandbox.resume()
+            } else {
+                sandbox.pause()
+            }
+        })
+        .await?;
+        *self.inner.paused.lock().unwrap_or_else(|p| p.into_inner()) = !resume;
+        let ids: Vec<String> = self.containers().keys().cloned().collect();
+        for id in ids {
+            if resume {
+                self.publish(
+                    topics::TASK_RESUMED_EVENT_TOPIC,
+                    Box::new(TaskResumed {
+                        container_id: id,
+                        ..Default::default()
+                    }),
+                );
+            } else {
+                self.publish(
+                    topics::TASK_PAUSED_EVENT_TOPIC,
+                    Box::new(TaskPaused {
+                        container_id: id,
+                        ..Default::default()
+                    }),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    async fn do_stats(&self, req: api::StatsRequest) -> Result<api::StatsResponse> {
+        if !self.containers().contains_key(&req.id) {
+            return Err(Error::NotFound(format!("container {} not found", req.id)));
+        }
+        let sandbox = self.sandbox().await?;
+        let timeout = self.inner.timeout;
+        let id = req.id.clone();
+        let s = blocking(move || {
+            sandbox
+                .agent()
+                .stats(&id, timeout)
+                .map_err(|e| Error::agent(format!("stats of {id}"), e))
+        })
+        .await?;
+        Ok(api::StatsResponse {
+            stats: MessageField::some(metrics_any(&metrics(
+                s.memory_rss_bytes,
+                s.cpu_user_us,
+                s.cpu_system_us,
+                s.process_count,
+            ))?),
+            ..Default::default()
+        })
+    }
+
+    async fn do_shutdown(&self, req: api::ShutdownRequest) -> Result<()> {
+        if !req.now && !self.containers().is_empty() {
+            return Ok(());
+        }
+        if let Some(s) = self.inner.sandbox.lock().await.take() {
+            blocking(move || s.shutdown()).await?;
+        }
+        self.inner.exit.signal();
+        Ok(())
+    }
+}
+
+fn delete_response(exited: Option<Exited>) -> api::DeleteResponse {
+    api::DeleteResponse {
+        pid: shim_pid(),
+        exit_status: exited.map(|e| e.status).unwrap_or_default(),
+        exited_at: timestamp(exited.map(|e| e.at).unwrap_or_else(SystemTime::now)),
+        ..Default::default()
+    }
+}
+
+/// The agent's numbers as the cgroups v1 `Metrics` containerd decodes
+/// (`ctr task metrics`, CRI's container stats on a cgroup v1 node): memory
+/// usage and RSS, CPU time in nanoseconds, and the process count.
+pub fn metrics(rss_bytes: u64, user_us: u64, system_us: u64, processes: u32) -> Metrics {
+    let user = user_us.saturating_mul(1000);
+    let kernel = system_us.saturating_mul(1000);
+    Metrics {
+        pids: MessageField::some(PidsStat {
+            current: u64::from(processes),
+            ..Default::default()
+        }),
+        cpu: MessageField::some(CPUStat {
+            usage: MessageField::some(CPUUsage {
+                total: user.saturating_add(kernel),
+                user,
+                kernel,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        memory: MessageField::some(MemoryStat {
+            rss: rss_bytes,
+            total_rss: rss_bytes,
+            usage: MessageField::some(MemoryEntry {
+                usage: rss_bytes,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// Packs metrics the way containerd's typeurl expects: the bare message
+/// name (`io.containerd.cgroups.v1.Metrics`) as the type URL.
+pub fn metrics_any(m: &Metrics) -> Result<Any> {
+    let value = containerd_shim_protos::protobuf::Message::write_to_bytes(m)
+        .map_err(|e| Error::Internal(format!("encoding metrics: {e}")))?;
+    Ok(Any {
+        type_url: Metrics::descriptor().full_name().to_string(),
+        value,
+        ..Default::default()
+    })
+}
+
+#[async_trait]
+impl Task for TaskService {
+    async fn state(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::StateRequest,
+    ) -> TtrpcResult<api::StateResponse> {
+        Ok(self.do_state(req).await?)
+    }
+
+    async fn create(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::CreateTaskRequest,
+    ) -> TtrpcResult<api::CreateTaskResponse> {
+        tracing::info!(id = req.id, bundle = req.bundle, "create");
+        Ok(self.do_create(req).await?)
+    }
+
+    async fn start(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::StartRequest,
+    ) -> TtrpcResult<api::StartResponse> {
+        tracing::info!(id = req.id, exec_id = req.exec_id, "start");
+        Ok(self.do_start(req).await?)
+    }
+
+    async fn delete(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::DeleteRequest,
+    ) -> TtrpcResult<api::DeleteResponse> {
+        tracing::info!(id = req.id, exec_id = req.exec_id, "delete");
+        Ok(self.do_delete(req).await?)
+    }
+
+    async fn pids(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::PidsRequest,
+    ) -> TtrpcResult<api::PidsResponse> {
+        if !self.containers().contains_key(&req.id) {
+            return Err(Error::NotFound(format!("container {} not found", req.id)).into());
+        }
+        Ok(api::PidsResponse {
+            processes: vec![ProcessInfo {
+                pid: shim_pid(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        })
+    }
+
+    async fn pause(&self, _ctx: &TtrpcContext, _req: api::PauseRequest) -> TtrpcResult<api::Empty> {
+        self.do_pause(false).await?;
+        Ok(api::Empty::default())
+    }
+
+    async fn resume(
+        &self,
+        _ctx: &TtrpcContext,
+        _req: api::ResumeRequest,
+    ) -> TtrpcResult<api::Empty> {
+        self.do_pause(true).await?;
+        Ok(api::Empty::default())
+    }
+
+    async fn kill(&self, _ctx: &TtrpcContext, req: api::KillRequest) -> TtrpcResult<api::Empty> {
+        tracing::info!(
+            id = req.id,
+            exec_id = req.exec_id,
+            signal = req.signal,
+            "kill"
+        );
+        self.do_kill(req).await?;
+        Ok(api::Empty::default())
+    }
+
+    async fn exec(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::ExecProcessRequest,
+    ) -> TtrpcResult<api::Empty> {
+        tracing::info!(id = req.id, exec_id = req.exec_id, "exec");
+        self.do_exec(req).await?;
+        Ok(api::Empty::default())
+    }
+
+    async fn resize_pty(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::ResizePtyRequest,
+    ) -> TtrpcResult<api::Empty> {
+        self.do_resize(req).await?;
+        Ok(api::Empty::default())
+    }
+
+    async fn close_io(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::CloseIORequest,
+    ) -> TtrpcResult<api::Empty> {
+        self.do_close_io(req).await?;
+        Ok(api::Empty::default())
+    }
+
+    async fn wait(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::WaitRequest,
+    ) -> TtrpcResult<api::WaitResponse> {
+        Ok(self.do_wait(req).await?)
+    }
+
+    async fn stats(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::StatsRequest,
+    ) -> TtrpcResult<api::StatsResponse> {
+        Ok(self.do_stats(req).await?)
+    }
+
+    async fn connect(
+        &self,
+        _ctx: &TtrpcContext,
+        _req: api::ConnectRequest,
+    ) -> TtrpcResult<api::ConnectResponse> {
+        Ok(api::ConnectResponse {
+            shim_pid: shim_pid(),
+            task_pid: shim_pid(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            ..Default::default()
+        })
+    }
+
+    async fn shutdown(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::ShutdownRequest,
+    ) -> TtrpcResult<api::Empty> {
+        tracing::info!(now = req.now, "shutdown");
+        self.do_shutdown(req).await?;
+        Ok(api::Empty::default())
+    }
+}

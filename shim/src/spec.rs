@@ -1,0 +1,237 @@
+//! The bundle's OCI spec, as the shim reads it: which sandbox a container
+//! belongs to, where its rootfs comes from, and the spec the guest's agent
+//! gets.
+//!
+//! The spec is kept as JSON (`serde_json::Value`) and only the fields the
+//! shim must change are touched, so nothing the agent understands is lost
+//! in a typed round trip.
+
+use std::path::{Path, PathBuf};
+
+use containerd_shim_protos::api::Mount;
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+
+/// CRI's annotation naming a container's pod sandbox.
+pub const SANDBOX_ID_ANNOTATION: &str = "io.kubernetes.cri.sandbox-id";
+/// CRI's annotation saying whether a container is the pod's `sandbox` or a
+/// `container` in it.
+pub const CONTAINER_TYPE_ANNOTATION: &str = "io.kubernetes.cri.container-type";
+/// Groups containers into one shim (one VM) outside CRI, like runc's
+/// `io.containerd.runc.v2.group`.
+pub const GROUP_ANNOTATION: &str = "io.containerd.twig.v2.group";
+
+/// Reads `<bundle>/config.json`.
+pub fn read_spec(bundle: &Path) -> Result<Value> {
+    let path = bundle.join("config.json");
+    let text = std::fs::read(&path)
+        .map_err(|e| Error::io(format!("reading the OCI spec {}", path.display()), e))?;
+    serde_json::from_slice(&text)
+        .map_err(|e| Error::InvalidArgument(format!("OCI spec {}: {e}", path.display())))
+}
+
+/// The spec's annotation `key`, if set.
+pub fn annotation<'a>(spec: &'a Value, key: &str) -> Option<&'a str> {
+    spec.get("annotations")?.get(key)?.as_str()
+}
+
+/// Which shim (and so which VM) a container belongs to, as runc's v2 shim
+/// groups: the group annotation, else CRI's sandbox id, else the container
+/// itself (outside CRI every container is its own sandbox).
+pub fn grouping(id: &str, spec: &Value) -> String {
+    [GROUP_ANNOTATION, SANDBOX_ID_ANNOTATION]
+        .iter()
+        .find_map(|k| annotation(spec, k).filter(|v| !v.is_empty()))
+        .unwrap_or(id)
+        .to_string()
+}
+
+/// Whether the spec's rootfs is read-only (`root.readonly`).
+pub fn root_read_only(spec: &Value) -> bool {
+    spec.pointer("/root/readonly")
+        .and_then(Value::as_bool)
+        .unwrap_or(false)
+}
+
+/// The block image that holds the container's rootfs: the Create request's
+/// single twig-snapshotter mount. Anything else (no mount: a rootfs already
+/// on the host; overlay and other snapshotters) is refused with the way to
+/// fix it.
+pub fn rootfs_image(id: &str, mounts: &[Mount]) -> Result<PathBuf> {
+    let fix =
+        "run it with `--snapshotter twig` (ctr) or set the CRI runtime's snapshotter to `twig`";
+    match mounts {
+        [m] => twig_snapshotter::block_image(&m.type_, &m.source, &m.options).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "container {id}: its rootfs is a {} mount of {}, not a twig-snapshotter block image \
+                 (ext4 with `loop`): the twig runtime hands the rootfs to the VM as a disk; {fix}",
+                m.type_, m.source
+            ))
+        }),
+        [] => Err(Error::InvalidArgument(format!(
+            "container {id}: no rootfs mount; the twig runtime needs a twig-snapshotter block image; {fix}"
+        ))),
+        _ => Err(Error::InvalidArgument(format!(
+            "container {id}: {} rootfs mounts; the twig runtime takes exactly one twig-snapshotter block image; {fix}",
+            mounts.len()
+        ))),
+    }
+}
+
+/// The spec the agent gets: the host's view removed. Network namespaces go
+/// (the containers share the VM's network, which is the pod's), namespace
+/// paths name the pod's first container's namespaces inside the guest
+/// (`/proc/<guest pid>/ns/…`, when `sandbox_init` is known) instead of host
+/// paths, and hooks go (they would run on the host under runc; nothing runs
+/// them in the guest).
+pub fn guest_spec(mut spec: Value, sandbox_init: Option<u32>) -> Result<Value> {
+    if let Some(obj) = spec.as_object_mut() {
+        if obj.remove("hooks").is_some() {
+            tracing::warn!("OCI hooks are not run by the twig runtime; dropped");
+        }
+    }
+    let Some(namespaces) = spec
+        .pointer_mut("/linux/namespaces")
+        .and_then(Value::as_array_mut)
+    else {
+        return Ok(spec);
+    };
+    let mut kept = Vec::with_capacity(namespaces.len());
+    for ns in namespaces.drain(..) {
+        let kind = ns
+            .get("type")
+            .and_then(Value::as_str)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("OCI spec: a namespace without a type: {ns}"))
+            })?
+            .to_string();
+        if kind == "network" {
+            continue;
+        }
+        let has_path = ns
+            .get("path")
+            .and_then(Value::as_str)
+            .is_some_and(|p| !p.is_empty());
+        if !has_path {
+            kept.push(ns);
+            continue;
+        }
+        let file = match kind.as_str() {
+            "pid" => "pid",
+            "ipc" => "ipc",
+            "uts" => "uts",
+            "mount" => "mnt",
+            "cgroup" => "cgroup",
+            other => {
+                return Err(Error::InvalidArgument(format!(
+                    "OCI spec: joining a {other} namespace by path is not supported in a twig VM"
+                )))
+            }
+        };
+        kept.push(match sandbox_init {
+            Some(pid) => {
+                serde_json::json!({"type": kind, "path": format!("/proc/{pid}/ns/{file}")})
+            }
+            None => serde_json::json!({"type": kind}),
+        });
+    }
+    *namespaces = kept;
+    Ok(spec)
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn mount(t: &str, source: &str, options: &[&str]) -> Mount {
+        Mount {
+            type_: t.into(),
+            source: source.into(),
+            options: options.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn grouping_follows_cri_annotations_like_runc() {
+        let bare = json!({"ociVersion": "1.0.2"});
+        assert_eq!(grouping("c1", &bare), "c1");
+        let sandbox = json!({"annotations": {
+            CONTAINER_TYPE_ANNOTATION: "sandbox", SANDBOX_ID_ANNOTATION: "pod1"}});
+        assert_eq!(grouping("pod1", &sandbox), "pod1");
+        let member = json!({"annotations": {
+            CONTAINER_TYPE_ANNOTATION: "container", SANDBOX_ID_ANNOTATION: "pod1"}});
+        assert_eq!(grouping("c2", &member), "pod1");
+        let grouped =
+            json!({"annotations": {GROUP_ANNOTATION: "g", SANDBOX_ID_ANNOTATION: "pod1"}});
+        assert_eq!(grouping("c3", &grouped), "g");
+        let empty = json!({"annotations": {SANDBOX_ID_ANNOTATION: ""}});
+        assert_eq!(grouping("c4", &empty), "c4");
+    }
+
+    #[test]
+    fn rootfs_must_be_one_twig_block_image() {
+        let img = rootfs_image(
+            "c",
+            &[mount("ext4", "/s/snapshots/3/rootfs.img", &["rw", "loop"])],
+        )
+        .unwrap();
+        assert_eq!(img, PathBuf::from("/s/snapshots/3/rootfs.img"));
+        let e = rootfs_image("c", &[mount("overlay", "overlay", &["lowerdir=/a"])]).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)));
+        assert!(
+            e.to_string().contains("--snapshotter twig") && e.to_string().contains("overlay"),
+            "{e}"
+        );
+        let e = rootfs_image("c", &[]).unwrap_err();
+        assert!(e.to_string().contains("--snapshotter twig"), "{e}");
+        let two = [
+            mount("ext4", "/a", &["loop"]),
+            mount("ext4", "/b", &["loop"]),
+        ];
+        assert!(rootfs_image("c", &two)
+            .unwrap_err()
+            .to_string()
+            .contains("2 rootfs mounts"));
+    }
+
+    #[test]
+    fn guest_spec_drops_the_hosts_view() {
+        let spec = json!({
+            "process": {"args": ["sh"]},
+            "root": {"path": "rootfs", "readonly": true},
+            "hooks": {"prestart": [{"path": "/bin/true"}]},
+            "linux": {"namespaces": [
+                {"type": "pid"},
+                {"type": "ipc", "path": "/proc/4242/ns/ipc"},
+                {"type": "uts", "path": "/proc/4242/ns/uts"},
+                {"type": "mount"},
+                {"type": "network", "path": "/var/run/netns/cni-1"}
+            ]}
+        });
+        assert!(root_read_only(&spec));
+        let g = guest_spec(spec.clone(), Some(7)).unwrap();
+        assert!(g.get("hooks").is_none());
+        assert_eq!(g["process"]["args"][0], "sh");
+        assert_eq!(
+            g["linux"]["namespaces"],
+            json!([{"type": "pid"}, {"type": "ipc", "path": "/proc/7/ns/ipc"},
+                   {"type": "uts", "path": "/proc/7/ns/uts"}, {"type": "mount"}])
+        );
+        let g = guest_spec(spec, None).unwrap();
+        assert_eq!(
+            g["linux"]["namespaces"],
+            json!([{"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}])
+        );
+        let bad = json!({"linux": {"namespaces": [{"type": "user", "path": "/proc/1/ns/user"}]}});
+        assert!(matches!(
+            guest_spec(bad, Some(1)),
+            Err(Error::InvalidArgument(_))
+        ));
+        let untyped = json!({"linux": {"namespaces": [{"path": "/x"}]}});
+        assert!(guest_spec(untyped, None).is_err());
+    }
+}

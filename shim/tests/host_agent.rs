@@ -1,0 +1,705 @@
+//! The Task service against a real twig-agent running on the host
+//! (`twig-agent --listen unix://…`, in its own pid and mount namespaces),
+//! through the [`HostSandbox`] seam: containerd's calls arrive over ttrpc,
+//! stdio goes through FIFOs made here, rootfs images are ext4 files
+//! attached as loop devices. Needs root (loop devices, namespaces, mounts)
+//! and the static busybox; it fails, never skips, without them.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use containerd_shim::asynchronous::ExitSignal;
+use containerd_shim_protos::api;
+use containerd_shim_protos::cgroups::metrics::Metrics;
+use containerd_shim_protos::protobuf::well_known_types::any::Any;
+use containerd_shim_protos::protobuf::{Message, MessageField};
+use containerd_shim_protos::shim_async::TaskClient;
+use containerd_shim_protos::ttrpc::context::Context;
+use containerd_shim_protos::ttrpc::r#async::{transport::Listener, Client, Server};
+use containerd_shim_protos::ttrpc::{self, Code};
+use containerd_shim_protos::types::task::Status;
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::unix::pipe;
+use tokio::sync::mpsc;
+use twig_shim::sandbox::{Fixed, HostSandbox};
+use twig_shim::server::task_services;
+use twig_shim::service::{Event, TaskService};
+
+const T: Duration = Duration::from_secs(30);
+
+fn agent_binary() -> PathBuf {
+    if let Some(p) = std::env::var_os("TWIG_AGENT_BIN") {
+        return PathBuf::from(p);
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let st = Command::new(cargo)
+        .current_dir(&root)
+        .args(["build", "-q", "-p", "twig-agent", "--bin", "twig-agent"])
+        .status()
+        .expect("running cargo build -p twig-agent");
+    assert!(st.success(), "building twig-agent failed");
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or(root.join("target"));
+    target.join("debug/twig-agent")
+}
+
+/// The agent in its own pid + mount namespaces; killed (with every
+/// container process) on drop.
+struct Agent {
+    child: Child,
+    socket: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Agent {
+    fn start() -> Agent {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("agent.sock");
+        let state = dir.path().join("state");
+        let script = format!(
+            "exec {} --listen unix://{} --state-dir {}",
+            agent_binary().display(),
+            socket.display(),
+            state.display()
+        );
+        let child = Command::new("unshare")
+            .args([
+                "--pid",
+                "--fork",
+                "--kill-child",
+                "--mount-proc",
+                "sh",
+                "-c",
+                &script,
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.path().join("agent.log")).unwrap())
+            .spawn()
+            .unwrap();
+        Agent {
+            child,
+            socket,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn mkfifo(path: &Path) {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: `c` is a valid NUL-terminated path that outlives the call.
+    let rc = unsafe { libc::mkfifo(c.as_ptr(), 0o600) };
+    assert_eq!(rc, 0, "mkfifo: {}", std::io::Error::last_os_error());
+}
+
+struct Fixture {
+    client: TaskClient,
+    events: mpsc::UnboundedReceiver<Event>,
+    dir: tempfile::TempDir,
+    exit: Arc<ExitSignal>,
+    _server: Server,
+    _agent: Agent,
+}
+
+async fn fixture() -> Fixture {
+    let agent = Agent::start();
+    let sandbox = tokio::task::spawn_blocking({
+        let s = agent.socket.clone();
+        move || HostSandbox::connect(&s, T)
+    })
+    .await
+    .unwrap()
+    .expect("connecting to the host agent");
+    let (tx, events) = mpsc::unbounded_channel();
+    let exit = Arc::new(ExitSignal::default());
+    let service = TaskService::new(Arc::new(Fixed(Arc::new(sandbox))), tx, exit.clone(), T);
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("shim.sock");
+    let listener =
+        Listener::try_from(std::os::unix::net::UnixListener::bind(&sock).unwrap()).unwrap();
+    let mut server = Server::new()
+        .add_listener(listener)
+        .register_service(task_services(service));
+    server.start().await.unwrap();
+    let client = TaskClient::new(
+        Client::connect(&format!("unix://{}", sock.display()))
+            .await
+            .unwrap(),
+    );
+    Fixture {
+        client,
+        events,
+        dir,
+        exit,
+        _server: server,
+        _agent: agent,
+    }
+}
+
+fn ctx() -> Context {
+    Context {
+        timeout_nano: 60_000_000_000,
+        ..Default::default()
+    }
+}
+
+/// A bundle with `config.json` and a busybox rootfs image.
+fn bundle(dir: &Path, name: &str, args: &[&str], extra: serde_json::Value) -> (PathBuf, PathBuf) {
+    let b = dir.join(name);
+    std::fs::create_dir_all(&b).unwrap();
+    std::fs::write(
+        b.join("config.json"),
+        twig_agent::testkit::spec(args, extra),
+    )
+    .unwrap();
+    let img = b.join("rootfs.img");
+    twig_agent::testkit::busybox_rootfs(&img, 16, &[]).unwrap();
+    (b, img)
+}
+
+fn twig_mount(img: &Path) -> api::Mount {
+    api::Mount {
+        type_: "ext4".into(),
+        source: img.display().to_string(),
+        options: vec!["rw".into(), "loop".into()],
+        ..Default::default()
+    }
+}
+
+fn code(e: ttrpc::Error) -> Code {
+    match e {
+        ttrpc::Error::RpcStatus(s) => s.code(),
+        other => panic!("not a status: {other:?}"),
+    }
+}
+
+/// Test-side ends of a process's FIFOs.
+struct Fifos {
+    paths: [String; 3],
+    stdin: pipe::Sender,
+    stdout: pipe::Receiver,
+    stderr: pipe::Receiver,
+}
+
+fn fifos(dir: &Path, name: &str) -> Fifos {
+    let p: Vec<PathBuf> = ["in", "out", "err"]
+        .iter()
+        .map(|s| dir.join(format!("{name}.{s}")))
+        .collect();
+    p.iter().for_each(|f| mkfifo(f));
+    Fifos {
+        stdin: pipe::OpenOptions::new()
+            .read_write(true)
+            .open_sender(&p[0])
+            .unwrap(),
+        stdout: pipe::OpenOptions::new().open_receiver(&p[1]).unwrap(),
+        stderr: pipe::OpenOptions::new().open_receiver(&p[2]).unwrap(),
+        paths: [0, 1, 2].map(|i| p[i].display().to_string()),
+    }
+}
+
+async fn read_all(r: &mut pipe::Receiver) -> String {
+    let mut s = Vec::new();
+    tokio::time::timeout(T, r.read_to_end(&mut s))
+        .await
+        .expect("EOF within the deadline")
+        .unwrap();
+    String::from_utf8_lossy(&s).into_owned()
+}
+
+async fn read_until(r: &mut pipe::Receiver, needle: &str) -> String {
+    let deadline = Instant::now() + T;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&got).contains(needle) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let n = tokio::time::timeout(left, r.read(&mut buf))
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "{needle:?} not seen; got {:?}",
+                    String::from_utf8_lossy(&got)
+                )
+            })
+            .unwrap();
+        assert!(
+            n > 0,
+            "EOF before {needle:?}; got {:?}",
+            String::from_utf8_lossy(&got)
+        );
+        got.extend_from_slice(&buf[..n]);
+    }
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+fn topics(rx: &mut mpsc::UnboundedReceiver<Event>) -> Vec<&'static str> {
+    let mut t = Vec::new();
+    while let Ok(e) = rx.try_recv() {
+        t.push(e.topic);
+    }
+    t
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn containers_run_through_the_task_api_against_a_real_agent() {
+    let mut f = fixture().await;
+    let c = &f.client;
+    let connect = c
+        .connect(ctx(), &api::ConnectRequest::default())
+        .await
+        .unwrap();
+    assert_eq!(connect.shim_pid, std::process::id());
+
+    // The init: stdout, stderr, stdin, then it lives until killed.
+    let (b, img) = bundle(
+        f.dir.path(),
+        "c1",
+        &[
+            "sh",
+            "-c",
+            "echo out; echo err >&2; read l; echo got $l; exec sleep 1000",
+        ],
+        json!({}),
+    );
+    let mut io = fifos(f.dir.path(), "c1");
+    let create = api::CreateTaskRequest {
+        id: "c1".into(),
+        bundle: b.display().to_string(),
+        rootfs: vec![twig_mount(&img)],
+        stdin: io.paths[0].clone(),
+        stdout: io.paths[1].clone(),
+        stderr: io.paths[2].clone(),
+        ..Default::default()
+    };
+    c.create(ctx(), &create).await.expect("create");
+    assert_eq!(
+        code(c.create(ctx(), &create).await.unwrap_err()),
+        Code::ALREADY_EXISTS
+    );
+    let state = c
+        .state(
+            ctx(),
+            &api::StateRequest {
+                id: "c1".into(),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(state.status.enum_value(), Ok(Status::CREATED));
+    c.start(
+        ctx(),
+        &api::StartRequest {
+            id: "c1".into(),
+            ..Default::default()
+        },
+    )
+    .await
+    .expect("start");
+    assert_eq!(
+        code(
+            c.start(
+                ctx(),
+                &api::StartRequest {
+                    id: "c1".into(),
+                    ..Default::default()
+                }
+            )
+            .await
+            .unwrap_err()
+        ),
+        Code::FAILED_PRECONDITION
+    );
+    io.stdin.write_all(b"hello\n").await.unwrap();
+    c.close_io(
+        ctx(),
+        &api::CloseIORequest {
+            id: "c1".into(),
+            stdin: true,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let out = read_until(&mut io.stdout, "got hello").await;
+    assert_eq!(out, "out\ngot hello\n");
+    assert_eq!(read_until(&mut io.stderr, "err").await, "err\n");
+    let state = c
+        .state(
+            ctx(),
+            &api::StateRequest {
+                id: "c1".into(),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(state.status.enum_value(), Ok(Status::RUNNING));
+
+    // Stats: cgroups v1 metrics, as containerd decodes them.
+    let stats = c
+        .stats(
+            ctx(),
+            &api::StatsRequest {
+                id: "c1".into(),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let any = stats.stats.as_ref().unwrap();
+    assert_eq!(any.type_url, "io.containerd.cgroups.v1.Metrics");
+    let m = Metrics::parse_from_bytes(&any.value).unwrap();
+    assert!(m.pids.current >= 1, "{m:?}");
+    assert!(m.memory.usage.usage > 0, "{m:?}");
+
+    // An exec with its exit code, and one with a terminal.
+    let ex = |exec_id: &str, args: &[&str], terminal: bool, out: &str| api::ExecProcessRequest {
+        id: "c1".into(),
+        exec_id: exec_id.into(),
+        terminal,
+        stdout: out.into(),
+        spec: MessageField::some(Any {
+            type_url: "types.containerd.io/opencontainers/runtime-spec/1/Process".into(),
+            value: twig_agent::testkit::process(args, json!({"terminal": terminal})),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let mut e1 = fifos(f.dir.path(), "e1");
+    c.exec(
+        ctx(),
+        &ex(
+            "e1",
+            &["sh", "-c", "echo exec-out; exit 7"],
+            false,
+            &e1.paths[1],
+        ),
+    )
+    .await
+    .expect("exec");
+    assert_eq!(
+        code(
+            c.exec(ctx(), &ex("e1", &["true"], false, ""))
+                .await
+                .unwrap_err()
+        ),
+        Code::ALREADY_EXISTS
+    );
+    c.start(
+        ctx(),
+        &api::StartRequest {
+            id: "c1".into(),
+            exec_id: "e1".into(),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let w = c
+        .wait(
+            ctx(),
+            &api::WaitRequest {
+                id: "c1".into(),
+                exec_id: "e1".into(),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(w.exit_status, 7);
+    assert_eq!(read_all(&mut e1.stdout).await, "exec-out\n");
+    let d = c
+        .delete(
+            ctx(),
+            &api::DeleteRequest {
+                id: "c1".into(),
+                exec_id: "e1".into(),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(d.exit_status, 7);
+
+    let mut e2 = fifos(f.dir.path(), "e2");
+    c.exec(
+        ctx(),
+        &ex(
+            "e2",
+            &["sh", "-c", "test -t 1 && echo tty-ok"],
+            true,
+            &e2.paths[1],
+        ),
+    )
+    .await
+    .unwrap();
+    c.start(
+        ctx(),
+        &api::StartRequest {
+            id: "c1".into(),
+            exec_id: "e2".into(),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    c.resize_pty(
+        ctx(),
+        &api::ResizePtyRequest {
+            id: "c1".into(),
+            exec_id: "e2".into(),
+            width: 100,
+            height: 40,
+            ..Default::default()
+        },
+    )
+    .await
+    .ok();
+    let w = c
+        .wait(
+            ctx(),
+            &api::WaitRequest {
+                id: "c1".into(),
+                exec_id: "e2".into(),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(w.exit_status, 0);
+    let tty = read_all(&mut e2.stdout).await;
+    // A terminal's output: onlcr turns the newline into CR LF.
+    assert_eq!(tty, "tty-ok\r\n");
+
+    // Kill: 128 + signal, as runc's shim reports; a second kill finds nothing.
+    c.kill(
+        ctx(),
+        &api::KillRequest {
+            id: "c1".into(),
+            signal: 9,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let w = c
+        .wait(
+            ctx(),
+            &api::WaitRequest {
+                id: "c1".into(),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(w.exit_status, 137);
+    assert_eq!(read_all(&mut io.stdout).await, "");
+    assert_eq!(
+        code(
+            c.kill(
+                ctx(),
+                &api::KillRequest {
+                    id: "c1".into(),
+                    signal: 9,
+                    ..Default::default()
+                }
+            )
+            .await
+            .unwrap_err()
+        ),
+        Code::NOT_FOUND
+    );
+    let state = c
+        .state(
+            ctx(),
+            &api::StateRequest {
+                id: "c1".into(),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (state.status.enum_value(), state.exit_status),
+        (Ok(Status::STOPPED), 137)
+    );
+    let d = c
+        .delete(
+            ctx(),
+            &api::DeleteRequest {
+                id: "c1".into(),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(d.exit_status, 137);
+    assert_eq!(
+        code(
+            c.state(
+                ctx(),
+                &api::StateRequest {
+                    id: "c1".into(),
+                    ..Default::default()
+                }
+            )
+            .await
+            .unwrap_err()
+        ),
+        Code::NOT_FOUND
+    );
+
+    let t = topics(&mut f.events);
+    assert_eq!(
+        t,
+        [
+            "/tasks/create",
+            "/tasks/start",
+            "/tasks/exec-added",
+            "/tasks/exec-started",
+            "/tasks/exit",
+            "/tasks/exec-added",
+            "/tasks/exec-started",
+            "/tasks/exit",
+            "/tasks/exit",
+            "/tasks/delete",
+        ]
+    );
+
+    // Shutdown with nothing left ends the shim.
+    c.shutdown(ctx(), &api::ShutdownRequest::default())
+        .await
+        .unwrap();
+    tokio::time::timeout(T, f.exit.wait())
+        .await
+        .expect("shutdown signals exit");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bad_requests_get_errdefs_codes_and_change_nothing() {
+    let mut f = fixture().await;
+    let c = &f.client;
+    let (b, img) = bundle(f.dir.path(), "c2", &["sh", "-c", "exit 3"], json!({}));
+    let overlay = api::Mount {
+        type_: "overlay".into(),
+        source: "overlay".into(),
+        options: vec!["lowerdir=/x".into()],
+        ..Default::default()
+    };
+    let mut req = api::CreateTaskRequest {
+        id: "c2".into(),
+        bundle: b.display().to_string(),
+        rootfs: vec![overlay],
+        ..Default::default()
+    };
+    let e = c.create(ctx(), &req).await.unwrap_err();
+    let msg = format!("{e:?}");
+    assert_eq!(code(e), Code::INVALID_ARGUMENT);
+    assert!(msg.contains("--snapshotter twig"), "{msg}");
+    // Nothing was created: the same id is free, and the exit code comes through.
+    req.rootfs = vec![twig_mount(&img)];
+    c.create(ctx(), &req)
+        .await
+        .expect("create after a refused create");
+    assert_eq!(
+        code(
+            c.kill(
+                ctx(),
+                &api::KillRequest {
+                    id: "c2".into(),
+                    signal: 9,
+                    ..Default::default()
+                }
+            )
+            .await
+            .unwrap_err()
+        ),
+        Code::FAILED_PRECONDITION
+    );
+    assert_eq!(
+        code(
+            c.start(
+                ctx(),
+                &api::StartRequest {
+                    id: "nope".into(),
+                    ..Default::default()
+                }
+            )
+            .await
+            .unwrap_err()
+        ),
+        Code::NOT_FOUND
+    );
+    assert_eq!(
+        code(
+            c.pause(ctx(), &api::PauseRequest::default())
+                .await
+                .unwrap_err()
+        ),
+        Code::UNIMPLEMENTED
+    );
+    c.start(
+        ctx(),
+        &api::StartRequest {
+            id: "c2".into(),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let w = c
+        .wait(
+            ctx(),
+            &api::WaitRequest {
+                id: "c2".into(),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(w.exit_status, 3);
+    // Shutdown while a container exists keeps serving.
+    c.shutdown(ctx(), &api::ShutdownRequest::default())
+        .await
+        .unwrap();
+    assert!(
+        tokio::time::timeout(Duration::from_millis(100), f.exit.wait())
+            .await
+            .is_err()
+    );
+    c.delete(
+        ctx(),
+        &api::DeleteRequest {
+            id: "c2".into(),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let t = topics(&mut f.events);
+    assert_eq!(
+        t,
+        [
+            "/tasks/create",
+            "/tasks/start",
+            "/tasks/exit",
+            "/tasks/delete"
+        ]
+    );
+}

@@ -1,0 +1,24 @@
+//! `twig-store`: where Twig keeps VM snapshots on a node, and how.
+//!
+//! * [`layout`] is the one snapshot directory layout: `<store>/snapshots/<id>/`
+//!   with `manifest.json`, `state`, `memory` and `disk<i>`, parents named by
+//!   id (a sibling directory), so a store can be moved without breaking
+//!   chains.
+//! * [`NodeStore`] stages snapshots in private directories it hands to
+//!   writers (twig-vmm), publishes them (manifest, fsync, atomic no-replace
+//!   rename), lists, accounts, reflinks out and deletes them.
+//! * [`fsops`] holds the filesystem primitives every Twig crate uses:
+//!   FICLONE reflinks and their copy fallbacks, durable writes, no-replace
+//!   renames, `flock`, FIEMAP extents and space accounting.
+//!
+//! Lean on purpose (no async runtime, no RPC): twig-vmm links it.
+
+pub mod error;
+pub mod fsops;
+pub mod layout;
+pub mod nodestore;
+
+pub use error::{Error, Result};
+pub use fsops::{CloneMode, Usage};
+pub use layout::{Artefact, Kind, Manifest};
+pub use nodestore::{NodeStore, Staging, VmSnapshot};

@@ -1,0 +1,512 @@
+//! The node store for VM snapshots, shared by the node daemon (which hands
+//! out staging directories, publishes, accounts and deletes), twig-vmm
+//! (which writes into a staging directory and reads published snapshots)
+//! and the shim. Several processes may use one store at once: every change
+//! is a rename on the filesystem, publication and deletion are serialised
+//! by a `flock` on `snapshots/`, and staging leases are `flock`ed by their
+//! holder so that `cleanup` never takes one in use. The layout is
+//! [`crate::layout`]'s.
+
+use std::collections::BTreeMap;
+use std::fs::{self, File};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::SystemTime;
+
+use crate::error::{ctx, Error, Result};
+use crate::fsops::{self, CloneMode, Usage};
+use crate::layout::{
+    artefacts_in, validate_id, Artefact, Kind, Manifest, LEASE_SUFFIX, MANIFEST, SNAPSHOTS_DIR,
+    TMP_DIR,
+};
+
+/// A published VM snapshot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmSnapshot {
+    /// Its id, the name of its directory.
+    pub id: String,
+    /// The snapshot this one was taken on top of (for incremental memory).
+    pub parent: Option<String>,
+    /// Full or incremental.
+    pub kind: Kind,
+    /// When it was published.
+    pub created: SystemTime,
+    /// Free-form labels.
+    pub labels: BTreeMap<String, String>,
+    /// Present artefacts with their sizes in bytes.
+    pub artefacts: BTreeMap<Artefact, u64>,
+    dir: PathBuf,
+}
+
+impl VmSnapshot {
+    /// Its directory (what twig-vmm restores from).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Path of an artefact (read-only by convention: published snapshots are
+    /// immutable; reflink it out with [`NodeStore::reflink_out`] to write).
+    pub fn path(&self, a: Artefact) -> Option<PathBuf> {
+        self.artefacts
+            .contains_key(&a)
+            .then(|| self.dir.join(a.file_name()))
+    }
+}
+
+/// The store. Cheap to open; holds no in-memory index.
+pub struct NodeStore {
+    root: PathBuf,
+    mode: CloneMode,
+    seq: AtomicU64,
+}
+
+impl NodeStore {
+    /// Opens (creating if needed) the store at `root`. Refuses a filesystem
+    /// without reflink unless `allow_copy`. Removes abandoned staging.
+    pub fn open(root: &Path, allow_copy: bool) -> Result<NodeStore> {
+        let root =
+            std::path::absolute(root).map_err(ctx(format!("resolving {}", root.display())))?;
+        for dir in [root.join(SNAPSHOTS_DIR), root.join(TMP_DIR)] {
+            fs::create_dir_all(&dir).map_err(ctx(format!("creating {}", dir.display())))?;
+        }
+        let mode = match fsops::probe_reflink(&root.join(TMP_DIR)) {
+            Ok(()) => CloneMode::Reflink,
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => {
+                return Err(Error::io(
+                    format!("probing reflink in {}", root.display()),
+                    e,
+                ))
+            }
+            Err(source) if !allow_copy => return Err(Error::NoReflink { root, source }),
+            Err(_) => CloneMode::Copy,
+        };
+        let store = NodeStore {
+            root,
+            mode,
+            seq: AtomicU64::new(0),
+        };
+        store.cleanup()?;
+        Ok(store)
+    }
+
+    /// The store's root directory (absolute).
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Whether artefacts are reflinked or copied.
+    pub fn clone_mode(&self) -> CloneMode {
+        self.mode
+    }
+
+    /// The directory snapshot `id` is (or would be) published as.
+    pub fn snapshot_dir(&self, id: &str) -> PathBuf {
+        self.root.join(SNAPSHOTS_DIR).join(id)
+    }
+
+    fn tmp_name(&self, id: &str, what: &str) -> PathBuf {
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        self.root
+            .join(TMP_DIR)
+            .join(format!("{id}.{}.{seq}.{what}", std::process::id()))
+    }
+
+    /// Serialises publication and deletion across processes (a blocking
+    /// `flock` on `snapshots/`, released when the file is dropped).
+    fn exclusive(&self) -> Result<File> {
+        let dir = self.root.join(SNAPSHOTS_DIR);
+        let f = File::open(&dir).map_err(ctx(format!("opening {}", dir.display())))?;
+        fsops::flock(&f).map_err(ctx(format!("locking {}", dir.display())))?;
+        Ok(f)
+    }
+
+    /// Starts snapshot `id`, staged privately until [`Staging::publish`]:
+    /// a directory named `id` inside a lease this handle `flock`s. Hand
+    /// [`Staging::dir`] to the writer (twig-vmm). Dropping the staging
+    /// discards it.
+    pub fn stage(&self, id: &str) -> Result<Staging<'_>> {
+        validate_id(id)?;
+        if self.snapshot_dir(id).exists() {
+            return Err(Error::AlreadyExists(format!("VM snapshot {id:?}")));
+        }
+        let lease = self.tmp_name(id, LEASE_SUFFIX.trim_start_matches('.'));
+        fs::create_dir(&lease).map_err(ctx(format!("creating {}", lease.display())))?;
+        let lock = File::open(&lease).map_err(ctx(format!("opening {}", lease.display())))?;
+        if !fsops::try_flock(&lock).map_err(ctx(format!("locking {}", lease.display())))? {
+            return Err(Error::FailedPrecondition(format!(
+                "staging directory {} is locked by someone else",
+                lease.display()
+            )));
+        }
+        let staging = Staging {
+            store: self,
+            id: id.to_string(),
+            dir: lease.join(id),
+            lease,
+            _lock: lock,
+            parent: None,
+            kind: None,
+            labels: BTreeMap::new(),
+            published: false,
+        };
+        fs::create_dir(&staging.dir).map_err(ctx(format!("creating {}", staging.dir.display())))?;
+        Ok(staging)
+    }
+
+    /// A published snapshot.
+    pub fn get(&self, id: &str) -> Result<VmSnapshot> {
+        validate_id(id)?;
+        let dir = self.snapshot_dir(id);
+        let path = dir.join(MANIFEST);
+        let bytes = match fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(Error::NotFound(format!("VM snapshot {id:?}")))
+            }
+            Err(e) => return Err(Error::io(format!("reading {}", path.display()), e)),
+        };
+        let corrupt = |detail: String| Error::Corrupt {
+            path: path.clone(),
+            detail,
+        };
+        let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| corrupt(e.to_string()))?;
+        if m.id != id {
+            return Err(corrupt(format!("it names snapshot {:?}", m.id)));
+        }
+        let mut artefacts = BTreeMap::new();
+        for (name, size) in m.artefacts {
+            let a = Artefact::from_file_name(&name)
+                .ok_or_else(|| corrupt(format!("unknown artefact {name:?}")))?;
+            artefacts.insert(a, size);
+        }
+        Ok(VmSnapshot {
+            id: m.id,
+            parent: m.parent,
+            kind: m.kind,
+            created: m.created,
+            labels: m.labels,
+            artefacts,
+            dir,
+        })
+    }
+
+    /// Every published snapshot, by id.
+    pub fn list(&self) -> Result<Vec<VmSnapshot>> {
+        let dir = self.root.join(SNAPSHOTS_DIR);
+        let mut out = Vec::new();
+        for entry in fs::read_dir(&dir).map_err(ctx(format!("reading {}", dir.display())))? {
+            let entry = entry.map_err(ctx(format!("reading {}", dir.display())))?;
+            let Some(id) = entry.file_name().to_str().map(str::to_string) else {
+                continue;
+            };
+            // Not a snapshot: e.g. a lock file a template builder keeps
+            // next to the snapshot it builds.
+            if !entry.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
+            if validate_id(&id).is_err() {
+                continue;
+            }
+            match self.get(&id) {
+                Ok(s) => out.push(s),
+                // Deleted between read_dir and get.
+                Err(Error::NotFound(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        out.sort_by(|a, b| a.id.cmp(&b.id));
+        Ok(out)
+    }
+
+    /// Deletes a published snapshot. Refused while another snapshot names it
+    /// as parent.
+    pub fn delete(&self, id: &str) -> Result<()> {
+        let guard = self.exclusive()?;
+        self.get(id)?;
+        if let Some(child) = self
+            .list()?
+            .into_iter()
+            .find(|s| s.parent.as_deref() == Some(id))
+        {
+            return Err(Error::FailedPrecondition(format!(
+                "cannot delete VM snapshot {id:?}: {:?} is its child",
+                child.id
+            )));
+        }
+        let dir = self.snapshot_dir(id);
+        let doomed = self.tmp_name(id, "deleted");
+        fs::rename(&dir, &doomed).map_err(ctx(format!(
+            "moving {} to {}",
+            dir.display(),
+            doomed.display()
+        )))?;
+        let snapshots = self.root.join(SNAPSHOTS_DIR);
+        fsops::sync_path(&snapshots).map_err(ctx(format!("syncing {}", snapshots.display())))?;
+        drop(guard);
+        fsops::remove_all(&doomed).map_err(ctx(format!("removing {}", doomed.display())))
+    }
+
+    /// Reflinks (or, in copy mode, copies) a published artefact to `dest`,
+    /// which must not exist: e.g. the writable disk of a pod restored from
+    /// the snapshot.
+    pub fn reflink_out(&self, id: &str, a: Artefact, dest: &Path) -> Result<()> {
+        let snap = self.get(id)?;
+        let src = snap
+            .path(a)
+            .ok_or_else(|| Error::NotFound(format!("{a} of VM snapshot {id:?}")))?;
+        fsops::clone_file(self.mode, &src, dest).map_err(ctx(format!(
+            "cloning {} to {}",
+            src.display(),
+            dest.display()
+        )))?;
+        fsops::sync_path(dest).map_err(ctx(format!("syncing {}", dest.display())))
+    }
+
+    /// Space of one snapshot's artefacts.
+    pub fn usage_of(&self, id: &str) -> Result<Usage> {
+        let files = artefact_paths(&self.get(id)?);
+        fsops::usage_of(files.iter().map(PathBuf::as_path))
+            .map_err(ctx(format!("accounting VM snapshot {id:?}")))
+    }
+
+    /// Space of the whole store; blocks shared between snapshots count once
+    /// in `unique_bytes`.
+    pub fn usage(&self) -> Result<Usage> {
+        let files: Vec<PathBuf> = self.list()?.iter().flat_map(artefact_paths).collect();
+        fsops::usage_of(files.iter().map(PathBuf::as_path))
+            .map_err(ctx(format!("accounting {}", self.root.display())))
+    }
+
+    /// Removes staging and deletion leftovers nobody holds a lock on (e.g.
+    /// after a crash). Returns how many entries were removed.
+    pub fn cleanup(&self) -> Result<usize> {
+        let tmp = self.root.join(TMP_DIR);
+        let mut removed = 0;
+        for entry in fs::read_dir(&tmp).map_err(ctx(format!("reading {}", tmp.display())))? {
+            let entry = entry.map_err(ctx(format!("reading {}", tmp.display())))?;
+            let path = entry.path();
+            let held = match File::open(&path) {
+                Ok(f) => {
+                    !fsops::try_flock(&f).map_err(ctx(format!("locking {}", path.display())))?
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(Error::io(format!("opening {}", path.display()), e)),
+            };
+            if held {
+                continue;
+            }
+            fsops::remove_all(&path).map_err(ctx(format!("removing {}", path.display())))?;
+            removed += 1;
+        }
+        Ok(removed)
+    }
+}
+
+/// fsyncs `dir` on a thread of its own, logging a failure.
+fn sync_in_background(dir: PathBuf) {
+    let spawned = std::thread::Builder::new()
+        .name("twig-dirsync".into())
+        .spawn(move || {
+            if let Err(e) = fsops::sync_path(&dir) {
+                tracing::warn!(path = %dir.display(), error = %e, "fsync of a published name");
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "cannot start the directory fsync thread");
+    }
+}
+
+fn artefact_paths(s: &VmSnapshot) -> Vec<PathBuf> {
+    s.artefacts.keys().filter_map(|a| s.path(*a)).collect()
+}
+
+/// A snapshot being written. Put artefacts (or let a writer fill
+/// [`Staging::dir`]), then [`Staging::publish`].
+pub struct Staging<'a> {
+    store: &'a NodeStore,
+    id: String,
+    lease: PathBuf,
+    dir: PathBuf,
+    _lock: File,
+    parent: Option<String>,
+    kind: Option<Kind>,
+    labels: BTreeMap<String, String>,
+    published: bool,
+}
+
+impl Staging<'_> {
+    /// The id it will be published as.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The staging directory, named by the id: what a writer (twig-vmm's
+    /// `Vm::snapshot`) is handed to write the artefacts into.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Where to write an artefact directly.
+    pub fn path(&self, a: Artefact) -> PathBuf {
+        self.dir.join(a.file_name())
+    }
+
+    /// Reflinks (or copies) `src` in as artefact `a`.
+    pub fn put_file(&mut self, a: Artefact, src: &Path) -> Result<()> {
+        let dest = self.path(a);
+        fsops::remove_all(&dest).map_err(ctx(format!("replacing {}", dest.display())))?;
+        fsops::clone_file(self.store.mode, src, &dest).map_err(ctx(format!(
+            "cloning {} to {}",
+            src.display(),
+            dest.display()
+        )))
+    }
+
+    /// Writes artefact `a` from bytes.
+    pub fn put_bytes(&mut self, a: Artefact, bytes: &[u8]) -> Result<()> {
+        let dest = self.path(a);
+        fsops::write_durable(&dest, bytes).map_err(ctx(format!("writing {}", dest.display())))
+    }
+
+    /// Records the snapshot this one is taken on top of (must be published).
+    /// A writer's manifest says the same, or publishing is refused.
+    pub fn set_parent(&mut self, parent: &str) -> Result<()> {
+        self.store.get(parent)?;
+        self.parent = Some(parent.to_string());
+        Ok(())
+    }
+
+    /// Records full or incremental (otherwise: the writer's manifest says,
+    /// or incremental with a parent and full without).
+    pub fn set_kind(&mut self, kind: Kind) {
+        self.kind = Some(kind);
+    }
+
+    /// Sets a free-form label.
+    pub fn set_label(&mut self, key: &str, value: &str) {
+        self.labels.insert(key.to_string(), value.to_string());
+    }
+
+    /// The writer's manifest, if it left one, checked against the
+    /// directory and what was set here.
+    fn writers_manifest(&self) -> Result<Option<Manifest>> {
+        let path = self.dir.join(MANIFEST);
+        let m: Manifest = match fs::read(&path) {
+            Ok(b) => serde_json::from_slice(&b).map_err(|e| {
+                Error::InvalidArgument(format!(
+                    "the writer's manifest {} is malformed: {e}",
+                    path.display()
+                ))
+            })?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(Error::io(format!("reading {}", path.display()), e)),
+        };
+        let bad = |what: &str| {
+            Error::InvalidArgument(format!(
+                "VM snapshot {:?}: the writer's manifest {what}",
+                self.id
+            ))
+        };
+        if m.id != self.id {
+            return Err(bad(&format!("names snapshot {:?}", m.id)));
+        }
+        if self.parent.is_some() && self.parent != m.parent {
+            return Err(bad("names another parent than was set"));
+        }
+        if self.kind.is_some_and(|k| k != m.kind) {
+            return Err(bad("gives another kind than was set"));
+        }
+        if (m.kind == Kind::Incremental) != m.parent.is_some() {
+            return Err(bad(
+                "is inconsistent: an incremental snapshot needs a parent, a full one has none",
+            ));
+        }
+        let found = artefacts_in(&self.dir, &self.id)?;
+        if found != m.artefacts {
+            return Err(bad(&format!(
+                "lists {:?} but the directory holds {found:?}",
+                m.artefacts
+            )));
+        }
+        Ok(Some(m))
+    }
+
+    /// The manifest to publish, durable in the staging directory: the
+    /// writer's (rewritten only to add labels) or, without one, made here
+    /// after syncing every artefact.
+    fn final_manifest(&self) -> Result<Manifest> {
+        if let Some(mut m) = self.writers_manifest()? {
+            if !self.labels.is_empty() {
+                m.labels.extend(self.labels.clone());
+                let path = self.dir.join(MANIFEST);
+                // In place: the directory entry is already durable.
+                fsops::write_durable(&path, &m.to_bytes()?)
+                    .map_err(ctx(format!("writing {}", path.display())))?;
+            }
+            return Ok(m);
+        }
+        let mut m = Manifest::of_staging(
+            &self.dir,
+            &self.id,
+            self.parent.as_deref(),
+            self.kind.unwrap_or(match self.parent {
+                Some(_) => Kind::Incremental,
+                None => Kind::Full,
+            }),
+        )?;
+        for name in m.artefacts.keys() {
+            let p = self.dir.join(name);
+            fsops::sync_path(&p).map_err(ctx(format!("syncing {}", p.display())))?;
+        }
+        m.labels = self.labels.clone();
+        m.write(&self.dir)?;
+        Ok(m)
+    }
+
+    /// Makes the snapshot durable in its staging directory (see
+    /// [`Manifest`]: what a writer's manifest vouches for is not synced
+    /// again), then atomically renames the directory into place. Fails with
+    /// `AlreadyExists` if the id was published meanwhile, `NotFound` if the
+    /// parent is gone, `InvalidArgument` if the directory or the writer's
+    /// manifest break the layout; nothing is visible before this returns
+    /// Ok. The new name itself is made durable by a background fsync of
+    /// `snapshots/` (a rename is atomic: a power cut in the next moments can
+    /// lose the name but never expose a partial snapshot).
+    pub fn publish(mut self) -> Result<VmSnapshot> {
+        let manifest = self.final_manifest()?;
+        let guard = self.store.exclusive()?;
+        if let Some(p) = &manifest.parent {
+            // Under the lock: a parent cannot be deleted until its child is in.
+            self.store.get(p)?;
+        }
+        let dest = self.store.snapshot_dir(&self.id);
+        fsops::rename_noreplace(&self.dir, &dest).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::AlreadyExists {
+                Error::AlreadyExists(format!("VM snapshot {:?}", self.id))
+            } else {
+                Error::io(
+                    format!("publishing {} as {}", self.dir.display(), dest.display()),
+                    e,
+                )
+            }
+        })?;
+        self.published = true;
+        drop(guard);
+        sync_in_background(self.store.root.join(SNAPSHOTS_DIR));
+        if let Err(e) = fs::remove_dir(&self.lease) {
+            tracing::warn!(path = %self.lease.display(), error = %e, "leaving an empty lease for cleanup");
+        }
+        tracing::debug!(id = %self.id, "VM snapshot published");
+        self.store.get(&self.id)
+    }
+}
+
+impl Drop for Staging<'_> {
+    fn drop(&mut self) {
+        if !self.published {
+            if let Err(e) = fsops::remove_all(&self.lease) {
+                tracing::warn!(path = %self.lease.display(), error = %e, "leaving staging for cleanup");
+            }
+        }
+    }
+}
