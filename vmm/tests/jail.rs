@@ -126,10 +126,22 @@ fn snapshot(
     Ok((info, jailed(published.dir())))
 }
 
+/// Removes the test's cgroup when dropped (after the VMMs declared after
+/// it are killed), even when the test fails.
+struct CgroupGuard(String);
+
+impl Drop for CgroupGuard {
+    fn drop(&mut self) {
+        remove_cgroup(&self.0);
+    }
+}
+
 fn remove_cgroup(name: &str) {
     for h in twig_vmm::jail::cgroup::hierarchies().unwrap() {
-        let _ = std::fs::remove_dir(h.mount.join(name));
-        let _ = std::fs::remove_dir(h.mount.join("twig-jail-test"));
+        let group = h.mount.join(name);
+        for dir in group.ancestors().take_while(|a| *a != h.mount) {
+            let _ = std::fs::remove_dir(dir);
+        }
     }
 }
 
@@ -157,6 +169,7 @@ fn a_jailed_vmm_boots_snapshots_rolls_back_and_restores() {
     let kernel = Path::new("/").join(&kernel_name);
     let bind = format!("{}:/store", store.display());
     let cgroup = format!("twig-jail-test/vm-{}", std::process::id());
+    let _cleanup = CgroupGuard(cgroup.clone());
     let ja_s = ja.to_str().unwrap();
     let mut a = Vmm::start(
         &ja.join("api.sock"),
@@ -287,7 +300,6 @@ fn a_jailed_vmm_boots_snapshots_rolls_back_and_restores() {
         "the PID namespace's parent exits like the VMM"
     );
     assert!(!d.path().join("a/api.sock").exists());
-    remove_cgroup(&cgroup);
 }
 
 #[test]
@@ -347,6 +359,7 @@ fn a_forbidden_syscall_kills_the_vmm_with_sigsys() {
 fn bad_jail_configurations_are_refused_clearly() {
     let d = tmp();
     let j = d.path().to_str().unwrap();
+    let _cleanup = CgroupGuard("twig-jail-test-bad/x".into());
     let run = |args: &[&str]| {
         let out = Command::new(BIN)
             .args(["serve", "--api-sock", "/api.sock"])
@@ -383,10 +396,9 @@ fn bad_jail_configurations_are_refused_clearly() {
         "--gid",
         "1",
         "--cgroup",
-        "twig-jail-test/x",
+        "twig-jail-test-bad/x",
         "--cgroup-set",
         "nosuch.file=1",
     ]);
     assert!(e.contains("nosuch.file"), "{e}");
-    remove_cgroup("twig-jail-test/x");
 }
