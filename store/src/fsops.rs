@@ -6,7 +6,7 @@ use std::ffi::CString;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
 
@@ -377,7 +377,8 @@ pub struct Usage {
 }
 
 /// Accounts `files` together: physical ranges shared between them count once
-/// in `unique_bytes`.
+/// in `unique_bytes`. On a filesystem without FIEMAP (tmpfs), a file's
+/// allocated blocks count as its own: nothing is known to be shared there.
 pub fn usage_of<'a>(files: impl IntoIterator<Item = &'a Path>) -> io::Result<Usage> {
     let mut usage = Usage::default();
     let mut ranges: Vec<(u64, u64)> = Vec::new();
@@ -385,7 +386,16 @@ pub fn usage_of<'a>(files: impl IntoIterator<Item = &'a Path>) -> io::Result<Usa
         let meta = fs::metadata(path)?;
         usage.logical_bytes += meta.len();
         usage.files += 1;
-        for e in extents(path)? {
+        let extents = match extents(path) {
+            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
+                let allocated = meta.blocks() * 512;
+                usage.allocated_bytes += allocated;
+                usage.unique_bytes += allocated;
+                continue;
+            }
+            r => r?,
+        };
+        for e in extents {
             usage.allocated_bytes += e.length;
             if e.shared {
                 usage.shared_bytes += e.length;
@@ -418,7 +428,20 @@ pub fn remove_all(path: &Path) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::fs::MetadataExt;
+
+    #[test]
+    fn usage_on_a_filesystem_without_fiemap_counts_allocated_blocks() {
+        // /dev/shm is a tmpfs, which has no FIEMAP.
+        let dir = tempfile::tempdir_in("/dev/shm").expect("a tmpfs directory");
+        let path = dir.path().join("f");
+        fs::write(&path, vec![1u8; 64 << 10]).expect("write");
+        assert!(extents(&path).is_err(), "tmpfs answered FIEMAP");
+        let u = usage_of([path.as_path()]).expect("usage on tmpfs");
+        assert_eq!((u.files, u.logical_bytes), (1, 64 << 10));
+        assert_eq!(u.allocated_bytes, u.unique_bytes);
+        assert!(u.allocated_bytes >= 64 << 10, "{u:?}");
+        assert_eq!(u.shared_bytes, 0);
+    }
     use std::process::Command;
 
     fn sparse(path: &Path) -> File {
