@@ -362,7 +362,9 @@ fn rules(role: Role) -> Result<BTreeMap<i64, Vec<SeccompRule>>, JailError> {
             ([COMMON, DEVICE_IO, API_ONLY].concat(), ioctls, true)
         }
         Role::Vcpu => ([COMMON, DEVICE_IO].concat(), kvm_vcpu_ioctls(), false),
-        Role::Device => ([COMMON, DEVICE_IO].concat(), vec![], false),
+        // The device thread accepts the host's vsock connections and makes
+        // them non-blocking (std does that with FIONBIO).
+        Role::Device => ([COMMON, DEVICE_IO].concat(), vec![libc::FIONBIO], false),
     };
     let mut map: BTreeMap<i64, Vec<SeccompRule>> =
         calls.into_iter().map(|c| (c, Vec::new())).collect();
