@@ -9,6 +9,8 @@
 # never skip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# One build per run: incremental state only costs disk (and time) here.
+export CARGO_INCREMENTAL=0
 scripts/install-deps.sh
 # The real helm and kubectl of the controller's tests (downloaded once, cached).
 TWIG_KUBE_TOOLS="$(scripts/kube-tools.sh)"
