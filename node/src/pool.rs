@@ -42,11 +42,15 @@ impl Vmm {
     }
 }
 
-/// What the pool holds of one shape, for status and tests.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// What the pool holds of one shape.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Level {
-    /// Prepared and waiting.
-    pub ready: usize,
+    /// The shape.
+    pub shape: Shape,
+    /// How many the configuration asks for.
+    pub target: usize,
+    /// The prepared VMMs, the next to be taken first.
+    pub ready: Vec<u32>,
     /// Being started.
     pub starting: usize,
 }
@@ -124,22 +128,30 @@ impl Pool {
         self.inner.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// How many VMMs of `shape` are ready and starting.
-    pub fn level(&self, shape: Shape) -> Level {
+    /// The level of every configured shape.
+    pub fn levels(&self) -> Vec<Level> {
         let s = self.state();
-        Level {
-            ready: s.ready.get(&shape).map_or(0, VecDeque::len),
-            starting: s.starting.get(&shape).copied().unwrap_or(0),
-        }
+        self.inner
+            .targets
+            .iter()
+            .map(|(&shape, &target)| Level {
+                shape,
+                target,
+                ready: s
+                    .ready
+                    .get(&shape)
+                    .map(|q| q.iter().map(|v| v.pid).collect())
+                    .unwrap_or_default(),
+                starting: s.starting.get(&shape).copied().unwrap_or(0),
+            })
+            .collect()
     }
 
-    /// The pids of the prepared VMMs of `shape`, oldest first.
-    pub fn ready_pids(&self, shape: Shape) -> Vec<u32> {
-        self.state()
-            .ready
-            .get(&shape)
-            .map(|q| q.iter().map(|v| v.pid).collect())
-            .unwrap_or_default()
+    /// The handed-over VMMs still running.
+    pub fn handed(&self) -> Vec<u32> {
+        let mut pids: Vec<u32> = self.state().handed.keys().copied().collect();
+        pids.sort_unstable();
+        pids
     }
 
     /// The handed-over VMMs still running that were given `template`.

@@ -7,7 +7,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use ttrpc::r#async::TtrpcContext;
-use twig_proto::node::{AcquireVmRequest, AcquireVmResponse};
+use twig_proto::node::{
+    AcquireVmRequest, AcquireVmResponse, PoolLevel, StatusRequest, StatusResponse,
+};
 use twig_proto::twig::{
     DeleteSnapshotRequest, DeleteSnapshotResponse, DeleteTemplateRequest, DeleteTemplateResponse,
     EnsureTemplateRequest, EnsureTemplateResponse, GetSnapshotRequest, GetSnapshotResponse,
@@ -244,6 +246,32 @@ impl twig_proto::node_ttrpc_async::Pool for Services {
                 "AcquireVm: {e}"
             );
             e.into()
+        })
+    }
+
+    async fn status(
+        &self,
+        _ctx: &TtrpcContext,
+        _req: StatusRequest,
+    ) -> ttrpc::Result<StatusResponse> {
+        let pool = self
+            .pool
+            .levels()
+            .into_iter()
+            .map(|l| PoolLevel {
+                memory_mib: l.shape.mem_mib,
+                vcpus: l.shape.vcpus,
+                disk_slots: l.shape.disk_slots,
+                target: u32::try_from(l.target).unwrap_or(u32::MAX),
+                ready_pids: l.ready,
+                starting: u32::try_from(l.starting).unwrap_or(u32::MAX),
+                ..Default::default()
+            })
+            .collect();
+        Ok(StatusResponse {
+            pool,
+            handed_pids: self.pool.handed(),
+            ..Default::default()
         })
     }
 }

@@ -23,7 +23,7 @@ pub const BASE_PREFIX: &str = "base-";
 
 /// The shape of a VM: what a `twig-vmm serve --prepare-…` process was made
 /// for, and what a template restores into.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Shape {
     /// Guest RAM, MiB.
     pub mem_mib: u32,

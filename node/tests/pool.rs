@@ -33,6 +33,18 @@ fn the_pool_fills_hands_over_and_refills() {
     let node = Node::start(dir.path(), &config(dir.path(), 2));
     wait_until("the pool holds 2 VMMs", T, || node.pooled().len() == 2);
     let before = node.pooled();
+    node.check_pooled(&before);
+    let status = node.status();
+    assert_eq!(status.pool[0].target, 2);
+    assert_eq!(
+        (
+            status.pool[0].memory_mib,
+            status.pool[0].vcpus,
+            status.pool[0].disk_slots
+        ),
+        (MIB, 1, SLOTS)
+    );
+    assert!(status.handed_pids.is_empty());
 
     let vm = node.acquire("tiny").expect("AcquireVm");
     assert!(vm.pooled, "{vm:?}");
@@ -42,6 +54,7 @@ fn the_pool_fills_hands_over_and_refills() {
     assert!(Path::new(&vm.state_dir).join("handed").exists());
     let cmdline = std::fs::read(format!("/proc/{}/cmdline", vm.pid)).unwrap();
     assert!(String::from_utf8_lossy(&cmdline).contains(&vm.api_socket));
+    assert_eq!(node.status().handed_pids, vec![vm.pid]);
 
     // The pool refills behind the taken one.
     wait_until("the pool is back to 2 VMMs", T, || {
@@ -57,6 +70,8 @@ fn the_pool_fills_hands_over_and_refills() {
     wait_until("its directory is removed", T, || {
         !Path::new(&vm.state_dir).exists()
     });
+    assert!(node.status().handed_pids.is_empty());
+    node.check_pooled(&node.pooled());
 }
 
 #[test]

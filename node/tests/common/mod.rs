@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use twig_proto::node::{AcquireVmRequest, AcquireVmResponse};
+use twig_proto::node::{AcquireVmRequest, AcquireVmResponse, StatusRequest, StatusResponse};
 use twig_proto::node_ttrpc::PoolClient;
 use twig_proto::twig_ttrpc::NodeClient;
 use twig_store::NodeStore;
@@ -164,25 +164,49 @@ impl Node {
             .acquire_vm(ttrpc::context::with_timeout(T.as_nanos() as i64), &req)
     }
 
-    /// The pooled (not handed-over) VMMs that answer on their API socket.
+    /// The daemon's status.
+    pub fn status(&self) -> StatusResponse {
+        self.pool
+            .status(
+                ttrpc::context::with_timeout(T.as_nanos() as i64),
+                &StatusRequest::default(),
+            )
+            .expect("Status")
+    }
+
+    /// The pooled VMMs (of the one configured shape), sorted.
     pub fn pooled(&self) -> Vec<u32> {
-        let mut pids = Vec::new();
-        for dir in std::fs::read_dir(self.dir.join("run/vms"))
-            .map(|d| d.flatten().map(|e| e.path()).collect::<Vec<_>>())
-            .unwrap_or_default()
-        {
-            if dir.join("handed").exists() {
-                continue;
-            }
-            let Ok(pid) = std::fs::read_to_string(dir.join("pid")) else {
-                continue;
-            };
-            if twig_vmm::api::Client::connect(&dir.join("api.sock"), T).is_ok() {
-                pids.push(pid.trim().parse().unwrap());
-            }
-        }
+        let mut pids = self
+            .status()
+            .pool
+            .first()
+            .map(|l| l.ready_pids.clone())
+            .unwrap_or_default();
         pids.sort_unstable();
         pids
+    }
+
+    /// Asserts that the pooled VMMs `pids` answer on their API sockets and
+    /// are not marked handed over.
+    pub fn check_pooled(&self, pids: &[u32]) {
+        for pid in pids {
+            let dir = self.vm_dir(*pid);
+            assert!(!dir.join("handed").exists(), "{pid} is pooled");
+            twig_vmm::api::Client::connect(&dir.join("api.sock"), T)
+                .unwrap_or_else(|e| panic!("pooled VMM {pid} does not answer: {e}"));
+        }
+    }
+
+    /// The directory of VMM `pid`.
+    pub fn vm_dir(&self, pid: u32) -> PathBuf {
+        std::fs::read_dir(self.dir.join("run/vms"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .find(|d| {
+                std::fs::read_to_string(d.join("pid")).is_ok_and(|p| p.trim() == pid.to_string())
+            })
+            .unwrap_or_else(|| panic!("no directory of VMM {pid}"))
     }
 
     pub fn log(&self) -> String {
