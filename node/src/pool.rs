@@ -311,9 +311,14 @@ impl Pool {
             pool.exited(pid, &watched_dir, &text);
         });
         let vmm = Vmm { pid, dir, shape };
+        // Killed if this future is dropped before it answers (a request
+        // whose deadline passed): nobody would own the VMM otherwise.
+        let mut guard = KillGuard(Some(pid));
         let deadline = Instant::now() + self.inner.start_timeout;
         loop {
             if let Some(status) = exited.borrow_and_update().clone() {
+                // Reaped already: its pid may be another process's now.
+                guard.0 = None;
                 return Err(Error::Internal(format!(
                     "twig-vmm ({shape}) exited with {status} before it answered: {}",
                     tail(&String::from_utf8_lossy(
@@ -322,10 +327,10 @@ impl Pool {
                 )));
             }
             if answers(&api).await {
+                guard.0 = None;
                 return Ok(vmm);
             }
             if Instant::now() >= deadline {
-                kill(pid);
                 return Err(Error::Timeout(format!(
                     "twig-vmm ({shape}) did not answer on {} within {:?}",
                     api.display(),
@@ -360,6 +365,17 @@ impl Pool {
         if pooled {
             tracing::warn!(pid, status, "a pooled VMM exited; refilling");
             self.inner.refill.notify_one();
+        }
+    }
+}
+
+/// Kills a VMM being started unless disarmed; its watcher reaps it.
+struct KillGuard(Option<u32>);
+
+impl Drop for KillGuard {
+    fn drop(&mut self) {
+        if let Some(pid) = self.0.take() {
+            kill(pid);
         }
     }
 }

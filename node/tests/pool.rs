@@ -156,3 +156,49 @@ fn bad_requests_hand_over_nothing() {
     // Nothing was handed over: the pool still holds the same VMM.
     assert_eq!(node.pooled(), pooled);
 }
+
+#[test]
+fn a_request_whose_deadline_passes_while_spawning_leaves_no_vmm() {
+    use std::os::unix::fs::PermissionsExt;
+
+    let dir = tempfile::tempdir().unwrap();
+    make_template(dir.path(), "tiny");
+    // A twig-vmm that takes a second to start: the request's deadline
+    // passes while the daemon waits for it to answer.
+    let slow = dir.path().join("slow-vmm");
+    std::fs::write(
+        &slow,
+        format!(
+            "#!/bin/sh\nsleep 1\nexec {} \"$@\"\n",
+            vmm_binary().display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&slow, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut c = config(dir.path(), 0);
+    c["vmm_binary"] = serde_json::json!(slow);
+    let node = Node::start(dir.path(), &c);
+    let req = AcquireVmRequest {
+        template: "tiny".into(),
+        ..Default::default()
+    };
+    let e = node
+        .pool
+        .acquire_vm(ttrpc::context::with_timeout(300_000_000), &req)
+        .unwrap_err();
+    assert!(
+        matches!(&e, ttrpc::Error::RpcStatus(s) if s.code() == ttrpc::Code::DEADLINE_EXCEEDED)
+            || matches!(&e, ttrpc::Error::Others(m) if m.contains("timed out")),
+        "{e:?}"
+    );
+    // Killed when the request was dropped, then reaped and its directory
+    // removed (the directory goes only once the process is reaped);
+    // without that it would serve, unowned, a second after its start.
+    wait_until("the VMM started for it is gone", T, || {
+        std::fs::read_dir(dir.path().join("run/vms"))
+            .unwrap()
+            .count()
+            == 0
+    });
+    assert!(node.status().handed_pids.is_empty());
+}
