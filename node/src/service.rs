@@ -328,13 +328,22 @@ impl Daemon {
         &self.pool
     }
 
-    /// Stops serving, kills the pooled VMMs (handed-over ones run on) and
-    /// removes the socket.
+    /// Kills the pooled VMMs (handed-over ones run on), stops serving and
+    /// removes the socket. Connected clients get [`STOP_GRACE`] to let go
+    /// (ttrpc waits for every connection otherwise; an idle client holding
+    /// its connection would delay the stop by ttrpc's own 10 s).
     pub async fn stop(mut self) {
-        if let Err(e) = self.server.shutdown().await {
-            tracing::warn!("stopping the ttrpc server: {e}");
-        }
         self.pool.close();
+        match tokio::time::timeout(STOP_GRACE, self.server.shutdown()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!("stopping the ttrpc server: {e}"),
+            Err(_) => {
+                tracing::info!("clients still connected after {STOP_GRACE:?}; stopping anyway")
+            }
+        }
         let _ = std::fs::remove_file(&self.socket);
     }
 }
+
+/// How long a stopping daemon waits for its clients' connections to close.
+pub const STOP_GRACE: std::time::Duration = std::time::Duration::from_millis(500);

@@ -202,3 +202,54 @@ fn a_request_whose_deadline_passes_while_spawning_leaves_no_vmm() {
     });
     assert!(node.status().handed_pids.is_empty());
 }
+
+/// Whether `pid` no longer runs (gone, or a zombie waiting for a parent
+/// other than the test to reap it).
+fn not_running(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
+        Err(_) => true,
+    }
+}
+
+#[test]
+fn a_stop_kills_the_pool_but_not_handed_vms_and_a_restart_keeps_them() {
+    let dir = tempfile::tempdir().unwrap();
+    make_template(dir.path(), "tiny");
+    let c = config(dir.path(), 1);
+    let mut node = Node::start(dir.path(), &c);
+    let vm = node.acquire("tiny").expect("AcquireVm");
+    wait_until("the pool refills", T, || node.pooled().len() == 1);
+    let pooled = node.pooled()[0];
+
+    // SAFETY: kill(2) on the test's own child.
+    unsafe { libc::kill(node.child.id() as i32, libc::SIGTERM) };
+    let started = std::time::Instant::now();
+    let status = node.child.wait().unwrap();
+    assert!(status.success(), "{status}: {}", node.log());
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(5),
+        "a prompt stop"
+    );
+    assert!(
+        !dir.path().join("node.sock").exists(),
+        "the socket is removed"
+    );
+    wait_until("the pooled VMM is killed", T, || not_running(pooled));
+    assert!(
+        !not_running(vm.pid),
+        "the handed-over VMM runs on (its shim owns it)"
+    );
+    drop(node);
+
+    // A new daemon on the same directories leaves the handed-over VMM and
+    // its directory alone.
+    let node = Node::start(dir.path(), &c);
+    wait_until("the new pool fills", T, || node.pooled().len() == 1);
+    assert!(!not_running(vm.pid));
+    assert!(Path::new(&vm.state_dir).join("handed").exists());
+    restore(&vm.api_socket, &vm.template_dir);
+    sigkill(vm.pid);
+}

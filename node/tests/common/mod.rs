@@ -216,7 +216,11 @@ impl Node {
 
 impl Drop for Node {
     fn drop(&mut self) {
-        // SAFETY: kill(2) on our own child.
+        // Reaped already (a test waited for it): its pid is not ours now.
+        if matches!(self.child.try_wait(), Ok(Some(_))) {
+            return;
+        }
+        // SAFETY: kill(2) on our own child, not reaped yet.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let deadline = Instant::now() + T;
         while self.child.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
