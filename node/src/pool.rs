@@ -6,7 +6,7 @@
 //! child: a task per VMM waits for its exit, reaps it (no zombies, whoever
 //! killed it), removes its directory, and, for a pooled one, refills.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -61,6 +61,8 @@ struct State {
     starting: HashMap<Shape, usize>,
     /// Handed-over VMMs still running: pid → the template they were given.
     handed: HashMap<u32, String>,
+    /// VMMs started and not answering yet (killed by [`Pool::close`]).
+    spawning: HashSet<u32>,
 }
 
 struct Inner {
@@ -195,13 +197,23 @@ impl Pool {
         Ok((vmm, false))
     }
 
-    /// Stops the refill and kills the pooled VMMs (handed-over ones belong
-    /// to their shims and keep running).
+    /// Stops the refill and kills the pooled VMMs and those being started
+    /// (handed-over ones belong to their shims and keep running).
     pub fn close(&self) {
         self.inner.closed.store(true, Ordering::SeqCst);
-        let ready: Vec<Vmm> = self.state().ready.drain().flat_map(|(_, q)| q).collect();
-        for v in ready {
-            kill(v.pid);
+        let doomed: Vec<u32> = {
+            let mut s = self.state();
+            let mut pids: Vec<u32> = s
+                .ready
+                .drain()
+                .flat_map(|(_, q)| q)
+                .map(|v| v.pid)
+                .collect();
+            pids.extend(s.spawning.iter().copied());
+            pids
+        };
+        for pid in doomed {
+            kill(pid);
         }
         self.inner.refill.notify_one();
     }
@@ -293,11 +305,6 @@ impl Pool {
         let Some(pid) = child.id() else {
             return Err(Error::Internal("twig-vmm exited at once".into()));
         };
-        std::fs::write(dir.join("pid"), pid.to_string())
-            .map_err(|e| Error::io(format!("writing {}/pid", dir.display()), e))?;
-        if let Some(template) = handed {
-            self.state().handed.insert(pid, template.to_string());
-        }
         let (exited_tx, mut exited) = watch::channel(None);
         let pool = self.clone();
         let watched_dir = dir.clone();
@@ -310,15 +317,33 @@ impl Pool {
             let _ = exited_tx.send(Some(text.clone()));
             pool.exited(pid, &watched_dir, &text);
         });
+        // Killed if this future fails or is dropped before the VMM answers
+        // (a request whose deadline passed): nobody would own it otherwise.
+        let mut guard = KillGuard {
+            pool: self,
+            pid,
+            armed: true,
+        };
+        {
+            let mut s = self.state();
+            s.spawning.insert(pid);
+            if let Some(template) = handed {
+                s.handed.insert(pid, template.to_string());
+            }
+        }
+        // `close` sets the flag before it looks at `spawning`, this inserted
+        // before it looks at the flag: one of the two sees the other.
+        if self.inner.closed.load(Ordering::SeqCst) {
+            return Err(Error::FailedPrecondition("the daemon is stopping".into()));
+        }
+        std::fs::write(dir.join("pid"), pid.to_string())
+            .map_err(|e| Error::io(format!("writing {}/pid", dir.display()), e))?;
         let vmm = Vmm { pid, dir, shape };
-        // Killed if this future is dropped before it answers (a request
-        // whose deadline passed): nobody would own the VMM otherwise.
-        let mut guard = KillGuard(Some(pid));
         let deadline = Instant::now() + self.inner.start_timeout;
         loop {
             if let Some(status) = exited.borrow_and_update().clone() {
                 // Reaped already: its pid may be another process's now.
-                guard.0 = None;
+                guard.armed = false;
                 return Err(Error::Internal(format!(
                     "twig-vmm ({shape}) exited with {status} before it answered: {}",
                     tail(&String::from_utf8_lossy(
@@ -327,7 +352,7 @@ impl Pool {
                 )));
             }
             if answers(&api).await {
-                guard.0 = None;
+                guard.armed = false;
                 return Ok(vmm);
             }
             if Instant::now() >= deadline {
@@ -369,13 +394,19 @@ impl Pool {
     }
 }
 
-/// Kills a VMM being started unless disarmed; its watcher reaps it.
-struct KillGuard(Option<u32>);
+/// Kills a VMM being started unless disarmed (its watcher reaps it), and
+/// takes it off the pool's `spawning` list either way.
+struct KillGuard<'a> {
+    pool: &'a Pool,
+    pid: u32,
+    armed: bool,
+}
 
-impl Drop for KillGuard {
+impl Drop for KillGuard<'_> {
     fn drop(&mut self) {
-        if let Some(pid) = self.0.take() {
-            kill(pid);
+        self.pool.state().spawning.remove(&self.pid);
+        if self.armed {
+            kill(self.pid);
         }
     }
 }
