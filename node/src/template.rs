@@ -277,3 +277,54 @@ pub fn tail(text: &str) -> String {
     let lines: Vec<&str> = text.trim().lines().collect();
     lines[lines.len().saturating_sub(12)..].join(" | ")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(dir: &Path, mem_mib: u32) -> Config {
+        let mut c = Config {
+            store: dir.join("store"),
+            allow_copy: true,
+            run_dir: dir.join("run"),
+            ..Config::default()
+        };
+        c.base.kernel = dir.join("vmlinux");
+        c.base.initrd = dir.join("initrd");
+        c.base.mem_mib = mem_mib;
+        c
+    }
+
+    #[test]
+    fn the_base_template_id_follows_its_inputs() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = config(dir.path(), 128);
+        let t = Templates::open(&c).unwrap();
+        let e = t.base_id().unwrap_err();
+        assert!(
+            matches!(e, Error::FailedPrecondition(_)) && e.to_string().contains("vmlinux"),
+            "{e}"
+        );
+
+        std::fs::write(&c.base.kernel, b"kernel one").unwrap();
+        std::fs::write(&c.base.initrd, b"initrd").unwrap();
+        let first = t.base_id().unwrap();
+        assert!(first.starts_with(BASE_PREFIX) && first.len() == BASE_PREFIX.len() + 16);
+        assert_eq!(t.base_id().unwrap(), first, "stable");
+
+        // Rewritten with the same bytes (new mtime): same id.
+        std::fs::remove_file(&c.base.kernel).unwrap();
+        std::fs::write(&c.base.kernel, b"kernel one").unwrap();
+        assert_eq!(t.base_id().unwrap(), first);
+
+        // New bytes (same size): a new id.
+        std::fs::remove_file(&c.base.kernel).unwrap();
+        std::fs::write(&c.base.kernel, b"kernel two").unwrap();
+        let second = t.base_id().unwrap();
+        assert_ne!(second, first);
+
+        // Another shape: another id.
+        let other = Templates::open(&config(dir.path(), 256)).unwrap();
+        assert_ne!(other.base_id().unwrap(), second);
+    }
+}
