@@ -589,8 +589,15 @@ impl Node {
         self.containerd.stop();
         // Shims outlive containerd; each names its socket in `-address`.
         kill_processes_with_arg(&self.socket.to_string_lossy());
-        // The VMMs the shims took are gone with them; the pooled ones go
-        // with the daemon.
+        // The VMMs the shims took outlive them (they are the daemon's
+        // children, owned by the shims): each is found by its API socket's
+        // path in its arguments. The daemon reaps them, then stops.
+        if let Some(work) = &self.work {
+            let vms = work.path().join("node").join("vms");
+            for vm in fs::read_dir(&vms).into_iter().flatten().flatten() {
+                kill_processes_with_arg(&vm.path().join("api.sock").to_string_lossy());
+            }
+        }
         self.node_daemon.stop();
         self.snapshotter.stop();
         if let Some(work) = self.work.take() {
