@@ -23,7 +23,8 @@ pub const MIB: u32 = 64;
 pub const SLOTS: u32 = 2;
 
 /// The workspace's `twig-vmm` binary next to twig-node's, built (once per
-/// test binary) with the cargo that runs the tests.
+/// test binary) with the cargo that runs the tests, with its test-only
+/// `test_trigger` op (a system call outside the seccomp filters).
 pub fn vmm_binary() -> PathBuf {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     BUILT
@@ -38,6 +39,8 @@ pub fn vmm_binary() -> PathBuf {
                     "twig-vmm",
                     "--bin",
                     "twig-vmm",
+                    "--features",
+                    "test-trigger",
                     "--manifest-path",
                 ])
                 .arg(&manifest)
@@ -192,7 +195,7 @@ impl Node {
         for pid in pids {
             let dir = self.vm_dir(*pid);
             assert!(!dir.join("handed").exists(), "{pid} is pooled");
-            twig_vmm::api::Client::connect(&dir.join("api.sock"), T)
+            twig_vmm::api::Client::connect(&dir.join("vm/api.sock"), T)
                 .unwrap_or_else(|e| panic!("pooled VMM {pid} does not answer: {e}"));
         }
     }

@@ -3,6 +3,7 @@
 
 use std::io::{BufRead, BufReader, ErrorKind as IoKind, Write};
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -350,13 +351,18 @@ impl Client {
         }
     }
 
-    /// Snapshots the VM into the new directory `dir`.
+    /// Snapshots the VM into the new directory `dir` (a node store's
+    /// staging directory). A jailed VMM runs as its own user: if that user
+    /// (the owner of the API socket, which the VMM created) is not the
+    /// caller's, `dir` is first given to it (`chown`), so the VMM can write
+    /// there; the store publishes it as before.
     pub fn snapshot(
         &mut self,
         dir: &Path,
         kind: Kind,
         timeout: Duration,
     ) -> Result<SnapshotInfo, ClientError> {
+        self.give_to_vmm(dir)?;
         let req = Request::Snapshot {
             dir: dir.to_path_buf(),
             kind,
@@ -365,6 +371,26 @@ impl Client {
             Reply::Snapshot(info) => Ok(info),
             other => Err(self.unexpected("snapshot", &other)),
         }
+    }
+
+    /// Makes `dir` the VMM's user's if the VMM runs as another user than
+    /// the caller (a jailed VMM). A `dir` this process cannot see (a path
+    /// inside a jail that is not bound at its host path) is left to the VMM
+    /// to find or refuse.
+    fn give_to_vmm(&self, dir: &Path) -> Result<(), ClientError> {
+        let sock = std::fs::metadata(&self.path).map_err(self.io("looking at the API socket"))?;
+        let Ok(meta) = std::fs::metadata(dir) else {
+            return Ok(());
+        };
+        let owner = (sock.uid(), sock.gid());
+        if sock.uid() == nix::unistd::geteuid().as_raw() || (meta.uid(), meta.gid()) == owner {
+            return Ok(());
+        }
+        std::os::unix::fs::chown(dir, Some(owner.0), Some(owner.1)).map_err(self.io(format!(
+            "giving the staging directory {} to the VMM's user {}",
+            dir.display(),
+            owner.0
+        )))
     }
 
     /// Rolls the VM back in place to the snapshot in `dir`.
