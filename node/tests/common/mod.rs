@@ -23,8 +23,9 @@ pub const MIB: u32 = 64;
 pub const SLOTS: u32 = 2;
 
 /// The workspace's `twig-vmm` binary next to twig-node's, built (once per
-/// test binary) with the cargo that runs the tests, with its test-only
-/// `test_trigger` op (a system call outside the seccomp filters).
+/// test binary) with the cargo that runs the tests — with the features
+/// twig-vmm's own tests build it with, so that under `cargo test
+/// --workspace` this build leaves the binary they use as it is.
 pub fn vmm_binary() -> PathBuf {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     BUILT
@@ -40,7 +41,7 @@ pub fn vmm_binary() -> PathBuf {
                     "--bin",
                     "twig-vmm",
                     "--features",
-                    "test-trigger",
+                    "twig-vmm/testguest,twig-vmm/test-trigger",
                     "--manifest-path",
                 ])
                 .arg(&manifest)
