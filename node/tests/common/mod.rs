@@ -25,7 +25,10 @@ pub const SLOTS: u32 = 2;
 /// The workspace's `twig-vmm` binary next to twig-node's, built (once per
 /// test binary) with the cargo that runs the tests — with the features
 /// twig-vmm's own tests build it with, so that under `cargo test
-/// --workspace` this build leaves the binary they use as it is.
+/// --workspace` this build leaves the binary they use as it is (and its
+/// test-only `test_trigger` op, a system call outside the seccomp filters,
+/// is there). Plain feature names: `--features twig-vmm/test-trigger`
+/// with `-p twig-vmm` built the binary without the feature.
 pub fn vmm_binary() -> PathBuf {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     BUILT
@@ -41,7 +44,7 @@ pub fn vmm_binary() -> PathBuf {
                     "--bin",
                     "twig-vmm",
                     "--features",
-                    "twig-vmm/testguest,twig-vmm/test-trigger",
+                    "testguest,test-trigger",
                     "--manifest-path",
                 ])
                 .arg(&manifest)
