@@ -358,39 +358,12 @@ impl Pool {
         let name = format!("{}-{n}", std::process::id());
         let dir = self.inner.vms_dir.join(&name);
         let own = own_dir(&dir);
-        let io = |what: &str, p: &Path| {
-            let what = format!("{what} {}", p.display());
-            move |e| Error::io(what, e)
-        };
-        std::fs::create_dir_all(&own).map_err(io("creating", &own))?;
-        let log_path = dir.join("vmm.log");
-        let log = std::fs::File::create(&log_path).map_err(io("creating", &log_path))?;
-        // Where the shim and the daemon read the guest console.
-        let serial_link = dir.join("serial.log");
-        std::os::unix::fs::symlink("vm/serial.log", &serial_link)
-            .map_err(io("linking", &serial_link))?;
-        let mut cmd = tokio::process::Command::new(&self.inner.vmm_binary);
-        cmd.arg("serve")
-            .arg("--api-sock")
-            .arg(own.join("api.sock"))
-            .arg("--serial")
-            .arg(own.join("serial.log"))
-            .args(["--prepare-mem-mib", &shape.mem_mib.to_string()])
-            .args(["--prepare-vcpus", &shape.vcpus.to_string()])
-            .args(["--disk-slots", &shape.disk_slots.to_string()])
-            .arg("--vsock-uds")
-            .arg(own.join("vsock"));
-        if let Some(jail) = &self.inner.jail {
-            jail_args(&mut cmd, jail, &dir, &name)?;
-        }
-        let spawned = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn();
-        let mut child = spawned.map_err(|e| {
+        let started = self.prepare(shape, &dir, &name).and_then(|mut cmd| {
+            cmd.spawn()
+                .map_err(|e| Error::io(format!("starting {}", self.inner.vmm_binary.display()), e))
+        });
+        let mut child = started.inspect_err(|_| {
             let _ = std::fs::remove_dir_all(&dir);
-            Error::io(format!("starting {}", self.inner.vmm_binary.display()), e)
         })?;
         let Some(pid) = child.id() else {
             return Err(Error::Internal("twig-vmm exited at once".into()));
@@ -462,6 +435,39 @@ impl Pool {
             // Woken by the exit, or after a short pause to look again.
             let _ = tokio::time::timeout(Duration::from_millis(2), exited.changed()).await;
         }
+    }
+
+    /// Makes the directory `dir` (named `name`) of a VMM of `shape` and
+    /// returns the command that starts it there.
+    fn prepare(&self, shape: Shape, dir: &Path, name: &str) -> Result<tokio::process::Command> {
+        let own = own_dir(dir);
+        let io = |what: &str, p: &Path| {
+            let what = format!("{what} {}", p.display());
+            move |e| Error::io(what, e)
+        };
+        std::fs::create_dir_all(&own).map_err(io("creating", &own))?;
+        let log_path = dir.join("vmm.log");
+        let log = std::fs::File::create(&log_path).map_err(io("creating", &log_path))?;
+        // Where the shim and the daemon read the guest console.
+        let serial_link = dir.join("serial.log");
+        std::os::unix::fs::symlink("vm/serial.log", &serial_link)
+            .map_err(io("linking", &serial_link))?;
+        let mut cmd = tokio::process::Command::new(&self.inner.vmm_binary);
+        cmd.arg("serve")
+            .arg("--api-sock")
+            .arg(own.join("api.sock"))
+            .arg("--serial")
+            .arg(own.join("serial.log"))
+            .args(["--prepare-mem-mib", &shape.mem_mib.to_string()])
+            .args(["--prepare-vcpus", &shape.vcpus.to_string()])
+            .args(["--disk-slots", &shape.disk_slots.to_string()])
+            .arg("--vsock-uds")
+            .arg(own.join("vsock"));
+        if let Some(jail) = &self.inner.jail {
+            jail_args(&mut cmd, jail, dir, name)?;
+        }
+        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
+        Ok(cmd)
     }
 
     /// The cgroup of the VMM whose directory is `name`, if VMMs get one.
