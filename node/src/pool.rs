@@ -277,15 +277,18 @@ impl Pool {
     }
 
     /// After [`Pool::close`]: waits up to `within` until every VMM it
-    /// killed is reaped and its cgroup and directory are removed.
+    /// killed (and every handed-over one that exited) is reaped and its
+    /// cgroup and directory are removed.
     pub async fn closed(&self, within: Duration) {
         let deadline = Instant::now() + within;
         loop {
+            // Handed-over VMMs run on, but one that exited is being
+            // cleaned up: wait for that too.
             let left = {
                 let s = self.state();
                 s.watched
                     .iter()
-                    .filter(|p| !s.handed.contains_key(p))
+                    .filter(|p| !s.handed.contains_key(p) || !is_alive(**p))
                     .count()
             };
             if left == 0 {

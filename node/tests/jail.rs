@@ -49,6 +49,19 @@ impl Drop for CgroupGuard {
     }
 }
 
+/// Kills a handed-over VMM (the test owns it) if the test ends before it
+/// stopped it: it would outlive the daemon.
+struct Owned(u32);
+
+impl Drop for Owned {
+    fn drop(&mut self) {
+        if !gone(self.0) {
+            // SAFETY: kill(2); no memory involved.
+            unsafe { libc::kill(self.0 as i32, libc::SIGKILL) };
+        }
+    }
+}
+
 /// A test node's configuration with the jail's defaults (uid/gid
 /// [`DEFAULT_VMM_ID`], new PID namespace) in the cgroup `cgroup`.
 fn jailed_config(dir: &Path, size: usize, cgroup: &str) -> serde_json::Value {
@@ -109,6 +122,7 @@ fn pooled_vmms_run_jailed_and_restore_snapshot_and_roll_back_through_the_jail() 
     wait_until("the pool holds 2 VMMs", T, || node.pooled().len() == 2);
     node.check_pooled(&node.pooled());
     let vm = node.acquire("tiny").expect("AcquireVm");
+    let _owned = Owned(vm.pid);
     let inner = vmm_of(vm.pid);
 
     // An unprivileged user with no capabilities, under its filters.
@@ -206,6 +220,7 @@ fn pooled_vmms_run_jailed_and_restore_snapshot_and_roll_back_through_the_jail() 
 
     // Another jailed VMM restores the incremental chain.
     let vm2 = node.acquire("tiny").expect("AcquireVm");
+    let _owned2 = Owned(vm2.pid);
     let mut api2 = restore(&vm2.api_socket, &store.snapshot_dir("s2"));
     assert_eq!(api2.stats(T).unwrap().baseline.as_deref(), Some("s2"));
 
@@ -229,6 +244,7 @@ fn a_filter_violation_kills_a_jailed_vmm_and_the_daemon_reaps_it() {
     let _cg = CgroupGuard(cgroup.clone());
     let node = Node::start(dir.path(), &jailed_config(dir.path(), 1, &cgroup));
     let vm = node.acquire("tiny").expect("AcquireVm");
+    let _owned = Owned(vm.pid);
     let inner = vmm_of(vm.pid);
     let mut api = restore(&vm.api_socket, Path::new(&vm.template_dir));
     let e = api
@@ -262,6 +278,7 @@ fn a_filter_violation_kills_a_jailed_vmm_and_the_daemon_reaps_it() {
     });
     // The pool goes on serving.
     let next = node.acquire("tiny").expect("AcquireVm after the death");
+    let _owned_next = Owned(next.pid);
     restore(&next.api_socket, Path::new(&next.template_dir));
     sigkill(next.pid);
     wait_until("the next VMM is reaped", T, || gone(next.pid));
@@ -276,6 +293,7 @@ fn with_the_jail_off_vmms_run_as_before() {
     let node = Node::start(dir.path(), &c);
     let vm = node.acquire("tiny").expect("AcquireVm");
     let pid = vm.pid;
+    let _owned = Owned(pid);
     assert_eq!(status_field(pid, "Uid"), "0 0 0 0");
     assert_eq!(status_field(pid, "Seccomp"), "2", "filters stay on");
     for kind in ["mnt", "net", "pid"] {
