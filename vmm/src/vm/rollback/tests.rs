@@ -548,8 +548,7 @@ fn a_disk_sent_as_a_descriptor_rolls_back_through_it_all_or_nothing() {
     vm.resume().expect("resume");
     let e = vm
         .rollback(&elsewhere.snapshot_dir("e1"))
-        .err()
-        .expect("a rollback from another filesystem is refused");
+        .expect_err("a rollback from another filesystem is refused");
     assert!(matches!(e, Error::Rollback(_)), "{e}");
     let message = e.to_string();
     assert!(
