@@ -54,28 +54,27 @@ impl InPlace {
             File::open(src).map_err(|e| Error::io(format!("opening {}", src.display()), e))?;
         let have = from
             .metadata()
-            .map_err(|e| Error::io(format!("reading {}", src.display()), e))?
-            .len();
-        if have != size {
+            .map_err(|e| Error::io(format!("reading {}", src.display()), e))?;
+        if have.len() != size {
             return Err(Error::snapshot(
                 src,
-                format!("disk copy is {have} bytes, the snapshot recorded {size}"),
+                format!(
+                    "disk copy is {} bytes, the snapshot recorded {size}",
+                    have.len()
+                ),
             ));
         }
-        let old_size = target
+        let old = target
             .metadata()
-            .map_err(|e| Error::io(format!("reading disk image {}", name.display()), e))?
-            .len();
+            .map_err(|e| Error::io(format!("reading disk image {}", name.display()), e))?;
         // The change itself is a reflink from the snapshot's copy: refuse
         // before anything is done if it cannot be one.
-        if let (Ok(a), Ok(b)) = (target.metadata(), from.metadata()) {
-            if a.dev() != b.dev() {
-                return Err(Error::Config(format!(
-                    "cannot roll back disk image {} in place: {}",
-                    name.display(),
-                    two_filesystems((&target, name), (&from, src))
-                )));
-            }
+        if old.dev() != have.dev() {
+            return Err(Error::Config(format!(
+                "cannot roll back disk image {} in place: {}",
+                name.display(),
+                two_filesystems((&target, name), (&from, src))
+            )));
         }
         let backup = OpenOptions::new()
             .read(true)
@@ -112,7 +111,7 @@ impl InPlace {
             src: from,
             src_path: src.to_path_buf(),
             backup,
-            old_size,
+            old_size: old.len(),
             new_size: size,
             applied: false,
         })
