@@ -157,7 +157,8 @@ root=$work/root
 mkdir -p "$root"/{bin,dev,proc,sys,tmp,lib/modules,tests}
 cp /bin/busybox "$root/bin/busybox"
 for m in virt/lib/irqbypass arch/x86/kvm/kvm arch/x86/kvm/kvm-amd drivers/net/tun \
-  drivers/block/loop lib/libcrc32c fs/xfs/xfs; do
+  drivers/block/loop lib/libcrc32c fs/xfs/xfs net/llc/llc net/802/stp net/bridge/bridge \
+  drivers/net/veth; do
   # Newer Debian kernels ship xz-compressed modules; busybox insmod wants them plain.
   if [[ -f $mods/$m.ko ]]; then cp "$mods/$m.ko" "$root/lib/modules/"
   elif [[ -f $mods/$m.ko.xz ]]; then xz -dc "$mods/$m.ko.xz" > "$root/lib/modules/$(basename "$m").ko"
@@ -187,6 +188,16 @@ if ((e2e)); then
     strip "$root/usr/local/bin/$(basename "$b")"
   done
   e2e/build-image.sh "$root/e2e/busybox.tar" || die "building the e2e test image failed"
+  # CRI: the pod sandbox ("pause") image, whose PID 1 waits until SIGTERM,
+  # and the CNI plugins of a bridge network (containernetworking-plugins).
+  e2e/build-image.sh "$root/e2e/pause.tar" docker.io/library/twig-e2e-pause:v1 \
+    /bin/sh -c 'trap "exit 0" TERM INT; while :; do sleep 3600 & wait $!; done' ||
+    die "building the e2e pod sandbox image failed"
+  mkdir -p "$root/usr/lib/cni"
+  for p in bridge host-local loopback; do
+    [[ -x /usr/lib/cni/$p ]] || die "/usr/lib/cni/$p missing (containernetworking-plugins: scripts/install-deps.sh)"
+    copy_with_libs "/usr/lib/cni/$p" "$root/usr/lib/cni/$p"
+  done
 fi
 n=0
 for b in "${bins[@]}"; do
@@ -216,7 +227,7 @@ fi
 /bin/busybox --install -s /bin
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
 mount -t tmpfs tmp /tmp; mount -t debugfs debugfs /sys/kernel/debug
-for m in irqbypass kvm tun loop libcrc32c xfs; do insmod /lib/modules/\$m.ko || echo "LAB-ERROR insmod \$m"; done
+for m in irqbypass kvm tun loop libcrc32c xfs llc stp bridge veth; do insmod /lib/modules/\$m.ko || echo "LAB-ERROR insmod \$m"; done
 insmod /lib/modules/kvm-amd.ko $KVM_AMD_PARAMS || echo "LAB-ERROR insmod kvm-amd $KVM_AMD_PARAMS"
 echo "LAB-KVM-AMD \$(cd /sys/module/kvm_amd/parameters && grep . * | tr '\\n' ' ')"
 [ -c /dev/kvm ] || echo "LAB-ERROR no /dev/kvm"
@@ -225,7 +236,7 @@ export PATH=/sbin:/bin:/usr/bin:/usr/local/bin ${TWIG_LAB_ENV:-}
 # What containerd and runc expect of a node: cgroups (v2), /run, a loopback.
 mkdir -p /run /var/lib && mount -t cgroup2 cgroup2 /sys/fs/cgroup || echo "LAB-ERROR no cgroup2"
 ip link set lo up || echo "LAB-ERROR lo"
-[ $e2e = 0 ] || export TWIG_E2E_IMAGE=/e2e/busybox.tar TWIG_E2E_XFS=/xfs
+[ $e2e = 0 ] || export TWIG_E2E_IMAGE=/e2e/busybox.tar TWIG_E2E_PAUSE_IMAGE=/e2e/pause.tar TWIG_E2E_XFS=/xfs
 # The benchmark's files live on XFS, as in production: snapshots and
 # restores share disk extents (reflinks) instead of copying them.
 truncate -s 4G /tmp/xfs.img && mkfs.xfs -q -m reflink=1 /tmp/xfs.img && mkdir /xfs &&
