@@ -100,12 +100,13 @@ fn is_bind(m: &Value) -> bool {
 
 /// The spec's mounts as the guest can make them. Every bind mount's source
 /// is a host path, which the guest cannot see: `/dev/shm` (CRI binds the
-/// pod's shared memory there) becomes the pod's first container's
-/// `/dev/shm` in the guest (`/proc/<guest pid>/root/dev/shm`), or a tmpfs
-/// in that first container itself; CRI's pod files ([`CRI_POD_FILES`]) are
-/// dropped; any other (a volume) is refused: nothing shares host files
-/// with the VM yet.
-fn guest_mounts(spec: &mut Value, sandbox_init: Option<u32>) -> Result<()> {
+/// pod's shared memory there) becomes a tmpfs of the container's own (a bind
+/// of the pod's first container's `/dev/shm` through `/proc/<pid>/root`
+/// fails with EINVAL: a bind mount's source must be in the caller's mount
+/// namespace; System V shared memory is still the pod's, through its IPC
+/// namespace); CRI's pod files ([`CRI_POD_FILES`]) are dropped; any other (a
+/// volume) is refused: nothing shares host files with the VM yet.
+fn guest_mounts(spec: &mut Value) -> Result<()> {
     let Some(mounts) = spec.get_mut("mounts").and_then(Value::as_array_mut) else {
         return Ok(());
     };
@@ -117,24 +118,22 @@ fn guest_mounts(spec: &mut Value, sandbox_init: Option<u32>) -> Result<()> {
         }
         let dest = m.get("destination").and_then(Value::as_str).unwrap_or("");
         if dest == "/dev/shm" {
-            kept.push(match sandbox_init {
-                Some(pid) => serde_json::json!({
-                    "destination": "/dev/shm", "type": "bind",
-                    "source": format!("/proc/{pid}/root/dev/shm"),
-                    "options": ["rbind", "nosuid", "nodev", "noexec"],
-                }),
-                None => serde_json::json!({
-                    "destination": "/dev/shm", "type": "tmpfs", "source": "shm",
-                    "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"],
-                }),
-            });
+            kept.push(serde_json::json!({
+                "destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+                "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"],
+            }));
         } else if CRI_POD_FILES.contains(&dest) {
-            tracing::debug!(destination = dest, "CRI's pod file is not shared with the VM; the image's own stays");
+            tracing::debug!(
+                destination = dest,
+                "CRI's pod file is not shared with the VM; the image's own stays"
+            );
         } else {
             return Err(Error::InvalidArgument(format!(
                 "OCI spec: a bind mount of the host's {} on {dest}: the twig runtime does not \
                  share host files or volumes with the VM yet",
-                m.get("source").and_then(Value::as_str).unwrap_or("(no source)")
+                m.get("source")
+                    .and_then(Value::as_str)
+                    .unwrap_or("(no source)")
             )));
         }
     }
@@ -155,7 +154,7 @@ pub fn guest_spec(mut spec: Value, sandbox_init: Option<u32>) -> Result<Value> {
             tracing::warn!("OCI hooks are not run by the twig runtime; dropped");
         }
     }
-    guest_mounts(&mut spec, sandbox_init)?;
+    guest_mounts(&mut spec)?;
     let Some(namespaces) = spec
         .pointer_mut("/linux/namespaces")
         .and_then(Value::as_array_mut)
@@ -317,20 +316,20 @@ mod tests {
         };
         let hostname = json!({"destination": "/etc/hostname", "type": "bind",
                               "source": "/var/lib/c/sandboxes/p/hostname", "options": ["rbind"]});
-        let member = guest_spec(spec(hostname.clone()), Some(9)).unwrap();
-        assert_eq!(
-            member["mounts"],
-            json!([proc_mount, {"destination": "/dev/shm", "type": "bind",
-                   "source": "/proc/9/root/dev/shm",
-                   "options": ["rbind", "nosuid", "nodev", "noexec"]}])
-        );
-        let first = guest_spec(spec(hostname), None).unwrap();
-        assert_eq!(first["mounts"][1]["type"], "tmpfs");
-        assert_eq!(first["mounts"].as_array().map(Vec::len), Some(2));
+        let shm = json!({"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+                         "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]});
+        for init in [Some(9), None] {
+            let g = guest_spec(spec(hostname.clone()), init).unwrap();
+            assert_eq!(g["mounts"], json!([proc_mount, shm]));
+        }
         let volume = json!({"destination": "/data", "type": "bind",
                             "source": "/var/lib/kubelet/pods/x/volumes/data", "options": ["rbind"]});
         let e = guest_spec(spec(volume), Some(9)).unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)));
-        assert!(e.to_string().contains("/var/lib/kubelet/pods/x/volumes/data"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("/var/lib/kubelet/pods/x/volumes/data"),
+            "{e}"
+        );
     }
 }

@@ -17,6 +17,9 @@
 #        tests/lab/run.sh --bench [twig-bench linux options...]
 #        (runs `twig-bench linux --json` in the lab; the JSON goes to stdout,
 #        the table and the lab's console to stderr)
+#        tests/lab/run.sh --bench cri [twig-bench cri options...]
+#        (`twig-bench cri --node lab --json`: pods through CRI, twig against
+#        runc, on the end-to-end payload built in release)
 # The kernel is cached under ${XDG_CACHE_HOME:-~/.cache}/twig/lab, keyed by
 # the Debian package version. Every wait has a deadline.
 set -euo pipefail
@@ -116,8 +119,10 @@ agent_initrd=$(guest/build-initramfs.sh "$work/agent-initrd") || die "agent init
 bench=0
 [[ ${1:-} == --bench ]] && bench=1
 SMP=${SMP:-$((bench ? 2 : 1))}
+bench_cmd=linux
 if ((bench)); then
   shift
+  [[ ${1:-} == cri ]] && { shift; bench_cmd="cri --node lab"; }
   cargo build --locked --release -q -p twig-bench || die "building twig-bench failed"
   bins=("${CARGO_TARGET_DIR:-target}/release/twig-bench")
   bench_args="$*"
@@ -140,6 +145,9 @@ fi
 # twig-e2e is asked for: they add ~30 MB to the gzip'd initramfs.
 e2e=0
 ((bench)) || [[ " ${sel[*]} " != *twig-e2e* ]] || e2e=1
+[[ $bench_cmd == linux ]] || e2e=1
+# The benchmark measures release builds of the node's daemons.
+profile=debug; ((bench)) && profile=release
 daemons=()
 if ((e2e)); then
   ws_bins=(twig-snapshotter twig-vmm)
@@ -148,8 +156,9 @@ import json, sys
 sys.exit(0 if any("containerd-shim-twig-v2" == t["name"] and "bin" in t["kind"]
                   for p in json.load(sys.stdin)["packages"] for t in p["targets"]) else 1)
 ' && ws_bins+=(containerd-shim-twig-v2)
-  cargo build --locked -q $(printf -- '--bin %s ' "${ws_bins[@]}") || die "building ${ws_bins[*]} failed"
-  for b in "${ws_bins[@]}"; do daemons+=("${CARGO_TARGET_DIR:-target}/debug/$b"); done
+  cargo build --locked -q $( ((bench)) && echo --release) $(printf -- '--bin %s ' "${ws_bins[@]}") ||
+    die "building ${ws_bins[*]} failed"
+  for b in "${ws_bins[@]}"; do daemons+=("${CARGO_TARGET_DIR:-target}/$profile/$b"); done
 fi
 
 # 4. The lab's initramfs.
@@ -233,8 +242,11 @@ echo "LAB-KVM-AMD \$(cd /sys/module/kvm_amd/parameters && grep . * | tr '\\n' ' 
 [ -c /dev/kvm ] || echo "LAB-ERROR no /dev/kvm"
 export TWIG_GUEST_KERNEL=/guest/bzImage TWIG_GUEST_INITRD=/guest/initrd TWIG_AGENT_INITRD=/guest/agent-initrd
 export PATH=/sbin:/bin:/usr/bin:/usr/local/bin ${TWIG_LAB_ENV:-}
-# What containerd and runc expect of a node: cgroups (v2), /run, a loopback.
-mkdir -p /run /var/lib && mount -t cgroup2 cgroup2 /sys/fs/cgroup || echo "LAB-ERROR no cgroup2"
+# What containerd and runc expect of a node: cgroups (v2), /run, a loopback;
+# CRI copies the node's /etc/hosts and /etc/resolv.conf into every pod.
+mkdir -p /run /var/lib /etc && mount -t cgroup2 cgroup2 /sys/fs/cgroup || echo "LAB-ERROR no cgroup2"
+[ -e /etc/hosts ] || echo '127.0.0.1 localhost' > /etc/hosts
+[ -e /etc/resolv.conf ] || : > /etc/resolv.conf
 ip link set lo up || echo "LAB-ERROR lo"
 [ $e2e = 0 ] || export TWIG_E2E_IMAGE=/e2e/busybox.tar TWIG_E2E_PAUSE_IMAGE=/e2e/pause.tar TWIG_E2E_XFS=/xfs
 # The benchmark's files live on XFS, as in production: snapshots and
@@ -271,7 +283,7 @@ trace_tail() {
 done_bins=" \$(sed -n 's/.*twig_done=\([^ ]*\).*/\1/p' /proc/cmdline | tr , ' ') "
 echo LAB-BEGIN
 if [ $bench = 1 ]; then
-  timeout $TEST_TIMEOUT ${TWIG_LAB_WRAP:-} /tests/twig-bench linux --json ${bench_args:-} > /tmp/bench.json
+  timeout $TEST_TIMEOUT ${TWIG_LAB_WRAP:-} /tests/twig-bench $bench_cmd --json ${bench_args:-} > /tmp/bench.json
   echo "LAB-EXIT twig-bench \$?"
   sed 's/^/LAB-JSON /' /tmp/bench.json
 else
