@@ -64,8 +64,16 @@ fn pod_lifecycle(expect: Expect) {
     rt.block_on(scenario(expect));
 }
 
+/// Says how far the scenario got (seen with `--nocapture`, e.g. in the
+/// lab's console when a step hangs).
+fn step(t0: Instant, what: &str) {
+    eprintln!("cri: {:>7.2} s  {what}", t0.elapsed().as_secs_f64());
+}
+
 async fn scenario(expect: Expect) {
+    let t0 = Instant::now();
     let node = CriNode::start().unwrap_or_else(|e| panic!("CRI node: {e}"));
+    step(t0, "node up");
     let cri = node.client().await.unwrap_or_else(|e| panic!("{e}"));
     let fail = |what: &str, e: twig_cri::Error| -> ! { panic!("{}", node.cri_error(what, e)) };
 
@@ -76,6 +84,7 @@ async fn scenario(expect: Expect) {
         .run_pod_sandbox(&pod, expect.handler)
         .await
         .unwrap_or_else(|e| fail("RunPodSandbox", e));
+    step(t0, "RunPodSandbox");
     let status = cri
         .pod_sandbox_status(&pod_id)
         .await
@@ -137,11 +146,13 @@ async fn scenario(expect: Expect) {
         assert_eq!(status.state(), ContainerState::ContainerCreated, "{name}");
         ids.push(id);
     }
+    step(t0, "CreateContainer ×3");
     for (id, (name, _)) in ids.iter().zip(&specs) {
         cri.start_container(id)
             .await
             .unwrap_or_else(|e| fail(&format!("StartContainer {name}"), e));
     }
+    step(t0, "StartContainer ×3");
     for (name, _) in &specs {
         let path = CriNode::container_log(&pod, &format!("{name}.log"));
         let want = format!("hello from {name}");
@@ -150,6 +161,7 @@ async fn scenario(expect: Expect) {
             .unwrap_or_else(|e| panic!("{name}: {e}\n{}", node.node().logs()));
         assert_eq!(lines[0].stream, "stdout", "{name}: {lines:?}");
     }
+    step(t0, "their output in the CRI logs");
     let (web, writer, printer) = (&ids[0], &ids[1], &ids[2]);
 
     // ExecSync: both streams and the exit code; each container sees its
@@ -190,6 +202,7 @@ async fn scenario(expect: Expect) {
         String::from_utf8_lossy(&out.stdout)
     );
 
+    step(t0, "ExecSync ×3");
     // The pod's IP answers from the host network namespace.
     if expect.pod_network {
         let body = http_get(ip, Duration::from_secs(60)).unwrap_or_else(|e| panic!("{e}"));
@@ -218,6 +231,7 @@ async fn scenario(expect: Expect) {
         "no CPU usage"
     );
 
+    step(t0, "ContainerStats");
     // StopContainer: TERM reaches the writer (its trap's exit code and
     // line); only that container exits.
     cri.stop_container(writer, Duration::from_secs(30))
@@ -249,6 +263,7 @@ async fn scenario(expect: Expect) {
         );
     }
 
+    step(t0, "StopContainer");
     // StopPodSandbox: every container exits, the pod is not ready, CNI
     // frees its address (and the IP stops answering).
     cri.stop_pod_sandbox(&pod_id)
@@ -283,6 +298,7 @@ async fn scenario(expect: Expect) {
         node.reserved_ips()
     );
 
+    step(t0, "StopPodSandbox");
     // RemovePodSandbox: pod and containers are gone, and so are their
     // shim, VMM, mounts and network namespace.
     cri.remove_pod_sandbox(&pod_id)
@@ -307,6 +323,7 @@ async fn scenario(expect: Expect) {
         .await
         .unwrap_or_else(|e| fail("ListPodSandbox", e))
         .is_empty());
+    step(t0, "RemovePodSandbox");
     let deadline = Instant::now() + GONE;
     loop {
         let left = node.leftovers();
@@ -320,6 +337,7 @@ async fn scenario(expect: Expect) {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    step(t0, "nothing left behind");
 }
 
 #[test]

@@ -473,6 +473,16 @@ impl TaskService {
             match sandbox.agent().remove_container(&id, timeout) {
                 Ok(()) => {}
                 Err(e) if e.status_code() == Some("NOT_FOUND") => {}
+                // No answer at all (the connection is gone: the VM died).
+                // The container went with it; refusing would leave
+                // containerd retrying a delete that can never succeed.
+                Err(e) if e.status_code().is_none() => {
+                    tracing::warn!(
+                        id,
+                        "the agent does not answer ({e}); the container is gone with the VM"
+                    );
+                    return Ok(());
+                }
                 Err(e) => return Err(Error::agent(format!("removing container {id}"), e)),
             }
             sandbox.detach(&attachment)
