@@ -519,7 +519,9 @@ fn pod_processes(procs: &HashMap<u32, Proc>, shim: &str, dir: &str) -> BTreeSet<
     let ours = |p: &Proc| p.argv.iter().any(|a| a.contains(dir));
     let mut set: BTreeSet<u32> = procs
         .iter()
-        .filter(|(_, p)| ours(p) && (names(p, shim) || (shim.contains("twig") && names(p, "twig-vmm"))))
+        .filter(|(_, p)| {
+            ours(p) && (names(p, shim) || (shim.contains("twig") && names(p, "twig-vmm")))
+        })
         .map(|(pid, _)| *pid)
         .collect();
     loop {
@@ -585,4 +587,80 @@ async fn idle_memory(
     r.value(&format!("{name}_idle_pod_anon_mib"), json!(per_pod(anon)));
     r.value(&format!("{name}_idle_pod_processes"), json!(n));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timing_lines_give_the_shims_own_time() {
+        let line = "2026-11-24T11:14:18.370588Z  INFO twig_shim::service: timing call=\"create\" \
+                    id=\"fdf76\" exec_id=\"\" own_us=62347 vm_us=22076648";
+        assert_eq!(parse_timing(line), Some(("fdf76".to_string(), 62347)));
+        let start =
+            "2026-11-24T11:14:18Z  INFO twig_shim::service: start id=\"fdf76\" exec_id=\"\"";
+        assert_eq!(parse_timing(start), None);
+        let broken = "x INFO twig_shim::service: timing call=\"create\" id=\"a\" own_us=lots";
+        assert_eq!(parse_timing(broken), None);
+    }
+
+    #[test]
+    fn pod_processes_follow_shims_to_their_children() {
+        let p = |argv: &[&str], ppid: u32| Proc {
+            argv: argv.iter().map(|s| s.to_string()).collect(),
+            ppid,
+            rss_kb: 0,
+            anon_kb: 0,
+        };
+        let procs = HashMap::from([
+            (
+                10,
+                p(
+                    &["/usr/bin/containerd-shim-runc-v2", "-address", "/n/c.sock"],
+                    1,
+                ),
+            ),
+            (11, p(&["/bin/sh"], 10)),
+            (12, p(&["sleep"], 11)),
+            (
+                20,
+                p(
+                    &[
+                        "/usr/local/bin/containerd-shim-twig-v2",
+                        "-address",
+                        "/n/c.sock",
+                    ],
+                    1,
+                ),
+            ),
+            (
+                21,
+                p(
+                    &[
+                        "/usr/local/bin/twig-vmm",
+                        "serve",
+                        "--api-sock",
+                        "/n/shim/a/api.sock",
+                    ],
+                    20,
+                ),
+            ),
+            (
+                30,
+                p(
+                    &[
+                        "/usr/bin/containerd-shim-runc-v2",
+                        "-address",
+                        "/other/c.sock",
+                    ],
+                    1,
+                ),
+            ),
+        ]);
+        let runc = pod_processes(&procs, "containerd-shim-runc-v2", "/n/");
+        assert_eq!(runc.into_iter().collect::<Vec<_>>(), vec![10, 11, 12]);
+        let twig = pod_processes(&procs, "containerd-shim-twig-v2", "/n/");
+        assert_eq!(twig.into_iter().collect::<Vec<_>>(), vec![20, 21]);
+    }
 }
