@@ -229,9 +229,9 @@ async fn measure(args: &Args, node: &BenchNode) -> Result<Value, Error> {
         ratios(&mut r, "p50", &p50);
         ratios(&mut r, "p99", &p99);
     }
-    if matches!(node, BenchNode::Lab(_)) && args.idle_pods > 0 {
+    if let (BenchNode::Lab(lab), true) = (node, args.idle_pods > 0) {
         for (h, name) in pods.handlers.iter().enumerate() {
-            idle_memory(&mut r, &pods, h, args.idle_pods, &dir)
+            idle_memory(&mut r, lab, &pods, h, args.idle_pods, &dir)
                 .await
                 .context(|| format!("idle pods with handler {name}"))?;
         }
@@ -508,9 +508,10 @@ fn processes() -> HashMap<u32, Proc> {
 }
 
 /// The pids of the node's pods for `shim` (the shim's binary name): its
-/// shims, their descendants (runc's containers), and VMMs naming the
-/// node's directory.
-fn pod_processes(procs: &HashMap<u32, Proc>, shim: &str, dir: &str) -> BTreeSet<u32> {
+/// shims naming the node's directory `dir`, the pods' VMMs `vmms` (twig;
+/// twig-node's idle pool is the node's, not a pod's), and their
+/// descendants (runc's containers).
+fn pod_processes(procs: &HashMap<u32, Proc>, shim: &str, dir: &str, vmms: &[u32]) -> BTreeSet<u32> {
     let names = |p: &Proc, n: &str| {
         p.argv
             .first()
@@ -519,9 +520,7 @@ fn pod_processes(procs: &HashMap<u32, Proc>, shim: &str, dir: &str) -> BTreeSet<
     let ours = |p: &Proc| p.argv.iter().any(|a| a.contains(dir));
     let mut set: BTreeSet<u32> = procs
         .iter()
-        .filter(|(_, p)| {
-            ours(p) && (names(p, shim) || (shim.contains("twig") && names(p, "twig-vmm")))
-        })
+        .filter(|(pid, p)| (ours(p) && names(p, shim)) || vmms.contains(pid))
         .map(|(pid, _)| *pid)
         .collect();
     loop {
@@ -542,6 +541,7 @@ fn pod_processes(procs: &HashMap<u32, Proc>, shim: &str, dir: &str) -> BTreeSet<
 /// divided by `count`.
 async fn idle_memory(
     r: &mut Report,
+    node: &CriNode,
     pods: &Pods,
     h: usize,
     count: usize,
@@ -564,9 +564,10 @@ async fn idle_memory(
             }
         }
     }
+    let vmms = &node.pod_vmms();
     let measured = started.map(|()| {
         let procs = processes();
-        let set = pod_processes(&procs, shim, &dir.to_string_lossy());
+        let set = pod_processes(&procs, shim, &dir.to_string_lossy(), vmms);
         let (rss, anon) = set
             .iter()
             .filter_map(|pid| procs.get(pid))
@@ -641,9 +642,16 @@ mod tests {
                         "/usr/local/bin/twig-vmm",
                         "serve",
                         "--api-sock",
-                        "/n/shim/a/api.sock",
+                        "/n/vms/1/api.sock",
                     ],
-                    20,
+                    2,
+                ),
+            ),
+            (
+                22,
+                p(
+                    &["/usr/local/bin/twig-vmm", "serve", "/n/vms/2/api.sock"],
+                    2,
                 ),
             ),
             (
@@ -658,9 +666,10 @@ mod tests {
                 ),
             ),
         ]);
-        let runc = pod_processes(&procs, "containerd-shim-runc-v2", "/n/");
+        let runc = pod_processes(&procs, "containerd-shim-runc-v2", "/n/", &[]);
         assert_eq!(runc.into_iter().collect::<Vec<_>>(), vec![10, 11, 12]);
-        let twig = pod_processes(&procs, "containerd-shim-twig-v2", "/n/");
+        // 22 is an idle VMM of twig-node's pool, no pod's.
+        let twig = pod_processes(&procs, "containerd-shim-twig-v2", "/n/", &[21]);
         assert_eq!(twig.into_iter().collect::<Vec<_>>(), vec![20, 21]);
     }
 }

@@ -168,17 +168,33 @@ impl CriNode {
             .unwrap_or_default()
     }
 
-    /// What a removed pod may have left behind on this node: shims and
-    /// `twig-vmm` processes naming the node's directory, mounts under it,
-    /// CNI network namespaces. Empty when nothing is left.
-    pub fn leftovers(&self) -> Vec<String> {
+    /// The `twig-vmm` processes serving this node's twig pods now (each
+    /// shim records its VM's pid in its state directory; twig-node's idle
+    /// pool VMMs are not among them).
+    pub fn pod_vmms(&self) -> Vec<u32> {
+        let Ok(dirs) = fs::read_dir(self.dir.join("shim")) else {
+            return Vec::new();
+        };
+        dirs.flatten()
+            .filter_map(|d| fs::read_to_string(d.path().join("vmm.pid")).ok())
+            .filter_map(|p| p.trim().parse().ok())
+            .collect()
+    }
+
+    /// What a removed pod may have left behind on this node: shims naming
+    /// the node's directory, the pods' VMMs `vmms` (from
+    /// [`CriNode::pod_vmms`] while they ran), mounts under the node's
+    /// directory, CNI network namespaces. Empty when nothing is left.
+    pub fn leftovers(&self, vmms: &[u32]) -> Vec<String> {
         let dir = self.dir.to_string_lossy().into_owned();
         let mut found: Vec<String> = processes()
             .into_iter()
-            .filter(|(_, argv)| {
+            .filter(|(pid, argv)| {
                 let name = argv.first().map(|a| a.rsplit('/').next().unwrap_or(a));
-                name.is_some_and(|n| n.starts_with("containerd-shim") || n == "twig-vmm")
-                    && argv.iter().any(|a| a.contains(dir.as_str()))
+                let shim = name.is_some_and(|n| n.starts_with("containerd-shim"))
+                    && argv.iter().any(|a| a.contains(dir.as_str()));
+                let vmm = vmms.contains(pid) && name == Some("twig-vmm");
+                shim || vmm
             })
             .map(|(pid, argv)| format!("process {pid}: {}", argv.join(" ")))
             .collect();

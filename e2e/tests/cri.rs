@@ -203,6 +203,9 @@ async fn scenario(expect: Expect) {
     );
 
     step(t0, "ExecSync ×3");
+    // The pod's VMM (twig), to check it is gone at the end.
+    let vmms = node.pod_vmms();
+    assert_eq!(vmms.len(), usize::from(expect.own_kernel), "VMMs {vmms:?}");
     // The pod's IP answers from the host network namespace.
     if expect.pod_network {
         let body = http_get(ip, Duration::from_secs(60)).unwrap_or_else(|e| panic!("{e}"));
@@ -326,7 +329,7 @@ async fn scenario(expect: Expect) {
     step(t0, "RemovePodSandbox");
     let deadline = Instant::now() + GONE;
     loop {
-        let left = node.leftovers();
+        let left = node.leftovers(&vmms);
         if left.is_empty() {
             break;
         }
