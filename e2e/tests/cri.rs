@@ -289,6 +289,15 @@ async fn scenario(expect: Expect) {
             status.id
         );
     }
+    // The two still running were killed by the pod's stop (SIGKILL: 137),
+    // not lost with their VM (255) when the writer was removed.
+    for id in [web, printer] {
+        let status = cri
+            .container_status(id)
+            .await
+            .unwrap_or_else(|e| fail("ContainerStatus", e));
+        assert_eq!(status.exit_code, 137, "{status:?}");
+    }
     if expect.pod_network {
         assert!(
             http_get(ip, Duration::from_millis(500)).is_err(),
