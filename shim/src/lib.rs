@@ -14,6 +14,7 @@ pub mod server;
 pub mod service;
 pub mod spec;
 pub mod stdio;
+pub mod twig_service;
 pub mod vm;
 
 pub use error::{Error, Result};

@@ -27,7 +27,7 @@ use twig_agent::client::Stream;
 
 use crate::error::{Error, Result};
 use crate::process::{timestamp, Container, Exited, Origin, Phase, Proc};
-use crate::sandbox::{Launcher, Sandbox};
+use crate::sandbox::{with_agent, Launcher, Sandbox};
 use crate::spec;
 use crate::stdio::{self, StdioPaths};
 
@@ -47,6 +47,19 @@ pub struct Event {
 
 /// Where events go; the server forwards them to containerd.
 pub type EventTx = mpsc::UnboundedSender<Event>;
+
+/// A container as the pod-level operations (snapshot, rollback) see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ContainerView {
+    /// containerd's container id.
+    pub id: String,
+    /// Its bundle (the OCI spec, with CRI's annotations).
+    pub bundle: PathBuf,
+    /// The VM's disk slot holding its rootfs.
+    pub slot: Option<usize>,
+    /// Whether its init process runs.
+    pub running: bool,
+}
 
 /// The Task service of one shim.
 #[derive(Clone)]
@@ -97,6 +110,68 @@ impl TaskService {
                 exit,
                 timeout,
             }),
+        }
+    }
+
+    /// The pod's sandbox, once its first container made it.
+    pub async fn current_sandbox(&self) -> Option<Arc<dyn Sandbox>> {
+        self.inner.sandbox.lock().await.clone()
+    }
+
+    /// The pod's containers, sorted by id.
+    pub fn container_views(&self) -> Vec<ContainerView> {
+        let mut views: Vec<ContainerView> = self
+            .containers()
+            .values()
+            .map(|c| ContainerView {
+                id: c.id.clone(),
+                bundle: c.bundle.clone(),
+                slot: c.attachment.slot,
+                running: c.init.phase == Phase::Running,
+            })
+            .collect();
+        views.sort_by(|a, b| a.id.cmp(&b.id));
+        views
+    }
+
+    /// The pod's VM is gone: every process that had not exited is
+    /// reported exited now (status 255, as a lost wait; TaskExit events),
+    /// and `reason` goes to the log. Nothing runs any more; containerd
+    /// deletes the tasks as usual.
+    pub fn vm_lost(&self, reason: &str) {
+        tracing::error!("the pod's VM is lost; its processes are reported exited: {reason}");
+        let at = SystemTime::now();
+        let mut exits = Vec::new();
+        for c in self.containers().values_mut() {
+            let id = c.id.clone();
+            let procs = std::iter::once(&mut c.init).chain(c.execs.values_mut());
+            for p in procs.filter(|p| p.phase == Phase::Running) {
+                let exited = Exited { status: 255, at };
+                p.phase = Phase::Stopped;
+                if let Some(tx) = p.close_stdin.take() {
+                    let _ = tx.send(());
+                }
+                p.exit.send_replace(Some(exited));
+                let pid = if p.exec_id.is_empty() {
+                    id.clone()
+                } else {
+                    p.exec_id.clone()
+                };
+                exits.push((id.clone(), pid, exited));
+            }
+        }
+        for (container_id, id, exited) in exits {
+            self.publish(
+                topics::TASK_EXIT_EVENT_TOPIC,
+                Box::new(TaskExit {
+                    container_id,
+                    id,
+                    pid: shim_pid(),
+                    exit_status: exited.status,
+                    exited_at: timestamp(exited.at),
+                    ..Default::default()
+                }),
+            );
         }
     }
 
@@ -268,31 +343,32 @@ impl TaskService {
             init.get_or_insert(guest_pid);
         }
         let mut copiers = Vec::new();
-        let agent = sandbox.agent().clone();
         let streams = [
             (Stream::Stdout, opened.stdout),
             (Stream::Stderr, opened.stderr),
         ];
         for (stream, out) in streams {
             let Some(out) = out else { continue };
-            let (a, id, e) = (agent.clone(), req.id.clone(), req.exec_id.clone());
+            let (sb, id, e) = (sandbox.clone(), req.id.clone(), req.exec_id.clone());
             let read: stdio::ReadFn = Arc::new(move || {
-                a.read_stream(&id, &e, stream, stdio::CHUNK, AGENT_WAIT)
-                    .map_err(|err| Error::agent(format!("reading {stream:?} of {id}/{e}"), err))
+                with_agent(sb.as_ref(), |a| {
+                    a.read_stream(&id, &e, stream, stdio::CHUNK, AGENT_WAIT)
+                })
+                .map_err(|err| Error::agent(format!("reading {stream:?} of {id}/{e}"), err))
             });
             copiers.push(stdio::copy_out(read, out));
         }
         let (close_tx, stdin_copier) = match opened.stdin {
             Some(fifo) => {
                 let (tx, rx) = oneshot::channel();
-                let (a, id, e) = (agent.clone(), req.id.clone(), req.exec_id.clone());
+                let (sb, id, e) = (sandbox.clone(), req.id.clone(), req.exec_id.clone());
                 let write: stdio::WriteFn = Arc::new(move |d: &[u8]| {
-                    a.write_stdin(&id, &e, d, timeout)
+                    with_agent(sb.as_ref(), |a| a.write_stdin(&id, &e, d, timeout))
                         .map_err(|err| Error::agent(format!("writing stdin of {id}/{e}"), err))
                 });
-                let (a, id, e) = (agent.clone(), req.id.clone(), req.exec_id.clone());
+                let (sb, id, e) = (sandbox.clone(), req.id.clone(), req.exec_id.clone());
                 let close: stdio::CloseFn = Arc::new(move || {
-                    a.close_stdin(&id, &e, timeout)
+                    with_agent(sb.as_ref(), |a| a.close_stdin(&id, &e, timeout))
                         .map_err(|err| Error::agent(format!("closing stdin of {id}/{e}"), err))
                 });
                 (Some(tx), Some(stdio::copy_in(fifo, rx, write, close)))
@@ -300,9 +376,10 @@ impl TaskService {
             None => {
                 if !terminal {
                     // No stdin: the process reads end of file, as under runc.
-                    let (a, id, e) = (agent.clone(), req.id.clone(), req.exec_id.clone());
+                    let (sb, id, e) = (sandbox.clone(), req.id.clone(), req.exec_id.clone());
                     if let Err(err) = blocking(move || {
-                        a.close_stdin(&id, &e, timeout)
+                        sb.agent()
+                            .close_stdin(&id, &e, timeout)
                             .map_err(|err| Error::agent("closing stdin", err))
                     })
                     .await
@@ -320,7 +397,7 @@ impl TaskService {
             p.stdin_copier = stdin_copier;
             Ok(())
         })?;
-        self.watch_exit(agent, req.id.clone(), req.exec_id.clone(), copiers);
+        self.watch_exit(sandbox, req.id.clone(), req.exec_id.clone(), copiers);
         if req.exec_id.is_empty() {
             self.publish(
                 topics::TASK_START_EVENT_TOPIC,
@@ -351,7 +428,7 @@ impl TaskService {
     /// drain, records the exit and publishes TaskExit.
     fn watch_exit(
         &self,
-        agent: twig_agent::client::AgentClient,
+        sandbox: Arc<dyn Sandbox>,
         id: String,
         exec_id: String,
         copiers: Vec<tokio::task::JoinHandle<()>>,
@@ -359,9 +436,9 @@ impl TaskService {
         let this = self.clone();
         tokio::spawn(async move {
             let exit = loop {
-                let (a, i, e) = (agent.clone(), id.clone(), exec_id.clone());
+                let (sb, i, e) = (sandbox.clone(), id.clone(), exec_id.clone());
                 let r = blocking(move || {
-                    a.wait_process(&i, &e, AGENT_WAIT)
+                    with_agent(sb.as_ref(), |a| a.wait_process(&i, &e, AGENT_WAIT))
                         .map_err(|err| Error::agent(format!("waiting for {i}/{e}"), err))
                 })
                 .await;
@@ -391,6 +468,10 @@ impl TaskService {
                 },
             };
             let recorded = this.with_proc(&id, &exec_id, |p| {
+                if p.phase == Phase::Stopped {
+                    // Already reported (the VM was lost).
+                    return Err(Error::FailedPrecondition(format!("{id}/{exec_id} exited")));
+                }
                 p.phase = Phase::Stopped;
                 if let Some(tx) = p.close_stdin.take() {
                     let _ = tx.send(());

@@ -5,7 +5,7 @@
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 use nix::fcntl::{Flock, FlockArg};
@@ -14,12 +14,20 @@ use twig_vmm::api::Client;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::sandbox::{Attachment, Launcher, Sandbox};
+use crate::sandbox::{Attachment, Launcher, Sandbox, VmRollback, VmSnapshot};
 
 /// How long the guest may take to see a new slot's capacity: Linux handles
 /// the configuration-change interrupt on a workqueue, and the agent mounts
 /// at once (it does not wait for `/sys/block/vdX/size`).
 const CAPACITY_WAIT: Duration = Duration::from_secs(2);
+
+/// The least deadline of a snapshot or rollback call: they copy guest
+/// memory and disks, which takes seconds on a loaded node.
+const SLOW_CALL: Duration = Duration::from_secs(120);
+
+/// How long a ping on the agent connection may take after a rollback
+/// before the connection counts as dropped.
+const PING_AFTER_ROLLBACK: Duration = Duration::from_millis(500);
 
 /// Makes [`VmSandbox`]es from the shim's configuration.
 pub struct VmLauncher {
@@ -44,7 +52,8 @@ impl Launcher for VmLauncher {
 /// A pod's VM: the twig-vmm child, its API client and the agent inside.
 pub struct VmSandbox {
     vmm: Mutex<Vmm>,
-    agent: AgentClient,
+    agent: RwLock<AgentConn>,
+    vsock: PathBuf,
     slots: Mutex<Vec<bool>>,
     timeout: Duration,
 }
@@ -52,6 +61,12 @@ pub struct VmSandbox {
 struct Vmm {
     child: Option<Child>,
     api: Client,
+}
+
+/// The agent connection and how many times it was replaced.
+struct AgentConn {
+    client: AgentClient,
+    epoch: u64,
 }
 
 fn vmm_error(what: impl Into<String>) -> impl FnOnce(twig_vmm::api::ClientError) -> Error {
@@ -106,7 +121,11 @@ impl VmSandbox {
                 child: guard.0.take(),
                 api,
             }),
-            agent,
+            agent: RwLock::new(AgentConn {
+                client: agent,
+                epoch: 0,
+            }),
+            vsock,
             slots: Mutex::new(vec![false; config.disk_slots]),
             timeout,
         })
@@ -185,8 +204,16 @@ impl Drop for KillOnDrop {
 }
 
 impl Sandbox for VmSandbox {
-    fn agent(&self) -> &AgentClient {
-        &self.agent
+    fn agent(&self) -> AgentClient {
+        self.agent
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .client
+            .clone()
+    }
+
+    fn agent_epoch(&self) -> u64 {
+        self.agent.read().unwrap_or_else(|p| p.into_inner()).epoch
     }
 
     fn create_container(
@@ -214,7 +241,7 @@ impl Sandbox for VmSandbox {
         }
         let deadline = Instant::now() + CAPACITY_WAIT;
         let created = loop {
-            match self.agent.create_container(
+            match self.agent().create_container(
                 id,
                 &attachment.device,
                 read_only,
@@ -271,6 +298,59 @@ impl Sandbox for VmSandbox {
             .resume(self.timeout)
             .map(|_| ())
             .map_err(vmm_error("resuming the VM"))
+    }
+
+    fn snapshot(&self, staging: &Path, full: bool) -> Result<VmSnapshot> {
+        let kind = if full {
+            twig_vmm::Kind::Full
+        } else {
+            twig_vmm::Kind::Incremental
+        };
+        let info = self
+            .vmm()
+            .api
+            .snapshot(staging, kind, self.timeout.max(SLOW_CALL))
+            .map_err(vmm_error(format!(
+                "snapshotting the VM into {}",
+                staging.display()
+            )))?;
+        Ok(VmSnapshot {
+            parent: info.parent,
+            pages_written: u64::try_from(info.pages_written).unwrap_or(u64::MAX),
+        })
+    }
+
+    fn rollback(&self, dir: &Path) -> Result<VmRollback> {
+        // Agent calls wait while the guest goes back and the connection is
+        // replaced; calls that failed on the dropped one see a new epoch.
+        let mut agent = self.agent.write().unwrap_or_else(|p| p.into_inner());
+        let result = self
+            .vmm()
+            .api
+            .rollback(dir, self.timeout.max(SLOW_CALL))
+            .map_err(vmm_error(format!(
+                "rolling the VM back to {}",
+                dir.display()
+            )));
+        let result = match result {
+            Err(e) if e.is_vm_lost() => return Err(e),
+            other => other,
+        };
+        // The VMM drops host vsock connections when the guest's state goes
+        // back (a refusal may have undone that far too): keep the
+        // connection only if it still answers.
+        if agent.client.ping(PING_AFTER_ROLLBACK).is_err() {
+            let client =
+                AgentClient::wait_ready(&self.vsock, twig_agent::AGENT_VSOCK_PORT, self.timeout)
+                    .map_err(|e| Error::agent("reconnecting to the agent after a rollback", e))?;
+            agent.client = client;
+            agent.epoch += 1;
+        }
+        let info = result?;
+        Ok(VmRollback {
+            pages_restored: u64::try_from(info.pages_restored).unwrap_or(u64::MAX),
+            remapped: info.remapped,
+        })
     }
 
     fn shutdown(&self) -> Result<()> {
