@@ -17,7 +17,7 @@ use crate::helper::{ExecTask, HelperTask, InitTask};
 use crate::reaper::{lock, Exit, ExitCell, Reaper};
 use crate::spawn::{spawn, ChildStdio};
 use crate::spec::NamespacePlan;
-use crate::stdio::{open_pty, pipe, set_nonblocking, OutputBuffer};
+use crate::stdio::{console_socket, pipe, recv_fd, set_nonblocking, OutputBuffer};
 
 /// How long RemoveContainer waits for killed processes to be reaped.
 const KILL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -77,58 +77,39 @@ struct NewStdio {
     stdin: Option<OwnedFd>,
     stdout: Arc<OutputBuffer>,
     stderr: Arc<OutputBuffer>,
-    tty: Option<OwnedFd>,
 }
 
-/// Pipes, or a pty if `terminal`; output drain threads started.
-fn make_stdio(terminal: bool, name: &str) -> Result<NewStdio> {
-    if terminal {
-        let (master, slave) = open_pty()?;
-        let dup = |fd: &OwnedFd| {
-            fd.try_clone()
-                .map_err(|e| AgentError::sys("duplicating a pty fd", e))
-        };
-        let child = ChildStdio {
-            stdin: dup(&slave)?,
-            stdout: dup(&slave)?,
-            stderr: slave,
-        };
-        set_nonblocking(master.as_fd())?;
-        let stdin = dup(&master)?;
-        let reader = dup(&master)?;
-        let stdout = Arc::new(OutputBuffer::default());
-        stdout.drain(reader, format!("{name}-tty"));
-        Ok(NewStdio {
-            child,
-            stdin: Some(stdin),
-            stdout,
-            stderr: OutputBuffer::closed(),
-            tty: Some(master),
-        })
-    } else {
-        let (in_r, in_w) = pipe()?;
-        let (out_r, out_w) = pipe()?;
-        let (err_r, err_w) = pipe()?;
-        set_nonblocking(in_w.as_fd())?;
-        let stdout = Arc::new(OutputBuffer::default());
-        stdout.drain(out_r, format!("{name}-out"));
-        let stderr = Arc::new(OutputBuffer::default());
-        stderr.drain(err_r, format!("{name}-err"));
-        let child = ChildStdio {
-            stdin: in_r,
-            stdout: out_w,
-            stderr: err_w,
-        };
-        Ok(NewStdio {
-            child,
-            stdin: Some(in_w),
-            stdout,
-            stderr,
-            tty: None,
-        })
-    }
+/// Pipes with their output drain threads started.
+fn make_pipes(name: &str) -> Result<NewStdio> {
+    let (in_r, in_w) = pipe()?;
+    let (out_r, out_w) = pipe()?;
+    let (err_r, err_w) = pipe()?;
+    set_nonblocking(in_w.as_fd())?;
+    let stdout = Arc::new(OutputBuffer::default());
+    stdout.drain(out_r, format!("{name}-out"));
+    let stderr = Arc::new(OutputBuffer::default());
+    stderr.drain(err_r, format!("{name}-err"));
+    let child = ChildStdio {
+        stdin: in_r,
+        stdout: out_w,
+        stderr: err_w,
+    };
+    Ok(NewStdio {
+        child,
+        stdin: Some(in_w),
+        stdout,
+        stderr,
+    })
 }
 
+fn dup(fd: &OwnedFd) -> Result<OwnedFd> {
+    fd.try_clone()
+        .map_err(|e| AgentError::sys("duplicating a stdio fd", e))
+}
+
+/// Starts the helper for `task`. A terminal process's helper gets one end
+/// of a console socket as its stdio and sends back the pty master it opened
+/// in the container (see `helper::open_console`).
 fn start_process(
     reaper: &Reaper,
     task: &HelperTask,
@@ -137,15 +118,44 @@ fn start_process(
     terminal: bool,
     name: &str,
 ) -> Result<Arc<Process>> {
-    let io = make_stdio(terminal, name)?;
-    let spawned = spawn(reaper, task, flags, join_pid, io.child)?;
+    if !terminal {
+        let io = make_pipes(name)?;
+        let spawned = spawn(reaper, task, flags, join_pid, io.child)?;
+        return Ok(Arc::new(Process {
+            pid: spawned.pid,
+            exit: spawned.exit,
+            stdin: Mutex::new(io.stdin),
+            stdout: io.stdout,
+            stderr: io.stderr,
+            tty: None,
+        }));
+    }
+    let (ours, theirs) = console_socket()?;
+    let child = ChildStdio {
+        stdin: dup(&theirs)?,
+        stdout: dup(&theirs)?,
+        stderr: theirs,
+    };
+    let spawned = spawn(reaper, task, flags, join_pid, child)?;
+    // The helper sent the master before it exec'd the process.
+    let master = match recv_fd(ours.as_fd(), Duration::from_secs(5)) {
+        Ok(m) => m,
+        Err(e) => {
+            let _ = kill(Pid::from_raw(spawned.pid), Signal::SIGKILL);
+            return Err(e);
+        }
+    };
+    set_nonblocking(master.as_fd())?;
+    let stdin = dup(&master)?;
+    let stdout = Arc::new(OutputBuffer::default());
+    stdout.drain(dup(&master)?, format!("{name}-tty"));
     Ok(Arc::new(Process {
         pid: spawned.pid,
         exit: spawned.exit,
-        stdin: Mutex::new(io.stdin),
-        stdout: io.stdout,
-        stderr: io.stderr,
-        tty: io.tty,
+        stdin: Mutex::new(Some(stdin)),
+        stdout,
+        stderr: OutputBuffer::closed(),
+        tty: Some(master),
     }))
 }
 

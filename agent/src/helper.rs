@@ -202,6 +202,9 @@ fn init(t: InitTask) -> HResult<Infallible> {
         .clone()
         .ok_or_else(|| "the spec has no process".to_string())?;
     let seccomp = t.spec.linux().as_ref().and_then(|l| l.seccomp().as_ref());
+    if process.terminal() == Some(true) {
+        open_console()?;
+    }
     exec_process(&process, seccomp)
 }
 
@@ -232,7 +235,36 @@ fn exec(t: ExecTask) -> HResult<Infallible> {
     nix::unistd::fchdir(&root).map_err(ctx("entering the container's root"))?;
     nix::unistd::chroot(".").map_err(ctx("chroot into the container's root"))?;
     drop(root);
+    if t.process.terminal() == Some(true) {
+        open_console()?;
+    }
     exec_process(&t.process, t.seccomp.as_ref())
+}
+
+/// For a terminal process, whose stdio is the agent's console socket: opens
+/// a pty from the container's `/dev/ptmx` (its own devpts instance, so the
+/// process's `tty` names a device that exists where it runs), sends the
+/// master to the agent and puts the slave on fds 0-2.
+fn open_console() -> HResult<()> {
+    let (master, slave) = crate::stdio::open_pty().map_err(|e| {
+        format!("a terminal needs /dev/ptmx and a devpts mount at /dev/pts in the container: {e}")
+    })?;
+    // SAFETY: fd 0 is the console socket the agent placed for this helper;
+    // it stays open for the borrow.
+    let console = unsafe { std::os::fd::BorrowedFd::borrow_raw(0) };
+    crate::stdio::send_fd(console, master.as_fd()).map_err(|e| e.to_string())?;
+    drop(master);
+    for fd in 0..=2 {
+        // SAFETY: dup2 of an fd we own onto a stdio number; the socket's
+        // copies there are replaced (closed) by it.
+        if unsafe { libc::dup2(std::os::fd::AsRawFd::as_raw_fd(&slave), fd) } < 0 {
+            return Err(format!(
+                "putting the pty on fd {fd}: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Mount flags and data parsed from OCI mount options.

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use nix::fcntl::{fcntl, FcntlArg, OFlag};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use nix::sys::socket;
 
 use crate::error::{AgentError, Result};
 use crate::reaper::lock;
@@ -181,6 +182,80 @@ pub fn write_with_deadline(fd: BorrowedFd<'_>, data: &[u8], timeout: Duration) -
 /// A pipe whose both ends are close-on-exec.
 pub fn pipe() -> Result<(OwnedFd, OwnedFd)> {
     nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| AgentError::sys("pipe2", e))
+}
+
+/// A connected pair of Unix stream sockets, both close-on-exec. For a
+/// terminal process the agent keeps one end and the helper gets the other
+/// as its stdio: the helper opens the pty *inside the container* (its own
+/// devpts instance, so `tty` and `ttyname` resolve there) and sends the
+/// master back on it, as runc's console socket does.
+pub fn console_socket() -> Result<(OwnedFd, OwnedFd)> {
+    socket::socketpair(
+        socket::AddressFamily::Unix,
+        socket::SockType::Stream,
+        None,
+        socket::SockFlag::SOCK_CLOEXEC,
+    )
+    .map_err(|e| AgentError::sys("socketpair for the console", e))
+}
+
+/// Sends `fd` (with one marker byte) on the Unix socket `sock`.
+pub fn send_fd(sock: BorrowedFd<'_>, fd: BorrowedFd<'_>) -> Result<()> {
+    let fds = [fd.as_raw_fd()];
+    let cmsg = [socket::ControlMessage::ScmRights(&fds)];
+    let iov = [std::io::IoSlice::new(b"T")];
+    socket::sendmsg::<()>(
+        sock.as_raw_fd(),
+        &iov,
+        &cmsg,
+        socket::MsgFlags::empty(),
+        None,
+    )
+    .map_err(|e| AgentError::sys("sending the pty master", e))?;
+    Ok(())
+}
+
+/// Receives the fd a helper sent on `sock` with [`send_fd`], waiting up to
+/// `timeout`; the fd arrives close-on-exec.
+pub fn recv_fd(sock: BorrowedFd<'_>, timeout: Duration) -> Result<OwnedFd> {
+    let ms = u16::try_from(timeout.as_millis()).unwrap_or(u16::MAX);
+    let mut fds = [PollFd::new(sock, PollFlags::POLLIN)];
+    let ready = poll(&mut fds, PollTimeout::from(ms))
+        .map_err(|e| AgentError::sys("waiting for the pty master", e))?;
+    if ready == 0 {
+        return Err(AgentError::Internal(
+            "the container's helper sent no pty master".into(),
+        ));
+    }
+    let mut byte = [0u8; 1];
+    let mut iov = [std::io::IoSliceMut::new(&mut byte)];
+    let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+    let msg = socket::recvmsg::<()>(
+        sock.as_raw_fd(),
+        &mut iov,
+        Some(&mut space),
+        socket::MsgFlags::MSG_CMSG_CLOEXEC | socket::MsgFlags::MSG_DONTWAIT,
+    )
+    .map_err(|e| AgentError::sys("receiving the pty master", e))?;
+    for c in msg
+        .cmsgs()
+        .map_err(|e| AgentError::sys("reading the pty master's message", e))?
+    {
+        if let socket::ControlMessageOwned::ScmRights(received) = c {
+            let owned: Vec<OwnedFd> = received
+                .into_iter()
+                // SAFETY: SCM_RIGHTS installed these fds in this process
+                // just now; nothing else owns them (extras are closed).
+                .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) })
+                .collect();
+            if let Some(first) = owned.into_iter().next() {
+                return Ok(first);
+            }
+        }
+    }
+    Err(AgentError::Internal(
+        "the container's helper closed the console socket without a pty master".into(),
+    ))
 }
 
 /// A new pseudo-terminal: (master, slave), both close-on-exec. The slave is

@@ -214,7 +214,7 @@ fn stdin_round_trip_and_tty() {
         &[
             "sh",
             "-c",
-            "test -t 0 && test -t 1 && echo is-a-tty; stty size; read x; stty size",
+            "test -t 0 && test -t 1 && echo is-a-tty; tty; stty size; read x; stty size",
         ],
         json!({"process": {"terminal": true, "consoleSize": {"height": 30, "width": 90}}}),
     );
@@ -232,6 +232,9 @@ fn stdin_round_trip_and_tty() {
     out.extend(rest);
     let text = String::from_utf8_lossy(&out);
     assert!(text.contains("is-a-tty\r\n"), "{text:?}");
+    // The pty is the container's own (its devpts instance), so `tty` names
+    // a device that exists there.
+    assert!(text.contains("/dev/pts/0\r\n"), "{text:?}");
     assert!(text.contains("50 120"), "{text:?}");
     assert!(c.read_to_end(id, "", Stream::Stderr, T).unwrap().is_empty());
     assert_eq!(c.wait_exit(id, "", T).unwrap().status, 0);
@@ -274,6 +277,21 @@ fn bad_input_gets_error_replies() {
     let e = c.start_container("nope", T).unwrap_err();
     assert!(e.to_string().contains("/bin/nope"), "{e}");
     c.remove_container("nope", T).unwrap();
+
+    // A terminal without a devpts in the container: a clear error, and the
+    // container can be removed.
+    let no_pts = spec(
+        &["sh"],
+        json!({"process": {"terminal": true}, "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid"]}
+        ]}),
+    );
+    c.create_container("nopts", &image.device, false, &no_pts, T)
+        .unwrap();
+    let e = c.start_container("nopts", T).unwrap_err();
+    assert!(e.to_string().contains("devpts mount at /dev/pts"), "{e}");
+    c.remove_container("nopts", T).unwrap();
 
     c.create_container("a", &image.device, false, &good, T)
         .unwrap();

@@ -32,7 +32,7 @@ const WAITS: &str = "echo ready; while :; do sleep 0.1; done";
 /// 7. (With runc, the last line of a TTY process that exits at once was
 /// seen lost on the host: runc's shim does not drain a console before
 /// reporting the exit; twig's does, so only twig's run must show `end`.)
-const TTY_SIZE: &str = "[ -t 0 ] && [ -t 1 ] && echo on a tty; i=0; \
+const TTY_SIZE: &str = "[ -t 0 ] && [ -t 1 ] && echo on a tty; echo name $(tty); i=0; \
      while [ \"$(stty size)\" != '24 80' ] && [ $i -lt 300 ]; do i=$((i+1)); sleep 0.1; done; \
      echo size $(stty size); echo end; exit 7";
 /// A container that prints a counter, one line every 50 ms.
@@ -325,6 +325,11 @@ fn tty(runtime: Runtime, prefix: &str) {
     assert!(
         lines.lines().any(|l| l == "on a tty"),
         "ctr run -t: no terminal in the container: {out:?}"
+    );
+    // The pty comes from the container's own devpts, so `tty` can name it.
+    assert!(
+        lines.lines().any(|l| l.starts_with("name /dev/pts/")),
+        "ctr run -t: `tty` cannot name the container's terminal: {out:?}"
     );
     assert!(
         lines.lines().any(|l| l == "size 24 80"),

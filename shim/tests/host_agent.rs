@@ -334,7 +334,7 @@ async fn containers_run_through_the_task_api_against_a_real_agent() {
         ctx(),
         &ex(
             "e2",
-            &["sh", "-c", "test -t 1 && echo tty-ok"],
+            &["sh", "-c", "test -t 1 && echo tty-ok && tty"],
             true,
             &e2.paths[1],
         ),
@@ -377,7 +377,7 @@ async fn containers_run_through_the_task_api_against_a_real_agent() {
     assert_eq!(w.exit_status, 0);
     let tty = read_all(&mut e2.stdout).await;
     // A terminal's output: onlcr turns the newline into CR LF.
-    assert_eq!(tty, "tty-ok\r\n");
+    assert_eq!(tty, "tty-ok\r\n/dev/pts/0\r\n");
 
     // Kill: 128 + signal, as runc's shim reports; a second kill finds nothing.
     c.kill(
