@@ -9,6 +9,7 @@
 pub mod config;
 pub mod error;
 pub mod process;
+pub mod restore;
 pub mod sandbox;
 pub mod server;
 pub mod service;

@@ -41,6 +41,18 @@ pub struct VmRollback {
     pub remapped: bool,
 }
 
+/// A container that runs in a VM restored from a pod snapshot, waiting to
+/// be adopted by the container CRI creates under its name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Restored {
+    /// The id the guest's agent knows it by (its id in the snapshotted pod).
+    pub guest_id: String,
+    /// Its name in the pod (CRI's `io.kubernetes.cri.container-name`).
+    pub name: String,
+    /// The disk slot holding its rootfs (the snapshot's copy).
+    pub slot: usize,
+}
+
 /// One pod's VM (or its stand-in): an agent, and a way to give it a disk.
 /// Calls block; the service runs them on blocking threads.
 pub trait Sandbox: Send + Sync {
@@ -80,6 +92,10 @@ pub trait Sandbox: Send + Sync {
     /// running on its previous state; [`crate::Error::is_vm_lost`] says
     /// when the VM is gone.
     fn rollback(&self, dir: &Path) -> Result<VmRollback>;
+    /// Hands out the running container named `name` of the snapshot this
+    /// VM was restored from, once; `None` when there is none (always, for
+    /// a VM restored from the template).
+    fn take_restored(&self, name: &str) -> Option<Restored>;
 }
 
 /// Runs `call` on the sandbox's current agent connection; when it fails
@@ -211,6 +227,10 @@ impl Sandbox for HostSandbox {
         Err(Error::Unimplemented(
             "rollback needs a VM; the host sandbox has none".into(),
         ))
+    }
+
+    fn take_restored(&self, _name: &str) -> Option<Restored> {
+        None
     }
 }
 

@@ -27,9 +27,12 @@ use twig_agent::client::Stream;
 
 use crate::error::{Error, Result};
 use crate::process::{timestamp, Container, Exited, Origin, Phase, Proc};
+use crate::sandbox::Attachment;
 use crate::sandbox::{with_agent, Launcher, Sandbox};
 use crate::spec;
 use crate::stdio::{self, StdioPaths};
+use crate::twig_service::CONTAINER_NAME_ANNOTATION;
+use crate::vm::slot_device;
 
 /// How long a server-side wait of the agent lasts before it is asked again.
 const AGENT_WAIT: Duration = Duration::from_secs(30);
@@ -197,6 +200,15 @@ impl TaskService {
             .ok_or_else(|| Error::FailedPrecondition("the pod's VM does not exist yet".into()))
     }
 
+    /// The id the agent knows container `id` by, and whether it was
+    /// adopted from a restored VM.
+    fn guest_id(&self, id: &str) -> Result<(String, bool)> {
+        self.containers()
+            .get(id)
+            .map(|c| (c.guest_id.clone(), c.origin == Origin::Adopted))
+            .ok_or_else(|| Error::NotFound(format!("container {id} not found")))
+    }
+
     fn with_proc<R>(
         &self,
         id: &str,
@@ -232,6 +244,7 @@ impl TaskService {
         let oci = spec::read_spec(&bundle)?;
         let image = spec::rootfs_image(&req.id, &req.rootfs)?;
         let read_only = spec::root_read_only(&oci);
+        let name = spec::annotation(&oci, CONTAINER_NAME_ANNOTATION).map(str::to_string);
         let paths = StdioPaths {
             stdin: req.stdin.clone(),
             stdout: req.stdout.clone(),
@@ -261,14 +274,37 @@ impl TaskService {
         let guest = spec::guest_spec(oci, sandbox_init)?;
         let spec_json = serde_json::to_vec(&guest)
             .map_err(|e| Error::Internal(format!("encoding the OCI spec: {e}")))?;
-        let id = req.id.clone();
-        let sb = sandbox.clone();
-        let attachment =
-            blocking(move || sb.create_container(&id, &image, read_only, &spec_json)).await?;
+        // A container of the pod snapshot the VM was restored from runs
+        // already: adopt it (its rootfs is the snapshot's copy on its slot).
+        let adopted = name.as_deref().and_then(|n| sandbox.take_restored(n));
+        let (attachment, origin, guest_id) = match adopted {
+            Some(r) => {
+                tracing::info!(
+                    id = req.id,
+                    guest_id = r.guest_id,
+                    name,
+                    "adopting a restored container"
+                );
+                let attachment = Attachment {
+                    device: slot_device(r.slot)?,
+                    slot: Some(r.slot),
+                };
+                (attachment, Origin::Adopted, r.guest_id)
+            }
+            None => {
+                let id = req.id.clone();
+                let sb = sandbox.clone();
+                let attachment =
+                    blocking(move || sb.create_container(&id, &image, read_only, &spec_json))
+                        .await?;
+                (attachment, Origin::Created, req.id.clone())
+            }
+        };
         let container = Container {
             id: req.id.clone(),
+            guest_id,
             bundle,
-            origin: Origin::Created,
+            origin,
             attachment,
             init: Proc::new("", paths, opened, Vec::new()),
             execs: HashMap::new(),
@@ -312,11 +348,16 @@ impl TaskService {
             ))
         })?;
         let sandbox = self.sandbox().await?;
-        let (id, exec_id) = (req.id.clone(), req.exec_id.clone());
+        let (guest_id, adopted) = self.guest_id(&req.id)?;
+        // An adopted container's init runs already.
+        let adopted_init = adopted && req.exec_id.is_empty();
+        let (id, exec_id) = (guest_id.clone(), req.exec_id.clone());
         let sb = sandbox.clone();
         let timeout = self.inner.timeout;
         let started = blocking(move || {
-            if exec_id.is_empty() {
+            if adopted_init {
+                Ok(0)
+            } else if exec_id.is_empty() {
                 sb.agent()
                     .start_container(&id, timeout)
                     .map_err(|e| Error::agent(format!("starting container {id}"), e))
@@ -334,7 +375,7 @@ impl TaskService {
                 return Err(e);
             }
         };
-        if req.exec_id.is_empty() {
+        if req.exec_id.is_empty() && !adopted_init {
             let mut init = self
                 .inner
                 .sandbox_init
@@ -349,7 +390,7 @@ impl TaskService {
         ];
         for (stream, out) in streams {
             let Some(out) = out else { continue };
-            let (sb, id, e) = (sandbox.clone(), req.id.clone(), req.exec_id.clone());
+            let (sb, id, e) = (sandbox.clone(), guest_id.clone(), req.exec_id.clone());
             let read: stdio::ReadFn = Arc::new(move || {
                 with_agent(sb.as_ref(), |a| {
                     a.read_stream(&id, &e, stream, stdio::CHUNK, AGENT_WAIT)
@@ -361,12 +402,12 @@ impl TaskService {
         let (close_tx, stdin_copier) = match opened.stdin {
             Some(fifo) => {
                 let (tx, rx) = oneshot::channel();
-                let (sb, id, e) = (sandbox.clone(), req.id.clone(), req.exec_id.clone());
+                let (sb, id, e) = (sandbox.clone(), guest_id.clone(), req.exec_id.clone());
                 let write: stdio::WriteFn = Arc::new(move |d: &[u8]| {
                     with_agent(sb.as_ref(), |a| a.write_stdin(&id, &e, d, timeout))
                         .map_err(|err| Error::agent(format!("writing stdin of {id}/{e}"), err))
                 });
-                let (sb, id, e) = (sandbox.clone(), req.id.clone(), req.exec_id.clone());
+                let (sb, id, e) = (sandbox.clone(), guest_id.clone(), req.exec_id.clone());
                 let close: stdio::CloseFn = Arc::new(move || {
                     with_agent(sb.as_ref(), |a| a.close_stdin(&id, &e, timeout))
                         .map_err(|err| Error::agent(format!("closing stdin of {id}/{e}"), err))
@@ -374,9 +415,9 @@ impl TaskService {
                 (Some(tx), Some(stdio::copy_in(fifo, rx, write, close)))
             }
             None => {
-                if !terminal {
+                if !terminal && !adopted_init {
                     // No stdin: the process reads end of file, as under runc.
-                    let (sb, id, e) = (sandbox.clone(), req.id.clone(), req.exec_id.clone());
+                    let (sb, id, e) = (sandbox.clone(), guest_id.clone(), req.exec_id.clone());
                     if let Err(err) = blocking(move || {
                         sb.agent()
                             .close_stdin(&id, &e, timeout)
@@ -397,7 +438,13 @@ impl TaskService {
             p.stdin_copier = stdin_copier;
             Ok(())
         })?;
-        self.watch_exit(sandbox, req.id.clone(), req.exec_id.clone(), copiers);
+        self.watch_exit(
+            sandbox,
+            guest_id,
+            req.id.clone(),
+            req.exec_id.clone(),
+            copiers,
+        );
         if req.exec_id.is_empty() {
             self.publish(
                 topics::TASK_START_EVENT_TOPIC,
@@ -429,6 +476,7 @@ impl TaskService {
     fn watch_exit(
         &self,
         sandbox: Arc<dyn Sandbox>,
+        guest_id: String,
         id: String,
         exec_id: String,
         copiers: Vec<tokio::task::JoinHandle<()>>,
@@ -436,7 +484,7 @@ impl TaskService {
         let this = self.clone();
         tokio::spawn(async move {
             let exit = loop {
-                let (sb, i, e) = (sandbox.clone(), id.clone(), exec_id.clone());
+                let (sb, i, e) = (sandbox.clone(), guest_id.clone(), exec_id.clone());
                 let r = blocking(move || {
                     with_agent(sb.as_ref(), |a| a.wait_process(&i, &e, AGENT_WAIT))
                         .map_err(|err| Error::agent(format!("waiting for {i}/{e}"), err))
@@ -535,7 +583,7 @@ impl TaskService {
             (c.init.exited(), c.attachment.clone())
         };
         let sandbox = self.sandbox().await?;
-        let (id, timeout) = (req.id.clone(), self.inner.timeout);
+        let (id, timeout) = (self.guest_id(&req.id)?.0, self.inner.timeout);
         blocking(move || {
             match sandbox.agent().remove_container(&id, timeout) {
                 Ok(()) => {}
@@ -580,10 +628,11 @@ impl TaskService {
         }
         let sandbox = self.sandbox().await?;
         let timeout = self.inner.timeout;
+        let guest_id = self.guest_id(&req.id)?.0;
         blocking(move || {
             sandbox
                 .agent()
-                .signal_process(&req.id, &req.exec_id, req.signal, timeout)
+                .signal_process(&guest_id, &req.exec_id, req.signal, timeout)
                 .map_err(|e| {
                     Error::agent(
                         format!("signal {} to {}/{}", req.signal, req.id, req.exec_id),
@@ -738,10 +787,11 @@ impl TaskService {
         }
         let sandbox = self.sandbox().await?;
         let timeout = self.inner.timeout;
+        let guest_id = self.guest_id(&req.id)?.0;
         blocking(move || {
             sandbox
                 .agent()
-                .resize_tty(&req.id, &req.exec_id, req.height, req.width, timeout)
+                .resize_tty(&guest_id, &req.exec_id, req.height, req.width, timeout)
                 .map_err(|e| {
                     Error::agent(
                         format!("resizing the terminal of {}/{}", req.id, req.exec_id),
@@ -787,12 +837,9 @@ impl TaskService {
     }
 
     async fn do_stats(&self, req: api::StatsRequest) -> Result<api::StatsResponse> {
-        if !self.containers().contains_key(&req.id) {
-            return Err(Error::NotFound(format!("container {} not found", req.id)));
-        }
+        let id = self.guest_id(&req.id)?.0;
         let sandbox = self.sandbox().await?;
         let timeout = self.inner.timeout;
-        let id = req.id.clone();
         let s = blocking(move || {
             sandbox
                 .agent()

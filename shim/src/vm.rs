@@ -14,7 +14,9 @@ use twig_vmm::api::Client;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::sandbox::{Attachment, Launcher, Sandbox, VmRollback, VmSnapshot};
+use crate::restore::{self, Source};
+use crate::sandbox::{Attachment, Launcher, Restored, Sandbox, VmRollback, VmSnapshot};
+use crate::spec;
 
 /// How long the guest may take to see a new slot's capacity: Linux handles
 /// the configuration-change interrupt on a workqueue, and the agent mounts
@@ -43,9 +45,15 @@ impl VmLauncher {
 }
 
 impl Launcher for VmLauncher {
-    fn launch(&self, sandbox_id: &str, _bundle: &Path) -> Result<Arc<dyn Sandbox>> {
-        tracing::info!(sandbox_id, state = %self.state_dir.display(), "starting the sandbox VM");
-        Ok(Arc::new(VmSandbox::start(&self.config, &self.state_dir)?))
+    fn launch(&self, sandbox_id: &str, bundle: &Path) -> Result<Arc<dyn Sandbox>> {
+        let oci = spec::read_spec(bundle)?;
+        let source = Source::for_spec(&self.config, &self.state_dir, sandbox_id, &oci)?;
+        tracing::info!(sandbox_id, state = %self.state_dir.display(), ?source, "starting the sandbox VM");
+        Ok(Arc::new(VmSandbox::start(
+            &self.config,
+            &self.state_dir,
+            &source,
+        )?))
     }
 }
 
@@ -55,6 +63,10 @@ pub struct VmSandbox {
     agent: RwLock<AgentConn>,
     vsock: PathBuf,
     slots: Mutex<Vec<bool>>,
+    /// Containers of the restored pod snapshot not adopted yet.
+    restored: Mutex<Vec<Restored>>,
+    /// The VM's own files (restored slot disks), removed with it.
+    files_dir: Option<PathBuf>,
     timeout: Duration,
 }
 
@@ -75,10 +87,11 @@ fn vmm_error(what: impl Into<String>) -> impl FnOnce(twig_vmm::api::ClientError)
 }
 
 impl VmSandbox {
-    /// Spawns `twig-vmm serve` with the template's shape, restores the
-    /// template into it and connects to its agent. On failure the VMM is
-    /// killed.
-    pub fn start(config: &Config, state_dir: &Path) -> Result<VmSandbox> {
+    /// Spawns `twig-vmm serve` with the template's shape, restores
+    /// `source` (the template, or a pod snapshot: then with a file for each
+    /// of its attached slots, and the clone given its own identity) into it
+    /// and connects to its agent. On failure the VMM is killed.
+    pub fn start(config: &Config, state_dir: &Path, source: &Source) -> Result<VmSandbox> {
         ensure_template(config, state_dir)?;
         std::fs::create_dir_all(state_dir)
             .map_err(|e| Error::io(format!("creating {}", state_dir.display()), e))?;
@@ -104,6 +117,18 @@ impl VmSandbox {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log);
+        let (dir, files_dir) = match source {
+            Source::Template => (t.dir.clone(), None),
+            Source::Snapshot(snap) => {
+                std::fs::create_dir_all(&snap.files_dir)
+                    .map_err(|e| Error::io(format!("creating {}", snap.files_dir.display()), e))?;
+                for (slot, file) in &snap.slot_files {
+                    cmd.arg("--slot-file")
+                        .arg(format!("{slot}={}", file.display()));
+                }
+                (snap.dir.clone(), Some(snap.files_dir.clone()))
+            }
+        };
         let child = cmd
             .spawn()
             .map_err(|e| Error::io(format!("starting {}", config.vmm_binary.display()), e))?;
@@ -113,8 +138,22 @@ impl VmSandbox {
         let timeout = Duration::from_secs(config.call_timeout_s);
         let mut guard = KillOnDrop(Some(child));
         let started = Instant::now();
-        let (api, agent) = Self::restore(&t.dir, &api_sock, &vsock, timeout)
+        let (api, agent) = Self::restore(&dir, &api_sock, &vsock, timeout)
             .map_err(|e| with_vm_logs(e, state_dir))?;
+        let mut slots = vec![false; config.disk_slots];
+        let mut restored = Vec::new();
+        if let Source::Snapshot(snap) = source {
+            let req = restore::identity(&snap.hostname)?;
+            agent.reidentify(&req, timeout).map_err(|e| {
+                Error::agent(format!("giving the clone of {} its identity", snap.id), e)
+            })?;
+            for (slot, _) in &snap.slot_files {
+                if let Some(s) = slots.get_mut(*slot) {
+                    *s = true;
+                }
+            }
+            restored = snap.restored.clone();
+        }
         tracing::info!(pid, elapsed = ?started.elapsed(), "sandbox VM restored, agent answers");
         Ok(VmSandbox {
             vmm: Mutex::new(Vmm {
@@ -126,7 +165,9 @@ impl VmSandbox {
                 epoch: 0,
             }),
             vsock,
-            slots: Mutex::new(vec![false; config.disk_slots]),
+            slots: Mutex::new(slots),
+            restored: Mutex::new(restored),
+            files_dir,
             timeout,
         })
     }
@@ -362,10 +403,22 @@ impl Sandbox for VmSandbox {
             tracing::warn!("twig-vmm did not shut down on request ({e}); killing it");
             let _ = child.kill();
         }
-        child
+        let waited = child
             .wait()
             .map(|_| ())
-            .map_err(|e| Error::io("waiting for twig-vmm to exit", e))
+            .map_err(|e| Error::io("waiting for twig-vmm to exit", e));
+        if let Some(dir) = &self.files_dir {
+            if let Err(e) = std::fs::remove_dir_all(dir) {
+                tracing::warn!("removing the VM's files {}: {e}", dir.display());
+            }
+        }
+        waited
+    }
+
+    fn take_restored(&self, name: &str) -> Option<Restored> {
+        let mut restored = self.restored.lock().unwrap_or_else(|p| p.into_inner());
+        let i = restored.iter().position(|r| r.name == name)?;
+        Some(restored.remove(i))
     }
 }
 

@@ -27,7 +27,9 @@ use tokio::sync::mpsc;
 use twig_agent::client::AgentClient;
 use twig_proto::twig as pb;
 use twig_proto::twig_ttrpc::TwigClient;
-use twig_shim::sandbox::{Attachment, Fixed, HostSandbox, Sandbox, VmRollback, VmSnapshot};
+use twig_shim::sandbox::{
+    Attachment, Fixed, HostSandbox, Restored, Sandbox, VmRollback, VmSnapshot,
+};
 use twig_shim::server::task_services;
 use twig_shim::service::{Event, TaskService};
 use twig_shim::twig_service::{SnapshotContainer, TwigService, CONTAINERS_LABEL, SANDBOX_LABEL};
@@ -61,6 +63,7 @@ struct FakeVm {
     snapshots: AtomicUsize,
     rollbacks: AtomicUsize,
     next_rollback: Mutex<Outcome>,
+    restored: Mutex<Vec<Restored>>,
 }
 
 impl FakeVm {
@@ -179,6 +182,12 @@ impl Sandbox for FakeVm {
             Outcome::Lost => Err(vmm_error(ErrorKind::Lost, "the VM is lost")),
         }
     }
+
+    fn take_restored(&self, name: &str) -> Option<Restored> {
+        let mut restored = self.restored.lock().unwrap();
+        let i = restored.iter().position(|r| r.name == name)?;
+        Some(restored.remove(i))
+    }
 }
 
 /// Runs a command, panicking with its output when it fails.
@@ -262,6 +271,7 @@ async fn fixture(queue_deadline: Duration) -> Fixture {
         snapshots: AtomicUsize::new(0),
         rollbacks: AtomicUsize::new(0),
         next_rollback: Mutex::new(Outcome::Ok),
+        restored: Mutex::new(Vec::new()),
     });
     let store = tokio::task::spawn_blocking(|| LoopXfs::new(320))
         .await
@@ -298,6 +308,25 @@ async fn fixture(queue_deadline: Duration) -> Fixture {
 }
 
 impl Fixture {
+    /// A second shim's Task service on the same VM (as a shim whose VM was
+    /// restored from a snapshot of this pod sees it).
+    async fn second_shim(&self) -> (TaskClient, Server) {
+        let (tx, _events) = mpsc::unbounded_channel();
+        let exit = Arc::new(ExitSignal::default());
+        let task = TaskService::new(Arc::new(Fixed(self.vm.clone())), tx, exit, T);
+        let sock = self.dir.path().join("shim2.sock");
+        let listener =
+            Listener::try_from(std::os::unix::net::UnixListener::bind(&sock).unwrap()).unwrap();
+        let mut server = Server::new()
+            .add_listener(listener)
+            .register_service(task_services(task));
+        server.start().await.unwrap();
+        let client = Client::connect(&format!("unix://{}", sock.display()))
+            .await
+            .unwrap();
+        (TaskClient::new(client), server)
+    }
+
     /// Creates and starts container `id` (a shell that sleeps), named
     /// `name` by CRI's annotation.
     async fn run(&self, id: &str, name: &str) {
@@ -606,4 +635,90 @@ async fn rollback_refusals_keep_the_pod_and_a_lost_vm_ends_its_tasks() {
     }
     assert_eq!(exits.len(), 2, "one TaskExit per container");
     f.nothing_staged();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_restored_container_is_adopted_by_its_name() {
+    let f = fixture(T).await;
+    f.run("c1", "app").await;
+    // The VM holds a running container "app" (guest id c1) from a snapshot.
+    f.vm.restored.lock().unwrap().push(Restored {
+        guest_id: "c1".into(),
+        name: "app".into(),
+        slot: 0,
+    });
+    let (task, _server) = f.second_shim().await;
+    let (b, img) = bundle(
+        f.dir.path(),
+        "clone-1",
+        &["sleep", "1000"],
+        json!({"annotations": {"io.kubernetes.cri.container-name": "app"}}),
+    );
+    let create = api::CreateTaskRequest {
+        id: "clone-1".into(),
+        bundle: b.display().to_string(),
+        rootfs: vec![twig_mount(&img)],
+        ..Default::default()
+    };
+    task.create(ctx(), &create).await.expect("create (adopt)");
+    assert!(f.vm.restored.lock().unwrap().is_empty(), "adopted once");
+    let start = api::StartRequest {
+        id: "clone-1".into(),
+        ..Default::default()
+    };
+    task.start(ctx(), &start)
+        .await
+        .expect("start (adopted: runs already)");
+    let state = api::StateRequest {
+        id: "clone-1".into(),
+        ..Default::default()
+    };
+    let st = task.state(ctx(), &state).await.unwrap();
+    assert_eq!(st.status.enum_value(), Ok(Status::RUNNING));
+    // Signals reach the guest's process: the one container c1 started.
+    let kill = api::KillRequest {
+        id: "clone-1".into(),
+        signal: 9,
+        ..Default::default()
+    };
+    task.kill(ctx(), &kill).await.expect("kill");
+    let wait = api::WaitRequest {
+        id: "clone-1".into(),
+        ..Default::default()
+    };
+    assert_eq!(task.wait(ctx(), &wait).await.unwrap().exit_status, 137);
+    let wait = api::WaitRequest {
+        id: "c1".into(),
+        ..Default::default()
+    };
+    assert_eq!(f.task.wait(ctx(), &wait).await.unwrap().exit_status, 137);
+    // A second container of that name is not adopted again: created anew.
+    let (b2, img2) = bundle(
+        f.dir.path(),
+        "clone-2",
+        &["sleep", "1000"],
+        json!({"annotations": {"io.kubernetes.cri.container-name": "app"}}),
+    );
+    let create = api::CreateTaskRequest {
+        id: "clone-2".into(),
+        bundle: b2.display().to_string(),
+        rootfs: vec![twig_mount(&img2)],
+        ..Default::default()
+    };
+    task.create(ctx(), &create).await.expect("create (new)");
+    task.start(
+        ctx(),
+        &api::StartRequest {
+            id: "clone-2".into(),
+            ..Default::default()
+        },
+    )
+    .await
+    .expect("start (new)");
+    let kill = api::KillRequest {
+        id: "clone-2".into(),
+        signal: 9,
+        ..Default::default()
+    };
+    task.kill(ctx(), &kill).await.expect("kill the new one");
 }
