@@ -73,15 +73,11 @@ pub fn fill_up(dir: &Path, leave: u64) -> Result<PathBuf> {
     let path = dir.join("filler");
     let file = File::create(&path).map_err(io(format!("creating {}", path.display())))?;
     let len = i64::try_from(free.saturating_sub(leave)).unwrap_or(i64::MAX);
-    nix::fcntl::fallocate(
-        &file,
-        nix::fcntl::FallocateFlags::empty(),
-        0,
-        len,
-    )
-    .map_err(|e| Error::Io {
-        what: format!("fallocate {} bytes for {}", len, path.display()),
-        source: e.into(),
+    nix::fcntl::fallocate(&file, nix::fcntl::FallocateFlags::empty(), 0, len).map_err(|e| {
+        Error::Io {
+            what: format!("fallocate {} bytes for {}", len, path.display()),
+            source: e.into(),
+        }
     })?;
     Ok(path)
 }

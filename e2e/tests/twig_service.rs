@@ -61,33 +61,41 @@ fn snap_id(name: &str) -> String {
 /// `uid` named `counter`; waits until it has counted.
 fn run_counter(node: &Node, id: &str, uid: &str) {
     let uid_note = format!("io.kubernetes.cri.sandbox-uid={uid}");
-    let out = node
-        .ctr([
-            "run",
-            "-d",
-            "--runtime",
-            Runtime::Twig.name(),
-            "--snapshotter",
-            "twig",
-            "--annotation",
+    run_detached(
+        node,
+        id,
+        &[
             "io.kubernetes.cri.container-type=sandbox",
-            "--annotation",
             &uid_note,
-            "--annotation",
             "io.kubernetes.cri.container-name=counter",
-            IMAGE_REF,
-            id,
-            "sh",
-            "-c",
-            COUNTER,
-        ])
+        ],
+        COUNTER,
+    );
+    wait_count(node, id, "/dev/shm/count", |n| n >= 3);
+}
+
+/// `ctr run -d` of `script` as `id` with the OCI annotations `notes`.
+fn run_detached(node: &Node, id: &str, notes: &[&str], script: &str) {
+    let mut args = vec![
+        "run",
+        "-d",
+        "--runtime",
+        Runtime::Twig.name(),
+        "--snapshotter",
+        "twig",
+    ];
+    for n in notes {
+        args.extend(["--annotation", n]);
+    }
+    args.extend([IMAGE_REF, id, "sh", "-c", script]);
+    let out = node
+        .ctr(args)
         .unwrap_or_else(|e| panic!("ctr run -d: {e}\n{}", node.logs()));
     assert!(
         out.status.success(),
-        "ctr run -d failed: {out}\n{}",
+        "ctr run -d of {id} failed: {out}\n{}",
         node.logs()
     );
-    wait_count(node, id, "/dev/shm/count", |n| n >= 3);
 }
 
 static EXECS: AtomicU32 = AtomicU32::new(0);
@@ -317,4 +325,66 @@ fn a_snapshot_into_a_full_store_fails_cleanly_and_the_pod_runs_on() {
         .unwrap_or_else(|e| panic!("snapshot with room: {e}\n{}", node.logs()));
     assert_eq!(info.snapshot_id, "full-1");
     node.ctr_ok(["task", "kill", "-s", "KILL", id]).unwrap();
+}
+
+#[test]
+fn a_pod_restored_from_a_snapshot_adopts_its_running_container() {
+    let node = node(None);
+    let (orig, clone) = ("svc-orig", "svc-clone");
+    run_counter(&node, orig, "0b5e2c4a-3333-4c3e-9a43-e2e000000003");
+    let rt = runtime();
+    let shim = TtrpcShim { timeout: CALL };
+    let sandbox = Sandbox {
+        id: orig.to_string(),
+        address: node.shim_address(orig).unwrap(),
+    };
+    let snap = snap_id("clone-src");
+    let before = count(&node, orig, "/dev/shm/count");
+    rt.block_on(shim.snapshot(&sandbox, &snap, SnapshotMode::Full))
+        .unwrap_or_else(|e| panic!("snapshot: {e}\n{}", node.logs()));
+    let after = count(&node, orig, "/dev/shm/count");
+
+    // The clone: its VM restored from the snapshot, the container named
+    // `counter` adopted (its own command is never started).
+    let t = Instant::now();
+    let from = format!("twig.dev/restore-from={snap}");
+    run_detached(
+        &node,
+        clone,
+        &[&from, "io.kubernetes.cri.container-name=counter"],
+        "echo not adopted > /dev/shm/count; sleep 1000",
+    );
+    let restored_ms = t.elapsed().as_secs_f64() * 1e3;
+    let first = count(&node, clone, "/dev/shm/count");
+    assert!(
+        first >= before,
+        "the clone counts from {first}, the snapshot was taken between {before} and {after}"
+    );
+    let disk = count(&node, clone, "/count");
+    assert!(
+        disk >= before.saturating_sub(1),
+        "the clone's rootfs says {disk}"
+    );
+    wait_count(&node, clone, "/dev/shm/count", |n| n > first + 5);
+    assert!(task_running(&node, clone));
+
+    // The original is unaffected, and the two are separate VMs.
+    let o = count(&node, orig, "/dev/shm/count");
+    wait_count(&node, orig, "/dev/shm/count", |n| n > o);
+    node.ctr_ok(["task", "kill", "-s", "KILL", orig]).unwrap();
+    let c = count(&node, clone, "/dev/shm/count");
+    wait_count(&node, clone, "/dev/shm/count", |n| n > c);
+    eprintln!(
+        "restore-from through the shim (TCG lab, relative only): ctr run -d of the clone {restored_ms:.0} ms"
+    );
+    node.ctr_ok(["task", "kill", "-s", "KILL", clone]).unwrap();
+    let store = NodeStore::open(&node.vm_store().unwrap(), false).unwrap();
+    for id in [orig, clone] {
+        let deadline = Instant::now() + PROGRESS;
+        while task_running(&node, id) && Instant::now() < deadline {
+            std::thread::sleep(POLL);
+        }
+        let _ = node.ctr(["task", "delete", id]);
+    }
+    delete_snapshots(&store, &[&snap]);
 }
