@@ -368,6 +368,32 @@ fn a_pod_restored_from_a_snapshot_adopts_its_running_container() {
     wait_count(&node, clone, "/dev/shm/count", |n| n > first + 5);
     assert!(task_running(&node, clone));
 
+    // A second clone of the same snapshot: its own RNG (reseeded with host
+    // entropy), never the first clone's output.
+    let clone2 = "svc-clone2";
+    run_detached(
+        &node,
+        clone2,
+        &[&from, "io.kubernetes.cri.container-name=counter"],
+        "sleep 1000",
+    );
+    let random = |id: &str| {
+        let (code, out) = exec(
+            &node,
+            id,
+            &["sh", "-c", "head -c 32 /dev/urandom | od -An -tx1"],
+        );
+        assert_eq!(code, Some(0), "{out}");
+        out.split_whitespace().collect::<String>()
+    };
+    let (r1, r2) = (random(clone), random(clone2));
+    assert_eq!(r1.len(), 64, "{r1}");
+    assert_ne!(
+        r1, r2,
+        "two clones of one snapshot read the same random bytes"
+    );
+    node.ctr_ok(["task", "kill", "-s", "KILL", clone2]).unwrap();
+
     // The original is unaffected, and the two are separate VMs.
     let o = count(&node, orig, "/dev/shm/count");
     wait_count(&node, orig, "/dev/shm/count", |n| n > o);
@@ -379,7 +405,7 @@ fn a_pod_restored_from_a_snapshot_adopts_its_running_container() {
     );
     node.ctr_ok(["task", "kill", "-s", "KILL", clone]).unwrap();
     let store = NodeStore::open(&node.vm_store().unwrap(), false).unwrap();
-    for id in [orig, clone] {
+    for id in [orig, clone, clone2] {
         let deadline = Instant::now() + PROGRESS;
         while task_running(&node, id) && Instant::now() < deadline {
             std::thread::sleep(POLL);
