@@ -94,6 +94,9 @@ pub struct ProcessExit {
     pub status: i32,
     /// The signal that killed it, 0 if it exited.
     pub signal: i32,
+    /// The container's memory limit OOM-killed one of its processes while
+    /// this one ran (containerd's TaskOOM, CRI's `OOMKilled`).
+    pub oom_killed: bool,
 }
 
 /// Which output stream of a process.
@@ -343,6 +346,7 @@ impl AgentClient {
         Ok(r.exited.then_some(ProcessExit {
             status: r.exit_status,
             signal: r.signal,
+            oom_killed: r.oom_killed,
         }))
     }
 

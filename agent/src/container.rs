@@ -12,6 +12,7 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use oci_spec::runtime::{Process as OciProcess, Spec};
 
+use crate::cgroup::Cgroup;
 use crate::error::{AgentError, Result};
 use crate::helper::{ExecTask, HelperTask, InitTask};
 use crate::reaper::{lock, Exit, ExitCell, Reaper};
@@ -36,12 +37,22 @@ pub struct Process {
     pub stderr: Arc<OutputBuffer>,
     /// The pty master, for a TTY process.
     pub tty: Option<OwnedFd>,
+    /// Its container's cgroup, and its OOM kills when this process started.
+    pub oom: Option<(Arc<Cgroup>, u64)>,
 }
 
 impl Process {
     /// Its exit status, if it has exited.
     pub fn exited(&self) -> Option<Exit> {
         self.exit.get()
+    }
+
+    /// Whether the container's memory limit OOM-killed a process of it
+    /// since this process started.
+    pub fn oom_killed(&self) -> bool {
+        self.oom
+            .as_ref()
+            .is_some_and(|(cgroup, base)| cgroup.oom_kills() > *base)
     }
 }
 
@@ -69,6 +80,8 @@ pub struct Container {
     pub execs: HashMap<String, Arc<Process>>,
     /// Whether init has its own pid namespace.
     pub own_pid_ns: bool,
+    /// Its cgroup, when the VM has cgroup v2 (always in a Twig VM).
+    pub cgroup: Option<Arc<Cgroup>>,
 }
 
 /// A new process's stdio: the child's ends and the agent's.
@@ -117,10 +130,13 @@ fn start_process(
     join_pid: Option<&Path>,
     terminal: bool,
     name: &str,
+    cgroup: Option<&Arc<Cgroup>>,
 ) -> Result<Arc<Process>> {
+    let oom = cgroup.map(|c| (c.clone(), c.oom_kills()));
+    let cgroup = cgroup.map(|c| c.as_ref());
     if !terminal {
         let io = make_pipes(name)?;
-        let spawned = spawn(reaper, task, flags, join_pid, io.child)?;
+        let spawned = spawn(reaper, task, flags, join_pid, io.child, cgroup)?;
         return Ok(Arc::new(Process {
             pid: spawned.pid,
             exit: spawned.exit,
@@ -128,6 +144,7 @@ fn start_process(
             stdout: io.stdout,
             stderr: io.stderr,
             tty: None,
+            oom,
         }));
     }
     let (ours, theirs) = console_socket()?;
@@ -136,7 +153,7 @@ fn start_process(
         stdout: dup(&theirs)?,
         stderr: theirs,
     };
-    let spawned = spawn(reaper, task, flags, join_pid, child)?;
+    let spawned = spawn(reaper, task, flags, join_pid, child, cgroup)?;
     // The helper sent the master before it exec'd the process.
     let master = match recv_fd(ours.as_fd(), Duration::from_secs(5)) {
         Ok(m) => m,
@@ -156,6 +173,7 @@ fn start_process(
         stdout,
         stderr: OutputBuffer::closed(),
         tty: Some(master),
+        oom,
     }))
 }
 
@@ -189,6 +207,7 @@ impl Container {
             plan.join_pid.as_deref(),
             terminal,
             &self.id,
+            self.cgroup.as_ref(),
         )?;
         let pid = process.pid;
         self.own_pid_ns = plan.clone_flags.contains(CloneFlags::CLONE_NEWPID);
@@ -233,6 +252,7 @@ impl Container {
             Some(&pid_ns),
             terminal,
             &format!("{}-{exec_id}", self.id),
+            self.cgroup.as_ref(),
         )?;
         let pid = p.pid;
         self.execs.insert(exec_id.to_string(), p);
@@ -371,7 +391,7 @@ pub fn mount_rootfs(device: &Path, target: &Path, read_only: bool) -> Result<()>
     })
 }
 
-fn unmount_rootfs(target: &Path) -> Result<()> {
+pub fn unmount_rootfs(target: &Path) -> Result<()> {
     match umount2(target, MntFlags::empty()) {
         Ok(()) | Err(nix::errno::Errno::EINVAL | nix::errno::Errno::ENOENT) => Ok(()),
         Err(nix::errno::Errno::EBUSY) => umount2(target, MntFlags::MNT_DETACH)

@@ -7,6 +7,7 @@
 //! program of a container process (see `helper.rs`).
 
 mod caps;
+mod cgroup;
 mod container;
 mod error;
 mod helper;

@@ -17,7 +17,8 @@ use twig_agent::proto::agent::{
 };
 use twig_agent::proto::agent_ttrpc::{create_agent, Agent};
 
-use crate::container::{mount_rootfs, Container, Process, Registry, State};
+use crate::cgroup::{Cgroup, Limits};
+use crate::container::{mount_rootfs, unmount_rootfs, Container, Process, Registry, State};
 use crate::error::{AgentError, Result};
 use crate::reaper::{lock, Reaper};
 use crate::spec::{parse_process, parse_spec, validate_id};
@@ -94,8 +95,19 @@ impl AgentService {
                 let _ = std::fs::remove_dir(&dir);
                 return Err(e);
             }
+            let limits = Limits::of(spec.linux().as_ref().and_then(|l| l.resources().as_ref()));
+            let cgroup = match Cgroup::create(id, limits) {
+                Ok(c) => c.map(Arc::new),
+                Err(e) => {
+                    let _ = unmount_rootfs(&rootfs);
+                    let _ = std::fs::remove_dir(&rootfs);
+                    let _ = std::fs::remove_dir(&dir);
+                    return Err(e);
+                }
+            };
             tracing::info!(id, device = %device.display(), "container created");
             Ok(Container {
+                cgroup,
                 id: id.to_string(),
                 rootfs,
                 dir,
@@ -263,6 +275,7 @@ impl Agent for AgentService {
                     exited: true,
                     exit_status: exit.status,
                     signal: exit.signal,
+                    oom_killed: p.oom_killed(),
                     ..Default::default()
                 },
                 None => WaitProcessResponse::default(),

@@ -21,6 +21,7 @@ use nix::sched::CloneFlags;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
+use crate::cgroup::Cgroup;
 use crate::error::{AgentError, Result};
 use crate::helper::{HelperTask, STATUS_FD};
 use crate::reaper::{ExitCell, Reaper};
@@ -60,6 +61,7 @@ pub fn spawn(
     clone_flags: CloneFlags,
     join_pid_ns: Option<&Path>,
     stdio: ChildStdio,
+    cgroup: Option<&Cgroup>,
 ) -> Result<Spawned> {
     let json = serde_json::to_vec(task).map_err(|e| AgentError::sys("encoding the task", e))?;
     let (task_r, task_w) = crate::stdio::pipe()?;
@@ -95,7 +97,12 @@ pub fn spawn(
         }
     };
     drop((stdio, task_r, status_w));
-    let outcome = feed_and_collect(task_w, status_r, &json);
+    // The helper waits for its task, so it joins the cgroup before it runs
+    // anything of the container's.
+    let outcome = match cgroup.map(|c| c.add(spawned.pid)) {
+        Some(Err(e)) => Err(e),
+        _ => feed_and_collect(task_w, status_r, &json),
+    };
     let failure = match outcome {
         Ok(report) => {
             for w in &report.warnings {

@@ -160,7 +160,8 @@ fn exec_signals_hostname_rootfs_stats_and_remove() {
         c.wait_exit(id, "victim", T).unwrap(),
         ProcessExit {
             status: 143,
-            signal: 15
+            signal: 15,
+            oom_killed: false,
         }
     );
     // A dead process cannot be signalled.
@@ -173,7 +174,8 @@ fn exec_signals_hostname_rootfs_stats_and_remove() {
         c.wait_exit(id, "", T).unwrap(),
         ProcessExit {
             status: 137,
-            signal: 9
+            signal: 9,
+            oom_killed: false,
         }
     );
     let e = c.run(id, "late", &["true"], T).unwrap_err();

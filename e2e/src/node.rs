@@ -507,16 +507,20 @@ impl Node {
     /// image as container `id`, running `argv`, without a TTY; the output
     /// and exit status are the container's.
     pub fn run(&self, runtime: Runtime, id: &str, argv: &[&str]) -> Result<Output> {
-        let mut args = vec![
-            "run",
-            "--rm",
-            "--runtime",
-            runtime.name(),
-            "--snapshotter",
-            "twig",
-            IMAGE_REF,
-            id,
-        ];
+        self.run_with(runtime, id, &[], argv)
+    }
+
+    /// [`Node::run`] with more `ctr run` flags (e.g. `--memory-limit`).
+    pub fn run_with(
+        &self,
+        runtime: Runtime,
+        id: &str,
+        flags: &[&str],
+        argv: &[&str],
+    ) -> Result<Output> {
+        let mut args = vec!["run", "--rm", "--runtime", runtime.name()];
+        args.extend_from_slice(flags);
+        args.extend_from_slice(&["--snapshotter", "twig", IMAGE_REF, id]);
         args.extend_from_slice(argv);
         self.ctr(args)
     }

@@ -163,28 +163,32 @@ mod tests {
         assert_eq!(
             exit_status(ProcessExit {
                 status: 0,
-                signal: 0
+                signal: 0,
+                oom_killed: false,
             }),
             0
         );
         assert_eq!(
             exit_status(ProcessExit {
                 status: 3,
-                signal: 0
+                signal: 0,
+                oom_killed: false,
             }),
             3
         );
         assert_eq!(
             exit_status(ProcessExit {
                 status: 137,
-                signal: 9
+                signal: 9,
+                oom_killed: false,
             }),
             137
         );
         assert_eq!(
             exit_status(ProcessExit {
                 status: 143,
-                signal: 15
+                signal: 15,
+                oom_killed: false,
             }),
             143
         );
@@ -192,14 +196,16 @@ mod tests {
         assert_eq!(
             exit_status(ProcessExit {
                 status: 0,
-                signal: 15
+                signal: 15,
+                oom_killed: false,
             }),
             143
         );
         assert_eq!(
             exit_status(ProcessExit {
                 status: -1,
-                signal: 0
+                signal: 0,
+                oom_killed: false,
             }),
             255
         );

@@ -12,7 +12,7 @@ use containerd_shim_protos::cgroups::metrics::{
     CPUStat, CPUUsage, MemoryEntry, MemoryStat, Metrics, PidsStat,
 };
 use containerd_shim_protos::events::task::{
-    TaskCreate, TaskDelete, TaskExecAdded, TaskExecStarted, TaskExit, TaskIO, TaskPaused,
+    TaskCreate, TaskDelete, TaskExecAdded, TaskExecStarted, TaskExit, TaskIO, TaskOOM, TaskPaused,
     TaskResumed, TaskStart,
 };
 use containerd_shim_protos::protobuf::well_known_types::any::Any;
@@ -507,6 +507,17 @@ impl TaskService {
                         "output did not drain within {DRAIN_DEADLINE:?}"
                     );
                 }
+            }
+            if exit.as_ref().is_some_and(|e| e.oom_killed) {
+                // runc's shim reports the OOM kill before the exit, so CRI
+                // records the reason `OOMKilled`.
+                this.publish(
+                    topics::TASK_OOM_EVENT_TOPIC,
+                    Box::new(TaskOOM {
+                        container_id: id.clone(),
+                        ..Default::default()
+                    }),
+                );
             }
             let exited = match exit {
                 Some(e) => Exited::from_agent(e, SystemTime::now()),
