@@ -8,6 +8,7 @@
 
 pub mod config;
 pub mod error;
+pub mod pod;
 pub mod process;
 pub mod restore;
 pub mod sandbox;

@@ -35,7 +35,8 @@ use twig_proto::twig_ttrpc::{create_twig, Twig};
 use twig_store::{Artefact, NodeStore};
 
 use crate::error::{Error, Result};
-use crate::service::{ContainerView, TaskService};
+use crate::pod::ContainerView;
+use crate::service::TaskService;
 use crate::spec;
 
 /// The snapshot label naming the sandbox (shim group) it was taken of.
