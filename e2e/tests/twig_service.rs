@@ -28,9 +28,11 @@ const PROGRESS: Duration = Duration::from_secs(120);
 const POLL: Duration = Duration::from_millis(100);
 
 /// Counts in tmpfs (`/dev/shm/count`, guest memory) and on the rootfs disk
-/// (`/count`), every 50 ms.
-const COUNTER: &str = "i=0; while :; do i=$((i+1)); echo $i > /dev/shm/count; \
-     echo $i > /count; sleep 0.05; done";
+/// (`/count`), every 50 ms; each file is replaced by a rename, so a reader
+/// never sees it half-written.
+const COUNTER: &str = "i=0; while :; do i=$((i+1)); echo $i > /dev/shm/count.new; \
+     mv /dev/shm/count.new /dev/shm/count; echo $i > /count.new; mv /count.new /count; \
+     sleep 0.05; done";
 
 fn node(config: Option<NodeConfig>) -> Node {
     assert!(
