@@ -149,17 +149,44 @@ fn task_running(node: &Node, id: &str) -> bool {
     })
 }
 
+/// Kills task `id` and deletes it once it stopped, so its shim stops the VM.
+fn stop(node: &Node, id: &str) {
+    node.ctr_ok(["task", "kill", "-s", "KILL", id])
+        .unwrap_or_else(|e| panic!("{e}\n{}", node.logs()));
+    let deadline = Instant::now() + PROGRESS;
+    while task_running(node, id) {
+        assert!(
+            Instant::now() < deadline,
+            "{id} did not stop\n{}",
+            node.logs()
+        );
+        std::thread::sleep(POLL);
+    }
+    node.ctr_ok(["task", "delete", id])
+        .unwrap_or_else(|e| panic!("{e}\n{}", node.logs()));
+}
+
 fn pod(uid: &str) -> Pod {
     let mut pod = Pod::default();
     pod.metadata.uid = Some(uid.to_string());
     pod
 }
 
-/// Removes the snapshots (children first) from the store.
+/// Removes the snapshots (children first) from the store, and gives the
+/// freed blocks back to what backs the filesystem (`fstrim`: the lab's XFS
+/// is a loop file in memory, which keeps deleted blocks otherwise).
 fn delete_snapshots(store: &NodeStore, ids: &[&str]) {
     for id in ids {
         if let Err(e) = store.delete(id) {
             eprintln!("deleting snapshot {id}: {e}");
+        }
+    }
+    if find_on_path("fstrim").is_some() {
+        let trimmed = std::process::Command::new("fstrim")
+            .arg(store.root())
+            .status();
+        if !trimmed.is_ok_and(|s| s.success()) {
+            eprintln!("fstrim {} failed: {trimmed:?}", store.root().display());
         }
     }
 }
@@ -279,7 +306,7 @@ fn snapshot_rollback_and_stats_through_the_controllers_client() {
         "twig service through the shim (TCG lab, relative only): full snapshot {full_ms:.0} ms, \
          rollback {rollback_ms:.0} ms, incremental snapshot {inc_ms:.0} ms"
     );
-    node.ctr_ok(["task", "kill", "-s", "KILL", id]).unwrap();
+    stop(&node, id);
     delete_snapshots(&store, &[&s2, &s1]);
 }
 
@@ -370,6 +397,12 @@ fn a_pod_restored_from_a_snapshot_adopts_its_running_container() {
     wait_count(&node, clone, "/dev/shm/count", |n| n > first + 5);
     assert!(task_running(&node, clone));
 
+    // The original is unaffected, and the two are separate VMs.
+    let o = count(&node, orig, "/dev/shm/count");
+    wait_count(&node, orig, "/dev/shm/count", |n| n > o);
+    stop(&node, orig);
+    let c = count(&node, clone, "/dev/shm/count");
+    wait_count(&node, clone, "/dev/shm/count", |n| n > c);
     // A second clone of the same snapshot: its own RNG (reseeded with host
     // entropy), never the first clone's output.
     let clone2 = "svc-clone2";
@@ -394,25 +427,12 @@ fn a_pod_restored_from_a_snapshot_adopts_its_running_container() {
         r1, r2,
         "two clones of one snapshot read the same random bytes"
     );
-    node.ctr_ok(["task", "kill", "-s", "KILL", clone2]).unwrap();
+    stop(&node, clone2);
 
-    // The original is unaffected, and the two are separate VMs.
-    let o = count(&node, orig, "/dev/shm/count");
-    wait_count(&node, orig, "/dev/shm/count", |n| n > o);
-    node.ctr_ok(["task", "kill", "-s", "KILL", orig]).unwrap();
-    let c = count(&node, clone, "/dev/shm/count");
-    wait_count(&node, clone, "/dev/shm/count", |n| n > c);
     eprintln!(
         "restore-from through the shim (TCG lab, relative only): ctr run -d of the clone {restored_ms:.0} ms"
     );
-    node.ctr_ok(["task", "kill", "-s", "KILL", clone]).unwrap();
+    stop(&node, clone);
     let store = NodeStore::open(&node.vm_store().unwrap(), false).unwrap();
-    for id in [orig, clone, clone2] {
-        let deadline = Instant::now() + PROGRESS;
-        while task_running(&node, id) && Instant::now() < deadline {
-            std::thread::sleep(POLL);
-        }
-        let _ = node.ctr(["task", "delete", id]);
-    }
     delete_snapshots(&store, &[&snap]);
 }
