@@ -185,7 +185,7 @@ fn delete_snapshots(store: &NodeStore, ids: &[&str]) {
         let trimmed = std::process::Command::new("fstrim")
             .arg(store.root())
             .status();
-        if !trimmed.is_ok_and(|s| s.success()) {
+        if !trimmed.as_ref().is_ok_and(|s| s.success()) {
             eprintln!("fstrim {} failed: {trimmed:?}", store.root().display());
         }
     }
