@@ -1,4 +1,4 @@
-//! Compiles `agent.proto` and `twig.proto` with ttrpc-codegen, once per
+//! Compiles `agent.proto`, `twig.proto` and `node.proto` with ttrpc-codegen, once per
 //! flavour the enabled features ask for: `$OUT_DIR/sync/` (messages, always,
 //! plus the sync ttrpc code) and `$OUT_DIR/async/` (the async ttrpc code,
 //! with feature `async`).
@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use ttrpc_codegen::{Codegen, Customize, ProtobufCustomize};
 
-const PROTOS: [&str; 2] = ["agent.proto", "twig.proto"];
+const PROTOS: [&str; 3] = ["agent.proto", "twig.proto", "node.proto"];
 
 fn generate(out: &Path, customize: Customize) -> std::io::Result<()> {
     std::fs::create_dir_all(out)?;

@@ -4,6 +4,7 @@
 mod cri;
 mod linux;
 mod net;
+mod node;
 mod snapshotter;
 mod stats;
 mod vmm;
@@ -32,6 +33,9 @@ enum Command {
     Linux(linux::Args),
     /// twig-net: eBPF redirect versus bridge and tc mirred (pps, latency), path set-up time.
     Net(net::Args),
+    /// twig-node: a pod's VM acquisition + template restore, from the warm pool
+    /// versus spawned on demand (real twig-node and twig-vmm processes).
+    Node(node::Args),
     /// Pod start through containerd's CRI plugin (RunPodSandbox + CreateContainer +
     /// StartContainer → first output) at concurrency 1 and 8, per runtime handler.
     Cri(cri::Args),
@@ -45,6 +49,7 @@ fn main() {
         Command::Linux(args) => linux::run(&args),
         Command::Net(args) => net::run(&args),
         Command::Cri(args) => cri::run(&args),
+        Command::Node(args) => node::run(&args),
     };
     match result {
         Ok(value) => {

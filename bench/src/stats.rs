@@ -47,11 +47,12 @@ impl Report {
     }
 }
 
-/// p50 / p90 / max of a set of timings, in milliseconds.
+/// p50 / p90 / p99 / max of a set of timings, in milliseconds.
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct Summary {
     pub p50: f64,
     pub p90: f64,
+    pub p99: f64,
     pub max: f64,
     pub runs: usize,
 }
@@ -70,6 +71,7 @@ impl Summary {
         Summary {
             p50: pick(0.5),
             p90: pick(0.9),
+            p99: pick(0.99),
             max: ms.last().copied().unwrap_or(f64::NAN),
             runs: ms.len(),
         }
@@ -79,7 +81,7 @@ impl Summary {
 /// Prints one row of the human table to stderr.
 pub fn row(name: &str, s: &Summary) {
     eprintln!(
-        "{name:<28} p50 {:>9.3} ms  p90 {:>9.3} ms  max {:>9.3} ms  (n={})",
-        s.p50, s.p90, s.max, s.runs
+        "{name:<28} p50 {:>9.3} ms  p90 {:>9.3} ms  p99 {:>9.3} ms  max {:>9.3} ms  (n={})",
+        s.p50, s.p90, s.p99, s.max, s.runs
     );
 }

@@ -487,12 +487,18 @@ fn max_vms_processes(
 
 /// Restores `base` into as many VMs as run, up to `cap`, in this process;
 /// reports how many ran, what stopped it, and memory per VM.
-/// The `twig-vmm` binary next to this executable. Under `cargo run`
-/// (which sets `CARGO`), it is built first if missing, with the same profile,
-/// so that `cargo run --release -p twig-bench -- vmm` measures VMM processes.
+/// The `twig-vmm` binary next to this executable (see [`workspace_binary`]).
 fn vmm_binary() -> Result<PathBuf, Error> {
+    workspace_binary("twig-vmm")
+}
+
+/// The workspace binary `name` (package and binary of that name) next to
+/// this executable. Under `cargo run` (which sets `CARGO`), it is built
+/// first if missing, with the same profile, so that `cargo run --release -p
+/// twig-bench -- vmm` measures VMM processes.
+pub fn workspace_binary(name: &str) -> Result<PathBuf, Error> {
     let exe = std::env::current_exe().context(|| "finding the benchmark executable".into())?;
-    let bin = exe.with_file_name("twig-vmm");
+    let bin = exe.with_file_name(name);
     if bin.is_file() {
         return Ok(bin);
     }
@@ -503,17 +509,17 @@ fn vmm_binary() -> Result<PathBuf, Error> {
         .parent()
         .and_then(|d| d.file_name())
         .is_some_and(|n| n == "release");
-    eprintln!("building twig-vmm next to {}", exe.display());
+    eprintln!("building {name} next to {}", exe.display());
     let mut cmd = std::process::Command::new(cargo);
-    cmd.args(["build", "-p", "twig-vmm", "--bin", "twig-vmm"]);
+    cmd.args(["build", "-p", name, "--bin", name]);
     if release {
         cmd.arg("--release");
     }
     let status = cmd
         .status()
-        .context(|| "running cargo build -p twig-vmm".into())?;
+        .context(|| format!("running cargo build -p {name}"))?;
     if !status.success() {
-        return Err(format!("cargo build -p twig-vmm failed: {status}").into());
+        return Err(format!("cargo build -p {name} failed: {status}").into());
     }
     Ok(bin)
 }

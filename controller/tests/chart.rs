@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use k8s_openapi::api::apps::v1::DaemonSet;
-use k8s_openapi::api::core::v1::{ConfigMap, Container, ServiceAccount};
+use k8s_openapi::api::core::v1::{Container, ServiceAccount};
 use k8s_openapi::api::node::v1::RuntimeClass;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use serde_json::{json, Value};
@@ -172,7 +172,6 @@ fn chart_renders_to_valid_manifests() {
             "ClusterRoleBinding/twig-controller",
             "RuntimeClass/twig",
             "DaemonSet/twig-controller",
-            "ConfigMap/twig-containerd-config",
             "DaemonSet/twig-node-setup",
         ])
     );
@@ -219,25 +218,66 @@ fn chart_renders_to_valid_manifests() {
         Some(vec!["ALL".to_string()])
     );
 
-    let cm: ConfigMap = strict(find(&docs, "ConfigMap", "twig-containerd-config"));
-    let toml = cm
-        .data
-        .as_ref()
-        .and_then(|d| d.get("twig.toml"))
-        .expect("twig.toml");
-    for needle in [
-        "[plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.twig]",
-        "runtime_type = \"io.containerd.twig.v2\"",
-        "pod_annotations = [\"twig.dev/*\"]",
-        "[proxy_plugins.twig]",
-        "address = \"/run/twig/snapshotter.sock\"",
-    ] {
-        assert!(
-            toml.contains(needle),
-            "containerd config lacks {needle}:\n{toml}"
-        );
-    }
-    strict::<DaemonSet>(find(&docs, "DaemonSet", "twig-node-setup"));
+    // The node installer: scripts/install-node.sh from the installer image
+    // into the host's /, privileged, with the host's PID 1 to reach systemd.
+    let setup: DaemonSet = strict(find(&docs, "DaemonSet", "twig-node-setup"));
+    let pod = setup.spec.template.spec.expect("pod spec");
+    assert_eq!(pod.host_pid, Some(true));
+    let install = &pod.init_containers.as_ref().expect("init containers")[0];
+    assert_eq!(
+        install.command.as_deref().expect("command"),
+        [
+            "/opt/twig/install-node.sh",
+            "--from",
+            "/opt/twig",
+            "--root",
+            "/host",
+            "--handler",
+            "twig",
+            "--start",
+        ]
+    );
+    assert_eq!(
+        install.security_context.as_ref().and_then(|s| s.privileged),
+        Some(true)
+    );
+    let mount = &install.volume_mounts.as_ref().expect("mounts")[0];
+    assert_eq!(mount.mount_path, "/host");
+    let volume = pod
+        .volumes
+        .iter()
+        .flatten()
+        .find(|v| v.name == mount.name)
+        .expect("the mounted volume");
+    assert_eq!(
+        volume.host_path.as_ref().map(|h| h.path.as_str()),
+        Some("/")
+    );
+}
+
+#[test]
+fn node_setup_values_reach_the_installer() {
+    let docs = documents(&template(&json!({
+        "runtimeClass": {"handler": "twig-kvm"},
+        "nodeSetup": {"containerdVersion": "1.7", "start": false},
+    })));
+    let setup: DaemonSet = strict(find(&docs, "DaemonSet", "twig-node-setup"));
+    let pod = setup.spec.template.spec.expect("pod spec");
+    let install = &pod.init_containers.as_ref().expect("init containers")[0];
+    assert_eq!(
+        install.command.as_deref().expect("command"),
+        [
+            "/opt/twig/install-node.sh",
+            "--from",
+            "/opt/twig",
+            "--root",
+            "/host",
+            "--handler",
+            "twig-kvm",
+            "--containerd-version",
+            "1.7",
+        ]
+    );
 }
 
 #[test]
@@ -268,7 +308,7 @@ fn changed_values_reach_the_manifests() {
             "RuntimeClass/microvm",
             "DaemonSet/twig-controller",
         ]),
-        "node setup off: no ConfigMap, no node-setup DaemonSet"
+        "node setup off: no node-setup DaemonSet"
     );
     let binding: ClusterRoleBinding = strict(find(&docs, "ClusterRoleBinding", "twig-controller"));
     assert_eq!(

@@ -1,6 +1,7 @@
-//! A node in a box: a reflink XFS, `twig-snapshotter` on it, and containerd
-//! with `twig` as its proxy snapshotter and the twig and runc runtimes, with
-//! the test image imported. Everything it starts is stopped by PID when the
+//! A node in a box: a reflink XFS, `twig-snapshotter` and `twig-node` (the
+//! node daemon: base template, warm VMM pool) on it, and containerd with
+//! `twig` as its proxy snapshotter and the twig and runc runtimes, with the
+//! test image imported. Everything it starts is stopped by PID when the
 //! node is dropped, also when a test panics.
 
 use std::ffi::OsStr;
@@ -30,8 +31,11 @@ const TEARDOWN: Duration = Duration::from_secs(30);
 const XFS_MIB: u64 = 1024;
 /// Size of each snapshot's ext4 image (sparse).
 const IMAGE_MIB: &str = "256";
-/// Guest memory of the twig shim's base template: the lab has 3 GiB.
-const SHIM_MEM_MIB: u64 = 128;
+/// Guest memory of the node's base template: the lab has 3 GiB.
+const BASE_MEM_MIB: u64 = 128;
+/// Prepared VMMs the node daemon keeps warm (each has its guest RAM
+/// reserved, untouched).
+const POOL_SIZE: usize = 1;
 
 /// A containerd runtime (shim) the tests run containers with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -98,21 +102,31 @@ state = "{state}"
 }
 
 /// The twig shim's configuration (`TWIG_SHIM_CONFIG`) for a node in
-/// `dir`: its state in the node's directory, its base template in
-/// `template`, `twig-vmm` from `PATH`, a 128 MiB template booting `guest`
-/// when given.
-pub fn shim_config(dir: &Path, template: &Path, guest: Option<&Guest>) -> serde_json::Value {
-    let mut template = serde_json::json!({
-        "dir": template,
-        "mem_mib": SHIM_MEM_MIB,
-    });
+/// `dir`: its state in the node's directory, its VMs from the node daemon
+/// on `node_socket`.
+pub fn shim_config(dir: &Path, node_socket: &Path) -> serde_json::Value {
+    serde_json::json!({
+        "state_root": dir.join("shim"),
+        "node_socket": node_socket,
+    })
+}
+
+/// twig-node's configuration for a node in `dir`: its socket, runtime
+/// directory and pool in the node's directory, its node store `store`,
+/// `twig-vmm` from `PATH`, a 128 MiB base template booting `guest` when
+/// given, one prepared VMM of that shape kept warm.
+pub fn node_config(dir: &Path, store: &Path, guest: Option<&Guest>) -> serde_json::Value {
+    let mut base = serde_json::json!({ "mem_mib": BASE_MEM_MIB });
     if let Some(g) = guest {
-        template["kernel"] = serde_json::json!(g.kernel);
-        template["initrd"] = serde_json::json!(g.initrd);
+        base["kernel"] = serde_json::json!(g.kernel);
+        base["initrd"] = serde_json::json!(g.initrd);
     }
     let mut config = serde_json::json!({
-        "state_root": dir.join("shim"),
-        "template": template,
+        "socket": dir.join("node.sock"),
+        "store": store,
+        "run_dir": dir.join("node"),
+        "base": base,
+        "pool": { "shapes": [{ "mem_mib": BASE_MEM_MIB, "size": POOL_SIZE }] },
     });
     if let Some(vmm) = find_on_path("twig-vmm") {
         config["vmm_binary"] = serde_json::json!(vmm);
@@ -120,18 +134,18 @@ pub fn shim_config(dir: &Path, template: &Path, guest: Option<&Guest>) -> serde_
     config
 }
 
-/// Where a node's twig shim keeps its base template: on a given XFS (the
-/// lab's), one template shared by every node of the run, built by the first
-/// shim that needs it (the shim builds under a lock, and the template is
-/// only read once built), so a test binary's nodes after the first restore
-/// from a warm template; on the harness's own XFS, in the node's directory
-/// `dir`.
-fn template_dir(xfs: &Xfs, dir: &Path) -> PathBuf {
+/// The node store of a node's twig-node: on a given XFS (the lab's), one
+/// store shared by every node of the run, so the base template is built by
+/// the first daemon that needs it (daemons build it under a lock on the
+/// store, and it is only read once built) and a test binary's nodes after
+/// the first restore from a warm template; on the harness's own XFS, in the
+/// node's directory `dir`.
+fn store_dir(xfs: &Xfs, dir: &Path) -> PathBuf {
     let root = match xfs {
         Xfs::Given(given) => given.join("twig-e2e-shared"),
         Xfs::Own { .. } => dir.to_path_buf(),
     };
-    root.join("vm").join("snapshots").join("base")
+    root.join("vm")
 }
 
 /// The mount points under `dir` in the mount table, deepest first.
@@ -312,12 +326,13 @@ impl NodeConfig {
     }
 }
 
-/// A running node: XFS, `twig-snapshotter`, containerd, the test image
-/// imported onto the `twig` snapshotter.
+/// A running node: XFS, `twig-snapshotter`, `twig-node`, containerd, the
+/// test image imported onto the `twig` snapshotter.
 #[derive(Debug)]
 pub struct Node {
     containerd: Daemon,
     snapshotter: Daemon,
+    node_daemon: Daemon,
     socket: PathBuf,
     /// The node's directory on the XFS; `None` once torn down.
     work: Option<TempDir>,
@@ -342,6 +357,7 @@ impl Node {
             "runc",
             Runtime::Runc.shim(),
             "twig-snapshotter",
+            "twig-node",
             "mkfs.ext4",
             "debugfs",
         ])?;
@@ -370,6 +386,23 @@ impl Node {
         )?;
         snapshotter.wait_for_socket(&snap_socket, START)?;
 
+        let node_socket = dir.join("node.sock");
+        let node_file = dir.join("node.json");
+        fs::write(
+            &node_file,
+            node_config(&dir, &store_dir(&xfs, &dir), config.guest.as_ref()).to_string(),
+        )
+        .map_err(io(format!("writing {}", node_file.display())))?;
+        let mut node_daemon = Daemon::spawn(
+            "twig-node",
+            Command::new("twig-node")
+                .arg("--config")
+                .arg(&node_file)
+                .env("RUST_LOG", "info"),
+            dir.join("twig-node.log"),
+        )?;
+        node_daemon.wait_for_socket(&node_socket, START)?;
+
         let cdir = dir.join("containerd");
         fs::create_dir(&cdir).map_err(io(format!("creating {}", cdir.display())))?;
         let config_file = cdir.join("config.toml");
@@ -377,11 +410,8 @@ impl Node {
             .map_err(io(format!("writing {}", config_file.display())))?;
         // containerd's environment is its shims'.
         let shim_file = dir.join("shim.json");
-        fs::write(
-            &shim_file,
-            shim_config(&dir, &template_dir(&xfs, &dir), config.guest.as_ref()).to_string(),
-        )
-        .map_err(io(format!("writing {}", shim_file.display())))?;
+        fs::write(&shim_file, shim_config(&dir, &node_socket).to_string())
+            .map_err(io(format!("writing {}", shim_file.display())))?;
         let socket = cdir.join("containerd.sock");
         let mut containerd = Daemon::spawn(
             "containerd",
@@ -396,6 +426,7 @@ impl Node {
         let node = Node {
             containerd,
             snapshotter,
+            node_daemon,
             socket,
             work: Some(work),
             _xfs: xfs,
@@ -529,14 +560,17 @@ impl Node {
     /// shim's VM logs (VMM, serial console), for a failing test's message.
     pub fn logs(&self) -> String {
         let mut text = format!(
-            "--- containerd ({}):\n{}\n--- twig-snapshotter ({}):\n{}",
+            "--- containerd ({}):\n{}\n--- twig-snapshotter ({}):\n{}\n--- twig-node ({}):\n{}",
             self.containerd.log().display(),
             tail(self.containerd.log(), 40),
             self.snapshotter.log().display(),
-            tail(self.snapshotter.log(), 40)
+            tail(self.snapshotter.log(), 40),
+            self.node_daemon.log().display(),
+            tail(self.node_daemon.log(), 40)
         );
         if let Some(work) = &self.work {
-            for log in log_files(&work.path().join("shim"), 3) {
+            let dirs = [work.path().join("shim"), work.path().join("node")];
+            for log in dirs.iter().flat_map(|d| log_files(d, 3)) {
                 text.push_str(&format!("\n--- {}:\n{}", log.display(), tail(&log, 40)));
             }
         }
@@ -559,6 +593,16 @@ impl Node {
         self.containerd.stop();
         // Shims outlive containerd; each names its socket in `-address`.
         kill_processes_with_arg(&self.socket.to_string_lossy());
+        // The VMMs the shims took outlive them (they are the daemon's
+        // children, owned by the shims): each is found by its API socket's
+        // path in its arguments. The daemon reaps them, then stops.
+        if let Some(work) = &self.work {
+            let vms = work.path().join("node").join("vms");
+            for vm in fs::read_dir(&vms).into_iter().flatten().flatten() {
+                kill_processes_with_arg(&vm.path().join("api.sock").to_string_lossy());
+            }
+        }
+        self.node_daemon.stop();
         self.snapshotter.stop();
         if let Some(work) = self.work.take() {
             unmount_all_under(work.path());
@@ -592,18 +636,23 @@ mod tests {
     }
 
     #[test]
-    fn shim_config_keeps_the_shim_in_the_node_and_boots_the_given_guest() {
+    fn configs_keep_shim_and_daemon_in_the_node_and_boot_the_given_guest() {
+        let c = shim_config(Path::new("/n"), Path::new("/n/node.sock"));
+        assert_eq!(c["state_root"], "/n/shim");
+        assert_eq!(c["node_socket"], "/n/node.sock");
         let guest = Guest {
             kernel: PathBuf::from("/guest/bzImage"),
             initrd: PathBuf::from("/guest/agent-initrd"),
         };
-        let c = shim_config(Path::new("/n"), Path::new("/t/base"), Some(&guest));
-        assert_eq!(c["state_root"], "/n/shim");
-        assert_eq!(c["template"]["dir"], "/t/base");
-        assert_eq!(c["template"]["kernel"], "/guest/bzImage");
-        assert_eq!(c["template"]["initrd"], "/guest/agent-initrd");
-        let bare = shim_config(Path::new("/n"), Path::new("/t/base"), None);
-        assert!(bare["template"].get("kernel").is_none(), "{bare}");
+        let c = node_config(Path::new("/n"), Path::new("/x/vm"), Some(&guest));
+        assert_eq!(c["socket"], "/n/node.sock");
+        assert_eq!(c["store"], "/x/vm");
+        assert_eq!(c["run_dir"], "/n/node");
+        assert_eq!(c["base"]["kernel"], "/guest/bzImage");
+        assert_eq!(c["base"]["initrd"], "/guest/agent-initrd");
+        assert_eq!(c["pool"]["shapes"][0]["mem_mib"], BASE_MEM_MIB);
+        let bare = node_config(Path::new("/n"), Path::new("/x/vm"), None);
+        assert!(bare["base"].get("kernel").is_none(), "{bare}");
     }
 
     #[test]

@@ -7,6 +7,11 @@
 //! - `agent_ttrpc` (feature `sync`) — sync `AgentClient`, `Agent` server
 //!   trait and `create_agent`.
 //! - `agent_ttrpc_async` (feature `async`) — the same for tokio.
+//! - [`node`] — messages of `node.proto` (package `twig.node.v1`, service
+//!   `Pool`): what a shim asks of its node daemon (a prepared VMM).
+//! - `node_ttrpc` (feature `sync`) — sync `PoolClient` (the shim's).
+//! - `node_ttrpc_async` (feature `async`) — async `Pool` server trait and
+//!   `create_pool` (the node daemon's).
 //! - `twig_ttrpc` (feature `async`) — async `TwigClient`/`NodeClient`,
 //!   `Twig`/`Node` server traits, `create_twig`/`create_node`.
 //! - [`vsock`] — the host side of the Firecracker-style `CONNECT <port>`
@@ -25,6 +30,28 @@ pub mod agent {
 #[allow(unused, nonstandard_style, missing_docs, clippy::all, clippy::pedantic)]
 pub mod twig {
     include!(concat!(env!("OUT_DIR"), "/sync/twig.rs"));
+}
+
+/// Messages generated from `node.proto`.
+#[allow(unused, nonstandard_style, missing_docs, clippy::all, clippy::pedantic)]
+pub mod node {
+    include!(concat!(env!("OUT_DIR"), "/sync/node.rs"));
+}
+
+/// Sync ttrpc client, server trait and registration helper of service
+/// `Pool`.
+#[cfg(feature = "sync")]
+#[allow(unused, nonstandard_style, missing_docs, clippy::all, clippy::pedantic)]
+pub mod node_ttrpc {
+    include!(concat!(env!("OUT_DIR"), "/sync/node_ttrpc.rs"));
+}
+
+/// Async (tokio) ttrpc client, server trait and registration helper of
+/// service `Pool`.
+#[cfg(feature = "async")]
+#[allow(unused, nonstandard_style, missing_docs, clippy::all, clippy::pedantic)]
+pub mod node_ttrpc_async {
+    include!(concat!(env!("OUT_DIR"), "/async/node_ttrpc.rs"));
 }
 
 /// Sync ttrpc client, server trait and registration helper of service

@@ -18,61 +18,27 @@ pub const CONFIG_ENV: &str = "TWIG_SHIM_CONFIG";
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
-    /// The `twig-vmm` binary.
-    pub vmm_binary: PathBuf,
-    /// Per-sandbox state (API socket, vsock socket, serial log, VMM pid),
-    /// one directory per sandbox under it. Kept short: Unix socket paths
-    /// are limited to 108 bytes and containerd's bundle paths are long.
+    /// The node daemon's socket (twig-node): the shim asks it for a
+    /// prepared VMM and the template to restore into it.
+    pub node_socket: PathBuf,
+    /// Per-sandbox state (the VMM's pid), one directory per sandbox under
+    /// it. Kept short: containerd's bundle paths are long.
     pub state_root: PathBuf,
-    /// Empty disk slots of every VM (and so of the template): at most this
-    /// many containers per pod, at most 11 virtio devices in all.
-    pub disk_slots: usize,
-    /// The base template every sandbox VM is restored from.
-    pub template: TemplateConfig,
     /// Deadline for one VMM or agent call on the sandbox's path, seconds.
     pub call_timeout_s: u64,
-}
-
-/// The base template: where it lives, and what builds it when it is missing.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct TemplateConfig {
-    /// The template's snapshot directory (made by `twig-vmm template`): a
-    /// snapshot of a node store, `<store>/snapshots/<id>`.
-    pub dir: PathBuf,
-    /// Guest kernel, for building the template.
-    pub kernel: PathBuf,
-    /// twig-agent's initramfs, for building the template.
-    pub initrd: PathBuf,
-    /// Guest RAM of the template (and so of every sandbox VM), MiB.
-    pub mem_mib: usize,
-    /// vCPUs of the template.
-    pub vcpus: usize,
-    /// Give up building the template after this many seconds.
-    pub build_timeout_s: u64,
+    /// Deadline for getting a VM from the node daemon, seconds: long
+    /// enough for the daemon to build the node's base template on first
+    /// need.
+    pub acquire_timeout_s: u64,
 }
 
 impl Default for Config {
     fn default() -> Config {
         Config {
-            vmm_binary: PathBuf::from("/usr/local/bin/twig-vmm"),
+            node_socket: PathBuf::from("/run/twig/node.sock"),
             state_root: PathBuf::from("/run/twig/shim"),
-            disk_slots: 8,
-            template: TemplateConfig::default(),
             call_timeout_s: 30,
-        }
-    }
-}
-
-impl Default for TemplateConfig {
-    fn default() -> TemplateConfig {
-        TemplateConfig {
-            dir: PathBuf::from("/var/lib/twig/vm/snapshots/base"),
-            kernel: PathBuf::from("/usr/share/twig/vmlinux"),
-            initrd: PathBuf::from("/usr/share/twig/agent-initrd.cpio.gz"),
-            mem_mib: 256,
-            vcpus: 1,
-            build_timeout_s: 300,
+            acquire_timeout_s: 360,
         }
     }
 }
@@ -111,15 +77,9 @@ impl Config {
         let bad = |m: String| {
             Error::InvalidArgument(format!("shim configuration {}: {m}", path.display()))
         };
-        if self.disk_slots == 0 || self.disk_slots > 10 {
-            return Err(bad(format!(
-                "disk_slots is {}; it must be 1..=10 (11 virtio devices at most, one is the vsock)",
-                self.disk_slots
-            )));
-        }
-        if self.template.mem_mib < 16 || self.template.vcpus == 0 {
+        if self.call_timeout_s == 0 || self.acquire_timeout_s == 0 {
             return Err(bad(
-                "template.mem_mib must be at least 16 and template.vcpus at least 1".into(),
+                "call_timeout_s and acquire_timeout_s must be at least 1".into(),
             ));
         }
         Ok(())
@@ -143,20 +103,20 @@ mod tests {
     fn partial_files_keep_defaults_and_bad_ones_are_refused() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("shim.json");
-        std::fs::write(&p, r#"{"disk_slots": 4, "template": {"dir": "/t"}}"#).unwrap();
+        std::fs::write(&p, r#"{"node_socket": "/n/node.sock"}"#).unwrap();
         let c = Config::from_file(&p, true).unwrap();
-        assert_eq!(c.disk_slots, 4);
-        assert_eq!(c.template.dir, PathBuf::from("/t"));
-        assert_eq!(c.template.mem_mib, 256);
+        assert_eq!(c.node_socket, PathBuf::from("/n/node.sock"));
+        assert_eq!(c.call_timeout_s, 30);
 
-        std::fs::write(&p, r#"{"disk_slot": 4}"#).unwrap();
+        // The VM's template and shape are the node daemon's now.
+        std::fs::write(&p, r#"{"template": {"dir": "/t"}}"#).unwrap();
         let e = Config::from_file(&p, true).unwrap_err();
         assert!(
-            matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("disk_slot"),
+            matches!(e, Error::InvalidArgument(_)) && e.to_string().contains("template"),
             "{e}"
         );
-        std::fs::write(&p, r#"{"disk_slots": 11}"#).unwrap();
+        std::fs::write(&p, r#"{"acquire_timeout_s": 0}"#).unwrap();
         let e = Config::from_file(&p, true).unwrap_err();
-        assert!(e.to_string().contains("disk_slots is 11"), "{e}");
+        assert!(e.to_string().contains("acquire_timeout_s"), "{e}");
     }
 }

@@ -10,7 +10,6 @@ pub mod config;
 pub mod error;
 pub mod pod;
 pub mod process;
-pub mod restore;
 pub mod sandbox;
 pub mod server;
 pub mod service;

@@ -92,6 +92,9 @@ pub trait Sandbox: Send + Sync {
     /// running on its previous state; [`crate::Error::is_vm_lost`] says
     /// when the VM is gone.
     fn rollback(&self, dir: &Path) -> Result<VmRollback>;
+    /// The node store the pod's snapshots go to: the store of the template
+    /// its VM was restored from.
+    fn snapshot_store(&self) -> Result<std::path::PathBuf>;
     /// Hands out the running container named `name` of the snapshot this
     /// VM was restored from, once; `None` when there is none (always, for
     /// a VM restored from the template).
@@ -226,6 +229,12 @@ impl Sandbox for HostSandbox {
     fn rollback(&self, _dir: &Path) -> Result<VmRollback> {
         Err(Error::Unimplemented(
             "rollback needs a VM; the host sandbox has none".into(),
+        ))
+    }
+
+    fn snapshot_store(&self) -> Result<std::path::PathBuf> {
+        Err(Error::Unimplemented(
+            "snapshots need a VM; the host sandbox has none".into(),
         ))
     }
 

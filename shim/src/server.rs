@@ -253,12 +253,7 @@ pub async fn serve(flags: Flags) -> Result<()> {
         state_dir(&config, &flags.socket),
     ));
     let service = TaskService::new(launcher, tx, exit.clone(), timeout);
-    let twig = TwigService::new(
-        service.clone(),
-        sandbox_id(&flags)?,
-        TwigService::store_of_template(&config.template.dir),
-        DEFAULT_QUEUE_DEADLINE,
-    );
+    let twig = TwigService::new(service.clone(), sandbox_id(&flags)?, DEFAULT_QUEUE_DEADLINE);
     let listener = Listener::try_from(listener).map_err(|e| Error::io("the ttrpc listener", e))?;
     let mut server = Server::new()
         .add_listener(listener)

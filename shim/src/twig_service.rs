@@ -22,7 +22,7 @@
 //! `DEADLINE_EXCEEDED`; Stats does not wait behind them.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -86,7 +86,6 @@ pub struct TwigService {
 struct Inner {
     task: TaskService,
     sandbox_id: String,
-    store_root: std::result::Result<PathBuf, String>,
     queue: tokio::sync::Mutex<()>,
     record: Mutex<Record>,
     queue_deadline: Duration,
@@ -105,20 +104,14 @@ fn store_error(what: impl Into<String>) -> impl FnOnce(twig_store::Error) -> Err
 
 impl TwigService {
     /// The service for the pod of `task`, group `sandbox_id`, keeping
-    /// snapshots in the node store at `store_root` (or, when that is an
-    /// error, refusing snapshots with its message). Calls without a
+    /// snapshots in the node store of the pod's template
+    /// ([`crate::sandbox::Sandbox::snapshot_store`]). Calls without a
     /// deadline wait at most `queue_deadline` behind other operations.
-    pub fn new(
-        task: TaskService,
-        sandbox_id: String,
-        store_root: std::result::Result<PathBuf, String>,
-        queue_deadline: Duration,
-    ) -> TwigService {
+    pub fn new(task: TaskService, sandbox_id: String, queue_deadline: Duration) -> TwigService {
         TwigService {
             inner: Arc::new(Inner {
                 task,
                 sandbox_id,
-                store_root,
                 queue: tokio::sync::Mutex::new(()),
                 record: Mutex::new(Record {
                     snapshots: Vec::new(),
@@ -128,18 +121,6 @@ impl TwigService {
                 queue_deadline,
             }),
         }
-    }
-
-    /// The node store of the base template `template_dir`
-    /// (`<store>/snapshots/<id>`): where the pod's snapshots go, so that
-    /// the first incremental snapshot of a pod can have the template as its
-    /// parent.
-    pub fn store_of_template(template_dir: &Path) -> std::result::Result<PathBuf, String> {
-        twig_store::layout::locate(template_dir)
-            .map(|(root, _)| root)
-            .map_err(|e| {
-                format!("the template is not in a node store, so snapshots have none: {e}")
-            })
     }
 
     /// The service's ttrpc registration.
@@ -159,13 +140,6 @@ impl TwigService {
             )));
         }
         Ok(())
-    }
-
-    fn store_root(&self) -> Result<PathBuf> {
-        self.inner
-            .store_root
-            .clone()
-            .map_err(Error::FailedPrecondition)
     }
 
     /// Waits for the pod's earlier operations, at most `deadline`.
@@ -232,13 +206,13 @@ impl TwigService {
                 req.snapshot_id
             )));
         }
-        let root = self.store_root()?;
         let sandbox = self.inner.task.current_sandbox().await.ok_or_else(|| {
             Error::FailedPrecondition(format!(
                 "sandbox {} has no VM yet (no container was created)",
                 self.inner.sandbox_id
             ))
         })?;
+        let root = sandbox.snapshot_store()?;
         let containers = serde_json::to_string(&self.containers()?)
             .map_err(|e| Error::Internal(format!("encoding the pod's containers: {e}")))?;
         let sandbox_id = self.inner.sandbox_id.clone();
@@ -323,13 +297,13 @@ impl TwigService {
         if !req.operation_id.is_empty() && self.record().last_rollback == req.operation_id {
             return Ok(());
         }
-        let root = self.store_root()?;
         let sandbox = self.inner.task.current_sandbox().await.ok_or_else(|| {
             Error::FailedPrecondition(format!(
                 "sandbox {} has no VM yet (no container was created)",
                 self.inner.sandbox_id
             ))
         })?;
+        let root = sandbox.snapshot_store()?;
         let now = self.containers()?;
         let sandbox_id = self.inner.sandbox_id.clone();
         let id = req.snapshot_id.clone();
@@ -378,7 +352,10 @@ impl TwigService {
         let last = self.record().last_rollback.clone();
         // Snapshots deleted from the store since (the controller deletes
         // them through the node service) are not the pod's any more.
-        let root = self.store_root().ok();
+        let root = match self.inner.task.current_sandbox().await {
+            Some(sb) => sb.snapshot_store().ok(),
+            None => None,
+        };
         let snapshots = blocking(move || {
             let Some(store) = root.and_then(|r| NodeStore::open(&r, false).ok()) else {
                 return snapshots;

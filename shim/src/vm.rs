@@ -1,27 +1,32 @@
-//! The real sandbox: one `twig-vmm serve` process per pod, restored from
-//! the base template (never booted on a pod's path), its containers'
-//! rootfs images attached to the VM's empty disk slots.
+//! The real sandbox: one `twig-vmm serve` process per pod, taken from the
+//! node daemon's warm pool (twig-node: the VM and its memory slots exist
+//! already) and restored from a template (never booted on a pod's path),
+//! its containers' rootfs images attached to the VM's empty disk slots.
 
-use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
-use nix::fcntl::{Flock, FlockArg};
+use containerd_shim_protos::ttrpc;
 use twig_agent::client::AgentClient;
+use twig_proto::node::{AcquireVmRequest, AcquireVmResponse};
+use twig_proto::node_ttrpc::PoolClient;
 use twig_vmm::api::Client;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::restore::{self, Source};
 use crate::sandbox::{Attachment, Launcher, Restored, Sandbox, VmRollback, VmSnapshot};
 use crate::spec;
 
-/// How long the guest may take to see a new slot's capacity: Linux handles
-/// the configuration-change interrupt on a workqueue, and the agent mounts
-/// at once (it does not wait for `/sys/block/vdX/size`).
-const CAPACITY_WAIT: Duration = Duration::from_secs(2);
+/// The pod annotation naming the app template a sandbox restores (made by
+/// the node daemon's `EnsureTemplate`); without it, the node's base
+/// template.
+pub const TEMPLATE_ANNOTATION: &str = "twig.dev/template";
+
+/// The pod annotation naming a pod snapshot of the node store to restore
+/// the sandbox from (the Clone CRD's pods).
+pub const RESTORE_FROM_ANNOTATION: &str = "twig.dev/restore-from";
 
 /// The least deadline of a snapshot or rollback call: they copy guest
 /// memory and disks, which takes seconds on a loaded node.
@@ -30,6 +35,11 @@ const SLOW_CALL: Duration = Duration::from_secs(120);
 /// How long a ping on the agent connection may take after a rollback
 /// before the connection counts as dropped.
 const PING_AFTER_ROLLBACK: Duration = Duration::from_millis(500);
+
+/// How long the guest may take to see a new slot's capacity: Linux handles
+/// the configuration-change interrupt on a workqueue, and the agent mounts
+/// at once (it does not wait for `/sys/block/vdX/size`).
+const CAPACITY_WAIT: Duration = Duration::from_secs(2);
 
 /// Makes [`VmSandbox`]es from the shim's configuration.
 pub struct VmLauncher {
@@ -46,13 +56,22 @@ impl VmLauncher {
 
 impl Launcher for VmLauncher {
     fn launch(&self, sandbox_id: &str, bundle: &Path) -> Result<Arc<dyn Sandbox>> {
-        let oci = spec::read_spec(bundle)?;
-        let source = Source::for_spec(&self.config, &self.state_dir, sandbox_id, &oci)?;
-        tracing::info!(sandbox_id, state = %self.state_dir.display(), ?source, "starting the sandbox VM");
+        let spec = spec::read_spec(bundle)?;
+        if let Some(snapshot) = spec::annotation(&spec, RESTORE_FROM_ANNOTATION) {
+            return Err(Error::Unimplemented(format!(
+                "{RESTORE_FROM_ANNOTATION}: {snapshot}: a VM from the node daemon's pool cannot \
+                 restore a pod snapshot yet: the snapshot's attached disk slots need files at \
+                 restore, and twig-vmm takes them only when it starts (--slot-file), which \
+                 neither AcquireVm nor twig-vmm's restore request carries"
+            )));
+        }
+        let template = spec::annotation(&spec, TEMPLATE_ANNOTATION).unwrap_or_default();
+        tracing::info!(sandbox_id, template, state = %self.state_dir.display(), "starting the sandbox VM");
         Ok(Arc::new(VmSandbox::start(
             &self.config,
             &self.state_dir,
-            &source,
+            sandbox_id,
+            template,
         )?))
     }
 }
@@ -62,17 +81,10 @@ pub struct VmSandbox {
     vmm: Mutex<Vmm>,
     agent: RwLock<AgentConn>,
     vsock: PathBuf,
+    /// The template the VM was restored from (`<store>/snapshots/<id>`).
+    template_dir: PathBuf,
     slots: Mutex<Vec<bool>>,
-    /// Containers of the restored pod snapshot not adopted yet.
-    restored: Mutex<Vec<Restored>>,
-    /// The VM's own files (restored slot disks), removed with it.
-    files_dir: Option<PathBuf>,
     timeout: Duration,
-}
-
-struct Vmm {
-    child: Option<Child>,
-    api: Client,
 }
 
 /// The agent connection and how many times it was replaced.
@@ -81,93 +93,65 @@ struct AgentConn {
     epoch: u64,
 }
 
+struct Vmm {
+    process: Option<Process>,
+    api: Client,
+}
+
 fn vmm_error(what: impl Into<String>) -> impl FnOnce(twig_vmm::api::ClientError) -> Error {
     let what = what.into();
     move |source| Error::Vmm { what, source }
 }
 
 impl VmSandbox {
-    /// Spawns `twig-vmm serve` with the template's shape, restores
-    /// `source` (the template, or a pod snapshot: then with a file for each
-    /// of its attached slots, and the clone given its own identity) into it
-    /// and connects to its agent. On failure the VMM is killed.
-    pub fn start(config: &Config, state_dir: &Path, source: &Source) -> Result<VmSandbox> {
-        ensure_template(config, state_dir)?;
+    /// Takes a prepared VMM from the node daemon (`config.node_socket`),
+    /// restores the template it names into it and connects to its agent.
+    /// On failure the VMM is killed.
+    pub fn start(
+        config: &Config,
+        state_dir: &Path,
+        sandbox_id: &str,
+        template: &str,
+    ) -> Result<VmSandbox> {
         std::fs::create_dir_all(state_dir)
             .map_err(|e| Error::io(format!("creating {}", state_dir.display()), e))?;
-        let api_sock = state_dir.join("api.sock");
-        let vsock = state_dir.join("vsock");
-        for stale in [&api_sock, &vsock] {
-            let _ = std::fs::remove_file(stale);
-        }
-        let log = File::create(state_dir.join("vmm.log"))
-            .map_err(|e| Error::io(format!("creating {}/vmm.log", state_dir.display()), e))?;
-        let t = &config.template;
-        let mut cmd = Command::new(&config.vmm_binary);
-        cmd.arg("serve")
-            .arg("--api-sock")
-            .arg(&api_sock)
-            .arg("--serial")
-            .arg(state_dir.join("serial.log"))
-            .args(["--prepare-mem-mib", &t.mem_mib.to_string()])
-            .args(["--prepare-vcpus", &t.vcpus.to_string()])
-            .args(["--disk-slots", &config.disk_slots.to_string()])
-            .arg("--vsock-uds")
-            .arg(&vsock)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log);
-        let (dir, files_dir) = match source {
-            Source::Template => (t.dir.clone(), None),
-            Source::Snapshot(snap) => {
-                std::fs::create_dir_all(&snap.files_dir)
-                    .map_err(|e| Error::io(format!("creating {}", snap.files_dir.display()), e))?;
-                for (slot, file) in &snap.slot_files {
-                    cmd.arg("--slot-file")
-                        .arg(format!("{slot}={}", file.display()));
-                }
-                (snap.dir.clone(), Some(snap.files_dir.clone()))
-            }
-        };
-        let child = cmd
-            .spawn()
-            .map_err(|e| Error::io(format!("starting {}", config.vmm_binary.display()), e))?;
-        let pid = child.id();
-        std::fs::write(state_dir.join("vmm.pid"), pid.to_string())
-            .map_err(|e| Error::io(format!("writing {}/vmm.pid", state_dir.display()), e))?;
-        let timeout = Duration::from_secs(config.call_timeout_s);
-        let mut guard = KillOnDrop(Some(child));
         let started = Instant::now();
-        let (api, agent) = Self::restore(&dir, &api_sock, &vsock, timeout)
-            .map_err(|e| with_vm_logs(e, state_dir))?;
-        let mut slots = vec![false; config.disk_slots];
-        let mut restored = Vec::new();
-        if let Source::Snapshot(snap) = source {
-            let req = restore::identity(&snap.hostname)?;
-            agent.reidentify(&req, timeout).map_err(|e| {
-                Error::agent(format!("giving the clone of {} its identity", snap.id), e)
-            })?;
-            for (slot, _) in &snap.slot_files {
-                if let Some(s) = slots.get_mut(*slot) {
-                    *s = true;
-                }
-            }
-            restored = snap.restored.clone();
-        }
-        tracing::info!(pid, elapsed = ?started.elapsed(), "sandbox VM restored, agent answers");
+        let vm = acquire(config, sandbox_id, template)?;
+        let acquired = started.elapsed();
+        let process = Process::open(vm.pid, &vm.api_socket)?;
+        // Recorded for `delete` after a crash of this shim.
+        std::fs::write(state_dir.join("vmm.pid"), vm.pid.to_string())
+            .map_err(|e| Error::io(format!("writing {}/vmm.pid", state_dir.display()), e))?;
+        let mut guard = KillOnDrop(Some(process));
+        let timeout = Duration::from_secs(config.call_timeout_s);
+        let vm_dir = PathBuf::from(&vm.state_dir);
+        let (api, agent) = Self::restore(
+            Path::new(&vm.template_dir),
+            Path::new(&vm.api_socket),
+            Path::new(&vm.vsock_socket),
+            timeout,
+        )
+        .map_err(|e| with_vm_logs(e, &vm_dir))?;
+        tracing::info!(
+            pid = vm.pid,
+            pooled = vm.pooled,
+            template = vm.template_dir,
+            ?acquired,
+            elapsed = ?started.elapsed(),
+            "sandbox VM restored, agent answers"
+        );
         Ok(VmSandbox {
             vmm: Mutex::new(Vmm {
-                child: guard.0.take(),
+                process: guard.0.take(),
                 api,
             }),
             agent: RwLock::new(AgentConn {
                 client: agent,
                 epoch: 0,
             }),
-            vsock,
-            slots: Mutex::new(slots),
-            restored: Mutex::new(restored),
-            files_dir,
+            vsock: PathBuf::from(&vm.vsock_socket),
+            template_dir: PathBuf::from(&vm.template_dir),
+            slots: Mutex::new(vec![false; vm.disk_slots as usize]),
             timeout,
         })
     }
@@ -232,14 +216,141 @@ pub fn slot_device(slot: usize) -> Result<String> {
         .ok_or_else(|| Error::InvalidArgument(format!("no guest device name for disk slot {slot}")))
 }
 
+/// Asks the node daemon for a prepared VMM for `template` (empty: the
+/// node's base template). Without a daemon this is an error naming its
+/// socket: there is no fallback.
+pub fn acquire(config: &Config, sandbox_id: &str, template: &str) -> Result<AcquireVmResponse> {
+    let socket = &config.node_socket;
+    let client = ttrpc::Client::connect(&format!("unix://{}", socket.display())).map_err(|e| {
+        Error::FailedPrecondition(format!(
+            "the node daemon does not answer on {} ({e}): is twig-node running?",
+            socket.display()
+        ))
+    })?;
+    let req = AcquireVmRequest {
+        template: template.to_string(),
+        sandbox_id: sandbox_id.to_string(),
+        ..Default::default()
+    };
+    let timeout = Duration::from_secs(config.acquire_timeout_s);
+    let ctx = ttrpc::context::with_timeout(i64::try_from(timeout.as_nanos()).unwrap_or(i64::MAX));
+    PoolClient::new(client).acquire_vm(ctx, &req).map_err(|e| {
+        let what = format!(
+            "getting a VM for template {:?} from the node daemon at {}",
+            if template.is_empty() {
+                "(base)"
+            } else {
+                template
+            },
+            socket.display()
+        );
+        match e {
+            ttrpc::Error::RpcStatus(s) => {
+                let msg = format!("{what}: {}", s.message());
+                match s.code() {
+                    ttrpc::Code::INVALID_ARGUMENT => Error::InvalidArgument(msg),
+                    ttrpc::Code::NOT_FOUND => Error::NotFound(msg),
+                    ttrpc::Code::FAILED_PRECONDITION => Error::FailedPrecondition(msg),
+                    ttrpc::Code::UNIMPLEMENTED => Error::Unimplemented(msg),
+                    _ => Error::Internal(msg),
+                }
+            }
+            other => Error::Internal(format!("{what}: {other}")),
+        }
+    })
+}
+
+/// A VMM the node daemon handed over: not this process's child (the daemon
+/// reaps it), so it is watched and signalled through a pidfd.
+struct Process {
+    pid: u32,
+    pidfd: OwnedFd,
+}
+
+impl Process {
+    /// A pidfd for `pid`, once `/proc/<pid>/cmdline` shows it serves
+    /// `api_socket` (so a recycled pid is never signalled).
+    fn open(pid: u32, api_socket: &str) -> Result<Process> {
+        let raw = libc::pid_t::try_from(pid)
+            .map_err(|_| Error::Internal(format!("the node daemon handed over pid {pid}")))?;
+        // SAFETY: pidfd_open(2) takes a pid and flags and returns a new
+        // descriptor or -1; no memory is passed.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, raw, 0) };
+        if fd < 0 {
+            return Err(Error::io(
+                format!("pidfd_open of the handed-over twig-vmm {pid}"),
+                std::io::Error::last_os_error(),
+            ));
+        }
+        let fd =
+            i32::try_from(fd).map_err(|_| Error::Internal(format!("pidfd_open returned {fd}")))?;
+        // SAFETY: `fd` is a descriptor pidfd_open just returned, owned by
+        // nothing else.
+        let pidfd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if !String::from_utf8_lossy(&cmdline).contains(api_socket) {
+            return Err(Error::Internal(format!(
+                "pid {pid} handed over by the node daemon is not the twig-vmm serving {api_socket}"
+            )));
+        }
+        Ok(Process { pid, pidfd })
+    }
+
+    fn kill(&self) {
+        // SAFETY: pidfd_send_signal(2) on our pidfd, no siginfo; no memory
+        // is passed.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                self.pidfd.as_raw_fd(),
+                libc::SIGKILL,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            )
+        };
+        if rc != 0 {
+            tracing::debug!(
+                pid = self.pid,
+                "pidfd_send_signal: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+
+    /// Whether the process exited within `timeout`.
+    fn wait(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let mut pfd = libc::pollfd {
+                fd: self.pidfd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            let left = deadline.saturating_duration_since(Instant::now());
+            let ms = i32::try_from(left.as_millis()).unwrap_or(i32::MAX);
+            // SAFETY: one pollfd we own, for the duration of the call.
+            let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
+            if rc > 0 {
+                return true;
+            }
+            if rc == 0 || Instant::now() >= deadline {
+                return false;
+            }
+            // EINTR: poll again until the deadline.
+        }
+    }
+}
+
 /// Kills the VMM if the start fails half-way.
-struct KillOnDrop(Option<Child>);
+struct KillOnDrop(Option<Process>);
 
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
-        if let Some(mut c) = self.0.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+        if let Some(p) = self.0.take() {
+            p.kill();
+            if !p.wait(Duration::from_secs(5)) {
+                tracing::warn!(pid = p.pid, "the killed twig-vmm did not exit within 5 s");
+            }
         }
     }
 }
@@ -255,6 +366,16 @@ impl Sandbox for VmSandbox {
 
     fn agent_epoch(&self) -> u64 {
         self.agent.read().unwrap_or_else(|p| p.into_inner()).epoch
+    }
+
+    fn snapshot_store(&self) -> Result<PathBuf> {
+        twig_store::layout::locate(&self.template_dir)
+            .map(|(root, _)| root)
+            .map_err(|e| {
+                Error::FailedPrecondition(format!(
+                    "the pod's template is not in a node store, so its snapshots have none: {e}"
+                ))
+            })
     }
 
     fn create_container(
@@ -341,6 +462,27 @@ impl Sandbox for VmSandbox {
             .map_err(vmm_error("resuming the VM"))
     }
 
+    fn shutdown(&self) -> Result<()> {
+        let mut vmm = self.vmm();
+        let Some(process) = vmm.process.take() else {
+            return Ok(());
+        };
+        match vmm.api.shutdown(self.timeout) {
+            Ok(()) if process.wait(self.timeout) => return Ok(()),
+            Ok(()) => tracing::warn!("twig-vmm did not exit after its shutdown; killing it"),
+            Err(e) => tracing::warn!("twig-vmm did not shut down on request ({e}); killing it"),
+        }
+        process.kill();
+        if process.wait(self.timeout) {
+            Ok(())
+        } else {
+            Err(Error::Internal(format!(
+                "twig-vmm {} did not exit within {:?} of SIGKILL",
+                process.pid, self.timeout
+            )))
+        }
+    }
+
     fn snapshot(&self, staging: &Path, full: bool) -> Result<VmSnapshot> {
         let kind = if full {
             twig_vmm::Kind::Full
@@ -394,31 +536,10 @@ impl Sandbox for VmSandbox {
         })
     }
 
-    fn shutdown(&self) -> Result<()> {
-        let mut vmm = self.vmm();
-        let Some(mut child) = vmm.child.take() else {
-            return Ok(());
-        };
-        if let Err(e) = vmm.api.shutdown(self.timeout) {
-            tracing::warn!("twig-vmm did not shut down on request ({e}); killing it");
-            let _ = child.kill();
-        }
-        let waited = child
-            .wait()
-            .map(|_| ())
-            .map_err(|e| Error::io("waiting for twig-vmm to exit", e));
-        if let Some(dir) = &self.files_dir {
-            if let Err(e) = std::fs::remove_dir_all(dir) {
-                tracing::warn!("removing the VM's files {}: {e}", dir.display());
-            }
-        }
-        waited
-    }
-
-    fn take_restored(&self, name: &str) -> Option<Restored> {
-        let mut restored = self.restored.lock().unwrap_or_else(|p| p.into_inner());
-        let i = restored.iter().position(|r| r.name == name)?;
-        Some(restored.remove(i))
+    fn take_restored(&self, _name: &str) -> Option<Restored> {
+        // Restore-from is refused at launch (see RESTORE_FROM_ANNOTATION):
+        // a pool VM always starts from a template, with nothing to adopt.
+        None
     }
 }
 
@@ -428,74 +549,6 @@ impl Drop for VmSandbox {
             tracing::warn!("stopping the VM: {e}");
         }
     }
-}
-
-/// Makes sure the base template exists: built once with `twig-vmm
-/// template` under an exclusive `flock` on `<template dir>.lock`, so that
-/// concurrent shims build it once. (The node daemon takes this over later;
-/// this is the one place that knows.)
-pub fn ensure_template(config: &Config, state_dir: &Path) -> Result<()> {
-    let t = &config.template;
-    if t.dir.join("state").exists() {
-        return Ok(());
-    }
-    let parent = t.dir.parent().unwrap_or(Path::new("/"));
-    std::fs::create_dir_all(parent)
-        .map_err(|e| Error::io(format!("creating {}", parent.display()), e))?;
-    let lock_path = PathBuf::from(format!("{}.lock", t.dir.display()));
-    let lock_file = File::create(&lock_path)
-        .map_err(|e| Error::io(format!("creating {}", lock_path.display()), e))?;
-    let _lock = Flock::lock(lock_file, FlockArg::LockExclusive)
-        .map_err(|(_, e)| Error::io(format!("locking {}", lock_path.display()), e.into()))?;
-    if t.dir.join("state").exists() {
-        return Ok(());
-    }
-    for input in [&t.kernel, &t.initrd, &config.vmm_binary] {
-        if !input.exists() {
-            return Err(Error::FailedPrecondition(format!(
-                "the template {} does not exist and cannot be built: {} is missing",
-                t.dir.display(),
-                input.display()
-            )));
-        }
-    }
-    std::fs::create_dir_all(state_dir)
-        .map_err(|e| Error::io(format!("creating {}", state_dir.display()), e))?;
-    let vsock = state_dir.join("template.vsock");
-    let _ = std::fs::remove_file(&vsock);
-    tracing::info!(dir = %t.dir.display(), "building the base template");
-    let out = Command::new(&config.vmm_binary)
-        .arg("template")
-        .arg(&t.dir)
-        .arg("--kernel")
-        .arg(&t.kernel)
-        .arg("--initrd")
-        .arg(&t.initrd)
-        .args(["--mem-mib", &t.mem_mib.to_string()])
-        .args(["--vcpus", &t.vcpus.to_string()])
-        .args(["--disk-slots", &config.disk_slots.to_string()])
-        .args(["--timeout-s", &t.build_timeout_s.to_string()])
-        .arg("--serial")
-        .arg(state_dir.join("template-serial.log"))
-        .arg("--vsock-uds")
-        .arg(&vsock)
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| {
-            Error::io(
-                format!("running {} template", config.vmm_binary.display()),
-                e,
-            )
-        })?;
-    if !out.status.success() {
-        return Err(Error::Internal(format!(
-            "building the template {} failed ({}): {}",
-            t.dir.display(),
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        )));
-    }
-    Ok(())
 }
 
 /// Lines of each log a failed VM start quotes.
@@ -541,14 +594,40 @@ mod tests {
     }
 
     #[test]
-    fn a_missing_template_without_inputs_is_a_clear_error() {
+    fn a_handed_over_process_is_watched_and_killed_through_its_pidfd() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("1000")
+            .spawn()
+            .unwrap();
+        let e = Process::open(child.id(), "/not/its/api.sock")
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("is not the twig-vmm serving"), "{e}");
+        let p = Process::open(child.id(), "1000").unwrap();
+        assert!(!p.wait(Duration::from_millis(20)), "sleep runs");
+        p.kill();
+        assert!(p.wait(Duration::from_secs(5)), "killed");
+        let status = child.wait().unwrap();
+        assert_eq!(
+            std::os::unix::process::ExitStatusExt::signal(&status),
+            Some(libc::SIGKILL)
+        );
+    }
+
+    #[test]
+    fn without_a_node_daemon_the_error_names_its_socket() {
         let dir = tempfile::tempdir().unwrap();
-        let mut config = Config::default();
-        config.template.dir = dir.path().join("store/snapshots/tpl");
-        config.template.kernel = dir.path().join("no-kernel");
-        let e = ensure_template(&config, &dir.path().join("state")).unwrap_err();
+        let config = Config {
+            node_socket: dir.path().join("node.sock"),
+            ..Config::default()
+        };
+        let e = acquire(&config, "sb", "").unwrap_err();
         assert!(matches!(e, Error::FailedPrecondition(_)), "{e}");
-        assert!(e.to_string().contains("no-kernel"), "{e}");
-        assert!(!config.template.dir.exists());
+        assert!(
+            e.to_string()
+                .contains(&*config.node_socket.to_string_lossy())
+                && e.to_string().contains("twig-node"),
+            "{e}"
+        );
     }
 }

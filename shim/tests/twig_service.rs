@@ -55,6 +55,8 @@ enum Outcome {
 /// reduced to what the service sees.
 struct FakeVm {
     host: HostSandbox,
+    /// The node store (on a loop XFS).
+    store: std::path::PathBuf,
     baseline: Mutex<Option<String>>,
     /// When set, the next snapshot waits for a message on it.
     hold: Mutex<Option<std_mpsc::Receiver<()>>>,
@@ -183,6 +185,10 @@ impl Sandbox for FakeVm {
         }
     }
 
+    fn snapshot_store(&self) -> Result<std::path::PathBuf> {
+        Ok(self.store.clone())
+    }
+
     fn take_restored(&self, name: &str) -> Option<Restored> {
         let mut restored = self.restored.lock().unwrap();
         let i = restored.iter().position(|r| r.name == name)?;
@@ -262,8 +268,12 @@ async fn fixture(queue_deadline: Duration) -> Fixture {
     .await
     .unwrap()
     .expect("connecting to the host agent");
+    let store = tokio::task::spawn_blocking(|| LoopXfs::new(320))
+        .await
+        .unwrap();
     let vm = Arc::new(FakeVm {
         host,
+        store: store.path(),
         baseline: Mutex::new(None),
         hold: Mutex::new(None),
         in_flight: AtomicUsize::new(0),
@@ -273,18 +283,10 @@ async fn fixture(queue_deadline: Duration) -> Fixture {
         next_rollback: Mutex::new(Outcome::Ok),
         restored: Mutex::new(Vec::new()),
     });
-    let store = tokio::task::spawn_blocking(|| LoopXfs::new(320))
-        .await
-        .unwrap();
     let (tx, events) = mpsc::unbounded_channel();
     let exit = Arc::new(ExitSignal::default());
     let task = TaskService::new(Arc::new(Fixed(vm.clone())), tx, exit, T);
-    let twig = TwigService::new(
-        task.clone(),
-        SANDBOX.into(),
-        Ok(store.path()),
-        queue_deadline,
-    );
+    let twig = TwigService::new(task.clone(), SANDBOX.into(), queue_deadline);
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("shim.sock");
     let listener =

@@ -11,7 +11,7 @@
 # Usage: tests/lab/run.sh [cargo test selection...]
 #        (default: -p twig-vmm --features twig-vmm/lab)
 #        tests/lab/run.sh -p twig-e2e --features twig-e2e/lab
-#        (end-to-end: also carries containerd, runc, twig-snapshotter,
+#        (end-to-end: also carries containerd, runc, twig-snapshotter, twig-node,
 #        twig-vmm, containerd-shim-twig-v2 when it exists, and a busybox
 #        image built with e2e/build-image.sh)
 #        tests/lab/run.sh --bench [twig-bench linux options...]
@@ -135,14 +135,14 @@ for line in sys.stdin:
 ((${#bins[@]})) || die "cargo built no test binaries for ${sel[*]}"
 fi
 # The end-to-end tests (twig-e2e) drive a whole node: containerd and runc
-# from Debian, and twig-snapshotter, twig-vmm and (once the workspace has
+# from Debian, and twig-snapshotter, twig-node, twig-vmm and (once the workspace has
 # it) containerd-shim-twig-v2 from the workspace build. Carried only when
 # twig-e2e is asked for: they add ~30 MB to the gzip'd initramfs.
 e2e=0
 ((bench)) || [[ " ${sel[*]} " != *twig-e2e* ]] || e2e=1
 daemons=()
 if ((e2e)); then
-  ws_bins=(twig-snapshotter twig-vmm)
+  ws_bins=(twig-snapshotter twig-node twig-vmm)
   cargo metadata --locked --no-deps --format-version 1 | python3 -c '
 import json, sys
 sys.exit(0 if any("containerd-shim-twig-v2" == t["name"] and "bin" in t["kind"]

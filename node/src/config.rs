@@ -1,0 +1,247 @@
+//! The daemon's configuration: a JSON file (`/etc/twig/node.json`, or the
+//! file `--config` names); every field has a default, a missing default file
+//! means all defaults, and unknown fields are refused.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::error::{Error, Result};
+
+/// Where the configuration is read from unless `--config` names a file.
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/twig/node.json";
+
+/// The daemon's configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// The ttrpc socket serving `twig.v1.Node` and `twig.node.v1.Pool`.
+    pub socket: PathBuf,
+    /// The node store (`twig_store::NodeStore`): templates and snapshots.
+    pub store: PathBuf,
+    /// Let the store copy where its filesystem cannot reflink (tests, tmpfs).
+    pub allow_copy: bool,
+    /// The daemon's runtime directory: one directory per VMM it starts
+    /// (`vms/<n>/`: API socket, vsock socket, logs). Kept short: Unix socket
+    /// paths are limited to 108 bytes.
+    pub run_dir: PathBuf,
+    /// The `twig-vmm` binary.
+    pub vmm_binary: PathBuf,
+    /// Empty disk slots of every VM of the node (and so of every template).
+    pub disk_slots: u32,
+    /// The node's base template.
+    pub base: BaseConfig,
+    /// The warm pool.
+    pub pool: PoolConfig,
+}
+
+/// The base template: what builds it, and its shape.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BaseConfig {
+    /// The guest kernel.
+    pub kernel: PathBuf,
+    /// twig-agent's initramfs.
+    pub initrd: PathBuf,
+    /// Guest RAM, MiB.
+    pub mem_mib: u32,
+    /// vCPUs.
+    pub vcpus: u32,
+    /// Give up building it after this many seconds.
+    pub build_timeout_s: u64,
+}
+
+/// The warm pool: how many prepared VMMs of which shapes to keep.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PoolConfig {
+    /// The shapes kept warm, each with its number of VMMs.
+    pub shapes: Vec<PoolShape>,
+    /// A VMM that does not answer on its API socket this many seconds
+    /// after its start is killed (and the start counts as failed).
+    pub start_timeout_s: u64,
+}
+
+/// One shape of the pool.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolShape {
+    /// Guest RAM, MiB.
+    pub mem_mib: u32,
+    /// vCPUs.
+    #[serde(default = "one")]
+    pub vcpus: u32,
+    /// How many prepared VMMs of this shape to keep (0: none, every
+    /// request spawns one).
+    pub size: usize,
+}
+
+fn one() -> u32 {
+    1
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            socket: PathBuf::from("/run/twig/node.sock"),
+            store: PathBuf::from("/var/lib/twig/vm"),
+            allow_copy: false,
+            run_dir: PathBuf::from("/run/twig/node"),
+            vmm_binary: PathBuf::from("/usr/local/bin/twig-vmm"),
+            disk_slots: 8,
+            base: BaseConfig::default(),
+            pool: PoolConfig::default(),
+        }
+    }
+}
+
+impl Default for BaseConfig {
+    fn default() -> BaseConfig {
+        BaseConfig {
+            kernel: PathBuf::from("/usr/share/twig/vmlinux"),
+            initrd: PathBuf::from("/usr/share/twig/agent-initrd.cpio.gz"),
+            mem_mib: 256,
+            vcpus: 1,
+            build_timeout_s: 300,
+        }
+    }
+}
+
+impl Default for PoolConfig {
+    fn default() -> PoolConfig {
+        PoolConfig {
+            shapes: vec![PoolShape {
+                mem_mib: 256,
+                vcpus: 1,
+                size: 2,
+            }],
+            start_timeout_s: 10,
+        }
+    }
+}
+
+impl Config {
+    /// Reads `path`; a missing file is all defaults unless `required`.
+    pub fn from_file(path: &Path, required: bool) -> Result<Config> {
+        let text = match std::fs::read_to_string(path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !required => {
+                let config = Config::default();
+                config.validate(path)?;
+                return Ok(config);
+            }
+            Err(e) => {
+                return Err(Error::io(
+                    format!("reading the node configuration {}", path.display()),
+                    e,
+                ))
+            }
+        };
+        let config: Config = serde_json::from_str(&text).map_err(|e| {
+            Error::InvalidArgument(format!("node configuration {}: {e}", path.display()))
+        })?;
+        config.validate(path)?;
+        Ok(config)
+    }
+
+    /// Checks the values serde cannot.
+    pub fn validate(&self, path: &Path) -> Result<()> {
+        let bad = |m: String| {
+            Error::InvalidArgument(format!("node configuration {}: {m}", path.display()))
+        };
+        if self.disk_slots == 0 || self.disk_slots > 10 {
+            return Err(bad(format!(
+                "disk_slots is {}; it must be 1..=10 (11 virtio devices at most, one is the vsock)",
+                self.disk_slots
+            )));
+        }
+        if self.base.mem_mib < 16 || self.base.vcpus == 0 {
+            return Err(bad(
+                "base.mem_mib must be at least 16 and base.vcpus at least 1".into(),
+            ));
+        }
+        for (i, s) in self.pool.shapes.iter().enumerate() {
+            if s.mem_mib < 16 || s.vcpus == 0 {
+                return Err(bad(format!(
+                    "pool.shapes[{i}]: mem_mib must be at least 16 and vcpus at least 1"
+                )));
+            }
+            if self.pool.shapes[..i]
+                .iter()
+                .any(|o| o.mem_mib == s.mem_mib && o.vcpus == s.vcpus)
+            {
+                return Err(bad(format!(
+                    "pool.shapes[{i}]: {} MiB × {} vCPUs is listed twice",
+                    s.mem_mib, s.vcpus
+                )));
+            }
+        }
+        if self.pool.start_timeout_s == 0 {
+            return Err(bad("pool.start_timeout_s must be at least 1".into()));
+        }
+        // The VMMs' sockets live in `<run_dir>/vms/<n>/vsock`.
+        if self.run_dir.as_os_str().len() > 80 {
+            return Err(bad(format!(
+                "run_dir {} is too long for Unix socket paths under it (80 bytes at most)",
+                self.run_dir.display()
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_file_is_defaults_unless_required() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("none.json");
+        assert_eq!(Config::from_file(&p, false).unwrap(), Config::default());
+        let e = Config::from_file(&p, true).unwrap_err();
+        assert!(e.to_string().contains("none.json"), "{e}");
+    }
+
+    #[test]
+    fn partial_files_keep_defaults_and_bad_ones_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("node.json");
+        let write = |s: &str| std::fs::write(&p, s).unwrap();
+        write(r#"{"disk_slots": 4, "pool": {"shapes": [{"mem_mib": 64, "size": 3}]}}"#);
+        let c = Config::from_file(&p, true).unwrap();
+        assert_eq!(c.disk_slots, 4);
+        assert_eq!(
+            c.pool.shapes,
+            vec![PoolShape {
+                mem_mib: 64,
+                vcpus: 1,
+                size: 3
+            }]
+        );
+        assert_eq!(c.base.mem_mib, 256);
+
+        for (text, needle) in [
+            (r#"{"disk_slot": 4}"#, "disk_slot"),
+            (
+                r#"{"pool": {"shapes": [{"mem_mib": 64, "size": 1, "cpus": 2}]}}"#,
+                "cpus",
+            ),
+            (r#"{"disk_slots": 11}"#, "disk_slots is 11"),
+            (r#"{"base": {"mem_mib": 8}}"#, "base.mem_mib"),
+            (
+                r#"{"pool": {"shapes": [{"mem_mib": 64, "size": 1}, {"mem_mib": 64, "size": 2}]}}"#,
+                "listed twice",
+            ),
+            (r#"{"pool": {"shapes": [{"mem_mib": 64}]}}"#, "size"),
+            ("{", "node.json"),
+        ] {
+            write(text);
+            let e = Config::from_file(&p, true).unwrap_err();
+            assert!(
+                matches!(e, Error::InvalidArgument(_)) && e.to_string().contains(needle),
+                "{text}: {e}"
+            );
+        }
+    }
+}

@@ -1,0 +1,15 @@
+//! twig-node: the node daemon. One process per node owns the node store
+//! (templates and snapshots), the template cache (the base template, built
+//! on first need) and the warm pool of prepared `twig-vmm` processes, and
+//! serves `twig.v1.Node` (for twig-controller) and `twig.node.v1.Pool` (for
+//! the shims) on one ttrpc socket, `/run/twig/node.sock`.
+
+pub mod config;
+pub mod error;
+pub mod pool;
+pub mod service;
+pub mod template;
+
+pub use config::Config;
+pub use error::{Error, Result};
+pub use service::Daemon;

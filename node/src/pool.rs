@@ -1,0 +1,485 @@
+//! The warm pool: `twig-vmm serve --prepare-mem-mib … --disk-slots …
+//! --vsock-uds …` processes whose VM and memory slots exist before a pod
+//! asks, kept per shape and refilled in the background. [`Pool::take`]
+//! hands one over (or spawns one when the pool of that shape is empty);
+//! from then on the caller owns the process. Every VMM is the daemon's
+//! child: a task per VMM waits for its exit, reaps it (no zombies, whoever
+//! killed it), removes its directory, and, for a pooled one, refills.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{watch, Notify};
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::template::{tail, Shape};
+
+/// A prepared VMM.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Vmm {
+    /// Its pid (a child of the daemon).
+    pub pid: u32,
+    /// Its directory: `api.sock`, `vsock`, `serial.log`, `vmm.log`.
+    pub dir: PathBuf,
+    /// The VM's shape.
+    pub shape: Shape,
+}
+
+impl Vmm {
+    /// The API socket.
+    pub fn api_socket(&self) -> PathBuf {
+        self.dir.join("api.sock")
+    }
+
+    /// The host side of the vsock device.
+    pub fn vsock_socket(&self) -> PathBuf {
+        self.dir.join("vsock")
+    }
+}
+
+/// What the pool holds of one shape.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Level {
+    /// The shape.
+    pub shape: Shape,
+    /// How many the configuration asks for.
+    pub target: usize,
+    /// The prepared VMMs, the next to be taken first.
+    pub ready: Vec<u32>,
+    /// Being started.
+    pub starting: usize,
+}
+
+#[derive(Default)]
+struct State {
+    ready: HashMap<Shape, VecDeque<Vmm>>,
+    starting: HashMap<Shape, usize>,
+    /// Handed-over VMMs still running: pid → the template they were given.
+    handed: HashMap<u32, String>,
+    /// VMMs started and not answering yet (killed by [`Pool::close`]).
+    spawning: HashSet<u32>,
+}
+
+struct Inner {
+    vmm_binary: PathBuf,
+    vms_dir: PathBuf,
+    targets: BTreeMap<Shape, usize>,
+    start_timeout: Duration,
+    state: Mutex<State>,
+    refill: Notify,
+    seq: AtomicU64,
+    closed: AtomicBool,
+}
+
+/// The pool of prepared VMMs. Cheap to clone; needs a tokio runtime.
+#[derive(Clone)]
+pub struct Pool {
+    inner: Arc<Inner>,
+}
+
+/// Pause after a failed start before the refill tries again.
+const RETRY_AFTER: Duration = Duration::from_secs(1);
+
+impl Pool {
+    /// A pool as `config` says, its VMMs in `<run_dir>/vms/`. Leftovers of
+    /// an earlier daemon there (pooled VMMs nobody took) are killed and
+    /// removed. Starts the background refill.
+    pub fn start(config: &Config) -> Result<Pool> {
+        let vms_dir = config.run_dir.join("vms");
+        std::fs::create_dir_all(&vms_dir)
+            .map_err(|e| Error::io(format!("creating {}", vms_dir.display()), e))?;
+        remove_leftovers(&vms_dir);
+        let targets = config
+            .pool
+            .shapes
+            .iter()
+            .map(|s| {
+                (
+                    Shape {
+                        mem_mib: s.mem_mib,
+                        vcpus: s.vcpus,
+                        disk_slots: config.disk_slots,
+                    },
+                    s.size,
+                )
+            })
+            .collect();
+        let pool = Pool {
+            inner: Arc::new(Inner {
+                vmm_binary: config.vmm_binary.clone(),
+                vms_dir,
+                targets,
+                start_timeout: Duration::from_secs(config.pool.start_timeout_s),
+                state: Mutex::new(State::default()),
+                refill: Notify::new(),
+                seq: AtomicU64::new(0),
+                closed: AtomicBool::new(false),
+            }),
+        };
+        tokio::spawn(pool.clone().refill_loop());
+        pool.inner.refill.notify_one();
+        Ok(pool)
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.inner.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The level of every configured shape.
+    pub fn levels(&self) -> Vec<Level> {
+        let s = self.state();
+        self.inner
+            .targets
+            .iter()
+            .map(|(&shape, &target)| Level {
+                shape,
+                target,
+                ready: s
+                    .ready
+                    .get(&shape)
+                    .map(|q| q.iter().map(|v| v.pid).collect())
+                    .unwrap_or_default(),
+                starting: s.starting.get(&shape).copied().unwrap_or(0),
+            })
+            .collect()
+    }
+
+    /// The handed-over VMMs still running.
+    pub fn handed(&self) -> Vec<u32> {
+        let mut pids: Vec<u32> = self.state().handed.keys().copied().collect();
+        pids.sort_unstable();
+        pids
+    }
+
+    /// The handed-over VMMs still running that were given `template`.
+    pub fn users_of(&self, template: &str) -> Vec<u32> {
+        let mut pids: Vec<u32> = self
+            .state()
+            .handed
+            .iter()
+            .filter(|(_, t)| t.as_str() == template)
+            .map(|(p, _)| *p)
+            .collect();
+        pids.sort_unstable();
+        pids
+    }
+
+    /// Hands over a prepared VMM of `shape` for `template`: from the pool
+    /// if it holds one (`true`), else started now (`false`).
+    pub async fn take(&self, shape: Shape, template: &str) -> Result<(Vmm, bool)> {
+        loop {
+            let taken = {
+                let mut s = self.state();
+                let vmm = s.ready.get_mut(&shape).and_then(VecDeque::pop_front);
+                if let Some(v) = &vmm {
+                    s.handed.insert(v.pid, template.to_string());
+                }
+                vmm
+            };
+            let Some(vmm) = taken else { break };
+            self.inner.refill.notify_one();
+            // Killed while pooled, and its exit not handled yet: skip it
+            // (its watcher reaps it and removes its directory).
+            if is_alive(vmm.pid) {
+                mark_handed(&vmm)?;
+                return Ok((vmm, true));
+            }
+            tracing::warn!(pid = vmm.pid, "a pooled VMM died before it was taken");
+            self.state().handed.remove(&vmm.pid);
+        }
+        let vmm = self.spawn(shape, Some(template)).await?;
+        mark_handed(&vmm)?;
+        Ok((vmm, false))
+    }
+
+    /// Stops the refill and kills the pooled VMMs and those being started
+    /// (handed-over ones belong to their shims and keep running).
+    pub fn close(&self) {
+        self.inner.closed.store(true, Ordering::SeqCst);
+        let doomed: Vec<u32> = {
+            let mut s = self.state();
+            let mut pids: Vec<u32> = s
+                .ready
+                .drain()
+                .flat_map(|(_, q)| q)
+                .map(|v| v.pid)
+                .collect();
+            pids.extend(s.spawning.iter().copied());
+            pids
+        };
+        for pid in doomed {
+            kill(pid);
+        }
+        self.inner.refill.notify_one();
+    }
+
+    async fn refill_loop(self) {
+        loop {
+            self.inner.refill.notified().await;
+            if self.inner.closed.load(Ordering::SeqCst) {
+                return;
+            }
+            for (&shape, &target) in &self.inner.targets {
+                let missing = {
+                    let mut s = self.state();
+                    let have = s.ready.get(&shape).map_or(0, VecDeque::len)
+                        + s.starting.get(&shape).copied().unwrap_or(0);
+                    let missing = target.saturating_sub(have);
+                    *s.starting.entry(shape).or_default() += missing;
+                    missing
+                };
+                for _ in 0..missing {
+                    let pool = self.clone();
+                    tokio::spawn(async move { pool.fill_one(shape).await });
+                }
+            }
+        }
+    }
+
+    async fn fill_one(&self, shape: Shape) {
+        let started = Instant::now();
+        let result = self.spawn(shape, None).await;
+        let failed = {
+            let mut s = self.state();
+            if let Some(n) = s.starting.get_mut(&shape) {
+                *n = n.saturating_sub(1);
+            }
+            match result {
+                Ok(vmm) if self.inner.closed.load(Ordering::SeqCst) => {
+                    kill(vmm.pid);
+                    None
+                }
+                Ok(vmm) => {
+                    tracing::debug!(pid = vmm.pid, %shape, elapsed = ?started.elapsed(), "pooled a prepared VMM");
+                    s.ready.entry(shape).or_default().push_back(vmm);
+                    None
+                }
+                Err(e) => Some(e),
+            }
+        };
+        if let Some(e) = failed {
+            tracing::warn!(%shape, "starting a pooled VMM failed (retrying in {RETRY_AFTER:?}): {e}");
+            tokio::time::sleep(RETRY_AFTER).await;
+            self.inner.refill.notify_one();
+        }
+    }
+
+    /// Starts `twig-vmm serve` for `shape` and waits until its API answers.
+    /// `handed`: the template of a VMM started for a request (it is handed
+    /// over as soon as it answers), `None` for a pooled one.
+    async fn spawn(&self, shape: Shape, handed: Option<&str>) -> Result<Vmm> {
+        let n = self.inner.seq.fetch_add(1, Ordering::Relaxed);
+        let dir = self
+            .inner
+            .vms_dir
+            .join(format!("{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+        let log = std::fs::File::create(dir.join("vmm.log"))
+            .map_err(|e| Error::io(format!("creating {}/vmm.log", dir.display()), e))?;
+        let api = dir.join("api.sock");
+        let mut child = tokio::process::Command::new(&self.inner.vmm_binary)
+            .arg("serve")
+            .arg("--api-sock")
+            .arg(&api)
+            .arg("--serial")
+            .arg(dir.join("serial.log"))
+            .args(["--prepare-mem-mib", &shape.mem_mib.to_string()])
+            .args(["--prepare-vcpus", &shape.vcpus.to_string()])
+            .args(["--disk-slots", &shape.disk_slots.to_string()])
+            .arg("--vsock-uds")
+            .arg(dir.join("vsock"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .map_err(|e| {
+                let _ = std::fs::remove_dir_all(&dir);
+                Error::io(format!("starting {}", self.inner.vmm_binary.display()), e)
+            })?;
+        let Some(pid) = child.id() else {
+            return Err(Error::Internal("twig-vmm exited at once".into()));
+        };
+        let (exited_tx, mut exited) = watch::channel(None);
+        let pool = self.clone();
+        let watched_dir = dir.clone();
+        tokio::spawn(async move {
+            let status = child.wait().await;
+            let text = match &status {
+                Ok(s) => s.to_string(),
+                Err(e) => format!("unknown status ({e})"),
+            };
+            let _ = exited_tx.send(Some(text.clone()));
+            pool.exited(pid, &watched_dir, &text);
+        });
+        // Killed if this future fails or is dropped before the VMM answers
+        // (a request whose deadline passed): nobody would own it otherwise.
+        let mut guard = KillGuard {
+            pool: self,
+            pid,
+            armed: true,
+        };
+        {
+            let mut s = self.state();
+            s.spawning.insert(pid);
+            if let Some(template) = handed {
+                s.handed.insert(pid, template.to_string());
+            }
+        }
+        // `close` sets the flag before it looks at `spawning`, this inserted
+        // before it looks at the flag: one of the two sees the other.
+        if self.inner.closed.load(Ordering::SeqCst) {
+            return Err(Error::FailedPrecondition("the daemon is stopping".into()));
+        }
+        std::fs::write(dir.join("pid"), pid.to_string())
+            .map_err(|e| Error::io(format!("writing {}/pid", dir.display()), e))?;
+        let vmm = Vmm { pid, dir, shape };
+        let deadline = Instant::now() + self.inner.start_timeout;
+        loop {
+            if let Some(status) = exited.borrow_and_update().clone() {
+                // Reaped already: its pid may be another process's now.
+                guard.armed = false;
+                return Err(Error::Internal(format!(
+                    "twig-vmm ({shape}) exited with {status} before it answered: {}",
+                    tail(&String::from_utf8_lossy(
+                        &std::fs::read(vmm.dir.join("vmm.log")).unwrap_or_default()
+                    ))
+                )));
+            }
+            if answers(&api).await {
+                guard.armed = false;
+                return Ok(vmm);
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout(format!(
+                    "twig-vmm ({shape}) did not answer on {} within {:?}",
+                    api.display(),
+                    self.inner.start_timeout
+                )));
+            }
+            // Woken by the exit, or after a short pause to look again.
+            let _ = tokio::time::timeout(Duration::from_millis(2), exited.changed()).await;
+        }
+    }
+
+    /// A VMM exited (and was reaped): forget it, remove its directory, and
+    /// refill if it was a pooled one.
+    fn exited(&self, pid: u32, dir: &Path, status: &str) {
+        let pooled = {
+            let mut s = self.state();
+            let handed = s.handed.remove(&pid).is_some();
+            let mut pooled = false;
+            for q in s.ready.values_mut() {
+                let before = q.len();
+                q.retain(|v| v.pid != pid);
+                pooled |= q.len() != before;
+            }
+            if handed {
+                tracing::info!(pid, status, "a handed-over VMM exited");
+            }
+            pooled
+        };
+        if let Err(e) = std::fs::remove_dir_all(dir) {
+            tracing::warn!(dir = %dir.display(), "removing a VMM's directory: {e}");
+        }
+        if pooled {
+            tracing::warn!(pid, status, "a pooled VMM exited; refilling");
+            self.inner.refill.notify_one();
+        }
+    }
+}
+
+/// Kills a VMM being started unless disarmed (its watcher reaps it), and
+/// takes it off the pool's `spawning` list either way.
+struct KillGuard<'a> {
+    pool: &'a Pool,
+    pid: u32,
+    armed: bool,
+}
+
+impl Drop for KillGuard<'_> {
+    fn drop(&mut self) {
+        self.pool.state().spawning.remove(&self.pid);
+        if self.armed {
+            kill(self.pid);
+        }
+    }
+}
+
+/// Marks a VMM's directory as handed over, so that a later daemon's
+/// start leaves the process (a shim's) alone.
+fn mark_handed(vmm: &Vmm) -> Result<()> {
+    std::fs::write(vmm.dir.join(HANDED), b"")
+        .map_err(|e| Error::io(format!("writing {}/{HANDED}", vmm.dir.display()), e))
+}
+
+/// The marker file of a handed-over VMM's directory.
+const HANDED: &str = "handed";
+
+/// Whether a twig-vmm API answers on `api` (a connection and `hello`).
+async fn answers(api: &Path) -> bool {
+    if !api.exists() {
+        return false;
+    }
+    let api = api.to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        twig_vmm::api::Client::connect(&api, Duration::from_secs(1)).is_ok()
+    })
+    .await
+    .unwrap_or(false)
+}
+
+/// Whether `pid` runs (exists and is no zombie).
+fn is_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the parenthesised command name.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| !rest.trim_start().starts_with(['Z', 'X'])),
+        Err(_) => false,
+    }
+}
+
+fn kill(pid: u32) {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return;
+    };
+    // SAFETY: kill(2) with a pid of our own child; no memory is involved.
+    if unsafe { libc::kill(pid, libc::SIGKILL) } != 0 {
+        tracing::debug!(pid, "kill: {}", std::io::Error::last_os_error());
+    }
+}
+
+/// Kills and removes what an earlier daemon left in `vms_dir`: each
+/// directory's `pid`, if that process still runs twig-vmm on that directory
+/// and was not handed over (a handed-over VMM is a shim's: its directory
+/// stays while it runs).
+fn remove_leftovers(vms_dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(vms_dir) else {
+        return;
+    };
+    for dir in entries.flatten().map(|e| e.path()) {
+        let pid = std::fs::read_to_string(dir.join("pid"))
+            .ok()
+            .and_then(|p| p.trim().parse::<u32>().ok());
+        if let Some(pid) = pid {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let api = dir.join("api.sock");
+            if String::from_utf8_lossy(&cmdline).contains(&*api.to_string_lossy()) {
+                if dir.join(HANDED).exists() {
+                    continue;
+                }
+                tracing::info!(pid, dir = %dir.display(), "killing a VMM an earlier daemon left");
+                kill(pid);
+            }
+        }
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            tracing::warn!(dir = %dir.display(), "removing a leftover VMM directory: {e}");
+        }
+    }
+}

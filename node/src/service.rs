@@ -1,0 +1,349 @@
+//! The daemon's ttrpc services on one socket: `twig.v1.Node` (the
+//! controller's: snapshots and templates of the node store) and
+//! `twig.node.v1.Pool` (the shims': a prepared VMM and the template to
+//! restore into it).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use ttrpc::r#async::TtrpcContext;
+use twig_proto::node::{
+    AcquireVmRequest, AcquireVmResponse, PoolLevel, StatusRequest, StatusResponse,
+};
+use twig_proto::twig::{
+    DeleteSnapshotRequest, DeleteSnapshotResponse, DeleteTemplateRequest, DeleteTemplateResponse,
+    EnsureTemplateRequest, EnsureTemplateResponse, GetSnapshotRequest, GetSnapshotResponse,
+    SnapshotInfo,
+};
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::pool::Pool;
+use crate::template::{Shape, TemplateRef, Templates};
+
+/// The state both services share.
+#[derive(Clone)]
+pub struct Services {
+    templates: Arc<Templates>,
+    pool: Pool,
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::Internal(format!("a blocking task failed: {e}")))?
+}
+
+impl Services {
+    /// The services over a node store and a pool.
+    pub fn new(templates: Arc<Templates>, pool: Pool) -> Services {
+        Services { templates, pool }
+    }
+
+    /// The template `name` names: the base template when empty.
+    pub async fn template(&self, name: &str) -> Result<TemplateRef> {
+        let templates = self.templates.clone();
+        let name = name.to_string();
+        blocking(move || {
+            if name.is_empty() {
+                templates.base()
+            } else {
+                templates.app(&name)
+            }
+        })
+        .await
+    }
+
+    /// Hands over a prepared VMM for `req`.
+    pub async fn acquire(&self, req: &AcquireVmRequest) -> Result<AcquireVmResponse> {
+        let t = self.template(&req.template).await?;
+        for (what, asked, is) in [
+            ("memory_mib", req.memory_mib, t.shape.mem_mib),
+            ("vcpus", req.vcpus, t.shape.vcpus),
+            ("disk_slots", req.disk_slots, t.shape.disk_slots),
+        ] {
+            if asked != 0 && asked != is {
+                return Err(Error::InvalidArgument(format!(
+                    "{what} {asked} asked for, but template {:?} is {}",
+                    t.id, t.shape
+                )));
+            }
+        }
+        let (vmm, pooled) = self.pool.take(t.shape, &t.id).await?;
+        tracing::info!(
+            sandbox = req.sandbox_id,
+            template = t.id,
+            pid = vmm.pid,
+            pooled,
+            "handed over a VMM"
+        );
+        Ok(AcquireVmResponse {
+            api_socket: path_string(&vmm.api_socket()),
+            vsock_socket: path_string(&vmm.vsock_socket()),
+            pid: vmm.pid,
+            state_dir: path_string(&vmm.dir),
+            template_dir: path_string(&t.dir),
+            memory_mib: t.shape.mem_mib,
+            vcpus: t.shape.vcpus,
+            disk_slots: t.shape.disk_slots,
+            pooled,
+            ..Default::default()
+        })
+    }
+
+    /// The published snapshot `id`, if the store holds it.
+    pub async fn get_snapshot(&self, id: &str) -> Result<Option<SnapshotInfo>> {
+        non_empty("snapshot_id", id)?;
+        let templates = self.templates.clone();
+        let id = id.to_string();
+        blocking(move || match templates.store().get(&id) {
+            Ok(s) => Ok(Some(SnapshotInfo {
+                snapshot_id: s.id.clone(),
+                parent_id: s.parent.clone().unwrap_or_default(),
+                size_bytes: s.artefacts.values().sum(),
+                ..Default::default()
+            })),
+            Err(twig_store::Error::NotFound(_)) => Ok(None),
+            Err(e) => Err(e.into()),
+        })
+        .await
+    }
+
+    /// Deletes snapshot `id` (a template is one too); gone already is
+    /// success. Refused while a VM handed over by this daemon was restored
+    /// from it, or another snapshot names it as parent.
+    pub async fn delete_snapshot(&self, id: &str) -> Result<()> {
+        non_empty("snapshot_id", id)?;
+        let users = self.pool.users_of(id);
+        if !users.is_empty() {
+            return Err(Error::FailedPrecondition(format!(
+                "snapshot {id:?} is in use: the running VMs of pids {users:?} were restored from it"
+            )));
+        }
+        let templates = self.templates.clone();
+        let id = id.to_string();
+        blocking(move || match templates.store().delete(&id) {
+            Ok(()) => {
+                tracing::info!(id, "deleted a snapshot");
+                Ok(())
+            }
+            Err(twig_store::Error::NotFound(_)) => Ok(()),
+            Err(e) => Err(e.into()),
+        })
+        .await
+    }
+
+    /// App template `req.name`: ready when the store holds it (checked, and
+    /// of the shape asked for). Building one from an image is not done on
+    /// this node yet.
+    pub async fn ensure_template(
+        &self,
+        req: &EnsureTemplateRequest,
+    ) -> Result<EnsureTemplateResponse> {
+        non_empty("name", &req.name)?;
+        let t = match self.template(&req.name).await {
+            Ok(t) => t,
+            Err(Error::NotFound(_)) => {
+                return Err(Error::Unimplemented(format!(
+                    "template {:?} is not in this node's store, and building one from image {:?} \
+                     is not implemented yet",
+                    req.name, req.image
+                )))
+            }
+            Err(e) => return Err(e),
+        };
+        let wanted = Shape {
+            mem_mib: if req.memory_mib == 0 {
+                t.shape.mem_mib
+            } else {
+                req.memory_mib
+            },
+            vcpus: if req.vcpus == 0 {
+                t.shape.vcpus
+            } else {
+                req.vcpus
+            },
+            disk_slots: t.shape.disk_slots,
+        };
+        if wanted != t.shape {
+            return Err(Error::FailedPrecondition(format!(
+                "template {:?} exists as {}, not {wanted}: delete it first",
+                t.id, t.shape
+            )));
+        }
+        Ok(EnsureTemplateResponse {
+            ready: true,
+            ..Default::default()
+        })
+    }
+}
+
+fn non_empty(what: &str, value: &str) -> Result<()> {
+    if value.is_empty() {
+        return Err(Error::InvalidArgument(format!("{what} is empty")));
+    }
+    Ok(())
+}
+
+fn path_string(p: &Path) -> String {
+    p.to_string_lossy().into_owned()
+}
+
+#[async_trait::async_trait]
+impl twig_proto::twig_ttrpc::Node for Services {
+    async fn delete_snapshot(
+        &self,
+        _ctx: &TtrpcContext,
+        req: DeleteSnapshotRequest,
+    ) -> ttrpc::Result<DeleteSnapshotResponse> {
+        Services::delete_snapshot(self, &req.snapshot_id).await?;
+        Ok(DeleteSnapshotResponse::default())
+    }
+
+    async fn get_snapshot(
+        &self,
+        _ctx: &TtrpcContext,
+        req: GetSnapshotRequest,
+    ) -> ttrpc::Result<GetSnapshotResponse> {
+        let found = Services::get_snapshot(self, &req.snapshot_id).await?;
+        Ok(GetSnapshotResponse {
+            found: found.is_some(),
+            snapshot: found.into(),
+            ..Default::default()
+        })
+    }
+
+    async fn ensure_template(
+        &self,
+        _ctx: &TtrpcContext,
+        req: EnsureTemplateRequest,
+    ) -> ttrpc::Result<EnsureTemplateResponse> {
+        Ok(Services::ensure_template(self, &req).await?)
+    }
+
+    async fn delete_template(
+        &self,
+        _ctx: &TtrpcContext,
+        req: DeleteTemplateRequest,
+    ) -> ttrpc::Result<DeleteTemplateResponse> {
+        non_empty("name", &req.name)?;
+        Services::delete_snapshot(self, &req.name).await?;
+        Ok(DeleteTemplateResponse::default())
+    }
+}
+
+#[async_trait::async_trait]
+impl twig_proto::node_ttrpc_async::Pool for Services {
+    async fn acquire_vm(
+        &self,
+        _ctx: &TtrpcContext,
+        req: AcquireVmRequest,
+    ) -> ttrpc::Result<AcquireVmResponse> {
+        self.acquire(&req).await.map_err(|e| {
+            tracing::warn!(
+                sandbox = req.sandbox_id,
+                template = req.template,
+                "AcquireVm: {e}"
+            );
+            e.into()
+        })
+    }
+
+    async fn status(
+        &self,
+        _ctx: &TtrpcContext,
+        _req: StatusRequest,
+    ) -> ttrpc::Result<StatusResponse> {
+        let pool = self
+            .pool
+            .levels()
+            .into_iter()
+            .map(|l| PoolLevel {
+                memory_mib: l.shape.mem_mib,
+                vcpus: l.shape.vcpus,
+                disk_slots: l.shape.disk_slots,
+                target: u32::try_from(l.target).unwrap_or(u32::MAX),
+                ready_pids: l.ready,
+                starting: u32::try_from(l.starting).unwrap_or(u32::MAX),
+                ..Default::default()
+            })
+            .collect();
+        Ok(StatusResponse {
+            pool,
+            handed_pids: self.pool.handed(),
+            ..Default::default()
+        })
+    }
+}
+
+/// A running daemon: the pool and the ttrpc server on its socket.
+pub struct Daemon {
+    server: ttrpc::r#async::Server,
+    pool: Pool,
+    socket: PathBuf,
+}
+
+impl Daemon {
+    /// Opens the store, starts the pool and serves both services on
+    /// `config.socket` (a stale socket file nobody answers on is replaced;
+    /// one a live daemon serves is an error).
+    pub async fn start(config: &Config) -> Result<Daemon> {
+        let templates = Arc::new(Templates::open(config)?);
+        if let Some(parent) = config.socket.parent() {
+            std::fs::create_dir_all(parent)
+                .map_err(|e| Error::io(format!("creating {}", parent.display()), e))?;
+        }
+        if config.socket.exists() {
+            if std::os::unix::net::UnixStream::connect(&config.socket).is_ok() {
+                return Err(Error::FailedPrecondition(format!(
+                    "{} is served already: another twig-node runs",
+                    config.socket.display()
+                )));
+            }
+            std::fs::remove_file(&config.socket).map_err(|e| {
+                Error::io(format!("removing the stale {}", config.socket.display()), e)
+            })?;
+        }
+        let pool = Pool::start(config)?;
+        let services = Arc::new(Services::new(templates, pool.clone()));
+        let mut server = ttrpc::r#async::Server::new()
+            .bind(&format!("unix://{}", config.socket.display()))
+            .map_err(|e| Error::Internal(format!("binding {}: {e}", config.socket.display())))?
+            .register_service(twig_proto::twig_ttrpc::create_node(services.clone()))
+            .register_service(twig_proto::node_ttrpc_async::create_pool(services));
+        server
+            .start()
+            .await
+            .map_err(|e| Error::Internal(format!("serving {}: {e}", config.socket.display())))?;
+        tracing::info!(socket = %config.socket.display(), "twig-node serving");
+        Ok(Daemon {
+            server,
+            pool,
+            socket: config.socket.clone(),
+        })
+    }
+
+    /// The pool (status, tests).
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    /// Kills the pooled VMMs (handed-over ones run on), stops serving and
+    /// removes the socket. Connected clients get [`STOP_GRACE`] to let go
+    /// (ttrpc waits for every connection otherwise; an idle client holding
+    /// its connection would delay the stop by ttrpc's own 10 s).
+    pub async fn stop(mut self) {
+        self.pool.close();
+        match tokio::time::timeout(STOP_GRACE, self.server.shutdown()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!("stopping the ttrpc server: {e}"),
+            Err(_) => {
+                tracing::info!("clients still connected after {STOP_GRACE:?}; stopping anyway")
+            }
+        }
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+/// How long a stopping daemon waits for its clients' connections to close.
+pub const STOP_GRACE: std::time::Duration = std::time::Duration::from_millis(500);

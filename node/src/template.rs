@@ -1,0 +1,330 @@
+//! The template cache: the node's base template (built once on first need
+//! with `twig-vmm template`, named by the digest of its inputs so that new
+//! inputs make a new one) and the app templates `EnsureTemplate` put in the
+//! node store. Every template handed out is checked first: its `state`
+//! parses and its shape is what the VM will be.
+
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Mutex;
+
+use sha2::{Digest, Sha256};
+use twig_store::{layout, NodeStore, VmSnapshot};
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+
+/// The prefix of the base template's id: `base-<16 hex digits of the digest
+/// of its inputs>`.
+pub const BASE_PREFIX: &str = "base-";
+
+/// The shape of a VM: what a `twig-vmm serve --prepare-…` process was made
+/// for, and what a template restores into.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Shape {
+    /// Guest RAM, MiB.
+    pub mem_mib: u32,
+    /// vCPUs.
+    pub vcpus: u32,
+    /// Empty disk slots.
+    pub disk_slots: u32,
+}
+
+impl std::fmt::Display for Shape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} MiB × {} vCPU × {} disk slots",
+            self.mem_mib, self.vcpus, self.disk_slots
+        )
+    }
+}
+
+/// A template ready to restore.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TemplateRef {
+    /// Its id in the node store.
+    pub id: String,
+    /// Its snapshot directory.
+    pub dir: PathBuf,
+    /// The VM it restores into.
+    pub shape: Shape,
+}
+
+/// What identifies the base template's input files without reading them:
+/// (size, mtime ns, inode) of the kernel and the initrd.
+type Stamp = [(u64, i64, u64); 2];
+
+/// The node's templates.
+pub struct Templates {
+    store: NodeStore,
+    config: Config,
+    digest: Mutex<Option<(Stamp, String)>>,
+}
+
+impl Templates {
+    /// Opens (creating if needed) the node store of `config`.
+    pub fn open(config: &Config) -> Result<Templates> {
+        let store = NodeStore::open(&config.store, config.allow_copy)?;
+        Ok(Templates {
+            store,
+            config: config.clone(),
+            digest: Mutex::new(None),
+        })
+    }
+
+    /// The node store.
+    pub fn store(&self) -> &NodeStore {
+        &self.store
+    }
+
+    /// The base template's shape.
+    pub fn base_shape(&self) -> Shape {
+        Shape {
+            mem_mib: self.config.base.mem_mib,
+            vcpus: self.config.base.vcpus,
+            disk_slots: self.config.disk_slots,
+        }
+    }
+
+    /// The base template's id for the current inputs: `base-<digest>`. The
+    /// inputs are hashed only when their size, mtime or inode changed.
+    pub fn base_id(&self) -> Result<String> {
+        let b = &self.config.base;
+        let mut stamp = [(0, 0, 0); 2];
+        for (i, input) in [&b.kernel, &b.initrd].into_iter().enumerate() {
+            let m = std::fs::metadata(input).map_err(|e| {
+                Error::FailedPrecondition(format!(
+                    "the base template cannot be made: its input {} is unreadable: {e}",
+                    input.display()
+                ))
+            })?;
+            stamp[i] = (m.len(), m.mtime() * 1_000_000_000 + m.mtime_nsec(), m.ino());
+        }
+        let mut cached = self.digest.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((s, id)) = cached.as_ref() {
+            if *s == stamp {
+                return Ok(id.clone());
+            }
+        }
+        let mut h = Sha256::new();
+        h.update(b"twig base template v1\0");
+        for input in [&b.kernel, &b.initrd] {
+            hash_file(&mut h, input)?;
+        }
+        let shape = self.base_shape();
+        h.update(format!("{}/{}/{}", shape.mem_mib, shape.vcpus, shape.disk_slots).as_bytes());
+        let digest = h.finalize();
+        let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+        let id = format!("{BASE_PREFIX}{hex}");
+        *cached = Some((stamp, id.clone()));
+        Ok(id)
+    }
+
+    /// The base template, built first if the store does not hold the one of
+    /// the current inputs. Builds are serialised across processes by a
+    /// `flock` on `<store>/base.lock` (several daemons may share a store);
+    /// a failed build publishes nothing. Once a new base is published, the
+    /// older ones are deleted (unless a snapshot was taken on top of them).
+    /// Blocking: call it on a blocking thread.
+    pub fn base(&self) -> Result<TemplateRef> {
+        let id = self.base_id()?;
+        if let Ok(s) = self.store.get(&id) {
+            return self.checked(&s, Some(self.base_shape()));
+        }
+        let lock_path = self.config.store.join("base.lock");
+        let lock = File::create(&lock_path)
+            .map_err(|e| Error::io(format!("creating {}", lock_path.display()), e))?;
+        twig_store::fsops::flock(&lock)
+            .map_err(|e| Error::io(format!("locking {}", lock_path.display()), e))?;
+        if let Ok(s) = self.store.get(&id) {
+            return self.checked(&s, Some(self.base_shape()));
+        }
+        self.build_base(&id)?;
+        let s = self.store.get(&id)?;
+        for old in self.store.list()? {
+            if old.id.starts_with(BASE_PREFIX) && old.id != id {
+                match self.store.delete(&old.id) {
+                    Ok(()) => tracing::info!(id = old.id, "deleted the previous base template"),
+                    Err(e) => tracing::warn!(id = old.id, "keeping a previous base template: {e}"),
+                }
+            }
+        }
+        self.checked(&s, Some(self.base_shape()))
+    }
+
+    fn build_base(&self, id: &str) -> Result<()> {
+        let b = &self.config.base;
+        if !self.config.vmm_binary.exists() {
+            return Err(Error::FailedPrecondition(format!(
+                "the base template cannot be made: {} is missing",
+                self.config.vmm_binary.display()
+            )));
+        }
+        let run = &self.config.run_dir;
+        std::fs::create_dir_all(run)
+            .map_err(|e| Error::io(format!("creating {}", run.display()), e))?;
+        let vsock = run.join("template.vsock");
+        let serial = run.join("template-serial.log");
+        let _ = std::fs::remove_file(&vsock);
+        let _ = std::fs::remove_file(&serial);
+        let shape = self.base_shape();
+        tracing::info!(id, kernel = %b.kernel.display(), initrd = %b.initrd.display(), %shape, "building the base template");
+        let started = std::time::Instant::now();
+        let out = Command::new(&self.config.vmm_binary)
+            .arg("template")
+            .arg(self.store.snapshot_dir(id))
+            .arg("--kernel")
+            .arg(&b.kernel)
+            .arg("--initrd")
+            .arg(&b.initrd)
+            .args(["--mem-mib", &shape.mem_mib.to_string()])
+            .args(["--vcpus", &shape.vcpus.to_string()])
+            .args(["--disk-slots", &shape.disk_slots.to_string()])
+            .args(["--timeout-s", &b.build_timeout_s.to_string()])
+            .arg("--serial")
+            .arg(&serial)
+            .arg("--vsock-uds")
+            .arg(&vsock)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| {
+                Error::io(
+                    format!("running {} template", self.config.vmm_binary.display()),
+                    e,
+                )
+            })?;
+        let _ = std::fs::remove_file(&vsock);
+        if !out.status.success() {
+            return Err(Error::Internal(format!(
+                "building the base template {id} from {} and {} failed ({}): {} [guest console: {}]",
+                b.kernel.display(),
+                b.initrd.display(),
+                out.status,
+                tail(&String::from_utf8_lossy(&out.stderr)),
+                tail(&String::from_utf8_lossy(
+                    &std::fs::read(&serial).unwrap_or_default()
+                )),
+            )));
+        }
+        tracing::info!(id, elapsed = ?started.elapsed(), "base template built");
+        Ok(())
+    }
+
+    /// App template `name` of the node store, checked.
+    pub fn app(&self, name: &str) -> Result<TemplateRef> {
+        layout::validate_id(name)?;
+        let s = self.store.get(name).map_err(|e| match e {
+            twig_store::Error::NotFound(_) => Error::NotFound(format!(
+                "template {name:?} is not in this node's store ({}); EnsureTemplate makes it",
+                self.config.store.display()
+            )),
+            other => other.into(),
+        })?;
+        self.checked(&s, None)
+    }
+
+    /// `s` as a template, once its state parses and its shape is `expect`
+    /// (if given): a damaged template is refused here rather than in a
+    /// pod's restore.
+    fn checked(&self, s: &VmSnapshot, expect: Option<Shape>) -> Result<TemplateRef> {
+        let state = twig_vmm::snapshot::read_state(s.dir()).map_err(|e| {
+            Error::FailedPrecondition(format!("template {:?} is unusable: {e}", s.id))
+        })?;
+        let shape = Shape {
+            mem_mib: u32::try_from(state.meta.mem_size >> 20).unwrap_or(u32::MAX),
+            vcpus: u32::try_from(state.meta.vcpus).unwrap_or(u32::MAX),
+            disk_slots: self.config.disk_slots,
+        };
+        if let Some(want) = expect {
+            if want != shape {
+                return Err(Error::FailedPrecondition(format!(
+                    "template {:?} is {shape}, the node's configuration says {want}",
+                    s.id
+                )));
+            }
+        }
+        Ok(TemplateRef {
+            id: s.id.clone(),
+            dir: s.dir().to_path_buf(),
+            shape,
+        })
+    }
+}
+
+fn hash_file(h: &mut Sha256, path: &Path) -> Result<()> {
+    let mut f =
+        File::open(path).map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f
+            .read(&mut buf)
+            .map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    h.update(b"\0");
+    Ok(())
+}
+
+/// The last lines of a log, on one line.
+pub fn tail(text: &str) -> String {
+    let lines: Vec<&str> = text.trim().lines().collect();
+    lines[lines.len().saturating_sub(12)..].join(" | ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(dir: &Path, mem_mib: u32) -> Config {
+        let mut c = Config {
+            store: dir.join("store"),
+            allow_copy: true,
+            run_dir: dir.join("run"),
+            ..Config::default()
+        };
+        c.base.kernel = dir.join("vmlinux");
+        c.base.initrd = dir.join("initrd");
+        c.base.mem_mib = mem_mib;
+        c
+    }
+
+    #[test]
+    fn the_base_template_id_follows_its_inputs() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = config(dir.path(), 128);
+        let t = Templates::open(&c).unwrap();
+        let e = t.base_id().unwrap_err();
+        assert!(
+            matches!(e, Error::FailedPrecondition(_)) && e.to_string().contains("vmlinux"),
+            "{e}"
+        );
+
+        std::fs::write(&c.base.kernel, b"kernel one").unwrap();
+        std::fs::write(&c.base.initrd, b"initrd").unwrap();
+        let first = t.base_id().unwrap();
+        assert!(first.starts_with(BASE_PREFIX) && first.len() == BASE_PREFIX.len() + 16);
+        assert_eq!(t.base_id().unwrap(), first, "stable");
+
+        // Rewritten with the same bytes (new mtime): same id.
+        std::fs::remove_file(&c.base.kernel).unwrap();
+        std::fs::write(&c.base.kernel, b"kernel one").unwrap();
+        assert_eq!(t.base_id().unwrap(), first);
+
+        // New bytes (same size): a new id.
+        std::fs::remove_file(&c.base.kernel).unwrap();
+        std::fs::write(&c.base.kernel, b"kernel two").unwrap();
+        let second = t.base_id().unwrap();
+        assert_ne!(second, first);
+
+        // Another shape: another id.
+        let other = Templates::open(&config(dir.path(), 256)).unwrap();
+        assert_ne!(other.base_id().unwrap(), second);
+    }
+}

@@ -1,0 +1,218 @@
+//! The `Node` service on a real node store: GetSnapshot, DeleteSnapshot,
+//! EnsureTemplate and DeleteTemplate; deletion refused while a VM restored
+//! from the snapshot runs or a child names it; a corrupt template refused
+//! before anything is handed over; a base template whose build fails
+//! leaves nothing in the store; configuration errors.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::*;
+use twig_proto::twig::{
+    DeleteSnapshotRequest, DeleteTemplateRequest, EnsureTemplateRequest, GetSnapshotRequest,
+    GetSnapshotResponse,
+};
+use twig_store::NodeStore;
+
+fn ctx() -> ttrpc::context::Context {
+    ttrpc::context::with_timeout(T.as_nanos() as i64)
+}
+
+impl Node {
+    fn get(&self, id: &str) -> Result<GetSnapshotResponse, ttrpc::Error> {
+        let req = GetSnapshotRequest {
+            snapshot_id: id.into(),
+            ..Default::default()
+        };
+        self.rt.block_on(self.node.get_snapshot(ctx(), &req))
+    }
+
+    fn delete(&self, id: &str) -> Result<(), ttrpc::Error> {
+        let req = DeleteSnapshotRequest {
+            snapshot_id: id.into(),
+            ..Default::default()
+        };
+        self.rt
+            .block_on(self.node.delete_snapshot(ctx(), &req))
+            .map(|_| ())
+    }
+
+    fn delete_template(&self, name: &str) -> Result<(), ttrpc::Error> {
+        let req = DeleteTemplateRequest {
+            name: name.into(),
+            ..Default::default()
+        };
+        self.rt
+            .block_on(self.node.delete_template(ctx(), &req))
+            .map(|_| ())
+    }
+
+    fn ensure(&self, name: &str, memory_mib: u32) -> Result<bool, ttrpc::Error> {
+        let req = EnsureTemplateRequest {
+            name: name.into(),
+            image: "example.com/app:1".into(),
+            memory_mib,
+            vcpus: 1,
+            ..Default::default()
+        };
+        self.rt
+            .block_on(self.node.ensure_template(ctx(), &req))
+            .map(|r| r.ready)
+    }
+}
+
+#[test]
+fn snapshots_and_templates_of_the_node_store() {
+    let dir = tempfile::tempdir().unwrap();
+    make_template(dir.path(), "tiny");
+    let node = Node::start(dir.path(), &config(dir.path(), 0));
+
+    let got = node.get("tiny").expect("GetSnapshot");
+    assert!(got.found);
+    assert_eq!(got.snapshot.snapshot_id, "tiny");
+    assert_eq!(got.snapshot.parent_id, "");
+    assert!(got.snapshot.size_bytes >= u64::from(MIB) << 20, "{got:?}");
+    assert!(!node.get("nothing").expect("GetSnapshot").found);
+    let (code, msg) = status(node.get("").unwrap_err());
+    assert_eq!(code, ttrpc::Code::INVALID_ARGUMENT, "{msg}");
+
+    assert!(node.ensure("tiny", MIB).expect("EnsureTemplate"));
+    assert!(node.ensure("tiny", 0).expect("EnsureTemplate, any size"));
+    let (code, msg) = status(node.ensure("tiny", 128).unwrap_err());
+    assert_eq!(code, ttrpc::Code::FAILED_PRECONDITION, "{msg}");
+    assert!(msg.contains("not 128 MiB"), "{msg}");
+    let (code, msg) = status(node.ensure("app", 64).unwrap_err());
+    assert_eq!(code, ttrpc::Code::UNIMPLEMENTED, "{msg}");
+    assert!(msg.contains("example.com/app:1"), "{msg}");
+
+    // A VM restored from the template holds it.
+    let vm = node.acquire("tiny").expect("AcquireVm");
+    let (code, msg) = status(node.delete_template("tiny").unwrap_err());
+    assert_eq!(code, ttrpc::Code::FAILED_PRECONDITION, "{msg}");
+    assert!(
+        msg.contains("in use") && msg.contains(&vm.pid.to_string()),
+        "{msg}"
+    );
+    assert!(node.get("tiny").unwrap().found, "nothing was deleted");
+    sigkill(vm.pid);
+    wait_until("the VMM is reaped", T, || gone(vm.pid));
+
+    // A child names it as parent.
+    let store = NodeStore::open(&dir.path().join("store"), true).unwrap();
+    let mut staging = store.stage("tiny.child").unwrap();
+    staging.set_parent("tiny").unwrap();
+    staging.set_kind(twig_store::Kind::Incremental);
+    staging
+        .put_bytes(twig_store::Artefact::Memory, b"")
+        .unwrap();
+    staging.publish().unwrap();
+    let (code, msg) = status(node.delete("tiny").unwrap_err());
+    assert_eq!(code, ttrpc::Code::FAILED_PRECONDITION, "{msg}");
+    assert!(msg.contains("tiny.child"), "{msg}");
+    assert_eq!(node.get("tiny.child").unwrap().snapshot.parent_id, "tiny");
+
+    node.delete("tiny.child")
+        .expect("DeleteSnapshot of the child");
+    node.delete_template("tiny").expect("DeleteTemplate");
+    assert!(!node.get("tiny").unwrap().found);
+    assert!(!store.snapshot_dir("tiny").exists());
+    node.delete("tiny").expect("deleting what is gone succeeds");
+    node.delete_template("tiny")
+        .expect("so does DeleteTemplate");
+}
+
+#[test]
+fn a_corrupt_template_is_refused_before_a_vm_is_handed_over() {
+    let dir = tempfile::tempdir().unwrap();
+    make_template(dir.path(), "tiny");
+    let state = dir.path().join("store/snapshots/tiny/state");
+    let mut bytes = std::fs::read(&state).unwrap();
+    bytes.truncate(bytes.len() / 2);
+    std::fs::write(&state, bytes).unwrap();
+    let node = Node::start(dir.path(), &config(dir.path(), 0));
+    let (code, msg) = status(node.acquire("tiny").unwrap_err());
+    assert_eq!(code, ttrpc::Code::FAILED_PRECONDITION, "{msg}");
+    assert!(msg.contains("\"tiny\" is unusable"), "{msg}");
+    let (code, msg) = status(node.ensure("tiny", MIB).unwrap_err());
+    assert_eq!(code, ttrpc::Code::FAILED_PRECONDITION, "{msg}");
+    let vms: Vec<_> = std::fs::read_dir(dir.path().join("run/vms"))
+        .unwrap()
+        .collect();
+    assert!(vms.is_empty(), "no VMM was started: {vms:?}");
+}
+
+#[test]
+fn a_failed_base_template_build_is_a_clear_error_and_leaves_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = config(dir.path(), 0);
+    // Inputs that exist but boot nothing: twig-vmm's loader refuses them.
+    let kernel = dir.path().join("garbage-kernel");
+    let initrd = dir.path().join("initrd");
+    std::fs::write(&kernel, vec![0x5a; 64 * 1024]).unwrap();
+    std::fs::write(&initrd, b"not a cpio").unwrap();
+    c["base"]["kernel"] = serde_json::json!(kernel);
+    c["base"]["initrd"] = serde_json::json!(initrd);
+    let node = Node::start(dir.path(), &c);
+    let (code, msg) = status(node.acquire("").unwrap_err());
+    assert_eq!(code, ttrpc::Code::INTERNAL, "{msg}");
+    assert!(
+        msg.contains("building the base template base-") && msg.contains("garbage-kernel"),
+        "{msg}"
+    );
+    let store = NodeStore::open(&dir.path().join("store"), true).unwrap();
+    assert!(store.list().unwrap().is_empty(), "nothing was published");
+    let tmp: Vec<_> = std::fs::read_dir(dir.path().join("store/tmp"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert!(tmp.is_empty(), "nothing half-written stays: {tmp:?}");
+}
+
+#[test]
+fn configuration_errors_stop_the_daemon_with_a_clear_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("node.json");
+    for (text, needle) in [
+        (r#"{"pool": {"size": 3}}"#, "unknown field `size`"),
+        (r#"{"disk_slots": 0}"#, "disk_slots is 0"),
+        ("not json", "node.json"),
+    ] {
+        std::fs::write(&path, text).unwrap();
+        let out = Command::new(BIN)
+            .arg("--config")
+            .arg(&path)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{text}: {err}");
+        assert!(err.contains(needle), "{text}: {err}");
+    }
+    let out = Command::new(BIN)
+        .arg("--config")
+        .arg(dir.path().join("missing.json"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("missing.json"));
+}
+
+#[test]
+fn a_second_daemon_on_a_served_socket_refuses_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = config(dir.path(), 0);
+    let _node = Node::start(dir.path(), &c);
+    let path = dir.path().join("second.json");
+    std::fs::write(&path, c.to_string()).unwrap();
+    let out = Command::new(BIN)
+        .arg("--config")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("served already"), "{err}");
+    assert!(Path::new(&dir.path().join("node.sock")).exists());
+}

@@ -1,0 +1,145 @@
+//! The shim's VM acquisition against a real `twig-node` on this host's
+//! /dev/kvm: `VmSandbox::start` takes a prepared `twig-vmm` from the
+//! daemon's pool and restores the template into it. The template is
+//! twig-vmm's ring-3 test guest, which has no agent, so the start fails at
+//! the agent: this exercises the failure path — the error says why, and
+//! the handed-over VMM (the daemon's child, not the shim's) is killed
+//! through its pidfd and reaped by the daemon, no zombie left. Needs root
+//! and KVM; fails, never skips, without them.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use twig_shim::config::Config;
+use twig_shim::error::Error;
+use twig_shim::vm::VmSandbox;
+use twig_store::NodeStore;
+use twig_vmm::{testguest, Capture, DeviceConfig, Kind, Shape, Vm, VsockConfig};
+
+const T: Duration = Duration::from_secs(20);
+
+/// Builds a workspace binary with the cargo running the tests.
+fn binary(name: &str) -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let st = Command::new(cargo)
+        .current_dir(root)
+        .args(["build", "-q", "-p", name, "--bin", name])
+        .status()
+        .unwrap_or_else(|e| panic!("running cargo build -p {name}: {e}"));
+    assert!(st.success(), "building {name} failed");
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or(root.join("target"))
+        .join("debug")
+        .join(name)
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + T;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// `tiny`: the test guest booted with a pooled VMM's devices, snapshotted.
+fn make_template(dir: &Path) {
+    if let Err(e) = twig_vmm::open_kvm() {
+        panic!("this test needs a usable /dev/kvm (run as root on a KVM host): {e}");
+    }
+    let store = NodeStore::open(&dir.join("store"), true).unwrap();
+    let devices = DeviceConfig {
+        disk_slots: 2,
+        vsock: Some(VsockConfig {
+            cid: 3,
+            uds_path: dir.join("tpl.vsock"),
+        }),
+        ..Default::default()
+    };
+    let serial = Capture::new();
+    let mut vm = Vm::create_with(Shape::new(64, 1), serial.writer(), &devices).unwrap();
+    vm.boot(&testguest::write_to(dir).unwrap(), "console=ttyS0")
+        .unwrap();
+    testguest::wait_booted(&vm, T).unwrap();
+    vm.snapshot_into(&store, "tiny", Kind::Full).unwrap();
+}
+
+struct Daemon(Child);
+
+impl Drop for Daemon {
+    /// SIGTERM, so that the daemon kills its pooled VMMs; SIGKILL if it
+    /// has not exited within the deadline.
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on our own child, not reaped yet.
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + T;
+        while matches!(self.0.try_wait(), Ok(None)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
+    let dir = tempfile::tempdir().unwrap();
+    make_template(dir.path());
+    let node_config = serde_json::json!({
+        "socket": dir.path().join("node.sock"),
+        "store": dir.path().join("store"),
+        "allow_copy": true,
+        "run_dir": dir.path().join("run"),
+        "vmm_binary": binary("twig-vmm"),
+        "disk_slots": 2,
+        "base": {"mem_mib": 64},
+        "pool": {"shapes": [{"mem_mib": 64, "size": 1}]},
+    });
+    std::fs::write(dir.path().join("node.json"), node_config.to_string()).unwrap();
+    let log = std::fs::File::create(dir.path().join("node.log")).unwrap();
+    let _daemon = Daemon(
+        Command::new(binary("twig-node"))
+            .arg("--config")
+            .arg(dir.path().join("node.json"))
+            .stderr(log)
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_until("twig-node serves", || {
+        std::os::unix::net::UnixStream::connect(dir.path().join("node.sock")).is_ok()
+    });
+
+    let config = Config {
+        node_socket: dir.path().join("node.sock"),
+        call_timeout_s: 1,
+        ..Config::default()
+    };
+    let state = dir.path().join("shim-state");
+    let e = VmSandbox::start(&config, &state, "sb", "tiny")
+        .err()
+        .expect("the test guest has no agent");
+    assert!(matches!(e, Error::Agent { .. }), "{e}");
+    assert!(
+        e.to_string()
+            .contains("waiting for the agent of the restored VM"),
+        "{e}"
+    );
+    let pid: u32 = std::fs::read_to_string(state.join("vmm.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    wait_until("the handed-over VMM is killed and reaped", || {
+        !Path::new(&format!("/proc/{pid}")).exists()
+    });
+
+    // An app template the node does not hold keeps its errdefs code.
+    let e = VmSandbox::start(&config, &state, "sb", "absent")
+        .err()
+        .expect("no such template");
+    assert!(matches!(e, Error::NotFound(_)), "{e}");
+    assert!(e.to_string().contains("\"absent\""), "{e}");
+}
