@@ -42,21 +42,17 @@ impl Node {
             .map_err(io(format!("reading {}", file.display())))
     }
 
-    /// The node store the twig shim keeps the base template and the pods'
-    /// snapshots in: the store of the template the node's `shim.json`
-    /// names (`<store>/snapshots/<id>`).
+    /// The node store twig-node keeps the templates in, and so the twig
+    /// shim the pods' snapshots: `store` of the node's `node.json`.
     pub fn vm_store(&self) -> Result<PathBuf> {
-        let file = self.dir()?.join("shim.json");
+        let file = self.dir()?.join("node.json");
         let text = fs::read_to_string(&file).map_err(io(format!("reading {}", file.display())))?;
         let config: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| Error::Environment(format!("{}: {e}", file.display())))?;
-        config["template"]["dir"]
+        config["store"]
             .as_str()
-            .map(Path::new)
-            .and_then(Path::parent)
-            .and_then(Path::parent)
-            .map(Path::to_path_buf)
-            .ok_or_else(|| Error::Environment(format!("{} names no template dir", file.display())))
+            .map(PathBuf::from)
+            .ok_or_else(|| Error::Environment(format!("{} names no store", file.display())))
     }
 }
 
