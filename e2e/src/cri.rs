@@ -90,8 +90,11 @@ impl CriNode {
                 ],
             )?;
         }
-        net.write_cni_config(&cni_conf_dir(&dir.join("containerd")), &dir.join("cni-ipam"))
-            .map_err(|e| Error::Environment(e.to_string()))?;
+        net.write_cni_config(
+            &cni_conf_dir(&dir.join("containerd")),
+            &dir.join("cni-ipam"),
+        )
+        .map_err(|e| Error::Environment(e.to_string()))?;
         Ok(CriNode { node, net, dir })
     }
 

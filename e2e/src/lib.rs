@@ -16,6 +16,7 @@ pub mod cri;
 mod error;
 mod node;
 mod process;
+mod twig;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
@@ -23,9 +24,11 @@ use std::path::PathBuf;
 pub use background::{run_on_pty, Background};
 pub use error::{Error, Result};
 pub use node::{
-    cni_conf_dir, containerd_config, mounts_under, shim_config, Guest, Node, NodeConfig, Runtime, NAMESPACE,
+    cni_conf_dir, containerd_config, mounts_under, shim_config, Guest, Node, NodeConfig, Runtime,
+    NAMESPACE,
 };
 pub use process::{kill_processes_with_arg, run, run_ok, tail, Daemon, Output};
+pub use twig::fill_up;
 
 /// The test image's name, as `e2e/build-image.sh` names it by default.
 pub const IMAGE_REF: &str = "docker.io/library/twig-e2e-busybox:v1";

@@ -246,11 +246,9 @@ async fn scenario(expect: Expect) {
         .unwrap_or_else(|e| fail("ContainerStatus", e));
     assert_eq!(status.state(), ContainerState::ContainerExited);
     assert_eq!(status.exit_code, 3, "{status:?}");
-    logs::wait_for(
-        &CriNode::container_log(&pod, "writer.log"),
-        OUTPUT,
-        |l| l.iter().any(|l| l.text == "writer got TERM"),
-    )
+    logs::wait_for(&CriNode::container_log(&pod, "writer.log"), OUTPUT, |l| {
+        l.iter().any(|l| l.text == "writer got TERM")
+    })
     .await
     .unwrap_or_else(|e| panic!("{e}"));
     for id in [web, printer] {

@@ -8,12 +8,14 @@
 
 pub mod config;
 pub mod error;
+pub mod pod;
 pub mod process;
 pub mod sandbox;
 pub mod server;
 pub mod service;
 pub mod spec;
 pub mod stdio;
+pub mod twig_service;
 pub mod vm;
 
 pub use error::{Error, Result};
