@@ -595,19 +595,36 @@ mod tests {
 
     #[test]
     fn a_handed_over_process_is_watched_and_killed_through_its_pidfd() {
-        let mut child = std::process::Command::new("sleep")
-            .arg("1000")
-            .spawn()
-            .unwrap();
-        let e = Process::open(child.id(), "/not/its/api.sock")
-            .err()
-            .unwrap();
+        /// Kills the child if the test fails half-way.
+        struct Reap(std::process::Child);
+        impl Drop for Reap {
+            fn drop(&mut self) {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+            }
+        }
+        let mut child = Reap(
+            std::process::Command::new("sleep")
+                .arg("1000")
+                .spawn()
+                .unwrap(),
+        );
+        let pid = child.0.id();
+        let e = Process::open(pid, "/not/its/api.sock").err().unwrap();
         assert!(e.to_string().contains("is not the twig-vmm serving"), "{e}");
-        let p = Process::open(child.id(), "1000").unwrap();
+        // The child's command line is the new program's once it has exec'd.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let p = loop {
+            match Process::open(pid, "1000") {
+                Ok(p) => break p,
+                Err(e) => assert!(Instant::now() < deadline, "{e}"),
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
         assert!(!p.wait(Duration::from_millis(20)), "sleep runs");
         p.kill();
         assert!(p.wait(Duration::from_secs(5)), "killed");
-        let status = child.wait().unwrap();
+        let status = child.0.wait().unwrap();
         assert_eq!(
             std::os::unix::process::ExitStatusExt::signal(&status),
             Some(libc::SIGKILL)
