@@ -226,16 +226,7 @@ fn chart_renders_to_valid_manifests() {
     let install = &pod.init_containers.as_ref().expect("init containers")[0];
     assert_eq!(
         install.command.as_deref().expect("command"),
-        [
-            "/opt/twig/install-node.sh",
-            "--from",
-            "/opt/twig",
-            "--root",
-            "/host",
-            "--handler",
-            "twig",
-            "--start",
-        ]
+        installer(&["twig", "--start"])
     );
     assert_eq!(
         install.security_context.as_ref().and_then(|s| s.privileged),
@@ -255,6 +246,23 @@ fn chart_renders_to_valid_manifests() {
     );
 }
 
+/// The installer's command: install-node.sh into the host's `/` from the
+/// image's bundle, for handler `rest[0]`, then the rest.
+fn installer(rest: &[&str]) -> Vec<String> {
+    [
+        "/opt/twig/install-node.sh",
+        "--from",
+        "/opt/twig",
+        "--root",
+        "/host",
+        "--handler",
+    ]
+    .iter()
+    .chain(rest)
+    .map(|s| s.to_string())
+    .collect()
+}
+
 #[test]
 fn node_setup_values_reach_the_installer() {
     let docs = documents(&template(&json!({
@@ -266,17 +274,7 @@ fn node_setup_values_reach_the_installer() {
     let install = &pod.init_containers.as_ref().expect("init containers")[0];
     assert_eq!(
         install.command.as_deref().expect("command"),
-        [
-            "/opt/twig/install-node.sh",
-            "--from",
-            "/opt/twig",
-            "--root",
-            "/host",
-            "--handler",
-            "twig-kvm",
-            "--containerd-version",
-            "1.7",
-        ]
+        installer(&["twig-kvm", "--containerd-version", "1.7"])
     );
 }
 
