@@ -9,6 +9,7 @@
 pub mod config;
 pub mod error;
 pub mod process;
+pub mod recover;
 pub mod sandbox;
 pub mod server;
 pub mod service;

@@ -45,7 +45,26 @@ pub trait Sandbox: Send + Sync {
     fn resume(&self) -> Result<()>;
     /// Stops the VM; idempotent.
     fn shutdown(&self) -> Result<()>;
+    /// Force-stops the VM at once (SIGKILL), when its guest no longer
+    /// answers; its death then reaches [`Sandbox::death`]'s receiver. A
+    /// sandbox without a VM process has nothing to kill.
+    fn kill(&self) -> Result<()> {
+        Err(Error::Unimplemented(
+            "this sandbox has no VM process to kill".into(),
+        ))
+    }
+    /// The first call returns a receiver that gets why the VM ended when it
+    /// ended without a [`Sandbox::shutdown`] (crash, `kill -9`, OOM killer,
+    /// [`Sandbox::kill`]); it is closed without a value after a shutdown.
+    /// `None`: no VM process to watch (or asked before).
+    fn death(&self) -> Option<Death> {
+        None
+    }
 }
+
+/// Why the VM of a sandbox ended without being asked to (see
+/// [`Sandbox::death`]).
+pub type Death = tokio::sync::oneshot::Receiver<String>;
 
 /// Makes the sandbox when a shim's first container is created.
 pub trait Launcher: Send + Sync {
