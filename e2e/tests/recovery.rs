@@ -44,27 +44,6 @@ fn ctr_ok(node: &Node, args: &[&str]) -> String {
         .unwrap_or_else(|e| panic!("{e}\n{}", node.logs()))
 }
 
-/// `ctr run` (attached, no `--rm`) of `script` in the background.
-fn run_attached(node: &Node, runtime: Runtime, id: &str, script: &str) -> Background {
-    let mut bg = node
-        .ctr_background([
-            "run",
-            "--runtime",
-            runtime.name(),
-            "--snapshotter",
-            "twig",
-            IMAGE_REF,
-            id,
-            "sh",
-            "-c",
-            script,
-        ])
-        .unwrap_or_else(|e| panic!("starting ctr run of {id}: {e}"));
-    bg.wait_for_stdout(OUTPUT, |o| o.lines().any(|l| l == "ready"))
-        .unwrap_or_else(|e| panic!("{id} did not print ready: {e}\n{}", node.logs()));
-    bg
-}
-
 /// `ctr task exec` of [`WAITS`] in `id`, in the background, once ready.
 fn exec_attached(node: &Node, id: &str, exec_id: &str) -> Background {
     let mut bg = node
@@ -187,26 +166,53 @@ fn expect_exit(node: &Node, bg: Background, code: i32, what: &str) -> Output {
 }
 
 /// A container (its init and an exec) whose runtime dies under it: twig's
-/// VMM, or runc's container init, SIGKILLed from outside. Both processes
-/// exit 137 at once, the task is STOPPED, delete works, nothing stays.
+/// VMM, or runc's container init, SIGKILLed from outside. The exec exits
+/// 137 at once, a TaskExit with 137 is published for both, the task is
+/// STOPPED, delete works, nothing stays.
 fn runtime_killed(runtime: Runtime, prefix: &str) {
     let node = node(runtime);
     let id = format!("{prefix}-killed");
-    let init = run_attached(&node, runtime, &id, WAITS);
+    run_detached(&node, runtime, &id);
     let exec = exec_attached(&node, &id, "e1");
     let vmm = (runtime == Runtime::Twig).then(|| the_handed_vmm(&node));
     let victim = vmm.unwrap_or_else(|| task_pid(&node, &id));
+    let events = node
+        .ctr_background(["events"])
+        .unwrap_or_else(|e| panic!("starting ctr events: {e}"));
 
     let killed = Instant::now();
     kill9(victim);
-    expect_exit(&node, init, 137, "the container's ctr run");
     expect_exit(&node, exec, 137, "the exec's ctr task exec");
+    expect_status(&node, &id, Some("STOPPED"));
     eprintln!(
-        "{}: kill -9 of {victim} to both exits reported: {:.2?}",
+        "{}: kill -9 of {victim} to the exec's exit and the task STOPPED: {:.2?}",
         runtime.name(),
         killed.elapsed()
     );
-    expect_status(&node, &id, Some("STOPPED"));
+    let exits = |events: &Background| {
+        events
+            .stdout()
+            .lines()
+            .filter(|l| l.contains("/tasks/exit") && l.contains("\"exit_status\":137"))
+            .map(String::from)
+            .collect::<Vec<_>>()
+    };
+    let ok = poll_until(EXIT, || exits(&events).len() >= 2);
+    assert!(
+        ok,
+        "not two TaskExit events with status 137: {}\n{}",
+        events.stdout(),
+        node.logs()
+    );
+    let found = exits(&events);
+    assert!(
+        found.iter().any(|l| l.contains("\"id\":\"e1\""))
+            && found
+                .iter()
+                .any(|l| l.contains(&format!("\"id\":\"{id}\""))),
+        "TaskExit events: {found:?}"
+    );
+    drop(events);
     delete(&node, &id);
     if runtime == Runtime::Twig {
         expect_no_twig_leftovers(&node, vmm);
@@ -390,15 +396,27 @@ fn twig_guest_that_stops_answering_times_out_and_kill_ends_the_pod() {
     signal(vmm, Signal::SIGSTOP).unwrap_or_else(|e| panic!("{e}"));
 
     let started = Instant::now();
-    let out = ctr(&node, &["task", "metrics", "frozen"]);
-    assert!(!out.status.success(), "metrics of a frozen guest: {out}");
+    let out = ctr(
+        &node,
+        &[
+            "task",
+            "exec",
+            "--exec-id",
+            "probe",
+            "frozen",
+            "echo",
+            "answered",
+        ],
+    );
+    assert!(!out.status.success(), "exec in a frozen guest: {out}");
     assert!(
         out.stderr.contains("twig-agent") && out.stderr.contains("no reply within"),
         "the error does not say the agent did not answer: {out}"
     );
     eprintln!(
-        "metrics of a frozen guest failed after {:.2?}",
-        started.elapsed()
+        "exec in a frozen guest failed after {:.2?}: {}",
+        started.elapsed(),
+        out.stderr.trim()
     );
 
     ctr_ok(&node, &["task", "kill", "-s", "KILL", "frozen"]);
