@@ -179,6 +179,13 @@ fn runtime_killed(runtime: Runtime, prefix: &str) {
     let events = node
         .ctr_background(["events"])
         .unwrap_or_else(|e| panic!("starting ctr events: {e}"));
+    // ctr subscribes some time after it starts (a second in the lab): an
+    // exec's events seen first say the subscription is up.
+    let subscribed = poll_until(EXIT, || {
+        ctr_ok(&node, &["task", "exec", "--exec-id", "marker", &id, "true"]);
+        events.stdout().contains("marker")
+    });
+    assert!(subscribed, "ctr events saw no event\n{}", node.logs());
 
     let killed = Instant::now();
     kill9(victim);
