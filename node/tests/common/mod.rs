@@ -23,7 +23,9 @@ pub const MIB: u32 = 64;
 pub const SLOTS: u32 = 2;
 
 /// The workspace's `twig-vmm` binary next to twig-node's, built (once per
-/// test binary) with the cargo that runs the tests.
+/// test binary) with the cargo that runs the tests — with the features
+/// twig-vmm's own tests build it with, so that under `cargo test
+/// --workspace` this build leaves the binary they use as it is.
 pub fn vmm_binary() -> PathBuf {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     BUILT
@@ -38,6 +40,8 @@ pub fn vmm_binary() -> PathBuf {
                     "twig-vmm",
                     "--bin",
                     "twig-vmm",
+                    "--features",
+                    "twig-vmm/testguest,twig-vmm/test-trigger",
                     "--manifest-path",
                 ])
                 .arg(&manifest)
