@@ -2,9 +2,12 @@
 //! `AcquireVm` on twig-node's socket, then `restore` of the template into
 //! the handed-over `twig-vmm serve` process — taken from the warm pool
 //! (VM and memory slots created ahead) versus spawned on demand (an empty
-//! pool). Real twig-node and twig-vmm processes; the template is the
-//! ring-3 test guest, booted on this host's /dev/kvm and snapshotted into
-//! the daemon's node store.
+//! pool), and a rollback of the running VM to the template — each with
+//! the VMMs bare (no jail, no seccomp), filtered (seccomp, no jail) and
+//! jailed (twig-node's default: jail and seccomp), the variants
+//! alternating run by run. Real twig-node and twig-vmm processes; the
+//! template is the ring-3 test guest, booted on this host's /dev/kvm and
+//! snapshotted into the daemons' node store.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -126,8 +129,16 @@ impl Drop for Daemon {
     }
 }
 
-/// One pod's VM: acquire, restore; returns (acquire, acquire + restore).
-fn pod_vm(daemon: &Daemon, pooled: bool) -> Result<(Duration, Duration), Error> {
+/// What one pod's VM took.
+struct PodTimes {
+    acquire: Duration,
+    acquire_restore: Duration,
+    rollback: Duration,
+}
+
+/// One pod's VM: acquire, restore, wait until the guest runs, roll it back
+/// to the template (in place), stop it.
+fn pod_vm(daemon: &Daemon, pooled: bool) -> Result<PodTimes, Error> {
     let start = Instant::now();
     let req = AcquireVmRequest {
         template: TEMPLATE.into(),
@@ -138,13 +149,13 @@ fn pod_vm(daemon: &Daemon, pooled: bool) -> Result<(Duration, Duration), Error> 
         .pool
         .acquire_vm(ttrpc::context::with_timeout(T.as_nanos() as i64), &req)
         .context(|| "AcquireVm".into())?;
-    let acquired = start.elapsed();
+    let acquire = start.elapsed();
     if vm.pooled != pooled {
         return Err(format!("expected pooled={pooled}, got {vm:?}").into());
     }
     let mut api = Client::connect(Path::new(&vm.api_socket), T)?;
     api.restore(Path::new(&vm.template_dir), T)?;
-    let restored = start.elapsed();
+    let acquire_restore = start.elapsed();
     let deadline = Instant::now() + T;
     loop {
         let s = api.stats(T)?;
@@ -156,6 +167,9 @@ fn pod_vm(daemon: &Daemon, pooled: bool) -> Result<(Duration, Duration), Error> 
         }
         std::thread::sleep(Duration::from_millis(1));
     }
+    let started = Instant::now();
+    api.rollback(Path::new(&vm.template_dir), T)?;
+    let rollback = started.elapsed();
     api.shutdown(T)?;
     let proc_dir = PathBuf::from(format!("/proc/{}", vm.pid));
     let deadline = Instant::now() + T;
@@ -165,7 +179,47 @@ fn pod_vm(daemon: &Daemon, pooled: bool) -> Result<(Duration, Duration), Error> 
         }
         std::thread::sleep(Duration::from_millis(1));
     }
-    Ok((acquired, restored))
+    Ok(PodTimes {
+        acquire,
+        acquire_restore,
+        rollback,
+    })
+}
+
+/// How the daemon's VMMs are confined.
+#[derive(Clone, Copy)]
+enum Confinement {
+    /// No jail, `--seccomp off`.
+    Bare,
+    /// No jail, seccomp filters on (twig-vmm's default).
+    Filtered,
+    /// Jailed and filtered (twig-node's default).
+    Jailed,
+}
+
+impl Confinement {
+    fn name(self) -> &'static str {
+        match self {
+            Confinement::Bare => "bare",
+            Confinement::Filtered => "filtered",
+            Confinement::Jailed => "jailed",
+        }
+    }
+}
+
+/// A twig-vmm that runs without its filters: the binary behind a script
+/// adding `--seccomp off` (the daemon's flags come first).
+fn unfiltered_vmm(dir: &Path, vmm: &Path) -> Result<PathBuf, Error> {
+    use std::os::unix::fs::PermissionsExt;
+    let script = dir.join("twig-vmm-seccomp-off");
+    std::fs::write(
+        &script,
+        format!("#!/bin/sh\nexec {} \"$@\" --seccomp off\n", vmm.display()),
+    )
+    .context(|| format!("writing {}", script.display()))?;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755))
+        .context(|| format!("making {} executable", script.display()))?;
+    Ok(script)
 }
 
 pub fn run(args: &Args) -> Result<Value, Error> {
@@ -206,28 +260,53 @@ pub fn run(args: &Args) -> Result<Value, Error> {
     let mut r = Report::default();
     r.value("mem_mib", json!(args.mem_mib));
     r.value("pool_size", json!(args.pool_size));
-    for (name, size) in [("pooled", args.pool_size), ("on_demand", 0)] {
-        let dir = root.join(name);
-        let config = json!({
-            "socket": dir.join("node.sock"),
-            "store": store_dir,
-            "allow_copy": true,
-            "run_dir": dir.join("run"),
-            "vmm_binary": vmm_bin,
-            "disk_slots": DISK_SLOTS,
-            "base": {"mem_mib": args.mem_mib},
-            "pool": {"shapes": [{"mem_mib": args.mem_mib, "size": size}]},
-        });
-        let daemon = Daemon::start(&node_bin, &dir, &config)?;
-        let (mut acquire, mut total) = (Vec::new(), Vec::new());
-        for i in 0..args.runs {
-            daemon.wait_pool(size)?;
-            let (a, t) = pod_vm(&daemon, size > 0).context(|| format!("{name} run {i}"))?;
-            acquire.push(a);
-            total.push(t);
+    let bare_vmm = unfiltered_vmm(&root, &vmm_bin)?;
+    let mut variants = Vec::new();
+    for (kind, size) in [("pooled", args.pool_size), ("on_demand", 0)] {
+        for c in [
+            Confinement::Bare,
+            Confinement::Filtered,
+            Confinement::Jailed,
+        ] {
+            let name = format!("{kind}_{}", c.name());
+            let dir = root.join(&name);
+            let config = json!({
+                "socket": dir.join("node.sock"),
+                "store": store_dir,
+                "allow_copy": true,
+                "run_dir": dir.join("run"),
+                "vmm_binary": if matches!(c, Confinement::Bare) { &bare_vmm } else { &vmm_bin },
+                "disk_slots": DISK_SLOTS,
+                "base": {"mem_mib": args.mem_mib},
+                "pool": {"shapes": [{"mem_mib": args.mem_mib, "size": size}]},
+                "jail": {"enabled": matches!(c, Confinement::Jailed), "cgroup": format!("twig-bench-{}", std::process::id())},
+            });
+            let daemon = Daemon::start(&node_bin, &dir, &config)?;
+            variants.push((name, size, daemon, Vec::new()));
         }
-        r.timing(&format!("{name}_acquire_ms"), &acquire);
-        r.timing(&format!("{name}_acquire_restore_ms"), &total);
+    }
+    // The variants alternate run by run, so load changes hit them alike.
+    for i in 0..args.runs {
+        for (name, size, daemon, times) in &mut variants {
+            daemon.wait_pool(*size)?;
+            times.push(pod_vm(daemon, *size > 0).context(|| format!("{name} run {i}"))?);
+        }
+    }
+    for (name, _, _, times) in &variants {
+        let of = |f: fn(&PodTimes) -> Duration| times.iter().map(f).collect::<Vec<_>>();
+        r.timing(&format!("{name}_acquire_ms"), &of(|t| t.acquire));
+        r.timing(
+            &format!("{name}_acquire_restore_ms"),
+            &of(|t| t.acquire_restore),
+        );
+        r.timing(&format!("{name}_rollback_ms"), &of(|t| t.rollback));
+    }
+    // The daemons stop (and remove their VMMs' cgroups); then the parent.
+    drop(variants);
+    if let Ok(hierarchies) = twig_vmm::jail::cgroup::hierarchies() {
+        for h in hierarchies {
+            let _ = std::fs::remove_dir(h.mount.join(format!("twig-bench-{}", std::process::id())));
+        }
     }
     Ok(r.into_value())
 }

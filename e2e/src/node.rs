@@ -595,11 +595,12 @@ impl Node {
         kill_processes_with_arg(&self.socket.to_string_lossy());
         // The VMMs the shims took outlive them (they are the daemon's
         // children, owned by the shims): each is found by its API socket's
-        // path in its arguments. The daemon reaps them, then stops.
+        // path in its arguments (`<vm>/vm/api.sock`, bound into a jailed
+        // VMM at that path). The daemon reaps them, then stops.
         if let Some(work) = &self.work {
             let vms = work.path().join("node").join("vms");
             for vm in fs::read_dir(&vms).into_iter().flatten().flatten() {
-                kill_processes_with_arg(&vm.path().join("api.sock").to_string_lossy());
+                kill_processes_with_arg(&vm.path().join("vm/api.sock").to_string_lossy());
             }
         }
         self.node_daemon.stop();

@@ -2,7 +2,8 @@
 //! file `--config` names); every field has a default, a missing default file
 //! means all defaults, and unknown fields are refused.
 
-use std::path::{Path, PathBuf};
+use std::collections::BTreeMap;
+use std::path::{Component, Path, PathBuf};
 
 use serde::Deserialize;
 
@@ -33,6 +34,37 @@ pub struct Config {
     pub base: BaseConfig,
     /// The warm pool.
     pub pool: PoolConfig,
+    /// How the pool's VMMs are confined.
+    pub jail: JailConfig,
+}
+
+/// How twig-node confines every VMM it starts (`twig-vmm serve --jail …`,
+/// after Firecracker's jailer): its own mount namespace whose root is an
+/// empty per-VMM directory holding only `/dev/kvm`, the VMM's own directory
+/// (sockets, console) and the node store's `snapshots` (read-only) and
+/// `tmp` (snapshot staging), each bound at its host path; a new, empty
+/// network namespace; optionally a new PID namespace and a cgroup; an
+/// unprivileged user with no capabilities.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct JailConfig {
+    /// Jail the VMMs (`false`: they run as the daemon's user, unconfined
+    /// but for their seccomp filters).
+    pub enabled: bool,
+    /// The VMMs' user id (not 0): a dedicated unprivileged one.
+    pub uid: u32,
+    /// The VMMs' group id (not 0).
+    pub gid: u32,
+    /// Run each VMM as PID 1 of its own PID namespace.
+    pub new_pid_ns: bool,
+    /// The parent cgroup (relative, in every hierarchy): each VMM runs in
+    /// `<cgroup>/<its directory's name>`, removed after it exited. Empty:
+    /// the VMMs stay in the daemon's cgroup.
+    pub cgroup: PathBuf,
+    /// Settings of each VMM's cgroup, `file → value` (e.g. `pids.max`).
+    pub cgroup_settings: BTreeMap<String, String>,
+    /// Each VMM's open file limit (RLIMIT_NOFILE).
+    pub max_files: u64,
 }
 
 /// The base template: what builds it, and its shape.
@@ -91,6 +123,24 @@ impl Default for Config {
             disk_slots: 8,
             base: BaseConfig::default(),
             pool: PoolConfig::default(),
+            jail: JailConfig::default(),
+        }
+    }
+}
+
+/// The VMMs' default user and group: a dedicated unprivileged id.
+pub const DEFAULT_VMM_ID: u32 = 64242;
+
+impl Default for JailConfig {
+    fn default() -> JailConfig {
+        JailConfig {
+            enabled: true,
+            uid: DEFAULT_VMM_ID,
+            gid: DEFAULT_VMM_ID,
+            new_pid_ns: true,
+            cgroup: PathBuf::from("twig-vmm"),
+            cgroup_settings: BTreeMap::new(),
+            max_files: 1024,
         }
     }
 }
@@ -179,7 +229,42 @@ impl Config {
         if self.pool.start_timeout_s == 0 {
             return Err(bad("pool.start_timeout_s must be at least 1".into()));
         }
-        // The VMMs' sockets live in `<run_dir>/vms/<n>/vsock`.
+        if self.jail.enabled {
+            if self.jail.uid == 0 || self.jail.gid == 0 {
+                return Err(bad(
+                    "jail.uid and jail.gid must not be 0 (the VMMs run unprivileged)".into(),
+                ));
+            }
+            if self.jail.cgroup.is_absolute()
+                || self
+                    .jail
+                    .cgroup
+                    .components()
+                    .any(|c| !matches!(c, Component::Normal(_)))
+            {
+                return Err(bad(format!(
+                    "jail.cgroup {} must be a relative path without `..` (e.g. twig-vmm)",
+                    self.jail.cgroup.display()
+                )));
+            }
+            if let Some(f) = self
+                .jail
+                .cgroup_settings
+                .keys()
+                .find(|f| f.is_empty() || f.contains('/') || !f.contains('.'))
+            {
+                return Err(bad(format!(
+                    "jail.cgroup_settings: {f:?} is not a cgroup file name like pids.max"
+                )));
+            }
+            if !self.jail.cgroup_settings.is_empty() && self.jail.cgroup.as_os_str().is_empty() {
+                return Err(bad("jail.cgroup_settings need a jail.cgroup".into()));
+            }
+            if self.jail.max_files < 64 {
+                return Err(bad("jail.max_files must be at least 64".into()));
+            }
+        }
+        // The VMMs' sockets live in `<run_dir>/vms/<n>/vm/vsock`.
         if self.run_dir.as_os_str().len() > 80 {
             return Err(bad(format!(
                 "run_dir {} is too long for Unix socket paths under it (80 bytes at most)",
@@ -220,6 +305,10 @@ mod tests {
             }]
         );
         assert_eq!(c.base.mem_mib, 256);
+        assert!(c.jail.enabled, "VMMs are jailed by default");
+        assert_eq!((c.jail.uid, c.jail.gid), (DEFAULT_VMM_ID, DEFAULT_VMM_ID));
+        write(r#"{"jail": {"enabled": false, "uid": 0}}"#);
+        assert!(!Config::from_file(&p, true).unwrap().jail.enabled);
 
         for (text, needle) in [
             (r#"{"disk_slot": 4}"#, "disk_slot"),
@@ -228,6 +317,14 @@ mod tests {
                 "cpus",
             ),
             (r#"{"disk_slots": 11}"#, "disk_slots is 11"),
+            (r#"{"jail": {"uid": 0}}"#, "jail.uid"),
+            (r#"{"jail": {"cgroup": "/abs"}}"#, "jail.cgroup"),
+            (r#"{"jail": {"cgroup": "a/../b"}}"#, "jail.cgroup"),
+            (
+                r#"{"jail": {"cgroup_settings": {"pids": "1"}}}"#,
+                "not a cgroup file",
+            ),
+            (r#"{"jail": {"user": 5}}"#, "user"),
             (r#"{"base": {"mem_mib": 8}}"#, "base.mem_mib"),
             (
                 r#"{"pool": {"shapes": [{"mem_mib": 64, "size": 1}, {"mem_mib": 64, "size": 2}]}}"#,

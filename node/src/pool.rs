@@ -5,8 +5,17 @@
 //! from then on the caller owns the process. Every VMM is the daemon's
 //! child: a task per VMM waits for its exit, reaps it (no zombies, whoever
 //! killed it), removes its directory, and, for a pooled one, refills.
+//!
+//! Each VMM has a directory `<run_dir>/vms/<daemon pid>-<n>/`: `vm/` (the
+//! VMM's own: API socket, vsock socket, console log; owned by the VMM's
+//! user), `serial.log` (a link to `vm/serial.log`), `vmm.log` (its stderr),
+//! `pid`, `handed`, and, jailed, `jail/` (its root). A jailed VMM sees
+//! `vm/` and the node store's `snapshots` (read-only) and `tmp` (staging)
+//! at their host paths, so the paths in API calls mean the same inside and
+//! outside the jail.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -24,7 +33,8 @@ use crate::template::{tail, Shape};
 pub struct Vmm {
     /// Its pid (a child of the daemon).
     pub pid: u32,
-    /// Its directory: `api.sock`, `vsock`, `serial.log`, `vmm.log`.
+    /// Its directory: `vm/` (`api.sock`, `vsock`, `serial.log`),
+    /// `serial.log` (a link into `vm/`), `vmm.log`.
     pub dir: PathBuf,
     /// The VM's shape.
     pub shape: Shape,
@@ -33,13 +43,34 @@ pub struct Vmm {
 impl Vmm {
     /// The API socket.
     pub fn api_socket(&self) -> PathBuf {
-        self.dir.join("api.sock")
+        own_dir(&self.dir).join("api.sock")
     }
 
     /// The host side of the vsock device.
     pub fn vsock_socket(&self) -> PathBuf {
-        self.dir.join("vsock")
+        own_dir(&self.dir).join("vsock")
     }
+}
+
+/// The directory of a VMM's own files (sockets, console log), bound into
+/// its jail at the same path.
+fn own_dir(dir: &Path) -> PathBuf {
+    dir.join("vm")
+}
+
+/// What confines the pool's VMMs (from [`crate::config::JailConfig`]).
+struct Jail {
+    uid: u32,
+    gid: u32,
+    new_pid_ns: bool,
+    cgroup: Option<PathBuf>,
+    cgroup_settings: Vec<(String, String)>,
+    max_files: u64,
+    /// Bound read-only at its own path: templates and snapshots to restore
+    /// and roll back to.
+    snapshots: PathBuf,
+    /// Bound read-write at its own path: staging directories of snapshots.
+    staging: PathBuf,
 }
 
 /// What the pool holds of one shape.
@@ -63,11 +94,15 @@ struct State {
     handed: HashMap<u32, String>,
     /// VMMs started and not answering yet (killed by [`Pool::close`]).
     spawning: HashSet<u32>,
+    /// VMMs whose exit is not handled yet (reaped, cgroup and directory
+    /// removed).
+    watched: HashSet<u32>,
 }
 
 struct Inner {
     vmm_binary: PathBuf,
     vms_dir: PathBuf,
+    jail: Option<Jail>,
     targets: BTreeMap<Shape, usize>,
     start_timeout: Duration,
     state: Mutex<State>,
@@ -93,7 +128,29 @@ impl Pool {
         let vms_dir = config.run_dir.join("vms");
         std::fs::create_dir_all(&vms_dir)
             .map_err(|e| Error::io(format!("creating {}", vms_dir.display()), e))?;
-        remove_leftovers(&vms_dir);
+        let jail = config.jail.enabled.then(|| Jail {
+            uid: config.jail.uid,
+            gid: config.jail.gid,
+            new_pid_ns: config.jail.new_pid_ns,
+            cgroup: (!config.jail.cgroup.as_os_str().is_empty())
+                .then(|| config.jail.cgroup.clone()),
+            cgroup_settings: config
+                .jail
+                .cgroup_settings
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+            max_files: config.jail.max_files,
+            snapshots: config.store.join("snapshots"),
+            staging: config.store.join("tmp"),
+        });
+        if let Some(j) = &jail {
+            for d in [&j.snapshots, &j.staging] {
+                std::fs::create_dir_all(d)
+                    .map_err(|e| Error::io(format!("creating {}", d.display()), e))?;
+            }
+        }
+        remove_leftovers(&vms_dir, jail.as_ref().and_then(|j| j.cgroup.as_deref()));
         let targets = config
             .pool
             .shapes
@@ -113,6 +170,7 @@ impl Pool {
             inner: Arc::new(Inner {
                 vmm_binary: config.vmm_binary.clone(),
                 vms_dir,
+                jail,
                 targets,
                 start_timeout: Duration::from_secs(config.pool.start_timeout_s),
                 state: Mutex::new(State::default()),
@@ -218,6 +276,32 @@ impl Pool {
         self.inner.refill.notify_one();
     }
 
+    /// After [`Pool::close`]: waits up to `within` until every VMM it
+    /// killed (and every handed-over one that exited) is reaped and its
+    /// cgroup and directory are removed.
+    pub async fn closed(&self, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            // Handed-over VMMs run on, but one that exited is being
+            // cleaned up: wait for that too.
+            let left = {
+                let s = self.state();
+                s.watched
+                    .iter()
+                    .filter(|p| !s.handed.contains_key(p) || !is_alive(**p))
+                    .count()
+            };
+            if left == 0 {
+                return;
+            }
+            if Instant::now() >= deadline {
+                tracing::warn!("{left} killed VMMs not reaped within {within:?}");
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     async fn refill_loop(self) {
         loop {
             self.inner.refill.notified().await;
@@ -274,40 +358,24 @@ impl Pool {
     /// over as soon as it answers), `None` for a pooled one.
     async fn spawn(&self, shape: Shape, handed: Option<&str>) -> Result<Vmm> {
         let n = self.inner.seq.fetch_add(1, Ordering::Relaxed);
-        let dir = self
-            .inner
-            .vms_dir
-            .join(format!("{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
-        let log = std::fs::File::create(dir.join("vmm.log"))
-            .map_err(|e| Error::io(format!("creating {}/vmm.log", dir.display()), e))?;
-        let api = dir.join("api.sock");
-        let mut child = tokio::process::Command::new(&self.inner.vmm_binary)
-            .arg("serve")
-            .arg("--api-sock")
-            .arg(&api)
-            .arg("--serial")
-            .arg(dir.join("serial.log"))
-            .args(["--prepare-mem-mib", &shape.mem_mib.to_string()])
-            .args(["--prepare-vcpus", &shape.vcpus.to_string()])
-            .args(["--disk-slots", &shape.disk_slots.to_string()])
-            .arg("--vsock-uds")
-            .arg(dir.join("vsock"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .map_err(|e| {
-                let _ = std::fs::remove_dir_all(&dir);
-                Error::io(format!("starting {}", self.inner.vmm_binary.display()), e)
-            })?;
+        let name = format!("{}-{n}", std::process::id());
+        let dir = self.inner.vms_dir.join(&name);
+        let own = own_dir(&dir);
+        let started = self.prepare(shape, &dir, &name).and_then(|mut cmd| {
+            cmd.spawn()
+                .map_err(|e| Error::io(format!("starting {}", self.inner.vmm_binary.display()), e))
+        });
+        let mut child = started.inspect_err(|_| {
+            let _ = std::fs::remove_dir_all(&dir);
+        })?;
         let Some(pid) = child.id() else {
             return Err(Error::Internal("twig-vmm exited at once".into()));
         };
         let (exited_tx, mut exited) = watch::channel(None);
         let pool = self.clone();
         let watched_dir = dir.clone();
+        let cgroup = self.vmm_cgroup(&name);
+        self.state().watched.insert(pid);
         tokio::spawn(async move {
             let status = child.wait().await;
             let text = match &status {
@@ -315,7 +383,11 @@ impl Pool {
                 Err(e) => format!("unknown status ({e})"),
             };
             let _ = exited_tx.send(Some(text.clone()));
+            if let Some(cg) = cgroup {
+                remove_cgroup(&cg).await;
+            }
             pool.exited(pid, &watched_dir, &text);
+            pool.state().watched.remove(&pid);
         });
         // Killed if this future fails or is dropped before the VMM answers
         // (a request whose deadline passed): nobody would own it otherwise.
@@ -338,6 +410,7 @@ impl Pool {
         }
         std::fs::write(dir.join("pid"), pid.to_string())
             .map_err(|e| Error::io(format!("writing {}/pid", dir.display()), e))?;
+        let api = own.join("api.sock");
         let vmm = Vmm { pid, dir, shape };
         let deadline = Instant::now() + self.inner.start_timeout;
         loop {
@@ -365,6 +438,45 @@ impl Pool {
             // Woken by the exit, or after a short pause to look again.
             let _ = tokio::time::timeout(Duration::from_millis(2), exited.changed()).await;
         }
+    }
+
+    /// Makes the directory `dir` (named `name`) of a VMM of `shape` and
+    /// returns the command that starts it there.
+    fn prepare(&self, shape: Shape, dir: &Path, name: &str) -> Result<tokio::process::Command> {
+        let own = own_dir(dir);
+        let io = |what: &str, p: &Path| {
+            let what = format!("{what} {}", p.display());
+            move |e| Error::io(what, e)
+        };
+        std::fs::create_dir_all(&own).map_err(io("creating", &own))?;
+        let log_path = dir.join("vmm.log");
+        let log = std::fs::File::create(&log_path).map_err(io("creating", &log_path))?;
+        // Where the shim and the daemon read the guest console.
+        let serial_link = dir.join("serial.log");
+        std::os::unix::fs::symlink("vm/serial.log", &serial_link)
+            .map_err(io("linking", &serial_link))?;
+        let mut cmd = tokio::process::Command::new(&self.inner.vmm_binary);
+        cmd.arg("serve")
+            .arg("--api-sock")
+            .arg(own.join("api.sock"))
+            .arg("--serial")
+            .arg(own.join("serial.log"))
+            .args(["--prepare-mem-mib", &shape.mem_mib.to_string()])
+            .args(["--prepare-vcpus", &shape.vcpus.to_string()])
+            .args(["--disk-slots", &shape.disk_slots.to_string()])
+            .arg("--vsock-uds")
+            .arg(own.join("vsock"));
+        if let Some(jail) = &self.inner.jail {
+            jail_args(&mut cmd, jail, dir, name)?;
+        }
+        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
+        Ok(cmd)
+    }
+
+    /// The cgroup of the VMM whose directory is `name`, if VMMs get one.
+    fn vmm_cgroup(&self, name: &str) -> Option<PathBuf> {
+        let jail = self.inner.jail.as_ref()?;
+        Some(jail.cgroup.as_ref()?.join(name))
     }
 
     /// A VMM exited (and was reaped): forget it, remove its directory, and
@@ -407,6 +519,80 @@ impl Drop for KillGuard<'_> {
         self.pool.state().spawning.remove(&self.pid);
         if self.armed {
             kill(self.pid);
+        }
+    }
+}
+
+/// Adds the jail's flags to a `twig-vmm serve` command for the VMM in
+/// `dir` (named `name`): its root `dir/jail`, its own directory and the
+/// store's `snapshots` (read-only) and `tmp` bound at their host paths.
+fn jail_args(cmd: &mut tokio::process::Command, jail: &Jail, dir: &Path, name: &str) -> Result<()> {
+    let root = dir.join("jail");
+    let own = own_dir(dir);
+    std::fs::create_dir(&root).map_err(|e| Error::io(format!("creating {}", root.display()), e))?;
+    // The VMM creates its sockets and console log here, as its own user.
+    std::os::unix::fs::chown(&own, Some(jail.uid), Some(jail.gid))
+        .map_err(|e| Error::io(format!("chown of {}", own.display()), e))?;
+    let bind = |src: &Path, ro: bool| {
+        let mut b = src.as_os_str().to_os_string();
+        if ro {
+            b.push(":ro");
+        }
+        b
+    };
+    cmd.arg("--jail")
+        .arg(&root)
+        .args(["--uid", &jail.uid.to_string()])
+        .args(["--gid", &jail.gid.to_string()])
+        .args(["--max-files", &jail.max_files.to_string()])
+        .arg("--jail-bind")
+        .arg(bind(&own, false))
+        .arg("--jail-bind")
+        .arg(bind(&jail.snapshots, true))
+        .arg("--jail-bind")
+        .arg(bind(&jail.staging, false));
+    if jail.new_pid_ns {
+        cmd.arg("--new-pid-ns");
+    }
+    if let Some(cg) = &jail.cgroup {
+        cmd.arg("--cgroup").arg(cg.join(name));
+        for (file, value) in &jail.cgroup_settings {
+            cmd.arg("--cgroup-set").arg(format!("{file}={value}"));
+        }
+    }
+    Ok(())
+}
+
+/// How long the removal of an exited VMM's cgroup waits for its last
+/// process (the PID namespace's init, killed when its parent died) to go.
+const CGROUP_GONE_WITHIN: Duration = Duration::from_secs(5);
+
+/// Removes the cgroup `name` from every hierarchy once it is empty.
+async fn remove_cgroup(name: &Path) {
+    let hierarchies = match twig_vmm::jail::cgroup::hierarchies() {
+        Ok(h) => h,
+        Err(e) => {
+            tracing::warn!(cgroup = %name.display(), "listing cgroup hierarchies: {e}");
+            return;
+        }
+    };
+    let deadline = Instant::now() + CGROUP_GONE_WITHIN;
+    for h in hierarchies {
+        let path = h.mount.join(name);
+        loop {
+            match std::fs::remove_dir(&path) {
+                Ok(()) => break,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => break,
+                // EBUSY: a process of the VMM is still dying.
+                Err(e) if Instant::now() < deadline => {
+                    tracing::trace!(cgroup = %path.display(), "not removable yet: {e}");
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Err(e) => {
+                    tracing::warn!(cgroup = %path.display(), "removing a VMM's cgroup: {e}");
+                    break;
+                }
+            }
         }
     }
 }
@@ -457,21 +643,32 @@ fn kill(pid: u32) {
 
 /// Kills and removes what an earlier daemon left in `vms_dir`: each
 /// directory's `pid`, if that process still runs twig-vmm on that directory
-/// and was not handed over (a handed-over VMM is a shim's: its directory
-/// stays while it runs).
-fn remove_leftovers(vms_dir: &Path) {
+/// and was not handed over. A handed-over VMM is a shim's: it runs on, and
+/// its directory and cgroup are removed once it exited (watched through a
+/// pidfd: it is not this daemon's child).
+fn remove_leftovers(vms_dir: &Path, cgroup: Option<&Path>) {
     let Ok(entries) = std::fs::read_dir(vms_dir) else {
         return;
     };
     for dir in entries.flatten().map(|e| e.path()) {
+        let cg = cgroup.zip(dir.file_name()).map(|(cg, name)| cg.join(name));
         let pid = std::fs::read_to_string(dir.join("pid"))
             .ok()
             .and_then(|p| p.trim().parse::<u32>().ok());
         if let Some(pid) = pid {
+            // Opened before the check, so the pid cannot be another
+            // process's by the time it is watched.
+            let pidfd = open_pidfd(pid);
             let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            let api = dir.join("api.sock");
+            let api = own_dir(&dir).join("api.sock");
             if String::from_utf8_lossy(&cmdline).contains(&*api.to_string_lossy()) {
                 if dir.join(HANDED).exists() {
+                    match pidfd {
+                        Ok(fd) => {
+                            tokio::spawn(clean_up_after(fd, pid, dir, cg));
+                        }
+                        Err(e) => tracing::warn!(pid, "watching a handed-over VMM: {e}"),
+                    }
                     continue;
                 }
                 tracing::info!(pid, dir = %dir.display(), "killing a VMM an earlier daemon left");
@@ -481,5 +678,49 @@ fn remove_leftovers(vms_dir: &Path) {
         if let Err(e) = std::fs::remove_dir_all(&dir) {
             tracing::warn!(dir = %dir.display(), "removing a leftover VMM directory: {e}");
         }
+        if let Some(cg) = cg {
+            // Empty once the killed VMM is gone (or already).
+            tokio::spawn(async move { remove_cgroup(&cg).await });
+        }
+    }
+}
+
+fn open_pidfd(pid: u32) -> std::io::Result<OwnedFd> {
+    let pid =
+        libc::pid_t::try_from(pid).map_err(|_| std::io::Error::from_raw_os_error(libc::ESRCH))?;
+    // SAFETY: pidfd_open(2) takes a pid and flags and returns a new
+    // descriptor or -1; no memory is passed.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let fd = i32::try_from(fd).map_err(|_| std::io::Error::from_raw_os_error(libc::EBADF))?;
+    // SAFETY: `fd` is a descriptor pidfd_open just returned, owned by
+    // nothing else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Waits until the handed-over VMM of an earlier daemon (its `pidfd`)
+/// exits, then removes its cgroup and directory.
+async fn clean_up_after(pidfd: OwnedFd, pid: u32, dir: PathBuf, cgroup: Option<PathBuf>) {
+    use tokio::io::Interest;
+    // SAFETY: the AsyncFd owns `pidfd` (an OwnedFd), which stays open and
+    // the same descriptor until the AsyncFd is dropped.
+    let registered =
+        unsafe { tokio::io::unix::AsyncFd::register_with_interest(pidfd, Interest::READABLE) };
+    let exited = match registered {
+        Ok(fd) => fd.readable().await.map(drop),
+        Err(e) => Err(e.into_parts().1),
+    };
+    if let Err(e) = exited {
+        tracing::warn!(pid, "watching a handed-over VMM: {e}");
+        return;
+    }
+    tracing::info!(pid, "a handed-over VMM of an earlier daemon exited");
+    if let Some(cg) = cgroup {
+        remove_cgroup(&cg).await;
+    }
+    if let Err(e) = std::fs::remove_dir_all(&dir) {
+        tracing::warn!(dir = %dir.display(), "removing a VMM's directory: {e}");
     }
 }

@@ -334,6 +334,7 @@ impl Daemon {
     /// its connection would delay the stop by ttrpc's own 10 s).
     pub async fn stop(mut self) {
         self.pool.close();
+        self.pool.closed(STOP_GRACE).await;
         match tokio::time::timeout(STOP_GRACE, self.server.shutdown()).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::warn!("stopping the ttrpc server: {e}"),

@@ -255,4 +255,8 @@ fn a_stop_kills_the_pool_but_not_handed_vms_and_a_restart_keeps_them() {
     assert!(Path::new(&vm.state_dir).join("handed").exists());
     restore(&vm.api_socket, &vm.template_dir);
     sigkill(vm.pid);
+    // Not its child, but watched: its directory is removed once it exited.
+    wait_until("the handed VMM's directory is removed", T, || {
+        !Path::new(&vm.state_dir).exists()
+    });
 }

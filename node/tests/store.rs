@@ -98,6 +98,9 @@ fn snapshots_and_templates_of_the_node_store() {
     assert!(node.get("tiny").unwrap().found, "nothing was deleted");
     sigkill(vm.pid);
     wait_until("the VMM is reaped", T, || gone(vm.pid));
+    wait_until("the daemon saw it exit", T, || {
+        node.status().handed_pids.is_empty()
+    });
 
     // A child names it as parent.
     let store = NodeStore::open(&dir.path().join("store"), true).unwrap();

@@ -402,3 +402,104 @@ fn bad_jail_configurations_are_refused_clearly() {
     ]);
     assert!(e.contains("nosuch.file"), "{e}");
 }
+
+/// A jailed VMM cannot open the caller's files: `Client::attach_disk` opens
+/// the image and sends its descriptor with the request. The VMM serves the
+/// file it was sent (a snapshot copies exactly its bytes), while the same
+/// file named by path alone does not exist for it, and a request that
+/// announces a descriptor it did not send is refused.
+#[test]
+fn a_jailed_vmm_attaches_disks_sent_as_descriptors() {
+    require_kvm();
+    let d = tmp();
+    world_readable(d.path());
+    let (ja, store) = (d.path().join("a"), d.path().join("store"));
+    for j in [&ja, &store] {
+        owned_dir(j);
+    }
+    twig_vmm::testguest::write_to(&ja).unwrap();
+    let kernel = Path::new("/").join(
+        std::fs::read_dir(&ja)
+            .unwrap()
+            .next()
+            .unwrap()
+            .unwrap()
+            .file_name(),
+    );
+    // Images outside the jail, the host's root's only (mode 0600).
+    let image = |name: &str, byte: u8| {
+        let p = d.path().join(name);
+        std::fs::write(&p, vec![byte; 1 << 20]).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        p
+    };
+    let (rw, ro) = (image("rootfs.img", 0xa5), image("base.img", 0x5a));
+    let bind = format!("{}:/store", store.display());
+    let mut a = Vmm::start(
+        &ja.join("api.sock"),
+        Path::new("/api.sock"),
+        &jail_args(
+            ja.to_str().unwrap(),
+            &["--jail-bind", &bind, "--disk-slots", "3"],
+        ),
+    );
+    a.api
+        .boot(&kernel, None, "console=ttyS0", MIB, 1, T)
+        .expect("boot");
+    a.api
+        .attach_disk(0, &rw, false, T)
+        .expect("attach read-write");
+    a.api
+        .attach_disk(1, &ro, true, T)
+        .expect("attach read-only");
+
+    // By path alone, the file is not there for the jailed VMM.
+    let by_path = Request::AttachDisk {
+        slot: 2,
+        path: rw.clone(),
+        read_only: false,
+        fd: false,
+    };
+    match a.api.call(&by_path, T) {
+        Err(ClientError::Vmm { kind, message }) => {
+            assert_eq!(kind, ErrorKind::InvalidRequest, "{message}");
+            assert!(message.contains("rootfs.img"), "{message}");
+        }
+        other => panic!("attach by a path outside the jail: {other:?}"),
+    }
+    // A descriptor announced but not sent.
+    let no_fd = Request::AttachDisk {
+        slot: 2,
+        path: rw.clone(),
+        read_only: false,
+        fd: true,
+    };
+    match a.api.call(&no_fd, T) {
+        Err(ClientError::Vmm { kind, message }) => {
+            assert_eq!(kind, ErrorKind::InvalidRequest, "{message}");
+            assert!(message.contains("file descriptor"), "{message}");
+        }
+        other => panic!("attach without the announced descriptor: {other:?}"),
+    }
+
+    // The snapshot holds the read-write slot's bytes, read through the
+    // descriptor.
+    let node = NodeStore::open(&store, true).expect("open the node store");
+    snapshot(&mut a.api, &node, Path::new("/store"), "s1", Kind::Full).expect("snapshot");
+    let copied = std::fs::read(store.join("snapshots/s1/disk0")).expect("the slot's copy");
+    assert_eq!(copied, std::fs::read(&rw).unwrap());
+    // Rollback puts a read-write slot's content back by writing a copy
+    // next to the attached file, which a jailed VMM cannot reach: refused,
+    // and the VM runs on with its disks.
+    match a.api.rollback(Path::new("/store/snapshots/s1"), T) {
+        Err(ClientError::Vmm { kind, message }) => {
+            assert_eq!(kind, ErrorKind::Refused, "{message}")
+        }
+        other => panic!("rollback with a sent read-write disk: {other:?}"),
+    }
+    assert_eq!(a.api.stats(T).unwrap().state, RunState::Running);
+    a.api.detach_disk(0, T).expect("detach");
+    a.api.attach_disk(0, &rw, false, T).expect("attach again");
+    a.api.shutdown(T).unwrap();
+    assert!(a.wait().success());
+}

@@ -25,7 +25,10 @@ pub const SLOTS: u32 = 2;
 /// The workspace's `twig-vmm` binary next to twig-node's, built (once per
 /// test binary) with the cargo that runs the tests — with the features
 /// twig-vmm's own tests build it with, so that under `cargo test
-/// --workspace` this build leaves the binary they use as it is.
+/// --workspace` this build leaves the binary they use as it is (and its
+/// test-only `test_trigger` op, a system call outside the seccomp filters,
+/// is there). Plain feature names: `--features twig-vmm/test-trigger`
+/// with `-p twig-vmm` built the binary without the feature.
 pub fn vmm_binary() -> PathBuf {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     BUILT
@@ -41,7 +44,7 @@ pub fn vmm_binary() -> PathBuf {
                     "--bin",
                     "twig-vmm",
                     "--features",
-                    "twig-vmm/testguest,twig-vmm/test-trigger",
+                    "testguest,test-trigger",
                     "--manifest-path",
                 ])
                 .arg(&manifest)
@@ -196,7 +199,7 @@ impl Node {
         for pid in pids {
             let dir = self.vm_dir(*pid);
             assert!(!dir.join("handed").exists(), "{pid} is pooled");
-            twig_vmm::api::Client::connect(&dir.join("api.sock"), T)
+            twig_vmm::api::Client::connect(&dir.join("vm/api.sock"), T)
                 .unwrap_or_else(|e| panic!("pooled VMM {pid} does not answer: {e}"));
         }
     }

@@ -1,11 +1,15 @@
 //! The client side: a blocking client with a deadline on every call. Async
 //! callers run it on a blocking thread (`tokio::task::spawn_blocking`).
 
-use std::io::{BufRead, BufReader, ErrorKind as IoKind, Write};
-use std::os::fd::AsRawFd;
+use std::fs::OpenOptions;
+use std::io::{BufRead, BufReader, ErrorKind as IoKind, IoSlice, Write};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+
+use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
 
 use super::types::{ApiError, Hello, Reply, Request, Response, MAX_RESPONSE, PROTOCOL_VERSION};
 use crate::error::ErrorKind;
@@ -143,7 +147,7 @@ impl Client {
         };
         self.conn = Some(BufReader::new(stream));
         let budget = self.connect_timeout;
-        let hello = match self.exchange(&Request::Hello {}, deadline, budget)? {
+        let hello = match self.exchange(&Request::Hello {}, None, deadline, budget)? {
             Reply::Hello(h) => h,
             other => return Err(self.unexpected("hello", &other)),
         };
@@ -185,11 +189,21 @@ impl Client {
 
     /// Sends `req` and returns the VMM's reply, within `timeout`.
     pub fn call(&mut self, req: &Request, timeout: Duration) -> Result<Reply, ClientError> {
+        self.call_with(req, None, timeout)
+    }
+
+    /// [`Client::call`], sending `fd` with the request (`SCM_RIGHTS`).
+    fn call_with(
+        &mut self,
+        req: &Request,
+        fd: Option<BorrowedFd<'_>>,
+        timeout: Duration,
+    ) -> Result<Reply, ClientError> {
         let deadline = Instant::now() + timeout;
         if !self.usable() {
             self.reconnect(deadline.min(Instant::now() + self.connect_timeout))?;
         }
-        self.exchange(req, deadline, timeout)
+        self.exchange(req, fd, deadline, timeout)
     }
 
     /// One request and its answer on the open connection; drops the
@@ -197,10 +211,11 @@ impl Client {
     fn exchange(
         &mut self,
         req: &Request,
+        fd: Option<BorrowedFd<'_>>,
         deadline: Instant,
         budget: Duration,
     ) -> Result<Reply, ClientError> {
-        let r = self.exchange_inner(req, deadline, budget);
+        let r = self.exchange_inner(req, fd, deadline, budget);
         if !matches!(r, Ok(_) | Err(ClientError::Vmm { .. })) {
             self.conn = None;
         }
@@ -210,6 +225,7 @@ impl Client {
     fn exchange_inner(
         &mut self,
         req: &Request,
+        fd: Option<BorrowedFd<'_>>,
         deadline: Instant,
         budget: Duration,
     ) -> Result<Reply, ClientError> {
@@ -229,7 +245,7 @@ impl Client {
         let stream = conn.get_mut();
         let r = stream
             .set_write_timeout(Some(left))
-            .and_then(|_| stream.write_all(&line));
+            .and_then(|_| send(stream, &line, fd));
         let write_err = match r {
             Ok(()) => None,
             Err(e) if is_timeout(&e) => return Err(timeout(self)),
@@ -350,13 +366,18 @@ impl Client {
         }
     }
 
-    /// Snapshots the VM into the new directory `dir`.
+    /// Snapshots the VM into the new directory `dir` (a node store's
+    /// staging directory). A jailed VMM runs as its own user: if that user
+    /// (the owner of the API socket, which the VMM created) is not the
+    /// caller's, `dir` is first given to it (`chown`), so the VMM can write
+    /// there; the store publishes it as before.
     pub fn snapshot(
         &mut self,
         dir: &Path,
         kind: Kind,
         timeout: Duration,
     ) -> Result<SnapshotInfo, ClientError> {
+        self.give_to_vmm(dir)?;
         let req = Request::Snapshot {
             dir: dir.to_path_buf(),
             kind,
@@ -365,6 +386,26 @@ impl Client {
             Reply::Snapshot(info) => Ok(info),
             other => Err(self.unexpected("snapshot", &other)),
         }
+    }
+
+    /// Makes `dir` the VMM's user's if the VMM runs as another user than
+    /// the caller (a jailed VMM). A `dir` this process cannot see (a path
+    /// inside a jail that is not bound at its host path) is left to the VMM
+    /// to find or refuse.
+    fn give_to_vmm(&self, dir: &Path) -> Result<(), ClientError> {
+        let sock = std::fs::metadata(&self.path).map_err(self.io("looking at the API socket"))?;
+        let Ok(meta) = std::fs::metadata(dir) else {
+            return Ok(());
+        };
+        let owner = (sock.uid(), sock.gid());
+        if sock.uid() == nix::unistd::geteuid().as_raw() || (meta.uid(), meta.gid()) == owner {
+            return Ok(());
+        }
+        std::os::unix::fs::chown(dir, Some(owner.0), Some(owner.1)).map_err(self.io(format!(
+            "giving the staging directory {} to the VMM's user {}",
+            dir.display(),
+            owner.0
+        )))
     }
 
     /// Rolls the VM back in place to the snapshot in `dir`.
@@ -387,6 +428,10 @@ impl Client {
     }
 
     /// Attaches the image at `path` to disk slot `slot` of the running VM.
+    /// The file is opened here (read-only, or read-write) and its
+    /// descriptor sent with the request, so a jailed VMM, which cannot open
+    /// the caller's files, gets it too; a file this process cannot open is
+    /// named by path, and the VMM's answer says what is wrong with it.
     pub fn attach_disk(
         &mut self,
         slot: usize,
@@ -394,12 +439,18 @@ impl Client {
         read_only: bool,
         timeout: Duration,
     ) -> Result<(), ClientError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(!read_only)
+            .open(path)
+            .ok();
         let req = Request::AttachDisk {
             slot,
             path: path.to_path_buf(),
             read_only,
+            fd: file.is_some(),
         };
-        match self.call(&req, timeout)? {
+        match self.call_with(&req, file.as_ref().map(AsFd::as_fd), timeout)? {
             Reply::DiskAttached { slot: s } if s == slot => Ok(()),
             other => Err(self.unexpected("attach_disk", &other)),
         }
@@ -420,6 +471,28 @@ impl Client {
             other => Err(self.unexpected("shutdown", &other)),
         }
     }
+}
+
+/// Writes all of `line` to `stream`, `fd` (if any) with its first bytes.
+fn send(stream: &mut UnixStream, line: &[u8], fd: Option<BorrowedFd<'_>>) -> std::io::Result<()> {
+    let Some(fd) = fd else {
+        return stream.write_all(line);
+    };
+    let fds = [fd.as_raw_fd()];
+    let sent = loop {
+        match sendmsg::<()>(
+            stream.as_raw_fd(),
+            &[IoSlice::new(line)],
+            &[ControlMessage::ScmRights(&fds)],
+            MsgFlags::MSG_NOSIGNAL,
+            None,
+        ) {
+            Ok(n) => break n,
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    };
+    stream.write_all(&line[sent..])
 }
 
 fn remaining(deadline: Instant) -> Option<Duration> {

@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! → {"op":"hello"}
-//! ← {"ok":{"hello":{"protocol":1,"version":"0.1.0"}}}
+//! ← {"ok":{"hello":{"protocol":2,"version":"0.1.0"}}}
 //! → {"op":"boot","kernel":"/path/vmlinux","initrd":"/path/initrd","cmdline":"console=ttyS0","mem_mib":128,"vcpus":1}
 //! ← {"ok":{"state":{"state":"running"}}}
 //! → {"op":"restore","dir":"/store/snapshots/a"}    ← {"ok":{"restored":{"id":"…"}}}

@@ -1,7 +1,12 @@
 //! The server side: one VM behind a mutex, a thread per connection.
 
-use std::io::{BufRead, BufReader, ErrorKind as IoKind, Read, Write};
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io::{BufRead, BufReader, ErrorKind as IoKind, IoSliceMut, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
+
+use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -175,7 +180,10 @@ fn serve_conn(shared: &Shared, conn: UnixStream) -> Result<bool> {
     let mut out = conn
         .try_clone()
         .map_err(|e| Error::io("cloning the API connection", e))?;
-    let mut reader = BufReader::new(conn);
+    let mut reader = BufReader::new(FdReader {
+        conn,
+        fds: VecDeque::new(),
+    });
     let mut line = Vec::new();
     loop {
         line.clear();
@@ -203,7 +211,7 @@ fn serve_conn(shared: &Shared, conn: UnixStream) -> Result<bool> {
                 false,
             )
         } else {
-            handle_line(shared, &line)
+            handle_line(shared, &line, &mut reader.get_mut().fds)
         };
         writeln!(out, "{}", resp.to_line()).map_err(|e| Error::io("writing an API response", e))?;
         if exit || too_long {
@@ -212,8 +220,51 @@ fn serve_conn(shared: &Shared, conn: UnixStream) -> Result<bool> {
     }
 }
 
-/// Parses and handles one request line.
-fn handle_line(shared: &Shared, line: &[u8]) -> (Response, bool) {
+/// File descriptors a connection may have sent ahead of the requests that
+/// use them; more are closed at once.
+const MAX_PENDING_FDS: usize = 8;
+
+/// The reading half of an API connection: reads like `read(2)`, and keeps
+/// the file descriptors that come with the bytes (`SCM_RIGHTS`), in order,
+/// for the requests that announce one (`attach_disk` with `fd`).
+struct FdReader {
+    conn: UnixStream,
+    fds: VecDeque<OwnedFd>,
+}
+
+impl Read for FdReader {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let mut iov = [IoSliceMut::new(buf)];
+        // Room for as many descriptors as one message can carry
+        // (SCM_MAX_FD), so none is ever cut off and leaked.
+        let mut space = nix::cmsg_space!([RawFd; 253]);
+        let msg = recvmsg::<()>(
+            self.conn.as_raw_fd(),
+            &mut iov,
+            Some(&mut space),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        )
+        .map_err(std::io::Error::from)?;
+        let n = msg.bytes;
+        for cmsg in msg.cmsgs().map_err(std::io::Error::from)? {
+            if let ControlMessageOwned::ScmRights(fds) = cmsg {
+                for fd in fds {
+                    // SAFETY: the kernel just installed `fd` in this
+                    // process for this message; nothing else owns it.
+                    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+                    if self.fds.len() < MAX_PENDING_FDS {
+                        self.fds.push_back(fd);
+                    }
+                }
+            }
+        }
+        Ok(n)
+    }
+}
+
+/// Parses and handles one request line; `fds` are the descriptors the
+/// connection sent that no request took yet.
+fn handle_line(shared: &Shared, line: &[u8], fds: &mut VecDeque<OwnedFd>) -> (Response, bool) {
     let req = match std::str::from_utf8(line)
         .map_err(|e| e.to_string())
         .and_then(|s| serde_json::from_str::<Request>(s.trim()).map_err(|e| e.to_string()))
@@ -230,7 +281,7 @@ fn handle_line(shared: &Shared, line: &[u8]) -> (Response, bool) {
         let err = ApiError::new(ErrorKind::InvalidRequest, "this twig-vmm is shutting down");
         return (Response::Error(err), false);
     }
-    match machine.handle(req) {
+    match machine.handle(req, fds) {
         Ok(reply) => {
             let exit = matches!(reply, Reply::ShutDown {});
             machine.shut_down |= exit;
@@ -285,7 +336,7 @@ impl Machine {
             .ok_or_else(|| Error::Config("no VM yet: boot or restore one first".into()))
     }
 
-    fn handle(&mut self, req: Request) -> Result<Reply> {
+    fn handle(&mut self, req: Request, fds: &mut VecDeque<OwnedFd>) -> Result<Reply> {
         Ok(match req {
             Request::Hello {} => Reply::Hello(Hello {
                 protocol: PROTOCOL_VERSION,
@@ -345,9 +396,25 @@ impl Machine {
                 slot,
                 path,
                 read_only,
+                fd: false,
             } => {
                 self.vm()?
                     .attach_disk(slot, &DiskConfig { path, read_only })?;
+                Reply::DiskAttached { slot }
+            }
+            Request::AttachDisk {
+                slot,
+                path,
+                read_only,
+                fd: true,
+            } => {
+                let file = fds.pop_front().map(File::from).ok_or_else(|| {
+                    Error::Config(format!(
+                        "attach_disk of {} announces a file descriptor but none came with it",
+                        path.display()
+                    ))
+                })?;
+                self.vm()?.attach_disk_file(slot, &path, file, read_only)?;
                 Reply::DiskAttached { slot }
             }
             Request::DetachDisk { slot } => {

@@ -12,7 +12,7 @@ use crate::vm::{RollbackInfo, RunState, SnapshotInfo, Stats};
 /// The protocol version this build speaks. A client refuses a VMM whose
 /// [`Hello::protocol`] differs; it changes whenever a request, a reply or an
 /// error kind changes incompatibly.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Longest request line the server accepts, in bytes.
 pub const MAX_REQUEST: usize = 64 * 1024;
@@ -84,11 +84,19 @@ pub enum Request {
     AttachDisk {
         /// The slot, `0..` the VMM's `--disk-slots`.
         slot: usize,
-        /// A raw image whose size is a multiple of 512 bytes.
+        /// A raw image whose size is a multiple of 512 bytes; with `fd`,
+        /// only its name (logs, the device id).
         path: PathBuf,
         /// Attach read-only.
         #[serde(default)]
         read_only: bool,
+        /// The image is the file descriptor sent with this request
+        /// (`SCM_RIGHTS`), opened by the caller: how a jailed VMM, which
+        /// cannot open the caller's files, gets its disks.
+        /// [`super::Client::attach_disk`] sends one whenever it can open
+        /// the file.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        fd: bool,
     },
     /// Empty a disk slot of the VM ([`Reply::DiskDetached`]); the guest
     /// must have stopped using the disk.
@@ -249,6 +257,13 @@ mod tests {
                 slot: 1,
                 path: "/d.img".into(),
                 read_only: true,
+                fd: false,
+            },
+            Request::AttachDisk {
+                slot: 0,
+                path: "/e.img".into(),
+                read_only: false,
+                fd: true,
             },
             Request::DetachDisk { slot: 1 },
             Request::Shutdown {},

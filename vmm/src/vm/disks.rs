@@ -11,7 +11,7 @@
 //! back to 0 the same way.
 
 use std::fs::File;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use serde::Serialize;
@@ -100,6 +100,35 @@ impl Vm {
             read_only = disk.read_only,
             size = d.size(),
             "disk attached"
+        );
+        Ok(())
+    }
+
+    /// [`Vm::attach_disk`] with an image the caller opened: `file` (open
+    /// for reading, and for writing unless `read_only`), named `path`. A
+    /// jailed VMM gets its disks this way, over the API socket.
+    pub fn attach_disk_file(
+        &mut self,
+        slot: usize,
+        path: &Path,
+        file: File,
+        read_only: bool,
+    ) -> Result<()> {
+        self.need(
+            "attaching a disk",
+            &[RunState::Running, RunState::Paused],
+            "running or paused",
+        )?;
+        let (index, d) = self.slot_disk(slot)?;
+        d.attach_file(path, file, read_only)
+            .map_err(|e| slot_error(slot, e))?;
+        self.devices.announce_config(1 + index);
+        tracing::info!(
+            slot,
+            path = %path.display(),
+            read_only,
+            size = d.size(),
+            "disk attached (sent descriptor)"
         );
         Ok(())
     }

@@ -4,6 +4,7 @@
 //! snapshot's copy of a disk in place, or change what a slot holds).
 
 use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 
@@ -171,7 +172,38 @@ impl DiskFile {
         if !self.slot {
             return Err(Error::Config("a fixed disk cannot be attached to".into()));
         }
-        let backing = Backing::open(path, read_only)?;
+        self.attach_backing(Backing::open(path, read_only)?)
+    }
+
+    /// Attaches `file`, an image the caller opened (a jailed VMM cannot
+    /// open it by path: it came over the API socket), to this empty slot;
+    /// `path` names it (in logs and the device id). A read-write attachment
+    /// needs a file open for writing.
+    pub fn attach_file(&self, path: &Path, file: File, read_only: bool) -> Result<()> {
+        if !self.slot {
+            return Err(Error::Config("a fixed disk cannot be attached to".into()));
+        }
+        if !read_only {
+            // SAFETY: F_GETFL on a descriptor `file` owns; no memory is
+            // passed.
+            let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
+            if flags < 0 {
+                return Err(Error::io(
+                    format!("reading the flags of disk image {}", path.display()),
+                    std::io::Error::last_os_error(),
+                ));
+            }
+            if flags & libc::O_ACCMODE == libc::O_RDONLY {
+                return Err(Error::Config(format!(
+                    "disk image {} was sent open read-only for a read-write attachment",
+                    path.display()
+                )));
+            }
+        }
+        self.attach_backing(Backing::of(path, read_only, file)?)
+    }
+
+    fn attach_backing(&self, backing: Backing) -> Result<()> {
         let mut g = self.lock();
         if let Some(b) = &g.backing {
             return Err(Error::Config(format!(

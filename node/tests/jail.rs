@@ -1,0 +1,312 @@
+//! twig-node's VMMs run jailed (the default configuration) on this host's
+//! /dev/kvm: a pooled VMM runs as the configured unprivileged user, with no
+//! capabilities, under its seccomp filters, in its own mount, PID and
+//! network namespaces and its own cgroup; its root holds `/dev/kvm`, its own
+//! directory and the node store's snapshots and staging, and nothing else
+//! (a snapshot in another store is `not_found` for it). Restore, snapshots
+//! (full and incremental, published by the real node store) and rollback
+//! work through the jail with the paths the shim uses; a second jailed VMM
+//! restores the chain. A system call outside the filters (the test-only
+//! trigger) kills the VMM, the daemon reaps it and removes its directory
+//! and cgroup. With the jail off, VMMs run as before.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::*;
+use twig_node::config::DEFAULT_VMM_ID;
+use twig_store::NodeStore;
+use twig_vmm::api::{Client, ErrorKind, Request};
+use twig_vmm::{Kind, RunState};
+
+/// Restores `template_dir` into the VMM serving `api_socket`, as the shim
+/// does, and waits until the guest runs.
+fn restore(api_socket: &str, template_dir: &Path) -> Client {
+    let mut api = Client::connect(Path::new(api_socket), T).expect("connect to the handed VMM");
+    api.restore(template_dir, T).expect("restore the template");
+    wait_until("the restored guest runs", T, || {
+        let s = api.stats(T).expect("stats");
+        s.exits > 0 && s.state == RunState::Running
+    });
+    api
+}
+
+/// The test's parent cgroup, removed (with what is left in it) on drop.
+struct CgroupGuard(String);
+
+impl Drop for CgroupGuard {
+    fn drop(&mut self) {
+        for h in twig_vmm::jail::cgroup::hierarchies().unwrap() {
+            let parent = h.mount.join(&self.0);
+            if let Ok(children) = std::fs::read_dir(&parent) {
+                for c in children.flatten().filter(|c| c.path().is_dir()) {
+                    let _ = std::fs::remove_dir(c.path());
+                }
+            }
+            let _ = std::fs::remove_dir(&parent);
+        }
+    }
+}
+
+/// Kills a handed-over VMM (the test owns it) if the test ends before it
+/// stopped it: it would outlive the daemon.
+struct Owned(u32);
+
+impl Drop for Owned {
+    fn drop(&mut self) {
+        if !gone(self.0) {
+            // SAFETY: kill(2); no memory involved.
+            unsafe { libc::kill(self.0 as i32, libc::SIGKILL) };
+        }
+    }
+}
+
+/// A test node's configuration with the jail's defaults (uid/gid
+/// [`DEFAULT_VMM_ID`], new PID namespace) in the cgroup `cgroup`.
+fn jailed_config(dir: &Path, size: usize, cgroup: &str) -> serde_json::Value {
+    let mut c = config(dir, size);
+    c["jail"] = serde_json::json!({
+        "cgroup": cgroup,
+        "cgroup_settings": {"pids.max": "64"},
+    });
+    c
+}
+
+/// The VMM itself: in its PID namespace it is the only child of the
+/// process the daemon started (and handed over), which waits for it.
+fn vmm_of(pid: u32) -> u32 {
+    let mut child = None;
+    wait_until("the jailed VMM runs in its PID namespace", T, || {
+        child = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+            .ok()
+            .and_then(|c| c.split_whitespace().next().map(str::to_string))
+            .and_then(|c| c.parse().ok());
+        child.is_some()
+    });
+    child.unwrap()
+}
+
+/// The value of `field` in `/proc/<pid>/status`, whitespace-normalised.
+fn status_field(pid: u32, field: &str) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{field}:")))
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn ns(pid: &str, kind: &str) -> PathBuf {
+    std::fs::read_link(format!("/proc/{pid}/ns/{kind}")).unwrap()
+}
+
+/// `host` as the process `pid` sees it from its root.
+fn seen_by(pid: u32, host: &Path) -> PathBuf {
+    Path::new(&format!("/proc/{pid}/root")).join(host.strip_prefix("/").unwrap())
+}
+
+#[test]
+fn pooled_vmms_run_jailed_and_restore_snapshot_and_roll_back_through_the_jail() {
+    let dir = tempfile::tempdir().unwrap();
+    make_template(dir.path(), "tiny");
+    // A snapshot in another store: outside every pooled VMM's jail.
+    let other = dir.path().join("other");
+    std::fs::create_dir(&other).unwrap();
+    make_template(&other, "elsewhere");
+    let cgroup = format!("twig-node-test-{}", std::process::id());
+    let _cg = CgroupGuard(cgroup.clone());
+    let node = Node::start(dir.path(), &jailed_config(dir.path(), 2, &cgroup));
+    wait_until("the pool holds 2 VMMs", T, || node.pooled().len() == 2);
+    node.check_pooled(&node.pooled());
+    let vm = node.acquire("tiny").expect("AcquireVm");
+    let _owned = Owned(vm.pid);
+    let inner = vmm_of(vm.pid);
+
+    // An unprivileged user with no capabilities, under its filters.
+    let id = DEFAULT_VMM_ID.to_string();
+    let ids = [id.as_str(); 4].join(" ");
+    assert_eq!(status_field(inner, "Uid"), ids);
+    assert_eq!(status_field(inner, "Gid"), ids);
+    assert_eq!(status_field(inner, "Groups"), "");
+    for cap in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
+        assert_eq!(status_field(inner, cap), "0000000000000000", "{cap}");
+    }
+    assert_eq!(status_field(inner, "NoNewPrivs"), "1");
+    assert_eq!(status_field(inner, "Seccomp"), "2");
+    // PID 1 of its own PID namespace; its own mount and network namespaces.
+    assert_eq!(status_field(inner, "NSpid"), format!("{inner} 1"));
+    for kind in ["mnt", "net", "pid"] {
+        assert_ne!(ns(&inner.to_string(), kind), ns("self", kind), "{kind}");
+    }
+    // Its own cgroup, with the configured setting.
+    let name = Path::new(&vm.state_dir)
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap();
+    let group = format!("{cgroup}/{name}");
+    let cgroups = std::fs::read_to_string(format!("/proc/{inner}/cgroup")).unwrap();
+    assert!(
+        cgroups
+            .lines()
+            .any(|l| l.contains(":pids:") && l.ends_with(&group)),
+        "{cgroups}"
+    );
+    let hierarchies = twig_vmm::jail::cgroup::hierarchies().unwrap();
+    let pids = hierarchies
+        .iter()
+        .find(|h| h.controllers.iter().any(|c| c == "pids"))
+        .expect("a pids hierarchy");
+    assert_eq!(
+        std::fs::read_to_string(pids.mount.join(&group).join("pids.max"))
+            .unwrap()
+            .trim(),
+        "64"
+    );
+
+    // Its root: /dev/kvm, its directory and the store's snapshots and
+    // staging at their host paths; not the host's files, not another store.
+    let store_dir = dir.path().join("store");
+    let root = PathBuf::from(format!("/proc/{inner}/root"));
+    assert!(root.join("dev/kvm").exists());
+    assert!(seen_by(inner, Path::new(&vm.api_socket)).exists());
+    assert!(seen_by(inner, &store_dir.join("snapshots/tiny/state")).exists());
+    assert!(seen_by(inner, &store_dir.join("tmp")).is_dir());
+    for absent in [
+        root.join("etc"),
+        root.join("usr"),
+        seen_by(inner, &dir.path().join("node.json")),
+        seen_by(inner, &other.join("store/snapshots/elsewhere/state")),
+        seen_by(inner, &Path::new(&vm.state_dir).join("vmm.log")),
+    ] {
+        assert!(!absent.exists(), "{} is in the jail", absent.display());
+    }
+    let mut api = Client::connect(Path::new(&vm.api_socket), T).unwrap();
+    let e = api
+        .restore(&other.join("store/snapshots/elsewhere"), T)
+        .expect_err("a snapshot outside the jail");
+    assert_eq!(e.kind(), Some(ErrorKind::NotFound), "{e}");
+
+    // Restore, snapshots into the real store, rollback: the shim's calls
+    // with the host paths.
+    let mut api = restore(&vm.api_socket, Path::new(&vm.template_dir));
+    let store = NodeStore::open(&store_dir, true).unwrap();
+    for (id, kind) in [("s1", Kind::Full), ("s2", Kind::Incremental)] {
+        let staging = store.stage(id).unwrap();
+        let info = api.snapshot(staging.dir(), kind, T).expect("snapshot");
+        assert_eq!(info.kind, kind);
+        let published = staging.publish().expect("publish");
+        // Written by the jailed VMM, as its user.
+        let state = std::fs::metadata(published.dir().join("state")).unwrap();
+        assert_eq!(
+            std::os::unix::fs::MetadataExt::uid(&state),
+            DEFAULT_VMM_ID,
+            "{id}"
+        );
+    }
+    assert_eq!(store.get("s2").unwrap().parent.as_deref(), Some("s1"));
+    for id in ["s1", "s2"] {
+        api.rollback(&store.snapshot_dir(id), T)
+            .unwrap_or_else(|e| panic!("rollback to {id}: {e}"));
+        assert_eq!(api.stats(T).unwrap().baseline.as_deref(), Some(id));
+    }
+    let e = api
+        .rollback(&other.join("store/snapshots/elsewhere"), T)
+        .expect_err("a rollback to a snapshot outside the jail");
+    assert_eq!(e.kind(), Some(ErrorKind::NotFound), "{e}");
+
+    // Another jailed VMM restores the incremental chain.
+    let vm2 = node.acquire("tiny").expect("AcquireVm");
+    let _owned2 = Owned(vm2.pid);
+    let mut api2 = restore(&vm2.api_socket, &store.snapshot_dir("s2"));
+    assert_eq!(api2.stats(T).unwrap().baseline.as_deref(), Some("s2"));
+
+    for (vm, api) in [(&vm, &mut api), (&vm2, &mut api2)] {
+        api.shutdown(T).expect("shutdown");
+        wait_until("the stopped VMM is reaped", T, || gone(vm.pid));
+        wait_until("its directory is removed", T, || {
+            !Path::new(&vm.state_dir).exists()
+        });
+    }
+    wait_until("its cgroup is removed", T, || {
+        hierarchies.iter().all(|h| !h.mount.join(&group).exists())
+    });
+}
+
+#[test]
+fn a_filter_violation_kills_a_jailed_vmm_and_the_daemon_reaps_it() {
+    let dir = tempfile::tempdir().unwrap();
+    make_template(dir.path(), "tiny");
+    let cgroup = format!("twig-node-trigger-{}", std::process::id());
+    let _cg = CgroupGuard(cgroup.clone());
+    let node = Node::start(dir.path(), &jailed_config(dir.path(), 1, &cgroup));
+    let vm = node.acquire("tiny").expect("AcquireVm");
+    let _owned = Owned(vm.pid);
+    let inner = vmm_of(vm.pid);
+    let mut api = restore(&vm.api_socket, Path::new(&vm.template_dir));
+    let e = api
+        .call(&Request::TestTrigger {}, T)
+        .expect_err("the VMM dies of the forbidden call");
+    assert!(
+        matches!(e, twig_vmm::api::ClientError::Io { .. })
+            || matches!(e, twig_vmm::api::ClientError::Protocol { .. }),
+        "{e:?}"
+    );
+    wait_until("the killed VMM is reaped", T, || {
+        gone(vm.pid) && gone(inner)
+    });
+    wait_until("its directory is removed", T, || {
+        !Path::new(&vm.state_dir).exists()
+    });
+    // The daemon saw it die of SIGSYS (the process it started re-raises
+    // its VMM's signal).
+    wait_until("the daemon logs the death", T, || {
+        node.log()
+            .lines()
+            .any(|l| l.contains("a handed-over VMM exited") && l.contains("SIGSYS"))
+    });
+    assert!(node.status().handed_pids.is_empty());
+    let name = Path::new(&vm.state_dir).file_name().unwrap().to_owned();
+    wait_until("its cgroup is removed", T, || {
+        twig_vmm::jail::cgroup::hierarchies()
+            .unwrap()
+            .iter()
+            .all(|h| !h.mount.join(&cgroup).join(&name).exists())
+    });
+    // The pool goes on serving.
+    let next = node.acquire("tiny").expect("AcquireVm after the death");
+    let _owned_next = Owned(next.pid);
+    restore(&next.api_socket, Path::new(&next.template_dir));
+    sigkill(next.pid);
+    wait_until("the next VMM is reaped", T, || gone(next.pid));
+}
+
+#[test]
+fn with_the_jail_off_vmms_run_as_before() {
+    let dir = tempfile::tempdir().unwrap();
+    make_template(dir.path(), "tiny");
+    let mut c = config(dir.path(), 1);
+    c["jail"] = serde_json::json!({"enabled": false});
+    let node = Node::start(dir.path(), &c);
+    let vm = node.acquire("tiny").expect("AcquireVm");
+    let pid = vm.pid;
+    let _owned = Owned(pid);
+    assert_eq!(status_field(pid, "Uid"), "0 0 0 0");
+    assert_eq!(status_field(pid, "Seccomp"), "2", "filters stay on");
+    for kind in ["mnt", "net", "pid"] {
+        assert_eq!(ns(&pid.to_string(), kind), ns("self", kind), "{kind}");
+    }
+    let mut api = restore(&vm.api_socket, Path::new(&vm.template_dir));
+    let store = NodeStore::open(&dir.path().join("store"), true).unwrap();
+    let staging = store.stage("s1").unwrap();
+    api.snapshot(staging.dir(), Kind::Full, T)
+        .expect("snapshot");
+    staging.publish().expect("publish");
+    api.rollback(&store.snapshot_dir("s1"), T)
+        .expect("rollback");
+    api.shutdown(T).expect("shutdown");
+    wait_until("the stopped VMM is reaped", T, || gone(pid));
+}
