@@ -26,7 +26,7 @@ pub use node::{
     containerd_config, mounts_under, shim_config, Guest, Node, NodeConfig, Runtime, NAMESPACE,
 };
 pub use process::{kill_processes_with_arg, run, run_ok, tail, Daemon, Output};
-pub use recovery::{kill9, pids_with_arg, poll_until, proc_state, signal, ProcState};
+pub use recovery::{kill9, pids_with_arg, poll_until, proc_state, process_tree, signal, ProcState};
 
 /// The test image's name, as `e2e/build-image.sh` names it by default.
 pub const IMAGE_REF: &str = "docker.io/library/twig-e2e-busybox:v1";

@@ -78,6 +78,29 @@ pub fn pids_with_arg(matches: impl Fn(&str) -> bool) -> Vec<i32> {
         .collect()
 }
 
+/// `pid` and every process below it (children of each of its threads,
+/// recursively), parents first: a jailed VMM in its own PID namespace is a
+/// parent outside waiting for the VMM inside.
+pub fn process_tree(pid: i32) -> Vec<i32> {
+    let mut tree = vec![pid];
+    let mut i = 0;
+    while let Some(&p) = tree.get(i) {
+        let tasks = fs::read_dir(format!("/proc/{p}/task"))
+            .into_iter()
+            .flatten();
+        for task in tasks.flatten() {
+            let children = fs::read_to_string(task.path().join("children")).unwrap_or_default();
+            tree.extend(
+                children
+                    .split_whitespace()
+                    .filter_map(|c| c.parse::<i32>().ok()),
+            );
+        }
+        i += 1;
+    }
+    tree
+}
+
 /// Sends SIGKILL to `pid` (gone already: nothing to do).
 pub fn kill9(pid: i32) {
     let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);

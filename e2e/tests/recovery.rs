@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use twig_e2e::{
-    find_on_path, kill9, poll_until, proc_state, signal, Background, Node, Output, ProcState,
-    Runtime, IMAGE_REF,
+    find_on_path, kill9, poll_until, proc_state, process_tree, signal, Background, Node, Output,
+    ProcState, Runtime, IMAGE_REF,
 };
 
 /// Deadline of a container's first output (a twig container restores a
@@ -400,7 +400,13 @@ fn twig_guest_that_stops_answering_times_out_and_kill_ends_the_pod() {
     let node = node(Runtime::Twig);
     run_detached(&node, Runtime::Twig, "frozen");
     let vmm = the_handed_vmm(&node);
-    signal(vmm, Signal::SIGSTOP).unwrap_or_else(|e| panic!("{e}"));
+    // The VMM and, jailed in its own PID namespace, the VMM inside below
+    // the pid the shim owns: stop them all.
+    let tree = process_tree(vmm);
+    for pid in tree.iter().rev() {
+        signal(*pid, Signal::SIGSTOP).unwrap_or_else(|e| panic!("{e}"));
+    }
+    eprintln!("stopped the VMM's processes {tree:?}");
 
     let started = Instant::now();
     let out = ctr(
