@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Builds the end-to-end tests' container image: one layer with the host's
 # static busybox (/bin/busybox and a symlink per applet), /etc/passwd and
-# /etc/group for root, and `/bin/sh` as its command. umoci makes the OCI
-# layout, skopeo turns it into an OCI archive that `ctr images import`
-# takes, named REF (default: the harness's twig_e2e::IMAGE_REF).
+# /etc/group for root, and `/bin/sh` as its command (or CMD..., e.g. the
+# pod sandbox image's endless shell loop). umoci makes the OCI layout, skopeo
+# turns it into an OCI archive that `ctr images import` takes, named REF
+# (default: the harness's twig_e2e::IMAGE_REF).
 #
-# Usage: e2e/build-image.sh OUT.tar [REF]
+# Usage: e2e/build-image.sh OUT.tar [REF [CMD...]]
 # Needs umoci, skopeo and busybox-static (scripts/install-deps.sh).
 set -euo pipefail
 out=${1:?usage: e2e/build-image.sh OUT.tar [REF]}
 ref=${2:-docker.io/library/twig-e2e-busybox:v1}
+shift $(($# < 2 ? $# : 2))
+cmd=("$@"); ((${#cmd[@]})) || cmd=(/bin/sh)
 die() { echo "build-image: $*" >&2; exit 1; }
 for t in umoci skopeo; do
   command -v $t >/dev/null || die "$t missing (scripts/install-deps.sh installs it)"
@@ -34,6 +37,8 @@ done
 echo 'root:x:0:0:root:/root:/bin/sh' > "$r/etc/passwd"
 echo 'root:x:0:' > "$r/etc/group"
 umoci repack --image "$layout:v1" "$work/bundle"
-umoci config --image "$layout:v1" --config.cmd /bin/sh --config.env PATH=/bin
+cmd_args=()
+for a in "${cmd[@]}"; do cmd_args+=("--config.cmd=$a"); done
+umoci config --image "$layout:v1" "${cmd_args[@]}" --config.env PATH=/bin
 skopeo copy --quiet "oci:$layout:v1" "oci-archive:$out.part:$ref"
 mv "$out.part" "$out"

@@ -7,19 +7,32 @@
 //! the handlers are interleaved (pod `i` uses handler `i mod n`), so slow
 //! drifts in the machine's load hit every handler alike.
 //!
-//! Everything runs on a `twig_cri::Node`: its own containerd, CNI bridge and
-//! local registry (needs root). Teardown of each pod is not timed; at
-//! concurrency > 1 it overlaps other pods' starts, as on a busy node.
+//! Everything runs on a node of its own (needs root): on the host
+//! (`--node host`) a `twig_cri::Node` (containerd, CNI bridge, local
+//! registry; runc only, Linux guests do not run here); in the nested lab
+//! (`--node lab`, `tests/lab/run.sh --bench cri`) a `twig_e2e::cri::CriNode`
+//! (containerd with twig-snapshotter under every handler, the twig shim, the
+//! images imported from archives), where the handlers are `runc` and `twig`.
+//! Teardown of each pod is not timed; at concurrency > 1 it overlaps other
+//! pods' starts, as on a busy node.
+//!
+//! In the lab it also measures, per handler, the host memory of an idle pod
+//! (its shim, its VMM or containers: resident and anonymous, the latter
+//! being what the pod owns, not the template's shared page cache) and, for
+//! twig, the time the shim spends in Create and Start outside the VM (the
+//! shim's `timing` log lines, which containerd copies into its log).
 
 use crate::stats::{Context, Error, Report, Summary};
 use serde_json::{json, Value};
-use std::path::PathBuf;
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use twig_cri::{
     container_config, logs, pod_sandbox_config, CriClient, Node, NodeOptions, RuntimeHandler,
 };
+use twig_e2e::cri::CriNode;
 
 /// What the container prints first.
 const READY: &str = "ready";
@@ -42,28 +55,104 @@ pub struct Args {
     /// Untimed pods per handler first (image unpack, first shim start).
     #[arg(long, default_value_t = 2)]
     warmup: usize,
+    /// Where the pods run: `host` (twig-cri's node) or `lab` (twig-e2e's
+    /// node, inside tests/lab/run.sh; handlers `runc` and `twig`).
+    #[arg(long, value_enum, default_value = "host")]
+    node: NodeKind,
+    /// Idle pods per handler kept running at once to measure their host
+    /// memory (lab only; 0: not measured).
+    #[arg(long, default_value_t = 4)]
+    idle_pods: usize,
+}
+
+/// Where the benchmark's pods run.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum NodeKind {
+    /// twig-cri's node on this host: local registry, overlayfs, runc.
+    Host,
+    /// twig-e2e's node in the nested lab: twig-snapshotter, runc and twig.
+    Lab,
+}
+
+/// The handlers twig-e2e's node configures.
+const LAB_HANDLERS: [&str; 2] = ["runc", "twig"];
+
+/// A started node of either kind.
+enum BenchNode {
+    Host(Node),
+    Lab(CriNode),
+}
+
+impl BenchNode {
+    fn start(args: &Args) -> Result<BenchNode, Error> {
+        match args.node {
+            NodeKind::Host => Ok(BenchNode::Host(
+                Node::start(&NodeOptions {
+                    runtimes: args.handlers.clone(),
+                })
+                .context(|| "starting containerd with its CRI plugin".into())?,
+            )),
+            NodeKind::Lab => {
+                if let Some(h) = args
+                    .handlers
+                    .iter()
+                    .find(|h| !LAB_HANDLERS.contains(&h.name.as_str()))
+                {
+                    return Err(format!(
+                        "handler {}: the lab's node offers only {LAB_HANDLERS:?}",
+                        h.name
+                    )
+                    .into());
+                }
+                Ok(BenchNode::Lab(CriNode::start().context(|| {
+                    "starting the lab's node (twig-e2e) with CRI".into()
+                })?))
+            }
+        }
+    }
+
+    /// A client, and the image the pods run (pulled when on the host).
+    async fn client(&self) -> Result<(CriClient, String), Error> {
+        match self {
+            BenchNode::Host(node) => {
+                let cri = node.client().await?;
+                let image = node.busybox_image().to_string();
+                cri.pull_image(&image).await?;
+                Ok((cri, image))
+            }
+            BenchNode::Lab(node) => Ok((node.client().await?, twig_e2e::IMAGE_REF.to_string())),
+        }
+    }
+
+    fn dir(&self) -> Result<PathBuf, Error> {
+        match self {
+            BenchNode::Host(node) => Ok(node.dir().to_path_buf()),
+            BenchNode::Lab(node) => Ok(node.node().dir()?.to_path_buf()),
+        }
+    }
 }
 
 /// An error that can cross tasks.
 type SendError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The timings of one pod start.
-#[derive(Default, Clone, Copy)]
+#[derive(Default, Clone)]
 struct Sample {
     run_pod_sandbox: Duration,
     create_container: Duration,
     start_container: Duration,
     first_output: Duration,
+    /// The pod sandbox's id (its sandbox container's too).
+    pod_id: String,
+    /// The container's id.
+    container_id: String,
 }
 
 pub fn run(args: &Args) -> Result<Value, Error> {
     if args.concurrency.contains(&0) {
         return Err("--concurrency values must be at least 1".into());
     }
-    let node = Node::start(&NodeOptions {
-        runtimes: args.handlers.clone(),
-    })
-    .context(|| "starting containerd with its CRI plugin".into())?;
+    let node = BenchNode::start(args)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -72,11 +161,10 @@ pub fn run(args: &Args) -> Result<Value, Error> {
     rt.block_on(measure(args, &node))
 }
 
-async fn measure(args: &Args, node: &Node) -> Result<Value, Error> {
-    let cri = node.client().await?;
+async fn measure(args: &Args, node: &BenchNode) -> Result<Value, Error> {
+    let (cri, image) = node.client().await?;
     let version = cri.version().await?;
-    let image = node.busybox_image().to_string();
-    cri.pull_image(&image).await?;
+    let dir = node.dir()?;
     let mut r = Report::default();
     r.value(
         "runtime",
@@ -90,7 +178,7 @@ async fn measure(args: &Args, node: &Node) -> Result<Value, Error> {
         cri,
         handlers: args.handlers.iter().map(|h| h.name.clone()).collect(),
         image,
-        logs: node.dir().join("bench-pods"),
+        logs: dir.join("bench-pods"),
     };
     for (h, name) in pods.handlers.iter().enumerate() {
         for i in 0..args.warmup {
@@ -101,6 +189,7 @@ async fn measure(args: &Args, node: &Node) -> Result<Value, Error> {
     }
     let mut p50 = Vec::new();
     let mut p99 = Vec::new();
+    let mut all = Vec::new();
     for &c in &args.concurrency {
         let t0 = Instant::now();
         let samples = pods.run_concurrently(args.runs, c).await?;
@@ -112,7 +201,7 @@ async fn measure(args: &Args, node: &Node) -> Result<Value, Error> {
             let mine: Vec<Sample> = samples
                 .iter()
                 .filter(|(i, _)| *i == h)
-                .map(|(_, s)| *s)
+                .map(|(_, s)| s.clone())
                 .collect();
             let key = format!("{name}_c{c}");
             let firsts: Vec<Duration> = mine.iter().map(|s| s.first_output).collect();
@@ -130,11 +219,22 @@ async fn measure(args: &Args, node: &Node) -> Result<Value, Error> {
                 let v: Vec<Duration> = mine.iter().map(pick).collect();
                 summary(&mut r, &format!("{key}_{phase}_ms"), &v);
             }
+            if matches!(node, BenchNode::Lab(_)) && name == "twig" {
+                shim_time(&mut r, &key, &dir.join("containerd/containerd.log"), &mine);
+            }
         }
+        all.extend(samples);
     }
     if args.handlers.len() > 1 {
         ratios(&mut r, "p50", &p50);
         ratios(&mut r, "p99", &p99);
+    }
+    if let (BenchNode::Lab(lab), true) = (node, args.idle_pods > 0) {
+        for (h, name) in pods.handlers.iter().enumerate() {
+            idle_memory(&mut r, lab, &pods, h, args.idle_pods, &dir)
+                .await
+                .context(|| format!("idle pods with handler {name}"))?;
+        }
     }
     r.value("load_average_after", json!(load_average()));
     Ok(r.into_value())
@@ -270,11 +370,306 @@ impl Pods {
                 create_container: t2 - t1,
                 start_container: t3 - t2,
                 first_output: t0.elapsed(),
+                pod_id: pod_id.clone(),
+                container_id: id,
             })
         }
         .await;
-        self.cri.stop_pod_sandbox(&pod_id).await?;
-        self.cri.remove_pod_sandbox(&pod_id).await?;
+        self.remove(&pod_id).await?;
         result
+    }
+
+    /// Starts a pod whose container has printed its first line and keeps
+    /// it; returns the pod's id.
+    async fn start_idle(&self, handler: usize, name: &str) -> Result<String, SendError> {
+        let handler = &self.handlers[handler];
+        let pod_name = format!("idle-{handler}-{name}");
+        let log_dir = self.logs.join(&pod_name);
+        std::fs::create_dir_all(&log_dir)
+            .map_err(|e| format!("creating {}: {e}", log_dir.display()))?;
+        let pod = pod_sandbox_config(&pod_name, &pod_name, &log_dir);
+        let config = container_config(
+            "app",
+            &self.image,
+            &["/bin/sh", "-c", &format!("echo {READY}; exec sleep 3600")],
+            "app.log",
+        );
+        let pod_id = self.cri.run_pod_sandbox(&pod, handler).await?;
+        let id = self.cri.create_container(&pod_id, &config, &pod).await?;
+        self.cri.start_container(&id).await?;
+        logs::wait_for(
+            &Node::container_log(&pod, "app.log"),
+            FIRST_OUTPUT_DEADLINE,
+            |lines| lines.iter().any(|l| l.text == READY),
+        )
+        .await?;
+        Ok(pod_id)
+    }
+
+    async fn remove(&self, pod_id: &str) -> Result<(), SendError> {
+        self.cri.stop_pod_sandbox(pod_id).await?;
+        self.cri.remove_pod_sandbox(pod_id).await?;
+        Ok(())
+    }
+}
+
+/// One `timing` line of the twig shim: a Create or Start and how much of it
+/// was the shim's own time (`own_us`) rather than waiting on the VM.
+fn parse_timing(line: &str) -> Option<(String, u64)> {
+    if !line.contains(" timing ") {
+        return None;
+    }
+    let mut id = None;
+    let mut own = None;
+    for field in line.split_whitespace() {
+        let Some((k, v)) = field.split_once('=') else {
+            continue;
+        };
+        let v = v.trim_matches('"');
+        match k {
+            "id" => id = Some(v.to_string()),
+            "own_us" => own = v.parse().ok(),
+            _ => {}
+        }
+    }
+    Some((id?, own?))
+}
+
+/// The twig shim's own time per pod (Create and Start of the sandbox and of
+/// the container, outside the VM), from containerd's log.
+fn shim_time(r: &mut Report, key: &str, containerd_log: &Path, samples: &[Sample]) {
+    let text = std::fs::read_to_string(containerd_log).unwrap_or_default();
+    let mut own: HashMap<String, u64> = HashMap::new();
+    for (id, us) in text.lines().filter_map(parse_timing) {
+        *own.entry(id).or_default() += us;
+    }
+    let per_pod: Vec<Duration> = samples
+        .iter()
+        .filter_map(|s| {
+            let pod = own.get(&s.pod_id)?;
+            let container = own.get(&s.container_id)?;
+            Some(Duration::from_micros(pod + container))
+        })
+        .collect();
+    if per_pod.len() < samples.len() {
+        eprintln!(
+            "{key}: the shim's timing lines cover {} of {} pods",
+            per_pod.len(),
+            samples.len()
+        );
+    }
+    summary(r, &format!("{key}_shim_own_ms"), &per_pod);
+}
+
+/// A process's command line, parent and memory (kB): resident and
+/// anonymous (`smaps_rollup`).
+struct Proc {
+    argv: Vec<String>,
+    ppid: u32,
+    rss_kb: u64,
+    anon_kb: u64,
+}
+
+fn kb_field(text: &str, key: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+fn processes() -> HashMap<u32, Proc> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return HashMap::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| {
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let argv = std::fs::read(e.path().join("cmdline"))
+                .ok()?
+                .split(|b| *b == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            let status = std::fs::read_to_string(e.path().join("status")).ok()?;
+            let rollup = std::fs::read_to_string(e.path().join("smaps_rollup")).unwrap_or_default();
+            Some((
+                pid,
+                Proc {
+                    argv,
+                    ppid: kb_field(&status, "PPid:") as u32,
+                    rss_kb: kb_field(&status, "VmRSS:"),
+                    anon_kb: kb_field(&rollup, "Anonymous:"),
+                },
+            ))
+        })
+        .collect()
+}
+
+/// The pids of the node's pods for `shim` (the shim's binary name): its
+/// shims naming the node's directory `dir`, the pods' VMMs `vmms` (twig;
+/// twig-node's idle pool is the node's, not a pod's), and their
+/// descendants (runc's containers).
+fn pod_processes(procs: &HashMap<u32, Proc>, shim: &str, dir: &str, vmms: &[u32]) -> BTreeSet<u32> {
+    let names = |p: &Proc, n: &str| {
+        p.argv
+            .first()
+            .is_some_and(|a| a.rsplit('/').next() == Some(n))
+    };
+    let ours = |p: &Proc| p.argv.iter().any(|a| a.contains(dir));
+    let mut set: BTreeSet<u32> = procs
+        .iter()
+        .filter(|(pid, p)| (ours(p) && names(p, shim)) || vmms.contains(pid))
+        .map(|(pid, _)| *pid)
+        .collect();
+    loop {
+        let more: Vec<u32> = procs
+            .iter()
+            .filter(|(pid, p)| set.contains(&p.ppid) && !set.contains(pid))
+            .map(|(pid, _)| *pid)
+            .collect();
+        if more.is_empty() {
+            return set;
+        }
+        set.extend(more);
+    }
+}
+
+/// Host memory per idle pod of handler `h`: `count` pods started and idle
+/// at once, their processes' resident and anonymous memory summed and
+/// divided by `count`.
+async fn idle_memory(
+    r: &mut Report,
+    node: &CriNode,
+    pods: &Pods,
+    h: usize,
+    count: usize,
+    dir: &Path,
+) -> Result<(), Error> {
+    let name = &pods.handlers[h];
+    let shim = if name == "twig" {
+        "containerd-shim-twig-v2"
+    } else {
+        "containerd-shim-runc-v2"
+    };
+    let mut ids = Vec::new();
+    let mut started = Ok(());
+    for i in 0..count {
+        match pods.start_idle(h, &i.to_string()).await {
+            Ok(id) => ids.push(id),
+            Err(e) => {
+                started = Err(e);
+                break;
+            }
+        }
+    }
+    let vmms = &node.pod_vmms();
+    let measured = started.map(|()| {
+        let procs = processes();
+        let set = pod_processes(&procs, shim, &dir.to_string_lossy(), vmms);
+        let (rss, anon) = set
+            .iter()
+            .filter_map(|pid| procs.get(pid))
+            .fold((0, 0), |(r, a), p| (r + p.rss_kb, a + p.anon_kb));
+        (set.len(), rss, anon)
+    });
+    for id in &ids {
+        pods.remove(id).await.map_err(|e| e.to_string())?;
+    }
+    let (n, rss, anon) = measured.map_err(|e| e.to_string())?;
+    let per_pod = |kb: u64| kb as f64 / 1024.0 / count as f64;
+    eprintln!(
+        "{name}: {count} idle pods, {n} processes: {:.1} MiB resident, {:.1} MiB anonymous per pod",
+        per_pod(rss),
+        per_pod(anon)
+    );
+    r.value(&format!("{name}_idle_pod_rss_mib"), json!(per_pod(rss)));
+    r.value(&format!("{name}_idle_pod_anon_mib"), json!(per_pod(anon)));
+    r.value(&format!("{name}_idle_pod_processes"), json!(n));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timing_lines_give_the_shims_own_time() {
+        let line = "2026-11-24T11:14:18.370588Z  INFO twig_shim::service: timing call=\"create\" \
+                    id=\"fdf76\" exec_id=\"\" own_us=62347 vm_us=22076648";
+        assert_eq!(parse_timing(line), Some(("fdf76".to_string(), 62347)));
+        let start =
+            "2026-11-24T11:14:18Z  INFO twig_shim::service: start id=\"fdf76\" exec_id=\"\"";
+        assert_eq!(parse_timing(start), None);
+        let broken = "x INFO twig_shim::service: timing call=\"create\" id=\"a\" own_us=lots";
+        assert_eq!(parse_timing(broken), None);
+    }
+
+    #[test]
+    fn pod_processes_follow_shims_to_their_children() {
+        let p = |argv: &[&str], ppid: u32| Proc {
+            argv: argv.iter().map(|s| s.to_string()).collect(),
+            ppid,
+            rss_kb: 0,
+            anon_kb: 0,
+        };
+        let procs = HashMap::from([
+            (
+                10,
+                p(
+                    &["/usr/bin/containerd-shim-runc-v2", "-address", "/n/c.sock"],
+                    1,
+                ),
+            ),
+            (11, p(&["/bin/sh"], 10)),
+            (12, p(&["sleep"], 11)),
+            (
+                20,
+                p(
+                    &[
+                        "/usr/local/bin/containerd-shim-twig-v2",
+                        "-address",
+                        "/n/c.sock",
+                    ],
+                    1,
+                ),
+            ),
+            (
+                21,
+                p(
+                    &[
+                        "/usr/local/bin/twig-vmm",
+                        "serve",
+                        "--api-sock",
+                        "/n/vms/1/api.sock",
+                    ],
+                    2,
+                ),
+            ),
+            (
+                22,
+                p(
+                    &["/usr/local/bin/twig-vmm", "serve", "/n/vms/2/api.sock"],
+                    2,
+                ),
+            ),
+            (
+                30,
+                p(
+                    &[
+                        "/usr/bin/containerd-shim-runc-v2",
+                        "-address",
+                        "/other/c.sock",
+                    ],
+                    1,
+                ),
+            ),
+        ]);
+        let runc = pod_processes(&procs, "containerd-shim-runc-v2", "/n/", &[]);
+        assert_eq!(runc.into_iter().collect::<Vec<_>>(), vec![10, 11, 12]);
+        // 22 is an idle VMM of twig-node's pool, no pod's.
+        let twig = pod_processes(&procs, "containerd-shim-twig-v2", "/n/", &[21]);
+        assert_eq!(twig.into_iter().collect::<Vec<_>>(), vec![20, 21]);
     }
 }

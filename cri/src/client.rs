@@ -131,6 +131,20 @@ impl CriClient {
         call("Version", t, rt.version(request(req, t))).await
     }
 
+    /// Whether the runtime says its pod network is ready (`Status`, the
+    /// condition `NetworkReady`): false until the CRI plugin has loaded a
+    /// CNI configuration.
+    pub async fn network_ready(&self) -> Result<bool, Error> {
+        let req = api::StatusRequest { verbose: false };
+        let (mut rt, t) = (self.runtime.clone(), self.timeout);
+        let resp = call("Status", t, rt.status(request(req, t))).await?;
+        Ok(resp
+            .status
+            .iter()
+            .flat_map(|s| &s.conditions)
+            .any(|c| c.r#type == "NetworkReady" && c.status))
+    }
+
     /// Pulls `image` (`PullImage`); returns the image reference the runtime
     /// resolved it to.
     pub async fn pull_image(&self, image: &str) -> Result<String, Error> {

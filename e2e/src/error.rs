@@ -48,6 +48,10 @@ pub enum Error {
         /// What it printed.
         output: String,
     },
+    /// A CRI call failed (what the test did, the call's error, the node's
+    /// logs).
+    #[error("CRI: {0}")]
+    Cri(String),
     /// A daemon exited, or did not open its socket, within its deadline.
     #[error("{what} did not come up ({why}); its log {log}:\n{tail}")]
     Start {

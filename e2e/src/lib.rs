@@ -12,6 +12,7 @@
 //! that in, with the test image (`e2e/build-image.sh`).
 
 mod background;
+pub mod cri;
 mod error;
 mod node;
 mod process;
@@ -23,7 +24,8 @@ use std::path::PathBuf;
 pub use background::{run_on_pty, Background};
 pub use error::{Error, Result};
 pub use node::{
-    containerd_config, mounts_under, shim_config, Guest, Node, NodeConfig, Runtime, NAMESPACE,
+    cni_conf_dir, containerd_config, mounts_under, shim_config, Guest, Node, NodeConfig, Runtime,
+    NAMESPACE,
 };
 pub use process::{kill_processes_with_arg, run, run_ok, tail, Daemon, Output};
 pub use recovery::{kill9, pids_with_arg, poll_until, proc_state, process_tree, signal, ProcState};

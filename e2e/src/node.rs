@@ -84,6 +84,13 @@ state = "{state}"
 [plugins."io.containerd.grpc.v1.cri"]
   disable_apparmor = true
   restrict_oom_score_adj = true
+  sandbox_image = "{pause}"
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "{cni_bin}"
+    conf_dir = "{cni_conf}"
+    max_conf_num = 1
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "twig"
     default_runtime_name = "runc"
@@ -98,7 +105,16 @@ state = "{state}"
         snap = snapshotter_socket.display(),
         runc = Runtime::Runc.name(),
         twig = Runtime::Twig.name(),
+        pause = crate::cri::PAUSE_REF,
+        cni_bin = twig_cri::harness::CNI_BIN_DIR,
+        cni_conf = cni_conf_dir(dir).display(),
     )
+}
+
+/// Where containerd's CRI plugin reads its CNI network (`crate::cri` writes
+/// it) for a node whose containerd lives in `containerd_dir`.
+pub fn cni_conf_dir(containerd_dir: &Path) -> PathBuf {
+    containerd_dir.join("net.d")
 }
 
 /// The twig shim's configuration (`TWIG_SHIM_CONFIG`) for a node in
@@ -452,6 +468,34 @@ impl Node {
     /// containerd's socket.
     pub fn socket(&self) -> &Path {
         &self.socket
+    }
+
+    /// The node's directory (containerd's own is `containerd/` in it).
+    pub fn dir(&self) -> Result<&Path> {
+        self.work
+            .as_ref()
+            .map(TempDir::path)
+            .ok_or_else(|| Error::Environment("the node was torn down".into()))
+    }
+
+    /// [`Node::ctr_ok`] in containerd namespace `namespace` (CRI's is
+    /// `k8s.io`).
+    pub fn ctr_ns_ok(&self, namespace: &str, args: &[&OsStr]) -> Result<String> {
+        let mut cmd = Command::new("ctr");
+        cmd.arg("--address")
+            .arg(&self.socket)
+            .args(["--namespace", namespace])
+            .args(args);
+        let out = run(&mut cmd, CTR)?;
+        if out.status.success() {
+            Ok(out.stdout)
+        } else {
+            Err(Error::Failed {
+                what: format!("{cmd:?}"),
+                status: out.status,
+                output: format!("stdout: {}\nstderr: {}", out.stdout, out.stderr),
+            })
+        }
     }
 
     /// `ctr` against this node's containerd in [`NAMESPACE`], within a

@@ -115,14 +115,15 @@ pub fn signal(pid: i32, signal: Signal) -> Result<()> {
 }
 
 impl Node {
-    /// The node's directory.
-    pub fn dir(&self) -> &Path {
-        self.work.as_ref().map_or(Path::new("/"), |w| w.path())
+    /// The node's directory for lookups: empty once torn down (finds
+    /// nothing).
+    fn lookup_dir(&self) -> PathBuf {
+        self.dir().map(Path::to_path_buf).unwrap_or_default()
     }
 
     /// The twig shim's state directories (one per pod whose VM runs).
     pub fn shim_state_dirs(&self) -> Vec<PathBuf> {
-        fs::read_dir(self.dir().join("shim"))
+        fs::read_dir(self.lookup_dir().join("shim"))
             .into_iter()
             .flatten()
             .flatten()
@@ -138,14 +139,6 @@ impl Node {
             .filter_map(|d| fs::read_to_string(d.join("vmm.pid")).ok())
             .filter_map(|s| s.lines().next()?.trim().parse().ok())
             .collect()
-    }
-
-    /// The pids of every twig-vmm of this node's twig-node (pooled and
-    /// handed over): their API sockets are under the node's directory.
-    pub fn vmm_pids(&self) -> Vec<i32> {
-        let vms = self.dir().join("node").join("vms");
-        let vms = vms.to_string_lossy().into_owned();
-        pids_with_arg(|a| a.starts_with(&vms) && a.ends_with("api.sock"))
     }
 
     /// The pids of the shims of `shim` (the binary's name) serving this
@@ -180,7 +173,7 @@ impl Node {
             } else {
                 format!("-{run}")
             };
-            match fs::read_to_string(self.dir().join(format!("{stem}{suffix}.log"))) {
+            match fs::read_to_string(self.lookup_dir().join(format!("{stem}{suffix}.log"))) {
                 Ok(t) => text.push_str(&t),
                 Err(_) => break,
             }
@@ -193,7 +186,7 @@ impl Node {
     /// when its socket answers. Its shims run on and are found again from
     /// their bundles.
     pub fn restart_containerd(&mut self, run: usize) -> Result<()> {
-        let dir = self.dir().to_path_buf();
+        let dir = self.dir()?.to_path_buf();
         let cdir = dir.join("containerd");
         restart(
             &mut self.containerd,
@@ -211,7 +204,7 @@ impl Node {
     /// configuration (log `twig-node-<n>.log`); returns when its socket
     /// answers. The VMMs it handed over run on (their shims own them).
     pub fn restart_node_daemon(&mut self, run: usize) -> Result<()> {
-        let dir = self.dir().to_path_buf();
+        let dir = self.dir()?.to_path_buf();
         restart(
             &mut self.node_daemon,
             "twig-node",

@@ -166,14 +166,22 @@ fn write_address(bundle: &Path, address: &str) -> Result<()> {
         .map_err(|e| Error::io(format!("writing {}/address", bundle.display()), e))
 }
 
-/// The `delete` action, run by containerd when the shim is gone: stops the
-/// pod's VMM if it still runs and removes its state. The process was
-/// killed with the VM: 128 + SIGKILL, as runc's shim reports.
+/// The `delete` action, run by containerd when its connection for one
+/// container closed: if the pod's shim is gone, stops the pod's VMM if it
+/// still runs and removes its state. containerd closes a container's
+/// connection itself once the container is deleted, and then runs this
+/// too; while the pod's shim still serves its socket, the VM belongs to
+/// the pod's other containers and is left alone (as runc's shim deletes
+/// only that one container). The process was killed with the VM: 128 +
+/// SIGKILL, as runc's shim reports.
 pub fn delete(flags: &Flags) -> Result<DeleteResponse> {
     let bundle =
         std::env::current_dir().map_err(|e| Error::io("the bundle (current directory)", e))?;
     let config = Config::load()?;
     match address_for(flags, &bundle) {
+        Ok(address) if UnixStream::connect(socket_path(&address)).is_ok() => {
+            tracing::info!(id = flags.id, "the pod's shim still serves; its VM stays");
+        }
         Ok(address) => stop_orphan_vmm(&state_dir(&config, &address)),
         Err(e) => tracing::warn!("no spec in {}: {e}", bundle.display()),
     }

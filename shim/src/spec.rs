@@ -79,18 +79,82 @@ pub fn rootfs_image(id: &str, mounts: &[Mount]) -> Result<PathBuf> {
     }
 }
 
+/// The files containerd's CRI plugin writes for a pod on the host and
+/// bind-mounts into each of its containers. The guest cannot see host
+/// files; the container keeps its image's own (its hostname is the spec's
+/// `hostname`, set in its UTS namespace).
+const CRI_POD_FILES: [&str; 4] = [
+    "/etc/hosts",
+    "/etc/resolv.conf",
+    "/etc/hostname",
+    "/dev/termination-log",
+];
+
+/// Whether an OCI mount is a bind mount (its source a path).
+fn is_bind(m: &Value) -> bool {
+    m.get("type").and_then(Value::as_str) == Some("bind")
+        || m.get("options")
+            .and_then(Value::as_array)
+            .is_some_and(|o| o.iter().any(|o| o == "bind" || o == "rbind"))
+}
+
+/// The spec's mounts as the guest can make them. Every bind mount's source
+/// is a host path, which the guest cannot see: `/dev/shm` (CRI binds the
+/// pod's shared memory there) becomes a tmpfs of the container's own (a bind
+/// of the pod's first container's `/dev/shm` through `/proc/<pid>/root`
+/// fails with EINVAL: a bind mount's source must be in the caller's mount
+/// namespace; System V shared memory is still the pod's, through its IPC
+/// namespace); CRI's pod files ([`CRI_POD_FILES`]) are dropped; any other (a
+/// volume) is refused: nothing shares host files with the VM yet.
+fn guest_mounts(spec: &mut Value) -> Result<()> {
+    let Some(mounts) = spec.get_mut("mounts").and_then(Value::as_array_mut) else {
+        return Ok(());
+    };
+    let mut kept = Vec::with_capacity(mounts.len());
+    for m in mounts.drain(..) {
+        if !is_bind(&m) {
+            kept.push(m);
+            continue;
+        }
+        let dest = m.get("destination").and_then(Value::as_str).unwrap_or("");
+        if dest == "/dev/shm" {
+            kept.push(serde_json::json!({
+                "destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+                "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"],
+            }));
+        } else if CRI_POD_FILES.contains(&dest) {
+            tracing::debug!(
+                destination = dest,
+                "CRI's pod file is not shared with the VM; the image's own stays"
+            );
+        } else {
+            return Err(Error::InvalidArgument(format!(
+                "OCI spec: a bind mount of the host's {} on {dest}: the twig runtime does not \
+                 share host files or volumes with the VM yet",
+                m.get("source")
+                    .and_then(Value::as_str)
+                    .unwrap_or("(no source)")
+            )));
+        }
+    }
+    *mounts = kept;
+    Ok(())
+}
+
 /// The spec the agent gets: the host's view removed. Network namespaces go
 /// (the containers share the VM's network, which is the pod's), namespace
 /// paths name the pod's first container's namespaces inside the guest
 /// (`/proc/<guest pid>/ns/…`, when `sandbox_init` is known) instead of host
-/// paths, and hooks go (they would run on the host under runc; nothing runs
-/// them in the guest).
+/// paths, bind mounts of host paths are translated or dropped
+/// ([`guest_mounts`]), and hooks go (they would run on the host under runc;
+/// nothing runs them in the guest).
 pub fn guest_spec(mut spec: Value, sandbox_init: Option<u32>) -> Result<Value> {
     if let Some(obj) = spec.as_object_mut() {
         if obj.remove("hooks").is_some() {
             tracing::warn!("OCI hooks are not run by the twig runtime; dropped");
         }
     }
+    guest_mounts(&mut spec)?;
     let Some(namespaces) = spec
         .pointer_mut("/linux/namespaces")
         .and_then(Value::as_array_mut)
@@ -233,5 +297,39 @@ mod tests {
         ));
         let untyped = json!({"linux": {"namespaces": [{"path": "/x"}]}});
         assert!(guest_spec(untyped, None).is_err());
+    }
+
+    #[test]
+    fn guest_spec_translates_cri_bind_mounts_and_refuses_volumes() {
+        let proc_mount = json!({"destination": "/proc", "type": "proc", "source": "proc"});
+        let spec = |extra: Value| {
+            json!({"mounts": [
+                proc_mount.clone(),
+                {"destination": "/etc/hosts", "type": "bind",
+                 "source": "/var/lib/c/sandboxes/p/hosts", "options": ["rbind", "rprivate", "rw"]},
+                {"destination": "/etc/resolv.conf", "source": "/var/lib/c/sandboxes/p/resolv.conf",
+                 "options": ["rbind", "ro"]},
+                {"destination": "/dev/shm", "type": "bind",
+                 "source": "/run/c/sandboxes/p/shm", "options": ["rbind", "ro"]},
+                extra,
+            ]})
+        };
+        let hostname = json!({"destination": "/etc/hostname", "type": "bind",
+                              "source": "/var/lib/c/sandboxes/p/hostname", "options": ["rbind"]});
+        let shm = json!({"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+                         "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]});
+        for init in [Some(9), None] {
+            let g = guest_spec(spec(hostname.clone()), init).unwrap();
+            assert_eq!(g["mounts"], json!([proc_mount, shm]));
+        }
+        let volume = json!({"destination": "/data", "type": "bind",
+                            "source": "/var/lib/kubelet/pods/x/volumes/data", "options": ["rbind"]});
+        let e = guest_spec(spec(volume), Some(9)).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)));
+        assert!(
+            e.to_string()
+                .contains("/var/lib/kubelet/pods/x/volumes/data"),
+            "{e}"
+        );
     }
 }

@@ -619,21 +619,6 @@ async fn bad_requests_get_errdefs_codes_and_change_nothing() {
         .expect("create after a refused create");
     assert_eq!(
         code(
-            c.kill(
-                ctx(),
-                &api::KillRequest {
-                    id: "c2".into(),
-                    signal: 9,
-                    ..Default::default()
-                }
-            )
-            .await
-            .unwrap_err()
-        ),
-        Code::FAILED_PRECONDITION
-    );
-    assert_eq!(
-        code(
             c.start(
                 ctx(),
                 &api::StartRequest {
@@ -692,12 +677,64 @@ async fn bad_requests_get_errdefs_codes_and_change_nothing() {
     )
     .await
     .unwrap();
+    // A kill of a created, unstarted container ends it, as runc's shim does
+    // (containerd kills, waits, then deletes a task whose start failed):
+    // 128 + SIGKILL, and it cannot be started any more.
+    req.id = "c3".into();
+    c.create(ctx(), &req).await.expect("create c3");
+    c.kill(
+        ctx(),
+        &api::KillRequest {
+            id: "c3".into(),
+            signal: 9,
+            ..Default::default()
+        },
+    )
+    .await
+    .expect("kill of a created container");
+    let w = c
+        .wait(
+            ctx(),
+            &api::WaitRequest {
+                id: "c3".into(),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(w.exit_status, 137);
+    assert_eq!(
+        code(
+            c.start(
+                ctx(),
+                &api::StartRequest {
+                    id: "c3".into(),
+                    ..Default::default()
+                }
+            )
+            .await
+            .unwrap_err()
+        ),
+        Code::FAILED_PRECONDITION
+    );
+    c.delete(
+        ctx(),
+        &api::DeleteRequest {
+            id: "c3".into(),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
     let t = topics(&mut f.events);
     assert_eq!(
         t,
         [
             "/tasks/create",
             "/tasks/start",
+            "/tasks/exit",
+            "/tasks/delete",
+            "/tasks/create",
             "/tasks/exit",
             "/tasks/delete"
         ]

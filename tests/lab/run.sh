@@ -17,6 +17,9 @@
 #        tests/lab/run.sh --bench [twig-bench linux options...]
 #        (runs `twig-bench linux --json` in the lab; the JSON goes to stdout,
 #        the table and the lab's console to stderr)
+#        tests/lab/run.sh --bench cri [twig-bench cri options...]
+#        (`twig-bench cri --node lab --json`: pods through CRI, twig against
+#        runc, on the end-to-end payload built in release)
 # The kernel is cached under ${XDG_CACHE_HOME:-~/.cache}/twig/lab, keyed by
 # the Debian package version. Every wait has a deadline.
 set -euo pipefail
@@ -116,8 +119,10 @@ agent_initrd=$(guest/build-initramfs.sh "$work/agent-initrd") || die "agent init
 bench=0
 [[ ${1:-} == --bench ]] && bench=1
 SMP=${SMP:-$((bench ? 2 : 1))}
+bench_cmd=linux
 if ((bench)); then
   shift
+  [[ ${1:-} == cri ]] && { shift; bench_cmd="cri --node lab"; }
   cargo build --locked --release -q -p twig-bench || die "building twig-bench failed"
   bins=("${CARGO_TARGET_DIR:-target}/release/twig-bench")
   bench_args="$*"
@@ -140,6 +145,9 @@ fi
 # twig-e2e is asked for: they add ~30 MB to the gzip'd initramfs.
 e2e=0
 ((bench)) || [[ " ${sel[*]} " != *twig-e2e* ]] || e2e=1
+[[ $bench_cmd == linux ]] || e2e=1
+# The benchmark measures release builds of the node's daemons.
+profile=debug; ((bench)) && profile=release
 daemons=()
 if ((e2e)); then
   ws_bins=(twig-snapshotter twig-node twig-vmm)
@@ -148,8 +156,9 @@ import json, sys
 sys.exit(0 if any("containerd-shim-twig-v2" == t["name"] and "bin" in t["kind"]
                   for p in json.load(sys.stdin)["packages"] for t in p["targets"]) else 1)
 ' && ws_bins+=(containerd-shim-twig-v2)
-  cargo build --locked -q $(printf -- '--bin %s ' "${ws_bins[@]}") || die "building ${ws_bins[*]} failed"
-  for b in "${ws_bins[@]}"; do daemons+=("${CARGO_TARGET_DIR:-target}/debug/$b"); done
+  cargo build --locked -q $( ((bench)) && echo --release) $(printf -- '--bin %s ' "${ws_bins[@]}") ||
+    die "building ${ws_bins[*]} failed"
+  for b in "${ws_bins[@]}"; do daemons+=("${CARGO_TARGET_DIR:-target}/$profile/$b"); done
 fi
 
 # 4. The lab's initramfs.
@@ -157,7 +166,8 @@ root=$work/root
 mkdir -p "$root"/{bin,dev,proc,sys,tmp,lib/modules,tests}
 cp /bin/busybox "$root/bin/busybox"
 for m in virt/lib/irqbypass arch/x86/kvm/kvm arch/x86/kvm/kvm-amd drivers/net/tun \
-  drivers/block/loop lib/libcrc32c fs/xfs/xfs; do
+  drivers/block/loop lib/libcrc32c fs/xfs/xfs net/llc/llc net/802/stp net/bridge/bridge \
+  drivers/net/veth; do
   # Newer Debian kernels ship xz-compressed modules; busybox insmod wants them plain.
   if [[ -f $mods/$m.ko ]]; then cp "$mods/$m.ko" "$root/lib/modules/"
   elif [[ -f $mods/$m.ko.xz ]]; then xz -dc "$mods/$m.ko.xz" > "$root/lib/modules/$(basename "$m").ko"
@@ -187,6 +197,16 @@ if ((e2e)); then
     strip "$root/usr/local/bin/$(basename "$b")"
   done
   e2e/build-image.sh "$root/e2e/busybox.tar" || die "building the e2e test image failed"
+  # CRI: the pod sandbox ("pause") image, whose PID 1 waits until SIGTERM,
+  # and the CNI plugins of a bridge network (containernetworking-plugins).
+  e2e/build-image.sh "$root/e2e/pause.tar" docker.io/library/twig-e2e-pause:v1 \
+    /bin/sh -c 'trap "exit 0" TERM INT; while :; do sleep 3600 & wait $!; done' ||
+    die "building the e2e pod sandbox image failed"
+  mkdir -p "$root/usr/lib/cni"
+  for p in bridge host-local loopback; do
+    [[ -x /usr/lib/cni/$p ]] || die "/usr/lib/cni/$p missing (containernetworking-plugins: scripts/install-deps.sh)"
+    copy_with_libs "/usr/lib/cni/$p" "$root/usr/lib/cni/$p"
+  done
 fi
 n=0
 for b in "${bins[@]}"; do
@@ -216,16 +236,19 @@ fi
 /bin/busybox --install -s /bin
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
 mount -t tmpfs tmp /tmp; mount -t debugfs debugfs /sys/kernel/debug
-for m in irqbypass kvm tun loop libcrc32c xfs; do insmod /lib/modules/\$m.ko || echo "LAB-ERROR insmod \$m"; done
+for m in irqbypass kvm tun loop libcrc32c xfs llc stp bridge veth; do insmod /lib/modules/\$m.ko || echo "LAB-ERROR insmod \$m"; done
 insmod /lib/modules/kvm-amd.ko $KVM_AMD_PARAMS || echo "LAB-ERROR insmod kvm-amd $KVM_AMD_PARAMS"
 echo "LAB-KVM-AMD \$(cd /sys/module/kvm_amd/parameters && grep . * | tr '\\n' ' ')"
 [ -c /dev/kvm ] || echo "LAB-ERROR no /dev/kvm"
 export TWIG_GUEST_KERNEL=/guest/bzImage TWIG_GUEST_INITRD=/guest/initrd TWIG_AGENT_INITRD=/guest/agent-initrd
 export PATH=/sbin:/bin:/usr/bin:/usr/local/bin ${TWIG_LAB_ENV:-}
-# What containerd and runc expect of a node: cgroups (v2), /run, a loopback.
-mkdir -p /run /var/lib && mount -t cgroup2 cgroup2 /sys/fs/cgroup || echo "LAB-ERROR no cgroup2"
+# What containerd and runc expect of a node: cgroups (v2), /run, a loopback;
+# CRI copies the node's /etc/hosts and /etc/resolv.conf into every pod.
+mkdir -p /run /var/lib /etc && mount -t cgroup2 cgroup2 /sys/fs/cgroup || echo "LAB-ERROR no cgroup2"
+[ -e /etc/hosts ] || echo '127.0.0.1 localhost' > /etc/hosts
+[ -e /etc/resolv.conf ] || : > /etc/resolv.conf
 ip link set lo up || echo "LAB-ERROR lo"
-[ $e2e = 0 ] || export TWIG_E2E_IMAGE=/e2e/busybox.tar TWIG_E2E_XFS=/xfs
+[ $e2e = 0 ] || export TWIG_E2E_IMAGE=/e2e/busybox.tar TWIG_E2E_PAUSE_IMAGE=/e2e/pause.tar TWIG_E2E_XFS=/xfs
 # The benchmark's files live on XFS, as in production: snapshots and
 # restores share disk extents (reflinks) instead of copying them.
 truncate -s 4G /tmp/xfs.img && mkfs.xfs -q -m reflink=1 /tmp/xfs.img && mkdir /xfs &&
@@ -260,7 +283,7 @@ trace_tail() {
 done_bins=" \$(sed -n 's/.*twig_done=\([^ ]*\).*/\1/p' /proc/cmdline | tr , ' ') "
 echo LAB-BEGIN
 if [ $bench = 1 ]; then
-  timeout $TEST_TIMEOUT ${TWIG_LAB_WRAP:-} /tests/twig-bench linux --json ${bench_args:-} > /tmp/bench.json
+  timeout $TEST_TIMEOUT ${TWIG_LAB_WRAP:-} /tests/twig-bench $bench_cmd --json ${bench_args:-} > /tmp/bench.json
   echo "LAB-EXIT twig-bench \$?"
   sed 's/^/LAB-JSON /' /tmp/bench.json
 else
