@@ -57,6 +57,11 @@ pub struct Args {
     /// VMM without its filters, for a before/after).
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     vmm_seccomp: String,
+    /// Only measure rollback with a read-write disk attached (by path and
+    /// as a descriptor); `--dir` should be on a reflink filesystem (XFS),
+    /// where the descriptor's rollback is a reflink into it.
+    #[arg(long)]
+    rollback_disk_only: bool,
 }
 
 /// The `--seccomp` every spawned twig-vmm gets.
@@ -133,6 +138,83 @@ fn dirty(vm: &mut Vm, pages: u64, value: u64) -> Result<(), Error> {
         .context(|| format!("dirtying {pages} pages"))
 }
 
+/// Rollback after dirtying 1,000 pages and writing 4 KiB of a 64 MiB
+/// read-write disk in a slot, attached by path (the snapshot's copy
+/// renamed over the image) and sent as a descriptor (the copy reflinked
+/// into it after a reflink backup into the store's `tmp`, as a jailed
+/// VMM does). Timed: the call (it resumes the vCPU).
+fn rollback_with_disk(
+    r: &mut Report,
+    runs: usize,
+    shape: Shape,
+    kernel: &Path,
+    root: &Path,
+) -> Result<(), Error> {
+    const N: u64 = 1000;
+    for (name, sent) in [("path", false), ("fd", true)] {
+        let dir = root.join(format!("rollback-disk-{name}"));
+        fs::create_dir_all(&dir).context(|| format!("creating {}", dir.display()))?;
+        let store = NodeStore::open(&dir.join("store"), true)
+            .context(|| format!("opening a node store in {}", dir.display()))?;
+        let image = dir.join("disk.img");
+        let file = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&image)
+            .context(|| format!("creating {}", image.display()))?;
+        std::os::unix::fs::FileExt::write_all_at(&file, &vec![0xa5u8; 64 << 20], 0)
+            .context(|| format!("writing {}", image.display()))?;
+        let serial = Capture::new();
+        let devices = DeviceConfig {
+            disk_slots: 1,
+            ..Default::default()
+        };
+        let mut vm =
+            Vm::create_with(shape, serial.writer(), &devices).context(|| "creating a VM".into())?;
+        vm.boot(kernel, "console=ttyS0")
+            .context(|| "booting the test guest".into())?;
+        testguest::wait_booted(&vm, T)?;
+        if sent {
+            let f = file
+                .try_clone()
+                .context(|| "duplicating the image's descriptor".into())?;
+            vm.attach_disk_file(0, &image, f, false)
+        } else {
+            vm.attach_disk(
+                0,
+                &twig_vmm::DiskConfig {
+                    path: image.clone(),
+                    read_only: false,
+                },
+            )
+        }
+        .context(|| format!("attaching {}", image.display()))?;
+        vm.snapshot_into(&store, "base", Kind::Full)
+            .context(|| "snapshot with a disk".into())?;
+        let base = store.snapshot_dir("base");
+        vm.rollback(&base)
+            .context(|| "rolling back to the base snapshot".into())?;
+        let mut samples = Vec::with_capacity(runs);
+        for i in 0..runs {
+            dirty(&mut vm, N, 7 + i as u64)?;
+            // By path, the rollback renamed another file over the image.
+            let live = fs::OpenOptions::new()
+                .write(true)
+                .open(&image)
+                .context(|| format!("opening {}", image.display()))?;
+            std::os::unix::fs::FileExt::write_all_at(&live, &[i as u8; 4096], 4096 * i as u64)
+                .context(|| format!("writing {}", image.display()))?;
+            let start = Instant::now();
+            vm.rollback(&base)
+                .context(|| format!("rollback with a disk ({name}), run {i}"))?;
+            samples.push(start.elapsed());
+        }
+        r.timing(&format!("rollback_{N}_disk_{name}_ms"), &samples);
+    }
+    Ok(())
+}
+
 fn median(mut v: Vec<usize>) -> usize {
     v.sort_unstable();
     v.get(v.len() / 2).copied().unwrap_or(0)
@@ -180,6 +262,10 @@ pub fn run(args: &Args) -> Result<Value, Error> {
     r.value("mem_mib", json!(args.mem_mib));
     r.value("vcpus", json!(shape.vcpus));
     r.value("snapshot_fs", json!(fs_type));
+    if args.rollback_disk_only {
+        rollback_with_disk(&mut r, args.runs, shape, &kernel, &dirs.root)?;
+        return Ok(r.into_value());
+    }
 
     // Boot, in-process: Vm::create to the guest's 'B'.
     let mut boots = Vec::with_capacity(args.runs);
@@ -321,6 +407,7 @@ pub fn run(args: &Args) -> Result<Value, Error> {
     }
     r.value("rollback_pages_restored_p50", Value::Object(restored));
     drop(g);
+    rollback_with_disk(&mut r, args.runs, shape, &kernel, &dirs.root)?;
 
     restore(&mut r, args.runs, shape, &base)?;
 

@@ -17,6 +17,7 @@ mod error;
 mod node;
 mod process;
 mod recovery;
+mod twig;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
@@ -29,6 +30,7 @@ pub use node::{
 };
 pub use process::{kill_processes_with_arg, run, run_ok, tail, Daemon, Output};
 pub use recovery::{kill9, pids_with_arg, poll_until, proc_state, process_tree, signal, ProcState};
+pub use twig::fill_up;
 
 /// The test image's name, as `e2e/build-image.sh` names it by default.
 pub const IMAGE_REF: &str = "docker.io/library/twig-e2e-busybox:v1";

@@ -149,6 +149,7 @@ impl Pool {
                 std::fs::create_dir_all(d)
                     .map_err(|e| Error::io(format!("creating {}", d.display()), e))?;
             }
+            share_staging(&j.staging, j.gid)?;
         }
         remove_leftovers(&vms_dir, jail.as_ref().and_then(|j| j.cgroup.as_deref()));
         let targets = config
@@ -521,6 +522,18 @@ impl Drop for KillGuard<'_> {
             kill(self.pid);
         }
     }
+}
+
+/// Lets jailed VMMs (group `gid`) create files in the store's `tmp`
+/// (group-writable, sticky: nobody removes another's entries): a rollback
+/// backs up a disk sent as a descriptor there, as an anonymous
+/// (`O_TMPFILE`) reflink on the images' filesystem.
+fn share_staging(staging: &Path, gid: u32) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::os::unix::fs::chown(staging, None, Some(gid))
+        .map_err(|e| Error::io(format!("chown of {}", staging.display()), e))?;
+    std::fs::set_permissions(staging, std::fs::Permissions::from_mode(0o1775))
+        .map_err(|e| Error::io(format!("chmod of {}", staging.display()), e))
 }
 
 /// Adds the jail's flags to a `twig-vmm serve` command for the VMM in

@@ -236,6 +236,103 @@ fn pooled_vmms_run_jailed_and_restore_snapshot_and_roll_back_through_the_jail() 
     });
 }
 
+/// An XFS filesystem (reflinks) on a loop device, unmounted when dropped.
+struct Xfs(tempfile::TempDir);
+
+impl Xfs {
+    fn mount() -> Xfs {
+        use std::process::Command;
+        let dir = tempfile::tempdir().unwrap();
+        let img = dir.path().join("xfs.img");
+        std::fs::File::create(&img)
+            .and_then(|f| f.set_len(512 << 20))
+            .unwrap();
+        let mkfs = Command::new("mkfs.xfs")
+            .args(["-q", "-m", "reflink=1"])
+            .arg(&img)
+            .status()
+            .expect("mkfs.xfs (xfsprogs) is needed");
+        assert!(mkfs.success(), "mkfs.xfs");
+        let mnt = dir.path().join("mnt");
+        std::fs::create_dir(&mnt).unwrap();
+        let ok = Command::new("mount")
+            .args(["-o", "loop"])
+            .arg(&img)
+            .arg(&mnt)
+            .status()
+            .expect("mount");
+        assert!(ok.success(), "loop-mounting XFS (needs root)");
+        Xfs(dir)
+    }
+
+    fn path(&self) -> PathBuf {
+        self.0.path().join("mnt")
+    }
+}
+
+impl Drop for Xfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg(self.path())
+            .status();
+    }
+}
+
+/// A container's read-write rootfs in a pooled (jailed) VMM rolls back:
+/// the shim's calls (attach by descriptor, snapshot into the node store,
+/// rollback by host path) with the store and the image on one XFS, as on
+/// a node whose snapshotter shares the store's filesystem. The image is
+/// root's (mode 0600), outside the jail; the rollback puts the snapshot's
+/// bytes back into it through the descriptor and the VM runs on.
+#[test]
+fn a_jailed_vmm_rolls_back_a_container_rootfs_sent_as_a_descriptor() {
+    use std::os::unix::fs::{FileExt, PermissionsExt};
+    let xfs = Xfs::mount();
+    let dir = xfs.path();
+    make_template(&dir, "tiny");
+    let cgroup = format!("twig-node-test-rootfs-{}", std::process::id());
+    let _cg = CgroupGuard(cgroup.clone());
+    let node = Node::start(&dir, &jailed_config(&dir, 1, &cgroup));
+    let vm = node.acquire("tiny").expect("AcquireVm");
+    let _owned = Owned(vm.pid);
+    let mut api = restore(&vm.api_socket, Path::new(&vm.template_dir));
+
+    let rootfs = dir.join("rootfs.img");
+    std::fs::write(&rootfs, vec![0xa5; 1 << 20]).unwrap();
+    std::fs::set_permissions(&rootfs, std::fs::Permissions::from_mode(0o600)).unwrap();
+    api.attach_disk(0, &rootfs, false, T)
+        .expect("attach the rootfs");
+    let store = NodeStore::open(&dir.join("store"), true).unwrap();
+    let staging = store.stage("s1").unwrap();
+    api.snapshot(staging.dir(), Kind::Full, T)
+        .expect("snapshot");
+    let s1 = staging.publish().expect("publish");
+    let at_s1 = std::fs::read(&rootfs).unwrap();
+
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&rootfs)
+        .unwrap();
+    f.write_all_at(b"the agent's mistake", 8192).unwrap();
+    api.rollback(s1.dir(), T)
+        .expect("rollback with the rootfs attached");
+    assert!(
+        std::fs::read(&rootfs).unwrap() == at_s1,
+        "the rootfs holds the snapshot's bytes"
+    );
+    let stats = api.stats(T).unwrap();
+    assert_eq!(stats.state, RunState::Running);
+    assert_eq!(stats.baseline.as_deref(), Some("s1"));
+    assert_eq!(
+        std::fs::read_dir(dir.join("store/tmp")).unwrap().count(),
+        0,
+        "no backup left in the store's tmp"
+    );
+    api.shutdown(T).expect("shutdown");
+    wait_until("the stopped VMM is reaped", T, || gone(vm.pid));
+    drop(node);
+}
+
 #[test]
 fn a_filter_violation_kills_a_jailed_vmm_and_the_daemon_reaps_it() {
     let dir = tempfile::tempdir().unwrap();

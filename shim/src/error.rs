@@ -46,6 +46,18 @@ pub enum Error {
         #[source]
         source: ClientError,
     },
+    /// The node store refused or failed an operation.
+    #[error("{what}: {source}")]
+    Store {
+        /// What the shim was doing.
+        what: String,
+        /// The store's error.
+        #[source]
+        source: twig_store::Error,
+    },
+    /// The call's deadline passed before it could run.
+    #[error("{0}")]
+    Deadline(String),
     /// A host I/O operation failed.
     #[error("{what}: {source}")]
     Io {
@@ -80,6 +92,20 @@ impl Error {
         }
     }
 
+    /// Whether twig-vmm said the VM is gone (`lost`): it is stopped and
+    /// cannot be trusted; the pod's processes no longer run.
+    pub fn is_vm_lost(&self) -> bool {
+        self.vmm_kind() == Some(twig_vmm::ErrorKind::Lost)
+    }
+
+    /// The kind of a twig-vmm error answer.
+    pub fn vmm_kind(&self) -> Option<twig_vmm::ErrorKind> {
+        match self {
+            Error::Vmm { source, .. } => source.kind(),
+            _ => None,
+        }
+    }
+
     /// The ttrpc (gRPC) code containerd's errdefs map this error to.
     pub fn code(&self) -> ttrpc::Code {
         match self {
@@ -95,6 +121,19 @@ impl Error {
                 Some(twig_vmm::ErrorKind::Busy) => ttrpc::Code::UNAVAILABLE,
                 _ => ttrpc::Code::INTERNAL,
             },
+            Error::Store { source, .. } => match source {
+                twig_store::Error::NotFound(_) => ttrpc::Code::NOT_FOUND,
+                twig_store::Error::AlreadyExists(_) => ttrpc::Code::ALREADY_EXISTS,
+                twig_store::Error::FailedPrecondition(_) | twig_store::Error::NoReflink { .. } => {
+                    ttrpc::Code::FAILED_PRECONDITION
+                }
+                twig_store::Error::InvalidArgument(_) => ttrpc::Code::INVALID_ARGUMENT,
+                twig_store::Error::NoSpace { .. } => ttrpc::Code::RESOURCE_EXHAUSTED,
+                twig_store::Error::Corrupt { .. } | twig_store::Error::Io { .. } => {
+                    ttrpc::Code::INTERNAL
+                }
+            },
+            Error::Deadline(_) => ttrpc::Code::DEADLINE_EXCEEDED,
             Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
                 ttrpc::Code::NOT_FOUND
             }

@@ -8,6 +8,7 @@
 
 pub mod config;
 pub mod error;
+pub mod pod;
 pub mod process;
 pub mod recover;
 pub mod sandbox;
@@ -15,6 +16,7 @@ pub mod server;
 pub mod service;
 pub mod spec;
 pub mod stdio;
+pub mod twig_service;
 pub mod vm;
 
 pub use error::{Error, Result};

@@ -126,6 +126,9 @@ impl Proc {
 pub struct Container {
     /// containerd's id.
     pub id: String,
+    /// The id the guest's agent knows it by: containerd's id, or for an
+    /// adopted container its id in the snapshotted pod.
+    pub guest_id: String,
     /// Its bundle directory.
     pub bundle: PathBuf,
     /// Created by the shim, or adopted from a restored VM.

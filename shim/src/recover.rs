@@ -96,6 +96,7 @@ mod tests {
         stopped.exit.send_replace(Some(done));
         let mut c1 = Container {
             id: "c1".into(),
+            guest_id: "c1".into(),
             bundle: PathBuf::from("/b1"),
             origin: Origin::Created,
             attachment: Attachment {
@@ -109,6 +110,7 @@ mod tests {
         c1.execs.insert("e2".into(), stopped);
         let c2 = Container {
             id: "c2".into(),
+            guest_id: "c2".into(),
             bundle: PathBuf::from("/b2"),
             origin: Origin::Created,
             attachment: Attachment {

@@ -10,7 +10,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use twig_agent::client::AgentClient;
+use twig_agent::client::{AgentClient, Error as AgentError};
 
 use crate::error::{Error, Result};
 
@@ -23,11 +23,48 @@ pub struct Attachment {
     pub slot: Option<usize>,
 }
 
+/// What a VM snapshot wrote into its staging directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmSnapshot {
+    /// The parent of an incremental snapshot (the VM's baseline).
+    pub parent: Option<String>,
+    /// Guest pages written to its memory file.
+    pub pages_written: u64,
+}
+
+/// What an in-place rollback did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmRollback {
+    /// Guest pages put back.
+    pub pages_restored: u64,
+    /// Whether all of guest RAM was remapped.
+    pub remapped: bool,
+}
+
+/// A container that runs in a VM restored from a pod snapshot, waiting to
+/// be adopted by the container CRI creates under its name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Restored {
+    /// The id the guest's agent knows it by (its id in the snapshotted pod).
+    pub guest_id: String,
+    /// Its name in the pod (CRI's `io.kubernetes.cri.container-name`).
+    pub name: String,
+    /// The disk slot holding its rootfs (the snapshot's copy).
+    pub slot: usize,
+}
+
 /// One pod's VM (or its stand-in): an agent, and a way to give it a disk.
 /// Calls block; the service runs them on blocking threads.
 pub trait Sandbox: Send + Sync {
-    /// The agent that runs the containers.
-    fn agent(&self) -> &AgentClient;
+    /// The agent that runs the containers, on its current connection.
+    /// A rollback replaces the connection (the VMM drops every host vsock
+    /// connection when the guest's state goes back); while one runs, this
+    /// call waits for it.
+    fn agent(&self) -> AgentClient;
+    /// How many times the agent connection was replaced; waits for a
+    /// rollback in progress. A call that failed on an older connection is
+    /// worth repeating on the current one.
+    fn agent_epoch(&self) -> u64;
     /// Hands the block image `image` to the guest and creates container
     /// `id` on it with `spec_json`; on failure nothing stays attached.
     fn create_container(
@@ -59,6 +96,42 @@ pub trait Sandbox: Send + Sync {
     /// `None`: no VM process to watch (or asked before).
     fn death(&self) -> Option<Death> {
         None
+    }
+    /// Snapshots the VM (memory, vCPU and device state, every read-write
+    /// disk) into `staging`, a node-store staging directory named by the
+    /// new id: all of memory when `full`, else the pages changed since the
+    /// VM's baseline. The VM keeps running.
+    fn snapshot(&self, staging: &Path, full: bool) -> Result<VmSnapshot>;
+    /// Rolls the VM back in place to the published snapshot `dir`, all or
+    /// nothing, and reconnects to the agent. A refusal leaves the VM
+    /// running on its previous state; [`crate::Error::is_vm_lost`] says
+    /// when the VM is gone.
+    fn rollback(&self, dir: &Path) -> Result<VmRollback>;
+    /// The node store the pod's snapshots go to: the store of the template
+    /// its VM was restored from.
+    fn snapshot_store(&self) -> Result<std::path::PathBuf>;
+    /// Hands out the running container named `name` of the snapshot this
+    /// VM was restored from, once; `None` when there is none (always, for
+    /// a VM restored from the template).
+    fn take_restored(&self, name: &str) -> Option<Restored>;
+}
+
+/// Runs `call` on the sandbox's current agent connection; when it fails
+/// because a rollback replaced that connection meanwhile, runs it again on
+/// the new one (the long-lived calls — waits, output reads — span
+/// rollbacks this way).
+pub fn with_agent<T>(
+    sandbox: &dyn Sandbox,
+    mut call: impl FnMut(&AgentClient) -> std::result::Result<T, AgentError>,
+) -> std::result::Result<T, AgentError> {
+    loop {
+        let epoch = sandbox.agent_epoch();
+        match call(&sandbox.agent()) {
+            Err(e) if sandbox.agent_epoch() != epoch => {
+                tracing::debug!("the agent connection was replaced during a call ({e}); again");
+            }
+            other => return other,
+        }
     }
 }
 
@@ -113,8 +186,12 @@ fn losetup(args: &[&str], image: Option<&Path>) -> Result<String> {
 }
 
 impl Sandbox for HostSandbox {
-    fn agent(&self) -> &AgentClient {
-        &self.agent
+    fn agent(&self) -> AgentClient {
+        self.agent.clone()
+    }
+
+    fn agent_epoch(&self) -> u64 {
+        0
     }
 
     fn create_container(
@@ -160,6 +237,28 @@ impl Sandbox for HostSandbox {
 
     fn shutdown(&self) -> Result<()> {
         Ok(())
+    }
+
+    fn snapshot(&self, _staging: &Path, _full: bool) -> Result<VmSnapshot> {
+        Err(Error::Unimplemented(
+            "snapshots need a VM; the host sandbox has none".into(),
+        ))
+    }
+
+    fn rollback(&self, _dir: &Path) -> Result<VmRollback> {
+        Err(Error::Unimplemented(
+            "rollback needs a VM; the host sandbox has none".into(),
+        ))
+    }
+
+    fn snapshot_store(&self) -> Result<std::path::PathBuf> {
+        Err(Error::Unimplemented(
+            "snapshots need a VM; the host sandbox has none".into(),
+        ))
+    }
+
+    fn take_restored(&self, _name: &str) -> Option<Restored> {
+        None
     }
 }
 

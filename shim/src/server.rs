@@ -35,6 +35,7 @@ use crate::error::{Error, Result};
 use crate::process::timestamp;
 use crate::service::{Event, TaskService};
 use crate::spec;
+use crate::twig_service::{TwigService, DEFAULT_QUEUE_DEADLINE};
 use crate::vm::{VmLauncher, PID_FILE};
 
 /// containerd's name for this runtime.
@@ -219,7 +220,16 @@ fn stop_orphan_vmm(dir: &Path) {
     }
 }
 
-/// The server: serves the Task API until containerd's Shutdown.
+/// The pod's sandbox id (the shim's group), from the bundle the server
+/// starts in: the first container's.
+fn sandbox_id(flags: &Flags) -> Result<String> {
+    let bundle =
+        std::env::current_dir().map_err(|e| Error::io("the bundle (current directory)", e))?;
+    Ok(spec::grouping(&flags.id, &spec::read_spec(&bundle)?))
+}
+
+/// The server: serves the Task API and the `Twig` service until
+/// containerd's Shutdown.
 pub async fn serve(flags: Flags) -> Result<()> {
     let config = Config::load()?;
     let ttrpc_address = std::env::var(TTRPC_ADDRESS)
@@ -256,10 +266,12 @@ pub async fn serve(flags: Flags) -> Result<()> {
         state_dir(&config, &flags.socket),
     ));
     let service = TaskService::new(launcher, tx, exit.clone(), timeout);
+    let twig = TwigService::new(service.clone(), sandbox_id(&flags)?, DEFAULT_QUEUE_DEADLINE);
     let listener = Listener::try_from(listener).map_err(|e| Error::io("the ttrpc listener", e))?;
     let mut server = Server::new()
         .add_listener(listener)
-        .register_service(task_services(service));
+        .register_service(task_services(service))
+        .register_service(twig.services());
     server
         .start()
         .await

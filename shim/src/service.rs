@@ -30,9 +30,12 @@ use twig_agent::client::Stream;
 use crate::error::{Error, Result};
 use crate::process::{timestamp, Container, Exited, Origin, Phase, Proc};
 use crate::recover;
-use crate::sandbox::{Death, Launcher, Sandbox};
+use crate::sandbox::Attachment;
+use crate::sandbox::{with_agent, Death, Launcher, Sandbox};
 use crate::spec;
 use crate::stdio::{self, StdioPaths};
+use crate::twig_service::CONTAINER_NAME_ANNOTATION;
+use crate::vm::slot_device;
 
 /// How long a server-side wait of the agent lasts before it is asked again.
 const AGENT_WAIT: Duration = Duration::from_secs(30);
@@ -54,12 +57,12 @@ pub type EventTx = mpsc::UnboundedSender<Event>;
 /// The Task service of one shim.
 #[derive(Clone)]
 pub struct TaskService {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
-struct Inner {
+pub(crate) struct Inner {
     launcher: Arc<dyn Launcher>,
-    sandbox: tokio::sync::Mutex<Option<Arc<dyn Sandbox>>>,
+    pub(crate) sandbox: tokio::sync::Mutex<Option<Arc<dyn Sandbox>>>,
     containers: Mutex<HashMap<String, Container>>,
     /// The guest pid of the pod's first container's init: other containers
     /// join its namespaces.
@@ -78,7 +81,7 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'sta
         .map_err(|e| Error::Internal(format!("blocking task: {e}")))?
 }
 
-fn shim_pid() -> u32 {
+pub(crate) fn shim_pid() -> u32 {
     std::process::id()
 }
 
@@ -106,14 +109,14 @@ impl TaskService {
         }
     }
 
-    fn containers(&self) -> MutexGuard<'_, HashMap<String, Container>> {
+    pub(crate) fn containers(&self) -> MutexGuard<'_, HashMap<String, Container>> {
         self.inner
             .containers
             .lock()
             .unwrap_or_else(|p| p.into_inner())
     }
 
-    fn publish(&self, topic: &'static str, message: Box<dyn MessageDyn>) {
+    pub(crate) fn publish(&self, topic: &'static str, message: Box<dyn MessageDyn>) {
         if self.inner.events.send(Event { topic, message }).is_err() {
             tracing::warn!(topic, "event dropped: the publisher is gone");
         }
@@ -126,6 +129,15 @@ impl TaskService {
             .await
             .clone()
             .ok_or_else(|| Error::FailedPrecondition("the pod's VM does not exist yet".into()))
+    }
+
+    /// The id the agent knows container `id` by, and whether it was
+    /// adopted from a restored VM.
+    fn guest_id(&self, id: &str) -> Result<(String, bool)> {
+        self.containers()
+            .get(id)
+            .map(|c| (c.guest_id.clone(), c.origin == Origin::Adopted))
+            .ok_or_else(|| Error::NotFound(format!("container {id} not found")))
     }
 
     fn with_proc<R>(
@@ -164,6 +176,7 @@ impl TaskService {
         let oci = spec::read_spec(&bundle)?;
         let image = spec::rootfs_image(&req.id, &req.rootfs)?;
         let read_only = spec::root_read_only(&oci);
+        let name = spec::annotation(&oci, CONTAINER_NAME_ANNOTATION).map(str::to_string);
         let paths = StdioPaths {
             stdin: req.stdin.clone(),
             stdout: req.stdout.clone(),
@@ -198,17 +211,39 @@ impl TaskService {
         let guest = spec::guest_spec(oci, sandbox_init)?;
         let spec_json = serde_json::to_vec(&guest)
             .map_err(|e| Error::Internal(format!("encoding the OCI spec: {e}")))?;
-        let id = req.id.clone();
-        let sb = sandbox.clone();
-        let attachment = timer
-            .vm(blocking(move || {
-                sb.create_container(&id, &image, read_only, &spec_json)
-            }))
-            .await?;
+        // A container of the pod snapshot the VM was restored from runs
+        // already: adopt it (its rootfs is the snapshot's copy on its slot).
+        let adopted = name.as_deref().and_then(|n| sandbox.take_restored(n));
+        let (attachment, origin, guest_id) = match adopted {
+            Some(r) => {
+                tracing::info!(
+                    id = req.id,
+                    guest_id = r.guest_id,
+                    name,
+                    "adopting a restored container"
+                );
+                let attachment = Attachment {
+                    device: slot_device(r.slot)?,
+                    slot: Some(r.slot),
+                };
+                (attachment, Origin::Adopted, r.guest_id)
+            }
+            None => {
+                let id = req.id.clone();
+                let sb = sandbox.clone();
+                let attachment = timer
+                    .vm(blocking(move || {
+                        sb.create_container(&id, &image, read_only, &spec_json)
+                    }))
+                    .await?;
+                (attachment, Origin::Created, req.id.clone())
+            }
+        };
         let container = Container {
             id: req.id.clone(),
+            guest_id,
             bundle,
-            origin: Origin::Created,
+            origin,
             attachment,
             init: Proc::new("", paths, opened, Vec::new()),
             execs: HashMap::new(),
@@ -254,12 +289,17 @@ impl TaskService {
             ))
         })?;
         let sandbox = self.sandbox().await?;
-        let (id, exec_id) = (req.id.clone(), req.exec_id.clone());
+        let (guest_id, adopted) = self.guest_id(&req.id)?;
+        // An adopted container's init runs already.
+        let adopted_init = adopted && req.exec_id.is_empty();
+        let (id, exec_id) = (guest_id.clone(), req.exec_id.clone());
         let sb = sandbox.clone();
         let timeout = self.inner.timeout;
         let started = timer
             .vm(blocking(move || {
-                if exec_id.is_empty() {
+                if adopted_init {
+                    Ok(0)
+                } else if exec_id.is_empty() {
                     sb.agent()
                         .start_container(&id, timeout)
                         .map_err(|e| Error::agent(format!("starting container {id}"), e))
@@ -277,7 +317,7 @@ impl TaskService {
                 return Err(e);
             }
         };
-        if req.exec_id.is_empty() {
+        if req.exec_id.is_empty() && !adopted_init {
             let mut init = self
                 .inner
                 .sandbox_init
@@ -286,42 +326,44 @@ impl TaskService {
             init.get_or_insert(guest_pid);
         }
         let mut copiers = Vec::new();
-        let agent = sandbox.agent().clone();
         let streams = [
             (Stream::Stdout, opened.stdout),
             (Stream::Stderr, opened.stderr),
         ];
         for (stream, out) in streams {
             let Some(out) = out else { continue };
-            let (a, id, e) = (agent.clone(), req.id.clone(), req.exec_id.clone());
+            let (sb, id, e) = (sandbox.clone(), guest_id.clone(), req.exec_id.clone());
             let read: stdio::ReadFn = Arc::new(move || {
-                a.read_stream(&id, &e, stream, stdio::CHUNK, AGENT_WAIT)
-                    .map_err(|err| Error::agent(format!("reading {stream:?} of {id}/{e}"), err))
+                with_agent(sb.as_ref(), |a| {
+                    a.read_stream(&id, &e, stream, stdio::CHUNK, AGENT_WAIT)
+                })
+                .map_err(|err| Error::agent(format!("reading {stream:?} of {id}/{e}"), err))
             });
             copiers.push(stdio::copy_out(read, out));
         }
         let (close_tx, stdin_copier) = match opened.stdin {
             Some(fifo) => {
                 let (tx, rx) = oneshot::channel();
-                let (a, id, e) = (agent.clone(), req.id.clone(), req.exec_id.clone());
+                let (sb, id, e) = (sandbox.clone(), guest_id.clone(), req.exec_id.clone());
                 let write: stdio::WriteFn = Arc::new(move |d: &[u8]| {
-                    a.write_stdin(&id, &e, d, timeout)
+                    with_agent(sb.as_ref(), |a| a.write_stdin(&id, &e, d, timeout))
                         .map_err(|err| Error::agent(format!("writing stdin of {id}/{e}"), err))
                 });
-                let (a, id, e) = (agent.clone(), req.id.clone(), req.exec_id.clone());
+                let (sb, id, e) = (sandbox.clone(), guest_id.clone(), req.exec_id.clone());
                 let close: stdio::CloseFn = Arc::new(move || {
-                    a.close_stdin(&id, &e, timeout)
+                    with_agent(sb.as_ref(), |a| a.close_stdin(&id, &e, timeout))
                         .map_err(|err| Error::agent(format!("closing stdin of {id}/{e}"), err))
                 });
                 (Some(tx), Some(stdio::copy_in(fifo, rx, write, close)))
             }
             None => {
-                if !terminal {
+                if !terminal && !adopted_init {
                     // No stdin: the process reads end of file, as under runc.
-                    let (a, id, e) = (agent.clone(), req.id.clone(), req.exec_id.clone());
+                    let (sb, id, e) = (sandbox.clone(), guest_id.clone(), req.exec_id.clone());
                     if let Err(err) = timer
                         .vm(blocking(move || {
-                            a.close_stdin(&id, &e, timeout)
+                            sb.agent()
+                                .close_stdin(&id, &e, timeout)
                                 .map_err(|err| Error::agent("closing stdin", err))
                         }))
                         .await
@@ -339,7 +381,13 @@ impl TaskService {
             p.stdin_copier = stdin_copier;
             Ok(())
         })?;
-        self.watch_exit(agent, req.id.clone(), req.exec_id.clone(), copiers);
+        self.watch_exit(
+            sandbox,
+            guest_id,
+            req.id.clone(),
+            req.exec_id.clone(),
+            copiers,
+        );
         if req.exec_id.is_empty() {
             self.publish(
                 topics::TASK_START_EVENT_TOPIC,
@@ -400,7 +448,8 @@ impl TaskService {
     /// drain, records the exit and publishes TaskExit.
     fn watch_exit(
         &self,
-        agent: twig_agent::client::AgentClient,
+        sandbox: Arc<dyn Sandbox>,
+        guest_id: String,
         id: String,
         exec_id: String,
         copiers: Vec<tokio::task::JoinHandle<()>>,
@@ -408,9 +457,9 @@ impl TaskService {
         let this = self.clone();
         tokio::spawn(async move {
             let exit = loop {
-                let (a, i, e) = (agent.clone(), id.clone(), exec_id.clone());
+                let (sb, i, e) = (sandbox.clone(), guest_id.clone(), exec_id.clone());
                 let r = blocking(move || {
-                    a.wait_process(&i, &e, AGENT_WAIT)
+                    with_agent(sb.as_ref(), |a| a.wait_process(&i, &e, AGENT_WAIT))
                         .map_err(|err| Error::agent(format!("waiting for {i}/{e}"), err))
                 })
                 .await;
@@ -524,7 +573,7 @@ impl TaskService {
             (c.init.exited(), c.attachment.clone())
         };
         let sandbox = self.sandbox().await?;
-        let (id, timeout) = (req.id.clone(), self.inner.timeout);
+        let (id, timeout) = (self.guest_id(&req.id)?.0, self.inner.timeout);
         // A dead VM took the container and its disk slot with it.
         let dead = *self.inner.vm_dead.borrow();
         blocking(move || {
@@ -592,9 +641,10 @@ impl TaskService {
         let timeout = self.inner.timeout;
         let signal = req.signal;
         let sb = sandbox.clone();
+        let guest_id = self.guest_id(&req.id)?.0;
         let sent = blocking(move || {
             sb.agent()
-                .signal_process(&req.id, &req.exec_id, req.signal, timeout)
+                .signal_process(&guest_id, &req.exec_id, req.signal, timeout)
                 .map_err(|e| {
                     Error::agent(
                         format!("signal {} to {}/{}", req.signal, req.id, req.exec_id),
@@ -772,10 +822,11 @@ impl TaskService {
         }
         let sandbox = self.sandbox().await?;
         let timeout = self.inner.timeout;
+        let guest_id = self.guest_id(&req.id)?.0;
         blocking(move || {
             sandbox
                 .agent()
-                .resize_tty(&req.id, &req.exec_id, req.height, req.width, timeout)
+                .resize_tty(&guest_id, &req.exec_id, req.height, req.width, timeout)
                 .map_err(|e| {
                     Error::agent(
                         format!("resizing the terminal of {}/{}", req.id, req.exec_id),
@@ -821,12 +872,9 @@ impl TaskService {
     }
 
     async fn do_stats(&self, req: api::StatsRequest) -> Result<api::StatsResponse> {
-        if !self.containers().contains_key(&req.id) {
-            return Err(Error::NotFound(format!("container {} not found", req.id)));
-        }
+        let id = self.guest_id(&req.id)?.0;
         let sandbox = self.sandbox().await?;
         let timeout = self.inner.timeout;
-        let id = req.id.clone();
         let s = blocking(move || {
             sandbox
                 .agent()

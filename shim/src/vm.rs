@@ -8,7 +8,7 @@ use std::io::{Read, Seek};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 use containerd_shim_protos::ttrpc;
@@ -19,13 +19,25 @@ use twig_vmm::api::Client;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::sandbox::{Attachment, Death, Launcher, Sandbox};
+use crate::sandbox::{Attachment, Death, Launcher, Restored, Sandbox, VmRollback, VmSnapshot};
 use crate::spec;
 
 /// The pod annotation naming the app template a sandbox restores (made by
 /// the node daemon's `EnsureTemplate`); without it, the node's base
 /// template.
 pub const TEMPLATE_ANNOTATION: &str = "twig.dev/template";
+
+/// The pod annotation naming a pod snapshot of the node store to restore
+/// the sandbox from (the Clone CRD's pods).
+pub const RESTORE_FROM_ANNOTATION: &str = "twig.dev/restore-from";
+
+/// The least deadline of a snapshot or rollback call: they copy guest
+/// memory and disks, which takes seconds on a loaded node.
+const SLOW_CALL: Duration = Duration::from_secs(120);
+
+/// How long a ping on the agent connection may take after a rollback
+/// before the connection counts as dropped.
+const PING_AFTER_ROLLBACK: Duration = Duration::from_millis(500);
 
 /// How long the guest may take to see a new slot's capacity: Linux handles
 /// the configuration-change interrupt on a workqueue, and the agent mounts
@@ -48,6 +60,14 @@ impl VmLauncher {
 impl Launcher for VmLauncher {
     fn launch(&self, sandbox_id: &str, bundle: &Path) -> Result<Arc<dyn Sandbox>> {
         let spec = spec::read_spec(bundle)?;
+        if let Some(snapshot) = spec::annotation(&spec, RESTORE_FROM_ANNOTATION) {
+            return Err(Error::Unimplemented(format!(
+                "{RESTORE_FROM_ANNOTATION}: {snapshot}: a VM from the node daemon's pool cannot \
+                 restore a pod snapshot yet: the snapshot's attached disk slots need files at \
+                 restore, and twig-vmm takes them only when it starts (--slot-file), which \
+                 neither AcquireVm nor twig-vmm's restore request carries"
+            )));
+        }
         let template = spec::annotation(&spec, TEMPLATE_ANNOTATION).unwrap_or_default();
         tracing::info!(sandbox_id, template, state = %self.state_dir.display(), "starting the sandbox VM");
         Ok(Arc::new(VmSandbox::start(
@@ -62,7 +82,10 @@ impl Launcher for VmLauncher {
 /// A pod's VM: the twig-vmm child, its API client and the agent inside.
 pub struct VmSandbox {
     vmm: Mutex<Vmm>,
-    agent: AgentClient,
+    agent: RwLock<AgentConn>,
+    vsock: PathBuf,
+    /// The template the VM was restored from (`<store>/snapshots/<id>`).
+    template_dir: PathBuf,
     slots: Mutex<Vec<bool>>,
     timeout: Duration,
     /// Set before a shutdown stops the VMM: its exit is then no death.
@@ -72,6 +95,12 @@ pub struct VmSandbox {
     /// The shim's state directory of the pod (`vmm.pid`), removed once
     /// the VMM is gone.
     state_dir: PathBuf,
+}
+
+/// The agent connection and how many times it was replaced.
+struct AgentConn {
+    client: AgentClient,
+    epoch: u64,
 }
 
 struct Vmm {
@@ -138,7 +167,12 @@ impl VmSandbox {
                 process: guard.0.take(),
                 api,
             }),
-            agent,
+            agent: RwLock::new(AgentConn {
+                client: agent,
+                epoch: 0,
+            }),
+            vsock: PathBuf::from(&vm.vsock_socket),
+            template_dir: PathBuf::from(&vm.template_dir),
             slots: Mutex::new(vec![false; vm.disk_slots as usize]),
             timeout,
             stopping,
@@ -438,8 +472,26 @@ impl Drop for KillOnDrop {
 }
 
 impl Sandbox for VmSandbox {
-    fn agent(&self) -> &AgentClient {
-        &self.agent
+    fn agent(&self) -> AgentClient {
+        self.agent
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .client
+            .clone()
+    }
+
+    fn agent_epoch(&self) -> u64 {
+        self.agent.read().unwrap_or_else(|p| p.into_inner()).epoch
+    }
+
+    fn snapshot_store(&self) -> Result<PathBuf> {
+        twig_store::layout::locate(&self.template_dir)
+            .map(|(root, _)| root)
+            .map_err(|e| {
+                Error::FailedPrecondition(format!(
+                    "the pod's template is not in a node store, so its snapshots have none: {e}"
+                ))
+            })
     }
 
     fn create_container(
@@ -467,7 +519,7 @@ impl Sandbox for VmSandbox {
         }
         let deadline = Instant::now() + CAPACITY_WAIT;
         let created = loop {
-            match self.agent.create_container(
+            match self.agent().create_container(
                 id,
                 &attachment.device,
                 read_only,
@@ -577,6 +629,65 @@ impl Sandbox for VmSandbox {
 
     fn death(&self) -> Option<Death> {
         self.death.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+
+    fn snapshot(&self, staging: &Path, full: bool) -> Result<VmSnapshot> {
+        let kind = if full {
+            twig_vmm::Kind::Full
+        } else {
+            twig_vmm::Kind::Incremental
+        };
+        let info = self
+            .vmm()
+            .api
+            .snapshot(staging, kind, self.timeout.max(SLOW_CALL))
+            .map_err(vmm_error(format!(
+                "snapshotting the VM into {}",
+                staging.display()
+            )))?;
+        Ok(VmSnapshot {
+            parent: info.parent,
+            pages_written: u64::try_from(info.pages_written).unwrap_or(u64::MAX),
+        })
+    }
+
+    fn rollback(&self, dir: &Path) -> Result<VmRollback> {
+        // Agent calls wait while the guest goes back and the connection is
+        // replaced; calls that failed on the dropped one see a new epoch.
+        let mut agent = self.agent.write().unwrap_or_else(|p| p.into_inner());
+        let result = self
+            .vmm()
+            .api
+            .rollback(dir, self.timeout.max(SLOW_CALL))
+            .map_err(vmm_error(format!(
+                "rolling the VM back to {}",
+                dir.display()
+            )));
+        let result = match result {
+            Err(e) if e.is_vm_lost() => return Err(e),
+            other => other,
+        };
+        // The VMM drops host vsock connections when the guest's state goes
+        // back (a refusal may have undone that far too): keep the
+        // connection only if it still answers.
+        if agent.client.ping(PING_AFTER_ROLLBACK).is_err() {
+            let client =
+                AgentClient::wait_ready(&self.vsock, twig_agent::AGENT_VSOCK_PORT, self.timeout)
+                    .map_err(|e| Error::agent("reconnecting to the agent after a rollback", e))?;
+            agent.client = client;
+            agent.epoch += 1;
+        }
+        let info = result?;
+        Ok(VmRollback {
+            pages_restored: u64::try_from(info.pages_restored).unwrap_or(u64::MAX),
+            remapped: info.remapped,
+        })
+    }
+
+    fn take_restored(&self, _name: &str) -> Option<Restored> {
+        // Restore-from is refused at launch (see RESTORE_FROM_ANNOTATION):
+        // a pool VM always starts from a template, with nothing to adopt.
+        None
     }
 }
 

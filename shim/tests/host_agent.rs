@@ -6,7 +6,6 @@
 //! and the static busybox; it fails, never skips, without them.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -16,9 +15,8 @@ use containerd_shim_protos::cgroups::metrics::Metrics;
 use containerd_shim_protos::protobuf::well_known_types::any::Any;
 use containerd_shim_protos::protobuf::{Message, MessageField};
 use containerd_shim_protos::shim_async::TaskClient;
-use containerd_shim_protos::ttrpc::context::Context;
 use containerd_shim_protos::ttrpc::r#async::{transport::Listener, Client, Server};
-use containerd_shim_protos::ttrpc::{self, Code};
+use containerd_shim_protos::ttrpc::Code;
 use containerd_shim_protos::types::task::Status;
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -28,77 +26,8 @@ use twig_shim::sandbox::{Fixed, HostSandbox};
 use twig_shim::server::task_services;
 use twig_shim::service::{Event, TaskService};
 
-const T: Duration = Duration::from_secs(30);
-
-fn agent_binary() -> PathBuf {
-    if let Some(p) = std::env::var_os("TWIG_AGENT_BIN") {
-        return PathBuf::from(p);
-    }
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf();
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let st = Command::new(cargo)
-        .current_dir(&root)
-        .args(["build", "-q", "-p", "twig-agent", "--bin", "twig-agent"])
-        .status()
-        .expect("running cargo build -p twig-agent");
-    assert!(st.success(), "building twig-agent failed");
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or(root.join("target"));
-    target.join("debug/twig-agent")
-}
-
-/// The agent in its own pid + mount namespaces; killed (with every
-/// container process) on drop.
-struct Agent {
-    child: Child,
-    socket: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-impl Agent {
-    fn start() -> Agent {
-        let dir = tempfile::tempdir().unwrap();
-        let socket = dir.path().join("agent.sock");
-        let state = dir.path().join("state");
-        let script = format!(
-            "exec {} --listen unix://{} --state-dir {}",
-            agent_binary().display(),
-            socket.display(),
-            state.display()
-        );
-        let child = Command::new("unshare")
-            .args([
-                "--pid",
-                "--fork",
-                "--kill-child",
-                "--mount-proc",
-                "sh",
-                "-c",
-                &script,
-            ])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.path().join("agent.log")).unwrap())
-            .spawn()
-            .unwrap();
-        Agent {
-            child,
-            socket,
-            _dir: dir,
-        }
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+mod common;
+use common::{bundle, code, ctx, twig_mount, Agent, T};
 
 fn mkfifo(path: &Path) {
     let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
@@ -148,43 +77,6 @@ async fn fixture() -> Fixture {
         exit,
         _server: server,
         _agent: agent,
-    }
-}
-
-fn ctx() -> Context {
-    Context {
-        timeout_nano: 60_000_000_000,
-        ..Default::default()
-    }
-}
-
-/// A bundle with `config.json` and a busybox rootfs image.
-fn bundle(dir: &Path, name: &str, args: &[&str], extra: serde_json::Value) -> (PathBuf, PathBuf) {
-    let b = dir.join(name);
-    std::fs::create_dir_all(&b).unwrap();
-    std::fs::write(
-        b.join("config.json"),
-        twig_agent::testkit::spec(args, extra),
-    )
-    .unwrap();
-    let img = b.join("rootfs.img");
-    twig_agent::testkit::busybox_rootfs(&img, 16, &[]).unwrap();
-    (b, img)
-}
-
-fn twig_mount(img: &Path) -> api::Mount {
-    api::Mount {
-        type_: "ext4".into(),
-        source: img.display().to_string(),
-        options: vec!["rw".into(), "loop".into()],
-        ..Default::default()
-    }
-}
-
-fn code(e: ttrpc::Error) -> Code {
-    match e {
-        ttrpc::Error::RpcStatus(s) => s.code(),
-        other => panic!("not a status: {other:?}"),
     }
 }
 

@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -403,20 +403,74 @@ fn bad_jail_configurations_are_refused_clearly() {
     assert!(e.contains("nosuch.file"), "{e}");
 }
 
+/// An XFS filesystem (reflinks) on a loop device, unmounted when dropped.
+struct Xfs(tempfile::TempDir);
+
+impl Xfs {
+    fn mount() -> Xfs {
+        let dir = tmp();
+        let img = dir.path().join("xfs.img");
+        std::fs::File::create(&img)
+            .and_then(|f| f.set_len(512 << 20))
+            .unwrap();
+        let mkfs = Command::new("mkfs.xfs")
+            .args(["-q", "-m", "reflink=1"])
+            .arg(&img)
+            .status()
+            .expect("mkfs.xfs (xfsprogs) is needed");
+        assert!(mkfs.success(), "mkfs.xfs");
+        let mnt = dir.path().join("mnt");
+        std::fs::create_dir(&mnt).unwrap();
+        let ok = Command::new("mount")
+            .args(["-o", "loop"])
+            .arg(&img)
+            .arg(&mnt)
+            .status()
+            .expect("mount");
+        assert!(ok.success(), "loop-mounting XFS (needs root)");
+        world_readable(dir.path());
+        Xfs(dir)
+    }
+
+    fn path(&self) -> PathBuf {
+        self.0.path().join("mnt")
+    }
+}
+
+impl Drop for Xfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(self.path()).status();
+    }
+}
+
+/// A node store at `root` laid out for jailed VMMs as twig-node lays it
+/// out: its `tmp` writable by the VMMs' group (sticky), where a rollback
+/// backs up disks sent as descriptors.
+fn jail_store(root: &Path, allow_copy: bool) -> NodeStore {
+    let store = NodeStore::open(root, allow_copy).expect("open the node store");
+    let tmp = root.join("tmp");
+    std::os::unix::fs::chown(&tmp, None, Some(GID)).unwrap();
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o1775)).unwrap();
+    store
+}
+
 /// A jailed VMM cannot open the caller's files: `Client::attach_disk` opens
 /// the image and sends its descriptor with the request. The VMM serves the
 /// file it was sent (a snapshot copies exactly its bytes), while the same
 /// file named by path alone does not exist for it, and a request that
-/// announces a descriptor it did not send is refused.
+/// announces a descriptor it did not send is refused. A rollback puts the
+/// snapshot's bytes into the sent read-write image through the descriptor
+/// (reflinks: the store, bound as twig-node binds it, on the image's XFS);
+/// with a store on another filesystem it is refused, naming both, and the
+/// VM runs on with its disk unchanged.
 #[test]
-fn a_jailed_vmm_attaches_disks_sent_as_descriptors() {
+fn a_jailed_vmm_attaches_disks_sent_as_descriptors_and_rolls_them_back() {
     require_kvm();
+    let xfs = Xfs::mount();
     let d = tmp();
     world_readable(d.path());
-    let (ja, store) = (d.path().join("a"), d.path().join("store"));
-    for j in [&ja, &store] {
-        owned_dir(j);
-    }
+    let ja = d.path().join("a");
+    owned_dir(&ja);
     twig_vmm::testguest::write_to(&ja).unwrap();
     let kernel = Path::new("/").join(
         std::fs::read_dir(&ja)
@@ -426,22 +480,33 @@ fn a_jailed_vmm_attaches_disks_sent_as_descriptors() {
             .unwrap()
             .file_name(),
     );
-    // Images outside the jail, the host's root's only (mode 0600).
+    // Images outside the jail, the host's root's only (mode 0600), on the
+    // store's filesystem.
     let image = |name: &str, byte: u8| {
-        let p = d.path().join(name);
+        let p = xfs.path().join(name);
         std::fs::write(&p, vec![byte; 1 << 20]).unwrap();
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
         p
     };
     let (rw, ro) = (image("rootfs.img", 0xa5), image("base.img", 0x5a));
-    let bind = format!("{}:/store", store.display());
+    // Two stores bound at their host paths, snapshots read-only and tmp
+    // read-write: one on the images' XFS, one elsewhere (/tmp).
+    let (store, other) = (xfs.path().join("store"), d.path().join("other"));
+    let node = jail_store(&store, false);
+    let elsewhere = jail_store(&other, true);
+    let mut binds = Vec::new();
+    for s in [&store, &other] {
+        binds.push(format!("{}:ro", s.join("snapshots").display()));
+        binds.push(s.join("tmp").display().to_string());
+    }
+    let mut extra = vec!["--disk-slots", "3"];
+    for b in &binds {
+        extra.extend(["--jail-bind", b.as_str()]);
+    }
     let mut a = Vmm::start(
         &ja.join("api.sock"),
         Path::new("/api.sock"),
-        &jail_args(
-            ja.to_str().unwrap(),
-            &["--jail-bind", &bind, "--disk-slots", "3"],
-        ),
+        &jail_args(ja.to_str().unwrap(), &extra),
     );
     a.api
         .boot(&kernel, None, "console=ttyS0", MIB, 1, T)
@@ -484,22 +549,58 @@ fn a_jailed_vmm_attaches_disks_sent_as_descriptors() {
 
     // The snapshot holds the read-write slot's bytes, read through the
     // descriptor.
-    let node = NodeStore::open(&store, true).expect("open the node store");
-    snapshot(&mut a.api, &node, Path::new("/store"), "s1", Kind::Full).expect("snapshot");
-    let copied = std::fs::read(store.join("snapshots/s1/disk0")).expect("the slot's copy");
-    assert_eq!(copied, std::fs::read(&rw).unwrap());
-    // Rollback puts a read-write slot's content back by writing a copy
-    // next to the attached file, which a jailed VMM cannot reach: refused,
-    // and the VM runs on with its disks.
-    match a.api.rollback(Path::new("/store/snapshots/s1"), T) {
+    let (_, s1) = snapshot(&mut a.api, &node, &store, "s1", Kind::Full).expect("snapshot");
+    let at_s1 = std::fs::read(&rw).unwrap();
+    assert_eq!(
+        std::fs::read(s1.join("disk0")).expect("the slot's copy"),
+        at_s1
+    );
+
+    // The image changes (bytes and size) after the snapshot; the rollback
+    // puts the snapshot's back through the descriptor.
+    let f = std::fs::OpenOptions::new().write(true).open(&rw).unwrap();
+    f.write_all_at(b"after the snapshot", 4096).unwrap();
+    f.set_len(2 << 20).unwrap();
+    a.api.rollback(&s1, T).expect("rollback with a sent disk");
+    assert!(
+        std::fs::read(&rw).unwrap() == at_s1,
+        "the image holds the snapshot's bytes"
+    );
+    let stats = a.api.stats(T).unwrap();
+    assert_eq!(stats.state, RunState::Running);
+    assert_eq!(stats.guest_exit, None);
+    assert_eq!(std::fs::read(&ro).unwrap(), vec![0x5a; 1 << 20]);
+    let left: Vec<_> = std::fs::read_dir(store.join("tmp")).unwrap().collect();
+    assert!(left.is_empty(), "the backup is gone: {left:?}");
+
+    // A snapshot store on another filesystem cannot reflink into the
+    // image: refused, naming both, the image and the VM unchanged.
+    let (_, e1) = snapshot(&mut a.api, &elsewhere, &other, "e1", Kind::Full)
+        .expect("snapshot into the other store");
+    f.write_all_at(b"after e1", 0).unwrap();
+    let before = std::fs::read(&rw).unwrap();
+    match a.api.rollback(&e1, T) {
         Err(ClientError::Vmm { kind, message }) => {
-            assert_eq!(kind, ErrorKind::Refused, "{message}")
+            assert_eq!(kind, ErrorKind::Refused, "{message}");
+            assert!(
+                message.contains("rootfs.img") && message.contains("on device"),
+                "{message}"
+            );
         }
-        other => panic!("rollback with a sent read-write disk: {other:?}"),
+        other => panic!("rollback from another filesystem: {other:?}"),
     }
+    assert!(
+        std::fs::read(&rw).unwrap() == before,
+        "the image is unchanged"
+    );
     assert_eq!(a.api.stats(T).unwrap().state, RunState::Running);
+    // And a rollback to s1 still works.
+    a.api.rollback(&s1, T).expect("rollback to s1 again");
+    assert!(std::fs::read(&rw).unwrap() == at_s1);
+
     a.api.detach_disk(0, T).expect("detach");
     a.api.attach_disk(0, &rw, false, T).expect("attach again");
     a.api.shutdown(T).unwrap();
     assert!(a.wait().success());
+    drop(f);
 }

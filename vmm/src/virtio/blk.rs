@@ -20,6 +20,7 @@
 //! the guest.
 
 mod image;
+mod inplace;
 
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
@@ -35,6 +36,7 @@ use virtio_queue::{Queue, QueueT};
 use vm_memory::{Address, Bytes, GuestAddress};
 
 pub use image::{DiskFile, Replacement, ID_LEN, SECTOR};
+pub use inplace::scratch_dir;
 
 use super::VirtioDevice;
 use crate::memory::GuestMem;

@@ -18,7 +18,7 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::snapshot::{DiskMeta, Image};
-use crate::virtio::blk::{DiskFile, Replacement};
+use crate::virtio::blk::{scratch_dir, DiskFile, Replacement};
 
 use super::{DiskConfig, RunState, Vm};
 
@@ -264,12 +264,19 @@ impl Vm {
     /// changing nothing visible: the snapshot's copy of each read-write
     /// image next to the file it replaces (for a slot on restore, the file
     /// named in `slot_files`), read-only slot images opened, slots to empty.
+    /// An image attached as a descriptor (a jailed VMM may not reach its
+    /// directory) is instead backed up by a reflink into the store's `tmp`,
+    /// to get the snapshot's copy reflinked into it (see
+    /// `virtio/blk/inplace.rs`).
     pub(super) fn prepare_disks(&self, image: &Image) -> Result<Vec<(Replacement, Arc<DiskFile>)>> {
         let restoring = self.state == RunState::Created;
         let first = self.first_slot();
         let mut out = Vec::new();
         for (i, (d, m)) in self.disks.iter().zip(&image.state.meta.disks).enumerate() {
             let r = match (d.is_slot(), m.attached, m.read_only) {
+                (_, true, false) if !restoring && d.sent() => {
+                    d.prepare_in_place(&image.disk_path(i), m.size, &scratch_dir(&image.dir)?)?
+                }
                 (false, _, false) => d.prepare_replacement(&image.disk_path(i), m.size)?,
                 (false, _, true) => continue,
                 (true, false, _) if d.attached() => Replacement::empty(),

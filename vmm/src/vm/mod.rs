@@ -6,7 +6,7 @@ mod config;
 mod create;
 mod diagnostics;
 mod disks;
-mod failpoint;
+pub(crate) mod failpoint;
 mod persist;
 mod rollback;
 

@@ -6,11 +6,15 @@
 //!    target's layer pages, check every page range (or, for a snapshot of
 //!    another lineage, build all of the target's memory at a scratch
 //!    address), parse the device state, copy the disks next to the VM's
-//!    files, and back up vCPU, irqchip/PIT/clock and device state.
+//!    files (an image sent as a descriptor: reflink its contents into an
+//!    anonymous backup in the store's `tmp`), and back up vCPU,
+//!    irqchip/PIT/clock and device state.
 //! 2. **State**, each step with an undo: vCPUs (undo: load the backup),
 //!    irqchip/PIT/clock (undo: load the backup, the clock advanced by the
 //!    time spent), devices (undo: load the backup), disks (undo: exchange
-//!    the old files back). A failure undoes every step begun, in reverse.
+//!    the old files back, or, for an image sent as a descriptor, reflink
+//!    its backup back into it). A failure undoes every step begun, in
+//!    reverse.
 //! 3. **Memory**, last, after the point of no return: `MADV_DONTNEED` and
 //!    copies on checked ranges of our own mapping, or one `mremap` of the
 //!    prepared memory. Should a syscall still fail, the rollback rolls
@@ -219,10 +223,13 @@ impl Vm {
 
         let mut step = Step::None;
         if let Err(e) = self.apply_state(&target.state, devices, &mut disks, &mut step) {
-            // Reverse order: the disks first (dropping a replacement that
-            // was swapped in puts the old file back), then the rest.
-            drop(disks);
-            return match self.undo_state(step, backup, &target.state) {
+            // Reverse order: the disks first, then the rest.
+            let undone = disks
+                .iter_mut()
+                .rev()
+                .try_for_each(|(r, _)| r.undo())
+                .and_then(|()| self.undo_state(step, backup, &target.state));
+            return match undone {
                 Ok(()) => Err(Failure::Refused(e)),
                 Err(undo) => {
                     tracing::error!("rollback failed ({e}) and undoing it failed: {undo}");

@@ -11,6 +11,8 @@ use std::sync::{Mutex, MutexGuard};
 use crate::error::{Error, Result};
 use crate::snapshot::{self, DiskMeta};
 
+use super::inplace::InPlace;
+
 /// Sector size of the virtio-blk protocol.
 pub const SECTOR: u64 = 512;
 /// Length of a virtio-blk device id.
@@ -24,6 +26,9 @@ pub(super) struct Backing {
     pub(super) id: [u8; ID_LEN],
     pub(super) file: File,
     pub(super) size: u64,
+    /// Whether the image came as a descriptor (the VMM may not be able to
+    /// reach its directory).
+    pub(super) sent: bool,
 }
 
 impl Backing {
@@ -62,6 +67,7 @@ impl Backing {
             id: id_of(path),
             file,
             size,
+            sent: false,
         })
     }
 }
@@ -81,6 +87,16 @@ impl Inner {
         self.backing = backing;
         if before != after {
             self.generation = self.generation.wrapping_add(1);
+        }
+    }
+
+    /// The attached image now has `size` bytes.
+    fn resize(&mut self, size: u64) {
+        if let Some(b) = &mut self.backing {
+            if b.size != size {
+                b.size = size;
+                self.generation = self.generation.wrapping_add(1);
+            }
         }
     }
 }
@@ -200,7 +216,9 @@ impl DiskFile {
                 )));
             }
         }
-        self.attach_backing(Backing::of(path, read_only, file)?)
+        let mut backing = Backing::of(path, read_only, file)?;
+        backing.sent = true;
+        self.attach_backing(backing)
     }
 
     fn attach_backing(&self, backing: Backing) -> Result<()> {
@@ -260,12 +278,30 @@ impl DiskFile {
         }
     }
 
+    /// Whether the attached image came as a descriptor rather than by path.
+    pub fn sent(&self) -> bool {
+        self.lock().backing.as_ref().is_some_and(|b| b.sent)
+    }
+
     /// Copies `src` (a snapshot's copy of this disk, which must be `size`
     /// bytes) into a new file next to the attached image, ready to take its
     /// place. Nothing visible changes until [`Replacement::swap_in`].
     pub fn prepare_replacement(&self, src: &Path, size: u64) -> Result<Replacement> {
         let path = self.attached_path()?;
         Replacement::copy(&path, src, size)
+    }
+
+    /// Prepares putting `src` (a snapshot's copy of this disk, which must
+    /// be `size` bytes) into the attached image through its descriptor,
+    /// for an image the VMM may not reach by path: the current contents are
+    /// reflinked into an anonymous backup in `scratch` (on the image's
+    /// filesystem). Nothing visible changes until [`Replacement::swap_in`].
+    pub fn prepare_in_place(&self, src: &Path, size: u64, scratch: &Path) -> Result<Replacement> {
+        let path = self.attached_path()?;
+        let target = self.try_clone_file()?;
+        Ok(Replacement {
+            action: Action::InPlace(InPlace::prepare(target, &path, src, size, scratch)?),
+        })
     }
 }
 
@@ -289,6 +325,8 @@ pub struct Replacement {
 enum Action {
     /// A copy of a snapshot's disk that takes the place of `path`.
     Copy(CopyIn),
+    /// A snapshot's disk reflinked into the attached image's descriptor.
+    InPlace(InPlace),
     /// An image attached as it is (a read-only slot on restore).
     Attach(Backing),
     /// The slot is emptied.
@@ -407,6 +445,18 @@ impl Replacement {
     pub fn swap_in(&mut self) -> Result<()> {
         match &mut self.action {
             Action::Copy(c) => c.swap_in(),
+            Action::InPlace(p) => p.apply(),
+            Action::Attach(_) | Action::Empty => Ok(()),
+        }
+    }
+
+    /// Undoes [`Replacement::swap_in`]: the old image (or contents) back
+    /// where it was. Dropping an unfinished replacement does the same, but
+    /// only logs a failure.
+    pub fn undo(&mut self) -> Result<()> {
+        match &mut self.action {
+            Action::Copy(c) => c.undo(),
+            Action::InPlace(p) => p.undo(),
             Action::Attach(_) | Action::Empty => Ok(()),
         }
     }
@@ -429,6 +479,7 @@ impl Replacement {
                         read_only,
                         file,
                         size: c.size,
+                        sent: false,
                     };
                     g.set(Some(backing));
                 }
@@ -438,6 +489,10 @@ impl Replacement {
                         tracing::warn!("removing the old disk image {}: {e}", old.display());
                     }
                 }
+            }
+            Action::InPlace(p) => {
+                g.resize(p.new_size());
+                p.commit();
             }
             Action::Attach(b) => g.set(Some(b)),
             Action::Empty => g.set(None),
@@ -490,30 +545,47 @@ impl CopyIn {
     }
 }
 
+impl CopyIn {
+    /// Puts the old image back at the path (or removes the new one if
+    /// there was none), if swapped in.
+    fn undo(&mut self) -> Result<()> {
+        if self.file.is_none() || !self.swapped {
+            return Ok(());
+        }
+        match &self.holder {
+            Some(old) => std::fs::rename(old, &self.path).map_err(|e| {
+                Error::io(
+                    format!(
+                        "putting disk image {} back from {}",
+                        self.path.display(),
+                        old.display()
+                    ),
+                    e,
+                )
+            })?,
+            None => {
+                if let Err(e) = std::fs::remove_file(&self.path) {
+                    tracing::warn!("removing {}: {e}", self.path.display());
+                }
+            }
+        }
+        self.holder = None;
+        self.swapped = false;
+        Ok(())
+    }
+}
+
 impl Drop for CopyIn {
     fn drop(&mut self) {
         if self.file.is_none() {
             return;
         }
-        match (self.swapped, &self.holder) {
-            (true, Some(old)) => {
-                if let Err(e) = std::fs::rename(old, &self.path) {
-                    tracing::error!(
-                        "cannot put disk image {} back from {}: {e}",
-                        self.path.display(),
-                        old.display()
-                    );
-                }
+        if self.swapped {
+            if let Err(e) = self.undo() {
+                tracing::error!("{e}");
             }
-            (true, None) => {
-                if let Err(e) = std::fs::remove_file(&self.path) {
-                    tracing::warn!("removing {}: {e}", self.path.display());
-                }
-            }
-            (false, Some(new)) => {
-                let _ = std::fs::remove_file(new);
-            }
-            (false, None) => {}
+        } else if let Some(new) = &self.holder {
+            let _ = std::fs::remove_file(new);
         }
     }
 }

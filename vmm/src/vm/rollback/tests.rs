@@ -368,3 +368,199 @@ fn leftovers(dir: &Path) -> Vec<String> {
         .filter(|n| n.starts_with('.'))
         .collect()
 }
+
+/// An XFS filesystem (reflinks) on a loop device, unmounted when dropped.
+struct Xfs {
+    dir: tempfile::TempDir,
+}
+
+impl Xfs {
+    fn mount() -> Xfs {
+        use std::process::Command;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let img = dir.path().join("xfs.img");
+        std::fs::File::create(&img)
+            .and_then(|f| f.set_len(512 << 20))
+            .expect("creating the XFS image");
+        let mkfs = Command::new("mkfs.xfs")
+            .args(["-q", "-m", "reflink=1"])
+            .arg(&img)
+            .status()
+            .expect("mkfs.xfs (xfsprogs) is needed");
+        assert!(mkfs.success(), "mkfs.xfs");
+        let mnt = dir.path().join("mnt");
+        std::fs::create_dir(&mnt).expect("mount point");
+        let ok = Command::new("mount")
+            .args(["-o", "loop"])
+            .arg(&img)
+            .arg(&mnt)
+            .status()
+            .expect("mount");
+        assert!(ok.success(), "loop-mounting XFS (needs root)");
+        Xfs { dir }
+    }
+
+    fn path(&self) -> PathBuf {
+        self.dir.path().join("mnt")
+    }
+}
+
+impl Drop for Xfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg(self.path())
+            .status();
+    }
+}
+
+/// A read-write disk sent as a descriptor (named by a path the VMM cannot
+/// reach, as in a jail) is rolled back through its descriptor: reflinks
+/// from the store on the image's filesystem. A failure at every new step
+/// (the backup, the resize, the reflink, the steps after it, a failed
+/// undo) leaves the image's old bytes and size; the backup never outlives
+/// the rollback; a store on another filesystem is refused, naming both.
+#[test]
+fn a_disk_sent_as_a_descriptor_rolls_back_through_it_all_or_nothing() {
+    let xfs = Xfs::mount();
+    let image = xfs.path().join("rootfs.img");
+    std::fs::write(&image, vec![0xa5; 1 << 20]).expect("writing the image");
+    let store_root = xfs.path().join("store");
+    let store = twig_store::NodeStore::open(&store_root, false).expect("node store on XFS");
+    if let Err(e) = crate::vm::open_kvm() {
+        panic!("this test needs a usable /dev/kvm (run as root on a KVM host): {e}");
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let serial = Capture::new();
+    let devices = DeviceConfig {
+        disk_slots: 1,
+        ..Default::default()
+    };
+    let mut vm =
+        Vm::create_with(Shape::new(MIB, 1), serial.writer(), &devices).expect("creating a VM");
+    let kernel = testguest::write_to(dir.path()).expect("writing the test guest");
+    vm.boot(&kernel, "console=ttyS0").expect("boot");
+    testguest::wait_booted(&vm, T).expect("guest magic");
+    let sent = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&image)
+        .expect("opening the image");
+    vm.attach_disk_file(0, Path::new("/unreachable/rootfs.img"), sent, false)
+        .expect("attaching the descriptor");
+
+    dirty(&mut vm, 0, 8, 100);
+    vm.pause().expect("pause");
+    vm.snapshot_into(&store, "s1", Kind::Full)
+        .expect("snapshot");
+    let s1 = store.snapshot_dir("s1");
+    let at_s1 = seen(&vm, &image);
+    vm.resume().expect("resume");
+
+    let runs = |vm: &mut Vm, round: u64, what: &str| {
+        let byte = b'a' + (round % 26) as u8;
+        let from = serial.bytes().len();
+        testguest::run(vm, Command::Print, [u64::from(byte), 0, 0], T)
+            .unwrap_or_else(|e| panic!("{what}: the guest does not run: {e}"));
+        serial
+            .wait_for(&[byte], from, T)
+            .unwrap_or_else(|e| panic!("{what}: the guest does not print: {e}"));
+    };
+    let on_s1 = |vm: &mut Vm, what: &str| {
+        vm.pause().expect("pause");
+        assert_same(what, &at_s1, &seen(vm, &image));
+        vm.resume().expect("resume");
+        assert_eq!(vm.disk_slots()[0].size, 1 << 20, "{what}: capacity");
+    };
+    let tmp_is_empty = |what: &str| {
+        let left: Vec<_> = std::fs::read_dir(store_root.join("tmp"))
+            .expect("reading the store's tmp")
+            .collect();
+        assert!(left.is_empty(), "{what}: left in tmp: {left:?}");
+    };
+
+    vm.rollback(&s1).expect("the first rollback");
+    on_s1(&mut vm, "the first rollback");
+    runs(&mut vm, 0, "the first rollback");
+
+    let rounds: &[(&[&'static str], Expect)] = &[
+        (&["rollback.prepare_disks"], Expect::Refused),
+        (&["rollback.disk_backup"], Expect::Refused),
+        (&["rollback.disk_resize"], Expect::Refused),
+        (&["rollback.disk_clone"], Expect::Refused),
+        (&["rollback.disks"], Expect::Refused),
+        (&["rollback.disk_clone", "rollback.disk_undo"], Expect::Lost),
+    ];
+    for (round, (armed, expect)) in (1u64..).zip(rounds) {
+        let what = format!("{armed:?}");
+        // Memory, the disk's bytes and its size all differ from s1.
+        dirty(&mut vm, 2, 8, 1000 * round);
+        write_disk(&image, 0, format!("live-{round}").as_bytes());
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&image)
+            .and_then(|f| f.set_len((1 << 20) + 4096 * round))
+            .expect("growing the image");
+        vm.pause().expect("pause");
+        let before = seen(&vm, &image);
+        vm.resume().expect("resume");
+        for name in *armed {
+            failpoint::arm(name);
+        }
+        let result = vm.rollback(&s1);
+        failpoint::disarm_all();
+        let e = result.err().unwrap_or_else(|| panic!("{what}: succeeded"));
+        assert!(e.to_string().contains("failpoint rollback."), "{what}: {e}");
+        match expect {
+            Expect::Refused => {
+                assert!(matches!(e, Error::Rollback(_)), "{what}: {e}");
+                assert_eq!(vm.state(), RunState::Running, "{what}");
+                vm.pause().expect("pause");
+                assert_same(&what, &before, &seen(&vm, &image));
+                vm.resume().expect("resume");
+                runs(&mut vm, round, &what);
+            }
+            _ => {
+                assert!(matches!(e, Error::VmLost(_)), "{what}: {e}");
+                assert_eq!(vm.state(), RunState::Stopped, "{what}");
+                assert_ne!(
+                    std::fs::read(&image).expect("reading the image"),
+                    before.disk,
+                    "{what}: the undo failed, so the image holds the snapshot's bytes"
+                );
+            }
+        }
+        tmp_is_empty(&what);
+        vm.rollback(&s1)
+            .unwrap_or_else(|e| panic!("{what}: the next rollback: {e}"));
+        on_s1(&mut vm, &format!("{what}, then a rollback"));
+        runs(&mut vm, round, &format!("{what}, then a rollback"));
+        tmp_is_empty(&format!("{what}, then a rollback"));
+    }
+
+    // A store on another filesystem: no reflink can reach the image.
+    let elsewhere =
+        twig_store::NodeStore::open(&dir.path().join("store"), true).expect("node store");
+    vm.snapshot_into(&elsewhere, "e1", Kind::Full)
+        .expect("snapshot into the other store");
+    write_disk(&image, 0, b"after-e1");
+    vm.pause().expect("pause");
+    let before = seen(&vm, &image);
+    vm.resume().expect("resume");
+    let e = vm
+        .rollback(&elsewhere.snapshot_dir("e1"))
+        .expect_err("a rollback from another filesystem is refused");
+    assert!(matches!(e, Error::Rollback(_)), "{e}");
+    let message = e.to_string();
+    assert!(
+        message.contains("rootfs.img")
+            && message.contains("on device")
+            && message.contains(" but "),
+        "the message names both filesystems: {message}"
+    );
+    assert_eq!(vm.state(), RunState::Running);
+    vm.pause().expect("pause");
+    assert_same("another filesystem", &before, &seen(&vm, &image));
+    vm.resume().expect("resume");
+    runs(&mut vm, 99, "another filesystem");
+    drop(vm);
+}

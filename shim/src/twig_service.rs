@@ -1,0 +1,612 @@
+//! The `Twig` service of twig-proto's `twig.proto` (`twig.v1.Twig`): the
+//! controller's snapshot, rollback and stats of the running pod, served on
+//! the shim's own ttrpc socket next to the Task service (the address
+//! containerd writes in the bundle's `address` file).
+//!
+//! - **Snapshot** goes into the node store the base template lives in
+//!   (`<store>/snapshots/<template id>`): [`twig_store::NodeStore::stage`]
+//!   → the VM's snapshot into the staging directory (memory, vCPU and
+//!   device state, and a `disk<i>` per read-write disk: every container's
+//!   rootfs on its slot) → publish. The snapshot's labels record the pod:
+//!   [`SANDBOX_LABEL`] and [`CONTAINERS_LABEL`] (each container's id, CRI
+//!   name, disk slot and whether it ran), what a restore needs to adopt its
+//!   processes. A failure publishes nothing (the staging is dropped).
+//! - **Rollback** is in place and all or nothing (twig-vmm's rollback):
+//!   `refused` = the pod still runs on its previous state; `lost` = the VM
+//!   is gone, and every process of the pod is reported exited.
+//! - **Stats**: the snapshots this shim took that the store still holds,
+//!   and the last rollback's operation id.
+//!
+//! One operation at a time per pod: Snapshot and Rollback wait in a FIFO
+//! queue (tokio's fair mutex) up to the call's deadline, then fail with
+//! `DEADLINE_EXCEEDED`; Stats does not wait behind them.
+
+use std::collections::HashMap;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use containerd_shim_protos::ttrpc;
+use containerd_shim_protos::ttrpc::r#async::{Service, TtrpcContext};
+use serde::{Deserialize, Serialize};
+use twig_proto::twig as pb;
+use twig_proto::twig_ttrpc::{create_twig, Twig};
+use twig_store::{Artefact, NodeStore};
+
+use crate::error::{Error, Result};
+use crate::pod::ContainerView;
+use crate::service::TaskService;
+use crate::spec;
+
+/// The snapshot label naming the sandbox (shim group) it was taken of.
+pub const SANDBOX_LABEL: &str = "twig.dev/sandbox-id";
+/// The snapshot label listing the pod's containers (JSON array of
+/// [`SnapshotContainer`]).
+pub const CONTAINERS_LABEL: &str = "twig.dev/containers";
+/// CRI's annotation carrying a container's name in its pod.
+pub const CONTAINER_NAME_ANNOTATION: &str = "io.kubernetes.cri.container-name";
+
+/// How long a call without a deadline waits behind other operations.
+pub const DEFAULT_QUEUE_DEADLINE: Duration = Duration::from_secs(300);
+
+/// A container as a snapshot records it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotContainer {
+    /// containerd's container id.
+    pub id: String,
+    /// Its name in the pod (CRI's `io.kubernetes.cri.container-name`);
+    /// none outside CRI.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// The VM's disk slot holding its rootfs.
+    pub slot: Option<usize>,
+    /// Whether its init process ran.
+    pub running: bool,
+}
+
+/// What the service remembers between calls.
+struct Record {
+    /// Snapshots taken by this shim, oldest first.
+    snapshots: Vec<pb::SnapshotInfo>,
+    /// The operation id of the last rollback done.
+    last_rollback: String,
+    /// False after a snapshot the VM took but the store did not publish:
+    /// the VM tracks changes against it, so an incremental one cannot
+    /// follow until a full snapshot or a rollback.
+    baseline_published: bool,
+}
+
+/// The `twig.v1.Twig` service of one shim.
+#[derive(Clone)]
+pub struct TwigService {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    task: TaskService,
+    sandbox_id: String,
+    queue: tokio::sync::Mutex<()>,
+    record: Mutex<Record>,
+    queue_deadline: Duration,
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::Internal(format!("blocking task: {e}")))
+}
+
+fn store_error(what: impl Into<String>) -> impl FnOnce(twig_store::Error) -> Error {
+    let what = what.into();
+    move |source| Error::Store { what, source }
+}
+
+impl TwigService {
+    /// The service for the pod of `task`, group `sandbox_id`, keeping
+    /// snapshots in the node store of the pod's template
+    /// ([`crate::sandbox::Sandbox::snapshot_store`]). Calls without a
+    /// deadline wait at most `queue_deadline` behind other operations.
+    pub fn new(task: TaskService, sandbox_id: String, queue_deadline: Duration) -> TwigService {
+        TwigService {
+            inner: Arc::new(Inner {
+                task,
+                sandbox_id,
+                queue: tokio::sync::Mutex::new(()),
+                record: Mutex::new(Record {
+                    snapshots: Vec::new(),
+                    last_rollback: String::new(),
+                    baseline_published: true,
+                }),
+                queue_deadline,
+            }),
+        }
+    }
+
+    /// The service's ttrpc registration.
+    pub fn services(self) -> HashMap<String, Service> {
+        create_twig(Arc::new(self))
+    }
+
+    fn record(&self) -> MutexGuard<'_, Record> {
+        self.inner.record.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn check_sandbox(&self, sandbox_id: &str) -> Result<()> {
+        if !sandbox_id.is_empty() && sandbox_id != self.inner.sandbox_id {
+            return Err(Error::NotFound(format!(
+                "this shim runs sandbox {}, not {sandbox_id}",
+                self.inner.sandbox_id
+            )));
+        }
+        Ok(())
+    }
+
+    /// Waits for the pod's earlier operations, at most `deadline`.
+    async fn queue(&self, deadline: Duration) -> Result<tokio::sync::MutexGuard<'_, ()>> {
+        let started = Instant::now();
+        tokio::time::timeout(deadline, self.inner.queue.lock())
+            .await
+            .map_err(|_| {
+                Error::Deadline(format!(
+                    "sandbox {}: waited {:?} behind another snapshot or rollback",
+                    self.inner.sandbox_id,
+                    started.elapsed()
+                ))
+            })
+    }
+
+    fn deadline(&self, ctx: &TtrpcContext) -> Duration {
+        u64::try_from(ctx.timeout_nano)
+            .ok()
+            .filter(|n| *n > 0)
+            .map(Duration::from_nanos)
+            .unwrap_or(self.inner.queue_deadline)
+    }
+
+    fn containers(&self) -> Result<Vec<SnapshotContainer>> {
+        self.inner
+            .task
+            .container_views()
+            .into_iter()
+            .map(|c: ContainerView| {
+                let oci = spec::read_spec(&c.bundle)?;
+                Ok(SnapshotContainer {
+                    name: spec::annotation(&oci, CONTAINER_NAME_ANNOTATION).map(str::to_string),
+                    id: c.id,
+                    slot: c.slot,
+                    running: c.running,
+                })
+            })
+            .collect()
+    }
+
+    async fn do_snapshot(
+        &self,
+        req: pb::SnapshotRequest,
+        deadline: Duration,
+    ) -> Result<pb::SnapshotInfo> {
+        self.check_sandbox(&req.sandbox_id)?;
+        if req.snapshot_id.is_empty() {
+            return Err(Error::InvalidArgument("snapshot: empty snapshot id".into()));
+        }
+        let _turn = self.queue(deadline).await?;
+        if let Some(s) = self
+            .record()
+            .snapshots
+            .iter()
+            .find(|s| s.snapshot_id == req.snapshot_id)
+        {
+            return Ok(s.clone());
+        }
+        if !req.full && !self.record().baseline_published {
+            return Err(Error::FailedPrecondition(format!(
+                "snapshot {}: the pod's last snapshot was not published, so an incremental one \
+                 has no parent; take a full snapshot",
+                req.snapshot_id
+            )));
+        }
+        let sandbox = self.inner.task.current_sandbox().await.ok_or_else(|| {
+            Error::FailedPrecondition(format!(
+                "sandbox {} has no VM yet (no container was created)",
+                self.inner.sandbox_id
+            ))
+        })?;
+        let root = sandbox.snapshot_store()?;
+        let containers = serde_json::to_string(&self.containers()?)
+            .map_err(|e| Error::Internal(format!("encoding the pod's containers: {e}")))?;
+        let sandbox_id = self.inner.sandbox_id.clone();
+        let (id, full) = (req.snapshot_id.clone(), req.full);
+        let started = Instant::now();
+        let (result, baseline_lost) = blocking(move || {
+            let store = match NodeStore::open(&root, false) {
+                Ok(s) => s,
+                Err(e) => return (Err(store_error("opening the node store")(e)), false),
+            };
+            let mut staging = match store.stage(&id) {
+                Ok(s) => s,
+                Err(e) => return (Err(store_error(format!("staging snapshot {id}"))(e)), false),
+            };
+            staging.set_label(SANDBOX_LABEL, &sandbox_id);
+            staging.set_label(CONTAINERS_LABEL, &containers);
+            let vm = match sandbox.snapshot(staging.dir(), full) {
+                Ok(vm) => vm,
+                Err(e) => return (Err(e), false),
+            };
+            let published = match staging.publish() {
+                Ok(p) => p,
+                Err(e) => {
+                    return (
+                        Err(store_error(format!("publishing snapshot {id}"))(e)),
+                        true,
+                    )
+                }
+            };
+            let size = store
+                .usage_of(&id)
+                .map(|u| u.allocated_bytes)
+                .unwrap_or_else(|e| {
+                    tracing::warn!(id, "accounting the snapshot: {e}");
+                    0
+                });
+            let state = published
+                .artefacts
+                .get(&Artefact::State)
+                .copied()
+                .unwrap_or_default();
+            let info = pb::SnapshotInfo {
+                snapshot_id: id,
+                parent_id: vm.parent.unwrap_or_default(),
+                size_bytes: size,
+                written_bytes: vm.pages_written.saturating_mul(4096).saturating_add(state),
+                ..Default::default()
+            };
+            (Ok(info), false)
+        })
+        .await?;
+        let mut record = self.record();
+        match result {
+            Ok(info) => {
+                tracing::info!(
+                    id = info.snapshot_id,
+                    parent = info.parent_id,
+                    full,
+                    elapsed = ?started.elapsed(),
+                    "pod snapshot published"
+                );
+                record.baseline_published = true;
+                record.snapshots.push(info.clone());
+                Ok(info)
+            }
+            Err(e) => {
+                if baseline_lost {
+                    record.baseline_published = false;
+                }
+                tracing::warn!(id = req.snapshot_id, "pod snapshot failed: {e}");
+                Err(e)
+            }
+        }
+    }
+
+    async fn do_rollback(&self, req: pb::RollbackRequest, deadline: Duration) -> Result<()> {
+        self.check_sandbox(&req.sandbox_id)?;
+        if req.snapshot_id.is_empty() {
+            return Err(Error::InvalidArgument("rollback: empty snapshot id".into()));
+        }
+        let _turn = self.queue(deadline).await?;
+        if !req.operation_id.is_empty() && self.record().last_rollback == req.operation_id {
+            return Ok(());
+        }
+        let sandbox = self.inner.task.current_sandbox().await.ok_or_else(|| {
+            Error::FailedPrecondition(format!(
+                "sandbox {} has no VM yet (no container was created)",
+                self.inner.sandbox_id
+            ))
+        })?;
+        let root = sandbox.snapshot_store()?;
+        let now = self.containers()?;
+        let sandbox_id = self.inner.sandbox_id.clone();
+        let id = req.snapshot_id.clone();
+        let started = Instant::now();
+        let result = blocking(move || {
+            let store =
+                NodeStore::open(&root, false).map_err(store_error("opening the node store"))?;
+            let snap = store.get(&id).map_err(|e| match e {
+                twig_store::Error::NotFound(_) => Error::NotFound(format!(
+                    "snapshot {id} is not in the node store {}",
+                    root.display()
+                )),
+                other => store_error(format!("reading snapshot {id}"))(other),
+            })?;
+            check_rollback_target(&id, &snap.labels, &sandbox_id, &now)?;
+            sandbox.rollback(snap.dir())
+        })
+        .await?;
+        match result {
+            Ok(info) => {
+                tracing::info!(
+                    id = req.snapshot_id,
+                    operation = req.operation_id,
+                    pages = info.pages_restored,
+                    remapped = info.remapped,
+                    elapsed = ?started.elapsed(),
+                    "pod rolled back"
+                );
+                let mut record = self.record();
+                record.last_rollback = req.operation_id;
+                // The VM now tracks changes against a published snapshot.
+                record.baseline_published = true;
+                Ok(())
+            }
+            Err(e) if e.is_vm_lost() => {
+                self.inner.task.vm_lost(&e.to_string());
+                Err(e)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn do_stats(&self, req: pb::StatsRequest) -> Result<pb::StatsResponse> {
+        self.check_sandbox(&req.sandbox_id)?;
+        let snapshots = self.record().snapshots.clone();
+        let last = self.record().last_rollback.clone();
+        // Snapshots deleted from the store since (the controller deletes
+        // them through the node service) are not the pod's any more.
+        let root = match self.inner.task.current_sandbox().await {
+            Some(sb) => sb.snapshot_store().ok(),
+            None => None,
+        };
+        let snapshots = blocking(move || {
+            let Some(store) = root.and_then(|r| NodeStore::open(&r, false).ok()) else {
+                return snapshots;
+            };
+            snapshots
+                .into_iter()
+                .filter(|s| {
+                    !matches!(
+                        store.get(&s.snapshot_id),
+                        Err(twig_store::Error::NotFound(_))
+                    )
+                })
+                .collect()
+        })
+        .await?;
+        Ok(pb::StatsResponse {
+            snapshots,
+            last_rollback_operation_id: last,
+            ..Default::default()
+        })
+    }
+}
+
+/// A rollback target must be a snapshot of this sandbox taken with the
+/// containers it has now, on the same disk slots and in the same state:
+/// containerd cannot see a container come back or go away, and a rollback
+/// puts back every slot's disk.
+pub fn check_rollback_target(
+    id: &str,
+    labels: &std::collections::BTreeMap<String, String>,
+    sandbox_id: &str,
+    now: &[SnapshotContainer],
+) -> Result<()> {
+    let of = labels.get(SANDBOX_LABEL).map(String::as_str).unwrap_or("");
+    if of != sandbox_id {
+        return Err(Error::FailedPrecondition(format!(
+            "snapshot {id} was taken of sandbox {:?}, not of this one ({sandbox_id})",
+            of
+        )));
+    }
+    let then: Vec<SnapshotContainer> = labels
+        .get(CONTAINERS_LABEL)
+        .map(|l| serde_json::from_str(l))
+        .transpose()
+        .map_err(|e| {
+            Error::FailedPrecondition(format!("snapshot {id}: unreadable {CONTAINERS_LABEL}: {e}"))
+        })?
+        .unwrap_or_default();
+    let key = |c: &SnapshotContainer| (c.id.clone(), c.slot, c.running);
+    let (a, b): (Vec<_>, Vec<_>) = (
+        then.iter().map(key).collect(),
+        now.iter().map(key).collect(),
+    );
+    if a != b {
+        let show = |v: &[(String, Option<usize>, bool)]| {
+            v.iter()
+                .map(|(id, slot, run)| {
+                    let slot = slot.map(|s| s.to_string()).unwrap_or_else(|| "-".into());
+                    let state = if *run { "running" } else { "not running" };
+                    format!("{id} (slot {slot}, {state})")
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        return Err(Error::FailedPrecondition(format!(
+            "the pod's containers changed since snapshot {id} (then: [{}]; now: [{}]); \
+             a rollback cannot bring containers back or take them away",
+            show(&a),
+            show(&b)
+        )));
+    }
+    Ok(())
+}
+
+/// The status the controller acts on: twig-vmm's `refused` is `ABORTED`
+/// (the pod still runs on its previous state; try again), `lost` is
+/// `DATA_LOSS` (the VM is gone), a full store or disk is
+/// `RESOURCE_EXHAUSTED`; everything else as containerd's errdefs
+/// ([`Error::code`]).
+pub fn status(e: &Error) -> ttrpc::Code {
+    use twig_vmm::ErrorKind;
+    if no_space(e) {
+        return ttrpc::Code::RESOURCE_EXHAUSTED;
+    }
+    match e.vmm_kind() {
+        Some(ErrorKind::Refused) => ttrpc::Code::ABORTED,
+        Some(ErrorKind::Lost) => ttrpc::Code::DATA_LOSS,
+        Some(ErrorKind::GuestStopped) => ttrpc::Code::FAILED_PRECONDITION,
+        Some(ErrorKind::GuestNotAnswering) => ttrpc::Code::UNAVAILABLE,
+        _ => e.code(),
+    }
+}
+
+/// Whether the store's filesystem filled up. twig-vmm's API has no kind for
+/// it (its write fails as `internal` with the OS error in the message), so
+/// the message's ENOSPC text is what tells.
+fn no_space(e: &Error) -> bool {
+    match e {
+        Error::Store {
+            source: twig_store::Error::NoSpace { .. },
+            ..
+        } => true,
+        Error::Vmm { source, .. } => {
+            let m = source.to_string();
+            m.contains("No space left on device") || m.contains("os error 28")
+        }
+        _ => false,
+    }
+}
+
+fn to_ttrpc(e: Error) -> ttrpc::Error {
+    ttrpc::Error::RpcStatus(ttrpc::get_status(status(&e), e.to_string()))
+}
+
+#[async_trait]
+impl Twig for TwigService {
+    async fn snapshot(
+        &self,
+        ctx: &TtrpcContext,
+        req: pb::SnapshotRequest,
+    ) -> ttrpc::Result<pb::SnapshotResponse> {
+        let info = self
+            .do_snapshot(req, self.deadline(ctx))
+            .await
+            .map_err(to_ttrpc)?;
+        Ok(pb::SnapshotResponse {
+            snapshot: Some(info).into(),
+            ..Default::default()
+        })
+    }
+
+    async fn rollback(
+        &self,
+        ctx: &TtrpcContext,
+        req: pb::RollbackRequest,
+    ) -> ttrpc::Result<pb::RollbackResponse> {
+        self.do_rollback(req, self.deadline(ctx))
+            .await
+            .map_err(to_ttrpc)?;
+        Ok(pb::RollbackResponse::default())
+    }
+
+    async fn stats(
+        &self,
+        _ctx: &TtrpcContext,
+        req: pb::StatsRequest,
+    ) -> ttrpc::Result<pb::StatsResponse> {
+        self.do_stats(req).await.map_err(to_ttrpc)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    fn c(id: &str, slot: usize, running: bool) -> SnapshotContainer {
+        SnapshotContainer {
+            id: id.into(),
+            name: Some(format!("{id}-name")),
+            slot: Some(slot),
+            running,
+        }
+    }
+
+    fn labels(sandbox: &str, cs: &[SnapshotContainer]) -> BTreeMap<String, String> {
+        BTreeMap::from([
+            (SANDBOX_LABEL.to_string(), sandbox.to_string()),
+            (
+                CONTAINERS_LABEL.to_string(),
+                serde_json::to_string(cs).unwrap_or_default(),
+            ),
+        ])
+    }
+
+    #[test]
+    fn rollback_targets_must_match_the_pod() {
+        let now = [c("a", 0, true), c("b", 1, true)];
+        assert!(check_rollback_target("s", &labels("pod", &now), "pod", &now).is_ok());
+        let e = check_rollback_target("s", &labels("other", &now), "pod", &now).unwrap_err();
+        assert_eq!(status(&e), ttrpc::Code::FAILED_PRECONDITION);
+        assert!(e.to_string().contains("other"), "{e}");
+        // A container added, one exited, one on another slot.
+        for then in [
+            vec![c("a", 0, true)],
+            vec![c("a", 0, true), c("b", 1, false)],
+            vec![c("a", 0, true), c("b", 2, true)],
+        ] {
+            let e = check_rollback_target("s", &labels("pod", &then), "pod", &now).unwrap_err();
+            assert_eq!(status(&e), ttrpc::Code::FAILED_PRECONDITION);
+            assert!(e.to_string().contains("changed since snapshot s"), "{e}");
+        }
+        let mut bad = labels("pod", &now);
+        bad.insert(CONTAINERS_LABEL.into(), "{".into());
+        let e = check_rollback_target("s", &bad, "pod", &now).unwrap_err();
+        assert!(e.to_string().contains("unreadable"), "{e}");
+    }
+
+    #[test]
+    fn errors_map_to_codes_the_controller_acts_on() {
+        use twig_vmm::api::ClientError;
+        use twig_vmm::ErrorKind;
+        let vmm = |kind, message: &str| Error::Vmm {
+            what: "x".into(),
+            source: ClientError::Vmm {
+                kind,
+                message: message.into(),
+            },
+        };
+        let cases = [
+            (vmm(ErrorKind::Refused, "undone"), ttrpc::Code::ABORTED),
+            (vmm(ErrorKind::Lost, "gone"), ttrpc::Code::DATA_LOSS),
+            (vmm(ErrorKind::NotFound, "no"), ttrpc::Code::NOT_FOUND),
+            (
+                vmm(
+                    ErrorKind::Internal,
+                    "writing memory: No space left on device (os error 28)",
+                ),
+                ttrpc::Code::RESOURCE_EXHAUSTED,
+            ),
+            (vmm(ErrorKind::Internal, "kvm"), ttrpc::Code::INTERNAL),
+            (
+                Error::Store {
+                    what: "publishing".into(),
+                    source: twig_store::Error::NoSpace {
+                        context: "c".into(),
+                    },
+                },
+                ttrpc::Code::RESOURCE_EXHAUSTED,
+            ),
+            (
+                Error::Store {
+                    what: "staging".into(),
+                    source: twig_store::Error::AlreadyExists("s".into()),
+                },
+                ttrpc::Code::ALREADY_EXISTS,
+            ),
+            (
+                Error::Deadline("queue".into()),
+                ttrpc::Code::DEADLINE_EXCEEDED,
+            ),
+        ];
+        for (e, code) in cases {
+            let msg = e.to_string();
+            match to_ttrpc(e) {
+                ttrpc::Error::RpcStatus(s) => {
+                    assert_eq!(s.code(), code, "{msg}");
+                    assert_eq!(s.message(), msg);
+                }
+                other => panic!("not a status: {other:?}"),
+            }
+        }
+    }
+}

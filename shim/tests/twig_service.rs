@@ -1,0 +1,726 @@
+//! The `Twig` service over ttrpc (the generated `TwigClient`, as the
+//! controller calls it) next to the Task service, against a real twig-agent
+//! on the host. The VM is a stand-in ([`FakeVm`]: a [`HostSandbox`] whose
+//! snapshots write small artefacts into the real node store, on a loop XFS,
+//! and whose rollbacks succeed, are refused or lose the VM on request), so
+//! this checks what the service owns: the queue, idempotency, the store's
+//! staging and publication, the pod's labels, error codes, and what the
+//! Task service reports after a lost VM. Real VMs are checked in the lab
+//! (`e2e/tests/twig_service.rs`). Needs root (loop devices, mounts).
+
+use std::path::Path;
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use containerd_shim::asynchronous::ExitSignal;
+use containerd_shim_protos::api;
+use containerd_shim_protos::shim_async::TaskClient;
+use containerd_shim_protos::ttrpc::context::Context;
+use containerd_shim_protos::ttrpc::r#async::{transport::Listener, Client, Server};
+use containerd_shim_protos::ttrpc::Code;
+use containerd_shim_protos::types::task::Status;
+use serde_json::json;
+use tokio::sync::mpsc;
+use twig_agent::client::AgentClient;
+use twig_proto::twig as pb;
+use twig_proto::twig_ttrpc::TwigClient;
+use twig_shim::sandbox::{
+    Attachment, Fixed, HostSandbox, Restored, Sandbox, VmRollback, VmSnapshot,
+};
+use twig_shim::server::task_services;
+use twig_shim::service::{Event, TaskService};
+use twig_shim::twig_service::{SnapshotContainer, TwigService, CONTAINERS_LABEL, SANDBOX_LABEL};
+use twig_shim::{Error, Result};
+use twig_store::{Kind, Manifest, NodeStore};
+use twig_vmm::api::ClientError;
+use twig_vmm::ErrorKind;
+
+mod common;
+use common::{bundle, code, ctx, twig_mount, Agent, T};
+
+const SANDBOX: &str = "pod-1";
+
+/// What the next rollback of the [`FakeVm`] does.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Outcome {
+    Ok,
+    Refused,
+    Lost,
+}
+
+/// A host agent in place of the VM's, and a VMM's snapshot and rollback
+/// reduced to what the service sees.
+struct FakeVm {
+    host: HostSandbox,
+    /// The node store (on a loop XFS).
+    store: std::path::PathBuf,
+    baseline: Mutex<Option<String>>,
+    /// When set, the next snapshot waits for a message on it.
+    hold: Mutex<Option<std_mpsc::Receiver<()>>>,
+    in_flight: AtomicUsize,
+    max_in_flight: AtomicUsize,
+    snapshots: AtomicUsize,
+    rollbacks: AtomicUsize,
+    next_rollback: Mutex<Outcome>,
+    restored: Mutex<Vec<Restored>>,
+}
+
+impl FakeVm {
+    fn enter(&self) {
+        let n = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.max_in_flight.fetch_max(n, Ordering::SeqCst);
+    }
+
+    fn leave(&self) {
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn vmm_error(kind: ErrorKind, message: &str) -> Error {
+    Error::Vmm {
+        what: "the fake VM".into(),
+        source: ClientError::Vmm {
+            kind,
+            message: message.into(),
+        },
+    }
+}
+
+impl Sandbox for FakeVm {
+    fn agent(&self) -> AgentClient {
+        self.host.agent()
+    }
+
+    fn agent_epoch(&self) -> u64 {
+        self.host.agent_epoch()
+    }
+
+    fn create_container(
+        &self,
+        id: &str,
+        image: &Path,
+        read_only: bool,
+        spec_json: &[u8],
+    ) -> Result<Attachment> {
+        let a = self
+            .host
+            .create_container(id, image, read_only, spec_json)?;
+        // A VM's rootfs sits on a disk slot.
+        Ok(Attachment { slot: Some(0), ..a })
+    }
+
+    fn detach(&self, attachment: &Attachment) -> Result<()> {
+        self.host.detach(attachment)
+    }
+
+    fn pause(&self) -> Result<()> {
+        self.host.pause()
+    }
+
+    fn resume(&self) -> Result<()> {
+        self.host.resume()
+    }
+
+    fn shutdown(&self) -> Result<()> {
+        self.host.shutdown()
+    }
+
+    fn snapshot(&self, staging: &Path, full: bool) -> Result<VmSnapshot> {
+        self.enter();
+        self.snapshots.fetch_add(1, Ordering::SeqCst);
+        if let Some(rx) = self.hold.lock().unwrap().take() {
+            rx.recv_timeout(T)
+                .expect("the test releases the held snapshot");
+        }
+        let id = staging.file_name().unwrap().to_string_lossy().into_owned();
+        let parent = if full {
+            None
+        } else {
+            self.baseline.lock().unwrap().clone()
+        };
+        let write = || -> std::io::Result<()> {
+            std::fs::write(staging.join("state"), b"vcpu and device state")?;
+            std::fs::write(staging.join("memory"), vec![7u8; 3 * 4096])?;
+            Ok(())
+        };
+        let r = write()
+            .map_err(|e| Error::io("writing the fake snapshot", e))
+            .and_then(|()| {
+                let kind = if full { Kind::Full } else { Kind::Incremental };
+                Manifest::of_staging(staging, &id, parent.as_deref(), kind)
+                    .and_then(|m| m.write(staging))
+                    .map_err(|e| Error::Internal(e.to_string()))
+            });
+        self.leave();
+        r?;
+        *self.baseline.lock().unwrap() = Some(id);
+        Ok(VmSnapshot {
+            parent,
+            pages_written: 3,
+        })
+    }
+
+    fn rollback(&self, dir: &Path) -> Result<VmRollback> {
+        self.enter();
+        self.rollbacks.fetch_add(1, Ordering::SeqCst);
+        let outcome = *self.next_rollback.lock().unwrap();
+        self.leave();
+        match outcome {
+            Outcome::Ok => {
+                *self.baseline.lock().unwrap() =
+                    Some(dir.file_name().unwrap().to_string_lossy().into_owned());
+                Ok(VmRollback {
+                    pages_restored: 3,
+                    remapped: false,
+                })
+            }
+            Outcome::Refused => Err(vmm_error(
+                ErrorKind::Refused,
+                "rollback failed and was undone; the VM runs on its previous state",
+            )),
+            Outcome::Lost => Err(vmm_error(ErrorKind::Lost, "the VM is lost")),
+        }
+    }
+
+    fn snapshot_store(&self) -> Result<std::path::PathBuf> {
+        Ok(self.store.clone())
+    }
+
+    fn take_restored(&self, name: &str) -> Option<Restored> {
+        let mut restored = self.restored.lock().unwrap();
+        let i = restored.iter().position(|r| r.name == name)?;
+        Some(restored.remove(i))
+    }
+}
+
+/// Runs a command, panicking with its output when it fails.
+fn sh(cmd: &mut Command) -> String {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed with {}: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A loop-mounted XFS with reflinks (a node store's filesystem), unmounted
+/// on drop.
+struct LoopXfs {
+    dir: tempfile::TempDir,
+    loopdev: String,
+}
+
+impl LoopXfs {
+    fn new(size_mib: u64) -> LoopXfs {
+        let dir = tempfile::tempdir().unwrap();
+        let img = dir.path().join("xfs.img");
+        std::fs::File::create(&img)
+            .and_then(|f| f.set_len(size_mib << 20))
+            .unwrap();
+        sh(Command::new("mkfs.xfs")
+            .args(["-q", "-m", "reflink=1"])
+            .arg(&img));
+        let loopdev = sh(Command::new("losetup").args(["--find", "--show"]).arg(&img))
+            .trim()
+            .to_string();
+        let fs = LoopXfs { dir, loopdev };
+        std::fs::create_dir(fs.path()).unwrap();
+        sh(Command::new("mount").arg(&fs.loopdev).arg(fs.path()));
+        fs
+    }
+
+    fn path(&self) -> std::path::PathBuf {
+        self.dir.path().join("mnt")
+    }
+}
+
+impl Drop for LoopXfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(self.path()).status();
+        let _ = Command::new("losetup").args(["-d", &self.loopdev]).status();
+    }
+}
+
+struct Fixture {
+    task: TaskClient,
+    twig: TwigClient,
+    vm: Arc<FakeVm>,
+    events: mpsc::UnboundedReceiver<Event>,
+    dir: tempfile::TempDir,
+    store: LoopXfs,
+    _server: Server,
+    _agent: Agent,
+}
+
+async fn fixture(queue_deadline: Duration) -> Fixture {
+    let agent = Agent::start();
+    let host = tokio::task::spawn_blocking({
+        let s = agent.socket.clone();
+        move || HostSandbox::connect(&s, T)
+    })
+    .await
+    .unwrap()
+    .expect("connecting to the host agent");
+    let store = tokio::task::spawn_blocking(|| LoopXfs::new(320))
+        .await
+        .unwrap();
+    let vm = Arc::new(FakeVm {
+        host,
+        store: store.path(),
+        baseline: Mutex::new(None),
+        hold: Mutex::new(None),
+        in_flight: AtomicUsize::new(0),
+        max_in_flight: AtomicUsize::new(0),
+        snapshots: AtomicUsize::new(0),
+        rollbacks: AtomicUsize::new(0),
+        next_rollback: Mutex::new(Outcome::Ok),
+        restored: Mutex::new(Vec::new()),
+    });
+    let (tx, events) = mpsc::unbounded_channel();
+    let exit = Arc::new(ExitSignal::default());
+    let task = TaskService::new(Arc::new(Fixed(vm.clone())), tx, exit, T);
+    let twig = TwigService::new(task.clone(), SANDBOX.into(), queue_deadline);
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("shim.sock");
+    let listener =
+        Listener::try_from(std::os::unix::net::UnixListener::bind(&sock).unwrap()).unwrap();
+    let mut server = Server::new()
+        .add_listener(listener)
+        .register_service(task_services(task))
+        .register_service(twig.services());
+    server.start().await.unwrap();
+    let address = format!("unix://{}", sock.display());
+    Fixture {
+        task: TaskClient::new(Client::connect(&address).await.unwrap()),
+        twig: TwigClient::new(Client::connect(&address).await.unwrap()),
+        vm,
+        events,
+        dir,
+        store,
+        _server: server,
+        _agent: agent,
+    }
+}
+
+impl Fixture {
+    /// A second shim's Task service on the same VM (as a shim whose VM was
+    /// restored from a snapshot of this pod sees it).
+    async fn second_shim(&self) -> (TaskClient, Server) {
+        let (tx, _events) = mpsc::unbounded_channel();
+        let exit = Arc::new(ExitSignal::default());
+        let task = TaskService::new(Arc::new(Fixed(self.vm.clone())), tx, exit, T);
+        let sock = self.dir.path().join("shim2.sock");
+        let listener =
+            Listener::try_from(std::os::unix::net::UnixListener::bind(&sock).unwrap()).unwrap();
+        let mut server = Server::new()
+            .add_listener(listener)
+            .register_service(task_services(task));
+        server.start().await.unwrap();
+        let client = Client::connect(&format!("unix://{}", sock.display()))
+            .await
+            .unwrap();
+        (TaskClient::new(client), server)
+    }
+
+    /// Creates and starts container `id` (a shell that sleeps), named
+    /// `name` by CRI's annotation.
+    async fn run(&self, id: &str, name: &str) {
+        let (b, img) = bundle(
+            self.dir.path(),
+            id,
+            &["sleep", "1000"],
+            json!({"annotations": {"io.kubernetes.cri.container-name": name}}),
+        );
+        let create = api::CreateTaskRequest {
+            id: id.into(),
+            bundle: b.display().to_string(),
+            rootfs: vec![twig_mount(&img)],
+            ..Default::default()
+        };
+        self.task.create(ctx(), &create).await.expect("create");
+        let start = api::StartRequest {
+            id: id.into(),
+            ..Default::default()
+        };
+        self.task.start(ctx(), &start).await.expect("start");
+    }
+
+    async fn state(&self, id: &str) -> api::StateResponse {
+        let req = api::StateRequest {
+            id: id.into(),
+            ..Default::default()
+        };
+        self.task.state(ctx(), &req).await.expect("state")
+    }
+
+    async fn snapshot(
+        &self,
+        c: Context,
+        id: &str,
+        full: bool,
+    ) -> ttrpc_result::R<pb::SnapshotInfo> {
+        snapshot(self.twig.clone(), c, id, full).await
+    }
+
+    async fn rollback(&self, id: &str, op: &str) -> ttrpc_result::R<()> {
+        let req = pb::RollbackRequest {
+            sandbox_id: SANDBOX.into(),
+            snapshot_id: id.into(),
+            operation_id: op.into(),
+            ..Default::default()
+        };
+        self.twig.rollback(ctx(), &req).await.map(|_| ())
+    }
+
+    async fn stats(&self) -> pb::StatsResponse {
+        let req = pb::StatsRequest {
+            sandbox_id: SANDBOX.into(),
+            ..Default::default()
+        };
+        self.twig.stats(ctx(), &req).await.expect("stats")
+    }
+
+    fn store(&self) -> NodeStore {
+        NodeStore::open(&self.store.path(), false).expect("the node store")
+    }
+
+    /// The store's staging area holds nothing.
+    fn nothing_staged(&self) {
+        let tmp = self.store.path().join("tmp");
+        let left: Vec<_> = std::fs::read_dir(&tmp)
+            .map(|d| d.filter_map(|e| e.ok()).map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        assert!(left.is_empty(), "left in {}: {left:?}", tmp.display());
+    }
+}
+
+/// Snapshot `id` of the pod through `twig`.
+async fn snapshot(
+    twig: TwigClient,
+    c: Context,
+    id: &str,
+    full: bool,
+) -> ttrpc_result::R<pb::SnapshotInfo> {
+    let req = pb::SnapshotRequest {
+        sandbox_id: SANDBOX.into(),
+        snapshot_id: id.into(),
+        full,
+        ..Default::default()
+    };
+    twig.snapshot(c, &req)
+        .await
+        .map(|r| r.snapshot.into_option().expect("a snapshot in the reply"))
+}
+
+mod ttrpc_result {
+    /// A call's result as the generated client returns it.
+    pub type R<T> = std::result::Result<T, containerd_shim_protos::ttrpc::Error>;
+}
+
+/// A context without a deadline: the service's own queue deadline applies.
+fn no_deadline() -> Context {
+    Context::default()
+}
+
+/// Polls `cond` every 5 ms until it holds or `T` passes.
+async fn until(what: &str, cond: impl Fn() -> bool) {
+    let deadline = Instant::now() + T;
+    while !cond() {
+        assert!(Instant::now() < deadline, "{what}: not within {T:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn snapshots_go_into_the_store_with_the_pods_containers_and_are_idempotent() {
+    let f = fixture(T).await;
+    // No VM yet: a clear refusal.
+    let e = f.snapshot(ctx(), "s0", true).await.unwrap_err();
+    assert_eq!(code(e), Code::FAILED_PRECONDITION);
+    f.run("c1", "app").await;
+
+    let s1 = f.snapshot(ctx(), "s1", true).await.expect("full snapshot");
+    assert_eq!(s1.snapshot_id, "s1");
+    assert_eq!(s1.parent_id, "");
+    assert!(s1.size_bytes >= 3 * 4096, "{s1:?}");
+    assert!(s1.written_bytes >= 3 * 4096, "{s1:?}");
+    let s2 = f.snapshot(ctx(), "s2", false).await.expect("incremental");
+    assert_eq!(s2.parent_id, "s1");
+
+    // What the store holds: the pod's sandbox and containers as labels.
+    let stored = f.store().get("s2").expect("s2 published");
+    assert_eq!(stored.parent.as_deref(), Some("s1"));
+    assert_eq!(
+        stored.labels.get(SANDBOX_LABEL).map(String::as_str),
+        Some(SANDBOX)
+    );
+    let containers: Vec<SnapshotContainer> =
+        serde_json::from_str(&stored.labels[CONTAINERS_LABEL]).unwrap();
+    assert_eq!(
+        containers,
+        [SnapshotContainer {
+            id: "c1".into(),
+            name: Some("app".into()),
+            slot: Some(0),
+            running: true,
+        }]
+    );
+
+    // The same id again: the same snapshot, the VM not asked again.
+    let before = f.vm.snapshots.load(Ordering::SeqCst);
+    let again = f.snapshot(ctx(), "s2", false).await.expect("repeat");
+    assert_eq!(again, s2);
+    assert_eq!(f.vm.snapshots.load(Ordering::SeqCst), before);
+
+    // Bad requests: another sandbox, an empty or invalid id, an id the
+    // store holds from elsewhere.
+    let other = pb::SnapshotRequest {
+        sandbox_id: "pod-2".into(),
+        snapshot_id: "x".into(),
+        ..Default::default()
+    };
+    assert_eq!(
+        code(f.twig.snapshot(ctx(), &other).await.unwrap_err()),
+        Code::NOT_FOUND
+    );
+    assert_eq!(
+        code(f.snapshot(ctx(), "", true).await.unwrap_err()),
+        Code::INVALID_ARGUMENT
+    );
+    assert_eq!(
+        code(f.snapshot(ctx(), "../up", true).await.unwrap_err()),
+        Code::INVALID_ARGUMENT
+    );
+    let store = f.store();
+    let mut foreign = store.stage("foreign").unwrap();
+    foreign
+        .put_bytes(twig_store::Artefact::State, b"s")
+        .unwrap();
+    foreign.publish().unwrap();
+    assert_eq!(
+        code(f.snapshot(ctx(), "foreign", true).await.unwrap_err()),
+        Code::ALREADY_EXISTS
+    );
+    f.nothing_staged();
+
+    // Stats: the pod's snapshots; one deleted from the store drops out.
+    let stats = f.stats().await;
+    let ids: Vec<&str> = stats
+        .snapshots
+        .iter()
+        .map(|s| s.snapshot_id.as_str())
+        .collect();
+    assert_eq!(ids, ["s1", "s2"]);
+    assert_eq!(stats.last_rollback_operation_id, "");
+    f.store().delete("s2").unwrap();
+    let ids: Vec<String> = f
+        .stats()
+        .await
+        .snapshots
+        .into_iter()
+        .map(|s| s.snapshot_id)
+        .collect();
+    assert_eq!(ids, ["s1"]);
+    assert_eq!(f.state("c1").await.status.enum_value(), Ok(Status::RUNNING));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn operations_on_a_pod_wait_their_turn_up_to_a_deadline() {
+    let f = fixture(Duration::from_secs(1)).await;
+    f.run("c1", "app").await;
+    let (release, held) = std_mpsc::channel();
+    *f.vm.hold.lock().unwrap() = Some(held);
+
+    let first = tokio::spawn(snapshot(f.twig.clone(), ctx(), "a", true));
+    until("the first snapshot reaches the VM", || {
+        f.vm.snapshots.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    // A second one with a long deadline queues behind it.
+    let second = tokio::spawn(snapshot(f.twig.clone(), ctx(), "b", false));
+    // A rollback without a deadline waits the service's 1 s, then gives up.
+    let started = Instant::now();
+    let req = pb::RollbackRequest {
+        sandbox_id: SANDBOX.into(),
+        snapshot_id: "a".into(),
+        operation_id: "op-1".into(),
+        ..Default::default()
+    };
+    let e = f.twig.rollback(no_deadline(), &req).await.unwrap_err();
+    let msg = format!("{e:?}");
+    assert_eq!(code(e), Code::DEADLINE_EXCEEDED, "{msg}");
+    assert!(started.elapsed() >= Duration::from_millis(900));
+    assert!(!second.is_finished(), "the second snapshot did not wait");
+    assert_eq!(f.vm.rollbacks.load(Ordering::SeqCst), 0);
+
+    release.send(()).unwrap();
+    let a = first.await.unwrap().expect("first snapshot");
+    let b = second.await.unwrap().expect("queued snapshot");
+    assert_eq!(b.parent_id, a.snapshot_id);
+    assert_eq!(f.vm.max_in_flight.load(Ordering::SeqCst), 1);
+    // And a no-deadline call that finds the pod idle runs at once.
+    f.snapshot(no_deadline(), "c", false)
+        .await
+        .expect("idle pod");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rollback_refusals_keep_the_pod_and_a_lost_vm_ends_its_tasks() {
+    let mut f = fixture(T).await;
+    f.run("c1", "app").await;
+    f.snapshot(ctx(), "s1", true).await.expect("snapshot");
+
+    // Done, and idempotent on the operation id.
+    f.rollback("s1", "op-1").await.expect("rollback");
+    f.rollback("s1", "op-1").await.expect("repeat");
+    assert_eq!(f.vm.rollbacks.load(Ordering::SeqCst), 1);
+    assert_eq!(f.stats().await.last_rollback_operation_id, "op-1");
+
+    // No such snapshot: NOT_FOUND, the VM not touched, the pod runs.
+    let e = f.rollback("nope", "op-2").await.unwrap_err();
+    assert_eq!(code(e), Code::NOT_FOUND);
+    // A snapshot of another sandbox: refused.
+    let store = f.store();
+    let mut foreign = store.stage("foreign").unwrap();
+    foreign
+        .put_bytes(twig_store::Artefact::State, b"s")
+        .unwrap();
+    foreign.set_label(SANDBOX_LABEL, "pod-2");
+    foreign.publish().unwrap();
+    let e = f.rollback("foreign", "op-2").await.unwrap_err();
+    assert_eq!(code(e), Code::FAILED_PRECONDITION);
+    assert_eq!(f.vm.rollbacks.load(Ordering::SeqCst), 1);
+    // The VMM refuses: ABORTED, still running, the operation not recorded.
+    *f.vm.next_rollback.lock().unwrap() = Outcome::Refused;
+    let e = f.rollback("s1", "op-3").await.unwrap_err();
+    assert_eq!(code(e), Code::ABORTED);
+    assert_eq!(f.state("c1").await.status.enum_value(), Ok(Status::RUNNING));
+    assert_eq!(f.stats().await.last_rollback_operation_id, "op-1");
+    while f.events.try_recv().is_ok() {}
+
+    // A second container since the snapshot: the rollback is refused.
+    f.run("c2", "sidecar").await;
+    let e = f.rollback("s1", "op-4").await.unwrap_err();
+    let msg = format!("{e:?}");
+    assert!(msg.contains("changed since snapshot s1"), "{msg}");
+    assert_eq!(code(e), Code::FAILED_PRECONDITION);
+    f.snapshot(ctx(), "s2", true)
+        .await
+        .expect("snapshot of both");
+
+    // The VM is lost: DATA_LOSS, and every task is reported exited.
+    *f.vm.next_rollback.lock().unwrap() = Outcome::Lost;
+    let e = f.rollback("s2", "op-5").await.unwrap_err();
+    assert_eq!(code(e), Code::DATA_LOSS);
+    for id in ["c1", "c2"] {
+        let st = f.state(id).await;
+        assert_eq!(st.status.enum_value(), Ok(Status::STOPPED), "{id}");
+        assert_eq!(st.exit_status, 255, "{id}");
+        let wait = api::WaitRequest {
+            id: id.into(),
+            ..Default::default()
+        };
+        assert_eq!(f.task.wait(ctx(), &wait).await.unwrap().exit_status, 255);
+    }
+    let mut exits = Vec::new();
+    while let Ok(ev) = f.events.try_recv() {
+        if ev.topic == containerd_shim_protos::topics::TASK_EXIT_EVENT_TOPIC {
+            exits.push(ev.topic);
+        }
+    }
+    assert_eq!(exits.len(), 2, "one TaskExit per container");
+    f.nothing_staged();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_restored_container_is_adopted_by_its_name() {
+    let f = fixture(T).await;
+    f.run("c1", "app").await;
+    // The VM holds a running container "app" (guest id c1) from a snapshot.
+    f.vm.restored.lock().unwrap().push(Restored {
+        guest_id: "c1".into(),
+        name: "app".into(),
+        slot: 0,
+    });
+    let (task, _server) = f.second_shim().await;
+    let (b, img) = bundle(
+        f.dir.path(),
+        "clone-1",
+        &["sleep", "1000"],
+        json!({"annotations": {"io.kubernetes.cri.container-name": "app"}}),
+    );
+    let create = api::CreateTaskRequest {
+        id: "clone-1".into(),
+        bundle: b.display().to_string(),
+        rootfs: vec![twig_mount(&img)],
+        ..Default::default()
+    };
+    task.create(ctx(), &create).await.expect("create (adopt)");
+    assert!(f.vm.restored.lock().unwrap().is_empty(), "adopted once");
+    let start = api::StartRequest {
+        id: "clone-1".into(),
+        ..Default::default()
+    };
+    task.start(ctx(), &start)
+        .await
+        .expect("start (adopted: runs already)");
+    let state = api::StateRequest {
+        id: "clone-1".into(),
+        ..Default::default()
+    };
+    let st = task.state(ctx(), &state).await.unwrap();
+    assert_eq!(st.status.enum_value(), Ok(Status::RUNNING));
+    // Signals reach the guest's process: the one container c1 started.
+    let kill = api::KillRequest {
+        id: "clone-1".into(),
+        signal: 9,
+        ..Default::default()
+    };
+    task.kill(ctx(), &kill).await.expect("kill");
+    let wait = api::WaitRequest {
+        id: "clone-1".into(),
+        ..Default::default()
+    };
+    assert_eq!(task.wait(ctx(), &wait).await.unwrap().exit_status, 137);
+    let wait = api::WaitRequest {
+        id: "c1".into(),
+        ..Default::default()
+    };
+    assert_eq!(f.task.wait(ctx(), &wait).await.unwrap().exit_status, 137);
+    // A second container of that name is not adopted again: created anew.
+    let (b2, img2) = bundle(
+        f.dir.path(),
+        "clone-2",
+        &["sleep", "1000"],
+        json!({"annotations": {"io.kubernetes.cri.container-name": "app"}}),
+    );
+    let create = api::CreateTaskRequest {
+        id: "clone-2".into(),
+        bundle: b2.display().to_string(),
+        rootfs: vec![twig_mount(&img2)],
+        ..Default::default()
+    };
+    task.create(ctx(), &create).await.expect("create (new)");
+    task.start(
+        ctx(),
+        &api::StartRequest {
+            id: "clone-2".into(),
+            ..Default::default()
+        },
+    )
+    .await
+    .expect("start (new)");
+    let kill = api::KillRequest {
+        id: "clone-2".into(),
+        signal: 9,
+        ..Default::default()
+    };
+    task.kill(ctx(), &kill).await.expect("kill the new one");
+}
