@@ -180,7 +180,8 @@ impl CriNode {
         };
         dirs.flatten()
             .filter_map(|d| fs::read_to_string(d.path().join("vmm.pid")).ok())
-            .filter_map(|p| p.trim().parse().ok())
+            // The pid on the first line, the VMM's API socket on the second.
+            .filter_map(|p| p.lines().next()?.trim().parse().ok())
             .collect()
     }
 

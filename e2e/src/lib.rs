@@ -16,6 +16,7 @@ pub mod cri;
 mod error;
 mod node;
 mod process;
+mod recovery;
 mod twig;
 
 use std::os::unix::fs::PermissionsExt;
@@ -28,6 +29,7 @@ pub use node::{
     NAMESPACE,
 };
 pub use process::{kill_processes_with_arg, run, run_ok, tail, Daemon, Output};
+pub use recovery::{kill9, pids_with_arg, poll_until, proc_state, process_tree, signal, ProcState};
 pub use twig::fill_up;
 
 /// The test image's name, as `e2e/build-image.sh` names it by default.

@@ -346,12 +346,12 @@ impl NodeConfig {
 /// test image imported onto the `twig` snapshotter.
 #[derive(Debug)]
 pub struct Node {
-    containerd: Daemon,
+    pub(crate) containerd: Daemon,
     snapshotter: Daemon,
-    node_daemon: Daemon,
+    pub(crate) node_daemon: Daemon,
     socket: PathBuf,
     /// The node's directory on the XFS; `None` once torn down.
-    work: Option<TempDir>,
+    pub(crate) work: Option<TempDir>,
     /// Held for its drop, after the teardown: unmounted when it is the
     /// harness's own.
     _xfs: Xfs,

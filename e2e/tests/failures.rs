@@ -1,11 +1,13 @@
 //! The harness's failure path: a node that cannot come up says why and
-//! leaves nothing behind (no processes, no mounts, no files). Built with
+//! leaves nothing behind (no processes, no mounts, no files); and a twig
+//! container refused for its image's snapshotter. Built with
 //! `--features lab`, like the tests that rely on this.
 
 use std::fs;
 use std::path::Path;
+use std::time::Duration;
 
-use twig_e2e::{Node, NodeConfig};
+use twig_e2e::{poll_until, Node, NodeConfig, Runtime, IMAGE_REF};
 
 /// PIDs of this process's children (running or not yet reaped).
 fn children() -> Vec<i32> {
@@ -64,4 +66,52 @@ fn an_archive_that_is_no_image_fails_the_start_and_leaves_nothing_behind() {
             xfs.display()
         );
     }
+}
+
+/// An image on another snapshotter than twig's (containerd's `native`: the
+/// lab's kernel has no overlayfs module; any mount that is not a twig block
+/// image takes the same path in the shim): the twig shim refuses the
+/// container with an error naming `--snapshotter twig`, before it takes a
+/// VM; nothing stays (no container, no shim, no VMM handed over).
+#[test]
+fn twig_refuses_an_image_on_another_snapshotter_and_leaves_nothing() {
+    assert!(
+        twig_e2e::find_on_path(Runtime::Twig.shim()).is_some(),
+        "containerd-shim-twig-v2 not found in the workspace build (not on PATH)"
+    );
+    let node = Node::start().unwrap_or_else(|e| panic!("the node did not start: {e}"));
+    let out = node
+        .ctr([
+            "run",
+            "--rm",
+            "--runtime",
+            Runtime::Twig.name(),
+            "--snapshotter",
+            "native",
+            IMAGE_REF,
+            "on-native",
+            "echo",
+            "ran",
+        ])
+        .unwrap_or_else(|e| panic!("{e}\n{}", node.logs()));
+    assert!(!out.status.success(), "ran on native: {out}");
+    assert!(
+        out.stderr.contains("--snapshotter twig") && !out.stdout.contains("ran"),
+        "the error does not name the snapshotter to use: {out}\n{}",
+        node.logs()
+    );
+    let left = node
+        .ctr_ok(["containers", "ls", "-q"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(left.trim().is_empty(), "containers left: {left}");
+    let clean = poll_until(Duration::from_secs(60), || {
+        node.shim_pids(Runtime::Twig.shim()).is_empty() && node.handed_vmms().is_empty()
+    });
+    assert!(
+        clean,
+        "left behind: shims {:?}, handed VMMs {:?}\n{}",
+        node.shim_pids(Runtime::Twig.shim()),
+        node.handed_vmms(),
+        node.logs()
+    );
 }

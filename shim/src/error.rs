@@ -29,7 +29,7 @@ pub enum Error {
     #[error("{0}")]
     Unimplemented(String),
     /// twig-agent refused or failed a call.
-    #[error("{what}: {source}")]
+    #[error("{what}: twig-agent: {source}")]
     Agent {
         /// What the shim was doing.
         what: String,

@@ -10,6 +10,7 @@ pub mod config;
 pub mod error;
 pub mod pod;
 pub mod process;
+pub mod recover;
 pub mod sandbox;
 pub mod server;
 pub mod service;

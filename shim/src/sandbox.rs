@@ -82,6 +82,21 @@ pub trait Sandbox: Send + Sync {
     fn resume(&self) -> Result<()>;
     /// Stops the VM; idempotent.
     fn shutdown(&self) -> Result<()>;
+    /// Force-stops the VM at once (SIGKILL), when its guest no longer
+    /// answers; its death then reaches [`Sandbox::death`]'s receiver. A
+    /// sandbox without a VM process has nothing to kill.
+    fn kill(&self) -> Result<()> {
+        Err(Error::Unimplemented(
+            "this sandbox has no VM process to kill".into(),
+        ))
+    }
+    /// The first call returns a receiver that gets why the VM ended when it
+    /// ended without a [`Sandbox::shutdown`] (crash, `kill -9`, OOM killer,
+    /// [`Sandbox::kill`]); it is closed without a value after a shutdown.
+    /// `None`: no VM process to watch (or asked before).
+    fn death(&self) -> Option<Death> {
+        None
+    }
     /// Snapshots the VM (memory, vCPU and device state, every read-write
     /// disk) into `staging`, a node-store staging directory named by the
     /// new id: all of memory when `full`, else the pages changed since the
@@ -119,6 +134,10 @@ pub fn with_agent<T>(
         }
     }
 }
+
+/// Why the VM of a sandbox ended without being asked to (see
+/// [`Sandbox::death`]).
+pub type Death = tokio::sync::oneshot::Receiver<String>;
 
 /// Makes the sandbox when a shim's first container is created.
 pub trait Launcher: Send + Sync {

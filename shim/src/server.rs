@@ -36,7 +36,7 @@ use crate::process::timestamp;
 use crate::service::{Event, TaskService};
 use crate::spec;
 use crate::twig_service::{TwigService, DEFAULT_QUEUE_DEADLINE};
-use crate::vm::VmLauncher;
+use crate::vm::{VmLauncher, PID_FILE};
 
 /// containerd's name for this runtime.
 pub const RUNTIME_ID: &str = "io.containerd.twig.v2";
@@ -195,17 +195,22 @@ pub fn delete(flags: &Flags) -> Result<DeleteResponse> {
 }
 
 fn stop_orphan_vmm(dir: &Path) {
-    let pid = std::fs::read_to_string(dir.join("vmm.pid"))
-        .ok()
-        .and_then(|s| s.trim().parse::<i32>().ok());
+    let recorded = std::fs::read_to_string(dir.join(PID_FILE)).unwrap_or_default();
+    let mut lines = recorded.lines();
+    let pid = lines.next().and_then(|s| s.trim().parse::<i32>().ok());
+    // The API socket names this pod's VMM; a recycled pid (another pod's
+    // VMM, or anything else) does not have it in its command line.
+    let api_socket = lines.next().unwrap_or("twig-vmm").trim().to_string();
     if let Some(pid) = pid {
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        if String::from_utf8_lossy(&cmdline).contains("twig-vmm") {
-            tracing::info!(pid, "killing the orphaned twig-vmm");
+        if String::from_utf8_lossy(&cmdline).contains(&api_socket) {
+            tracing::info!(pid, api_socket, "killing the orphaned twig-vmm");
             let _ = nix::sys::signal::kill(
                 nix::unistd::Pid::from_raw(pid),
                 nix::sys::signal::Signal::SIGKILL,
             );
+        } else {
+            tracing::info!(pid, api_socket, "the pod's twig-vmm is gone already");
         }
     }
     if let Err(e) = std::fs::remove_dir_all(dir) {

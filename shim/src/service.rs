@@ -20,16 +20,18 @@ use containerd_shim_protos::protobuf::well_known_types::any::Any;
 use containerd_shim_protos::protobuf::{EnumOrUnknown, MessageDyn, MessageField, MessageFull};
 use containerd_shim_protos::shim_async::Task;
 use containerd_shim_protos::topics;
+use containerd_shim_protos::ttrpc;
 use containerd_shim_protos::ttrpc::r#async::TtrpcContext;
 use containerd_shim_protos::ttrpc::Result as TtrpcResult;
 use containerd_shim_protos::types::task::{ProcessInfo, Status};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use twig_agent::client::Stream;
 
 use crate::error::{Error, Result};
 use crate::process::{timestamp, Container, Exited, Origin, Phase, Proc};
+use crate::recover;
 use crate::sandbox::Attachment;
-use crate::sandbox::{with_agent, Launcher, Sandbox};
+use crate::sandbox::{with_agent, Death, Launcher, Sandbox};
 use crate::spec;
 use crate::stdio::{self, StdioPaths};
 use crate::twig_service::CONTAINER_NAME_ANNOTATION;
@@ -66,6 +68,8 @@ pub(crate) struct Inner {
     /// join its namespaces.
     sandbox_init: Mutex<Option<u32>>,
     paused: Mutex<bool>,
+    /// Set once the pod's VM died (see `recover`).
+    vm_dead: watch::Sender<bool>,
     events: EventTx,
     exit: Arc<ExitSignal>,
     timeout: Duration,
@@ -97,6 +101,7 @@ impl TaskService {
                 containers: Mutex::new(HashMap::new()),
                 sandbox_init: Mutex::new(None),
                 paused: Mutex::new(false),
+                vm_dead: watch::channel(false).0,
                 events,
                 exit,
                 timeout,
@@ -190,6 +195,9 @@ impl TaskService {
                     let s = timer
                         .vm(blocking(move || launcher.launch(&group, &b)))
                         .await?;
+                    if let Some(death) = s.death() {
+                        self.watch_vm(death);
+                    }
                     *slot = Some(s.clone());
                     s
                 }
@@ -407,6 +415,35 @@ impl TaskService {
         })
     }
 
+    /// When the pod's VM dies unasked, every process of the pod exited with
+    /// it: recorded and published at once (`recover`).
+    fn watch_vm(&self, death: Death) {
+        let this = self.clone();
+        tokio::spawn(async move {
+            let Ok(why) = death.await else { return };
+            tracing::error!(
+                "the pod's VM died: {why}; every process of the pod is reported exited with {}",
+                recover::VM_DEATH_STATUS
+            );
+            this.inner.vm_dead.send_replace(true);
+            let events =
+                recover::mark_all_exited(&mut this.containers(), SystemTime::now(), shim_pid());
+            for e in events {
+                this.publish(topics::TASK_EXIT_EVENT_TOPIC, Box::new(e));
+            }
+        });
+    }
+
+    /// Whether the pod's VM died, waiting up to `within` for the death
+    /// watch to say so (a broken agent connection may be seen first).
+    async fn vm_died_within(&self, within: Duration) -> bool {
+        let mut rx = self.inner.vm_dead.subscribe();
+        let died = tokio::time::timeout(within, rx.wait_for(|dead| *dead))
+            .await
+            .is_ok_and(|r| r.is_ok());
+        died
+    }
+
     /// Waits (through the agent) for the process to exit, lets its output
     /// drain, records the exit and publishes TaskExit.
     fn watch_exit(
@@ -429,7 +466,21 @@ impl TaskService {
                 match r {
                     Ok(Some(exit)) => break Some(exit),
                     Ok(None) => continue,
+                    // A guest that does not answer (frozen, overloaded)
+                    // still holds the process: wait on, until it answers
+                    // or its VM is killed.
+                    Err(Error::Agent {
+                        source: twig_agent::client::Error::Timeout { .. },
+                        ..
+                    }) => {
+                        tracing::warn!(id, exec_id, "the agent did not answer a wait; waiting on");
+                        continue;
+                    }
                     Err(e) => {
+                        if this.vm_died_within(this.inner.timeout).await {
+                            // The death watch reported it (137).
+                            return;
+                        }
                         tracing::error!(id, exec_id, "lost the process: {e}");
                         break None;
                     }
@@ -469,19 +520,9 @@ impl TaskService {
     /// Records that a process exited (Wait and State answer it) and
     /// publishes TaskExit.
     fn record_exit(&self, id: &str, exec_id: &str, exited: Exited) {
-        let recorded = self.with_proc(id, exec_id, |p| {
-            if p.phase == Phase::Stopped {
-                // Already reported (the VM was lost).
-                return Err(Error::FailedPrecondition(format!("{id}/{exec_id} exited")));
-            }
-            p.phase = Phase::Stopped;
-            if let Some(tx) = p.close_stdin.take() {
-                let _ = tx.send(());
-            }
-            p.exit.send_replace(Some(exited));
-            Ok(())
-        });
-        if recorded.is_ok() {
+        // Once: the death of the VM may have recorded it already.
+        let recorded = self.with_proc(id, exec_id, |p| Ok(recover::mark_exited(p, exited)));
+        if recorded.unwrap_or(false) {
             self.publish(
                 topics::TASK_EXIT_EVENT_TOPIC,
                 Box::new(TaskExit {
@@ -533,7 +574,12 @@ impl TaskService {
         };
         let sandbox = self.sandbox().await?;
         let (id, timeout) = (self.guest_id(&req.id)?.0, self.inner.timeout);
+        // A dead VM took the container and its disk slot with it.
+        let dead = *self.inner.vm_dead.borrow();
         blocking(move || {
+            if dead {
+                return Ok(());
+            }
             match sandbox.agent().remove_container(&id, timeout) {
                 Ok(()) => {}
                 Err(e) if e.status_code() == Some("NOT_FOUND") => {}
@@ -593,10 +639,11 @@ impl TaskService {
         }
         let sandbox = self.sandbox().await?;
         let timeout = self.inner.timeout;
+        let signal = req.signal;
+        let sb = sandbox.clone();
         let guest_id = self.guest_id(&req.id)?.0;
-        blocking(move || {
-            sandbox
-                .agent()
+        let sent = blocking(move || {
+            sb.agent()
                 .signal_process(&guest_id, &req.exec_id, req.signal, timeout)
                 .map_err(|e| {
                     Error::agent(
@@ -605,7 +652,30 @@ impl TaskService {
                     )
                 })
         })
-        .await
+        .await;
+        match sent {
+            // A KILL the guest does not take (it stopped answering, or its
+            // VM is gone) ends the pod: the shim kills the VM, and the death
+            // watch reports every process exited.
+            Err(e)
+                if signal == libc::SIGKILL as u32
+                    && matches!(
+                        e.code(),
+                        ttrpc::Code::DEADLINE_EXCEEDED | ttrpc::Code::INTERNAL
+                    ) =>
+            {
+                tracing::error!("{e}: killing the pod's VM");
+                if let Err(k) = blocking(move || sandbox.kill()).await {
+                    tracing::warn!("killing the VM: {k}");
+                }
+                if self.vm_died_within(timeout).await {
+                    Ok(())
+                } else {
+                    Err(e)
+                }
+            }
+            other => other,
+        }
     }
 
     async fn do_exec(&self, req: api::ExecProcessRequest) -> Result<()> {

@@ -3,8 +3,11 @@
 //! already) and restored from a template (never booted on a pod's path),
 //! its containers' rootfs images attached to the VM's empty disk slots.
 
+use std::fs::File;
+use std::io::{Read, Seek};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
@@ -16,7 +19,7 @@ use twig_vmm::api::Client;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::sandbox::{Attachment, Launcher, Restored, Sandbox, VmRollback, VmSnapshot};
+use crate::sandbox::{Attachment, Death, Launcher, Restored, Sandbox, VmRollback, VmSnapshot};
 use crate::spec;
 
 /// The pod annotation naming the app template a sandbox restores (made by
@@ -85,6 +88,13 @@ pub struct VmSandbox {
     template_dir: PathBuf,
     slots: Mutex<Vec<bool>>,
     timeout: Duration,
+    /// Set before a shutdown stops the VMM: its exit is then no death.
+    stopping: Arc<AtomicBool>,
+    /// What the watch thread says when the VMM dies unasked, until taken.
+    death: Mutex<Option<Death>>,
+    /// The shim's state directory of the pod (`vmm.pid`), removed once
+    /// the VMM is gone.
+    state_dir: PathBuf,
 }
 
 /// The agent connection and how many times it was replaced.
@@ -119,12 +129,19 @@ impl VmSandbox {
         let vm = acquire(config, sandbox_id, template)?;
         let acquired = started.elapsed();
         let process = Process::open(vm.pid, &vm.api_socket)?;
-        // Recorded for `delete` after a crash of this shim.
-        std::fs::write(state_dir.join("vmm.pid"), vm.pid.to_string())
-            .map_err(|e| Error::io(format!("writing {}/vmm.pid", state_dir.display()), e))?;
-        let mut guard = KillOnDrop(Some(process));
+        let mut guard = KillOnDrop(Some(process), state_dir.to_path_buf());
+        // Recorded for `delete` after a crash of this shim: the pid, and
+        // the API socket its command line must name.
+        std::fs::write(
+            state_dir.join(PID_FILE),
+            format!("{}\n{}\n", vm.pid, vm.api_socket),
+        )
+        .map_err(|e| Error::io(format!("writing {}/{PID_FILE}", state_dir.display()), e))?;
         let timeout = Duration::from_secs(config.call_timeout_s);
         let vm_dir = PathBuf::from(&vm.state_dir);
+        // Opened now: twig-node removes the VMM's directory once it reaped
+        // it, and a death is explained with what these files say.
+        let logs = VmLogs::open(&vm_dir);
         let (api, agent) = Self::restore(
             Path::new(&vm.template_dir),
             Path::new(&vm.api_socket),
@@ -140,6 +157,11 @@ impl VmSandbox {
             elapsed = ?started.elapsed(),
             "sandbox VM restored, agent answers"
         );
+        let stopping = Arc::new(AtomicBool::new(false));
+        let death = match guard.0.as_ref() {
+            Some(p) => Some(watch_death(p, stopping.clone(), logs)?),
+            None => None,
+        };
         Ok(VmSandbox {
             vmm: Mutex::new(Vmm {
                 process: guard.0.take(),
@@ -153,6 +175,9 @@ impl VmSandbox {
             template_dir: PathBuf::from(&vm.template_dir),
             slots: Mutex::new(vec![false; vm.disk_slots as usize]),
             timeout,
+            stopping,
+            death: Mutex::new(death),
+            state_dir: state_dir.to_path_buf(),
         })
     }
 
@@ -319,30 +344,118 @@ impl Process {
 
     /// Whether the process exited within `timeout`.
     fn wait(&self, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let mut pfd = libc::pollfd {
-                fd: self.pidfd.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            let left = deadline.saturating_duration_since(Instant::now());
-            let ms = i32::try_from(left.as_millis()).unwrap_or(i32::MAX);
-            // SAFETY: one pollfd we own, for the duration of the call.
-            let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
-            if rc > 0 {
-                return true;
-            }
-            if rc == 0 || Instant::now() >= deadline {
-                return false;
-            }
-            // EINTR: poll again until the deadline.
-        }
+        wait_exit(&self.pidfd, Some(timeout))
     }
 }
 
-/// Kills the VMM if the start fails half-way.
-struct KillOnDrop(Option<Process>);
+/// Whether the process of `pidfd` exited within `timeout` (`None`: waits
+/// as long as it takes). A pidfd polls readable once its process exited.
+fn wait_exit(pidfd: &OwnedFd, timeout: Option<Duration>) -> bool {
+    let deadline = timeout.map(|t| Instant::now() + t);
+    loop {
+        let mut pfd = libc::pollfd {
+            fd: pidfd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = match deadline {
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                i32::try_from(left.as_millis()).unwrap_or(i32::MAX)
+            }
+            None => -1,
+        };
+        // SAFETY: one pollfd we own, for the duration of the call.
+        let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if rc > 0 {
+            return true;
+        }
+        if rc == 0 || deadline.is_some_and(|d| Instant::now() >= d) {
+            return false;
+        }
+        // EINTR: poll again until the deadline.
+    }
+}
+
+/// The file in the shim's state directory naming the pod's VMM: its pid on
+/// the first line, its API socket on the second.
+pub const PID_FILE: &str = "vmm.pid";
+
+/// The VMM's log and guest console, opened while they exist: read after a
+/// death, when twig-node may have removed them already.
+struct VmLogs {
+    vmm: Option<File>,
+    console: Option<File>,
+}
+
+impl VmLogs {
+    fn open(vm_dir: &Path) -> VmLogs {
+        VmLogs {
+            vmm: File::open(vm_dir.join("vmm.log")).ok(),
+            console: File::open(vm_dir.join("serial.log")).ok(),
+        }
+    }
+
+    /// `[twig-vmm log: …] [guest console: …]`, the last lines of each.
+    fn tails(&mut self) -> String {
+        let tail = |f: &mut Option<File>| {
+            let mut text = Vec::new();
+            if let Some(f) = f {
+                if f.rewind().and_then(|()| f.read_to_end(&mut text)).is_err() {
+                    return "(unreadable)".to_string();
+                }
+            }
+            tail_lines(&String::from_utf8_lossy(&text))
+        };
+        format!(
+            "[twig-vmm log: {}] [guest console: {}]",
+            tail(&mut self.vmm),
+            tail(&mut self.console)
+        )
+    }
+}
+
+/// The last [`LOG_TAIL_LINES`] lines of `text`, joined with ` | `.
+fn tail_lines(text: &str) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(LOG_TAIL_LINES)..].join(" | ")
+}
+
+/// A thread waiting on (a duplicate of) the VMM's pidfd: when the process
+/// ends while `stopping` is unset, the receiver gets why, at once (the
+/// shim does not wait for its next call to the VM to notice).
+fn watch_death(process: &Process, stopping: Arc<AtomicBool>, mut logs: VmLogs) -> Result<Death> {
+    let pidfd = process
+        .pidfd
+        .try_clone()
+        .map_err(|e| Error::io("duplicating the VMM's pidfd", e))?;
+    let pid = process.pid;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("vmm-watch".into())
+        .spawn(move || {
+            wait_exit(&pidfd, None);
+            if stopping.load(Ordering::SeqCst) {
+                return;
+            }
+            // The VMM is twig-node's child: its exit status is the
+            // daemon's to read (and log), not the shim's.
+            let why = format!(
+                "twig-vmm (pid {pid}) exited without being stopped (its exit status is in \
+                 twig-node's log, which reaped it) {}",
+                logs.tails()
+            );
+            if tx.send(why).is_err() {
+                tracing::warn!(pid, "the pod's VMM died and nobody watches the sandbox");
+            }
+        })
+        .map_err(|e| Error::io("starting the VMM watch thread", e))?;
+    Ok(rx)
+}
+
+/// Kills the VMM, and removes the state directory naming it, if the start
+/// fails half-way.
+struct KillOnDrop(Option<Process>, PathBuf);
 
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
@@ -350,6 +463,9 @@ impl Drop for KillOnDrop {
             p.kill();
             if !p.wait(Duration::from_secs(5)) {
                 tracing::warn!(pid = p.pid, "the killed twig-vmm did not exit within 5 s");
+            }
+            if let Err(e) = std::fs::remove_dir_all(&self.1) {
+                tracing::warn!("removing {}: {e}", self.1.display());
             }
         }
     }
@@ -463,24 +579,56 @@ impl Sandbox for VmSandbox {
     }
 
     fn shutdown(&self) -> Result<()> {
+        self.stopping.store(true, Ordering::SeqCst);
         let mut vmm = self.vmm();
         let Some(process) = vmm.process.take() else {
             return Ok(());
         };
-        match vmm.api.shutdown(self.timeout) {
-            Ok(()) if process.wait(self.timeout) => return Ok(()),
-            Ok(()) => tracing::warn!("twig-vmm did not exit after its shutdown; killing it"),
-            Err(e) => tracing::warn!("twig-vmm did not shut down on request ({e}); killing it"),
-        }
-        process.kill();
-        if process.wait(self.timeout) {
-            Ok(())
+        let exited = if process.wait(Duration::ZERO) {
+            true
         } else {
-            Err(Error::Internal(format!(
-                "twig-vmm {} did not exit within {:?} of SIGKILL",
-                process.pid, self.timeout
-            )))
+            match vmm.api.shutdown(self.timeout) {
+                Ok(()) if process.wait(self.timeout) => true,
+                Ok(()) => {
+                    tracing::warn!("twig-vmm did not exit after its shutdown; killing it");
+                    false
+                }
+                Err(e) => {
+                    tracing::warn!("twig-vmm did not shut down on request ({e}); killing it");
+                    false
+                }
+            }
+        };
+        if !exited {
+            process.kill();
+            if !process.wait(self.timeout) {
+                return Err(Error::Internal(format!(
+                    "twig-vmm {} did not exit within {:?} of SIGKILL",
+                    process.pid, self.timeout
+                )));
+            }
         }
+        if let Err(e) = std::fs::remove_dir_all(&self.state_dir) {
+            tracing::warn!("removing {}: {e}", self.state_dir.display());
+        }
+        Ok(())
+    }
+
+    fn kill(&self) -> Result<()> {
+        match self.vmm().process.as_ref() {
+            Some(p) => {
+                tracing::warn!(pid = p.pid, "killing the pod's twig-vmm");
+                p.kill();
+                Ok(())
+            }
+            None => Err(Error::FailedPrecondition(
+                "the pod's VM is already stopped".into(),
+            )),
+        }
+    }
+
+    fn death(&self) -> Option<Death> {
+        self.death.lock().unwrap_or_else(|p| p.into_inner()).take()
     }
 
     fn snapshot(&self, staging: &Path, full: bool) -> Result<VmSnapshot> {
@@ -560,9 +708,7 @@ const LOG_TAIL_LINES: usize = 12;
 fn with_vm_logs(e: Error, state_dir: &Path) -> Error {
     let tail = |name: &str| {
         let text = std::fs::read(state_dir.join(name)).unwrap_or_default();
-        let text = String::from_utf8_lossy(&text);
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(LOG_TAIL_LINES)..].join(" | ")
+        tail_lines(&String::from_utf8_lossy(&text))
     };
     let logs = format!(
         " [twig-vmm log: {}] [guest console: {}]",
@@ -595,40 +741,80 @@ mod tests {
 
     #[test]
     fn a_handed_over_process_is_watched_and_killed_through_its_pidfd() {
-        /// Kills the child if the test fails half-way.
-        struct Reap(std::process::Child);
-        impl Drop for Reap {
-            fn drop(&mut self) {
-                let _ = self.0.kill();
-                let _ = self.0.wait();
-            }
-        }
-        let mut child = Reap(
-            std::process::Command::new("sleep")
-                .arg("1000")
-                .spawn()
-                .unwrap(),
-        );
-        let pid = child.0.id();
-        let e = Process::open(pid, "/not/its/api.sock").err().unwrap();
+        let mut child = sleep("1000");
+        let e = Process::open(child.id(), "/not/its/api.sock")
+            .err()
+            .unwrap();
         assert!(e.to_string().contains("is not the twig-vmm serving"), "{e}");
-        // The child's command line is the new program's once it has exec'd.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let p = loop {
-            match Process::open(pid, "1000") {
-                Ok(p) => break p,
-                Err(e) => assert!(Instant::now() < deadline, "{e}"),
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        };
+        let p = Process::open(child.id(), "1000").unwrap();
         assert!(!p.wait(Duration::from_millis(20)), "sleep runs");
         p.kill();
         assert!(p.wait(Duration::from_secs(5)), "killed");
-        let status = child.0.wait().unwrap();
+        let status = child.wait().unwrap();
         assert_eq!(
             std::os::unix::process::ExitStatusExt::signal(&status),
             Some(libc::SIGKILL)
         );
+    }
+
+    /// `sleep arg`, once its command line shows `arg` (exec'd).
+    fn sleep(arg: &str) -> std::process::Child {
+        let child = std::process::Command::new("sleep")
+            .arg(arg)
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !std::fs::read(format!("/proc/{}/cmdline", child.id()))
+            .is_ok_and(|c| String::from_utf8_lossy(&c).contains(arg))
+        {
+            assert!(Instant::now() < deadline, "sleep {arg} did not start");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        child
+    }
+
+    #[test]
+    fn a_vmm_that_dies_unasked_is_reported_at_once_with_its_logs() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("vmm.log"), "line 1\nvmm: last words\n").unwrap();
+        let mut child = sleep("1001");
+        let p = Process::open(child.id(), "1001").unwrap();
+        let logs = VmLogs::open(dir.path());
+        // twig-node removes the VMM's directory once it reaped it.
+        drop(dir);
+        let mut death = watch_death(&p, Arc::new(AtomicBool::new(false)), logs).unwrap();
+        assert!(death.try_recv().is_err(), "reported while it runs");
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(i32::try_from(child.id()).unwrap()),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .unwrap();
+        child.wait().unwrap();
+        let why = death.blocking_recv().expect("the death is reported");
+        assert!(
+            why.contains(&format!("pid {}", child.id())) && why.contains("vmm: last words"),
+            "{why}"
+        );
+    }
+
+    #[test]
+    fn a_vmm_stopped_on_purpose_is_no_death() {
+        let mut child = sleep("1002");
+        let p = Process::open(child.id(), "1002").unwrap();
+        let stopping = Arc::new(AtomicBool::new(false));
+        let death = watch_death(
+            &p,
+            stopping.clone(),
+            VmLogs {
+                vmm: None,
+                console: None,
+            },
+        )
+        .unwrap();
+        stopping.store(true, Ordering::SeqCst);
+        p.kill();
+        child.wait().unwrap();
+        assert!(death.blocking_recv().is_err(), "a shutdown is not a death");
     }
 
     #[test]

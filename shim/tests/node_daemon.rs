@@ -127,11 +127,11 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
             .contains("waiting for the agent of the restored VM"),
         "{e}"
     );
-    let pid: u32 = std::fs::read_to_string(state.join("vmm.pid"))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    assert!(
+        !state.join("vmm.pid").exists(),
+        "the failed start left its state directory"
+    );
+    let pid = handed_pid(&dir.path().join("node.log"));
     wait_until("the handed-over VMM is killed and reaped", || {
         !Path::new(&format!("/proc/{pid}")).exists()
     });
@@ -142,4 +142,33 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
         .expect("no such template");
     assert!(matches!(e, Error::NotFound(_)), "{e}");
     assert!(e.to_string().contains("\"absent\""), "{e}");
+}
+
+/// The pid of the last VMM twig-node's log says it handed over (the log
+/// is coloured: escape sequences are dropped first).
+fn handed_pid(log: &Path) -> u32 {
+    let text = std::fs::read_to_string(log).unwrap();
+    let mut plain = String::new();
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            chars.by_ref().find(|c| *c == 'm');
+        } else {
+            plain.push(c);
+        }
+    }
+    let line = plain
+        .lines()
+        .rfind(|l| l.contains("handed over a VMM"))
+        .unwrap_or_else(|| panic!("no VMM handed over in twig-node's log:\n{plain}"));
+    let digits: String = line
+        .split("pid=")
+        .nth(1)
+        .unwrap_or_default()
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits
+        .parse()
+        .unwrap_or_else(|_| panic!("no pid in {line:?}"))
 }
