@@ -487,6 +487,11 @@ impl Registry {
         }
     }
 
+    /// Every container created so far.
+    pub fn all(&self) -> Vec<Arc<Mutex<Container>>> {
+        lock(&self.containers).values().flatten().cloned().collect()
+    }
+
     /// Forgets a container.
     pub fn remove(&self, id: &str) {
         lock(&self.containers).remove(id);
