@@ -11,6 +11,7 @@ pub mod error;
 pub mod pod;
 pub mod process;
 pub mod recover;
+pub mod restore;
 pub mod sandbox;
 pub mod server;
 pub mod service;
