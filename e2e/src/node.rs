@@ -98,6 +98,7 @@ state = "{state}"
       runtime_type = "{runc}"
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.twig]
       runtime_type = "{twig}"
+      pod_annotations = ["twig.dev/*"]
 "#,
         root = dir.join("root").display(),
         state = dir.join("state").display(),
@@ -676,6 +677,7 @@ mod tests {
         );
         assert!(c.contains("address = \"/n/containerd/containerd.sock\""));
         assert!(c.contains("runtime_type = \"io.containerd.twig.v2\""));
+        assert!(c.contains("pod_annotations = [\"twig.dev/*\"]"));
         assert!(c.contains("runtime_type = \"io.containerd.runc.v2\""));
         assert!(c.contains("snapshotter = \"twig\""));
     }
