@@ -26,7 +26,7 @@ use twig_store::NodeStore;
 
 use crate::error::{Error, Result};
 use crate::sandbox::Restored;
-use crate::twig_service::{SnapshotContainer, CONTAINERS_LABEL};
+use crate::twig_service::{SnapshotContainer, CONTAINERS_LABEL, SANDBOX_LABEL};
 
 /// The pod annotation naming a pod snapshot of the node store to restore
 /// the sandbox from (the Clone CRD's pods).
@@ -56,8 +56,17 @@ impl SnapshotSource {
     /// template the node daemon handed over with the VM: pods and their
     /// snapshots share the store) and makes the pod's copies of its slot
     /// disks. `oci` is the sandbox's spec (its `hostname` becomes the
-    /// clone's; without one, `sandbox_id`).
-    pub fn open(template_dir: &Path, id: &str, oci: &Value, sandbox_id: &str) -> Result<Self> {
+    /// clone's; without one, `sandbox_id`); `sandbox_rootfs` the new
+    /// sandbox container's rootfs image, which stands in for the
+    /// snapshotted sandbox container's read-only one (the same sandbox
+    /// image; read-only disks are not copied into snapshots).
+    pub fn open(
+        template_dir: &Path,
+        id: &str,
+        oci: &Value,
+        sandbox_id: &str,
+        sandbox_rootfs: &Path,
+    ) -> Result<Self> {
         let (root, _) = twig_store::layout::locate(template_dir).map_err(|e| {
             Error::FailedPrecondition(format!(
                 "{RESTORE_FROM_ANNOTATION}: the node's template is not in a node store: {e}"
@@ -94,21 +103,35 @@ impl SnapshotSource {
                 ))
             })?;
         let tmp = root.join(TMP_DIR);
+        let snapshotted_sandbox = snap.labels.get(SANDBOX_LABEL);
         let mut slots = Vec::new();
         for c in &containers {
             let Some(slot) = c.slot else { continue };
             // A VM restored from a template has no fixed disks: slot s is
             // disk s.
-            let size = snap.artefacts.get(&Artefact::Disk(slot)).ok_or_else(|| {
-                Error::FailedPrecondition(format!(
-                    "{RESTORE_FROM_ANNOTATION}: snapshot {id} has no copy of disk slot {slot} \
-                     (container {}): only read-write rootfs disks are restored",
-                    c.id
-                ))
-            })?;
-            let disk = snap.dir().join(Artefact::Disk(slot).file_name());
-            let file = pod_copy(&disk, &tmp, *size)?;
-            let name = PathBuf::from(format!("{}/pod-{sandbox_id}/slot{slot}", tmp.display()));
+            let (name, file) = match snap.artefacts.get(&Artefact::Disk(slot)) {
+                Some(size) => {
+                    let disk = snap.dir().join(Artefact::Disk(slot).file_name());
+                    let name = format!("{}/pod-{sandbox_id}/slot{slot}", tmp.display());
+                    (PathBuf::from(name), pod_copy(&disk, &tmp, *size)?)
+                }
+                // A read-only rootfs: only the sandbox container's has a
+                // stand-in (twig-vmm checks its size).
+                None if snapshotted_sandbox == Some(&c.id) => {
+                    let file = File::open(sandbox_rootfs).map_err(|e| {
+                        Error::io(format!("opening {}", sandbox_rootfs.display()), e)
+                    })?;
+                    (sandbox_rootfs.to_path_buf(), file)
+                }
+                None => {
+                    return Err(Error::FailedPrecondition(format!(
+                        "{RESTORE_FROM_ANNOTATION}: snapshot {id} has no copy of disk slot \
+                         {slot} (container {}): a read-only rootfs is not in a snapshot, and \
+                         only the sandbox container's has a stand-in",
+                        c.id
+                    )))
+                }
+            };
             slots.push((slot, name, file));
         }
         let restored = containers

@@ -57,7 +57,7 @@ impl VmLauncher {
 }
 
 impl Launcher for VmLauncher {
-    fn launch(&self, sandbox_id: &str, bundle: &Path) -> Result<Arc<dyn Sandbox>> {
+    fn launch(&self, sandbox_id: &str, bundle: &Path, rootfs: &Path) -> Result<Arc<dyn Sandbox>> {
         let spec = spec::read_spec(bundle)?;
         let template = spec::annotation(&spec, TEMPLATE_ANNOTATION).unwrap_or_default();
         let restore_from = spec::annotation(&spec, RESTORE_FROM_ANNOTATION);
@@ -67,7 +67,7 @@ impl Launcher for VmLauncher {
             &self.state_dir,
             sandbox_id,
             template,
-            restore_from.map(|id| (id, &spec)),
+            restore_from.map(|id| (id, &spec, rootfs)),
         )?))
     }
 }
@@ -112,7 +112,8 @@ fn vmm_error(what: impl Into<String>) -> impl FnOnce(twig_vmm::api::ClientError)
 impl VmSandbox {
     /// Takes a prepared VMM from the node daemon (`config.node_socket`),
     /// restores the template it names into it — or, with `restore_from`
-    /// (a snapshot id and the sandbox's spec), that pod snapshot of the
+    /// (a snapshot id, the sandbox's spec and its rootfs image), that pod
+    /// snapshot of the
     /// template's store, then gives the clone its own identity — and
     /// connects to its agent. On failure the VMM is killed.
     pub fn start(
@@ -120,7 +121,7 @@ impl VmSandbox {
         state_dir: &Path,
         sandbox_id: &str,
         template: &str,
-        restore_from: Option<(&str, &serde_json::Value)>,
+        restore_from: Option<(&str, &serde_json::Value, &Path)>,
     ) -> Result<VmSandbox> {
         std::fs::create_dir_all(state_dir)
             .map_err(|e| Error::io(format!("creating {}", state_dir.display()), e))?;
@@ -142,7 +143,9 @@ impl VmSandbox {
         // it, and a death is explained with what these files say.
         let logs = VmLogs::open(&vm_dir);
         let source = restore_from
-            .map(|(id, oci)| SnapshotSource::open(Path::new(&vm.template_dir), id, oci, sandbox_id))
+            .map(|(id, oci, rootfs)| {
+                SnapshotSource::open(Path::new(&vm.template_dir), id, oci, sandbox_id, rootfs)
+            })
             .transpose()?;
         let (api, agent) = Self::restore(
             source

@@ -8,7 +8,7 @@
 //! Task service reports after a lost VM. Real VMs are checked in the lab
 //! (`e2e/tests/twig_service.rs`). Needs root (loop devices, mounts).
 
-use std::io::{Read, Seek};
+use std::io::{Read, Seek, Write};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::process::Command;
@@ -753,7 +753,7 @@ fn restore_from_reads_the_pod_snapshot_and_reflinks_its_disks_into_anonymous_fil
         SnapshotContainer {
             id: "src".into(),
             name: None,
-            slot: None,
+            slot: Some(2),
             running: true,
         },
         SnapshotContainer {
@@ -778,11 +778,16 @@ fn restore_from_reads_the_pod_snapshot_and_reflinks_its_disks_into_anonymous_fil
         &[(0, &disk0), (1, &disk1)],
         &[(SANDBOX_LABEL, "src"), (CONTAINERS_LABEL, &containers)],
     );
+    // The new pod's sandbox rootfs: it stands in for the snapshotted
+    // sandbox container's read-only one (slot 2, not copied).
+    let pause = xfs.path().join("pause.img");
+    std::fs::write(&pause, [0x33u8; 8192]).unwrap();
     let tmp = xfs.path().join("vm/tmp");
     let before: Vec<_> = std::fs::read_dir(&tmp).unwrap().collect();
 
     let oci = json!({"hostname": "clone-1"});
-    let src = SnapshotSource::open(&tpl, "pod-snap", &oci, "sb").expect("open the snapshot");
+    let src =
+        SnapshotSource::open(&tpl, "pod-snap", &oci, "sb", &pause).expect("open the snapshot");
     assert_eq!(src.id, "pod-snap");
     assert_eq!(src.dir, store.snapshot_dir("pod-snap"));
     assert_eq!(src.hostname, "clone-1");
@@ -795,8 +800,18 @@ fn restore_from_reads_the_pod_snapshot_and_reflinks_its_disks_into_anonymous_fil
         }],
         "only running containers with a CRI name are adopted"
     );
-    assert_eq!(src.slot_numbers().collect::<Vec<_>>(), vec![1, 0]);
-    for (slot, _, file) in &src.slots {
+    assert_eq!(src.slot_numbers().collect::<Vec<_>>(), vec![2, 1, 0]);
+    let (_, name, stand_in) = &src.slots[0];
+    assert_eq!(name, &pause);
+    let mut bytes = Vec::new();
+    stand_in
+        .try_clone()
+        .unwrap()
+        .read_to_end(&mut bytes)
+        .unwrap();
+    assert_eq!(bytes, [0x33u8; 8192], "the new sandbox's rootfs, read-only");
+    assert!(stand_in.try_clone().unwrap().write_all(b"x").is_err());
+    for (slot, _, file) in &src.slots[1..] {
         let mut bytes = Vec::new();
         let mut f = file.try_clone().unwrap();
         f.rewind().unwrap();
@@ -822,15 +837,15 @@ fn restore_from_reads_the_pod_snapshot_and_reflinks_its_disks_into_anonymous_fil
         "the pod's copies have no names: nothing is left behind"
     );
     // Without a hostname in the spec, the sandbox id.
-    let src2 = SnapshotSource::open(&tpl, "pod-snap", &json!({}), "sb-2").unwrap();
+    let src2 = SnapshotSource::open(&tpl, "pod-snap", &json!({}), "sb-2", &pause).unwrap();
     assert_eq!(src2.hostname, "sb-2");
 
     // Refusals name what is wrong.
-    let e = SnapshotSource::open(&tpl, "nope", &oci, "sb").unwrap_err();
+    let e = SnapshotSource::open(&tpl, "nope", &oci, "sb", &pause).unwrap_err();
     assert_eq!(e.code(), Code::NOT_FOUND, "{e}");
     assert!(e.to_string().contains("snapshot nope"), "{e}");
     publish(&store, "not-a-pod", &[], &[]);
-    let e = SnapshotSource::open(&tpl, "not-a-pod", &oci, "sb").unwrap_err();
+    let e = SnapshotSource::open(&tpl, "not-a-pod", &oci, "sb", &pause).unwrap_err();
     assert!(e.to_string().contains("not a pod snapshot"), "{e}");
     publish(
         &store,
@@ -841,8 +856,11 @@ fn restore_from_reads_the_pod_snapshot_and_reflinks_its_disks_into_anonymous_fil
             r#"[{"id":"c1","name":"a","slot":0,"running":true}]"#,
         )],
     );
-    let e = SnapshotSource::open(&tpl, "no-disk", &oci, "sb").unwrap_err();
-    assert!(e.to_string().contains("no copy of disk slot 0"), "{e}");
+    let e = SnapshotSource::open(&tpl, "no-disk", &oci, "sb", &pause).unwrap_err();
+    assert!(
+        e.to_string().contains("no copy of disk slot 0") && e.to_string().contains("read-only"),
+        "{e}"
+    );
     let damaged = store.snapshot_dir("pod-snap").join("disk1");
     std::fs::OpenOptions::new()
         .write(true)
@@ -850,6 +868,6 @@ fn restore_from_reads_the_pod_snapshot_and_reflinks_its_disks_into_anonymous_fil
         .unwrap()
         .set_len(512)
         .unwrap();
-    let e = SnapshotSource::open(&tpl, "pod-snap", &oci, "sb").unwrap_err();
+    let e = SnapshotSource::open(&tpl, "pod-snap", &oci, "sb", &pause).unwrap_err();
     assert!(e.to_string().contains("damaged"), "{e}");
 }
