@@ -73,7 +73,7 @@ impl SnapshotSource {
             ))
         })?;
         let store = NodeStore::open(&root, false).map_err(|source| Error::Store {
-            what: "opening the node store".into(),
+            what: format!("{RESTORE_FROM_ANNOTATION}: opening the node store"),
             source,
         })?;
         let snap = store.get(id).map_err(|e| match e {
