@@ -368,6 +368,14 @@ async fn failure_scenario() {
         copy.set_label(k, v);
     }
     let corrupt = copy.publish().unwrap();
+    // As readable to the jailed VMMs as the original (the store makes
+    // its own copies private).
+    for name in std::iter::once(None).chain(original.artefacts.keys().map(Some)) {
+        let at =
+            |dir: &std::path::Path| name.map_or(dir.to_path_buf(), |a| dir.join(a.file_name()));
+        let mode = std::fs::metadata(at(original.dir())).unwrap().permissions();
+        std::fs::set_permissions(at(corrupt.dir()), mode).unwrap();
+    }
     let memory = corrupt.dir().join(Artefact::Memory.file_name());
     let len = std::fs::metadata(&memory).unwrap().len();
     std::fs::OpenOptions::new()
