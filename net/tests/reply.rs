@@ -111,7 +111,6 @@ fn sum16(data: &[u8], mut sum: u32) -> u32 {
 }
 
 /// A TCP segment from the guest (checksum over the pseudo-header included).
-#[allow(clippy::too_many_arguments)]
 fn tcp(
     dst: Ipv4Addr,
     sport: u16,
