@@ -94,7 +94,7 @@ struct rule_key {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 16384);
+	__uint(max_entries, 8192);
 	__type(key, struct flow_key);
 	__type(value, __u64); // last packet from the peer, bpf_ktime_get_ns()
 } flows SEC(".maps");

@@ -72,7 +72,7 @@ pub const RULE_CAPACITY: usize = 65_536;
 /// Capacity of the `flows` LRU hash (`max_entries` in `bpf/pod.c`): how many
 /// flows peers started towards one pod are remembered for replies; past it
 /// the least recently seen is forgotten.
-pub const FLOW_CAPACITY: usize = 16_384;
+pub const FLOW_CAPACITY: usize = 8_192;
 
 #[cfg(feature = "loader")]
 /// Index of the active generation in `state`.

@@ -565,7 +565,14 @@ fn flows_survive_a_restart_and_a_new_attach_starts_empty() {
     let (pod, _) = loader
         .attach(&dir, &bed.config(), &EgressPolicy::default(), &node())
         .expect("attach");
-    assert!(dir.join("flows").exists(), "the flow map is pinned");
+    let flows = aya::maps::MapData::from_pin(dir.join("flows")).expect("the flow map is pinned");
+    let info = flows.info().expect("map info");
+    assert_eq!(
+        info.max_entries() as usize,
+        twig_net::FLOW_CAPACITY,
+        "FLOW_CAPACITY is the map's size"
+    );
+    drop(flows);
     let (udp, client) = udp_request(&mut bed, None, b"udp-hello");
     // The handle goes away (a shim restart); recorded flows stay.
     drop(pod);
