@@ -7,7 +7,7 @@
 //! of the same name adopt the snapshot's running counter, which goes on
 //! from the snapshot's value under the clone's own hostname, on its own
 //! copy of the disk, with its output in the clone's CRI log, while the
-//! source runs on. Failures: an unknown snapshot id and a corrupt snapshot
+//! source runs on; a second clone of the snapshot reads other random bytes. Failures: an unknown snapshot id and a corrupt snapshot
 //! fail RunPodSandbox with a clear error and leave no VMM, shim or mount.
 //! Built with `--features lab`, run in the nested lab
 //! (`tests/lab/run.sh -p twig-e2e --features twig-e2e/lab --test restore_from`).
@@ -309,12 +309,34 @@ async fn clone_scenario() {
         .await;
     step(t0, "identity and isolation");
 
+    // A second clone of the same snapshot: its own name, and RNG output of
+    // its own (the guest's CRNG was reseeded with fresh host entropy).
+    let second_pod = h.pod("counter-clone-2", Some(&snap));
+    let t = Instant::now();
+    let (second_pod_id, second) = h.run_counter(&second_pod).await;
+    eprintln!(
+        "restore-from: a clone's RunPodSandbox + CreateContainer + StartContainer took {:.2} s",
+        t.elapsed().as_secs_f64()
+    );
+    let (_, second_host) = h.exec(&second, &["hostname"]).await;
+    assert_eq!(second_host, "counter-clone-2");
+    let random = "head -c 16 /dev/urandom | od -An -tx1";
+    let (_, a) = h.exec(&clone, &["sh", "-c", random]).await;
+    let (_, b) = h.exec(&second, &["sh", "-c", random]).await;
+    assert!(a.len() > 30 && b.len() > 30, "{a:?} {b:?}");
+    assert_ne!(
+        a, b,
+        "two clones of one snapshot read the same random bytes"
+    );
+    step(t0, "a second clone, its own RNG");
+
     let vmms = h.node.pod_vmms();
-    assert_eq!(vmms.len(), 2, "pod VMMs {vmms:?}");
-    h.remove_pod(&clone_pod_id).await;
-    h.remove_pod(&src_pod_id).await;
+    assert_eq!(vmms.len(), 3, "pod VMMs {vmms:?}");
+    for pod in [&second_pod_id, &clone_pod_id, &src_pod_id] {
+        h.remove_pod(pod).await;
+    }
     h.wait_nothing_left(&vmms).await;
-    step(t0, "both removed, nothing left");
+    step(t0, "all removed, nothing left");
     let store = NodeStore::open(&h.node.node().vm_store().unwrap(), false).unwrap();
     if let Err(e) = store.delete(&snap) {
         eprintln!("deleting snapshot {snap}: {e}");
