@@ -1,7 +1,7 @@
 //! Failed reconciles are retried after a per-object exponential backoff
 //! that resets when the object reconciles.
 
-mod support;
+use twig_controller_testkit as support;
 
 use std::sync::Arc;
 use std::time::Duration;

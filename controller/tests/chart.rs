@@ -3,7 +3,7 @@
 //! checked strictly against its Kubernetes type, the RBAC against what the
 //! controller calls, and the arguments against the controller binary.
 
-mod support;
+use twig_controller_testkit as support;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};

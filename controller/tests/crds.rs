@@ -1,7 +1,7 @@
 //! The checked-in CRDs: up to date with the Rust types, structural, and with
 //! CEL rules that compile and decide as intended.
 
-mod support;
+use twig_controller_testkit as support;
 
 use std::collections::BTreeSet;
 

@@ -4,7 +4,7 @@
 //! always naming the field; the example's policies are valid; clone pods
 //! carry their source's `twig.dev/egress-policy` annotation.
 
-mod support;
+use twig_controller_testkit as support;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

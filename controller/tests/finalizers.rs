@@ -1,7 +1,7 @@
 //! Finalizers: added and removed through kube-runtime's helper, and released
 //! by another node once the node they belong to is gone.
 
-mod support;
+use twig_controller_testkit as support;
 
 use std::sync::Arc;
 

@@ -4,7 +4,7 @@
 //! by a finalizer, and server-side field validation refusing bad input.
 //! The test plays the controller: it writes the status kubectl waits for.
 
-mod support;
+use twig_controller_testkit as support;
 
 use std::path::PathBuf;
 use std::process::Output;

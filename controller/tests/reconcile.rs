@@ -1,6 +1,6 @@
 //! The reconcilers against the in-repo API server and a fake node.
 
-mod support;
+use twig_controller_testkit as support;
 
 use std::sync::Arc;
 

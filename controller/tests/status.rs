@@ -2,7 +2,7 @@
 //! semantics, many nodes writing one SandboxTemplate's `status.nodes`, the
 //! conditions of Snapshot, Clone and Rollback, and the memory bounds.
 
-mod support;
+use twig_controller_testkit as support;
 
 use std::sync::Arc;
 

@@ -12,11 +12,15 @@ use super::apiserver::Validator;
 
 /// The checked-in CRDs, by plural.
 pub struct Crds {
+    /// Each CRD under its plural name.
     pub by_plural: BTreeMap<String, Crd>,
 }
 
+/// One checked-in CRD.
 pub struct Crd {
+    /// Its kind.
     pub kind: String,
+    /// Its API group.
     pub group: String,
     /// `openAPIV3Schema` of the single served version.
     pub schema: Value,
@@ -24,8 +28,9 @@ pub struct Crd {
     pub doc: Value,
 }
 
+/// The directory of the checked-in CRD YAML (`crds/` at the workspace root).
 pub fn crds_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../crds")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../crds")
 }
 
 /// Loads every `crds/*.yaml`.
@@ -98,6 +103,7 @@ impl Crds {
             .collect()
     }
 
+    /// The admission validator of these CRDs (schemas and CEL rules) for the test API server.
     pub fn validator(self) -> Validator {
         let me = Arc::new(self);
         Arc::new(move |plural, obj, old| me.validate(plural, obj, old))

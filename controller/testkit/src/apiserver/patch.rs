@@ -8,7 +8,7 @@ use super::{
     api_version, conflict, create, key, kind_of, lock, not_found, split_status, stale,
     status_error, update, updater, writer, Body, State, Target, Write,
 };
-use crate::support::ssa;
+use crate::ssa;
 use hyper::Response;
 
 fn merge(target: &mut Value, patch: &Value) {

@@ -16,18 +16,29 @@ use twig_controller::shim::{
 /// One call the fake received, in order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Call {
+    /// `Twig.Snapshot` of a sandbox.
     Snapshot {
+        /// The sandbox (pod sandbox id).
         sandbox: String,
+        /// The node-store id asked for.
         snapshot_id: String,
     },
+    /// `Twig.Rollback` of a sandbox.
     Rollback {
+        /// The sandbox (pod sandbox id).
         sandbox: String,
+        /// The snapshot to go back to.
         snapshot_id: String,
+        /// The operation's id (the Rollback's UID).
         operation_id: String,
     },
+    /// `Twig.Stats` of the sandbox.
     Stats(String),
+    /// `Node.DeleteSnapshot` of the id.
     DeleteSnapshot(String),
+    /// `Node.EnsureTemplate` of the template.
     EnsureTemplate(String),
+    /// `Node.DeleteTemplate` of the template.
     DeleteTemplate(String),
 }
 
@@ -52,6 +63,7 @@ struct State {
     delete_times: Vec<std::time::Instant>,
 }
 
+/// The fake node: sandboxes, node store and call log behind the controller's traits.
 pub struct FakeNode {
     state: Mutex<State>,
     wake: watch::Sender<u64>,
@@ -86,10 +98,12 @@ impl FakeNode {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// Every call received so far, in order.
     pub fn calls(&self) -> Vec<Call> {
         self.lock().calls.clone()
     }
 
+    /// How many Snapshot calls arrived.
     pub fn snapshot_calls(&self) -> usize {
         self.calls()
             .iter()
@@ -97,6 +111,7 @@ impl FakeNode {
             .count()
     }
 
+    /// How many Rollback calls arrived.
     pub fn rollback_calls(&self) -> usize {
         self.calls()
             .iter()

@@ -54,9 +54,13 @@ pub const ACTOR_HEADER: &str = "x-test-actor";
 /// One kind of access as RBAC sees it: verb, API group, resource (with subresource).
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Access {
+    /// Who asked ([`ACTOR_HEADER`]).
     pub actor: String,
+    /// The RBAC verb (`get`, `list`, `watch`, `create`, `patch`, …).
     pub verb: String,
+    /// The API group (`""` for the core group).
     pub group: String,
+    /// The resource, with `/subresource` when one was named.
     pub resource: String,
 }
 
@@ -114,6 +118,7 @@ impl State {
 
 /// The running server; stops when dropped.
 pub struct TestApiServer {
+    /// The address it listens on (127.0.0.1).
     pub addr: SocketAddr,
     task: JoinHandle<()>,
     state: Arc<State>,

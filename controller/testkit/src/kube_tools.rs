@@ -16,7 +16,7 @@ fn bin_dir() -> &'static Path {
             Some(dir) => PathBuf::from(dir),
             None => {
                 let script =
-                    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/kube-tools.sh");
+                    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/kube-tools.sh");
                 let out = Command::new(&script)
                     .stderr(std::process::Stdio::inherit())
                     .output()

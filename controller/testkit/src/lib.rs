@@ -1,8 +1,6 @@
 //! Test support: the in-repo API server, the CRD schema checks, a fake node,
 //! and helpers to run controllers and wait for outcomes.
 
-#![allow(dead_code)]
-
 pub mod apiserver;
 pub mod fake;
 pub mod kube_tools;
@@ -25,6 +23,7 @@ use twig_controller::Context;
 use apiserver::TestApiServer;
 use fake::FakeNode;
 
+/// The namespace every helper works in.
 pub const NS: &str = "default";
 
 /// A test API server that admits objects against the checked-in CRDs.
@@ -40,8 +39,11 @@ pub async fn api_server() -> TestApiServer {
 
 /// A controller process for `node`; aborting the handle is a crash.
 pub struct Controller {
+    /// The controller's task.
     pub task: JoinHandle<()>,
+    /// Its metrics registry.
     pub metrics: Arc<Metrics>,
+    /// Its context (traits, timings).
     pub ctx: Arc<Context>,
 }
 
@@ -54,6 +56,7 @@ impl Drop for Controller {
 /// The actor name of controller clients in [`TestApiServer::accesses`].
 pub const CONTROLLER: &str = "controller";
 
+/// Starts a controller for `node` against `server`, behind the fake node `fake`, with short retry, recheck, orphan-check and backoff periods.
 pub fn start_controller(server: &TestApiServer, node: &str, fake: &Arc<FakeNode>) -> Controller {
     let client = server.client_as(CONTROLLER);
     let (locator, shim, node_service) = fake::as_traits(fake);
@@ -163,6 +166,7 @@ pub async fn expect_reasons(client: &Client, name: &str, expected: &[&str]) {
     }
 }
 
+/// The Events about the object named `name`, oldest first.
 pub async fn events_about(client: &Client, name: &str) -> Vec<Event> {
     let events: Api<Event> = Api::namespaced(client.clone(), NS);
     let mut list: Vec<Event> = events

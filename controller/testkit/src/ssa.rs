@@ -20,13 +20,17 @@ pub type FieldSet = BTreeSet<Path>;
 /// One `managedFields` entry.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Manager {
+    /// The field manager's name.
     pub manager: String,
     /// `Apply` or `Update`.
     pub operation: &'static str,
     /// `""` (the main resource) or `status`.
     pub subresource: String,
+    /// The API version it wrote with.
     pub api_version: String,
+    /// When it last wrote (RFC 3339).
     pub time: String,
+    /// The fields it owns.
     pub fields: FieldSet,
 }
 
@@ -40,12 +44,16 @@ impl Manager {
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Scope {
     /// Everything but `status` (when the kind has a status subresource).
-    Main { has_status: bool },
+    Main {
+        /// Whether the kind has a status subresource.
+        has_status: bool,
+    },
     /// Only `status`.
     Status,
 }
 
 impl Scope {
+    /// The subresource this scope writes (`""` or `status`).
     pub fn subresource(self) -> &'static str {
         match self {
             Scope::Main { .. } => "",
@@ -96,6 +104,7 @@ pub struct Schema {
 }
 
 impl Schema {
+    /// The schema of a CRD's `openAPIV3Schema`, or of a built-in kind (`None`), with ObjectMeta's added.
     pub fn new(crd: Option<&Value>) -> Self {
         let mut root = crd.cloned().unwrap_or_else(|| json!({"type": "object"}));
         root["properties"]["metadata"] = metadata_schema();
@@ -346,9 +355,13 @@ impl Conflicts {
 
 /// What an operation is: its manager, when, in which scope.
 pub struct Writer {
+    /// The field manager.
     pub manager: String,
+    /// The API version of the request.
     pub api_version: String,
+    /// When it writes (RFC 3339).
     pub time: String,
+    /// Which part of the object it may change.
     pub scope: Scope,
 }
 
