@@ -28,7 +28,11 @@ pub const NS: &str = "default";
 
 /// A test API server that admits objects against the checked-in CRDs.
 pub async fn api_server() -> TestApiServer {
-    let crds = schema::load();
+    api_server_with(schema::load()).await
+}
+
+/// A test API server that admits objects against `crds`.
+pub async fn api_server_with(crds: schema::Crds) -> TestApiServer {
     let docs = crds
         .by_plural
         .iter()

@@ -35,8 +35,8 @@ pub fn crds_dir() -> PathBuf {
 
 /// Loads every `crds/*.yaml`.
 pub fn load() -> Crds {
-    let mut by_plural = BTreeMap::new();
     let dir = crds_dir();
+    let mut files = Vec::new();
     for entry in
         std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
     {
@@ -45,8 +45,25 @@ pub fn load() -> Crds {
             continue;
         }
         let text = std::fs::read_to_string(&path).expect("read CRD");
-        let doc: Value =
-            serde_saphyr::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        files.push((path.display().to_string(), text));
+    }
+    parse(files)
+}
+
+/// The CRDs as the controller generates them (`twig_controller::crd::crd_files`,
+/// what `crds/` holds): for tests that run where the source tree is not, as
+/// in the nested lab.
+pub fn generated() -> Crds {
+    let files = twig_controller::crd::crd_files()
+        .unwrap_or_else(|e| panic!("generating the CRDs: {e}"));
+    parse(files)
+}
+
+/// CRDs from `(name, YAML)` pairs.
+fn parse(files: Vec<(String, String)>) -> Crds {
+    let mut by_plural = BTreeMap::new();
+    for (name, text) in files {
+        let doc: Value = serde_saphyr::from_str(&text).unwrap_or_else(|e| panic!("{name}: {e}"));
         let plural = doc["spec"]["names"]["plural"]
             .as_str()
             .expect("plural")

@@ -1,0 +1,483 @@
+//! The controller against the real node: twig-controller (`run`, with the
+//! real `TtrpcShim`, `ContainerdLocator` on CRI's `k8s.io` task directory
+//! and `TtrpcNode` on the node's twig-node socket) reconciles Snapshot,
+//! Rollback and Clone objects in the controller testkit's API server
+//! (standing in for kube-apiserver, CRDs admitted), while the test kubelet
+//! (`twig_e2e::kubelet`) runs the node's pods through containerd's CRI
+//! plugin, the twig shim and twig-node.
+//!
+//! Scenario: a twig pod counts in tmpfs and has a file on its rootfs → a
+//! Snapshot becomes Ready → the pod moves on and the test damages its file
+//! → a Rollback becomes Ready: the same sandbox counts on from the
+//! snapshot's value with its file back → a Clone of the Snapshot with two
+//! replicas: the controller creates two pods restored from it, the kubelet
+//! runs them, the Clone reports both ready, each counts on from the
+//! snapshot under its own hostname → everything deleted: the finalizer
+//! lets the Snapshot go once twig-node deleted its data, the kubelet
+//! removes the sandboxes, and nothing is left on the node.
+//! Built with `--features lab`, run in the nested lab
+//! (`tests/lab/run.sh -p twig-e2e --features twig-e2e/lab --test controller`).
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
+use kube::api::{DeleteParams, ListParams, ObjectMeta};
+use kube::{Api, Client, Resource, ResourceExt};
+use twig_controller::crd::{
+    CloneSource, CloneSpec, DeletionPolicy, Phase, PodClone, Rollback, RollbackSpec, Snapshot,
+    SnapshotMode, SnapshotSpec, CLONE_LABEL, RESTORE_FROM_ANNOTATION, RUNTIME_CLASS,
+};
+use twig_controller::metrics::Metrics;
+use twig_controller::sandbox::ContainerdLocator;
+use twig_controller::shim::{TtrpcNode, TtrpcShim};
+use twig_controller::Context;
+use twig_controller_testkit::{self as testkit, schema, CONTROLLER, NS};
+use twig_cri::CriClient;
+use twig_e2e::cri::{CriNode, CRI_NAMESPACE};
+use twig_e2e::kubelet::{container_id, sandbox_of, Kubelet};
+use twig_e2e::IMAGE_REF;
+use twig_store::NodeStore;
+
+/// The lab node's name in the API server.
+const NODE: &str = "lab-node";
+/// Deadline of a shim or node call (a full snapshot of the lab's 128 MiB
+/// guest under TCG takes seconds).
+const CALL: Duration = Duration::from_secs(300);
+/// Deadline of a pod coming up or an object getting Ready (the node's first
+/// twig pod builds the base template; the lab is 10–50× slower than a host).
+const READY: Duration = Duration::from_secs(400);
+/// Deadline of the guest's progress.
+const PROGRESS: Duration = Duration::from_secs(120);
+const EXEC: Duration = Duration::from_secs(120);
+const POLL: Duration = Duration::from_millis(200);
+/// The most the counter can count per second (it sleeps 50 ms a round).
+const MAX_RATE: u64 = 20;
+/// How far the source pod counts on past its snapshot before the rollback:
+/// at [`MAX_RATE`], 15 s of counting, more than a rollback and the first
+/// read after it take in the lab, so a counter that went back reads less.
+const MOVE_ON: u64 = 15 * MAX_RATE;
+
+/// Counts in tmpfs (`/dev/shm/count`, guest memory) every 50 ms, each value
+/// replaced by a rename, so a reader never sees it half-written.
+const COUNTER: &str = "i=0; while :; do i=$((i+1)); echo $i > /dev/shm/count.new; \
+     mv /dev/shm/count.new /dev/shm/count; sleep 0.05; done";
+
+fn step(t0: Instant, what: &str) {
+    eprintln!("controller: {:>7.2} s  {what}", t0.elapsed().as_secs_f64());
+}
+
+/// Polls `check` until it returns `Some`, failing after `within`.
+async fn until<T, F, Fut>(what: &str, within: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {within:?} waiting for {what}"
+        );
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+struct Lab {
+    node: CriNode,
+    cri: CriClient,
+    client: Client,
+    t0: Instant,
+}
+
+impl Lab {
+    fn dir(&self) -> PathBuf {
+        self.node
+            .node()
+            .dir()
+            .unwrap_or_else(|e| panic!("{e}"))
+            .to_path_buf()
+    }
+
+    fn logs(&self) -> String {
+        self.node.node().logs()
+    }
+
+    /// The object `name` once `done` holds, failing with its last state.
+    async fn wait_for<K>(&self, name: &str, what: &str, done: impl Fn(&K) -> bool) -> K
+    where
+        K: Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
+            + Clone
+            + k8s_openapi::serde::de::DeserializeOwned
+            + std::fmt::Debug,
+    {
+        let api: Api<K> = Api::namespaced(self.client.clone(), NS);
+        let deadline = Instant::now() + READY;
+        loop {
+            let got = api.get_opt(name).await.unwrap_or_else(|e| panic!("{e}"));
+            if let Some(obj) = got.as_ref().filter(|o| done(o)) {
+                return obj.clone();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{name} not {what} within {READY:?}: {got:#?}\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// The pod `name` once the kubelet reports it running, and its
+    /// container's CRI id.
+    async fn running(&self, name: &str) -> (Pod, String) {
+        let pod: Pod = self
+            .wait_for(name, "run by the kubelet", |p: &Pod| {
+                p.status.as_ref().is_some_and(|s| s.phase.is_some())
+            })
+            .await;
+        let status = pod.status.clone().unwrap_or_default();
+        assert_eq!(
+            status.phase.as_deref(),
+            Some("Running"),
+            "pod {name}: {status:#?}\n{}",
+            self.logs()
+        );
+        assert!(status.pod_ip.is_some(), "pod {name} has no IP: {status:#?}");
+        let id = container_id(&pod, "counter")
+            .unwrap_or_else(|| panic!("pod {name} has no container id: {status:#?}"));
+        (pod, id)
+    }
+
+    /// `sh -c script` in container `id`: (exit code, stdout).
+    async fn sh(&self, id: &str, script: &str) -> (i32, String) {
+        let out = self
+            .cri
+            .exec_sync(id, &["sh", "-c", script], EXEC)
+            .await
+            .unwrap_or_else(|e| panic!("{}", self.node.cri_error(&format!("exec {script}"), e)));
+        (
+            out.exit_code,
+            String::from_utf8_lossy(&out.stdout).trim().to_string(),
+        )
+    }
+
+    /// The tmpfs counter of container `id`, once it satisfies `ok`.
+    async fn count(&self, id: &str, ok: impl Fn(u64) -> bool) -> u64 {
+        let ok = &ok;
+        until(&format!("the counter of {id}"), PROGRESS, || async move {
+            let (code, out) = self.sh(id, "cat /dev/shm/count").await;
+            out.parse().ok().filter(|n| code == 0 && ok(*n))
+        })
+        .await
+    }
+
+    /// The CRI sandbox of the pod with UID `uid`.
+    async fn sandbox(&self, uid: &str) -> Option<String> {
+        let sandboxes = self
+            .cri
+            .list_pod_sandboxes()
+            .await
+            .unwrap_or_else(|e| panic!("{}", self.node.cri_error("ListPodSandbox", e)));
+        sandbox_of(&sandboxes, uid)
+    }
+}
+
+fn counter_pod(name: &str) -> Pod {
+    Pod {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(NS.into()),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            // As the scheduler binds it.
+            node_name: Some(NODE.into()),
+            runtime_class_name: Some(RUNTIME_CLASS.into()),
+            containers: vec![Container {
+                name: "counter".into(),
+                image: Some(IMAGE_REF.into()),
+                command: Some(vec!["/bin/sh".into(), "-c".into()]),
+                args: Some(vec![COUNTER.into()]),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_controller_snapshots_rolls_back_and_clones_pods_of_a_real_node() {
+    let t0 = Instant::now();
+    let node = CriNode::start().unwrap_or_else(|e| panic!("CRI node: {e}"));
+    let cri = node.client().await.unwrap_or_else(|e| panic!("{e}"));
+    // Where the tests run (the lab) the source tree is not: the CRDs the
+    // server admits against are the controller's own, as generated.
+    let server = testkit::api_server_with(schema::generated()).await;
+    let client = server.client();
+    testkit::register_node(&client, NODE).await;
+    let lab = Lab {
+        node,
+        cri,
+        client,
+        t0,
+    };
+    let dir = lab.dir();
+    let _kubelet = Kubelet::start(
+        server.client_as("kubelet"),
+        NODE,
+        lab.cri.clone(),
+        &dir.join("kubelet-pods"),
+    );
+    let ctx = Context::new(
+        server.client_as(CONTROLLER),
+        NODE.into(),
+        Arc::new(ContainerdLocator {
+            task_dir: dir
+                .join("containerd/state/io.containerd.runtime.v2.task")
+                .join(CRI_NAMESPACE),
+        }),
+        Arc::new(TtrpcShim { timeout: CALL }),
+        Arc::new(TtrpcNode {
+            address: format!("unix://{}", dir.join("node.sock").display()),
+            timeout: CALL,
+        }),
+        Arc::new(Metrics::new()),
+    )
+    .with_retry(Duration::from_secs(1))
+    .with_backoff(Duration::from_millis(500), Duration::from_secs(10));
+    let controller = tokio::spawn(twig_controller::run(Arc::new(ctx)));
+    step(t0, "node, API server, kubelet and controller up");
+
+    scenario(&lab).await;
+    controller.abort();
+}
+
+async fn scenario(lab: &Lab) {
+    let t0 = lab.t0;
+    let client = &lab.client;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+
+    // A pod through the kubelet: its counter runs, its rootfs has a file.
+    let source = testkit::create(client, &counter_pod("counter")).await;
+    let uid = source.uid().unwrap_or_default();
+    let (_, ctr) = lab.running("counter").await;
+    let sandbox = lab.sandbox(&uid).await;
+    assert!(sandbox.is_some(), "no CRI sandbox for pod UID {uid}");
+    let (code, _) = lab.sh(&ctr, "echo original > /marker && sync").await;
+    assert_eq!(code, 0);
+    lab.count(&ctr, |n| n >= 3).await;
+    step(t0, "pod counter runs");
+
+    // Snapshot.
+    let before = lab.count(&ctr, |_| true).await;
+    let snap = Snapshot::new(
+        "snap",
+        SnapshotSpec {
+            pod_name: "counter".into(),
+            mode: SnapshotMode::Full,
+            deletion_policy: DeletionPolicy::Delete,
+            ttl_seconds_after_ready: None,
+        },
+    );
+    testkit::create(client, &snap).await;
+    let snap: Snapshot = lab
+        .wait_for("snap", "Ready", |s: &Snapshot| {
+            s.status
+                .as_ref()
+                .is_some_and(|s| matches!(s.phase, Phase::Ready | Phase::Failed))
+        })
+        .await;
+    let after = lab.count(&ctr, |_| true).await;
+    let status = snap.status.clone().unwrap_or_default();
+    assert_eq!(status.phase, Phase::Ready, "{status:#?}\n{}", lab.logs());
+    let snapshot_id = status.snapshot_id.clone().unwrap_or_default();
+    assert_eq!(Some(snapshot_id.as_str()), snap.metadata.uid.as_deref());
+    assert_eq!(status.node_name.as_deref(), Some(NODE));
+    assert_eq!(status.pod_uid.as_deref(), Some(uid.as_str()));
+    assert!(status.size_bytes.unwrap_or_default() > 0, "{status:#?}");
+    let store = NodeStore::open(
+        &lab.node.node().vm_store().unwrap_or_else(|e| panic!("{e}")),
+        false,
+    )
+    .unwrap_or_else(|e| panic!("node store: {e}"));
+    assert!(
+        store.get(&snapshot_id).is_ok(),
+        "the store lacks {snapshot_id}"
+    );
+    step(
+        t0,
+        &format!("snapshot Ready (counter between {before} and {after})"),
+    );
+
+    // The pod moves on: its counter, a mark in its memory, its file damaged.
+    let moved = lab.count(&ctr, |n| n > after + MOVE_ON).await;
+    let (code, _) = lab
+        .sh(
+            &ctr,
+            "echo damaged > /marker && echo yes > /dev/shm/moved-on && sync",
+        )
+        .await;
+    assert_eq!(code, 0);
+    step(
+        t0,
+        &format!("the pod moved on to {moved}, its file damaged"),
+    );
+
+    // Rollback.
+    let t_rollback = Instant::now();
+    let rollback = Rollback::new(
+        "back",
+        RollbackSpec {
+            pod_name: "counter".into(),
+            snapshot_name: "snap".into(),
+        },
+    );
+    testkit::create(client, &rollback).await;
+    let rollback: Rollback = lab
+        .wait_for("back", "done", |r: &Rollback| {
+            r.status
+                .as_ref()
+                .is_some_and(|s| matches!(s.phase, Phase::Ready | Phase::Failed))
+        })
+        .await;
+    let status = rollback.status.clone().unwrap_or_default();
+    assert_eq!(status.phase, Phase::Ready, "{status:#?}\n{}", lab.logs());
+    let back = lab.count(&ctr, |_| true).await;
+    let took = t_rollback.elapsed();
+    assert!(
+        back >= before && back < moved,
+        "after the rollback the counter reads {back}: the snapshot was taken between {before} \
+         and {after}, the pod had counted to {moved} ({took:?} since the Rollback was made)"
+    );
+    let (_, mark) = lab.sh(&ctr, "cat /marker").await;
+    assert_eq!(mark, "original", "the rootfs file after the rollback");
+    let (code, _) = lab.sh(&ctr, "test -e /dev/shm/moved-on").await;
+    assert_ne!(
+        code, 0,
+        "memory written after the snapshot survived the rollback"
+    );
+    assert_eq!(
+        lab.sandbox(&uid).await,
+        sandbox,
+        "the rollback changed the sandbox"
+    );
+    let current = pods.get("counter").await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(current.uid().as_deref(), Some(uid.as_str()), "another pod");
+    lab.count(&ctr, |n| n > back + 5).await;
+    step(
+        t0,
+        &format!("rolled back in {took:?}: the counter went back to {back}, the file is back"),
+    );
+
+    // Clone the snapshot twice.
+    let clone = PodClone::new(
+        "fork",
+        CloneSpec {
+            source: CloneSource {
+                snapshot_name: Some("snap".into()),
+                pod_name: None,
+            },
+            replicas: 2,
+            name_prefix: None,
+            labels: None,
+        },
+    );
+    testkit::create(client, &clone).await;
+    let clone: PodClone = lab
+        .wait_for("fork", "Ready", |c: &PodClone| {
+            c.status
+                .as_ref()
+                .is_some_and(|s| matches!(s.phase, Phase::Ready | Phase::Failed))
+        })
+        .await;
+    let status = clone.status.clone().unwrap_or_default();
+    assert_eq!(status.phase, Phase::Ready, "{status:#?}\n{}", lab.logs());
+    assert_eq!(status.ready_replicas, 2, "{status:#?}");
+    let clones = pods
+        .list(&ListParams::default().labels(&format!("{CLONE_LABEL}=fork")))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .items;
+    assert_eq!(clones.len(), 2, "clone pods: {clones:#?}");
+    let mut hostnames = Vec::new();
+    for pod in &clones {
+        let name = pod.name_any();
+        assert_eq!(
+            pod.annotations().get(RESTORE_FROM_ANNOTATION),
+            Some(&snapshot_id),
+            "pod {name}"
+        );
+        assert_eq!(
+            pod.spec.as_ref().and_then(|s| s.node_name.as_deref()),
+            Some(NODE)
+        );
+        let (_, id) = lab.running(&name).await;
+        let first = lab.count(&id, |_| true).await;
+        assert!(
+            first >= before,
+            "clone {name} counts from {first}; the snapshot was taken between {before} and {after}"
+        );
+        lab.count(&id, |n| n > first + 5).await;
+        let (_, mark) = lab.sh(&id, "cat /marker").await;
+        assert_eq!(mark, "original", "clone {name}'s rootfs file");
+        let (_, host) = lab.sh(&id, "hostname").await;
+        assert_eq!(host, name, "clone {name}'s hostname");
+        hostnames.push(host);
+    }
+    assert_ne!(hostnames[0], hostnames[1]);
+    step(t0, "the Clone's two pods count on from the snapshot");
+
+    // Delete everything; nothing is left.
+    let vmms = lab.node.pod_vmms();
+    assert_eq!(vmms.len(), 3, "pod VMMs {vmms:?}");
+    let dp = DeleteParams::default();
+    let clones_api: Api<PodClone> = Api::namespaced(client.clone(), NS);
+    clones_api
+        .delete("fork", &dp)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let rollbacks: Api<Rollback> = Api::namespaced(client.clone(), NS);
+    rollbacks
+        .delete("back", &dp)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    pods.delete("counter", &dp)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    until("the pods to be gone", READY, || async {
+        let left = pods.list(&ListParams::default()).await.ok()?.items;
+        left.is_empty().then_some(())
+    })
+    .await;
+    let snapshots: Api<Snapshot> = Api::namespaced(client.clone(), NS);
+    snapshots
+        .delete("snap", &dp)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    until("the Snapshot's finalizer to let go", READY, || async {
+        matches!(snapshots.get_opt("snap").await, Ok(None)).then_some(())
+    })
+    .await;
+    assert!(
+        store.get(&snapshot_id).is_err(),
+        "the node store still holds {snapshot_id}"
+    );
+    until(
+        "the sandboxes and everything of them to go",
+        READY,
+        || async {
+            let sandboxes = lab.cri.list_pod_sandboxes().await.ok()?;
+            let left = lab.node.leftovers(&vmms);
+            (sandboxes.is_empty() && left.is_empty()).then_some(())
+        },
+    )
+    .await;
+    assert!(lab.node.leftovers(&vmms).is_empty());
+    step(t0, "all deleted, nothing left");
+}
