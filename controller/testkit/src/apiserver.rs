@@ -185,7 +185,7 @@ impl TestApiServer {
             hyper::header::HeaderName::from_static(ACTOR_HEADER),
             hyper::header::HeaderValue::from_str(actor).expect("actor header"),
         ));
-        kube::Client::try_from(config).expect("kube client")
+        plain_http_client(config)
     }
 
     /// Every kind of access `actor` has made so far.
@@ -208,9 +208,22 @@ impl TestApiServer {
     /// A kube client for this server, default namespace `default`.
     pub fn client(&self) -> kube::Client {
         let url = format!("http://{}", self.addr).parse().expect("url");
-        let config = kube::Config::new(url);
-        kube::Client::try_from(config).expect("kube client")
+        plain_http_client(kube::Config::new(url))
     }
+}
+
+/// A kube client over plain HTTP, without kube's TLS stack: building that
+/// loads the system's CA certificates, and fails where there are none (the
+/// nested lab) even for an `http://` server.
+fn plain_http_client(config: kube::Config) -> kube::Client {
+    use kube::client::ConfigExt;
+    let http = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build(hyper_util::client::legacy::connect::HttpConnector::new());
+    let service = tower::ServiceBuilder::new()
+        .layer(config.base_uri_layer())
+        .layer(config.extra_headers_layer().expect("extra headers"))
+        .service(http);
+    kube::Client::new(service, config.default_namespace)
 }
 
 fn lock(state: &State) -> MutexGuard<'_, Inner> {

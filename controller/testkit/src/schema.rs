@@ -54,8 +54,8 @@ pub fn load() -> Crds {
 /// what `crds/` holds): for tests that run where the source tree is not, as
 /// in the nested lab.
 pub fn generated() -> Crds {
-    let files = twig_controller::crd::crd_files()
-        .unwrap_or_else(|e| panic!("generating the CRDs: {e}"));
+    let files =
+        twig_controller::crd::crd_files().unwrap_or_else(|e| panic!("generating the CRDs: {e}"));
     parse(files)
 }
 
