@@ -12,7 +12,7 @@ use crate::vm::{RollbackInfo, RunState, SnapshotInfo, Stats};
 /// The protocol version this build speaks. A client refuses a VMM whose
 /// [`Hello::protocol`] differs; it changes whenever a request, a reply or an
 /// error kind changes incompatibly.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Longest request line the server accepts, in bytes.
 pub const MAX_REQUEST: usize = 64 * 1024;
@@ -104,6 +104,11 @@ pub enum Request {
         /// The slot.
         slot: usize,
     },
+    /// Attach the tap sent with this request (`SCM_RIGHTS`: opened by the
+    /// caller with `IFF_TAP|IFF_NO_PI|IFF_VNET_HDR`, e.g. in a pod's network
+    /// namespace, where a jailed VMM cannot create one) to the VM's
+    /// detached network device ([`Reply::NetAttached`]).
+    AttachNet {},
     /// Stop the VM and exit the VMM process ([`Reply::ShutDown`]).
     Shutdown {},
     /// Make a system call no seccomp filter allows ([`Reply::Triggered`]
@@ -126,6 +131,7 @@ impl Request {
             Request::Stats {} => "stats",
             Request::AttachDisk { .. } => "attach_disk",
             Request::DetachDisk { .. } => "detach_disk",
+            Request::AttachNet {} => "attach_net",
             Request::Shutdown {} => "shutdown",
             #[cfg(feature = "test-trigger")]
             Request::TestTrigger {} => "test_trigger",
@@ -174,6 +180,11 @@ pub enum Reply {
     DiskDetached {
         /// The slot now empty.
         slot: usize,
+    },
+    /// To `attach_net`.
+    NetAttached {
+        /// The name of the tap's interface.
+        tap: String,
     },
     /// To `shutdown`: the VM is gone and the process exits.
     ShutDown {},
@@ -266,6 +277,7 @@ mod tests {
                 fd: true,
             },
             Request::DetachDisk { slot: 1 },
+            Request::AttachNet {},
             Request::Shutdown {},
         ];
         for r in reqs {
