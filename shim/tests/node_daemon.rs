@@ -52,6 +52,11 @@ fn make_template(dir: &Path) {
     let store = NodeStore::open(&dir.join("store"), true).unwrap();
     let devices = DeviceConfig {
         disk_slots: 2,
+        // A pooled VMM's network device: detached until `attach_net`.
+        net: Some(twig_vmm::NetConfig {
+            tap: None,
+            mac: [0x02, 0x74, 0x77, 0x69, 0x67, 0x01],
+        }),
         vsock: Some(VsockConfig {
             cid: 3,
             uds_path: dir.join("tpl.vsock"),
