@@ -123,7 +123,7 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
         ..Config::default()
     };
     let state = dir.path().join("shim-state");
-    let e = VmSandbox::start(&config, &state, "sb", "tiny")
+    let e = VmSandbox::start(&config, &state, "sb", "tiny", None)
         .err()
         .expect("the test guest has no agent");
     assert!(matches!(e, Error::Agent { .. }), "{e}");
@@ -142,7 +142,7 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
     });
 
     // An app template the node does not hold keeps its errdefs code.
-    let e = VmSandbox::start(&config, &state, "sb", "absent")
+    let e = VmSandbox::start(&config, &state, "sb", "absent", None)
         .err()
         .expect("no such template");
     assert!(matches!(e, Error::NotFound(_)), "{e}");
