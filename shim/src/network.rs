@@ -515,3 +515,368 @@ fn create_tap(name: &str) -> Result<File> {
     )?;
     Ok(file)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::Command;
+    use std::sync::Mutex;
+
+    fn ip(args: &[&str]) -> bool {
+        Command::new("ip")
+            .args(args)
+            .output()
+            .expect("run ip (iproute2)")
+            .status
+            .success()
+    }
+
+    /// A pod network namespace as CNI's bridge plugin leaves it: `eth0`
+    /// (one end of a veth) with `10.231.<n>.2/24` and a default route via
+    /// `.1`. Removed on drop.
+    struct PodNs {
+        name: String,
+        host: String,
+    }
+
+    impl PodNs {
+        fn new(n: u8) -> PodNs {
+            let name = format!("twigshim{}-{n}", std::process::id());
+            let host = format!("tsh{}h{n}", std::process::id() % 100_000);
+            let ns = PodNs { name, host };
+            let (name, host) = (ns.name.as_str(), ns.host.as_str());
+            let addr = format!("10.231.{n}.2/24");
+            let gw = format!("10.231.{n}.1");
+            for args in [
+                vec!["netns", "add", name],
+                vec![
+                    "link", "add", host, "type", "veth", "peer", "name", "eth0", "netns", name,
+                ],
+                vec!["-n", name, "addr", "add", &addr, "dev", "eth0"],
+                vec!["-n", name, "link", "set", "eth0", "up"],
+                vec!["-n", name, "link", "set", "lo", "up"],
+                vec!["link", "set", host, "up"],
+                vec!["-n", name, "route", "add", "default", "via", &gw],
+            ] {
+                assert!(ip(&args), "ip {args:?} (the test needs root)");
+            }
+            ns
+        }
+
+        fn path(&self) -> PathBuf {
+            PathBuf::from("/var/run/netns").join(&self.name)
+        }
+
+        fn has_link(&self, link: &str) -> bool {
+            ip(&["-n", &self.name, "link", "show", link])
+        }
+    }
+
+    impl Drop for PodNs {
+        fn drop(&mut self) {
+            let _ = ip(&["netns", "del", &self.name]);
+            let _ = ip(&["link", "del", &self.host]);
+        }
+    }
+
+    /// A joiner that records what it was asked and answers `mac` or fails,
+    /// pinning a file in `dir` as twig-net would.
+    struct FakeJoiner {
+        fail: bool,
+        calls: Mutex<Vec<(PathBuf, String, String, Ipv4Addr)>>,
+    }
+
+    impl FakeJoiner {
+        fn new(fail: bool) -> FakeJoiner {
+            FakeJoiner {
+                fail,
+                calls: Mutex::new(Vec::new()),
+            }
+        }
+    }
+
+    impl Joiner for FakeJoiner {
+        fn join(&self, dir: &Path, c: &PodNetConfig, _: &EgressPolicy) -> Result<[u8; 6]> {
+            self.calls.lock().unwrap().push((
+                c.netns.clone(),
+                c.veth.clone(),
+                c.tap.clone(),
+                c.pod_ip,
+            ));
+            if self.fail {
+                return Err(Error::Network {
+                    what: "joining".into(),
+                    source: twig_net::Error::Unsupported("no BPF here".into()),
+                });
+            }
+            std::fs::create_dir_all(dir).unwrap();
+            std::fs::write(dir.join("config"), "pinned").unwrap();
+            Ok([0x0a, 0x58, 0x0a, 0xe7, 0x00, 0x02])
+        }
+    }
+
+    /// TUNGETIFF: the interface name behind a tap descriptor.
+    fn tap_of(fd: BorrowedFd<'_>) -> String {
+        let mut req = IfReq::new("x").unwrap();
+        ifreq_ioctl(fd, libc::TUNGETIFF, &mut req, "TUNGETIFF").unwrap();
+        let flags = req.flags();
+        assert_eq!(
+            libc::c_int::from(flags) & (libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR),
+            libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR
+        );
+        let len = req.name.iter().position(|b| *b == 0).unwrap();
+        String::from_utf8_lossy(&req.name[..len]).into_owned()
+    }
+
+    fn plan_for(ns: &PodNs) -> Plan {
+        Plan {
+            netns: ns.path(),
+            policy: EgressPolicy::default(),
+        }
+    }
+
+    #[test]
+    fn the_spec_names_the_network_namespace_and_the_policy() {
+        let none =
+            serde_json::json!({"linux": {"namespaces": [{"type": "pid"}, {"type": "network"}]}});
+        assert_eq!(
+            plan(&none).unwrap(),
+            None,
+            "a new namespace, not CNI's: no network"
+        );
+        assert_eq!(plan(&serde_json::json!({})).unwrap(), None);
+        let cri = serde_json::json!({
+            "linux": {"namespaces": [{"type": "network", "path": "/var/run/netns/cni-1"}]},
+            "annotations": {"twig.dev/egress-policy": "{\"allow\":[{\"cidr\":\"10.88.0.0/16\"}]}"}
+        });
+        let p = plan(&cri).unwrap().unwrap();
+        assert_eq!(p.netns, PathBuf::from("/var/run/netns/cni-1"));
+        assert_eq!(p.policy.allow.len(), 1);
+        let bad = serde_json::json!({
+            "linux": {"namespaces": [{"type": "network", "path": "/var/run/netns/cni-1"}]},
+            "annotations": {"twig.dev/egress-policy": "{\"allow\":[{\"cidr\":\"nonsense\"}]}"}
+        });
+        let e = plan(&bad).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument(_))
+                && e.to_string().contains("twig.dev/egress-policy"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn without_bpf_the_pod_is_refused_never_run_unfiltered() {
+        let e = Bpf::with_loader(
+            Err(twig_net::Error::Unsupported("BPF disabled".into())),
+            NodeContext::default(),
+        )
+        .err()
+        .unwrap();
+        assert_eq!(
+            e.code(),
+            containerd_shim_protos::ttrpc::Code::FAILED_PRECONDITION
+        );
+        let msg = e.to_string();
+        assert!(
+            msg.contains("refused rather than run unfiltered") && msg.contains("BPF disabled"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn the_default_gateway_comes_from_the_route_table() {
+        let lines: Vec<String> = [
+            "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT",
+            "eth0\t00E7340A\t00000000\t0001\t0\t0\t0\t00FFFFFF\t0\t0\t0",
+            "eth0\t00000000\t01E7340A\t0003\t0\t0\t0\t00000000\t0\t0\t0",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        assert_eq!(default_gateway(&lines), Some(Ipv4Addr::new(10, 52, 231, 1)));
+        assert_eq!(default_gateway(&lines[..2]), None);
+    }
+
+    #[test]
+    fn the_vm_gets_a_tap_in_the_pods_namespace_and_the_pods_identity() {
+        let ns = PodNs::new(1);
+        let state = tempfile::tempdir().unwrap();
+        let record = state.path().join(RECORD_FILE);
+        let dir = state.path().join("bpf").join("sb1");
+        let joiner = FakeJoiner::new(false);
+        let mut sent = None;
+        let mut told = None;
+        let net = PodNet::attach(
+            &plan_for(&ns),
+            &dir,
+            &record,
+            &joiner,
+            |tap| {
+                assert!(ns.has_link(TAP), "the tap is in the pod's namespace");
+                assert!(
+                    !Path::new("/sys/class/net").join(TAP).exists(),
+                    "not in ours"
+                );
+                assert_eq!(
+                    std::fs::read_to_string(&record).unwrap(),
+                    dir.to_str().unwrap(),
+                    "recorded before the VMM has the tap"
+                );
+                sent = Some((tap_of(tap), tap.try_clone_to_owned().unwrap()));
+                Ok(())
+            },
+            |req| {
+                told = Some(req.clone());
+                Ok(())
+            },
+        )
+        .unwrap();
+        let calls = joiner.calls.lock().unwrap().clone();
+        assert_eq!(
+            calls,
+            vec![(
+                ns.path(),
+                VETH.to_string(),
+                TAP.to_string(),
+                Ipv4Addr::new(10, 231, 1, 2)
+            )]
+        );
+        let (name, fd) = sent.expect("the tap went to the VMM");
+        assert_eq!(name, TAP);
+        let told = told.expect("the guest was told");
+        assert_eq!(told.interface, "eth0");
+        assert_eq!(told.mac, "0a:58:0a:e7:00:02", "the veth's MAC");
+        assert_eq!(told.ipv4_cidr, "10.231.1.2/24");
+        assert_eq!(told.ipv4_gateway, "10.231.1.1");
+        assert_eq!(net.identity(), &told);
+        // The VMM's descriptor is the tap's last: closing it removes it.
+        assert!(ns.has_link(TAP));
+        drop(fd);
+        assert!(!ns.has_link(TAP), "the tap goes with the VMM's descriptor");
+        net.detach().unwrap();
+        assert!(!dir.exists() && !record.exists(), "nothing left");
+    }
+
+    #[test]
+    fn a_failed_set_up_leaves_nothing_and_sends_nothing() {
+        let ns = PodNs::new(2);
+        let state = tempfile::tempdir().unwrap();
+        let record = state.path().join(RECORD_FILE);
+        let dir = state.path().join("sb2");
+        // The join fails: the VMM never gets a tap, the guest is not told.
+        let e = PodNet::attach(
+            &plan_for(&ns),
+            &dir,
+            &record,
+            &FakeJoiner::new(true),
+            |_| panic!("no tap is sent after a failed join"),
+            |_| panic!("no identity after a failed join"),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("no BPF here"), "{e}");
+        assert!(!ns.has_link(TAP) && !record.exists() && !dir.exists());
+        // The VMM refuses the tap, or the agent the identity: the joined
+        // path is taken apart again.
+        for failing_send in [true, false] {
+            let e = PodNet::attach(
+                &plan_for(&ns),
+                &dir,
+                &record,
+                &FakeJoiner::new(false),
+                |_| match failing_send {
+                    true => Err(Error::Internal("the VMM said no".into())),
+                    false => Ok(()),
+                },
+                |_| Err(Error::Internal("the agent said no".into())),
+            )
+            .unwrap_err();
+            assert!(e.to_string().contains("said no"), "{e}");
+            assert!(!ns.has_link(TAP), "tap gone");
+            assert!(!record.exists() && !dir.exists(), "path and record gone");
+        }
+        // No namespace at that path: a clear error.
+        let e = PodNet::attach(
+            &Plan {
+                netns: PathBuf::from("/var/run/netns/twig-no-such-ns"),
+                policy: EgressPolicy::default(),
+            },
+            &dir,
+            &record,
+            &FakeJoiner::new(false),
+            |_| Ok(()),
+            |_| Ok(()),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("twig-no-such-ns"), "{e}");
+        // A namespace without CNI's eth0.
+        assert!(ip(&["-n", &ns.name, "link", "del", "eth0"]));
+        let e = PodNet::attach(
+            &plan_for(&ns),
+            &dir,
+            &record,
+            &FakeJoiner::new(false),
+            |_| Ok(()),
+            |_| Ok(()),
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("eth0") && e.to_string().contains(&ns.name),
+            "{e}"
+        );
+        assert!(!ns.has_link(TAP) && !record.exists());
+    }
+
+    /// A private bpffs on a temporary directory, unmounted on drop.
+    struct Bpffs(tempfile::TempDir);
+
+    impl Drop for Bpffs {
+        fn drop(&mut self) {
+            let _ = nix::mount::umount2(self.0.path(), nix::mount::MntFlags::MNT_DETACH);
+        }
+    }
+
+    #[test]
+    fn twig_net_joins_the_tap_and_the_veth_and_teardown_removes_every_pin() {
+        let ns = PodNs::new(3);
+        let bpffs = Bpffs(tempfile::tempdir().unwrap());
+        let state = tempfile::tempdir().unwrap();
+        let record = state.path().join(RECORD_FILE);
+        let dir = bpffs.0.path().join("sb3");
+        let joiner = Bpf::new(&[]).expect("twig-net runs here (root, BPF)");
+        let mut vmm_tap = None;
+        let net = PodNet::attach(
+            &plan_for(&ns),
+            &dir,
+            &record,
+            &joiner,
+            |tap| {
+                vmm_tap = Some(tap.try_clone_to_owned().unwrap());
+                Ok(())
+            },
+            |_| Ok(()),
+        )
+        .unwrap();
+        let filters = |dev: &str| {
+            let out = Command::new("tc")
+                .args(["-n", &ns.name, "filter", "show", "dev", dev, "ingress"])
+                .output()
+                .unwrap();
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        };
+        assert!(filters(TAP).contains("bpf"), "tap: {}", filters(TAP));
+        assert!(filters(VETH).contains("bpf"), "veth: {}", filters(VETH));
+        assert!(dir.join("config").exists(), "pinned");
+        // The shim died: `delete` finds the path through the record; the
+        // VMM (holding the tap) is killed first.
+        drop(net);
+        drop(vmm_tap);
+        teardown_recorded(state.path()).unwrap();
+        assert!(!dir.exists(), "no pinned directory left");
+        assert!(!record.exists());
+        assert!(!filters(VETH).contains("bpf"), "the veth carries nothing");
+        assert!(!ns.has_link(TAP));
+        // Again: nothing to do, no error.
+        teardown_recorded(state.path()).unwrap();
+        teardown(&dir).unwrap();
+    }
+}
