@@ -304,6 +304,24 @@ impl AgentClient {
             .map_err(|e| map_err("ExecProcess", timeout, e))
     }
 
+    /// Forgets the exec `exec_id` of `container_id`, which has exited.
+    pub fn remove_process(
+        &self,
+        container_id: &str,
+        exec_id: &str,
+        timeout: Duration,
+    ) -> Result<()> {
+        let req = ProcessRequest {
+            container_id: container_id.to_string(),
+            exec_id: exec_id.to_string(),
+            ..Default::default()
+        };
+        self.raw
+            .remove_process(context(timeout), &req)
+            .map(|_| ())
+            .map_err(|e| map_err("RemoveProcess", timeout, e))
+    }
+
     /// Sends `signal` to a process (`exec_id` empty: the container's init).
     pub fn signal_process(
         &self,

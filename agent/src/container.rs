@@ -259,6 +259,25 @@ impl Container {
         Ok(u32::try_from(pid).unwrap_or_default())
     }
 
+    /// Forgets the exited exec `exec_id`.
+    pub fn remove_exec(&mut self, exec_id: &str) -> Result<()> {
+        if exec_id.is_empty() {
+            return Err(AgentError::InvalidArgument(format!(
+                "container {:?}: the init process goes with RemoveContainer",
+                self.id
+            )));
+        }
+        let p = self.process(exec_id)?;
+        if p.exited().is_none() {
+            return Err(AgentError::FailedPrecondition(format!(
+                "exec {exec_id:?} of container {:?} is running (pid {})",
+                self.id, p.pid
+            )));
+        }
+        self.execs.remove(exec_id);
+        Ok(())
+    }
+
     /// A process by exec id ("" = init).
     pub fn process(&self, exec_id: &str) -> Result<Arc<Process>> {
         if exec_id.is_empty() {

@@ -329,6 +329,14 @@ impl Agent for AgentService {
         )
     }
 
+    fn remove_process(&self, _ctx: &TtrpcContext, req: ProcessRequest) -> ttrpc::Result<Empty> {
+        let r = self
+            .containers
+            .get(&req.container_id)
+            .and_then(|c| lock(&c).remove_exec(&req.exec_id));
+        reply("RemoveProcess", r.map(|()| Empty::new()))
+    }
+
     fn stats(&self, _ctx: &TtrpcContext, req: ContainerRequest) -> ttrpc::Result<StatsResponse> {
         let r = self.containers.get(&req.container_id).map(|c| {
             let (rss, user, system, count) = lock(&c).stats();

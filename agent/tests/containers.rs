@@ -168,6 +168,25 @@ fn exec_signals_hostname_rootfs_stats_and_remove() {
     let e = c.signal_process(id, "victim", 15, T).unwrap_err();
     assert_eq!(e.status_code(), Some("FAILED_PRECONDITION"), "{e}");
 
+    // An exited exec is forgotten on request, and its id is free again; a
+    // running one, the init and an unknown one are refused.
+    c.exec_process(id, "sleeper", &process(&["sleep", "1000"], json!({})), T)
+        .unwrap();
+    let e = c.remove_process(id, "sleeper", T).unwrap_err();
+    assert_eq!(e.status_code(), Some("FAILED_PRECONDITION"), "{e}");
+    let e = c.remove_process(id, "", T).unwrap_err();
+    assert_eq!(e.status_code(), Some("INVALID_ARGUMENT"), "{e}");
+    c.remove_process(id, "victim", T).unwrap();
+    let e = c.wait_process(id, "victim", Duration::ZERO).unwrap_err();
+    assert_eq!(e.status_code(), Some("NOT_FOUND"), "{e}");
+    let e = c.remove_process(id, "victim", T).unwrap_err();
+    assert_eq!(e.status_code(), Some("NOT_FOUND"), "{e}");
+    let (status, out, _) = c.run(id, "victim", &["echo", "again"], T).unwrap();
+    assert_eq!((status, out.as_slice()), (0, b"again\n".as_slice()));
+    c.signal_process(id, "sleeper", 9, T).unwrap();
+    c.wait_exit(id, "sleeper", T).unwrap();
+    c.remove_process(id, "sleeper", T).unwrap();
+
     // SIGKILL to init.
     c.signal_process(id, "", 9, T).unwrap();
     assert_eq!(

@@ -2,6 +2,7 @@
 //! stderr and, with `--json`, one JSON object to stdout.
 
 mod cri;
+mod demo;
 mod linux;
 mod net;
 mod node;
@@ -36,6 +37,9 @@ enum Command {
     /// twig-node: a pod's VM acquisition + template restore, from the warm pool
     /// versus spawned on demand (real twig-node and twig-vmm processes).
     Node(node::Args),
+    /// The real path end to end, in the nested lab (tests/lab/run.sh --demo): a
+    /// pod from the template through CRI, exec, snapshot, rollback, clone, timed.
+    Demo(demo::Args),
     /// Pod start through containerd's CRI plugin (RunPodSandbox + CreateContainer +
     /// StartContainer → first output) at concurrency 1 and 8, per runtime handler.
     Cri(cri::Args),
@@ -49,6 +53,7 @@ fn main() {
         Command::Linux(args) => linux::run(&args),
         Command::Net(args) => net::run(&args),
         Command::Cri(args) => cri::run(&args),
+        Command::Demo(args) => demo::run(&args),
         Command::Node(args) => node::run(&args),
     };
     match result {

@@ -1,6 +1,7 @@
 //! twig-net: frames per second and one-way latency from a pod's tap to the
 //! outside of its veth, through the eBPF redirect (policy of 1 and 10,000
-//! rules) against a Linux bridge and `tc mirred` (Kata's way), and the set-up
+//! rules, and replies to a private peer that the policy passes only because
+//! the peer started the flow) against a Linux bridge and `tc mirred` (Kata's way), and the set-up
 //! time of a pod's network path in each attach mode. Runs on the host in
 //! network namespaces (root). The `ip`/`tc` commands build the comparison
 //! set-ups only.
@@ -42,6 +43,11 @@ const POD_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
 const PEER_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
 const POD_MAC: [u8; 6] = [2, 0, 0, 0, 0, 2];
 const PEER_MAC: [u8; 6] = [2, 0, 0, 0, 0, 1];
+/// A private peer (the node): the guest may only answer it.
+const NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 7);
+/// The ports of every bench frame (guest side, peer side).
+const POD_PORT: u16 = 40_000;
+const PEER_PORT: u16 = 9_999;
 const WINDOW: usize = 64;
 /// A window's missing frames are declared lost after this long without one.
 const IDLE: Duration = Duration::from_millis(5);
@@ -153,6 +159,8 @@ struct Bed {
     capture: OwnedFd,
     bpffs: tempfile::TempDir,
     seq: u32,
+    /// The destination of the frames the guest sends.
+    dst: Ipv4Addr,
 }
 
 impl Drop for Bed {
@@ -219,6 +227,7 @@ impl Bed {
             capture,
             bpffs,
             seq: 0,
+            dst: PEER_IP,
         })
     }
 
@@ -232,12 +241,34 @@ impl Bed {
         frame.extend_from_slice(&PEER_MAC);
         frame.extend_from_slice(&POD_MAC);
         frame.extend_from_slice(&[0x08, 0x00]);
-        frame.extend_from_slice(&ipv4_header());
-        frame.extend_from_slice(&[0x9c, 0x40, 0x27, 0x0f, 0, 12, 0, 0]);
+        frame.extend_from_slice(&ipv4_header(POD_IP, self.dst));
+        frame.extend_from_slice(&udp_ports(POD_PORT, PEER_PORT));
         frame.extend_from_slice(&seq.to_be_bytes());
         self.tap
             .write_all(&frame)
             .context(|| "writing to the tap".into())
+    }
+
+    /// Sends a frame from `src` towards the guest (out of the peer), which
+    /// starts a flow the guest may answer.
+    fn start_flow(&self, src: Ipv4Addr) -> Result<(), Error> {
+        let mut frame = Vec::with_capacity(64);
+        frame.extend_from_slice(&POD_MAC);
+        frame.extend_from_slice(&PEER_MAC);
+        frame.extend_from_slice(&[0x08, 0x00]);
+        frame.extend_from_slice(&ipv4_header(src, POD_IP));
+        frame.extend_from_slice(&udp_ports(PEER_PORT, POD_PORT));
+        frame.extend_from_slice(&[0; 4]);
+        // SAFETY: `frame` is a valid buffer of `frame.len()` bytes.
+        let n = unsafe {
+            libc::send(
+                self.capture.as_raw_fd(),
+                frame.as_ptr().cast(),
+                frame.len(),
+                0,
+            )
+        };
+        check(n as i64, "sending on peer0")
     }
 
     /// Receives bench frames with a sequence number in `first..first + count`
@@ -346,12 +377,12 @@ impl Bed {
 /// The IPv4 header of every bench frame (UDP, 32 bytes in all), with its
 /// checksum: a bridge with `br_netfilter` on (`bridge-nf-call-iptables=1`, as
 /// Kubernetes nodes run) drops frames whose header checksum is wrong.
-fn ipv4_header() -> [u8; 20] {
+fn ipv4_header(src: Ipv4Addr, dst: Ipv4Addr) -> [u8; 20] {
     let mut h = [
         0x45, 0, 0, 32, 0, 1, 0x40, 0, 64, 17, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
     ];
-    h[12..16].copy_from_slice(&POD_IP.octets());
-    h[16..20].copy_from_slice(&PEER_IP.octets());
+    h[12..16].copy_from_slice(&src.octets());
+    h[16..20].copy_from_slice(&dst.octets());
     let mut sum: u32 = h
         .chunks(2)
         .map(|c| u32::from(u16::from_be_bytes([c[0], c[1]])))
@@ -361,6 +392,13 @@ fn ipv4_header() -> [u8; 20] {
     }
     h[10..12].copy_from_slice(&(!(sum as u16)).to_be_bytes());
     h
+}
+
+/// A UDP header of 12 bytes (4 of payload), no checksum.
+fn udp_ports(sport: u16, dport: u16) -> [u8; 8] {
+    let [s0, s1] = sport.to_be_bytes();
+    let [d0, d1] = dport.to_be_bytes();
+    [s0, s1, d0, d1, 0, 12, 0, 0]
 }
 
 fn config(bed: &Bed) -> PodNetConfig {
@@ -458,6 +496,11 @@ pub fn run(args: &Args) -> Result<serde_json::Value, Error> {
     let dir = bed.bpffs.path().join("pod");
     let (mut pod, _) = loader.attach(&dir, &config(&bed), &rules(1), &node)?;
     measure(&mut bed, args, &mut report, "ebpf_1_rule")?;
+    // Replies to the node (private): the policy alone would drop them.
+    bed.start_flow(NODE_IP)?;
+    bed.dst = NODE_IP;
+    measure(&mut bed, args, &mut report, "ebpf_reply")?;
+    bed.dst = PEER_IP;
     let start = Instant::now();
     pod.update_policy(&rules(10_000), &node)?;
     report.value(

@@ -14,6 +14,7 @@
 mod background;
 pub mod cri;
 mod error;
+pub mod must;
 mod node;
 mod process;
 mod recovery;

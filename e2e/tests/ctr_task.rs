@@ -7,7 +7,8 @@
 
 use std::time::{Duration, Instant};
 
-use twig_e2e::{find_on_path, Background, Node, Output, Runtime, IMAGE_REF};
+use twig_e2e::must::node;
+use twig_e2e::{Background, Node, Runtime, IMAGE_REF};
 
 /// Deadline of a container's first output, and of a resumed one's progress:
 /// a twig container restores a VM first, and the lab is slow.
@@ -38,18 +39,6 @@ const TTY_SIZE: &str = "[ -t 0 ] && [ -t 1 ] && echo on a tty; echo name $(tty);
 /// A container that prints a counter, one line every 50 ms.
 const COUNTS: &str = "i=0; while :; do i=$((i+1)); echo $i; sleep 0.05; done";
 
-/// Starts a node; for twig, fails loudly (never skips) without the shim.
-fn node(runtime: Runtime) -> Node {
-    if runtime == Runtime::Twig {
-        assert!(
-            find_on_path(Runtime::Twig.shim()).is_some(),
-            "containerd-shim-twig-v2 not found in the workspace build (not on PATH); \
-             tests/lab/run.sh carries it into the lab"
-        );
-    }
-    Node::start().unwrap_or_else(|e| panic!("the node did not start: {e}"))
-}
-
 /// `ctr run --rm` of `script` in container `id`, in the background.
 fn run_background(node: &Node, runtime: Runtime, id: &str, script: &str) -> Background {
     node.ctr_background([
@@ -74,28 +63,10 @@ fn wait_ready(node: &Node, bg: &mut Background, what: &str) {
         .unwrap_or_else(|e| panic!("{what} did not print ready: {e}\n{}", node.logs()));
 }
 
-/// `ctr` that must succeed; returns its stdout.
-fn ctr_ok(node: &Node, args: &[&str]) -> String {
-    node.ctr_ok(args)
-        .unwrap_or_else(|e| panic!("{e}\n{}", node.logs()))
-}
-
-/// `ctr`, whatever its status.
-fn ctr(node: &Node, args: &[&str]) -> Output {
-    node.ctr(args)
-        .unwrap_or_else(|e| panic!("{e}\n{}", node.logs()))
-}
-
 /// The task's status in `ctr task ls` (`RUNNING`, `PAUSED`, …).
 fn task_status(node: &Node, id: &str) -> String {
-    let ls = ctr_ok(node, &["task", "ls"]);
-    ls.lines()
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            (f.first() == Some(&id)).then(|| f.get(2).copied().unwrap_or_default().to_string())
-        })
-        .next()
-        .unwrap_or_else(|| panic!("task {id} not in ctr task ls:\n{ls}"))
+    node.task_status(id)
+        .unwrap_or_else(|| panic!("task {id} not in ctr task ls\n{}", node.logs()))
 }
 
 /// The last value the counter printed.
@@ -104,20 +75,6 @@ fn last_count(out: &str) -> u64 {
         .rev()
         .find_map(|l| l.trim().parse().ok())
         .unwrap_or(0)
-}
-
-/// Waits until the background command exits and checks its exit code.
-fn expect_exit(node: &Node, bg: Background, code: i32, what: &str) -> Output {
-    let out = bg
-        .wait(EXIT)
-        .unwrap_or_else(|e| panic!("{what} did not exit: {e}\n{}", node.logs()));
-    assert_eq!(
-        out.code(),
-        Some(code),
-        "{what}: wrong exit status ({out})\n{}",
-        node.logs()
-    );
-    out
 }
 
 /// `ctr task exec` (output, exit code), and signals to execs and to the
@@ -136,19 +93,16 @@ fn exec_and_signals(runtime: Runtime, prefix: &str) {
     );
     assert_eq!(task_status(&node, &id), "RUNNING");
 
-    let out = ctr(
-        &node,
-        &[
-            "task",
-            "exec",
-            "--exec-id",
-            "exit5",
-            &id,
-            "sh",
-            "-c",
-            "echo out; echo err >&2; exit 5",
-        ],
-    );
+    let out = node.must_ctr(&[
+        "task",
+        "exec",
+        "--exec-id",
+        "exit5",
+        &id,
+        "sh",
+        "-c",
+        "echo out; echo err >&2; exit 5",
+    ]);
     assert_eq!(out.code(), Some(5), "exec's exit code: {out}");
     assert_eq!(out.stdout, "out\n", "exec's stdout: {out}");
     assert_eq!(out.stderr, "err\n", "exec's stderr: {out}");
@@ -171,15 +125,12 @@ fn exec_and_signals(runtime: Runtime, prefix: &str) {
             ])
             .unwrap_or_else(|e| panic!("starting ctr task exec {exec_id}: {e}"));
         wait_ready(&node, &mut exec, exec_id);
-        ctr_ok(
-            &node,
-            &["task", "kill", "--exec-id", exec_id, "-s", signal, &id],
-        );
-        expect_exit(
-            &node,
+        node.must_ctr_ok(&["task", "kill", "--exec-id", exec_id, "-s", signal, &id]);
+        node.expect_exit(
             exec,
             code,
             &format!("exec {exec_id} after SIG{signal}"),
+            EXIT,
         );
     }
     assert_eq!(
@@ -188,8 +139,8 @@ fn exec_and_signals(runtime: Runtime, prefix: &str) {
         "signals to execs reached the container's init"
     );
 
-    ctr_ok(&node, &["task", "kill", "-s", "USR1", &id]);
-    let out = expect_exit(&node, init, 42, "the init after a trapped SIGUSR1");
+    node.must_ctr_ok(&["task", "kill", "-s", "USR1", &id]);
+    let out = node.expect_exit(init, 42, "the init after a trapped SIGUSR1", EXIT);
     assert!(
         out.stdout.contains("got USR1"),
         "the trap did not run: {out}"
@@ -198,9 +149,9 @@ fn exec_and_signals(runtime: Runtime, prefix: &str) {
     let id = format!("{prefix}-killed");
     let mut init = run_background(&node, runtime, &id, WAITS);
     wait_ready(&node, &mut init, "the second container");
-    ctr_ok(&node, &["task", "kill", "-s", "KILL", &id]);
-    expect_exit(&node, init, 137, "the init after SIGKILL");
-    let left = ctr_ok(&node, &["containers", "ls", "-q"]);
+    node.must_ctr_ok(&["task", "kill", "-s", "KILL", &id]);
+    node.expect_exit(init, 137, "the init after SIGKILL", EXIT);
+    let left = node.must_ctr_ok(&["containers", "ls", "-q"]);
     assert!(
         left.trim().is_empty(),
         "ctr run --rm left containers: {left}"
@@ -217,7 +168,7 @@ fn pause_and_resume(runtime: Runtime, prefix: &str) {
         .wait_for_stdout(OUTPUT, |o| last_count(o) >= 3)
         .unwrap_or_else(|e| panic!("the counter did not count: {e}\n{}", node.logs()));
 
-    ctr_ok(&node, &["task", "pause", &id]);
+    node.must_ctr_ok(&["task", "pause", &id]);
     assert_eq!(task_status(&node, &id), "PAUSED");
     // Lines already on their way out may still arrive: wait until the
     // counter has stood still for STILL, which a running one never does.
@@ -239,7 +190,7 @@ fn pause_and_resume(runtime: Runtime, prefix: &str) {
     }
     assert_eq!(task_status(&node, &id), "PAUSED");
 
-    ctr_ok(&node, &["task", "resume", &id]);
+    node.must_ctr_ok(&["task", "resume", &id]);
     assert_eq!(task_status(&node, &id), "RUNNING");
     counter
         .wait_for_stdout(OUTPUT, |o| last_count(o) > seen + 2)
@@ -250,8 +201,8 @@ fn pause_and_resume(runtime: Runtime, prefix: &str) {
             )
         });
 
-    ctr_ok(&node, &["task", "kill", "-s", "KILL", &id]);
-    expect_exit(&node, counter, 137, "the counter after SIGKILL");
+    node.must_ctr_ok(&["task", "kill", "-s", "KILL", &id]);
+    node.expect_exit(counter, 137, "the counter after SIGKILL", EXIT);
 }
 
 /// The memory usage in `ctr task metrics --format json`: cgroups v1
@@ -270,7 +221,7 @@ fn metrics(runtime: Runtime, prefix: &str) {
     let mut init = run_background(&node, runtime, &id, WAITS);
     wait_ready(&node, &mut init, "the container");
 
-    let json = ctr_ok(&node, &["task", "metrics", "--format", "json", &id]);
+    let json = node.must_ctr_ok(&["task", "metrics", "--format", "json", &id]);
     let metrics: serde_json::Value = serde_json::from_str(&json)
         .unwrap_or_else(|e| panic!("ctr task metrics --format json: {e}: {json}"));
     let memory = memory_usage(&metrics);
@@ -289,14 +240,14 @@ fn metrics(runtime: Runtime, prefix: &str) {
         memory.unwrap_or_default(),
         pids.unwrap_or_default()
     );
-    let table = ctr_ok(&node, &["task", "metrics", &id]);
+    let table = node.must_ctr_ok(&["task", "metrics", &id]);
     assert!(
         table.lines().any(|l| l.starts_with(&id)),
         "the metrics table does not name the task: {table}"
     );
 
-    ctr_ok(&node, &["task", "kill", "-s", "KILL", &id]);
-    expect_exit(&node, init, 137, "the container after SIGKILL");
+    node.must_ctr_ok(&["task", "kill", "-s", "KILL", &id]);
+    node.expect_exit(init, 137, "the container after SIGKILL", EXIT);
 }
 
 /// A TTY `ctr run -t` (its output through the pty, its exit code), and
@@ -368,27 +319,24 @@ fn tty(runtime: Runtime, prefix: &str) {
             .any(|l| l == "exec on a tty"),
         "ctr task exec -t: {exec:?}"
     );
-    let plain = ctr(
-        &node,
-        &[
-            "task",
-            "exec",
-            "--exec-id",
-            "plain",
-            &id,
-            "sh",
-            "-c",
-            "[ -t 0 ] || [ -t 1 ] || echo exec without a tty; exit 8",
-        ],
-    );
+    let plain = node.must_ctr(&[
+        "task",
+        "exec",
+        "--exec-id",
+        "plain",
+        &id,
+        "sh",
+        "-c",
+        "[ -t 0 ] || [ -t 1 ] || echo exec without a tty; exit 8",
+    ]);
     assert_eq!(plain.code(), Some(8), "ctr task exec: {plain}");
     assert_eq!(
         plain.stdout, "exec without a tty\n",
         "ctr task exec: {plain}"
     );
 
-    ctr_ok(&node, &["task", "kill", "-s", "KILL", &id]);
-    expect_exit(&node, init, 137, "the container after SIGKILL");
+    node.must_ctr_ok(&["task", "kill", "-s", "KILL", &id]);
+    node.expect_exit(init, 137, "the container after SIGKILL", EXIT);
 }
 
 #[test]

@@ -10,9 +10,10 @@
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
+use twig_e2e::must::node;
 use twig_e2e::{
-    find_on_path, kill9, poll_until, proc_state, process_tree, signal, Background, Node, Output,
-    ProcState, Runtime, IMAGE_REF,
+    kill9, poll_until, proc_state, process_tree, signal, Background, Node, ProcState, Runtime,
+    IMAGE_REF,
 };
 
 /// Deadline of a container's first output (a twig container restores a
@@ -22,27 +23,6 @@ const OUTPUT: Duration = Duration::from_secs(120);
 const EXIT: Duration = Duration::from_secs(90);
 /// A process that prints `ready` and then waits.
 const WAITS: &str = "echo ready; while :; do sleep 0.1; done";
-
-fn node(runtime: Runtime) -> Node {
-    if runtime == Runtime::Twig {
-        assert!(
-            find_on_path(Runtime::Twig.shim()).is_some(),
-            "containerd-shim-twig-v2 not found in the workspace build (not on PATH); \
-             tests/lab/run.sh carries it into the lab"
-        );
-    }
-    Node::start().unwrap_or_else(|e| panic!("the node did not start: {e}"))
-}
-
-fn ctr(node: &Node, args: &[&str]) -> Output {
-    node.ctr(args)
-        .unwrap_or_else(|e| panic!("{e}\n{}", node.logs()))
-}
-
-fn ctr_ok(node: &Node, args: &[&str]) -> String {
-    node.ctr_ok(args)
-        .unwrap_or_else(|e| panic!("{e}\n{}", node.logs()))
-}
 
 /// `ctr task exec` of [`WAITS`] in `id`, in the background, once ready.
 fn exec_attached(node: &Node, id: &str, exec_id: &str) -> Background {
@@ -56,38 +36,27 @@ fn exec_attached(node: &Node, id: &str, exec_id: &str) -> Background {
 
 /// `ctr run -d` of [`WAITS`]; returns once `ctr task ls` says RUNNING.
 fn run_detached(node: &Node, runtime: Runtime, id: &str) {
-    ctr_ok(
-        node,
-        &[
-            "run",
-            "-d",
-            "--runtime",
-            runtime.name(),
-            "--snapshotter",
-            "twig",
-            IMAGE_REF,
-            id,
-            "sh",
-            "-c",
-            WAITS,
-        ],
-    );
+    node.must_ctr_ok(&[
+        "run",
+        "-d",
+        "--runtime",
+        runtime.name(),
+        "--snapshotter",
+        "twig",
+        IMAGE_REF,
+        id,
+        "sh",
+        "-c",
+        WAITS,
+    ]);
     expect_status(node, id, Some("RUNNING"));
-}
-
-/// The task's status in `ctr task ls`, `None` when it is not listed.
-fn task_status(node: &Node, id: &str) -> Option<String> {
-    ctr_ok(node, &["task", "ls"]).lines().find_map(|l| {
-        let f: Vec<&str> = l.split_whitespace().collect();
-        (f.first() == Some(&id)).then(|| f.get(2).copied().unwrap_or_default().to_string())
-    })
 }
 
 /// Waits until the task's status is `want` (`None`: not listed).
 fn expect_status(node: &Node, id: &str, want: Option<&str>) {
     let mut last = None;
     let ok = poll_until(EXIT, || {
-        last = task_status(node, id);
+        last = node.task_status(id);
         last.as_deref() == want
     });
     assert!(
@@ -99,7 +68,7 @@ fn expect_status(node: &Node, id: &str, want: Option<&str>) {
 
 /// The pid `ctr task ls` shows for the task.
 fn task_pid(node: &Node, id: &str) -> i32 {
-    let ls = ctr_ok(node, &["task", "ls"]);
+    let ls = node.must_ctr_ok(&["task", "ls"]);
     ls.lines()
         .find_map(|l| {
             let f: Vec<&str> = l.split_whitespace().collect();
@@ -117,11 +86,11 @@ fn the_handed_vmm(node: &Node) -> i32 {
 
 /// Deletes the task (if containerd still lists it) and the container.
 fn delete(node: &Node, id: &str) {
-    if task_status(node, id).is_some() {
-        ctr_ok(node, &["task", "rm", id]);
+    if node.task_status(id).is_some() {
+        node.must_ctr_ok(&["task", "rm", id]);
     }
-    ctr_ok(node, &["containers", "rm", id]);
-    let left = ctr_ok(node, &["containers", "ls", "-q"]);
+    node.must_ctr_ok(&["containers", "rm", id]);
+    let left = node.must_ctr_ok(&["containers", "ls", "-q"]);
     assert!(!left.lines().any(|l| l == id), "{id} still listed: {left}");
 }
 
@@ -152,19 +121,6 @@ fn expect_no_twig_leftovers(node: &Node, vmm: Option<i32>) {
     );
 }
 
-fn expect_exit(node: &Node, bg: Background, code: i32, what: &str) -> Output {
-    let out = bg
-        .wait(EXIT)
-        .unwrap_or_else(|e| panic!("{what} did not exit: {e}\n{}", node.logs()));
-    assert_eq!(
-        out.code(),
-        Some(code),
-        "{what}: wrong exit status ({out})\n{}",
-        node.logs()
-    );
-    out
-}
-
 /// A container (its init and an exec) whose runtime dies under it: twig's
 /// VMM, or runc's container init, SIGKILLed from outside. The exec exits
 /// 137 at once, a TaskExit with 137 is published for both, the task is
@@ -182,14 +138,14 @@ fn runtime_killed(runtime: Runtime, prefix: &str) {
     // ctr subscribes some time after it starts (a second in the lab): an
     // exec's events seen first say the subscription is up.
     let subscribed = poll_until(EXIT, || {
-        ctr_ok(&node, &["task", "exec", "--exec-id", "marker", &id, "true"]);
+        node.must_ctr_ok(&["task", "exec", "--exec-id", "marker", &id, "true"]);
         events.stdout().contains("marker")
     });
     assert!(subscribed, "ctr events saw no event\n{}", node.logs());
 
     let killed = Instant::now();
     kill9(victim);
-    expect_exit(&node, exec, 137, "the exec's ctr task exec");
+    node.expect_exit(exec, 137, "the exec's ctr task exec", EXIT);
     expect_status(&node, &id, Some("STOPPED"));
     eprintln!(
         "{}: kill -9 of {victim} to the exec's exit and the task STOPPED: {:.2?}",
@@ -259,9 +215,7 @@ fn shim_killed(runtime: Runtime, prefix: &str) {
     let vmm = (runtime == Runtime::Twig).then(|| the_handed_vmm(&node));
 
     kill9(shims[0]);
-    let ok = poll_until(EXIT, || {
-        task_status(&node, &id).as_deref() != Some("RUNNING")
-    });
+    let ok = poll_until(EXIT, || node.task_status(&id).as_deref() != Some("RUNNING"));
     assert!(
         ok,
         "{id} still RUNNING after its shim died\n{}",
@@ -307,26 +261,23 @@ fn containerd_restarted(runtime: Runtime, prefix: &str) {
         .unwrap_or_else(|e| panic!("restarting containerd: {e}\n{}", node.logs()));
     expect_status(&node, &id, Some("RUNNING"));
     assert_eq!(node.shim_pids(runtime.shim()), shims, "the shim changed");
-    let out = ctr(
-        &node,
-        &[
-            "task",
-            "exec",
-            "--exec-id",
-            "after",
-            &id,
-            "sh",
-            "-c",
-            "echo exec after restart; exit 4",
-        ],
-    );
+    let out = node.must_ctr(&[
+        "task",
+        "exec",
+        "--exec-id",
+        "after",
+        &id,
+        "sh",
+        "-c",
+        "echo exec after restart; exit 4",
+    ]);
     assert_eq!(
         (out.code(), out.stdout.trim()),
         (Some(4), "exec after restart"),
         "{out}\n{}",
         node.logs()
     );
-    ctr_ok(&node, &["task", "kill", "-s", "KILL", &id]);
+    node.must_ctr_ok(&["task", "kill", "-s", "KILL", &id]);
     expect_status(&node, &id, Some("STOPPED"));
     delete(&node, &id);
     if runtime == Runtime::Twig {
@@ -357,19 +308,16 @@ fn twig_node_restarted_keeps_the_pod_and_serves_new_ones() {
         .unwrap_or_else(|e| panic!("restarting twig-node: {e}\n{}", node.logs()));
     assert_eq!(proc_state(vmm), ProcState::Alive, "the handed VMM died");
     expect_status(&node, "old", Some("RUNNING"));
-    let out = ctr(
-        &node,
-        &[
-            "task",
-            "exec",
-            "--exec-id",
-            "e1",
-            "old",
-            "sh",
-            "-c",
-            "echo still; exit 4",
-        ],
-    );
+    let out = node.must_ctr(&[
+        "task",
+        "exec",
+        "--exec-id",
+        "e1",
+        "old",
+        "sh",
+        "-c",
+        "echo still; exit 4",
+    ]);
     assert_eq!(
         (out.code(), out.stdout.trim()),
         (Some(4), "still"),
@@ -386,7 +334,7 @@ fn twig_node_restarted_keeps_the_pod_and_serves_new_ones() {
         node.logs()
     );
 
-    ctr_ok(&node, &["task", "kill", "-s", "KILL", "old"]);
+    node.must_ctr_ok(&["task", "kill", "-s", "KILL", "old"]);
     expect_status(&node, "old", Some("STOPPED"));
     delete(&node, "old");
     expect_no_twig_leftovers(&node, Some(vmm));
@@ -409,18 +357,15 @@ fn twig_guest_that_stops_answering_times_out_and_kill_ends_the_pod() {
     eprintln!("stopped the VMM's processes {tree:?}");
 
     let started = Instant::now();
-    let out = ctr(
-        &node,
-        &[
-            "task",
-            "exec",
-            "--exec-id",
-            "probe",
-            "frozen",
-            "echo",
-            "answered",
-        ],
-    );
+    let out = node.must_ctr(&[
+        "task",
+        "exec",
+        "--exec-id",
+        "probe",
+        "frozen",
+        "echo",
+        "answered",
+    ]);
     assert!(!out.status.success(), "exec in a frozen guest: {out}");
     assert!(
         out.stderr.contains("twig-agent") && out.stderr.contains("no reply within"),
@@ -432,7 +377,7 @@ fn twig_guest_that_stops_answering_times_out_and_kill_ends_the_pod() {
         out.stderr.trim()
     );
 
-    ctr_ok(&node, &["task", "kill", "-s", "KILL", "frozen"]);
+    node.must_ctr_ok(&["task", "kill", "-s", "KILL", "frozen"]);
     expect_status(&node, "frozen", Some("STOPPED"));
     delete(&node, "frozen");
     expect_no_twig_leftovers(&node, Some(vmm));
@@ -479,7 +424,8 @@ fn twig_shim_killed_during_the_restore_leaves_nothing() {
         "the container ran although its shim died: {out}"
     );
     expect_no_twig_leftovers(&node, vmm);
-    if ctr_ok(&node, &["containers", "ls", "-q"])
+    if node
+        .must_ctr_ok(&["containers", "ls", "-q"])
         .lines()
         .any(|l| l == "midway")
     {

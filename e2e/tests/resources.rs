@@ -8,7 +8,8 @@
 
 use std::time::Duration;
 
-use twig_e2e::{find_on_path, Node, Runtime};
+use twig_e2e::must::node;
+use twig_e2e::{Node, Runtime};
 
 /// Deadline of the OOM event after the container's exit.
 const EVENT: Duration = Duration::from_secs(60);
@@ -37,19 +38,8 @@ fn run(node: &Node, runtime: Runtime, id: &str, flags: &[&str], script: &str) ->
     out.stdout
 }
 
-fn start_node(runtime: Runtime) -> Node {
-    if runtime == Runtime::Twig {
-        assert!(
-            find_on_path(Runtime::Twig.shim()).is_some(),
-            "containerd-shim-twig-v2 not found in the workspace build (not on PATH); \
-             tests/lab/run.sh carries it into the lab"
-        );
-    }
-    Node::start().unwrap_or_else(|e| panic!("the node did not start: {e}"))
-}
-
 fn memory_limit(runtime: Runtime, prefix: &str) {
-    let node = start_node(runtime);
+    let node = node(runtime);
     let limit = (64u64 << 20).to_string();
     let flags = ["--memory-limit", limit.as_str()];
     let mut events = node
@@ -112,7 +102,7 @@ fn ticks(out: &str) -> u64 {
 }
 
 fn cpu_quota(runtime: Runtime, prefix: &str) {
-    let node = start_node(runtime);
+    let node = node(runtime);
     let free = ticks(&run(
         &node,
         runtime,

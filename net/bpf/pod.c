@@ -6,7 +6,10 @@
 //   tap_ingress  - frames the guest sends (read from the VM's tap) are checked
 //                  against the pod's identity and egress policy, then
 //                  redirected out of the pod's veth.
-//   veth_ingress - frames arriving on the pod's veth are redirected to the tap.
+//   veth_ingress - frames arriving on the pod's veth are redirected to the tap;
+//                  the TCP, UDP and ICMP echo flows they start are recorded
+//                  in `flows`, so the guest may answer them even where its
+//                  policy would drop a packet it started itself.
 //
 // The layout of every map key and value is mirrored in src/maps.rs.
 #include <linux/bpf.h>
@@ -34,7 +37,8 @@ enum reason {
 	R_DROP_MALFORMED = 10,
 	R_DROP_ETHERTYPE = 11,
 	R_DROP_NO_CONFIG = 12,
-	R_MAX = 13,
+	R_PASS_REPLY = 13,
+	R_MAX = 14,
 };
 
 // Rule tiers, checked in this order: a deny match drops, an allow match
@@ -58,6 +62,20 @@ struct pod_config {
 	__u32 tap_ifindex;
 	__u8 mac[6];
 	__u16 pad;
+	// Idle timeouts of recorded flows, in milliseconds (0: no replies).
+	__u32 tcp_idle_ms;
+	__u32 udp_idle_ms;
+	__u32 icmp_idle_ms;
+};
+
+// A flow a peer started towards the pod, as seen on the veth. For ICMP echo,
+// `peer_port` is the echo identifier and `pod_port` is 0.
+struct flow_key {
+	__u32 peer_ip;      // network byte order
+	__u16 peer_port;    // network byte order
+	__u16 pod_port;     // network byte order
+	__u8 proto;
+	__u8 pad[3];
 };
 
 // LPM key: 64 fixed bits (gen, tier, proto, zero, port, zero) then the
@@ -73,6 +91,13 @@ struct rule_key {
 	__u16 zero2;
 	__u32 addr;         // network byte order
 };
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 8192);
+	__type(key, struct flow_key);
+	__type(value, __u64); // last packet from the peer, bpf_ktime_get_ns()
+} flows SEC(".maps");
 
 struct counter {
 	__u64 packets;
@@ -132,8 +157,23 @@ struct {
 
 #define IP_MF 0x2000
 #define IP_OFFSET 0x1fff
-// Ethernet + the longest IPv4 header + the first 4 bytes of TCP/UDP.
-#define HEADERS_MAX (ETH_HLEN + 60 + 4)
+// Ethernet + the longest IPv4 header + the first 14 bytes of TCP (through
+// its flags; 8 bytes of UDP or ICMP echo fit in them).
+#define HEADERS_MAX (ETH_HLEN + 60 + 14)
+#define TCP_FLAGS_OFFSET 13
+#define TCP_FLAG_SYN 0x02
+#define TCP_FLAG_ACK 0x10
+#define ICMP_ECHO_REPLY 0
+#define ICMP_ECHO_REQUEST 8
+
+// The first bytes of an ICMP echo request or reply.
+struct icmp_echo {
+	__u8 type;
+	__u8 code;
+	__u16 checksum;
+	__u16 id;
+	__u16 sequence;
+};
 
 static __always_inline int count(struct __sk_buff *skb, __u32 reason)
 {
@@ -170,6 +210,115 @@ static __always_inline int match(__u8 gen, __u8 tier, __u8 proto, __u16 port, __
 	return bpf_map_lookup_elem(&rules, &key) != NULL;
 }
 
+// Makes the first HEADERS_MAX bytes (or the whole frame) readable directly.
+static __always_inline void pull_headers(struct __sk_buff *skb)
+{
+	if ((void *)(long)skb->data + HEADERS_MAX > (void *)(long)skb->data_end)
+		bpf_skb_pull_data(skb, skb->len < HEADERS_MAX ? skb->len : HEADERS_MAX);
+}
+
+static __always_inline __u64 idle_ns(const struct pod_config *cfg, __u8 proto)
+{
+	__u32 ms = 0;
+	if (proto == IPPROTO_TCP)
+		ms = cfg->tcp_idle_ms;
+	else if (proto == IPPROTO_UDP)
+		ms = cfg->udp_idle_ms;
+	else if (proto == IPPROTO_ICMP)
+		ms = cfg->icmp_idle_ms;
+	return (__u64)ms * 1000000;
+}
+
+// Whether the guest's packet answers a flow its peer started within the
+// idle timeout: the peer is the destination, the ports are swapped (an echo
+// reply carries the request's identifier). A TCP SYN without ACK opens a
+// connection and never answers one.
+static __always_inline int is_reply(const struct pod_config *cfg, struct iphdr *ip, void *end)
+{
+	struct flow_key key = {
+		.peer_ip = ip->daddr,
+		.proto = ip->protocol,
+	};
+	void *l4 = (void *)ip + ip->ihl * 4;
+	if (key.proto == IPPROTO_TCP) {
+		__u8 *flags = l4 + TCP_FLAGS_OFFSET;
+		if ((void *)(flags + 1) > end)
+			return 0;
+		if ((*flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == TCP_FLAG_SYN)
+			return 0;
+	}
+	if (key.proto == IPPROTO_TCP || key.proto == IPPROTO_UDP) {
+		__u16 *ports = l4;
+		if ((void *)(ports + 2) > end)
+			return 0;
+		key.pod_port = ports[0];
+		key.peer_port = ports[1];
+	} else if (key.proto == IPPROTO_ICMP) {
+		struct icmp_echo *echo = l4;
+		if ((void *)(echo + 1) > end)
+			return 0;
+		if (echo->type != ICMP_ECHO_REPLY || echo->code != 0)
+			return 0;
+		key.peer_port = echo->id;
+	} else {
+		return 0;
+	}
+	__u64 idle = idle_ns(cfg, key.proto);
+	__u64 *seen = bpf_map_lookup_elem(&flows, &key);
+	if (!seen || !idle)
+		return 0;
+	return bpf_ktime_get_ns() - *seen < idle;
+}
+
+// Records (or refreshes) the flow a frame arriving for the guest belongs
+// to: TCP, UDP, or an ICMP echo request, addressed to the pod, not a later
+// fragment. Anything else is only passed on.
+static __always_inline void record_flow(struct __sk_buff *skb, const struct pod_config *cfg)
+{
+	if (skb->vlan_present)
+		return;
+	pull_headers(skb);
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	struct ethhdr *eth = data;
+	if ((void *)(eth + 1) > end || eth->h_proto != bpf_htons(ETH_P_IP))
+		return;
+	struct iphdr *ip = (void *)(eth + 1);
+	if ((void *)(ip + 1) > end || ip->version != 4 || ip->ihl < 5)
+		return;
+	if (ip->daddr != cfg->pod_ip || (ip->frag_off & bpf_htons(IP_OFFSET)))
+		return;
+	struct flow_key key = {
+		.peer_ip = ip->saddr,
+		.proto = ip->protocol,
+	};
+	void *l4 = (void *)ip + ip->ihl * 4;
+	if (key.proto == IPPROTO_TCP || key.proto == IPPROTO_UDP) {
+		__u16 *ports = l4;
+		if ((void *)(ports + 2) > end)
+			return;
+		key.peer_port = ports[0];
+		key.pod_port = ports[1];
+	} else if (key.proto == IPPROTO_ICMP) {
+		struct icmp_echo *echo = l4;
+		if ((void *)(echo + 1) > end)
+			return;
+		if (echo->type != ICMP_ECHO_REQUEST || echo->code != 0)
+			return;
+		key.peer_port = echo->id;
+	} else {
+		return;
+	}
+	if (!idle_ns(cfg, key.proto))
+		return;
+	__u64 now = bpf_ktime_get_ns();
+	__u64 *seen = bpf_map_lookup_elem(&flows, &key);
+	if (seen)
+		*seen = now;
+	else
+		bpf_map_update_elem(&flows, &key, &now, BPF_ANY);
+}
+
 static __always_inline int same_mac(const __u8 *a, const __u8 *b)
 {
 	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] &&
@@ -202,8 +351,7 @@ int tap_ingress(struct __sk_buff *skb)
 	// The stack moves an 802.1Q tag out of the frame before tc sees it.
 	if (skb->vlan_present)
 		return drop(skb, R_DROP_ETHERTYPE);
-	if ((void *)(long)skb->data + HEADERS_MAX > (void *)(long)skb->data_end)
-		bpf_skb_pull_data(skb, skb->len < HEADERS_MAX ? skb->len : HEADERS_MAX);
+	pull_headers(skb);
 	void *data = (void *)(long)skb->data;
 	void *end = (void *)(long)skb->data_end;
 
@@ -259,15 +407,26 @@ int tap_ingress(struct __sk_buff *skb)
 	__u8 gen = *gen_p & 1;
 	__u32 daddr = ip->daddr;
 
+	// A deny rule drops even replies; a packet the rest of the policy
+	// would drop passes if it answers a flow the peer started.
 	if (match(gen, T_DENY, proto, port, daddr))
 		return drop(skb, R_DROP_DENY_RULE);
 	if (!match(gen, T_ALLOW, proto, port, daddr)) {
-		if (match(gen, T_PRIVATE, proto, port, daddr))
-			return drop(skb, R_DROP_PRIVATE);
-		__u32 default_index = gen ? S_DEFAULT_GEN1 : S_DEFAULT_GEN0;
-		__u32 *deny_by_default = bpf_map_lookup_elem(&state, &default_index);
-		if (!deny_by_default || *deny_by_default)
-			return drop(skb, R_DROP_DEFAULT);
+		__u32 reason = 0;
+		if (match(gen, T_PRIVATE, proto, port, daddr)) {
+			reason = R_DROP_PRIVATE;
+		} else {
+			__u32 default_index = gen ? S_DEFAULT_GEN1 : S_DEFAULT_GEN0;
+			__u32 *deny_by_default = bpf_map_lookup_elem(&state, &default_index);
+			if (!deny_by_default || *deny_by_default)
+				reason = R_DROP_DEFAULT;
+		}
+		if (reason) {
+			if (!is_reply(cfg, ip, end))
+				return drop(skb, reason);
+			count(skb, R_PASS_REPLY);
+			return bpf_redirect(cfg->veth_ifindex, 0);
+		}
 	}
 	count(skb, R_PASS_EGRESS);
 	return bpf_redirect(cfg->veth_ifindex, 0);
@@ -280,6 +439,7 @@ int veth_ingress(struct __sk_buff *skb)
 	struct pod_config *cfg = bpf_map_lookup_elem(&config, &zero);
 	if (!cfg)
 		return drop(skb, R_DROP_NO_CONFIG);
+	record_flow(skb, cfg);
 	count(skb, R_PASS_INGRESS);
 	return bpf_redirect(cfg->tap_ifindex, 0);
 }

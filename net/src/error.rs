@@ -57,6 +57,18 @@ pub enum Error {
         /// The missing pin.
         pin: &'static str,
     },
+    /// A flow idle timeout does not fit in `pod_config` (whole milliseconds
+    /// in 32 bits); nothing was changed.
+    #[error(
+        "{protocol} flow idle timeout {timeout:?} is too long (at most {} ms)",
+        u32::MAX
+    )]
+    FlowTimeout {
+        /// `tcp`, `udp` or `icmp`.
+        protocol: &'static str,
+        /// The timeout asked for.
+        timeout: std::time::Duration,
+    },
     /// A BPF operation failed.
     #[error("{what}: {source}")]
     Bpf {

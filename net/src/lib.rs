@@ -6,7 +6,10 @@
 //! the way out: the source MAC and IP must be the pod's own, ARP must speak for
 //! the pod's own address, IPv6, IPv4 fragments and other ethertypes are
 //! dropped, and the destination is matched against the pod's [`EgressPolicy`]
-//! held in an LPM trie. Everything is counted per reason.
+//! held in an LPM trie. Flows peers start towards the pod are recorded on
+//! the way in, so the guest can answer them where its policy would drop a
+//! packet it started itself ([`FlowTimeouts`]; `deny` rules still drop).
+//! Everything is counted per reason.
 //!
 //! A [`Loader`] (one per process) keeps a pool of ready instances of the
 //! programs and maps; [`Loader::attach`] gives one to a pod, attaches it in
@@ -31,6 +34,8 @@ mod bpffs;
 #[cfg(feature = "loader")]
 mod error;
 #[cfg(feature = "loader")]
+mod flows;
+#[cfg(feature = "loader")]
 mod loader;
 mod maps;
 mod metrics;
@@ -49,8 +54,10 @@ pub use bpffs::ensure_bpffs;
 #[cfg(feature = "loader")]
 pub use error::Error;
 #[cfg(feature = "loader")]
+pub use flows::FlowTimeouts;
+#[cfg(feature = "loader")]
 pub use loader::Loader;
-pub use maps::RULE_CAPACITY;
+pub use maps::{FLOW_CAPACITY, RULE_CAPACITY};
 pub use metrics::{render_openmetrics, Counter, Counters, PodCounters, Reason};
 #[cfg(feature = "loader")]
 pub use pod::{PodNetConfig, PodNetwork};

@@ -9,6 +9,7 @@ use std::sync::{Mutex, PoisonError};
 use aya::{Ebpf, EbpfLoader};
 
 use crate::error::Context;
+use crate::flows::FlowTimeouts;
 use crate::maps::{
     Attachment, PodConfig, LINK_TAP, LINK_VETH, MODE_NETLINK, MODE_TCX, PIN_NETNS, PIN_PROG_TAP,
     PIN_PROG_VETH, PROG_TAP, PROG_VETH,
@@ -22,7 +23,7 @@ use crate::{Error, POD_OBJECT};
 
 /// Loads and attaches pods' network paths; keeps a pool of ready sets.
 ///
-/// A set is one instance of the embedded object: its four maps created and
+/// A set is one instance of the embedded object: its six maps created and
 /// both programs loaded (verified), not yet pinned or attached. Loading one
 /// (ELF parse, map creation, verifier) is the costly part of a set-up; the
 /// pool keeps it off the pod's path. [`Loader::preload`] fills the pool (the
@@ -162,12 +163,16 @@ impl Loader {
             })?;
             let mut pins = PinGuard { dir, armed: true };
             let mut pod = PodNetwork::from_ebpf(&mut ebpf, dir)?;
+            let [tcp_idle_ms, udp_idle_ms, icmp_idle_ms] = FlowTimeouts::default().to_millis()?;
             pod.write_config(PodConfig {
                 pod_ip: config.pod_ip.octets(),
                 veth_ifindex,
                 tap_ifindex,
                 mac,
                 pad: 0,
+                tcp_idle_ms,
+                udp_idle_ms,
+                icmp_idle_ms,
             })?;
             pod.write_policy(&compiled)?;
             let mut record = Attachment {

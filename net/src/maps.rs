@@ -23,6 +23,9 @@ pub(crate) const MAP_COUNTERS: &str = "counters";
 #[cfg(feature = "loader")]
 pub(crate) const MAP_ATTACHMENT: &str = "attachment";
 #[cfg(feature = "loader")]
+/// The flows peers started towards the pod (LRU hash), for reply tracking.
+pub(crate) const MAP_FLOWS: &str = "flows";
+#[cfg(feature = "loader")]
 /// Pins of the TCX links that keep the programs attached (TCX mode).
 pub(crate) const LINK_TAP: &str = "link_tap";
 #[cfg(feature = "loader")]
@@ -38,16 +41,17 @@ pub(crate) const PIN_PROG_VETH: &str = "prog_veth";
 pub(crate) const PIN_NETNS: &str = "netns";
 #[cfg(feature = "loader")]
 /// The map pins every pod directory holds.
-pub(crate) const MAP_PINS: [&str; 5] = [
+pub(crate) const MAP_PINS: [&str; 6] = [
     MAP_CONFIG,
     MAP_STATE,
     MAP_RULES,
     MAP_COUNTERS,
     MAP_ATTACHMENT,
+    MAP_FLOWS,
 ];
 #[cfg(feature = "loader")]
 /// Every name a pod directory may hold, in either mode.
-pub(crate) const ALL_PINS: [&str; 10] = [
+pub(crate) const ALL_PINS: [&str; 11] = [
     LINK_TAP,
     LINK_VETH,
     PIN_PROG_TAP,
@@ -58,11 +62,17 @@ pub(crate) const ALL_PINS: [&str; 10] = [
     MAP_RULES,
     MAP_COUNTERS,
     MAP_ATTACHMENT,
+    MAP_FLOWS,
 ];
 
 /// Capacity of the `rules` LPM trie (`max_entries` in `bpf/pod.c`), shared
 /// by both generations during an update.
 pub const RULE_CAPACITY: usize = 65_536;
+
+/// Capacity of the `flows` LRU hash (`max_entries` in `bpf/pod.c`): how many
+/// flows peers started towards one pod are remembered for replies; past it
+/// the least recently seen is forgotten.
+pub const FLOW_CAPACITY: usize = 8_192;
 
 #[cfg(feature = "loader")]
 /// Index of the active generation in `state`.
@@ -83,12 +93,17 @@ pub(crate) struct PodConfig {
     pub tap_ifindex: u32,
     pub mac: [u8; 6],
     pub pad: u16,
+    /// Idle timeouts of recorded flows, in milliseconds (0: no replies).
+    pub tcp_idle_ms: u32,
+    pub udp_idle_ms: u32,
+    pub icmp_idle_ms: u32,
 }
 
 #[cfg(feature = "loader")]
 // SAFETY: `PodConfig` is `repr(C)`, made only of integers and byte arrays,
-// with no implicit padding (4 + 4 + 4 + 6 + 2 bytes), so every bit pattern is
-// a valid value and it can be copied to and from the kernel as bytes.
+// with no implicit padding (4 + 4 + 4 + 6 + 2 + 3 * 4 bytes, every field at
+// a multiple of its alignment), so every bit pattern is a valid value and it
+// can be copied to and from the kernel as bytes.
 unsafe impl aya::Pod for PodConfig {}
 
 /// The tiers of `enum tier`: the order in which rules are checked.

@@ -33,11 +33,15 @@ pub enum Reason {
     Ethertype = 11,
     /// The pod's configuration map was empty.
     NoConfig = 12,
+    /// Passed from the guest out of the veth because it answers a flow the
+    /// peer started (see `FlowTimeouts`), where the policy alone (private
+    /// ranges or a default deny) would have dropped it.
+    PassReply = 13,
 }
 
 impl Reason {
     /// Every reason, in counter-index order.
-    pub const ALL: [Reason; 13] = [
+    pub const ALL: [Reason; 14] = [
         Reason::PassEgress,
         Reason::PassIngress,
         Reason::SpoofedMac,
@@ -51,11 +55,15 @@ impl Reason {
         Reason::Malformed,
         Reason::Ethertype,
         Reason::NoConfig,
+        Reason::PassReply,
     ];
 
     /// Whether frames counted here were dropped.
     pub fn is_drop(self) -> bool {
-        !matches!(self, Reason::PassEgress | Reason::PassIngress)
+        !matches!(
+            self,
+            Reason::PassEgress | Reason::PassIngress | Reason::PassReply
+        )
     }
 
     /// The `reason` label of the metric.
@@ -74,6 +82,7 @@ impl Reason {
             Reason::Malformed => "malformed",
             Reason::Ethertype => "ethertype",
             Reason::NoConfig => "no_config",
+            Reason::PassReply => "reply",
         }
     }
 }
@@ -204,6 +213,9 @@ mod tests {
             "twig_pod_network_bytes_total{namespace=\"team-a\",pod=\"agent-0\",verdict=\"drop\",reason=\"deny_rule\"} 180\n"
         ));
         assert!(text.contains(r#"pod="we\"ird\\""#), "{text}");
+        assert!(text.contains(
+            "twig_pod_network_packets_total{namespace=\"team-a\",pod=\"agent-0\",verdict=\"pass\",reason=\"reply\"} 0\n"
+        ));
         assert!(text.ends_with("# EOF\n"));
     }
 }

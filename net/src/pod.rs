@@ -10,10 +10,11 @@ use aya::programs::links::PinnedLink;
 use aya::Ebpf;
 
 use crate::error::Context;
+use crate::flows::FlowTimeouts;
 use crate::maps::{
     state_default_index, Attachment, PodConfig, RawCounter, RuleKey, ALL_PINS, KEY_FIXED_BITS,
-    LINK_TAP, LINK_VETH, MAP_ATTACHMENT, MAP_CONFIG, MAP_COUNTERS, MAP_PINS, MAP_RULES, MAP_STATE,
-    MODE_NETLINK, MODE_TCX, PIN_NETNS, PIN_PROG_TAP, PIN_PROG_VETH, STATE_ACTIVE_GEN,
+    LINK_TAP, LINK_VETH, MAP_ATTACHMENT, MAP_CONFIG, MAP_COUNTERS, MAP_FLOWS, MAP_PINS, MAP_RULES,
+    MAP_STATE, MODE_NETLINK, MODE_TCX, PIN_NETNS, PIN_PROG_TAP, PIN_PROG_VETH, STATE_ACTIVE_GEN,
 };
 use crate::metrics::{Counter, Counters, Reason};
 use crate::netns::{in_netns, netns_id, IfSocket};
@@ -113,7 +114,11 @@ pub(crate) fn is_attached(dir: &Path) -> bool {
 
 impl PodNetwork {
     /// Takes the maps of a freshly loaded object and pins them in `dir`.
+    ///
+    /// The `flows` map is only pinned (for inspection, and so it lives as
+    /// long as the path): the programs alone read and write it.
     pub(crate) fn from_ebpf(ebpf: &mut Ebpf, dir: &Path) -> Result<Self, Error> {
+        take_map(ebpf, MAP_FLOWS, dir)?;
         Ok(PodNetwork {
             dir: dir.to_owned(),
             config: Array::try_from(take_map(ebpf, MAP_CONFIG, dir)?)
@@ -219,6 +224,37 @@ impl PodNetwork {
             .get(&0, 0)
             .context(|| "reading the pod's config".into())?
             .mac)
+    }
+
+    /// How long the guest may answer a flow its peer started (see
+    /// [`FlowTimeouts`]).
+    pub fn flow_timeouts(&self) -> Result<FlowTimeouts, Error> {
+        let config = self
+            .config
+            .get(&0, 0)
+            .context(|| "reading the pod's config".into())?;
+        Ok(FlowTimeouts::from_millis([
+            config.tcp_idle_ms,
+            config.udp_idle_ms,
+            config.icmp_idle_ms,
+        ]))
+    }
+
+    /// Changes how long the guest may answer a flow its peer started; takes
+    /// effect at once, for flows already recorded too. A timeout too long to
+    /// hold changes nothing.
+    pub fn set_flow_timeouts(&mut self, timeouts: &FlowTimeouts) -> Result<(), Error> {
+        let [tcp, udp, icmp] = timeouts.to_millis()?;
+        let mut config = self
+            .config
+            .get(&0, 0)
+            .context(|| "reading the pod's config".into())?;
+        config.tcp_idle_ms = tcp;
+        config.udp_idle_ms = udp;
+        config.icmp_idle_ms = icmp;
+        self.write_config(config)?;
+        tracing::info!(dir = %self.dir.display(), ?timeouts, "pod flow idle timeouts changed");
+        Ok(())
     }
 
     /// Replaces the pod's policy in place, without touching the path: the new

@@ -6,7 +6,6 @@
 mod common;
 
 use std::net::Ipv4Addr;
-use std::time::Instant;
 
 use common::*;
 use twig_net::{
@@ -41,44 +40,6 @@ fn policy() -> EgressPolicy {
             },
         ],
     }
-}
-
-/// Polls the counter of `reason` until it reaches `want` (or the deadline).
-fn wait_count(pod: &PodNetwork, reason: Reason, want: u64) {
-    let deadline = Instant::now() + DEADLINE;
-    loop {
-        let got = pod.counters().expect("counters").get(reason).packets;
-        if got == want {
-            return;
-        }
-        assert!(got < want, "{reason:?}: counted {got}, expected {want}");
-        assert!(
-            Instant::now() < deadline,
-            "{reason:?}: counted {got}, expected {want}"
-        );
-        std::thread::yield_now();
-    }
-}
-
-/// Sends `bad` as the guest, then an allowed marker; asserts the marker gets
-/// out, `bad` does not, and exactly one more frame is counted under `reason`.
-fn assert_dropped(bed: &mut Bed, pod: &PodNetwork, name: &str, bad: &[u8], reason: Reason) {
-    let before = pod.counters().expect("counters").get(reason).packets;
-    bed.guest_send(bad);
-    wait_count(pod, reason, before + 1);
-    let marker = format!("marker after {name}");
-    bed.guest_send(&guest_udp(PEER_IP, 9999, marker.as_bytes()));
-    let leaked = bed.outside_recv_until(marker.as_bytes());
-    assert!(
-        !leaked.iter().any(|f| contains(f, name.as_bytes())),
-        "{name} leaked out of the pod"
-    );
-}
-
-/// Sends `good` as the guest and waits for it at the peer.
-fn assert_passes(bed: &mut Bed, good: &[u8], marker: &str) {
-    bed.guest_send(good);
-    bed.outside_recv_until(marker.as_bytes());
 }
 
 fn loader(mode: AttachMode) -> Loader {

@@ -9,7 +9,8 @@
 //! Each VMM has a directory `<run_dir>/vms/<daemon pid>-<n>/`: `vm/` (the
 //! VMM's own: API socket, vsock socket, console log; owned by the VMM's
 //! user), `serial.log` (a link to `vm/serial.log`), `vmm.log` (its stderr),
-//! `pid`, `handed`, and, jailed, `jail/` (its root). A jailed VMM sees
+//! `pid`, `handed` (with the owner's pid and start time, if it has one),
+//! and, jailed, `jail/` (its root). A jailed VMM sees
 //! `vm/` and the node store's `snapshots` (read-only) and `tmp` (staging)
 //! at their host paths, so the paths in API calls mean the same inside and
 //! outside the jail.
@@ -229,8 +230,14 @@ impl Pool {
     }
 
     /// Hands over a prepared VMM of `shape` for `template`: from the pool
-    /// if it holds one (`true`), else started now (`false`).
-    pub async fn take(&self, shape: Shape, template: &str) -> Result<(Vmm, bool)> {
+    /// if it holds one (`true`), else started now (`false`). With an
+    /// `owner`, the VMM is killed when that process exits.
+    pub async fn take(
+        &self,
+        shape: Shape,
+        template: &str,
+        owner: Option<&Owner>,
+    ) -> Result<(Vmm, bool)> {
         loop {
             let taken = {
                 let mut s = self.state();
@@ -245,14 +252,14 @@ impl Pool {
             // Killed while pooled, and its exit not handled yet: skip it
             // (its watcher reaps it and removes its directory).
             if is_alive(vmm.pid) {
-                mark_handed(&vmm)?;
+                hand_over(&vmm, owner)?;
                 return Ok((vmm, true));
             }
             tracing::warn!(pid = vmm.pid, "a pooled VMM died before it was taken");
             self.state().handed.remove(&vmm.pid);
         }
         let vmm = self.spawn(shape, Some(template)).await?;
-        mark_handed(&vmm)?;
+        hand_over(&vmm, owner)?;
         Ok((vmm, false))
     }
 
@@ -613,11 +620,106 @@ async fn remove_cgroup(name: &Path) {
     }
 }
 
-/// Marks a VMM's directory as handed over, so that a later daemon's
-/// start leaves the process (a shim's) alone.
-fn mark_handed(vmm: &Vmm) -> Result<()> {
-    std::fs::write(vmm.dir.join(HANDED), b"")
-        .map_err(|e| Error::io(format!("writing {}/{HANDED}", vmm.dir.display()), e))
+/// The process a handed-over VMM belongs to (its shim), held by a pidfd
+/// so that its pid cannot be mistaken for a later process's.
+#[derive(Debug)]
+pub struct Owner {
+    pid: u32,
+    start_time: u64,
+    pidfd: OwnedFd,
+}
+
+impl Owner {
+    /// Opens the running process `pid`; an error when it does not run.
+    pub fn open(pid: u32) -> std::io::Result<Owner> {
+        // Opened before the start time is read: the pidfd names this very
+        // process whatever happens to the pid later.
+        let pidfd = open_pidfd(pid)?;
+        let start_time = start_time(pid).ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!("process {pid} exited"),
+            )
+        })?;
+        Ok(Owner {
+            pid,
+            start_time,
+            pidfd,
+        })
+    }
+
+    /// The owner `handed` names (`<pid> <start time>`) if it still runs as
+    /// that same process; `Ok(None)` if it is gone, `Err` if the file names
+    /// no owner.
+    fn recorded(handed: &str) -> std::result::Result<Option<Owner>, ()> {
+        let mut fields = handed.split_whitespace().map(str::parse::<u64>);
+        let (Some(Ok(pid)), Some(Ok(start))) = (fields.next(), fields.next()) else {
+            return Err(());
+        };
+        let pid = u32::try_from(pid).map_err(|_| ())?;
+        Ok(Owner::open(pid).ok().filter(|o| o.start_time == start))
+    }
+}
+
+/// The start time of `pid` (clock ticks since boot: `/proc/<pid>/stat`'s
+/// 22nd field), which tells a process from a later one with its pid.
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the parenthesised name start with the 3rd.
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Marks a VMM's directory as handed over, so that a later daemon's start
+/// leaves the process (a shim's) alone, records its owner and starts
+/// watching it.
+fn hand_over(vmm: &Vmm, owner: Option<&Owner>) -> Result<()> {
+    let record = owner
+        .map(|o| format!("{} {}\n", o.pid, o.start_time))
+        .unwrap_or_default();
+    std::fs::write(vmm.dir.join(HANDED), record)
+        .map_err(|e| Error::io(format!("writing {}/{HANDED}", vmm.dir.display()), e))?;
+    if let Some(owner) = owner {
+        // The VMM is this daemon's child and not reaped yet: the pidfd
+        // names it.
+        let vmm_fd =
+            open_pidfd(vmm.pid).map_err(|e| Error::io(format!("pidfd of VMM {}", vmm.pid), e))?;
+        let owner_fd = owner
+            .pidfd
+            .try_clone()
+            .map_err(|e| Error::io(format!("pidfd of owner {}", owner.pid), e))?;
+        tokio::spawn(kill_with_owner(owner_fd, owner.pid, vmm_fd, vmm.pid));
+    }
+    Ok(())
+}
+
+/// Waits until the process `owner_fd` exits, then kills the VMM `vmm_fd`
+/// (nothing if it already exited).
+async fn kill_with_owner(owner_fd: OwnedFd, owner: u32, vmm_fd: OwnedFd, vmm: u32) {
+    if let Err(e) = exited(owner_fd).await {
+        tracing::warn!(owner, vmm, "watching a VMM's owner: {e}");
+        return;
+    }
+    if sigkill_pidfd(&vmm_fd) {
+        tracing::warn!(
+            owner,
+            vmm,
+            "the owner of a handed-over VMM exited; VMM killed"
+        );
+    }
+}
+
+/// Waits until the process behind `pidfd` exits.
+async fn exited(pidfd: OwnedFd) -> std::io::Result<()> {
+    use tokio::io::Interest;
+    // SAFETY: the AsyncFd owns `pidfd` (an OwnedFd), which stays open and
+    // the same descriptor until the AsyncFd is dropped.
+    let registered =
+        unsafe { tokio::io::unix::AsyncFd::register_with_interest(pidfd, Interest::READABLE) };
+    match registered {
+        Ok(fd) => fd.readable().await.map(drop),
+        Err(e) => Err(e.into_parts().1),
+    }
 }
 
 /// The marker file of a handed-over VMM's directory.
@@ -678,9 +780,10 @@ fn remove_leftovers(vms_dir: &Path, cgroup: Option<&Path>) {
             let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
             let api = own_dir(&dir).join("api.sock");
             if String::from_utf8_lossy(&cmdline).contains(&*api.to_string_lossy()) {
-                if dir.join(HANDED).exists() {
+                if let Ok(handed) = std::fs::read_to_string(dir.join(HANDED)) {
                     match pidfd {
                         Ok(fd) => {
+                            watch_owner_again(&handed, &fd, pid);
                             tokio::spawn(clean_up_after(fd, pid, dir, cg));
                         }
                         Err(e) => tracing::warn!(pid, "watching a handed-over VMM: {e}"),
@@ -716,19 +819,51 @@ fn open_pidfd(pid: u32) -> std::io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// A handed-over VMM of an earlier daemon (`vmm_fd`) whose `handed`
+/// record names an owner: watched again while the owner runs, killed now
+/// if it is gone.
+fn watch_owner_again(handed: &str, vmm_fd: &OwnedFd, vmm: u32) {
+    let vmm_fd = match vmm_fd.try_clone() {
+        Ok(fd) => fd,
+        Err(e) => {
+            tracing::warn!(vmm, "pidfd of a handed-over VMM: {e}");
+            return;
+        }
+    };
+    match Owner::recorded(handed) {
+        // Handed over without an owner: its shim stops it.
+        Err(()) => {}
+        Ok(Some(owner)) => {
+            tokio::spawn(kill_with_owner(owner.pidfd, owner.pid, vmm_fd, vmm));
+        }
+        Ok(None) => {
+            tracing::warn!(vmm, "the owner of a handed-over VMM is gone; killing it");
+            sigkill_pidfd(&vmm_fd);
+        }
+    }
+}
+
+/// Sends SIGKILL to the process behind `pidfd`; whether it was sent (not:
+/// the process already exited).
+fn sigkill_pidfd(pidfd: &OwnedFd) -> bool {
+    // SAFETY: pidfd_send_signal(2) on an open pidfd, with no siginfo; no
+    // memory is passed.
+    let sent = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            std::os::fd::AsRawFd::as_raw_fd(pidfd),
+            libc::SIGKILL,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    sent == 0
+}
+
 /// Waits until the handed-over VMM of an earlier daemon (its `pidfd`)
 /// exits, then removes its cgroup and directory.
 async fn clean_up_after(pidfd: OwnedFd, pid: u32, dir: PathBuf, cgroup: Option<PathBuf>) {
-    use tokio::io::Interest;
-    // SAFETY: the AsyncFd owns `pidfd` (an OwnedFd), which stays open and
-    // the same descriptor until the AsyncFd is dropped.
-    let registered =
-        unsafe { tokio::io::unix::AsyncFd::register_with_interest(pidfd, Interest::READABLE) };
-    let exited = match registered {
-        Ok(fd) => fd.readable().await.map(drop),
-        Err(e) => Err(e.into_parts().1),
-    };
-    if let Err(e) = exited {
+    if let Err(e) = exited(pidfd).await {
         tracing::warn!(pid, "watching a handed-over VMM: {e}");
         return;
     }

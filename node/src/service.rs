@@ -18,7 +18,7 @@ use twig_proto::twig::{
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::pool::Pool;
+use crate::pool::{Owner, Pool};
 use crate::template::{Shape, TemplateRef, Templates};
 
 /// The state both services share.
@@ -69,7 +69,14 @@ impl Services {
                 )));
             }
         }
-        let (vmm, pooled) = self.pool.take(t.shape, &t.id).await?;
+        let owner = match req.owner_pid {
+            0 => None,
+            pid => Some(
+                Owner::open(pid)
+                    .map_err(|e| Error::InvalidArgument(format!("owner_pid {pid}: {e}")))?,
+            ),
+        };
+        let (vmm, pooled) = self.pool.take(t.shape, &t.id, owner.as_ref()).await?;
         tracing::info!(
             sandbox = req.sandbox_id,
             template = t.id,

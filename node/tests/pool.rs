@@ -265,3 +265,105 @@ fn a_stop_kills_the_pool_but_not_handed_vms_and_a_restart_keeps_them() {
         !Path::new(&vm.state_dir).exists()
     });
 }
+
+/// A child that stands for a shim owning a VMM.
+fn owner() -> std::process::Child {
+    std::process::Command::new("sleep")
+        .arg("1000")
+        .spawn()
+        .expect("spawning sleep")
+}
+
+#[test]
+fn a_vmm_dies_with_its_owner_and_an_owner_that_does_not_run_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    make_template(dir.path(), "tiny");
+    let node = Node::start(dir.path(), &config(dir.path(), 1));
+    let mut shim = owner();
+    let vm = node
+        .acquire_req(AcquireVmRequest {
+            template: "tiny".into(),
+            sandbox_id: "owned".into(),
+            owner_pid: shim.id(),
+            ..Default::default()
+        })
+        .expect("AcquireVm");
+    restore(&vm.api_socket, &vm.template_dir);
+    let handed = std::fs::read_to_string(Path::new(&vm.state_dir).join("handed")).unwrap();
+    assert!(
+        handed.starts_with(&format!("{} ", shim.id())),
+        "the owner is recorded: {handed:?}"
+    );
+    assert!(!not_running(vm.pid));
+    // The shim dies (before it recorded the VM anywhere): the VM goes too.
+    shim.kill().unwrap();
+    shim.wait().unwrap();
+    wait_until("the owner's VMM is killed and reaped", T, || gone(vm.pid));
+
+    // An owner that does not run is refused, and nothing is handed over.
+    let mut dead = owner();
+    let pid = dead.id();
+    dead.kill().unwrap();
+    dead.wait().unwrap();
+    let before = node.status().handed_pids;
+    let err = node
+        .acquire_req(AcquireVmRequest {
+            template: "tiny".into(),
+            sandbox_id: "orphan".into(),
+            owner_pid: pid,
+            ..Default::default()
+        })
+        .expect_err("a dead owner");
+    assert!(
+        format!("{err:?}").contains(&format!("owner_pid {pid}")),
+        "{err:?}"
+    );
+    assert_eq!(node.status().handed_pids, before);
+}
+
+#[test]
+fn a_restarted_daemon_kills_a_vmm_whose_owner_died_while_it_was_down() {
+    let dir = tempfile::tempdir().unwrap();
+    make_template(dir.path(), "tiny");
+    let c = config(dir.path(), 0);
+    let mut node = Node::start(dir.path(), &c);
+    let mut shim = owner();
+    let mut survivor = owner();
+    let acquire = |node: &Node, pid: u32| {
+        node.acquire_req(AcquireVmRequest {
+            template: "tiny".into(),
+            sandbox_id: format!("owned-{pid}"),
+            owner_pid: pid,
+            ..Default::default()
+        })
+        .expect("AcquireVm")
+    };
+    let orphaned = acquire(&node, shim.id());
+    let kept = acquire(&node, survivor.id());
+    // SAFETY: kill(2) on the test's own child.
+    unsafe { libc::kill(node.child.id() as i32, libc::SIGTERM) };
+    assert!(node.child.wait().unwrap().success(), "{}", node.log());
+    drop(node);
+    shim.kill().unwrap();
+    shim.wait().unwrap();
+    assert!(
+        !not_running(orphaned.pid),
+        "nobody watched it while the daemon was down"
+    );
+
+    let node = Node::start(dir.path(), &c);
+    wait_until("the orphaned VMM is killed", T, || {
+        not_running(orphaned.pid)
+    });
+    assert!(
+        !not_running(kept.pid),
+        "a VMM whose owner runs is left alone"
+    );
+    // And its owner is watched again.
+    survivor.kill().unwrap();
+    survivor.wait().unwrap();
+    wait_until("the second VMM dies with its owner", T, || {
+        not_running(kept.pid)
+    });
+    drop(node);
+}

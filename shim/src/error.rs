@@ -139,9 +139,10 @@ impl Error {
                 }
                 twig_store::Error::InvalidArgument(_) => ttrpc::Code::INVALID_ARGUMENT,
                 twig_store::Error::NoSpace { .. } => ttrpc::Code::RESOURCE_EXHAUSTED,
-                twig_store::Error::Corrupt { .. } | twig_store::Error::Io { .. } => {
-                    ttrpc::Code::INTERNAL
-                }
+                twig_store::Error::Locked(_) => ttrpc::Code::UNAVAILABLE,
+                twig_store::Error::Corrupt { .. }
+                | twig_store::Error::Tool { .. }
+                | twig_store::Error::Io { .. } => ttrpc::Code::INTERNAL,
             },
             Error::Network { source, .. } => match source {
                 twig_net::Error::Unsupported(_) => ttrpc::Code::FAILED_PRECONDITION,

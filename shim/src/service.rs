@@ -537,6 +537,31 @@ impl TaskService {
         }
     }
 
+    /// Has the agent forget an exited exec (its status and buffered
+    /// output), so that execs (probes) do not pile up in the guest. Best
+    /// effort: the shim has forgotten it already, and a VM that is gone or
+    /// an agent that no longer knows it is fine.
+    async fn forget_exec(&self, id: &str, exec_id: &str) {
+        let (Ok(sandbox), Ok((guest, _))) = (self.sandbox().await, self.guest_id(id)) else {
+            return;
+        };
+        if *self.inner.vm_dead.borrow() {
+            return;
+        }
+        let (exec_id, timeout) = (exec_id.to_string(), self.inner.timeout);
+        let result = blocking(move || {
+            match sandbox.agent().remove_process(&guest, &exec_id, timeout) {
+                // Gone with a rollback, or with its container.
+                Err(e) if e.status_code() == Some("NOT_FOUND") => Ok(()),
+                r => r.map_err(|e| Error::agent(format!("removing exec {exec_id} of {guest}"), e)),
+            }
+        })
+        .await;
+        if let Err(e) = result {
+            tracing::warn!(id, "{e}");
+        }
+    }
+
     async fn do_delete(&self, req: api::DeleteRequest) -> Result<api::DeleteResponse> {
         if !req.exec_id.is_empty() {
             let exited = {
@@ -557,6 +582,7 @@ impl TaskService {
                 c.execs.remove(&req.exec_id);
                 exited
             };
+            self.forget_exec(&req.id, &req.exec_id).await;
             return Ok(delete_response(exited));
         }
         let (exited, attachment) = {

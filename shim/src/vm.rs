@@ -336,6 +336,8 @@ pub fn acquire(config: &Config, sandbox_id: &str, template: &str) -> Result<Acqu
     let req = AcquireVmRequest {
         template: template.to_string(),
         sandbox_id: sandbox_id.to_string(),
+        // The daemon kills the VM if this shim dies, at any moment.
+        owner_pid: std::process::id(),
         ..Default::default()
     };
     let timeout = Duration::from_secs(config.acquire_timeout_s);

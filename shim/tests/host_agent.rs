@@ -328,6 +328,31 @@ async fn containers_run_through_the_task_api_against_a_real_agent() {
         .await
         .unwrap();
     assert_eq!(d.exit_status, 7);
+    // Deleted in the guest too: the exec id can be used again (the agent
+    // would refuse a second "e1" it still held).
+    let mut again = fifos(f.dir.path(), "e1-again");
+    c.exec(ctx(), &ex("e1", &["echo", "again"], false, &again.paths[1]))
+        .await
+        .expect("an exec id reused after its delete");
+    let start = api::StartRequest {
+        id: "c1".into(),
+        exec_id: "e1".into(),
+        ..Default::default()
+    };
+    c.start(ctx(), &start).await.unwrap();
+    assert_eq!(read_all(&mut again.stdout).await, "again\n");
+    let d = api::DeleteRequest {
+        id: "c1".into(),
+        exec_id: "e1".into(),
+        ..Default::default()
+    };
+    let w = api::WaitRequest {
+        id: "c1".into(),
+        exec_id: "e1".into(),
+        ..Default::default()
+    };
+    c.wait(ctx(), &w).await.unwrap();
+    c.delete(ctx(), &d).await.unwrap();
 
     let mut e2 = fifos(f.dir.path(), "e2");
     c.exec(
@@ -463,6 +488,9 @@ async fn containers_run_through_the_task_api_against_a_real_agent() {
         [
             "/tasks/create",
             "/tasks/start",
+            "/tasks/exec-added",
+            "/tasks/exec-started",
+            "/tasks/exit",
             "/tasks/exec-added",
             "/tasks/exec-started",
             "/tasks/exit",

@@ -1,5 +1,7 @@
-//! Errors of the node store. Each names one class a caller acts on (the
-//! node daemon maps them to ttrpc/gRPC codes).
+//! Errors of Twig's stores: the node store here and twig-snapshotter's
+//! image store, which shares them. Each names one class a caller acts on
+//! (the node daemon, the shim and the snapshotter map them to ttrpc/gRPC
+//! codes).
 
 use std::io;
 use std::path::PathBuf;
@@ -40,7 +42,18 @@ pub enum Error {
         /// Why FICLONE failed.
         source: io::Error,
     },
-    /// A manifest could not be parsed.
+    /// Another process holds the store.
+    #[error("store {0} is locked by another process")]
+    Locked(PathBuf),
+    /// An external tool (mkfs.ext4, debugfs) failed.
+    #[error("{context}: {detail}")]
+    Tool {
+        /// What was being done.
+        context: String,
+        /// What the tool said.
+        detail: String,
+    },
+    /// A manifest or metadata file could not be parsed.
     #[error("corrupt metadata in {path}: {detail}")]
     Corrupt {
         /// The file.
@@ -70,6 +83,6 @@ impl Error {
 }
 
 /// `.map_err(ctx("doing x"))` shorthand for [`Error::io`].
-pub(crate) fn ctx<S: Into<String>>(context: S) -> impl FnOnce(io::Error) -> Error {
+pub fn ctx<S: Into<String>>(context: S) -> impl FnOnce(io::Error) -> Error {
     move |e| Error::io(context, e)
 }

@@ -216,7 +216,9 @@ impl Error {
                 twig_store::Error::NoSpace { .. }
                 | twig_store::Error::NoReflink { .. }
                 | twig_store::Error::Corrupt { .. }
+                | twig_store::Error::Tool { .. }
                 | twig_store::Error::Io { .. } => ErrorKind::Internal,
+                twig_store::Error::Locked(_) => ErrorKind::Busy,
             },
             Error::KvmOpen(_)
             | Error::KvmApi(_)

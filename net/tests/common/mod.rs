@@ -21,7 +21,8 @@ pub const PEER_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
 pub const DEADLINE: Duration = Duration::from_secs(5);
 const VNET_HDR_LEN: usize = 10;
 
-fn ip(args: &[&str]) {
+/// Runs `ip` (iproute2) and asserts it succeeds.
+pub fn ip(args: &[&str]) {
     let out = Command::new("ip")
         .args(args)
         .output()
@@ -445,4 +446,48 @@ pub fn arp_request(sha: [u8; 6], spa: Ipv4Addr, tpa: Ipv4Addr) -> Vec<u8> {
     a.extend_from_slice(&[0; 6]);
     a.extend_from_slice(&tpa.octets());
     ether([0xff; 6], POD_MAC, 0x0806, &a)
+}
+
+/// Polls the counter of `reason` until it reaches `want` (or the deadline).
+pub fn wait_count(pod: &twig_net::PodNetwork, reason: twig_net::Reason, want: u64) {
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        let got = pod.counters().expect("counters").get(reason).packets;
+        if got == want {
+            return;
+        }
+        assert!(got < want, "{reason:?}: counted {got}, expected {want}");
+        assert!(
+            Instant::now() < deadline,
+            "{reason:?}: counted {got}, expected {want}"
+        );
+        std::thread::yield_now();
+    }
+}
+
+/// Sends `bad` as the guest, then an allowed marker; asserts the marker gets
+/// out, `bad` does not, and exactly one more frame is counted under `reason`.
+pub fn assert_dropped(
+    bed: &mut Bed,
+    pod: &twig_net::PodNetwork,
+    name: &str,
+    bad: &[u8],
+    reason: twig_net::Reason,
+) {
+    let before = pod.counters().expect("counters").get(reason).packets;
+    bed.guest_send(bad);
+    wait_count(pod, reason, before + 1);
+    let marker = format!("marker after {name}");
+    bed.guest_send(&guest_udp(PEER_IP, 9999, marker.as_bytes()));
+    let leaked = bed.outside_recv_until(marker.as_bytes());
+    assert!(
+        !leaked.iter().any(|f| contains(f, name.as_bytes())),
+        "{name} leaked out of the pod"
+    );
+}
+
+/// Sends `good` as the guest and waits for it at the peer.
+pub fn assert_passes(bed: &mut Bed, good: &[u8], marker: &str) {
+    bed.guest_send(good);
+    bed.outside_recv_until(marker.as_bytes());
 }
