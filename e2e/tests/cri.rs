@@ -130,8 +130,8 @@ async fn scenario(expect: Expect) {
         .pod_config("lifecycle")
         .unwrap_or_else(|e| panic!("{e}"));
     if expect.allow_subnet {
-        // Until twig-net tracks replies, the default policy (private
-        // ranges denied) drops the pod's answers to the node's bridge.
+        // The pod may open connections into its subnet (the node's bridge
+        // address among them), which the default policy denies.
         pod.annotations.insert(
             "twig.dev/egress-policy".into(),
             format!(r#"{{"allow":[{{"cidr":"{}"}}]}}"#, node.net().subnet()),
@@ -275,7 +275,7 @@ async fn scenario(expect: Expect) {
         step(t0, "the pod's IP answers TCP and ping");
     }
     if expect.own_kernel && expect.pod_network {
-        guest_network(&cri, web, ip, &node).await;
+        guest_network(&cri, web, ip, &node, expect.allow_subnet).await;
         step(t0, "the guest has the pod's identity; metadata unreachable");
     }
 
@@ -416,8 +416,16 @@ async fn scenario(expect: Expect) {
 
 /// Inside a twig pod (through ExecSync in `container`): the guest's
 /// `eth0` has the pod's IP and the MAC of the pod's veth; the node's
-/// bridge address answers (the return path), the metadata address never.
-async fn guest_network(cri: &twig_cri::CriClient, container: &str, ip: IpAddr, node: &CriNode) {
+/// bridge address answers when the pod's policy allows the subnet
+/// (`allow_subnet`) and is unreachable under the default policy (a private
+/// address); the metadata address is unreachable whatever the policy.
+async fn guest_network(
+    cri: &twig_cri::CriClient,
+    container: &str,
+    ip: IpAddr,
+    node: &CriNode,
+    allow_subnet: bool,
+) {
     let fail = |what: &str, e: twig_cri::Error| -> ! { panic!("{}", node.cri_error(what, e)) };
     let namespaces = CriNode::cni_netns();
     let [netns] = namespaces.as_slice() else {
@@ -437,20 +445,30 @@ async fn guest_network(cri: &twig_cri::CriClient, container: &str, ip: IpAddr, n
     let prefix = node.net().subnet();
     let prefix = prefix.rsplit('/').next().unwrap_or("24");
     assert!(shown.contains(&format!("inet {ip}/{prefix}")), "{shown}");
-    // The guest reaches the node's bridge address, and the answer comes
-    // back (the egress annotation allows the subnet).
+    let route = cri
+        .exec_sync(container, &["ip", "route"], EXEC)
+        .await
+        .unwrap_or_else(|e| fail("ExecSync", e));
+    let route = String::from_utf8_lossy(&route.stdout).into_owned();
+    assert!(
+        route.contains(&format!("default via {}", node.net().gateway())),
+        "{route}"
+    );
+    // The node's bridge address: reached, and the answer comes back, when
+    // the annotation allows the subnet; never under the default policy.
     let gateway = node.net().gateway();
     let listener =
         TcpListener::bind((gateway, 0)).unwrap_or_else(|e| panic!("listen on {gateway}: {e}"));
     let port = listener.local_addr().map(|a| a.port()).unwrap_or_default();
-    let accepted = std::thread::spawn(move || accept_one(&listener, Duration::from_secs(60)));
+    let within = if allow_subnet { 60 } else { 15 };
+    let accepted = std::thread::spawn(move || accept_one(&listener, Duration::from_secs(within)));
     let out = cri
         .exec_sync(
             container,
             &[
                 "/bin/sh",
                 "-c",
-                &format!("echo from-the-pod | nc -w 10 {gateway} {port}; echo rc=$?"),
+                &format!("echo from-the-pod | nc -w 5 {gateway} {port} 2>&1; echo rc=$?"),
             ],
             EXEC,
         )
@@ -459,12 +477,19 @@ async fn guest_network(cri: &twig_cri::CriClient, container: &str, ip: IpAddr, n
     let got = accepted
         .join()
         .unwrap_or_else(|_| Err("the accept thread panicked".into()));
-    assert_eq!(
-        got.as_deref().map(str::trim),
-        Ok("from-the-pod"),
-        "the node got {got:?}; the pod said {:?}",
-        String::from_utf8_lossy(&out.stdout)
-    );
+    let said = String::from_utf8_lossy(&out.stdout);
+    if allow_subnet {
+        assert_eq!(
+            got.as_deref().map(str::trim),
+            Ok("from-the-pod"),
+            "the node got {got:?}; the pod said {said:?}"
+        );
+    } else {
+        assert!(
+            got.is_err() && !said.contains("rc=0"),
+            "the default policy let the pod reach the node: {got:?}; the pod said {said:?}"
+        );
+    }
     // The metadata address is denied whatever the policy: the connection
     // never completes.
     let t = Instant::now();
@@ -474,7 +499,7 @@ async fn guest_network(cri: &twig_cri::CriClient, container: &str, ip: IpAddr, n
             &[
                 "/bin/sh",
                 "-c",
-                "nc -w 3 169.254.169.254 80 </dev/null; echo rc=$?",
+                "nc -w 3 169.254.169.254 80 </dev/null 2>&1; echo rc=$?",
             ],
             EXEC,
         )
@@ -484,12 +509,25 @@ async fn guest_network(cri: &twig_cri::CriClient, container: &str, ip: IpAddr, n
     assert!(said.contains("rc=") && !said.contains("rc=0"), "{said}");
     assert!(
         t.elapsed() >= Duration::from_secs(2),
-        "refused at once, not dropped: {said}"
+        "refused at once, not dropped: {said} (routes: {route})"
     );
 }
 
 #[test]
 fn twig_pod_with_three_containers_through_cri() {
+    pod_lifecycle(Expect {
+        handler: "twig",
+        own_kernel: true,
+        pod_network: true,
+        // The default egress policy: the node's requests get answers
+        // (twig-net tracks replies), the pod cannot open connections to
+        // the node.
+        allow_subnet: false,
+    });
+}
+
+#[test]
+fn twig_pod_whose_policy_allows_its_subnet_through_cri() {
     pod_lifecycle(Expect {
         handler: "twig",
         own_kernel: true,
