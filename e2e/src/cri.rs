@@ -185,6 +185,20 @@ impl CriNode {
             .collect()
     }
 
+    /// The pids of this node's twig shims running now.
+    pub fn twig_shims(&self) -> Vec<u32> {
+        let dir = self.dir.to_string_lossy().into_owned();
+        processes()
+            .into_iter()
+            .filter(|(_, argv)| {
+                argv.first()
+                    .is_some_and(|a| a.rsplit('/').next() == Some("containerd-shim-twig-v2"))
+                    && argv.iter().any(|a| a.contains(dir.as_str()))
+            })
+            .map(|(pid, _)| pid)
+            .collect()
+    }
+
     /// The CNI network namespaces mounted now (`…/netns/cni-…`).
     pub fn cni_netns() -> Vec<PathBuf> {
         let table = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();

@@ -536,6 +536,68 @@ fn twig_pod_whose_policy_allows_its_subnet_through_cri() {
     });
 }
 
+/// A twig pod whose shim is killed: containerd's `delete` of the dead
+/// shim tears the pod's network path down (its pins recorded in the
+/// shim's state), and StopPodSandbox + RemovePodSandbox leave nothing.
+#[test]
+fn a_twig_pod_whose_shim_died_leaves_no_network_behind() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| panic!("a tokio runtime: {e}"));
+    rt.block_on(async {
+        let t0 = Instant::now();
+        let node = CriNode::start().unwrap_or_else(|e| panic!("CRI node: {e}"));
+        let cri = node.client().await.unwrap_or_else(|e| panic!("{e}"));
+        let fail = |what: &str, e: twig_cri::Error| -> ! { panic!("{}", node.cri_error(what, e)) };
+        let pod = node.pod_config("orphan").unwrap_or_else(|e| panic!("{e}"));
+        let pod_id = cri
+            .run_pod_sandbox(&pod, "twig")
+            .await
+            .unwrap_or_else(|e| fail("RunPodSandbox", e));
+        let ip = cri
+            .pod_ip(&pod_id)
+            .await
+            .unwrap_or_else(|e| fail("the pod's IP", e));
+        ping(ip, Duration::from_secs(30)).unwrap_or_else(|e| panic!("{e}"));
+        let pinned = node.pinned_pod_networks();
+        assert_eq!(pinned.len(), 1, "one pod, one pinned path: {pinned:?}");
+        let vmms = node.pod_vmms();
+        let shims = node.twig_shims();
+        assert_eq!(shims.len(), 1, "one pod, one shim: {shims:?}");
+        step(t0, "a networked twig pod");
+        for pid in &shims {
+            let pid = i32::try_from(*pid).unwrap_or_else(|e| panic!("pid {pid}: {e}"));
+            nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            )
+            .unwrap_or_else(|e| panic!("killing the shim {pid}: {e}"));
+        }
+        step(t0, "its shim killed");
+        cri.stop_pod_sandbox(&pod_id)
+            .await
+            .unwrap_or_else(|e| fail("StopPodSandbox", e));
+        cri.remove_pod_sandbox(&pod_id)
+            .await
+            .unwrap_or_else(|e| fail("RemovePodSandbox", e));
+        let deadline = Instant::now() + GONE;
+        loop {
+            let left = node.leftovers(&vmms);
+            if left.is_empty() {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "left behind {GONE:?} after the shim died and the pod was removed: {left:#?}\n{}",
+                node.node().logs()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        step(t0, "nothing left behind");
+    });
+}
+
 #[test]
 fn runc_pod_with_three_containers_through_cri() {
     pod_lifecycle(Expect {
