@@ -159,6 +159,21 @@ impl Cgroup {
         write(&self.dir.join("cgroup.procs"), &pid.to_string())
     }
 
+    /// SIGKILLs every process in the cgroup (`cgroup.kill`, Linux 5.14;
+    /// before that, each pid of `cgroup.procs`).
+    pub fn kill_all(&self) {
+        if write(&self.dir.join("cgroup.kill"), "1").is_ok() {
+            return;
+        }
+        let procs = std::fs::read_to_string(self.dir.join("cgroup.procs")).unwrap_or_default();
+        for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+
     /// How many processes its memory limit has OOM-killed so far.
     pub fn oom_kills(&self) -> u64 {
         let path = self.dir.join("memory.events");

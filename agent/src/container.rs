@@ -211,6 +211,23 @@ impl Container {
         )?;
         let pid = process.pid;
         self.own_pid_ns = plan.clone_flags.contains(CloneFlags::CLONE_NEWPID);
+        // As runc's shim does: a container that shares a pid namespace
+        // (the pod's, with CRI's default) loses every other process when
+        // its init exits, as one with its own namespace does by the
+        // kernel's rule; otherwise an orphan holds its output open and
+        // keeps running unseen.
+        if !self.own_pid_ns {
+            let (id, cgroup) = (self.id.clone(), self.cgroup.clone());
+            process.exit.on_exit(move |_| {
+                tracing::debug!(id, "init exited: killing the rest of the container");
+                match cgroup {
+                    Some(cgroup) => cgroup.kill_all(),
+                    // No cgroup (an agent on a host, for tests): what
+                    // stayed in init's session (execs have their own).
+                    None => kill_session(pid),
+                }
+            });
+        }
         self.state = State::Started(process);
         Ok(u32::try_from(pid).unwrap_or_default())
     }
@@ -425,9 +442,17 @@ pub fn unmount_rootfs(target: &Path) -> Result<()> {
 struct ProcEntry {
     pid: i32,
     ppid: i32,
+    session: i32,
     utime: u64,
     stime: u64,
     rss_pages: u64,
+}
+
+/// SIGKILLs every process of session `sid`.
+fn kill_session(sid: i32) {
+    for e in proc_table().iter().filter(|e| e.session == sid) {
+        let _ = kill(Pid::from_raw(e.pid), Signal::SIGKILL);
+    }
 }
 
 fn proc_table() -> Vec<ProcEntry> {
@@ -447,10 +472,12 @@ fn proc_table() -> Vec<ProcEntry> {
 fn parse_stat(pid: i32, stat: &str) -> Option<ProcEntry> {
     let rest = &stat[stat.rfind(')')? + 2..];
     let f: Vec<&str> = rest.split_whitespace().collect();
-    // After the command: state(0) ppid(1) ... utime(11) stime(12) ... rss(21)
+    // After the command: state(0) ppid(1) pgrp(2) session(3) ... utime(11)
+    // stime(12) ... rss(21)
     Some(ProcEntry {
         pid,
         ppid: f.get(1)?.parse().ok()?,
+        session: f.get(3)?.parse().ok()?,
         utime: f.get(11)?.parse().ok()?,
         stime: f.get(12)?.parse().ok()?,
         rss_pages: f.get(21)?.parse().ok()?,
@@ -504,6 +531,11 @@ impl Registry {
                 Err(e)
             }
         }
+    }
+
+    /// Every container created so far.
+    pub fn all(&self) -> Vec<Arc<Mutex<Container>>> {
+        lock(&self.containers).values().flatten().cloned().collect()
     }
 
     /// Forgets a container.

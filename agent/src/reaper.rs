@@ -23,11 +23,23 @@ pub struct Exit {
     pub signal: i32,
 }
 
+/// What runs once a child has exited.
+type OnExit = Box<dyn FnOnce(Exit) + Send>;
+
 /// Where the reaper records one child's exit.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct ExitCell {
     exit: Mutex<Option<Exit>>,
     cv: Condvar,
+    on_exit: Mutex<Option<OnExit>>,
+}
+
+impl std::fmt::Debug for ExitCell {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExitCell")
+            .field("exit", &self.get())
+            .finish_non_exhaustive()
+    }
 }
 
 impl ExitCell {
@@ -56,9 +68,30 @@ impl ExitCell {
         }
     }
 
+    /// Runs `f` once the process has exited (at once if it has), on the
+    /// reaper's thread: it must be quick and must not wait for a child.
+    pub fn on_exit(&self, f: impl FnOnce(Exit) + Send + 'static) {
+        // Under the exit's lock, so `set` cannot slip in between.
+        let exit = lock(&self.exit);
+        match *exit {
+            Some(e) => {
+                drop(exit);
+                f(e);
+            }
+            None => *lock(&self.on_exit) = Some(Box::new(f)),
+        }
+    }
+
     fn set(&self, exit: Exit) {
-        *lock(&self.exit) = Some(exit);
+        let then = {
+            let mut guard = lock(&self.exit);
+            *guard = Some(exit);
+            lock(&self.on_exit).take()
+        };
         self.cv.notify_all();
+        if let Some(f) = then {
+            f(exit);
+        }
     }
 }
 
@@ -168,6 +201,25 @@ impl Reaper {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn on_exit_runs_once_whether_set_before_or_after() {
+        let ran = Arc::new(Mutex::new(Vec::new()));
+        let exit = Exit {
+            status: 3,
+            signal: 0,
+        };
+        let before = ExitCell::default();
+        let r = ran.clone();
+        before.on_exit(move |e| lock(&r).push(("before", e)));
+        assert!(lock(&ran).is_empty());
+        before.set(exit);
+        let after = ExitCell::default();
+        after.set(exit);
+        let r = ran.clone();
+        after.on_exit(move |e| lock(&r).push(("after", e)));
+        assert_eq!(*lock(&ran), [("before", exit), ("after", exit)]);
+    }
 
     #[test]
     fn exit_cell_times_out_then_reports() {

@@ -89,6 +89,28 @@ pub fn apply(req: &ReidentifyRequest) -> Result<u64> {
     Ok(previous)
 }
 
+/// Sets `hostname` in the UTS namespace of the running process `pid` (a
+/// restored pod's container with its own UTS namespace keeps the hostname
+/// of the pod it was snapshotted in otherwise), from a short-lived thread
+/// that joins the namespace, so the agent's own threads stay where they are.
+pub fn set_hostname_of(pid: i32, hostname: &str) -> Result<()> {
+    let path = format!("/proc/{pid}/ns/uts");
+    let ns =
+        std::fs::File::open(&path).map_err(|e| AgentError::sys(format!("opening {path}"), e))?;
+    let name = hostname.to_string();
+    std::thread::Builder::new()
+        .name("set-hostname".into())
+        .spawn(move || -> Result<()> {
+            nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWUTS)
+                .map_err(|e| AgentError::sys(format!("joining {path}"), e))?;
+            nix::unistd::sethostname(&name)
+                .map_err(|e| AgentError::sys(format!("setting hostname {name:?} in {path}"), e))
+        })
+        .map_err(|e| AgentError::sys("starting a thread to set a container's hostname", e))?
+        .join()
+        .map_err(|_| AgentError::Internal("the thread setting a hostname panicked".into()))?
+}
+
 fn configure_interface(req: &ReidentifyRequest) -> Result<()> {
     let ifname = req.interface.as_str();
     let net = |what: &str, e: std::io::Error| AgentError::sys(format!("{ifname}: {what}"), e);
@@ -153,6 +175,49 @@ mod tests {
 
     fn req() -> ReidentifyRequest {
         ReidentifyRequest::default()
+    }
+
+    #[test]
+    fn a_process_in_its_own_uts_namespace_gets_the_new_hostname() {
+        assert!(
+            nix::unistd::geteuid().is_root(),
+            "this test needs root (setns, sethostname)"
+        );
+        let ours = nix::unistd::gethostname().unwrap();
+        let mut child = std::process::Command::new("unshare")
+            .args(["--uts", "sleep", "1000"])
+            .spawn()
+            .unwrap();
+        let pid = i32::try_from(child.id()).unwrap();
+        let own_ns = std::fs::read_link("/proc/self/ns/uts").unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while std::fs::read_link(format!("/proc/{pid}/ns/uts")).ok() == Some(own_ns.clone())
+            || !std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| c.starts_with(b"sleep"))
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "unshare did not start"
+            );
+            std::thread::yield_now();
+        }
+        set_hostname_of(pid, "clone-7").unwrap();
+        let out = std::process::Command::new("nsenter")
+            .args(["-t", &pid.to_string(), "-u", "hostname"])
+            .output()
+            .unwrap();
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "clone-7");
+        assert_eq!(
+            nix::unistd::gethostname().unwrap(),
+            ours,
+            "ours is untouched"
+        );
+        let e = set_hostname_of(pid, "clone-8").unwrap_err();
+        assert!(
+            e.to_string().contains(&format!("/proc/{pid}/ns/uts")),
+            "{e}"
+        );
     }
 
     #[test]

@@ -356,13 +356,37 @@ impl Agent for AgentService {
         _ctx: &TtrpcContext,
         req: ReidentifyRequest,
     ) -> ttrpc::Result<ReidentifyResponse> {
-        reply(
-            "Reidentify",
-            crate::reidentify::apply(&req).map(|previous| ReidentifyResponse {
+        let r = crate::reidentify::apply(&req).and_then(|previous| {
+            self.rename_containers(&req.hostname)?;
+            Ok(ReidentifyResponse {
                 previous_realtime_ns: previous,
                 ..Default::default()
-            }),
-        )
+            })
+        });
+        reply("Reidentify", r)
+    }
+}
+
+impl AgentService {
+    /// Gives `hostname` to every running container that has a hostname of
+    /// its own (its own UTS namespace, a pod's sandbox container): after a
+    /// clone, the restored pod's containers answer with the clone's name.
+    fn rename_containers(&self, hostname: &str) -> Result<()> {
+        if hostname.is_empty() {
+            return Ok(());
+        }
+        for c in self.containers.all() {
+            let pid = {
+                let c = lock(&c);
+                let own = c.spec.hostname().as_deref().is_some_and(|h| !h.is_empty());
+                match &c.state {
+                    State::Started(p) if own && p.exited().is_none() => p.pid,
+                    _ => continue,
+                }
+            };
+            crate::reidentify::set_hostname_of(pid, hostname)?;
+        }
+        Ok(())
     }
 }
 

@@ -509,3 +509,39 @@ fn reidentify_in_private_namespaces() {
     assert_eq!(e.status_code(), Some("INVALID_ARGUMENT"), "{e}");
     c.ping(T).unwrap();
 }
+
+/// runc's rule: when the init of a container without a pid namespace of
+/// its own exits (CRI's default shares the pod's), the container's other
+/// processes are killed — else an orphan keeps its output open and runs
+/// on unseen. With its own pid namespace the kernel does the same.
+#[test]
+fn an_inits_exit_ends_the_rest_of_its_container() {
+    let image = Image::new();
+    let agent = Agent::start();
+    let c = agent.client();
+    let script = "sleep 1000 & echo $! > /dev/shm/orphan 2>/dev/null; echo started; exit 0";
+    let shared =
+        json!({"linux": {"namespaces": [{"type": "uts"}, {"type": "ipc"}, {"type": "mount"}]}});
+    for (id, extra) in [("shared-pidns", shared), ("own-pidns", json!({}))] {
+        c.create_container(
+            id,
+            &image.device,
+            false,
+            &spec(&["sh", "-c", script], extra),
+            T,
+        )
+        .unwrap();
+        c.start_container(id, T).unwrap();
+        assert_eq!(c.wait_exit(id, "", T).unwrap().status, 0, "{id}");
+        // Closed at once: the orphaned sleep held the output before.
+        let started = std::time::Instant::now();
+        let out = c
+            .read_to_end(id, "", Stream::Stdout, Duration::from_secs(10))
+            .unwrap_or_else(|e| panic!("{id}: {e}\n{}", agent.log()));
+        assert_eq!(out, b"started\n", "{id}");
+        assert!(started.elapsed() < Duration::from_secs(5), "{id}");
+        let stats = c.stats(id, T).unwrap();
+        assert_eq!(stats.process_count, 0, "{id}: {stats:?}");
+        c.remove_container(id, T).unwrap();
+    }
+}

@@ -686,6 +686,7 @@ mod tests {
         );
         assert!(c.contains("address = \"/n/containerd/containerd.sock\""));
         assert!(c.contains("runtime_type = \"io.containerd.twig.v2\""));
+        assert!(c.contains("pod_annotations = [\"twig.dev/*\"]"));
         assert!(c.contains("runtime_type = \"io.containerd.runc.v2\""));
         assert!(c.contains("snapshotter = \"twig\""));
     }

@@ -355,29 +355,3 @@ fn a_snapshot_into_a_full_store_fails_cleanly_and_the_pod_runs_on() {
     assert_eq!(info.snapshot_id, "full-1");
     node.ctr_ok(["task", "kill", "-s", "KILL", id]).unwrap();
 }
-
-#[test]
-fn restore_from_is_refused_with_a_clear_error_until_pool_vms_can_take_slot_files() {
-    let node = node(None);
-    let out = node
-        .ctr([
-            "run",
-            "-d",
-            "--runtime",
-            Runtime::Twig.name(),
-            "--snapshotter",
-            "twig",
-            "--annotation",
-            "twig.dev/restore-from=e2e-any-snapshot",
-            IMAGE_REF,
-            "svc-restore",
-            "sleep",
-            "1000",
-        ])
-        .unwrap_or_else(|e| panic!("ctr run -d: {e}\n{}", node.logs()));
-    assert!(!out.status.success(), "restore-from ran: {out}");
-    assert!(
-        out.stderr.contains("twig.dev/restore-from") && out.stderr.contains("slot"),
-        "not a clear refusal: {out}"
-    );
-}

@@ -12,6 +12,7 @@ pub mod network;
 pub mod pod;
 pub mod process;
 pub mod recover;
+pub mod restore;
 pub mod sandbox;
 pub mod server;
 pub mod service;

@@ -142,8 +142,9 @@ pub type Death = tokio::sync::oneshot::Receiver<String>;
 /// Makes the sandbox when a shim's first container is created.
 pub trait Launcher: Send + Sync {
     /// Starts the sandbox for group `sandbox_id`, whose first container's
-    /// bundle is `bundle`.
-    fn launch(&self, sandbox_id: &str, bundle: &Path) -> Result<Arc<dyn Sandbox>>;
+    /// bundle is `bundle` and rootfs block image `rootfs` (under CRI, the
+    /// pod's sandbox container).
+    fn launch(&self, sandbox_id: &str, bundle: &Path, rootfs: &Path) -> Result<Arc<dyn Sandbox>>;
 }
 
 /// A twig-agent on the host (`twig-agent --listen unix://…`): rootfs images
@@ -267,7 +268,12 @@ impl Sandbox for HostSandbox {
 pub struct Fixed(pub Arc<dyn Sandbox>);
 
 impl Launcher for Fixed {
-    fn launch(&self, _sandbox_id: &str, _bundle: &Path) -> Result<Arc<dyn Sandbox>> {
+    fn launch(
+        &self,
+        _sandbox_id: &str,
+        _bundle: &Path,
+        _rootfs: &Path,
+    ) -> Result<Arc<dyn Sandbox>> {
         Ok(self.0.clone())
     }
 }

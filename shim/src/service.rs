@@ -191,9 +191,9 @@ impl TaskService {
                 None => {
                     let group = spec::grouping(&req.id, &oci);
                     let launcher = self.inner.launcher.clone();
-                    let b = bundle.clone();
+                    let (b, rootfs) = (bundle.clone(), image.clone());
                     let s = timer
-                        .vm(blocking(move || launcher.launch(&group, &b)))
+                        .vm(blocking(move || launcher.launch(&group, &b, &rootfs)))
                         .await?;
                     if let Some(death) = s.death() {
                         self.watch_vm(death);

@@ -20,6 +20,7 @@ use twig_vmm::api::Client;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::network::{self, Joiner, PodNet};
+use crate::restore::{self, SnapshotSource};
 use crate::sandbox::{Attachment, Death, Launcher, Restored, Sandbox, VmRollback, VmSnapshot};
 use crate::spec;
 
@@ -28,9 +29,7 @@ use crate::spec;
 /// template.
 pub const TEMPLATE_ANNOTATION: &str = "twig.dev/template";
 
-/// The pod annotation naming a pod snapshot of the node store to restore
-/// the sandbox from (the Clone CRD's pods).
-pub const RESTORE_FROM_ANNOTATION: &str = "twig.dev/restore-from";
+pub use crate::restore::RESTORE_FROM_ANNOTATION;
 
 /// The least deadline of a snapshot or rollback call: they copy guest
 /// memory and disks, which takes seconds on a loaded node.
@@ -59,16 +58,8 @@ impl VmLauncher {
 }
 
 impl Launcher for VmLauncher {
-    fn launch(&self, sandbox_id: &str, bundle: &Path) -> Result<Arc<dyn Sandbox>> {
+    fn launch(&self, sandbox_id: &str, bundle: &Path, rootfs: &Path) -> Result<Arc<dyn Sandbox>> {
         let spec = spec::read_spec(bundle)?;
-        if let Some(snapshot) = spec::annotation(&spec, RESTORE_FROM_ANNOTATION) {
-            return Err(Error::Unimplemented(format!(
-                "{RESTORE_FROM_ANNOTATION}: {snapshot}: a VM from the node daemon's pool cannot \
-                 restore a pod snapshot yet: the snapshot's attached disk slots need files at \
-                 restore, and twig-vmm takes them only when it starts (--slot-file), which \
-                 neither AcquireVm nor twig-vmm's restore request carries"
-            )));
-        }
         let template = spec::annotation(&spec, TEMPLATE_ANNOTATION).unwrap_or_default();
         // Checked before a VM is taken: a pod whose network cannot be
         // filtered is refused, never run unfiltered.
@@ -84,12 +75,14 @@ impl Launcher for VmLauncher {
             }
             None => None,
         };
-        tracing::info!(sandbox_id, template, state = %self.state_dir.display(), network = network.is_some(), "starting the sandbox VM");
+        let restore_from = spec::annotation(&spec, RESTORE_FROM_ANNOTATION);
+        tracing::info!(sandbox_id, template, restore_from, state = %self.state_dir.display(), network = network.is_some(), "starting the sandbox VM");
         Ok(Arc::new(VmSandbox::start(
             &self.config,
             &self.state_dir,
             sandbox_id,
             template,
+            restore_from.map(|id| (id, &spec, rootfs)),
             network,
         )?))
     }
@@ -154,6 +147,9 @@ pub struct VmSandbox {
     /// The shim's state directory of the pod (`vmm.pid`), removed once
     /// the VMM is gone.
     state_dir: PathBuf,
+    /// Containers of the pod snapshot the VM was restored from (restore-
+    /// from) not adopted yet.
+    restored: Mutex<Vec<Restored>>,
     /// The pod's network attached to the VM, torn down once it stopped.
     network: Mutex<Option<PodNet>>,
 }
@@ -176,13 +172,17 @@ fn vmm_error(what: impl Into<String>) -> impl FnOnce(twig_vmm::api::ClientError)
 
 impl VmSandbox {
     /// Takes a prepared VMM from the node daemon (`config.node_socket`),
-    /// restores the template it names into it and connects to its agent.
-    /// On failure the VMM is killed.
+    /// restores the template it names into it — or, with `restore_from`
+    /// (a snapshot id, the sandbox's spec and its rootfs image), that pod
+    /// snapshot of the
+    /// template's store, then gives the clone its own identity — and
+    /// connects to its agent. On failure the VMM is killed.
     pub fn start(
         config: &Config,
         state_dir: &Path,
         sandbox_id: &str,
         template: &str,
+        restore_from: Option<(&str, &serde_json::Value, &Path)>,
         network: Option<NetworkSetup>,
     ) -> Result<VmSandbox> {
         std::fs::create_dir_all(state_dir)
@@ -204,13 +204,44 @@ impl VmSandbox {
         // Opened now: twig-node removes the VMM's directory once it reaped
         // it, and a death is explained with what these files say.
         let logs = VmLogs::open(&vm_dir);
+        let source = restore_from
+            .map(|(id, oci, rootfs)| {
+                SnapshotSource::open(Path::new(&vm.template_dir), id, oci, sandbox_id, rootfs)
+            })
+            .transpose()?;
         let (mut api, agent) = Self::restore(
-            Path::new(&vm.template_dir),
+            source
+                .as_ref()
+                .map_or(Path::new(&vm.template_dir), |s| &s.dir),
+            source.as_ref().map_or(&[][..], |s| &s.slots),
             Path::new(&vm.api_socket),
             Path::new(&vm.vsock_socket),
             timeout,
         )
         .map_err(|e| with_vm_logs(e, &vm_dir))?;
+        let mut slots = vec![false; vm.disk_slots as usize];
+        let mut restored = Vec::new();
+        if let Some(source) = source {
+            agent
+                .reidentify(&restore::identity(&source.hostname)?, timeout)
+                .map_err(|e| {
+                    Error::agent(format!("giving the clone of {} its identity", source.id), e)
+                })?;
+            for s in source.slot_numbers() {
+                if let Some(used) = slots.get_mut(s) {
+                    *used = true;
+                }
+            }
+            tracing::info!(
+                snapshot = source.id,
+                hostname = source.hostname,
+                adopt = source.restored.len(),
+                "restored from a pod snapshot"
+            );
+            restored = source.restored;
+        }
+        // After every restore (template or pod snapshot), before the first
+        // container: the pod's own network identity.
         let pod_net = network
             .as_ref()
             .map(|setup| join_network(setup, state_dir, &mut api, &agent, timeout))
@@ -253,29 +284,34 @@ impl VmSandbox {
             }),
             vsock: PathBuf::from(&vm.vsock_socket),
             template_dir: PathBuf::from(&vm.template_dir),
-            slots: Mutex::new(vec![false; vm.disk_slots as usize]),
+            slots: Mutex::new(slots),
             timeout,
             stopping,
             death: Mutex::new(death),
             state_dir: state_dir.to_path_buf(),
             network: Mutex::new(pod_net),
+            restored: Mutex::new(restored),
         })
     }
 
-    /// Restores `template` into the VMM serving `api_sock` and waits for
-    /// its agent on `vsock`.
+    /// Restores `dir` (a template, or a pod snapshot with the images of
+    /// its attached slots, `slots`) into the VMM serving `api_sock` and
+    /// waits for its agent on `vsock`.
     fn restore(
-        template: &Path,
+        dir: &Path,
+        slots: &[(usize, PathBuf, File)],
         api_sock: &Path,
         vsock: &Path,
         timeout: Duration,
     ) -> Result<(Client, AgentClient)> {
         let mut api =
             Client::connect(api_sock, timeout).map_err(vmm_error("connecting to twig-vmm"))?;
-        api.restore(template, timeout).map_err(vmm_error(format!(
-            "restoring the template {}",
-            template.display()
-        )))?;
+        let sent: Vec<(usize, &Path, &File)> = slots
+            .iter()
+            .map(|(s, name, file)| (*s, name.as_path(), file))
+            .collect();
+        api.restore_with(dir, &sent, timeout)
+            .map_err(vmm_error(format!("restoring {}", dir.display())))?;
         // A connection made while the restored guest is still handling the
         // vsock transport reset that every restore sends is reset with it:
         // retry the handshake and a ping until the agent answers.
@@ -793,10 +829,10 @@ impl Sandbox for VmSandbox {
         })
     }
 
-    fn take_restored(&self, _name: &str) -> Option<Restored> {
-        // Restore-from is refused at launch (see RESTORE_FROM_ANNOTATION):
-        // a pool VM always starts from a template, with nothing to adopt.
-        None
+    fn take_restored(&self, name: &str) -> Option<Restored> {
+        let mut restored = self.restored.lock().unwrap_or_else(|p| p.into_inner());
+        let i = restored.iter().position(|r| r.name == name)?;
+        Some(restored.remove(i))
     }
 }
 

@@ -123,7 +123,7 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
         ..Config::default()
     };
     let state = dir.path().join("shim-state");
-    let e = VmSandbox::start(&config, &state, "sb", "tiny", None)
+    let e = VmSandbox::start(&config, &state, "sb", "tiny", None, None)
         .err()
         .expect("the test guest has no agent");
     assert!(matches!(e, Error::Agent { .. }), "{e}");
@@ -142,11 +142,38 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
     });
 
     // An app template the node does not hold keeps its errdefs code.
-    let e = VmSandbox::start(&config, &state, "sb", "absent", None)
+    let e = VmSandbox::start(&config, &state, "sb", "absent", None, None)
         .err()
         .expect("no such template");
     assert!(matches!(e, Error::NotFound(_)), "{e}");
     assert!(e.to_string().contains("\"absent\""), "{e}");
+
+    // Restore-from fails after the acquisition (this store cannot reflink,
+    // so the shim does not use it): the handed-over VMM is killed too.
+    let oci = serde_json::json!({"hostname": "clone"});
+    let e = VmSandbox::start(
+        &config,
+        &state,
+        "sb",
+        "tiny",
+        Some((
+            "no-such-snapshot",
+            &oci,
+            Path::new("/nonexistent/rootfs.img"),
+        )),
+        None,
+    )
+    .err()
+    .expect("no usable snapshot");
+    assert!(e.to_string().contains("twig.dev/restore-from"), "{e}");
+    assert!(
+        !state.join("vmm.pid").exists(),
+        "the failed start left its state"
+    );
+    let pid = handed_pid(&dir.path().join("node.log"));
+    wait_until("the handed-over VMM is killed and reaped", || {
+        !Path::new(&format!("/proc/{pid}")).exists()
+    });
 }
 
 /// The pid of the last VMM twig-node's log says it handed over (the log

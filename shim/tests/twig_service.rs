@@ -8,6 +8,8 @@
 //! Task service reports after a lost VM. Real VMs are checked in the lab
 //! (`e2e/tests/twig_service.rs`). Needs root (loop devices, mounts).
 
+use std::io::{Read, Seek, Write};
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -27,6 +29,7 @@ use tokio::sync::mpsc;
 use twig_agent::client::AgentClient;
 use twig_proto::twig as pb;
 use twig_proto::twig_ttrpc::TwigClient;
+use twig_shim::restore::SnapshotSource;
 use twig_shim::sandbox::{
     Attachment, Fixed, HostSandbox, Restored, Sandbox, VmRollback, VmSnapshot,
 };
@@ -34,7 +37,7 @@ use twig_shim::server::task_services;
 use twig_shim::service::{Event, TaskService};
 use twig_shim::twig_service::{SnapshotContainer, TwigService, CONTAINERS_LABEL, SANDBOX_LABEL};
 use twig_shim::{Error, Result};
-use twig_store::{Kind, Manifest, NodeStore};
+use twig_store::{Artefact, Kind, Manifest, NodeStore};
 use twig_vmm::api::ClientError;
 use twig_vmm::ErrorKind;
 
@@ -723,4 +726,148 @@ async fn a_restored_container_is_adopted_by_its_name() {
         ..Default::default()
     };
     task.kill(ctx(), &kill).await.expect("kill the new one");
+}
+
+/// A published snapshot `id` of `store` with `state` and `memory`, the
+/// disks `disks` and the labels `labels`.
+fn publish(store: &NodeStore, id: &str, disks: &[(usize, &[u8])], labels: &[(&str, &str)]) {
+    let mut s = store.stage(id).unwrap();
+    s.put_bytes(Artefact::State, b"state").unwrap();
+    s.put_bytes(Artefact::Memory, b"memory").unwrap();
+    for (i, bytes) in disks {
+        s.put_bytes(Artefact::Disk(*i), bytes).unwrap();
+    }
+    for (k, v) in labels {
+        s.set_label(k, v);
+    }
+    s.publish().unwrap();
+}
+
+#[test]
+fn restore_from_reads_the_pod_snapshot_and_reflinks_its_disks_into_anonymous_files() {
+    let xfs = LoopXfs::new(320);
+    let store = NodeStore::open(&xfs.path().join("vm"), false).unwrap();
+    publish(&store, "tpl", &[], &[]);
+    let tpl = store.snapshot_dir("tpl");
+    let containers = serde_json::to_string(&[
+        SnapshotContainer {
+            id: "src".into(),
+            name: None,
+            slot: Some(2),
+            running: true,
+        },
+        SnapshotContainer {
+            id: "c1".into(),
+            name: Some("counter".into()),
+            slot: Some(1),
+            running: true,
+        },
+        SnapshotContainer {
+            id: "c2".into(),
+            name: Some("done".into()),
+            slot: Some(0),
+            running: false,
+        },
+    ])
+    .unwrap();
+    let disk1 = vec![0x5au8; 64 * 1024];
+    let disk0 = vec![0x11u8; 4096];
+    publish(
+        &store,
+        "pod-snap",
+        &[(0, &disk0), (1, &disk1)],
+        &[(SANDBOX_LABEL, "src"), (CONTAINERS_LABEL, &containers)],
+    );
+    // The new pod's sandbox rootfs: it stands in for the snapshotted
+    // sandbox container's read-only one (slot 2, not copied).
+    let pause = xfs.path().join("pause.img");
+    std::fs::write(&pause, [0x33u8; 8192]).unwrap();
+    let tmp = xfs.path().join("vm/tmp");
+    let before: Vec<_> = std::fs::read_dir(&tmp).unwrap().collect();
+
+    let oci = json!({"hostname": "clone-1"});
+    let src =
+        SnapshotSource::open(&tpl, "pod-snap", &oci, "sb", &pause).expect("open the snapshot");
+    assert_eq!(src.id, "pod-snap");
+    assert_eq!(src.dir, store.snapshot_dir("pod-snap"));
+    assert_eq!(src.hostname, "clone-1");
+    assert_eq!(
+        src.restored,
+        vec![Restored {
+            guest_id: "c1".into(),
+            name: "counter".into(),
+            slot: 1,
+        }],
+        "only running containers with a CRI name are adopted"
+    );
+    assert_eq!(src.slot_numbers().collect::<Vec<_>>(), vec![2, 1, 0]);
+    let (_, name, stand_in) = &src.slots[0];
+    assert_eq!(name, &pause);
+    let mut bytes = Vec::new();
+    stand_in
+        .try_clone()
+        .unwrap()
+        .read_to_end(&mut bytes)
+        .unwrap();
+    assert_eq!(bytes, [0x33u8; 8192], "the new sandbox's rootfs, read-only");
+    assert!(stand_in.try_clone().unwrap().write_all(b"x").is_err());
+    for (slot, _, file) in &src.slots[1..] {
+        let mut bytes = Vec::new();
+        let mut f = file.try_clone().unwrap();
+        f.rewind().unwrap();
+        f.read_to_end(&mut bytes).unwrap();
+        assert_eq!(
+            bytes,
+            if *slot == 1 {
+                disk1.clone()
+            } else {
+                disk0.clone()
+            }
+        );
+        f.write_all_at(b"the clone writes", 0).unwrap();
+    }
+    assert_eq!(
+        std::fs::read(store.snapshot_dir("pod-snap").join("disk1")).unwrap(),
+        disk1,
+        "the snapshot's disk is not the pod's"
+    );
+    assert_eq!(
+        std::fs::read_dir(&tmp).unwrap().count(),
+        before.len(),
+        "the pod's copies have no names: nothing is left behind"
+    );
+    // Without a hostname in the spec, the sandbox id.
+    let src2 = SnapshotSource::open(&tpl, "pod-snap", &json!({}), "sb-2", &pause).unwrap();
+    assert_eq!(src2.hostname, "sb-2");
+
+    // Refusals name what is wrong.
+    let e = SnapshotSource::open(&tpl, "nope", &oci, "sb", &pause).unwrap_err();
+    assert_eq!(e.code(), Code::NOT_FOUND, "{e}");
+    assert!(e.to_string().contains("snapshot nope"), "{e}");
+    publish(&store, "not-a-pod", &[], &[]);
+    let e = SnapshotSource::open(&tpl, "not-a-pod", &oci, "sb", &pause).unwrap_err();
+    assert!(e.to_string().contains("not a pod snapshot"), "{e}");
+    publish(
+        &store,
+        "no-disk",
+        &[],
+        &[(
+            CONTAINERS_LABEL,
+            r#"[{"id":"c1","name":"a","slot":0,"running":true}]"#,
+        )],
+    );
+    let e = SnapshotSource::open(&tpl, "no-disk", &oci, "sb", &pause).unwrap_err();
+    assert!(
+        e.to_string().contains("no copy of disk slot 0") && e.to_string().contains("read-only"),
+        "{e}"
+    );
+    let damaged = store.snapshot_dir("pod-snap").join("disk1");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&damaged)
+        .unwrap()
+        .set_len(512)
+        .unwrap();
+    let e = SnapshotSource::open(&tpl, "pod-snap", &oci, "sb", &pause).unwrap_err();
+    assert!(e.to_string().contains("damaged"), "{e}");
 }

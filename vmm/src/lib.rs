@@ -28,5 +28,5 @@ pub use snapshot::Kind;
 pub use virtio::vsock::host_connect;
 pub use vm::{
     open_kvm, DeviceConfig, DiskConfig, NetConfig, NetStats, RollbackInfo, RunState, Shape,
-    SlotInfo, SnapshotInfo, Stats, Vm, VsockConfig, MAX_VCPUS, MIN_MEM,
+    SlotImage, SlotInfo, SnapshotInfo, Stats, Vm, VsockConfig, MAX_VCPUS, MIN_MEM,
 };

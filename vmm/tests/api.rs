@@ -875,3 +875,93 @@ fn template_refuses_without_vsock_and_fails_when_the_guest_never_listens() {
         "nor staged"
     );
 }
+
+#[test]
+fn a_restore_takes_its_slot_images_as_descriptors() {
+    require_kvm();
+    let d = tmp();
+    let kernel: PathBuf = twig_vmm::testguest::write_to(d.path()).unwrap();
+    let rootfs = d.path().join("rootfs.img");
+    std::fs::write(&rootfs, vec![0x77; 256 * 1024]).unwrap();
+    let mut a = Vmm::start(d.path(), "a", &["--disk-slots", "2"]);
+    boot(&mut a, &kernel, 1);
+    a.api.attach_disk(0, &rootfs, false, T).expect("attach");
+    let store = node_store(d.path());
+    let (_, s1) = snapshot(&mut a.api, &store, "s1", Kind::Full).unwrap();
+    a.shutdown();
+
+    // The caller's copy of the slot's disk: distinct bytes, so the restored
+    // VM's next snapshot shows which file the slot serves. Its name is one
+    // the VMM cannot open: only the descriptor reaches it.
+    let mine = d.path().join("mine.img");
+    std::fs::write(&mine, vec![0x42; 256 * 1024]).unwrap();
+    let open_rw = |p: &Path| {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(p)
+            .unwrap()
+    };
+    let name = Path::new("/nonexistent/pod/slot0.img");
+    let mut b = Vmm::start(d.path(), "b", &["--disk-slots", "2"]);
+
+    // Refusals change nothing: the same VMM restores afterwards.
+    let (kind, e) = vmm_err(b.api.restore(&s1, T));
+    assert_eq!(kind, ErrorKind::InvalidRequest);
+    assert!(
+        e.contains("disk slot 0") && e.contains("send an image"),
+        "{e}"
+    );
+    let extra = open_rw(&mine);
+    let (kind, e) = vmm_err(b.api.restore_with(
+        &s1,
+        &[(0, name, &open_rw(&mine)), (1, name, &extra)],
+        T,
+    ));
+    assert_eq!(kind, ErrorKind::InvalidRequest);
+    assert!(
+        e.contains("slot 1") && e.contains("empty in the snapshot"),
+        "{e}"
+    );
+    let (kind, e) = vmm_err(b.api.restore_with(&s1, &[(5, name, &extra)], T));
+    assert_eq!(kind, ErrorKind::InvalidRequest);
+    assert!(e.contains("slot 5") && e.contains("2 disk slots"), "{e}");
+    let read_only = std::fs::File::open(&mine).unwrap();
+    let (kind, e) = vmm_err(b.api.restore_with(&s1, &[(0, name, &read_only)], T));
+    assert_eq!(kind, ErrorKind::InvalidRequest);
+    assert!(e.contains("open read-only"), "{e}");
+    let short = d.path().join("short.img");
+    std::fs::write(&short, vec![0x42; 128 * 1024]).unwrap();
+    let (kind, e) = vmm_err(b.api.restore_with(&s1, &[(0, name, &open_rw(&short))], T));
+    assert_eq!(kind, ErrorKind::InvalidRequest);
+    assert!(e.contains("131072 bytes") && e.contains("262144"), "{e}");
+    // A request announcing an image whose descriptor never came.
+    let err = raw_err(
+        &mut b.raw(),
+        &format!(
+            r#"{{"op":"restore","dir":"{}","slots":[{{"slot":0,"path":"/x.img"}}]}}"#,
+            s1.display()
+        ),
+    );
+    assert_eq!(err.kind, ErrorKind::InvalidRequest);
+    assert!(err.message.contains("file descriptors"), "{}", err.message);
+    assert_eq!(std::fs::read(&mine).unwrap(), vec![0x42; 256 * 1024]);
+
+    let id = b
+        .api
+        .restore_with(&s1, &[(0, name, &open_rw(&mine))], T)
+        .expect("restore with the slot's image sent");
+    assert_eq!(id, "s1");
+    let (_, s2) = snapshot(&mut b.api, &store, "s2", Kind::Full).unwrap();
+    assert_eq!(
+        std::fs::read(s2.join("disk0")).unwrap(),
+        vec![0x42; 256 * 1024],
+        "the slot serves the sent image as it is"
+    );
+    assert_eq!(
+        std::fs::read(&rootfs).unwrap(),
+        vec![0x77; 256 * 1024],
+        "the source's image is untouched"
+    );
+    b.shutdown();
+}

@@ -1,7 +1,7 @@
 //! The client side: a blocking client with a deadline on every call. Async
 //! callers run it on a blocking thread (`tokio::task::spawn_blocking`).
 
-use std::fs::OpenOptions;
+use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, ErrorKind as IoKind, IoSlice, Write};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::fs::MetadataExt;
@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
 
-use super::types::{ApiError, Hello, Reply, Request, Response, MAX_RESPONSE, PROTOCOL_VERSION};
+use super::types::{
+    ApiError, Hello, Reply, Request, Response, RestoreSlot, MAX_RESPONSE, PROTOCOL_VERSION,
+};
 use crate::error::ErrorKind;
 use crate::snapshot::Kind;
 use crate::vm::{RollbackInfo, RunState, SnapshotInfo, Stats};
@@ -147,7 +149,7 @@ impl Client {
         };
         self.conn = Some(BufReader::new(stream));
         let budget = self.connect_timeout;
-        let hello = match self.exchange(&Request::Hello {}, None, deadline, budget)? {
+        let hello = match self.exchange(&Request::Hello {}, &[], deadline, budget)? {
             Reply::Hello(h) => h,
             other => return Err(self.unexpected("hello", &other)),
         };
@@ -189,21 +191,21 @@ impl Client {
 
     /// Sends `req` and returns the VMM's reply, within `timeout`.
     pub fn call(&mut self, req: &Request, timeout: Duration) -> Result<Reply, ClientError> {
-        self.call_with(req, None, timeout)
+        self.call_with(req, &[], timeout)
     }
 
-    /// [`Client::call`], sending `fd` with the request (`SCM_RIGHTS`).
+    /// [`Client::call`], sending `fds` with the request (`SCM_RIGHTS`).
     fn call_with(
         &mut self,
         req: &Request,
-        fd: Option<BorrowedFd<'_>>,
+        fds: &[BorrowedFd<'_>],
         timeout: Duration,
     ) -> Result<Reply, ClientError> {
         let deadline = Instant::now() + timeout;
         if !self.usable() {
             self.reconnect(deadline.min(Instant::now() + self.connect_timeout))?;
         }
-        self.exchange(req, fd, deadline, timeout)
+        self.exchange(req, fds, deadline, timeout)
     }
 
     /// One request and its answer on the open connection; drops the
@@ -211,11 +213,11 @@ impl Client {
     fn exchange(
         &mut self,
         req: &Request,
-        fd: Option<BorrowedFd<'_>>,
+        fds: &[BorrowedFd<'_>],
         deadline: Instant,
         budget: Duration,
     ) -> Result<Reply, ClientError> {
-        let r = self.exchange_inner(req, fd, deadline, budget);
+        let r = self.exchange_inner(req, fds, deadline, budget);
         if !matches!(r, Ok(_) | Err(ClientError::Vmm { .. })) {
             self.conn = None;
         }
@@ -225,7 +227,7 @@ impl Client {
     fn exchange_inner(
         &mut self,
         req: &Request,
-        fd: Option<BorrowedFd<'_>>,
+        fds: &[BorrowedFd<'_>],
         deadline: Instant,
         budget: Duration,
     ) -> Result<Reply, ClientError> {
@@ -245,7 +247,7 @@ impl Client {
         let stream = conn.get_mut();
         let r = stream
             .set_write_timeout(Some(left))
-            .and_then(|_| send(stream, &line, fd));
+            .and_then(|_| send(stream, &line, fds));
         let write_err = match r {
             Ok(()) => None,
             Err(e) if is_timeout(&e) => return Err(timeout(self)),
@@ -340,10 +342,34 @@ impl Client {
     /// Restores the snapshot in `dir` into a new VM and runs it; returns the
     /// snapshot's id.
     pub fn restore(&mut self, dir: &Path, timeout: Duration) -> Result<String, ClientError> {
+        self.restore_with(dir, &[], timeout)
+    }
+
+    /// [`Client::restore`] with an image for each of the snapshot's
+    /// attached disk slots: `(slot, name, file)`, each file opened by the
+    /// caller (read-write for a slot attached read-write) and already
+    /// holding the snapshot's copy of that slot's disk; its descriptor is
+    /// sent with the request (`SCM_RIGHTS`), so a jailed VMM, which cannot
+    /// open the caller's files, serves it. `name` names it (logs, the
+    /// device id).
+    pub fn restore_with(
+        &mut self,
+        dir: &Path,
+        slots: &[(usize, &Path, &File)],
+        timeout: Duration,
+    ) -> Result<String, ClientError> {
         let req = Request::Restore {
             dir: dir.to_path_buf(),
+            slots: slots
+                .iter()
+                .map(|(slot, name, _)| RestoreSlot {
+                    slot: *slot,
+                    path: name.to_path_buf(),
+                })
+                .collect(),
         };
-        match self.call(&req, timeout)? {
+        let fds: Vec<BorrowedFd<'_>> = slots.iter().map(|(_, _, f)| f.as_fd()).collect();
+        match self.call_with(&req, &fds, timeout)? {
             Reply::Restored { id } => Ok(id),
             other => Err(self.unexpected("restore", &other)),
         }
@@ -450,7 +476,8 @@ impl Client {
             read_only,
             fd: file.is_some(),
         };
-        match self.call_with(&req, file.as_ref().map(AsFd::as_fd), timeout)? {
+        let fds: Vec<BorrowedFd<'_>> = file.iter().map(AsFd::as_fd).collect();
+        match self.call_with(&req, &fds, timeout)? {
             Reply::DiskAttached { slot: s } if s == slot => Ok(()),
             other => Err(self.unexpected("attach_disk", &other)),
         }
@@ -472,7 +499,7 @@ impl Client {
         tap: BorrowedFd<'_>,
         timeout: Duration,
     ) -> Result<String, ClientError> {
-        match self.call_with(&Request::AttachNet {}, Some(tap), timeout)? {
+        match self.call_with(&Request::AttachNet {}, &[tap], timeout)? {
             Reply::NetAttached { tap } => Ok(tap),
             other => Err(self.unexpected("attach_net", &other)),
         }
@@ -487,12 +514,12 @@ impl Client {
     }
 }
 
-/// Writes all of `line` to `stream`, `fd` (if any) with its first bytes.
-fn send(stream: &mut UnixStream, line: &[u8], fd: Option<BorrowedFd<'_>>) -> std::io::Result<()> {
-    let Some(fd) = fd else {
+/// Writes all of `line` to `stream`, `fds` (if any) with its first bytes.
+fn send(stream: &mut UnixStream, line: &[u8], fds: &[BorrowedFd<'_>]) -> std::io::Result<()> {
+    if fds.is_empty() {
         return stream.write_all(line);
-    };
-    let fds = [fd.as_raw_fd()];
+    }
+    let fds: Vec<_> = fds.iter().map(AsRawFd::as_raw_fd).collect();
     let sent = loop {
         match sendmsg::<()>(
             stream.as_raw_fd(),

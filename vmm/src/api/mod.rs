@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! → {"op":"hello"}
-//! ← {"ok":{"hello":{"protocol":2,"version":"0.1.0"}}}
+//! ← {"ok":{"hello":{"protocol":3,"version":"0.1.0"}}}
 //! → {"op":"boot","kernel":"/path/vmlinux","initrd":"/path/initrd","cmdline":"console=ttyS0","mem_mib":128,"vcpus":1}
 //! ← {"ok":{"state":{"state":"running"}}}
 //! → {"op":"restore","dir":"/store/snapshots/a"}    ← {"ok":{"restored":{"id":"…"}}}
@@ -50,7 +50,8 @@ mod types;
 pub use client::{Client, ClientError};
 pub use server::{bind, Limits, SerialFactory, Server};
 pub use types::{
-    ApiError, Hello, Reply, Request, Response, MAX_REQUEST, MAX_RESPONSE, PROTOCOL_VERSION,
+    ApiError, Hello, Reply, Request, Response, RestoreSlot, MAX_REQUEST, MAX_RESPONSE,
+    PROTOCOL_VERSION,
 };
 
 pub use crate::error::ErrorKind;

@@ -1,6 +1,6 @@
 //! The server side: one VM behind a mutex, a thread per connection.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::fs::File;
 use std::io::{BufRead, BufReader, ErrorKind as IoKind, IoSliceMut, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -12,11 +12,13 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use super::types::{ApiError, Hello, Reply, Request, Response, MAX_REQUEST, PROTOCOL_VERSION};
+use super::types::{
+    ApiError, Hello, Reply, Request, Response, RestoreSlot, MAX_REQUEST, PROTOCOL_VERSION,
+};
 use crate::devices::SerialOut;
 use crate::error::{Error, ErrorKind, Result};
 use crate::snapshot::{self, Kind};
-use crate::vm::{DeviceConfig, DiskConfig, RunState, Shape, Vm};
+use crate::vm::{DeviceConfig, DiskConfig, RunState, Shape, SlotImage, Vm};
 
 /// Makes serial writers for the VMs this server creates.
 pub type SerialFactory = Box<dyn Fn() -> Result<SerialOut> + Send>;
@@ -226,7 +228,8 @@ const MAX_PENDING_FDS: usize = 8;
 
 /// The reading half of an API connection: reads like `read(2)`, and keeps
 /// the file descriptors that come with the bytes (`SCM_RIGHTS`), in order,
-/// for the requests that announce one (`attach_disk` with `fd`).
+/// for the requests that announce one (`attach_disk` with `fd`, `restore`
+/// with `slots`).
 struct FdReader {
     conn: UnixStream,
     fds: VecDeque<OwnedFd>,
@@ -358,14 +361,18 @@ impl Machine {
                     state: RunState::Running,
                 }
             }
-            Request::Restore { dir } => {
+            Request::Restore { dir, slots } => {
+                let sent = sent_slot_images(&slots, fds)?;
                 let image = snapshot::Image::open(&existing_snapshot(&dir)?)?;
                 let shape = Shape {
                     mem_size: image.state.meta.mem_size as usize,
                     vcpus: image.state.meta.vcpus,
                 };
                 let vm = self.fresh_vm(shape)?;
-                if let Err(e) = vm.restore_image(&image).and_then(|_| vm.resume()) {
+                if let Err(e) = vm
+                    .restore_image_with(&image, &sent)
+                    .and_then(|_| vm.resume())
+                {
                     self.vm = None;
                     return Err(e);
                 }
@@ -442,6 +449,39 @@ impl Machine {
             }
         })
     }
+}
+
+/// The images sent for a restore's disk slots: one descriptor of `fds` per
+/// entry of `slots`, in order. Missing descriptors, or a slot named twice,
+/// refuse the request (the descriptors taken are closed).
+fn sent_slot_images(
+    slots: &[RestoreSlot],
+    fds: &mut VecDeque<OwnedFd>,
+) -> Result<BTreeMap<usize, SlotImage>> {
+    if slots.len() > fds.len() {
+        return Err(Error::Config(format!(
+            "restore announces {} disk slot images but {} file descriptors came with it",
+            slots.len(),
+            fds.len()
+        )));
+    }
+    let mut sent = BTreeMap::new();
+    for s in slots {
+        let file = fds.pop_front().map(File::from).ok_or_else(|| {
+            Error::Config("restore: a disk slot image's descriptor is missing".into())
+        })?;
+        let image = SlotImage {
+            name: s.path.clone(),
+            file,
+        };
+        if sent.insert(s.slot, image).is_some() {
+            return Err(Error::Config(format!(
+                "restore sends two images for disk slot {}",
+                s.slot
+            )));
+        }
+    }
+    Ok(sent)
 }
 
 /// A snapshot; a failure after which the VM still runs as before is

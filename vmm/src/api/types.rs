@@ -57,6 +57,14 @@ pub enum Request {
     Restore {
         /// The snapshot directory.
         dir: PathBuf,
+        /// Images for the snapshot's attached disk slots, each the next
+        /// file descriptor sent with this request (`SCM_RIGHTS`, in this
+        /// order), attached as it is (see [`crate::SlotImage`]): how a
+        /// jailed VMM restores a pod snapshot whose containers' disks it
+        /// cannot open. Every attached slot of the snapshot needs one
+        /// (unless the VMM was started with a `--slot-file` for it).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        slots: Vec<RestoreSlot>,
     },
     /// Park the vCPUs ([`Reply::State`]).
     Pause {},
@@ -137,6 +145,16 @@ impl Request {
             Request::TestTrigger {} => "test_trigger",
         }
     }
+}
+
+/// A disk slot's image sent with a [`Request::Restore`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RestoreSlot {
+    /// The slot, `0..` the VMM's `--disk-slots`.
+    pub slot: usize,
+    /// A name for the image (logs, the device id); never opened.
+    pub path: PathBuf,
 }
 
 /// The answer to `hello`.

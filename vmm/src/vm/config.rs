@@ -2,6 +2,7 @@
 //! its operations report.
 
 use std::collections::BTreeMap;
+use std::fs::File;
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
@@ -52,6 +53,21 @@ impl Shape {
         }
         Ok(())
     }
+}
+
+/// A disk slot's image that the caller opened and sent for a restore
+/// ([`super::Vm::restore_image_with`]): how a jailed VMM, which cannot open
+/// the caller's files, gets the disks of a snapshot's attached slots. The
+/// file is attached to the slot as it is: it must already hold the
+/// snapshot's copy of that disk (the caller reflinks the snapshot's
+/// `disk<i>` into it), be the size the snapshot recorded, and be open for
+/// writing if the slot was attached read-write.
+#[derive(Debug)]
+pub struct SlotImage {
+    /// A name for the image (logs, the device id); never opened.
+    pub name: PathBuf,
+    /// The open image.
+    pub file: File,
 }
 
 /// The devices a VM has besides the entropy device every VM gets. Their

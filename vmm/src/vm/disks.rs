@@ -10,6 +10,7 @@
 //! guest's virtio_blk re-reads the capacity; detaching sets the capacity
 //! back to 0 the same way.
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -20,7 +21,7 @@ use crate::error::{Error, Result};
 use crate::snapshot::{DiskMeta, Image};
 use crate::virtio::blk::{scratch_dir, DiskFile, Replacement};
 
-use super::{DiskConfig, RunState, Vm};
+use super::{DiskConfig, RunState, SlotImage, Vm};
 
 /// What a disk slot holds.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -172,9 +173,15 @@ impl Vm {
     /// Refuses a snapshot whose disks do not fit this VM: the number of
     /// fixed disks and of slots, read-only or not, the size of read-only
     /// images (which are not copied, so the same image must be attached);
-    /// for a slot with a file attached in the snapshot, a restore needs the
-    /// file named in `slot_files` and a rollback needs a file attached now.
-    pub(super) fn check_disks(&self, image: &Image) -> Result<()> {
+    /// for a slot with a file attached in the snapshot, a restore needs an
+    /// image in `sent` or the file named in `slot_files`, and a rollback
+    /// needs a file attached now. An image in `sent` (restore only) for a
+    /// slot this VM lacks, or that is empty in the snapshot, is refused.
+    pub(super) fn check_disks(
+        &self,
+        image: &Image,
+        sent: &BTreeMap<usize, SlotImage>,
+    ) -> Result<()> {
         let theirs = &image.state.meta.disks;
         let err = |m: String| Err(Error::snapshot(&image.dir, m));
         let their_first = theirs.iter().take_while(|d| !d.slot).count();
@@ -189,6 +196,28 @@ impl Vm {
             ));
         }
         let restoring = self.state == RunState::Created;
+        if !restoring && !sent.is_empty() {
+            return Err(Error::Config(
+                "disk images are sent only with a restore into a new VM".into(),
+            ));
+        }
+        for (s, img) in sent {
+            match theirs.get(their_first + s) {
+                None => {
+                    return err(format!(
+                        "an image ({}) was sent for disk slot {s}, but the VM has {our_slots} disk slots",
+                        img.name.display()
+                    ))
+                }
+                Some(t) if !t.attached => {
+                    return err(format!(
+                        "an image ({}) was sent for disk slot {s}, which is empty in the snapshot",
+                        img.name.display()
+                    ))
+                }
+                Some(_) => {}
+            }
+        }
         for (i, (t, d)) in theirs.iter().zip(&self.disks).enumerate() {
             if !t.slot {
                 if t.read_only != d.read_only() {
@@ -212,10 +241,13 @@ impl Vm {
                 continue;
             }
             let s = i - our_first;
-            if restoring {
+            if restoring && sent.contains_key(&s) {
+                // The sent image's size and mode are checked when it is
+                // prepared.
+            } else if restoring {
                 let Some(file) = self.slot_files.get(&s) else {
                     return err(format!(
-                        "disk slot {s} has a {} image of {} bytes attached in the snapshot: name the file it goes to in slot_files",
+                        "disk slot {s} has a {} image of {} bytes attached in the snapshot: send an image for it, or name the file it goes to in slot_files",
                         kind(t.read_only),
                         t.size
                     ));
@@ -263,12 +295,17 @@ impl Vm {
     /// Prepares every change restore or rollback makes to the disks,
     /// changing nothing visible: the snapshot's copy of each read-write
     /// image next to the file it replaces (for a slot on restore, the file
-    /// named in `slot_files`), read-only slot images opened, slots to empty.
+    /// named in `slot_files`), read-only slot images opened, slots to empty;
+    /// on restore, an image in `sent` is attached to its slot as it is.
     /// An image attached as a descriptor (a jailed VMM may not reach its
     /// directory) is instead backed up by a reflink into the store's `tmp`,
     /// to get the snapshot's copy reflinked into it (see
     /// `virtio/blk/inplace.rs`).
-    pub(super) fn prepare_disks(&self, image: &Image) -> Result<Vec<(Replacement, Arc<DiskFile>)>> {
+    pub(super) fn prepare_disks(
+        &self,
+        image: &Image,
+        sent: &BTreeMap<usize, SlotImage>,
+    ) -> Result<Vec<(Replacement, Arc<DiskFile>)>> {
         let restoring = self.state == RunState::Created;
         let first = self.first_slot();
         let mut out = Vec::new();
@@ -281,6 +318,15 @@ impl Vm {
                 (false, _, true) => continue,
                 (true, false, _) if d.attached() => Replacement::empty(),
                 (true, false, _) => continue,
+                (true, true, read_only) if restoring && sent.contains_key(&(i - first)) => {
+                    let s = i - first;
+                    let img = &sent[&s];
+                    let file = img.file.try_clone().map_err(|e| {
+                        Error::io(format!("duplicating the image sent for disk slot {s}"), e)
+                    })?;
+                    Replacement::attach_sent(&img.name, file, read_only, m.size)
+                        .map_err(|e| slot_error(s, e))?
+                }
                 (true, true, read_only) if restoring => {
                     let file = self.slot_files.get(&(i - first)).ok_or_else(|| {
                         Error::snapshot(

@@ -11,8 +11,8 @@ mod persist;
 mod rollback;
 
 pub use config::{
-    DeviceConfig, DiskConfig, NetConfig, NetStats, RollbackInfo, RunState, Shape, SnapshotInfo,
-    Stats, VsockConfig, MAX_VCPUS, MIN_MEM,
+    DeviceConfig, DiskConfig, NetConfig, NetStats, RollbackInfo, RunState, Shape, SlotImage,
+    SnapshotInfo, Stats, VsockConfig, MAX_VCPUS, MIN_MEM,
 };
 pub use create::open_kvm;
 pub use disks::SlotInfo;

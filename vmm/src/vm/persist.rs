@@ -1,6 +1,7 @@
 //! Saving and loading a VM: vCPU and VM state, templates, full and
 //! incremental snapshots, restore into a new VM, and clones.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,7 +17,7 @@ use crate::memory::PageSet;
 use crate::snapshot::{self, Image, Kind, Meta, ParentRef, VmState};
 use crate::vcpu::{self, VcpuState};
 
-use super::{absolute, kvm_err, ms, DeviceConfig, RunState, Shape, SnapshotInfo, Vm};
+use super::{absolute, kvm_err, ms, DeviceConfig, RunState, Shape, SlotImage, SnapshotInfo, Vm};
 
 impl Vm {
     /// Folds KVM's dirty log into the pages changed since the baseline.
@@ -315,9 +316,23 @@ impl Vm {
     /// layer's pages are read on top, then vCPU, irqchip, PIT, clock and
     /// device state are loaded.
     pub fn restore_image(&mut self, image: &Arc<Image>) -> Result<()> {
+        self.restore_image_with(image, &BTreeMap::new())
+    }
+
+    /// [`Vm::restore_image`] with images the caller opened for the
+    /// snapshot's attached disk slots (slot → image, see [`SlotImage`]):
+    /// each is attached to its slot as it is, in place of the file
+    /// `slot_files` names. An image for a slot this VM lacks or that is
+    /// empty in the snapshot, or of another size than the snapshot's disk,
+    /// refuses the restore before anything changes.
+    pub fn restore_image_with(
+        &mut self,
+        image: &Arc<Image>,
+        sent: &BTreeMap<usize, SlotImage>,
+    ) -> Result<()> {
         self.need("restore", &[RunState::Created], "newly created")?;
-        self.check_compatible(image)?;
-        let mut disks = self.prepare_disks(image)?;
+        self.check_compatible(image, sent)?;
+        let mut disks = self.prepare_disks(image, sent)?;
         for (r, _) in &mut disks {
             r.swap_in()?;
         }
@@ -355,8 +370,13 @@ impl Vm {
     }
 
     /// Refuses snapshots this VM cannot take: other shape, CPU features this
-    /// host lacks, a larger XSAVE area than KVM here handles.
-    pub(super) fn check_compatible(&self, image: &Image) -> Result<()> {
+    /// host lacks, a larger XSAVE area than KVM here handles, disks that do
+    /// not fit (`sent`: the images sent for a restore's slots).
+    pub(super) fn check_compatible(
+        &self,
+        image: &Image,
+        sent: &BTreeMap<usize, SlotImage>,
+    ) -> Result<()> {
         let m = &image.state.meta;
         if m.mem_size != self.shape.mem_size as u64 {
             return Err(Error::snapshot(
@@ -389,7 +409,7 @@ impl Vm {
                 ),
             ));
         }
-        self.check_disks(image)?;
+        self.check_disks(image, sent)?;
         let host = self.host_cpuid;
         let mut missing = Vec::new();
         for v in &image.state.vcpus {

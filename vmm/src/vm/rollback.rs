@@ -27,6 +27,7 @@
 //! Only when an undo or the roll-forward fails too is the VM lost: it is
 //! stopped, its RAM zeroed, and [`Error::VmLost`] returned.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -129,7 +130,7 @@ impl Vm {
             Some(b) if b.dir == dir => b.clone(),
             _ => Image::open(&dir).map_err(|e| Error::Rollback(Box::new(e)))?,
         };
-        self.check_compatible(&target)
+        self.check_compatible(&target, &BTreeMap::new())
             .and_then(|_| self.check_same_cpuid(&target))
             .map_err(|e| Error::Rollback(Box::new(e)))?;
         self.pause().map_err(|e| Error::Rollback(Box::new(e)))?;
@@ -312,7 +313,7 @@ impl Vm {
         };
         let devices = self.devices.parse(&target.state.devices)?;
         failpoint::check("rollback.parse_devices")?;
-        let disks = self.prepare_disks(target)?;
+        let disks = self.prepare_disks(target, &BTreeMap::new())?;
         failpoint::check("rollback.prepare_disks")?;
         let vcpus = self.save_vcpus()?;
         let (irqchips, pit, clock) = self.save_vm_state()?;

@@ -72,6 +72,33 @@ impl Backing {
     }
 }
 
+impl Backing {
+    /// An image the caller opened and sent (`file`, named `path`); a
+    /// read-write one must be open for writing.
+    fn sent(path: &Path, read_only: bool, file: File) -> Result<Backing> {
+        if !read_only {
+            // SAFETY: F_GETFL on a descriptor `file` owns; no memory is
+            // passed.
+            let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
+            if flags < 0 {
+                return Err(Error::io(
+                    format!("reading the flags of disk image {}", path.display()),
+                    std::io::Error::last_os_error(),
+                ));
+            }
+            if flags & libc::O_ACCMODE == libc::O_RDONLY {
+                return Err(Error::Config(format!(
+                    "disk image {} was sent open read-only for a read-write attachment",
+                    path.display()
+                )));
+            }
+        }
+        let mut backing = Backing::of(path, read_only, file)?;
+        backing.sent = true;
+        Ok(backing)
+    }
+}
+
 pub(super) struct Inner {
     /// The image served; `None` for an empty slot.
     pub(super) backing: Option<Backing>,
@@ -199,26 +226,7 @@ impl DiskFile {
         if !self.slot {
             return Err(Error::Config("a fixed disk cannot be attached to".into()));
         }
-        if !read_only {
-            // SAFETY: F_GETFL on a descriptor `file` owns; no memory is
-            // passed.
-            let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
-            if flags < 0 {
-                return Err(Error::io(
-                    format!("reading the flags of disk image {}", path.display()),
-                    std::io::Error::last_os_error(),
-                ));
-            }
-            if flags & libc::O_ACCMODE == libc::O_RDONLY {
-                return Err(Error::Config(format!(
-                    "disk image {} was sent open read-only for a read-write attachment",
-                    path.display()
-                )));
-            }
-        }
-        let mut backing = Backing::of(path, read_only, file)?;
-        backing.sent = true;
-        self.attach_backing(backing)
+        self.attach_backing(Backing::sent(path, read_only, file)?)
     }
 
     fn attach_backing(&self, backing: Backing) -> Result<()> {
@@ -327,7 +335,8 @@ enum Action {
     Copy(CopyIn),
     /// A snapshot's disk reflinked into the attached image's descriptor.
     InPlace(InPlace),
-    /// An image attached as it is (a read-only slot on restore).
+    /// An image attached as it is (a read-only slot on restore, or an
+    /// image sent for a slot's restore).
     Attach(Backing),
     /// The slot is emptied.
     Empty,
@@ -423,6 +432,26 @@ impl Replacement {
         if b.size != size {
             return Err(Error::Config(format!(
                 "read-only image {} is {} bytes, the snapshot's was {size} bytes; read-only disks are not copied into snapshots, so the same image must be attached",
+                path.display(),
+                b.size
+            )));
+        }
+        Ok(Replacement {
+            action: Action::Attach(b),
+        })
+    }
+
+    /// Takes `file`, an image the caller opened and sent for a slot's
+    /// restore (named `path`, in logs and the device id), to be attached as
+    /// it is: its contents are the caller's to provide (the snapshot's copy
+    /// of the slot's disk, reflinked by the caller). It must be `size`
+    /// bytes, the size the snapshot recorded, and open for writing unless
+    /// `read_only`.
+    pub fn attach_sent(path: &Path, file: File, read_only: bool, size: u64) -> Result<Replacement> {
+        let b = Backing::sent(path, read_only, file)?;
+        if b.size != size {
+            return Err(Error::Config(format!(
+                "the image sent as {} is {} bytes, the snapshot's disk was {size} bytes",
                 path.display(),
                 b.size
             )));

@@ -1,0 +1,246 @@
+//! Restore-from: a pod whose sandbox spec carries the annotation
+//! `twig.dev/restore-from: <snapshot id>` (CRI passes pod annotations to
+//! the runtime when the runtime handler lists them in `pod_annotations`)
+//! gets its VM restored from that pod snapshot of the node store instead of
+//! a template. The snapshot's labels (written by the `Twig` service) say
+//! which containers ran in it and on which disk slots; each attached
+//! slot's disk (the snapshot's `disk<slot>`) is reflinked into an
+//! anonymous file of the pod (`O_TMPFILE` in the store's `tmp`, on the
+//! snapshots' filesystem) whose descriptor the VMM gets with the restore,
+//! so a jailed VMM serves it and nothing is left behind when the VMM or the
+//! slot lets go of it. The Task service then *adopts* the running
+//! container of the same CRI name instead of creating a new one, and the
+//! clone takes its own identity (hostname, RNG reseed, clock step) through
+//! the agent before any container of the new pod runs.
+
+use std::fs::{File, OpenOptions};
+use std::io::Read;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde_json::Value;
+use twig_agent::proto::agent::ReidentifyRequest;
+use twig_store::layout::{Artefact, TMP_DIR};
+use twig_store::NodeStore;
+
+use crate::error::{Error, Result};
+use crate::sandbox::Restored;
+use crate::twig_service::{SnapshotContainer, CONTAINERS_LABEL, SANDBOX_LABEL};
+
+/// The pod annotation naming a pod snapshot of the node store to restore
+/// the sandbox from (the Clone CRD's pods).
+pub const RESTORE_FROM_ANNOTATION: &str = "twig.dev/restore-from";
+
+/// Bytes of host entropy mixed into a clone's RNG.
+const ENTROPY_BYTES: usize = 64;
+
+/// A pod snapshot to restore, with what the restored VM needs.
+#[derive(Debug)]
+pub struct SnapshotSource {
+    /// The snapshot's id.
+    pub id: String,
+    /// Its directory in the node store (what the VMM restores).
+    pub dir: PathBuf,
+    /// The pod's own copy of each attached slot's disk: (slot, a name for
+    /// logs, the open image).
+    pub slots: Vec<(usize, PathBuf, File)>,
+    /// The running containers to adopt.
+    pub restored: Vec<Restored>,
+    /// The clone's hostname.
+    pub hostname: String,
+}
+
+impl SnapshotSource {
+    /// Finds snapshot `id` in the node store holding `template_dir` (the
+    /// template the node daemon handed over with the VM: pods and their
+    /// snapshots share the store) and makes the pod's copies of its slot
+    /// disks. `oci` is the sandbox's spec (its `hostname` becomes the
+    /// clone's; without one, `sandbox_id`); `sandbox_rootfs` the new
+    /// sandbox container's rootfs image, which stands in for the
+    /// snapshotted sandbox container's read-only one (the same sandbox
+    /// image; read-only disks are not copied into snapshots).
+    pub fn open(
+        template_dir: &Path,
+        id: &str,
+        oci: &Value,
+        sandbox_id: &str,
+        sandbox_rootfs: &Path,
+    ) -> Result<Self> {
+        let (root, _) = twig_store::layout::locate(template_dir).map_err(|e| {
+            Error::FailedPrecondition(format!(
+                "{RESTORE_FROM_ANNOTATION}: the node's template is not in a node store: {e}"
+            ))
+        })?;
+        let store = NodeStore::open(&root, false).map_err(|source| Error::Store {
+            what: format!("{RESTORE_FROM_ANNOTATION}: opening the node store"),
+            source,
+        })?;
+        let snap = store.get(id).map_err(|e| match e {
+            twig_store::Error::NotFound(_) => Error::NotFound(format!(
+                "{RESTORE_FROM_ANNOTATION}: snapshot {id} is not in the node store {}",
+                root.display()
+            )),
+            source => Error::Store {
+                what: format!("{RESTORE_FROM_ANNOTATION}: reading snapshot {id}"),
+                source,
+            },
+        })?;
+        let containers: Vec<SnapshotContainer> = snap
+            .labels
+            .get(CONTAINERS_LABEL)
+            .map(|l| serde_json::from_str(l))
+            .transpose()
+            .map_err(|e| {
+                Error::FailedPrecondition(format!(
+                    "{RESTORE_FROM_ANNOTATION}: snapshot {id}: unreadable {CONTAINERS_LABEL}: {e}"
+                ))
+            })?
+            .ok_or_else(|| {
+                Error::FailedPrecondition(format!(
+                    "{RESTORE_FROM_ANNOTATION}: snapshot {id} is not a pod snapshot (no \
+                     {CONTAINERS_LABEL} label)"
+                ))
+            })?;
+        let tmp = root.join(TMP_DIR);
+        let snapshotted_sandbox = snap.labels.get(SANDBOX_LABEL);
+        let mut slots = Vec::new();
+        for c in &containers {
+            let Some(slot) = c.slot else { continue };
+            // A VM restored from a template has no fixed disks: slot s is
+            // disk s.
+            let (name, file) = match snap.artefacts.get(&Artefact::Disk(slot)) {
+                Some(size) => {
+                    let disk = snap.dir().join(Artefact::Disk(slot).file_name());
+                    let name = format!("{}/pod-{sandbox_id}/slot{slot}", tmp.display());
+                    (PathBuf::from(name), pod_copy(&disk, &tmp, *size)?)
+                }
+                // A read-only rootfs: only the sandbox container's has a
+                // stand-in (twig-vmm checks its size).
+                None if snapshotted_sandbox == Some(&c.id) => {
+                    let file = File::open(sandbox_rootfs).map_err(|e| {
+                        Error::io(format!("opening {}", sandbox_rootfs.display()), e)
+                    })?;
+                    (sandbox_rootfs.to_path_buf(), file)
+                }
+                None => {
+                    return Err(Error::FailedPrecondition(format!(
+                        "{RESTORE_FROM_ANNOTATION}: snapshot {id} has no copy of disk slot \
+                         {slot} (container {}): a read-only rootfs is not in a snapshot, and \
+                         only the sandbox container's has a stand-in",
+                        c.id
+                    )))
+                }
+            };
+            slots.push((slot, name, file));
+        }
+        let restored = containers
+            .iter()
+            .filter(|c| c.running)
+            .filter_map(|c| {
+                Some(Restored {
+                    guest_id: c.id.clone(),
+                    name: c.name.clone()?,
+                    slot: c.slot?,
+                })
+            })
+            .collect();
+        let hostname = oci
+            .get("hostname")
+            .and_then(Value::as_str)
+            .filter(|h| !h.is_empty())
+            .map(str::to_string)
+            .unwrap_or_else(|| sandbox_id.chars().take(63).collect());
+        Ok(SnapshotSource {
+            id: id.to_string(),
+            dir: snap.dir().to_path_buf(),
+            slots,
+            restored,
+            hostname,
+        })
+    }
+
+    /// The slots whose disks the VMM gets, for marking them used.
+    pub fn slot_numbers(&self) -> impl Iterator<Item = usize> + '_ {
+        self.slots.iter().map(|(s, _, _)| *s)
+    }
+}
+
+/// A reflink of the snapshot's disk `disk` (`size` bytes) into a new
+/// anonymous file in `tmp` (the store's, so on the snapshots' filesystem,
+/// which a later rollback of the clone needs too): the pod's own copy, gone
+/// once the last descriptor of it closes.
+fn pod_copy(disk: &Path, tmp: &Path, size: u64) -> Result<File> {
+    let src = File::open(disk).map_err(|e| Error::io(format!("opening {}", disk.display()), e))?;
+    let len = src
+        .metadata()
+        .map_err(|e| Error::io(format!("reading {}", disk.display()), e))?
+        .len();
+    if len != size {
+        return Err(Error::FailedPrecondition(format!(
+            "{RESTORE_FROM_ANNOTATION}: {} is {len} bytes, its snapshot's manifest says {size}: \
+             the snapshot is damaged",
+            disk.display()
+        )));
+    }
+    let dst = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_TMPFILE)
+        .mode(0o600)
+        .open(tmp)
+        .map_err(|e| {
+            Error::io(
+                format!(
+                    "creating the pod's copy of {} in {}",
+                    disk.display(),
+                    tmp.display()
+                ),
+                e,
+            )
+        })?;
+    twig_store::fsops::ficlone(&src, &dst).map_err(|e| {
+        Error::io(
+            format!(
+                "reflinking {} into the pod's copy (FICLONE)",
+                disk.display()
+            ),
+            e,
+        )
+    })?;
+    Ok(dst)
+}
+
+/// The clone's own identity: its hostname, fresh host entropy for the
+/// guest's RNG, and the host's wall clock. The network part (IP, MAC) is
+/// the pod network's.
+pub fn identity(hostname: &str) -> Result<ReidentifyRequest> {
+    let mut entropy = vec![0u8; ENTROPY_BYTES];
+    File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut entropy))
+        .map_err(|e| Error::io("reading /dev/urandom", e))?;
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_err(|e| Error::Internal(format!("the host clock is before 1970: {e}")))?;
+    Ok(ReidentifyRequest {
+        hostname: hostname.to_string(),
+        entropy,
+        realtime_ns: u64::try_from(now.as_nanos()).unwrap_or(u64::MAX),
+        ..Default::default()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identities_carry_fresh_entropy_and_the_clock() {
+        let a = identity("clone-1").unwrap();
+        let b = identity("clone-1").unwrap();
+        assert_eq!(a.hostname, "clone-1");
+        assert_eq!(a.entropy.len(), ENTROPY_BYTES);
+        assert_ne!(a.entropy, b.entropy);
+        assert!(a.realtime_ns > 1_700_000_000_000_000_000);
+    }
+}
