@@ -139,13 +139,13 @@ impl Demo<'_> {
         );
         eprintln!("{}", indent(&out));
         let source_hostname = out.lines().nth(1).unwrap_or_default().to_string();
-        let guest_ip = guest_ip(&cri, &pod.container_id).await?;
+        let source_ip = guest_ip(&cri, &pod.container_id).await?;
         eprintln!(
-            "    the pod's IP (CRI): {} · the guest's eth0: {guest_ip}",
+            "    the pod's IP (CRI): {} · the guest's eth0: {source_ip}",
             pod.ip
         );
-        if guest_ip != pod.ip {
-            return Err(format!("the guest has {guest_ip}, the pod is {}", pod.ip).into());
+        if source_ip != pod.ip {
+            return Err(format!("the guest has {source_ip}, the pod is {}", pod.ip).into());
         }
 
         // 3. Snapshot, through the controller's locator and client.
