@@ -15,8 +15,9 @@
 //! gets `phase: Failed` with the error in `status.message`. When the pod
 //! is deleted (or starts terminating), it stops and removes the sandbox.
 //!
-//! What it does not do: images other than the lab's [`crate::IMAGE_REF`]
-//! (the lab has no registry; such a pod fails), init containers, probes,
+//! What it does not do: pull images (a container must name the one image
+//! it is given, already on the node: the lab's [`crate::IMAGE_REF`]; a pod
+//! naming another fails), init containers, probes,
 //! volumes, restarts, graceful deletion (the test API server deletes a pod
 //! without a finalizer at once), or reporting containers that exit.
 
@@ -38,8 +39,6 @@ use serde_json::json;
 use tokio::sync::oneshot;
 use tokio::task::{JoinHandle, JoinSet};
 use twig_cri::{api, CriClient};
-
-use crate::IMAGE_REF;
 
 /// The container runtime's prefix of `containerStatuses[].containerID`.
 pub const CONTAINER_ID_PREFIX: &str = "containerd://";
@@ -70,6 +69,7 @@ struct Shared {
     client: Client,
     cri: CriClient,
     logs: PathBuf,
+    image: String,
 }
 
 /// A running test kubelet; it stops watching when dropped, and its pods'
@@ -81,13 +81,16 @@ pub struct Kubelet {
 
 impl Kubelet {
     /// Starts the kubelet of node `node` on `client`'s API server, running
-    /// pods through `cri`, with their container logs under `logs` (one
-    /// directory per pod, `<namespace>_<name>_<uid>`, as kubelet names them).
-    pub fn start(client: Client, node: &str, cri: CriClient, logs: &Path) -> Kubelet {
+    /// pods through `cri` whose containers all name `image` (on the node
+    /// already: in the lab [`crate::IMAGE_REF`]), with their container logs
+    /// under `logs` (one directory per pod, `<namespace>_<name>_<uid>`, as
+    /// kubelet names them).
+    pub fn start(client: Client, node: &str, cri: CriClient, image: &str, logs: &Path) -> Kubelet {
         let shared = Arc::new(Shared {
             client,
             cri,
             logs: logs.to_path_buf(),
+            image: image.to_string(),
         });
         let node = node.to_string();
         Kubelet {
@@ -198,13 +201,14 @@ async fn run_pod(
         .spec
         .as_ref()
         .ok_or_else(|| PodError::Unsupported("the pod has no spec".into()))?;
+    let image = shared.image.as_str();
     if let Some(c) = spec
         .containers
         .iter()
-        .find(|c| c.image.as_deref() != Some(IMAGE_REF))
+        .find(|c| c.image.as_deref() != Some(image))
     {
         return Err(PodError::Unsupported(format!(
-            "container {}: image {:?} is not in the lab (only {IMAGE_REF})",
+            "container {}: image {:?} is not on the node (the test kubelet pulls none; it runs {image})",
             c.name, c.image
         )));
     }
@@ -242,7 +246,7 @@ async fn run_pod(
     let mut statuses = Vec::new();
     for c in &spec.containers {
         let mut container =
-            twig_cri::container_config(&c.name, IMAGE_REF, &[], &format!("{}.log", c.name));
+            twig_cri::container_config(&c.name, image, &[], &format!("{}.log", c.name));
         container.command = c.command.clone().unwrap_or_default();
         container.args = c.args.clone().unwrap_or_default();
         let cid = shared
@@ -257,7 +261,7 @@ async fn run_pod(
             .map_err(cri("StartContainer"))?;
         statuses.push(ContainerStatus {
             name: c.name.clone(),
-            image: IMAGE_REF.into(),
+            image: image.into(),
             container_id: Some(format!("{CONTAINER_ID_PREFIX}{cid}")),
             ready: true,
             started: Some(true),

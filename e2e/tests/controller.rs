@@ -240,6 +240,7 @@ async fn the_controller_snapshots_rolls_back_and_clones_pods_of_a_real_node() {
         server.client_as("kubelet"),
         NODE,
         lab.cri.clone(),
+        IMAGE_REF,
         &dir.join("kubelet-pods"),
     );
     let ctx = Context::new(
