@@ -662,12 +662,20 @@ pub struct PageCopy {
 }
 
 impl PageCopy {
+    /// A buffer for `pages` pages, its memory faulted in now (so that
+    /// [`PageCopy::take`] into it later only copies).
+    pub fn buffer(pages: usize) -> Vec<u8> {
+        // Not zeroes: a zeroed allocation would be fresh untouched pages
+        // (calloc); a filled one is written, so every page is faulted in.
+        vec![0xa5u8; pages * PAGE_SIZE]
+    }
+
     /// Copies the pages of `set` out of guest RAM (the VM must be paused
-    /// for them to be one moment's memory), into one buffer of exactly
-    /// their size.
-    pub fn take(ram: &GuestRam, set: &PageSet) -> Result<PageCopy> {
+    /// for them to be one moment's memory) into `bytes`, resized to exactly
+    /// their size (see [`PageCopy::buffer`]).
+    pub fn take(ram: &GuestRam, set: &PageSet, mut bytes: Vec<u8>) -> Result<PageCopy> {
         let runs = set.runs();
-        let mut bytes = vec![0u8; set.count() * PAGE_SIZE];
+        bytes.resize(set.count() * PAGE_SIZE, 0);
         let mut at = 0;
         for &(start, n) in &runs {
             let len = n * PAGE_SIZE;

@@ -172,8 +172,22 @@ impl Vm {
         let staging = absolute(staging)?;
         let (id, dir) = twig_store::layout::staging_target(&staging)
             .map_err(|e| Error::snapshot(&staging, e.to_string()))?;
+        // While the guest still runs, fold the dirty log in and make the
+        // buffer the pages will be copied into (faulting its memory in
+        // takes longer than the copy). Pages dirtied until the pause are
+        // folded in once paused; the buffer grows then if it must.
+        let buffer = match kind {
+            Kind::Full => None,
+            Kind::Incremental => {
+                self.collect_dirty()?;
+                let n = self.dirty.count();
+                let n = (n + n / 8 + 16).min(COPY_LIMIT / PAGE_SIZE);
+                (self.dirty.count() * PAGE_SIZE <= COPY_LIMIT).then(|| PageCopy::buffer(n))
+            }
+        };
+        let paused = Instant::now();
         self.pause()?;
-        let taken = self.stage_snapshot(&staging, &id, kind, parent.as_ref());
+        let taken = self.stage_snapshot(&staging, &id, kind, parent.as_ref(), buffer);
         // A full snapshot becomes the memory the VM runs on: map it before
         // the guest runs again, while RAM and file are identical.
         let remapped = match &taken {
@@ -188,7 +202,7 @@ impl Vm {
         if was == RunState::Running {
             self.resume()?;
         }
-        let pause_ms = ms(start);
+        let pause_ms = ms(paused);
         let (taken, mut state, pages) = taken?;
         if let Some(Err(e)) = remapped {
             return Err(e);
@@ -255,7 +269,7 @@ impl Vm {
 
     /// Copies the paused VM's state and pages out: the state into memory,
     /// the disks into the staging directory, and either the dirty pages of an
-    /// incremental snapshot into a buffer (at most [`COPY_LIMIT`] bytes of
+    /// incremental snapshot into `buffer` (at most [`COPY_LIMIT`] bytes of
     /// them, written after the guest runs again) or else the memory file
     /// itself (a full snapshot, or a larger dirty set).
     fn stage_snapshot(
@@ -264,6 +278,7 @@ impl Vm {
         id: &str,
         kind: Kind,
         parent: Option<&Arc<Image>>,
+        buffer: Option<Vec<u8>>,
     ) -> Result<(Taken, VmState, usize)> {
         self.collect_dirty()?;
         let vcpus = self.save_vcpus()?;
@@ -306,7 +321,7 @@ impl Vm {
         let ram = &self.ram;
         let taken = match state.layer.clone() {
             Some(l) if l.count() * PAGE_SIZE <= COPY_LIMIT => {
-                Taken::Copied(begun, PageCopy::take(ram, &l)?)
+                Taken::Copied(begun, PageCopy::take(ram, &l, buffer.unwrap_or_default())?)
             }
             Some(l) => Taken::Written(
                 begun.finish(&mut state, |f| snapshot::write_layer_memory(ram, &l, f))?,
