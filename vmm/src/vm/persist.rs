@@ -146,9 +146,13 @@ impl Vm {
     /// `<store>/tmp/<lease>/<id>`): its name is the snapshot's id, and the
     /// snapshot becomes the VM's baseline at the place the store will
     /// publish it, `<store>/snapshots/<id>`. A running VM is paused only
-    /// while its state and changed pages are copied out, and runs again
-    /// while the files are made durable; the call returns once they are,
-    /// ready for the store to publish. An incremental snapshot writes only
+    /// while its state, its read-write disks and its changed pages are
+    /// copied out (into a buffer, up to 64 MiB of them; a full
+    /// snapshot, or more changed pages, are written into the memory file
+    /// while paused), and runs again while the files are written and made
+    /// durable; the call returns once they are, ready for the store to
+    /// publish. If that fails, nothing is staged, and the VM's baseline and
+    /// changed pages stay as they were. An incremental snapshot writes only
     /// the pages changed since the VM's baseline (its last snapshot,
     /// restore or rollback point), which becomes its parent and must be
     /// published in the same store. In-process callers can use
@@ -180,9 +184,9 @@ impl Vm {
             Kind::Full => None,
             Kind::Incremental => {
                 self.collect_dirty()?;
-                let n = self.dirty.count();
-                let n = (n + n / 8 + 16).min(COPY_LIMIT / PAGE_SIZE);
-                (self.dirty.count() * PAGE_SIZE <= COPY_LIMIT).then(|| PageCopy::buffer(n))
+                let dirty = self.dirty.count();
+                let n = (dirty + dirty / 8 + 16).min(COPY_LIMIT / PAGE_SIZE);
+                (dirty * PAGE_SIZE <= COPY_LIMIT).then(|| PageCopy::buffer(n))
             }
         };
         let paused = Instant::now();
