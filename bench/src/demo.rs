@@ -78,10 +78,11 @@ struct Demo<'a> {
     pods: Vec<String>,
 }
 
-/// A started pod: its one container, its config.
+/// A started pod: its one container, its config, its IP (CRI's).
 struct Started {
     container_id: String,
     config: api::PodSandboxConfig,
+    ip: String,
 }
 
 impl Demo<'_> {
@@ -138,6 +139,14 @@ impl Demo<'_> {
         );
         eprintln!("{}", indent(&out));
         let source_hostname = out.lines().nth(1).unwrap_or_default().to_string();
+        let source_ip = guest_ip(&cri, &pod.container_id).await?;
+        eprintln!(
+            "    the pod's IP (CRI): {} · the guest's eth0: {source_ip}",
+            pod.ip
+        );
+        if source_ip != pod.ip {
+            return Err(format!("the guest has {source_ip}, the pod is {}", pod.ip).into());
+        }
 
         // 3. Snapshot, through the controller's locator and client.
         let locator = ContainerdLocator {
@@ -232,11 +241,23 @@ impl Demo<'_> {
             "Clone: a pod restored from the snapshot, its container adopted, exec answered",
         );
         eprintln!("{}", indent(&out));
+        let clone_ip = guest_ip(&cri, &clone.container_id).await?;
+        eprintln!(
+            "    the clone's IP (CRI): {} · its guest's eth0: {clone_ip} (the source's: {})",
+            clone.ip, pod.ip
+        );
         let mut lines = out.lines();
         let hostname = lines.next().unwrap_or_default();
-        if hostname == source_hostname || !out.contains("careful") || !out.contains(&mark) {
+        if hostname == source_hostname
+            || !out.contains("careful")
+            || !out.contains(&mark)
+            || clone_ip != clone.ip
+            || clone_ip == pod.ip
+        {
             return Err(format!(
-                "the clone answered {out:?} (source hostname {source_hostname:?})"
+                "the clone answered {out:?} at {clone_ip} (source hostname \
+                 {source_hostname:?}, IP {}; clone's IP {})",
+                pod.ip, clone.ip
             )
             .into());
         }
@@ -287,9 +308,15 @@ impl Demo<'_> {
             .await
             .context(|| format!("the first output of {name}"))?;
         }
+        let ip = cri
+            .pod_ip(&pod_id)
+            .await
+            .map_err(|e| self.node.cri_error(&format!("the IP of {name}"), e))?
+            .to_string();
         Ok(Started {
             container_id,
             config,
+            ip,
         })
     }
 
@@ -336,6 +363,17 @@ async fn counter(cri: &CriClient, container: &str) -> Result<u64, Error> {
     out.trim()
         .parse()
         .context(|| format!("the counter reads {out:?}"))
+}
+
+/// The IPv4 address of the guest's `eth0`, as `container` sees it.
+async fn guest_ip(cri: &CriClient, container: &str) -> Result<String, Error> {
+    let out = exec(cri, container, "ip -4 -o addr show eth0").await?;
+    out.split_whitespace()
+        .skip_while(|w| *w != "inet")
+        .nth(1)
+        .and_then(|cidr| cidr.split('/').next())
+        .map(str::to_string)
+        .ok_or_else(|| format!("no IPv4 address on eth0: {out:?}").into())
 }
 
 fn indent(text: &str) -> String {

@@ -240,6 +240,11 @@ pub fn run(args: &Args) -> Result<Value, Error> {
     let store = NodeStore::open(&store_dir, true)?;
     let devices = DeviceConfig {
         disk_slots: DISK_SLOTS as usize,
+        // A pooled VMM's network device: detached until `attach_net`.
+        net: Some(twig_vmm::NetConfig {
+            tap: None,
+            mac: [0x02, 0x74, 0x77, 0x69, 0x67, 0x01],
+        }),
         vsock: Some(VsockConfig {
             cid: 3,
             uds_path: root.join("template.vsock"),

@@ -17,7 +17,7 @@ use twig_cri::harness::{NetSlot, CNI_BIN_DIR};
 use twig_cri::CriClient;
 
 use crate::error::{io, Error, Result};
-use crate::node::{cni_conf_dir, mounts_under, Node, NodeConfig};
+use crate::node::{bpffs_root, cni_conf_dir, mounts_under, Node, NodeConfig};
 use crate::require;
 
 /// The pod sandbox image containerd's CRI plugin runs as every pod's first
@@ -185,10 +185,48 @@ impl CriNode {
             .collect()
     }
 
+    /// The pids of this node's twig shims running now.
+    pub fn twig_shims(&self) -> Vec<u32> {
+        let dir = self.dir.to_string_lossy().into_owned();
+        processes()
+            .into_iter()
+            .filter(|(_, argv)| {
+                argv.first()
+                    .is_some_and(|a| a.rsplit('/').next() == Some("containerd-shim-twig-v2"))
+                    && argv.iter().any(|a| a.contains(dir.as_str()))
+            })
+            .map(|(pid, _)| pid)
+            .collect()
+    }
+
+    /// The CNI network namespaces mounted now (`…/netns/cni-…`).
+    pub fn cni_netns() -> Vec<PathBuf> {
+        let table = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        let mut found: Vec<PathBuf> = table
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4))
+            .filter(|m| m.contains("/netns/cni-"))
+            .map(PathBuf::from)
+            .collect();
+        found.sort();
+        found.dedup();
+        found
+    }
+
+    /// The pods' network paths the node's twig shims have pinned now (one
+    /// directory per pod under the shims' bpffs root).
+    pub fn pinned_pod_networks(&self) -> Vec<PathBuf> {
+        fs::read_dir(bpffs_root(&self.dir))
+            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default()
+    }
+
     /// What a removed pod may have left behind on this node: shims naming
     /// the node's directory, the pods' VMMs `vmms` (from
     /// [`CriNode::pod_vmms`] while they ran), mounts under the node's
-    /// directory, CNI network namespaces. Empty when nothing is left.
+    /// directory, CNI network namespaces, pinned pod network paths (eBPF
+    /// programs and maps; the VM's tap lives in the pod's namespace and
+    /// goes with it). Empty when nothing is left.
     pub fn leftovers(&self, vmms: &[u32]) -> Vec<String> {
         let dir = self.dir.to_string_lossy().into_owned();
         let mut found: Vec<String> = processes()
@@ -214,6 +252,11 @@ impl CriNode {
                 .filter_map(|l| l.split(' ').nth(4))
                 .filter(|m| m.contains("/netns/cni-"))
                 .map(|m| format!("network namespace {m}")),
+        );
+        found.extend(
+            self.pinned_pod_networks()
+                .into_iter()
+                .map(|p| format!("pinned pod network {}", p.display())),
         );
         found
     }
@@ -260,6 +303,53 @@ impl Drop for CriNode {
         // The node (a field) stops containerd, its shims and the
         // snapshotter after this.
     }
+}
+
+/// The MAC address of `ifname` inside the network namespace `netns`
+/// (`aa:bb:cc:dd:ee:ff`), read on a thread that joins the namespace.
+pub fn mac_in_netns(netns: &Path, ifname: &str) -> Result<String> {
+    let ns = fs::File::open(netns).map_err(io(format!("opening {}", netns.display())))?;
+    let what = format!("{ifname}'s MAC in {}", netns.display());
+    std::thread::scope(|s| {
+        s.spawn(|| -> std::io::Result<String> {
+            nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET)?;
+            let sock = nix::sys::socket::socket(
+                nix::sys::socket::AddressFamily::Inet,
+                nix::sys::socket::SockType::Datagram,
+                nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+                None,
+            )?;
+            // struct ifreq: the name, then a 24-byte union (here a
+            // sockaddr: family, then the address bytes).
+            let mut req = [0u8; libc::IFNAMSIZ + 24];
+            let name = ifname.as_bytes();
+            if name.len() >= libc::IFNAMSIZ {
+                return Err(std::io::Error::other("interface name too long"));
+            }
+            req[..name.len()].copy_from_slice(name);
+            // SAFETY: SIOCGIFHWADDR reads and writes a struct ifreq, which
+            // `req` is large enough for.
+            let rc = unsafe {
+                libc::ioctl(
+                    std::os::fd::AsRawFd::as_raw_fd(&sock),
+                    libc::SIOCGIFHWADDR,
+                    req.as_mut_ptr(),
+                )
+            };
+            if rc < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let mac = &req[libc::IFNAMSIZ + 2..libc::IFNAMSIZ + 8];
+            Ok(mac
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<Vec<_>>()
+                .join(":"))
+        })
+        .join()
+        .map_err(|_| Error::Cri(format!("reading {what}: the thread panicked")))?
+        .map_err(io(format!("reading {what}")))
+    })
 }
 
 /// Every process's pid and command line.

@@ -120,12 +120,21 @@ pub fn cni_conf_dir(containerd_dir: &Path) -> PathBuf {
 
 /// The twig shim's configuration (`TWIG_SHIM_CONFIG`) for a node in
 /// `dir`: its state in the node's directory, its VMs from the node daemon
-/// on `node_socket`.
+/// on `node_socket`, its pods' network paths pinned under
+/// [`bpffs_root`].
 pub fn shim_config(dir: &Path, node_socket: &Path) -> serde_json::Value {
     serde_json::json!({
         "state_root": dir.join("shim"),
         "node_socket": node_socket,
+        "bpffs_root": bpffs_root(dir),
     })
+}
+
+/// Where the twig shims of the node in `dir` pin their pods' network paths
+/// (`/sys/fs/bpf/twig-<the directory's name>`, one per node).
+pub fn bpffs_root(dir: &Path) -> PathBuf {
+    let name = dir.file_name().unwrap_or_default().to_string_lossy();
+    PathBuf::from("/sys/fs/bpf").join(format!("twig-{}", name.trim_start_matches('.')))
 }
 
 /// twig-node's configuration for a node in `dir`: its socket, runtime
@@ -687,6 +696,7 @@ mod tests {
         let c = shim_config(Path::new("/n"), Path::new("/n/node.sock"));
         assert_eq!(c["state_root"], "/n/shim");
         assert_eq!(c["node_socket"], "/n/node.sock");
+        assert_eq!(c["bpffs_root"], "/sys/fs/bpf/twig-n");
         let guest = Guest {
             kernel: PathBuf::from("/guest/bzImage"),
             initrd: PathBuf::from("/guest/agent-initrd"),

@@ -3,16 +3,18 @@
 //! CreateContainer ×3 (each its own rootfs on the twig snapshotter) →
 //! StartContainer → their output in the CRI logs → ExecSync → ContainerStats
 //! → StopContainer → StopPodSandbox → RemovePodSandbox, and nothing left
-//! behind. Once with the runtime handler `twig` (one microVM for the pod),
-//! once with `runc`, the reference.
+//! behind. Once with the runtime handler `twig` (one microVM for the pod,
+//! on the pod's network: its IP answers TCP and ping from the node, the
+//! guest has the pod's IP and the veth's MAC, the metadata address is
+//! unreachable), once with `runc`, the reference.
 
 use std::io::{Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use twig_cri::api::{ContainerState, PodSandboxState};
 use twig_cri::{container_config, logs};
-use twig_e2e::cri::CriNode;
+use twig_e2e::cri::{mac_in_netns, CriNode};
 use twig_e2e::IMAGE_REF;
 
 const HTTP_PORT: u16 = 8080;
@@ -54,6 +56,53 @@ struct Expect {
     own_kernel: bool,
     /// Whether the pod's IP answers from the host network namespace.
     pod_network: bool,
+    /// The pod's `twig.dev/egress-policy` annotation allows its own subnet
+    /// (the node's bridge address answers it).
+    allow_subnet: bool,
+}
+
+/// Pings `ip` from the node until it answers or `within` passes.
+fn ping(ip: IpAddr, within: Duration) -> Result<(), String> {
+    let deadline = Instant::now() + within;
+    let mut last = String::new();
+    while Instant::now() < deadline {
+        match std::process::Command::new("ping")
+            .args(["-c", "1", "-W", "2", &ip.to_string()])
+            .output()
+        {
+            Ok(o) if o.status.success() => return Ok(()),
+            Ok(o) => last = String::from_utf8_lossy(&o.stdout).into_owned(),
+            Err(e) => last = e.to_string(),
+        }
+    }
+    Err(format!(
+        "{ip} did not answer ping within {within:?}: {last}"
+    ))
+}
+
+/// Accepts one connection on `listener` within `within` and returns the
+/// first line the peer sent.
+fn accept_one(listener: &TcpListener, within: Duration) -> Result<String, String> {
+    listener.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let deadline = Instant::now() + within;
+    loop {
+        match listener.accept() {
+            Ok((s, _)) => {
+                s.set_nonblocking(false).map_err(|e| e.to_string())?;
+                s.set_read_timeout(Some(Duration::from_secs(10)))
+                    .map_err(|e| e.to_string())?;
+                // One line: the peer need not close its side.
+                let mut got = String::new();
+                std::io::BufRead::read_line(&mut std::io::BufReader::new(s), &mut got)
+                    .map_err(|e| e.to_string())?;
+                return Ok(got);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(format!("no connection within {within:?}: {e}")),
+        }
+    }
 }
 
 fn pod_lifecycle(expect: Expect) {
@@ -77,9 +126,17 @@ async fn scenario(expect: Expect) {
     let cri = node.client().await.unwrap_or_else(|e| panic!("{e}"));
     let fail = |what: &str, e: twig_cri::Error| -> ! { panic!("{}", node.cri_error(what, e)) };
 
-    let pod = node
+    let mut pod = node
         .pod_config("lifecycle")
         .unwrap_or_else(|e| panic!("{e}"));
+    if expect.allow_subnet {
+        // The pod may open connections into its subnet (the node's bridge
+        // address among them), which the default policy denies.
+        pod.annotations.insert(
+            "twig.dev/egress-policy".into(),
+            format!(r#"{{"allow":[{{"cidr":"{}"}}]}}"#, node.net().subnet()),
+        );
+    }
     let pod_id = cri
         .run_pod_sandbox(&pod, expect.handler)
         .await
@@ -208,11 +265,18 @@ async fn scenario(expect: Expect) {
     assert_eq!(vmms.len(), usize::from(expect.own_kernel), "VMMs {vmms:?}");
     // The pod's IP answers from the host network namespace.
     if expect.pod_network {
-        let body = http_get(ip, Duration::from_secs(60)).unwrap_or_else(|e| panic!("{e}"));
+        let body = http_get(ip, Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("{e}\n{}", node.node().logs()));
         assert!(
             body.starts_with("HTTP/1.") && body.contains("twig-web-ok"),
             "{body}"
         );
+        ping(ip, Duration::from_secs(30)).unwrap_or_else(|e| panic!("{e}"));
+        step(t0, "the pod's IP answers TCP and ping");
+    }
+    if expect.own_kernel && expect.pod_network {
+        guest_network(&cri, web, ip, &node, expect.allow_subnet).await;
+        step(t0, "the guest has the pod's identity; metadata unreachable");
     }
 
     // ContainerStats: the writer's own id, memory in use, CPU reported.
@@ -350,13 +414,187 @@ async fn scenario(expect: Expect) {
     step(t0, "nothing left behind");
 }
 
+/// Inside a twig pod (through ExecSync in `container`): the guest's
+/// `eth0` has the pod's IP and the MAC of the pod's veth; the node's
+/// bridge address answers when the pod's policy allows the subnet
+/// (`allow_subnet`) and is unreachable under the default policy (a private
+/// address); the metadata address is unreachable whatever the policy.
+async fn guest_network(
+    cri: &twig_cri::CriClient,
+    container: &str,
+    ip: IpAddr,
+    node: &CriNode,
+    allow_subnet: bool,
+) {
+    let fail = |what: &str, e: twig_cri::Error| -> ! { panic!("{}", node.cri_error(what, e)) };
+    let namespaces = CriNode::cni_netns();
+    let [netns] = namespaces.as_slice() else {
+        panic!("one pod, one CNI namespace: {namespaces:?}");
+    };
+    let veth_mac = mac_in_netns(netns, "eth0").unwrap_or_else(|e| panic!("{e}"));
+    let out = cri
+        .exec_sync(container, &["cat", "/sys/class/net/eth0/address"], EXEC)
+        .await
+        .unwrap_or_else(|e| fail("ExecSync", e));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), veth_mac);
+    let out = cri
+        .exec_sync(container, &["ip", "addr", "show", "eth0"], EXEC)
+        .await
+        .unwrap_or_else(|e| fail("ExecSync", e));
+    let shown = String::from_utf8_lossy(&out.stdout);
+    let prefix = node.net().subnet();
+    let prefix = prefix.rsplit('/').next().unwrap_or("24");
+    assert!(shown.contains(&format!("inet {ip}/{prefix}")), "{shown}");
+    let route = cri
+        .exec_sync(container, &["ip", "route"], EXEC)
+        .await
+        .unwrap_or_else(|e| fail("ExecSync", e));
+    let route = String::from_utf8_lossy(&route.stdout).into_owned();
+    assert!(
+        route.contains(&format!("default via {}", node.net().gateway())),
+        "{route}"
+    );
+    // The node's bridge address: reached, and the answer comes back, when
+    // the annotation allows the subnet; never under the default policy.
+    let gateway = node.net().gateway();
+    let listener =
+        TcpListener::bind((gateway, 0)).unwrap_or_else(|e| panic!("listen on {gateway}: {e}"));
+    let port = listener.local_addr().map(|a| a.port()).unwrap_or_default();
+    let within = if allow_subnet { 60 } else { 15 };
+    let accepted = std::thread::spawn(move || accept_one(&listener, Duration::from_secs(within)));
+    let out = cri
+        .exec_sync(
+            container,
+            &[
+                "/bin/sh",
+                "-c",
+                &format!("echo from-the-pod | nc -w 5 {gateway} {port} 2>&1; echo rc=$?"),
+            ],
+            EXEC,
+        )
+        .await
+        .unwrap_or_else(|e| fail("ExecSync", e));
+    let got = accepted
+        .join()
+        .unwrap_or_else(|_| Err("the accept thread panicked".into()));
+    let said = String::from_utf8_lossy(&out.stdout);
+    if allow_subnet {
+        assert_eq!(
+            got.as_deref().map(str::trim),
+            Ok("from-the-pod"),
+            "the node got {got:?}; the pod said {said:?}"
+        );
+    } else {
+        assert!(
+            got.is_err() && !said.contains("rc=0"),
+            "the default policy let the pod reach the node: {got:?}; the pod said {said:?}"
+        );
+    }
+    // The metadata address is denied whatever the policy: the connection
+    // never completes.
+    let t = Instant::now();
+    let out = cri
+        .exec_sync(
+            container,
+            &[
+                "/bin/sh",
+                "-c",
+                "nc -w 3 169.254.169.254 80 </dev/null 2>&1; echo rc=$?",
+            ],
+            EXEC,
+        )
+        .await
+        .unwrap_or_else(|e| fail("ExecSync", e));
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains("rc=") && !said.contains("rc=0"), "{said}");
+    assert!(
+        t.elapsed() >= Duration::from_secs(2),
+        "refused at once, not dropped: {said} (routes: {route})"
+    );
+}
+
 #[test]
 fn twig_pod_with_three_containers_through_cri() {
     pod_lifecycle(Expect {
         handler: "twig",
         own_kernel: true,
-        // Item 8 (the VM in the pod's network namespace) is not built yet.
-        pod_network: false,
+        pod_network: true,
+        // The default egress policy: the node's requests get answers
+        // (twig-net tracks replies), the pod cannot open connections to
+        // the node.
+        allow_subnet: false,
+    });
+}
+
+#[test]
+fn twig_pod_whose_policy_allows_its_subnet_through_cri() {
+    pod_lifecycle(Expect {
+        handler: "twig",
+        own_kernel: true,
+        pod_network: true,
+        allow_subnet: true,
+    });
+}
+
+/// A twig pod whose shim is killed: containerd's `delete` of the dead
+/// shim tears the pod's network path down (its pins recorded in the
+/// shim's state), and StopPodSandbox + RemovePodSandbox leave nothing.
+#[test]
+fn a_twig_pod_whose_shim_died_leaves_no_network_behind() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| panic!("a tokio runtime: {e}"));
+    rt.block_on(async {
+        let t0 = Instant::now();
+        let node = CriNode::start().unwrap_or_else(|e| panic!("CRI node: {e}"));
+        let cri = node.client().await.unwrap_or_else(|e| panic!("{e}"));
+        let fail = |what: &str, e: twig_cri::Error| -> ! { panic!("{}", node.cri_error(what, e)) };
+        let pod = node.pod_config("orphan").unwrap_or_else(|e| panic!("{e}"));
+        let pod_id = cri
+            .run_pod_sandbox(&pod, "twig")
+            .await
+            .unwrap_or_else(|e| fail("RunPodSandbox", e));
+        let ip = cri
+            .pod_ip(&pod_id)
+            .await
+            .unwrap_or_else(|e| fail("the pod's IP", e));
+        ping(ip, Duration::from_secs(30)).unwrap_or_else(|e| panic!("{e}"));
+        let pinned = node.pinned_pod_networks();
+        assert_eq!(pinned.len(), 1, "one pod, one pinned path: {pinned:?}");
+        let vmms = node.pod_vmms();
+        let shims = node.twig_shims();
+        assert_eq!(shims.len(), 1, "one pod, one shim: {shims:?}");
+        step(t0, "a networked twig pod");
+        for pid in &shims {
+            let pid = i32::try_from(*pid).unwrap_or_else(|e| panic!("pid {pid}: {e}"));
+            nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            )
+            .unwrap_or_else(|e| panic!("killing the shim {pid}: {e}"));
+        }
+        step(t0, "its shim killed");
+        cri.stop_pod_sandbox(&pod_id)
+            .await
+            .unwrap_or_else(|e| fail("StopPodSandbox", e));
+        cri.remove_pod_sandbox(&pod_id)
+            .await
+            .unwrap_or_else(|e| fail("RemovePodSandbox", e));
+        let deadline = Instant::now() + GONE;
+        loop {
+            let left = node.leftovers(&vmms);
+            if left.is_empty() {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "left behind {GONE:?} after the shim died and the pod was removed: {left:#?}\n{}",
+                node.node().logs()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        step(t0, "nothing left behind");
     });
 }
 
@@ -366,5 +604,6 @@ fn runc_pod_with_three_containers_through_cri() {
         handler: "runc",
         own_kernel: false,
         pod_network: true,
+        allow_subnet: false,
     });
 }

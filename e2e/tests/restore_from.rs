@@ -309,6 +309,37 @@ async fn clone_scenario() {
         .await;
     step(t0, "identity and isolation");
 
+    // A container created new in the clone joins the pod's namespaces —
+    // the snapshotted sandbox's, which the clone's sandbox adopted — so,
+    // in the pod's shared pid namespace (CRI's default here), it sees the
+    // adopted counter.
+    let probe = container_config("probe", IMAGE_REF, &["sleep", "3600"], "probe.log");
+    let probe = h
+        .cri
+        .create_container(&clone_pod_id, &probe, &clone_pod)
+        .await
+        .unwrap_or_else(|e| h.fail("CreateContainer probe", e));
+    h.cri
+        .start_container(&probe)
+        .await
+        .unwrap_or_else(|e| h.fail("StartContainer probe", e));
+    // `[c]` keeps the probe's own command line from matching.
+    let (_, seen) = h
+        .exec(
+            &probe,
+            &[
+                "sh",
+                "-c",
+                "grep -l 'shm/[c]ount.new' /proc/[0-9]*/cmdline 2>/dev/null; true",
+            ],
+        )
+        .await;
+    assert!(
+        seen.lines().any(|l| l.starts_with("/proc/")),
+        "a new container in the clone does not see the adopted counter: {seen:?}"
+    );
+    step(t0, "a new container joins the clone's pod namespaces");
+
     // A second clone of the same snapshot: its own name, and RNG output of
     // its own (the guest's CRNG was reseeded with fresh host entropy).
     let second_pod = h.pod("counter-clone-2", Some(&snap));

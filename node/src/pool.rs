@@ -472,6 +472,9 @@ impl Pool {
             .args(["--prepare-mem-mib", &shape.mem_mib.to_string()])
             .args(["--prepare-vcpus", &shape.vcpus.to_string()])
             .args(["--disk-slots", &shape.disk_slots.to_string()])
+            // A network device with no tap: the shim sends the pod's tap
+            // (`attach_net`) after the restore.
+            .arg("--net")
             .arg("--vsock-uds")
             .arg(own.join("vsock"));
         if let Some(jail) = &self.inner.jail {

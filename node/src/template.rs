@@ -111,7 +111,7 @@ impl Templates {
             }
         }
         let mut h = Sha256::new();
-        h.update(b"twig base template v1\0");
+        h.update(b"twig base template v2 (net device)\0");
         for input in [&b.kernel, &b.initrd] {
             hash_file(&mut h, input)?;
         }
@@ -184,6 +184,9 @@ impl Templates {
             .args(["--mem-mib", &shape.mem_mib.to_string()])
             .args(["--vcpus", &shape.vcpus.to_string()])
             .args(["--disk-slots", &shape.disk_slots.to_string()])
+            // Every pod's VM has a network device, attached to its pod's tap
+            // after restore: the template has it (detached) too.
+            .arg("--net")
             .args(["--timeout-s", &b.build_timeout_s.to_string()])
             .arg("--serial")
             .arg(&serial)

@@ -23,6 +23,11 @@ fn restore(api_socket: &str, template_dir: &str) -> Client {
         let s = api.stats(T).expect("stats");
         s.exits > 0 && s.state == RunState::Running
     });
+    let net = api.stats(T).expect("stats").net;
+    assert!(
+        net.as_ref().is_some_and(|n| n.tap.is_none()),
+        "a pooled VM has a network device, detached until the shim sends a tap: {net:?}"
+    );
     api
 }
 

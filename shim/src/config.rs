@@ -2,6 +2,7 @@
 //! `TWIG_SHIM_CONFIG` names another; every field has a default, and a
 //! missing file means all defaults.
 
+use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
@@ -30,6 +31,13 @@ pub struct Config {
     /// enough for the daemon to build the node's base template on first
     /// need.
     pub acquire_timeout_s: u64,
+    /// The bpffs directory under which each pod's network path is pinned,
+    /// in `<bpffs_root>/<sandbox id>` (mounted if it is not on a bpffs).
+    pub bpffs_root: PathBuf,
+    /// The cluster's DNS resolvers: the pods' egress policy lets UDP and
+    /// TCP port 53 reach them (they are private addresses, denied
+    /// otherwise).
+    pub cluster_dns: Vec<Ipv4Addr>,
 }
 
 impl Default for Config {
@@ -39,6 +47,8 @@ impl Default for Config {
             state_root: PathBuf::from("/run/twig/shim"),
             call_timeout_s: 30,
             acquire_timeout_s: 360,
+            bpffs_root: PathBuf::from("/sys/fs/bpf/twig"),
+            cluster_dns: Vec::new(),
         }
     }
 }

@@ -55,6 +55,16 @@ pub enum Error {
         #[source]
         source: twig_store::Error,
     },
+    /// twig-net refused or failed to set up or tear down a pod's network
+    /// path.
+    #[error("{what}: {source}")]
+    Network {
+        /// What the shim was doing.
+        what: String,
+        /// twig-net's error.
+        #[source]
+        source: twig_net::Error,
+    },
     /// The call's deadline passed before it could run.
     #[error("{0}")]
     Deadline(String),
@@ -133,6 +143,11 @@ impl Error {
                 twig_store::Error::Corrupt { .. }
                 | twig_store::Error::Tool { .. }
                 | twig_store::Error::Io { .. } => ttrpc::Code::INTERNAL,
+            },
+            Error::Network { source, .. } => match source {
+                twig_net::Error::Unsupported(_) => ttrpc::Code::FAILED_PRECONDITION,
+                twig_net::Error::Policy(_) => ttrpc::Code::INVALID_ARGUMENT,
+                _ => ttrpc::Code::INTERNAL,
             },
             Error::Deadline(_) => ttrpc::Code::DEADLINE_EXCEEDED,
             Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {

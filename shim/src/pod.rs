@@ -18,6 +18,9 @@ use crate::service::{shim_pid, TaskService};
 pub struct ContainerView {
     /// containerd's container id.
     pub id: String,
+    /// The id the guest's agent knows it by (`id`, or for a container
+    /// adopted in a clone, its source's).
+    pub guest_id: String,
     /// Its bundle (the OCI spec, with CRI's annotations).
     pub bundle: PathBuf,
     /// The VM's disk slot holding its rootfs.
@@ -27,6 +30,16 @@ pub struct ContainerView {
 }
 
 impl TaskService {
+    /// The pid in the VM of the pod's sandbox container's init, whose
+    /// namespaces the pod's other containers join.
+    pub fn sandbox_pid(&self) -> Option<u32> {
+        *self
+            .inner
+            .sandbox_init
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
     /// The pod's sandbox, once its first container made it.
     pub async fn current_sandbox(&self) -> Option<Arc<dyn Sandbox>> {
         self.inner.sandbox.lock().await.clone()
@@ -39,6 +52,7 @@ impl TaskService {
             .values()
             .map(|c| ContainerView {
                 id: c.id.clone(),
+                guest_id: c.guest_id.clone(),
                 bundle: c.bundle.clone(),
                 slot: c.attachment.slot,
                 running: c.init.phase == Phase::Running,

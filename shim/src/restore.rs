@@ -25,7 +25,7 @@ use twig_store::layout::{Artefact, TMP_DIR};
 use twig_store::NodeStore;
 
 use crate::error::{Error, Result};
-use crate::sandbox::Restored;
+use crate::sandbox::{Restored, SANDBOX_ADOPTION};
 use crate::twig_service::{SnapshotContainer, CONTAINERS_LABEL, SANDBOX_LABEL};
 
 /// The pod annotation naming a pod snapshot of the node store to restore
@@ -134,14 +134,22 @@ impl SnapshotSource {
             };
             slots.push((slot, name, file));
         }
+        // Running containers wait for the new pod's container of the same
+        // name; the snapshotted sandbox container for the new sandbox's.
         let restored = containers
             .iter()
             .filter(|c| c.running)
             .filter_map(|c| {
+                let name = match &c.name {
+                    Some(name) => name.clone(),
+                    None if snapshotted_sandbox == Some(&c.id) => SANDBOX_ADOPTION.to_string(),
+                    None => return None,
+                };
                 Some(Restored {
-                    guest_id: c.id.clone(),
-                    name: c.name.clone()?,
+                    guest_id: c.guest_id.clone().unwrap_or_else(|| c.id.clone()),
+                    name,
                     slot: c.slot?,
+                    pid: c.pid,
                 })
             })
             .collect();

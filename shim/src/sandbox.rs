@@ -41,16 +41,25 @@ pub struct VmRollback {
     pub remapped: bool,
 }
 
+/// The name under which a restored pod's sandbox container waits to be
+/// adopted by the new pod's sandbox container (CRI gives it no container
+/// name; no container name can be empty).
+pub const SANDBOX_ADOPTION: &str = "";
+
 /// A container that runs in a VM restored from a pod snapshot, waiting to
 /// be adopted by the container CRI creates under its name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Restored {
     /// The id the guest's agent knows it by (its id in the snapshotted pod).
     pub guest_id: String,
-    /// Its name in the pod (CRI's `io.kubernetes.cri.container-name`).
+    /// Its name in the pod (CRI's `io.kubernetes.cri.container-name`), or
+    /// [`SANDBOX_ADOPTION`] for the pod's sandbox container.
     pub name: String,
     /// The disk slot holding its rootfs (the snapshot's copy).
     pub slot: usize,
+    /// Its init's pid in the VM, where the snapshot recorded it (the
+    /// sandbox's: the pod's namespaces that later containers join).
+    pub pid: Option<u32>,
 }
 
 /// One pod's VM (or its stand-in): an agent, and a way to give it a disk.

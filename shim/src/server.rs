@@ -213,6 +213,12 @@ fn stop_orphan_vmm(dir: &Path) {
             tracing::info!(pid, api_socket, "the pod's twig-vmm is gone already");
         }
     }
+    // The pod's network path, if the dead shim had attached one (the tap
+    // went with the VMM, or goes with it now).
+    if let Err(e) = crate::network::teardown_recorded(dir) {
+        tracing::warn!("tearing down the pod's network: {e}; its state stays for another try");
+        return;
+    }
     if let Err(e) = std::fs::remove_dir_all(dir) {
         if e.kind() != ErrorKind::NotFound {
             tracing::warn!("removing {}: {e}", dir.display());

@@ -30,9 +30,8 @@ use twig_agent::client::Stream;
 use crate::error::{Error, Result};
 use crate::process::{timestamp, Container, Exited, Origin, Phase, Proc};
 use crate::recover;
-use crate::sandbox::Attachment;
-use crate::sandbox::{with_agent, Death, Launcher, Sandbox};
-use crate::spec;
+use crate::sandbox::{with_agent, Attachment, Death, Launcher, Sandbox, SANDBOX_ADOPTION};
+use crate::spec::{self, CONTAINER_TYPE_ANNOTATION, CONTAINER_TYPE_SANDBOX};
 use crate::stdio::{self, StdioPaths};
 use crate::twig_service::CONTAINER_NAME_ANNOTATION;
 use crate::vm::slot_device;
@@ -66,7 +65,7 @@ pub(crate) struct Inner {
     containers: Mutex<HashMap<String, Container>>,
     /// The guest pid of the pod's first container's init: other containers
     /// join its namespaces.
-    sandbox_init: Mutex<Option<u32>>,
+    pub(crate) sandbox_init: Mutex<Option<u32>>,
     paused: Mutex<bool>,
     /// Set once the pod's VM died (see `recover`).
     vm_dead: watch::Sender<bool>,
@@ -177,6 +176,8 @@ impl TaskService {
         let image = spec::rootfs_image(&req.id, &req.rootfs)?;
         let read_only = spec::root_read_only(&oci);
         let name = spec::annotation(&oci, CONTAINER_NAME_ANNOTATION).map(str::to_string);
+        let is_sandbox =
+            spec::annotation(&oci, CONTAINER_TYPE_ANNOTATION) == Some(CONTAINER_TYPE_SANDBOX);
         let paths = StdioPaths {
             stdin: req.stdin.clone(),
             stdout: req.stdout.clone(),
@@ -212,16 +213,33 @@ impl TaskService {
         let spec_json = serde_json::to_vec(&guest)
             .map_err(|e| Error::Internal(format!("encoding the OCI spec: {e}")))?;
         // A container of the pod snapshot the VM was restored from runs
-        // already: adopt it (its rootfs is the snapshot's copy on its slot).
-        let adopted = name.as_deref().and_then(|n| sandbox.take_restored(n));
+        // already: adopt it (its rootfs is the snapshot's copy on its slot);
+        // the new sandbox container adopts the snapshotted one, whose
+        // namespaces the adopted containers share.
+        let adoption = if is_sandbox {
+            Some(SANDBOX_ADOPTION)
+        } else {
+            name.as_deref()
+        };
+        let adopted = adoption.and_then(|n| sandbox.take_restored(n));
         let (attachment, origin, guest_id) = match adopted {
             Some(r) => {
                 tracing::info!(
                     id = req.id,
                     guest_id = r.guest_id,
                     name,
+                    is_sandbox,
                     "adopting a restored container"
                 );
+                if is_sandbox {
+                    if let Some(pid) = r.pid {
+                        self.inner
+                            .sandbox_init
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .get_or_insert(pid);
+                    }
+                }
                 let attachment = Attachment {
                     device: slot_device(r.slot)?,
                     slot: Some(r.slot),

@@ -18,6 +18,8 @@ pub const SANDBOX_ID_ANNOTATION: &str = "io.kubernetes.cri.sandbox-id";
 /// CRI's annotation saying whether a container is the pod's `sandbox` or a
 /// `container` in it.
 pub const CONTAINER_TYPE_ANNOTATION: &str = "io.kubernetes.cri.container-type";
+/// [`CONTAINER_TYPE_ANNOTATION`]'s value on a pod's sandbox container.
+pub const CONTAINER_TYPE_SANDBOX: &str = "sandbox";
 /// Groups containers into one shim (one VM) outside CRI, like runc's
 /// `io.containerd.runc.v2.group`.
 pub const GROUP_ANNOTATION: &str = "io.containerd.twig.v2.group";

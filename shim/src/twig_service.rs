@@ -63,6 +63,14 @@ pub struct SnapshotContainer {
     pub slot: Option<usize>,
     /// Whether its init process ran.
     pub running: bool,
+    /// The id the guest's agent knows it by, where it differs from `id` (a
+    /// container adopted in a clone keeps its source's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_id: Option<String>,
+    /// Its init's pid in the VM: recorded for the pod's sandbox container,
+    /// whose namespaces a clone's new containers join.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
 }
 
 /// What the service remembers between calls.
@@ -165,6 +173,8 @@ impl TwigService {
     }
 
     fn containers(&self) -> Result<Vec<SnapshotContainer>> {
+        let sandbox_pid = self.inner.task.sandbox_pid();
+        let sandbox_id = &self.inner.sandbox_id;
         self.inner
             .task
             .container_views()
@@ -173,6 +183,8 @@ impl TwigService {
                 let oci = spec::read_spec(&c.bundle)?;
                 Ok(SnapshotContainer {
                     name: spec::annotation(&oci, CONTAINER_NAME_ANNOTATION).map(str::to_string),
+                    pid: sandbox_pid.filter(|_| &c.id == sandbox_id),
+                    guest_id: Some(c.guest_id).filter(|g| *g != c.id),
                     id: c.id,
                     slot: c.slot,
                     running: c.running,
@@ -515,6 +527,8 @@ mod tests {
     fn c(id: &str, slot: usize, running: bool) -> SnapshotContainer {
         SnapshotContainer {
             id: id.into(),
+            guest_id: None,
+            pid: None,
             name: Some(format!("{id}-name")),
             slot: Some(slot),
             running,

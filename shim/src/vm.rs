@@ -19,6 +19,7 @@ use twig_vmm::api::Client;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::network::{self, Joiner, PodNet};
 use crate::restore::{self, SnapshotSource};
 use crate::sandbox::{Attachment, Death, Launcher, Restored, Sandbox, VmRollback, VmSnapshot};
 use crate::spec;
@@ -60,16 +61,74 @@ impl Launcher for VmLauncher {
     fn launch(&self, sandbox_id: &str, bundle: &Path, rootfs: &Path) -> Result<Arc<dyn Sandbox>> {
         let spec = spec::read_spec(bundle)?;
         let template = spec::annotation(&spec, TEMPLATE_ANNOTATION).unwrap_or_default();
+        // Checked before a VM is taken: a pod whose network cannot be
+        // filtered is refused, never run unfiltered.
+        let network = match network::plan(&spec)? {
+            Some(plan) => {
+                let joiner: Box<dyn Joiner> =
+                    Box::new(network::Bpf::new(&self.config.cluster_dns)?);
+                Some(NetworkSetup {
+                    dir: self.config.bpffs_root.join(sandbox_id),
+                    plan,
+                    joiner,
+                })
+            }
+            None => None,
+        };
         let restore_from = spec::annotation(&spec, RESTORE_FROM_ANNOTATION);
-        tracing::info!(sandbox_id, template, restore_from, state = %self.state_dir.display(), "starting the sandbox VM");
+        tracing::info!(sandbox_id, template, restore_from, state = %self.state_dir.display(), network = network.is_some(), "starting the sandbox VM");
         Ok(Arc::new(VmSandbox::start(
             &self.config,
             &self.state_dir,
             sandbox_id,
             template,
             restore_from.map(|id| (id, &spec, rootfs)),
+            network,
         )?))
     }
+}
+
+/// How a sandbox's VM joins its pod's network (CRI pods): after every
+/// restore of the VM, [`join_network`].
+pub struct NetworkSetup {
+    /// The pod's network namespace and egress policy.
+    pub plan: network::Plan,
+    /// Joins the VM's tap and the pod's veth.
+    pub joiner: Box<dyn Joiner>,
+    /// The pod's bpffs directory (`<bpffs_root>/<sandbox id>`).
+    pub dir: PathBuf,
+}
+
+/// The hook every restore of a pod's VM runs before the first container
+/// starts: creates the pod's tap, joins it to the pod's veth, sends it to
+/// the VMM and gives the guest the pod's IP, MAC and gateway, so that a
+/// VM restored from a template or from another pod's snapshot takes this
+/// pod's identity. `state_dir` gets the record `delete` tears the path
+/// down with if the shim dies.
+pub fn join_network(
+    setup: &NetworkSetup,
+    state_dir: &Path,
+    api: &mut Client,
+    agent: &AgentClient,
+    timeout: Duration,
+) -> Result<PodNet> {
+    PodNet::attach(
+        &setup.plan,
+        &setup.dir,
+        &state_dir.join(network::RECORD_FILE),
+        setup.joiner.as_ref(),
+        |tap| {
+            api.attach_net(tap, timeout)
+                .map(|_| ())
+                .map_err(vmm_error("sending the pod's tap to twig-vmm"))
+        },
+        |identity| {
+            agent
+                .reidentify(identity, timeout)
+                .map(|_| ())
+                .map_err(|e| Error::agent("giving the guest the pod's network identity", e))
+        },
+    )
 }
 
 /// A pod's VM: the twig-vmm child, its API client and the agent inside.
@@ -91,6 +150,8 @@ pub struct VmSandbox {
     /// Containers of the pod snapshot the VM was restored from (restore-
     /// from) not adopted yet.
     restored: Mutex<Vec<Restored>>,
+    /// The pod's network attached to the VM, torn down once it stopped.
+    network: Mutex<Option<PodNet>>,
 }
 
 /// The agent connection and how many times it was replaced.
@@ -122,6 +183,7 @@ impl VmSandbox {
         sandbox_id: &str,
         template: &str,
         restore_from: Option<(&str, &serde_json::Value, &Path)>,
+        network: Option<NetworkSetup>,
     ) -> Result<VmSandbox> {
         std::fs::create_dir_all(state_dir)
             .map_err(|e| Error::io(format!("creating {}", state_dir.display()), e))?;
@@ -147,7 +209,7 @@ impl VmSandbox {
                 SnapshotSource::open(Path::new(&vm.template_dir), id, oci, sandbox_id, rootfs)
             })
             .transpose()?;
-        let (api, agent) = Self::restore(
+        let (mut api, agent) = Self::restore(
             source
                 .as_ref()
                 .map_or(Path::new(&vm.template_dir), |s| &s.dir),
@@ -178,6 +240,13 @@ impl VmSandbox {
             );
             restored = source.restored;
         }
+        // After every restore (template or pod snapshot), before the first
+        // container: the pod's own network identity.
+        let pod_net = network
+            .as_ref()
+            .map(|setup| join_network(setup, state_dir, &mut api, &agent, timeout))
+            .transpose()
+            .map_err(|e| with_vm_logs(e, &vm_dir))?;
         tracing::info!(
             pid = vm.pid,
             pooled = vm.pooled,
@@ -187,8 +256,21 @@ impl VmSandbox {
             "sandbox VM restored, agent answers"
         );
         let stopping = Arc::new(AtomicBool::new(false));
-        let death = match guard.0.as_ref() {
-            Some(p) => Some(watch_death(p, stopping.clone(), logs)?),
+        let death = match guard
+            .0
+            .as_ref()
+            .map(|p| watch_death(p, stopping.clone(), logs))
+        {
+            Some(Ok(d)) => Some(d),
+            Some(Err(e)) => {
+                if let Some(n) = pod_net {
+                    drop(guard);
+                    if let Err(d) = n.detach() {
+                        tracing::warn!("detaching the pod's network: {d}");
+                    }
+                }
+                return Err(e);
+            }
             None => None,
         };
         Ok(VmSandbox {
@@ -207,6 +289,7 @@ impl VmSandbox {
             stopping,
             death: Mutex::new(death),
             state_dir: state_dir.to_path_buf(),
+            network: Mutex::new(pod_net),
             restored: Mutex::new(restored),
         })
     }
@@ -644,6 +727,17 @@ impl Sandbox for VmSandbox {
                 )));
             }
         }
+        // The VMM held the tap's last descriptor: the tap is gone; the
+        // programs and pins go now. If that fails the state directory (and
+        // its record) stays, for `delete` to try again.
+        let network = self
+            .network
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(n) = network {
+            n.detach()?;
+        }
         if let Err(e) = std::fs::remove_dir_all(&self.state_dir) {
             tracing::warn!("removing {}: {e}", self.state_dir.display());
         }
@@ -714,6 +808,21 @@ impl Sandbox for VmSandbox {
             agent.epoch += 1;
         }
         let info = result?;
+        // The snapshot's guest may carry another pod's network identity
+        // (a clone's snapshot): give it this pod's again.
+        if let Some(n) = self
+            .network
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            agent
+                .client
+                .reidentify(n.identity(), self.timeout)
+                .map_err(|e| {
+                    Error::agent("giving the rolled-back guest the pod's network identity", e)
+                })?;
+        }
         Ok(VmRollback {
             pages_restored: u64::try_from(info.pages_restored).unwrap_or(u64::MAX),
             remapped: info.remapped,

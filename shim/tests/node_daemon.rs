@@ -52,6 +52,11 @@ fn make_template(dir: &Path) {
     let store = NodeStore::open(&dir.join("store"), true).unwrap();
     let devices = DeviceConfig {
         disk_slots: 2,
+        // A pooled VMM's network device: detached until `attach_net`.
+        net: Some(twig_vmm::NetConfig {
+            tap: None,
+            mac: [0x02, 0x74, 0x77, 0x69, 0x67, 0x01],
+        }),
         vsock: Some(VsockConfig {
             cid: 3,
             uds_path: dir.join("tpl.vsock"),
@@ -118,7 +123,7 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
         ..Config::default()
     };
     let state = dir.path().join("shim-state");
-    let e = VmSandbox::start(&config, &state, "sb", "tiny", None)
+    let e = VmSandbox::start(&config, &state, "sb", "tiny", None, None)
         .err()
         .expect("the test guest has no agent");
     assert!(matches!(e, Error::Agent { .. }), "{e}");
@@ -137,7 +142,7 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
     });
 
     // An app template the node does not hold keeps its errdefs code.
-    let e = VmSandbox::start(&config, &state, "sb", "absent", None)
+    let e = VmSandbox::start(&config, &state, "sb", "absent", None, None)
         .err()
         .expect("no such template");
     assert!(matches!(e, Error::NotFound(_)), "{e}");
@@ -156,6 +161,7 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
             &oci,
             Path::new("/nonexistent/rootfs.img"),
         )),
+        None,
     )
     .err()
     .expect("no usable snapshot");

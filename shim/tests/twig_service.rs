@@ -31,7 +31,7 @@ use twig_proto::twig as pb;
 use twig_proto::twig_ttrpc::TwigClient;
 use twig_shim::restore::SnapshotSource;
 use twig_shim::sandbox::{
-    Attachment, Fixed, HostSandbox, Restored, Sandbox, VmRollback, VmSnapshot,
+    Attachment, Fixed, HostSandbox, Restored, Sandbox, VmRollback, VmSnapshot, SANDBOX_ADOPTION,
 };
 use twig_shim::server::task_services;
 use twig_shim::service::{Event, TaskService};
@@ -470,6 +470,8 @@ async fn snapshots_go_into_the_store_with_the_pods_containers_and_are_idempotent
         containers,
         [SnapshotContainer {
             id: "c1".into(),
+            guest_id: None,
+            pid: None,
             name: Some("app".into()),
             slot: Some(0),
             running: true,
@@ -651,8 +653,37 @@ async fn a_restored_container_is_adopted_by_its_name() {
         guest_id: "c1".into(),
         name: "app".into(),
         slot: 0,
+        pid: None,
     });
     let (task, _server) = f.second_shim().await;
+    // The new pod's sandbox container adopts the snapshotted one (the
+    // running c1 stands in for it here): no second sandbox process.
+    f.vm.restored.lock().unwrap().push(Restored {
+        guest_id: "c1".into(),
+        name: SANDBOX_ADOPTION.into(),
+        slot: 0,
+        pid: Some(1),
+    });
+    let (sb, sb_img) = bundle(
+        f.dir.path(),
+        "clone-sb",
+        &["sleep", "1000"],
+        json!({"annotations": {"io.kubernetes.cri.container-type": "sandbox"}}),
+    );
+    let create = api::CreateTaskRequest {
+        id: "clone-sb".into(),
+        bundle: sb.display().to_string(),
+        rootfs: vec![twig_mount(&sb_img)],
+        ..Default::default()
+    };
+    task.create(ctx(), &create)
+        .await
+        .expect("create the sandbox (adopt)");
+    assert_eq!(
+        f.vm.restored.lock().unwrap().len(),
+        1,
+        "the sandbox was adopted; the app waits"
+    );
     let (b, img) = bundle(
         f.dir.path(),
         "clone-1",
@@ -752,18 +783,25 @@ fn restore_from_reads_the_pod_snapshot_and_reflinks_its_disks_into_anonymous_fil
     let containers = serde_json::to_string(&[
         SnapshotContainer {
             id: "src".into(),
+            guest_id: None,
+            pid: Some(7),
             name: None,
             slot: Some(2),
             running: true,
         },
         SnapshotContainer {
-            id: "c1".into(),
+            id: "c1-clone".into(),
+            // Adopted in an earlier clone: the guest knows it as c1.
+            guest_id: Some("c1".into()),
+            pid: None,
             name: Some("counter".into()),
             slot: Some(1),
             running: true,
         },
         SnapshotContainer {
             id: "c2".into(),
+            guest_id: None,
+            pid: None,
             name: Some("done".into()),
             slot: Some(0),
             running: false,
@@ -793,12 +831,22 @@ fn restore_from_reads_the_pod_snapshot_and_reflinks_its_disks_into_anonymous_fil
     assert_eq!(src.hostname, "clone-1");
     assert_eq!(
         src.restored,
-        vec![Restored {
-            guest_id: "c1".into(),
-            name: "counter".into(),
-            slot: 1,
-        }],
-        "only running containers with a CRI name are adopted"
+        vec![
+            Restored {
+                guest_id: "src".into(),
+                name: SANDBOX_ADOPTION.into(),
+                slot: 2,
+                pid: Some(7),
+            },
+            Restored {
+                guest_id: "c1".into(),
+                name: "counter".into(),
+                slot: 1,
+                pid: None,
+            }
+        ],
+        "running containers with a CRI name are adopted by name, under the guest's id for \
+         them; the sandbox container by the new sandbox"
     );
     assert_eq!(src.slot_numbers().collect::<Vec<_>>(), vec![2, 1, 0]);
     let (_, name, stand_in) = &src.slots[0];

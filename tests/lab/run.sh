@@ -175,7 +175,7 @@ mkdir -p "$root"/{bin,dev,proc,sys,tmp,lib/modules,tests}
 cp /bin/busybox "$root/bin/busybox"
 for m in virt/lib/irqbypass arch/x86/kvm/kvm arch/x86/kvm/kvm-amd drivers/net/tun \
   drivers/block/loop lib/libcrc32c fs/xfs/xfs net/llc/llc net/802/stp net/bridge/bridge \
-  drivers/net/veth; do
+  drivers/net/veth net/sched/sch_ingress net/sched/cls_bpf; do
   # Newer Debian kernels ship xz-compressed modules; busybox insmod wants them plain.
   if [[ -f $mods/$m.ko ]]; then cp "$mods/$m.ko" "$root/lib/modules/"
   elif [[ -f $mods/$m.ko.xz ]]; then xz -dc "$mods/$m.ko.xz" > "$root/lib/modules/$(basename "$m").ko"
@@ -244,7 +244,7 @@ fi
 /bin/busybox --install -s /bin
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
 mount -t tmpfs tmp /tmp; mount -t debugfs debugfs /sys/kernel/debug
-for m in irqbypass kvm tun loop libcrc32c xfs llc stp bridge veth; do insmod /lib/modules/\$m.ko || echo "LAB-ERROR insmod \$m"; done
+for m in irqbypass kvm tun loop libcrc32c xfs llc stp bridge veth sch_ingress cls_bpf; do insmod /lib/modules/\$m.ko || echo "LAB-ERROR insmod \$m"; done
 insmod /lib/modules/kvm-amd.ko $KVM_AMD_PARAMS || echo "LAB-ERROR insmod kvm-amd $KVM_AMD_PARAMS"
 echo "LAB-KVM-AMD \$(cd /sys/module/kvm_amd/parameters && grep . * | tr '\\n' ' ')"
 [ -c /dev/kvm ] || echo "LAB-ERROR no /dev/kvm"
@@ -253,6 +253,8 @@ export PATH=/sbin:/bin:/usr/bin:/usr/local/bin ${TWIG_LAB_ENV:-}
 # What containerd and runc expect of a node: cgroups (v2), /run, a loopback;
 # CRI copies the node's /etc/hosts and /etc/resolv.conf into every pod.
 mkdir -p /run /var/lib /etc && mount -t cgroup2 cgroup2 /sys/fs/cgroup || echo "LAB-ERROR no cgroup2"
+# twig-net pins each pod's eBPF path under /sys/fs/bpf, as a node mounts it.
+mount -t bpf bpf /sys/fs/bpf || echo "LAB-ERROR no bpffs"
 [ -e /etc/hosts ] || echo '127.0.0.1 localhost' > /etc/hosts
 [ -e /etc/resolv.conf ] || : > /etc/resolv.conf
 ip link set lo up || echo "LAB-ERROR lo"

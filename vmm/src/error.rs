@@ -154,6 +154,11 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// Attaching a tap to the network device was refused: the VM has no
+    /// network device, it has a tap already, or the descriptor sent is not
+    /// a tap opened as the device needs.
+    #[error("network device: {0}")]
+    Net(String),
     /// The node store refused or failed an operation (staging, publishing).
     #[error("node store: {0}")]
     Store(#[from] twig_store::Error),
@@ -190,7 +195,8 @@ impl Error {
             | Error::Snapshot { .. }
             | Error::CpuIncompatible { .. }
             | Error::GuestAddress { .. }
-            | Error::Slot { .. } => ErrorKind::InvalidRequest,
+            | Error::Slot { .. }
+            | Error::Net(_) => ErrorKind::InvalidRequest,
             Error::State { state, .. } if *state == "stopped" => ErrorKind::GuestStopped,
             Error::State { .. } => ErrorKind::InvalidRequest,
             Error::SnapshotNotFound(_) => ErrorKind::NotFound,

@@ -27,6 +27,6 @@ pub use error::{Error, ErrorKind, Result};
 pub use snapshot::Kind;
 pub use virtio::vsock::host_connect;
 pub use vm::{
-    open_kvm, DeviceConfig, DiskConfig, NetConfig, RollbackInfo, RunState, Shape, SlotImage,
-    SlotInfo, SnapshotInfo, Stats, Vm, VsockConfig, MAX_VCPUS, MIN_MEM,
+    open_kvm, DeviceConfig, DiskConfig, NetConfig, NetStats, RollbackInfo, RunState, Shape,
+    SlotImage, SlotInfo, SnapshotInfo, Stats, Vm, VsockConfig, MAX_VCPUS, MIN_MEM,
 };

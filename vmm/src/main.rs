@@ -132,11 +132,15 @@ struct DeviceArgs {
     #[arg(long = "slot-file", value_name = "SLOT=PATH", value_parser = parse_slot_file)]
     slot_files: Vec<(usize, PathBuf)>,
     /// A virtio-net device on this tap (created if missing).
-    #[arg(long)]
+    #[arg(long, group = "net_device")]
     tap: Option<String>,
+    /// A virtio-net device with no tap until the API's `attach_net` sends
+    /// one as a descriptor (frames the guest sends meanwhile are dropped).
+    #[arg(long, group = "net_device")]
+    net: bool,
     /// The guest's MAC address (default: a random locally administered
     /// one).
-    #[arg(long, value_parser = parse_mac, requires = "tap")]
+    #[arg(long, value_parser = parse_mac, requires = "net_device")]
     mac: Option<[u8; 6]>,
     /// A virtio-vsock device whose host side is this Unix socket.
     #[arg(long)]
@@ -152,8 +156,8 @@ impl DeviceArgs {
             disks: self.disks,
             disk_slots: self.disk_slots,
             slot_files: self.slot_files.into_iter().collect(),
-            net: self.tap.map(|tap| NetConfig {
-                tap,
+            net: (self.net || self.tap.is_some()).then(|| NetConfig {
+                tap: self.tap,
                 mac: self.mac.unwrap_or_else(random_mac),
             }),
             vsock: self.vsock_uds.map(|uds_path| VsockConfig {

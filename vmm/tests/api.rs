@@ -6,6 +6,7 @@
 mod common;
 
 use std::io::{BufRead, BufReader, Write};
+use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -317,6 +318,73 @@ fn disk_slots_are_filled_and_emptied_over_the_api() {
     );
     let (kind, _) = vmm_err(f.api.restore(&s1, T));
     assert_eq!(kind, ErrorKind::InvalidRequest);
+    f.shutdown();
+}
+
+#[test]
+fn a_tap_sent_as_a_descriptor_backs_the_net_device() {
+    require_kvm();
+    let d = tmp();
+    let kernel: PathBuf = twig_vmm::testguest::write_to(d.path()).unwrap();
+    let tap = format!("twa{}", std::process::id() % 100_000);
+    let net = |api: &mut Client| api.stats(T).expect("stats").net.expect("a net device");
+    let mut a = Vmm::start(d.path(), "a", &["--net"]);
+    boot(&mut a, &kernel, 1);
+    assert_eq!(net(&mut a.api).tap, None, "detached until attach_net");
+    // A request without a descriptor, and one that is no tap.
+    let e = raw_err(&mut a.raw(), r#"{"op":"attach_net"}"#);
+    assert_eq!(e.kind, ErrorKind::InvalidRequest);
+    assert!(e.message.contains("descriptor"), "{}", e.message);
+    let null = std::fs::File::open("/dev/null").unwrap();
+    let (kind, e) = vmm_err(a.api.attach_net(null.as_fd(), T));
+    assert_eq!(kind, ErrorKind::InvalidRequest);
+    assert!(e.contains("not a tap"), "{e}");
+    assert_eq!(net(&mut a.api).tap, None);
+
+    let file = open_tap(&tap);
+    assert_eq!(a.api.attach_net(file.as_fd(), T).expect("attach_net"), tap);
+    // The VMM holds the tap now: the interface outlives our descriptor.
+    drop(file);
+    assert!(link_exists(&tap));
+    assert_eq!(net(&mut a.api).tap.as_deref(), Some(tap.as_str()));
+    let other = open_tap(&format!("{tap}b"));
+    let (kind, e) = vmm_err(a.api.attach_net(other.as_fd(), T));
+    assert_eq!(kind, ErrorKind::InvalidRequest);
+    assert!(e.contains("already"), "{e}");
+    drop(other);
+
+    // Snapshots hold the device, not the tap; rollback keeps the tap.
+    let store = node_store(d.path());
+    let (_, s1) = snapshot(&mut a.api, &store, "s1", Kind::Full).unwrap();
+    a.api.rollback(&s1, T).expect("rollback");
+    assert_eq!(net(&mut a.api).tap.as_deref(), Some(tap.as_str()));
+    a.shutdown();
+    let deadline = Instant::now() + T;
+    while link_exists(&tap) {
+        assert!(Instant::now() < deadline, "the tap outlived its VMM");
+        std::thread::yield_now();
+    }
+
+    // A restored VM's device is detached until its own tap comes.
+    let mut b = Vmm::start(d.path(), "b", &["--net"]);
+    b.api.restore(&s1, T).expect("restore");
+    assert_eq!(net(&mut b.api).tap, None);
+    let file = open_tap(&tap);
+    assert_eq!(b.api.attach_net(file.as_fd(), T).expect("attach_net"), tap);
+    b.shutdown();
+
+    // A VMM without a net device refuses, and cannot restore the snapshot.
+    let mut c = Vmm::start(d.path(), "c", &[]);
+    boot(&mut c, &kernel, 1);
+    assert!(c.api.stats(T).expect("stats").net.is_none());
+    let (kind, e) = vmm_err(c.api.attach_net(file.as_fd(), T));
+    assert_eq!(kind, ErrorKind::InvalidRequest);
+    assert!(e.contains("no network device"), "{e}");
+    c.shutdown();
+    let mut f = Vmm::start(d.path(), "f", &[]);
+    let (kind, e) = vmm_err(f.api.restore(&s1, T));
+    assert_eq!(kind, ErrorKind::InvalidRequest);
+    assert!(e.contains("net"), "{e}");
     f.shutdown();
 }
 

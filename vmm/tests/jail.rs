@@ -5,6 +5,7 @@
 
 mod common;
 
+use std::os::fd::AsFd;
 use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -353,6 +354,52 @@ fn a_forbidden_syscall_kills_the_vmm_with_sigsys() {
     assert!(jailed.api.call(&Request::TestTrigger {}, T).is_err());
     let status = jailed.wait();
     assert_eq!(status.signal(), Some(libc::SIGSYS), "{status}");
+}
+
+#[test]
+fn a_jailed_vmm_takes_a_tap_from_another_network_namespace() {
+    require_kvm();
+    let d = tmp();
+    world_readable(d.path());
+    let j = d.path().join("jail");
+    owned_dir(&j);
+    twig_vmm::testguest::write_to(&j).unwrap();
+    let kernel_name = std::fs::read_dir(&j)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .file_name();
+    let mut a = Vmm::start(
+        &j.join("api.sock"),
+        Path::new("/api.sock"),
+        &jail_args(j.to_str().unwrap(), &["--new-pid-ns", "--net"]),
+    );
+    a.api
+        .boot(
+            &Path::new("/").join(&kernel_name),
+            None,
+            "console=ttyS0",
+            MIB,
+            1,
+            T,
+        )
+        .unwrap();
+    // The VMM has no capabilities and its own network namespace: the tap
+    // is created here, in the caller's, and sent.
+    let tap = format!("twj{}", std::process::id() % 100_000);
+    let file = open_tap(&tap);
+    assert_eq!(a.api.attach_net(file.as_fd(), T).expect("attach_net"), tap);
+    drop(file);
+    let stats = a.api.stats(T).expect("stats, the VMM survived its filters");
+    assert_eq!(stats.net.and_then(|n| n.tap).as_deref(), Some(tap.as_str()));
+    assert!(link_exists(&tap), "the tap stays in the caller's namespace");
+    a.api.shutdown(T).unwrap();
+    assert!(a.wait().success());
+    assert!(
+        !link_exists(&tap),
+        "closing the VMM's descriptor removed the tap"
+    );
 }
 
 #[test]

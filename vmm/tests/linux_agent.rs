@@ -64,7 +64,7 @@ impl Slot {
                 read_only: false,
             }],
             net: Some(NetConfig {
-                tap: self.tap.clone(),
+                tap: Some(self.tap.clone()),
                 mac: self.mac,
             }),
             vsock: Some(VsockConfig {

@@ -378,7 +378,7 @@ fn rollback_experiment(layout: Layout) {
     let tap = tap_name(0);
     let devices = DeviceConfig {
         net: Some(NetConfig {
-            tap: tap.clone(),
+            tap: Some(tap.clone()),
             mac: [0x02, 0, 0, 0, 0x3c, 1],
         }),
         ..Default::default()

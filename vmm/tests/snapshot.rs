@@ -211,7 +211,7 @@ fn vms_with_host_fed_devices_snapshot_roll_back_restore_and_stop() {
     let name = |i: u32| format!("tws{}x{i}", std::process::id() % 100_000);
     let devices = |i: u32| DeviceConfig {
         net: Some(twig_vmm::NetConfig {
-            tap: name(i),
+            tap: Some(name(i)),
             mac: [0x02, 0, 0, 0, 0, i as u8],
         }),
         vsock: Some(twig_vmm::VsockConfig {

@@ -78,6 +78,10 @@ impl NetSlot {
                 "type": "bridge",
                 "bridge": self.bridge(),
                 "isGateway": true,
+                // A default route via the bridge in every pod, as a
+                // cluster's pod network gives: egress beyond the subnet is
+                // routed (and so filtered, not unreachable).
+                "isDefaultGateway": true,
                 "ipMasq": false,
                 "ipam": {
                     "type": "host-local",

@@ -14,7 +14,7 @@ use twig_proto::node_ttrpc::PoolClient;
 use twig_proto::twig_ttrpc::NodeClient;
 use twig_store::NodeStore;
 use twig_vmm::testguest;
-use twig_vmm::{Capture, DeviceConfig, Kind, Shape, Vm, VsockConfig};
+use twig_vmm::{Capture, DeviceConfig, Kind, NetConfig, Shape, Vm, VsockConfig};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_twig-node");
 pub const T: Duration = Duration::from_secs(20);
@@ -83,7 +83,8 @@ pub fn config(dir: &Path, size: usize) -> serde_json::Value {
 
 /// Makes the published snapshot `id` in the node store `<dir>/store`: the
 /// test guest booted in a VM of the test shape (its devices those of a
-/// pooled VMM: the node's disk slots and a vsock device), full snapshot.
+/// pooled VMM: the node's disk slots, a detached network device and a
+/// vsock device), full snapshot.
 pub fn make_template(dir: &Path, id: &str) {
     if let Err(e) = twig_vmm::open_kvm() {
         panic!("this test needs a usable /dev/kvm (run as root on a KVM host): {e}");
@@ -91,6 +92,10 @@ pub fn make_template(dir: &Path, id: &str) {
     let store = NodeStore::open(&dir.join("store"), true).expect("open the node store");
     let devices = DeviceConfig {
         disk_slots: SLOTS as usize,
+        net: Some(NetConfig {
+            tap: None,
+            mac: [0x02, 0x74, 0x77, 0x69, 0x67, 0x01],
+        }),
         vsock: Some(VsockConfig {
             cid: 3,
             uds_path: dir.join(format!("{id}.vsock")),

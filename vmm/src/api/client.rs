@@ -491,6 +491,20 @@ impl Client {
         }
     }
 
+    /// Attaches the tap `tap` (opened with `IFF_TAP|IFF_NO_PI|IFF_VNET_HDR`)
+    /// to the VM's detached network device by sending its descriptor;
+    /// returns the interface's name. The caller may close its copy after.
+    pub fn attach_net(
+        &mut self,
+        tap: BorrowedFd<'_>,
+        timeout: Duration,
+    ) -> Result<String, ClientError> {
+        match self.call_with(&Request::AttachNet {}, &[tap], timeout)? {
+            Reply::NetAttached { tap } => Ok(tap),
+            other => Err(self.unexpected("attach_net", &other)),
+        }
+    }
+
     /// Stops the VM; the VMM process exits after answering.
     pub fn shutdown(&mut self, timeout: Duration) -> Result<(), ClientError> {
         match self.call(&Request::Shutdown {}, timeout)? {

@@ -428,6 +428,16 @@ impl Machine {
                 self.vm()?.detach_disk(slot)?;
                 Reply::DiskDetached { slot }
             }
+            Request::AttachNet {} => {
+                let tap = fds.pop_front().map(File::from).ok_or_else(|| {
+                    Error::Net(
+                        "attach_net needs the tap's descriptor, and none came with it".into(),
+                    )
+                })?;
+                Reply::NetAttached {
+                    tap: self.vm()?.attach_net(tap)?,
+                }
+            }
             #[cfg(feature = "test-trigger")]
             Request::TestTrigger {} => Reply::Triggered {
                 result: crate::jail::forbidden_syscall(),

@@ -112,6 +112,11 @@ pub enum Request {
         /// The slot.
         slot: usize,
     },
+    /// Attach the tap sent with this request (`SCM_RIGHTS`: opened by the
+    /// caller with `IFF_TAP|IFF_NO_PI|IFF_VNET_HDR`, e.g. in a pod's network
+    /// namespace, where a jailed VMM cannot create one) to the VM's
+    /// detached network device ([`Reply::NetAttached`]).
+    AttachNet {},
     /// Stop the VM and exit the VMM process ([`Reply::ShutDown`]).
     Shutdown {},
     /// Make a system call no seccomp filter allows ([`Reply::Triggered`]
@@ -134,6 +139,7 @@ impl Request {
             Request::Stats {} => "stats",
             Request::AttachDisk { .. } => "attach_disk",
             Request::DetachDisk { .. } => "detach_disk",
+            Request::AttachNet {} => "attach_net",
             Request::Shutdown {} => "shutdown",
             #[cfg(feature = "test-trigger")]
             Request::TestTrigger {} => "test_trigger",
@@ -192,6 +198,11 @@ pub enum Reply {
     DiskDetached {
         /// The slot now empty.
         slot: usize,
+    },
+    /// To `attach_net`.
+    NetAttached {
+        /// The name of the tap's interface.
+        tap: String,
     },
     /// To `shutdown`: the VM is gone and the process exits.
     ShutDown {},
@@ -284,6 +295,7 @@ mod tests {
                 fd: true,
             },
             Request::DetachDisk { slot: 1 },
+            Request::AttachNet {},
             Request::Shutdown {},
         ];
         for r in reqs {

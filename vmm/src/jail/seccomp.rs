@@ -301,6 +301,7 @@ fn kvm_system_ioctls() -> Vec<u64> {
         KVM_GET_PIT2(),
         KVM_SET_PIT2(),
         libc::TUNSETIFF,
+        libc::TUNGETIFF,
         libc::TUNSETVNETHDRSZ,
         libc::FIONBIO,
         FICLONE,

@@ -8,12 +8,20 @@
 //! [`Net::host_fd`]: an inner epoll that holds the tap only while the guest
 //! has posted receive buffers, so the thread never spins on frames it has
 //! nowhere to put.
+//!
+//! The tap is the device's [`NetBackend`], shared with the VM: it is opened
+//! by name when the VM is created, or attached later as a descriptor the
+//! caller opened ([`NetBackend::attach`]; how a jailed VMM, which cannot
+//! create a tap in a pod's network namespace, gets one). Until then the
+//! device is *detached*: frames the guest sends are dropped and counted,
+//! nothing is received. Snapshots hold the device, never the tap.
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use virtio_bindings::virtio_ids::VIRTIO_ID_NET;
 use virtio_bindings::virtio_net::VIRTIO_NET_F_MAC;
@@ -37,6 +45,8 @@ const MAX_PACKET: usize = HDR_LEN + 65_550;
 /// under a steady stream; the tap stays readable and the device thread's
 /// level-triggered epoll calls again.
 const RX_BATCH: usize = 32;
+/// The flags a tap must have been opened with.
+const TAP_FLAGS: libc::c_int = libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR;
 
 #[repr(C)]
 struct IfReq {
@@ -45,21 +55,16 @@ struct IfReq {
     _pad: [u8; 22],
 }
 
-/// The network device.
-pub struct Net {
-    tap: File,
+/// An open tap and its name.
+struct Tap {
+    file: File,
     name: String,
-    config: [u8; 6],
-    epoll: Epoll,
-    armed: bool,
-    rx: Vec<u8>,
-    tx: Vec<u8>,
 }
 
-impl Net {
-    /// Attaches to the tap device `tap` (created if missing, as the kernel
-    /// does for TUNSETIFF) and gives the guest the address `mac`.
-    pub fn new(tap: &str, mac: [u8; 6]) -> Result<Net> {
+impl Tap {
+    /// Opens the tap named `tap` (created if missing, as the kernel does for
+    /// TUNSETIFF).
+    fn open(tap: &str) -> Result<Tap> {
         let fail = |what: &str, e: std::io::Error| Error::io(format!("tap {tap}: {what}"), e);
         if tap.is_empty() || tap.len() >= libc::IFNAMSIZ || tap.contains('\0') {
             return Err(Error::Config(format!(
@@ -75,7 +80,7 @@ impl Net {
             .map_err(|e| fail("cannot open /dev/net/tun", e))?;
         let mut req = IfReq {
             name: [0; libc::IFNAMSIZ],
-            flags: (libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR) as libc::c_short,
+            flags: TAP_FLAGS as libc::c_short,
             _pad: [0; 22],
         };
         req.name[..tap.len()].copy_from_slice(tap.as_bytes());
@@ -83,43 +88,178 @@ impl Net {
         if unsafe { libc::ioctl(file.as_raw_fd(), libc::TUNSETIFF, &mut req) } < 0 {
             return Err(fail("TUNSETIFF failed", std::io::Error::last_os_error()));
         }
-        let hdr = HDR_LEN as libc::c_int;
-        // SAFETY: TUNSETVNETHDRSZ reads an int.
-        if unsafe { libc::ioctl(file.as_raw_fd(), libc::TUNSETVNETHDRSZ, &hdr) } < 0 {
-            return Err(fail(
-                "TUNSETVNETHDRSZ failed",
+        Tap::configure(file, tap.to_string())
+    }
+
+    /// Takes a descriptor the caller opened: it must be a tap attached to an
+    /// interface with `IFF_TAP | IFF_NO_PI | IFF_VNET_HDR`.
+    fn adopt(file: File) -> Result<Tap> {
+        let mut req = IfReq {
+            name: [0; libc::IFNAMSIZ],
+            flags: 0,
+            _pad: [0; 22],
+        };
+        // SAFETY: TUNGETIFF writes an ifreq, which IfReq lays out; on a
+        // descriptor that is not a tun/tap it fails and writes nothing.
+        if unsafe { libc::ioctl(file.as_raw_fd(), libc::TUNGETIFF, &mut req) } < 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(Error::Net(format!(
+                "the descriptor sent is not a tap attached to an interface (TUNGETIFF: {e})"
+            )));
+        }
+        let len = req
+            .name
+            .iter()
+            .position(|b| *b == 0)
+            .unwrap_or(req.name.len());
+        let name = String::from_utf8_lossy(&req.name[..len]).into_owned();
+        let flags = libc::c_int::from(req.flags);
+        if flags & TAP_FLAGS != TAP_FLAGS {
+            return Err(Error::Net(format!(
+                "{name} was opened with flags {flags:#x}; a VM's tap needs IFF_TAP|IFF_NO_PI|IFF_VNET_HDR ({TAP_FLAGS:#x})"
+            )));
+        }
+        let on: libc::c_int = 1;
+        // SAFETY: FIONBIO reads an int.
+        if unsafe { libc::ioctl(file.as_raw_fd(), libc::FIONBIO, &on) } < 0 {
+            return Err(Error::io(
+                format!("tap {name}: making it non-blocking"),
                 std::io::Error::last_os_error(),
             ));
         }
-        let epoll = Epoll::new().map_err(|e| fail("creating an epoll", e))?;
-        Ok(Net {
-            tap: file,
-            name: tap.to_string(),
-            config: mac,
+        Tap::configure(file, name)
+    }
+
+    /// Sets the vnet header size both sides use.
+    fn configure(file: File, name: String) -> Result<Tap> {
+        let hdr = HDR_LEN as libc::c_int;
+        // SAFETY: TUNSETVNETHDRSZ reads an int.
+        if unsafe { libc::ioctl(file.as_raw_fd(), libc::TUNSETVNETHDRSZ, &hdr) } < 0 {
+            return Err(Error::io(
+                format!("tap {name}: TUNSETVNETHDRSZ failed"),
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(Tap { file, name })
+    }
+}
+
+/// The device's link to the host: the tap, if attached, and whether the
+/// inner epoll holds it.
+#[derive(Default)]
+struct Link {
+    tap: Option<Tap>,
+    armed: bool,
+}
+
+/// The host side of a network device, shared by the device and its VM: the
+/// tap (attached when the VM is created or later) and the inner epoll the
+/// device thread polls.
+pub struct NetBackend {
+    epoll: Epoll,
+    link: Mutex<Link>,
+    tx_dropped: AtomicU64,
+}
+
+impl NetBackend {
+    fn new(tap: Option<Tap>) -> Result<NetBackend> {
+        let epoll = Epoll::new().map_err(|e| Error::io("virtio-net: creating an epoll", e))?;
+        Ok(NetBackend {
             epoll,
-            armed: false,
-            rx: vec![0; MAX_PACKET],
-            tx: Vec::with_capacity(MAX_PACKET),
+            link: Mutex::new(Link { tap, armed: false }),
+            tx_dropped: AtomicU64::new(0),
         })
     }
 
-    fn set_armed(&mut self, on: bool) {
-        if self.armed == on {
+    fn link(&self) -> MutexGuard<'_, Link> {
+        self.link.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Attaches the tap `file` (opened by the caller with
+    /// `IFF_TAP|IFF_NO_PI|IFF_VNET_HDR`; its vnet header size is set to 12
+    /// and it is made non-blocking) to a detached device and returns the
+    /// interface's name. Refused, changing nothing, if the device has a tap
+    /// already or `file` is not such a tap.
+    pub fn attach(&self, file: File) -> Result<String> {
+        let mut link = self.link();
+        if let Some(t) = &link.tap {
+            return Err(Error::Net(format!(
+                "the network device is attached to {} already",
+                t.name
+            )));
+        }
+        let tap = Tap::adopt(file)?;
+        let name = tap.name.clone();
+        link.tap = Some(tap);
+        // Look at the receive queue: the device thread disarms again if the
+        // guest has posted no buffers.
+        self.set_armed(&mut link, true);
+        tracing::info!(tap = %name, "virtio-net: tap attached");
+        Ok(name)
+    }
+
+    /// The name of the attached tap, if any.
+    pub fn tap_name(&self) -> Option<String> {
+        self.link().tap.as_ref().map(|t| t.name.clone())
+    }
+
+    /// Frames the guest sent while the device had no tap.
+    pub fn tx_dropped(&self) -> u64 {
+        self.tx_dropped.load(Ordering::Relaxed)
+    }
+
+    fn set_armed(&self, link: &mut Link, on: bool) {
+        if link.armed == on {
             return;
         }
+        let Some(tap) = &link.tap else {
+            return;
+        };
         let (op, events) = if on {
             (ControlOperation::Add, EventSet::IN)
         } else {
             (ControlOperation::Delete, EventSet::empty())
         };
-        let fd = self.tap.as_raw_fd();
+        let fd = tap.file.as_raw_fd();
         match self.epoll.ctl(op, fd, EpollEvent::new(events, fd as u64)) {
-            Ok(()) => self.armed = on,
-            Err(e) => tracing::warn!(tap = %self.name, "virtio-net: epoll: {e}"),
+            Ok(()) => link.armed = on,
+            Err(e) => tracing::warn!(tap = %tap.name, "virtio-net: epoll: {e}"),
         }
+    }
+}
+
+/// The network device.
+pub struct Net {
+    backend: Arc<NetBackend>,
+    config: [u8; 6],
+    rx: Vec<u8>,
+    tx: Vec<u8>,
+}
+
+impl Net {
+    /// A device with the address `mac` on the tap named `tap` (created if
+    /// missing, as the kernel does for TUNSETIFF), or detached with `None`.
+    pub fn new(tap: Option<&str>, mac: [u8; 6]) -> Result<Net> {
+        let tap = tap.map(Tap::open).transpose()?;
+        Ok(Net {
+            backend: Arc::new(NetBackend::new(tap)?),
+            config: mac,
+            rx: vec![0; MAX_PACKET],
+            tx: Vec::with_capacity(MAX_PACKET),
+        })
+    }
+
+    /// The device's host side, through which a tap is attached later.
+    pub fn backend(&self) -> Arc<NetBackend> {
+        self.backend.clone()
+    }
+
+    fn set_armed(&self, on: bool) {
+        self.backend.set_armed(&mut self.backend.link(), on);
     }
 
     fn transmit(&mut self, queue: &mut Queue, mem: &GuestMem) -> bool {
+        let mut link = self.backend.link();
         let mut used = false;
         while let Some(chain) = queue.pop_descriptor_chain(mem) {
             let head = chain.head_index();
@@ -141,12 +281,18 @@ impl Net {
                     break;
                 }
             }
-            if ok && self.tx.len() > HDR_LEN {
-                if let Err(e) = self.tap.write(&self.tx) {
-                    tracing::debug!(tap = %self.name, "virtio-net: frame dropped: {e}");
+            match link.tap.as_mut() {
+                Some(tap) if ok && self.tx.len() > HDR_LEN => {
+                    if let Err(e) = tap.file.write(&self.tx) {
+                        tracing::debug!(tap = %tap.name, "virtio-net: frame dropped: {e}");
+                    }
                 }
-            } else {
-                tracing::debug!(tap = %self.name, "virtio-net: malformed transmit buffer dropped");
+                Some(tap) => {
+                    tracing::debug!(tap = %tap.name, "virtio-net: malformed transmit buffer dropped");
+                }
+                None => {
+                    self.backend.tx_dropped.fetch_add(1, Ordering::Relaxed);
+                }
             }
             if let Err(e) = queue.add_used(mem, head, 0) {
                 tracing::warn!("virtio-net: {e}");
@@ -158,29 +304,33 @@ impl Net {
     }
 
     fn receive(&mut self, queue: &mut Queue, mem: &GuestMem) -> bool {
+        let mut link = self.backend.link();
         let mut used = false;
         for _ in 0..RX_BATCH {
             let posted = queue
                 .avail_idx(mem, Ordering::Acquire)
                 .is_ok_and(|i| i.0 != queue.next_avail());
             if !posted {
-                self.set_armed(false);
+                self.backend.set_armed(&mut link, false);
                 break;
             }
-            let n = match self.tap.read(&mut self.rx) {
+            let Some(tap) = link.tap.as_mut() else {
+                break;
+            };
+            let n = match tap.file.read(&mut self.rx) {
                 Ok(n) if n > HDR_LEN => n,
                 Ok(_) => continue,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => {
-                    tracing::warn!(tap = %self.name, "virtio-net: reading the tap: {e}");
+                    tracing::warn!(tap = %tap.name, "virtio-net: reading the tap: {e}");
                     break;
                 }
             };
             // num_buffers: always one buffer without VIRTIO_NET_F_MRG_RXBUF.
             self.rx[10..12].copy_from_slice(&1u16.to_le_bytes());
             let Some(chain) = queue.pop_descriptor_chain(mem) else {
-                self.set_armed(false);
+                self.backend.set_armed(&mut link, false);
                 break;
             };
             let head = chain.head_index();
@@ -200,7 +350,7 @@ impl Net {
             }
             if done < n {
                 // Too small or bad buffer: drop the frame, keep the buffer.
-                tracing::debug!(tap = %self.name, "virtio-net: {n}-byte frame dropped, receive buffer too small");
+                tracing::debug!("virtio-net: {n}-byte frame dropped, receive buffer too small");
                 queue.go_to_previous_position();
                 break;
             }
@@ -213,7 +363,6 @@ impl Net {
         used
     }
 }
-
 impl VirtioDevice for Net {
     fn device_type(&self) -> u32 {
         VIRTIO_ID_NET
@@ -251,7 +400,7 @@ impl VirtioDevice for Net {
     }
 
     fn host_fd(&self) -> Option<RawFd> {
-        Some(self.epoll.as_raw_fd())
+        Some(self.backend.epoll.as_raw_fd())
     }
 
     fn process_host(&mut self, queues: &mut [Queue], mem: &GuestMem) -> bool {
@@ -392,26 +541,26 @@ mod tests {
     #[test]
     fn offers_its_mac_and_refuses_bad_taps() {
         let tap = tap_name();
-        let mut d = Driver::new(Box::new(Net::new(&tap, MAC).unwrap()));
+        let mut d = Driver::new(Box::new(Net::new(Some(&tap), MAC).unwrap()));
         assert_eq!(d.config(6), MAC);
         assert_eq!(
             d.device_features(),
             1 << VIRTIO_NET_F_MAC | 1 << VIRTIO_F_VERSION_1,
             "MAC only"
         );
-        let e = Net::new("a-name-far-too-long", MAC)
+        let e = Net::new(Some("a-name-far-too-long"), MAC)
             .err()
             .unwrap()
             .to_string();
         assert!(e.contains("a-name-far-too-long"), "{e}");
-        let e = Net::new("lo", MAC).err().unwrap().to_string();
+        let e = Net::new(Some("lo"), MAC).err().unwrap().to_string();
         assert!(e.contains("tap lo") && e.contains("TUNSETIFF"), "{e}");
     }
 
     #[test]
     fn frames_go_out_through_the_tap() {
         let tap = tap_name();
-        let mut d = Driver::new(Box::new(Net::new(&tap, MAC).unwrap()));
+        let mut d = Driver::new(Box::new(Net::new(Some(&tap), MAC).unwrap()));
         up(&tap);
         let pkt = Packet::on(&tap);
         let f = frame(b"twig-tx");
@@ -431,7 +580,7 @@ mod tests {
     #[test]
     fn frames_come_in_only_while_the_guest_has_buffers() {
         let tap = tap_name();
-        let mut d = Driver::new(Box::new(Net::new(&tap, MAC).unwrap()));
+        let mut d = Driver::new(Box::new(Net::new(Some(&tap), MAC).unwrap()));
         up(&tap);
         let pkt = Packet::on(&tap);
         let host = d.t.host_fd().unwrap();
@@ -469,5 +618,128 @@ mod tests {
         assert!(d.t.process_host());
         assert!(d.used(RX).is_some());
         assert!(!readable(host, 0));
+    }
+
+    /// A tap named `name` opened the way a caller of `attach` opens one,
+    /// with `flags`.
+    fn open_tap(name: &str, flags: libc::c_int) -> File {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/net/tun")
+            .unwrap();
+        let mut req = IfReq {
+            name: [0; libc::IFNAMSIZ],
+            flags: flags as libc::c_short,
+            _pad: [0; 22],
+        };
+        req.name[..name.len()].copy_from_slice(name.as_bytes());
+        // SAFETY: TUNSETIFF on an ifreq.
+        let r = unsafe { libc::ioctl(file.as_raw_fd(), libc::TUNSETIFF, &mut req) };
+        assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+        file
+    }
+
+    fn send_frame(d: &mut Driver, payload: &[u8]) {
+        let f = frame(payload);
+        let buf = d.alloc((HDR_LEN + f.len()) as u32);
+        d.write(buf, &[0; HDR_LEN]);
+        d.write(buf + HDR_LEN as u64, &f);
+        let head = d.post(TX, &[(buf, (HDR_LEN + f.len()) as u32, false)]);
+        d.notify(TX);
+        assert_eq!(d.used(TX), Some((u32::from(head), 0)), "buffer used");
+    }
+
+    #[test]
+    fn a_detached_device_drops_and_counts_until_a_tap_is_attached() {
+        let net = Net::new(None, MAC).unwrap();
+        let backend = net.backend();
+        let mut d = Driver::new(Box::new(net));
+        let host = d.t.host_fd().unwrap();
+        assert_eq!(d.config(6), MAC);
+        assert_eq!(backend.tap_name(), None);
+        send_frame(&mut d, b"twig-lost");
+        send_frame(&mut d, b"twig-lost");
+        assert_eq!(backend.tx_dropped(), 2, "both frames dropped and counted");
+        let buf = d.alloc(2048);
+        d.post(RX, &[(buf, 2048, true)]);
+        d.notify(RX);
+        assert!(!readable(host, 200), "nothing to receive without a tap");
+
+        let tap = tap_name();
+        let name = backend.attach(open_tap(&tap, TAP_FLAGS)).unwrap();
+        assert_eq!(name, tap);
+        assert_eq!(backend.tap_name().as_deref(), Some(tap.as_str()));
+        up(&tap);
+        let pkt = Packet::on(&tap);
+        send_frame(&mut d, b"twig-out");
+        pkt.expect(b"twig-out");
+        assert_eq!(backend.tx_dropped(), 2, "nothing dropped once attached");
+        // The buffer posted while detached gets the first frame now.
+        let mut seen = false;
+        for _ in 0..8 {
+            pkt.send(&frame(b"twig-in"));
+            assert!(readable(host, 10_000), "the attached tap is polled");
+            assert!(d.t.process_host());
+            let (_, len) = d.used(RX).expect("a frame received");
+            if d.read(buf, len as usize)[HDR_LEN..] == frame(b"twig-in")[..] {
+                seen = true;
+                break;
+            }
+            d.post(RX, &[(buf, 2048, true)]);
+            d.notify(RX);
+        }
+        assert!(seen, "the frame reached the guest");
+
+        let again = tap_name();
+        let e = backend.attach(open_tap(&again, TAP_FLAGS)).unwrap_err();
+        assert!(
+            matches!(e, Error::Net(_))
+                && e.to_string()
+                    .contains(&format!("attached to {tap} already")),
+            "{e}"
+        );
+        assert_eq!(
+            backend.tap_name().as_deref(),
+            Some(tap.as_str()),
+            "unchanged"
+        );
+    }
+
+    #[test]
+    fn attach_refuses_what_is_not_a_tap_the_device_can_use() {
+        let backend = Net::new(None, MAC).unwrap().backend();
+        let e = backend
+            .attach(File::open("/dev/null").unwrap())
+            .unwrap_err();
+        assert!(e.to_string().contains("not a tap"), "{e}");
+        // /dev/net/tun opened but never bound to an interface.
+        let unbound = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/net/tun")
+            .unwrap();
+        let e = backend.attach(unbound).unwrap_err();
+        assert!(e.to_string().contains("not a tap"), "{e}");
+        let tun = tap_name();
+        let e = backend
+            .attach(open_tap(
+                &tun,
+                libc::IFF_TUN | libc::IFF_NO_PI | libc::IFF_VNET_HDR,
+            ))
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("IFF_TAP|IFF_NO_PI|IFF_VNET_HDR"),
+            "{e}"
+        );
+        let plain = tap_name();
+        let e = backend
+            .attach(open_tap(&plain, libc::IFF_TAP | libc::IFF_NO_PI))
+            .unwrap_err();
+        assert!(e.to_string().contains(&plain), "{e}");
+        assert_eq!(backend.tap_name(), None, "every refusal left it detached");
+        // Still attachable after the refusals.
+        let tap = tap_name();
+        assert_eq!(backend.attach(open_tap(&tap, TAP_FLAGS)).unwrap(), tap);
     }
 }

@@ -88,7 +88,8 @@ pub struct DeviceConfig {
     /// size), opened read-only. Names for slots empty in the snapshot are
     /// not used.
     pub slot_files: BTreeMap<usize, PathBuf>,
-    /// A virtio-net device on a tap.
+    /// A virtio-net device, on a tap or detached until one is attached
+    /// ([`super::Vm::attach_net`]).
     pub net: Option<NetConfig>,
     /// A virtio-vsock device.
     pub vsock: Option<VsockConfig>,
@@ -108,8 +109,10 @@ pub struct DiskConfig {
 /// A network device on a host tap.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NetConfig {
-    /// The tap's name.
-    pub tap: String,
+    /// The tap's name (opened, created if missing, when the VM is
+    /// created), or `None` for a device detached until a tap is attached
+    /// as a descriptor ([`super::Vm::attach_net`]).
+    pub tap: Option<String>,
     /// The guest's MAC address.
     pub mac: [u8; 6],
 }
@@ -202,4 +205,16 @@ pub struct Stats {
     pub guest_private_kib: usize,
     /// Why the guest stopped, if it did.
     pub guest_exit: Option<String>,
+    /// The network device, if the VM has one.
+    #[serde(default)]
+    pub net: Option<NetStats>,
+}
+
+/// A network device's link to the host.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetStats {
+    /// The attached tap's interface, `None` while the device is detached.
+    pub tap: Option<String>,
+    /// Frames the guest sent while the device had no tap (dropped).
+    pub tx_dropped: u64,
 }

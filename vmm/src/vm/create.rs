@@ -96,8 +96,11 @@ impl Vm {
             boxed.push(Box::new(Blk::new(disk.clone())));
             disks.push(disk);
         }
+        let mut net = None;
         if let Some(n) = &config.net {
-            boxed.push(Box::new(Net::new(&n.tap, n.mac)?));
+            let device = Net::new(n.tap.as_deref(), n.mac)?;
+            net = Some(device.backend());
+            boxed.push(Box::new(device));
         }
         if let Some(v) = &config.vsock {
             boxed.push(Box::new(Vsock::new(v.cid, &v.uds_path)?));
@@ -162,6 +165,7 @@ impl Vm {
             vcpus,
             devices,
             disks,
+            net,
             slot_files: config.slot_files.clone(),
             shape,
             state: RunState::Created,

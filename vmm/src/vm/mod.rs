@@ -11,8 +11,8 @@ mod persist;
 mod rollback;
 
 pub use config::{
-    DeviceConfig, DiskConfig, NetConfig, RollbackInfo, RunState, Shape, SlotImage, SnapshotInfo,
-    Stats, VsockConfig, MAX_VCPUS, MIN_MEM,
+    DeviceConfig, DiskConfig, NetConfig, NetStats, RollbackInfo, RunState, Shape, SlotImage,
+    SnapshotInfo, Stats, VsockConfig, MAX_VCPUS, MIN_MEM,
 };
 pub use create::open_kvm;
 pub use disks::SlotInfo;
@@ -32,6 +32,7 @@ use crate::memory::{GuestRam, PageSet};
 use crate::snapshot::Image;
 use crate::vcpu::VcpuHandle;
 use crate::virtio::blk::DiskFile;
+use crate::virtio::net::NetBackend;
 
 /// A KVM microVM.
 pub struct Vm {
@@ -42,6 +43,8 @@ pub struct Vm {
     devices: Arc<Devices>,
     /// The fixed disks, then the disk slots, in MMIO order.
     disks: Vec<Arc<DiskFile>>,
+    /// The network device's host side, if the VM has one.
+    net: Option<Arc<NetBackend>>,
     /// Where a restore puts the disks of attached slots.
     slot_files: BTreeMap<usize, PathBuf>,
     fd: Arc<VmFd>,
@@ -203,7 +206,25 @@ impl Vm {
             guest_resident_kib: resident / 1024,
             guest_private_kib: private / 1024,
             guest_exit: self.devices.exit().get().map(|e| format!("{e:?}")),
+            net: self.net.as_ref().map(|n| NetStats {
+                tap: n.tap_name(),
+                tx_dropped: n.tx_dropped(),
+            }),
         })
+    }
+
+    /// Attaches the tap `tap` (a descriptor opened with
+    /// `IFF_TAP|IFF_NO_PI|IFF_VNET_HDR`, e.g. in a pod's network namespace)
+    /// to the VM's detached network device, in any state; returns the
+    /// interface's name. Refused ([`Error::Net`], nothing changed) if the
+    /// VM has no network device, its device has a tap already, or `tap` is
+    /// not such a tap. The tap stays through snapshots and rollbacks and is
+    /// closed with the VM.
+    pub fn attach_net(&self, tap: std::fs::File) -> Result<String> {
+        self.net
+            .as_ref()
+            .ok_or_else(|| Error::Net("the VM has no network device".into()))?
+            .attach(tap)
     }
 
     /// A copy of all of guest RAM (for tests and checks; pause the VM for

@@ -91,3 +91,46 @@ pub fn print(vm: &mut Vm, serial: &Capture, byte: u8) {
     testguest::run(vm, Command::Print, [byte as u64, 0, 0], T).expect("print");
     serial.wait_for(&[byte], from, T).expect("printed byte");
 }
+
+/// A tap named `name` opened as a caller of `attach_net` opens one
+/// (`IFF_TAP|IFF_NO_PI|IFF_VNET_HDR`), created in the caller's network
+/// namespace; it goes away when the last descriptor is closed.
+pub fn open_tap(name: &str) -> std::fs::File {
+    #[repr(C)]
+    struct IfReq {
+        name: [u8; libc::IFNAMSIZ],
+        flags: libc::c_short,
+        pad: [u8; 22],
+    }
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/net/tun")
+        .expect("open /dev/net/tun");
+    let mut req = IfReq {
+        name: [0; libc::IFNAMSIZ],
+        flags: (libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR) as libc::c_short,
+        pad: [0; 22],
+    };
+    req.name[..name.len()].copy_from_slice(name.as_bytes());
+    // SAFETY: TUNSETIFF reads and writes an ifreq, which IfReq lays out.
+    let r = unsafe {
+        libc::ioctl(
+            std::os::fd::AsRawFd::as_raw_fd(&file),
+            libc::TUNSETIFF,
+            &mut req,
+        )
+    };
+    assert_eq!(
+        r,
+        0,
+        "TUNSETIFF {name}: {}",
+        std::io::Error::last_os_error()
+    );
+    file
+}
+
+/// Whether the interface `name` exists in this network namespace.
+pub fn link_exists(name: &str) -> bool {
+    Path::new("/sys/class/net").join(name).exists()
+}
