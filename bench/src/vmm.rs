@@ -22,6 +22,8 @@ use twig_vmm::{Capture, DeviceConfig, Kind, RunState, Shape, Vm};
 
 use crate::stats::{row, Context, Error, Report, Summary};
 
+mod snapshots;
+
 /// Deadline of every wait on a guest or a twig-vmm process.
 const T: Duration = Duration::from_secs(20);
 /// Page counts of the incremental snapshot and rollback measurements.
@@ -62,6 +64,10 @@ pub struct Args {
     /// where the descriptor's rollback is a reflink into it.
     #[arg(long)]
     rollback_disk_only: bool,
+    /// Only measure snapshots: full, incremental, and incremental under a
+    /// busy disk.
+    #[arg(long)]
+    snapshot_only: bool,
 }
 
 /// The `--seccomp` every spawned twig-vmm gets.
@@ -267,103 +273,48 @@ pub fn run(args: &Args) -> Result<Value, Error> {
         return Ok(r.into_value());
     }
 
-    // Boot, in-process: Vm::create to the guest's 'B'.
-    let mut boots = Vec::with_capacity(args.runs);
-    for i in 0..args.runs {
-        let (_guest, took) = boot(shape, &kernel).context(|| format!("boot run {i}"))?;
-        boots.push(took);
-    }
-    r.timing("boot_ms", &boots);
-
-    // Boot, as a process: spawn `twig-vmm serve` to the guest's 'B'.
     let _ = VMM_SECCOMP.set(args.vmm_seccomp.clone());
     r.value("vmm_seccomp", json!(args.vmm_seccomp));
     let bin = vmm_binary()?;
     let have_bin = bin.is_file();
-    if have_bin {
-        let mut samples = Vec::with_capacity(args.runs);
+    if !args.snapshot_only {
+        // Boot, in-process: Vm::create to the guest's 'B'.
+        let mut boots = Vec::with_capacity(args.runs);
         for i in 0..args.runs {
-            let took = boot_process(&bin, &mut dirs, &kernel, args.mem_mib)
-                .context(|| format!("process boot run {i}"))?;
-            samples.push(took);
+            let (_guest, took) = boot(shape, &kernel).context(|| format!("boot run {i}"))?;
+            boots.push(took);
         }
-        r.timing("boot_process_ms", &samples);
-    } else {
-        r.value(
-            "boot_process_ms",
-            json!(format!("skipped: no twig-vmm binary at {}", bin.display())),
-        );
+        r.timing("boot_ms", &boots);
+
+        // Boot, as a process: spawn `twig-vmm serve` to the guest's 'B'.
+        if have_bin {
+            let mut samples = Vec::with_capacity(args.runs);
+            for i in 0..args.runs {
+                let took = boot_process(&bin, &mut dirs, &kernel, args.mem_mib)
+                    .context(|| format!("process boot run {i}"))?;
+                samples.push(took);
+            }
+            r.timing("boot_process_ms", &samples);
+        } else {
+            r.value(
+                "boot_process_ms",
+                json!(format!("skipped: no twig-vmm binary at {}", bin.display())),
+            );
+        }
     }
 
     let (mut g, _) = boot(shape, &kernel)?;
 
-    // Full snapshots of the idle guest, staged and published in the node
-    // store (both timed); the last one is the base of the rest.
-    let mut samples = Vec::with_capacity(args.runs);
-    let mut pauses = Vec::with_capacity(args.runs);
-    let mut base: Option<String> = None;
-    for i in 0..args.runs {
-        let id = format!("full-{i}");
-        let start = Instant::now();
-        let info =
-            g.vm.snapshot_into(&store, &id, Kind::Full)
-                .context(|| format!("full snapshot run {i}"))?;
-        samples.push(start.elapsed());
-        pauses.push(Duration::from_secs_f64(info.pause_ms / 1e3));
-        if let Some(old) = base.replace(id) {
-            store.delete(&old).context(|| format!("deleting {old}"))?;
-        }
-    }
-    r.timing("snapshot_full_ms", &samples);
-    r.timing("snapshot_full_pause_ms", &pauses);
-    let base_id = base.ok_or("no full snapshot was taken")?;
-    let base = store.snapshot_dir(&base_id);
-
-    // Incremental snapshots of N dirtied pages on top of the base (the VM
-    // is rolled back to it, untimed, before each), so that the previous one
-    // has no child and the store can delete it.
-    let mut last_incr: Option<String> = None;
-    let mut written = Map::new();
     let mut value = 1u64;
-    for n in PAGE_COUNTS {
-        let mut samples = Vec::with_capacity(args.runs);
-        let mut pauses = Vec::with_capacity(args.runs);
-        let mut pages = Vec::with_capacity(args.runs);
-        for i in 0..args.runs {
-            g.vm.rollback(&base)
-                .context(|| "rolling back to the base snapshot".into())?;
-            value += n;
-            dirty(&mut g.vm, n, value)?;
-            let id = format!("incr-{n}-{i}");
-            let start = Instant::now();
-            let info =
-                g.vm.snapshot_into(&store, &id, Kind::Incremental)
-                    .context(|| format!("incremental snapshot of {n} pages, run {i}"))?;
-            samples.push(start.elapsed());
-            pauses.push(Duration::from_secs_f64(info.pause_ms / 1e3));
-            if info.pages_written < n as usize {
-                return Err(format!(
-                    "an incremental snapshot after dirtying {n} pages wrote {}",
-                    info.pages_written
-                )
-                .into());
-            }
-            pages.push(info.pages_written);
-            if let Some(old) = last_incr.replace(id) {
-                store.delete(&old).context(|| format!("deleting {old}"))?;
-            }
-        }
-        r.timing(&format!("snapshot_incr_{n}_ms"), &samples);
-        r.timing(&format!("snapshot_incr_{n}_pause_ms"), &pauses);
-        written.insert(n.to_string(), json!(median(pages)));
+    let base_id = snapshots::measure(&mut r, args.runs, &mut g, &store, &dirs.root, &mut value)?;
+    let base = store.snapshot_dir(&base_id);
+    if args.snapshot_only {
+        return Ok(r.into_value());
     }
-    r.value("snapshot_incr_pages_written_p50", Value::Object(written));
 
     // Rollback to the base after dirtying N pages. The first rollback moves
-    // the VM's baseline from the last incremental snapshot to the base.
-    if let Some(old) = last_incr {
-        store.delete(&old).context(|| format!("deleting {old}"))?;
-    }
+    // the VM's baseline from the last (deleted) incremental snapshot to the
+    // base.
     g.vm.rollback(&base)
         .context(|| "rolling back to the base snapshot".into())?;
     print(&mut g.vm, &g.serial, b'r')?;

@@ -476,6 +476,24 @@ impl GuestRam {
         Ok(())
     }
 
+    /// Copies `count` pages from `page` into `buf` (exactly that long),
+    /// in one pass through vm-memory's volatile accessors.
+    pub fn read_pages(&self, page: usize, count: usize, buf: &mut [u8]) -> Result<()> {
+        let (off, len) = self.check(page, count)?;
+        if buf.len() != len {
+            return Err(Error::GuestAddress {
+                addr: off as u64,
+                len: buf.len(),
+            });
+        }
+        self.mem
+            .read_slice(buf, GuestAddress(off as u64))
+            .map_err(|_| Error::GuestAddress {
+                addr: off as u64,
+                len,
+            })
+    }
+
     /// Maps `file` (exactly RAM-sized) privately at a scratch address, where
     /// [`PreparedRam`] fills in pages before [`GuestRam::install`] moves it
     /// over guest RAM in one step. Guest RAM is not touched.

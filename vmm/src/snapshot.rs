@@ -476,48 +476,69 @@ impl Drop for Written {
     }
 }
 
-/// Writes a snapshot into `dir`, an existing staging directory handed out by
-/// the node store and named by the snapshot's id: `write_memory` fills the
-/// memory file (created empty) and returns the CRC32 of what it wrote, which
-/// goes into the state's metadata before the state is written. Each
+/// A snapshot begun in its staging directory: its disk copies are there,
+/// its memory and state are not yet. Dropping it removes what it wrote.
+pub struct Staging {
+    dir: PathBuf,
+    disks: Vec<File>,
+    written: Written,
+}
+
+/// Begins a snapshot in `dir`, an existing staging directory handed out by
+/// the node store and named by the snapshot's id, with the part that must
+/// be taken while the vCPUs are parked besides their state and pages: each
 /// `(index, file)` of `disks` is copied (reflinked where possible) to
 /// `disk<index>`, and must have the size `state.meta.disks[index]` records.
-pub fn stage(
-    dir: &Path,
-    state: &mut VmState,
-    write_memory: impl FnOnce(&File) -> Result<u32>,
-    disks: &[(usize, &File)],
-) -> Result<Staged> {
-    let meta = &state.meta;
-    let lineage = (
-        meta.id.clone(),
-        meta.parent.as_ref().map(|p| p.id.clone()),
-        match meta.kind {
-            Kind::Full => twig_store::Kind::Full,
-            Kind::Incremental => twig_store::Kind::Incremental,
-        },
-    );
+/// [`Staging::finish`] then writes memory and state.
+pub fn begin(dir: &Path, state: &VmState, disks: &[(usize, &File)]) -> Result<Staging> {
     let mut written = Written::default();
-    let memory = written.create(dir, &Artefact::Memory.file_name())?;
-    state.meta.memory_crc = write_memory(&memory)?;
     let mut copies = Vec::with_capacity(disks.len());
     for &(index, src) in disks {
         let dst = written.create(dir, &disk_file_name(index))?;
         copy_disk(dir, state, index, src, &dst)?;
         copies.push(dst);
     }
-    let bytes = state.encode()?;
-    let mut f = written.create(dir, &Artefact::State.file_name())?;
-    f.write_all(&bytes)
-        .map_err(io_err(dir, "cannot write the state file"))?;
-    Ok(Staged {
+    Ok(Staging {
         dir: dir.to_path_buf(),
-        lineage,
-        memory,
-        state: f,
         disks: copies,
         written,
     })
+}
+
+impl Staging {
+    /// Writes the memory file: `write_memory` fills it (created empty) and
+    /// returns the CRC32 of what it wrote, which goes into the state's
+    /// metadata; then writes the state.
+    pub fn finish(
+        mut self,
+        state: &mut VmState,
+        write_memory: impl FnOnce(&File) -> Result<u32>,
+    ) -> Result<Staged> {
+        let dir = self.dir;
+        let meta = &state.meta;
+        let lineage = (
+            meta.id.clone(),
+            meta.parent.as_ref().map(|p| p.id.clone()),
+            match meta.kind {
+                Kind::Full => twig_store::Kind::Full,
+                Kind::Incremental => twig_store::Kind::Incremental,
+            },
+        );
+        let memory = self.written.create(&dir, &Artefact::Memory.file_name())?;
+        state.meta.memory_crc = write_memory(&memory)?;
+        let bytes = state.encode()?;
+        let mut f = self.written.create(&dir, &Artefact::State.file_name())?;
+        f.write_all(&bytes)
+            .map_err(io_err(&dir, "cannot write the state file"))?;
+        Ok(Staged {
+            dir,
+            lineage,
+            memory,
+            state: f,
+            disks: self.disks,
+            written: self.written,
+        })
+    }
 }
 
 fn copy_disk(dir: &Path, state: &VmState, index: usize, src: &File, dst: &File) -> Result<()> {
@@ -631,6 +652,57 @@ fn write_pages(ram: &GuestRam, runs: &[(usize, usize)], file: &File) -> Result<u
         })?;
     }
     Ok(crc.finalize())
+}
+
+/// Guest pages copied out of RAM into memory the VMM owns, so that a
+/// snapshot's memory file can be written after the guest runs again.
+pub struct PageCopy {
+    runs: Vec<(usize, usize)>,
+    bytes: Vec<u8>,
+}
+
+impl PageCopy {
+    /// A buffer for `pages` pages, its memory faulted in now (so that
+    /// [`PageCopy::take`] into it later only copies).
+    pub fn buffer(pages: usize) -> Vec<u8> {
+        // Not zeroes: a zeroed allocation would be fresh untouched pages
+        // (calloc); a filled one is written, so every page is faulted in.
+        vec![0xa5u8; pages * PAGE_SIZE]
+    }
+
+    /// Copies the pages of `set` out of guest RAM (the VM must be paused
+    /// for them to be one moment's memory) into `bytes`, resized to exactly
+    /// their size (see [`PageCopy::buffer`]).
+    pub fn take(ram: &GuestRam, set: &PageSet, mut bytes: Vec<u8>) -> Result<PageCopy> {
+        let runs = set.runs();
+        bytes.resize(set.count() * PAGE_SIZE, 0);
+        let mut at = 0;
+        for &(start, n) in &runs {
+            let len = n * PAGE_SIZE;
+            ram.read_pages(start, n, &mut bytes[at..at + len])?;
+            at += len;
+        }
+        Ok(PageCopy { runs, bytes })
+    }
+
+    /// Writes the copied pages into `file` at their own offsets, as
+    /// [`write_layer_memory`] does from guest RAM (a sparse file of
+    /// `ram_size` bytes); returns the CRC32 of those pages in page order.
+    pub fn write(&self, ram_size: usize, file: &File) -> Result<u32> {
+        file.set_len(ram_size as u64)
+            .map_err(|e| Error::io("sizing the snapshot memory file", e))?;
+        let mut crc = crc32fast::Hasher::new();
+        let mut at = 0;
+        for &(start, n) in &self.runs {
+            let len = n * PAGE_SIZE;
+            let bytes = &self.bytes[at..at + len];
+            crc.update(bytes);
+            std::os::unix::fs::FileExt::write_all_at(file, bytes, (start * PAGE_SIZE) as u64)
+                .map_err(|e| Error::io("writing guest memory to the snapshot", e))?;
+            at += len;
+        }
+        Ok(crc.finalize())
+    }
 }
 
 /// A snapshot opened for restore or rollback, with its ancestors.

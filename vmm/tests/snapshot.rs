@@ -297,3 +297,190 @@ fn a_template_is_taken_once_the_guest_is_ready_and_restores_ready() {
     assert_eq!(store.list().unwrap().len(), 1, "only the template");
     assert_eq!(h.vm.state(), RunState::Running);
 }
+
+/// Churn pages for the tests of snapshots taken while the guest runs.
+const CHURN_PAGES: u64 = 512;
+
+/// Restores `dir` into a new VM, left paused.
+fn restored(dir: &std::path::Path, mib: usize) -> Vm {
+    let mut vm = Vm::create(Shape::new(mib, 1), Box::new(std::io::sink())).unwrap();
+    vm.restore_image(&twig_vmm::snapshot::Image::open(dir).unwrap())
+        .unwrap();
+    vm
+}
+
+/// Asserts that the paused, churning `vm` holds one moment of the guest:
+/// every churn page as its registers say, no bad page seen by the guest.
+/// Returns the pages the guest had checked.
+fn assert_one_moment(vm: &Vm, what: &str) -> u64 {
+    let st = testguest::ChurnStatus::read(vm).unwrap();
+    assert_eq!(st.bad, 0, "{what}: the guest saw bad pages: {st:?}");
+    let bad = testguest::churn_check(vm, testguest::SCRATCH, CHURN_PAGES).unwrap();
+    assert!(
+        bad.is_empty(),
+        "{what}: {} pages differ from the registers, first {:?} ({st:?})",
+        bad.len(),
+        bad.first()
+    );
+    st.verified
+}
+
+#[test]
+fn incremental_snapshots_of_a_running_guest_hold_the_moment_of_their_pause() {
+    let d = tmp();
+    let mut g = boot(d.path(), MIB, 1);
+    let want = testguest::post(
+        &mut g.vm,
+        Command::Churn,
+        [testguest::SCRATCH, CHURN_PAGES, 0],
+    )
+    .unwrap();
+    testguest::poll(T, "churn to run two passes", || {
+        Ok(g.vm.read_u64(testguest::DONE)? >= want
+            && g.vm.read_u64(testguest::CHURN_VERIFIED)? >= 2 * CHURN_PAGES)
+    })
+    .unwrap();
+    take(&mut g.vm, &snap(d.path(), "s0"), Kind::Full).unwrap();
+    // The guest never stops: it rewrites its pages right after each resume,
+    // while the snapshot's pages are written from the copy.
+    let mut last = 0;
+    for i in 1..=4 {
+        let from = g.vm.read_u64(testguest::CHURN_VERIFIED).unwrap();
+        testguest::poll(T, "churn between snapshots", || {
+            Ok(g.vm.read_u64(testguest::CHURN_VERIFIED)? >= from + CHURN_PAGES)
+        })
+        .unwrap();
+        let s = snap(d.path(), &format!("s{i}"));
+        let info = take(&mut g.vm, &s, Kind::Incremental).unwrap();
+        assert_eq!(g.vm.state(), RunState::Running);
+        assert!(info.pause_ms <= info.duration_ms, "{info:?}");
+        let r = restored(&s, MIB);
+        let verified = assert_one_moment(&r, &format!("snapshot s{i}"));
+        assert!(
+            verified > last,
+            "s{i} holds the guest's later writes: {verified} pages checked, {last} before"
+        );
+        last = verified;
+    }
+    g.vm.pause().unwrap();
+    assert_one_moment(&g.vm, "the source");
+}
+
+/// A tmpfs of `mib` MiB mounted at `dir` (unmounted on drop).
+struct Tmpfs(std::path::PathBuf);
+
+impl Tmpfs {
+    fn mount(dir: &std::path::Path, mib: usize) -> Tmpfs {
+        std::fs::create_dir_all(dir).unwrap();
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={mib}m"), "tmpfs"])
+            .arg(dir)
+            .output()
+            .expect("running mount");
+        assert!(
+            out.status.success(),
+            "this test needs root to mount a tmpfs: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Tmpfs(dir.to_path_buf())
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+/// Fills the filesystem of `path` with it until it is full.
+fn fill(path: &std::path::Path) {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path).unwrap();
+    let chunk = vec![0xa5u8; 1 << 20];
+    loop {
+        match f.write(&chunk) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => break,
+            Err(e) => panic!("filling the filesystem: {e}"),
+        }
+    }
+}
+
+#[test]
+fn a_snapshot_whose_write_fails_after_the_resume_is_lost_but_not_its_pages() {
+    let d = tmp();
+    let fs = d.path().join("fs");
+    let _mount = Tmpfs::mount(&fs, MIB + 16);
+    let mut g = boot(d.path(), MIB, 1);
+    dirty(&mut g.vm, 0, 10, 100);
+    let s0 = snap(&fs, "s0");
+    take(&mut g.vm, &s0, Kind::Full).unwrap();
+    let (store, _) = store_of(&s0);
+
+    // 100 pages dirtied, then the filesystem is full: the write fails once
+    // the guest runs again.
+    dirty(&mut g.vm, 0, 100, 500);
+    let staging = store.stage("s1").unwrap();
+    let filler = fs.join("filler");
+    fill(&filler);
+    let e = g.vm.snapshot(staging.dir(), Kind::Incremental).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("writing guest memory to the snapshot"),
+        "{e}"
+    );
+    assert_eq!(g.vm.state(), RunState::Running, "the VM runs on");
+    assert_eq!(
+        std::fs::read_dir(staging.dir()).unwrap().count(),
+        0,
+        "nothing half-written stays"
+    );
+    assert!(staging.publish().is_err(), "nothing to publish");
+    assert_eq!(store.list().unwrap().len(), 1, "only s0 is published");
+    print(&mut g.vm, &g.serial, b'f');
+
+    // Room again: the next incremental snapshot holds the failed one's pages
+    // and the ones dirtied since.
+    std::fs::remove_file(&filler).unwrap();
+    dirty(&mut g.vm, 200, 10, 900);
+    let s2 = snap(&fs, "s2");
+    let info = take(&mut g.vm, &s2, Kind::Incremental).unwrap();
+    assert_eq!(info.parent.as_deref(), Some("s0"));
+    assert!(info.pages_written >= 110, "{info:?}");
+    let r = restored(&s2, MIB);
+    for p in 0..100 {
+        assert_eq!(word(&r, p), 500 + p, "page {p} of the failed snapshot");
+    }
+    for p in 200..210 {
+        assert_eq!(word(&r, p), 900 + p - 200, "page {p} dirtied since");
+    }
+    g.vm.pause().unwrap();
+    assert!(
+        r.read_guest_ram().unwrap() == g.vm.read_guest_ram().unwrap(),
+        "the chain restores the source's memory"
+    );
+}
+
+#[test]
+fn a_dirty_set_over_the_copy_limit_is_written_while_paused_and_restores() {
+    const BIG: usize = 128;
+    const PAGES: u64 = 20_000;
+    let d = tmp();
+    let mut g = boot(d.path(), BIG, 1);
+    take(&mut g.vm, &snap(d.path(), "s0"), Kind::Full).unwrap();
+    dirty(&mut g.vm, 0, PAGES, 7);
+    g.vm.pause().unwrap();
+    let s1 = snap(d.path(), "s1");
+    let info = take(&mut g.vm, &s1, Kind::Incremental).unwrap();
+    assert!(info.pages_written as u64 > PAGES, "{info:?}");
+    let r = restored(&s1, BIG);
+    assert!(
+        r.read_guest_ram().unwrap() == g.vm.read_guest_ram().unwrap(),
+        "restores the source's memory"
+    );
+    assert_eq!(word(&r, PAGES - 1), 7 + PAGES - 1);
+}

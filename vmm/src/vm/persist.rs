@@ -13,8 +13,8 @@ use kvm_bindings::{
 use crate::arch;
 use crate::devices::{self, Devices, SerialOut};
 use crate::error::{Error, Result};
-use crate::memory::PageSet;
-use crate::snapshot::{self, Image, Kind, Meta, ParentRef, VmState};
+use crate::memory::{PageSet, PAGE_SIZE};
+use crate::snapshot::{self, Image, Kind, Meta, PageCopy, ParentRef, VmState};
 use crate::vcpu::{self, VcpuState};
 
 use super::{absolute, kvm_err, ms, DeviceConfig, RunState, Shape, SlotImage, SnapshotInfo, Vm};
@@ -146,9 +146,13 @@ impl Vm {
     /// `<store>/tmp/<lease>/<id>`): its name is the snapshot's id, and the
     /// snapshot becomes the VM's baseline at the place the store will
     /// publish it, `<store>/snapshots/<id>`. A running VM is paused only
-    /// while its state and changed pages are copied out, and runs again
-    /// while the files are made durable; the call returns once they are,
-    /// ready for the store to publish. An incremental snapshot writes only
+    /// while its state, its read-write disks and its changed pages are
+    /// copied out (into a buffer, up to 64 MiB of them; a full
+    /// snapshot, or more changed pages, are written into the memory file
+    /// while paused), and runs again while the files are written and made
+    /// durable; the call returns once they are, ready for the store to
+    /// publish. If that fails, nothing is staged, and the VM's baseline and
+    /// changed pages stay as they were. An incremental snapshot writes only
     /// the pages changed since the VM's baseline (its last snapshot,
     /// restore or rollback point), which becomes its parent and must be
     /// published in the same store. In-process callers can use
@@ -172,12 +176,26 @@ impl Vm {
         let staging = absolute(staging)?;
         let (id, dir) = twig_store::layout::staging_target(&staging)
             .map_err(|e| Error::snapshot(&staging, e.to_string()))?;
+        // While the guest still runs, fold the dirty log in and make the
+        // buffer the pages will be copied into (faulting its memory in
+        // takes longer than the copy). Pages dirtied until the pause are
+        // folded in once paused; the buffer grows then if it must.
+        let buffer = match kind {
+            Kind::Full => None,
+            Kind::Incremental => {
+                self.collect_dirty()?;
+                let dirty = self.dirty.count();
+                let n = (dirty + dirty / 8 + 16).min(COPY_LIMIT / PAGE_SIZE);
+                (dirty * PAGE_SIZE <= COPY_LIMIT).then(|| PageCopy::buffer(n))
+            }
+        };
+        let paused = Instant::now();
         self.pause()?;
-        let staged = self.stage_snapshot(&staging, &id, kind, parent.as_ref());
+        let taken = self.stage_snapshot(&staging, &id, kind, parent.as_ref(), buffer);
         // A full snapshot becomes the memory the VM runs on: map it before
         // the guest runs again, while RAM and file are identical.
-        let remapped = match &staged {
-            Ok((st, _, _)) if kind == Kind::Full => Some(
+        let remapped = match &taken {
+            Ok((Taken::Written(st), _, _)) if kind == Kind::Full => Some(
                 st.memory()
                     .try_clone()
                     .map_err(|e| Error::io("reopening the snapshot memory", e))
@@ -188,11 +206,21 @@ impl Vm {
         if was == RunState::Running {
             self.resume()?;
         }
-        let pause_ms = ms(start);
-        let (staged, state, pages) = staged?;
+        let pause_ms = ms(paused);
+        let (taken, mut state, pages) = taken?;
         if let Some(Err(e)) = remapped {
             return Err(e);
         }
+        // From here on the guest runs. A failure leaves the baseline and the
+        // pages dirtied since it as they are, so the next incremental
+        // snapshot still holds this one's pages; the staged files go.
+        let staged = match taken {
+            Taken::Written(st) => st,
+            Taken::Copied(staging, copy) => {
+                let size = self.ram.size();
+                staging.finish(&mut state, |f| copy.write(size, f))?
+            }
+        };
         let memory = match staged.commit() {
             Ok(m) => m,
             Err(e) => {
@@ -243,14 +271,19 @@ impl Vm {
         Ok(info)
     }
 
-    /// Copies the paused VM's state and pages into a staged snapshot.
+    /// Copies the paused VM's state and pages out: the state into memory,
+    /// the disks into the staging directory, and either the dirty pages of an
+    /// incremental snapshot into `buffer` (at most [`COPY_LIMIT`] bytes of
+    /// them, written after the guest runs again) or else the memory file
+    /// itself (a full snapshot, or a larger dirty set).
     fn stage_snapshot(
         &mut self,
         staging: &Path,
         id: &str,
         kind: Kind,
         parent: Option<&Arc<Image>>,
-    ) -> Result<(snapshot::Staged, VmState, usize)> {
+        buffer: Option<Vec<u8>>,
+    ) -> Result<(Taken, VmState, usize)> {
         self.collect_dirty()?;
         let vcpus = self.save_vcpus()?;
         let (irqchips, pit, clock) = self.save_vm_state()?;
@@ -288,18 +321,20 @@ impl Vm {
         // complete: make it durable, then copy the images.
         let sources = self.disk_sources()?;
         let sources: Vec<(usize, &std::fs::File)> = sources.iter().map(|(i, f)| (*i, f)).collect();
+        let begun = snapshot::begin(staging, &state, &sources)?;
         let ram = &self.ram;
-        let write_layer = state.layer.clone();
-        let staged = snapshot::stage(
-            staging,
-            &mut state,
-            |f| match &write_layer {
-                None => snapshot::write_full_memory(ram, f),
-                Some(l) => snapshot::write_layer_memory(ram, l, f),
-            },
-            &sources,
-        )?;
-        Ok((staged, state, pages))
+        let taken = match state.layer.clone() {
+            Some(l) if l.count() * PAGE_SIZE <= COPY_LIMIT => {
+                Taken::Copied(begun, PageCopy::take(ram, &l, buffer.unwrap_or_default())?)
+            }
+            Some(l) => Taken::Written(
+                begun.finish(&mut state, |f| snapshot::write_layer_memory(ram, &l, f))?,
+            ),
+            None => {
+                Taken::Written(begun.finish(&mut state, |f| snapshot::write_full_memory(ram, f))?)
+            }
+        };
+        Ok((taken, state, pages))
     }
 
     /// Restores the snapshot in `dir` (`<store>/snapshots/<id>`; its parents
@@ -472,6 +507,23 @@ impl Vm {
         });
         results.into_iter().collect()
     }
+}
+
+/// The most bytes of dirty pages an incremental snapshot copies into a
+/// buffer while the guest is paused, to write them after it runs again
+/// (64 MiB: 16,384 pages). A larger dirty set is written into the memory
+/// file while the guest is paused, so a snapshot never holds more than this
+/// much guest memory twice.
+pub(crate) const COPY_LIMIT: usize = 64 << 20;
+
+/// A snapshot's memory as taken while the guest was paused.
+enum Taken {
+    /// Memory and state files written (full snapshots, dirty sets over
+    /// [`COPY_LIMIT`]).
+    Written(snapshot::Staged),
+    /// Disks copied, dirty pages in a buffer: memory and state files still
+    /// to write.
+    Copied(snapshot::Staging, PageCopy),
 }
 
 fn layer_of(kind: Kind, dirty: &PageSet) -> Option<PageSet> {
