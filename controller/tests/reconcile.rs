@@ -80,21 +80,6 @@ async fn rollback_in(client: &Client, name: &str, phase: Phase) -> Rollback {
     .await
 }
 
-async fn gone<K>(client: &Client, name: &str)
-where
-    K: kube::Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
-        + Clone
-        + serde::de::DeserializeOwned
-        + std::fmt::Debug,
-{
-    let api: Api<K> = Api::namespaced(client.clone(), NS);
-    eventually(&format!("{name} deleted"), || {
-        let api = api.clone();
-        async move { matches!(api.get_opt(name).await, Ok(None)).then_some(()) }
-    })
-    .await;
-}
-
 #[tokio::test]
 async fn snapshot_reaches_ready_with_status_and_events() {
     let server = api_server().await;
@@ -418,8 +403,8 @@ async fn deleting_a_snapshot_removes_its_node_data_unless_retained() {
     api.delete("to-keep", &DeleteParams::default())
         .await
         .expect("delete");
-    gone::<Snapshot>(&client, "to-delete").await;
-    gone::<Snapshot>(&client, "to-keep").await;
+    support::wait_gone::<Snapshot>(&client, "to-delete").await;
+    support::wait_gone::<Snapshot>(&client, "to-keep").await;
     assert!(
         !fake.stored(&deleted_id),
         "node data of a deleted snapshot remains"
@@ -455,7 +440,7 @@ async fn ttl_expiry_deletes_the_snapshot() {
     let mut short = snapshot("short-lived", "redis");
     short.spec.ttl_seconds_after_ready = Some(2);
     let created = create(&client, &short).await;
-    gone::<Snapshot>(&client, "short-lived").await;
+    support::wait_gone::<Snapshot>(&client, "short-lived").await;
     assert!(!fake.stored(&created.uid().expect("uid")));
     expect_reasons(
         &client,
@@ -684,7 +669,7 @@ async fn clone_of_a_snapshot_creates_eight_pinned_owned_pods() {
     api.delete("fork", &DeleteParams::default())
         .await
         .expect("delete clone");
-    gone::<Pod>(&client, "fork-7").await;
+    support::wait_gone::<Pod>(&client, "fork-7").await;
 }
 
 #[tokio::test]
@@ -764,7 +749,7 @@ async fn sandbox_template_lists_ready_nodes_and_is_removed_from_each() {
     api.delete("python", &DeleteParams::default())
         .await
         .expect("delete");
-    gone::<SandboxTemplate>(&client, "python").await;
+    support::wait_gone::<SandboxTemplate>(&client, "python").await;
     assert!(fake_a
         .calls()
         .contains(&Call::DeleteTemplate("default/python".into())));
@@ -837,7 +822,7 @@ async fn controller_calls_only_what_its_rbac_grants() {
     let mut short = snapshot("short", "redis");
     short.spec.ttl_seconds_after_ready = Some(0);
     create(&client, &short).await;
-    gone::<Snapshot>(&client, "short").await;
+    support::wait_gone::<Snapshot>(&client, "short").await;
 
     let source = CloneSource {
         snapshot_name: None,
@@ -872,7 +857,7 @@ async fn controller_calls_only_what_its_rbac_grants() {
         .delete("py", &DeleteParams::default())
         .await
         .expect("delete");
-    gone::<SandboxTemplate>(&client, "py").await;
+    support::wait_gone::<SandboxTemplate>(&client, "py").await;
 
     let used: std::collections::BTreeSet<(String, String, String)> = server
         .accesses(support::CONTROLLER)
