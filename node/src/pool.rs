@@ -91,8 +91,9 @@ pub struct Level {
 struct State {
     ready: HashMap<Shape, VecDeque<Vmm>>,
     starting: HashMap<Shape, usize>,
-    /// Handed-over VMMs still running: pid → the template they were given.
-    handed: HashMap<u32, String>,
+    /// Handed-over VMMs still running: pid → the snapshots they restore
+    /// (their template, and for a clone the pod snapshot).
+    handed: HashMap<u32, Vec<String>>,
     /// VMMs started and not answering yet (killed by [`Pool::close`]).
     spawning: HashSet<u32>,
     /// VMMs whose exit is not handled yet (reaped, cgroup and directory
@@ -216,26 +217,29 @@ impl Pool {
         pids
     }
 
-    /// The handed-over VMMs still running that were given `template`.
-    pub fn users_of(&self, template: &str) -> Vec<u32> {
+    /// The handed-over VMMs still running that were given the snapshot
+    /// `id` (as their template, or to restore a clone from).
+    pub fn users_of(&self, id: &str) -> Vec<u32> {
         let mut pids: Vec<u32> = self
             .state()
             .handed
             .iter()
-            .filter(|(_, t)| t.as_str() == template)
+            .filter(|(_, uses)| uses.iter().any(|u| u == id))
             .map(|(p, _)| *p)
             .collect();
         pids.sort_unstable();
         pids
     }
 
-    /// Hands over a prepared VMM of `shape` for `template`: from the pool
-    /// if it holds one (`true`), else started now (`false`). With an
-    /// `owner`, the VMM is killed when that process exits.
+    /// Hands over a prepared VMM of `shape` for the snapshots `uses` (its
+    /// template, and for a clone the pod snapshot: none of them can be
+    /// deleted while it runs): from the pool if it holds one (`true`), else
+    /// started now (`false`). With an `owner`, the VMM is killed when that
+    /// process exits.
     pub async fn take(
         &self,
         shape: Shape,
-        template: &str,
+        uses: &[String],
         owner: Option<&Owner>,
     ) -> Result<(Vmm, bool)> {
         loop {
@@ -243,7 +247,7 @@ impl Pool {
                 let mut s = self.state();
                 let vmm = s.ready.get_mut(&shape).and_then(VecDeque::pop_front);
                 if let Some(v) = &vmm {
-                    s.handed.insert(v.pid, template.to_string());
+                    s.handed.insert(v.pid, uses.to_vec());
                 }
                 vmm
             };
@@ -258,7 +262,7 @@ impl Pool {
             tracing::warn!(pid = vmm.pid, "a pooled VMM died before it was taken");
             self.state().handed.remove(&vmm.pid);
         }
-        let vmm = self.spawn(shape, Some(template)).await?;
+        let vmm = self.spawn(shape, Some(uses)).await?;
         hand_over(&vmm, owner)?;
         Ok((vmm, false))
     }
@@ -362,9 +366,9 @@ impl Pool {
     }
 
     /// Starts `twig-vmm serve` for `shape` and waits until its API answers.
-    /// `handed`: the template of a VMM started for a request (it is handed
-    /// over as soon as it answers), `None` for a pooled one.
-    async fn spawn(&self, shape: Shape, handed: Option<&str>) -> Result<Vmm> {
+    /// `handed`: the snapshots of a VMM started for a request (it is
+    /// handed over as soon as it answers), `None` for a pooled one.
+    async fn spawn(&self, shape: Shape, handed: Option<&[String]>) -> Result<Vmm> {
         let n = self.inner.seq.fetch_add(1, Ordering::Relaxed);
         let name = format!("{}-{n}", std::process::id());
         let dir = self.inner.vms_dir.join(&name);
@@ -407,8 +411,8 @@ impl Pool {
         {
             let mut s = self.state();
             s.spawning.insert(pid);
-            if let Some(template) = handed {
-                s.handed.insert(pid, template.to_string());
+            if let Some(uses) = handed {
+                s.handed.insert(pid, uses.to_vec());
             }
         }
         // `close` sets the flag before it looks at `spawning`, this inserted

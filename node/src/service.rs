@@ -76,7 +76,11 @@ impl Services {
                     .map_err(|e| Error::InvalidArgument(format!("owner_pid {pid}: {e}")))?,
             ),
         };
-        let (vmm, pooled) = self.pool.take(t.shape, &t.id, owner.as_ref()).await?;
+        let mut uses = vec![t.id.clone()];
+        if !req.restore_from.is_empty() {
+            uses.push(req.restore_from.clone());
+        }
+        let (vmm, pooled) = self.pool.take(t.shape, &uses, owner.as_ref()).await?;
         tracing::info!(
             sandbox = req.sandbox_id,
             template = t.id,

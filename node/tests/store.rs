@@ -10,6 +10,7 @@ use std::path::Path;
 use std::process::Command;
 
 use common::*;
+use twig_proto::node::AcquireVmRequest;
 use twig_proto::twig::{
     DeleteSnapshotRequest, DeleteTemplateRequest, EnsureTemplateRequest, GetSnapshotRequest,
     GetSnapshotResponse,
@@ -102,8 +103,36 @@ fn snapshots_and_templates_of_the_node_store() {
         node.status().handed_pids.is_empty()
     });
 
-    // A child names it as parent.
+    // A clone's VM holds the pod snapshot it is restored from.
     let store = NodeStore::open(&dir.path().join("store"), true).unwrap();
+    let mut staging = store.stage("pod-snap").unwrap();
+    staging
+        .put_bytes(twig_store::Artefact::Memory, b"")
+        .unwrap();
+    staging.publish().unwrap();
+    let vm = node
+        .acquire_req(AcquireVmRequest {
+            template: "tiny".into(),
+            sandbox_id: "clone".into(),
+            restore_from: "pod-snap".into(),
+            ..Default::default()
+        })
+        .expect("AcquireVm for a clone");
+    let (code, msg) = status(node.delete("pod-snap").unwrap_err());
+    assert_eq!(code, ttrpc::Code::FAILED_PRECONDITION, "{msg}");
+    assert!(
+        msg.contains("in use") && msg.contains(&vm.pid.to_string()),
+        "{msg}"
+    );
+    sigkill(vm.pid);
+    wait_until("the clone's VMM is reaped", T, || gone(vm.pid));
+    wait_until("the daemon saw it exit", T, || {
+        node.status().handed_pids.is_empty()
+    });
+    node.delete("pod-snap")
+        .expect("DeleteSnapshot once the clone is gone");
+
+    // A child names it as parent.
     let mut staging = store.stage("tiny.child").unwrap();
     staging.set_parent("tiny").unwrap();
     staging.set_kind(twig_store::Kind::Incremental);

@@ -188,7 +188,12 @@ impl VmSandbox {
         std::fs::create_dir_all(state_dir)
             .map_err(|e| Error::io(format!("creating {}", state_dir.display()), e))?;
         let started = Instant::now();
-        let vm = acquire(config, sandbox_id, template)?;
+        let vm = acquire(
+            config,
+            sandbox_id,
+            template,
+            restore_from.map(|(id, _, _)| id),
+        )?;
         let acquired = started.elapsed();
         let process = Process::open(vm.pid, &vm.api_socket)?;
         let mut guard = KillOnDrop(Some(process), state_dir.to_path_buf());
@@ -361,7 +366,14 @@ pub fn slot_device(slot: usize) -> Result<String> {
 /// Asks the node daemon for a prepared VMM for `template` (empty: the
 /// node's base template). Without a daemon this is an error naming its
 /// socket: there is no fallback.
-pub fn acquire(config: &Config, sandbox_id: &str, template: &str) -> Result<AcquireVmResponse> {
+/// `restore_from`: the pod snapshot the VM is restored from instead (the
+/// daemon keeps it from being deleted while the VM runs).
+pub fn acquire(
+    config: &Config,
+    sandbox_id: &str,
+    template: &str,
+    restore_from: Option<&str>,
+) -> Result<AcquireVmResponse> {
     let socket = &config.node_socket;
     let client = ttrpc::Client::connect(&format!("unix://{}", socket.display())).map_err(|e| {
         Error::FailedPrecondition(format!(
@@ -374,6 +386,7 @@ pub fn acquire(config: &Config, sandbox_id: &str, template: &str) -> Result<Acqu
         sandbox_id: sandbox_id.to_string(),
         // The daemon kills the VM if this shim dies, at any moment.
         owner_pid: std::process::id(),
+        restore_from: restore_from.unwrap_or_default().to_string(),
         ..Default::default()
     };
     let timeout = Duration::from_secs(config.acquire_timeout_s);
@@ -969,7 +982,7 @@ mod tests {
             node_socket: dir.path().join("node.sock"),
             ..Config::default()
         };
-        let e = acquire(&config, "sb", "").unwrap_err();
+        let e = acquire(&config, "sb", "", None).unwrap_err();
         assert!(matches!(e, Error::FailedPrecondition(_)), "{e}");
         assert!(
             e.to_string()
