@@ -19,7 +19,6 @@ use std::io::BufRead;
 use std::net::Ipv4Addr;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use serde_json::Value;
 use twig_agent::proto::agent::ReidentifyRequest;
@@ -86,7 +85,7 @@ pub trait Joiner: Send + Sync {
 
 /// The [`Joiner`]: twig-net's eBPF programs, attached by its [`Loader`].
 pub struct Bpf {
-    loader: Arc<Loader>,
+    loader: Loader,
     node: NodeContext,
 }
 
@@ -99,22 +98,7 @@ impl Bpf {
             node_addrs: node_addresses()?,
             cluster_dns: cluster_dns.to_vec(),
         };
-        let bpf = Bpf::with_loader(Loader::new(), node)?;
-        // The pod's program set is loaded and verified while the VM is
-        // acquired and restored, not after: the join then takes it ready
-        // (or, if it comes first, loads its own as before).
-        let loader = bpf.loader.clone();
-        let preload = std::thread::Builder::new()
-            .name("twig-net-preload".into())
-            .spawn(move || {
-                if let Err(e) = loader.preload(1) {
-                    tracing::debug!("pre-loading the pod's eBPF programs: {e}");
-                }
-            });
-        if let Err(e) = preload {
-            tracing::debug!("starting the eBPF pre-load: {e}");
-        }
-        Ok(bpf)
+        Bpf::with_loader(Loader::new(), node)
     }
 
     /// The decision [`Bpf::new`] makes on the loader it got.
@@ -128,10 +112,7 @@ impl Bpf {
                 .into(),
             source,
         })?;
-        Ok(Bpf {
-            loader: Arc::new(loader),
-            node,
-        })
+        Ok(Bpf { loader, node })
     }
 }
 
