@@ -41,20 +41,6 @@ fn rollback(name: &str, pod: &str, snap: &str) -> Rollback {
     )
 }
 
-async fn create<K>(client: &Client, obj: &K) -> K
-where
-    K: kube::Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
-        + Clone
-        + serde::Serialize
-        + serde::de::DeserializeOwned
-        + std::fmt::Debug,
-{
-    let api: Api<K> = Api::namespaced(client.clone(), NS);
-    api.create(&PostParams::default(), obj)
-        .await
-        .expect("create")
-}
-
 /// Waits until the Snapshot reaches `phase`.
 async fn snapshot_in(client: &Client, name: &str, phase: Phase) -> Snapshot {
     let api: Api<Snapshot> = Api::namespaced(client.clone(), NS);
@@ -87,7 +73,7 @@ async fn snapshot_reaches_ready_with_status_and_events() {
     let fake = Arc::new(FakeNode::default());
     let _ctrl = start_controller(&server, "node-a", &fake);
     let pod = running_pod(&client, "redis", "node-a").await;
-    let created = create(&client, &snapshot("snap-1", "redis")).await;
+    let created = support::create(&client, &snapshot("snap-1", "redis")).await;
 
     let snap = snapshot_in(&client, "snap-1", Phase::Ready).await;
     let status = snap.status.clone().expect("status");
@@ -120,7 +106,7 @@ async fn snapshot_reaches_ready_with_status_and_events() {
     assert_eq!(fake.snapshot_calls(), 1);
 
     // The second snapshot of the pod is incremental on the first.
-    create(&client, &snapshot("snap-2", "redis")).await;
+    support::create(&client, &snapshot("snap-2", "redis")).await;
     let second = snapshot_in(&client, "snap-2", Phase::Ready).await;
     assert_eq!(second.status.and_then(|s| s.parent), created.uid());
 
@@ -232,7 +218,7 @@ async fn objects_of_pods_on_other_nodes_are_left_alone() {
     let _a = start_controller(&server, "node-a", &fake_a);
     let _b = start_controller(&server, "node-b", &fake_b);
     running_pod(&client, "on-b", "node-b").await;
-    create(&client, &snapshot("snap-b", "on-b")).await;
+    support::create(&client, &snapshot("snap-b", "on-b")).await;
 
     let snap = snapshot_in(&client, "snap-b", Phase::Ready).await;
     assert_eq!(
@@ -260,7 +246,7 @@ async fn pod_deleted_mid_snapshot_fails_with_reason() {
     let _ctrl = start_controller(&server, "node-a", &fake);
     let pod = running_pod(&client, "doomed", "node-a").await;
     fake.hold_snapshots(true);
-    create(&client, &snapshot("snap-doomed", "doomed")).await;
+    support::create(&client, &snapshot("snap-doomed", "doomed")).await;
     eventually("snapshot reaches the shim", || async {
         (fake.snapshot_calls() == 1).then_some(())
     })
@@ -289,7 +275,7 @@ async fn restarted_controller_resumes_without_repeating_the_snapshot() {
     running_pod(&client, "redis", "node-a").await;
     fake.hold_snapshots(true);
     let first = start_controller(&server, "node-a", &fake);
-    create(&client, &snapshot("snap-r", "redis")).await;
+    support::create(&client, &snapshot("snap-r", "redis")).await;
     snapshot_in(&client, "snap-r", Phase::InProgress).await;
     eventually("snapshot reaches the shim", || async {
         (fake.snapshot_calls() == 1).then_some(())
@@ -326,12 +312,12 @@ async fn restarted_controller_resumes_without_repeating_the_rollback() {
     let fake = Arc::new(FakeNode::default());
     running_pod(&client, "redis", "node-a").await;
     let first = start_controller(&server, "node-a", &fake);
-    create(&client, &snapshot("base", "redis")).await;
+    support::create(&client, &snapshot("base", "redis")).await;
     snapshot_in(&client, "base", Phase::Ready).await;
     drop(first);
 
     // A rollback the dead controller had started and the shim had finished.
-    let rb = create(&client, &rollback("rb", "redis", "base")).await;
+    let rb = support::create(&client, &rollback("rb", "redis", "base")).await;
     let api: Api<Rollback> = Api::namespaced(client.clone(), NS);
     let mut in_progress = rb.clone();
     in_progress.status = Some(twig_controller::crd::RollbackStatus {
@@ -387,10 +373,10 @@ async fn deleting_a_snapshot_removes_its_node_data_unless_retained() {
     let fake = Arc::new(FakeNode::default());
     let _ctrl = start_controller(&server, "node-a", &fake);
     running_pod(&client, "redis", "node-a").await;
-    let deleted = create(&client, &snapshot("to-delete", "redis")).await;
+    let deleted = support::create(&client, &snapshot("to-delete", "redis")).await;
     let mut retain = snapshot("to-keep", "redis");
     retain.spec.deletion_policy = DeletionPolicy::Retain;
-    let kept = create(&client, &retain).await;
+    let kept = support::create(&client, &retain).await;
     snapshot_in(&client, "to-delete", Phase::Ready).await;
     snapshot_in(&client, "to-keep", Phase::Ready).await;
     let (deleted_id, kept_id) = (deleted.uid().expect("uid"), kept.uid().expect("uid"));
@@ -421,7 +407,7 @@ async fn a_snapshot_whose_data_leaves_the_node_is_lost() {
     let fake = Arc::new(FakeNode::default());
     let _ctrl = start_controller(&server, "node-a", &fake);
     running_pod(&client, "redis", "node-a").await;
-    let created = create(&client, &snapshot("fragile", "redis")).await;
+    let created = support::create(&client, &snapshot("fragile", "redis")).await;
     snapshot_in(&client, "fragile", Phase::Ready).await;
     fake.lose(&created.uid().expect("uid"));
     let lost = snapshot_in(&client, "fragile", Phase::Lost).await;
@@ -439,7 +425,7 @@ async fn ttl_expiry_deletes_the_snapshot() {
     running_pod(&client, "redis", "node-a").await;
     let mut short = snapshot("short-lived", "redis");
     short.spec.ttl_seconds_after_ready = Some(2);
-    let created = create(&client, &short).await;
+    let created = support::create(&client, &short).await;
     support::wait_gone::<Snapshot>(&client, "short-lived").await;
     assert!(!fake.stored(&created.uid().expect("uid")));
     expect_reasons(
@@ -469,10 +455,10 @@ async fn rollback_reaches_ready_once_even_when_applied_twice() {
     let fake = Arc::new(FakeNode::default());
     let _ctrl = start_controller(&server, "node-a", &fake);
     running_pod(&client, "sandbox", "node-a").await;
-    let snap = create(&client, &snapshot("before-rm", "sandbox")).await;
+    let snap = support::create(&client, &snapshot("before-rm", "sandbox")).await;
     snapshot_in(&client, "before-rm", Phase::Ready).await;
 
-    let rb = create(&client, &rollback("undo", "sandbox", "before-rm")).await;
+    let rb = support::create(&client, &rollback("undo", "sandbox", "before-rm")).await;
     let done = rollback_in(&client, "undo", Phase::Ready).await;
     let status = done.status.clone().expect("status");
     assert!(status.duration_ms.is_some() && status.completion_time.is_some());
@@ -494,7 +480,7 @@ async fn rollback_reaches_ready_once_even_when_applied_twice() {
         done.metadata.resource_version
     );
     // A later object proves the controller has looked at everything before it.
-    create(&client, &rollback("undo-2", "sandbox", "before-rm")).await;
+    support::create(&client, &rollback("undo-2", "sandbox", "before-rm")).await;
     rollback_in(&client, "undo-2", Phase::Ready).await;
     assert_eq!(fake.rollback_calls(), 2, "{:?}", fake.calls());
     expect_reasons(&client, "undo", &["Started", "RolledBack"]).await;
@@ -508,10 +494,10 @@ async fn rollback_to_a_snapshot_outside_the_lineage_is_refused() {
     let _ctrl = start_controller(&server, "node-a", &fake);
     running_pod(&client, "alice", "node-a").await;
     running_pod(&client, "bob", "node-a").await;
-    create(&client, &snapshot("of-alice", "alice")).await;
+    support::create(&client, &snapshot("of-alice", "alice")).await;
     snapshot_in(&client, "of-alice", Phase::Ready).await;
 
-    create(&client, &rollback("wrong", "bob", "of-alice")).await;
+    support::create(&client, &rollback("wrong", "bob", "of-alice")).await;
     let failed = rollback_in(&client, "wrong", Phase::Failed).await;
     let message = failed.status.and_then(|s| s.message).unwrap_or_default();
     assert!(
@@ -529,21 +515,21 @@ async fn operations_on_one_pod_are_serialized() {
     let _ctrl = start_controller(&server, "node-a", &fake);
     running_pod(&client, "busy", "node-a").await;
     running_pod(&client, "other", "node-a").await;
-    create(&client, &snapshot("base", "busy")).await;
-    create(&client, &snapshot("other-base", "other")).await;
+    support::create(&client, &snapshot("base", "busy")).await;
+    support::create(&client, &snapshot("other-base", "other")).await;
     snapshot_in(&client, "base", Phase::Ready).await;
     snapshot_in(&client, "other-base", Phase::Ready).await;
 
     fake.hold_snapshots(true);
-    let held = create(&client, &snapshot("held", "busy")).await;
+    let held = support::create(&client, &snapshot("held", "busy")).await;
     eventually("held snapshot reaches the shim", || async {
         (fake.snapshot_calls() == 3).then_some(())
     })
     .await;
-    let waits = create(&client, &rollback("waits", "busy", "base")).await;
+    let waits = support::create(&client, &rollback("waits", "busy", "base")).await;
     rollback_in(&client, "waits", Phase::InProgress).await;
     // A rollback of another pod is not held up, and proves the queue moved on.
-    create(&client, &rollback("free", "other", "other-base")).await;
+    support::create(&client, &rollback("free", "other", "other-base")).await;
     rollback_in(&client, "free", Phase::Ready).await;
     assert_eq!(
         fake.rollback_calls(),
@@ -622,14 +608,14 @@ async fn clone_of_a_snapshot_creates_eight_pinned_owned_pods() {
     let fake = Arc::new(FakeNode::default());
     let _ctrl = start_controller(&server, "node-a", &fake);
     running_pod(&client, "redis", "node-a").await;
-    let snap = create(&client, &snapshot("redis-snap", "redis")).await;
+    let snap = support::create(&client, &snapshot("redis-snap", "redis")).await;
     snapshot_in(&client, "redis-snap", Phase::Ready).await;
 
     let source = CloneSource {
         snapshot_name: Some("redis-snap".into()),
         pod_name: None,
     };
-    let clone = create(&client, &clone_of("fork", source, 8)).await;
+    let clone = support::create(&client, &clone_of("fork", source, 8)).await;
     let pods = make_clone_pods_ready(&client, "fork", 8).await;
     let mut names: Vec<String> = pods.iter().map(|p| p.name_any()).collect();
     names.sort();
@@ -685,7 +671,7 @@ async fn clone_of_a_pod_first_takes_a_snapshot_it_owns() {
     };
     let mut spec = clone_of("explore", source, 3);
     spec.spec.name_prefix = Some("branch".into());
-    let clone = create(&client, &spec).await;
+    let clone = support::create(&client, &spec).await;
     let snap = snapshot_in(&client, "explore-source", Phase::Ready).await;
     assert_eq!(snap.owner_references()[0].uid, clone.uid().expect("uid"));
     let pods = make_clone_pods_ready(&client, "explore", 3).await;
@@ -722,7 +708,7 @@ async fn sandbox_template_lists_ready_nodes_and_is_removed_from_each() {
             egress_policy: None,
         },
     );
-    create(&client, &template).await;
+    support::create(&client, &template).await;
     let api: Api<SandboxTemplate> = Api::namespaced(client.clone(), NS);
     let ready = eventually("template ready on both nodes", || {
         let api = api.clone();
@@ -773,8 +759,8 @@ async fn metrics_count_operations_by_result() {
         ctrl.metrics.clone(),
     ));
     running_pod(&client, "redis", "node-a").await;
-    create(&client, &snapshot("ok", "redis")).await;
-    create(&client, &snapshot("no-pod", "missing")).await;
+    support::create(&client, &snapshot("ok", "redis")).await;
+    support::create(&client, &snapshot("no-pod", "missing")).await;
     snapshot_in(&client, "ok", Phase::Ready).await;
     snapshot_in(&client, "no-pod", Phase::Failed).await;
 
@@ -821,18 +807,18 @@ async fn controller_calls_only_what_its_rbac_grants() {
 
     let mut short = snapshot("short", "redis");
     short.spec.ttl_seconds_after_ready = Some(0);
-    create(&client, &short).await;
+    support::create(&client, &short).await;
     support::wait_gone::<Snapshot>(&client, "short").await;
 
     let source = CloneSource {
         snapshot_name: None,
         pod_name: Some("redis".into()),
     };
-    create(&client, &clone_of("fork", source, 2)).await;
+    support::create(&client, &clone_of("fork", source, 2)).await;
     make_clone_pods_ready(&client, "fork", 2).await;
     clone_in(&client, "fork", Phase::Ready).await;
     // A clone rolls back to the snapshot it was restored from: its lineage.
-    create(&client, &rollback("reset", "fork-0", "fork-source")).await;
+    support::create(&client, &rollback("reset", "fork-0", "fork-source")).await;
     rollback_in(&client, "reset", Phase::Ready).await;
 
     let template = SandboxTemplate::new(
@@ -846,7 +832,7 @@ async fn controller_calls_only_what_its_rbac_grants() {
             egress_policy: None,
         },
     );
-    create(&client, &template).await;
+    support::create(&client, &template).await;
     let templates: Api<SandboxTemplate> = Api::namespaced(client.clone(), NS);
     eventually("template ready", || {
         let templates = templates.clone();
@@ -902,7 +888,7 @@ async fn test_api_server_has_kubernetes_semantics() {
     let server = api_server().await;
     let client = server.client();
     let api: Api<Snapshot> = Api::namespaced(client.clone(), NS);
-    let created = create(&client, &snapshot("s", "redis")).await;
+    let created = support::create(&client, &snapshot("s", "redis")).await;
     assert_eq!(created.metadata.generation, Some(1));
     assert!(created.uid().is_some() && created.metadata.creation_timestamp.is_some());
 
@@ -1006,11 +992,11 @@ async fn test_api_server_has_kubernetes_semantics() {
     );
 
     // Deleting an owner deletes its dependents.
-    let owner = create(&client, &snapshot("owner", "redis")).await;
+    let owner = support::create(&client, &snapshot("owner", "redis")).await;
     let mut dependent = snapshot("dependent", "redis");
     dependent.metadata.owner_references =
         kube::Resource::controller_owner_ref(&owner, &()).map(|o| vec![o]);
-    create(&client, &dependent).await;
+    support::create(&client, &dependent).await;
     api.delete("owner", &DeleteParams::default())
         .await
         .expect("delete owner");
@@ -1029,7 +1015,7 @@ async fn controller_refuses_invalid_objects_the_api_server_let_through() {
         snapshot_name: Some("s".into()),
         pod_name: Some("p".into()),
     };
-    create(&client, &clone_of("ambiguous", both, 3)).await;
+    support::create(&client, &clone_of("ambiguous", both, 3)).await;
     let failed = clone_in(&client, "ambiguous", Phase::Failed).await;
     let message = failed.status.and_then(|s| s.message).unwrap_or_default();
     assert!(
