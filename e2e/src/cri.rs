@@ -221,6 +221,25 @@ impl CriNode {
             .unwrap_or_default()
     }
 
+    /// Waits (at most `within`, polling) until [`CriNode::leftovers`] of
+    /// `vmms` is empty; panics with what stayed and the node's logs. `what`
+    /// says after what (for the message).
+    pub async fn expect_nothing_left(&self, vmms: &[u32], within: Duration, what: &str) {
+        let deadline = Instant::now() + within;
+        loop {
+            let left = self.leftovers(vmms);
+            if left.is_empty() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "left behind {within:?} after {what}: {left:#?}\n{}",
+                self.node.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// What a removed pod may have left behind on this node: shims naming
     /// the node's directory, the pods' VMMs `vmms` (from
     /// [`CriNode::pod_vmms`] while they ran), mounts under the node's

@@ -398,19 +398,8 @@ async fn scenario(expect: Expect) {
         .unwrap_or_else(|e| fail("ListPodSandbox", e))
         .is_empty());
     step(t0, "RemovePodSandbox");
-    let deadline = Instant::now() + GONE;
-    loop {
-        let left = node.leftovers(&vmms);
-        if left.is_empty() {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "left behind {GONE:?} after RemovePodSandbox: {left:#?}\n{}",
-            node.node().logs()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    node.expect_nothing_left(&vmms, GONE, "RemovePodSandbox")
+        .await;
     step(t0, "nothing left behind");
 }
 
@@ -581,19 +570,8 @@ fn a_twig_pod_whose_shim_died_leaves_no_network_behind() {
         cri.remove_pod_sandbox(&pod_id)
             .await
             .unwrap_or_else(|e| fail("RemovePodSandbox", e));
-        let deadline = Instant::now() + GONE;
-        loop {
-            let left = node.leftovers(&vmms);
-            if left.is_empty() {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "left behind {GONE:?} after the shim died and the pod was removed: {left:#?}\n{}",
-                node.node().logs()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        node.expect_nothing_left(&vmms, GONE, "the shim died and the pod was removed")
+            .await;
         step(t0, "nothing left behind");
     });
 }
