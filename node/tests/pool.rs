@@ -299,6 +299,9 @@ fn a_vmm_dies_with_its_owner_and_an_owner_that_does_not_run_is_refused() {
     shim.kill().unwrap();
     shim.wait().unwrap();
     wait_until("the owner's VMM is killed and reaped", T, || gone(vm.pid));
+    wait_until("the daemon no longer lists the owner's VMM", T, || {
+        node.status().handed_pids.is_empty()
+    });
 
     // An owner that does not run is refused, and nothing is handed over.
     let mut dead = owner();
