@@ -57,6 +57,14 @@ pub enum Error {
         /// The missing pin.
         pin: &'static str,
     },
+    /// A directory given as a prepared set holds none (or only part of one).
+    #[error("no prepared program set at {dir} (missing {pin})")]
+    NotPrepared {
+        /// The directory.
+        dir: PathBuf,
+        /// The missing pin.
+        pin: &'static str,
+    },
     /// A flow idle timeout does not fit in `pod_config` (whole milliseconds
     /// in 32 bits); nothing was changed.
     #[error(

@@ -6,17 +6,18 @@
 use std::path::Path;
 use std::sync::{Mutex, PoisonError};
 
+use aya::programs::SchedClassifier;
 use aya::{Ebpf, EbpfLoader};
 
 use crate::error::Context;
 use crate::flows::FlowTimeouts;
 use crate::maps::{
     Attachment, PodConfig, LINK_TAP, LINK_VETH, MODE_NETLINK, MODE_TCX, PIN_NETNS, PIN_PROG_TAP,
-    PIN_PROG_VETH, PROG_TAP, PROG_VETH,
+    PIN_PROG_VETH, PIN_READY_TAP, PIN_READY_VETH, PROG_TAP, PROG_VETH,
 };
 use crate::netns::{in_netns, netns_id, open_netns, IfSocket};
-use crate::pod::{is_attached, PinGuard, PodNetConfig, PodNetwork};
-use crate::policy::{EgressPolicy, NodeContext};
+use crate::pod::{is_attached, remove_pins, PinGuard, PodNetConfig, PodNetwork};
+use crate::policy::{CompiledPolicy, EgressPolicy, NodeContext};
 use crate::support::{check_support, check_support_with, AttachMode};
 use crate::tc::{self, Attached, FilterGuard};
 use crate::{Error, POD_OBJECT};
@@ -112,6 +113,30 @@ impl Loader {
         Ok(())
     }
 
+    /// Loads a set and pins it, unattached, in `dir` (created; it must not
+    /// exist): its maps under their names, its programs as `ready_tap` and
+    /// `ready_veth`. Whoever holds the pins may move the directory (a
+    /// `rename` within the bpffs) and attach it with
+    /// [`Loader::attach_prepared`] in any process, with no verifier run on
+    /// the way; removing the directory's files frees it. On an error
+    /// nothing stays pinned.
+    pub fn prepare(&self, dir: &Path) -> Result<(), Error> {
+        let mut ebpf = self.load_set()?;
+        std::fs::create_dir(dir).map_err(|source| Error::Bpffs {
+            path: dir.to_owned(),
+            source,
+        })?;
+        let mut pins = PinGuard { dir, armed: true };
+        PodNetwork::from_ebpf(&mut ebpf, dir)?;
+        for (name, pin) in [(PROG_TAP, PIN_READY_TAP), (PROG_VETH, PIN_READY_VETH)] {
+            tc::program(&mut ebpf, name)?
+                .pin(dir.join(pin))
+                .context(|| format!("pinning program {name} under {}", dir.display()))?;
+        }
+        pins.armed = false;
+        Ok(())
+    }
+
     fn take_set(&self) -> Result<Ebpf, Error> {
         let pooled = self
             .pool
@@ -146,119 +171,191 @@ impl Loader {
         if is_attached(dir) {
             return Err(Error::AlreadyAttached(dir.to_owned()));
         }
-        let netns = &config.netns;
-        let file = open_netns(netns)?;
-        let (netns_dev, netns_ino) = netns_id(&file, netns)?;
-        let mut ebpf = self.take_set()?;
-        let mode = self.mode;
-        in_netns(&file, netns, move || {
-            let socket = IfSocket::new()?;
-            let tap_ifindex = socket.ifindex(&config.tap, netns)?;
-            let veth_ifindex = socket.ifindex(&config.veth, netns)?;
-            let mac = socket.mac(&config.veth, netns)?;
+        let ebpf = self.take_set()?;
+        join(dir, config, &compiled, self.mode, Set::Loaded(ebpf))
+    }
 
-            std::fs::create_dir_all(dir).map_err(|source| Error::Bpffs {
-                path: dir.to_owned(),
+    /// Like [`Loader::attach`], with the set [`Loader::prepare`] pinned in
+    /// `dir` (moved there by whoever prepared it): opens its maps and
+    /// programs from the pins instead of loading them, so no loader (and no
+    /// parse of the kernel's BTF) is needed. On success the `ready_*` pins
+    /// are gone and `dir` holds an attached path; on an error nothing stays
+    /// attached or pinned (the set is spent).
+    pub fn attach_prepared(
+        dir: &Path,
+        config: &PodNetConfig,
+        policy: &EgressPolicy,
+        node: &NodeContext,
+        mode: AttachMode,
+    ) -> Result<(PodNetwork, [u8; 6]), Error> {
+        let compiled = policy.compile(node)?;
+        if [LINK_TAP, LINK_VETH, PIN_PROG_TAP, PIN_PROG_VETH]
+            .iter()
+            .any(|pin| dir.join(pin).symlink_metadata().is_ok())
+        {
+            return Err(Error::AlreadyAttached(dir.to_owned()));
+        }
+        for pin in [PIN_READY_TAP, PIN_READY_VETH] {
+            if dir.join(pin).symlink_metadata().is_err() {
+                return Err(Error::NotPrepared {
+                    dir: dir.to_owned(),
+                    pin,
+                });
+            }
+        }
+        // Spent on any error, also one before the attach pinned anything.
+        join(dir, config, &compiled, mode, Set::Prepared).inspect_err(|_| remove_pins(dir))
+    }
+}
+
+/// Where an attach's programs and maps come from.
+enum Set {
+    /// Loaded in this process, not pinned yet.
+    Loaded(Ebpf),
+    /// Pinned in the pod's directory by [`Loader::prepare`].
+    Prepared,
+}
+
+/// Attaches `set` for the pod: see [`Loader::attach`].
+fn join(
+    dir: &Path,
+    config: &PodNetConfig,
+    compiled: &CompiledPolicy,
+    mode: AttachMode,
+    mut set: Set,
+) -> Result<(PodNetwork, [u8; 6]), Error> {
+    let netns = &config.netns;
+    let file = open_netns(netns)?;
+    let (netns_dev, netns_ino) = netns_id(&file, netns)?;
+    in_netns(&file, netns, move || {
+        let socket = IfSocket::new()?;
+        let tap_ifindex = socket.ifindex(&config.tap, netns)?;
+        let veth_ifindex = socket.ifindex(&config.veth, netns)?;
+        let mac = socket.mac(&config.veth, netns)?;
+
+        std::fs::create_dir_all(dir).map_err(|source| Error::Bpffs {
+            path: dir.to_owned(),
+            source,
+        })?;
+        let mut pins = PinGuard { dir, armed: true };
+        let mut from_pins: (SchedClassifier, SchedClassifier);
+        let (mut pod, tap_program, veth_program) = match &mut set {
+            Set::Loaded(ebpf) => {
+                let pod = PodNetwork::from_ebpf(ebpf, dir)?;
+                let (tap, veth) = tc::two_programs(ebpf, PROG_TAP, PROG_VETH)?;
+                (pod, tap, veth)
+            }
+            Set::Prepared => {
+                let pod = PodNetwork::open_maps(dir)?;
+                let pinned = |pin: &'static str| {
+                    SchedClassifier::from_pin(dir.join(pin))
+                        .context(|| format!("opening the prepared program {pin}"))
+                };
+                from_pins = (pinned(PIN_READY_TAP)?, pinned(PIN_READY_VETH)?);
+                let (tap, veth) = (&mut from_pins.0, &mut from_pins.1);
+                (pod, tap, veth)
+            }
+        };
+        let [tcp_idle_ms, udp_idle_ms, icmp_idle_ms] = FlowTimeouts::default().to_millis()?;
+        pod.write_config(PodConfig {
+            pod_ip: config.pod_ip.octets(),
+            veth_ifindex,
+            tap_ifindex,
+            mac,
+            pad: 0,
+            tcp_idle_ms,
+            udp_idle_ms,
+            icmp_idle_ms,
+        })?;
+        pod.write_policy(compiled)?;
+        let mut record = Attachment {
+            mode: MODE_TCX,
+            tap_ifindex,
+            veth_ifindex,
+            ..Attachment::default()
+        };
+        if mode == AttachMode::Netlink {
+            record.mode = MODE_NETLINK;
+            record.netns_dev = netns_dev;
+            record.netns_ino = netns_ino;
+            let target = std::path::absolute(netns).map_err(|source| Error::Netns {
+                path: netns.clone(),
                 source,
             })?;
-            let mut pins = PinGuard { dir, armed: true };
-            let mut pod = PodNetwork::from_ebpf(&mut ebpf, dir)?;
-            let [tcp_idle_ms, udp_idle_ms, icmp_idle_ms] = FlowTimeouts::default().to_millis()?;
-            pod.write_config(PodConfig {
-                pod_ip: config.pod_ip.octets(),
-                veth_ifindex,
-                tap_ifindex,
-                mac,
-                pad: 0,
-                tcp_idle_ms,
-                udp_idle_ms,
-                icmp_idle_ms,
-            })?;
-            pod.write_policy(&compiled)?;
-            let mut record = Attachment {
-                mode: MODE_TCX,
-                tap_ifindex,
-                veth_ifindex,
-                ..Attachment::default()
-            };
-            if mode == AttachMode::Netlink {
-                record.mode = MODE_NETLINK;
-                record.netns_dev = netns_dev;
-                record.netns_ino = netns_ino;
-                let target = std::path::absolute(netns).map_err(|source| Error::Netns {
-                    path: netns.clone(),
-                    source,
-                })?;
-                let link = dir.join(PIN_NETNS);
-                std::os::unix::fs::symlink(&target, &link)
-                    .map_err(|source| Error::Bpffs { path: link, source })?;
-                for (name, pin) in [(PROG_TAP, PIN_PROG_TAP), (PROG_VETH, PIN_PROG_VETH)] {
-                    tc::program(&mut ebpf, name)?
-                        .pin(dir.join(pin))
-                        .context(|| format!("pinning program {name} under {}", dir.display()))?;
-                }
+            let link = dir.join(PIN_NETNS);
+            std::os::unix::fs::symlink(&target, &link)
+                .map_err(|source| Error::Bpffs { path: link, source })?;
+            for (program, name, pin) in [
+                (&mut *tap_program, PROG_TAP, PIN_PROG_TAP),
+                (&mut *veth_program, PROG_VETH, PIN_PROG_VETH),
+            ] {
+                program
+                    .pin(dir.join(pin))
+                    .context(|| format!("pinning program {name} under {}", dir.display()))?;
             }
-            // The config and policy are in place before any frame is seen.
-            let (tap_program, veth_program) = tc::two_programs(&mut ebpf, PROG_TAP, PROG_VETH)?;
-            let (link_tap, link_veth) = (dir.join(LINK_TAP), dir.join(LINK_VETH));
-            let (tap, veth) = match mode {
-                // Each TCX attach waits for an RCU grace period: attach both
-                // at once so the waits overlap. The second thread inherits
-                // this thread's network namespace.
-                AttachMode::Tcx => std::thread::scope(|scope| {
-                    let veth = scope.spawn(|| {
-                        tc::attach(veth_program, PROG_VETH, &config.veth, mode, &link_veth)
-                    });
-                    let tap = tc::attach(tap_program, PROG_TAP, &config.tap, mode, &link_tap);
-                    let veth = veth
-                        .join()
-                        .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-                    (tap, veth)
-                }),
-                // Filters are added without waiting: no second thread.
-                AttachMode::Netlink => {
-                    let tap = tc::attach(tap_program, PROG_TAP, &config.tap, mode, &link_tap);
-                    let veth = match tap {
-                        Ok(_) => {
-                            tc::attach(veth_program, PROG_VETH, &config.veth, mode, &link_veth)
-                        }
-                        Err(_) => Err(Error::Bpf {
-                            what: format!("attaching {PROG_VETH}"),
-                            source: "not tried: the tap's attach failed".into(),
-                        }),
-                    };
-                    (tap, veth)
-                }
-            };
-            let mut filters = FilterGuard::new();
-            if let Ok(tap) = tap {
-                filters.push(&config.tap, tap);
+        }
+        // The config and policy are in place before any frame is seen.
+        let (link_tap, link_veth) = (dir.join(LINK_TAP), dir.join(LINK_VETH));
+        let (tap, veth) = match mode {
+            // Each TCX attach waits for an RCU grace period: attach both
+            // at once so the waits overlap. The second thread inherits
+            // this thread's network namespace.
+            AttachMode::Tcx => std::thread::scope(|scope| {
+                let veth = scope
+                    .spawn(|| tc::attach(veth_program, PROG_VETH, &config.veth, mode, &link_veth));
+                let tap = tc::attach(tap_program, PROG_TAP, &config.tap, mode, &link_tap);
+                let veth = veth
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+                (tap, veth)
+            }),
+            // Filters are added without waiting: no second thread.
+            AttachMode::Netlink => {
+                let tap = tc::attach(tap_program, PROG_TAP, &config.tap, mode, &link_tap);
+                let veth = match tap {
+                    Ok(_) => tc::attach(veth_program, PROG_VETH, &config.veth, mode, &link_veth),
+                    Err(_) => Err(Error::Bpf {
+                        what: format!("attaching {PROG_VETH}"),
+                        source: "not tried: the tap's attach failed".into(),
+                    }),
+                };
+                (tap, veth)
             }
-            if let Ok(veth) = veth {
-                filters.push(&config.veth, veth);
+        };
+        let mut filters = FilterGuard::new();
+        if let Ok(tap) = tap {
+            filters.push(&config.tap, tap);
+        }
+        if let Ok(veth) = veth {
+            filters.push(&config.veth, veth);
+        }
+        let (tap, veth) = (tap?, veth?);
+        if let (
+            Attached::Filter {
+                prio: tap_prio,
+                handle: tap_handle,
+            },
+            Attached::Filter {
+                prio: veth_prio,
+                handle: veth_handle,
+            },
+        ) = (tap, veth)
+        {
+            record.tap_prio = tap_prio;
+            record.tap_handle = tap_handle;
+            record.veth_prio = veth_prio;
+            record.veth_handle = veth_handle;
+        }
+        pod.write_attachment(record)?;
+        if let Set::Prepared = set {
+            for pin in [PIN_READY_TAP, PIN_READY_VETH] {
+                let path = dir.join(pin);
+                std::fs::remove_file(&path).map_err(|source| Error::Bpffs { path, source })?;
             }
-            let (tap, veth) = (tap?, veth?);
-            if let (
-                Attached::Filter {
-                    prio: tap_prio,
-                    handle: tap_handle,
-                },
-                Attached::Filter {
-                    prio: veth_prio,
-                    handle: veth_handle,
-                },
-            ) = (tap, veth)
-            {
-                record.tap_prio = tap_prio;
-                record.tap_handle = tap_handle;
-                record.veth_prio = veth_prio;
-                record.veth_handle = veth_handle;
-            }
-            pod.write_attachment(record)?;
-            filters.disarm();
-            pins.armed = false;
-            tracing::info!(dir = %dir.display(), tap = %config.tap, veth = %config.veth, %mode, entries = compiled.len(), "pod network attached");
-            Ok((pod, mac))
-        })
-    }
+        }
+        filters.disarm();
+        pins.armed = false;
+        tracing::info!(dir = %dir.display(), tap = %config.tap, veth = %config.veth, %mode, entries = compiled.len(), "pod network attached");
+        Ok((pod, mac))
+    })
 }

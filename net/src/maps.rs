@@ -37,6 +37,12 @@ pub(crate) const PIN_PROG_TAP: &str = "prog_tap";
 #[cfg(feature = "loader")]
 pub(crate) const PIN_PROG_VETH: &str = "prog_veth";
 #[cfg(feature = "loader")]
+/// Pins of the programs of a prepared set ([`crate::Loader::prepare`]):
+/// verified, not attached yet.
+pub(crate) const PIN_READY_TAP: &str = "ready_tap";
+#[cfg(feature = "loader")]
+pub(crate) const PIN_READY_VETH: &str = "ready_veth";
+#[cfg(feature = "loader")]
 /// Netlink mode: a symlink to the namespace file the filters were added in.
 pub(crate) const PIN_NETNS: &str = "netns";
 #[cfg(feature = "loader")]
@@ -51,7 +57,9 @@ pub(crate) const MAP_PINS: [&str; 6] = [
 ];
 #[cfg(feature = "loader")]
 /// Every name a pod directory may hold, in either mode.
-pub(crate) const ALL_PINS: [&str; 11] = [
+pub(crate) const ALL_PINS: [&str; 13] = [
+    PIN_READY_TAP,
+    PIN_READY_VETH,
     LINK_TAP,
     LINK_VETH,
     PIN_PROG_TAP,

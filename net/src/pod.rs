@@ -73,7 +73,8 @@ impl Drop for PinGuard<'_> {
     }
 }
 
-fn remove_pins(dir: &Path) {
+/// Removes every pin a pod directory may hold, then the directory.
+pub(crate) fn remove_pins(dir: &Path) {
     for pin in ALL_PINS {
         let path = dir.join(pin);
         if let Err(e) = std::fs::remove_file(&path) {
@@ -171,9 +172,8 @@ impl PodNetwork {
         Ok(self.read_attachment()?.1)
     }
 
-    /// Re-opens a path attached earlier (by this or an earlier process) from
-    /// its pins in `dir`.
-    pub fn open(dir: &Path) -> Result<Self, Error> {
+    /// Opens the maps pinned in `dir` (an attached path or a prepared set).
+    pub(crate) fn open_maps(dir: &Path) -> Result<Self, Error> {
         for pin in MAP_PINS {
             if !dir.join(pin).exists() {
                 return Err(Error::NotAttached {
@@ -187,7 +187,7 @@ impl PodNetwork {
                 .context(|| format!("opening pinned map {name}"))?;
             Map::from_map_data(data).context(|| format!("pinned map {name}"))
         };
-        let pod = PodNetwork {
+        Ok(PodNetwork {
             dir: dir.to_owned(),
             config: Array::try_from(map(MAP_CONFIG)?).context(|| "pinned map config".into())?,
             state: Array::try_from(map(MAP_STATE)?).context(|| "pinned map state".into())?,
@@ -196,7 +196,24 @@ impl PodNetwork {
                 .context(|| "pinned map counters".into())?,
             attachment: Array::try_from(map(MAP_ATTACHMENT)?)
                 .context(|| "pinned map attachment".into())?,
-        };
+        })
+    }
+
+    /// Re-opens a path attached earlier (by this or an earlier process) from
+    /// its pins in `dir`. A directory holding a set that was never attached
+    /// (a prepared set, or an attach cut short) is [`Error::NotAttached`].
+    pub fn open(dir: &Path) -> Result<Self, Error> {
+        let pod = Self::open_maps(dir)?;
+        let recorded = pod
+            .attachment
+            .get(&0, 0)
+            .context(|| "reading the attachment record".into())?;
+        if recorded.mode == 0 {
+            return Err(Error::NotAttached {
+                dir: dir.to_owned(),
+                pin: MAP_ATTACHMENT,
+            });
+        }
         let pins: [&'static str; 2] = match pod.mode()? {
             AttachMode::Tcx => [LINK_TAP, LINK_VETH],
             AttachMode::Netlink => [PIN_PROG_TAP, PIN_PROG_VETH],

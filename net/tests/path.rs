@@ -437,6 +437,84 @@ fn bad_input_is_refused_and_leaves_nothing(mode: AttachMode) {
     );
 }
 
+/// A set prepared (pinned, unattached) in one directory, moved into the
+/// pod's as another process would (a rename within the bpffs), attaches
+/// from its pins: the policy holds, a second attach is refused, and a
+/// detach leaves nothing. A prepared set never attached is no path, and a
+/// directory without one is refused without touching it.
+fn prepared_sets_attach_from_their_pins(mode: AttachMode) {
+    let mut bed = Bed::new(&format!("prep{}", mode_tag(mode)));
+    let netns = bed.pod_netns();
+    let staged = bed.bpffs.pod_dir("staged");
+    let dir = bed.bpffs.pod_dir("prep");
+    loader(mode).prepare(&staged).expect("prepare");
+    assert!(
+        loader(mode).prepare(&staged).is_err(),
+        "a directory that exists is refused"
+    );
+    match PodNetwork::open(&staged) {
+        Err(Error::NotAttached { .. }) => {}
+        other => panic!("a prepared set is no attached path: {other:?}"),
+    }
+    assert_eq!(attached(mode, &netns, "tap0"), 0);
+    std::fs::rename(&staged, &dir).expect("move the set into the pod's directory");
+    let (pod, mac) = Loader::attach_prepared(&dir, &bed.config(), &policy(), &node(), mode)
+        .expect("attach the prepared set");
+    assert_eq!(mac, pod.mac().expect("mac"));
+    assert!(!dir.join("ready_tap").exists() && !dir.join("ready_veth").exists());
+    assert_eq!(
+        (
+            attached(mode, &netns, "tap0"),
+            attached(mode, &netns, "eth0")
+        ),
+        (1, 1)
+    );
+    assert_passes(&mut bed, &guest_udp(PEER_IP, 9999, b"prep-ok"), "prep-ok");
+    assert_dropped(
+        &mut bed,
+        &pod,
+        "prep-deny",
+        &guest_udp(DENIED_POD, 80, b"prep-deny"),
+        Reason::DenyRule,
+    );
+    match Loader::attach_prepared(&dir, &bed.config(), &policy(), &node(), mode) {
+        Err(Error::AlreadyAttached(d)) => assert_eq!(d, dir),
+        other => panic!("expected AlreadyAttached, got {other:?}"),
+    }
+    drop(pod);
+    PodNetwork::open(&dir)
+        .expect("reopen")
+        .detach()
+        .expect("detach");
+    assert!(!dir.exists(), "pins removed");
+    assert_eq!(
+        (
+            attached(mode, &netns, "tap0"),
+            attached(mode, &netns, "eth0")
+        ),
+        (0, 0)
+    );
+    let empty = bed.bpffs.pod_dir("empty");
+    std::fs::create_dir(&empty).expect("mkdir");
+    match Loader::attach_prepared(&empty, &bed.config(), &policy(), &node(), mode) {
+        Err(e @ Error::NotPrepared { .. }) => {
+            assert!(e.to_string().contains("no prepared program set"), "{e}")
+        }
+        other => panic!("expected NotPrepared, got {other:?}"),
+    }
+    assert!(empty.exists(), "a refused directory is left as it was");
+    // A failed attach of a prepared set spends it: nothing stays pinned.
+    let staged = bed.bpffs.pod_dir("staged2");
+    loader(mode).prepare(&staged).expect("prepare");
+    let mut config = bed.config();
+    config.tap = "nosuchtap".into();
+    assert!(matches!(
+        Loader::attach_prepared(&staged, &config, &policy(), &node(), mode),
+        Err(Error::NoInterface { .. })
+    ));
+    assert!(!staged.exists(), "the failed set's pins are removed");
+}
+
 fn mode_tag(mode: AttachMode) -> &'static str {
     match mode {
         AttachMode::Tcx => "x",
@@ -468,6 +546,7 @@ in_both_modes!(
     policy_changes_in_place_and_survives_reopening_from_pins,
     detach_removes_programs_and_pins,
     bad_input_is_refused_and_leaves_nothing,
+    prepared_sets_attach_from_their_pins,
 );
 
 #[test]
