@@ -36,6 +36,33 @@ pub struct Config {
     pub pool: PoolConfig,
     /// How the pool's VMMs are confined.
     pub jail: JailConfig,
+    /// The pool of prepared twig-net program sets.
+    pub net_pool: NetPoolConfig,
+}
+
+/// The pool of prepared twig-net program sets (maps created, programs
+/// verified, pinned and not attached) the shims take for their pods'
+/// networks, so no verifier runs on a pod's path.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NetPoolConfig {
+    /// How many sets to keep ready (0: none; every shim loads its own).
+    pub size: usize,
+    /// Where the sets are pinned, one directory each; on the same bpffs as
+    /// the shims' `bpffs_root` (a set is handed over by a rename), and
+    /// never the `bpffs_root` itself (bpffs allows no `.` in names). Created (a bpffs mounted on its
+    /// parent if that is on none); emptied and removed when the daemon
+    /// stops.
+    pub dir: PathBuf,
+}
+
+impl Default for NetPoolConfig {
+    fn default() -> NetPoolConfig {
+        NetPoolConfig {
+            size: 8,
+            dir: PathBuf::from("/sys/fs/bpf/twig/pool"),
+        }
+    }
 }
 
 /// How twig-node confines every VMM it starts (`twig-vmm serve --jail …`,
@@ -124,6 +151,7 @@ impl Default for Config {
             base: BaseConfig::default(),
             pool: PoolConfig::default(),
             jail: JailConfig::default(),
+            net_pool: NetPoolConfig::default(),
         }
     }
 }
@@ -225,6 +253,12 @@ impl Config {
                     s.mem_mib, s.vcpus
                 )));
             }
+        }
+        if !self.net_pool.dir.is_absolute() || self.net_pool.dir.parent().is_none() {
+            return Err(bad(format!(
+                "net_pool.dir {} must be an absolute directory under a bpffs root",
+                self.net_pool.dir.display()
+            )));
         }
         if self.pool.start_timeout_s == 0 {
             return Err(bad("pool.start_timeout_s must be at least 1".into()));

@@ -6,6 +6,7 @@
 
 pub mod config;
 pub mod error;
+pub mod netpool;
 pub mod pool;
 pub mod service;
 pub mod template;

@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use ttrpc::r#async::TtrpcContext;
 use twig_proto::node::{
-    AcquireVmRequest, AcquireVmResponse, PoolLevel, StatusRequest, StatusResponse,
+    AcquireNetSetRequest, AcquireNetSetResponse, AcquireVmRequest, AcquireVmResponse, PoolLevel,
+    StatusRequest, StatusResponse,
 };
 use twig_proto::twig::{
     DeleteSnapshotRequest, DeleteSnapshotResponse, DeleteTemplateRequest, DeleteTemplateResponse,
@@ -18,6 +19,7 @@ use twig_proto::twig::{
 
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::netpool::NetPool;
 use crate::pool::{Owner, Pool};
 use crate::template::{Shape, TemplateRef, Templates};
 
@@ -26,6 +28,7 @@ use crate::template::{Shape, TemplateRef, Templates};
 pub struct Services {
     templates: Arc<Templates>,
     pool: Pool,
+    net: Option<Arc<NetPool>>,
 }
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
@@ -35,9 +38,14 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'sta
 }
 
 impl Services {
-    /// The services over a node store and a pool.
-    pub fn new(templates: Arc<Templates>, pool: Pool) -> Services {
-        Services { templates, pool }
+    /// The services over a node store, a VMM pool and a pool of twig-net
+    /// program sets (none: every shim loads its own).
+    pub fn new(templates: Arc<Templates>, pool: Pool, net: Option<Arc<NetPool>>) -> Services {
+        Services {
+            templates,
+            pool,
+            net,
+        }
     }
 
     /// The template `name` names: the base template when empty.
@@ -260,6 +268,32 @@ impl twig_proto::node_ttrpc_async::Pool for Services {
         })
     }
 
+    async fn acquire_net_set(
+        &self,
+        _ctx: &TtrpcContext,
+        req: AcquireNetSetRequest,
+    ) -> ttrpc::Result<AcquireNetSetResponse> {
+        let Some(net) = self.net.clone() else {
+            return Ok(AcquireNetSetResponse::default());
+        };
+        let dir = PathBuf::from(&req.dir);
+        let sandbox = req.sandbox_id.clone();
+        let taken = blocking(move || net.take(&dir, &sandbox))
+            .await
+            .map_err(|e| {
+                tracing::warn!(
+                    sandbox = req.sandbox_id,
+                    dir = req.dir,
+                    "AcquireNetSet: {e}"
+                );
+                ttrpc::Error::from(e)
+            })?;
+        Ok(AcquireNetSetResponse {
+            taken,
+            ..Default::default()
+        })
+    }
+
     async fn status(
         &self,
         _ctx: &TtrpcContext,
@@ -282,6 +316,10 @@ impl twig_proto::node_ttrpc_async::Pool for Services {
         Ok(StatusResponse {
             pool,
             handed_pids: self.pool.handed(),
+            net_sets_ready: self
+                .net
+                .as_ref()
+                .map_or(0, |n| u32::try_from(n.ready()).unwrap_or(u32::MAX)),
             ..Default::default()
         })
     }
@@ -291,6 +329,7 @@ impl twig_proto::node_ttrpc_async::Pool for Services {
 pub struct Daemon {
     server: ttrpc::r#async::Server,
     pool: Pool,
+    net: Option<Arc<NetPool>>,
     socket: PathBuf,
 }
 
@@ -316,7 +355,8 @@ impl Daemon {
             })?;
         }
         let pool = Pool::start(config)?;
-        let services = Arc::new(Services::new(templates, pool.clone()));
+        let net = NetPool::start(&config.net_pool)?.map(Arc::new);
+        let services = Arc::new(Services::new(templates, pool.clone(), net.clone()));
         let mut server = ttrpc::r#async::Server::new()
             .bind(&format!("unix://{}", config.socket.display()))
             .map_err(|e| Error::Internal(format!("binding {}: {e}", config.socket.display())))?
@@ -330,6 +370,7 @@ impl Daemon {
         Ok(Daemon {
             server,
             pool,
+            net,
             socket: config.socket.clone(),
         })
     }
@@ -339,12 +380,18 @@ impl Daemon {
         &self.pool
     }
 
-    /// Kills the pooled VMMs (handed-over ones run on), stops serving and
+    /// Kills the pooled VMMs (handed-over ones run on), removes the pooled
+    /// twig-net sets (handed-over ones are their shims'), stops serving and
     /// removes the socket. Connected clients get [`STOP_GRACE`] to let go
     /// (ttrpc waits for every connection otherwise; an idle client holding
     /// its connection would delay the stop by ttrpc's own 10 s).
     pub async fn stop(mut self) {
         self.pool.close();
+        if let Some(net) = self.net.take() {
+            if let Err(e) = tokio::task::spawn_blocking(move || net.close()).await {
+                tracing::warn!("closing the twig-net pool: {e}");
+            }
+        }
         self.pool.closed(STOP_GRACE).await;
         match tokio::time::timeout(STOP_GRACE, self.server.shutdown()).await {
             Ok(Ok(())) => {}

@@ -78,6 +78,7 @@ pub fn config(dir: &Path, size: usize) -> serde_json::Value {
         "disk_slots": SLOTS,
         "base": {"kernel": dir.join("no-kernel"), "initrd": dir.join("no-initrd"), "mem_mib": MIB},
         "pool": {"shapes": [{"mem_mib": MIB, "size": size}], "start_timeout_s": 10},
+        "net_pool": {"size": 0},
     })
 }
 
