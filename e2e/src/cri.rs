@@ -17,7 +17,7 @@ use twig_cri::harness::{NetSlot, CNI_BIN_DIR};
 use twig_cri::CriClient;
 
 use crate::error::{io, Error, Result};
-use crate::node::{bpffs_root, cni_conf_dir, mounts_under, Node, NodeConfig};
+use crate::node::{bpffs_root, cni_conf_dir, mounts_under, Node, NodeConfig, NET_POOL_DIR};
 use crate::require;
 
 /// The pod sandbox image containerd's CRI plugin runs as every pod's first
@@ -214,10 +214,16 @@ impl CriNode {
     }
 
     /// The pods' network paths the node's twig shims have pinned now (one
-    /// directory per pod under the shims' bpffs root).
+    /// directory per pod under the shims' bpffs root; the node daemon's pool
+    /// of prepared sets there is no pod's).
     pub fn pinned_pod_networks(&self) -> Vec<PathBuf> {
         fs::read_dir(bpffs_root(&self.dir))
-            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .map(|d| {
+                d.flatten()
+                    .filter(|e| e.file_name() != NET_POOL_DIR)
+                    .map(|e| e.path())
+                    .collect()
+            })
             .unwrap_or_default()
     }
 

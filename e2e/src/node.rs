@@ -130,6 +130,9 @@ pub fn shim_config(dir: &Path, node_socket: &Path) -> serde_json::Value {
     })
 }
 
+/// The node daemon's pool of prepared twig-net sets, under [`bpffs_root`].
+pub const NET_POOL_DIR: &str = "pool";
+
 /// Where the twig shims of the node in `dir` pin their pods' network paths
 /// (`/sys/fs/bpf/twig-<the directory's name>`, one per node).
 pub fn bpffs_root(dir: &Path) -> PathBuf {
@@ -153,6 +156,9 @@ pub fn node_config(dir: &Path, store: &Path, guest: Option<&Guest>) -> serde_jso
         "run_dir": dir.join("node"),
         "base": base,
         "pool": { "shapes": [{ "mem_mib": BASE_MEM_MIB, "size": POOL_SIZE }] },
+        // Prepared twig-net sets, handed to the shims by a rename: on the
+        // shims' bpffs root.
+        "net_pool": { "dir": bpffs_root(dir).join(NET_POOL_DIR) },
     });
     if let Some(vmm) = find_on_path("twig-vmm") {
         config["vmm_binary"] = serde_json::json!(vmm);
@@ -708,6 +714,7 @@ mod tests {
         assert_eq!(c["base"]["kernel"], "/guest/bzImage");
         assert_eq!(c["base"]["initrd"], "/guest/agent-initrd");
         assert_eq!(c["pool"]["shapes"][0]["mem_mib"], BASE_MEM_MIB);
+        assert_eq!(c["net_pool"]["dir"], "/sys/fs/bpf/twig-n/pool");
         let bare = node_config(Path::new("/n"), Path::new("/x/vm"), None);
         assert!(bare["base"].get("kernel").is_none(), "{bare}");
     }

@@ -61,12 +61,15 @@ impl Launcher for VmLauncher {
     fn launch(&self, sandbox_id: &str, bundle: &Path, rootfs: &Path) -> Result<Arc<dyn Sandbox>> {
         let spec = spec::read_spec(bundle)?;
         let template = spec::annotation(&spec, TEMPLATE_ANNOTATION).unwrap_or_default();
-        // Checked before a VM is taken: a pod whose network cannot be
-        // filtered is refused, never run unfiltered.
+        // The policy is checked before a VM is taken; a kernel that cannot
+        // filter the pod's network refuses it at the join, never runs it
+        // unfiltered.
         let network = match network::plan(&spec)? {
             Some(plan) => {
-                let joiner: Box<dyn Joiner> =
-                    Box::new(network::Bpf::new(&self.config.cluster_dns)?);
+                let joiner: Box<dyn Joiner> = Box::new(network::Bpf::new(
+                    &self.config.cluster_dns,
+                    &self.config.node_socket,
+                )?);
                 Some(NetworkSetup {
                     dir: self.config.bpffs_root.join(sandbox_id),
                     plan,
