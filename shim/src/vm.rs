@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use containerd_shim_protos::ttrpc;
 use twig_agent::client::AgentClient;
+use twig_agent::proto::agent::ReidentifyRequest;
 use twig_proto::node::{AcquireVmRequest, AcquireVmResponse};
 use twig_proto::node_ttrpc::PoolClient;
 use twig_vmm::api::Client;
@@ -107,12 +108,14 @@ pub struct NetworkSetup {
 /// the VMM and gives the guest the pod's IP, MAC and gateway, so that a
 /// VM restored from a template or from another pod's snapshot takes this
 /// pod's identity. `state_dir` gets the record `delete` tears the path
-/// down with if the shim dies.
+/// down with if the shim dies. `clone` (a clone's hostname, entropy and
+/// clock) goes to the agent in the same Reidentify.
 pub fn join_network(
     setup: &NetworkSetup,
     state_dir: &Path,
     api: &mut Client,
     agent: &AgentClient,
+    clone: Option<&ReidentifyRequest>,
     timeout: Duration,
 ) -> Result<PodNet> {
     PodNet::attach(
@@ -126,8 +129,21 @@ pub fn join_network(
                 .map_err(vmm_error("sending the pod's tap to twig-vmm"))
         },
         |identity| {
+            let merged;
+            let request = match clone {
+                Some(c) => {
+                    merged = ReidentifyRequest {
+                        hostname: c.hostname.clone(),
+                        entropy: c.entropy.clone(),
+                        realtime_ns: c.realtime_ns,
+                        ..identity.clone()
+                    };
+                    &merged
+                }
+                None => identity,
+            };
             agent
-                .reidentify(identity, timeout)
+                .reidentify(request, timeout)
                 .map(|_| ())
                 .map_err(|e| Error::agent("giving the guest the pod's network identity", e))
         },
@@ -229,12 +245,19 @@ impl VmSandbox {
         .map_err(|e| with_vm_logs(e, &vm_dir))?;
         let mut slots = vec![false; vm.disk_slots as usize];
         let mut restored = Vec::new();
+        // A clone's own identity (hostname, entropy, clock) goes to the
+        // agent with the pod's network identity in one Reidentify, or on
+        // its own when the pod has no network.
+        let clone_identity = source
+            .as_ref()
+            .map(|s| restore::identity(&s.hostname))
+            .transpose()?;
         if let Some(source) = source {
-            agent
-                .reidentify(&restore::identity(&source.hostname)?, timeout)
-                .map_err(|e| {
+            if let (Some(identity), None) = (&clone_identity, &network) {
+                agent.reidentify(identity, timeout).map_err(|e| {
                     Error::agent(format!("giving the clone of {} its identity", source.id), e)
                 })?;
+            }
             for s in source.slot_numbers() {
                 if let Some(used) = slots.get_mut(s) {
                     *used = true;
@@ -252,7 +275,16 @@ impl VmSandbox {
         // container: the pod's own network identity.
         let pod_net = network
             .as_ref()
-            .map(|setup| join_network(setup, state_dir, &mut api, &agent, timeout))
+            .map(|setup| {
+                join_network(
+                    setup,
+                    state_dir,
+                    &mut api,
+                    &agent,
+                    clone_identity.as_ref(),
+                    timeout,
+                )
+            })
             .transpose()
             .map_err(|e| with_vm_logs(e, &vm_dir))?;
         tracing::info!(
