@@ -46,6 +46,11 @@ pub struct VmRollback {
 /// name; no container name can be empty).
 pub const SANDBOX_ADOPTION: &str = "";
 
+/// The name under which an app template's running container waits to be
+/// adopted by the first container CRI creates in a pod restored from the
+/// template (whatever its name: no container name can contain `/`).
+pub const TEMPLATE_ADOPTION: &str = "/template";
+
 /// A container that runs in a VM restored from a pod snapshot, waiting to
 /// be adopted by the container CRI creates under its name.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -202,6 +202,15 @@ impl TwigService {
         if req.snapshot_id.is_empty() {
             return Err(Error::InvalidArgument("snapshot: empty snapshot id".into()));
         }
+        if let Some(key) = [SANDBOX_LABEL, CONTAINERS_LABEL]
+            .into_iter()
+            .find(|k| req.labels.contains_key(*k))
+        {
+            return Err(Error::InvalidArgument(format!(
+                "snapshot {}: label {key} is the shim's own",
+                req.snapshot_id
+            )));
+        }
         let _turn = self.queue(deadline).await?;
         if let Some(s) = self
             .record()
@@ -228,7 +237,7 @@ impl TwigService {
         let containers = serde_json::to_string(&self.containers()?)
             .map_err(|e| Error::Internal(format!("encoding the pod's containers: {e}")))?;
         let sandbox_id = self.inner.sandbox_id.clone();
-        let (id, full) = (req.snapshot_id.clone(), req.full);
+        let (id, full, labels) = (req.snapshot_id.clone(), req.full, req.labels);
         let started = Instant::now();
         let (result, baseline_lost) = blocking(move || {
             let store = match NodeStore::open(&root, false) {
@@ -239,6 +248,9 @@ impl TwigService {
                 Ok(s) => s,
                 Err(e) => return (Err(store_error(format!("staging snapshot {id}"))(e)), false),
             };
+            for (key, value) in &labels {
+                staging.set_label(key, value);
+            }
             staging.set_label(SANDBOX_LABEL, &sandbox_id);
             staging.set_label(CONTAINERS_LABEL, &containers);
             let vm = match sandbox.snapshot(staging.dir(), full) {

@@ -21,13 +21,68 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::network::{self, Joiner, PodNet};
 use crate::restore::{self, SnapshotSource};
-use crate::sandbox::{Attachment, Death, Launcher, Restored, Sandbox, VmRollback, VmSnapshot};
+use crate::sandbox::{
+    Attachment, Death, Launcher, Restored, Sandbox, VmRollback, VmSnapshot, SANDBOX_ADOPTION,
+    TEMPLATE_ADOPTION,
+};
 use crate::spec;
 
-/// The pod annotation naming the app template a sandbox restores (made by
-/// the node daemon's `EnsureTemplate`); without it, the node's base
-/// template.
+/// The pod annotation naming the app template (a SandboxTemplate of the
+/// pod's namespace, built on the node by the node daemon's
+/// `EnsureTemplate`) a sandbox restores; without it, the node's base
+/// template. `twig.dev/restore-from` wins over it (a Clone's pods carry
+/// their source's annotations).
 pub const TEMPLATE_ANNOTATION: &str = "twig.dev/template";
+
+/// CRI's annotation of the pod's Kubernetes namespace.
+const SANDBOX_NAMESPACE_ANNOTATION: &str = "io.kubernetes.cri.sandbox-namespace";
+
+/// A pod snapshot of the node store a sandbox's VM is restored from,
+/// instead of the node's base template.
+pub struct RestoreFrom<'a> {
+    /// The snapshot's id.
+    pub id: String,
+    /// The SandboxTemplate (`namespace/name`) when the snapshot is an app
+    /// template: its app container is adopted by the pod's first container.
+    pub app_template: Option<String>,
+    /// The sandbox's OCI spec.
+    pub oci: &'a serde_json::Value,
+    /// The new sandbox container's rootfs image.
+    pub rootfs: &'a Path,
+}
+
+/// What the sandbox's spec asks to restore instead of the base template:
+/// `twig.dev/restore-from`, else `twig.dev/template` (of the pod's
+/// namespace).
+pub fn restore_source<'a>(
+    oci: &'a serde_json::Value,
+    rootfs: &'a Path,
+) -> Result<Option<RestoreFrom<'a>>> {
+    if let Some(id) = spec::annotation(oci, RESTORE_FROM_ANNOTATION) {
+        return Ok(Some(RestoreFrom {
+            id: id.to_string(),
+            app_template: None,
+            oci,
+            rootfs,
+        }));
+    }
+    let Some(name) = spec::annotation(oci, TEMPLATE_ANNOTATION) else {
+        return Ok(None);
+    };
+    let namespace = spec::annotation(oci, SANDBOX_NAMESPACE_ANNOTATION).ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "{TEMPLATE_ANNOTATION}: {name:?} names a SandboxTemplate of the pod's namespace, and              this sandbox has none ({SANDBOX_NAMESPACE_ANNOTATION}): templates are for pods              made through CRI"
+        ))
+    })?;
+    let id = twig_store::layout::template_id(namespace, name)
+        .map_err(|e| Error::InvalidArgument(format!("{TEMPLATE_ANNOTATION}: {e}")))?;
+    Ok(Some(RestoreFrom {
+        id,
+        app_template: Some(format!("{namespace}/{name}")),
+        oci,
+        rootfs,
+    }))
+}
 
 pub use crate::restore::RESTORE_FROM_ANNOTATION;
 
@@ -60,7 +115,7 @@ impl VmLauncher {
 impl Launcher for VmLauncher {
     fn launch(&self, sandbox_id: &str, bundle: &Path, rootfs: &Path) -> Result<Arc<dyn Sandbox>> {
         let spec = spec::read_spec(bundle)?;
-        let template = spec::annotation(&spec, TEMPLATE_ANNOTATION).unwrap_or_default();
+        let restore_from = restore_source(&spec, rootfs)?;
         // Checked before a VM is taken: a pod whose network cannot be
         // filtered is refused, never run unfiltered.
         let network = match network::plan(&spec)? {
@@ -75,14 +130,12 @@ impl Launcher for VmLauncher {
             }
             None => None,
         };
-        let restore_from = spec::annotation(&spec, RESTORE_FROM_ANNOTATION);
-        tracing::info!(sandbox_id, template, restore_from, state = %self.state_dir.display(), network = network.is_some(), "starting the sandbox VM");
+        tracing::info!(sandbox_id, restore_from = restore_from.as_ref().map(|r| r.id.as_str()), state = %self.state_dir.display(), network = network.is_some(), "starting the sandbox VM");
         Ok(Arc::new(VmSandbox::start(
             &self.config,
             &self.state_dir,
             sandbox_id,
-            template,
-            restore_from.map(|id| (id, &spec, rootfs)),
+            restore_from,
             network,
         )?))
     }
@@ -172,17 +225,15 @@ fn vmm_error(what: impl Into<String>) -> impl FnOnce(twig_vmm::api::ClientError)
 
 impl VmSandbox {
     /// Takes a prepared VMM from the node daemon (`config.node_socket`),
-    /// restores the template it names into it — or, with `restore_from`
-    /// (a snapshot id, the sandbox's spec and its rootfs image), that pod
-    /// snapshot of the
+    /// restores the node's base template into it — or, with
+    /// `restore_from`, that pod snapshot (or app template) of the
     /// template's store, then gives the clone its own identity — and
     /// connects to its agent. On failure the VMM is killed.
     pub fn start(
         config: &Config,
         state_dir: &Path,
         sandbox_id: &str,
-        template: &str,
-        restore_from: Option<(&str, &serde_json::Value, &Path)>,
+        restore_from: Option<RestoreFrom<'_>>,
         network: Option<NetworkSetup>,
     ) -> Result<VmSandbox> {
         std::fs::create_dir_all(state_dir)
@@ -191,8 +242,7 @@ impl VmSandbox {
         let vm = acquire(
             config,
             sandbox_id,
-            template,
-            restore_from.map(|(id, _, _)| id),
+            restore_from.as_ref().map(|r| r.id.as_str()),
         )?;
         let acquired = started.elapsed();
         let process = Process::open(vm.pid, &vm.api_socket)?;
@@ -210,8 +260,28 @@ impl VmSandbox {
         // it, and a death is explained with what these files say.
         let logs = VmLogs::open(&vm_dir);
         let source = restore_from
-            .map(|(id, oci, rootfs)| {
-                SnapshotSource::open(Path::new(&vm.template_dir), id, oci, sandbox_id, rootfs)
+            .map(|r| {
+                let source = SnapshotSource::open(
+                    Path::new(&vm.template_dir),
+                    &r.id,
+                    r.oci,
+                    sandbox_id,
+                    r.rootfs,
+                );
+                match r.app_template {
+                    None => source,
+                    Some(name) => source
+                        .map_err(|e| match e {
+                            Error::NotFound(_) => Error::NotFound(format!(
+                                "{TEMPLATE_ANNOTATION}: SandboxTemplate {name} is not built on \
+                                 this node (node store id {}): its status says whether the \
+                                 node's build is ready",
+                                r.id
+                            )),
+                            other => other,
+                        })
+                        .and_then(SnapshotSource::app_template),
+                }
             })
             .transpose()?;
         let (mut api, agent) = Self::restore(
@@ -371,7 +441,6 @@ pub fn slot_device(slot: usize) -> Result<String> {
 pub fn acquire(
     config: &Config,
     sandbox_id: &str,
-    template: &str,
     restore_from: Option<&str>,
 ) -> Result<AcquireVmResponse> {
     let socket = &config.node_socket;
@@ -382,7 +451,6 @@ pub fn acquire(
         ))
     })?;
     let req = AcquireVmRequest {
-        template: template.to_string(),
         sandbox_id: sandbox_id.to_string(),
         // The daemon kills the VM if this shim dies, at any moment.
         owner_pid: std::process::id(),
@@ -393,12 +461,10 @@ pub fn acquire(
     let ctx = ttrpc::context::with_timeout(i64::try_from(timeout.as_nanos()).unwrap_or(i64::MAX));
     PoolClient::new(client).acquire_vm(ctx, &req).map_err(|e| {
         let what = format!(
-            "getting a VM for template {:?} from the node daemon at {}",
-            if template.is_empty() {
-                "(base)"
-            } else {
-                template
-            },
+            "getting a VM{} from the node daemon at {}",
+            restore_from
+                .map(|id| format!(" to restore snapshot {id:?} into"))
+                .unwrap_or_default(),
             socket.display()
         );
         match e {
@@ -844,7 +910,12 @@ impl Sandbox for VmSandbox {
 
     fn take_restored(&self, name: &str) -> Option<Restored> {
         let mut restored = self.restored.lock().unwrap_or_else(|p| p.into_inner());
-        let i = restored.iter().position(|r| r.name == name)?;
+        let i = restored.iter().position(|r| r.name == name).or_else(|| {
+            // An app template's container goes to the pod's first one.
+            (name != SANDBOX_ADOPTION)
+                .then(|| restored.iter().position(|r| r.name == TEMPLATE_ADOPTION))
+                .flatten()
+        })?;
         Some(restored.remove(i))
     }
 }
@@ -982,7 +1053,7 @@ mod tests {
             node_socket: dir.path().join("node.sock"),
             ..Config::default()
         };
-        let e = acquire(&config, "sb", "", None).unwrap_err();
+        let e = acquire(&config, "sb", None).unwrap_err();
         assert!(matches!(e, Error::FailedPrecondition(_)), "{e}");
         assert!(
             e.to_string()
