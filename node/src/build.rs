@@ -3,7 +3,8 @@
 //! The daemon builds a template the way kubelet would run it: a pod of the
 //! twig runtime handler through containerd's CRI, in the node's network
 //! namespace (no CNI address is taken), whose one container runs the
-//! template's image (its `command` when given). Once the warm-up command
+//! template's image (pulled if not present, as kubelet's `IfNotPresent`;
+//! its `command` when given). Once the warm-up command
 //! exited 0 inside that container, and the container still runs, the pod's
 //! shim takes a full snapshot of it into the node store under the
 //! template's id ([`twig_store::layout::template_id`]) with the build's
@@ -281,9 +282,16 @@ async fn build(config: &TemplateBuildConfig, spec: &Spec) -> Result<()> {
         )))?
         .with_timeout(Duration::from_secs(config.build_timeout_s));
     remove_leftovers(&cri, spec).await?;
-    cri.pull_image(&spec.image)
+    // Pulled if not present, as kubelet's `IfNotPresent` does.
+    let present = cri
+        .image_present(&spec.image)
         .await
-        .map_err(cri_error(&format!("pulling {}", spec.image)))?;
+        .map_err(cri_error(&format!("looking up image {}", spec.image)))?;
+    if !present {
+        cri.pull_image(&spec.image)
+            .await
+            .map_err(cri_error(&format!("pulling {}", spec.image)))?;
+    }
     let logs = config.log_dir.join(&spec.id);
     std::fs::create_dir_all(&logs)
         .map_err(|e| Error::io(format!("creating {}", logs.display()), e))?;

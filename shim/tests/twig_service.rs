@@ -534,6 +534,43 @@ async fn snapshots_go_into_the_store_with_the_pods_containers_and_are_idempotent
         .collect();
     assert_eq!(ids, ["s1"]);
     assert_eq!(f.state("c1").await.status.enum_value(), Ok(Status::RUNNING));
+
+    // The caller's labels are recorded; the shim's own keys are not theirs.
+    let labelled = |id: &str, key: &str| pb::SnapshotRequest {
+        sandbox_id: SANDBOX.into(),
+        snapshot_id: id.into(),
+        full: true,
+        labels: [(key.to_string(), "v".to_string())].into(),
+        ..Default::default()
+    };
+    f.twig
+        .snapshot(ctx(), &labelled("s3", "twig.dev/template-spec"))
+        .await
+        .expect("a snapshot with a caller's label");
+    let stored = f.store().get("s3").expect("s3 published");
+    assert_eq!(
+        stored
+            .labels
+            .get("twig.dev/template-spec")
+            .map(String::as_str),
+        Some("v")
+    );
+    assert_eq!(
+        stored.labels.get(SANDBOX_LABEL).map(String::as_str),
+        Some(SANDBOX)
+    );
+    for key in [SANDBOX_LABEL, CONTAINERS_LABEL] {
+        let e = f
+            .twig
+            .snapshot(ctx(), &labelled("s4", key))
+            .await
+            .unwrap_err();
+        assert_eq!(code(e), Code::INVALID_ARGUMENT, "{key}");
+    }
+    assert!(
+        f.store().get("s4").is_err(),
+        "a refused snapshot was published"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
