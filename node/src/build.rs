@@ -228,6 +228,12 @@ impl Builder {
         Progress::Building(format!("building from {} on this node", spec.image))
     }
 
+    /// Whether a build of template `id` runs (it may have published the
+    /// template and be removing its pod).
+    pub fn running(&self, id: &str) -> bool {
+        matches!(self.builds().get(id), Some(Build::Running { .. }))
+    }
+
     /// Stops the build of template `id`, if one runs, and forgets a failed
     /// one. The build's pod stays until the next build removes it.
     pub fn cancel(&self, id: &str) {

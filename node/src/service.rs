@@ -198,6 +198,13 @@ impl Services {
         .await?;
         match found {
             Some(digest) if digest.as_deref().is_none_or(|d| d == spec.digest) => {
+                // Ready once the build is over, its pod removed too.
+                if self.builder.running(&spec.id) {
+                    return Ok(not_ready(format!(
+                        "built from {}; removing the build pod",
+                        spec.image
+                    )));
+                }
                 let t = self.template(&spec.id).await?;
                 if t.shape != base {
                     return Err(Error::FailedPrecondition(format!(
