@@ -170,7 +170,7 @@ impl Harness {
             .run_pod_sandbox(pod, HANDLER)
             .await
             .unwrap_or_else(|e| panic!("{}", self.node.cri_error("RunPodSandbox", e)));
-        let config = container_config("main", IMAGE_REF, &["sleep", "3600"], "main.log");
+        let config = container_config("main", IMAGE_REF, &["sleep", "7777"], "main.log");
         let id = self
             .cri
             .create_container(&pod_id, &config, pod)
@@ -296,7 +296,7 @@ async fn scenario() {
         let n = h.wait_count(c, |_| true).await;
         h.wait_count(c, |m| m > n + 5).await;
         let (_, sleeping) = h
-            .exec(c, &["sh", "-c", "ps | grep -c '[s]leep 3600'"])
+            .exec(c, &["sh", "-c", "ps | grep -c '[s]leep 7777'"])
             .await;
         assert_eq!(sleeping, "0", "the container's own command runs in {host}");
         assert_eq!(h.exec(c, &["hostname"]).await, (0, host.to_string()));

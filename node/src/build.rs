@@ -32,6 +32,7 @@ use twig_proto::twig_ttrpc::TwigClient;
 use crate::config::TemplateBuildConfig;
 use crate::error::{Error, Result};
 use crate::template::{tail, Templates};
+use twig_store::layout::TEMPLATE_POLICY_LABEL;
 
 /// The label of an app template's snapshot holding the digest of what it
 /// was built from (image, command, warm-up).
@@ -66,12 +67,24 @@ pub struct Spec {
     pub warmup: Vec<String>,
     /// Digest of the three above ([`SPEC_LABEL`]).
     pub digest: String,
+    /// The template's egress policy (JSON as asked; checked), for its pods
+    /// without their own: not an input of the build.
+    pub egress_policy: Option<String>,
 }
 
 impl Spec {
     /// The build `req` asks for; `req.name` is `namespace/name`.
     pub fn from_request(req: &EnsureTemplateRequest) -> Result<Spec> {
         let id = template_id(&req.name)?;
+        let egress_policy = match req.egress_policy.as_str() {
+            "" => None,
+            json => {
+                twig_net::effective_policy(None, Some(json)).map_err(|e| {
+                    Error::InvalidArgument(format!("template {}: egress_policy: {e}", req.name))
+                })?;
+                Some(json.to_string())
+            }
+        };
         if req.image.is_empty() {
             return Err(Error::InvalidArgument(format!(
                 "template {}: empty image",
@@ -99,6 +112,7 @@ impl Spec {
             command: req.command.clone(),
             warmup: req.warmup.clone(),
             digest,
+            egress_policy,
         })
     }
 
@@ -414,10 +428,14 @@ async fn snapshot(config: &TemplateBuildConfig, spec: &Spec, sandbox: &str) -> R
         sandbox_id: sandbox.to_string(),
         snapshot_id: spec.id.clone(),
         full: true,
-        labels: HashMap::from([
-            (SPEC_LABEL.to_string(), spec.digest.clone()),
-            (TEMPLATE_LABEL.to_string(), spec.key.clone()),
-        ]),
+        labels: [
+            (SPEC_LABEL, Some(&spec.digest)),
+            (TEMPLATE_LABEL, Some(&spec.key)),
+            (TEMPLATE_POLICY_LABEL, spec.egress_policy.as_ref()),
+        ]
+        .into_iter()
+        .filter_map(|(k, v)| Some((k.to_string(), v?.clone())))
+        .collect(),
         ..Default::default()
     };
     let timeout = Duration::from_secs(config.build_timeout_s);

@@ -21,6 +21,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::pool::{Owner, Pool};
 use crate::template::{Shape, TemplateRef, Templates};
+use twig_store::layout::TEMPLATE_POLICY_LABEL;
 
 /// The state both services share.
 #[derive(Clone)]
@@ -191,13 +192,16 @@ impl Services {
         let templates = self.templates.clone();
         let id = spec.id.clone();
         let found = blocking(move || match templates.store().get(&id) {
-            Ok(s) => Ok(Some(s.labels.get(SPEC_LABEL).cloned())),
+            Ok(s) => Ok(Some((
+                s.labels.get(SPEC_LABEL).cloned(),
+                s.labels.get(TEMPLATE_POLICY_LABEL).cloned(),
+            ))),
             Err(twig_store::Error::NotFound(_)) => Ok(None),
             Err(e) => Err(e.into()),
         })
         .await?;
         match found {
-            Some(digest) if digest.as_deref().is_none_or(|d| d == spec.digest) => {
+            Some((digest, policy)) if digest.as_deref().is_none_or(|d| d == spec.digest) => {
                 // Ready once the build is over, its pod removed too.
                 if self.builder.running(&spec.id) {
                     return Ok(not_ready(format!(
@@ -211,6 +215,22 @@ impl Services {
                         "template {} exists as {}, not {base}: delete it first",
                         spec.key, t.shape
                     )));
+                }
+                // The policy of the template's next pods follows the
+                // template's spec without a rebuild (running pods are the
+                // controller's to update).
+                if policy != spec.egress_policy {
+                    let templates = self.templates.clone();
+                    let (id, policy) = (spec.id.clone(), spec.egress_policy.clone());
+                    blocking(move || {
+                        Ok(templates.store().set_label(
+                            &id,
+                            TEMPLATE_POLICY_LABEL,
+                            policy.as_deref(),
+                        )?)
+                    })
+                    .await?;
+                    tracing::info!(template = spec.key, "the template's egress policy changed");
                 }
                 return Ok(EnsureTemplateResponse {
                     ready: true,

@@ -98,6 +98,45 @@ fn snapshots_and_templates_of_the_node_store() {
     let (code, msg) = status(node.ensure("tiny", MIB).unwrap_err());
     assert_eq!(code, ttrpc::Code::INVALID_ARGUMENT, "{msg}");
     assert!(msg.contains("namespace/name"), "{msg}");
+    // Its egress policy follows the request, with no rebuild; a malformed
+    // one is refused and changes nothing.
+    let store = NodeStore::open(&dir.path().join("store"), true).unwrap();
+    let policy = |p: &str| EnsureTemplateRequest {
+        name: "default/tiny".into(),
+        image: "example.com/app:1".into(),
+        egress_policy: p.into(),
+        ..Default::default()
+    };
+    let label = || {
+        store
+            .get("template.default.tiny")
+            .unwrap()
+            .labels
+            .get("twig.dev/egress-policy")
+            .cloned()
+    };
+    let allow = r#"{"allow":[{"cidr":"10.0.0.0/8"}]}"#;
+    let r = node
+        .rt
+        .block_on(node.node.ensure_template(ctx(), &policy(allow)));
+    assert!(r.expect("EnsureTemplate with a policy").ready);
+    assert_eq!(label().as_deref(), Some(allow));
+    let (code, msg) = status(
+        node.rt
+            .block_on(
+                node.node
+                    .ensure_template(ctx(), &policy(r#"{"allow":[{"cidr":"x"}]}"#)),
+            )
+            .unwrap_err(),
+    );
+    assert_eq!(code, ttrpc::Code::INVALID_ARGUMENT, "{msg}");
+    assert!(msg.contains("egress_policy"), "{msg}");
+    assert_eq!(label().as_deref(), Some(allow));
+    let r = node
+        .rt
+        .block_on(node.node.ensure_template(ctx(), &policy("")));
+    assert!(r.expect("EnsureTemplate without a policy").ready);
+    assert_eq!(label(), None);
     // One that is not there is built through containerd's CRI; without a
     // containerd the build fails, says why, and leaves nothing.
     let first = node.ensure("default/app", MIB).expect("EnsureTemplate");
@@ -139,7 +178,6 @@ fn snapshots_and_templates_of_the_node_store() {
     });
 
     // A clone's VM holds the pod snapshot it is restored from.
-    let store = NodeStore::open(&dir.path().join("store"), true).unwrap();
     let mut staging = store.stage("pod-snap").unwrap();
     staging
         .put_bytes(twig_store::Artefact::Memory, b"")

@@ -221,6 +221,12 @@ pub fn template_id(namespace: &str, name: &str) -> Result<String> {
     Ok(id)
 }
 
+/// The label of an app template's snapshot holding the egress policy (JSON,
+/// twig-net's `EgressPolicy`) of the pods restored from it that carry no
+/// `twig.dev/egress-policy` annotation of their own; none: the built-in
+/// default. The node daemon keeps it current (`NodeStore::set_label`).
+pub const TEMPLATE_POLICY_LABEL: &str = "twig.dev/egress-policy";
+
 /// What every app template's node-store id starts with ([`template_id`]).
 pub const TEMPLATE_ID_PREFIX: &str = "template.";
 
