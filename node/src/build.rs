@@ -79,9 +79,8 @@ impl Spec {
         let egress_policy = match req.egress_policy.as_str() {
             "" => None,
             json => {
-                twig_net::effective_policy(None, Some(json)).map_err(|e| {
-                    Error::InvalidArgument(format!("template {}: egress_policy: {e}", req.name))
-                })?;
+                twig_net::parse_policy(json, "egress_policy")
+                    .map_err(|e| Error::InvalidArgument(format!("template {}: {e}", req.name)))?;
                 Some(json.to_string())
             }
         };

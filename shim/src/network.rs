@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 use twig_agent::proto::agent::ReidentifyRequest;
-use twig_net::{EgressPolicy, Loader, NodeContext, PodNetConfig, PodNetwork};
+use twig_net::{Counters, EgressPolicy, Loader, NodeContext, PodNetConfig, PodNetwork};
 
 use crate::error::{Error, Result};
 use crate::spec;
@@ -81,6 +81,11 @@ pub trait Joiner: Send + Sync {
     /// `policy`, pinned in `dir`; returns the veth's MAC (the guest's).
     /// On an error nothing stays attached or pinned.
     fn join(&self, dir: &Path, config: &PodNetConfig, policy: &EgressPolicy) -> Result<[u8; 6]>;
+    /// Replaces the policy of the path `join` pinned in `dir`, while the
+    /// pod runs; a policy that does not compile changes nothing.
+    fn set_policy(&self, dir: &Path, policy: &EgressPolicy) -> Result<()>;
+    /// The counters of the path pinned in `dir`.
+    fn counters(&self, dir: &Path) -> Result<Counters>;
 }
 
 /// The [`Joiner`]: twig-net's eBPF programs, attached by its [`Loader`].
@@ -139,6 +144,24 @@ impl Joiner for Bpf {
                 source,
             })?;
         Ok(mac)
+    }
+
+    fn set_policy(&self, dir: &Path, policy: &EgressPolicy) -> Result<()> {
+        PodNetwork::open(dir)
+            .and_then(|mut path| path.update_policy(policy, &self.node))
+            .map_err(|source| Error::Network {
+                what: format!("replacing the egress policy pinned in {}", dir.display()),
+                source,
+            })
+    }
+
+    fn counters(&self, dir: &Path) -> Result<Counters> {
+        PodNetwork::open(dir)
+            .and_then(|path| path.counters())
+            .map_err(|source| Error::Network {
+                what: format!("reading the counters pinned in {}", dir.display()),
+                source,
+            })
     }
 }
 
@@ -612,6 +635,14 @@ mod tests {
             std::fs::create_dir_all(dir).unwrap();
             std::fs::write(dir.join("config"), "pinned").unwrap();
             Ok([0x0a, 0x58, 0x0a, 0xe7, 0x00, 0x02])
+        }
+
+        fn set_policy(&self, _: &Path, _: &EgressPolicy) -> Result<()> {
+            unreachable!("the set-up tests change no policy")
+        }
+
+        fn counters(&self, _: &Path) -> Result<Counters> {
+            unreachable!("the set-up tests read no counters")
         }
     }
 

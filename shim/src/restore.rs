@@ -21,7 +21,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde_json::Value;
 use twig_agent::proto::agent::ReidentifyRequest;
-use twig_store::layout::{Artefact, TMP_DIR};
+use twig_store::layout::{Artefact, TEMPLATE_POLICY_LABEL, TMP_DIR};
 use twig_store::NodeStore;
 
 use crate::error::{Error, Result};
@@ -49,6 +49,9 @@ pub struct SnapshotSource {
     pub restored: Vec<Restored>,
     /// The clone's hostname.
     pub hostname: String,
+    /// An app template's egress policy (its snapshot's label; JSON), for
+    /// its pods without their own.
+    pub egress_policy: Option<String>,
 }
 
 impl SnapshotSource {
@@ -165,6 +168,7 @@ impl SnapshotSource {
             slots,
             restored,
             hostname,
+            egress_policy: snap.labels.get(TEMPLATE_POLICY_LABEL).cloned(),
         })
     }
 
@@ -283,6 +287,7 @@ mod tests {
                 })
                 .collect(),
             hostname: "h".into(),
+            egress_policy: None,
         }
     }
 

@@ -22,10 +22,11 @@ use crate::error::{Error, Result};
 use crate::network::{self, Joiner, PodNet};
 use crate::restore::{self, SnapshotSource};
 use crate::sandbox::{
-    Attachment, Death, Launcher, Restored, Sandbox, VmRollback, VmSnapshot, SANDBOX_ADOPTION,
-    TEMPLATE_ADOPTION,
+    Attachment, Death, Launcher, NetworkStats, Restored, Sandbox, VmRollback, VmSnapshot,
+    SANDBOX_ADOPTION, TEMPLATE_ADOPTION,
 };
 use crate::spec;
+use twig_net::{EgressPolicy, EGRESS_POLICY_ANNOTATION};
 
 /// The pod annotation naming the app template (a SandboxTemplate of the
 /// pod's namespace, built on the node by the node daemon's
@@ -120,8 +121,8 @@ impl Launcher for VmLauncher {
         // filtered is refused, never run unfiltered.
         let network = match network::plan(&spec)? {
             Some(plan) => {
-                let joiner: Box<dyn Joiner> =
-                    Box::new(network::Bpf::new(&self.config.cluster_dns)?);
+                let joiner: Arc<dyn Joiner> =
+                    Arc::new(network::Bpf::new(&self.config.cluster_dns)?);
                 Some(NetworkSetup {
                     dir: self.config.bpffs_root.join(sandbox_id),
                     plan,
@@ -147,7 +148,7 @@ pub struct NetworkSetup {
     /// The pod's network namespace and egress policy.
     pub plan: network::Plan,
     /// Joins the VM's tap and the pod's veth.
-    pub joiner: Box<dyn Joiner>,
+    pub joiner: Arc<dyn Joiner>,
     /// The pod's bpffs directory (`<bpffs_root>/<sandbox id>`).
     pub dir: PathBuf,
 }
@@ -205,6 +206,16 @@ pub struct VmSandbox {
     restored: Mutex<Vec<Restored>>,
     /// The pod's network attached to the VM, torn down once it stopped.
     network: Mutex<Option<PodNet>>,
+    /// The pod's network path, whose policy changes while the pod runs.
+    path: Option<PathControl>,
+}
+
+/// The policy side of a pod's network path: what joined it, where it is
+/// pinned, and the policy in force.
+struct PathControl {
+    joiner: Arc<dyn Joiner>,
+    dir: PathBuf,
+    policy: Mutex<EgressPolicy>,
 }
 
 /// The agent connection and how many times it was replaced.
@@ -234,7 +245,7 @@ impl VmSandbox {
         state_dir: &Path,
         sandbox_id: &str,
         restore_from: Option<RestoreFrom<'_>>,
-        network: Option<NetworkSetup>,
+        mut network: Option<NetworkSetup>,
     ) -> Result<VmSandbox> {
         std::fs::create_dir_all(state_dir)
             .map_err(|e| Error::io(format!("creating {}", state_dir.display()), e))?;
@@ -280,7 +291,23 @@ impl VmSandbox {
                             )),
                             other => other,
                         })
-                        .and_then(SnapshotSource::app_template),
+                        .and_then(SnapshotSource::app_template)
+                        .and_then(|s| {
+                            // The template's policy, unless the pod has its own.
+                            let own = spec::annotation(r.oci, EGRESS_POLICY_ANNOTATION).is_some();
+                            if let (Some(json), Some(setup), false) =
+                                (&s.egress_policy, network.as_mut(), own)
+                            {
+                                setup.plan.policy = twig_net::parse_policy(json, "the label")
+                                    .map_err(|e| {
+                                        Error::FailedPrecondition(format!(
+                                            "SandboxTemplate {name}: its egress policy on this \
+                                             node is unusable: {e}"
+                                        ))
+                                    })?;
+                            }
+                            Ok(s)
+                        }),
                 }
             })
             .transpose()?;
@@ -365,6 +392,11 @@ impl VmSandbox {
             death: Mutex::new(death),
             state_dir: state_dir.to_path_buf(),
             network: Mutex::new(pod_net),
+            path: network.map(|setup| PathControl {
+                joiner: setup.joiner,
+                dir: setup.dir,
+                policy: Mutex::new(setup.plan.policy),
+            }),
             restored: Mutex::new(restored),
         })
     }
@@ -906,6 +938,32 @@ impl Sandbox for VmSandbox {
             pages_restored: u64::try_from(info.pages_restored).unwrap_or(u64::MAX),
             remapped: info.remapped,
         })
+    }
+
+    fn network_stats(&self) -> Result<Option<NetworkStats>> {
+        let Some(path) = &self.path else {
+            return Ok(None);
+        };
+        let policy = path
+            .policy
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        Ok(Some(NetworkStats {
+            policy,
+            counters: path.joiner.counters(&path.dir)?,
+        }))
+    }
+
+    fn set_egress_policy(&self, policy: &EgressPolicy) -> Result<()> {
+        let path = self.path.as_ref().ok_or_else(|| {
+            Error::FailedPrecondition("the pod has no network path (no network namespace)".into())
+        })?;
+        let mut current = path.policy.lock().unwrap_or_else(|p| p.into_inner());
+        path.joiner.set_policy(&path.dir, policy)?;
+        *current = policy.clone();
+        tracing::info!(dir = %path.dir.display(), "the pod's egress policy was replaced");
+        Ok(())
     }
 
     fn take_restored(&self, name: &str) -> Option<Restored> {
