@@ -13,6 +13,7 @@
 
 mod background;
 pub mod cri;
+pub mod crilab;
 mod error;
 pub mod kubelet;
 pub mod must;

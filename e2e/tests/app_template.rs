@@ -20,8 +20,9 @@ use std::time::{Duration, Instant};
 use twig_controller::crd::SandboxTemplateSpec;
 use twig_controller::shim::{NodeService, TemplateState, TtrpcNode};
 use twig_cri::api::PodSandboxConfig;
-use twig_cri::{container_config, logs, CriClient};
+use twig_cri::{container_config, logs};
 use twig_e2e::cri::CriNode;
+use twig_e2e::crilab::{runtime, CriLab, COUNTER, PROGRESS};
 use twig_e2e::BASE_MEM_MIB;
 use twig_e2e::IMAGE_REF;
 use twig_store::NodeStore;
@@ -31,31 +32,16 @@ const CALL: Duration = Duration::from_secs(300);
 /// Deadline of a template build in the lab (a pod start, a warm-up and a
 /// full snapshot of the lab's guest under TCG).
 const BUILD: Duration = Duration::from_secs(600);
-/// Deadline of the guest's progress.
-const PROGRESS: Duration = Duration::from_secs(120);
-const EXEC: Duration = Duration::from_secs(120);
 const POLL: Duration = Duration::from_millis(200);
 const HANDLER: &str = "twig";
 const ANNOTATION: &str = "twig.dev/template";
 const NAMESPACE: &str = "default";
-
-/// Counts in tmpfs (`/dev/shm/count`) and on stdout every 50 ms.
-const COUNTER: &str = "i=0; while :; do i=$((i+1)); echo $i > /dev/shm/count.new; \
-     mv /dev/shm/count.new /dev/shm/count; echo $i > /count.new; mv /count.new /count; \
-     echo count $i; sleep 0.05; done";
 
 fn step(t0: Instant, what: &str) {
     eprintln!(
         "app-template: {:>7.2} s  {what}",
         t0.elapsed().as_secs_f64()
     );
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap_or_else(|e| panic!("a tokio runtime: {e}"))
 }
 
 /// A unique template name: the lab's nodes share one store.
@@ -75,38 +61,29 @@ fn spec(command: &[&str], warmup: &[&str], image: &str) -> SandboxTemplateSpec {
 }
 
 struct Harness {
-    node: CriNode,
-    cri: CriClient,
+    lab: CriLab,
     twig: TtrpcNode,
+}
+
+impl std::ops::Deref for Harness {
+    type Target = CriLab;
+    fn deref(&self) -> &CriLab {
+        &self.lab
+    }
 }
 
 impl Harness {
     async fn start() -> Harness {
-        let node = CriNode::start().unwrap_or_else(|e| panic!("CRI node: {e}"));
-        let cri = node.client().await.unwrap_or_else(|e| panic!("{e}"));
-        let socket = node
-            .node()
-            .dir()
-            .unwrap_or_else(|e| panic!("{e}"))
-            .join("node.sock");
+        let lab = CriLab::start().await;
         let twig = TtrpcNode {
-            address: format!("unix://{}", socket.display()),
+            address: format!("unix://{}", lab.dir().join("node.sock").display()),
             timeout: CALL,
         };
-        Harness { node, cri, twig }
-    }
-
-    fn logs(&self) -> String {
-        self.node.node().logs()
+        Harness { lab, twig }
     }
 
     fn store(&self) -> NodeStore {
-        let config = self
-            .node
-            .node()
-            .dir()
-            .unwrap_or_else(|e| panic!("{e}"))
-            .join("node.json");
+        let config = self.dir().join("node.json");
         let text = std::fs::read_to_string(&config)
             .unwrap_or_else(|e| panic!("reading {}: {e}", config.display()));
         let json: serde_json::Value =
@@ -182,49 +159,6 @@ impl Harness {
             .unwrap_or_else(|e| panic!("{}", self.node.cri_error("StartContainer", e)));
         (pod_id, id)
     }
-
-    async fn exec(&self, id: &str, argv: &[&str]) -> (i32, String) {
-        let out = self
-            .cri
-            .exec_sync(id, argv, EXEC)
-            .await
-            .unwrap_or_else(|e| {
-                panic!("{}", self.node.cri_error(&format!("ExecSync {argv:?}"), e))
-            });
-        (
-            out.exit_code,
-            String::from_utf8_lossy(&out.stdout).trim().to_string(),
-        )
-    }
-
-    async fn wait_count(&self, id: &str, ok: impl Fn(u64) -> bool) -> u64 {
-        let deadline = Instant::now() + PROGRESS;
-        loop {
-            let (code, out) = self.exec(id, &["cat", "/dev/shm/count"]).await;
-            if let (0, Ok(n)) = (code, out.parse::<u64>()) {
-                if ok(n) {
-                    return n;
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the counter of {id} did not get there within {PROGRESS:?} (last: {out:?})\n{}",
-                self.logs()
-            );
-            tokio::time::sleep(POLL).await;
-        }
-    }
-
-    async fn remove_pod(&self, pod_id: &str) {
-        self.cri
-            .stop_pod_sandbox(pod_id)
-            .await
-            .unwrap_or_else(|e| panic!("{}", self.node.cri_error("StopPodSandbox", e)));
-        self.cri
-            .remove_pod_sandbox(pod_id)
-            .await
-            .unwrap_or_else(|e| panic!("{}", self.node.cri_error("RemovePodSandbox", e)));
-    }
 }
 
 #[test]
@@ -293,8 +227,8 @@ async fn scenario() {
             h.exec(c, &["cat", "/dev/shm/warm"]).await,
             (0, "warm".to_string())
         );
-        let n = h.wait_count(c, |_| true).await;
-        h.wait_count(c, |m| m > n + 5).await;
+        let n = h.wait_count(c, "/dev/shm/count", |_| true).await;
+        h.wait_count(c, "/dev/shm/count", |m| m > n + 5).await;
         let (_, sleeping) = h
             .exec(c, &["sh", "-c", "ps | grep -c '[s]leep 7777'"])
             .await;
