@@ -125,9 +125,11 @@ impl AgentService {
             .ok()
             .and_then(|s| Signal::try_from(s).ok())
             .ok_or_else(|| AgentError::InvalidArgument(format!("invalid signal {}", req.signal)))?;
+        // As runc's shim answers: not found, which containerd takes as
+        // done (a stop racing the process's own exit is no error).
         if let Some(exit) = p.exited() {
-            return Err(AgentError::FailedPrecondition(format!(
-                "process {} has exited (status {})",
+            return Err(AgentError::NotFound(format!(
+                "process {} already finished (status {})",
                 p.pid, exit.status
             )));
         }

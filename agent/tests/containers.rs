@@ -164,9 +164,10 @@ fn exec_signals_hostname_rootfs_stats_and_remove() {
             oom_killed: false,
         }
     );
-    // A dead process cannot be signalled.
+    // A dead process cannot be signalled: not found, as runc answers.
     let e = c.signal_process(id, "victim", 15, T).unwrap_err();
-    assert_eq!(e.status_code(), Some("FAILED_PRECONDITION"), "{e}");
+    assert_eq!(e.status_code(), Some("NOT_FOUND"), "{e}");
+    assert!(e.to_string().contains("already finished"), "{e}");
 
     // An exited exec is forgotten on request, and its id is free again; a
     // running one, the init and an unknown one are refused.

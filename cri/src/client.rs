@@ -157,6 +157,18 @@ impl CriClient {
         Ok(resp.image_ref)
     }
 
+    /// Whether the runtime holds `image` already (`ImageStatus`), as
+    /// kubelet checks before it pulls with the `IfNotPresent` policy.
+    pub async fn image_present(&self, image: &str) -> Result<bool, Error> {
+        let req = api::ImageStatusRequest {
+            image: Some(image_spec(image)),
+            verbose: false,
+        };
+        let (mut im, t) = (self.images.clone(), self.timeout);
+        let resp = call("ImageStatus", t, im.image_status(request(req, t))).await?;
+        Ok(resp.image.is_some())
+    }
+
     /// Starts a pod sandbox with the runtime handler `handler` (`runc`,
     /// later `twig`); returns its id.
     pub async fn run_pod_sandbox(

@@ -13,6 +13,7 @@
 
 mod background;
 pub mod cri;
+pub mod crilab;
 mod error;
 pub mod kubelet;
 pub mod must;
@@ -28,7 +29,7 @@ pub use background::{run_on_pty, Background};
 pub use error::{Error, Result};
 pub use node::{
     cni_conf_dir, containerd_config, mounts_under, shim_config, Guest, Node, NodeConfig, Runtime,
-    NAMESPACE,
+    BASE_MEM_MIB, NAMESPACE,
 };
 pub use process::{kill_processes_with_arg, run, run_ok, tail, Daemon, Output};
 pub use recovery::{kill9, pids_with_arg, poll_until, proc_state, process_tree, signal, ProcState};

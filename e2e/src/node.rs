@@ -14,6 +14,7 @@ use nix::mount::{umount2, MntFlags};
 use tempfile::TempDir;
 
 use crate::background::{run_on_pty, Background};
+use crate::cri::CRI_NAMESPACE;
 use crate::error::{io, Error, Result};
 use crate::process::{kill_processes_with_arg, run, run_ok, tail, Daemon, Output};
 use crate::{find_on_path, require, IMAGE_REF};
@@ -32,7 +33,7 @@ const XFS_MIB: u64 = 1024;
 /// Size of each snapshot's ext4 image (sparse).
 const IMAGE_MIB: &str = "256";
 /// Guest memory of the node's base template: the lab has 3 GiB.
-const BASE_MEM_MIB: u64 = 128;
+pub const BASE_MEM_MIB: u64 = 128;
 /// Prepared VMMs the node daemon keeps warm (each has its guest RAM
 /// reserved, untouched).
 const POOL_SIZE: usize = 1;
@@ -156,6 +157,13 @@ pub fn node_config(dir: &Path, store: &Path, guest: Option<&Guest>) -> serde_jso
         "run_dir": dir.join("node"),
         "base": base,
         "pool": { "shapes": [{ "mem_mib": BASE_MEM_MIB, "size": POOL_SIZE }] },
+        // App templates are built through the node's containerd (CRI).
+        "templates": {
+            "cri_socket": dir.join("containerd").join("containerd.sock"),
+            "task_dir": dir.join("containerd/state/io.containerd.runtime.v2.task").join(CRI_NAMESPACE),
+            "log_dir": dir.join("template-logs"),
+            "retry_s": 5,
+        },
         // Prepared twig-net sets, handed to the shims by a rename: on the
         // shims' bpffs root.
         "net_pool": { "dir": bpffs_root(dir).join(NET_POOL_DIR) },
@@ -714,6 +722,14 @@ mod tests {
         assert_eq!(c["base"]["kernel"], "/guest/bzImage");
         assert_eq!(c["base"]["initrd"], "/guest/agent-initrd");
         assert_eq!(c["pool"]["shapes"][0]["mem_mib"], BASE_MEM_MIB);
+        assert_eq!(
+            c["templates"]["cri_socket"],
+            "/n/containerd/containerd.sock"
+        );
+        assert_eq!(
+            c["templates"]["task_dir"],
+            "/n/containerd/state/io.containerd.runtime.v2.task/k8s.io"
+        );
         assert_eq!(c["net_pool"]["dir"], "/sys/fs/bpf/twig-n/pool");
         let bare = node_config(Path::new("/n"), Path::new("/x/vm"), None);
         assert!(bare["base"].get("kernel").is_none(), "{bare}");

@@ -12,9 +12,12 @@
 //! snapshot's value with its file back → a Clone of the Snapshot with two
 //! replicas: the controller creates two pods restored from it, the kubelet
 //! runs them, the Clone reports both ready, each counts on from the
-//! snapshot under its own hostname → everything deleted: the finalizer
-//! lets the Snapshot go once twig-node deleted its data, the kubelet
-//! removes the sandboxes, and nothing is left on the node.
+//! snapshot under its own hostname → a SandboxTemplate becomes Ready on
+//! the node (twig-node builds it through CRI, warm-up included) and a pod
+//! naming it counts on from the template's warm state → everything
+//! deleted: the finalizers let the Snapshot and the SandboxTemplate go
+//! once twig-node deleted their data, the kubelet removes the sandboxes,
+//! and nothing is left on the node.
 //! Built with `--features lab`, run in the nested lab
 //! (`tests/lab/run.sh -p twig-e2e --features twig-e2e/lab --test controller`).
 
@@ -27,8 +30,9 @@ use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
 use kube::api::{DeleteParams, ListParams, ObjectMeta};
 use kube::{Api, Client, Resource, ResourceExt};
 use twig_controller::crd::{
-    CloneSource, CloneSpec, DeletionPolicy, Phase, PodClone, Rollback, RollbackSpec, Snapshot,
-    SnapshotMode, SnapshotSpec, CLONE_LABEL, RESTORE_FROM_ANNOTATION, RUNTIME_CLASS,
+    CloneSource, CloneSpec, DeletionPolicy, Phase, PodClone, Rollback, RollbackSpec,
+    SandboxTemplate, SandboxTemplateSpec, Snapshot, SnapshotMode, SnapshotSpec, CLONE_LABEL,
+    RESTORE_FROM_ANNOTATION, RUNTIME_CLASS, TEMPLATE_ANNOTATION,
 };
 use twig_controller::metrics::Metrics;
 use twig_controller::sandbox::ContainerdLocator;
@@ -38,7 +42,7 @@ use twig_controller_testkit::{self as testkit, schema, CONTROLLER, NS};
 use twig_cri::CriClient;
 use twig_e2e::cri::{CriNode, CRI_NAMESPACE};
 use twig_e2e::kubelet::{container_id, sandbox_of, Kubelet};
-use twig_e2e::IMAGE_REF;
+use twig_e2e::{BASE_MEM_MIB, IMAGE_REF};
 use twig_store::NodeStore;
 
 /// The lab node's name in the API server.
@@ -444,9 +448,59 @@ async fn scenario(lab: &Lab) {
     assert_ne!(hostnames[0], hostnames[1]);
     step(t0, "the Clone's two pods count on from the snapshot");
 
+    // A SandboxTemplate: twig-node builds it through CRI (the warm-up runs
+    // in it); a pod naming it starts from it, its one container adopting
+    // the template's counter with the warm-up's state in memory.
+    let template = SandboxTemplate::new(
+        "counter-tpl",
+        SandboxTemplateSpec {
+            image: IMAGE_REF.into(),
+            vcpus: 1,
+            memory_mib: u32::try_from(BASE_MEM_MIB).unwrap_or(u32::MAX),
+            command: Some(vec!["/bin/sh".into(), "-c".into(), COUNTER.into()]),
+            warmup: Some(vec![
+                "/bin/sh".into(),
+                "-c".into(),
+                "echo warm > /dev/shm/warm".into(),
+            ]),
+            egress_policy: None,
+        },
+    );
+    testkit::create(client, &template).await;
+    lab.wait_for("counter-tpl", "Ready on the node", |t: &SandboxTemplate| {
+        t.status.as_ref().is_some_and(|s| s.ready_nodes == 1)
+    })
+    .await;
+    step(t0, "the SandboxTemplate is Ready");
+    let mut from_template = counter_pod("from-tpl");
+    from_template.metadata.annotations =
+        Some([(TEMPLATE_ANNOTATION.to_string(), "counter-tpl".to_string())].into());
+    if let Some(c) = from_template
+        .spec
+        .as_mut()
+        .and_then(|s| s.containers.first_mut())
+    {
+        // Not run: the template's counter is adopted instead.
+        c.command = Some(vec!["sleep".into(), "7777".into()]);
+        c.args = None;
+    }
+    testkit::create(client, &from_template).await;
+    let (_, tpl_ctr) = lab.running("from-tpl").await;
+    assert_eq!(
+        lab.sh(&tpl_ctr, "cat /dev/shm/warm").await,
+        (0, "warm".to_string())
+    );
+    let n = lab.count(&tpl_ctr, |_| true).await;
+    lab.count(&tpl_ctr, |m| m > n + 5).await;
+    assert_eq!(
+        lab.sh(&tpl_ctr, "hostname").await,
+        (0, "from-tpl".to_string())
+    );
+    step(t0, "a pod of the template counts on from its warm state");
+
     // Delete everything; nothing is left.
     let vmms = lab.node.pod_vmms();
-    assert_eq!(vmms.len(), 3, "pod VMMs {vmms:?}");
+    assert_eq!(vmms.len(), 4, "pod VMMs {vmms:?}");
     let dp = DeleteParams::default();
     let clones_api: Api<PodClone> = Api::namespaced(client.clone(), NS);
     clones_api
@@ -458,9 +512,11 @@ async fn scenario(lab: &Lab) {
         .delete("back", &dp)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    pods.delete("counter", &dp)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    for pod in ["counter", "from-tpl"] {
+        pods.delete(pod, &dp)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
     until("the pods to be gone", READY, || async {
         let left = pods.list(&ListParams::default()).await.ok()?.items;
         left.is_empty().then_some(())
@@ -478,6 +534,22 @@ async fn scenario(lab: &Lab) {
     assert!(
         store.get(&snapshot_id).is_err(),
         "the node store still holds {snapshot_id}"
+    );
+    let templates: Api<SandboxTemplate> = Api::namespaced(client.clone(), NS);
+    templates
+        .delete("counter-tpl", &dp)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    until(
+        "the SandboxTemplate's finalizer to let go",
+        READY,
+        || async { matches!(templates.get_opt("counter-tpl").await, Ok(None)).then_some(()) },
+    )
+    .await;
+    let template_id = format!("template.{NS}.counter-tpl");
+    assert!(
+        store.get(&template_id).is_err(),
+        "the node store still holds {template_id}"
     );
     until(
         "the sandboxes and everything of them to go",

@@ -12,7 +12,6 @@
 //! Built with `--features lab`, run in the nested lab
 //! (`tests/lab/run.sh -p twig-e2e --features twig-e2e/lab --test restore_from`).
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
@@ -20,8 +19,9 @@ use twig_controller::crd::SnapshotMode;
 use twig_controller::sandbox::{ContainerdLocator, SandboxLocator};
 use twig_controller::shim::{TtrpcShim, TwigShim};
 use twig_cri::api::PodSandboxConfig;
-use twig_cri::{container_config, logs, CriClient};
+use twig_cri::{container_config, logs};
 use twig_e2e::cri::{CriNode, CRI_NAMESPACE};
+use twig_e2e::crilab::{runtime, CriLab, COUNTER, PROGRESS};
 use twig_e2e::IMAGE_REF;
 use twig_proto::node::StatusRequest;
 use twig_proto::node_ttrpc::PoolClient;
@@ -30,21 +30,9 @@ use twig_store::{Artefact, NodeStore};
 /// Deadline of a shim call (a full snapshot of the lab's 128 MiB guest
 /// under TCG takes seconds).
 const CALL: Duration = Duration::from_secs(300);
-/// Deadline of the guest's progress, and of a container's output (the lab
-/// is slow).
-const PROGRESS: Duration = Duration::from_secs(120);
-/// ExecSync's own limit.
-const EXEC: Duration = Duration::from_secs(120);
 const POLL: Duration = Duration::from_millis(100);
 const HANDLER: &str = "twig";
 const ANNOTATION: &str = "twig.dev/restore-from";
-
-/// Counts in tmpfs (`/dev/shm/count`, guest memory), on the rootfs disk
-/// (`/count`) and on stdout, every 50 ms; each file is replaced by a
-/// rename, so a reader never sees it half-written.
-const COUNTER: &str = "i=0; while :; do i=$((i+1)); echo $i > /dev/shm/count.new; \
-     mv /dev/shm/count.new /dev/shm/count; echo $i > /count.new; mv /count.new /count; \
-     echo count $i; sleep 0.05; done";
 
 /// Says how far the scenario got (seen with `--nocapture` in the lab's
 /// console when a step hangs).
@@ -55,40 +43,23 @@ fn step(t0: Instant, what: &str) {
     );
 }
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap_or_else(|e| panic!("a tokio runtime: {e}"))
-}
-
 /// A unique snapshot id: the lab's nodes share one store.
 fn snap_id(name: &str) -> String {
     format!("e2e-{}-{name}", std::process::id())
 }
 
-struct Harness {
-    node: CriNode,
-    cri: CriClient,
+struct Harness(CriLab);
+
+impl std::ops::Deref for Harness {
+    type Target = CriLab;
+    fn deref(&self) -> &CriLab {
+        &self.0
+    }
 }
 
 impl Harness {
     async fn start() -> Harness {
-        let node = CriNode::start().unwrap_or_else(|e| panic!("CRI node: {e}"));
-        let cri = node.client().await.unwrap_or_else(|e| panic!("{e}"));
-        Harness { node, cri }
-    }
-
-    fn fail(&self, what: &str, e: twig_cri::Error) -> ! {
-        panic!("{}", self.node.cri_error(what, e))
-    }
-
-    fn dir(&self) -> PathBuf {
-        self.node
-            .node()
-            .dir()
-            .unwrap_or_else(|e| panic!("{e}"))
-            .to_path_buf()
+        Harness(CriLab::start().await)
     }
 
     /// A pod named `name`, annotated `restore-from` when given.
@@ -125,38 +96,6 @@ impl Harness {
         (pod_id, id)
     }
 
-    /// `argv` in container `id`: (exit code, stdout).
-    async fn exec(&self, id: &str, argv: &[&str]) -> (i32, String) {
-        let out = self
-            .cri
-            .exec_sync(id, argv, EXEC)
-            .await
-            .unwrap_or_else(|e| self.fail(&format!("ExecSync {argv:?}"), e));
-        (
-            out.exit_code,
-            String::from_utf8_lossy(&out.stdout).trim().to_string(),
-        )
-    }
-
-    /// The counter in `file` of container `id`, once it satisfies `ok`.
-    async fn wait_count(&self, id: &str, file: &str, ok: impl Fn(u64) -> bool) -> u64 {
-        let deadline = Instant::now() + PROGRESS;
-        loop {
-            let (code, out) = self.exec(id, &["cat", file]).await;
-            if let (0, Ok(n)) = (code, out.parse::<u64>()) {
-                if ok(n) {
-                    return n;
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{file} of {id} did not get there within {PROGRESS:?} (last: {out:?})\n{}",
-                self.node.node().logs()
-            );
-            tokio::time::sleep(POLL).await;
-        }
-    }
-
     /// The VMMs twig-node handed over and that have not exited.
     fn handed_vmms(&self) -> Vec<u32> {
         let socket = self.dir().join("node.sock");
@@ -187,17 +126,6 @@ impl Harness {
             );
             tokio::time::sleep(POLL).await;
         }
-    }
-
-    async fn remove_pod(&self, pod_id: &str) {
-        self.cri
-            .stop_pod_sandbox(pod_id)
-            .await
-            .unwrap_or_else(|e| self.fail("StopPodSandbox", e));
-        self.cri
-            .remove_pod_sandbox(pod_id)
-            .await
-            .unwrap_or_else(|e| self.fail("RemovePodSandbox", e));
     }
 
     /// RunPodSandbox of a pod restored from `snapshot`, which must fail;

@@ -17,6 +17,7 @@ use k8s_openapi::api::core::v1::Pod;
 use twig_controller::crd::SnapshotMode;
 use twig_controller::sandbox::{ContainerdLocator, SandboxLocator};
 use twig_controller::shim::{Sandbox, ShimError, TtrpcShim, TwigShim};
+use twig_e2e::crilab::runtime;
 use twig_e2e::{fill_up, find_on_path, Node, NodeConfig, Runtime, IMAGE_REF};
 use twig_store::NodeStore;
 
@@ -45,13 +46,6 @@ fn node(config: Option<NodeConfig>) -> Node {
         None => Node::start(),
     }
     .unwrap_or_else(|e| panic!("the node did not start: {e}"))
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("a tokio runtime")
 }
 
 /// A unique snapshot id: the lab's nodes share one store.

@@ -62,8 +62,8 @@ pub use metrics::{render_openmetrics, Counter, Counters, PodCounters, Reason};
 #[cfg(feature = "loader")]
 pub use pod::{PodNetConfig, PodNetwork};
 pub use policy::{
-    effective_policy, Action, CompiledPolicy, EgressPolicy, EgressRule, NodeContext, PolicyError,
-    PortRange, Protocol, ALWAYS_DENIED, EGRESS_POLICY_ANNOTATION, MAX_PORTS_PER_RULE,
+    effective_policy, parse_policy, Action, CompiledPolicy, EgressPolicy, EgressRule, NodeContext,
+    PolicyError, PortRange, Protocol, ALWAYS_DENIED, EGRESS_POLICY_ANNOTATION, MAX_PORTS_PER_RULE,
     PRIVATE_BY_DEFAULT,
 };
 #[cfg(feature = "loader")]

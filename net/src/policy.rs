@@ -186,20 +186,28 @@ pub fn effective_policy(
     template: Option<&EgressPolicy>,
     annotation: Option<&str>,
 ) -> Result<EgressPolicy, PolicyError> {
-    let (policy, path) = match annotation {
-        Some(text) => {
-            let path = format!("metadata.annotations[{EGRESS_POLICY_ANNOTATION}]");
-            let policy = serde_json::from_str::<EgressPolicy>(text).map_err(|e| PolicyError {
-                problems: vec![format!("{path}: not an egress policy: {e}")],
-            })?;
-            (policy, path)
-        }
+    match annotation {
+        Some(text) => parse_policy(
+            text,
+            &format!("metadata.annotations[{EGRESS_POLICY_ANNOTATION}]"),
+        ),
         None => match template {
-            Some(policy) => (policy.clone(), "spec.egressPolicy".to_string()),
-            None => return Ok(EgressPolicy::default()),
+            Some(policy) => {
+                policy.validate().map_err(|e| e.at("spec.egressPolicy"))?;
+                Ok(policy.clone())
+            }
+            None => Ok(EgressPolicy::default()),
         },
-    };
-    policy.validate().map_err(|e| e.at(&path))?;
+    }
+}
+
+/// The policy the JSON `text` holds, checked; problems are placed under
+/// `path` (where the text came from, e.g. a request's field).
+pub fn parse_policy(text: &str, path: &str) -> Result<EgressPolicy, PolicyError> {
+    let policy = serde_json::from_str::<EgressPolicy>(text).map_err(|e| PolicyError {
+        problems: vec![format!("{path}: not an egress policy: {e}")],
+    })?;
+    policy.validate().map_err(|e| e.at(path))?;
     Ok(policy)
 }
 

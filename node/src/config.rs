@@ -36,6 +36,8 @@ pub struct Config {
     pub pool: PoolConfig,
     /// How the pool's VMMs are confined.
     pub jail: JailConfig,
+    /// How app templates are built (`EnsureTemplate`).
+    pub templates: TemplateBuildConfig,
     /// The pool of prepared twig-net program sets.
     pub net_pool: NetPoolConfig,
 }
@@ -63,6 +65,33 @@ impl Default for NetPoolConfig {
             dir: PathBuf::from("/sys/fs/bpf/twig/pool"),
         }
     }
+}
+
+/// How `EnsureTemplate` builds an app template: as a pod of the twig
+/// runtime handler through containerd's CRI (as kubelet would run it), in
+/// the node's network namespace (no CNI address is taken), whose one
+/// container runs the image; after the warm-up command exits 0 inside it,
+/// the pod's shim snapshots it (a full snapshot) into the node store and
+/// the pod is removed.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TemplateBuildConfig {
+    /// containerd's CRI socket.
+    pub cri_socket: PathBuf,
+    /// The CRI runtime handler of twig pods.
+    pub runtime_handler: String,
+    /// containerd's runtime-v2 task directory of CRI's namespace, where
+    /// the build pod's bundle names its shim's socket (`address`).
+    pub task_dir: PathBuf,
+    /// Where the build pods' container logs go (one directory per build,
+    /// removed with the pod unless the build failed).
+    pub log_dir: PathBuf,
+    /// Give up a build (pull, start, warm-up, snapshot) after this many
+    /// seconds.
+    pub build_timeout_s: u64,
+    /// After a failed build, `EnsureTemplate` reports the failure and
+    /// starts the next attempt no sooner than this many seconds later.
+    pub retry_s: u64,
 }
 
 /// How twig-node confines every VMM it starts (`twig-vmm serve --jail …`,
@@ -152,6 +181,20 @@ impl Default for Config {
             pool: PoolConfig::default(),
             jail: JailConfig::default(),
             net_pool: NetPoolConfig::default(),
+            templates: TemplateBuildConfig::default(),
+        }
+    }
+}
+
+impl Default for TemplateBuildConfig {
+    fn default() -> TemplateBuildConfig {
+        TemplateBuildConfig {
+            cri_socket: PathBuf::from("/run/containerd/containerd.sock"),
+            runtime_handler: "twig".to_string(),
+            task_dir: PathBuf::from("/run/containerd/io.containerd.runtime.v2.task/k8s.io"),
+            log_dir: PathBuf::from("/var/log/twig/templates"),
+            build_timeout_s: 600,
+            retry_s: 60,
         }
     }
 }
@@ -262,6 +305,13 @@ impl Config {
         }
         if self.pool.start_timeout_s == 0 {
             return Err(bad("pool.start_timeout_s must be at least 1".into()));
+        }
+        if self.templates.build_timeout_s == 0 || self.templates.runtime_handler.is_empty() {
+            return Err(bad(
+                "templates.build_timeout_s must be at least 1 and templates.runtime_handler \
+                 not empty"
+                    .into(),
+            ));
         }
         if self.jail.enabled {
             if self.jail.uid == 0 || self.jail.gid == 0 {

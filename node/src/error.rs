@@ -16,9 +16,6 @@ pub enum Error {
     /// use, a template that cannot be built, a corrupt template).
     #[error("{0}")]
     FailedPrecondition(String),
-    /// Not done on this node.
-    #[error("{0}")]
-    Unimplemented(String),
     /// A VMM did not come up in time.
     #[error("{0}")]
     Timeout(String),
@@ -64,7 +61,6 @@ impl Error {
                 ttrpc::Code::FAILED_PRECONDITION
             }
             Error::Store(S::NoSpace { .. }) => ttrpc::Code::RESOURCE_EXHAUSTED,
-            Error::Unimplemented(_) => ttrpc::Code::UNIMPLEMENTED,
             Error::Timeout(_) => ttrpc::Code::DEADLINE_EXCEEDED,
             Error::Internal(_) | Error::Io { .. } | Error::Store(_) => ttrpc::Code::INTERNAL,
         }

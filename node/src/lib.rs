@@ -2,8 +2,10 @@
 //! (templates and snapshots), the template cache (the base template, built
 //! on first need) and the warm pool of prepared `twig-vmm` processes, and
 //! serves `twig.v1.Node` (for twig-controller) and `twig.node.v1.Pool` (for
-//! the shims) on one ttrpc socket, `/run/twig/node.sock`.
+//! the shims) on one ttrpc socket, `/run/twig/node.sock`. It builds app
+//! templates (`EnsureTemplate`) as pods through containerd's CRI.
 
+pub mod build;
 pub mod config;
 pub mod error;
 pub mod netpool;

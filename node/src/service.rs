@@ -17,17 +17,20 @@ use twig_proto::twig::{
     SnapshotInfo,
 };
 
+use crate::build::{template_id, Builder, Progress, Spec, SPEC_LABEL};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::netpool::NetPool;
 use crate::pool::{Owner, Pool};
 use crate::template::{Shape, TemplateRef, Templates};
+use twig_store::layout::TEMPLATE_POLICY_LABEL;
 
 /// The state both services share.
 #[derive(Clone)]
 pub struct Services {
     templates: Arc<Templates>,
     pool: Pool,
+    builder: Arc<Builder>,
     net: Option<Arc<NetPool>>,
 }
 
@@ -38,12 +41,18 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'sta
 }
 
 impl Services {
-    /// The services over a node store, a VMM pool and a pool of twig-net
-    /// program sets (none: every shim loads its own).
-    pub fn new(templates: Arc<Templates>, pool: Pool, net: Option<Arc<NetPool>>) -> Services {
+    /// The services over a node store, a VMM pool, the template builds
+    /// and a pool of twig-net program sets (none: every shim loads its own).
+    pub fn new(
+        templates: Arc<Templates>,
+        pool: Pool,
+        builder: Arc<Builder>,
+        net: Option<Arc<NetPool>>,
+    ) -> Services {
         Services {
             templates,
             pool,
+            builder,
             net,
         }
     }
@@ -152,48 +161,120 @@ impl Services {
         .await
     }
 
-    /// App template `req.name`: ready when the store holds it (checked, and
-    /// of the shape asked for). Building one from an image is not done on
-    /// this node yet.
+    /// App template `req.name` (`namespace/name`): ready when the store
+    /// holds it, built from the same inputs (a template placed in the store
+    /// by other means, without the build's label, counts as built) and of
+    /// the node's VM shape; otherwise its build is started (or goes on, or
+    /// failed) and the answer says so. A template built from other inputs
+    /// is deleted and built again once no VM restored from it runs.
     pub async fn ensure_template(
         &self,
         req: &EnsureTemplateRequest,
     ) -> Result<EnsureTemplateResponse> {
         non_empty("name", &req.name)?;
-        let t = match self.template(&req.name).await {
-            Ok(t) => t,
-            Err(Error::NotFound(_)) => {
-                return Err(Error::Unimplemented(format!(
-                    "template {:?} is not in this node's store, and building one from image {:?} \
-                     is not implemented yet",
-                    req.name, req.image
-                )))
-            }
-            Err(e) => return Err(e),
-        };
+        let spec = Spec::from_request(req)?;
+        let base = self.templates.base_shape();
         let wanted = Shape {
             mem_mib: if req.memory_mib == 0 {
-                t.shape.mem_mib
+                base.mem_mib
             } else {
                 req.memory_mib
             },
             vcpus: if req.vcpus == 0 {
-                t.shape.vcpus
+                base.vcpus
             } else {
                 req.vcpus
             },
-            disk_slots: t.shape.disk_slots,
+            disk_slots: base.disk_slots,
         };
-        if wanted != t.shape {
+        if wanted != base {
             return Err(Error::FailedPrecondition(format!(
-                "template {:?} exists as {}, not {wanted}: delete it first",
-                t.id, t.shape
+                "template {}: {wanted} asked for, but this node's VMs are {base} (base.mem_mib and \
+                 base.vcpus of its configuration), and a template is built in one of them",
+                spec.key
             )));
         }
-        Ok(EnsureTemplateResponse {
-            ready: true,
+        let not_ready = |message: String| EnsureTemplateResponse {
+            ready: false,
+            message,
             ..Default::default()
+        };
+        let templates = self.templates.clone();
+        let id = spec.id.clone();
+        let found = blocking(move || match templates.store().get(&id) {
+            Ok(s) => Ok(Some((
+                s.labels.get(SPEC_LABEL).cloned(),
+                s.labels.get(TEMPLATE_POLICY_LABEL).cloned(),
+            ))),
+            Err(twig_store::Error::NotFound(_)) => Ok(None),
+            Err(e) => Err(e.into()),
         })
+        .await?;
+        match found {
+            Some((digest, policy)) if digest.as_deref().is_none_or(|d| d == spec.digest) => {
+                // Ready once the build is over, its pod removed too.
+                if self.builder.running(&spec.id) {
+                    return Ok(not_ready(format!(
+                        "built from {}; removing the build pod",
+                        spec.image
+                    )));
+                }
+                let t = self.template(&spec.id).await?;
+                if t.shape != base {
+                    return Err(Error::FailedPrecondition(format!(
+                        "template {} exists as {}, not {base}: delete it first",
+                        spec.key, t.shape
+                    )));
+                }
+                // The policy of the template's next pods follows the
+                // template's spec without a rebuild (running pods are the
+                // controller's to update).
+                if policy != spec.egress_policy {
+                    let templates = self.templates.clone();
+                    let (id, policy) = (spec.id.clone(), spec.egress_policy.clone());
+                    blocking(move || {
+                        Ok(templates.store().set_label(
+                            &id,
+                            TEMPLATE_POLICY_LABEL,
+                            policy.as_deref(),
+                        )?)
+                    })
+                    .await?;
+                    tracing::info!(template = spec.key, "the template's egress policy changed");
+                }
+                return Ok(EnsureTemplateResponse {
+                    ready: true,
+                    ..Default::default()
+                });
+            }
+            Some(_) => {
+                let users = self.pool.users_of(&spec.id);
+                if !users.is_empty() {
+                    return Ok(not_ready(format!(
+                        "template {} changed; the build of its earlier spec is kept while the \
+                         VMs of pids {users:?} restored from it run, and replaced after",
+                        spec.key
+                    )));
+                }
+                tracing::info!(
+                    template = spec.key,
+                    "the template's inputs changed: building it again"
+                );
+                self.delete_snapshot(&spec.id).await?;
+            }
+            None => {}
+        }
+        Ok(not_ready(match self.builder.ensure(&spec) {
+            Progress::Building(m) | Progress::Failed(m) => m,
+        }))
+    }
+
+    /// Deletes app template `key` (`namespace/name`) from this node and
+    /// stops its build; refused while a VM restored from it runs.
+    pub async fn delete_template(&self, key: &str) -> Result<()> {
+        let id = template_id(key)?;
+        self.builder.cancel(&id);
+        self.delete_snapshot(&id).await
     }
 }
 
@@ -246,7 +327,7 @@ impl twig_proto::twig_ttrpc::Node for Services {
         req: DeleteTemplateRequest,
     ) -> ttrpc::Result<DeleteTemplateResponse> {
         non_empty("name", &req.name)?;
-        Services::delete_snapshot(self, &req.name).await?;
+        Services::delete_template(self, &req.name).await?;
         Ok(DeleteTemplateResponse::default())
     }
 }
@@ -329,6 +410,7 @@ impl twig_proto::node_ttrpc_async::Pool for Services {
 pub struct Daemon {
     server: ttrpc::r#async::Server,
     pool: Pool,
+    builder: Arc<Builder>,
     net: Option<Arc<NetPool>>,
     socket: PathBuf,
 }
@@ -355,8 +437,14 @@ impl Daemon {
             })?;
         }
         let pool = Pool::start(config)?;
+        let builder = Builder::new(config.templates.clone(), templates.clone());
         let net = NetPool::start(&config.net_pool)?.map(Arc::new);
-        let services = Arc::new(Services::new(templates, pool.clone(), net.clone()));
+        let services = Arc::new(Services::new(
+            templates,
+            pool.clone(),
+            builder.clone(),
+            net.clone(),
+        ));
         let mut server = ttrpc::r#async::Server::new()
             .bind(&format!("unix://{}", config.socket.display()))
             .map_err(|e| Error::Internal(format!("binding {}: {e}", config.socket.display())))?
@@ -370,6 +458,7 @@ impl Daemon {
         Ok(Daemon {
             server,
             pool,
+            builder,
             net,
             socket: config.socket.clone(),
         })
@@ -386,6 +475,7 @@ impl Daemon {
     /// (ttrpc waits for every connection otherwise; an idle client holding
     /// its connection would delay the stop by ttrpc's own 10 s).
     pub async fn stop(mut self) {
+        self.builder.stop();
         self.pool.close();
         if let Some(net) = self.net.take() {
             if let Err(e) = tokio::task::spawn_blocking(move || net.close()).await {

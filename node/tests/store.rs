@@ -12,8 +12,8 @@ use std::process::Command;
 use common::*;
 use twig_proto::node::AcquireVmRequest;
 use twig_proto::twig::{
-    DeleteSnapshotRequest, DeleteTemplateRequest, EnsureTemplateRequest, GetSnapshotRequest,
-    GetSnapshotResponse,
+    DeleteSnapshotRequest, DeleteTemplateRequest, EnsureTemplateRequest, EnsureTemplateResponse,
+    GetSnapshotRequest, GetSnapshotResponse,
 };
 use twig_store::NodeStore;
 
@@ -50,7 +50,7 @@ impl Node {
             .map(|_| ())
     }
 
-    fn ensure(&self, name: &str, memory_mib: u32) -> Result<bool, ttrpc::Error> {
+    fn ensure(&self, name: &str, memory_mib: u32) -> Result<EnsureTemplateResponse, ttrpc::Error> {
         let req = EnsureTemplateRequest {
             name: name.into(),
             image: "example.com/app:1".into(),
@@ -58,9 +58,7 @@ impl Node {
             vcpus: 1,
             ..Default::default()
         };
-        self.rt
-            .block_on(self.node.ensure_template(ctx(), &req))
-            .map(|r| r.ready)
+        self.rt.block_on(self.node.ensure_template(ctx(), &req))
     }
 }
 
@@ -79,18 +77,94 @@ fn snapshots_and_templates_of_the_node_store() {
     let (code, msg) = status(node.get("").unwrap_err());
     assert_eq!(code, ttrpc::Code::INVALID_ARGUMENT, "{msg}");
 
-    assert!(node.ensure("tiny", MIB).expect("EnsureTemplate"));
-    assert!(node.ensure("tiny", 0).expect("EnsureTemplate, any size"));
-    let (code, msg) = status(node.ensure("tiny", 128).unwrap_err());
+    // An app template placed in the store (no build label) is ready.
+    make_template(dir.path(), "template.default.tiny");
+    assert!(
+        node.ensure("default/tiny", MIB)
+            .expect("EnsureTemplate")
+            .ready
+    );
+    assert!(
+        node.ensure("default/tiny", 0)
+            .expect("EnsureTemplate, any size")
+            .ready
+    );
+    let (code, msg) = status(node.ensure("default/tiny", 128).unwrap_err());
     assert_eq!(code, ttrpc::Code::FAILED_PRECONDITION, "{msg}");
-    assert!(msg.contains("not 128 MiB"), "{msg}");
-    let (code, msg) = status(node.ensure("app", 64).unwrap_err());
-    assert_eq!(code, ttrpc::Code::UNIMPLEMENTED, "{msg}");
-    assert!(msg.contains("example.com/app:1"), "{msg}");
+    assert!(
+        msg.contains("128 MiB") && msg.contains("asked for"),
+        "{msg}"
+    );
+    let (code, msg) = status(node.ensure("tiny", MIB).unwrap_err());
+    assert_eq!(code, ttrpc::Code::INVALID_ARGUMENT, "{msg}");
+    assert!(msg.contains("namespace/name"), "{msg}");
+    // Its egress policy follows the request, with no rebuild; a malformed
+    // one is refused and changes nothing.
+    let store = NodeStore::open(&dir.path().join("store"), true).unwrap();
+    let policy = |p: &str| EnsureTemplateRequest {
+        name: "default/tiny".into(),
+        image: "example.com/app:1".into(),
+        egress_policy: p.into(),
+        ..Default::default()
+    };
+    let label = || {
+        store
+            .get("template.default.tiny")
+            .unwrap()
+            .labels
+            .get("twig.dev/egress-policy")
+            .cloned()
+    };
+    let allow = r#"{"allow":[{"cidr":"10.0.0.0/8"}]}"#;
+    let r = node
+        .rt
+        .block_on(node.node.ensure_template(ctx(), &policy(allow)));
+    assert!(r.expect("EnsureTemplate with a policy").ready);
+    assert_eq!(label().as_deref(), Some(allow));
+    let (code, msg) = status(
+        node.rt
+            .block_on(
+                node.node
+                    .ensure_template(ctx(), &policy(r#"{"allow":[{"cidr":"x"}]}"#)),
+            )
+            .unwrap_err(),
+    );
+    assert_eq!(code, ttrpc::Code::INVALID_ARGUMENT, "{msg}");
+    assert!(msg.contains("egress_policy"), "{msg}");
+    assert_eq!(label().as_deref(), Some(allow));
+    let r = node
+        .rt
+        .block_on(node.node.ensure_template(ctx(), &policy("")));
+    assert!(r.expect("EnsureTemplate without a policy").ready);
+    assert_eq!(label(), None);
+    // One that is not there is built through containerd's CRI; without a
+    // containerd the build fails, says why, and leaves nothing.
+    let first = node.ensure("default/app", MIB).expect("EnsureTemplate");
+    assert!(!first.ready);
+    assert!(
+        first.message.contains("building from example.com/app:1"),
+        "{first:?}"
+    );
+    let mut last = first;
+    wait_until("the build's failure is reported", T, || {
+        last = node.ensure("default/app", MIB).expect("EnsureTemplate");
+        last.message.contains("failed")
+    });
+    assert!(!last.ready);
+    assert!(
+        last.message.contains("no-containerd.sock") && last.message.contains("next attempt in"),
+        "{last:?}"
+    );
+    assert!(!node.get("template.default.app").unwrap().found);
+    node.delete_template("default/app")
+        .expect("DeleteTemplate of a template never built");
+    node.delete_template("default/tiny")
+        .expect("DeleteTemplate");
+    assert!(!node.get("template.default.tiny").unwrap().found);
 
     // A VM restored from the template holds it.
     let vm = node.acquire("tiny").expect("AcquireVm");
-    let (code, msg) = status(node.delete_template("tiny").unwrap_err());
+    let (code, msg) = status(node.delete("tiny").unwrap_err());
     assert_eq!(code, ttrpc::Code::FAILED_PRECONDITION, "{msg}");
     assert!(
         msg.contains("in use") && msg.contains(&vm.pid.to_string()),
@@ -104,7 +178,6 @@ fn snapshots_and_templates_of_the_node_store() {
     });
 
     // A clone's VM holds the pod snapshot it is restored from.
-    let store = NodeStore::open(&dir.path().join("store"), true).unwrap();
     let mut staging = store.stage("pod-snap").unwrap();
     staging
         .put_bytes(twig_store::Artefact::Memory, b"")
@@ -147,28 +220,30 @@ fn snapshots_and_templates_of_the_node_store() {
 
     node.delete("tiny.child")
         .expect("DeleteSnapshot of the child");
-    node.delete_template("tiny").expect("DeleteTemplate");
+    node.delete("tiny").expect("DeleteSnapshot");
     assert!(!node.get("tiny").unwrap().found);
     assert!(!store.snapshot_dir("tiny").exists());
     node.delete("tiny").expect("deleting what is gone succeeds");
-    node.delete_template("tiny")
+    node.delete_template("default/tiny")
         .expect("so does DeleteTemplate");
 }
 
 #[test]
 fn a_corrupt_template_is_refused_before_a_vm_is_handed_over() {
     let dir = tempfile::tempdir().unwrap();
-    make_template(dir.path(), "tiny");
-    let state = dir.path().join("store/snapshots/tiny/state");
+    let id = "template.default.tiny";
+    make_template(dir.path(), id);
+    let state = dir.path().join("store/snapshots").join(id).join("state");
     let mut bytes = std::fs::read(&state).unwrap();
     bytes.truncate(bytes.len() / 2);
     std::fs::write(&state, bytes).unwrap();
     let node = Node::start(dir.path(), &config(dir.path(), 0));
-    let (code, msg) = status(node.acquire("tiny").unwrap_err());
+    let (code, msg) = status(node.acquire(id).unwrap_err());
     assert_eq!(code, ttrpc::Code::FAILED_PRECONDITION, "{msg}");
-    assert!(msg.contains("\"tiny\" is unusable"), "{msg}");
-    let (code, msg) = status(node.ensure("tiny", MIB).unwrap_err());
+    assert!(msg.contains(&format!("{id:?} is unusable")), "{msg}");
+    let (code, msg) = status(node.ensure("default/tiny", MIB).unwrap_err());
     assert_eq!(code, ttrpc::Code::FAILED_PRECONDITION, "{msg}");
+    assert!(msg.contains("unusable"), "{msg}");
     let vms: Vec<_> = std::fs::read_dir(dir.path().join("run/vms"))
         .unwrap()
         .collect();

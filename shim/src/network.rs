@@ -25,7 +25,7 @@ use serde_json::Value;
 use std::sync::{Mutex, PoisonError};
 use twig_agent::proto::agent::ReidentifyRequest;
 
-use twig_net::{AttachMode, EgressPolicy, Loader, NodeContext, PodNetConfig, PodNetwork};
+use twig_net::{AttachMode, Counters, EgressPolicy, Loader, NodeContext, PodNetConfig, PodNetwork};
 
 use crate::error::{Error, Result};
 use crate::spec;
@@ -84,6 +84,11 @@ pub trait Joiner: Send + Sync {
     /// `policy`, pinned in `dir`; returns the veth's MAC (the guest's).
     /// On an error nothing stays attached or pinned.
     fn join(&self, dir: &Path, config: &PodNetConfig, policy: &EgressPolicy) -> Result<[u8; 6]>;
+    /// Replaces the policy of the path `join` pinned in `dir`, while the
+    /// pod runs; a policy that does not compile changes nothing.
+    fn set_policy(&self, dir: &Path, policy: &EgressPolicy) -> Result<()>;
+    /// The counters of the path pinned in `dir`.
+    fn counters(&self, dir: &Path) -> Result<Counters>;
 }
 
 /// Moves a prepared twig-net set to the pod's directory (`dir`, not yet
@@ -230,6 +235,24 @@ impl Joiner for Bpf {
         };
         tracing::debug!(dir = %dir.display(), prepared, "twig-net set attached");
         Ok(mac)
+    }
+
+    fn set_policy(&self, dir: &Path, policy: &EgressPolicy) -> Result<()> {
+        PodNetwork::open(dir)
+            .and_then(|mut path| path.update_policy(policy, &self.node))
+            .map_err(|source| Error::Network {
+                what: format!("replacing the egress policy pinned in {}", dir.display()),
+                source,
+            })
+    }
+
+    fn counters(&self, dir: &Path) -> Result<Counters> {
+        PodNetwork::open(dir)
+            .and_then(|path| path.counters())
+            .map_err(|source| Error::Network {
+                what: format!("reading the counters pinned in {}", dir.display()),
+                source,
+            })
     }
 }
 
@@ -703,6 +726,14 @@ mod tests {
             std::fs::create_dir_all(dir).unwrap();
             std::fs::write(dir.join("config"), "pinned").unwrap();
             Ok([0x0a, 0x58, 0x0a, 0xe7, 0x00, 0x02])
+        }
+
+        fn set_policy(&self, _: &Path, _: &EgressPolicy) -> Result<()> {
+            unreachable!("the set-up tests change no policy")
+        }
+
+        fn counters(&self, _: &Path) -> Result<Counters> {
+            unreachable!("the set-up tests read no counters")
         }
     }
 

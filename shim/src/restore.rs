@@ -21,11 +21,11 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde_json::Value;
 use twig_agent::proto::agent::ReidentifyRequest;
-use twig_store::layout::{Artefact, TMP_DIR};
+use twig_store::layout::{Artefact, TEMPLATE_POLICY_LABEL, TMP_DIR};
 use twig_store::NodeStore;
 
 use crate::error::{Error, Result};
-use crate::sandbox::{Restored, SANDBOX_ADOPTION};
+use crate::sandbox::{Restored, SANDBOX_ADOPTION, TEMPLATE_ADOPTION};
 use crate::twig_service::{SnapshotContainer, CONTAINERS_LABEL, SANDBOX_LABEL};
 
 /// The pod annotation naming a pod snapshot of the node store to restore
@@ -49,6 +49,9 @@ pub struct SnapshotSource {
     pub restored: Vec<Restored>,
     /// The clone's hostname.
     pub hostname: String,
+    /// An app template's egress policy (its snapshot's label; JSON), for
+    /// its pods without their own.
+    pub egress_policy: Option<String>,
 }
 
 impl SnapshotSource {
@@ -165,7 +168,34 @@ impl SnapshotSource {
             slots,
             restored,
             hostname,
+            egress_policy: snap.labels.get(TEMPLATE_POLICY_LABEL).cloned(),
         })
+    }
+
+    /// This snapshot as an app template's: its one running app container
+    /// (the node daemon's build pod has exactly one) is adopted by the
+    /// first container of the new pod, whatever its name. A snapshot with
+    /// another number of running app containers is no app template.
+    pub fn app_template(mut self) -> Result<Self> {
+        let mut apps = self
+            .restored
+            .iter_mut()
+            .filter(|r| r.name != SANDBOX_ADOPTION);
+        match (apps.next(), apps.next()) {
+            (Some(app), None) => app.name = TEMPLATE_ADOPTION.to_string(),
+            _ => {
+                return Err(Error::FailedPrecondition(format!(
+                    "snapshot {} is no app template: it holds {} running app containers, a \
+                     template one",
+                    self.id,
+                    self.restored
+                        .iter()
+                        .filter(|r| r.name != SANDBOX_ADOPTION)
+                        .count()
+                )))
+            }
+        }
+        Ok(self)
     }
 
     /// The slots whose disks the VMM gets, for marking them used.
@@ -241,6 +271,42 @@ pub fn identity(hostname: &str) -> Result<ReidentifyRequest> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn source(names: &[&str]) -> SnapshotSource {
+        SnapshotSource {
+            id: "template.default.t".into(),
+            dir: PathBuf::new(),
+            slots: Vec::new(),
+            restored: names
+                .iter()
+                .map(|n| Restored {
+                    guest_id: format!("g-{n}"),
+                    name: n.to_string(),
+                    slot: 0,
+                    pid: None,
+                })
+                .collect(),
+            hostname: "h".into(),
+            egress_policy: None,
+        }
+    }
+
+    #[test]
+    fn an_app_template_hands_its_one_app_container_to_the_pods_first() {
+        let t = source(&[SANDBOX_ADOPTION, "template"])
+            .app_template()
+            .unwrap();
+        let names: Vec<&str> = t.restored.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, [SANDBOX_ADOPTION, TEMPLATE_ADOPTION]);
+        for bad in [&[SANDBOX_ADOPTION][..], &[SANDBOX_ADOPTION, "a", "b"]] {
+            let e = source(bad).app_template().unwrap_err();
+            assert!(
+                matches!(e, Error::FailedPrecondition(_))
+                    && e.to_string().contains("no app template"),
+                "{bad:?}: {e}"
+            );
+        }
+    }
 
     #[test]
     fn identities_carry_fresh_entropy_and_the_clock() {

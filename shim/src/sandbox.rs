@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use twig_agent::client::{AgentClient, Error as AgentError};
+use twig_net::{Counters, EgressPolicy};
 
 use crate::error::{Error, Result};
 
@@ -45,6 +46,11 @@ pub struct VmRollback {
 /// adopted by the new pod's sandbox container (CRI gives it no container
 /// name; no container name can be empty).
 pub const SANDBOX_ADOPTION: &str = "";
+
+/// The name under which an app template's running container waits to be
+/// adopted by the first container CRI creates in a pod restored from the
+/// template (whatever its name: no container name can contain `/`).
+pub const TEMPLATE_ADOPTION: &str = "/template";
 
 /// A container that runs in a VM restored from a pod snapshot, waiting to
 /// be adopted by the container CRI creates under its name.
@@ -123,6 +129,28 @@ pub trait Sandbox: Send + Sync {
     /// VM was restored from, once; `None` when there is none (always, for
     /// a VM restored from the template).
     fn take_restored(&self, name: &str) -> Option<Restored>;
+    /// The pod's network path: the policy in force and the counters;
+    /// `None` for a pod without one.
+    fn network_stats(&self) -> Result<Option<NetworkStats>> {
+        Ok(None)
+    }
+    /// Replaces the egress policy on the pod's network path while it runs
+    /// (a rollback keeps it: the path is the host's, not the guest's).
+    fn set_egress_policy(&self, policy: &EgressPolicy) -> Result<()> {
+        let _ = policy;
+        Err(Error::FailedPrecondition(
+            "the pod has no network path (no network namespace)".into(),
+        ))
+    }
+}
+
+/// A pod's network path as the `Twig` service reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NetworkStats {
+    /// The egress policy in force.
+    pub policy: EgressPolicy,
+    /// Frames and bytes passed and dropped, by reason.
+    pub counters: Counters,
 }
 
 /// Runs `call` on the sandbox's current agent connection; when it fails

@@ -30,12 +30,14 @@ use async_trait::async_trait;
 use containerd_shim_protos::ttrpc;
 use containerd_shim_protos::ttrpc::r#async::{Service, TtrpcContext};
 use serde::{Deserialize, Serialize};
+use twig_net::{EgressPolicy, Reason};
 use twig_proto::twig as pb;
 use twig_proto::twig_ttrpc::{create_twig, Twig};
 use twig_store::{Artefact, NodeStore};
 
 use crate::error::{Error, Result};
 use crate::pod::ContainerView;
+use crate::sandbox::NetworkStats;
 use crate::service::TaskService;
 use crate::spec;
 
@@ -202,6 +204,15 @@ impl TwigService {
         if req.snapshot_id.is_empty() {
             return Err(Error::InvalidArgument("snapshot: empty snapshot id".into()));
         }
+        if let Some(key) = [SANDBOX_LABEL, CONTAINERS_LABEL]
+            .into_iter()
+            .find(|k| req.labels.contains_key(*k))
+        {
+            return Err(Error::InvalidArgument(format!(
+                "snapshot {}: label {key} is the shim's own",
+                req.snapshot_id
+            )));
+        }
         let _turn = self.queue(deadline).await?;
         if let Some(s) = self
             .record()
@@ -228,7 +239,7 @@ impl TwigService {
         let containers = serde_json::to_string(&self.containers()?)
             .map_err(|e| Error::Internal(format!("encoding the pod's containers: {e}")))?;
         let sandbox_id = self.inner.sandbox_id.clone();
-        let (id, full) = (req.snapshot_id.clone(), req.full);
+        let (id, full, labels) = (req.snapshot_id.clone(), req.full, req.labels);
         let started = Instant::now();
         let (result, baseline_lost) = blocking(move || {
             let store = match NodeStore::open(&root, false) {
@@ -239,6 +250,9 @@ impl TwigService {
                 Ok(s) => s,
                 Err(e) => return (Err(store_error(format!("staging snapshot {id}"))(e)), false),
             };
+            for (key, value) in &labels {
+                staging.set_label(key, value);
+            }
             staging.set_label(SANDBOX_LABEL, &sandbox_id);
             staging.set_label(CONTAINERS_LABEL, &containers);
             let vm = match sandbox.snapshot(staging.dir(), full) {
@@ -364,10 +378,14 @@ impl TwigService {
         let last = self.record().last_rollback.clone();
         // Snapshots deleted from the store since (the controller deletes
         // them through the node service) are not the pod's any more.
-        let root = match self.inner.task.current_sandbox().await {
-            Some(sb) => sb.snapshot_store().ok(),
+        let sandbox = self.inner.task.current_sandbox().await;
+        let root = sandbox.as_ref().and_then(|sb| sb.snapshot_store().ok());
+        let network = match sandbox {
+            Some(sb) => blocking(move || sb.network_stats()).await??,
             None => None,
-        };
+        }
+        .map(network_stats)
+        .transpose()?;
         let snapshots = blocking(move || {
             let Some(store) = root.and_then(|r| NodeStore::open(&r, false).ok()) else {
                 return snapshots;
@@ -386,9 +404,48 @@ impl TwigService {
         Ok(pb::StatsResponse {
             snapshots,
             last_rollback_operation_id: last,
+            network: network.into(),
             ..Default::default()
         })
     }
+
+    async fn do_set_egress_policy(&self, req: pb::SetEgressPolicyRequest) -> Result<()> {
+        self.check_sandbox(&req.sandbox_id)?;
+        let policy = match req.egress_policy.as_str() {
+            "" => EgressPolicy::default(),
+            json => twig_net::parse_policy(json, "egress_policy")
+                .map_err(|e| Error::InvalidArgument(e.to_string()))?,
+        };
+        let sandbox = self.inner.task.current_sandbox().await.ok_or_else(|| {
+            Error::FailedPrecondition(format!(
+                "sandbox {} has no VM yet (no container was created)",
+                self.inner.sandbox_id
+            ))
+        })?;
+        blocking(move || sandbox.set_egress_policy(&policy)).await?
+    }
+}
+
+/// The `Twig` service's view of a pod's network path.
+fn network_stats(n: NetworkStats) -> Result<pb::PodNetworkStats> {
+    Ok(pb::PodNetworkStats {
+        egress_policy: serde_json::to_string(&n.policy)
+            .map_err(|e| Error::Internal(format!("encoding the egress policy: {e}")))?,
+        counters: Reason::ALL
+            .iter()
+            .map(|r| {
+                let c = n.counters.get(*r);
+                pb::NetworkCounter {
+                    reason: r.label().to_string(),
+                    dropped: r.is_drop(),
+                    packets: c.packets,
+                    bytes: c.bytes,
+                    ..Default::default()
+                }
+            })
+            .collect(),
+        ..Default::default()
+    })
 }
 
 /// A rollback target must be a snapshot of this sandbox taken with the
@@ -516,6 +573,15 @@ impl Twig for TwigService {
         req: pb::StatsRequest,
     ) -> ttrpc::Result<pb::StatsResponse> {
         self.do_stats(req).await.map_err(to_ttrpc)
+    }
+
+    async fn set_egress_policy(
+        &self,
+        _ctx: &TtrpcContext,
+        req: pb::SetEgressPolicyRequest,
+    ) -> ttrpc::Result<pb::SetEgressPolicyResponse> {
+        self.do_set_egress_policy(req).await.map_err(to_ttrpc)?;
+        Ok(pb::SetEgressPolicyResponse::default())
     }
 }
 

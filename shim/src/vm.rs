@@ -22,13 +22,69 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::network::{self, Joiner, PodNet};
 use crate::restore::{self, SnapshotSource};
-use crate::sandbox::{Attachment, Death, Launcher, Restored, Sandbox, VmRollback, VmSnapshot};
+use crate::sandbox::{
+    Attachment, Death, Launcher, NetworkStats, Restored, Sandbox, VmRollback, VmSnapshot,
+    SANDBOX_ADOPTION, TEMPLATE_ADOPTION,
+};
 use crate::spec;
+use twig_net::{EgressPolicy, EGRESS_POLICY_ANNOTATION};
 
-/// The pod annotation naming the app template a sandbox restores (made by
-/// the node daemon's `EnsureTemplate`); without it, the node's base
-/// template.
+/// The pod annotation naming the app template (a SandboxTemplate of the
+/// pod's namespace, built on the node by the node daemon's
+/// `EnsureTemplate`) a sandbox restores; without it, the node's base
+/// template. `twig.dev/restore-from` wins over it (a Clone's pods carry
+/// their source's annotations).
 pub const TEMPLATE_ANNOTATION: &str = "twig.dev/template";
+
+/// CRI's annotation of the pod's Kubernetes namespace.
+const SANDBOX_NAMESPACE_ANNOTATION: &str = "io.kubernetes.cri.sandbox-namespace";
+
+/// A pod snapshot of the node store a sandbox's VM is restored from,
+/// instead of the node's base template.
+pub struct RestoreFrom<'a> {
+    /// The snapshot's id.
+    pub id: String,
+    /// The SandboxTemplate (`namespace/name`) when the snapshot is an app
+    /// template: its app container is adopted by the pod's first container.
+    pub app_template: Option<String>,
+    /// The sandbox's OCI spec.
+    pub oci: &'a serde_json::Value,
+    /// The new sandbox container's rootfs image.
+    pub rootfs: &'a Path,
+}
+
+/// What the sandbox's spec asks to restore instead of the base template:
+/// `twig.dev/restore-from`, else `twig.dev/template` (of the pod's
+/// namespace).
+pub fn restore_source<'a>(
+    oci: &'a serde_json::Value,
+    rootfs: &'a Path,
+) -> Result<Option<RestoreFrom<'a>>> {
+    if let Some(id) = spec::annotation(oci, RESTORE_FROM_ANNOTATION) {
+        return Ok(Some(RestoreFrom {
+            id: id.to_string(),
+            app_template: None,
+            oci,
+            rootfs,
+        }));
+    }
+    let Some(name) = spec::annotation(oci, TEMPLATE_ANNOTATION) else {
+        return Ok(None);
+    };
+    let namespace = spec::annotation(oci, SANDBOX_NAMESPACE_ANNOTATION).ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "{TEMPLATE_ANNOTATION}: {name:?} names a SandboxTemplate of the pod's namespace, and              this sandbox has none ({SANDBOX_NAMESPACE_ANNOTATION}): templates are for pods              made through CRI"
+        ))
+    })?;
+    let id = twig_store::layout::template_id(namespace, name)
+        .map_err(|e| Error::InvalidArgument(format!("{TEMPLATE_ANNOTATION}: {e}")))?;
+    Ok(Some(RestoreFrom {
+        id,
+        app_template: Some(format!("{namespace}/{name}")),
+        oci,
+        rootfs,
+    }))
+}
 
 pub use crate::restore::RESTORE_FROM_ANNOTATION;
 
@@ -61,13 +117,13 @@ impl VmLauncher {
 impl Launcher for VmLauncher {
     fn launch(&self, sandbox_id: &str, bundle: &Path, rootfs: &Path) -> Result<Arc<dyn Sandbox>> {
         let spec = spec::read_spec(bundle)?;
-        let template = spec::annotation(&spec, TEMPLATE_ANNOTATION).unwrap_or_default();
+        let restore_from = restore_source(&spec, rootfs)?;
         // The policy is checked before a VM is taken; a kernel that cannot
         // filter the pod's network refuses it at the join, never runs it
         // unfiltered.
         let network = match network::plan(&spec)? {
             Some(plan) => {
-                let joiner: Box<dyn Joiner> = Box::new(network::Bpf::new(
+                let joiner: Arc<dyn Joiner> = Arc::new(network::Bpf::new(
                     &self.config.cluster_dns,
                     &self.config.node_socket,
                 )?);
@@ -79,14 +135,12 @@ impl Launcher for VmLauncher {
             }
             None => None,
         };
-        let restore_from = spec::annotation(&spec, RESTORE_FROM_ANNOTATION);
-        tracing::info!(sandbox_id, template, restore_from, state = %self.state_dir.display(), network = network.is_some(), "starting the sandbox VM");
+        tracing::info!(sandbox_id, restore_from = restore_from.as_ref().map(|r| r.id.as_str()), state = %self.state_dir.display(), network = network.is_some(), "starting the sandbox VM");
         Ok(Arc::new(VmSandbox::start(
             &self.config,
             &self.state_dir,
             sandbox_id,
-            template,
-            restore_from.map(|id| (id, &spec, rootfs)),
+            restore_from,
             network,
         )?))
     }
@@ -98,7 +152,7 @@ pub struct NetworkSetup {
     /// The pod's network namespace and egress policy.
     pub plan: network::Plan,
     /// Joins the VM's tap and the pod's veth.
-    pub joiner: Box<dyn Joiner>,
+    pub joiner: Arc<dyn Joiner>,
     /// The pod's bpffs directory (`<bpffs_root>/<sandbox id>`).
     pub dir: PathBuf,
 }
@@ -171,6 +225,16 @@ pub struct VmSandbox {
     restored: Mutex<Vec<Restored>>,
     /// The pod's network attached to the VM, torn down once it stopped.
     network: Mutex<Option<PodNet>>,
+    /// The pod's network path, whose policy changes while the pod runs.
+    path: Option<PathControl>,
+}
+
+/// The policy side of a pod's network path: what joined it, where it is
+/// pinned, and the policy in force.
+struct PathControl {
+    joiner: Arc<dyn Joiner>,
+    dir: PathBuf,
+    policy: Mutex<EgressPolicy>,
 }
 
 /// The agent connection and how many times it was replaced.
@@ -191,18 +255,16 @@ fn vmm_error(what: impl Into<String>) -> impl FnOnce(twig_vmm::api::ClientError)
 
 impl VmSandbox {
     /// Takes a prepared VMM from the node daemon (`config.node_socket`),
-    /// restores the template it names into it — or, with `restore_from`
-    /// (a snapshot id, the sandbox's spec and its rootfs image), that pod
-    /// snapshot of the
+    /// restores the node's base template into it — or, with
+    /// `restore_from`, that pod snapshot (or app template) of the
     /// template's store, then gives the clone its own identity — and
     /// connects to its agent. On failure the VMM is killed.
     pub fn start(
         config: &Config,
         state_dir: &Path,
         sandbox_id: &str,
-        template: &str,
-        restore_from: Option<(&str, &serde_json::Value, &Path)>,
-        network: Option<NetworkSetup>,
+        restore_from: Option<RestoreFrom<'_>>,
+        mut network: Option<NetworkSetup>,
     ) -> Result<VmSandbox> {
         std::fs::create_dir_all(state_dir)
             .map_err(|e| Error::io(format!("creating {}", state_dir.display()), e))?;
@@ -210,8 +272,7 @@ impl VmSandbox {
         let vm = acquire(
             config,
             sandbox_id,
-            template,
-            restore_from.map(|(id, _, _)| id),
+            restore_from.as_ref().map(|r| r.id.as_str()),
         )?;
         let acquired = started.elapsed();
         let process = Process::open(vm.pid, &vm.api_socket)?;
@@ -229,8 +290,44 @@ impl VmSandbox {
         // it, and a death is explained with what these files say.
         let logs = VmLogs::open(&vm_dir);
         let source = restore_from
-            .map(|(id, oci, rootfs)| {
-                SnapshotSource::open(Path::new(&vm.template_dir), id, oci, sandbox_id, rootfs)
+            .map(|r| {
+                let source = SnapshotSource::open(
+                    Path::new(&vm.template_dir),
+                    &r.id,
+                    r.oci,
+                    sandbox_id,
+                    r.rootfs,
+                );
+                match r.app_template {
+                    None => source,
+                    Some(name) => source
+                        .map_err(|e| match e {
+                            Error::NotFound(_) => Error::NotFound(format!(
+                                "{TEMPLATE_ANNOTATION}: SandboxTemplate {name} is not built on \
+                                 this node (node store id {}): its status says whether the \
+                                 node's build is ready",
+                                r.id
+                            )),
+                            other => other,
+                        })
+                        .and_then(SnapshotSource::app_template)
+                        .and_then(|s| {
+                            // The template's policy, unless the pod has its own.
+                            let own = spec::annotation(r.oci, EGRESS_POLICY_ANNOTATION).is_some();
+                            if let (Some(json), Some(setup), false) =
+                                (&s.egress_policy, network.as_mut(), own)
+                            {
+                                setup.plan.policy = twig_net::parse_policy(json, "the label")
+                                    .map_err(|e| {
+                                        Error::FailedPrecondition(format!(
+                                            "SandboxTemplate {name}: its egress policy on this \
+                                             node is unusable: {e}"
+                                        ))
+                                    })?;
+                            }
+                            Ok(s)
+                        }),
+                }
             })
             .transpose()?;
         let (mut api, agent) = Self::restore(
@@ -330,6 +427,11 @@ impl VmSandbox {
             death: Mutex::new(death),
             state_dir: state_dir.to_path_buf(),
             network: Mutex::new(pod_net),
+            path: network.map(|setup| PathControl {
+                joiner: setup.joiner,
+                dir: setup.dir,
+                policy: Mutex::new(setup.plan.policy),
+            }),
             restored: Mutex::new(restored),
         })
     }
@@ -406,7 +508,6 @@ pub fn slot_device(slot: usize) -> Result<String> {
 pub fn acquire(
     config: &Config,
     sandbox_id: &str,
-    template: &str,
     restore_from: Option<&str>,
 ) -> Result<AcquireVmResponse> {
     let socket = &config.node_socket;
@@ -417,7 +518,6 @@ pub fn acquire(
         ))
     })?;
     let req = AcquireVmRequest {
-        template: template.to_string(),
         sandbox_id: sandbox_id.to_string(),
         // The daemon kills the VM if this shim dies, at any moment.
         owner_pid: std::process::id(),
@@ -428,12 +528,10 @@ pub fn acquire(
     let ctx = ttrpc::context::with_timeout(i64::try_from(timeout.as_nanos()).unwrap_or(i64::MAX));
     PoolClient::new(client).acquire_vm(ctx, &req).map_err(|e| {
         let what = format!(
-            "getting a VM for template {:?} from the node daemon at {}",
-            if template.is_empty() {
-                "(base)"
-            } else {
-                template
-            },
+            "getting a VM{} from the node daemon at {}",
+            restore_from
+                .map(|id| format!(" to restore snapshot {id:?} into"))
+                .unwrap_or_default(),
             socket.display()
         );
         match e {
@@ -877,9 +975,40 @@ impl Sandbox for VmSandbox {
         })
     }
 
+    fn network_stats(&self) -> Result<Option<NetworkStats>> {
+        let Some(path) = &self.path else {
+            return Ok(None);
+        };
+        let policy = path
+            .policy
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        Ok(Some(NetworkStats {
+            policy,
+            counters: path.joiner.counters(&path.dir)?,
+        }))
+    }
+
+    fn set_egress_policy(&self, policy: &EgressPolicy) -> Result<()> {
+        let path = self.path.as_ref().ok_or_else(|| {
+            Error::FailedPrecondition("the pod has no network path (no network namespace)".into())
+        })?;
+        let mut current = path.policy.lock().unwrap_or_else(|p| p.into_inner());
+        path.joiner.set_policy(&path.dir, policy)?;
+        *current = policy.clone();
+        tracing::info!(dir = %path.dir.display(), "the pod's egress policy was replaced");
+        Ok(())
+    }
+
     fn take_restored(&self, name: &str) -> Option<Restored> {
         let mut restored = self.restored.lock().unwrap_or_else(|p| p.into_inner());
-        let i = restored.iter().position(|r| r.name == name)?;
+        let i = restored.iter().position(|r| r.name == name).or_else(|| {
+            // An app template's container goes to the pod's first one.
+            (name != SANDBOX_ADOPTION)
+                .then(|| restored.iter().position(|r| r.name == TEMPLATE_ADOPTION))
+                .flatten()
+        })?;
         Some(restored.remove(i))
     }
 }
@@ -1017,7 +1146,7 @@ mod tests {
             node_socket: dir.path().join("node.sock"),
             ..Config::default()
         };
-        let e = acquire(&config, "sb", "", None).unwrap_err();
+        let e = acquire(&config, "sb", None).unwrap_err();
         assert!(matches!(e, Error::FailedPrecondition(_)), "{e}");
         assert!(
             e.to_string()

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use twig_shim::config::Config;
 use twig_shim::error::Error;
-use twig_shim::vm::VmSandbox;
+use twig_shim::vm::{RestoreFrom, VmSandbox};
 use twig_store::NodeStore;
 use twig_vmm::{testguest, Capture, DeviceConfig, Kind, Shape, Vm, VsockConfig};
 
@@ -44,8 +44,10 @@ fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
-/// `tiny`: the test guest booted with a pooled VMM's devices, snapshotted.
-fn make_template(dir: &Path) {
+/// The node's base template: the test guest booted with a pooled VMM's
+/// devices, snapshotted under the id twig-node derives from the node
+/// configuration `config` (its kernel and initrd files are stand-ins).
+fn make_template(dir: &Path, config: &serde_json::Value) {
     if let Err(e) = twig_vmm::open_kvm() {
         panic!("this test needs a usable /dev/kvm (run as root on a KVM host): {e}");
     }
@@ -68,7 +70,12 @@ fn make_template(dir: &Path) {
     vm.boot(&testguest::write_to(dir).unwrap(), "console=ttyS0")
         .unwrap();
     testguest::wait_booted(&vm, T).unwrap();
-    vm.snapshot_into(&store, "tiny", Kind::Full).unwrap();
+    let config: twig_node::Config = serde_json::from_value(config.clone()).unwrap();
+    let id = twig_node::template::Templates::open(&config)
+        .unwrap()
+        .base_id()
+        .unwrap();
+    vm.snapshot_into(&store, &id, Kind::Full).unwrap();
 }
 
 struct Daemon(Child);
@@ -91,7 +98,9 @@ impl Drop for Daemon {
 #[test]
 fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
     let dir = tempfile::tempdir().unwrap();
-    make_template(dir.path());
+    for file in ["kernel", "initrd"] {
+        std::fs::write(dir.path().join(file), file).unwrap();
+    }
     let node_config = serde_json::json!({
         "socket": dir.path().join("node.sock"),
         "store": dir.path().join("store"),
@@ -99,9 +108,10 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
         "run_dir": dir.path().join("run"),
         "vmm_binary": binary("twig-vmm"),
         "disk_slots": 2,
-        "base": {"mem_mib": 64},
+        "base": {"mem_mib": 64, "kernel": dir.path().join("kernel"), "initrd": dir.path().join("initrd")},
         "pool": {"shapes": [{"mem_mib": 64, "size": 1}]},
     });
+    make_template(dir.path(), &node_config);
     std::fs::write(dir.path().join("node.json"), node_config.to_string()).unwrap();
     let log = std::fs::File::create(dir.path().join("node.log")).unwrap();
     let _daemon = Daemon(
@@ -123,7 +133,7 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
         ..Config::default()
     };
     let state = dir.path().join("shim-state");
-    let e = VmSandbox::start(&config, &state, "sb", "tiny", None, None)
+    let e = VmSandbox::start(&config, &state, "sb", None, None)
         .err()
         .expect("the test guest has no agent");
     assert!(matches!(e, Error::Agent { .. }), "{e}");
@@ -141,26 +151,19 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
         !Path::new(&format!("/proc/{pid}")).exists()
     });
 
-    // An app template the node does not hold keeps its errdefs code.
-    let e = VmSandbox::start(&config, &state, "sb", "absent", None, None)
-        .err()
-        .expect("no such template");
-    assert!(matches!(e, Error::NotFound(_)), "{e}");
-    assert!(e.to_string().contains("\"absent\""), "{e}");
-
+    let oci = serde_json::json!({"hostname": "clone"});
     // Restore-from fails after the acquisition (this store cannot reflink,
     // so the shim does not use it): the handed-over VMM is killed too.
-    let oci = serde_json::json!({"hostname": "clone"});
     let e = VmSandbox::start(
         &config,
         &state,
         "sb",
-        "tiny",
-        Some((
-            "no-such-snapshot",
-            &oci,
-            Path::new("/nonexistent/rootfs.img"),
-        )),
+        Some(RestoreFrom {
+            id: "no-such-snapshot".into(),
+            app_template: None,
+            oci: &oci,
+            rootfs: Path::new("/nonexistent/rootfs.img"),
+        }),
         None,
     )
     .err()

@@ -27,11 +27,13 @@ use containerd_shim_protos::types::task::Status;
 use serde_json::json;
 use tokio::sync::mpsc;
 use twig_agent::client::AgentClient;
+use twig_net::{Counters, EgressPolicy, Reason};
 use twig_proto::twig as pb;
 use twig_proto::twig_ttrpc::TwigClient;
 use twig_shim::restore::SnapshotSource;
 use twig_shim::sandbox::{
-    Attachment, Fixed, HostSandbox, Restored, Sandbox, VmRollback, VmSnapshot, SANDBOX_ADOPTION,
+    Attachment, Fixed, HostSandbox, NetworkStats, Restored, Sandbox, VmRollback, VmSnapshot,
+    SANDBOX_ADOPTION,
 };
 use twig_shim::server::task_services;
 use twig_shim::service::{Event, TaskService};
@@ -69,6 +71,8 @@ struct FakeVm {
     rollbacks: AtomicUsize,
     next_rollback: Mutex<Outcome>,
     restored: Mutex<Vec<Restored>>,
+    /// The network path's policy; `None`: the pod has no path.
+    policy: Mutex<Option<EgressPolicy>>,
 }
 
 impl FakeVm {
@@ -197,6 +201,28 @@ impl Sandbox for FakeVm {
         let i = restored.iter().position(|r| r.name == name)?;
         Some(restored.remove(i))
     }
+
+    fn network_stats(&self) -> Result<Option<NetworkStats>> {
+        Ok(self
+            .policy
+            .lock()
+            .unwrap()
+            .clone()
+            .map(|policy| NetworkStats {
+                policy,
+                counters: Counters::default(),
+            }))
+    }
+
+    fn set_egress_policy(&self, policy: &EgressPolicy) -> Result<()> {
+        match &mut *self.policy.lock().unwrap() {
+            Some(p) => {
+                *p = policy.clone();
+                Ok(())
+            }
+            None => Err(Error::FailedPrecondition("no path".into())),
+        }
+    }
 }
 
 /// Runs a command, panicking with its output when it fails.
@@ -285,6 +311,7 @@ async fn fixture(queue_deadline: Duration) -> Fixture {
         rollbacks: AtomicUsize::new(0),
         next_rollback: Mutex::new(Outcome::Ok),
         restored: Mutex::new(Vec::new()),
+        policy: Mutex::new(None),
     });
     let (tx, events) = mpsc::unbounded_channel();
     let exit = Arc::new(ExitSignal::default());
@@ -534,6 +561,43 @@ async fn snapshots_go_into_the_store_with_the_pods_containers_and_are_idempotent
         .collect();
     assert_eq!(ids, ["s1"]);
     assert_eq!(f.state("c1").await.status.enum_value(), Ok(Status::RUNNING));
+
+    // The caller's labels are recorded; the shim's own keys are not theirs.
+    let labelled = |id: &str, key: &str| pb::SnapshotRequest {
+        sandbox_id: SANDBOX.into(),
+        snapshot_id: id.into(),
+        full: true,
+        labels: [(key.to_string(), "v".to_string())].into(),
+        ..Default::default()
+    };
+    f.twig
+        .snapshot(ctx(), &labelled("s3", "twig.dev/template-spec"))
+        .await
+        .expect("a snapshot with a caller's label");
+    let stored = f.store().get("s3").expect("s3 published");
+    assert_eq!(
+        stored
+            .labels
+            .get("twig.dev/template-spec")
+            .map(String::as_str),
+        Some("v")
+    );
+    assert_eq!(
+        stored.labels.get(SANDBOX_LABEL).map(String::as_str),
+        Some(SANDBOX)
+    );
+    for key in [SANDBOX_LABEL, CONTAINERS_LABEL] {
+        let e = f
+            .twig
+            .snapshot(ctx(), &labelled("s4", key))
+            .await
+            .unwrap_err();
+        assert_eq!(code(e), Code::INVALID_ARGUMENT, "{key}");
+    }
+    assert!(
+        f.store().get("s4").is_err(),
+        "a refused snapshot was published"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -918,4 +982,73 @@ fn restore_from_reads_the_pod_snapshot_and_reflinks_its_disks_into_anonymous_fil
         .unwrap();
     let e = SnapshotSource::open(&tpl, "pod-snap", &oci, "sb", &pause).unwrap_err();
     assert!(e.to_string().contains("damaged"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_egress_policy_changes_while_the_pod_runs_and_stats_show_its_path() {
+    let f = fixture(T).await;
+    f.run("c1", "app").await;
+    let set = |policy: &str| pb::SetEgressPolicyRequest {
+        sandbox_id: SANDBOX.into(),
+        egress_policy: policy.into(),
+        ..Default::default()
+    };
+    let policy_in_force = |s: pb::StatsResponse| {
+        s.network
+            .into_option()
+            .map(|n| serde_json::from_str::<EgressPolicy>(&n.egress_policy).unwrap())
+    };
+    // A pod without a network path: none in Stats, and no policy to set.
+    assert_eq!(policy_in_force(f.stats().await), None);
+    let e = f.twig.set_egress_policy(ctx(), &set("")).await.unwrap_err();
+    assert_eq!(code(e), Code::FAILED_PRECONDITION);
+
+    *f.vm.policy.lock().unwrap() = Some(EgressPolicy::default());
+    let stats = f.stats().await;
+    let network = stats.network.clone().into_option().expect("a network path");
+    let reasons: Vec<&str> = network.counters.iter().map(|c| c.reason.as_str()).collect();
+    let all: Vec<&str> = Reason::ALL.iter().map(|r| r.label()).collect();
+    assert_eq!(reasons, all);
+    assert!(network
+        .counters
+        .iter()
+        .zip(Reason::ALL)
+        .all(|(c, r)| c.dropped == r.is_drop()));
+    assert_eq!(policy_in_force(stats), Some(EgressPolicy::default()));
+
+    let allow = r#"{"allow":[{"cidr":"10.0.0.0/8","protocol":"tcp","ports":[{"port":443}]}]}"#;
+    f.twig
+        .set_egress_policy(ctx(), &set(allow))
+        .await
+        .expect("SetEgressPolicy");
+    let expected: EgressPolicy = serde_json::from_str(allow).unwrap();
+    assert_eq!(policy_in_force(f.stats().await), Some(expected.clone()));
+    // Malformed: refused, naming the problem; the policy in force stays.
+    for bad in [
+        r#"{"allow":[{"cidr":"10.0.0.0/33"}]}"#,
+        "{",
+        r#"{"open":true}"#,
+    ] {
+        let e = f
+            .twig
+            .set_egress_policy(ctx(), &set(bad))
+            .await
+            .unwrap_err();
+        let msg = format!("{e:?}");
+        assert_eq!(code(e), Code::INVALID_ARGUMENT, "{bad}");
+        assert!(msg.contains("egress_policy"), "{msg}");
+    }
+    assert_eq!(policy_in_force(f.stats().await), Some(expected));
+    // Empty: the built-in default again. Another sandbox: not found.
+    f.twig.set_egress_policy(ctx(), &set("")).await.unwrap();
+    assert_eq!(
+        policy_in_force(f.stats().await),
+        Some(EgressPolicy::default())
+    );
+    let other = pb::SetEgressPolicyRequest {
+        sandbox_id: "pod-2".into(),
+        ..Default::default()
+    };
+    let e = f.twig.set_egress_policy(ctx(), &other).await.unwrap_err();
+    assert_eq!(code(e), Code::NOT_FOUND);
 }

@@ -44,6 +44,24 @@ fn stage_publish_clone_account_delete() {
     assert_eq!(snap.artefacts[&Artefact::Disk(0)], 16 << 20);
     assert_eq!(snap.labels["twig.dev/pod"], "default/agent-0");
     assert_eq!(store.get("tpl-1").unwrap(), snap);
+    // Labels change after publication, atomically; nothing else does.
+    store
+        .set_label("tpl-1", "twig.dev/egress-policy", Some("{}"))
+        .unwrap();
+    store.set_label("tpl-1", "twig.dev/pod", None).unwrap();
+    let relabelled = store.get("tpl-1").unwrap();
+    assert_eq!(relabelled.labels["twig.dev/egress-policy"], "{}");
+    assert!(!relabelled.labels.contains_key("twig.dev/pod"));
+    assert_eq!(relabelled.artefacts, snap.artefacts);
+    assert!(!snap.dir().join("manifest.json.new").exists());
+    assert!(matches!(
+        store.set_label("absent", "k", Some("v")),
+        Err(Error::NotFound(_))
+    ));
+    store
+        .set_label("tpl-1", "twig.dev/pod", Some("default/agent-0"))
+        .unwrap();
+    let snap = store.get("tpl-1").unwrap();
     assert_eq!(
         fs::read(snap.path(Artefact::State).unwrap()).unwrap(),
         b"vcpu state"

@@ -189,6 +189,47 @@ pub fn artefacts_in(dir: &Path, id: &str) -> Result<BTreeMap<String, u64>> {
     Ok(artefacts)
 }
 
+/// The node-store id of app template `name` (a SandboxTemplate) of
+/// Kubernetes namespace `namespace`: `template.<namespace>.<name>`. A
+/// namespace is a DNS label (no dots), so the first dot after the prefix
+/// ends it and no two templates share an id.
+pub fn template_id(namespace: &str, name: &str) -> Result<String> {
+    let bad = |what: &str, value: &str| {
+        Error::InvalidArgument(format!(
+            "template {namespace}/{name}: {what} {value:?} is not a Kubernetes {}",
+            if what == "namespace" {
+                "namespace (a DNS label)"
+            } else {
+                "object name (a DNS subdomain)"
+            }
+        ))
+    };
+    let label = |s: &str| {
+        !s.is_empty()
+            && s.len() <= 63
+            && s.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+    };
+    if !label(namespace) {
+        return Err(bad("namespace", namespace));
+    }
+    if name.is_empty() || name.len() > 253 || !name.split('.').all(label) {
+        return Err(bad("name", name));
+    }
+    let id = format!("{TEMPLATE_ID_PREFIX}{namespace}.{name}");
+    validate_id(&id)?;
+    Ok(id)
+}
+
+/// The label of an app template's snapshot holding the egress policy (JSON,
+/// twig-net's `EgressPolicy`) of the pods restored from it that carry no
+/// `twig.dev/egress-policy` annotation of their own; none: the built-in
+/// default. The node daemon keeps it current (`NodeStore::set_label`).
+pub const TEMPLATE_POLICY_LABEL: &str = "twig.dev/egress-policy";
+
+/// What every app template's node-store id starts with ([`template_id`]).
+pub const TEMPLATE_ID_PREFIX: &str = "template.";
+
 /// Checks a snapshot id: 1–128 of `[A-Za-z0-9._-]`, not starting with `.`.
 pub fn validate_id(id: &str) -> Result<()> {
     let ok = !id.is_empty()
@@ -276,6 +317,30 @@ pub fn staging_target(staging: &Path) -> Result<(String, PathBuf)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn template_ids_are_unique_per_namespace_and_refuse_what_kubernetes_refuses() {
+        assert_eq!(
+            template_id("agents", "py.v2").unwrap(),
+            "template.agents.py.v2"
+        );
+        assert_ne!(
+            template_id("a", "b.c").unwrap(),
+            template_id("a-b", "c").unwrap()
+        );
+        for (ns, name) in [
+            ("", "x"),
+            ("a.b", "x"),
+            ("Default", "x"),
+            ("ns", ""),
+            ("ns", "x/y"),
+            ("ns", "a..b"),
+            ("ns", &"x".repeat(120)),
+        ] {
+            let e = template_id(ns, name).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument(_)), "{ns}/{name}: {e}");
+        }
+    }
 
     #[test]
     fn artefact_names_round_trip_and_refuse_aliases() {

@@ -246,6 +246,35 @@ impl NodeStore {
         fsops::remove_all(&doomed).map_err(ctx(format!("removing {}", doomed.display())))
     }
 
+    /// Sets (`Some`) or removes (`None`) label `key` of published snapshot
+    /// `id`: the one thing of a published snapshot that changes (e.g. the
+    /// egress policy of an app template's pods). The manifest is replaced
+    /// atomically (a new file renamed over it), so a reader sees the old
+    /// labels or the new ones, never a torn manifest.
+    pub fn set_label(&self, id: &str, key: &str, value: Option<&str>) -> Result<()> {
+        let _guard = self.exclusive()?;
+        let snap = self.get(id)?;
+        let path = snap.dir.join(MANIFEST);
+        let bytes = fs::read(&path).map_err(ctx(format!("reading {}", path.display())))?;
+        let mut m: Manifest = serde_json::from_slice(&bytes).map_err(|e| Error::Corrupt {
+            path: path.clone(),
+            detail: e.to_string(),
+        })?;
+        match value {
+            Some(v) => m.labels.insert(key.to_string(), v.to_string()),
+            None => m.labels.remove(key),
+        };
+        let new = snap.dir.join(format!("{MANIFEST}.new"));
+        fsops::write_durable(&new, &m.to_bytes()?)
+            .map_err(ctx(format!("writing {}", new.display())))?;
+        fs::rename(&new, &path).map_err(ctx(format!(
+            "renaming {} to {}",
+            new.display(),
+            path.display()
+        )))?;
+        fsops::sync_path(&snap.dir).map_err(ctx(format!("syncing {}", snap.dir.display())))
+    }
+
     /// Reflinks (or, in copy mode, copies) a published artefact to `dest`,
     /// which must not exist: e.g. the writable disk of a pod restored from
     /// the snapshot.

@@ -78,6 +78,11 @@ pub fn config(dir: &Path, size: usize) -> serde_json::Value {
         "disk_slots": SLOTS,
         "base": {"kernel": dir.join("no-kernel"), "initrd": dir.join("no-initrd"), "mem_mib": MIB},
         "pool": {"shapes": [{"mem_mib": MIB, "size": size}], "start_timeout_s": 10},
+        "templates": {
+            "cri_socket": dir.join("no-containerd.sock"),
+            "log_dir": dir.join("template-logs"),
+            "retry_s": 3600,
+        },
         "net_pool": {"size": 0},
     })
 }

@@ -1,0 +1,112 @@
+//! What the lab's CRI scenarios share: a [`CriNode`] and a client of it,
+//! whose failures panic with the node's logs (a test's way to fail), the
+//! counter the scenarios run, and their runtime.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use twig_cri::CriClient;
+
+use crate::cri::CriNode;
+
+/// Deadline of the guest's progress (the lab is slow).
+pub const PROGRESS: Duration = Duration::from_secs(120);
+/// ExecSync's own limit.
+pub const EXEC: Duration = Duration::from_secs(120);
+const POLL: Duration = Duration::from_millis(100);
+
+/// Counts in tmpfs (`/dev/shm/count`, guest memory), on the rootfs disk
+/// (`/count`) and on stdout (`count N`), every 50 ms; each file is
+/// replaced by a rename, so a reader never sees it half-written.
+pub const COUNTER: &str = "i=0; while :; do i=$((i+1)); echo $i > /dev/shm/count.new; \
+     mv /dev/shm/count.new /dev/shm/count; echo $i > /count.new; mv /count.new /count; \
+     echo count $i; sleep 0.05; done";
+
+/// The single-threaded runtime a scenario runs on.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| panic!("a tokio runtime: {e}"))
+}
+
+/// A CRI node and a CRI client of it.
+pub struct CriLab {
+    /// The node.
+    pub node: CriNode,
+    /// A client of its CRI.
+    pub cri: CriClient,
+}
+
+impl CriLab {
+    /// Starts the node ([`CriNode::start`]) and connects.
+    pub async fn start() -> CriLab {
+        let node = CriNode::start().unwrap_or_else(|e| panic!("CRI node: {e}"));
+        let cri = node.client().await.unwrap_or_else(|e| panic!("{e}"));
+        CriLab { node, cri }
+    }
+
+    /// Fails the test with a CRI error, where it happened and the logs.
+    pub fn fail(&self, what: &str, e: twig_cri::Error) -> ! {
+        panic!("{}", self.node.cri_error(what, e))
+    }
+
+    /// The node's directory.
+    pub fn dir(&self) -> PathBuf {
+        self.node
+            .node()
+            .dir()
+            .unwrap_or_else(|e| panic!("{e}"))
+            .to_path_buf()
+    }
+
+    /// The node's logs.
+    pub fn logs(&self) -> String {
+        self.node.node().logs()
+    }
+
+    /// `argv` in container `id`: (exit code, stdout trimmed).
+    pub async fn exec(&self, id: &str, argv: &[&str]) -> (i32, String) {
+        let out = self
+            .cri
+            .exec_sync(id, argv, EXEC)
+            .await
+            .unwrap_or_else(|e| self.fail(&format!("ExecSync {argv:?}"), e));
+        (
+            out.exit_code,
+            String::from_utf8_lossy(&out.stdout).trim().to_string(),
+        )
+    }
+
+    /// The counter in `file` of container `id`, once it satisfies `ok`
+    /// (within [`PROGRESS`]).
+    pub async fn wait_count(&self, id: &str, file: &str, ok: impl Fn(u64) -> bool) -> u64 {
+        let deadline = Instant::now() + PROGRESS;
+        loop {
+            let (code, out) = self.exec(id, &["cat", file]).await;
+            if let (0, Ok(n)) = (code, out.parse::<u64>()) {
+                if ok(n) {
+                    return n;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{file} of {id} did not get there within {PROGRESS:?} (last: {out:?})\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// StopPodSandbox and RemovePodSandbox.
+    pub async fn remove_pod(&self, pod_id: &str) {
+        self.cri
+            .stop_pod_sandbox(pod_id)
+            .await
+            .unwrap_or_else(|e| self.fail("StopPodSandbox", e));
+        self.cri
+            .remove_pod_sandbox(pod_id)
+            .await
+            .unwrap_or_else(|e| self.fail("RemovePodSandbox", e));
+    }
+}
