@@ -19,8 +19,8 @@ struct Bpffs {
 
 impl Drop for Bpffs {
     fn drop(&mut self) {
-        // SAFETY: umount2 of a NUL-terminated path we mounted.
         let path = std::ffi::CString::new(self.dir.path().as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: umount2 of a NUL-terminated path that outlives the call.
         unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH) };
     }
 }
