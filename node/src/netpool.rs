@@ -54,8 +54,9 @@ impl Shared {
 
 impl NetPool {
     /// Starts the pool `config` asks for: `None` when its size is 0, or when
-    /// this kernel cannot run twig-net (logged; the shims then load their
-    /// own sets, or refuse pods whose network they cannot filter).
+    /// this kernel cannot run twig-net or its directory cannot be made on a
+    /// bpffs (logged; the daemon serves on, the shims then load their own
+    /// sets, or refuse pods whose network they cannot filter).
     pub fn start(config: &NetPoolConfig) -> Result<Option<NetPool>> {
         if config.size == 0 {
             return Ok(None);
@@ -67,17 +68,10 @@ impl NetPool {
                 return Ok(None);
             }
         };
-        let root = config.dir.parent().ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "net_pool.dir {} has no parent",
-                config.dir.display()
-            ))
-        })?;
-        twig_net::ensure_bpffs(root).map_err(|e| {
-            Error::FailedPrecondition(format!("preparing the bpffs at {}: {e}", root.display()))
-        })?;
-        std::fs::create_dir_all(&config.dir)
-            .map_err(|e| Error::io(format!("creating {}", config.dir.display()), e))?;
+        if let Err(e) = prepare_dir(&config.dir) {
+            tracing::warn!("no twig-net program sets are prepared: {e}");
+            return Ok(None);
+        }
         remove_orphans(&config.dir);
         let shared = Arc::new(Shared {
             dir: config.dir.clone(),
@@ -232,6 +226,18 @@ fn fill(shared: &Shared, loader: &Loader) {
             }
         }
     }
+}
+
+/// Creates `dir` on a bpffs (mounting one on its parent if that is on
+/// none).
+fn prepare_dir(dir: &Path) -> Result<()> {
+    let root = dir.parent().ok_or_else(|| {
+        Error::InvalidArgument(format!("net_pool.dir {} has no parent", dir.display()))
+    })?;
+    twig_net::ensure_bpffs(root).map_err(|e| {
+        Error::FailedPrecondition(format!("preparing the bpffs at {}: {e}", root.display()))
+    })?;
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("creating {}", dir.display()), e))
 }
 
 /// Removes a set's pins and its directory.
