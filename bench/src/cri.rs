@@ -459,6 +459,31 @@ fn shim_time(r: &mut Report, key: &str, containerd_log: &Path, samples: &[Sample
         );
     }
     summary(r, &format!("{key}_shim_own_ms"), &per_pod);
+    let (prepared, loaded) = net_sets(&text, samples);
+    eprintln!("{key}: pod networks from the node's prepared sets: {prepared}, from sets the shim loaded: {loaded}");
+    r.value(&format!("{key}_net_sets_prepared"), json!(prepared));
+    r.value(&format!("{key}_net_sets_loaded"), json!(loaded));
+}
+
+/// How many of the pods' networks were attached from a set the node daemon
+/// prepared, and how many from one their shim loaded (the shim's `twig-net
+/// set attached` lines, which name the pod's bpffs directory).
+fn net_sets(containerd_log: &str, samples: &[Sample]) -> (usize, usize) {
+    let (mut prepared, mut loaded) = (0, 0);
+    for line in containerd_log
+        .lines()
+        .filter(|l| l.contains("twig-net set attached"))
+    {
+        if !samples.iter().any(|s| line.contains(&s.pod_id)) {
+            continue;
+        }
+        if line.contains("prepared=true") {
+            prepared += 1;
+        } else if line.contains("prepared=false") {
+            loaded += 1;
+        }
+    }
+    (prepared, loaded)
 }
 
 /// A process's command line, parent and memory (kB): resident and
@@ -593,6 +618,25 @@ async fn idle_memory(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn net_set_lines_count_prepared_and_loaded_sets_of_the_sampled_pods() {
+        let sample = |pod: &str| Sample {
+            run_pod_sandbox: Duration::ZERO,
+            create_container: Duration::ZERO,
+            start_container: Duration::ZERO,
+            first_output: Duration::ZERO,
+            pod_id: pod.into(),
+            container_id: format!("{pod}-c"),
+        };
+        let log = "x INFO twig_shim::network: twig-net set attached dir=/sys/fs/bpf/twig-n/aaa prepared=true\n\
+                   x INFO twig_shim::network: twig-net set attached dir=/sys/fs/bpf/twig-n/bbb prepared=false\n\
+                   x INFO twig_shim::network: twig-net set attached dir=/sys/fs/bpf/twig-n/ccc prepared=true\n\
+                   x INFO twig_shim::network: timing own_us=1 id=\"aaa\"";
+        assert_eq!(net_sets(log, &[sample("aaa"), sample("bbb")]), (1, 1));
+        assert_eq!(net_sets(log, &[sample("ccc")]), (1, 0));
+        assert_eq!(net_sets(log, &[]), (0, 0));
+    }
 
     #[test]
     fn timing_lines_give_the_shims_own_time() {

@@ -182,8 +182,20 @@ impl Drop for NetPool {
     }
 }
 
-/// The filler: keeps `size` sets ready until the pool closes.
+/// The filler: keeps `size` sets ready until the pool closes. It runs
+/// under `SCHED_IDLE`: loading a set (the verifier, in the kernel on this
+/// thread's behalf) yields the CPU to anything else that wants it, above
+/// all to the pods starting at that moment, whose sets it replaces.
 fn fill(shared: &Shared, loader: &Loader) {
+    let idle = libc::sched_param { sched_priority: 0 };
+    // SAFETY: sched_setscheduler on the calling thread (pid 0) with a
+    // valid sched_param that outlives the call.
+    if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &idle) } != 0 {
+        tracing::warn!(
+            "the twig-net pool's thread keeps its priority: {}",
+            std::io::Error::last_os_error()
+        );
+    }
     loop {
         let path = {
             let mut state = shared.state();

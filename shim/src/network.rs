@@ -233,7 +233,7 @@ impl Joiner for Bpf {
                 .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
             self.attach_own(dir, config, policy)?
         };
-        tracing::debug!(dir = %dir.display(), prepared, "twig-net set attached");
+        tracing::info!(dir = %dir.display(), prepared, "twig-net set attached");
         Ok(mac)
     }
 
