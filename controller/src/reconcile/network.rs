@@ -55,21 +55,22 @@ fn wanted(pod: &Pod, ns: &str, templates: &Store<SandboxTemplate>) -> Wanted {
     let annotations = pod.annotations();
     let own = annotations.get(EGRESS_POLICY_ANNOTATION);
     let template_name = annotations.get(TEMPLATE_ANNOTATION);
-    let template =
-        match (own, template_name) {
-            (None, Some(name)) => match templates.get(&ObjectRef::new(name).within(ns)) {
-                Some(t) => Some(t),
-                None => return Wanted::Keep(
+    let template = match (own, template_name) {
+        (None, Some(name)) => match templates.get(&ObjectRef::new(name).within(ns)) {
+            Some(t) => Some(t),
+            None => {
+                return Wanted::Keep(
                     TEMPLATE_NOT_FOUND,
                     format!(
                         "SandboxTemplate {name} is gone, so the pod's egress policy is unknown; \
                              the policy in force is kept (set the {EGRESS_POLICY_ANNOTATION} \
                              annotation to change it)"
                     ),
-                ),
-            },
-            _ => None,
-        };
+                )
+            }
+        },
+        _ => None,
+    };
     let template_policy = template
         .as_ref()
         .and_then(|t| t.spec.egress_policy.as_ref());
