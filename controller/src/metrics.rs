@@ -43,6 +43,9 @@ struct PodNetworkLabels {
 /// Namespace and name of a pod.
 type PodKey = (String, String);
 
+/// A family of pod network counters: its name, its help and its value.
+type NetworkFamily = (&'static str, &'static str, fn(&NetworkCounter) -> u64);
+
 /// The last counters read from each pod's shim, encoded on every scrape as
 /// `twig_pod_network_packets_total` and `twig_pod_network_bytes_total`.
 /// The values are the shim's own running totals (a collector, not
@@ -63,7 +66,7 @@ impl PodNetworkCollector {
 impl Collector for PodNetworkCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let pods = self.pods();
-        let families: [(&str, &str, fn(&NetworkCounter) -> u64); 2] = [
+        let families: [NetworkFamily; 2] = [
             (
                 "pod_network_packets",
                 "Frames through a pod's network path, by verdict and reason",
