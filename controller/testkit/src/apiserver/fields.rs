@@ -109,11 +109,7 @@ pub(super) fn unknown(
     if resource.schema.is_some() || partial {
         if let Some(meta) = body.get("metadata").filter(|m| m.is_object()) {
             // In a merge patch a null removes the field; it is no field of its own.
-            let meta = if partial {
-                &without_nulls(meta)
-            } else {
-                meta
-            };
+            let meta = if partial { &without_nulls(meta) } else { meta };
             lost(meta, &round_trip::<ObjectMeta>(meta)?, "metadata", &mut out);
         }
     }
