@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
@@ -152,15 +152,22 @@ pub struct Context {
     /// How often a deleting object whose finalizer belongs to another node
     /// is checked for that node's Node object being gone.
     pub orphan_check: Duration,
+    /// How often a pod's network path is read again (its policy in force
+    /// checked, its counters refreshed for `/metrics`).
+    pub network_refresh: Duration,
     /// Delays of retries after failed reconciles.
     pub backoff: Backoff,
     recorder: Recorder,
+    /// The last Warning Event published about each pod, so a condition that
+    /// lasts is not repeated on every look.
+    pod_warnings: Mutex<HashMap<PodKey, String>>,
     pod_locks: Mutex<HashMap<PodKey, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl Context {
     /// A context for the controller of `node_name`, with default delays
-    /// (retry 5 s, recheck 5 min, orphan check 1 min, backoff 1 s ×2 up to 5 min).
+    /// (retry 5 s, recheck 5 min, orphan check 1 min, network refresh 15 s,
+    /// backoff 1 s ×2 up to 5 min).
     pub fn new(
         client: Client,
         node_name: String,
@@ -185,8 +192,10 @@ impl Context {
             retry: Duration::from_secs(5),
             recheck: Duration::from_secs(300),
             orphan_check: Duration::from_secs(60),
+            network_refresh: Duration::from_secs(15),
             backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(300)),
             pod_locks: Mutex::default(),
+            pod_warnings: Mutex::default(),
         }
     }
 
@@ -208,6 +217,13 @@ impl Context {
     #[must_use]
     pub fn with_orphan_check(mut self, every: Duration) -> Self {
         self.orphan_check = every;
+        self
+    }
+
+    /// Sets how often pods' network paths are read again.
+    #[must_use]
+    pub fn with_network_refresh(mut self, every: Duration) -> Self {
+        self.network_refresh = every;
         self
     }
 
@@ -267,6 +283,38 @@ impl Context {
         if let Err(e) = self.recorder.publish(&event, &obj.object_ref(&())).await {
             tracing::warn!(object = %obj.name_any(), reason, error = %e, "cannot publish event");
         }
+    }
+}
+
+impl Context {
+    fn pod_warnings(&self) -> std::sync::MutexGuard<'_, HashMap<PodKey, String>> {
+        self.pod_warnings
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Publishes a Warning Event about `pod`, unless the last one published
+    /// about it had the same reason and note.
+    pub(crate) async fn warn_pod_once(&self, pod: &Pod, reason: &str, action: &str, note: String) {
+        let key = (pod.namespace().unwrap_or_default(), pod.name_any());
+        let said = format!("{reason}: {note}");
+        if self.pod_warnings().get(&key) == Some(&said) {
+            return;
+        }
+        self.event(pod, EventType::Warning, reason, action, note)
+            .await;
+        self.pod_warnings().insert(key, said);
+    }
+
+    /// Forgets the last warning about a pod (what it warned of is over).
+    pub(crate) fn clear_pod_warning(&self, namespace: &str, pod: &str) {
+        self.pod_warnings()
+            .remove(&(namespace.to_string(), pod.to_string()));
+    }
+
+    /// Forgets the warnings about pods `keep(namespace, name)` is false for.
+    pub(crate) fn retain_pod_warnings(&self, mut keep: impl FnMut(&str, &str) -> bool) {
+        self.pod_warnings().retain(|(ns, name), _| keep(ns, name));
     }
 }
 

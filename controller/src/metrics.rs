@@ -1,20 +1,25 @@
-//! Prometheus metrics: operation durations and counts by result, served as
-//! OpenMetrics text on `GET /metrics`.
+//! Prometheus metrics: operation durations and counts by result, and the
+//! network counters of this node's pods, served as OpenMetrics text on
+//! `GET /metrics`.
 
+use std::collections::BTreeMap;
 use std::convert::Infallible;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use http_body_util::Full;
 use hyper::body::Bytes;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
+
+use crate::shim::NetworkCounter;
 
 /// Labels of every operation metric.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -23,6 +28,73 @@ pub struct OperationLabels {
     pub operation: String,
     /// success or failure.
     pub result: String,
+}
+
+/// Labels of the pod network counters.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PodNetworkLabels {
+    namespace: String,
+    pod: String,
+    /// `pass` or `drop`.
+    verdict: &'static str,
+    reason: String,
+}
+
+/// Namespace and name of a pod.
+type PodKey = (String, String);
+
+/// A family of pod network counters: its name, its help and its value.
+type NetworkFamily = (&'static str, &'static str, fn(&NetworkCounter) -> u64);
+
+/// The last counters read from each pod's shim, encoded on every scrape as
+/// `twig_pod_network_packets_total` and `twig_pod_network_bytes_total`.
+/// The values are the shim's own running totals (a collector, not
+/// `Counter`s: the controller mirrors them, it does not count).
+#[derive(Debug, Default)]
+struct PodNetworkCollector {
+    pods: Mutex<BTreeMap<PodKey, Vec<NetworkCounter>>>,
+}
+
+impl PodNetworkCollector {
+    fn pods(&self) -> MutexGuard<'_, BTreeMap<PodKey, Vec<NetworkCounter>>> {
+        self.pods
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl Collector for PodNetworkCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let pods = self.pods();
+        let families: [NetworkFamily; 2] = [
+            (
+                "pod_network_packets",
+                "Frames through a pod's network path, by verdict and reason",
+                |c| c.packets,
+            ),
+            (
+                "pod_network_bytes",
+                "Bytes through a pod's network path, by verdict and reason",
+                |c| c.bytes,
+            ),
+        ];
+        for (name, help, value) in families {
+            let counter_type = ConstCounter::new(0_u64).metric_type();
+            let mut family = encoder.encode_descriptor(name, help, None, counter_type)?;
+            for ((namespace, pod), counters) in pods.iter() {
+                for counter in counters {
+                    let labels = PodNetworkLabels {
+                        namespace: namespace.clone(),
+                        pod: pod.clone(),
+                        verdict: if counter.dropped { "drop" } else { "pass" },
+                        reason: counter.reason.clone(),
+                    };
+                    ConstCounter::new(value(counter)).encode(family.encode_family(&labels)?)?;
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 type HistogramFamily = Family<OperationLabels, Histogram, fn() -> Histogram>;
@@ -37,6 +109,7 @@ pub struct Metrics {
     registry: Registry,
     durations: HistogramFamily,
     operations: Family<OperationLabels, Counter>,
+    pod_network: Arc<PodNetworkCollector>,
 }
 
 impl Default for Metrics {
@@ -61,11 +134,36 @@ impl Metrics {
             "Operations finished, by result",
             operations.clone(),
         );
+        let pod_network = Arc::new(PodNetworkCollector::default());
+        registry.register_collector(Box::new(pod_network.clone()));
         Self {
             registry,
             durations,
             operations,
+            pod_network,
         }
+    }
+
+    /// Records the network counters last read from a pod's shim (they
+    /// replace what was recorded for the pod before).
+    pub fn set_pod_network(&self, namespace: &str, pod: &str, counters: Vec<NetworkCounter>) {
+        self.pod_network
+            .pods()
+            .insert((namespace.to_string(), pod.to_string()), counters);
+    }
+
+    /// Drops a pod's network series (the pod is gone, or has no network path).
+    pub fn remove_pod_network(&self, namespace: &str, pod: &str) {
+        self.pod_network
+            .pods()
+            .remove(&(namespace.to_string(), pod.to_string()));
+    }
+
+    /// Keeps the network series only of the pods `keep(namespace, name)` is true for.
+    pub fn retain_pod_network(&self, mut keep: impl FnMut(&str, &str) -> bool) {
+        self.pod_network
+            .pods()
+            .retain(|(namespace, pod), _| keep(namespace, pod));
     }
 
     /// Records one finished operation.

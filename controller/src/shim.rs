@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
+use twig_net::EgressPolicy;
+
 use crate::crd::{SandboxTemplateSpec, SnapshotMode};
 
 use twig_proto::{twig as pb, twig_ttrpc as rpc};
@@ -42,6 +44,36 @@ pub struct SandboxStats {
     /// The operation id of the last rollback done, so a restarted
     /// controller knows whether its rollback happened.
     pub last_rollback_operation_id: Option<String>,
+    /// The pod's network path; `None` for a pod without one.
+    pub network: Option<NetworkStats>,
+}
+
+/// A pod's network path as the shim reports it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NetworkStats {
+    /// The egress policy in force; `None` when the shim's JSON could not be
+    /// read as twig-net's `EgressPolicy` (then it is unknown, and differs
+    /// from any policy the controller wants).
+    pub egress_policy: Option<EgressPolicy>,
+    /// One counter per reason, in the shim's order.
+    pub counters: Vec<NetworkCounter>,
+}
+
+/// Packets and bytes of one counter of a pod's network path.
+///
+/// The reason stays the shim's label (twig-net's `Reason::label`: `egress`,
+/// `deny_rule`, `spoofed_ip`, …) rather than a parsed `Reason`, so a reason
+/// added to the data path is exported without a controller release.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NetworkCounter {
+    /// Why frames were counted here.
+    pub reason: String,
+    /// Whether they were dropped.
+    pub dropped: bool,
+    /// Frames.
+    pub packets: u64,
+    /// Bytes of those frames.
+    pub bytes: u64,
 }
 
 /// A template's state on this node.
@@ -97,8 +129,16 @@ pub trait TwigShim: Send + Sync {
         snapshot_id: &str,
         operation_id: &str,
     ) -> Result<(), ShimError>;
-    /// Lists the sandbox's snapshots and its last rollback.
+    /// Lists the sandbox's snapshots, its last rollback and its network path.
     async fn stats(&self, sandbox: &Sandbox) -> Result<SandboxStats, ShimError>;
+    /// Replaces the egress policy on the running pod's network path
+    /// (`None`: the built-in default). [`ShimError::Refused`] for a pod
+    /// without a network path or a policy the shim refuses.
+    async fn set_egress_policy(
+        &self,
+        sandbox: &Sandbox,
+        policy: Option<&EgressPolicy>,
+    ) -> Result<(), ShimError>;
 }
 
 /// The node's `twig.v1.Node` service (node store and templates).
@@ -158,6 +198,39 @@ async fn connect(address: &str) -> Result<ttrpc::asynchronous::Client, ShimError
             address: address.to_string(),
             message: e.to_string(),
         })
+}
+
+/// `policy` as the JSON the services take; `None` (the built-in default) is empty.
+fn policy_json(call: &'static str, policy: Option<&EgressPolicy>) -> Result<String, ShimError> {
+    policy.map_or(Ok(String::new()), |p| {
+        serde_json::to_string(p).map_err(|e| ShimError::Call {
+            call,
+            message: format!("encoding the egress policy: {e}"),
+        })
+    })
+}
+
+fn network_stats(sandbox: &Sandbox, network: &pb::PodNetworkStats) -> NetworkStats {
+    let egress_policy = match serde_json::from_str::<EgressPolicy>(&network.egress_policy) {
+        Ok(policy) => Some(policy),
+        Err(e) => {
+            tracing::warn!(sandbox = %sandbox.id, error = %e, "the shim's egress policy in force is unreadable");
+            None
+        }
+    };
+    NetworkStats {
+        egress_policy,
+        counters: network
+            .counters
+            .iter()
+            .map(|c| NetworkCounter {
+                reason: c.reason.clone(),
+                dropped: c.dropped,
+                packets: c.packets,
+                bytes: c.bytes,
+            })
+            .collect(),
+    }
 }
 
 fn snapshot_info(info: &pb::SnapshotInfo) -> SnapshotInfo {
@@ -247,7 +320,29 @@ impl TwigShim for TtrpcShim {
             snapshots: resp.snapshots.iter().map(snapshot_info).collect(),
             last_rollback_operation_id: (!resp.last_rollback_operation_id.is_empty())
                 .then(|| resp.last_rollback_operation_id.clone()),
+            network: resp.network.as_ref().map(|n| network_stats(sandbox, n)),
         })
+    }
+
+    async fn set_egress_policy(
+        &self,
+        sandbox: &Sandbox,
+        policy: Option<&EgressPolicy>,
+    ) -> Result<(), ShimError> {
+        let req = pb::SetEgressPolicyRequest {
+            sandbox_id: sandbox.id.clone(),
+            egress_policy: policy_json("SetEgressPolicy", policy)?,
+            ..Default::default()
+        };
+        let client = rpc::TwigClient::new(connect(&sandbox.address).await?);
+        client
+            .set_egress_policy(
+                ttrpc::context::with_timeout(timeout_nanos(self.timeout)),
+                &req,
+            )
+            .await
+            .map_err(|e| map_error("SetEgressPolicy", &sandbox.address, e))?;
+        Ok(())
     }
 }
 
@@ -311,6 +406,7 @@ impl NodeService for TtrpcNode {
             memory_mib: spec.memory_mib,
             command: spec.command.clone().unwrap_or_default(),
             warmup: spec.warmup.clone().unwrap_or_default(),
+            egress_policy: policy_json("EnsureTemplate", spec.egress_policy.as_ref())?,
             ..Default::default()
         };
         let resp = self

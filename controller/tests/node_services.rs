@@ -11,8 +11,9 @@ use kube::api::ObjectMeta;
 use twig_controller::crd::{SandboxTemplateSpec, SnapshotMode};
 use twig_controller::sandbox::{ContainerdLocator, LocateError, SandboxLocator};
 use twig_controller::shim::{
-    NodeService, Sandbox, ShimError, SnapshotInfo, TtrpcNode, TtrpcShim, TwigShim,
+    NetworkCounter, NodeService, Sandbox, ShimError, SnapshotInfo, TtrpcNode, TtrpcShim, TwigShim,
 };
+use twig_net::EgressPolicy;
 use twig_proto::{twig as pb, twig_ttrpc as rpc};
 
 /// A minimal shim and node daemon: remembers what it was asked.
@@ -21,6 +22,8 @@ struct Server {
     requests: Mutex<Vec<String>>,
     snapshots: Mutex<BTreeMap<String, pb::SnapshotInfo>>,
     last_rollback: Mutex<String>,
+    /// The policy in force as the JSON last set (sandbox `sb-1` has a network path).
+    egress_policy: Mutex<String>,
 }
 
 fn status(code: ttrpc::Code, message: &str) -> ttrpc::Error {
@@ -95,8 +98,43 @@ impl rpc::Twig for Server {
                 .cloned()
                 .collect(),
             last_rollback_operation_id: self.last_rollback.lock().expect("lock").clone(),
+            network: Some(pb::PodNetworkStats {
+                egress_policy: self.egress_policy.lock().expect("lock").clone(),
+                counters: vec![pb::NetworkCounter {
+                    reason: "deny_rule".into(),
+                    dropped: true,
+                    packets: 3,
+                    bytes: 180,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            })
+            .into(),
             ..Default::default()
         })
+    }
+
+    async fn set_egress_policy(
+        &self,
+        _: &ttrpc::r#async::TtrpcContext,
+        req: pb::SetEgressPolicyRequest,
+    ) -> ttrpc::Result<pb::SetEgressPolicyResponse> {
+        self.requests
+            .lock()
+            .expect("lock")
+            .push(format!("policy {} {:?}", req.sandbox_id, req.egress_policy));
+        if req.sandbox_id != "sb-1" {
+            return Err(status(
+                ttrpc::Code::FAILED_PRECONDITION,
+                "the pod has no network path",
+            ));
+        }
+        let json = match req.egress_policy.as_str() {
+            "" => serde_json::to_string(&EgressPolicy::default()).expect("json"),
+            json => json.to_string(),
+        };
+        *self.egress_policy.lock().expect("lock") = json;
+        Ok(pb::SetEgressPolicyResponse::default())
     }
 }
 
@@ -134,8 +172,8 @@ impl rpc::Node for Server {
         req: pb::EnsureTemplateRequest,
     ) -> ttrpc::Result<pb::EnsureTemplateResponse> {
         self.requests.lock().expect("lock").push(format!(
-            "template {} {} {}x{} {:?}",
-            req.name, req.image, req.vcpus, req.memory_mib, req.command
+            "template {} {} {}x{} {:?} policy={:?}",
+            req.name, req.image, req.vcpus, req.memory_mib, req.command, req.egress_policy
         ));
         Ok(pb::EnsureTemplateResponse {
             ready: false,
@@ -255,7 +293,88 @@ async fn ttrpc_shim_client_calls_the_twig_service() {
         .requests
         .lock()
         .expect("lock")
-        .contains(&"template default/py python:3 2x512 [\"python3\"]".to_string()));
+        .contains(&"template default/py python:3 2x512 [\"python3\"] policy=\"\"".to_string()));
+    // The template's policy travels as twig-net's JSON.
+    let policy: EgressPolicy = serde_json::from_value(serde_json::json!({
+        "defaultAction": "deny",
+        "allow": [{"cidr": "10.96.0.10/32", "protocol": "udp", "ports": [{"port": 53}]}],
+    }))
+    .expect("policy");
+    let with_policy = SandboxTemplateSpec {
+        egress_policy: Some(policy.clone()),
+        ..spec
+    };
+    node.ensure_template("default/py", &with_policy)
+        .await
+        .expect("template");
+    let sent = server
+        .requests
+        .lock()
+        .expect("lock")
+        .last()
+        .cloned()
+        .expect("request");
+    let json = sent
+        .split_once(" policy=")
+        .map(|(_, p)| serde_json::from_str::<String>(p).expect("quoted"))
+        .expect("policy field");
+    assert_eq!(
+        serde_json::from_str::<EgressPolicy>(&json).expect("the sent JSON is a policy"),
+        policy
+    );
+    // SetEgressPolicy, and the policy in force and counters in Stats.
+    shim.set_egress_policy(&sandbox, Some(&policy))
+        .await
+        .expect("set policy");
+    let network = shim
+        .stats(&sandbox)
+        .await
+        .expect("stats")
+        .network
+        .expect("network path");
+    assert_eq!(network.egress_policy.as_ref(), Some(&policy));
+    assert_eq!(
+        network.counters,
+        [NetworkCounter {
+            reason: "deny_rule".into(),
+            dropped: true,
+            packets: 3,
+            bytes: 180
+        }]
+    );
+    shim.set_egress_policy(&sandbox, None)
+        .await
+        .expect("default policy");
+    assert_eq!(
+        shim.stats(&sandbox)
+            .await
+            .expect("stats")
+            .network
+            .and_then(|n| n.egress_policy),
+        Some(EgressPolicy::default())
+    );
+    let refused = shim
+        .set_egress_policy(&other, Some(&policy))
+        .await
+        .expect_err("no network path");
+    assert!(
+        matches!(&refused, ShimError::Refused(m) if m.contains("no network path")),
+        "{refused:?}"
+    );
+    // A policy in force this controller cannot read is unknown, not an error.
+    *server.egress_policy.lock().expect("lock") = "{\"defaultAction\": \"maybe\"}".into();
+    let unreadable = shim.stats(&sandbox).await.expect("stats").network;
+    assert_eq!(unreadable.map(|n| n.egress_policy), Some(None));
+    assert!(server.requests.lock().expect("lock").contains(&format!(
+        "policy sb-1 {:?}",
+        serde_json::to_string(&policy).expect("json")
+    )));
+    assert!(server
+        .requests
+        .lock()
+        .expect("lock")
+        .contains(&"policy sb-1 \"\"".to_string()));
+
     // A method this server does not implement answers NOT_FOUND.
     let unimplemented = node
         .delete_template("default/py")

@@ -2,6 +2,8 @@
 //! whose failures panic with the node's logs (a test's way to fail), the
 //! counter the scenarios run, and their runtime.
 
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -28,6 +30,31 @@ pub fn runtime() -> tokio::runtime::Runtime {
         .enable_all()
         .build()
         .unwrap_or_else(|e| panic!("a tokio runtime: {e}"))
+}
+
+/// The first line a peer sends on a connection to `listener` within
+/// `within` (the peer need not close its side), or why none came.
+pub fn accept_line(listener: &TcpListener, within: Duration) -> Result<String, String> {
+    listener.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let deadline = Instant::now() + within;
+    loop {
+        match listener.accept() {
+            Ok((s, _)) => {
+                s.set_nonblocking(false).map_err(|e| e.to_string())?;
+                s.set_read_timeout(Some(Duration::from_secs(10)))
+                    .map_err(|e| e.to_string())?;
+                let mut got = String::new();
+                BufReader::new(s)
+                    .read_line(&mut got)
+                    .map_err(|e| e.to_string())?;
+                return Ok(got);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(format!("no connection within {within:?}: {e}")),
+        }
+    }
 }
 
 /// A CRI node and a CRI client of it.

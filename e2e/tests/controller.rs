@@ -14,7 +14,11 @@
 //! runs them, the Clone reports both ready, each counts on from the
 //! snapshot under its own hostname → a SandboxTemplate becomes Ready on
 //! the node (twig-node builds it through CRI, warm-up included) and a pod
-//! naming it counts on from the template's warm state → everything
+//! naming it counts on from the template's warm state, under the
+//! template's egress policy (it reaches the node), which follows the
+//! template and then the pod's own annotation while it runs (the
+//! controller pushes each to the shim; the drops show in `/metrics` with
+//! the pod's name) → everything
 //! deleted: the finalizers let the Snapshot and the SandboxTemplate go
 //! once twig-node deleted their data, the kubelet removes the sandboxes,
 //! and nothing is left on the node.
@@ -22,12 +26,13 @@
 //! (`tests/lab/run.sh -p twig-e2e --features twig-e2e/lab --test controller`).
 
 use std::future::Future;
+use std::net::TcpListener;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
-use kube::api::{DeleteParams, ListParams, ObjectMeta};
+use kube::api::{DeleteParams, ListParams, ObjectMeta, Patch, PatchParams};
 use kube::{Api, Client, Resource, ResourceExt};
 use twig_controller::crd::{
     CloneSource, CloneSpec, DeletionPolicy, Phase, PodClone, Rollback, RollbackSpec,
@@ -41,8 +46,10 @@ use twig_controller::Context;
 use twig_controller_testkit::{self as testkit, schema, CONTROLLER, NS};
 use twig_cri::CriClient;
 use twig_e2e::cri::{CriNode, CRI_NAMESPACE};
+use twig_e2e::crilab::accept_line;
 use twig_e2e::kubelet::{container_id, sandbox_of, Kubelet};
 use twig_e2e::{BASE_MEM_MIB, IMAGE_REF};
+use twig_net::{EgressPolicy, EGRESS_POLICY_ANNOTATION};
 use twig_store::NodeStore;
 
 /// The lab node's name in the API server.
@@ -99,6 +106,7 @@ struct Lab {
     node: CriNode,
     cri: CriClient,
     client: Client,
+    metrics: Arc<Metrics>,
     t0: Instant,
 }
 
@@ -188,6 +196,31 @@ impl Lab {
         .await
     }
 
+    /// Whether container `id` can open a TCP connection to the node's
+    /// bridge address (a private address: the default policy drops it).
+    async fn reaches_node(&self, id: &str) -> bool {
+        let gateway = self.node.net().gateway();
+        let listener =
+            TcpListener::bind((gateway, 0)).unwrap_or_else(|e| panic!("listen on {gateway}: {e}"));
+        let port = listener.local_addr().map(|a| a.port()).unwrap_or_default();
+        let accepted = std::thread::spawn(move || accept_line(&listener, Duration::from_secs(15)));
+        let (_, said) = self
+            .sh(
+                id,
+                &format!("echo from-the-pod | nc -w 5 {gateway} {port} 2>&1; echo rc=$?"),
+            )
+            .await;
+        let got = accepted
+            .join()
+            .unwrap_or_else(|_| Err("the accept thread panicked".into()));
+        let reached = got.as_deref().map(str::trim) == Ok("from-the-pod");
+        assert!(
+            reached || !said.contains("rc=0"),
+            "nc says it connected, the node got nothing: {said:?}, {got:?}"
+        );
+        reached
+    }
+
     /// The CRI sandbox of the pod with UID `uid`.
     async fn sandbox(&self, uid: &str) -> Option<String> {
         let sandboxes = self
@@ -197,6 +230,13 @@ impl Lab {
             .unwrap_or_else(|e| panic!("{}", self.node.cri_error("ListPodSandbox", e)));
         sandbox_of(&sandboxes, uid)
     }
+}
+
+/// An egress policy that allows the node's pod subnet (the bridge address
+/// included).
+fn allow_subnet(node: &CriNode) -> EgressPolicy {
+    serde_json::from_value(serde_json::json!({"allow": [{"cidr": node.net().subnet()}]}))
+        .unwrap_or_else(|e| panic!("an egress policy: {e}"))
 }
 
 fn counter_pod(name: &str) -> Pod {
@@ -237,6 +277,7 @@ async fn the_controller_snapshots_rolls_back_and_clones_pods_of_a_real_node() {
         node,
         cri,
         client,
+        metrics: Arc::new(Metrics::new()),
         t0,
     };
     let dir = lab.dir();
@@ -260,8 +301,9 @@ async fn the_controller_snapshots_rolls_back_and_clones_pods_of_a_real_node() {
             address: format!("unix://{}", dir.join("node.sock").display()),
             timeout: CALL,
         }),
-        Arc::new(Metrics::new()),
+        lab.metrics.clone(),
     )
+    .with_network_refresh(Duration::from_secs(1))
     .with_retry(Duration::from_secs(1))
     .with_backoff(Duration::from_millis(500), Duration::from_secs(10));
     let controller = tokio::spawn(twig_controller::run(Arc::new(ctx)));
@@ -463,7 +505,8 @@ async fn scenario(lab: &Lab) {
                 "-c".into(),
                 "echo warm > /dev/shm/warm".into(),
             ]),
-            egress_policy: None,
+            // The node's subnet: the template's pods may reach the node.
+            egress_policy: Some(allow_subnet(&lab.node)),
         },
     );
     testkit::create(client, &template).await;
@@ -497,6 +540,55 @@ async fn scenario(lab: &Lab) {
         (0, "from-tpl".to_string())
     );
     step(t0, "a pod of the template counts on from its warm state");
+
+    // Its egress policy is the template's, and follows it live: the
+    // template drops its policy → the controller puts the default on the
+    // running pod (the node is a private address) → the pod's own
+    // annotation allows the subnet again. The drops are in /metrics.
+    assert!(lab.reaches_node(&tpl_ctr).await, "the template's policy");
+    let templates: Api<SandboxTemplate> = Api::namespaced(client.clone(), NS);
+    templates
+        .patch(
+            "counter-tpl",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"egressPolicy": null}})),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    until("the default policy on the running pod", READY, || async {
+        (!lab.reaches_node(&tpl_ctr).await).then_some(())
+    })
+    .await;
+    until("the pod's drops in /metrics", READY, || async {
+        let text = lab.metrics.encode().ok()?;
+        text.lines()
+            .find(|l| {
+                l.starts_with("twig_pod_network_packets_total{")
+                    && l.contains("pod=\"from-tpl\"")
+                    && l.contains("reason=\"private\"")
+                    && !l.ends_with(" 0")
+            })
+            .map(|_| ())
+    })
+    .await;
+    let policy = serde_json::to_string(&allow_subnet(&lab.node)).unwrap_or_default();
+    pods.patch(
+        "from-tpl",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({
+            "metadata": {"annotations": {EGRESS_POLICY_ANNOTATION: policy}}
+        })),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    until("the pod's own policy on it", READY, || async {
+        lab.reaches_node(&tpl_ctr).await.then_some(())
+    })
+    .await;
+    step(
+        t0,
+        "its egress policy followed the template, then its own annotation, live",
+    );
 
     // Delete everything; nothing is left.
     let vmms = lab.node.pod_vmms();
@@ -535,7 +627,6 @@ async fn scenario(lab: &Lab) {
         store.get(&snapshot_id).is_err(),
         "the node store still holds {snapshot_id}"
     );
-    let templates: Api<SandboxTemplate> = Api::namespaced(client.clone(), NS);
     templates
         .delete("counter-tpl", &dp)
         .await

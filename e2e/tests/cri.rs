@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use twig_cri::api::{ContainerState, PodSandboxState};
 use twig_cri::{container_config, logs};
 use twig_e2e::cri::{mac_in_netns, CriNode};
+use twig_e2e::crilab::accept_line;
 use twig_e2e::IMAGE_REF;
 
 const HTTP_PORT: u16 = 8080;
@@ -78,31 +79,6 @@ fn ping(ip: IpAddr, within: Duration) -> Result<(), String> {
     Err(format!(
         "{ip} did not answer ping within {within:?}: {last}"
     ))
-}
-
-/// Accepts one connection on `listener` within `within` and returns the
-/// first line the peer sent.
-fn accept_one(listener: &TcpListener, within: Duration) -> Result<String, String> {
-    listener.set_nonblocking(true).map_err(|e| e.to_string())?;
-    let deadline = Instant::now() + within;
-    loop {
-        match listener.accept() {
-            Ok((s, _)) => {
-                s.set_nonblocking(false).map_err(|e| e.to_string())?;
-                s.set_read_timeout(Some(Duration::from_secs(10)))
-                    .map_err(|e| e.to_string())?;
-                // One line: the peer need not close its side.
-                let mut got = String::new();
-                std::io::BufRead::read_line(&mut std::io::BufReader::new(s), &mut got)
-                    .map_err(|e| e.to_string())?;
-                return Ok(got);
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            Err(e) => return Err(format!("no connection within {within:?}: {e}")),
-        }
-    }
 }
 
 fn pod_lifecycle(expect: Expect) {
@@ -450,7 +426,7 @@ async fn guest_network(
         TcpListener::bind((gateway, 0)).unwrap_or_else(|e| panic!("listen on {gateway}: {e}"));
     let port = listener.local_addr().map(|a| a.port()).unwrap_or_default();
     let within = if allow_subnet { 60 } else { 15 };
-    let accepted = std::thread::spawn(move || accept_one(&listener, Duration::from_secs(within)));
+    let accepted = std::thread::spawn(move || accept_line(&listener, Duration::from_secs(within)));
     let out = cri
         .exec_sync(
             container,

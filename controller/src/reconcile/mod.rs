@@ -1,4 +1,4 @@
-//! The four reconcilers and the loop that runs them.
+//! The five reconcilers and the loop that runs them.
 
 use std::fmt::Debug;
 use std::sync::Arc;
@@ -114,6 +114,7 @@ pub(crate) fn conditions(
 }
 
 pub mod clone;
+pub mod network;
 pub mod rollback;
 pub mod snapshot;
 pub mod template;
@@ -196,7 +197,7 @@ async fn drain<T: Debug, E: std::error::Error>(stream: impl futures::Stream<Item
         .await;
 }
 
-/// Runs the four controllers until the future is dropped.
+/// Runs the five controllers until the future is dropped.
 pub async fn run(ctx: Arc<Context>) {
     let client = ctx.client.clone();
     let snapshots = Controller::new(
@@ -247,7 +248,8 @@ pub async fn run(ctx: Arc<Context>) {
         drain(snapshots),
         drain(rollbacks),
         drain(clones),
-        drain(templates)
+        drain(templates),
+        network::run(ctx.clone())
     );
 }
 

@@ -1,5 +1,7 @@
 //! A fake node behind the controller's traits: it "runs" every pod it is
-//! asked about, records each call, and can hold snapshots in flight.
+//! asked about, records each call, and can hold snapshots in flight. A
+//! sandbox has a network path (a policy in force and counters) once the
+//! test gives it one, or from the start after [`FakeNode::with_network_paths`].
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -10,8 +12,10 @@ use tokio::sync::watch;
 use twig_controller::crd::{SandboxTemplateSpec, SnapshotMode};
 use twig_controller::sandbox::{LocateError, SandboxLocator};
 use twig_controller::shim::{
-    NodeService, Sandbox, SandboxStats, ShimError, SnapshotInfo, TemplateState, TwigShim,
+    NetworkCounter, NetworkStats, NodeService, Sandbox, SandboxStats, ShimError, SnapshotInfo,
+    TemplateState, TwigShim,
 };
+use twig_net::EgressPolicy;
 
 /// One call the fake received, in order.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -34,6 +38,13 @@ pub enum Call {
     },
     /// `Twig.Stats` of the sandbox.
     Stats(String),
+    /// `Twig.SetEgressPolicy` of a sandbox.
+    SetEgressPolicy {
+        /// The sandbox (pod sandbox id).
+        sandbox: String,
+        /// The policy sent (`None`: the built-in default).
+        policy: Option<EgressPolicy>,
+    },
     /// `Node.DeleteSnapshot` of the id.
     DeleteSnapshot(String),
     /// `Node.EnsureTemplate` of the template.
@@ -46,6 +57,13 @@ pub enum Call {
 struct SandboxState {
     snapshots: Vec<SnapshotInfo>,
     last_rollback: Option<String>,
+    network: Option<NetworkState>,
+}
+
+#[derive(Clone, Default)]
+struct NetworkState {
+    policy: EgressPolicy,
+    counters: Vec<NetworkCounter>,
 }
 
 #[derive(Default)]
@@ -61,6 +79,10 @@ struct State {
     failing_deletes: usize,
     /// When each DeleteSnapshot call arrived.
     delete_times: Vec<std::time::Instant>,
+    /// Every sandbox has a network path (the built-in default policy at first).
+    network_paths: bool,
+    /// SetEgressPolicy calls still to fail.
+    failing_sets: usize,
 }
 
 /// The fake node: sandboxes, node store and call log behind the controller's traits.
@@ -159,6 +181,55 @@ impl FakeNode {
     pub fn kill_sandbox(&self, pod_uid: &str) {
         self.lock().killed.insert(format!("sb-{pod_uid}"));
         self.wake.send_modify(|n| *n += 1);
+    }
+
+    /// Every sandbox gets a network path, with the built-in default policy
+    /// in force and zero counters until the test changes them.
+    #[must_use]
+    pub fn with_network_paths(self) -> Self {
+        self.lock().network_paths = true;
+        self
+    }
+
+    /// The pod's sandbox has a network path with `policy` in force (as if
+    /// its shim had started it with that policy).
+    pub fn set_policy_in_force(&self, pod_uid: &str, policy: EgressPolicy) {
+        let mut st = self.lock();
+        let sb = st.sandboxes.entry(format!("sb-{pod_uid}")).or_default();
+        sb.network.get_or_insert_with(NetworkState::default).policy = policy;
+    }
+
+    /// The policy in force on the pod's network path, if it has one.
+    pub fn policy_in_force(&self, pod_uid: &str) -> Option<EgressPolicy> {
+        let st = self.lock();
+        let sb = st.sandboxes.get(&format!("sb-{pod_uid}"))?;
+        sb.network.as_ref().map(|n| n.policy.clone())
+    }
+
+    /// The pod's network path reports these counters from now on.
+    pub fn set_counters(&self, pod_uid: &str, counters: Vec<NetworkCounter>) {
+        let mut st = self.lock();
+        let sb = st.sandboxes.entry(format!("sb-{pod_uid}")).or_default();
+        sb.network
+            .get_or_insert_with(NetworkState::default)
+            .counters = counters;
+    }
+
+    /// The next `n` SetEgressPolicy calls fail (after they were recorded).
+    pub fn fail_set_policy(&self, n: usize) {
+        self.lock().failing_sets = n;
+    }
+
+    /// The SetEgressPolicy calls on the pod's sandbox, in order.
+    pub fn set_policy_calls(&self, pod_uid: &str) -> Vec<Option<EgressPolicy>> {
+        let id = format!("sb-{pod_uid}");
+        self.calls()
+            .into_iter()
+            .filter_map(|c| match c {
+                Call::SetEgressPolicy { sandbox, policy } if sandbox == id => Some(policy),
+                _ => None,
+            })
+            .collect()
     }
 
     fn enter(&self, sandbox: &str) -> InFlight<'_> {
@@ -279,11 +350,50 @@ impl TwigShim for FakeNode {
         }
         let mut st = self.lock();
         st.calls.push(Call::Stats(sandbox.id.clone()));
-        let sb = st.sandboxes.get(&sandbox.id);
+        let network_paths = st.network_paths;
+        let sb = st.sandboxes.entry(sandbox.id.clone()).or_default();
+        if network_paths && sb.network.is_none() {
+            sb.network = Some(NetworkState::default());
+        }
         Ok(SandboxStats {
-            snapshots: sb.map(|s| s.snapshots.clone()).unwrap_or_default(),
-            last_rollback_operation_id: sb.and_then(|s| s.last_rollback.clone()),
+            snapshots: sb.snapshots.clone(),
+            last_rollback_operation_id: sb.last_rollback.clone(),
+            network: sb.network.as_ref().map(|n| NetworkStats {
+                egress_policy: Some(n.policy.clone()),
+                counters: n.counters.clone(),
+            }),
         })
+    }
+
+    async fn set_egress_policy(
+        &self,
+        sandbox: &Sandbox,
+        policy: Option<&EgressPolicy>,
+    ) -> Result<(), ShimError> {
+        if let Some(e) = self.gone(&sandbox.id) {
+            return Err(e);
+        }
+        let mut st = self.lock();
+        st.calls.push(Call::SetEgressPolicy {
+            sandbox: sandbox.id.clone(),
+            policy: policy.cloned(),
+        });
+        if st.failing_sets > 0 {
+            st.failing_sets -= 1;
+            return Err(ShimError::Call {
+                call: "SetEgressPolicy",
+                message: "the policy maps could not be written".to_string(),
+            });
+        }
+        let network = st
+            .sandboxes
+            .get_mut(&sandbox.id)
+            .and_then(|sb| sb.network.as_mut())
+            .ok_or_else(|| {
+                ShimError::Refused(format!("sandbox {} has no network path", sandbox.id))
+            })?;
+        network.policy = policy.cloned().unwrap_or_default();
+        Ok(())
     }
 }
 

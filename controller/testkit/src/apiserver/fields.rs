@@ -76,6 +76,20 @@ fn lost(sent: &Value, kept: &Value, path: &str, out: &mut Vec<String>) {
     }
 }
 
+/// `value` without the null members of its objects, at any depth.
+fn without_nulls(value: &Value) -> Value {
+    match value {
+        Value::Object(map) => Value::Object(
+            map.iter()
+                .filter(|(_, v)| !v.is_null())
+                .map(|(k, v)| (k.clone(), without_nulls(v)))
+                .collect(),
+        ),
+        Value::Array(items) => Value::Array(items.iter().map(without_nulls).collect()),
+        other => other.clone(),
+    }
+}
+
 fn round_trip<T: serde::de::DeserializeOwned + serde::Serialize>(
     body: &Value,
 ) -> Result<Value, String> {
@@ -94,6 +108,8 @@ pub(super) fn unknown(
     let mut out = Vec::new();
     if resource.schema.is_some() || partial {
         if let Some(meta) = body.get("metadata").filter(|m| m.is_object()) {
+            // In a merge patch a null removes the field; it is no field of its own.
+            let meta = if partial { &without_nulls(meta) } else { meta };
             lost(meta, &round_trip::<ObjectMeta>(meta)?, "metadata", &mut out);
         }
     }
