@@ -49,7 +49,10 @@ pub fn template_id(key: &str) -> Result<String> {
     let (namespace, name) = key.split_once('/').ok_or_else(|| {
         Error::InvalidArgument(format!("template name {key:?} is not namespace/name"))
     })?;
-    Ok(twig_store::layout::template_id(namespace, name)?)
+    twig_store::layout::template_id(namespace, name).map_err(|e| match e {
+        twig_store::Error::InvalidArgument(m) => Error::InvalidArgument(m),
+        other => other.into(),
+    })
 }
 
 /// What one `EnsureTemplate` asks for.
