@@ -243,22 +243,34 @@ async fn containers_run_through_the_task_api_against_a_real_agent() {
         .unwrap();
     assert_eq!(state.status.enum_value(), Ok(Status::RUNNING));
 
-    // Stats: cgroups v1 metrics, as containerd decodes them.
-    let stats = c
-        .stats(
-            ctx(),
-            &api::StatsRequest {
-                id: "c1".into(),
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap();
-    let any = stats.stats.as_ref().unwrap();
-    assert_eq!(any.type_url, "io.containerd.cgroups.v1.Metrics");
-    let m = Metrics::parse_from_bytes(&any.value).unwrap();
-    assert!(m.pids.current >= 1, "{m:?}");
-    assert!(m.memory.usage.usage > 0, "{m:?}");
+    // Stats: cgroups v1 metrics, as containerd decodes them. The shell
+    // may be in its `exec sleep` (a process between two address spaces
+    // has no resident pages yet): poll until the memory shows.
+    let deadline = std::time::Instant::now() + T;
+    loop {
+        let stats = c
+            .stats(
+                ctx(),
+                &api::StatsRequest {
+                    id: "c1".into(),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        let any = stats.stats.as_ref().unwrap();
+        assert_eq!(any.type_url, "io.containerd.cgroups.v1.Metrics");
+        let m = Metrics::parse_from_bytes(&any.value).unwrap();
+        assert!(m.pids.current >= 1, "{m:?}");
+        if m.memory.usage.usage > 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no memory within {T:?}: {m:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
 
     // An exec with its exit code, and one with a terminal.
     let ex = |exec_id: &str, args: &[&str], terminal: bool, out: &str| api::ExecProcessRequest {
