@@ -76,6 +76,9 @@ enum NodeKind {
 
 /// The handlers twig-e2e's node configures.
 const LAB_HANDLERS: [&str; 2] = ["runc", "twig"];
+/// Ready twig-net sets the lab node's twig-node keeps for the shims (the
+/// concurrency the benchmark runs at).
+const LAB_NET_POOL: usize = 8;
 
 /// A started node of either kind.
 enum BenchNode {
@@ -104,7 +107,10 @@ impl BenchNode {
                     )
                     .into());
                 }
-                Ok(BenchNode::Lab(CriNode::start().context(|| {
+                // As a node runs: shims take verified twig-net sets from
+                // twig-node's pool.
+                let node = CriNode::start_configured(|c| c.net_pool = LAB_NET_POOL);
+                Ok(BenchNode::Lab(node.context(|| {
                     "starting the lab's node (twig-e2e) with CRI".into()
                 })?))
             }

@@ -47,6 +47,11 @@ impl CriNode {
     /// archive holding [`PAUSE_REF`], which tests/lab/run.sh builds with
     /// `e2e/build-image.sh`).
     pub fn start() -> Result<CriNode> {
+        CriNode::start_configured(|_| {})
+    }
+
+    /// [`CriNode::start`] with the lab's configuration changed by `f`.
+    pub fn start_configured(f: impl FnOnce(&mut NodeConfig)) -> Result<CriNode> {
         let pause = std::env::var_os("TWIG_E2E_PAUSE_IMAGE")
             .map(PathBuf::from)
             .ok_or_else(|| {
@@ -57,7 +62,9 @@ impl CriNode {
                      it, or run the tests through tests/lab/run.sh"
                 ))
             })?;
-        CriNode::start_with(&NodeConfig::from_env()?, &pause)
+        let mut config = NodeConfig::from_env()?;
+        f(&mut config);
+        CriNode::start_with(&config, &pause)
     }
 
     /// Starts a node, imports `config.image` and the pod sandbox image

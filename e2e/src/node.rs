@@ -145,7 +145,12 @@ pub fn bpffs_root(dir: &Path) -> PathBuf {
 /// directory and pool in the node's directory, its node store `store`,
 /// `twig-vmm` from `PATH`, a 128 MiB base template booting `guest` when
 /// given, one prepared VMM of that shape kept warm.
-pub fn node_config(dir: &Path, store: &Path, guest: Option<&Guest>) -> serde_json::Value {
+pub fn node_config(
+    dir: &Path,
+    store: &Path,
+    guest: Option<&Guest>,
+    net_pool: usize,
+) -> serde_json::Value {
     let mut base = serde_json::json!({ "mem_mib": BASE_MEM_MIB });
     if let Some(g) = guest {
         base["kernel"] = serde_json::json!(g.kernel);
@@ -166,7 +171,7 @@ pub fn node_config(dir: &Path, store: &Path, guest: Option<&Guest>) -> serde_jso
         },
         // Prepared twig-net sets, handed to the shims by a rename: on the
         // shims' bpffs root.
-        "net_pool": { "dir": bpffs_root(dir).join(NET_POOL_DIR) },
+        "net_pool": { "dir": bpffs_root(dir).join(NET_POOL_DIR), "size": net_pool },
     });
     if let Some(vmm) = find_on_path("twig-vmm") {
         config["vmm_binary"] = serde_json::json!(vmm);
@@ -326,6 +331,12 @@ pub struct NodeConfig {
     /// The guest kernel and agent initramfs the twig shim builds its base
     /// template from; `None`: the shim's defaults.
     pub guest: Option<Guest>,
+    /// How many verified twig-net program sets twig-node keeps ready for
+    /// the shims (0: each shim loads its own). The tests keep none: in the
+    /// lab, the pool's eBPF verification next to running nested guests
+    /// wedged the outer VM (QEMU's SVM emulation; see tests/lab/README.md);
+    /// the benchmark turns it on.
+    pub net_pool: usize,
 }
 
 /// What the twig shim's base template boots (the lab's `TWIG_GUEST_KERNEL`
@@ -362,6 +373,7 @@ impl NodeConfig {
             image,
             xfs: var("TWIG_E2E_XFS"),
             guest,
+            net_pool: 0,
         })
     }
 }
@@ -430,7 +442,13 @@ impl Node {
         let node_file = dir.join("node.json");
         fs::write(
             &node_file,
-            node_config(&dir, &store_dir(&xfs, &dir), config.guest.as_ref()).to_string(),
+            node_config(
+                &dir,
+                &store_dir(&xfs, &dir),
+                config.guest.as_ref(),
+                config.net_pool,
+            )
+            .to_string(),
         )
         .map_err(io(format!("writing {}", node_file.display())))?;
         let mut node_daemon = Daemon::spawn(
@@ -715,7 +733,7 @@ mod tests {
             kernel: PathBuf::from("/guest/bzImage"),
             initrd: PathBuf::from("/guest/agent-initrd"),
         };
-        let c = node_config(Path::new("/n"), Path::new("/x/vm"), Some(&guest));
+        let c = node_config(Path::new("/n"), Path::new("/x/vm"), Some(&guest), 8);
         assert_eq!(c["socket"], "/n/node.sock");
         assert_eq!(c["store"], "/x/vm");
         assert_eq!(c["run_dir"], "/n/node");
@@ -731,7 +749,8 @@ mod tests {
             "/n/containerd/state/io.containerd.runtime.v2.task/k8s.io"
         );
         assert_eq!(c["net_pool"]["dir"], "/sys/fs/bpf/twig-n/pool");
-        let bare = node_config(Path::new("/n"), Path::new("/x/vm"), None);
+        assert_eq!(c["net_pool"]["size"], 8);
+        let bare = node_config(Path::new("/n"), Path::new("/x/vm"), None, 0);
         assert!(bare["base"].get("kernel").is_none(), "{bare}");
     }
 
