@@ -13,7 +13,7 @@
 #        tests/lab/run.sh -p twig-e2e --features twig-e2e/lab
 #        (end-to-end: also carries containerd, runc, twig-snapshotter, twig-node,
 #        twig-vmm, containerd-shim-twig-v2 when it exists, and a busybox
-#        image built with e2e/build-image.sh)
+#        image, a pod sandbox image and a Redis image built with e2e/build-image.sh)
 #        tests/lab/run.sh --bench [twig-bench linux options...]
 #        (runs `twig-bench linux --json` in the lab; the JSON goes to stdout,
 #        the table and the lab's console to stderr)
@@ -210,6 +210,12 @@ if ((e2e)); then
   e2e/build-image.sh "$root/e2e/pause.tar" docker.io/library/twig-e2e-pause:v1 \
     /bin/sh -c 'trap "exit 0" TERM INT; while :; do sleep 3600 & wait $!; done' ||
     die "building the e2e pod sandbox image failed"
+  # The agent workflows' Redis (e2e/tests/workflows.rs), from Debian's
+  # packages, unpacked aside (nothing is installed here).
+  TWIG_IMAGE_DEBS="redis-server redis-tools libjemalloc2 liblzf1 libatomic1" \
+    TWIG_IMAGE_BINARIES="/usr/bin/redis-server /usr/bin/redis-cli" \
+    e2e/build-image.sh "$root/e2e/redis.tar" docker.io/library/twig-e2e-redis:v1 ||
+    die "building the e2e Redis image failed"
   mkdir -p "$root/usr/lib/cni"
   for p in bridge host-local loopback; do
     [[ -x /usr/lib/cni/$p ]] || die "/usr/lib/cni/$p missing (containernetworking-plugins: scripts/install-deps.sh)"
@@ -258,7 +264,7 @@ mount -t bpf bpf /sys/fs/bpf || echo "LAB-ERROR no bpffs"
 [ -e /etc/hosts ] || echo '127.0.0.1 localhost' > /etc/hosts
 [ -e /etc/resolv.conf ] || : > /etc/resolv.conf
 ip link set lo up || echo "LAB-ERROR lo"
-[ $e2e = 0 ] || export TWIG_E2E_IMAGE=/e2e/busybox.tar TWIG_E2E_PAUSE_IMAGE=/e2e/pause.tar TWIG_E2E_XFS=/xfs
+[ $e2e = 0 ] || export TWIG_E2E_IMAGE=/e2e/busybox.tar TWIG_E2E_PAUSE_IMAGE=/e2e/pause.tar TWIG_E2E_REDIS_IMAGE=/e2e/redis.tar TWIG_E2E_XFS=/xfs
 # The benchmark's files live on XFS, as in production: snapshots and
 # restores share disk extents (reflinks) instead of copying them.
 truncate -s 4G /tmp/xfs.img && mkfs.xfs -q -m reflink=1 /tmp/xfs.img && mkdir /xfs &&
