@@ -272,7 +272,10 @@ fn cel_rules_decide_as_intended() {
     ] {
         let err = check("snapshots", object("Snapshot", changed), Some(snap.clone()))
             .expect_err("changed");
-        assert!(err.contains("podName, podUid and mode are immutable"), "{err}");
+        assert!(
+            err.contains("podName, podUid and mode are immutable"),
+            "{err}"
+        );
     }
     let pinned = object(
         "Snapshot",
@@ -286,9 +289,16 @@ fn cel_rules_decide_as_intended() {
         json!({"podName": "redis", "mode": "Incremental", "podUid": "u-2"}),
         json!({"podName": "redis", "mode": "Incremental"}),
     ] {
-        let err = check("snapshots", object("Snapshot", changed), Some(pinned.clone()))
-            .expect_err("podUid changed");
-        assert!(err.contains("podName, podUid and mode are immutable"), "{err}");
+        let err = check(
+            "snapshots",
+            object("Snapshot", changed),
+            Some(pinned.clone()),
+        )
+        .expect_err("podUid changed");
+        assert!(
+            err.contains("podName, podUid and mode are immutable"),
+            "{err}"
+        );
     }
     // The default mode counts as set: omitting it is not a change.
     let defaulted = object("Snapshot", json!({"podName": "redis"}));

@@ -13,14 +13,13 @@ use kube::api::{ListParams, Patch, PatchParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use twig_controller::crd::{
-    CloneSource, CloneSpec, DeletionPolicy, Phase, PodClone, Snapshot, SnapshotMode,
-    SnapshotSpec, CLONE_LABEL,
+    CloneSource, CloneSpec, DeletionPolicy, Phase, PodClone, Snapshot, SnapshotMode, SnapshotSpec,
+    CLONE_LABEL,
 };
 
 use support::fake::FakeNode;
 use support::{
-    api_server, eventually, expect_reasons, mark_ready, running_pod, start_controller, wait_for,
-    NS,
+    api_server, eventually, expect_reasons, mark_ready, running_pod, start_controller, wait_for, NS,
 };
 
 fn snapshot(name: &str, pod: &str) -> Snapshot {
@@ -213,7 +212,11 @@ async fn a_clone_not_ready_by_its_deadline_fails_and_keeps_its_pods() {
         failure.message
     );
     let error = status.error.expect("status.error");
-    assert!(error.message.starts_with("DeadlineExceeded: "), "{}", error.message);
+    assert!(
+        error.message.starts_with("DeadlineExceeded: "),
+        "{}",
+        error.message
+    );
     clone_pods(&client, "slow", 2).await;
     expect_reasons(&client, "slow", &["PodsCreated", "DeadlineExceeded"]).await;
 }

@@ -15,9 +15,7 @@ use twig_controller::crd::{
 use twig_controller::reconcile::snapshot::DELETION_BLOCKED;
 
 use support::fake::{Call, FakeNode};
-use support::{
-    api_server, event_reasons, eventually, running_pod, start_controller, wait_for, NS,
-};
+use support::{api_server, event_reasons, eventually, running_pod, start_controller, wait_for, NS};
 
 fn snapshot(name: &str, pod: &str) -> Snapshot {
     Snapshot::new(
@@ -67,7 +65,10 @@ async fn snapshots_say_ready_to_use_their_parent_and_their_error() {
     support::create(&client, &snapshot("second", "redis")).await;
     let second = snapshot_in(&client, "second", Phase::Ready).await;
     assert_eq!(
-        second.status.and_then(|s| s.parent_snapshot_name).as_deref(),
+        second
+            .status
+            .and_then(|s| s.parent_snapshot_name)
+            .as_deref(),
         Some("first")
     );
 
@@ -84,7 +85,9 @@ async fn snapshots_say_ready_to_use_their_parent_and_their_error() {
     let lost = snapshot_in(&client, "first", Phase::Lost).await;
     let status = lost.status.expect("status");
     assert!(!status.ready_to_use);
-    assert!(status.error.is_some_and(|e| e.message.starts_with("Lost: ")));
+    assert!(status
+        .error
+        .is_some_and(|e| e.message.starts_with("Lost: ")));
 }
 
 #[tokio::test]
@@ -157,9 +160,9 @@ async fn snapshots_and_rollbacks_fail_at_their_deadline() {
         reason_of(&status.conditions, "Failure").as_deref(),
         Some("DeadlineExceeded")
     );
-    assert!(status.error.is_some_and(|e| e
-        .message
-        .contains("waiting for snapshot slow to be Ready")));
+    assert!(status
+        .error
+        .is_some_and(|e| e.message.contains("waiting for snapshot slow to be Ready")));
     fake.hold_snapshots(false);
     snapshot_in(&client, "slow", Phase::Ready).await;
     assert_eq!(fake.rollback_calls(), 0);
@@ -190,7 +193,11 @@ async fn a_parent_snapshot_is_kept_while_a_child_builds_on_it() {
         .await
         .expect("delete parent");
     let held = wait_for(&client, "parent", "held for its child", |s: &Snapshot| {
-        reason_of(s.status.iter().flat_map(|st| &st.conditions), DELETION_BLOCKED).is_some()
+        reason_of(
+            s.status.iter().flat_map(|st| &st.conditions),
+            DELETION_BLOCKED,
+        )
+        .is_some()
     })
     .await;
     assert!(held.metadata.deletion_timestamp.is_some());
@@ -201,7 +208,9 @@ async fn a_parent_snapshot_is_kept_while_a_child_builds_on_it() {
         .find(|c| c.type_ == DELETION_BLOCKED)
         .expect("condition");
     assert_eq!(condition.reason, "ChildSnapshotsExist");
-    assert!(condition.message.contains("snapshots child of namespace default"));
+    assert!(condition
+        .message
+        .contains("snapshots child of namespace default"));
     eventually("a DeletionBlocked Event", || async {
         event_reasons(&client, "parent")
             .await

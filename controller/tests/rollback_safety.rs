@@ -81,7 +81,10 @@ async fn a_rollback_first_takes_a_safety_snapshot_that_outlives_it_and_can_be_ro
     let rb = support::create(&client, &rollback("rewind", "agent", "base", true)).await;
     let done = rollback_in(&client, "rewind", Phase::Ready).await;
     let status = done.status.expect("status");
-    assert_eq!(status.safety_snapshot_name.as_deref(), Some("rewind-safety"));
+    assert_eq!(
+        status.safety_snapshot_name.as_deref(),
+        Some("rewind-safety")
+    );
     assert_eq!(status.pod_uid, pod.uid());
     assert_eq!(status.node_name.as_deref(), Some("node-a"));
 
@@ -182,13 +185,19 @@ async fn a_failed_safety_snapshot_leaves_the_pod_alone() {
     let status = failed.status.clone().expect("status");
     let error = status.error.expect("status.error");
     assert!(
-        error.message.starts_with("SafetySnapshotFailed: safety snapshot risky-safety is Failed")
+        error
+            .message
+            .starts_with("SafetySnapshotFailed: safety snapshot risky-safety is Failed")
             && error.message.contains("the guest did not pause"),
         "{}",
         error.message
     );
     assert_eq!(status.message.as_deref(), Some(error.message.as_str()));
-    assert_eq!(fake.rollback_calls(), 0, "no rollback without its safety net");
+    assert_eq!(
+        fake.rollback_calls(),
+        0,
+        "no rollback without its safety net"
+    );
     snapshot_in(&client, "risky-safety", Phase::Failed).await;
 }
 
@@ -219,7 +228,8 @@ async fn a_pod_recreated_under_the_same_name_is_refused() {
     assert_eq!(failure_reason(&failed), "PodReplaced");
     let message = failed.status.and_then(|s| s.message).unwrap_or_default();
     assert!(
-        message.contains("recreated under the same name") && message.contains(&new.uid().unwrap_or_default()),
+        message.contains("recreated under the same name")
+            && message.contains(&new.uid().unwrap_or_default()),
         "{message}"
     );
     let mut snap = snapshot("of-old", "agent");

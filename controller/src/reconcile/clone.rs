@@ -125,7 +125,8 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
         Phase::Pending | Phase::InProgress => {
             if left.is_some_and(|l| l.is_zero()) {
                 let waiting_for = format!("snapshot {snap_name} to be Ready");
-                let message = deadline_message("clone", clone.spec.failure_deadline_seconds, &waiting_for);
+                let message =
+                    deadline_message("clone", clone.spec.failure_deadline_seconds, &waiting_for);
                 return fail(&api, &clone, DEADLINE_EXCEEDED, message, &ctx).await;
             }
             return Ok(wait(ctx.retry, left));

@@ -27,7 +27,11 @@ use crate::shim::ShimError;
 pub fn validate(rollback: &Rollback) -> Result<(), String> {
     validate_name("spec.podName", &rollback.spec.pod_name)?;
     validate_name("spec.snapshotName", &rollback.spec.snapshot_name)?;
-    if rollback.spec.failure_deadline_seconds.is_some_and(|t| t < 1) {
+    if rollback
+        .spec
+        .failure_deadline_seconds
+        .is_some_and(|t| t < 1)
+    {
         return Err("spec.failureDeadlineSeconds must be at least 1".to_string());
     }
     Ok(())
@@ -226,11 +230,7 @@ enum Safety {
 
 /// Makes sure the Rollback's safety Snapshot exists (creating it the first
 /// time: not owned by the Rollback, so it outlives it) and says where it stands.
-async fn ensure_safety_snapshot(
-    rb: &Rollback,
-    name: &str,
-    ctx: &Context,
-) -> Result<Safety, Error> {
+async fn ensure_safety_snapshot(rb: &Rollback, name: &str, ctx: &Context) -> Result<Safety, Error> {
     let ns = rb.namespace().unwrap_or_default();
     let snapshots: Api<Snapshot> = Api::namespaced(ctx.client.clone(), &ns);
     let rb_uid = rb.uid().ok_or(Error::MissingField("metadata.uid"))?;
@@ -266,8 +266,14 @@ async fn ensure_safety_snapshot(
                     "Taking safety snapshot {name} of pod {} before rolling it back",
                     rb.spec.pod_name
                 );
-                ctx.event(rb, EventType::Normal, "SafetySnapshotRequested", "Rollback", note)
-                    .await;
+                ctx.event(
+                    rb,
+                    EventType::Normal,
+                    "SafetySnapshotRequested",
+                    "Rollback",
+                    note,
+                )
+                .await;
             }
             Err(kube::Error::Api(e)) if e.code == 409 => {}
             Err(e) => return Err(e.into()),
@@ -315,7 +321,10 @@ async fn proceed(
             return finish(api, rb, ctx).await;
         }
     }
-    let safety = rb.status.as_ref().and_then(|s| s.safety_snapshot_name.clone());
+    let safety = rb
+        .status
+        .as_ref()
+        .and_then(|s| s.safety_snapshot_name.clone());
     if let Some(name) = safety {
         match ensure_safety_snapshot(rb, &name, ctx).await? {
             Safety::Ready => {}

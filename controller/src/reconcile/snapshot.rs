@@ -582,8 +582,14 @@ async fn hold_for_children(
             ..status
         };
         let snap = write_status(api, snap, held, ctx).await?;
-        ctx.event(&snap, EventType::Warning, "DeletionBlocked", "Delete", message)
-            .await;
+        ctx.event(
+            &snap,
+            EventType::Warning,
+            "DeletionBlocked",
+            "Delete",
+            message,
+        )
+        .await;
     }
     Ok(Some(Action::requeue(ctx.retry)))
 }
