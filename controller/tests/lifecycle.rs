@@ -135,6 +135,26 @@ async fn snapshots_and_rollbacks_fail_at_their_deadline() {
         "{status:?}"
     );
 
+    // A snapshot whose node keeps failing (the pod's sandbox cannot be found):
+    // retried with backoff until the deadline, then failed with the last error.
+    let lost = running_pod(&client, "no-sandbox", "node-a").await;
+    fake.kill_sandbox(&lost.uid().expect("uid"));
+    let mut snap = snapshot("retried", "no-sandbox");
+    snap.spec.failure_deadline_seconds = Some(1);
+    support::create(&client, &snap).await;
+    let failed = snapshot_in(&client, "retried", Phase::Failed).await;
+    let status = failed.status.expect("status");
+    assert_eq!(
+        reason_of(&status.conditions, "Failure").as_deref(),
+        Some("DeadlineExceeded")
+    );
+    let message = status.message.unwrap_or_default();
+    assert!(
+        message.contains("waiting for a retry (last error: ")
+            && message.contains("finding the pod's sandbox"),
+        "{message}"
+    );
+
     // A Rollback waiting on a snapshot that does not finish in time.
     running_pod(&client, "redis", "node-a").await;
     fake.hold_snapshots(true);

@@ -38,8 +38,28 @@ pub fn validate(rollback: &Rollback) -> Result<(), String> {
 }
 
 /// Reconciles one Rollback. A Ready or Failed Rollback is never acted on
-/// again, so applying the same manifest twice rolls back once.
+/// again, so applying the same manifest twice rolls back once. An error
+/// (retried with backoff) past the Rollback's failure deadline fails it
+/// with `DeadlineExceeded` and the error instead.
 pub async fn reconcile(rb: Arc<Rollback>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let err = match reconcile_inner(rb.clone(), ctx.clone()).await {
+        Ok(action) => return Ok(action),
+        Err(err) => err,
+    };
+    let open = rb
+        .status
+        .as_ref()
+        .is_none_or(|s| matches!(s.phase, Phase::Pending | Phase::InProgress));
+    if !open || !left(&rb).is_some_and(|l| l.is_zero()) || rb.metadata.deletion_timestamp.is_some()
+    {
+        return Err(err);
+    }
+    let api: Api<Rollback> =
+        Api::namespaced(ctx.client.clone(), &rb.namespace().unwrap_or_default());
+    deadline_passed(&api, &rb, &format!("a retry (last error: {err})"), &ctx).await
+}
+
+async fn reconcile_inner(rb: Arc<Rollback>, ctx: Arc<Context>) -> Result<Action, Error> {
     let ns = rb
         .namespace()
         .ok_or(Error::MissingField("metadata.namespace"))?;

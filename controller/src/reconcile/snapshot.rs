@@ -42,7 +42,40 @@ pub fn validate(snap: &Snapshot) -> Result<(), String> {
 /// claims the snapshot (writes its name into the status), removed after the
 /// node-side data is gone. When that node's Node object no longer exists,
 /// any other node removes the finalizer (see [`release_if_node_gone`]).
+///
+/// An error (retried with backoff) past the Snapshot's failure deadline
+/// fails it with `DeadlineExceeded` and the error instead, if it is still
+/// Pending or InProgress on this node (or unclaimed).
 pub async fn reconcile(snap: Arc<Snapshot>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let err = match reconcile_inner(snap.clone(), ctx.clone()).await {
+        Ok(action) => return Ok(action),
+        Err(err) => err,
+    };
+    let status = snap.status.clone().unwrap_or_default();
+    let ours = status
+        .node_name
+        .as_deref()
+        .is_none_or(|n| n == ctx.node_name);
+    let overdue = deadline_left(
+        snap.metadata.creation_timestamp.as_ref(),
+        snap.spec.failure_deadline_seconds,
+    )
+    .is_some_and(|l| l.is_zero());
+    let open = matches!(status.phase, Phase::Pending | Phase::InProgress);
+    if !(ours && overdue && open) || snap.metadata.deletion_timestamp.is_some() {
+        return Err(err);
+    }
+    let api: Api<Snapshot> =
+        Api::namespaced(ctx.client.clone(), &snap.namespace().unwrap_or_default());
+    let message = deadline_message(
+        "snapshot",
+        snap.spec.failure_deadline_seconds,
+        &format!("a retry (last error: {err})"),
+    );
+    fail(&api, &snap, Some(status), DEADLINE_EXCEEDED, message, &ctx).await
+}
+
+async fn reconcile_inner(snap: Arc<Snapshot>, ctx: Arc<Context>) -> Result<Action, Error> {
     let ns = snap
         .namespace()
         .ok_or(Error::MissingField("metadata.namespace"))?;
