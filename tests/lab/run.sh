@@ -375,14 +375,16 @@ for attempt in $(seq 1 "$LAB_BOOTS"); do
   qemu=$(cat "$work/qemu.rc" 2>/dev/null || echo "?")
   cat "$log" >> "$all"
   grep -q '^LAB-END' "$log" && break
-  failed_before=$(grep '^LAB-EXIT' "$log" | awk '$3 != 0' | head -1 || true)
+  failed_before=$(awk '$1 == "LAB-EXIT" && $3 != 0 {print; exit}' "$log")
   oops=$(grep -m1 -E 'Kernel panic|BUG: |Oops: ' "$log" || true)
   why="${wedged:-qemu exit $qemu}${oops:+; the outer kernel said: $oops}"
   if [[ -n $failed_before || $attempt == "$LAB_BOOTS" ]]; then
     die "the lab did not finish ($why); see output above"
   fi
-  ((bench)) || passed_bins=$(grep '^LAB-EXIT' "$all" |
-    awk -v r="$REPEAT" '$3 == 0 {n[$2]++} END {for (b in n) if (n[b] >= r) print b}' | sort | tr '\n' ' ')
+  # (awk, not grep: a boot that wedged before any binary finished has no
+  # LAB-EXIT line, and a grep finding nothing would end this script.)
+  ((bench)) || passed_bins=$(awk -v r="$REPEAT" '$1 == "LAB-EXIT" && $3 == 0 {n[$2]++}
+    END {for (b in n) if (n[b] >= r) print b}' "$all" | sort | tr '\n' ' ')
   echo "lab: the outer VM stopped before the tests finished ($why); booting it again" >&2
 done
 log=$all
@@ -392,8 +394,8 @@ if ((bench)); then
   sed -n 's/^LAB-JSON //p' "$log"
   exit 0
 fi
-passed=$(grep '^test result:' "$log" | grep -o '[0-9]* passed' | awk '{s+=$1} END {print s+0}')
-failed=$(grep '^test result:' "$log" | grep -o '[0-9]* failed' | awk '{s+=$1} END {print s+0}')
-bad=$(grep '^LAB-EXIT' "$log" | awk '$3 != 0 {printf "%s (exit %s) ", $2, $3}')
+passed=$(awk '/^test result:/ {for (i = 1; i < NF; i++) if ($(i + 1) ~ /^passed/) s += $i} END {print s + 0}' "$log")
+failed=$(awk '/^test result:/ {for (i = 1; i < NF; i++) if ($(i + 1) ~ /^failed/) s += $i} END {print s + 0}' "$log")
+bad=$(awk '$1 == "LAB-EXIT" && $3 != 0 {printf "%s (exit %s) ", $2, $3}' "$log")
 echo "lab: $passed passed, $failed failed"
 [[ -z $bad ]] || die "failing test binaries in the lab: $bad"
