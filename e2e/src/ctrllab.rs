@@ -94,7 +94,11 @@ impl CtrlLab {
         let server = testkit::api_server_with(schema::generated()).await;
         let client = server.client();
         testkit::register_node(&client, NODE).await;
-        let dir = node.node().dir().unwrap_or_else(|e| panic!("{e}")).to_path_buf();
+        let dir = node
+            .node()
+            .dir()
+            .unwrap_or_else(|e| panic!("{e}"))
+            .to_path_buf();
         let refs: Vec<&str> = std::iter::once(IMAGE_REF)
             .chain(images.iter().map(|(_, r)| *r))
             .collect();

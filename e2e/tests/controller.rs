@@ -159,9 +159,11 @@ async fn scenario(lab: &CtrlLab) {
         "snap",
         SnapshotSpec {
             pod_name: "counter".into(),
+            pod_uid: None,
             mode: SnapshotMode::Full,
             deletion_policy: DeletionPolicy::Delete,
             ttl_seconds_after_ready: None,
+            failure_deadline_seconds: None,
         },
     );
     testkit::create(client, &snap).await;
@@ -189,13 +191,12 @@ async fn scenario(lab: &CtrlLab) {
         store.get(&snapshot_id).is_ok(),
         "the store lacks {snapshot_id}"
     );
-    lab.step(&format!("snapshot Ready (counter between {before} and {after})"),
-    );
+    lab.step(&format!(
+        "snapshot Ready (counter between {before} and {after})"
+    ));
 
     // The pod moves on: its counter, a mark in its memory, its file damaged.
-    let moved = lab
-        .count_within(&ctr, MOVE_ON_WITHIN, |n| n > after + MOVE_ON)
-        .await;
+    let moved = count_within(lab, &ctr, MOVE_ON_WITHIN, |n| n > after + MOVE_ON).await;
     let (code, _) = lab
         .sh(
             &ctr,
@@ -203,8 +204,7 @@ async fn scenario(lab: &CtrlLab) {
         )
         .await;
     assert_eq!(code, 0);
-    lab.step(&format!("the pod moved on to {moved}, its file damaged"),
-    );
+    lab.step(&format!("the pod moved on to {moved}, its file damaged"));
 
     // Rollback.
     let t_rollback = Instant::now();
@@ -213,6 +213,10 @@ async fn scenario(lab: &CtrlLab) {
         RollbackSpec {
             pod_name: "counter".into(),
             snapshot_name: "snap".into(),
+            pod_uid: None,
+            // The default: a safety snapshot of the pod first.
+            safety_snapshot: true,
+            failure_deadline_seconds: None,
         },
     );
     testkit::create(client, &rollback).await;
@@ -225,6 +229,7 @@ async fn scenario(lab: &CtrlLab) {
         .await;
     let status = rollback.status.clone().unwrap_or_default();
     assert_eq!(status.phase, Phase::Ready, "{status:#?}\n{}", lab.logs());
+    assert_eq!(status.safety_snapshot_name.as_deref(), Some("back-safety"));
     let back = count(lab, &ctr, |_| true).await;
     let took = t_rollback.elapsed();
     assert!(
@@ -247,8 +252,9 @@ async fn scenario(lab: &CtrlLab) {
     let current = pods.get("counter").await.unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(current.uid().as_deref(), Some(uid.as_str()), "another pod");
     count(lab, &ctr, |n| n > back + 5).await;
-    lab.step(&format!("rolled back in {took:?}: the counter went back to {back}, the file is back"),
-    );
+    lab.step(&format!(
+        "rolled back in {took:?}: the counter went back to {back}, the file is back"
+    ));
 
     // Clone the snapshot twice.
     let clone = PodClone::new(
@@ -261,6 +267,7 @@ async fn scenario(lab: &CtrlLab) {
             replicas: 2,
             name_prefix: None,
             labels: None,
+            failure_deadline_seconds: None,
         },
     );
     testkit::create(client, &clone).await;
@@ -403,8 +410,7 @@ async fn scenario(lab: &CtrlLab) {
         reaches_node(lab, &tpl_ctr).await.then_some(())
     })
     .await;
-    lab.step("its egress policy followed the template, then its own annotation, live",
-    );
+    lab.step("its egress policy followed the template, then its own annotation, live");
 
     // Delete everything; nothing is left.
     let vmms = lab.node.pod_vmms();
@@ -431,6 +437,12 @@ async fn scenario(lab: &CtrlLab) {
     })
     .await;
     let snapshots: Api<Snapshot> = Api::namespaced(client.clone(), NS);
+    // The Rollback's safety snapshot outlives it, and builds on `snap`:
+    // `snap` is kept until it is gone.
+    snapshots
+        .delete("back-safety", &dp)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     snapshots
         .delete("snap", &dp)
         .await

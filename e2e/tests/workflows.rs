@@ -9,7 +9,8 @@
 //! Scenario: a Redis pod, keys written → a Snapshot becomes Ready → the
 //! agent's destructive step: `FLUSHALL` and `rm -rf /data` → a Rollback
 //! becomes Ready: the same pod (UID, sandbox) holds every key again and its
-//! data directory is back → a Clone of the Snapshot with 8 replicas: every
+//! data directory is back → the rewind undone with a Rollback to the
+//! safety snapshot the first one took → a Clone of the Snapshot with 8 replicas: every
 //! fork holds the keys, writes its own, and sees none of the others' →
 //! everything deleted, nothing left on the node.
 //! Built with `--features lab`, run in the nested lab
@@ -22,8 +23,8 @@ use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
 use kube::api::{DeleteParams, ListParams, ObjectMeta};
 use kube::{Api, ResourceExt};
 use twig_controller::crd::{
-    CloneSource, CloneSpec, DeletionPolicy, Phase, PodClone, Rollback, RollbackSpec, Snapshot,
-    SnapshotMode, SnapshotSpec, CLONE_LABEL, RUNTIME_CLASS,
+    CloneSource, CloneSpec, DeletionPolicy, Phase, PodClone, Rollback, RollbackSpec,
+    RollbackStatus, Snapshot, SnapshotMode, SnapshotSpec, CLONE_LABEL, RUNTIME_CLASS,
 };
 use twig_controller_testkit::{self as testkit, NS};
 use twig_e2e::ctrllab::{until, CtrlLab, NODE, READY};
@@ -88,6 +89,40 @@ async fn dbsize(lab: &CtrlLab, id: &str) -> usize {
         .unwrap_or_else(|e| panic!("DBSIZE of {id} said {out:?}: {e}"))
 }
 
+/// The Rollback `name` once done, which must be Ready.
+async fn done(lab: &CtrlLab, name: &str) -> RollbackStatus {
+    let rollback: Rollback = lab
+        .wait_for(name, "done", |r: &Rollback| {
+            r.status
+                .as_ref()
+                .is_some_and(|s| matches!(s.phase, Phase::Ready | Phase::Failed))
+        })
+        .await;
+    let status = rollback.status.clone().unwrap_or_default();
+    assert_eq!(status.phase, Phase::Ready, "{status:#?}\n{}", lab.logs());
+    status
+}
+
+/// Rolls pod `agent` back to `snapshot` with the Rollback `name`, taking no
+/// safety snapshot, and waits until it is done.
+async fn rollback_to(lab: &CtrlLab, name: &str, snapshot: &str) {
+    testkit::create(
+        &lab.client,
+        &Rollback::new(
+            name,
+            RollbackSpec {
+                pod_name: "agent".into(),
+                snapshot_name: snapshot.into(),
+                pod_uid: None,
+                safety_snapshot: false,
+                failure_deadline_seconds: None,
+            },
+        ),
+    )
+    .await;
+    done(lab, name).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_snapshots_rewinds_and_forks_a_redis_pod() {
     let image = PathBuf::from(std::env::var_os("TWIG_E2E_REDIS_IMAGE").unwrap_or_else(|| {
@@ -127,9 +162,11 @@ async fn an_agent_snapshots_rewinds_and_forks_a_redis_pod() {
             "before-cleanup",
             SnapshotSpec {
                 pod_name: "agent".into(),
+                pod_uid: None,
                 mode: SnapshotMode::Full,
                 deletion_policy: DeletionPolicy::Delete,
                 ttl_seconds_after_ready: None,
+                failure_deadline_seconds: None,
             },
         ),
     )
@@ -147,7 +184,9 @@ async fn an_agent_snapshots_rewinds_and_forks_a_redis_pod() {
 
     // The agent's mistake: the data and its files gone.
     cli(&lab, &ctr, &["flushall"]).await;
-    let (code, _) = lab.sh(&ctr, "rm -rf /data/notes /data/appendonlydir && sync").await;
+    let (code, _) = lab
+        .sh(&ctr, "rm -rf /data/notes /data/appendonlydir && sync")
+        .await;
     assert_eq!(code, 0);
     assert_eq!(dbsize(&lab, &ctr).await, 0);
     assert_ne!(lab.sh(&ctr, "test -e /data/notes").await.0, 0);
@@ -162,19 +201,15 @@ async fn an_agent_snapshots_rewinds_and_forks_a_redis_pod() {
             RollbackSpec {
                 pod_name: "agent".into(),
                 snapshot_name: "before-cleanup".into(),
+                pod_uid: None,
+                // The default: a safety snapshot of the pod first.
+                safety_snapshot: true,
+                failure_deadline_seconds: None,
             },
         ),
     )
     .await;
-    let rollback: Rollback = lab
-        .wait_for("rewind", "done", |r: &Rollback| {
-            r.status
-                .as_ref()
-                .is_some_and(|s| matches!(s.phase, Phase::Ready | Phase::Failed))
-        })
-        .await;
-    let status = rollback.status.clone().unwrap_or_default();
-    assert_eq!(status.phase, Phase::Ready, "{status:#?}\n{}", lab.logs());
+    let status = done(&lab, "rewind").await;
     answering(&lab, &ctr).await;
     let took = t.elapsed();
     assert_eq!(dbsize(&lab, &ctr).await, KEYS, "keys after the rewind");
@@ -184,16 +219,41 @@ async fn an_agent_snapshots_rewinds_and_forks_a_redis_pod() {
         (0, "notes".to_string())
     );
     let (code, aof) = lab.sh(&ctr, "ls /data/appendonlydir").await;
-    assert!(code == 0 && !aof.is_empty(), "the append-only files: {aof:?}");
+    assert!(
+        code == 0 && !aof.is_empty(),
+        "the append-only files: {aof:?}"
+    );
     // Redis keeps appending to the rewound file.
     cli(&lab, &ctr, &["set", "after", "rewind"]).await;
     assert_eq!(dbsize(&lab, &ctr).await, KEYS + 1);
-    assert_eq!(lab.sandbox(&uid).await, sandbox, "the rewind changed the sandbox");
+    assert_eq!(
+        lab.sandbox(&uid).await,
+        sandbox,
+        "the rewind changed the sandbox"
+    );
     let current = pods.get("agent").await.unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(current.uid().as_deref(), Some(uid.as_str()), "another pod");
     lab.step(&format!(
         "rewound in {took:?}: the same pod holds its {KEYS} keys and its files"
     ));
+
+    // The rewind can be undone: its safety snapshot holds the state it
+    // replaced (no keys, no files).
+    let safety = status
+        .safety_snapshot_name
+        .clone()
+        .unwrap_or_else(|| panic!("the Rollback names no safety snapshot: {status:#?}"));
+    assert_eq!(safety, "rewind-safety");
+    rollback_to(&lab, "undo", &safety).await;
+    answering(&lab, &ctr).await;
+    assert_eq!(dbsize(&lab, &ctr).await, 0, "keys after undoing the rewind");
+    assert_ne!(lab.sh(&ctr, "test -e /data/notes").await.0, 0);
+    assert_eq!(
+        lab.sandbox(&uid).await,
+        sandbox,
+        "the undo changed the sandbox"
+    );
+    lab.step("the rewind undone from its safety snapshot");
 
     // Fork ×8.
     testkit::create(
@@ -208,6 +268,7 @@ async fn an_agent_snapshots_rewinds_and_forks_a_redis_pod() {
                 replicas: FORKS,
                 name_prefix: None,
                 labels: None,
+                failure_deadline_seconds: None,
             },
         ),
     )
@@ -245,7 +306,7 @@ async fn an_agent_snapshots_rewinds_and_forks_a_redis_pod() {
     }
     assert_eq!(
         dbsize(&lab, &ctr).await,
-        KEYS + 1,
+        0,
         "the source pod saw a fork's write"
     );
     lab.step(&format!(
@@ -262,10 +323,12 @@ async fn an_agent_snapshots_rewinds_and_forks_a_redis_pod() {
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let rollbacks: Api<Rollback> = Api::namespaced(client.clone(), NS);
-    rollbacks
-        .delete("rewind", &dp)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    for name in ["rewind", "undo"] {
+        rollbacks
+            .delete(name, &dp)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
     pods.delete("agent", &dp)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
@@ -274,15 +337,19 @@ async fn an_agent_snapshots_rewinds_and_forks_a_redis_pod() {
         left.is_empty().then_some(())
     })
     .await;
+    // The safety snapshot builds on before-cleanup, which is kept until
+    // its child is gone: deleted in that order.
     let snapshots: Api<Snapshot> = Api::namespaced(client.clone(), NS);
-    snapshots
-        .delete("before-cleanup", &dp)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    until("the Snapshot's finalizer to let go", READY, || async {
-        matches!(snapshots.get_opt("before-cleanup").await, Ok(None)).then_some(())
-    })
-    .await;
+    for name in ["rewind-safety", "before-cleanup"] {
+        snapshots
+            .delete(name, &dp)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        until("the Snapshot's finalizer to let go", READY, || async {
+            matches!(snapshots.get_opt(name).await, Ok(None)).then_some(())
+        })
+        .await;
+    }
     until(
         "the sandboxes and everything of them to go",
         READY,
