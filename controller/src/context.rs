@@ -155,6 +155,8 @@ pub struct Context {
     /// How often a pod's network path is read again (its policy in force
     /// checked, its counters refreshed for `/metrics`).
     pub network_refresh: Duration,
+    /// How often the node store's usage is read again for `/metrics`.
+    pub store_refresh: Duration,
     /// Delays of retries after failed reconciles.
     pub backoff: Backoff,
     recorder: Recorder,
@@ -167,7 +169,7 @@ pub struct Context {
 impl Context {
     /// A context for the controller of `node_name`, with default delays
     /// (retry 5 s, recheck 5 min, orphan check 1 min, network refresh 15 s,
-    /// backoff 1 s ×2 up to 5 min).
+    /// store refresh 30 s, backoff 1 s ×2 up to 5 min).
     pub fn new(
         client: Client,
         node_name: String,
@@ -193,6 +195,7 @@ impl Context {
             recheck: Duration::from_secs(300),
             orphan_check: Duration::from_secs(60),
             network_refresh: Duration::from_secs(15),
+            store_refresh: Duration::from_secs(30),
             backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(300)),
             pod_locks: Mutex::default(),
             pod_warnings: Mutex::default(),
@@ -224,6 +227,13 @@ impl Context {
     #[must_use]
     pub fn with_network_refresh(mut self, every: Duration) -> Self {
         self.network_refresh = every;
+        self
+    }
+
+    /// Sets how often the node store's usage is read again for `/metrics`.
+    #[must_use]
+    pub fn with_store_refresh(mut self, every: Duration) -> Self {
+        self.store_refresh = every;
         self
     }
 

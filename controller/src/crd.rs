@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::{CustomResource, CustomResourceExt, KubeSchema};
 use serde::{Deserialize, Serialize};
@@ -174,6 +175,20 @@ pub struct SnapshotStatus {
     /// Bytes written by this snapshot (less than the size when incremental).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub written_bytes: Option<u64>,
+    /// Bytes of guest memory the snapshot holds on disk (its memory file's
+    /// allocated blocks: all of RAM ever written for a full snapshot, the
+    /// pages changed since its parent for an incremental one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_bytes: Option<u64>,
+    /// Bytes of container disks the snapshot holds on disk (allocated
+    /// blocks; blocks shared by reflink with its parent count too).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_bytes: Option<u64>,
+    /// What a pod restored from the snapshot gets, like a VolumeSnapshot's
+    /// `restoreSize`: its guest RAM plus its disks' full sizes, as a
+    /// quantity of bytes (e.g. `1280Mi`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore_size: Option<Quantity>,
     /// Time from start to Ready, in milliseconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub duration_ms: Option<u64>,
@@ -193,6 +208,23 @@ pub struct SnapshotStatus {
     /// The failure, with its time (set when Failed or Lost).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<OperationError>,
+}
+
+/// `bytes` as an exact Kubernetes quantity: with the largest binary suffix
+/// (`Ki` … `Ei`) that divides it, else a plain integer (`0`, `1000`,
+/// `268435456` is `256Mi`).
+pub fn bytes_quantity(bytes: u64) -> Quantity {
+    const SUFFIXES: [&str; 6] = ["Ki", "Mi", "Gi", "Ti", "Pi", "Ei"];
+    let mut value = bytes;
+    let mut suffix = "";
+    for s in SUFFIXES {
+        if value == 0 || value % 1024 != 0 {
+            break;
+        }
+        value /= 1024;
+        suffix = s;
+    }
+    Quantity(format!("{value}{suffix}"))
 }
 
 /// Where a Clone's pods come from: exactly one of the two fields.

@@ -1,9 +1,10 @@
-//! Prometheus metrics: operation durations and counts by result, and the
-//! network counters of this node's pods, served as OpenMetrics text on
-//! `GET /metrics`.
+//! Prometheus metrics: operation durations and counts by result, the
+//! network counters of this node's pods, and this node's store usage,
+//! served as OpenMetrics text on `GET /metrics`.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -15,11 +16,12 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 
-use crate::shim::NetworkCounter;
+use crate::shim::{NetworkCounter, StoreUsage};
 
 /// Labels of every operation metric.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -38,6 +40,70 @@ struct PodNetworkLabels {
     /// `pass` or `drop`.
     verdict: &'static str,
     reason: String,
+}
+
+/// Labels of the node-store gauges.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct NodeLabels {
+    node: String,
+}
+
+type StoreGauge = Family<NodeLabels, Gauge<u64, AtomicU64>>;
+
+/// The gauges of the node store, by node: what the node daemon last
+/// answered to `GetStoreUsage`.
+#[derive(Default)]
+struct StoreGauges {
+    bytes: StoreGauge,
+    capacity_bytes: StoreGauge,
+    free_bytes: StoreGauge,
+    snapshots: StoreGauge,
+    templates: StoreGauge,
+}
+
+impl StoreGauges {
+    fn register(&self, registry: &mut Registry) {
+        let gauges: [(&str, &str, &StoreGauge); 5] = [
+            (
+                "node_store_bytes",
+                "Bytes allocated by the node store's files (st_blocks; a block shared by reflink counts in each file)",
+                &self.bytes,
+            ),
+            (
+                "node_store_capacity_bytes",
+                "Size of the filesystem holding the node store",
+                &self.capacity_bytes,
+            ),
+            (
+                "node_store_free_bytes",
+                "Bytes still available on the filesystem holding the node store",
+                &self.free_bytes,
+            ),
+            (
+                "node_store_snapshots",
+                "Snapshots in the node store, templates not included",
+                &self.snapshots,
+            ),
+            (
+                "node_store_templates",
+                "Templates in the node store",
+                &self.templates,
+            ),
+        ];
+        for (name, help, gauge) in gauges {
+            registry.register(name, help, gauge.clone());
+        }
+    }
+
+    fn all(&self) -> [&StoreGauge; 5] {
+        [
+            &self.bytes,
+            &self.capacity_bytes,
+            &self.free_bytes,
+            &self.snapshots,
+            &self.templates,
+        ]
+    }
 }
 
 /// Namespace and name of a pod.
@@ -110,6 +176,7 @@ pub struct Metrics {
     durations: HistogramFamily,
     operations: Family<OperationLabels, Counter>,
     pod_network: Arc<PodNetworkCollector>,
+    store: StoreGauges,
 }
 
 impl Default for Metrics {
@@ -136,11 +203,40 @@ impl Metrics {
         );
         let pod_network = Arc::new(PodNetworkCollector::default());
         registry.register_collector(Box::new(pod_network.clone()));
+        let store = StoreGauges::default();
+        store.register(&mut registry);
         Self {
             registry,
             durations,
             operations,
             pod_network,
+            store,
+        }
+    }
+
+    /// Records what node `node`'s daemon answered about its store.
+    pub fn set_store_usage(&self, node: &str, usage: &StoreUsage) {
+        let labels = NodeLabels {
+            node: node.to_string(),
+        };
+        let g = &self.store;
+        g.bytes.get_or_create(&labels).set(usage.allocated_bytes);
+        g.capacity_bytes
+            .get_or_create(&labels)
+            .set(usage.capacity_bytes);
+        g.free_bytes.get_or_create(&labels).set(usage.free_bytes);
+        g.snapshots.get_or_create(&labels).set(usage.snapshots);
+        g.templates.get_or_create(&labels).set(usage.templates);
+    }
+
+    /// Drops node `node`'s store series (its daemon did not answer: no
+    /// stale numbers are exported).
+    pub fn remove_store_usage(&self, node: &str) {
+        let labels = NodeLabels {
+            node: node.to_string(),
+        };
+        for gauge in self.store.all() {
+            gauge.remove(&labels);
         }
     }
 

@@ -34,6 +34,29 @@ pub struct SnapshotInfo {
     pub size_bytes: u64,
     /// Bytes written to take it.
     pub written_bytes: u64,
+    /// Allocated bytes of its guest memory (an incremental snapshot's own
+    /// layer); 0 from a shim or node that predates the field.
+    pub memory_bytes: u64,
+    /// Allocated bytes of its disks; 0 from a shim or node that predates the field.
+    pub disk_bytes: u64,
+    /// What a restore of it maps: guest RAM plus the disks' logical sizes;
+    /// 0 from a shim or node that predates the field.
+    pub restore_bytes: u64,
+}
+
+/// The node store's footprint and room, as the node daemon reports it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StoreUsage {
+    /// Allocated bytes of every file under the store's root.
+    pub allocated_bytes: u64,
+    /// Size of the store's filesystem.
+    pub capacity_bytes: u64,
+    /// Bytes still available on that filesystem.
+    pub free_bytes: u64,
+    /// Published snapshots that are not templates.
+    pub snapshots: u64,
+    /// Published templates.
+    pub templates: u64,
 }
 
 /// What the shim knows about a sandbox.
@@ -146,8 +169,8 @@ pub trait TwigShim: Send + Sync {
 pub trait NodeService: Send + Sync {
     /// Removes a snapshot's data; succeeds when it is already gone.
     async fn delete_snapshot(&self, snapshot_id: &str) -> Result<(), ShimError>;
-    /// Whether the node store still holds the snapshot.
-    async fn has_snapshot(&self, snapshot_id: &str) -> Result<bool, ShimError>;
+    /// The snapshot with its sizes, if the node store still holds it.
+    async fn get_snapshot(&self, snapshot_id: &str) -> Result<Option<SnapshotInfo>, ShimError>;
     /// Builds or finds the template `key` (`namespace/name`) on this node.
     async fn ensure_template(
         &self,
@@ -156,6 +179,8 @@ pub trait NodeService: Send + Sync {
     ) -> Result<TemplateState, ShimError>;
     /// Removes the template `key` from this node; succeeds when it is already gone.
     async fn delete_template(&self, key: &str) -> Result<(), ShimError>;
+    /// The node store's footprint, its filesystem's room and its counts.
+    async fn store_usage(&self) -> Result<StoreUsage, ShimError>;
 }
 
 fn map_error(call: &'static str, address: &str, err: ttrpc::Error) -> ShimError {
@@ -239,6 +264,9 @@ fn snapshot_info(info: &pb::SnapshotInfo) -> SnapshotInfo {
         parent_id: (!info.parent_id.is_empty()).then(|| info.parent_id.clone()),
         size_bytes: info.size_bytes,
         written_bytes: info.written_bytes,
+        memory_bytes: info.memory_bytes,
+        disk_bytes: info.disk_bytes,
+        restore_bytes: info.restore_bytes,
     }
 }
 
@@ -380,7 +408,7 @@ impl NodeService for TtrpcNode {
         Ok(())
     }
 
-    async fn has_snapshot(&self, snapshot_id: &str) -> Result<bool, ShimError> {
+    async fn get_snapshot(&self, snapshot_id: &str) -> Result<Option<SnapshotInfo>, ShimError> {
         let req = pb::GetSnapshotRequest {
             snapshot_id: snapshot_id.to_string(),
             ..Default::default()
@@ -391,7 +419,14 @@ impl NodeService for TtrpcNode {
             .get_snapshot(self.ctx(), &req)
             .await
             .map_err(|e| map_error("GetSnapshot", &self.address, e))?;
-        Ok(resp.found)
+        if !resp.found {
+            return Ok(None);
+        }
+        let info = resp.snapshot.as_ref().ok_or(ShimError::Call {
+            call: "GetSnapshot",
+            message: "a found snapshot without its info".to_string(),
+        })?;
+        Ok(Some(snapshot_info(info)))
     }
 
     async fn ensure_template(
@@ -432,5 +467,21 @@ impl NodeService for TtrpcNode {
             .await
             .map_err(|e| map_error("DeleteTemplate", &self.address, e))?;
         Ok(())
+    }
+
+    async fn store_usage(&self) -> Result<StoreUsage, ShimError> {
+        let resp = self
+            .client()
+            .await?
+            .get_store_usage(self.ctx(), &pb::GetStoreUsageRequest::default())
+            .await
+            .map_err(|e| map_error("GetStoreUsage", &self.address, e))?;
+        Ok(StoreUsage {
+            allocated_bytes: resp.allocated_bytes,
+            capacity_bytes: resp.capacity_bytes,
+            free_bytes: resp.free_bytes,
+            snapshots: resp.snapshots,
+            templates: resp.templates,
+        })
     }
 }

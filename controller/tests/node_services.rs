@@ -11,7 +11,8 @@ use kube::api::ObjectMeta;
 use twig_controller::crd::{SandboxTemplateSpec, SnapshotMode};
 use twig_controller::sandbox::{ContainerdLocator, LocateError, SandboxLocator};
 use twig_controller::shim::{
-    NetworkCounter, NodeService, Sandbox, ShimError, SnapshotInfo, TtrpcNode, TtrpcShim, TwigShim,
+    NetworkCounter, NodeService, Sandbox, ShimError, SnapshotInfo, StoreUsage, TtrpcNode, TtrpcShim,
+    TwigShim,
 };
 use twig_net::EgressPolicy;
 use twig_proto::{twig as pb, twig_ttrpc as rpc};
@@ -55,6 +56,9 @@ impl rpc::Twig for Server {
             parent_id: parent,
             size_bytes: 1 << 27,
             written_bytes: 1 << 12,
+            memory_bytes: 1 << 26,
+            disk_bytes: 1 << 20,
+            restore_bytes: (1 << 27) + (1 << 30),
             ..Default::default()
         };
         snaps.insert(req.snapshot_id, info.clone());
@@ -181,6 +185,21 @@ impl rpc::Node for Server {
             ..Default::default()
         })
     }
+
+    async fn get_store_usage(
+        &self,
+        _: &ttrpc::r#async::TtrpcContext,
+        _: pb::GetStoreUsageRequest,
+    ) -> ttrpc::Result<pb::GetStoreUsageResponse> {
+        Ok(pb::GetStoreUsageResponse {
+            allocated_bytes: 5 << 20,
+            capacity_bytes: 10 << 30,
+            free_bytes: 7 << 30,
+            snapshots: self.snapshots.lock().expect("lock").len() as u64,
+            templates: 1,
+            ..Default::default()
+        })
+    }
 }
 
 async fn serve(dir: &tempfile::TempDir, server: Arc<Server>) -> (String, ttrpc::r#async::Server) {
@@ -217,7 +236,10 @@ async fn ttrpc_shim_client_calls_the_twig_service() {
             snapshot_id: "a".into(),
             parent_id: None,
             size_bytes: 1 << 27,
-            written_bytes: 1 << 12
+            written_bytes: 1 << 12,
+            memory_bytes: 1 << 26,
+            disk_bytes: 1 << 20,
+            restore_bytes: (1 << 27) + (1 << 30),
         }
     );
     let second = shim
@@ -268,9 +290,23 @@ async fn ttrpc_shim_client_calls_the_twig_service() {
         address,
         timeout: Duration::from_secs(10),
     };
-    assert!(node.has_snapshot("a").await.expect("get"));
+    assert_eq!(
+        node.get_snapshot("a").await.expect("get"),
+        Some(first.clone()),
+        "the node's answer carries the sizes"
+    );
+    assert_eq!(
+        node.store_usage().await.expect("store usage"),
+        StoreUsage {
+            allocated_bytes: 5 << 20,
+            capacity_bytes: 10 << 30,
+            free_bytes: 7 << 30,
+            snapshots: 2,
+            templates: 1,
+        }
+    );
     node.delete_snapshot("a").await.expect("delete");
-    assert!(!node.has_snapshot("a").await.expect("get"));
+    assert_eq!(node.get_snapshot("a").await.expect("get"), None);
     assert_eq!(
         shim.stats(&sandbox).await.expect("stats").snapshots.len(),
         1

@@ -14,7 +14,7 @@ use twig_proto::node::{
 use twig_proto::twig::{
     DeleteSnapshotRequest, DeleteSnapshotResponse, DeleteTemplateRequest, DeleteTemplateResponse,
     EnsureTemplateRequest, EnsureTemplateResponse, GetSnapshotRequest, GetSnapshotResponse,
-    SnapshotInfo,
+    GetStoreUsageRequest, GetStoreUsageResponse, SnapshotInfo,
 };
 
 use crate::build::{template_id, Builder, Progress, Spec, SPEC_LABEL};
@@ -22,8 +22,8 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::netpool::NetPool;
 use crate::pool::{Owner, Pool};
-use crate::template::{Shape, TemplateRef, Templates};
-use twig_store::layout::TEMPLATE_POLICY_LABEL;
+use crate::template::{Shape, TemplateRef, Templates, BASE_PREFIX};
+use twig_store::layout::{TEMPLATE_ID_PREFIX, TEMPLATE_POLICY_LABEL};
 
 /// The state both services share.
 #[derive(Clone)]
@@ -124,15 +124,51 @@ impl Services {
         non_empty("snapshot_id", id)?;
         let templates = self.templates.clone();
         let id = id.to_string();
-        blocking(move || match templates.store().get(&id) {
-            Ok(s) => Ok(Some(SnapshotInfo {
-                snapshot_id: s.id.clone(),
-                parent_id: s.parent.clone().unwrap_or_default(),
-                size_bytes: s.artefacts.values().sum(),
+        blocking(move || {
+            let store = templates.store();
+            let found = store
+                .get(&id)
+                .and_then(|s| Ok((twig_store::snapshot_sizes(s.dir())?, s)));
+            match found {
+                Ok((sizes, s)) => Ok(Some(SnapshotInfo {
+                    snapshot_id: s.id.clone(),
+                    parent_id: s.parent.clone().unwrap_or_default(),
+                    size_bytes: s.artefacts.values().sum(),
+                    memory_bytes: sizes.memory_bytes,
+                    disk_bytes: sizes.disk_bytes,
+                    restore_bytes: sizes.restore_bytes,
+                    ..Default::default()
+                })),
+                Err(twig_store::Error::NotFound(_)) => Ok(None),
+                // Deleted between reading its manifest and its files.
+                Err(twig_store::Error::Io { source, .. })
+                    if source.kind() == std::io::ErrorKind::NotFound =>
+                {
+                    Ok(None)
+                }
+                Err(e) => Err(e.into()),
+            }
+        })
+        .await
+    }
+
+    /// The node store's footprint, its filesystem's room, and how many
+    /// snapshots and templates (the base template, `base-…`, and app
+    /// templates, `template.…`) it holds.
+    pub async fn store_usage(&self) -> Result<GetStoreUsageResponse> {
+        let templates = self.templates.clone();
+        blocking(move || {
+            let stats = templates.store().stats(|s| {
+                s.id.starts_with(BASE_PREFIX) || s.id.starts_with(TEMPLATE_ID_PREFIX)
+            })?;
+            Ok(GetStoreUsageResponse {
+                allocated_bytes: stats.allocated_bytes,
+                capacity_bytes: stats.capacity_bytes,
+                free_bytes: stats.free_bytes,
+                snapshots: stats.snapshots,
+                templates: stats.templates,
                 ..Default::default()
-            })),
-            Err(twig_store::Error::NotFound(_)) => Ok(None),
-            Err(e) => Err(e.into()),
+            })
         })
         .await
     }
@@ -329,6 +365,14 @@ impl twig_proto::twig_ttrpc::Node for Services {
         non_empty("name", &req.name)?;
         Services::delete_template(self, &req.name).await?;
         Ok(DeleteTemplateResponse::default())
+    }
+
+    async fn get_store_usage(
+        &self,
+        _ctx: &TtrpcContext,
+        _req: GetStoreUsageRequest,
+    ) -> ttrpc::Result<GetStoreUsageResponse> {
+        Ok(Services::store_usage(self).await?)
     }
 }
 

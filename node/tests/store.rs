@@ -1,11 +1,12 @@
-//! The `Node` service on a real node store: GetSnapshot, DeleteSnapshot,
-//! EnsureTemplate and DeleteTemplate; deletion refused while a VM restored
+//! The `Node` service on a real node store: GetSnapshot (with its sizes),
+//! GetStoreUsage, DeleteSnapshot, EnsureTemplate and DeleteTemplate; deletion refused while a VM restored
 //! from the snapshot runs or a child names it; a corrupt template refused
 //! before anything is handed over; a base template whose build fails
 //! leaves nothing in the store; configuration errors.
 
 mod common;
 
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::Path;
 use std::process::Command;
 
@@ -13,9 +14,9 @@ use common::*;
 use twig_proto::node::AcquireVmRequest;
 use twig_proto::twig::{
     DeleteSnapshotRequest, DeleteTemplateRequest, EnsureTemplateRequest, EnsureTemplateResponse,
-    GetSnapshotRequest, GetSnapshotResponse,
+    GetSnapshotRequest, GetSnapshotResponse, GetStoreUsageRequest, GetStoreUsageResponse,
 };
-use twig_store::NodeStore;
+use twig_store::{Artefact, NodeStore};
 
 fn ctx() -> ttrpc::context::Context {
     ttrpc::context::with_timeout(T.as_nanos() as i64)
@@ -28,6 +29,13 @@ impl Node {
             ..Default::default()
         };
         self.rt.block_on(self.node.get_snapshot(ctx(), &req))
+    }
+
+    fn store_usage(&self) -> Result<GetStoreUsageResponse, ttrpc::Error> {
+        self.rt.block_on(
+            self.node
+                .get_store_usage(ctx(), &GetStoreUsageRequest::default()),
+        )
     }
 
     fn delete(&self, id: &str) -> Result<(), ttrpc::Error> {
@@ -322,4 +330,91 @@ fn a_second_daemon_on_a_served_socket_refuses_to_start() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("served already"), "{err}");
     assert!(Path::new(&dir.path().join("node.sock")).exists());
+}
+
+/// Allocated bytes (`st_blocks`) of a file.
+fn allocated(path: &Path) -> u64 {
+    std::fs::metadata(path).unwrap().blocks() * 512
+}
+
+/// Allocated bytes of every regular file under `dir`.
+fn allocated_under(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            let t = e.file_type().unwrap();
+            if t.is_dir() {
+                allocated_under(&e.path())
+            } else if t.is_file() {
+                allocated(&e.path())
+            } else {
+                0
+            }
+        })
+        .sum()
+}
+
+#[test]
+fn snapshot_sizes_and_store_usage_match_the_files_on_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    make_template(dir.path(), "template.default.tiny");
+    let node = Node::start(dir.path(), &config(dir.path(), 0));
+    let store = NodeStore::open(&dir.path().join("store"), true).unwrap();
+    // A pod snapshot on top of it: a sparse layer of 3 pages, a sparse disk.
+    let mut staging = store.stage("pod-snap").unwrap();
+    let memory = std::fs::File::create(staging.path(Artefact::Memory)).unwrap();
+    memory.set_len(u64::from(MIB) << 20).unwrap();
+    for page in [0_u64, 100, 1000] {
+        memory.write_all_at(&[0x5a; 4096], page * 4096).unwrap();
+    }
+    memory.sync_all().unwrap();
+    let disk = std::fs::File::create(staging.path(Artefact::Disk(1))).unwrap();
+    disk.set_len(32 << 20).unwrap();
+    disk.write_all_at(&[1; 65536], 1 << 20).unwrap();
+    disk.sync_all().unwrap();
+    staging.put_bytes(Artefact::State, &[2; 5000]).unwrap();
+    staging.set_parent("template.default.tiny").unwrap();
+    staging.publish().unwrap();
+
+    let template = node.get("template.default.tiny").expect("GetSnapshot").snapshot;
+    let tdir = store.snapshot_dir("template.default.tiny");
+    assert_eq!(template.memory_bytes, allocated(&tdir.join("memory")));
+    assert!(template.memory_bytes > 0, "{template:?}");
+    assert_eq!(template.disk_bytes, 0, "the template VM has no disk");
+    assert_eq!(template.restore_bytes, u64::from(MIB) << 20, "{template:?}");
+
+    let snap = node.get("pod-snap").expect("GetSnapshot").snapshot;
+    let sdir = store.snapshot_dir("pod-snap");
+    assert_eq!(snap.parent_id, "template.default.tiny");
+    assert_eq!(snap.memory_bytes, allocated(&sdir.join("memory")));
+    assert!(
+        (3 * 4096..1 << 20).contains(&snap.memory_bytes),
+        "holes are not counted: {snap:?}"
+    );
+    assert_eq!(snap.disk_bytes, allocated(&sdir.join("disk1")));
+    assert!((65536..32 << 20).contains(&snap.disk_bytes), "{snap:?}");
+    assert_eq!(snap.restore_bytes, (u64::from(MIB) << 20) + (32 << 20));
+
+    let usage = node.store_usage().expect("GetStoreUsage");
+    assert_eq!((usage.snapshots, usage.templates), (1, 1), "{usage:?}");
+    assert_eq!(
+        usage.allocated_bytes,
+        allocated_under(&dir.path().join("store"))
+    );
+    assert!(usage.allocated_bytes >= snap.memory_bytes + snap.disk_bytes + template.memory_bytes);
+    assert!(usage.free_bytes > 0 && usage.free_bytes < usage.capacity_bytes, "{usage:?}");
+
+    // Deleting the pod snapshot gives its bytes back.
+    node.delete("pod-snap").expect("DeleteSnapshot");
+    let after = node.store_usage().expect("GetStoreUsage");
+    assert_eq!((after.snapshots, after.templates), (0, 1), "{after:?}");
+    assert_eq!(
+        after.allocated_bytes,
+        allocated_under(&dir.path().join("store"))
+    );
+    assert!(
+        after.allocated_bytes + snap.memory_bytes + snap.disk_bytes <= usage.allocated_bytes,
+        "{after:?} {usage:?}"
+    );
 }

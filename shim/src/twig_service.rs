@@ -33,7 +33,7 @@ use serde::{Deserialize, Serialize};
 use twig_net::{EgressPolicy, Reason};
 use twig_proto::twig as pb;
 use twig_proto::twig_ttrpc::{create_twig, Twig};
-use twig_store::{Artefact, NodeStore};
+use twig_store::{Artefact, NodeStore, SnapshotSizes};
 
 use crate::error::{Error, Result};
 use crate::pod::ContainerView;
@@ -280,11 +280,18 @@ impl TwigService {
                 .get(&Artefact::State)
                 .copied()
                 .unwrap_or_default();
+            let sizes = twig_store::snapshot_sizes(published.dir()).unwrap_or_else(|e| {
+                tracing::warn!(id, "sizing the snapshot: {e}");
+                SnapshotSizes::default()
+            });
             let info = pb::SnapshotInfo {
                 snapshot_id: id,
                 parent_id: vm.parent.unwrap_or_default(),
                 size_bytes: size,
                 written_bytes: vm.pages_written.saturating_mul(4096).saturating_add(state),
+                memory_bytes: sizes.memory_bytes,
+                disk_bytes: sizes.disk_bytes,
+                restore_bytes: sizes.restore_bytes,
                 ..Default::default()
             };
             (Ok(info), false)

@@ -9,7 +9,7 @@
 //! (`e2e/tests/twig_service.rs`). Needs root (loop devices, mounts).
 
 use std::io::{Read, Seek, Write};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::Path;
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -150,7 +150,15 @@ impl Sandbox for FakeVm {
         };
         let write = || -> std::io::Result<()> {
             std::fs::write(staging.join("state"), b"vcpu and device state")?;
-            std::fs::write(staging.join("memory"), vec![7u8; 3 * 4096])?;
+            // Guest RAM of 1 MiB, 3 pages of it written; a sparse disk.
+            let memory = std::fs::File::create(staging.join("memory"))?;
+            memory.set_len(1 << 20)?;
+            memory.write_all_at(&[7u8; 3 * 4096], 64 << 10)?;
+            let disk = std::fs::File::create(staging.join("disk0"))?;
+            disk.set_len(4 << 20)?;
+            disk.write_all_at(&[1u8; 8192], 0)?;
+            memory.sync_all()?;
+            disk.sync_all()?;
             Ok(())
         };
         let r = write()
@@ -481,6 +489,15 @@ async fn snapshots_go_into_the_store_with_the_pods_containers_and_are_idempotent
     assert_eq!(s1.parent_id, "");
     assert!(s1.size_bytes >= 3 * 4096, "{s1:?}");
     assert!(s1.written_bytes >= 3 * 4096, "{s1:?}");
+    // Sizes from the published files: allocated memory and disk, and
+    // what a restore maps (RAM and the disk's length).
+    let dir = f.store().snapshot_dir("s1");
+    let blocks = |name: &str| std::fs::metadata(dir.join(name)).unwrap().blocks() * 512;
+    assert_eq!(s1.memory_bytes, blocks("memory"), "{s1:?}");
+    assert!((3 * 4096..1 << 20).contains(&s1.memory_bytes), "{s1:?}");
+    assert_eq!(s1.disk_bytes, blocks("disk0"), "{s1:?}");
+    assert!((8192..4 << 20).contains(&s1.disk_bytes), "{s1:?}");
+    assert_eq!(s1.restore_bytes, (1 << 20) + (4 << 20), "{s1:?}");
     let s2 = f.snapshot(ctx(), "s2", false).await.expect("incremental");
     assert_eq!(s2.parent_id, "s1");
 

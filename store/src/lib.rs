@@ -10,6 +10,8 @@
 //! * [`fsops`] holds the filesystem primitives every Twig crate uses:
 //!   FICLONE reflinks and their copy fallbacks, durable writes, no-replace
 //!   renames, `flock`, FIEMAP extents and space accounting.
+//! * [`sizes`] computes a snapshot's memory, disk and restore sizes and the
+//!   store's footprint and room (`st_blocks`, `statvfs`).
 //!
 //! Lean on purpose (no async runtime, no RPC): twig-vmm links it.
 
@@ -17,8 +19,10 @@ pub mod error;
 pub mod fsops;
 pub mod layout;
 pub mod nodestore;
+pub mod sizes;
 
 pub use error::{Error, Result};
 pub use fsops::{CloneMode, Usage};
 pub use layout::{Artefact, Kind, Manifest};
 pub use nodestore::{NodeStore, Staging, VmSnapshot};
+pub use sizes::{snapshot_sizes, SnapshotSizes, StoreStats};

@@ -15,6 +15,7 @@ use std::time::SystemTime;
 
 use crate::error::{ctx, Error, Result};
 use crate::fsops::{self, CloneMode, Usage};
+use crate::sizes::{self, SnapshotSizes, StoreStats};
 use crate::layout::{
     artefacts_in, validate_id, Artefact, Kind, Manifest, LEASE_SUFFIX, MANIFEST, SNAPSHOTS_DIR,
     TMP_DIR,
@@ -304,6 +305,30 @@ impl NodeStore {
         let files: Vec<PathBuf> = self.list()?.iter().flat_map(artefact_paths).collect();
         fsops::usage_of(files.iter().map(PathBuf::as_path))
             .map_err(ctx(format!("accounting {}", self.root.display())))
+    }
+
+    /// Memory, disk and restore sizes of published snapshot `id`
+    /// ([`crate::sizes::snapshot_sizes`] of its directory).
+    pub fn sizes_of(&self, id: &str) -> Result<SnapshotSizes> {
+        let snap = self.get(id)?;
+        sizes::snapshot_sizes(snap.dir())
+    }
+
+    /// The store's allocated bytes (every file under its root, `st_blocks`),
+    /// its filesystem's capacity and free bytes, and how many published
+    /// snapshots are templates (`is_template`: the store does not know which
+    /// ids its users give templates) and how many are not.
+    pub fn stats(&self, is_template: impl Fn(&VmSnapshot) -> bool) -> Result<StoreStats> {
+        let listed = self.list()?;
+        let templates = listed.iter().filter(|s| is_template(s)).count() as u64;
+        let (capacity_bytes, free_bytes) = sizes::filesystem_room(&self.root)?;
+        Ok(StoreStats {
+            allocated_bytes: sizes::allocated_under(&self.root)?,
+            capacity_bytes,
+            free_bytes,
+            snapshots: listed.len() as u64 - templates,
+            templates,
+        })
     }
 
     /// Removes staging and deletion leftovers nobody holds a lock on (e.g.

@@ -161,6 +161,7 @@ pub(crate) fn conditions(
 
 pub mod clone;
 pub mod network;
+mod store_usage;
 pub mod rollback;
 pub mod snapshot;
 pub mod template;
@@ -300,7 +301,8 @@ pub async fn run(ctx: Arc<Context>) {
         drain(rollbacks),
         drain(clones),
         drain(templates),
-        network::run(ctx.clone())
+        network::run(ctx.clone()),
+        store_usage::run(ctx.clone())
     );
 }
 

@@ -18,7 +18,9 @@ use super::{
     DEADLINE_EXCEEDED, POD_REPLACED,
 };
 use crate::context::{is_not_found, millis_since, now, Context, Error};
-use crate::crd::{DeletionPolicy, Phase, Snapshot, SnapshotMode, SnapshotStatus, RUNTIME_CLASS};
+use crate::crd::{
+    bytes_quantity, DeletionPolicy, Phase, Snapshot, SnapshotMode, SnapshotStatus, RUNTIME_CLASS,
+};
 use crate::reconcile::{current_pod, validate_name};
 use crate::shim::{ShimError, SnapshotInfo};
 
@@ -360,7 +362,7 @@ async fn take(
         error: None,
         ..status
     };
-    let snap = write_status(api, &snap, ready, ctx).await?;
+    let snap = write_status(api, &snap, with_sizes(ready, &info), ctx).await?;
     ctx.metrics
         .observe("snapshot", true, duration_ms as f64 / 1000.0);
     let note = format!(
@@ -391,7 +393,7 @@ async fn ready(
         .snapshot_id
         .clone()
         .ok_or(Error::MissingField("status.snapshotID"))?;
-    if !ctx.node.has_snapshot(&id).await? {
+    let Some(stored) = ctx.node.get_snapshot(&id).await? else {
         let message = format!("snapshot {id} is no longer on node {}", ctx.node_name);
         let lost = SnapshotStatus {
             phase: Phase::Lost,
@@ -411,8 +413,29 @@ async fn ready(
         ctx.event(&snap, EventType::Warning, "Lost", "Snapshot", message)
             .await;
         return Ok(Action::await_change());
+    };
+    // Sizes the node knows and the status lacks (a snapshot taken through
+    // a shim that predates them, or whose answer was lost).
+    let sized = with_sizes(status.clone(), &stored);
+    if sized != *status {
+        write_status(api, snap, sized, ctx).await?;
     }
     Ok(Action::requeue(ctx.recheck))
+}
+
+/// `status` with the memory, disk and restore sizes of `info`; unchanged
+/// when `info` has none (a shim or node that predates them answers 0 for
+/// the restore size, which no snapshot has: it holds the guest's RAM).
+fn with_sizes(status: SnapshotStatus, info: &SnapshotInfo) -> SnapshotStatus {
+    if info.restore_bytes == 0 {
+        return status;
+    }
+    SnapshotStatus {
+        memory_bytes: Some(info.memory_bytes),
+        disk_bytes: Some(info.disk_bytes),
+        restore_size: Some(bytes_quantity(info.restore_bytes)),
+        ..status
+    }
 }
 
 async fn shim_failed(

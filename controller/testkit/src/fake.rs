@@ -2,6 +2,11 @@
 //! asked about, records each call, and can hold snapshots in flight. A
 //! sandbox has a network path (a policy in force and counters) once the
 //! test gives it one, or from the start after [`FakeNode::with_network_paths`].
+//!
+//! Sizes: a full snapshot holds [`FULL_MEMORY_BYTES`] of memory, an
+//! incremental one [`PAGE_BYTES`]; each holds [`DISK_BYTES`] of disk and
+//! restores to [`RESTORE_BYTES`]. The store's usage is the sum of what its
+//! snapshots hold, on a filesystem of [`STORE_CAPACITY_BYTES`].
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -13,7 +18,7 @@ use twig_controller::crd::{SandboxTemplateSpec, SnapshotMode};
 use twig_controller::sandbox::{LocateError, SandboxLocator};
 use twig_controller::shim::{
     NetworkCounter, NetworkStats, NodeService, Sandbox, SandboxStats, ShimError, SnapshotInfo,
-    TemplateState, TwigShim,
+    StoreUsage, TemplateState, TwigShim,
 };
 use twig_net::EgressPolicy;
 
@@ -53,6 +58,17 @@ pub enum Call {
     DeleteTemplate(String),
 }
 
+/// Memory a full snapshot of the fake holds (its guest's RAM, all written).
+pub const FULL_MEMORY_BYTES: u64 = 128 << 20;
+/// Memory an incremental snapshot of the fake holds: one page.
+pub const PAGE_BYTES: u64 = 4096;
+/// Disk bytes every snapshot of the fake holds.
+pub const DISK_BYTES: u64 = 3 << 20;
+/// What every snapshot of the fake restores to: 128 MiB of RAM and a 1 GiB disk.
+pub const RESTORE_BYTES: u64 = (128 << 20) + (1 << 30);
+/// Size of the fake node store's filesystem.
+pub const STORE_CAPACITY_BYTES: u64 = 100 << 30;
+
 #[derive(Default)]
 struct SandboxState {
     snapshots: Vec<SnapshotInfo>,
@@ -85,6 +101,13 @@ struct State {
     failing_sets: usize,
     /// Snapshot calls still to refuse (after they were recorded).
     failing_snapshots: usize,
+    /// The shim answers Snapshot without sizes (as one that predates them).
+    shim_without_sizes: bool,
+    /// GetStoreUsage calls still to fail as if the node service were down
+    /// (GetStoreUsage is periodic, so it is not in the call log).
+    failing_store_usage: usize,
+    /// Templates the node store holds (ensured and not deleted).
+    templates: BTreeSet<String>,
 }
 
 /// The fake node: sandboxes, node store and call log behind the controller's traits.
@@ -223,6 +246,17 @@ impl FakeNode {
         self.lock().failing_snapshots = n;
     }
 
+    /// The shim answers Snapshot without sizes from now on (as a shim that
+    /// predates them); the node store still knows them.
+    pub fn shim_without_sizes(&self) {
+        self.lock().shim_without_sizes = true;
+    }
+
+    /// The next `n` GetStoreUsage calls fail as if the node service were down.
+    pub fn fail_store_usage(&self, n: usize) {
+        self.lock().failing_store_usage = n;
+    }
+
     /// The next `n` SetEgressPolicy calls fail (after they were recorded).
     pub fn fail_set_policy(&self, n: usize) {
         self.lock().failing_sets = n;
@@ -304,16 +338,33 @@ impl TwigShim for FakeNode {
                 SnapshotMode::Full => None,
                 SnapshotMode::Incremental => sb.snapshots.last().map(|s| s.snapshot_id.clone()),
             };
+            let memory_bytes = if parent.is_some() {
+                PAGE_BYTES
+            } else {
+                FULL_MEMORY_BYTES
+            };
             let info = SnapshotInfo {
                 snapshot_id: snapshot_id.to_string(),
-                written_bytes: if parent.is_some() { 4096 } else { 128 << 20 },
+                written_bytes: memory_bytes,
                 parent_id: parent,
                 size_bytes: 128 << 20,
+                memory_bytes,
+                disk_bytes: DISK_BYTES,
+                restore_bytes: RESTORE_BYTES,
             };
             // The shim finishes a snapshot even if its caller goes away.
             sb.snapshots.push(info.clone());
             st.store.insert(snapshot_id.to_string());
-            info
+            if st.shim_without_sizes {
+                SnapshotInfo {
+                    memory_bytes: 0,
+                    disk_bytes: 0,
+                    restore_bytes: 0,
+                    ..info
+                }
+            } else {
+                info
+            }
         };
         let mut wake = self.wake.subscribe();
         loop {
@@ -428,8 +479,42 @@ impl NodeService for FakeNode {
         Ok(())
     }
 
-    async fn has_snapshot(&self, snapshot_id: &str) -> Result<bool, ShimError> {
-        Ok(self.lock().store.contains(snapshot_id))
+    async fn get_snapshot(&self, snapshot_id: &str) -> Result<Option<SnapshotInfo>, ShimError> {
+        let st = self.lock();
+        if !st.store.contains(snapshot_id) {
+            return Ok(None);
+        }
+        Ok(st
+            .sandboxes
+            .values()
+            .flat_map(|sb| &sb.snapshots)
+            .find(|s| s.snapshot_id == snapshot_id)
+            .cloned())
+    }
+
+    async fn store_usage(&self) -> Result<StoreUsage, ShimError> {
+        let mut st = self.lock();
+        if st.failing_store_usage > 0 {
+            st.failing_store_usage -= 1;
+            return Err(ShimError::Unavailable {
+                address: "unix:///run/twig/node.sock".to_string(),
+                message: "connection refused".to_string(),
+            });
+        }
+        let stored: Vec<&SnapshotInfo> = st
+            .sandboxes
+            .values()
+            .flat_map(|sb| &sb.snapshots)
+            .filter(|s| st.store.contains(&s.snapshot_id))
+            .collect();
+        let allocated_bytes = stored.iter().map(|s| s.memory_bytes + s.disk_bytes).sum();
+        Ok(StoreUsage {
+            allocated_bytes,
+            capacity_bytes: STORE_CAPACITY_BYTES,
+            free_bytes: STORE_CAPACITY_BYTES - allocated_bytes,
+            snapshots: stored.len() as u64,
+            templates: st.templates.len() as u64,
+        })
     }
 
     async fn ensure_template(
@@ -437,9 +522,9 @@ impl NodeService for FakeNode {
         key: &str,
         _spec: &SandboxTemplateSpec,
     ) -> Result<TemplateState, ShimError> {
-        self.lock()
-            .calls
-            .push(Call::EnsureTemplate(key.to_string()));
+        let mut st = self.lock();
+        st.calls.push(Call::EnsureTemplate(key.to_string()));
+        st.templates.insert(key.to_string());
         Ok(TemplateState {
             ready: true,
             message: None,
@@ -447,9 +532,9 @@ impl NodeService for FakeNode {
     }
 
     async fn delete_template(&self, key: &str) -> Result<(), ShimError> {
-        self.lock()
-            .calls
-            .push(Call::DeleteTemplate(key.to_string()));
+        let mut st = self.lock();
+        st.calls.push(Call::DeleteTemplate(key.to_string()));
+        st.templates.remove(key);
         Ok(())
     }
 }

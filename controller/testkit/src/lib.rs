@@ -60,7 +60,7 @@ impl Drop for Controller {
 /// The actor name of controller clients in [`TestApiServer::accesses`].
 pub const CONTROLLER: &str = "controller";
 
-/// Starts a controller for `node` against `server`, behind the fake node `fake`, with short retry, recheck, orphan-check, network-refresh and backoff periods.
+/// Starts a controller for `node` against `server`, behind the fake node `fake`, with short retry, recheck, orphan-check, network- and store-refresh and backoff periods.
 pub fn start_controller(server: &TestApiServer, node: &str, fake: &Arc<FakeNode>) -> Controller {
     let client = server.client_as(CONTROLLER);
     let (locator, shim, node_service) = fake::as_traits(fake);
@@ -77,6 +77,7 @@ pub fn start_controller(server: &TestApiServer, node: &str, fake: &Arc<FakeNode>
     .with_recheck(Duration::from_millis(300))
     .with_orphan_check(Duration::from_millis(200))
     .with_network_refresh(Duration::from_millis(200))
+    .with_store_refresh(Duration::from_millis(200))
     .with_backoff(Duration::from_millis(100), Duration::from_millis(800));
     let ctx = Arc::new(ctx);
     let task = tokio::spawn(twig_controller::run(ctx.clone()));
