@@ -88,7 +88,10 @@ async fn snapshot_status_carries_memory_disk_and_restore_sizes() {
     let full = ready(&client, "full").await.status.expect("status");
     assert_eq!(full.memory_bytes, Some(FULL_MEMORY_BYTES));
     assert_eq!(full.disk_bytes, Some(DISK_BYTES));
-    assert_eq!(full.restore_size.map(|q| q.0).as_deref(), Some("1152Mi"));
+    assert_eq!(
+        full.restore_size.as_ref().map(|q| q.0.as_str()),
+        Some("1152Mi")
+    );
 
     support::create(&client, &snapshot("layer", SnapshotMode::Incremental)).await;
     let layer = ready(&client, "layer").await.status.expect("status");
@@ -161,8 +164,8 @@ async fn node_store_usage_is_exported_per_node_and_dropped_while_unknown() {
 
     running_pod(&client, "redis", "node-a").await;
     support::create(&client, &snapshot("full", SnapshotMode::Full)).await;
-    support::create(&client, &snapshot("layer", SnapshotMode::Incremental)).await;
     ready(&client, "full").await;
+    support::create(&client, &snapshot("layer", SnapshotMode::Incremental)).await;
     ready(&client, "layer").await;
     let held = FULL_MEMORY_BYTES + PAGE_BYTES + 2 * DISK_BYTES;
     eventually("two snapshots counted", || async {
