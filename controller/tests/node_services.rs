@@ -11,8 +11,8 @@ use kube::api::ObjectMeta;
 use twig_controller::crd::{SandboxTemplateSpec, SnapshotMode};
 use twig_controller::sandbox::{ContainerdLocator, LocateError, SandboxLocator};
 use twig_controller::shim::{
-    NetworkCounter, NodeService, Sandbox, ShimError, SnapshotInfo, StoreUsage, TtrpcNode, TtrpcShim,
-    TwigShim,
+    NetworkCounter, NodeService, Sandbox, ShimError, SnapshotInfo, StoreUsage, TtrpcNode,
+    TtrpcShim, TwigShim,
 };
 use twig_net::EgressPolicy;
 use twig_proto::{twig as pb, twig_ttrpc as rpc};

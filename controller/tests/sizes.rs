@@ -98,7 +98,10 @@ async fn snapshot_status_carries_memory_disk_and_restore_sizes() {
     assert!(layer.parent.is_some(), "{layer:?}");
     assert_eq!(layer.memory_bytes, Some(PAGE_BYTES), "its own layer only");
     assert_eq!(layer.disk_bytes, Some(DISK_BYTES));
-    assert_eq!(layer.restore_size, full.restore_size, "a restore maps all of RAM");
+    assert_eq!(
+        layer.restore_size, full.restore_size,
+        "a restore maps all of RAM"
+    );
 
     let raw = raw_status(&client, "layer").await;
     assert_eq!(raw["memoryBytes"], serde_json::json!(PAGE_BYTES));

@@ -158,9 +158,9 @@ impl Services {
     pub async fn store_usage(&self) -> Result<GetStoreUsageResponse> {
         let templates = self.templates.clone();
         blocking(move || {
-            let stats = templates.store().stats(|s| {
-                s.id.starts_with(BASE_PREFIX) || s.id.starts_with(TEMPLATE_ID_PREFIX)
-            })?;
+            let stats = templates
+                .store()
+                .stats(|s| s.id.starts_with(BASE_PREFIX) || s.id.starts_with(TEMPLATE_ID_PREFIX))?;
             Ok(GetStoreUsageResponse {
                 allocated_bytes: stats.allocated_bytes,
                 capacity_bytes: stats.capacity_bytes,

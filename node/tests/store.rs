@@ -377,7 +377,10 @@ fn snapshot_sizes_and_store_usage_match_the_files_on_disk() {
     staging.set_parent("template.default.tiny").unwrap();
     staging.publish().unwrap();
 
-    let template = node.get("template.default.tiny").expect("GetSnapshot").snapshot;
+    let template = node
+        .get("template.default.tiny")
+        .expect("GetSnapshot")
+        .snapshot;
     let tdir = store.snapshot_dir("template.default.tiny");
     assert_eq!(template.memory_bytes, allocated(&tdir.join("memory")));
     assert!(template.memory_bytes > 0, "{template:?}");
@@ -403,7 +406,10 @@ fn snapshot_sizes_and_store_usage_match_the_files_on_disk() {
         allocated_under(&dir.path().join("store"))
     );
     assert!(usage.allocated_bytes >= snap.memory_bytes + snap.disk_bytes + template.memory_bytes);
-    assert!(usage.free_bytes > 0 && usage.free_bytes < usage.capacity_bytes, "{usage:?}");
+    assert!(
+        usage.free_bytes > 0 && usage.free_bytes < usage.capacity_bytes,
+        "{usage:?}"
+    );
 
     // Deleting the pod snapshot gives its bytes back.
     node.delete("pod-snap").expect("DeleteSnapshot");

@@ -15,11 +15,11 @@ use std::time::SystemTime;
 
 use crate::error::{ctx, Error, Result};
 use crate::fsops::{self, CloneMode, Usage};
-use crate::sizes::{self, SnapshotSizes, StoreStats};
 use crate::layout::{
     artefacts_in, validate_id, Artefact, Kind, Manifest, LEASE_SUFFIX, MANIFEST, SNAPSHOTS_DIR,
     TMP_DIR,
 };
+use crate::sizes::{self, SnapshotSizes, StoreStats};
 
 /// A published VM snapshot.
 #[derive(Debug, Clone, PartialEq, Eq)]

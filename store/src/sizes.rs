@@ -50,10 +50,8 @@ pub fn snapshot_sizes(dir: &Path) -> Result<SnapshotSizes> {
             continue;
         };
         let path = entry.path();
-        let meta = fs::symlink_metadata(&path).map_err(ctx(format!(
-            "reading the metadata of {}",
-            path.display()
-        )))?;
+        let meta = fs::symlink_metadata(&path)
+            .map_err(ctx(format!("reading the metadata of {}", path.display())))?;
         if !meta.is_file() {
             continue;
         }
@@ -122,10 +120,11 @@ pub(crate) fn allocated_under(root: &Path) -> Result<u64> {
 }
 
 /// Capacity and free bytes of the filesystem holding `path`.
+// statvfs's field types differ between targets (u32 on some 32-bit ones).
+#[allow(clippy::useless_conversion)]
 pub(crate) fn filesystem_room(path: &Path) -> Result<(u64, u64)> {
-    let c = CString::new(path.as_os_str().as_bytes()).map_err(|_| {
-        Error::InvalidArgument(format!("{} holds a NUL byte", path.display()))
-    })?;
+    let c = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| Error::InvalidArgument(format!("{} holds a NUL byte", path.display())))?;
     // SAFETY: an all-zero statvfs is a valid value of this plain C struct.
     let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
     // SAFETY: `c` is a NUL-terminated path and `s` a writable statvfs, both
@@ -170,7 +169,10 @@ mod tests {
 
         let s = snapshot_sizes(d.path()).unwrap();
         let mem = allocated(&d.path().join("memory"));
-        assert!((8192..64 << 20).contains(&mem), "memory holes counted: {mem}");
+        assert!(
+            (8192..64 << 20).contains(&mem),
+            "memory holes counted: {mem}"
+        );
         assert_eq!(s.memory_bytes, mem);
         let disks = allocated(&d.path().join("disk0")) + allocated(&d.path().join("disk2"));
         assert!(disks < 32 << 20, "disk holes counted: {disks}");

@@ -60,9 +60,18 @@ fn sizes_and_stats_of_a_chain_match_the_files_on_disk() {
     let layer = store.sizes_of("pod-snap-1").unwrap();
     assert_eq!(full, expected(&store, "template.ns.app"));
     assert_eq!(layer, expected(&store, "pod-snap-1"));
-    assert!(full.memory_bytes >= 200 * 4096 && full.memory_bytes < RAM, "{full:?}");
-    assert!(layer.memory_bytes >= 5 * 4096 && layer.memory_bytes < full.memory_bytes, "{layer:?}");
-    assert!(layer.disk_bytes >= 65536 && layer.disk_bytes < DISK, "{layer:?}");
+    assert!(
+        full.memory_bytes >= 200 * 4096 && full.memory_bytes < RAM,
+        "{full:?}"
+    );
+    assert!(
+        layer.memory_bytes >= 5 * 4096 && layer.memory_bytes < full.memory_bytes,
+        "{layer:?}"
+    );
+    assert!(
+        layer.disk_bytes >= 65536 && layer.disk_bytes < DISK,
+        "{layer:?}"
+    );
     assert_eq!(layer.restore_bytes, full.restore_bytes);
 
     let stats = store.stats(|s| s.id.starts_with("template.")).unwrap();
@@ -74,13 +83,20 @@ fn sizes_and_stats_of_a_chain_match_the_files_on_disk() {
     };
     let (template_files, layer_files) = (held("template.ns.app"), held("pod-snap-1"));
     assert!(layer_files >= layer.memory_bytes + layer.disk_bytes);
-    assert_eq!(stats.allocated_bytes, template_files + layer_files, "{stats:?}");
+    assert_eq!(
+        stats.allocated_bytes,
+        template_files + layer_files,
+        "{stats:?}"
+    );
     assert_eq!((stats.snapshots, stats.templates), (1, 1));
     let (capacity, free) = df(root.path());
     assert_eq!(stats.capacity_bytes, capacity);
     assert!(stats.free_bytes <= stats.capacity_bytes && stats.free_bytes > 0);
     // Other writers of the filesystem allocate and free between the two reads.
-    assert!(stats.free_bytes.abs_diff(free) < 256 << 20, "{stats:?} {free}");
+    assert!(
+        stats.free_bytes.abs_diff(free) < 256 << 20,
+        "{stats:?} {free}"
+    );
 
     // A deletion gives its bytes back; a missing snapshot has no sizes.
     store.delete("pod-snap-1").unwrap();
@@ -105,7 +121,10 @@ fn an_empty_store_is_empty_and_staging_counts() {
     let mut staging = store.stage("in-flight").unwrap();
     staging.put_bytes(Artefact::State, &[9; 10000]).unwrap();
     let busy = store.stats(|_| false).unwrap();
-    assert_eq!(busy.allocated_bytes, allocated(&staging.path(Artefact::State)));
+    assert_eq!(
+        busy.allocated_bytes,
+        allocated(&staging.path(Artefact::State))
+    );
     assert_eq!(busy.snapshots, 0);
 }
 
@@ -117,6 +136,9 @@ fn df(path: &Path) -> (u64, u64) {
         .output()
         .unwrap();
     let text = String::from_utf8(out.stdout).unwrap();
-    let n: Vec<u64> = text.split_whitespace().map(|x| x.parse().unwrap()).collect();
+    let n: Vec<u64> = text
+        .split_whitespace()
+        .map(|x| x.parse().unwrap())
+        .collect();
     (n[0] * n[1], n[0] * n[2])
 }

@@ -161,9 +161,9 @@ pub(crate) fn conditions(
 
 pub mod clone;
 pub mod network;
-mod store_usage;
 pub mod rollback;
 pub mod snapshot;
+mod store_usage;
 pub mod template;
 
 /// Checks a Kubernetes object name (DNS subdomain) the way the API server would.
