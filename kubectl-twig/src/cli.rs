@@ -136,7 +136,10 @@ pub enum Mode {
 #[derive(Args, Debug)]
 pub struct ForkArgs {
     /// The running Twig pod to fork (a snapshot of it is taken first).
-    #[arg(required_unless_present = "from_snapshot", conflicts_with = "from_snapshot")]
+    #[arg(
+        required_unless_present = "from_snapshot",
+        conflicts_with = "from_snapshot"
+    )]
     pub pod: Option<String>,
     /// Fork a Ready Snapshot instead of a running pod.
     #[arg(long, value_name = "SNAPSHOT")]
@@ -199,7 +202,11 @@ pub struct WaitArgs {
     #[arg(value_name = "KIND/NAME")]
     pub object: String,
     /// What to wait for: `condition=TYPE[=STATUS]` (STATUS defaults to True) or `delete`.
-    #[arg(long = "for", value_name = "CONDITION", default_value = "condition=Ready")]
+    #[arg(
+        long = "for",
+        value_name = "CONDITION",
+        default_value = "condition=Ready"
+    )]
     pub for_: String,
     /// How long to wait (a duration like 30s, 5m, 1h; 0 checks once).
     #[arg(long, value_parser = parse_duration, default_value = "30s")]

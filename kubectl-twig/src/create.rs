@@ -36,9 +36,16 @@ pub async fn snapshot(client: Client, namespace: &str, args: SnapshotArgs) -> Re
         status: None,
     };
     let created = create(&client, namespace, &snapshot).await?;
-    created_then_wait(&client, namespace, Kind::Snapshot, &created, args.output, args.wait.wait)
-        .await
-        .map(drop)
+    created_then_wait(
+        &client,
+        namespace,
+        Kind::Snapshot,
+        &created,
+        args.output,
+        args.wait.wait,
+    )
+    .await
+    .map(drop)
 }
 
 /// `kubectl twig fork (POD | --from-snapshot SNAP) --replicas N`.
@@ -79,9 +86,15 @@ pub async fn fork(client: Client, namespace: &str, args: ForkArgs) -> Result<(),
         status: None,
     };
     let created = create(&client, namespace, &clone).await?;
-    let Some(done) =
-        created_then_wait(&client, namespace, Kind::Clone, &created, args.output, args.wait.wait)
-            .await?
+    let Some(done) = created_then_wait(
+        &client,
+        namespace,
+        Kind::Clone,
+        &created,
+        args.output,
+        args.wait.wait,
+    )
+    .await?
     else {
         return Ok(());
     };
@@ -99,7 +112,9 @@ pub async fn fork(client: Client, namespace: &str, args: ForkArgs) -> Result<(),
         return print(&lines);
     }
     let pods = Api::<Pod>::namespaced(client, namespace);
-    let mut rows = vec![["NAME", "READY", "STATUS", "NODE", "IP"].map(String::from).to_vec()];
+    let mut rows = vec![["NAME", "READY", "STATUS", "NODE", "IP"]
+        .map(String::from)
+        .to_vec()];
     for name in pod_names {
         let pod = pods.get(&name).await?;
         let status = pod.status.unwrap_or_default();
@@ -109,7 +124,9 @@ pub async fn fork(client: Client, namespace: &str, args: ForkArgs) -> Result<(),
             name,
             format!("{ready}/{}", containers.len()),
             status.phase.unwrap_or_else(|| "Unknown".into()),
-            pod.spec.and_then(|s| s.node_name).unwrap_or_else(|| "<none>".into()),
+            pod.spec
+                .and_then(|s| s.node_name)
+                .unwrap_or_else(|| "<none>".into()),
             status.pod_ip.unwrap_or_else(|| "<none>".into()),
         ]);
     }
@@ -131,9 +148,16 @@ pub async fn rewind(client: Client, namespace: &str, args: RewindArgs) -> Result
         status: None,
     };
     let created = create(&client, namespace, &rollback).await?;
-    created_then_wait(&client, namespace, Kind::Rollback, &created, args.output, args.wait.wait)
-        .await
-        .map(drop)
+    created_then_wait(
+        &client,
+        namespace,
+        Kind::Rollback,
+        &created,
+        args.output,
+        args.wait.wait,
+    )
+    .await
+    .map(drop)
 }
 
 /// The pod must exist: its absence is the server's NotFound, as kubectl prints it.

@@ -4,7 +4,8 @@ use std::time::Duration;
 
 /// Parses a Go duration; a bare `0` is zero. Negative durations are refused.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    let invalid = || format!("invalid duration {text:?} (use a number with a unit: 30s, 5m, 1h30m)");
+    let invalid =
+        || format!("invalid duration {text:?} (use a number with a unit: 30s, 5m, 1h30m)");
     if text == "0" {
         return Ok(Duration::ZERO);
     }

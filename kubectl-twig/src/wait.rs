@@ -126,9 +126,8 @@ pub async fn until(
     } else {
         let uid = current.metadata.uid.clone();
         // The same name with another UID is another object: the one waited on is gone.
-        let same_object = move |obj: Option<&DynamicObject>| {
-            obj.filter(|o| o.metadata.uid == uid).cloned()
-        };
+        let same_object =
+            move |obj: Option<&DynamicObject>| obj.filter(|o| o.metadata.uid == uid).cloned();
         let watched = await_condition(api.clone(), name, |obj: Option<&DynamicObject>| {
             settled(same_object(obj).as_ref())
         });
