@@ -6,8 +6,18 @@ use kube::{Client, Config};
 use crate::cli::Connection;
 use crate::error::Error;
 
-/// A client for the chosen cluster, and the namespace commands act in.
-pub async fn connect(connection: &Connection) -> Result<(Client, String), Error> {
+/// The cluster chosen: a client, the namespace commands act in, and the server's URL.
+pub struct Cluster {
+    /// The client.
+    pub client: Client,
+    /// `-n`, else the context's namespace, else `default`.
+    pub namespace: String,
+    /// The API server's URL, for error messages.
+    pub server: String,
+}
+
+/// Connects to the cluster the flags and the kubeconfig choose.
+pub async fn connect(connection: &Connection) -> Result<Cluster, Error> {
     let options = KubeConfigOptions {
         context: connection.context.clone(),
         cluster: connection.cluster.clone(),
@@ -39,6 +49,12 @@ pub async fn connect(connection: &Connection) -> Result<(Client, String), Error>
         .namespace
         .clone()
         .unwrap_or_else(|| config.default_namespace.clone());
-    let client = Client::try_from(config).map_err(|e| Error::Config(format!("client: {e}")))?;
-    Ok((client, namespace))
+    let server = config.cluster_url.to_string();
+    let client = Client::try_from(config)
+        .map_err(|e| Error::Config(format!("client for {server}: {}", crate::error::chain(&e))))?;
+    Ok(Cluster {
+        client,
+        namespace,
+        server,
+    })
 }

@@ -48,12 +48,37 @@ impl From<kube::Error> for Error {
     fn from(error: kube::Error) -> Self {
         match error {
             kube::Error::Api(status) => Error::Server(status),
-            other => Error::Client(other.to_string()),
+            other => Error::Client(chain(&other)),
         }
     }
 }
 
+/// An error with its causes: `a: b: c`.
+pub fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
 impl Error {
+    /// Says which server a connection failure was with.
+    pub fn at_server(self, server: &str) -> Self {
+        match self {
+            Error::Client(message) => {
+                Error::Client(format!("talking to the server {server}: {message}"))
+            }
+            other => other,
+        }
+    }
+
     /// How kubectl prints it: server errors as `Error from server (...)`, the rest as `error: ...`.
     pub fn render(&self) -> String {
         match self {

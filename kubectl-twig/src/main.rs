@@ -47,12 +47,18 @@ fn main() -> std::process::ExitCode {
 }
 
 async fn run(cli: Cli) -> Result<(), Error> {
-    let (client, namespace) = client::connect(&cli.connection).await?;
+    let client::Cluster {
+        client,
+        namespace,
+        server,
+    } = client::connect(&cli.connection).await?;
+    let ns = namespace.as_str();
     match cli.command {
-        Command::Snapshot(args) => create::snapshot(client, &namespace, args).await,
-        Command::Fork(args) => create::fork(client, &namespace, args).await,
-        Command::Rewind(args) => create::rewind(client, &namespace, args).await,
-        Command::Tree(args) => tree::tree(client, &namespace, args.pod).await,
-        Command::Wait(args) => wait_cmd::wait(client, &namespace, args).await,
+        Command::Snapshot(args) => create::snapshot(client, ns, args).await,
+        Command::Fork(args) => create::fork(client, ns, args).await,
+        Command::Rewind(args) => create::rewind(client, ns, args).await,
+        Command::Tree(args) => tree::tree(client, ns, args.pod).await,
+        Command::Wait(args) => wait_cmd::wait(client, ns, args).await,
     }
+    .map_err(|e| e.at_server(&server))
 }

@@ -106,7 +106,8 @@ pub fn failure(kind: Kind, obj: &DynamicObject) -> Option<Error> {
 
 /// Waits at most `timeout` for `target` on `kind`/`name`, watching the object.
 /// Returns the object as last seen (`None` once deleted). An object that does
-/// not exist when the wait starts is an error, as with `kubectl wait`.
+/// not exist when the wait starts is an error, as with `kubectl wait` (unless
+/// waiting for its deletion).
 pub async fn until(
     kind: Kind,
     api: &Api<DynamicObject>,
@@ -114,7 +115,14 @@ pub async fn until(
     target: &Target,
     timeout: Duration,
 ) -> Result<Option<DynamicObject>, Error> {
-    let current = api.get(name).await?;
+    let current = match api.get(name).await {
+        Ok(current) => current,
+        // As kubectl wait: an object already gone is deleted.
+        Err(kube::Error::Api(status)) if status.code == 404 && *target == Target::Delete => {
+            return Ok(None)
+        }
+        Err(e) => return Err(e.into()),
+    };
     let settled = |obj: Option<&DynamicObject>| {
         target.met(obj)
             || (target.gives_up_on_failure() && obj.is_some_and(|o| failure(kind, o).is_some()))

@@ -23,7 +23,12 @@ pub async fn wait(client: Client, namespace: &str, args: WaitArgs) -> Result<(),
     let kind = Kind::parse(kind)?;
     let target = Target::parse(&args.for_)?;
     let api = kind.api(client, namespace);
+    let exists = target != Target::Delete || api.get_opt(name).await?.is_some();
     let seen = until(kind, &api, name, &target, args.timeout).await?;
+    if !exists {
+        // kubectl wait --for=delete says nothing of an object that was never there.
+        return Ok(());
+    }
     let object = kind.object_name(name);
     let met = format!("{object} condition met");
     match seen {

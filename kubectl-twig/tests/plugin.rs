@@ -191,6 +191,14 @@ async fn watching(server: &TestApiServer) {
     .await;
 }
 
+/// Every watch the plugin opened ends with it.
+async fn no_watch_left(server: &TestApiServer) {
+    eventually("the plugin's watches to end", || async {
+        (server.open_watches() == 0).then_some(())
+    })
+    .await;
+}
+
 async fn snapshot_named(client: &Client, name: &str) -> Snapshot {
     Api::<Snapshot>::namespaced(client.clone(), NS)
         .get(name)
@@ -333,7 +341,7 @@ async fn snapshot_wait_returns_when_ready_and_fails_with_the_message() {
     run.assert_error("error: timed out waiting for the condition on snapshots/slow");
     assert_eq!(run.stdout, "snapshot.twig.dev/slow\n");
     snapshot_named(&client, "slow").await;
-    assert_eq!(server.open_watches(), 0, "a watch left open");
+    no_watch_left(&server).await;
 
     // -o json after --wait: the Ready object.
     let waiting = plugin.start(&[
@@ -735,6 +743,11 @@ async fn wait_watches_like_kubectl_wait() {
 
     let run = plugin.run(&["wait", "snapshot/nosuch"]).await;
     run.assert_not_found("snapshots.twig.dev", "nosuch");
+    // As kubectl wait: waiting for the deletion of what is not there succeeds, silently.
+    let run = plugin
+        .run(&["wait", "snapshot/nosuch", "--for=delete"])
+        .await;
+    assert!(run.success() && run.stdout.is_empty(), "{run:?}");
     let run = plugin.run(&["wait", "pod/redis"]).await;
     run.assert_error("doesn't have a Twig resource type \"pod\"");
     let run = plugin.run(&["wait", "snapshot"]).await;
@@ -747,7 +760,7 @@ async fn wait_watches_like_kubectl_wait() {
         .run(&["wait", "snapshot/f", "--timeout=forever"])
         .await;
     run.assert_error("invalid duration");
-    assert_eq!(server.open_watches(), 0, "a watch left open");
+    no_watch_left(&server).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -817,5 +830,23 @@ async fn namespace_and_context_come_from_the_flags_and_kubeconfig() {
         .run(&["snapshot", "agent", "--kubeconfig", "/nonexistent/config"])
         .await;
     run.assert_error("/nonexistent/config");
+    // A server that does not answer: which one, and why.
+    let dead = tempfile::NamedTempFile::new().expect("kubeconfig");
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = closed.local_addr().expect("addr").port();
+    drop(closed);
+    std::fs::write(
+        dead.path(),
+        std::fs::read_to_string(plugin.kubectl.kubeconfig())
+            .expect("kubeconfig")
+            .replace(&server.addr.to_string(), &format!("127.0.0.1:{port}")),
+    )
+    .expect("write");
+    let dead_path = dead.path().display().to_string();
+    let run = plugin.run(&["tree", "--kubeconfig", &dead_path]).await;
+    run.assert_error(&format!(
+        "error: talking to the server http://127.0.0.1:{port}/: "
+    ));
+    run.assert_error("Connection refused");
     assert!(Path::new(&path).exists());
 }
