@@ -9,7 +9,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use twig_controller::crd::{
     CloneSource, CloneSpec, DeletionPolicy, PodClone, Rollback, RollbackSpec, Snapshot,
-    SnapshotMode, SnapshotSpec,
+    SnapshotMode, SnapshotSpec, RUNTIME_CLASS,
 };
 
 use crate::cli::{ForkArgs, Mode, Output, RewindArgs, SnapshotArgs};
@@ -116,7 +116,17 @@ pub async fn fork(client: Client, namespace: &str, args: ForkArgs) -> Result<(),
         .map(String::from)
         .to_vec()];
     for name in pod_names {
-        let pod = pods.get(&name).await?;
+        // A pod deleted since (the Clone makes it again) is shown as such.
+        let Some(pod) = pods.get_opt(&name).await? else {
+            rows.push(vec![
+                name,
+                "-".into(),
+                "NotFound".into(),
+                "-".into(),
+                "-".into(),
+            ]);
+            continue;
+        };
         let status = pod.status.unwrap_or_default();
         let containers = status.container_statuses.unwrap_or_default();
         let ready = containers.iter().filter(|c| c.ready).count();
@@ -160,11 +170,22 @@ pub async fn rewind(client: Client, namespace: &str, args: RewindArgs) -> Result
     .map(drop)
 }
 
-/// The pod must exist: its absence is the server's NotFound, as kubectl prints it.
+/// The pod must exist (its absence is the server's NotFound, as kubectl
+/// prints it) and be a Twig pod, as the controller requires.
 async fn require_pod(client: &Client, namespace: &str, pod: &str) -> Result<(), Error> {
-    Api::<Pod>::namespaced(client.clone(), namespace)
+    let found = Api::<Pod>::namespaced(client.clone(), namespace)
         .get(pod)
         .await?;
+    let runtime_class = found
+        .spec
+        .as_ref()
+        .and_then(|s| s.runtime_class_name.as_deref());
+    if runtime_class != Some(RUNTIME_CLASS) {
+        return Err(Error::Usage(format!(
+            "pod {pod} is not a Twig pod: its runtimeClassName is {}, not {RUNTIME_CLASS}",
+            runtime_class.unwrap_or("unset")
+        )));
+    }
     Ok(())
 }
 

@@ -287,6 +287,26 @@ async fn snapshot_refuses_bad_input_and_creates_nothing() {
     run.assert_error("invalid duration \"soon\"");
     assert_eq!(names::<Snapshot>(&client).await, Vec::<String>::new());
 
+    // A pod of another runtime: the controller would fail the Snapshot; the plugin says so first.
+    let pods = Api::<Pod>::namespaced(client.clone(), NS);
+    let runc: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "plain"},
+        "spec": {"containers": [{"name": "a", "image": "a"}]},
+    }))
+    .expect("pod");
+    pods.create(&PostParams::default(), &runc)
+        .await
+        .expect("pod");
+    let run = plugin.run(&["snapshot", "plain"]).await;
+    run.assert_error("error: pod plain is not a Twig pod: its runtimeClassName is unset, not twig");
+    let run = plugin.run(&["fork", "plain", "--replicas", "2"]).await;
+    run.assert_error("pod plain is not a Twig pod");
+    let run = plugin.run(&["rewind", "plain", "--to", "x"]).await;
+    run.assert_error("pod plain is not a Twig pod");
+    assert_eq!(names::<Snapshot>(&client).await, Vec::<String>::new());
+    assert_eq!(names::<PodClone>(&client).await, Vec::<String>::new());
+    assert_eq!(names::<Rollback>(&client).await, Vec::<String>::new());
+
     // A name the server refuses: its error, as kubectl prints it.
     plugin.ok(&["snapshot", "redis", "--name", "taken"]).await;
     let run = plugin.run(&["snapshot", "redis", "--name", "taken"]).await;
@@ -774,8 +794,10 @@ async fn namespace_and_context_come_from_the_flags_and_kubeconfig() {
             name: Some("agent".into()),
             ..ObjectMeta::default()
         },
-        spec: serde_json::from_value(json!({"containers": [{"name": "a", "image": "a"}]}))
-            .expect("spec"),
+        spec: serde_json::from_value(
+            json!({"runtimeClassName": "twig", "containers": [{"name": "a", "image": "a"}]}),
+        )
+        .expect("spec"),
         status: None,
     };
     pods.create(&PostParams::default(), &pod)
