@@ -40,16 +40,19 @@ impl Plugin {
 
     /// `kubectl twig <args>` (no flag may come before `twig`: kubectl's rule for plugins).
     fn command(&self, args: &[&str]) -> Command {
+        let mut command = self.kubectl_command();
+        command.arg("twig").args(args);
+        command
+    }
+
+    /// kubectl with the plugin's directory first on PATH.
+    fn kubectl_command(&self) -> Command {
         let mut command = Command::new(kubectl());
         let system_path = std::env::var("PATH").unwrap_or_default();
-        command
-            .env("KUBECONFIG", self.kubectl.kubeconfig())
-            .env(
-                "PATH",
-                format!("{}:{system_path}", self.path.path().display()),
-            )
-            .arg("twig")
-            .args(args);
+        command.env("KUBECONFIG", self.kubectl.kubeconfig()).env(
+            "PATH",
+            format!("{}:{system_path}", self.path.path().display()),
+        );
         command
     }
 
@@ -217,6 +220,12 @@ async fn kubectl_finds_the_plugin_and_its_help() {
         assert!(own.contains("Usage: kubectl twig"), "{own}");
         assert!(own.contains("--namespace"), "{own}");
     }
+    let listed = support::kube_tools::succeed(plugin.kubectl_command().args(["plugin", "list"]));
+    let expected = plugin.path.path().join("kubectl-twig");
+    assert!(
+        listed.lines().any(|l| Path::new(l.trim()) == expected),
+        "kubectl plugin list:\n{listed}"
+    );
     let run = plugin.run(&["frobnicate"]).await;
     run.assert_error("unrecognized subcommand 'frobnicate'");
 }
