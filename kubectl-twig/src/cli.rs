@@ -192,6 +192,10 @@ pub struct RewindArgs {
 pub struct TreeArgs {
     /// Only this pod's snapshots (default: every pod of the namespace).
     pub pod: Option<String>,
+    /// Output format (default: the tree as a table; `name` lists the
+    /// snapshots in tree order, `json`/`yaml` give the nested lineage).
+    #[arg(short, long, value_enum)]
+    pub output: Option<Output>,
 }
 
 /// `kubectl twig wait`.

@@ -57,7 +57,7 @@ async fn run(cli: Cli) -> Result<(), Error> {
         Command::Snapshot(args) => create::snapshot(client, ns, args).await,
         Command::Fork(args) => create::fork(client, ns, args).await,
         Command::Rewind(args) => create::rewind(client, ns, args).await,
-        Command::Tree(args) => tree::tree(client, ns, args.pod).await,
+        Command::Tree(args) => tree::tree(client, ns, args.pod, args.output).await,
         Command::Wait(args) => wait_cmd::wait(client, ns, args).await,
     }
     .map_err(|e| e.at_server(&server))

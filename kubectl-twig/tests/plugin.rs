@@ -687,6 +687,36 @@ async fn tree_shows_the_lineage_by_pod() {
         assert!(expected, "age {age:?} in row {i}:\n{out}");
     }
 
+    // -o name: the snapshots in tree order; -o json: the nested lineage.
+    let out = plugin.ok(&["tree", "redis", "-o", "name"]).await;
+    assert_eq!(
+        out,
+        "snapshot.twig.dev/base\nsnapshot.twig.dev/incr1\nsnapshot.twig.dev/incr2\nsnapshot.twig.dev/other\n"
+    );
+    let out = plugin.ok(&["tree", "-o", "json"]).await;
+    let lineage: Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(lineage["namespace"], NS);
+    let redis = &lineage["pods"][2];
+    assert_eq!(redis["name"], "redis");
+    assert_eq!(redis["phase"], "Running");
+    let base = &redis["snapshots"][0];
+    assert_eq!(
+        (&base["name"], &base["snapshotID"], &base["sizeBytes"]),
+        (&json!("base"), &json!("id-base"), &json!(512u64 << 20))
+    );
+    let incr1 = &base["children"][0];
+    assert_eq!(
+        (&incr1["name"], &incr1["parent"]),
+        (&json!("incr1"), &json!("id-base"))
+    );
+    assert_eq!(incr1["children"][0]["name"], "incr2");
+    assert_eq!(base["children"][1]["name"], "other");
+    assert_eq!(lineage["pods"][0]["restoredFrom"], "incr1");
+    assert_eq!(lineage["pods"][1]["phase"], "NotFound");
+    let out = plugin.ok(&["tree", "gone", "-o", "yaml"]).await;
+    let gone: Value = serde_saphyr::from_str(&out).expect("YAML");
+    assert_eq!(gone["pods"][0]["snapshots"][0]["name"], "orphan");
+
     let out = plugin.ok(&["tree", "fork-0"]).await;
     assert_eq!(out.lines().count(), 3, "{out}");
     assert!(
