@@ -6,6 +6,13 @@
 # turns it into an OCI archive that `ctr images import` takes, named REF
 # (default: the harness's twig_e2e::IMAGE_REF).
 #
+# TWIG_IMAGE_DEBS (Debian package names) and TWIG_IMAGE_BINARIES (paths)
+# add programs from Debian packages without installing them on this
+# machine: the packages are downloaded (apt-get download) and unpacked
+# aside, and each binary goes into the image at its path with the shared
+# libraries it needs, from those packages or from this machine. The lab
+# builds its Redis image so (tests/lab/run.sh).
+#
 # Usage: e2e/build-image.sh OUT.tar [REF [CMD...]]
 # Needs umoci, skopeo and busybox-static (scripts/install-deps.sh).
 set -euo pipefail
@@ -36,6 +43,27 @@ for a in $(/bin/busybox --list); do
 done
 echo 'root:x:0:0:root:/root:/bin/sh' > "$r/etc/passwd"
 echo 'root:x:0:' > "$r/etc/group"
+read -ra debs <<< "${TWIG_IMAGE_DEBS:-}"
+read -ra bins <<< "${TWIG_IMAGE_BINARIES:-}"
+if ((${#debs[@]})); then
+  mkdir -p "$work/debs" "$work/pkg"
+  (cd "$work/debs" && apt-get download "${debs[@]}" >/dev/null 2>&1) ||
+    die "apt-get download ${debs[*]} failed"
+  for d in "$work"/debs/*.deb; do dpkg-deb -x "$d" "$work/pkg"; done
+fi
+libpath=$work/pkg/usr/lib/x86_64-linux-gnu:$work/pkg/lib/x86_64-linux-gnu
+for b in "${bins[@]}"; do
+  src=$work/pkg$b
+  [[ -e $src ]] || src=$b
+  [[ -e $src ]] || die "$b is in none of the packages (${debs[*]}) nor on this machine"
+  install -D -m 755 "$(readlink -f "$src")" "$r$b"
+  libs=$(LD_LIBRARY_PATH=$libpath ldd "$src") || die "ldd $b failed"
+  grep -q 'not found' <<< "$libs" && die "$b needs libraries found nowhere: $libs"
+  for lib in $(grep -o '/[^ ]*' <<< "$libs"); do
+    dest=${lib#"$work/pkg"}
+    [[ -e $r$dest ]] || install -D -m 755 "$(readlink -f "$lib")" "$r$dest"
+  done
+done
 umoci repack --image "$layout:v1" "$work/bundle"
 cmd_args=()
 for a in "${cmd[@]}"; do cmd_args+=("--config.cmd=$a"); done

@@ -419,42 +419,65 @@ impl Pods {
     }
 }
 
-/// One `timing` line of the twig shim: a Create or Start and how much of it
-/// was the shim's own time (`own_us`) rather than waiting on the VM.
-fn parse_timing(line: &str) -> Option<(String, u64)> {
-    if !line.contains(" timing ") {
-        return None;
-    }
-    let mut id = None;
-    let mut own = None;
-    for field in line.split_whitespace() {
-        let Some((k, v)) = field.split_once('=') else {
-            continue;
-        };
-        let v = v.trim_matches('"');
-        match k {
-            "id" => id = Some(v.to_string()),
-            "own_us" => own = v.parse().ok(),
-            _ => {}
-        }
-    }
-    Some((id?, own?))
+/// The `key=value` fields of one twig shim log line carrying `marker`
+/// (quotes stripped).
+fn fields<'a>(line: &'a str, marker: &str) -> Option<HashMap<&'a str, &'a str>> {
+    line.contains(marker).then(|| {
+        line.split_whitespace()
+            .filter_map(|f| f.split_once('='))
+            .map(|(k, v)| (k, v.trim_matches('"')))
+            .collect()
+    })
 }
 
-/// The twig shim's own time per pod (Create and Start of the sandbox and of
-/// the container, outside the VM), from containerd's log.
+/// One `timing` line of the twig shim: a Create or Start, how much of it
+/// was the shim's own time (`own_us`) and how much waiting on the VM
+/// (`vm_us`).
+fn parse_timing(line: &str) -> Option<(String, u64, u64)> {
+    let f = fields(line, " timing ")?;
+    Some((
+        f.get("id")?.to_string(),
+        f.get("own_us")?.parse().ok()?,
+        f.get("vm_us")?.parse().ok()?,
+    ))
+}
+
+/// One "sandbox VM restored" line: the sandbox, the time to take a VMM from
+/// twig-node (`acquired_us`) and the whole launch until the agent answered
+/// in the pod's network (`launch_us`).
+fn parse_launch(line: &str) -> Option<(String, u64, u64)> {
+    let f = fields(line, "sandbox VM restored")?;
+    Some((
+        f.get("sandbox_id")?.to_string(),
+        f.get("acquired_us")?.parse().ok()?,
+        f.get("launch_us")?.parse().ok()?,
+    ))
+}
+
+/// The twig shim's time per pod from containerd's log: its own (Create and
+/// Start of the sandbox and of the container, outside the VM), its waits on
+/// the VM, and the sandbox VM's launch (taking a VMM, and all of it).
 fn shim_time(r: &mut Report, key: &str, containerd_log: &Path, samples: &[Sample]) {
     let text = std::fs::read_to_string(containerd_log).unwrap_or_default();
-    let mut own: HashMap<String, u64> = HashMap::new();
-    for (id, us) in text.lines().filter_map(parse_timing) {
-        *own.entry(id).or_default() += us;
+    let mut own: HashMap<String, (u64, u64)> = HashMap::new();
+    for (id, own_us, vm_us) in text.lines().filter_map(parse_timing) {
+        let e = own.entry(id).or_default();
+        e.0 += own_us;
+        e.1 += vm_us;
     }
-    let per_pod: Vec<Duration> = samples
+    let launches: HashMap<String, (u64, u64)> = text
+        .lines()
+        .filter_map(parse_launch)
+        .map(|(id, a, l)| (id, (a, l)))
+        .collect();
+    // Per pod, in µs: own, waiting on the VM, taking a VMM, the launch.
+    let per_pod: Vec<[u64; 4]> = samples
         .iter()
         .filter_map(|s| {
             let pod = own.get(&s.pod_id)?;
             let container = own.get(&s.container_id)?;
-            Some(Duration::from_micros(pod + container))
+            let launch = launches.get(&s.pod_id).copied().unwrap_or_default();
+            Some([pod.0 + container.0, pod.1 + container.1, launch.0, launch.1])
         })
         .collect();
     if per_pod.len() < samples.len() {
@@ -464,7 +487,16 @@ fn shim_time(r: &mut Report, key: &str, containerd_log: &Path, samples: &[Sample
             samples.len()
         );
     }
-    summary(r, &format!("{key}_shim_own_ms"), &per_pod);
+    for (i, name) in ["shim_own", "shim_vm_wait", "vm_acquire", "vm_launch"]
+        .iter()
+        .enumerate()
+    {
+        let d: Vec<Duration> = per_pod
+            .iter()
+            .map(|p| Duration::from_micros(p[i]))
+            .collect();
+        summary(r, &format!("{key}_{name}_ms"), &d);
+    }
     let (prepared, loaded) = net_sets(&text, samples);
     eprintln!("{key}: pod networks from the node's prepared sets: {prepared}, from sets the shim loaded: {loaded}");
     r.value(&format!("{key}_net_sets_prepared"), json!(prepared));
@@ -648,12 +680,24 @@ mod tests {
     fn timing_lines_give_the_shims_own_time() {
         let line = "2026-11-24T11:14:18.370588Z  INFO twig_shim::service: timing call=\"create\" \
                     id=\"fdf76\" exec_id=\"\" own_us=62347 vm_us=22076648";
-        assert_eq!(parse_timing(line), Some(("fdf76".to_string(), 62347)));
+        assert_eq!(
+            parse_timing(line),
+            Some(("fdf76".to_string(), 62347, 22076648))
+        );
         let start =
             "2026-11-24T11:14:18Z  INFO twig_shim::service: start id=\"fdf76\" exec_id=\"\"";
         assert_eq!(parse_timing(start), None);
         let broken = "x INFO twig_shim::service: timing call=\"create\" id=\"a\" own_us=lots";
         assert_eq!(parse_timing(broken), None);
+        let launch =
+            "2026-11-24T11:14:18Z  INFO twig_shim::vm: sandbox VM restored, agent answers \
+                      sandbox_id=\"fdf76\" pid=12 pooled=true template=\"/x\" acquired_us=812 \
+                      launch_us=90210";
+        assert_eq!(
+            parse_launch(launch),
+            Some(("fdf76".to_string(), 812, 90210))
+        );
+        assert_eq!(parse_launch(line), None);
     }
 
     #[test]

@@ -6,6 +6,7 @@ mod demo;
 mod linux;
 mod net;
 mod node;
+mod shim;
 mod snapshotter;
 mod stats;
 mod vmm;
@@ -43,6 +44,9 @@ enum Command {
     /// Pod start through containerd's CRI plugin (RunPodSandbox + CreateContainer +
     /// StartContainer → first output) at concurrency 1 and 8, per runtime handler.
     Cri(cri::Args),
+    /// The shim's own time per pod (Task calls minus the waits on the sandbox),
+    /// on the host's CPUs: containerd's calls over ttrpc against twig-agent on the host.
+    Shim(shim::Args),
 }
 
 fn main() {
@@ -55,6 +59,7 @@ fn main() {
         Command::Cri(args) => cri::run(&args),
         Command::Demo(args) => demo::run(&args),
         Command::Node(args) => node::run(&args),
+        Command::Shim(args) => shim::run(&args),
     };
     match result {
         Ok(value) => {

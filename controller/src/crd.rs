@@ -21,6 +21,23 @@ pub use twig_net::EGRESS_POLICY_ANNOTATION;
 pub const CLONE_LABEL: &str = "twig.dev/clone";
 /// The RuntimeClass (and containerd handler) of Twig pods.
 pub const RUNTIME_CLASS: &str = "twig";
+/// Label on the safety Snapshot a Rollback takes, valued with the Rollback's name.
+pub const SAFETY_FOR_LABEL: &str = "twig.dev/safety-for";
+/// Annotation on the safety Snapshot a Rollback takes, valued with the Rollback's UID.
+pub const SAFETY_FOR_UID_ANNOTATION: &str = "twig.dev/safety-for-uid";
+/// Most pods one Clone may create (`spec.replicas`); the CRD schema says the same.
+pub const MAX_REPLICAS: i32 = 1000;
+
+/// What went wrong with a Snapshot, Clone or Rollback, and when (as in
+/// VolumeSnapshot's `status.error`).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct OperationError {
+    /// What failed, with the reason first (`PodNotFound: pod redis not found`).
+    pub message: String,
+    /// When the failure was recorded.
+    pub time: Time,
+}
 
 /// Lifecycle phase shared by Snapshot, Clone and Rollback.
 #[derive(
@@ -82,9 +99,11 @@ pub enum DeletionPolicy {
     shortname = "tsnap",
     category = "twig",
     printcolumn = r#"{"name":"Pod","type":"string","jsonPath":".spec.podName"}"#,
+    printcolumn = r#"{"name":"Ready","type":"boolean","jsonPath":".status.readyToUse"}"#,
     printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
-    printcolumn = r#"{"name":"Node","type":"string","jsonPath":".status.nodeName","priority":1}"#,
+    printcolumn = r#"{"name":"Node","type":"string","jsonPath":".status.nodeName"}"#,
     printcolumn = r#"{"name":"Size","type":"integer","jsonPath":".status.sizeBytes"}"#,
+    printcolumn = r#"{"name":"Parent","type":"string","jsonPath":".status.parentSnapshotName"}"#,
     printcolumn = r#"{"name":"Written","type":"integer","jsonPath":".status.writtenBytes","priority":1}"#,
     printcolumn(
         name = "Duration(ms)",
@@ -93,12 +112,18 @@ pub enum DeletionPolicy {
     ),
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
-#[x_kube(validation = Rule::new("self.podName == oldSelf.podName && self.mode == oldSelf.mode").message("podName and mode are immutable"))]
+#[x_kube(validation = Rule::new("self.podName == oldSelf.podName && self.mode == oldSelf.mode && has(self.podUid) == has(oldSelf.podUid) && (!has(self.podUid) || self.podUid == oldSelf.podUid)").message("podName, podUid and mode are immutable"))]
 #[serde(rename_all = "camelCase")]
 pub struct SnapshotSpec {
     /// The running Twig pod to snapshot, in the Snapshot's namespace.
     #[schemars(length(min = 1, max = 253))]
     pub pod_name: String,
+    /// The UID the pod must have; a pod recreated under the same name is
+    /// refused (`PodReplaced`). Without it, the controller pins the UID it
+    /// first sees in `status.podUid`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 128))]
+    pub pod_uid: Option<String>,
     /// Incremental (default) writes only pages dirtied since the pod's last snapshot.
     #[serde(default)]
     pub mode: SnapshotMode,
@@ -109,6 +134,11 @@ pub struct SnapshotSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0))]
     pub ttl_seconds_after_ready: Option<i64>,
+    /// Fail the Snapshot (`DeadlineExceeded`) if it is not Ready this many
+    /// seconds after its creation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub failure_deadline_seconds: Option<i64>,
 }
 
 /// Observed state of a Snapshot.
@@ -118,6 +148,9 @@ pub struct SnapshotStatus {
     /// Lifecycle phase.
     #[serde(default)]
     pub phase: Phase,
+    /// True while the snapshot is Ready: pods can be rolled back to it and cloned from it.
+    #[serde(default)]
+    pub ready_to_use: bool,
     /// Node whose store holds the snapshot.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_name: Option<String>,
@@ -131,6 +164,10 @@ pub struct SnapshotStatus {
     /// Node-store ID of the snapshot this one is incremental on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent: Option<String>,
+    /// Name of the Snapshot object (same namespace) whose node-store ID is
+    /// `parent`, when one exists.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_snapshot_name: Option<String>,
     /// Size of the snapshot in the node store, in bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub size_bytes: Option<u64>,
@@ -153,6 +190,9 @@ pub struct SnapshotStatus {
     /// Why the snapshot is in its phase (failures, loss).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
+    /// The failure, with its time (set when Failed or Lost).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<OperationError>,
 }
 
 /// Where a Clone's pods come from: exactly one of the two fields.
@@ -182,10 +222,11 @@ pub struct CloneSource {
     status = "CloneStatus",
     shortname = "tclone",
     category = "twig",
+    printcolumn = r#"{"name":"Snapshot","type":"string","jsonPath":".status.snapshotName"}"#,
     printcolumn = r#"{"name":"Replicas","type":"integer","jsonPath":".spec.replicas"}"#,
     printcolumn = r#"{"name":"Ready","type":"integer","jsonPath":".status.readyReplicas"}"#,
     printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
-    printcolumn = r#"{"name":"Snapshot","type":"string","jsonPath":".status.snapshotName","priority":1}"#,
+    printcolumn = r#"{"name":"Node","type":"string","jsonPath":".status.nodeName","priority":1}"#,
     printcolumn(
         name = "Duration(ms)",
         type_ = "integer",
@@ -198,8 +239,8 @@ pub struct CloneSource {
 pub struct CloneSpec {
     /// Where the pods come from.
     pub source: CloneSource,
-    /// Number of pods, 1 to 100.
-    #[schemars(range(min = 1, max = 100))]
+    /// Number of pods, 1 to 1000 ([`MAX_REPLICAS`]).
+    #[schemars(range(min = 1, max = 1000))]
     pub replicas: i32,
     /// Pods are named `<namePrefix>-<index>`; defaults to the Clone's name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -211,6 +252,11 @@ pub struct CloneSpec {
     /// Extra labels on every clone pod.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub labels: Option<BTreeMap<String, String>>,
+    /// Fail the Clone (`DeadlineExceeded`) if its pods are not all Ready this
+    /// many seconds after its creation; the pods made so far are kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub failure_deadline_seconds: Option<i64>,
 }
 
 /// Observed state of a Clone.
@@ -223,9 +269,16 @@ pub struct CloneStatus {
     /// The Snapshot the pods are restored from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot_name: Option<String>,
+    /// The node the pods run on (the snapshot's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_name: Option<String>,
     /// Names of the clone pods.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pods: Vec<String>,
+    /// One entry per clone pod, keyed by name.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["name"]))]
+    pub replicas: Vec<ReplicaStatus>,
     /// Number of clone pods that are Ready.
     #[serde(default)]
     pub ready_replicas: i32,
@@ -237,6 +290,25 @@ pub struct CloneStatus {
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
     /// Why the Clone is in its phase.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// The failure, with its time (set when Failed or Lost).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<OperationError>,
+}
+
+/// The state of one clone pod.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ReplicaStatus {
+    /// The pod's name.
+    pub name: String,
+    /// The pod's phase (`Pending`, `Running`, …; `Pending` before it exists).
+    pub phase: String,
+    /// Whether the pod's `Ready` condition is True.
+    pub ready: bool,
+    /// Why the pod is not Ready, when its status says (the pod's message or
+    /// a container's waiting reason).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
 }
@@ -255,6 +327,8 @@ pub struct CloneStatus {
     printcolumn = r#"{"name":"Pod","type":"string","jsonPath":".spec.podName"}"#,
     printcolumn = r#"{"name":"Snapshot","type":"string","jsonPath":".spec.snapshotName"}"#,
     printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
+    printcolumn = r#"{"name":"Node","type":"string","jsonPath":".status.nodeName","priority":1}"#,
+    printcolumn = r#"{"name":"Safety","type":"string","jsonPath":".status.safetySnapshotName"}"#,
     printcolumn(
         name = "Duration(ms)",
         type_ = "integer",
@@ -271,6 +345,25 @@ pub struct RollbackSpec {
     /// A Ready Snapshot from the pod's lineage.
     #[schemars(length(min = 1, max = 253))]
     pub snapshot_name: String,
+    /// The UID the pod must have; a pod recreated under the same name is
+    /// refused (`PodReplaced`). Without it, the controller pins the UID it
+    /// first sees in `status.podUid`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 128))]
+    pub pod_uid: Option<String>,
+    /// Take a Snapshot of the pod before rolling it back (default true), so
+    /// the rollback can itself be undone; named in `status.safetySnapshotName`.
+    #[serde(default = "default_true")]
+    pub safety_snapshot: bool,
+    /// Fail the Rollback (`DeadlineExceeded`) if it is not done this many
+    /// seconds after its creation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub failure_deadline_seconds: Option<i64>,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 /// Observed state of a Rollback.
@@ -280,6 +373,16 @@ pub struct RollbackStatus {
     /// Lifecycle phase.
     #[serde(default)]
     pub phase: Phase,
+    /// The node that rolls the pod back.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_name: Option<String>,
+    /// UID of the pod being rolled back.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_uid: Option<String>,
+    /// The Snapshot of the pod taken just before the rollback (not owned by
+    /// the Rollback: it outlives it, so the rollback can be undone).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub safety_snapshot_name: Option<String>,
     /// When the node started the rollback.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub start_time: Option<Time>,
@@ -296,6 +399,9 @@ pub struct RollbackStatus {
     /// Why the Rollback is in its phase.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
+    /// The failure, with its time (set when Failed or Lost).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<OperationError>,
 }
 
 /// What the template VM runs and how big it is.

@@ -48,6 +48,8 @@ async fn a_failing_cleanup_is_retried_later_and_later_then_forgotten() {
     let snap = Snapshot::new(
         "flaky",
         SnapshotSpec {
+            pod_uid: None,
+            failure_deadline_seconds: None,
             pod_name: "redis".into(),
             mode: SnapshotMode::Incremental,
             deletion_policy: DeletionPolicy::Delete,

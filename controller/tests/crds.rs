@@ -255,7 +255,7 @@ fn cel_rules_decide_as_intended() {
         assert!(err.contains("source and replicas are immutable"), "{err}");
     }
 
-    // Snapshot: podName and mode are immutable; the TTL is not.
+    // Snapshot: podName, podUid and mode are immutable; the TTL is not.
     let snap = object(
         "Snapshot",
         json!({"podName": "redis", "mode": "Incremental"}),
@@ -268,10 +268,37 @@ fn cel_rules_decide_as_intended() {
     for changed in [
         json!({"podName": "other", "mode": "Incremental"}),
         json!({"podName": "redis", "mode": "Full"}),
+        json!({"podName": "redis", "mode": "Incremental", "podUid": "u-1"}),
     ] {
         let err = check("snapshots", object("Snapshot", changed), Some(snap.clone()))
             .expect_err("changed");
-        assert!(err.contains("podName and mode are immutable"), "{err}");
+        assert!(
+            err.contains("podName, podUid and mode are immutable"),
+            "{err}"
+        );
+    }
+    let pinned = object(
+        "Snapshot",
+        json!({"podName": "redis", "mode": "Incremental", "podUid": "u-1"}),
+    );
+    assert_eq!(
+        check("snapshots", pinned.clone(), Some(pinned.clone())),
+        Ok(())
+    );
+    for changed in [
+        json!({"podName": "redis", "mode": "Incremental", "podUid": "u-2"}),
+        json!({"podName": "redis", "mode": "Incremental"}),
+    ] {
+        let err = check(
+            "snapshots",
+            object("Snapshot", changed),
+            Some(pinned.clone()),
+        )
+        .expect_err("podUid changed");
+        assert!(
+            err.contains("podName, podUid and mode are immutable"),
+            "{err}"
+        );
     }
     // The default mode counts as set: omitting it is not a change.
     let defaulted = object("Snapshot", json!({"podName": "redis"}));
@@ -287,6 +314,20 @@ fn cel_rules_decide_as_intended() {
     )
     .expect_err("changed");
     assert!(err.contains("a Rollback's spec is immutable"), "{err}");
+    // Turning the safety snapshot off later is a change too.
+    let err = check(
+        "rollbacks",
+        object(
+            "Rollback",
+            json!({"podName": "p", "snapshotName": "s", "safetySnapshot": false}),
+        ),
+        Some(object(
+            "Rollback",
+            json!({"podName": "p", "snapshotName": "s", "safetySnapshot": true}),
+        )),
+    )
+    .expect_err("safetySnapshot changed");
+    assert!(err.contains("a Rollback's spec is immutable"), "{err}");
 }
 
 #[test]
@@ -298,9 +339,25 @@ fn openapi_validation_refuses_bad_values() {
             "clones",
             object(
                 "Clone",
-                json!({"source": {"podName": "p"}, "replicas": 101}),
+                json!({"source": {"podName": "p"}, "replicas": 1001}),
             ),
-            "should be less than or equal to 100",
+            "should be less than or equal to 1000",
+        ),
+        (
+            "clones",
+            object(
+                "Clone",
+                json!({"source": {"podName": "p"}, "replicas": 2, "failureDeadlineSeconds": 0}),
+            ),
+            "spec.failureDeadlineSeconds: Invalid value: 0: should be greater than or equal to 1",
+        ),
+        (
+            "rollbacks",
+            object(
+                "Rollback",
+                json!({"podName": "p", "snapshotName": "s", "failureDeadlineSeconds": -5}),
+            ),
+            "should be greater than or equal to 1",
         ),
         (
             "clones",

@@ -249,6 +249,7 @@ fn a_clone() -> PodClone {
     let mut clone = PodClone::new(
         "fork",
         CloneSpec {
+            failure_deadline_seconds: None,
             source: CloneSource {
                 snapshot_name: Some("snap".into()),
                 pod_name: None,
@@ -310,6 +311,8 @@ async fn snapshotted_pod_of_template(client: &kube::Client, name: &str, template
     let snap = Snapshot::new(
         &format!("{name}-snap"),
         SnapshotSpec {
+            pod_uid: None,
+            failure_deadline_seconds: None,
             pod_name: name.into(),
             mode: Default::default(),
             deletion_policy: Default::default(),
@@ -327,6 +330,7 @@ fn clone_of_snapshot(name: &str, snapshot: &str) -> PodClone {
     PodClone::new(
         name,
         CloneSpec {
+            failure_deadline_seconds: None,
             source: CloneSource {
                 snapshot_name: Some(snapshot.into()),
                 pod_name: None,

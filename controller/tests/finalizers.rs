@@ -25,6 +25,8 @@ fn snapshot(name: &str, pod: &str) -> Snapshot {
     Snapshot::new(
         name,
         SnapshotSpec {
+            pod_uid: None,
+            failure_deadline_seconds: None,
             pod_name: pod.to_string(),
             mode: SnapshotMode::Incremental,
             deletion_policy: DeletionPolicy::Delete,

@@ -217,7 +217,17 @@ async fn kubectl_get_prints_the_printer_columns() {
         .collect();
     assert_eq!(
         header,
-        ["NAME", "POD", "PHASE", "SIZE", "DURATION(MS)", "AGE"],
+        [
+            "NAME",
+            "POD",
+            "READY",
+            "PHASE",
+            "NODE",
+            "SIZE",
+            "PARENT",
+            "DURATION(MS)",
+            "AGE"
+        ],
         "{before}"
     );
     Api::<Snapshot>::namespaced(client.clone(), NS)
@@ -225,7 +235,8 @@ async fn kubectl_get_prints_the_printer_columns() {
             "redis-seeded",
             &PatchParams::default(),
             &Patch::Merge(json!({"status": {
-                "phase": "Ready", "nodeName": "node-a", "sizeBytes": 134217728,
+                "phase": "Ready", "readyToUse": true, "nodeName": "node-a",
+                "sizeBytes": 134217728, "parentSnapshotName": "redis-base",
                 "writtenBytes": 4096, "durationMs": 41,
             }})),
         )
@@ -239,11 +250,20 @@ async fn kubectl_get_prints_the_printer_columns() {
         .split_whitespace()
         .collect();
     assert_eq!(
-        &row[..5],
-        ["redis-seeded", "redis", "Ready", "134217728", "41"],
+        &row[..8],
+        [
+            "redis-seeded",
+            "redis",
+            "true",
+            "Ready",
+            "node-a",
+            "134217728",
+            "redis-base",
+            "41"
+        ],
         "{out}"
     );
-    assert!(row[5].ends_with('s'), "age {}: {out}", row[5]);
+    assert!(row[8].ends_with('s'), "age {}: {out}", row[8]);
     // Priority-1 columns appear with -o wide.
     let wide = kubectl
         .ok(&["get", "snapshot", "redis-seeded", "-o", "wide"])
@@ -259,9 +279,11 @@ async fn kubectl_get_prints_the_printer_columns() {
         [
             "NAME",
             "POD",
+            "READY",
             "PHASE",
             "NODE",
             "SIZE",
+            "PARENT",
             "WRITTEN",
             "DURATION(MS)",
             "AGE"

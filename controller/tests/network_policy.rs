@@ -9,8 +9,8 @@ use twig_controller_testkit as support;
 
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
-use kube::api::{DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{DeleteParams, Patch, PatchParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use twig_controller::crd::{
@@ -21,7 +21,7 @@ use twig_controller::shim::NetworkCounter;
 use twig_net::EgressPolicy;
 
 use support::fake::{Call, FakeNode};
-use support::{api_server, events_about, eventually, mark_ready, start_controller, NS};
+use support::{api_server, events_about, eventually, running_pod_with, start_controller, NS};
 
 fn policy(value: serde_json::Value) -> EgressPolicy {
     serde_json::from_value(value).expect("policy")
@@ -41,45 +41,6 @@ fn only_dns() -> EgressPolicy {
 
 fn text(p: &EgressPolicy) -> String {
     serde_json::to_string(p).expect("json")
-}
-
-/// A running, Ready pod on `node` with these annotations (`twig`: under RuntimeClass twig).
-async fn pod_with(
-    client: &Client,
-    name: &str,
-    node: &str,
-    twig: bool,
-    annotations: &[(&str, String)],
-) -> Pod {
-    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
-    let pod = Pod {
-        metadata: ObjectMeta {
-            name: Some(name.to_string()),
-            annotations: Some(
-                annotations
-                    .iter()
-                    .map(|(k, v)| (k.to_string(), v.clone()))
-                    .collect(),
-            ),
-            ..Default::default()
-        },
-        spec: Some(PodSpec {
-            node_name: Some(node.to_string()),
-            runtime_class_name: twig.then(|| "twig".to_string()),
-            containers: vec![Container {
-                name: "agent".to_string(),
-                image: Some("python:3.12".to_string()),
-                ..Default::default()
-            }],
-            ..Default::default()
-        }),
-        status: None,
-    };
-    let created = pods
-        .create(&PostParams::default(), &pod)
-        .await
-        .expect("create pod");
-    mark_ready(client, &created).await
 }
 
 async fn annotate(client: &Client, pod: &str, value: Option<String>) {
@@ -167,7 +128,7 @@ async fn an_annotation_added_or_changed_is_set_once_with_an_event() {
     let client = server.client();
     let fake = Arc::new(FakeNode::default().with_network_paths());
     let _ctrl = start_controller(&server, "node-a", &fake);
-    let pod = pod_with(&client, "agent", "node-a", true, &[]).await;
+    let pod = running_pod_with(&client, "agent", "node-a", true, &[]).await;
 
     // The built-in default is in force already: nothing to send.
     looked_again(&fake, &pod, 3).await;
@@ -212,7 +173,7 @@ async fn a_template_change_reaches_its_pods_but_not_those_with_their_own_policy(
     let fake = Arc::new(FakeNode::default().with_network_paths());
     let _ctrl = start_controller(&server, "node-a", &fake);
     template(&client, "py", Some(deny_all())).await;
-    let plain = pod_with(
+    let plain = running_pod_with(
         &client,
         "plain",
         "node-a",
@@ -220,7 +181,7 @@ async fn a_template_change_reaches_its_pods_but_not_those_with_their_own_policy(
         &[(TEMPLATE_ANNOTATION, "py".into())],
     )
     .await;
-    let own = pod_with(
+    let own = running_pod_with(
         &client,
         "own",
         "node-a",
@@ -266,7 +227,7 @@ async fn a_malformed_annotation_is_warned_about_once_and_nothing_is_sent() {
     let client = server.client();
     let fake = Arc::new(FakeNode::default());
     let _ctrl = start_controller(&server, "node-a", &fake);
-    let pod = pod_with(
+    let pod = running_pod_with(
         &client,
         "agent",
         "node-a",
@@ -308,7 +269,7 @@ async fn a_failing_shim_is_warned_about_and_retried() {
     let fake = Arc::new(FakeNode::default().with_network_paths());
     fake.fail_set_policy(2);
     let _ctrl = start_controller(&server, "node-a", &fake);
-    let pod = pod_with(
+    let pod = running_pod_with(
         &client,
         "agent",
         "node-a",
@@ -343,7 +304,7 @@ async fn a_pod_whose_template_is_gone_keeps_its_policy() {
     let fake = Arc::new(FakeNode::default().with_network_paths());
     let _ctrl = start_controller(&server, "node-a", &fake);
     template(&client, "py", Some(deny_all())).await;
-    let pod = pod_with(
+    let pod = running_pod_with(
         &client,
         "agent",
         "node-a",
@@ -370,7 +331,7 @@ async fn a_pod_whose_template_is_gone_keeps_its_policy() {
     assert_eq!(fake.policy_in_force(&uid(&pod)), Some(deny_all()));
 
     // A pod naming a template that never existed is not loosened either.
-    let never = pod_with(
+    let never = running_pod_with(
         &client,
         "never",
         "node-a",
@@ -401,10 +362,10 @@ async fn metrics_carry_each_pods_counters_until_it_is_deleted() {
     let fake_b = Arc::new(FakeNode::default().with_network_paths());
     let ctrl = start_controller(&server, "node-a", &fake);
     let _b = start_controller(&server, "node-b", &fake_b);
-    let agent = pod_with(&client, "agent", "node-a", true, &[]).await;
-    let other = pod_with(&client, "other", "node-a", true, &[]).await;
-    let runc = pod_with(&client, "runc", "node-a", false, &[]).await;
-    let elsewhere = pod_with(&client, "elsewhere", "node-b", true, &[]).await;
+    let agent = running_pod_with(&client, "agent", "node-a", true, &[]).await;
+    let other = running_pod_with(&client, "other", "node-a", true, &[]).await;
+    let runc = running_pod_with(&client, "runc", "node-a", false, &[]).await;
+    let elsewhere = running_pod_with(&client, "elsewhere", "node-b", true, &[]).await;
     fake.set_counters(
         &uid(&agent),
         vec![

@@ -23,6 +23,8 @@ fn snapshot(name: &str, pod: &str) -> Snapshot {
     Snapshot::new(
         name,
         SnapshotSpec {
+            pod_uid: None,
+            failure_deadline_seconds: None,
             pod_name: pod.to_string(),
             mode: SnapshotMode::Incremental,
             deletion_policy: DeletionPolicy::Delete,
@@ -35,6 +37,9 @@ fn rollback(name: &str, pod: &str, snap: &str) -> Rollback {
     Rollback::new(
         name,
         RollbackSpec {
+            pod_uid: None,
+            safety_snapshot: true,
+            failure_deadline_seconds: None,
             pod_name: pod.to_string(),
             snapshot_name: snap.to_string(),
         },
@@ -121,6 +126,7 @@ async fn invalid_specs_are_refused_with_a_clear_message() {
     let both = PodClone::new(
         "both",
         CloneSpec {
+            failure_deadline_seconds: None,
             source: CloneSource {
                 snapshot_name: Some("s".into()),
                 pod_name: Some("p".into()),
@@ -483,7 +489,12 @@ async fn rollback_reaches_ready_once_even_when_applied_twice() {
     support::create(&client, &rollback("undo-2", "sandbox", "before-rm")).await;
     rollback_in(&client, "undo-2", Phase::Ready).await;
     assert_eq!(fake.rollback_calls(), 2, "{:?}", fake.calls());
-    expect_reasons(&client, "undo", &["Started", "RolledBack"]).await;
+    expect_reasons(
+        &client,
+        "undo",
+        &["Started", "SafetySnapshotRequested", "RolledBack"],
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -526,10 +537,15 @@ async fn operations_on_one_pod_are_serialized() {
         (fake.snapshot_calls() == 3).then_some(())
     })
     .await;
-    let waits = support::create(&client, &rollback("waits", "busy", "base")).await;
+    // Without safety snapshots (tests/rollback_safety.rs has those), which the fake would hold too.
+    let mut waits = rollback("waits", "busy", "base");
+    waits.spec.safety_snapshot = false;
+    let waits = support::create(&client, &waits).await;
     rollback_in(&client, "waits", Phase::InProgress).await;
     // A rollback of another pod is not held up, and proves the queue moved on.
-    support::create(&client, &rollback("free", "other", "other-base")).await;
+    let mut free = rollback("free", "other", "other-base");
+    free.spec.safety_snapshot = false;
+    support::create(&client, &free).await;
     rollback_in(&client, "free", Phase::Ready).await;
     assert_eq!(
         fake.rollback_calls(),
@@ -558,6 +574,7 @@ fn clone_of(name: &str, source: CloneSource, replicas: i32) -> PodClone {
     PodClone::new(
         name,
         CloneSpec {
+            failure_deadline_seconds: None,
             source,
             replicas,
             name_prefix: None,

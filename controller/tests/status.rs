@@ -288,6 +288,8 @@ async fn snapshot_clone_and_rollback_report_ready_progressing_and_failure() {
         &Snapshot::new(
             "base",
             SnapshotSpec {
+                pod_uid: None,
+                failure_deadline_seconds: None,
                 pod_name: "redis".into(),
                 mode: SnapshotMode::Incremental,
                 deletion_policy: DeletionPolicy::Delete,
@@ -309,6 +311,7 @@ async fn snapshot_clone_and_rollback_report_ready_progressing_and_failure() {
     let clone = PodClone::new(
         "fork",
         CloneSpec {
+            failure_deadline_seconds: None,
             source: CloneSource {
                 snapshot_name: Some("base".into()),
                 pod_name: None,
@@ -351,6 +354,9 @@ async fn snapshot_clone_and_rollback_report_ready_progressing_and_failure() {
         Rollback::new(
             name,
             RollbackSpec {
+                pod_uid: None,
+                safety_snapshot: true,
+                failure_deadline_seconds: None,
                 pod_name: pod.into(),
                 snapshot_name: "base".into(),
             },

@@ -85,24 +85,32 @@ impl CriNode {
         let net = NetSlot::acquire().map_err(|e| Error::Environment(e.to_string()))?;
         let node = Node::start_with(config)?;
         let dir = node.dir()?.to_path_buf();
-        for image in [config.image.as_path(), pause] {
-            node.ctr_ns_ok(
-                CRI_NAMESPACE,
-                &[
-                    OsStr::new("images"),
-                    OsStr::new("import"),
-                    OsStr::new("--snapshotter"),
-                    OsStr::new("twig"),
-                    image.as_os_str(),
-                ],
-            )?;
-        }
         net.write_cni_config(
             &cni_conf_dir(&dir.join("containerd")),
             &dir.join("cni-ipam"),
         )
         .map_err(|e| Error::Environment(e.to_string()))?;
-        Ok(CriNode { node, net, dir })
+        let node = CriNode { node, net, dir };
+        for image in [config.image.as_path(), pause] {
+            node.import_image(image)?;
+        }
+        Ok(node)
+    }
+
+    /// Imports the OCI archive `archive` into CRI's namespace on the `twig`
+    /// snapshotter, as an image pull would leave it.
+    pub fn import_image(&self, archive: &Path) -> Result<()> {
+        self.node.ctr_ns_ok(
+            CRI_NAMESPACE,
+            &[
+                OsStr::new("images"),
+                OsStr::new("import"),
+                OsStr::new("--snapshotter"),
+                OsStr::new("twig"),
+                archive.as_os_str(),
+            ],
+        )?;
+        Ok(())
     }
 
     /// The node under CRI.

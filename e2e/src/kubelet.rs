@@ -15,9 +15,9 @@
 //! gets `phase: Failed` with the error in `status.message`. When the pod
 //! is deleted (or starts terminating), it stops and removes the sandbox.
 //!
-//! What it does not do: pull images (a container must name the one image
-//! it is given, already on the node: the lab's [`crate::IMAGE_REF`]; a pod
-//! naming another fails), init containers, probes,
+//! What it does not do: pull images (a container must name one of the
+//! images it is given, already on the node: the lab's [`crate::IMAGE_REF`]
+//! and those a test imported; a pod naming another fails), init containers, probes,
 //! volumes, restarts, graceful deletion (the test API server deletes a pod
 //! without a finalizer at once), or reporting containers that exit.
 
@@ -69,7 +69,7 @@ struct Shared {
     client: Client,
     cri: CriClient,
     logs: PathBuf,
-    image: String,
+    images: Vec<String>,
 }
 
 /// A running test kubelet; it stops watching when dropped, and its pods'
@@ -81,16 +81,22 @@ pub struct Kubelet {
 
 impl Kubelet {
     /// Starts the kubelet of node `node` on `client`'s API server, running
-    /// pods through `cri` whose containers all name `image` (on the node
-    /// already: in the lab [`crate::IMAGE_REF`]), with their container logs
-    /// under `logs` (one directory per pod, `<namespace>_<name>_<uid>`, as
-    /// kubelet names them).
-    pub fn start(client: Client, node: &str, cri: CriClient, image: &str, logs: &Path) -> Kubelet {
+    /// pods through `cri` whose containers each name one of `images` (on
+    /// the node already: in the lab [`crate::IMAGE_REF`] and what a test
+    /// imported), with their container logs under `logs` (one directory per
+    /// pod, `<namespace>_<name>_<uid>`, as kubelet names them).
+    pub fn start(
+        client: Client,
+        node: &str,
+        cri: CriClient,
+        images: &[&str],
+        logs: &Path,
+    ) -> Kubelet {
         let shared = Arc::new(Shared {
             client,
             cri,
             logs: logs.to_path_buf(),
-            image: image.to_string(),
+            images: images.iter().map(|i| i.to_string()).collect(),
         });
         let node = node.to_string();
         Kubelet {
@@ -201,14 +207,15 @@ async fn run_pod(
         .spec
         .as_ref()
         .ok_or_else(|| PodError::Unsupported("the pod has no spec".into()))?;
-    let image = shared.image.as_str();
+    let images = &shared.images;
     if let Some(c) = spec
         .containers
         .iter()
-        .find(|c| c.image.as_deref() != Some(image))
+        .find(|c| !images.iter().any(|i| c.image.as_ref() == Some(i)))
     {
         return Err(PodError::Unsupported(format!(
-            "container {}: image {:?} is not on the node (the test kubelet pulls none; it runs {image})",
+            "container {}: image {:?} is not on the node (the test kubelet pulls none; it runs \
+             {images:?})",
             c.name, c.image
         )));
     }
@@ -245,8 +252,9 @@ async fn run_pod(
     *sandbox = Some(id.clone());
     let mut statuses = Vec::new();
     for c in &spec.containers {
+        let image = c.image.clone().unwrap_or_default();
         let mut container =
-            twig_cri::container_config(&c.name, image, &[], &format!("{}.log", c.name));
+            twig_cri::container_config(&c.name, &image, &[], &format!("{}.log", c.name));
         container.command = c.command.clone().unwrap_or_default();
         container.args = c.args.clone().unwrap_or_default();
         let cid = shared
@@ -261,7 +269,7 @@ async fn run_pod(
             .map_err(cri("StartContainer"))?;
         statuses.push(ContainerStatus {
             name: c.name.clone(),
-            image: image.into(),
+            image,
             container_id: Some(format!("{CONTAINER_ID_PREFIX}{cid}")),
             ready: true,
             started: Some(true),

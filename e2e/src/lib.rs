@@ -14,6 +14,7 @@
 mod background;
 pub mod cri;
 pub mod crilab;
+pub mod ctrllab;
 mod error;
 pub mod kubelet;
 pub mod must;

@@ -25,45 +25,27 @@
 //! Built with `--features lab`, run in the nested lab
 //! (`tests/lab/run.sh -p twig-e2e --features twig-e2e/lab --test controller`).
 
-use std::future::Future;
 use std::net::TcpListener;
-use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
 use kube::api::{DeleteParams, ListParams, ObjectMeta, Patch, PatchParams};
-use kube::{Api, Client, Resource, ResourceExt};
+use kube::{Api, ResourceExt};
 use twig_controller::crd::{
     CloneSource, CloneSpec, DeletionPolicy, Phase, PodClone, Rollback, RollbackSpec,
     SandboxTemplate, SandboxTemplateSpec, Snapshot, SnapshotMode, SnapshotSpec, CLONE_LABEL,
     RESTORE_FROM_ANNOTATION, RUNTIME_CLASS, TEMPLATE_ANNOTATION,
 };
-use twig_controller::metrics::Metrics;
-use twig_controller::sandbox::ContainerdLocator;
-use twig_controller::shim::{TtrpcNode, TtrpcShim};
-use twig_controller::Context;
-use twig_controller_testkit::{self as testkit, schema, CONTROLLER, NS};
-use twig_cri::CriClient;
-use twig_e2e::cri::{CriNode, CRI_NAMESPACE};
+use twig_controller_testkit::{self as testkit, NS};
+use twig_e2e::cri::CriNode;
 use twig_e2e::crilab::accept_line;
-use twig_e2e::kubelet::{container_id, sandbox_of, Kubelet};
+use twig_e2e::ctrllab::{until, CtrlLab, NODE, READY};
 use twig_e2e::{BASE_MEM_MIB, IMAGE_REF};
 use twig_net::{EgressPolicy, EGRESS_POLICY_ANNOTATION};
 use twig_store::NodeStore;
 
-/// The lab node's name in the API server.
-const NODE: &str = "lab-node";
-/// Deadline of a shim or node call (a full snapshot of the lab's 128 MiB
-/// guest under TCG takes seconds).
-const CALL: Duration = Duration::from_secs(300);
-/// Deadline of a pod coming up or an object getting Ready (the node's first
-/// twig pod builds the base template; the lab is 10–50× slower than a host).
-const READY: Duration = Duration::from_secs(400);
 /// Deadline of the guest's progress.
 const PROGRESS: Duration = Duration::from_secs(120);
-const EXEC: Duration = Duration::from_secs(120);
-const POLL: Duration = Duration::from_millis(200);
 /// The most the counter can count per second (it sleeps 50 ms a round).
 const MAX_RATE: u64 = 20;
 /// How far the source pod counts on past its snapshot before the rollback:
@@ -79,157 +61,44 @@ const MOVE_ON_WITHIN: Duration = Duration::from_secs(300);
 const COUNTER: &str = "i=0; while :; do i=$((i+1)); echo $i > /dev/shm/count.new; \
      mv /dev/shm/count.new /dev/shm/count; sleep 0.05; done";
 
-fn step(t0: Instant, what: &str) {
-    eprintln!("controller: {:>7.2} s  {what}", t0.elapsed().as_secs_f64());
+/// The tmpfs counter of container `id`, once it satisfies `ok`.
+async fn count(lab: &CtrlLab, id: &str, ok: impl Fn(u64) -> bool) -> u64 {
+    count_within(lab, id, PROGRESS, ok).await
 }
 
-/// Polls `check` until it returns `Some`, failing after `within`.
-async fn until<T, F, Fut>(what: &str, within: Duration, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(v) = check().await {
-            return v;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {within:?} waiting for {what}"
-        );
-        tokio::time::sleep(POLL).await;
-    }
+/// [`count`] with its own deadline.
+async fn count_within(lab: &CtrlLab, id: &str, within: Duration, ok: impl Fn(u64) -> bool) -> u64 {
+    let ok = &ok;
+    until(&format!("the counter of {id}"), within, || async move {
+        let (code, out) = lab.sh(id, "cat /dev/shm/count").await;
+        out.parse().ok().filter(|n| code == 0 && ok(*n))
+    })
+    .await
 }
 
-struct Lab {
-    node: CriNode,
-    cri: CriClient,
-    client: Client,
-    metrics: Arc<Metrics>,
-    t0: Instant,
-}
-
-impl Lab {
-    fn dir(&self) -> PathBuf {
-        self.node
-            .node()
-            .dir()
-            .unwrap_or_else(|e| panic!("{e}"))
-            .to_path_buf()
-    }
-
-    fn logs(&self) -> String {
-        self.node.node().logs()
-    }
-
-    /// The object `name` once `done` holds, failing with its last state.
-    async fn wait_for<K>(&self, name: &str, what: &str, done: impl Fn(&K) -> bool) -> K
-    where
-        K: Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
-            + Clone
-            + k8s_openapi::serde::de::DeserializeOwned
-            + std::fmt::Debug,
-    {
-        let api: Api<K> = Api::namespaced(self.client.clone(), NS);
-        let deadline = Instant::now() + READY;
-        loop {
-            let got = api.get_opt(name).await.unwrap_or_else(|e| panic!("{e}"));
-            if let Some(obj) = got.as_ref().filter(|o| done(o)) {
-                return obj.clone();
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{name} not {what} within {READY:?}: {got:#?}\n{}",
-                self.logs()
-            );
-            tokio::time::sleep(POLL).await;
-        }
-    }
-
-    /// The pod `name` once the kubelet reports it running, and its
-    /// container's CRI id.
-    async fn running(&self, name: &str) -> (Pod, String) {
-        let pod: Pod = self
-            .wait_for(name, "run by the kubelet", |p: &Pod| {
-                p.status.as_ref().is_some_and(|s| s.phase.is_some())
-            })
-            .await;
-        let status = pod.status.clone().unwrap_or_default();
-        assert_eq!(
-            status.phase.as_deref(),
-            Some("Running"),
-            "pod {name}: {status:#?}\n{}",
-            self.logs()
-        );
-        assert!(status.pod_ip.is_some(), "pod {name} has no IP: {status:#?}");
-        let id = container_id(&pod, "counter")
-            .unwrap_or_else(|| panic!("pod {name} has no container id: {status:#?}"));
-        (pod, id)
-    }
-
-    /// `sh -c script` in container `id`: (exit code, stdout).
-    async fn sh(&self, id: &str, script: &str) -> (i32, String) {
-        let out = self
-            .cri
-            .exec_sync(id, &["sh", "-c", script], EXEC)
-            .await
-            .unwrap_or_else(|e| panic!("{}", self.node.cri_error(&format!("exec {script}"), e)));
-        (
-            out.exit_code,
-            String::from_utf8_lossy(&out.stdout).trim().to_string(),
+/// Whether container `id` can open a TCP connection to the node's
+/// bridge address (a private address: the default policy drops it).
+async fn reaches_node(lab: &CtrlLab, id: &str) -> bool {
+    let gateway = lab.node.net().gateway();
+    let listener =
+        TcpListener::bind((gateway, 0)).unwrap_or_else(|e| panic!("listen on {gateway}: {e}"));
+    let port = listener.local_addr().map(|a| a.port()).unwrap_or_default();
+    let accepted = std::thread::spawn(move || accept_line(&listener, Duration::from_secs(15)));
+    let (_, said) = lab
+        .sh(
+            id,
+            &format!("echo from-the-pod | nc -w 5 {gateway} {port} 2>&1; echo rc=$?"),
         )
-    }
-
-    /// The tmpfs counter of container `id`, once it satisfies `ok`.
-    async fn count(&self, id: &str, ok: impl Fn(u64) -> bool) -> u64 {
-        self.count_within(id, PROGRESS, ok).await
-    }
-
-    /// [`Lab::count`] with its own deadline.
-    async fn count_within(&self, id: &str, within: Duration, ok: impl Fn(u64) -> bool) -> u64 {
-        let ok = &ok;
-        until(&format!("the counter of {id}"), within, || async move {
-            let (code, out) = self.sh(id, "cat /dev/shm/count").await;
-            out.parse().ok().filter(|n| code == 0 && ok(*n))
-        })
-        .await
-    }
-
-    /// Whether container `id` can open a TCP connection to the node's
-    /// bridge address (a private address: the default policy drops it).
-    async fn reaches_node(&self, id: &str) -> bool {
-        let gateway = self.node.net().gateway();
-        let listener =
-            TcpListener::bind((gateway, 0)).unwrap_or_else(|e| panic!("listen on {gateway}: {e}"));
-        let port = listener.local_addr().map(|a| a.port()).unwrap_or_default();
-        let accepted = std::thread::spawn(move || accept_line(&listener, Duration::from_secs(15)));
-        let (_, said) = self
-            .sh(
-                id,
-                &format!("echo from-the-pod | nc -w 5 {gateway} {port} 2>&1; echo rc=$?"),
-            )
-            .await;
-        let got = accepted
-            .join()
-            .unwrap_or_else(|_| Err("the accept thread panicked".into()));
-        let reached = got.as_deref().map(str::trim) == Ok("from-the-pod");
-        assert!(
-            reached || !said.contains("rc=0"),
-            "nc says it connected, the node got nothing: {said:?}, {got:?}"
-        );
-        reached
-    }
-
-    /// The CRI sandbox of the pod with UID `uid`.
-    async fn sandbox(&self, uid: &str) -> Option<String> {
-        let sandboxes = self
-            .cri
-            .list_pod_sandboxes()
-            .await
-            .unwrap_or_else(|e| panic!("{}", self.node.cri_error("ListPodSandbox", e)));
-        sandbox_of(&sandboxes, uid)
-    }
+        .await;
+    let got = accepted
+        .join()
+        .unwrap_or_else(|_| Err("the accept thread panicked".into()));
+    let reached = got.as_deref().map(str::trim) == Ok("from-the-pod");
+    assert!(
+        reached || !said.contains("rc=0"),
+        "nc says it connected, the node got nothing: {said:?}, {got:?}"
+    );
+    reached
 }
 
 /// An egress policy that allows the node's pod subnet (the bridge address
@@ -265,79 +134,36 @@ fn counter_pod(name: &str) -> Pod {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_controller_snapshots_rolls_back_and_clones_pods_of_a_real_node() {
-    let t0 = Instant::now();
-    let node = CriNode::start().unwrap_or_else(|e| panic!("CRI node: {e}"));
-    let cri = node.client().await.unwrap_or_else(|e| panic!("{e}"));
-    // Where the tests run (the lab) the source tree is not: the CRDs the
-    // server admits against are the controller's own, as generated.
-    let server = testkit::api_server_with(schema::generated()).await;
-    let client = server.client();
-    testkit::register_node(&client, NODE).await;
-    let lab = Lab {
-        node,
-        cri,
-        client,
-        metrics: Arc::new(Metrics::new()),
-        t0,
-    };
-    let dir = lab.dir();
-    let _kubelet = Kubelet::start(
-        server.client_as("kubelet"),
-        NODE,
-        lab.cri.clone(),
-        IMAGE_REF,
-        &dir.join("kubelet-pods"),
-    );
-    let ctx = Context::new(
-        server.client_as(CONTROLLER),
-        NODE.into(),
-        Arc::new(ContainerdLocator {
-            task_dir: dir
-                .join("containerd/state/io.containerd.runtime.v2.task")
-                .join(CRI_NAMESPACE),
-        }),
-        Arc::new(TtrpcShim { timeout: CALL }),
-        Arc::new(TtrpcNode {
-            address: format!("unix://{}", dir.join("node.sock").display()),
-            timeout: CALL,
-        }),
-        lab.metrics.clone(),
-    )
-    .with_network_refresh(Duration::from_secs(1))
-    .with_retry(Duration::from_secs(1))
-    .with_backoff(Duration::from_millis(500), Duration::from_secs(10));
-    let controller = tokio::spawn(twig_controller::run(Arc::new(ctx)));
-    step(t0, "node, API server, kubelet and controller up");
-
+    let lab = CtrlLab::start("controller", &[]).await;
     scenario(&lab).await;
-    controller.abort();
 }
 
-async fn scenario(lab: &Lab) {
-    let t0 = lab.t0;
+async fn scenario(lab: &CtrlLab) {
     let client = &lab.client;
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
 
     // A pod through the kubelet: its counter runs, its rootfs has a file.
     let source = testkit::create(client, &counter_pod("counter")).await;
     let uid = source.uid().unwrap_or_default();
-    let (_, ctr) = lab.running("counter").await;
+    let (_, ctr) = lab.running("counter", "counter").await;
     let sandbox = lab.sandbox(&uid).await;
     assert!(sandbox.is_some(), "no CRI sandbox for pod UID {uid}");
     let (code, _) = lab.sh(&ctr, "echo original > /marker && sync").await;
     assert_eq!(code, 0);
-    lab.count(&ctr, |n| n >= 3).await;
-    step(t0, "pod counter runs");
+    count(lab, &ctr, |n| n >= 3).await;
+    lab.step("pod counter runs");
 
     // Snapshot.
-    let before = lab.count(&ctr, |_| true).await;
+    let before = count(lab, &ctr, |_| true).await;
     let snap = Snapshot::new(
         "snap",
         SnapshotSpec {
             pod_name: "counter".into(),
+            pod_uid: None,
             mode: SnapshotMode::Full,
             deletion_policy: DeletionPolicy::Delete,
             ttl_seconds_after_ready: None,
+            failure_deadline_seconds: None,
         },
     );
     testkit::create(client, &snap).await;
@@ -348,7 +174,7 @@ async fn scenario(lab: &Lab) {
                 .is_some_and(|s| matches!(s.phase, Phase::Ready | Phase::Failed))
         })
         .await;
-    let after = lab.count(&ctr, |_| true).await;
+    let after = count(lab, &ctr, |_| true).await;
     let status = snap.status.clone().unwrap_or_default();
     assert_eq!(status.phase, Phase::Ready, "{status:#?}\n{}", lab.logs());
     let snapshot_id = status.snapshot_id.clone().unwrap_or_default();
@@ -365,15 +191,12 @@ async fn scenario(lab: &Lab) {
         store.get(&snapshot_id).is_ok(),
         "the store lacks {snapshot_id}"
     );
-    step(
-        t0,
-        &format!("snapshot Ready (counter between {before} and {after})"),
-    );
+    lab.step(&format!(
+        "snapshot Ready (counter between {before} and {after})"
+    ));
 
     // The pod moves on: its counter, a mark in its memory, its file damaged.
-    let moved = lab
-        .count_within(&ctr, MOVE_ON_WITHIN, |n| n > after + MOVE_ON)
-        .await;
+    let moved = count_within(lab, &ctr, MOVE_ON_WITHIN, |n| n > after + MOVE_ON).await;
     let (code, _) = lab
         .sh(
             &ctr,
@@ -381,10 +204,7 @@ async fn scenario(lab: &Lab) {
         )
         .await;
     assert_eq!(code, 0);
-    step(
-        t0,
-        &format!("the pod moved on to {moved}, its file damaged"),
-    );
+    lab.step(&format!("the pod moved on to {moved}, its file damaged"));
 
     // Rollback.
     let t_rollback = Instant::now();
@@ -393,6 +213,10 @@ async fn scenario(lab: &Lab) {
         RollbackSpec {
             pod_name: "counter".into(),
             snapshot_name: "snap".into(),
+            pod_uid: None,
+            // The default: a safety snapshot of the pod first.
+            safety_snapshot: true,
+            failure_deadline_seconds: None,
         },
     );
     testkit::create(client, &rollback).await;
@@ -405,7 +229,8 @@ async fn scenario(lab: &Lab) {
         .await;
     let status = rollback.status.clone().unwrap_or_default();
     assert_eq!(status.phase, Phase::Ready, "{status:#?}\n{}", lab.logs());
-    let back = lab.count(&ctr, |_| true).await;
+    assert_eq!(status.safety_snapshot_name.as_deref(), Some("back-safety"));
+    let back = count(lab, &ctr, |_| true).await;
     let took = t_rollback.elapsed();
     assert!(
         back >= before && back < moved,
@@ -426,11 +251,10 @@ async fn scenario(lab: &Lab) {
     );
     let current = pods.get("counter").await.unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(current.uid().as_deref(), Some(uid.as_str()), "another pod");
-    lab.count(&ctr, |n| n > back + 5).await;
-    step(
-        t0,
-        &format!("rolled back in {took:?}: the counter went back to {back}, the file is back"),
-    );
+    count(lab, &ctr, |n| n > back + 5).await;
+    lab.step(&format!(
+        "rolled back in {took:?}: the counter went back to {back}, the file is back"
+    ));
 
     // Clone the snapshot twice.
     let clone = PodClone::new(
@@ -443,6 +267,7 @@ async fn scenario(lab: &Lab) {
             replicas: 2,
             name_prefix: None,
             labels: None,
+            failure_deadline_seconds: None,
         },
     );
     testkit::create(client, &clone).await;
@@ -474,13 +299,13 @@ async fn scenario(lab: &Lab) {
             pod.spec.as_ref().and_then(|s| s.node_name.as_deref()),
             Some(NODE)
         );
-        let (_, id) = lab.running(&name).await;
-        let first = lab.count(&id, |_| true).await;
+        let (_, id) = lab.running(&name, "counter").await;
+        let first = count(lab, &id, |_| true).await;
         assert!(
             first >= before,
             "clone {name} counts from {first}; the snapshot was taken between {before} and {after}"
         );
-        lab.count(&id, |n| n > first + 5).await;
+        count(lab, &id, |n| n > first + 5).await;
         let (_, mark) = lab.sh(&id, "cat /marker").await;
         assert_eq!(mark, "original", "clone {name}'s rootfs file");
         let (_, host) = lab.sh(&id, "hostname").await;
@@ -488,7 +313,7 @@ async fn scenario(lab: &Lab) {
         hostnames.push(host);
     }
     assert_ne!(hostnames[0], hostnames[1]);
-    step(t0, "the Clone's two pods count on from the snapshot");
+    lab.step("the Clone's two pods count on from the snapshot");
 
     // A SandboxTemplate: twig-node builds it through CRI (the warm-up runs
     // in it); a pod naming it starts from it, its one container adopting
@@ -514,7 +339,7 @@ async fn scenario(lab: &Lab) {
         t.status.as_ref().is_some_and(|s| s.ready_nodes == 1)
     })
     .await;
-    step(t0, "the SandboxTemplate is Ready");
+    lab.step("the SandboxTemplate is Ready");
     let mut from_template = counter_pod("from-tpl");
     from_template.metadata.annotations =
         Some([(TEMPLATE_ANNOTATION.to_string(), "counter-tpl".to_string())].into());
@@ -528,24 +353,24 @@ async fn scenario(lab: &Lab) {
         c.args = None;
     }
     testkit::create(client, &from_template).await;
-    let (_, tpl_ctr) = lab.running("from-tpl").await;
+    let (_, tpl_ctr) = lab.running("from-tpl", "counter").await;
     assert_eq!(
         lab.sh(&tpl_ctr, "cat /dev/shm/warm").await,
         (0, "warm".to_string())
     );
-    let n = lab.count(&tpl_ctr, |_| true).await;
-    lab.count(&tpl_ctr, |m| m > n + 5).await;
+    let n = count(lab, &tpl_ctr, |_| true).await;
+    count(lab, &tpl_ctr, |m| m > n + 5).await;
     assert_eq!(
         lab.sh(&tpl_ctr, "hostname").await,
         (0, "from-tpl".to_string())
     );
-    step(t0, "a pod of the template counts on from its warm state");
+    lab.step("a pod of the template counts on from its warm state");
 
     // Its egress policy is the template's, and follows it live: the
     // template drops its policy → the controller puts the default on the
     // running pod (the node is a private address) → the pod's own
     // annotation allows the subnet again. The drops are in /metrics.
-    assert!(lab.reaches_node(&tpl_ctr).await, "the template's policy");
+    assert!(reaches_node(lab, &tpl_ctr).await, "the template's policy");
     let templates: Api<SandboxTemplate> = Api::namespaced(client.clone(), NS);
     templates
         .patch(
@@ -556,7 +381,7 @@ async fn scenario(lab: &Lab) {
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     until("the default policy on the running pod", READY, || async {
-        (!lab.reaches_node(&tpl_ctr).await).then_some(())
+        (!reaches_node(lab, &tpl_ctr).await).then_some(())
     })
     .await;
     until("the pod's drops in /metrics", READY, || async {
@@ -582,13 +407,10 @@ async fn scenario(lab: &Lab) {
     .await
     .unwrap_or_else(|e| panic!("{e}"));
     until("the pod's own policy on it", READY, || async {
-        lab.reaches_node(&tpl_ctr).await.then_some(())
+        reaches_node(lab, &tpl_ctr).await.then_some(())
     })
     .await;
-    step(
-        t0,
-        "its egress policy followed the template, then its own annotation, live",
-    );
+    lab.step("its egress policy followed the template, then its own annotation, live");
 
     // Delete everything; nothing is left.
     let vmms = lab.node.pod_vmms();
@@ -615,6 +437,12 @@ async fn scenario(lab: &Lab) {
     })
     .await;
     let snapshots: Api<Snapshot> = Api::namespaced(client.clone(), NS);
+    // The Rollback's safety snapshot outlives it, and builds on `snap`:
+    // `snap` is kept until it is gone.
+    snapshots
+        .delete("back-safety", &dp)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     snapshots
         .delete("snap", &dp)
         .await
@@ -653,5 +481,5 @@ async fn scenario(lab: &Lab) {
     )
     .await;
     assert!(lab.node.leftovers(&vmms).is_empty());
-    step(t0, "all deleted, nothing left");
+    lab.step("all deleted, nothing left");
 }

@@ -75,7 +75,7 @@ async fn the_test_kubelet_runs_reports_and_removes_pods_through_cri() {
         server.client_as("kubelet"),
         NODE,
         cri.clone(),
-        &image,
+        &[&image],
         &node.dir().join("kubelet-pods"),
     );
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);

@@ -385,11 +385,12 @@ impl VmSandbox {
             .transpose()
             .map_err(|e| with_vm_logs(e, &vm_dir))?;
         tracing::info!(
+            sandbox_id,
             pid = vm.pid,
             pooled = vm.pooled,
             template = vm.template_dir,
-            ?acquired,
-            elapsed = ?started.elapsed(),
+            acquired_us = acquired.as_micros() as u64,
+            launch_us = started.elapsed().as_micros() as u64,
             "sandbox VM restored, agent answers"
         );
         let stopping = Arc::new(AtomicBool::new(false));

@@ -13,7 +13,7 @@
 #        tests/lab/run.sh -p twig-e2e --features twig-e2e/lab
 #        (end-to-end: also carries containerd, runc, twig-snapshotter, twig-node,
 #        twig-vmm, containerd-shim-twig-v2 when it exists, and a busybox
-#        image built with e2e/build-image.sh)
+#        image, a pod sandbox image and a Redis image built with e2e/build-image.sh)
 #        tests/lab/run.sh --bench [twig-bench linux options...]
 #        (runs `twig-bench linux --json` in the lab; the JSON goes to stdout,
 #        the table and the lab's console to stderr)
@@ -210,6 +210,12 @@ if ((e2e)); then
   e2e/build-image.sh "$root/e2e/pause.tar" docker.io/library/twig-e2e-pause:v1 \
     /bin/sh -c 'trap "exit 0" TERM INT; while :; do sleep 3600 & wait $!; done' ||
     die "building the e2e pod sandbox image failed"
+  # The agent workflows' Redis (e2e/tests/workflows.rs), from Debian's
+  # packages, unpacked aside (nothing is installed here).
+  TWIG_IMAGE_DEBS="redis-server redis-tools libjemalloc2 liblzf1 libatomic1" \
+    TWIG_IMAGE_BINARIES="/usr/bin/redis-server /usr/bin/redis-cli" \
+    e2e/build-image.sh "$root/e2e/redis.tar" docker.io/library/twig-e2e-redis:v1 ||
+    die "building the e2e Redis image failed"
   mkdir -p "$root/usr/lib/cni"
   for p in bridge host-local loopback; do
     [[ -x /usr/lib/cni/$p ]] || die "/usr/lib/cni/$p missing (containernetworking-plugins: scripts/install-deps.sh)"
@@ -258,7 +264,7 @@ mount -t bpf bpf /sys/fs/bpf || echo "LAB-ERROR no bpffs"
 [ -e /etc/hosts ] || echo '127.0.0.1 localhost' > /etc/hosts
 [ -e /etc/resolv.conf ] || : > /etc/resolv.conf
 ip link set lo up || echo "LAB-ERROR lo"
-[ $e2e = 0 ] || export TWIG_E2E_IMAGE=/e2e/busybox.tar TWIG_E2E_PAUSE_IMAGE=/e2e/pause.tar TWIG_E2E_XFS=/xfs
+[ $e2e = 0 ] || export TWIG_E2E_IMAGE=/e2e/busybox.tar TWIG_E2E_PAUSE_IMAGE=/e2e/pause.tar TWIG_E2E_REDIS_IMAGE=/e2e/redis.tar TWIG_E2E_XFS=/xfs
 # The benchmark's files live on XFS, as in production: snapshots and
 # restores share disk extents (reflinks) instead of copying them.
 truncate -s 4G /tmp/xfs.img && mkfs.xfs -q -m reflink=1 /tmp/xfs.img && mkdir /xfs &&
@@ -375,14 +381,16 @@ for attempt in $(seq 1 "$LAB_BOOTS"); do
   qemu=$(cat "$work/qemu.rc" 2>/dev/null || echo "?")
   cat "$log" >> "$all"
   grep -q '^LAB-END' "$log" && break
-  failed_before=$(grep '^LAB-EXIT' "$log" | awk '$3 != 0' | head -1 || true)
+  failed_before=$(awk '$1 == "LAB-EXIT" && $3 != 0 {print; exit}' "$log")
   oops=$(grep -m1 -E 'Kernel panic|BUG: |Oops: ' "$log" || true)
   why="${wedged:-qemu exit $qemu}${oops:+; the outer kernel said: $oops}"
   if [[ -n $failed_before || $attempt == "$LAB_BOOTS" ]]; then
     die "the lab did not finish ($why); see output above"
   fi
-  ((bench)) || passed_bins=$(grep '^LAB-EXIT' "$all" |
-    awk -v r="$REPEAT" '$3 == 0 {n[$2]++} END {for (b in n) if (n[b] >= r) print b}' | sort | tr '\n' ' ')
+  # (awk, not grep: a boot that wedged before any binary finished has no
+  # LAB-EXIT line, and a grep finding nothing would end this script.)
+  ((bench)) || passed_bins=$(awk -v r="$REPEAT" '$1 == "LAB-EXIT" && $3 == 0 {n[$2]++}
+    END {for (b in n) if (n[b] >= r) print b}' "$all" | sort | tr '\n' ' ')
   echo "lab: the outer VM stopped before the tests finished ($why); booting it again" >&2
 done
 log=$all
@@ -392,8 +400,8 @@ if ((bench)); then
   sed -n 's/^LAB-JSON //p' "$log"
   exit 0
 fi
-passed=$(grep '^test result:' "$log" | grep -o '[0-9]* passed' | awk '{s+=$1} END {print s+0}')
-failed=$(grep '^test result:' "$log" | grep -o '[0-9]* failed' | awk '{s+=$1} END {print s+0}')
-bad=$(grep '^LAB-EXIT' "$log" | awk '$3 != 0 {printf "%s (exit %s) ", $2, $3}')
+passed=$(awk '/^test result:/ {for (i = 1; i < NF; i++) if ($(i + 1) ~ /^passed/) s += $i} END {print s + 0}' "$log")
+failed=$(awk '/^test result:/ {for (i = 1; i < NF; i++) if ($(i + 1) ~ /^failed/) s += $i} END {print s + 0}' "$log")
+bad=$(awk '$1 == "LAB-EXIT" && $3 != 0 {printf "%s (exit %s) ", $2, $3}' "$log")
 echo "lab: $passed passed, $failed failed"
 [[ -z $bad ]] || die "failing test binaries in the lab: $bad"

@@ -12,12 +12,15 @@ use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::{Api, Resource, ResourceExt};
 
-use super::{conditions, write_status};
+use super::{
+    conditions, deadline_left, deadline_message, operation_error, wait, write_status,
+    DEADLINE_EXCEEDED,
+};
 use crate::context::{is_not_found, millis_since, Context, Error};
 use crate::crd::{
-    CloneStatus, DeletionPolicy, Phase, PodClone, SandboxTemplate, Snapshot, SnapshotMode,
-    SnapshotSpec, CLONE_LABEL, EGRESS_POLICY_ANNOTATION, RESTORE_FROM_ANNOTATION, RUNTIME_CLASS,
-    TEMPLATE_ANNOTATION,
+    CloneStatus, DeletionPolicy, Phase, PodClone, ReplicaStatus, SandboxTemplate, Snapshot,
+    SnapshotMode, SnapshotSpec, CLONE_LABEL, EGRESS_POLICY_ANNOTATION, MAX_REPLICAS,
+    RESTORE_FROM_ANNOTATION, RUNTIME_CLASS, TEMPLATE_ANNOTATION,
 };
 use crate::reconcile::validate_name;
 
@@ -36,11 +39,14 @@ pub fn validate(clone: &PodClone) -> Result<(), String> {
             )
         }
     }
-    if !(1..=100).contains(&clone.spec.replicas) {
+    if !(1..=MAX_REPLICAS).contains(&clone.spec.replicas) {
         return Err(format!(
-            "spec.replicas must be between 1 and 100, not {}",
+            "spec.replicas must be between 1 and {MAX_REPLICAS}, not {}",
             clone.spec.replicas
         ));
+    }
+    if clone.spec.failure_deadline_seconds.is_some_and(|t| t < 1) {
+        return Err("spec.failureDeadlineSeconds must be at least 1".to_string());
     }
     if let Some(prefix) = &clone.spec.name_prefix {
         if prefix.len() > 58 || prefix.contains('.') {
@@ -84,6 +90,10 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
     if let Err(message) = validate(&clone) {
         return fail(&api, &clone, "Invalid", message, &ctx).await;
     }
+    let left = deadline_left(
+        clone.metadata.creation_timestamp.as_ref(),
+        clone.spec.failure_deadline_seconds,
+    );
     let snapshots: Api<Snapshot> = Api::namespaced(ctx.client.clone(), &ns);
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
     let snap_name = match (
@@ -112,7 +122,15 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
     let snap_status = snap.status.clone().unwrap_or_default();
     match snap_status.phase {
         Phase::Ready => {}
-        Phase::Pending | Phase::InProgress => return Ok(Action::requeue(ctx.retry)),
+        Phase::Pending | Phase::InProgress => {
+            if left.is_some_and(|l| l.is_zero()) {
+                let waiting_for = format!("snapshot {snap_name} to be Ready");
+                let message =
+                    deadline_message("clone", clone.spec.failure_deadline_seconds, &waiting_for);
+                return fail(&api, &clone, DEADLINE_EXCEEDED, message, &ctx).await;
+            }
+            return Ok(wait(ctx.retry, left));
+        }
         Phase::Failed | Phase::Lost => {
             let detail = snap_status.message.unwrap_or_default();
             let message = format!("snapshot {snap_name} is {}: {detail}", snap_status.phase);
@@ -139,29 +157,45 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
         Ok(policy) => policy,
         Err(message) => return fail(&api, &clone, "TemplateNotFound", message, &ctx).await,
     };
+    let selector = format!("{CLONE_LABEL}={}", clone.name_any());
+    let mut existing: BTreeMap<String, Pod> = pods
+        .list(&ListParams::default().labels(&selector))
+        .await?
+        .items
+        .into_iter()
+        .filter(|p| owned_by(p, clone.as_ref()))
+        .map(|p| (p.name_any(), p))
+        .collect();
     let mut created = 0;
     let mut names = Vec::new();
     for index in 0..clone.spec.replicas {
+        let name = pod_name(&clone, index);
+        names.push(name.clone());
+        if existing.contains_key(&name) {
+            continue;
+        }
         let mut pod = clone_pod(&clone, &source, &node, &snapshot_id, &snap_name, index)?;
         if let (Some(policy), Some(annotations)) = (&policy, pod.metadata.annotations.as_mut()) {
             annotations
                 .entry(EGRESS_POLICY_ANNOTATION.to_string())
                 .or_insert_with(|| policy.clone());
         }
-        let name = pod.name_any();
         match pods.create(&PostParams::default(), &pod).await {
-            Ok(_) => created += 1,
+            Ok(made) => {
+                created += 1;
+                existing.insert(name, made);
+            }
             Err(kube::Error::Api(e)) if e.code == 409 => {
-                let existing = pods.get(&name).await?;
-                if !owned_by(&existing, &clone) {
+                let found = pods.get(&name).await?;
+                if !owned_by(&found, &clone) {
                     let message =
                         format!("pod {name} already exists and does not belong to this Clone");
                     return fail(&api, &clone, "NameTaken", message, &ctx).await;
                 }
+                existing.insert(name, found);
             }
             Err(e) => return Err(e.into()),
         }
-        names.push(name);
     }
     if created > 0 {
         let note = format!("Created {created} pods from snapshot {snap_name} on node {node}");
@@ -174,16 +208,18 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
         )
         .await;
     }
-    let listed = pods
-        .list(&ListParams::default().labels(&format!("{CLONE_LABEL}={}", clone.name_any())))
-        .await?;
-    let ready = listed
-        .items
+    let replicas: Vec<ReplicaStatus> = names
         .iter()
-        .filter(|p| owned_by(*p, clone.as_ref()) && names.contains(&p.name_any()) && pod_ready(p))
-        .count();
+        .map(|name| replica_status(name, existing.get(name)))
+        .collect();
+    let ready = replicas.iter().filter(|r| r.ready).count();
     let ready = i32::try_from(ready).unwrap_or(i32::MAX);
     let all_ready = ready == clone.spec.replicas;
+    if !all_ready && left.is_some_and(|l| l.is_zero()) {
+        let waiting_for = format!("its pods to be Ready ({ready}/{} are)", clone.spec.replicas);
+        let message = deadline_message("clone", clone.spec.failure_deadline_seconds, &waiting_for);
+        return fail(&api, &clone, DEADLINE_EXCEEDED, message, &ctx).await;
+    }
     let duration_ms = all_ready.then(|| millis_since(clone.metadata.creation_timestamp.as_ref()));
     let phase = if all_ready {
         Phase::Ready
@@ -198,7 +234,9 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
     let new = CloneStatus {
         phase,
         snapshot_name: Some(snap_name.clone()),
+        node_name: Some(node.clone()),
         pods: names,
+        replicas,
         ready_replicas: ready,
         duration_ms: status.duration_ms.or(duration_ms),
         conditions: conditions(
@@ -209,6 +247,7 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
             clone.metadata.generation,
         ),
         message,
+        error: None,
     };
     if !same_status(&new, &status) {
         let clone = write_status(&api, &clone, new, &ctx).await?;
@@ -219,9 +258,46 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
                 format!("All {ready} clones of snapshot {snap_name} are Ready after {ms} ms");
             ctx.event(&clone, EventType::Normal, "Ready", "Clone", note)
                 .await;
+        } else if !all_ready && status.phase == Phase::Ready {
+            let note = format!("{ready}/{} clone pods are Ready", clone.spec.replicas);
+            ctx.event(&clone, EventType::Warning, "PodsNotReady", "Clone", note)
+                .await;
         }
     }
-    Ok(Action::await_change())
+    Ok(match (all_ready, left) {
+        (false, Some(left)) => Action::requeue(left),
+        _ => Action::await_change(),
+    })
+}
+
+/// The status of the clone pod `name` (`None`: not created yet).
+fn replica_status(name: &str, pod: Option<&Pod>) -> ReplicaStatus {
+    let status = pod.and_then(|p| p.status.as_ref());
+    let ready = pod.is_some_and(pod_ready);
+    let waiting = status
+        .and_then(|s| s.container_statuses.as_ref())
+        .into_iter()
+        .flatten()
+        .find_map(|c| {
+            let waiting = c.state.as_ref()?.waiting.as_ref()?;
+            let reason = waiting.reason.clone().unwrap_or_default();
+            Some(match &waiting.message {
+                Some(m) => format!("container {}: {reason}: {m}", c.name),
+                None => format!("container {}: {reason}", c.name),
+            })
+        });
+    ReplicaStatus {
+        name: name.to_string(),
+        phase: status
+            .and_then(|s| s.phase.clone())
+            .unwrap_or_else(|| "Pending".to_string()),
+        ready,
+        message: if ready {
+            None
+        } else {
+            status.and_then(|s| s.message.clone()).or(waiting)
+        },
+    }
 }
 
 /// Makes sure the Clone's own Snapshot of `pod` exists; `Ok(name)` once it is Ready.
@@ -243,7 +319,11 @@ async fn ensure_source_snapshot(
         return Ok(Ok(name));
     }
     // Only the node running the pod takes its snapshot.
-    let Some(pod) = pods.get_opt(pod_name).await? else {
+    let Some(pod) = pods
+        .get_opt(pod_name)
+        .await?
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+    else {
         return fail(
             api,
             clone,
@@ -269,9 +349,13 @@ async fn ensure_source_snapshot(
         },
         spec: SnapshotSpec {
             pod_name: pod_name.to_string(),
+            // Pinned: a pod recreated under the name before the snapshot is refused.
+            pod_uid: pod.metadata.uid.clone(),
             mode: SnapshotMode::Incremental,
             deletion_policy: DeletionPolicy::Delete,
             ttl_seconds_after_ready: None,
+            // The Clone's deadline bounds its snapshot too.
+            failure_deadline_seconds: clone.spec.failure_deadline_seconds,
         },
         status: None,
     };
@@ -435,6 +519,7 @@ async fn fail(
     let status = CloneStatus {
         phase: Phase::Failed,
         message: Some(format!("{reason}: {message}")),
+        error: Some(operation_error(reason, &message)),
         conditions: conditions(
             &old.conditions,
             Phase::Failed,

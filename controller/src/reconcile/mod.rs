@@ -2,17 +2,63 @@
 
 use std::fmt::Debug;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::watcher;
 use kube::{Api, Resource};
 
 use crate::context::{now, Context, Error};
-use crate::crd::{Phase, PodClone, Rollback, SandboxTemplate, Snapshot, CLONE_LABEL};
+use crate::crd::{
+    OperationError, Phase, PodClone, Rollback, SandboxTemplate, Snapshot, CLONE_LABEL,
+    SAFETY_FOR_LABEL,
+};
+
+/// Failure reason of a Snapshot, Clone or Rollback not done by its `spec.failureDeadlineSeconds`.
+pub const DEADLINE_EXCEEDED: &str = "DeadlineExceeded";
+/// Failure reason of an operation whose pod was recreated under the same name.
+pub const POD_REPLACED: &str = "PodReplaced";
+
+/// Time left before an object's failure deadline (`seconds` after its
+/// creation): `None` without a deadline, `Some(ZERO)` once it has passed.
+pub(crate) fn deadline_left(created: Option<&Time>, seconds: Option<i64>) -> Option<Duration> {
+    let seconds = seconds?;
+    let created_ms = created.map_or_else(
+        || Timestamp::now().as_millisecond(),
+        |t| t.0.as_millisecond(),
+    );
+    let left_ms = created_ms
+        .saturating_add(seconds.saturating_mul(1000))
+        .saturating_sub(Timestamp::now().as_millisecond());
+    Some(Duration::from_millis(u64::try_from(left_ms).unwrap_or(0)))
+}
+
+/// The action of an object waiting on something else: look again after
+/// `retry`, or at its deadline when that comes first.
+pub(crate) fn wait(retry: Duration, left: Option<Duration>) -> Action {
+    Action::requeue(left.map_or(retry, |l| l.min(retry)))
+}
+
+/// The message of a failure deadline that has passed.
+pub(crate) fn deadline_message(kind: &str, seconds: Option<i64>, waiting_for: &str) -> String {
+    format!(
+        "the {kind} was not done within its failureDeadlineSeconds ({} s) after creation; it was waiting for {waiting_for}",
+        seconds.unwrap_or_default()
+    )
+}
+
+/// `status.error` of a failure.
+pub(crate) fn operation_error(reason: &str, message: &str) -> OperationError {
+    OperationError {
+        message: format!("{reason}: {message}"),
+        time: now(),
+    }
+}
 
 /// Writes an object's status with server-side apply, as this node's field
 /// manager (forcing: a controller owns what it writes). The whole status is
@@ -213,6 +259,11 @@ pub async fn run(ctx: Arc<Context>) {
         Api::<Rollback>::all(client.clone()),
         watcher::Config::default(),
     )
+    .watches(
+        Api::<Snapshot>::all(client.clone()),
+        watcher::Config::default().labels(SAFETY_FOR_LABEL),
+        rollback::of_safety_snapshot,
+    )
     .run(
         |o, c| reset_on_success(rollback::reconcile, o, c),
         error_policy,
@@ -266,6 +317,7 @@ mod tests {
                 replicas,
                 name_prefix: prefix.map(String::from),
                 labels: None,
+                failure_deadline_seconds: None,
             },
         )
     }
@@ -297,9 +349,11 @@ mod tests {
         assert!(clone::validate(&clone(CloneSource::default(), 1, None))
             .is_err_and(|e| e.contains("exactly one")));
         assert!(clone::validate(&clone(snap.clone(), 0, None))
-            .is_err_and(|e| e.contains("between 1 and 100")));
-        assert!(clone::validate(&clone(snap.clone(), 101, None))
-            .is_err_and(|e| e.contains("between 1 and 100")));
+            .is_err_and(|e| e.contains("between 1 and 1000")));
+        assert_eq!(clone::validate(&clone(snap.clone(), 256, None)), Ok(()));
+        assert_eq!(clone::validate(&clone(snap.clone(), 1000, None)), Ok(()));
+        assert!(clone::validate(&clone(snap.clone(), 1001, None))
+            .is_err_and(|e| e.contains("between 1 and 1000")));
         assert!(
             clone::validate(&clone(snap, 2, Some("a.b"))).is_err_and(|e| e.contains("DNS label"))
         );
@@ -311,13 +365,19 @@ mod tests {
             "s",
             SnapshotSpec {
                 pod_name: "redis".into(),
+                pod_uid: None,
                 mode: Default::default(),
                 deletion_policy: Default::default(),
                 ttl_seconds_after_ready: Some(-1),
+                failure_deadline_seconds: None,
             },
         );
         assert!(snapshot::validate(&snap).is_err_and(|e| e.contains("ttlSecondsAfterReady")));
         snap.spec.ttl_seconds_after_ready = Some(0);
+        assert_eq!(snapshot::validate(&snap), Ok(()));
+        snap.spec.failure_deadline_seconds = Some(0);
+        assert!(snapshot::validate(&snap).is_err_and(|e| e.contains("failureDeadlineSeconds")));
+        snap.spec.failure_deadline_seconds = Some(30);
         assert_eq!(snapshot::validate(&snap), Ok(()));
         let mut template = SandboxTemplate::new(
             "t",

@@ -5,14 +5,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::DeleteParams;
+use kube::api::{DeleteParams, ListParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::runtime::finalizer::{finalizer, Event};
 use kube::{Api, ResourceExt};
 
-use super::{conditions, write_status};
+use super::{
+    conditions, deadline_left, deadline_message, operation_error, wait, write_status,
+    DEADLINE_EXCEEDED, POD_REPLACED,
+};
 use crate::context::{is_not_found, millis_since, now, Context, Error};
 use crate::crd::{DeletionPolicy, Phase, Snapshot, SnapshotMode, SnapshotStatus, RUNTIME_CLASS};
 use crate::reconcile::{current_pod, validate_name};
@@ -27,6 +31,9 @@ pub fn validate(snap: &Snapshot) -> Result<(), String> {
     if snap.spec.ttl_seconds_after_ready.is_some_and(|t| t < 0) {
         return Err("spec.ttlSecondsAfterReady must not be negative".to_string());
     }
+    if snap.spec.failure_deadline_seconds.is_some_and(|t| t < 1) {
+        return Err("spec.failureDeadlineSeconds must be at least 1".to_string());
+    }
     Ok(())
 }
 
@@ -35,7 +42,40 @@ pub fn validate(snap: &Snapshot) -> Result<(), String> {
 /// claims the snapshot (writes its name into the status), removed after the
 /// node-side data is gone. When that node's Node object no longer exists,
 /// any other node removes the finalizer (see [`release_if_node_gone`]).
+///
+/// An error (retried with backoff) past the Snapshot's failure deadline
+/// fails it with `DeadlineExceeded` and the error instead, if it is still
+/// Pending or InProgress on this node (or unclaimed).
 pub async fn reconcile(snap: Arc<Snapshot>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let err = match reconcile_inner(snap.clone(), ctx.clone()).await {
+        Ok(action) => return Ok(action),
+        Err(err) => err,
+    };
+    let status = snap.status.clone().unwrap_or_default();
+    let ours = status
+        .node_name
+        .as_deref()
+        .is_none_or(|n| n == ctx.node_name);
+    let overdue = deadline_left(
+        snap.metadata.creation_timestamp.as_ref(),
+        snap.spec.failure_deadline_seconds,
+    )
+    .is_some_and(|l| l.is_zero());
+    let open = matches!(status.phase, Phase::Pending | Phase::InProgress);
+    if !(ours && overdue && open) || snap.metadata.deletion_timestamp.is_some() {
+        return Err(err);
+    }
+    let api: Api<Snapshot> =
+        Api::namespaced(ctx.client.clone(), &snap.namespace().unwrap_or_default());
+    let message = deadline_message(
+        "snapshot",
+        snap.spec.failure_deadline_seconds,
+        &format!("a retry (last error: {err})"),
+    );
+    fail(&api, &snap, Some(status), DEADLINE_EXCEEDED, message, &ctx).await
+}
+
+async fn reconcile_inner(snap: Arc<Snapshot>, ctx: Arc<Context>) -> Result<Action, Error> {
     let ns = snap
         .namespace()
         .ok_or(Error::MissingField("metadata.namespace"))?;
@@ -49,7 +89,13 @@ pub async fn reconcile(snap: Arc<Snapshot>, ctx: Arc<Context>) -> Result<Action,
             }
             return Ok(Action::await_change());
         }
-        Some(_) => {}
+        Some(_) => {
+            if deleting && snap.finalizers().iter().any(|f| f == FINALIZER) {
+                if let Some(action) = hold_for_children(&api, &snap, &ns, &ctx).await? {
+                    return Ok(action);
+                }
+            }
+        }
         None if deleting => {
             // No node claimed it, so no node took (or is taking) it: nothing to remove.
             return Ok(finalizer(&api, FINALIZER, snap, |_| async {
@@ -114,12 +160,37 @@ async fn precheck(
             .await
             .map(Err);
     };
+    let left = deadline_left(
+        snap.metadata.creation_timestamp.as_ref(),
+        snap.spec.failure_deadline_seconds,
+    );
     let Some(pod_node) = pod.spec.as_ref().and_then(|s| s.node_name.clone()) else {
-        // Not scheduled yet: look again later.
-        return Ok(Err(Action::requeue(ctx.retry)));
+        // Not scheduled yet: look again later, failing it at its deadline.
+        if left.is_some_and(|l| l.is_zero()) {
+            let message = deadline_message(
+                "snapshot",
+                snap.spec.failure_deadline_seconds,
+                &format!("pod {pod_name} to be scheduled"),
+            );
+            return fail(api, snap, None, DEADLINE_EXCEEDED, message, ctx)
+                .await
+                .map(Err);
+        }
+        return Ok(Err(wait(ctx.retry, left)));
     };
     if pod_node != ctx.node_name {
         return Ok(Err(Action::await_change()));
+    }
+    if let Some(want) = snap.spec.pod_uid.as_deref() {
+        if pod.metadata.uid.as_deref() != Some(want) {
+            let message = format!(
+                "pod {pod_name} has UID {}, not {want} (spec.podUid): it was recreated under the same name",
+                pod.metadata.uid.as_deref().unwrap_or("<none>")
+            );
+            return fail(api, snap, None, POD_REPLACED, message, ctx)
+                .await
+                .map(Err);
+        }
     }
     let runtime_class = pod
         .spec
@@ -244,6 +315,18 @@ async fn take(
             tracing::info!(snapshot = %snap.name_any(), "found the snapshot a previous controller took");
         }
     }
+    let left = deadline_left(
+        snap.metadata.creation_timestamp.as_ref(),
+        snap.spec.failure_deadline_seconds,
+    );
+    if info.is_none() && left.is_some_and(|l| l.is_zero()) {
+        let message = deadline_message(
+            "snapshot",
+            snap.spec.failure_deadline_seconds,
+            "its node to take it",
+        );
+        return fail(api, &snap, Some(status), DEADLINE_EXCEEDED, message, ctx).await;
+    }
     let info = match info {
         Some(info) => info,
         None => match ctx.shim.snapshot(&sandbox, &id, snap.spec.mode).await {
@@ -252,10 +335,16 @@ async fn take(
         },
     };
     let duration_ms = millis_since(status.start_time.as_ref());
+    let parent_snapshot_name = match info.parent_id.as_deref() {
+        Some(parent) => snapshot_named_by_id(api, parent).await?,
+        None => None,
+    };
     let ready = SnapshotStatus {
         phase: Phase::Ready,
+        ready_to_use: true,
         snapshot_id: Some(info.snapshot_id.clone()),
         parent: info.parent_id.clone(),
+        parent_snapshot_name,
         size_bytes: Some(info.size_bytes),
         written_bytes: Some(info.written_bytes),
         duration_ms: Some(duration_ms),
@@ -268,6 +357,7 @@ async fn take(
             snap.metadata.generation,
         ),
         message: None,
+        error: None,
         ..status
     };
     let snap = write_status(api, &snap, ready, ctx).await?;
@@ -305,6 +395,8 @@ async fn ready(
         let message = format!("snapshot {id} is no longer on node {}", ctx.node_name);
         let lost = SnapshotStatus {
             phase: Phase::Lost,
+            ready_to_use: false,
+            error: Some(operation_error("Lost", &message)),
             conditions: conditions(
                 &status.conditions,
                 Phase::Lost,
@@ -427,6 +519,8 @@ async fn fail(
     let duration_ms = millis_since(status.start_time.as_ref());
     let failed = SnapshotStatus {
         phase: Phase::Failed,
+        ready_to_use: false,
+        error: Some(operation_error(reason, &message)),
         conditions: conditions(
             &status.conditions,
             Phase::Failed,
@@ -443,4 +537,92 @@ async fn fail(
     ctx.event(&snap, EventType::Warning, "Failed", "Snapshot", message)
         .await;
     Ok(Action::await_change())
+}
+
+/// The name of the Snapshot (in `api`'s namespace) whose node-store ID is `id`.
+async fn snapshot_named_by_id(api: &Api<Snapshot>, id: &str) -> Result<Option<String>, Error> {
+    let all = api.list(&ListParams::default()).await?;
+    Ok(all
+        .items
+        .into_iter()
+        .find(|s| s.status.as_ref().and_then(|st| st.snapshot_id.as_deref()) == Some(id))
+        .map(|s| s.name_any()))
+}
+
+/// Condition type on a deleting Snapshot whose data is kept for its children.
+pub const DELETION_BLOCKED: &str = "DeletionBlocked";
+
+/// Keeps a deleting Snapshot (policy Delete) and its node-side data while
+/// Snapshots of the same namespace that are not Failed name it as their
+/// `status.parent`: their incremental data needs it. Says why in a
+/// `DeletionBlocked` condition and a Warning Event (once), and looks again
+/// after `retry`. `None` when nothing depends on it.
+async fn hold_for_children(
+    api: &Api<Snapshot>,
+    snap: &Snapshot,
+    ns: &str,
+    ctx: &Context,
+) -> Result<Option<Action>, Error> {
+    if snap.spec.deletion_policy != DeletionPolicy::Delete {
+        return Ok(None);
+    }
+    let status = snap.status.clone().unwrap_or_default();
+    let Some(id) = status.snapshot_id.clone() else {
+        return Ok(None);
+    };
+    let mut children: Vec<String> = api
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|s| {
+            s.status.as_ref().is_some_and(|st| {
+                st.parent.as_deref() == Some(id.as_str())
+                    && matches!(st.phase, Phase::Ready | Phase::InProgress | Phase::Pending)
+            })
+        })
+        .map(|s| s.name_any())
+        .collect();
+    if children.is_empty() {
+        return Ok(None);
+    }
+    children.sort();
+    let message = format!(
+        "the node-side data of snapshot {id} is kept while snapshots {} of namespace {ns} build on it; delete them first",
+        children.join(", ")
+    );
+    let already = status
+        .conditions
+        .iter()
+        .any(|c| c.type_ == DELETION_BLOCKED && c.status == "True" && c.message == message);
+    if !already {
+        let mut conds: Vec<Condition> = status
+            .conditions
+            .iter()
+            .filter(|c| c.type_ != DELETION_BLOCKED)
+            .cloned()
+            .collect();
+        conds.push(Condition {
+            type_: DELETION_BLOCKED.to_string(),
+            status: "True".to_string(),
+            reason: "ChildSnapshotsExist".to_string(),
+            message: message.clone(),
+            last_transition_time: now(),
+            observed_generation: snap.metadata.generation,
+        });
+        let held = SnapshotStatus {
+            conditions: conds,
+            ..status
+        };
+        let snap = write_status(api, snap, held, ctx).await?;
+        ctx.event(
+            &snap,
+            EventType::Warning,
+            "DeletionBlocked",
+            "Delete",
+            message,
+        )
+        .await;
+    }
+    Ok(Some(Action::requeue(ctx.retry)))
 }

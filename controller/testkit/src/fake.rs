@@ -83,6 +83,8 @@ struct State {
     network_paths: bool,
     /// SetEgressPolicy calls still to fail.
     failing_sets: usize,
+    /// Snapshot calls still to refuse (after they were recorded).
+    failing_snapshots: usize,
 }
 
 /// The fake node: sandboxes, node store and call log behind the controller's traits.
@@ -215,6 +217,12 @@ impl FakeNode {
             .counters = counters;
     }
 
+    /// The next `n` Snapshot calls are refused by the shim (after they were
+    /// recorded); nothing is stored for them.
+    pub fn fail_snapshots(&self, n: usize) {
+        self.lock().failing_snapshots = n;
+    }
+
     /// The next `n` SetEgressPolicy calls fail (after they were recorded).
     pub fn fail_set_policy(&self, n: usize) {
         self.lock().failing_sets = n;
@@ -285,6 +293,12 @@ impl TwigShim for FakeNode {
                 sandbox: sandbox.id.clone(),
                 snapshot_id: snapshot_id.to_string(),
             });
+            if st.failing_snapshots > 0 {
+                st.failing_snapshots -= 1;
+                return Err(ShimError::Refused(format!(
+                    "snapshot {snapshot_id}: the guest did not pause"
+                )));
+            }
             let sb = st.sandboxes.entry(sandbox.id.clone()).or_default();
             let parent = match mode {
                 SnapshotMode::Full => None,

@@ -101,16 +101,34 @@ where
 
 /// Creates a running, Ready Twig pod on `node` (as the scheduler and kubelet would).
 pub async fn running_pod(client: &Client, name: &str, node: &str) -> Pod {
+    running_pod_with(client, name, node, true, &[]).await
+}
+
+/// Creates a running, Ready pod on `node` with label `app: redis` and these
+/// annotations, under RuntimeClass `twig` when `twig` (else runc's default).
+pub async fn running_pod_with(
+    client: &Client,
+    name: &str,
+    node: &str,
+    twig: bool,
+    annotations: &[(&str, String)],
+) -> Pod {
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
     let pod = Pod {
         metadata: ObjectMeta {
             name: Some(name.to_string()),
             labels: Some([("app".to_string(), "redis".to_string())].into()),
+            annotations: (!annotations.is_empty()).then(|| {
+                annotations
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.clone()))
+                    .collect()
+            }),
             ..Default::default()
         },
         spec: Some(PodSpec {
             node_name: Some(node.to_string()),
-            runtime_class_name: Some("twig".to_string()),
+            runtime_class_name: twig.then(|| "twig".to_string()),
             containers: vec![Container {
                 name: "redis".to_string(),
                 image: Some("redis:7".to_string()),

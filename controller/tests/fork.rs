@@ -1,0 +1,262 @@
+//! Fork: a Clone of 256 replicas against the test API server and the fake
+//! node, with per-replica status; a Clone not Ready by its failure deadline.
+
+use twig_controller_testkit as support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{
+    ContainerState, ContainerStateWaiting, ContainerStatus, Pod, PodStatus,
+};
+use kube::api::{ListParams, Patch, PatchParams};
+use kube::{Api, Client, ResourceExt};
+use serde_json::json;
+use twig_controller::crd::{
+    CloneSource, CloneSpec, DeletionPolicy, Phase, PodClone, Snapshot, SnapshotMode, SnapshotSpec,
+    CLONE_LABEL,
+};
+
+use support::fake::FakeNode;
+use support::{
+    api_server, eventually, expect_reasons, mark_ready, running_pod, start_controller, wait_for, NS,
+};
+
+fn snapshot(name: &str, pod: &str) -> Snapshot {
+    Snapshot::new(
+        name,
+        SnapshotSpec {
+            pod_name: pod.to_string(),
+            pod_uid: None,
+            mode: SnapshotMode::Incremental,
+            deletion_policy: DeletionPolicy::Delete,
+            ttl_seconds_after_ready: None,
+            failure_deadline_seconds: None,
+        },
+    )
+}
+
+fn fork(name: &str, snapshot: &str, replicas: i32) -> PodClone {
+    PodClone::new(
+        name,
+        CloneSpec {
+            source: CloneSource {
+                snapshot_name: Some(snapshot.to_string()),
+                pod_name: None,
+            },
+            replicas,
+            name_prefix: None,
+            labels: None,
+            failure_deadline_seconds: None,
+        },
+    )
+}
+
+async fn ready_snapshot(client: &Client, name: &str, pod: &str) {
+    support::create(client, &snapshot(name, pod)).await;
+    wait_for(client, name, "Ready", |s: &Snapshot| {
+        s.status.as_ref().is_some_and(|st| st.phase == Phase::Ready)
+    })
+    .await;
+}
+
+async fn clone_pods(client: &Client, clone: &str, replicas: usize) -> Vec<Pod> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let selector = format!("{CLONE_LABEL}={clone}");
+    eventually(&format!("{replicas} pods of {clone}"), || {
+        let pods = pods.clone();
+        let selector = selector.clone();
+        async move {
+            let l = pods
+                .list(&ListParams::default().labels(&selector))
+                .await
+                .ok()?;
+            (l.items.len() == replicas).then_some(l.items)
+        }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clone_of_256_replicas_reports_each_and_becomes_ready() {
+    let server = api_server().await;
+    let client = server.client();
+    let fake = Arc::new(FakeNode::default());
+    let _ctrl = start_controller(&server, "node-a", &fake);
+    running_pod(&client, "redis", "node-a").await;
+    ready_snapshot(&client, "seeded", "redis").await;
+
+    let started = Instant::now();
+    support::create(&client, &fork("wide", "seeded", 256)).await;
+    let pods = clone_pods(&client, "wide", 256).await;
+    let created_in = started.elapsed();
+
+    // Before any is Ready, every replica is listed, not ready.
+    let listed = wait_for(&client, "wide", "256 replicas listed", |c: &PodClone| {
+        c.status.as_ref().is_some_and(|s| s.replicas.len() == 256)
+    })
+    .await;
+    let status = listed.status.expect("status");
+    assert!(status.replicas.iter().all(|r| !r.ready), "{status:?}");
+    assert_eq!(status.node_name.as_deref(), Some("node-a"));
+    assert_eq!(status.phase, Phase::InProgress);
+
+    // One replica's container cannot start: its entry says why.
+    let stuck = pods
+        .iter()
+        .find(|p| p.name_any() == "wide-7")
+        .expect("wide-7");
+    let pod_api: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let waiting = PodStatus {
+        phase: Some("Pending".to_string()),
+        container_statuses: Some(vec![ContainerStatus {
+            name: "redis".to_string(),
+            state: Some(ContainerState {
+                waiting: Some(ContainerStateWaiting {
+                    reason: Some("CreateContainerError".to_string()),
+                    message: Some("restore failed".to_string()),
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }]),
+        ..Default::default()
+    };
+    pod_api
+        .patch_status(
+            "wide-7",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "status": waiting })),
+        )
+        .await
+        .expect("status of wide-7");
+    let told = wait_for(&client, "wide", "wide-7's reason", |c: &PodClone| {
+        c.status.as_ref().is_some_and(|s| {
+            s.replicas.iter().any(|r| {
+                r.name == "wide-7"
+                    && r.message.as_deref()
+                        == Some("container redis: CreateContainerError: restore failed")
+            })
+        })
+    })
+    .await;
+    assert!(told.status.is_some_and(|s| s.ready_replicas == 0));
+
+    // The kubelet makes every pod Ready (wide-7 too, after a retry).
+    for pod in pods.iter().filter(|p| p.name_any() != stuck.name_any()) {
+        mark_ready(&client, pod).await;
+    }
+    let current = pod_api.get("wide-7").await.expect("wide-7");
+    mark_ready(&client, &current).await;
+    let ready = wait_for(&client, "wide", "Ready", |c: &PodClone| {
+        c.status.as_ref().is_some_and(|s| s.phase == Phase::Ready)
+    })
+    .await;
+    let total = started.elapsed();
+    let status = ready.status.expect("status");
+    assert_eq!(status.ready_replicas, 256);
+    assert_eq!(status.replicas.len(), 256);
+    let mut names: Vec<&str> = status.replicas.iter().map(|r| r.name.as_str()).collect();
+    names.sort_unstable();
+    names.dedup();
+    assert_eq!(names.len(), 256, "one entry per pod");
+    assert!(status
+        .replicas
+        .iter()
+        .all(|r| r.ready && r.phase == "Running" && r.message.is_none()));
+    assert!(status
+        .conditions
+        .iter()
+        .any(|c| c.type_ == "Ready" && c.status == "True" && c.reason == "AllPodsReady"));
+    // No per-pod waits in the controller: the test's own 257 status writes dominate.
+    assert!(
+        total < Duration::from_secs(20),
+        "256 clones took {total:?} (created in {created_in:?})"
+    );
+    eprintln!("256 clones: created in {created_in:?}, Ready in {total:?}");
+    expect_reasons(&client, "wide", &["PodsCreated", "Ready"]).await;
+}
+
+#[tokio::test]
+async fn a_clone_not_ready_by_its_deadline_fails_and_keeps_its_pods() {
+    let server = api_server().await;
+    let client = server.client();
+    let fake = Arc::new(FakeNode::default());
+    let _ctrl = start_controller(&server, "node-a", &fake);
+    running_pod(&client, "redis", "node-a").await;
+    ready_snapshot(&client, "seeded", "redis").await;
+
+    let mut clone = fork("slow", "seeded", 2);
+    clone.spec.failure_deadline_seconds = Some(1);
+    support::create(&client, &clone).await;
+    let pods = clone_pods(&client, "slow", 2).await;
+    mark_ready(&client, &pods[0]).await;
+    let failed = wait_for(&client, "slow", "Failed", |c: &PodClone| {
+        c.status.as_ref().is_some_and(|s| s.phase == Phase::Failed)
+    })
+    .await;
+    let status = failed.status.expect("status");
+    let failure = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Failure")
+        .expect("Failure");
+    assert_eq!(
+        (failure.status.as_str(), failure.reason.as_str()),
+        ("True", "DeadlineExceeded")
+    );
+    assert!(
+        failure.message.contains("failureDeadlineSeconds (1 s)")
+            && failure.message.contains("(1/2 are)"),
+        "{}",
+        failure.message
+    );
+    let error = status.error.expect("status.error");
+    assert!(
+        error.message.starts_with("DeadlineExceeded: "),
+        "{}",
+        error.message
+    );
+    clone_pods(&client, "slow", 2).await;
+    expect_reasons(&client, "slow", &["PodsCreated", "DeadlineExceeded"]).await;
+}
+
+#[tokio::test]
+async fn a_ready_clone_losing_a_pod_says_so() {
+    let server = api_server().await;
+    let client = server.client();
+    let fake = Arc::new(FakeNode::default());
+    let _ctrl = start_controller(&server, "node-a", &fake);
+    running_pod(&client, "redis", "node-a").await;
+    ready_snapshot(&client, "seeded", "redis").await;
+    support::create(&client, &fork("pair", "seeded", 2)).await;
+    for pod in clone_pods(&client, "pair", 2).await {
+        mark_ready(&client, &pod).await;
+    }
+    wait_for(&client, "pair", "Ready", |c: &PodClone| {
+        c.status.as_ref().is_some_and(|s| s.phase == Phase::Ready)
+    })
+    .await;
+
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    pods.patch_status(
+        "pair-1",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": {"conditions": [{"type": "Ready", "status": "False"}]}})),
+    )
+    .await
+    .expect("pair-1 not ready");
+    let degraded = wait_for(&client, "pair", "InProgress", |c: &PodClone| {
+        c.status
+            .as_ref()
+            .is_some_and(|s| s.phase == Phase::InProgress)
+    })
+    .await;
+    let status = degraded.status.expect("status");
+    assert_eq!(status.ready_replicas, 1);
+    assert!(status
+        .replicas
+        .iter()
+        .any(|r| r.name == "pair-1" && !r.ready));
+    expect_reasons(&client, "pair", &["PodsCreated", "Ready", "PodsNotReady"]).await;
+}

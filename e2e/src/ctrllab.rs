@@ -1,0 +1,248 @@
+//! The controller against a real node, for the lab tests that drive Twig
+//! through its Kubernetes objects: a CRI node ([`CriNode`]: containerd,
+//! twig-snapshotter, twig-node, the twig shim), the controller testkit's
+//! API server standing in for kube-apiserver (the controller's generated
+//! CRDs admitted), the test kubelet ([`Kubelet`]) running the node's pods
+//! through CRI, and twig-controller (`run`, with the real `TtrpcShim`,
+//! `ContainerdLocator` on CRI's task directory and `TtrpcNode` on the
+//! node's twig-node socket). Every wait polls with a deadline.
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::{Api, Client, Resource};
+use tokio::task::JoinHandle;
+use twig_controller::metrics::Metrics;
+use twig_controller::sandbox::ContainerdLocator;
+use twig_controller::shim::{TtrpcNode, TtrpcShim};
+use twig_controller::Context;
+use twig_controller_testkit::apiserver::TestApiServer;
+use twig_controller_testkit::{self as testkit, schema, CONTROLLER, NS};
+use twig_cri::CriClient;
+
+use crate::cri::{CriNode, CRI_NAMESPACE};
+use crate::kubelet::{container_id, sandbox_of, Kubelet};
+use crate::IMAGE_REF;
+
+/// The lab node's name in the API server.
+pub const NODE: &str = "lab-node";
+/// Deadline of a shim or node call (a full snapshot of the lab's 128 MiB
+/// guest under TCG takes seconds).
+pub const CALL: Duration = Duration::from_secs(300);
+/// Deadline of a pod coming up or an object getting Ready (the node's first
+/// twig pod builds the base template; the lab is 10–50× slower than a host).
+pub const READY: Duration = Duration::from_secs(400);
+/// Deadline of an exec in a container.
+pub const EXEC: Duration = Duration::from_secs(120);
+const POLL: Duration = Duration::from_millis(200);
+
+/// Polls `check` until it returns `Some`, failing after `within`.
+pub async fn until<T, F, Fut>(what: &str, within: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {within:?} waiting for {what}"
+        );
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+/// A node, the API server, the kubelet and the controller; the controller
+/// stops when this is dropped, then the node.
+pub struct CtrlLab {
+    /// The CRI node.
+    pub node: CriNode,
+    /// A CRI client on the node's containerd.
+    pub cri: CriClient,
+    /// An admin client of the API server.
+    pub client: Client,
+    /// The controller's metrics (its `/metrics` text).
+    pub metrics: Arc<Metrics>,
+    /// When the lab started (for [`CtrlLab::step`]).
+    pub t0: Instant,
+    name: &'static str,
+    controller: JoinHandle<()>,
+    _kubelet: Kubelet,
+    _server: TestApiServer,
+}
+
+impl CtrlLab {
+    /// Starts everything; the kubelet runs [`IMAGE_REF`] and `images`
+    /// (`(OCI archive, its reference)`), imported into CRI first. `name`
+    /// prefixes the progress lines.
+    pub async fn start(name: &'static str, images: &[(&Path, &str)]) -> CtrlLab {
+        let t0 = Instant::now();
+        let node = CriNode::start().unwrap_or_else(|e| panic!("CRI node: {e}"));
+        for (archive, _) in images {
+            node.import_image(archive)
+                .unwrap_or_else(|e| panic!("importing {}: {e}", archive.display()));
+        }
+        let cri = node.client().await.unwrap_or_else(|e| panic!("{e}"));
+        // Where the tests run (the lab) the source tree is not: the CRDs the
+        // server admits against are the controller's own, as generated.
+        let server = testkit::api_server_with(schema::generated()).await;
+        let client = server.client();
+        testkit::register_node(&client, NODE).await;
+        let dir = node
+            .node()
+            .dir()
+            .unwrap_or_else(|e| panic!("{e}"))
+            .to_path_buf();
+        let refs: Vec<&str> = std::iter::once(IMAGE_REF)
+            .chain(images.iter().map(|(_, r)| *r))
+            .collect();
+        let kubelet = Kubelet::start(
+            server.client_as("kubelet"),
+            NODE,
+            cri.clone(),
+            &refs,
+            &dir.join("kubelet-pods"),
+        );
+        let metrics = Arc::new(Metrics::new());
+        let ctx = Context::new(
+            server.client_as(CONTROLLER),
+            NODE.into(),
+            Arc::new(ContainerdLocator {
+                task_dir: dir
+                    .join("containerd/state/io.containerd.runtime.v2.task")
+                    .join(CRI_NAMESPACE),
+            }),
+            Arc::new(TtrpcShim { timeout: CALL }),
+            Arc::new(TtrpcNode {
+                address: format!("unix://{}", dir.join("node.sock").display()),
+                timeout: CALL,
+            }),
+            metrics.clone(),
+        )
+        .with_network_refresh(Duration::from_secs(1))
+        .with_retry(Duration::from_secs(1))
+        .with_backoff(Duration::from_millis(500), Duration::from_secs(10));
+        let controller = tokio::spawn(twig_controller::run(Arc::new(ctx)));
+        let lab = CtrlLab {
+            node,
+            cri,
+            client,
+            metrics,
+            t0,
+            name,
+            controller,
+            _kubelet: kubelet,
+            _server: server,
+        };
+        lab.step("node, API server, kubelet and controller up");
+        lab
+    }
+
+    /// Prints a progress line with the time since the start.
+    pub fn step(&self, what: &str) {
+        eprintln!(
+            "{}: {:>7.2} s  {what}",
+            self.name,
+            self.t0.elapsed().as_secs_f64()
+        );
+    }
+
+    /// The node's directory.
+    pub fn dir(&self) -> PathBuf {
+        self.node
+            .node()
+            .dir()
+            .unwrap_or_else(|e| panic!("{e}"))
+            .to_path_buf()
+    }
+
+    /// The node's daemons' logs, for failure messages.
+    pub fn logs(&self) -> String {
+        self.node.node().logs()
+    }
+
+    /// The object `name` once `done` holds, failing with its last state.
+    pub async fn wait_for<K>(&self, name: &str, what: &str, done: impl Fn(&K) -> bool) -> K
+    where
+        K: Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
+            + Clone
+            + k8s_openapi::serde::de::DeserializeOwned
+            + std::fmt::Debug,
+    {
+        let api: Api<K> = Api::namespaced(self.client.clone(), NS);
+        let deadline = Instant::now() + READY;
+        loop {
+            let got = api.get_opt(name).await.unwrap_or_else(|e| panic!("{e}"));
+            if let Some(obj) = got.as_ref().filter(|o| done(o)) {
+                return obj.clone();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{name} not {what} within {READY:?}: {got:#?}\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// The pod `name` once the kubelet reports it running, and the CRI id
+    /// of its container `container`.
+    pub async fn running(&self, name: &str, container: &str) -> (Pod, String) {
+        let pod: Pod = self
+            .wait_for(name, "run by the kubelet", |p: &Pod| {
+                p.status.as_ref().is_some_and(|s| s.phase.is_some())
+            })
+            .await;
+        let status = pod.status.clone().unwrap_or_default();
+        assert_eq!(
+            status.phase.as_deref(),
+            Some("Running"),
+            "pod {name}: {status:#?}\n{}",
+            self.logs()
+        );
+        assert!(status.pod_ip.is_some(), "pod {name} has no IP: {status:#?}");
+        let id = container_id(&pod, container)
+            .unwrap_or_else(|| panic!("pod {name} has no container id: {status:#?}"));
+        (pod, id)
+    }
+
+    /// `argv` in container `id`: (exit code, stdout trimmed).
+    pub async fn exec(&self, id: &str, argv: &[&str]) -> (i32, String) {
+        let out = self
+            .cri
+            .exec_sync(id, argv, EXEC)
+            .await
+            .unwrap_or_else(|e| panic!("{}", self.node.cri_error(&format!("exec {argv:?}"), e)));
+        (
+            out.exit_code,
+            String::from_utf8_lossy(&out.stdout).trim().to_string(),
+        )
+    }
+
+    /// `sh -c script` in container `id`: (exit code, stdout trimmed).
+    pub async fn sh(&self, id: &str, script: &str) -> (i32, String) {
+        self.exec(id, &["sh", "-c", script]).await
+    }
+
+    /// The CRI sandbox of the pod with UID `uid`.
+    pub async fn sandbox(&self, uid: &str) -> Option<String> {
+        let sandboxes = self
+            .cri
+            .list_pod_sandboxes()
+            .await
+            .unwrap_or_else(|e| panic!("{}", self.node.cri_error("ListPodSandbox", e)));
+        sandbox_of(&sandboxes, uid)
+    }
+}
+
+impl Drop for CtrlLab {
+    fn drop(&mut self) {
+        self.controller.abort();
+    }
+}
