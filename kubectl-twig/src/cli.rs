@@ -179,6 +179,10 @@ pub struct RewindArgs {
     /// Name of the Rollback (default: generated, `<POD>-rewind-<suffix>`).
     #[arg(long)]
     pub name: Option<String>,
+    /// Do not snapshot the pod first (by default the Rollback takes a safety
+    /// snapshot, so the rewind itself can be undone).
+    #[arg(long)]
+    pub no_safety_snapshot: bool,
     /// Waiting.
     #[command(flatten)]
     pub wait: WaitFlag,

@@ -20,15 +20,17 @@ use crate::wait::{self, Target};
 
 /// `kubectl twig snapshot POD`.
 pub async fn snapshot(client: Client, namespace: &str, args: SnapshotArgs) -> Result<(), Error> {
-    require_pod(&client, namespace, &args.pod).await?;
+    let pod_uid = require_pod(&client, namespace, &args.pod).await?;
     let spec = SnapshotSpec {
         pod_name: args.pod.clone(),
+        pod_uid,
         mode: match args.mode {
             Mode::Incremental => SnapshotMode::Incremental,
             Mode::Full => SnapshotMode::Full,
         },
         deletion_policy: DeletionPolicy::Delete,
         ttl_seconds_after_ready: args.ttl,
+        failure_deadline_seconds: None,
     };
     let snapshot = Snapshot {
         metadata: metadata(args.name, &format!("{}-", args.pod)),
@@ -82,6 +84,7 @@ pub async fn fork(client: Client, namespace: &str, args: ForkArgs) -> Result<(),
             replicas: args.replicas,
             name_prefix: None,
             labels: None,
+            failure_deadline_seconds: None,
         },
         status: None,
     };
@@ -145,20 +148,23 @@ pub async fn fork(client: Client, namespace: &str, args: ForkArgs) -> Result<(),
 
 /// `kubectl twig rewind POD --to SNAPSHOT`.
 pub async fn rewind(client: Client, namespace: &str, args: RewindArgs) -> Result<(), Error> {
-    require_pod(&client, namespace, &args.pod).await?;
+    let pod_uid = require_pod(&client, namespace, &args.pod).await?;
     Api::<Snapshot>::namespaced(client.clone(), namespace)
         .get(&args.to)
         .await?;
     let rollback = Rollback {
         metadata: metadata(args.name, &format!("{}-rewind-", args.pod)),
         spec: RollbackSpec {
-            pod_name: args.pod,
+            pod_name: args.pod.clone(),
             snapshot_name: args.to,
+            pod_uid,
+            safety_snapshot: !args.no_safety_snapshot,
+            failure_deadline_seconds: None,
         },
         status: None,
     };
     let created = create(&client, namespace, &rollback).await?;
-    created_then_wait(
+    let done = created_then_wait(
         &client,
         namespace,
         Kind::Rollback,
@@ -166,13 +172,24 @@ pub async fn rewind(client: Client, namespace: &str, args: RewindArgs) -> Result
         args.output,
         args.wait.wait,
     )
-    .await
-    .map(drop)
+    .await?;
+    let safety = done
+        .as_ref()
+        .and_then(|d| d.data["status"]["safetySnapshotName"].as_str());
+    match (safety, args.output) {
+        (Some(safety), None) => print(&format!(
+            "safety snapshot: {} (undo: kubectl twig rewind {} --to {safety})\n",
+            Kind::Snapshot.object_name(safety),
+            args.pod
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// The pod must exist (its absence is the server's NotFound, as kubectl
-/// prints it) and be a Twig pod, as the controller requires.
-async fn require_pod(client: &Client, namespace: &str, pod: &str) -> Result<(), Error> {
+/// prints it) and be a Twig pod, as the controller requires; its UID, which
+/// the new object pins (a pod recreated under the name since is refused).
+async fn require_pod(client: &Client, namespace: &str, pod: &str) -> Result<Option<String>, Error> {
     let found = Api::<Pod>::namespaced(client.clone(), namespace)
         .get(pod)
         .await?;
@@ -186,7 +203,7 @@ async fn require_pod(client: &Client, namespace: &str, pod: &str) -> Result<(), 
             runtime_class.unwrap_or("unset")
         )));
     }
-    Ok(())
+    Ok(found.metadata.uid)
 }
 
 /// `name`, or a name the server generates from `prefix`.

@@ -90,6 +90,7 @@ pub fn failure(kind: Kind, obj: &DynamicObject) -> Option<Error> {
     let message = status["message"]
         .as_str()
         .filter(|m| !m.is_empty())
+        .or_else(|| status["error"]["message"].as_str())
         .or_else(|| {
             conditions(obj)
                 .find(|c| str_field(c, "type") == "Failure")

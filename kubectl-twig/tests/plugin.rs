@@ -251,6 +251,13 @@ async fn snapshot_creates_a_snapshot_of_the_pod() {
     assert_eq!(snapshot.spec.pod_name, "redis");
     assert_eq!(snapshot.spec.mode, SnapshotMode::Incremental);
     assert_eq!(snapshot.spec.ttl_seconds_after_ready, None);
+    // The UID of the pod the plugin checked is pinned.
+    let pod = Api::<Pod>::namespaced(client.clone(), NS)
+        .get("redis")
+        .await
+        .expect("pod");
+    assert!(pod.metadata.uid.is_some());
+    assert_eq!(snapshot.spec.pod_uid, pod.metadata.uid);
 
     let out = plugin
         .ok(&[
@@ -545,7 +552,7 @@ async fn rewind_creates_a_rollback() {
     let server = support::api_server().await;
     let client = server.client();
     let plugin = Plugin::new(&server);
-    support::running_pod(&client, "redis", "node-a").await;
+    let pod = support::running_pod(&client, "redis", "node-a").await;
     plugin.ok(&["snapshot", "redis", "--name", "seeded"]).await;
 
     let out = plugin.ok(&["rewind", "redis", "--to", "seeded"]).await;
@@ -559,17 +566,63 @@ async fn rewind_creates_a_rollback() {
     let rollback = api.get(name).await.expect("rollback");
     assert_eq!(rollback.spec.pod_name, "redis");
     assert_eq!(rollback.spec.snapshot_name, "seeded");
+    assert_eq!(rollback.spec.pod_uid, pod.metadata.uid);
+    assert!(
+        rollback.spec.safety_snapshot,
+        "a safety snapshot by default"
+    );
+    plugin
+        .ok(&[
+            "rewind",
+            "redis",
+            "--to",
+            "seeded",
+            "--name",
+            "unsafe",
+            "--no-safety-snapshot",
+        ])
+        .await;
+    let rollback = api.get("unsafe").await.expect("rollback");
+    assert!(!rollback.spec.safety_snapshot);
 
     let waiting = plugin.start(&[
         "rewind", "redis", "--to", "seeded", "--name", "back", "--wait",
     ]);
     watching(&server).await;
-    set_status::<Rollback>(&client, "back", ready(json!({"durationMs": 12}))).await;
+    set_status::<Rollback>(
+        &client,
+        "back",
+        ready(json!({"durationMs": 12, "safetySnapshotName": "redis-safety"})),
+    )
+    .await;
     let run = waiting.await_output().await;
     assert!(run.success(), "{run:?}");
     assert_eq!(
         run.stdout,
-        "rollback.twig.dev/back created\nrollback.twig.dev/back ready\n"
+        "rollback.twig.dev/back created\nrollback.twig.dev/back ready\n\
+         safety snapshot: snapshot.twig.dev/redis-safety (undo: kubectl twig rewind redis --to redis-safety)\n"
+    );
+
+    // A failed rewind: the controller's error, at once.
+    let waiting = plugin.start(&[
+        "rewind", "redis", "--to", "seeded", "--name", "nope", "--wait",
+    ]);
+    eventually("the Rollback nope's watch", || async {
+        (server.open_watches() >= 1 && api.get_opt("nope").await.ok().flatten().is_some())
+            .then_some(())
+    })
+    .await;
+    set_status::<Rollback>(
+        &client,
+        "nope",
+        json!({"status": {"phase": "Failed", "error": {
+            "message": "NotInLineage: seeded is not in pod redis's lineage",
+            "time": "2026-01-01T00:00:00Z"}}}),
+    )
+    .await;
+    let run = waiting.await_output().await;
+    run.assert_error(
+        "error: rollback.twig.dev/nope failed: NotInLineage: seeded is not in pod redis's lineage",
     );
 
     let run = plugin.run(&["rewind", "redis", "--to", "nosuch"]).await;
@@ -578,7 +631,7 @@ async fn rewind_creates_a_rollback() {
     run.assert_not_found("pods", "nosuch");
     let run = plugin.run(&["rewind", "redis"]).await;
     run.assert_error("--to <SNAPSHOT>");
-    assert_eq!(names::<Rollback>(&client).await.len(), 2);
+    assert_eq!(names::<Rollback>(&client).await.len(), 4);
 }
 
 /// A table's cells, cut where the header's columns start (the first keeps its indent).
