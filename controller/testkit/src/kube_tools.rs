@@ -92,11 +92,17 @@ impl Kubectl {
         Self { dir }
     }
 
+    /// The kubeconfig file this kubectl uses (for other clients of the same server,
+    /// such as kubectl plugins, which take no flag before their name).
+    pub fn kubeconfig(&self) -> PathBuf {
+        self.dir.path().join("kubeconfig")
+    }
+
     /// `kubectl <args>`, not yet started.
     pub fn command(&self, args: &[&str]) -> Command {
         let mut command = Command::new(kubectl());
         command
-            .env("KUBECONFIG", self.dir.path().join("kubeconfig"))
+            .env("KUBECONFIG", self.kubeconfig())
             .arg("--cache-dir")
             .arg(self.dir.path().join("cache"))
             .args(args);
