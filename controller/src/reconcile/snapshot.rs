@@ -414,8 +414,8 @@ async fn ready(
             .await;
         return Ok(Action::await_change());
     };
-    // Sizes the node knows and the status lacks (a snapshot taken through
-    // a shim that predates them, or whose answer was lost).
+    // The node's sizes when the status lacks them (a snapshot taken through
+    // a shim that predates them) or says otherwise: the node's files decide.
     let sized = with_sizes(status.clone(), &stored);
     if sized != *status {
         write_status(api, snap, sized, ctx).await?;
