@@ -191,8 +191,9 @@ impl CtrlLab {
         }
     }
 
-    /// The pod `name` once the kubelet reports it running, and the CRI id
-    /// of its container `container`.
+    /// The pod `name` once the kubelet reports it running (with a pod IP
+    /// unless it is on the node's network), and the CRI id of its container
+    /// `container`.
     pub async fn running(&self, name: &str, container: &str) -> (Pod, String) {
         let pod: Pod = self
             .wait_for(name, "run by the kubelet", |p: &Pod| {
@@ -206,7 +207,11 @@ impl CtrlLab {
             "pod {name}: {status:#?}\n{}",
             self.logs()
         );
-        assert!(status.pod_ip.is_some(), "pod {name} has no IP: {status:#?}");
+        let host_network = pod.spec.as_ref().and_then(|s| s.host_network) == Some(true);
+        assert!(
+            host_network || status.pod_ip.is_some(),
+            "pod {name} has no IP: {status:#?}"
+        );
         let id = container_id(&pod, container)
             .unwrap_or_else(|| panic!("pod {name} has no container id: {status:#?}"));
         (pod, id)

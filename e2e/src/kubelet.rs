@@ -8,7 +8,9 @@
 //! **annotations** (containerd's CRI plugin passes `twig.dev/*` on to the
 //! shim) and the runtime handler named by `runtimeClassName`, then
 //! `CreateContainer` + `StartContainer` of each container with the pod
-//! spec's `command` and `args`. It then writes the pod's status as kubelet
+//! spec's `command` and `args` (a pod with `hostNetwork: true` gets the
+//! node's network namespace, as kubelet asks CRI for it, and no pod IP in
+//! its status). It then writes the pod's status as kubelet
 //! does: `phase: Running`, `podIP`, `containerStatuses` (`ready`,
 //! `containerID: containerd://…`) and the conditions `Initialized`,
 //! `ContainersReady`, `Ready` and `PodScheduled` True. A pod it cannot run
@@ -229,6 +231,19 @@ async fn run_pod(
         m.namespace = namespace;
     }
     config.hostname = spec.hostname.clone().unwrap_or(name);
+    let host_network = spec.host_network == Some(true);
+    if host_network {
+        config.linux = Some(api::LinuxPodSandboxConfig {
+            security_context: Some(api::LinuxSandboxSecurityContext {
+                namespace_options: Some(api::NamespaceOption {
+                    network: api::NamespaceMode::Node as i32,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+    }
     config.labels = meta
         .labels
         .clone()
@@ -282,11 +297,20 @@ async fn run_pod(
             ..Default::default()
         });
     }
-    let ip = shared
-        .cri
-        .pod_ip(&id)
-        .await
-        .map_err(cri("PodSandboxStatus"))?;
+    // A pod on the node's network has the node's address, which this
+    // kubelet does not know: it reports none.
+    let ip = if host_network {
+        None
+    } else {
+        Some(
+            shared
+                .cri
+                .pod_ip(&id)
+                .await
+                .map_err(cri("PodSandboxStatus"))?
+                .to_string(),
+        )
+    };
     let conditions = ["PodScheduled", "Initialized", "ContainersReady", "Ready"]
         .into_iter()
         .map(|type_| PodCondition {
@@ -298,8 +322,8 @@ async fn run_pod(
         .collect();
     Ok(PodStatus {
         phase: Some("Running".into()),
-        pod_ip: Some(ip.to_string()),
-        pod_ips: Some(vec![PodIP { ip: ip.to_string() }]),
+        pod_ips: ip.clone().map(|ip| vec![PodIP { ip }]),
+        pod_ip: ip,
         start_time: started_at,
         container_statuses: Some(statuses),
         conditions: Some(conditions),

@@ -4,7 +4,8 @@
 //! test kubelet running the pods). Redis 7 from Debian's packages
 //! (`e2e/build-image.sh` with `TWIG_IMAGE_DEBS`, built by tests/lab/run.sh
 //! into `TWIG_E2E_REDIS_IMAGE`), with an append-only file in `/data` on the
-//! pod's rootfs, so its state is in guest memory and on disk.
+//! pod's rootfs, so its state is in guest memory and on disk. The pods are
+//! on the node's network (`hostNetwork`); Redis listens on loopback.
 //!
 //! Scenario: a Redis pod, keys written → a Snapshot becomes Ready → the
 //! agent's destructive step: `FLUSHALL` and `rm -rf /data` → a Rollback
@@ -52,6 +53,11 @@ fn redis_pod(name: &str) -> Pod {
             // As the scheduler binds it.
             node_name: Some(NODE.into()),
             runtime_class_name: Some(RUNTIME_CLASS.into()),
+            // The node's network: no eBPF path to load for each fork. In the
+            // lab, eight shims verifying their programs beside the running
+            // nested guests wedged the outer VM (tests/lab/README.md); the
+            // pod network is covered by tests/controller.rs and tests/cri.rs.
+            host_network: Some(true),
             containers: vec![Container {
                 name: "redis".into(),
                 image: Some(REDIS_REF.into()),

@@ -149,11 +149,26 @@ fn guest_mounts(spec: &mut Value) -> Result<()> {
 /// (`/proc/<guest pid>/ns/…`, when `sandbox_init` is known) instead of host
 /// paths, bind mounts of host paths are translated or dropped
 /// ([`guest_mounts`]), and hooks go (they would run on the host under runc;
-/// nothing runs them in the guest).
+/// nothing runs them in the guest). A container without a UTS namespace of
+/// its own — a pod on the node's network (`hostNetwork`), whose containers
+/// share the node's — shares the VM's, whose hostname is the VM's: the
+/// spec's `hostname` (the node's, under CRI) goes.
 pub fn guest_spec(mut spec: Value, sandbox_init: Option<u32>) -> Result<Value> {
+    let own_uts = spec
+        .pointer("/linux/namespaces")
+        .and_then(Value::as_array)
+        .is_some_and(|ns| {
+            ns.iter()
+                .any(|n| n.get("type") == Some(&Value::from("uts")))
+        });
     if let Some(obj) = spec.as_object_mut() {
         if obj.remove("hooks").is_some() {
             tracing::warn!("OCI hooks are not run by the twig runtime; dropped");
+        }
+        if !own_uts {
+            if let Some(h) = obj.remove("hostname") {
+                tracing::debug!(%h, "no UTS namespace of its own: the container keeps the VM's hostname");
+            }
         }
     }
     guest_mounts(&mut spec)?;
@@ -297,6 +312,12 @@ mod tests {
             guest_spec(bad, Some(1)),
             Err(Error::InvalidArgument(_))
         ));
+        // A pod on the node's network: no UTS namespace, the node's
+        // hostname; it keeps the VM's.
+        let host = json!({"hostname": "node-1", "linux": {"namespaces": [{"type": "pid"}]}});
+        assert!(guest_spec(host, None).unwrap().get("hostname").is_none());
+        let own = json!({"hostname": "pod", "linux": {"namespaces": [{"type": "uts"}]}});
+        assert_eq!(guest_spec(own, None).unwrap()["hostname"], "pod");
         let untyped = json!({"linux": {"namespaces": [{"path": "/x"}]}});
         assert!(guest_spec(untyped, None).is_err());
     }
