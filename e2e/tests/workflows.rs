@@ -11,7 +11,8 @@
 //! agent's destructive step: `FLUSHALL` and `rm -rf /data` → a Rollback
 //! becomes Ready: the same pod (UID, sandbox) holds every key again and its
 //! data directory is back → the rewind undone with a Rollback to the
-//! safety snapshot the first one took → a Clone of the Snapshot with 8 replicas: every
+//! safety snapshot the first one took → a Clone of the Snapshot with
+//! [`FORKS`] replicas: every
 //! fork holds the keys, writes its own, and sees none of the others' →
 //! everything deleted, nothing left on the node.
 //! Built with `--features lab`, run in the nested lab
@@ -34,8 +35,12 @@ use twig_e2e::ctrllab::{until, CtrlLab, NODE, READY};
 const REDIS_REF: &str = "docker.io/library/twig-e2e-redis:v1";
 /// Keys the agent writes before its snapshot.
 const KEYS: usize = 20;
-/// Forks of the snapshot.
-const FORKS: i32 = 8;
+/// Forks of the snapshot. Four, not the eight of the issue: with a Clone
+/// of 8 (nine twig VMs running) the outer VM stopped answering in every
+/// boot tried, with or without the pods' eBPF network path and with the
+/// forks started one at a time (tests/lab/README.md); the controller's
+/// fan-out is tested with 256 replicas on the host (controller/tests/fork.rs).
+const FORKS: i32 = 4;
 const CLI: &str = "/usr/bin/redis-cli";
 /// Redis on the pod's loopback, its append-only file in `/data` (the
 /// rootfs), fsynced at every write: what it acknowledged is on disk.
@@ -53,10 +58,10 @@ fn redis_pod(name: &str) -> Pod {
             // As the scheduler binds it.
             node_name: Some(NODE.into()),
             runtime_class_name: Some(RUNTIME_CLASS.into()),
-            // The node's network: no eBPF path to load for each fork. In the
-            // lab, eight shims verifying their programs beside the running
-            // nested guests wedged the outer VM (tests/lab/README.md); the
-            // pod network is covered by tests/controller.rs and tests/cri.rs.
+            // The node's network: no eBPF path to load for each fork (eBPF
+            // verification beside nested guests provokes the lab's wedges,
+            // tests/lab/README.md); the pod network is covered by
+            // tests/controller.rs and tests/cri.rs.
             host_network: Some(true),
             containers: vec![Container {
                 name: "redis".into(),
@@ -261,7 +266,7 @@ async fn an_agent_snapshots_rewinds_and_forks_a_redis_pod() {
     );
     lab.step("the rewind undone from its safety snapshot");
 
-    // Fork ×8.
+    // Fork.
     testkit::create(
         client,
         &PodClone::new(
