@@ -8,32 +8,16 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::DeleteParams;
 use kube::{Api, ResourceExt};
-use twig_controller::crd::{
-    DeletionPolicy, Phase, SandboxTemplate, SandboxTemplateSpec, Snapshot, SnapshotMode,
-    SnapshotSpec,
-};
+use twig_controller::crd::{Phase, SandboxTemplate, SandboxTemplateSpec, Snapshot};
 
 use support::fake::{Call, FakeNode};
+use support::snapshot;
 use support::{
     api_server, create, delete_node, event_reasons, eventually, register_node, running_pod,
     start_controller, wait_for, wait_gone, CONTROLLER, NS,
 };
 
 const SNAPSHOT_FINALIZER: &str = "twig.dev/snapshot-data";
-
-fn snapshot(name: &str, pod: &str) -> Snapshot {
-    Snapshot::new(
-        name,
-        SnapshotSpec {
-            pod_uid: None,
-            failure_deadline_seconds: None,
-            pod_name: pod.to_string(),
-            mode: SnapshotMode::Incremental,
-            deletion_policy: DeletionPolicy::Delete,
-            ttl_seconds_after_ready: None,
-        },
-    )
-}
 
 fn phase_is(phase: Phase) -> impl Fn(&Snapshot) -> bool {
     move |s| s.status.as_ref().is_some_and(|st| st.phase == phase)

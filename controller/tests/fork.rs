@@ -12,29 +12,13 @@ use k8s_openapi::api::core::v1::{
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
-use twig_controller::crd::{
-    CloneSource, CloneSpec, DeletionPolicy, Phase, PodClone, Snapshot, SnapshotMode, SnapshotSpec,
-    CLONE_LABEL,
-};
+use twig_controller::crd::{CloneSource, CloneSpec, Phase, PodClone, Snapshot, CLONE_LABEL};
 
 use support::fake::FakeNode;
+use support::snapshot;
 use support::{
     api_server, eventually, expect_reasons, mark_ready, running_pod, start_controller, wait_for, NS,
 };
-
-fn snapshot(name: &str, pod: &str) -> Snapshot {
-    Snapshot::new(
-        name,
-        SnapshotSpec {
-            pod_name: pod.to_string(),
-            pod_uid: None,
-            mode: SnapshotMode::Incremental,
-            deletion_policy: DeletionPolicy::Delete,
-            ttl_seconds_after_ready: None,
-            failure_deadline_seconds: None,
-        },
-    )
-}
 
 fn fork(name: &str, snapshot: &str, replicas: i32) -> PodClone {
     PodClone::new(

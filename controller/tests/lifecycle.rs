@@ -8,35 +8,13 @@ use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
 use kube::api::{DeleteParams, ObjectMeta, PostParams};
-use kube::{Api, Client, ResourceExt};
-use twig_controller::crd::{
-    DeletionPolicy, Phase, Rollback, RollbackSpec, Snapshot, SnapshotMode, SnapshotSpec,
-};
+use kube::{Api, ResourceExt};
+use twig_controller::crd::{Phase, Rollback, RollbackSpec, Snapshot};
 use twig_controller::reconcile::snapshot::DELETION_BLOCKED;
 
 use support::fake::{Call, FakeNode};
 use support::{api_server, event_reasons, eventually, running_pod, start_controller, wait_for, NS};
-
-fn snapshot(name: &str, pod: &str) -> Snapshot {
-    Snapshot::new(
-        name,
-        SnapshotSpec {
-            pod_name: pod.to_string(),
-            pod_uid: None,
-            mode: SnapshotMode::Incremental,
-            deletion_policy: DeletionPolicy::Delete,
-            ttl_seconds_after_ready: None,
-            failure_deadline_seconds: None,
-        },
-    )
-}
-
-async fn snapshot_in(client: &Client, name: &str, phase: Phase) -> Snapshot {
-    wait_for(client, name, &format!("{phase}"), |s: &Snapshot| {
-        s.status.as_ref().is_some_and(|st| st.phase == phase)
-    })
-    .await
-}
+use support::{snapshot, snapshot_in};
 
 fn reason_of<'a>(
     conditions: impl IntoIterator<Item = &'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>,

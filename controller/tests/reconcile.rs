@@ -10,7 +10,7 @@ use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use twig_controller::crd::{
     CloneSource, CloneSpec, DeletionPolicy, Phase, PodClone, Rollback, RollbackSpec,
-    SandboxTemplate, SandboxTemplateSpec, Snapshot, SnapshotMode, SnapshotSpec,
+    SandboxTemplate, SandboxTemplateSpec, Snapshot,
 };
 
 use support::fake::{Call, FakeNode};
@@ -18,20 +18,7 @@ use support::{
     api_server, events_about, eventually, expect_reasons, mark_ready, running_pod,
     start_controller, NS,
 };
-
-fn snapshot(name: &str, pod: &str) -> Snapshot {
-    Snapshot::new(
-        name,
-        SnapshotSpec {
-            pod_uid: None,
-            failure_deadline_seconds: None,
-            pod_name: pod.to_string(),
-            mode: SnapshotMode::Incremental,
-            deletion_policy: DeletionPolicy::Delete,
-            ttl_seconds_after_ready: None,
-        },
-    )
-}
+use support::{snapshot, snapshot_in};
 
 fn rollback(name: &str, pod: &str, snap: &str) -> Rollback {
     Rollback::new(
@@ -47,18 +34,6 @@ fn rollback(name: &str, pod: &str, snap: &str) -> Rollback {
 }
 
 /// Waits until the Snapshot reaches `phase`.
-async fn snapshot_in(client: &Client, name: &str, phase: Phase) -> Snapshot {
-    let api: Api<Snapshot> = Api::namespaced(client.clone(), NS);
-    eventually(&format!("snapshot {name} {phase}"), || {
-        let api = api.clone();
-        async move {
-            let s = api.get(name).await.ok()?;
-            (s.status.as_ref()?.phase == phase).then_some(s)
-        }
-    })
-    .await
-}
-
 async fn rollback_in(client: &Client, name: &str, phase: Phase) -> Rollback {
     let api: Api<Rollback> = Api::namespaced(client.clone(), NS);
     eventually(&format!("rollback {name} {phase}"), || {

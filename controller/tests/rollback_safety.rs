@@ -10,27 +10,11 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::DeleteParams;
 use kube::{Api, Client, ResourceExt};
-use twig_controller::crd::{
-    DeletionPolicy, Phase, Rollback, RollbackSpec, Snapshot, SnapshotMode, SnapshotSpec,
-    SAFETY_FOR_LABEL,
-};
+use twig_controller::crd::{Phase, Rollback, RollbackSpec, Snapshot, SAFETY_FOR_LABEL};
 
 use support::fake::{Call, FakeNode};
 use support::{api_server, expect_reasons, running_pod, start_controller, wait_for, NS};
-
-fn snapshot(name: &str, pod: &str) -> Snapshot {
-    Snapshot::new(
-        name,
-        SnapshotSpec {
-            pod_name: pod.to_string(),
-            pod_uid: None,
-            mode: SnapshotMode::Incremental,
-            deletion_policy: DeletionPolicy::Delete,
-            ttl_seconds_after_ready: None,
-            failure_deadline_seconds: None,
-        },
-    )
-}
+use support::{snapshot, snapshot_in};
 
 fn rollback(name: &str, pod: &str, snap: &str, safety: bool) -> Rollback {
     Rollback::new(
@@ -43,13 +27,6 @@ fn rollback(name: &str, pod: &str, snap: &str, safety: bool) -> Rollback {
             failure_deadline_seconds: None,
         },
     )
-}
-
-async fn snapshot_in(client: &Client, name: &str, phase: Phase) -> Snapshot {
-    wait_for(client, name, &format!("{phase}"), |s: &Snapshot| {
-        s.status.as_ref().is_some_and(|st| st.phase == phase)
-    })
-    .await
 }
 
 async fn rollback_in(client: &Client, name: &str, phase: Phase) -> Rollback {

@@ -8,13 +8,15 @@
 //! node's twig-node socket). Every wait polls with a deadline.
 
 use std::future::Future;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
+use kube::api::ObjectMeta;
 use kube::{Api, Client, Resource};
 use tokio::task::JoinHandle;
+use twig_controller::crd::RUNTIME_CLASS;
 use twig_controller::metrics::Metrics;
 use twig_controller::sandbox::ContainerdLocator;
 use twig_controller::shim::{TtrpcNode, TtrpcShim};
@@ -38,6 +40,25 @@ pub const READY: Duration = Duration::from_secs(400);
 /// Deadline of an exec in a container.
 pub const EXEC: Duration = Duration::from_secs(120);
 const POLL: Duration = Duration::from_millis(200);
+
+/// A twig pod in the test namespace, bound to [`NODE`] (as the scheduler
+/// binds it), with the one container `container`.
+pub fn twig_pod(name: &str, container: Container) -> Pod {
+    Pod {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(NS.into()),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            node_name: Some(NODE.into()),
+            runtime_class_name: Some(RUNTIME_CLASS.into()),
+            containers: vec![container],
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
 
 /// Polls `check` until it returns `Some`, failing after `within`.
 pub async fn until<T, F, Fut>(what: &str, within: Duration, mut check: F) -> T
@@ -151,15 +172,6 @@ impl CtrlLab {
             self.name,
             self.t0.elapsed().as_secs_f64()
         );
-    }
-
-    /// The node's directory.
-    pub fn dir(&self) -> PathBuf {
-        self.node
-            .node()
-            .dir()
-            .unwrap_or_else(|e| panic!("{e}"))
-            .to_path_buf()
     }
 
     /// The node's daemons' logs, for failure messages.

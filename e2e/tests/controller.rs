@@ -28,18 +28,18 @@
 use std::net::TcpListener;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
-use kube::api::{DeleteParams, ListParams, ObjectMeta, Patch, PatchParams};
+use k8s_openapi::api::core::v1::{Container, Pod};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Api, ResourceExt};
 use twig_controller::crd::{
     CloneSource, CloneSpec, DeletionPolicy, Phase, PodClone, Rollback, RollbackSpec,
     SandboxTemplate, SandboxTemplateSpec, Snapshot, SnapshotMode, SnapshotSpec, CLONE_LABEL,
-    RESTORE_FROM_ANNOTATION, RUNTIME_CLASS, TEMPLATE_ANNOTATION,
+    RESTORE_FROM_ANNOTATION, TEMPLATE_ANNOTATION,
 };
 use twig_controller_testkit::{self as testkit, NS};
 use twig_e2e::cri::CriNode;
 use twig_e2e::crilab::accept_line;
-use twig_e2e::ctrllab::{until, CtrlLab, NODE, READY};
+use twig_e2e::ctrllab::{twig_pod, until, CtrlLab, NODE, READY};
 use twig_e2e::{BASE_MEM_MIB, IMAGE_REF};
 use twig_net::{EgressPolicy, EGRESS_POLICY_ANNOTATION};
 use twig_store::NodeStore;
@@ -109,27 +109,16 @@ fn allow_subnet(node: &CriNode) -> EgressPolicy {
 }
 
 fn counter_pod(name: &str) -> Pod {
-    Pod {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            namespace: Some(NS.into()),
+    twig_pod(
+        name,
+        Container {
+            name: "counter".into(),
+            image: Some(IMAGE_REF.into()),
+            command: Some(vec!["/bin/sh".into(), "-c".into()]),
+            args: Some(vec![COUNTER.into()]),
             ..Default::default()
         },
-        spec: Some(PodSpec {
-            // As the scheduler binds it.
-            node_name: Some(NODE.into()),
-            runtime_class_name: Some(RUNTIME_CLASS.into()),
-            containers: vec![Container {
-                name: "counter".into(),
-                image: Some(IMAGE_REF.into()),
-                command: Some(vec!["/bin/sh".into(), "-c".into()]),
-                args: Some(vec![COUNTER.into()]),
-                ..Default::default()
-            }],
-            ..Default::default()
-        }),
-        status: None,
-    }
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -25,15 +25,15 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
-use kube::api::{DeleteParams, ListParams, ObjectMeta};
+use k8s_openapi::api::core::v1::{Container, Pod};
+use kube::api::{DeleteParams, ListParams};
 use kube::{Api, ResourceExt};
 use twig_controller::crd::{
     DeletionPolicy, Phase, Rollback, RollbackSpec, RollbackStatus, Snapshot, SnapshotMode,
-    SnapshotSpec, RUNTIME_CLASS,
+    SnapshotSpec,
 };
 use twig_controller_testkit::{self as testkit, NS};
-use twig_e2e::ctrllab::{until, CtrlLab, NODE, READY};
+use twig_e2e::ctrllab::{twig_pod, until, CtrlLab, READY};
 
 /// The Redis image's reference, as tests/lab/run.sh builds it.
 const REDIS_REF: &str = "docker.io/library/twig-e2e-redis:v1";
@@ -45,33 +45,25 @@ const CLI: &str = "/usr/bin/redis-cli";
 const SERVER: &str = "mkdir -p /data && exec /usr/bin/redis-server --bind 127.0.0.1 \
      --protected-mode no --dir /data --appendonly yes --appendfsync always --save ''";
 
+/// The Redis pod, on the node's network: no eBPF path to load (eBPF
+/// verification beside nested guests provokes the lab's wedges,
+/// tests/lab/README.md); the pod network is covered by tests/controller.rs
+/// and tests/cri.rs.
 fn redis_pod(name: &str) -> Pod {
-    Pod {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            namespace: Some(NS.into()),
+    let mut pod = twig_pod(
+        name,
+        Container {
+            name: "redis".into(),
+            image: Some(REDIS_REF.into()),
+            command: Some(vec!["/bin/sh".into(), "-c".into()]),
+            args: Some(vec![SERVER.into()]),
             ..Default::default()
         },
-        spec: Some(PodSpec {
-            // As the scheduler binds it.
-            node_name: Some(NODE.into()),
-            runtime_class_name: Some(RUNTIME_CLASS.into()),
-            // The node's network: no eBPF path to load for each fork (eBPF
-            // verification beside nested guests provokes the lab's wedges,
-            // tests/lab/README.md); the pod network is covered by
-            // tests/controller.rs and tests/cri.rs.
-            host_network: Some(true),
-            containers: vec![Container {
-                name: "redis".into(),
-                image: Some(REDIS_REF.into()),
-                command: Some(vec!["/bin/sh".into(), "-c".into()]),
-                args: Some(vec![SERVER.into()]),
-                ..Default::default()
-            }],
-            ..Default::default()
-        }),
-        status: None,
+    );
+    if let Some(spec) = pod.spec.as_mut() {
+        spec.host_network = Some(true);
     }
+    pod
 }
 
 /// `redis-cli args…` in container `id`: its output, which must exit 0.

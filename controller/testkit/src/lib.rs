@@ -17,6 +17,7 @@ use k8s_openapi::api::events::v1::Event;
 use kube::api::{ListParams, ObjectMeta, PostParams};
 use kube::{Api, Client};
 use tokio::task::JoinHandle;
+use twig_controller::crd::{DeletionPolicy, Phase, Snapshot, SnapshotMode, SnapshotSpec};
 use twig_controller::metrics::Metrics;
 use twig_controller::Context;
 
@@ -281,4 +282,29 @@ pub async fn delete_node(client: &Client, name: &str) {
         .delete(name, &kube::api::DeleteParams::default())
         .await
         .expect("delete node");
+}
+
+/// A Snapshot `name` of pod `pod` with the defaults: incremental, its data
+/// deleted with it, no TTL, no deadline, the pod's UID pinned by the
+/// controller.
+pub fn snapshot(name: &str, pod: &str) -> Snapshot {
+    Snapshot::new(
+        name,
+        SnapshotSpec {
+            pod_name: pod.to_string(),
+            pod_uid: None,
+            mode: SnapshotMode::Incremental,
+            deletion_policy: DeletionPolicy::Delete,
+            ttl_seconds_after_ready: None,
+            failure_deadline_seconds: None,
+        },
+    )
+}
+
+/// The Snapshot `name` once it is in `phase`.
+pub async fn snapshot_in(client: &Client, name: &str, phase: Phase) -> Snapshot {
+    wait_for(client, name, &format!("{phase}"), |s: &Snapshot| {
+        s.status.as_ref().is_some_and(|st| st.phase == phase)
+    })
+    .await
 }
