@@ -192,6 +192,18 @@ fn chart_renders_to_valid_manifests() {
 
     let rc: RuntimeClass = strict(find(&docs, "RuntimeClass", "twig"));
     assert_eq!(rc.handler, "twig");
+    let fixed = rc
+        .overhead
+        .and_then(|o| o.pod_fixed)
+        .expect("overhead.podFixed");
+    assert_eq!(
+        fixed
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.0.as_str()))
+            .collect::<Vec<_>>(),
+        [("memory", "32Mi")],
+        "the measured per-pod cost"
+    );
 
     let container = controller_container(&docs, "twig-controller");
     let node_name = container
@@ -293,7 +305,11 @@ fn changed_values_reach_the_manifests() {
         // Helm merges maps with the defaults: a null drops the default label.
         "nodeSelector": {"example.com/pool": "sandboxes", "twig.dev/runtime": null},
         "tolerations": [{"key": "sandbox", "operator": "Exists", "effect": "NoSchedule"}],
-        "runtimeClass": {"name": "microvm", "handler": "twig-kvm"},
+        "runtimeClass": {
+            "name": "microvm",
+            "handler": "twig-kvm",
+            "overhead": {"memory": "64Mi", "cpu": "50m"},
+        },
         "nodeSetup": {"enabled": false},
     });
     let docs = documents(&template_args(&values, "sandbox", "agents", &[]));
@@ -318,6 +334,17 @@ fn changed_values_reach_the_manifests() {
     assert_eq!(
         rc.scheduling.and_then(|s| s.node_selector),
         Some([("example.com/pool".to_string(), "sandboxes".to_string())].into())
+    );
+    let fixed = rc
+        .overhead
+        .and_then(|o| o.pod_fixed)
+        .expect("overhead.podFixed");
+    assert_eq!(
+        fixed
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.0.as_str()))
+            .collect::<Vec<_>>(),
+        [("cpu", "50m"), ("memory", "64Mi")]
     );
 
     let ds: DaemonSet = strict(find(&docs, "DaemonSet", "twig-controller"));
