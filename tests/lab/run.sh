@@ -227,6 +227,10 @@ for b in "${bins[@]}"; do
   name=$(basename "$b"); ((bench)) || name=${name%-*}
   [[ " $SKIP_IN_LAB " == *" $name "* ]] && { echo "lab: $name runs on the host only" >&2; continue; }
   copy_with_libs "$b" "$root/tests/$name"; n=$((n + 1))
+  # Without their DWARF (the symbols stay, for backtraces): the initramfs
+  # lives in the outer VM's RAM, and fifteen debug test binaries there
+  # (~100 MB each) left the nested guests too little of its 3 GiB.
+  strip --strip-debug "$root/tests/$name"
 done
 mkdir -p "$root/guest"
 cp "$gk/bzImage" "$root/guest/bzImage"
