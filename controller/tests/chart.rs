@@ -20,6 +20,17 @@ use support::kube_tools::{helm, run, succeed};
 const RELEASE: &str = "twig";
 const NAMESPACE: &str = "twig-system";
 
+/// The RuntimeClass's `overhead.podFixed`, as (resource, quantity) pairs.
+fn pod_fixed(rc: &RuntimeClass) -> Vec<(String, String)> {
+    rc.overhead
+        .clone()
+        .and_then(|o| o.pod_fixed)
+        .expect("overhead.podFixed")
+        .into_iter()
+        .map(|(k, v)| (k, v.0))
+        .collect()
+}
+
 fn chart_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../charts/twig")
 }
@@ -192,16 +203,9 @@ fn chart_renders_to_valid_manifests() {
 
     let rc: RuntimeClass = strict(find(&docs, "RuntimeClass", "twig"));
     assert_eq!(rc.handler, "twig");
-    let fixed = rc
-        .overhead
-        .and_then(|o| o.pod_fixed)
-        .expect("overhead.podFixed");
     assert_eq!(
-        fixed
-            .iter()
-            .map(|(k, v)| (k.as_str(), v.0.as_str()))
-            .collect::<Vec<_>>(),
-        [("memory", "32Mi")],
+        pod_fixed(&rc),
+        [("memory", "32Mi")].map(|(k, v)| (k.to_string(), v.to_string())),
         "the measured per-pod cost"
     );
 
@@ -332,19 +336,12 @@ fn changed_values_reach_the_manifests() {
     let rc: RuntimeClass = strict(find(&docs, "RuntimeClass", "microvm"));
     assert_eq!(rc.handler, "twig-kvm");
     assert_eq!(
-        rc.scheduling.and_then(|s| s.node_selector),
+        rc.scheduling.clone().and_then(|s| s.node_selector),
         Some([("example.com/pool".to_string(), "sandboxes".to_string())].into())
     );
-    let fixed = rc
-        .overhead
-        .and_then(|o| o.pod_fixed)
-        .expect("overhead.podFixed");
     assert_eq!(
-        fixed
-            .iter()
-            .map(|(k, v)| (k.as_str(), v.0.as_str()))
-            .collect::<Vec<_>>(),
-        [("cpu", "50m"), ("memory", "64Mi")]
+        pod_fixed(&rc),
+        [("cpu", "50m"), ("memory", "64Mi")].map(|(k, v)| (k.to_string(), v.to_string()))
     );
 
     let ds: DaemonSet = strict(find(&docs, "DaemonSet", "twig-controller"));

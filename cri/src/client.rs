@@ -362,6 +362,21 @@ pub fn image_spec(image: &str) -> api::ImageSpec {
     }
 }
 
+/// Puts the pod on the node's network namespace, as kubelet asks for a pod
+/// with `hostNetwork: true`.
+pub fn on_node_network(config: &mut api::PodSandboxConfig) {
+    config.linux = Some(api::LinuxPodSandboxConfig {
+        security_context: Some(api::LinuxSandboxSecurityContext {
+            namespace_options: Some(api::NamespaceOption {
+                network: api::NamespaceMode::Node as i32,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+}
+
 /// A pod sandbox config with the fields kubelet always sets: metadata,
 /// hostname, the log directory CRI writes container logs under.
 pub fn pod_sandbox_config(name: &str, uid: &str, log_directory: &Path) -> api::PodSandboxConfig {

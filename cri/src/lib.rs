@@ -11,5 +11,7 @@ pub mod logs;
 /// The CRI v1 protocol types and gRPC clients (from the `k8s-cri` crate).
 pub use k8s_cri::v1 as api;
 
-pub use client::{container_config, image_spec, pod_sandbox_config, CriClient, Error, ExecOutput};
+pub use client::{
+    container_config, image_spec, on_node_network, pod_sandbox_config, CriClient, Error, ExecOutput,
+};
 pub use harness::{HarnessError, Node, NodeOptions, RuntimeHandler};

@@ -233,16 +233,7 @@ async fn run_pod(
     config.hostname = spec.hostname.clone().unwrap_or(name);
     let host_network = spec.host_network == Some(true);
     if host_network {
-        config.linux = Some(api::LinuxPodSandboxConfig {
-            security_context: Some(api::LinuxSandboxSecurityContext {
-                namespace_options: Some(api::NamespaceOption {
-                    network: api::NamespaceMode::Node as i32,
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }),
-            ..Default::default()
-        });
+        twig_cri::on_node_network(&mut config);
     }
     config.labels = meta
         .labels

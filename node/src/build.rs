@@ -345,16 +345,7 @@ fn pod_config(spec: &Spec, logs: &Path) -> api::PodSandboxConfig {
             .to_string();
     }
     pod.hostname = String::new();
-    pod.linux = Some(api::LinuxPodSandboxConfig {
-        security_context: Some(api::LinuxSandboxSecurityContext {
-            namespace_options: Some(api::NamespaceOption {
-                network: api::NamespaceMode::Node as i32,
-                ..Default::default()
-            }),
-            ..Default::default()
-        }),
-        ..Default::default()
-    });
+    twig_cri::on_node_network(&mut pod);
     pod
 }
 
