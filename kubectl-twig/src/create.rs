@@ -20,7 +20,10 @@ use crate::wait::{self, Target};
 
 /// `kubectl twig snapshot POD`.
 pub async fn snapshot(client: Client, namespace: &str, args: SnapshotArgs) -> Result<(), Error> {
-    let pod_uid = require_pod(&client, namespace, &args.pod).await?.metadata.uid;
+    let pod_uid = require_pod(&client, namespace, &args.pod)
+        .await?
+        .metadata
+        .uid;
     let spec = SnapshotSpec {
         pod_name: args.pod.clone(),
         pod_uid,
@@ -148,7 +151,10 @@ pub async fn fork(client: Client, namespace: &str, args: ForkArgs) -> Result<(),
 
 /// `kubectl twig rewind POD --to SNAPSHOT`.
 pub async fn rewind(client: Client, namespace: &str, args: RewindArgs) -> Result<(), Error> {
-    let pod_uid = require_pod(&client, namespace, &args.pod).await?.metadata.uid;
+    let pod_uid = require_pod(&client, namespace, &args.pod)
+        .await?
+        .metadata
+        .uid;
     Api::<Snapshot>::namespaced(client.clone(), namespace)
         .get(&args.to)
         .await?;

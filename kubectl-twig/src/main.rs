@@ -48,12 +48,20 @@ fn main() -> std::process::ExitCode {
     }
 }
 
+/// Whether the command's requests are retried on 429, 503 and 504. Not
+/// `net`'s: a 503 there is the controller that does not answer through the
+/// proxy, which the user should hear of at once, not after minutes of
+/// retries.
+fn retries(command: &Command) -> bool {
+    !matches!(command, Command::Net(_))
+}
+
 async fn run(cli: Cli) -> Result<(), Error> {
     let client::Cluster {
         client,
         namespace,
         server,
-    } = client::connect(&cli.connection).await?;
+    } = client::connect(&cli.connection, retries(&cli.command)).await?;
     let ns = namespace.as_str();
     match cli.command {
         Command::Snapshot(args) => create::snapshot(client, ns, args).await,

@@ -141,7 +141,8 @@ async fn backend(client: &Client, args: &NetArgs, node: &str) -> Result<Backend,
         let port = slice.ports.iter().flatten().find_map(|p| {
             let name = p.name.as_deref().unwrap_or_default();
             let matches = name == args.controller_port
-                || p.port.is_some_and(|n| n.to_string() == args.controller_port);
+                || p.port
+                    .is_some_and(|n| n.to_string() == args.controller_port);
             matches.then_some(p.port).flatten()
         });
         for endpoint in slice.endpoints.iter().flatten() {

@@ -33,7 +33,10 @@ impl Sample {
     pub fn count(&self) -> Option<u64> {
         let value = self.value;
         // 2^64 as f64: larger values do not fit.
-        (value.is_finite() && value >= 0.0 && value.fract() == 0.0 && value < 18_446_744_073_709_551_616.0)
+        (value.is_finite()
+            && value >= 0.0
+            && value.fract() == 0.0
+            && value < 18_446_744_073_709_551_616.0)
             .then_some(value as u64)
     }
 }
@@ -67,7 +70,9 @@ pub fn parse(text: &str) -> Result<Vec<Sample>, ParseError> {
 
 fn parse_sample(line: &str) -> Result<Sample, String> {
     let mut rest = Cursor(line);
-    let name = rest.name().ok_or_else(|| format!("no metric name in {line:?}"))?;
+    let name = rest
+        .name()
+        .ok_or_else(|| format!("no metric name in {line:?}"))?;
     let mut labels = BTreeMap::new();
     if rest.eat('{') {
         loop {
@@ -129,7 +134,12 @@ fn parse_value(text: &str) -> Option<f64> {
         "+Inf" | "Inf" => Some(f64::INFINITY),
         "-Inf" => Some(f64::NEG_INFINITY),
         // Rust also reads "inf", "infinity", "nan" in any case: not Prometheus' spellings.
-        _ if text.bytes().any(|b| b.is_ascii_alphabetic() && b != b'e' && b != b'E') => None,
+        _ if text
+            .bytes()
+            .any(|b| b.is_ascii_alphabetic() && b != b'e' && b != b'E') =>
+        {
+            None
+        }
         _ => text.parse().ok(),
     }
 }
@@ -237,7 +247,12 @@ mod tests {
         let sample = &parse(text).expect("parse")[0];
         assert_eq!(
             sample.labels,
-            labels(&[("a", "x\"y"), ("b", "c:\\d"), ("c", "l1\nl2"), ("d", "{}, =#")])
+            labels(&[
+                ("a", "x\"y"),
+                ("b", "c:\\d"),
+                ("c", "l1\nl2"),
+                ("d", "{}, =#")
+            ])
         );
     }
 

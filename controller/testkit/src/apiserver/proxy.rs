@@ -69,10 +69,7 @@ pub(super) async fn serve(
         Err(response) => return response,
     };
     let marker = format!("/{}/{id}/proxy", target.plural);
-    let rest = uri
-        .path()
-        .split_once(&marker)
-        .map_or("", |(_, rest)| rest);
+    let rest = uri.path().split_once(&marker).map_or("", |(_, rest)| rest);
     let rest = if rest.is_empty() { "/" } else { rest };
     let url = match uri.query() {
         Some(query) => format!("http://{address}{rest}?{query}"),
@@ -215,27 +212,25 @@ fn join_host_port(ip: &str, port: u64) -> String {
 
 /// GETs `url`; its status, content type and body.
 async fn forward(url: &str) -> Response<Body> {
-    let unreachable = |cause: String| unavailable(format!("error trying to reach service: {cause}"));
+    let unreachable =
+        |cause: String| unavailable(format!("error trying to reach service: {cause}"));
     let uri: Uri = match url.parse() {
         Ok(uri) => uri,
         Err(e) => return unreachable(format!("{url}: {e}")),
     };
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .build_http::<Empty<Bytes>>();
+    let authority = uri.authority().map(ToString::to_string).unwrap_or_default();
     let answer = tokio::time::timeout(BACKEND_TIMEOUT, async {
         let response = client.get(uri).await.map_err(|e| chain(&e))?;
         let (parts, body) = response.into_parts();
-        let body = body
-            .collect()
-            .await
-            .map_err(|e| e.to_string())?
-            .to_bytes();
+        let body = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
         Ok::<_, String>((parts, body))
     })
     .await;
     let (parts, body) = match answer {
         Ok(Ok(answer)) => answer,
-        Ok(Err(cause)) => return unreachable(cause),
+        Ok(Err(cause)) => return unreachable(format!("{authority}: {cause}")),
         Err(_) => return unreachable(format!("{url}: no answer in {BACKEND_TIMEOUT:?}")),
     };
     let mut response = Response::new(Full::new(body).boxed_unsync());
