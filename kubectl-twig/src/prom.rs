@@ -74,6 +74,7 @@ fn parse_sample(line: &str) -> Result<Sample, String> {
         .name()
         .ok_or_else(|| format!("no metric name in {line:?}"))?;
     let mut labels = BTreeMap::new();
+    rest.skip_spaces();
     if rest.eat('{') {
         loop {
             rest.skip_spaces();
