@@ -58,15 +58,15 @@ pub(super) async fn serve(
     let address = match (target.api.as_str(), target.plural.as_str()) {
         ("api/v1", "services") => service_address(state, namespace, id),
         ("api/v1", "pods") => pod_address(state, namespace, id),
-        _ => Err(status_error(
-            StatusCode::NOT_FOUND,
-            "NotFound",
-            format!("{} have no proxy subresource", target.plural),
-        )),
+        _ => Err(Refusal {
+            code: StatusCode::NOT_FOUND,
+            reason: "NotFound",
+            message: format!("{} have no proxy subresource", target.plural),
+        }),
     };
     let address = match address {
         Ok(address) => address,
-        Err(response) => return response,
+        Err(refusal) => return status_error(refusal.code, refusal.reason, refusal.message),
     };
     let marker = format!("/{}/{id}/proxy", target.plural);
     let rest = uri.path().split_once(&marker).map_or("", |(_, rest)| rest);
@@ -78,16 +78,25 @@ pub(super) async fn serve(
     forward(&url).await
 }
 
+/// Why a proxy request has no backend: the Status it is answered with.
+struct Refusal {
+    code: StatusCode,
+    reason: &'static str,
+    message: String,
+}
+
 /// `name` or `name:port` (kube-apiserver also takes `scheme:name:port`).
-fn split_id(id: &str) -> Result<(&str, &str), Response<Body>> {
+fn split_id(id: &str) -> Result<(&str, &str), Refusal> {
     match id.split(':').collect::<Vec<_>>()[..] {
         [name] => Ok((name, "")),
         [name, port] => Ok((name, port)),
-        _ => Err(status_error(
-            StatusCode::BAD_REQUEST,
-            "BadRequest",
-            format!("invalid proxy request {id:?} (the test API server takes NAME or NAME:PORT)"),
-        )),
+        _ => Err(Refusal {
+            code: StatusCode::BAD_REQUEST,
+            reason: "BadRequest",
+            message: format!(
+                "invalid proxy request {id:?} (the test API server takes NAME or NAME:PORT)"
+            ),
+        }),
     }
 }
 
@@ -100,24 +109,24 @@ fn core_key(plural: &str, namespace: &str, name: &str) -> Key {
     }
 }
 
-fn not_found(plural: &str, name: &str) -> Response<Body> {
-    status_error(
-        StatusCode::NOT_FOUND,
-        "NotFound",
-        format!("{plural} \"{name}\" not found"),
-    )
+fn not_found(plural: &str, name: &str) -> Refusal {
+    Refusal {
+        code: StatusCode::NOT_FOUND,
+        reason: "NotFound",
+        message: format!("{plural} \"{name}\" not found"),
+    }
 }
 
-fn unavailable(message: String) -> Response<Body> {
-    status_error(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "ServiceUnavailable",
+fn unavailable(message: String) -> Refusal {
+    Refusal {
+        code: StatusCode::SERVICE_UNAVAILABLE,
+        reason: "ServiceUnavailable",
         message,
-    )
+    }
 }
 
 /// `ip:port` of an endpoint of the Service `id` names.
-fn service_address(state: &State, namespace: &str, id: &str) -> Result<String, Response<Body>> {
+fn service_address(state: &State, namespace: &str, id: &str) -> Result<String, Refusal> {
     let (name, port) = split_id(id)?;
     let inner = lock(state);
     let Some(service) = inner.objects.get(&core_key("services", namespace, name)) else {
@@ -171,7 +180,7 @@ fn service_address(state: &State, namespace: &str, id: &str) -> Result<String, R
 }
 
 /// `ip:port` of the pod `id` names.
-fn pod_address(state: &State, namespace: &str, id: &str) -> Result<String, Response<Body>> {
+fn pod_address(state: &State, namespace: &str, id: &str) -> Result<String, Refusal> {
     let (name, port) = split_id(id)?;
     let inner = lock(state);
     let Some(pod) = inner.objects.get(&core_key("pods", namespace, name)) else {
@@ -187,11 +196,11 @@ fn pod_address(state: &State, namespace: &str, id: &str) -> Result<String, Respo
     };
     match port {
         Some(port) => Ok(join_host_port(ip, port)),
-        None => Err(status_error(
-            StatusCode::BAD_REQUEST,
-            "BadRequest",
-            format!("no port to proxy to on pod \"{name}\" (give NAME:PORT, a number)"),
-        )),
+        None => Err(Refusal {
+            code: StatusCode::BAD_REQUEST,
+            reason: "BadRequest",
+            message: format!("no port to proxy to on pod \"{name}\" (give NAME:PORT, a number)"),
+        }),
     }
 }
 
@@ -212,8 +221,10 @@ fn join_host_port(ip: &str, port: u64) -> String {
 
 /// GETs `url`; its status, content type and body.
 async fn forward(url: &str) -> Response<Body> {
-    let unreachable =
-        |cause: String| unavailable(format!("error trying to reach service: {cause}"));
+    let unreachable = |cause: String| {
+        let refusal = unavailable(format!("error trying to reach service: {cause}"));
+        status_error(refusal.code, refusal.reason, refusal.message)
+    };
     let uri: Uri = match url.parse() {
         Ok(uri) => uri,
         Err(e) => return unreachable(format!("{url}: {e}")),
