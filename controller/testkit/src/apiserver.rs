@@ -13,8 +13,11 @@
 //! (see `schema.rs`); JSON Patch (RFC 6902, with kube-apiserver's `test` of
 //! `null` passing on a missing field); field ownership (`managedFields`) on
 //! every write and server-side apply with `fieldManager` and `force`,
-//! merging by the CRD schema's list types (see `ssa.rs`); and cluster-scoped
-//! Nodes. For the real kubectl it also serves discovery and OpenAPI v3
+//! merging by the CRD schema's list types (see `ssa.rs`); cluster-scoped
+//! Nodes; the `proxy` subresources of Services (through their Endpoints)
+//! and Pods, forwarding GETs to backends on 127.0.0.1 (`proxy.rs`); and
+//! kube-apiserver's 403 for the accesses a test forbids, with every access
+//! recorded per actor (`authz.rs`). For the real kubectl it also serves discovery and OpenAPI v3
 //! (`discovery.rs`), `meta.k8s.io/v1` Tables from the CRDs' printer columns
 //! (`table.rs`) and server-side field validation (`fields.rs`). What it does
 //! not do: a client's own `managedFields` in a request body are ignored (the
