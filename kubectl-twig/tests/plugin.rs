@@ -110,7 +110,7 @@ async fn kubectl_finds_the_plugin_and_its_help() {
     let server = support::api_server().await;
     let plugin = Plugin::new(&server);
     let help = plugin.ok(&["--help"]).await;
-    for command in ["snapshot", "fork", "rewind", "tree", "wait"] {
+    for command in ["snapshot", "fork", "rewind", "tree", "wait", "net"] {
         assert!(help.contains(command), "{command} missing from:\n{help}");
         let own = plugin.ok(&[command, "--help"]).await;
         assert!(own.contains("Usage: kubectl twig"), "{own}");
