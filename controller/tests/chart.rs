@@ -398,8 +398,7 @@ fn metrics_service_selects_the_controller(docs: &[Value], port: i32) {
     let spec = service.spec.expect("service spec");
     assert_eq!(spec.cluster_ip.as_deref(), Some("None"), "headless");
     assert_eq!(
-        spec.selector,
-        ds.spec.selector.match_labels,
+        spec.selector, ds.spec.selector.match_labels,
         "the Service selects the controller's pods"
     );
     let setup_labels = docs
