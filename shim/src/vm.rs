@@ -131,10 +131,15 @@ impl Launcher for VmLauncher {
             None => None,
         };
         tracing::info!(sandbox_id, restore_from = restore_from.as_ref().map(|r| r.id.as_str()), state = %self.state_dir.display(), network = network.is_some(), "starting the sandbox VM");
+        let hostname = spec
+            .get("hostname")
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or_default();
         Ok(Arc::new(VmSandbox::start(
             &self.config,
             &self.state_dir,
             sandbox_id,
+            hostname,
             restore_from,
             network,
         )?))
@@ -157,14 +162,14 @@ pub struct NetworkSetup {
 /// the VMM and gives the guest the pod's IP, MAC and gateway, so that a
 /// VM restored from a template or from another pod's snapshot takes this
 /// pod's identity. `state_dir` gets the record `delete` tears the path
-/// down with if the shim dies. `clone` (a clone's hostname, entropy and
-/// clock) goes to the agent in the same Reidentify.
+/// down with if the shim dies. `own` (the VM's hostname, fresh entropy and
+/// the host's clock) goes to the agent in the same Reidentify.
 pub fn join_network(
     setup: &NetworkSetup,
     state_dir: &Path,
     api: &mut Client,
     agent: &AgentClient,
-    clone: Option<&ReidentifyRequest>,
+    own: &ReidentifyRequest,
     timeout: Duration,
 ) -> Result<PodNet> {
     PodNet::attach(
@@ -177,22 +182,15 @@ pub fn join_network(
                 .map(|_| ())
                 .map_err(vmm_error("sending the pod's tap to twig-vmm"))
         },
-        |identity| {
-            let merged;
-            let request = match clone {
-                Some(c) => {
-                    merged = ReidentifyRequest {
-                        hostname: c.hostname.clone(),
-                        entropy: c.entropy.clone(),
-                        realtime_ns: c.realtime_ns,
-                        ..identity.clone()
-                    };
-                    &merged
-                }
-                None => identity,
+        |network| {
+            let request = ReidentifyRequest {
+                hostname: own.hostname.clone(),
+                entropy: own.entropy.clone(),
+                realtime_ns: own.realtime_ns,
+                ..network.clone()
             };
             agent
-                .reidentify(request, timeout)
+                .reidentify(&request, timeout)
                 .map(|_| ())
                 .map_err(|e| Error::agent("giving the guest the pod's network identity", e))
         },
@@ -258,6 +256,7 @@ impl VmSandbox {
         config: &Config,
         state_dir: &Path,
         sandbox_id: &str,
+        hostname: &str,
         restore_from: Option<RestoreFrom<'_>>,
         mut network: Option<NetworkSetup>,
     ) -> Result<VmSandbox> {
@@ -337,19 +336,21 @@ impl VmSandbox {
         .map_err(|e| with_vm_logs(e, &vm_dir))?;
         let mut slots = vec![false; vm.disk_slots as usize];
         let mut restored = Vec::new();
-        // A clone's own identity (hostname, entropy, clock) goes to the
-        // agent with the pod's network identity in one Reidentify, or on
-        // its own when the pod has no network.
-        let clone_identity = source
-            .as_ref()
-            .map(|s| restore::identity(&s.hostname))
-            .transpose()?;
+        // Every restored VM gets its own identity — fresh entropy for the
+        // guest's RNG and the host's wall clock (a VM restored from the
+        // base template would otherwise run with the template's RNG state,
+        // the same in every pod, and its clock, stuck at the template's
+        // build), and the pod's hostname (a clone's: its snapshot's) — with
+        // the pod's network identity in one Reidentify, or on its own when
+        // the pod has no network.
+        let identity =
+            restore::identity(source.as_ref().map_or(hostname, |s| s.hostname.as_str()))?;
+        if network.is_none() {
+            agent
+                .reidentify(&identity, timeout)
+                .map_err(|e| Error::agent("giving the restored VM its own identity", e))?;
+        }
         if let Some(source) = source {
-            if let (Some(identity), None) = (&clone_identity, &network) {
-                agent.reidentify(identity, timeout).map_err(|e| {
-                    Error::agent(format!("giving the clone of {} its identity", source.id), e)
-                })?;
-            }
             for s in source.slot_numbers() {
                 if let Some(used) = slots.get_mut(s) {
                     *used = true;
@@ -367,16 +368,7 @@ impl VmSandbox {
         // container: the pod's own network identity.
         let pod_net = network
             .as_ref()
-            .map(|setup| {
-                join_network(
-                    setup,
-                    state_dir,
-                    &mut api,
-                    &agent,
-                    clone_identity.as_ref(),
-                    timeout,
-                )
-            })
+            .map(|setup| join_network(setup, state_dir, &mut api, &agent, &identity, timeout))
             .transpose()
             .map_err(|e| with_vm_logs(e, &vm_dir))?;
         tracing::info!(
@@ -947,21 +939,28 @@ impl Sandbox for VmSandbox {
             agent.epoch += 1;
         }
         let info = result?;
-        // The snapshot's guest may carry another pod's network identity
-        // (a clone's snapshot): give it this pod's again.
-        if let Some(n) = self
+        // The rolled-back guest has its snapshot's RNG state and clock
+        // (and, from a clone's snapshot, another pod's network identity):
+        // fresh entropy, the host's clock and this pod's network again.
+        let own = restore::identity("")?;
+        let network = self
             .network
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .as_ref()
-        {
-            agent
-                .client
-                .reidentify(n.identity(), self.timeout)
-                .map_err(|e| {
-                    Error::agent("giving the rolled-back guest the pod's network identity", e)
-                })?;
-        }
+            .map(|n| n.identity().clone())
+            .unwrap_or_default();
+        agent
+            .client
+            .reidentify(
+                &ReidentifyRequest {
+                    entropy: own.entropy,
+                    realtime_ns: own.realtime_ns,
+                    ..network
+                },
+                self.timeout,
+            )
+            .map_err(|e| Error::agent("giving the rolled-back guest its own identity", e))?;
         Ok(VmRollback {
             pages_restored: u64::try_from(info.pages_restored).unwrap_or(u64::MAX),
             remapped: info.remapped,

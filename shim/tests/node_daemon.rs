@@ -133,7 +133,7 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
         ..Config::default()
     };
     let state = dir.path().join("shim-state");
-    let e = VmSandbox::start(&config, &state, "sb", None, None)
+    let e = VmSandbox::start(&config, &state, "sb", "", None, None)
         .err()
         .expect("the test guest has no agent");
     assert!(matches!(e, Error::Agent { .. }), "{e}");
@@ -158,6 +158,7 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
         &config,
         &state,
         "sb",
+        "",
         Some(RestoreFrom {
             id: "no-such-snapshot".into(),
             app_template: None,
