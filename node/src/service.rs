@@ -76,7 +76,16 @@ impl Services {
             } else {
                 req.restore_from.clone()
             };
-            let t = blocking(move || templates.app(&name)).await?;
+            let restore = !req.restore_from.is_empty();
+            let t = blocking(move || {
+                templates.app(&name).map_err(|e| match e {
+                    Error::NotFound(_) if restore => Error::NotFound(format!(
+                        "snapshot {name:?} is not in this node's store"
+                    )),
+                    e => e,
+                })
+            })
+            .await?;
             for (what, asked, is) in [
                 ("memory_mib", req.memory_mib, t.shape.mem_mib),
                 ("vcpus", req.vcpus, t.shape.vcpus),
