@@ -79,9 +79,9 @@ impl Services {
             let restore = !req.restore_from.is_empty();
             let t = blocking(move || {
                 templates.app(&name).map_err(|e| match e {
-                    Error::NotFound(_) if restore => Error::NotFound(format!(
-                        "snapshot {name:?} is not in this node's store"
-                    )),
+                    Error::NotFound(_) if restore => {
+                        Error::NotFound(format!("snapshot {name:?} is not in this node's store"))
+                    }
                     e => e,
                 })
             })

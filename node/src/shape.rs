@@ -148,7 +148,11 @@ mod tests {
             shape(512, 2)
         );
         assert_eq!(pick(need(0, 1000)), shape(256, 1));
-        assert_eq!(pick(need(0, 1001)), shape(512, 2), "1.001 CPUs need 2 vCPUs");
+        assert_eq!(
+            pick(need(0, 1001)),
+            shape(512, 2),
+            "1.001 CPUs need 2 vCPUs"
+        );
         assert_eq!(pick(need(100, 2000)), shape(512, 2));
         assert_eq!(pick(need(600, 500)), shape(1024, 2));
         assert_eq!(pick(need(600, 2500)), shape(2048, 4), "CPU decides");

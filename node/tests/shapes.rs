@@ -116,7 +116,10 @@ fn the_pods_limits_choose_the_smallest_base_shape_that_fits() {
     assert!(vm.template_dir.ends_with(&format!("/{small}")), "{vm:?}");
     restore_and_stop(&vm, MIB);
     let vm = node.acquire_req(limits(49, 0)).expect("49 MiB");
-    assert!(!vm.pooled, "no VMM of the larger shape is kept warm: {vm:?}");
+    assert!(
+        !vm.pooled,
+        "no VMM of the larger shape is kept warm: {vm:?}"
+    );
     assert!(vm.template_dir.ends_with(&format!("/{big}")), "{vm:?}");
     restore_and_stop(&vm, BIG);
 

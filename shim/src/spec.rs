@@ -129,14 +129,19 @@ pub fn pod_resources(spec: &Value) -> Result<PodResources> {
     };
     let period = match period.1 {
         0 => DEFAULT_CPU_PERIOD_US,
-        p => u64::try_from(p)
-            .map_err(|_| bad(period, "a CFS period is a number of microseconds"))?,
+        p => {
+            u64::try_from(p).map_err(|_| bad(period, "a CFS period is a number of microseconds"))?
+        }
     };
     let cpu_limit_millis = match quota.1 {
         -1 | 0 => 0,
         q => {
-            let q = u64::try_from(q)
-                .map_err(|_| bad(quota, "a CFS quota is a number of microseconds (0 or -1: none)"))?;
+            let q = u64::try_from(q).map_err(|_| {
+                bad(
+                    quota,
+                    "a CFS quota is a number of microseconds (0 or -1: none)",
+                )
+            })?;
             u32::try_from((u128::from(q) * 1000).div_ceil(u128::from(period)))
                 .map_err(|_| bad(quota, "no VM has that many CPUs"))?
         }
