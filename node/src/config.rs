@@ -140,9 +140,9 @@ pub struct BaseConfig {
     pub vcpus: u32,
     /// The other shapes offered (the default one may be listed too).
     pub shapes: Vec<BaseShape>,
-    /// What a pod's VM needs beyond the pod's memory limit, MiB: the guest
-    /// kernel (its code, data and page structures), the agent and the
-    /// initramfs it lives in.
+    /// What a guest keeps of its VM's RAM beyond 1/32 of it, whatever the
+    /// pod does, MiB: the guest kernel's code and data, the agent and the
+    /// initramfs it lives in. A pod's memory limit must fit in the rest.
     pub guest_reserve_mib: u32,
     /// Give up building one after this many seconds.
     pub build_timeout_s: u64,
@@ -233,8 +233,9 @@ impl Default for TemplateBuildConfig {
 }
 
 /// The default `base.guest_reserve_mib`: what the guest kernel and the
-/// agent take of a VM's RAM (see the README's *Shapes*).
-pub const DEFAULT_GUEST_RESERVE_MIB: u32 = 32;
+/// agent take of a VM's RAM besides 1/32 of it (see the README's *VM
+/// shapes*).
+pub const DEFAULT_GUEST_RESERVE_MIB: u32 = 28;
 
 /// The largest vCPU count of a shape (twig-vmm's limit).
 const MAX_VCPUS: u32 = twig_vmm::MAX_VCPUS as u32;
@@ -352,7 +353,11 @@ impl Config {
                 )));
             }
         }
-        if self.base.guest_reserve_mib >= self.base.offered().last().map_or(0, |s| s.0) {
+        let largest = self.base.offered().last().map_or(0, |s| s.0);
+        if u64::from(self.base.guest_reserve_mib)
+            + u64::from(largest.div_ceil(crate::shape::RESERVE_SHARE))
+            >= u64::from(largest)
+        {
             return Err(bad(format!(
                 "base.guest_reserve_mib {} leaves no room for a pod in any shape",
                 self.base.guest_reserve_mib

@@ -111,11 +111,12 @@ fn the_pods_limits_choose_the_smallest_base_shape_that_fits() {
     assert!(vm.template_dir.ends_with(&format!("/{small}")), "{vm:?}");
     restore_and_stop(&vm, MIB);
 
-    // 48 MiB + 16 MiB of reserve fit the default; 49 MiB do not.
-    let vm = node.acquire_req(limits(48, 1000)).expect("48 MiB");
+    // The default's guest keeps 16 MiB + 2 MiB (1/32) of its 64 MiB: a
+    // 46 MiB limit fits, 47 MiB do not.
+    let vm = node.acquire_req(limits(46, 1000)).expect("46 MiB");
     assert!(vm.template_dir.ends_with(&format!("/{small}")), "{vm:?}");
     restore_and_stop(&vm, MIB);
-    let vm = node.acquire_req(limits(49, 0)).expect("49 MiB");
+    let vm = node.acquire_req(limits(47, 0)).expect("47 MiB");
     assert!(
         !vm.pooled,
         "no VMM of the larger shape is kept warm: {vm:?}"
@@ -145,12 +146,13 @@ fn a_pod_that_fits_no_shape_or_its_snapshot_is_refused_and_takes_no_vm() {
 
     for (req, code, needles) in [
         (
-            limits(113, 0),
+            limits(109, 0),
             ttrpc::Code::FAILED_PRECONDITION,
             vec![
-                "the pod asks for a memory limit of 113 MiB (+ 16 MiB guest reserve = 129 MiB of \
-                 RAM), more than any VM shape of this node holds (the largest: 128 MiB × 1 vCPU; \
-                 offered: 64 MiB × 1 vCPU, 128 MiB × 1 vCPU)",
+                "the pod asks for a memory limit of 109 MiB, more than any VM shape of this node \
+                 holds (the largest: 128 MiB × 1 vCPU, which holds a memory limit of 108 MiB; \
+                 offered: 64 MiB × 1 vCPU, 128 MiB × 1 vCPU; a guest keeps 16 MiB + 1/32 of its \
+                 RAM)",
             ],
         ),
         (
@@ -175,17 +177,23 @@ fn a_pod_that_fits_no_shape_or_its_snapshot_is_refused_and_takes_no_vm() {
                 ..limits(100, 0)
             },
             ttrpc::Code::FAILED_PRECONDITION,
-            vec!["more than the VM shape asked for holds (64 MiB × 1 vCPU)"],
+            vec![
+                "more than the VM shape asked for holds (64 MiB × 1 vCPU, which holds a memory \
+                 limit of 46 MiB)",
+            ],
         ),
         (
             AcquireVmRequest {
                 restore_from: big.clone(),
-                ..limits(113, 0)
+                ..limits(109, 0)
             },
             ttrpc::Code::FAILED_PRECONDITION,
             vec![
-                "the pod asks for a memory limit of 113 MiB",
-                &format!("more than snapshot \"{big}\" holds (128 MiB × 1 vCPU)"),
+                "the pod asks for a memory limit of 109 MiB",
+                &format!(
+                    "more than snapshot \"{big}\" holds (128 MiB × 1 vCPU, which holds a memory \
+                     limit of 108 MiB)"
+                ),
             ],
         ),
         (
@@ -211,7 +219,7 @@ fn a_pod_that_fits_no_shape_or_its_snapshot_is_refused_and_takes_no_vm() {
     let vm = node
         .acquire_req(AcquireVmRequest {
             restore_from: big.clone(),
-            ..limits(112, 0)
+            ..limits(108, 0)
         })
         .expect("a pod that fits its snapshot");
     assert!(vm.template_dir.ends_with(&format!("/{big}")), "{vm:?}");

@@ -127,8 +127,8 @@ pub fn write(mem: &GuestMem, vcpus: usize) -> Result<()> {
         .ok()
         .filter(|n| *n < 0xff)
         .ok_or_else(|| Error::Config(format!("an MP table for {vcpus} vCPUs")))?;
-    let base = u32::try_from(layout::EBDA)
-        .map_err(|_| Error::Config("the EBDA is above 4 GiB".into()))?;
+    let base =
+        u32::try_from(layout::EBDA).map_err(|_| Error::Config("the EBDA is above 4 GiB".into()))?;
     mem.write_slice(&table(vcpus, base), GuestAddress(layout::EBDA))
         .map_err(|e| Error::Config(format!("writing the MP table: {e}")))
 }
