@@ -113,6 +113,9 @@ impl Launcher for VmLauncher {
     fn launch(&self, sandbox_id: &str, bundle: &Path, rootfs: &Path) -> Result<Arc<dyn Sandbox>> {
         let spec = spec::read_spec(bundle)?;
         let restore_from = restore_source(&spec, rootfs)?;
+        // The pod's limits choose its VM's shape (the node daemon's
+        // smallest that fits); bad values fail here, before a VM is taken.
+        let resources = spec::pod_resources(&spec)?;
         // The policy is checked before a VM is taken; a kernel that cannot
         // filter the pod's network refuses it at the join, never runs it
         // unfiltered.
@@ -130,7 +133,7 @@ impl Launcher for VmLauncher {
             }
             None => None,
         };
-        tracing::info!(sandbox_id, restore_from = restore_from.as_ref().map(|r| r.id.as_str()), state = %self.state_dir.display(), network = network.is_some(), "starting the sandbox VM");
+        tracing::info!(sandbox_id, restore_from = restore_from.as_ref().map(|r| r.id.as_str()), state = %self.state_dir.display(), network = network.is_some(), memory_limit_bytes = resources.memory_limit_bytes, cpu_limit_millis = resources.cpu_limit_millis, "starting the sandbox VM");
         let hostname = spec
             .get("hostname")
             .and_then(serde_json::Value::as_str)
@@ -142,6 +145,7 @@ impl Launcher for VmLauncher {
             hostname,
             restore_from,
             network,
+            resources,
         )?))
     }
 }
@@ -247,8 +251,10 @@ fn vmm_error(what: impl Into<String>) -> impl FnOnce(twig_vmm::api::ClientError)
 }
 
 impl VmSandbox {
-    /// Takes a prepared VMM from the node daemon (`config.node_socket`),
-    /// restores the node's base template into it — or, with
+    /// Takes a prepared VMM from the node daemon (`config.node_socket`) of
+    /// the shape that fits `resources` (the daemon chooses; a pod that
+    /// fits none is refused before any VM is taken), restores the node's
+    /// base template of that shape into it — or, with
     /// `restore_from`, that pod snapshot (or app template) of the
     /// template's store, then gives the clone its own identity — and
     /// connects to its agent. On failure the VMM is killed.
@@ -259,15 +265,26 @@ impl VmSandbox {
         hostname: &str,
         restore_from: Option<RestoreFrom<'_>>,
         mut network: Option<NetworkSetup>,
+        resources: spec::PodResources,
     ) -> Result<VmSandbox> {
         std::fs::create_dir_all(state_dir)
             .map_err(|e| Error::io(format!("creating {}", state_dir.display()), e))?;
         let started = Instant::now();
+        // The daemon reads a restore-from snapshot's shape before it hands
+        // over a VM: one that is not there is refused before any is taken.
         let vm = acquire(
             config,
             sandbox_id,
             restore_from.as_ref().map(|r| r.id.as_str()),
-        )?;
+            resources,
+        )
+        .map_err(|e| match (e, &restore_from) {
+            (Error::NotFound(m), Some(r)) => Error::NotFound(match &r.app_template {
+                Some(name) => not_built(name, &r.id),
+                None => format!("{RESTORE_FROM_ANNOTATION}: {m}"),
+            }),
+            (e, _) => e,
+        })?;
         let acquired = started.elapsed();
         let process = Process::open(vm.pid, &vm.api_socket)?;
         let mut guard = KillOnDrop(Some(process), state_dir.to_path_buf());
@@ -296,12 +313,7 @@ impl VmSandbox {
                     None => source,
                     Some(name) => source
                         .map_err(|e| match e {
-                            Error::NotFound(_) => Error::NotFound(format!(
-                                "{TEMPLATE_ANNOTATION}: SandboxTemplate {name} is not built on \
-                                 this node (node store id {}): its status says whether the \
-                                 node's build is ready",
-                                r.id
-                            )),
+                            Error::NotFound(_) => Error::NotFound(not_built(&name, &r.id)),
                             other => other,
                         })
                         .and_then(SnapshotSource::app_template)
@@ -376,6 +388,8 @@ impl VmSandbox {
             pid = vm.pid,
             pooled = vm.pooled,
             template = vm.template_dir,
+            memory_mib = vm.memory_mib,
+            vcpus = vm.vcpus,
             acquired_us = acquired.as_micros() as u64,
             launch_us = started.elapsed().as_micros() as u64,
             "sandbox VM restored, agent answers"
@@ -478,6 +492,15 @@ impl VmSandbox {
     }
 }
 
+/// Why a pod of SandboxTemplate `name` (node store id `id`) cannot start
+/// when its template is not in the node store.
+fn not_built(name: &str, id: &str) -> String {
+    format!(
+        "{TEMPLATE_ANNOTATION}: SandboxTemplate {name} is not built on this node (node store id \
+         {id}): its status says whether the node's build is ready"
+    )
+}
+
 /// The guest's name for disk slot `slot`: the VM has no fixed disks, so the
 /// slots are the first virtio-blk devices in MMIO order.
 pub fn slot_device(slot: usize) -> Result<String> {
@@ -488,15 +511,19 @@ pub fn slot_device(slot: usize) -> Result<String> {
         .ok_or_else(|| Error::InvalidArgument(format!("no guest device name for disk slot {slot}")))
 }
 
-/// Asks the node daemon for a prepared VMM for `template` (empty: the
-/// node's base template). Without a daemon this is an error naming its
+/// Asks the node daemon for a prepared VMM for a pod limited to
+/// `resources`: of the smallest base template shape that holds them (the
+/// daemon adds its guest reserve to the memory limit), or with
+/// `restore_from` of that pod snapshot's shape if it holds them (the
+/// daemon also keeps the snapshot from being deleted while the VM runs).
+/// A pod that fits no shape is `FailedPrecondition` naming what it asked
+/// and the largest shape. Without a daemon this is an error naming its
 /// socket: there is no fallback.
-/// `restore_from`: the pod snapshot the VM is restored from instead (the
-/// daemon keeps it from being deleted while the VM runs).
 pub fn acquire(
     config: &Config,
     sandbox_id: &str,
     restore_from: Option<&str>,
+    resources: spec::PodResources,
 ) -> Result<AcquireVmResponse> {
     let socket = &config.node_socket;
     let client = ttrpc::Client::connect(&format!("unix://{}", socket.display())).map_err(|e| {
@@ -510,6 +537,8 @@ pub fn acquire(
         // The daemon kills the VM if this shim dies, at any moment.
         owner_pid: std::process::id(),
         restore_from: restore_from.unwrap_or_default().to_string(),
+        memory_limit_bytes: resources.memory_limit_bytes,
+        cpu_limit_millis: resources.cpu_limit_millis,
         ..Default::default()
     };
     let timeout = Duration::from_secs(config.acquire_timeout_s);
@@ -1138,7 +1167,7 @@ mod tests {
             node_socket: dir.path().join("node.sock"),
             ..Config::default()
         };
-        let e = acquire(&config, "sb", None).unwrap_err();
+        let e = acquire(&config, "sb", None, Default::default()).unwrap_err();
         assert!(matches!(e, Error::FailedPrecondition(_)), "{e}");
         assert!(
             e.to_string()
