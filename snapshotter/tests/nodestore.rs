@@ -318,3 +318,35 @@ fn both_stores_reflink_on_btrfs() {
     let image = store.image_path("child-3").unwrap();
     assert_eq!(fs::metadata(&image).unwrap().len(), 32 << 20);
 }
+
+/// Shims of pods starting together open the store at once: each open
+/// probes reflinks in `tmp/` and sweeps `tmp/` of abandoned entries, and
+/// neither may take the other's probe files away (the lab's eight forks
+/// failed with "does not support reflinks (ENOENT)", then "removing
+/// .reflink-probe-…").
+#[test]
+fn stores_opened_at_once_all_reflink() {
+    let xfs = LoopFs::xfs(320);
+    let root = xfs.path().join("vm");
+    NodeStore::open(&root, false).expect("open");
+    let openers: Vec<_> = (0..16)
+        .map(|_| {
+            let root = root.clone();
+            std::thread::spawn(move || {
+                (0..10)
+                    .map(|_| NodeStore::open(&root, false).map(|s| s.clone_mode()))
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    for opener in openers {
+        for opened in opener.join().expect("an opener") {
+            assert_eq!(opened.expect("open"), CloneMode::Reflink);
+        }
+    }
+    let left: Vec<_> = fs::read_dir(root.join("tmp"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "left in tmp: {left:?}");
+}

@@ -190,6 +190,25 @@ pub fn clone_file(mode: CloneMode, src: &Path, dst: &Path) -> io::Result<()> {
     }
 }
 
+/// How the files of a reflink probe start: `<prefix><pid>-<n>-src|dst`.
+pub const PROBE_PREFIX: &str = ".reflink-probe-";
+
+/// Whether `name` is a file of a reflink probe of a process that still
+/// runs (a store's cleanup leaves those alone).
+pub fn live_probe(name: &str) -> bool {
+    let Some(pid) = name
+        .strip_prefix(PROBE_PREFIX)
+        .and_then(|rest| rest.split('-').next())
+        .and_then(|pid| pid.parse::<i32>().ok())
+    else {
+        return false;
+    };
+    // SAFETY: kill with signal 0 only checks that the process exists.
+    pid > 0
+        && (unsafe { libc::kill(pid, 0) } == 0
+            || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM))
+}
+
 /// Checks that `dir` supports FICLONE by cloning a small probe file there.
 /// Returns the OS error when it does not. The probe's files are named for
 /// this process and call: shims of pods starting together open the store
@@ -202,8 +221,8 @@ pub fn probe_reflink(dir: &Path) -> io::Result<()> {
         std::process::id(),
         PROBES.fetch_add(1, Ordering::Relaxed)
     );
-    let a = dir.join(format!(".reflink-probe-{tag}-src"));
-    let b = dir.join(format!(".reflink-probe-{tag}-dst"));
+    let a = dir.join(format!("{PROBE_PREFIX}{tag}-src"));
+    let b = dir.join(format!("{PROBE_PREFIX}{tag}-dst"));
     let result = (|| {
         let mut f = OpenOptions::new().write(true).create_new(true).open(&a)?;
         f.write_all(&[0x5a; 4096])?;
@@ -425,11 +444,15 @@ pub fn usage_of<'a>(files: impl IntoIterator<Item = &'a Path>) -> io::Result<Usa
 
 /// Removes a file or directory tree; a missing path is not an error.
 pub fn remove_all(path: &Path) -> io::Result<()> {
-    match fs::symlink_metadata(path) {
+    let removed = match fs::symlink_metadata(path) {
         Ok(m) if m.is_dir() => fs::remove_dir_all(path),
         Ok(_) => fs::remove_file(path),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(e),
+    };
+    match removed {
+        // Gone already, or by someone else meanwhile: what was asked.
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        other => other,
     }
 }
 

@@ -339,6 +339,10 @@ impl NodeStore {
         for entry in fs::read_dir(&tmp).map_err(ctx(format!("reading {}", tmp.display())))? {
             let entry = entry.map_err(ctx(format!("reading {}", tmp.display())))?;
             let path = entry.path();
+            // Another process's reflink probe, in flight (opening a store).
+            if fsops::live_probe(&entry.file_name().to_string_lossy()) {
+                continue;
+            }
             let held = match File::open(&path) {
                 Ok(f) => {
                     !fsops::try_flock(&f).map_err(ctx(format!("locking {}", path.display())))?
