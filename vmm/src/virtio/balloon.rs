@@ -109,9 +109,7 @@ pub fn discard_range(mem: &GuestMem, addr: u64, len: u32) -> Result<(), RangeErr
         return Err(RangeError::Unaligned { addr, len });
     }
     let outside = || RangeError::OutsideRam { addr, len };
-    let (region, offset) = mem
-        .to_region_addr(GuestAddress(addr))
-        .ok_or_else(outside)?;
+    let (region, offset) = mem.to_region_addr(GuestAddress(addr)).ok_or_else(outside)?;
     match offset.raw_value().checked_add(u64::from(len)) {
         Some(end) if end <= region.len() => {}
         _ => return Err(outside()),
@@ -218,5 +216,207 @@ impl VirtioDevice for Balloon {
             "reported {} ranges, {} bytes dropped, {} refused",
             c.ranges, c.bytes, c.refused
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use virtio_bindings::virtio_mmio::{
+        VIRTIO_MMIO_DEVICE_ID, VIRTIO_MMIO_INTERRUPT_STATUS, VIRTIO_MMIO_INT_VRING,
+        VIRTIO_MMIO_QUEUE_NUM_MAX, VIRTIO_MMIO_QUEUE_SEL,
+    };
+
+    use super::*;
+    use crate::memory::PageSet;
+    use crate::virtio::testing::Driver;
+    use crate::virtio::{rng, MmioTransport};
+
+    const MIB: u64 = 1 << 20;
+    /// The "template" bytes of the pages the tests report.
+    const FILE_BYTE: u8 = 0xa5;
+    /// Where the reported pages lie: [8 MiB, 12 MiB) of the driver's 16 MiB.
+    const AREA: u64 = 8 * MIB;
+    const AREA_LEN: u64 = 4 * MIB;
+    /// Private bytes the queues' rings may add (a few pages written by the
+    /// driver and the device).
+    const RINGS: usize = 64 << 10;
+
+    /// A driver of a balloon whose RAM is a private mapping of a file (as in
+    /// a restored VM) holding `FILE_BYTE` in the area and zeros elsewhere,
+    /// with the area written by the guest (the pod's own copies).
+    fn driver() -> Driver {
+        let mut d = Driver::new(Box::new(Balloon::new()));
+        let size = d.ram.size();
+        let mut content = vec![0u8; size];
+        content[AREA as usize..(AREA + AREA_LEN) as usize].fill(FILE_BYTE);
+        let mut f = tempfile::tempfile().expect("a temporary file");
+        std::io::Write::write_all(&mut f, &content).expect("writing the file");
+        // The queues' rings are zero in the file, as the fresh driver left them.
+        d.ram.map_private(Arc::new(f)).expect("mapping the file");
+        d.write(AREA, &vec![0x11; AREA_LEN as usize]);
+        d.ram.take_vmm_dirty();
+        d
+    }
+
+    fn private_bytes(d: &Driver) -> usize {
+        d.ram.residency().expect("reading /proc/self/smaps").1
+    }
+
+    fn dirty(d: &Driver) -> PageSet {
+        PageSet::from_words(d.ram.take_vmm_dirty(), d.ram.pages())
+    }
+
+    fn pages(addr: u64, len: u64) -> std::ops::Range<usize> {
+        (addr / 4096) as usize..((addr + len) / 4096) as usize
+    }
+
+    #[test]
+    fn reported_ranges_leave_the_host_and_count_as_changed() {
+        let mut d = driver();
+        assert_eq!(d.reg(VIRTIO_MMIO_DEVICE_ID), 5);
+        assert_eq!(
+            d.device_features() & !(1 << virtio_bindings::virtio_config::VIRTIO_F_VERSION_1),
+            1 << VIRTIO_BALLOON_F_REPORTING,
+            "free page reporting and nothing else"
+        );
+        for (q, size) in [(0, 256), (1, 256), (2, 64), (3, 0)] {
+            d.set(VIRTIO_MMIO_QUEUE_SEL, q);
+            assert_eq!(d.reg(VIRTIO_MMIO_QUEUE_NUM_MAX), size, "queue {q}");
+        }
+        assert_eq!(d.config(16), vec![0; 16], "a target of 0 pages");
+        let before = private_bytes(&d);
+        assert!(before >= AREA_LEN as usize, "{before} private bytes");
+
+        // Two ranges in one report, as Linux sends them (device-writable).
+        let (a, b) = (AREA, AREA + AREA_LEN / 2);
+        let half = (AREA_LEN / 2) as u32;
+        let head = d.post(REPORTING, &[(a, half, true), (b, half, true)]);
+        d.notify(REPORTING);
+        assert_eq!(d.used(REPORTING), Some((u32::from(head), 0)));
+        assert_eq!(d.irq.read().expect("the interrupt"), 1);
+        assert_eq!(d.reg(VIRTIO_MMIO_INTERRUPT_STATUS), VIRTIO_MMIO_INT_VRING);
+
+        let after = private_bytes(&d);
+        assert!(
+            after + AREA_LEN as usize <= before + RINGS,
+            "the pod's copies went: {before} private bytes before, {after} after"
+        );
+        assert!(
+            d.read(AREA, AREA_LEN as usize)
+                .iter()
+                .all(|x| *x == FILE_BYTE),
+            "the pages read the file again"
+        );
+        let changed = dirty(&d);
+        assert!(
+            pages(AREA, AREA_LEN).all(|p| changed.contains(p)),
+            "every dropped page counts as changed"
+        );
+        assert!(d
+            .t
+            .describe()
+            .contains("reported 2 ranges, 4194304 bytes dropped, 0 refused"));
+    }
+
+    #[test]
+    fn hostile_ranges_are_refused_and_every_buffer_returned() {
+        let mut d = driver();
+        let ram = d.ram.size() as u64;
+        let bad: [(u64, u32, bool); 7] = [
+            (ram - 4096, 8192, true),        // runs past the end of RAM
+            (ram, 4096, true),               // just past it
+            (1 << 40, 4096, true),           // far past it
+            (u64::MAX & !0xfff, 4096, true), // the sum overflows
+            (AREA + 1, 4096, true),          // unaligned address
+            (AREA, 100, true),               // unaligned length
+            (AREA, 0, true),                 // empty
+        ];
+        let head = d.post(REPORTING, &bad);
+        d.notify(REPORTING);
+        assert_eq!(d.used(REPORTING), Some((u32::from(head), 0)), "returned");
+        let changed = dirty(&d);
+        assert!(
+            pages(AREA, AREA_LEN).all(|p| !changed.contains(p)),
+            "nothing counts as changed"
+        );
+        assert!(
+            d.read(AREA, AREA_LEN as usize).iter().all(|x| *x == 0x11),
+            "nothing dropped"
+        );
+        assert!(d
+            .t
+            .describe()
+            .contains("reported 0 ranges, 0 bytes dropped, 7 refused"));
+
+        // The device goes on: a good range after bad ones is dropped, and
+        // buffers on the inflate and deflate queues come back untouched.
+        let head = d.post(REPORTING, &[(AREA, 4096, true)]);
+        d.notify(REPORTING);
+        assert_eq!(d.used(REPORTING), Some((u32::from(head), 0)));
+        assert_eq!(d.read(AREA, 4096), vec![FILE_BYTE; 4096]);
+        assert_eq!(d.read(AREA + 4096, 4096), vec![0x11; 4096]);
+        for q in [INFLATE, DEFLATE] {
+            let pfns = d.alloc(64);
+            d.write(pfns, &[0xff; 64]);
+            let head = d.post(q, &[(pfns, 64, false)]);
+            d.notify(q);
+            assert_eq!(d.used(q), Some((u32::from(head), 0)), "queue {q}");
+        }
+        assert_eq!(d.read(AREA + 4096, 4096), vec![0x11; 4096]);
+    }
+
+    #[test]
+    fn the_reporting_queue_carries_on_after_restore() {
+        let mut d = driver();
+        let head = d.post(REPORTING, &[(AREA, 4096, true)]);
+        d.notify(REPORTING);
+        assert_eq!(d.used(REPORTING), Some((u32::from(head), 0)));
+        let saved = d.t.save();
+
+        let irq = d.irq.try_clone().expect("an eventfd");
+        let mut restored =
+            MmioTransport::new(Box::new(Balloon::new()), irq, d.mem.clone()).expect("transport");
+        let parsed = restored.parse(&saved).expect("balloon state");
+        restored.apply(parsed);
+        assert_eq!(restored.save(), saved);
+        d.t = restored;
+        let head = d.post(REPORTING, &[(AREA + 4096, 4096, true)]);
+        d.notify(REPORTING);
+        assert_eq!(
+            d.used(REPORTING),
+            Some((u32::from(head), 0)),
+            "after restore"
+        );
+        assert_eq!(d.read(AREA + 4096, 4096), vec![FILE_BYTE; 4096]);
+
+        // Another device's state (one queue) does not fit a balloon.
+        let irq = d.irq.try_clone().expect("an eventfd");
+        let r = MmioTransport::new(Box::new(rng::Rng), irq, d.mem.clone()).expect("transport");
+        assert!(d.t.parse(&r.save()).is_err(), "an rng's state refused");
+        assert!(d.t.parse(&saved[..saved.len() - 1]).is_err(), "truncated");
+    }
+
+    #[test]
+    fn reports_are_served_under_the_vcpu_seccomp_filter() {
+        // The vCPU thread serves the reporting queue: the filter must allow
+        // what it does, or the VMM dies of SIGSYS (and this test process
+        // with it). Installed on this thread only.
+        let filter = crate::jail::seccomp::compile(crate::jail::seccomp::Role::Vcpu)
+            .expect("the vCPU filter");
+        let mut d = driver();
+        let before = private_bytes(&d);
+        let d = std::thread::spawn(move || {
+            seccompiler::apply_filter(&filter).expect("installing the filter");
+            let head = d.post(REPORTING, &[(AREA, AREA_LEN as u32, true)]);
+            d.notify(REPORTING);
+            assert_eq!(d.used(REPORTING), Some((u32::from(head), 0)));
+            d
+        })
+        .join()
+        .expect("the confined thread");
+        assert!(private_bytes(&d) + AREA_LEN as usize <= before + RINGS);
+        assert_eq!(d.read(AREA, 4096), vec![FILE_BYTE; 4096]);
     }
 }

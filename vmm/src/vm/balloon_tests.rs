@@ -38,12 +38,8 @@ fn scratch(vm: &Vm) -> Vec<u8> {
 /// Drops the scratch pages as a free page report does, with the VM paused.
 fn report(vm: &mut Vm) {
     vm.pause().expect("pause");
-    discard_range(
-        vm.ram.memory(),
-        testguest::SCRATCH,
-        (PAGES * 4096) as u32,
-    )
-    .expect("a range inside guest RAM");
+    discard_range(vm.ram.memory(), testguest::SCRATCH, (PAGES * 4096) as u32)
+        .expect("a range inside guest RAM");
     vm.resume().expect("resume");
 }
 
@@ -73,7 +69,10 @@ fn pages_dropped_by_the_balloon_are_rolled_back_and_saved() {
 
     // Dropped, the pages read the root snapshot's file again...
     report(&mut vm);
-    assert!(scratch(&vm) == at_s1, "the dropped pages read the root file");
+    assert!(
+        scratch(&vm) == at_s1,
+        "the dropped pages read the root file"
+    );
     // ...and a rollback to s2 puts s2's bytes back.
     vm.rollback(&store.snapshot_dir("s2")).expect("rollback");
     assert!(scratch(&vm) == at_s2, "the rollback restored s2's pages");
