@@ -325,13 +325,13 @@ mod tests {
         let mut d = driver();
         let ram = d.ram.size() as u64;
         let bad: [(u64, u32, bool); 7] = [
-            (ram - 4096, 8192, true),        // runs past the end of RAM
-            (ram, 4096, true),               // just past it
-            (1 << 40, 4096, true),           // far past it
-            (u64::MAX & !0xfff, 4096, true), // the sum overflows
-            (AREA + 1, 4096, true),          // unaligned address
-            (AREA, 100, true),               // unaligned length
-            (AREA, 0, true),                 // empty
+            (ram - 4096, 8192, true), // runs past the end of RAM
+            (ram, 4096, true),        // just past it
+            (1 << 40, 4096, true),    // far past it
+            (!0xfff, 4096, true),     // the sum overflows
+            (AREA + 1, 4096, true),   // unaligned address
+            (AREA, 100, true),        // unaligned length
+            (AREA, 0, true),          // empty
         ];
         let head = d.post(REPORTING, &bad);
         d.notify(REPORTING);
