@@ -590,12 +590,28 @@ fn private_kib(vm: &mut Vm) -> usize {
     vm.stats().expect("VM stats").guest_private_kib
 }
 
+/// The pod's private memory in the balloon tests, KiB.
+struct PodMemory {
+    /// Just restored.
+    idle: usize,
+    /// With a 32 MiB tmpfs file written.
+    before: usize,
+    /// Holding 256 MiB besides.
+    holding: usize,
+    /// After both were freed: with the balloon, the least seen over
+    /// [`SETTLE`] once three quarters of the 256 MiB came back.
+    after: usize,
+}
+
+/// How long the balloon test keeps watching the pod's memory fall.
+const SETTLE: Duration = Duration::from_secs(10);
+
 /// A pod restored from a template (with or without the balloon) whose
-/// guest allocates 256 MiB and frees it: returns the pod's private memory,
-/// KiB, (before, holding, after the free). With the balloon, "after" is
-/// polled until it falls back near "before"; a rollback to a snapshot taken
-/// before the free then gives back a file the guest freed, intact.
-fn allocate_and_free(balloon: bool) -> (usize, usize, usize) {
+/// guest writes a 32 MiB file, allocates 256 MiB and frees both. With the
+/// balloon, the pod's memory is polled until three quarters of the 256 MiB
+/// came back; a rollback to a snapshot taken before the free then gives
+/// back the freed file, intact.
+fn allocate_and_free(balloon: bool) -> PodMemory {
     let d = tmp();
     let name = if balloon { "bal" } else { "nob" };
     let slot = Slot::new(d.path(), name, if balloon { 7 } else { 8 });
@@ -613,6 +629,8 @@ fn allocate_and_free(balloon: bool) -> (usize, usize, usize) {
     drop(g);
 
     let mut p = restored_sized(&template, &slot, &devices, BALLOON_MIB);
+    assert_eq!(sh(&p.agent, "app", "idle", "true").0, 0);
+    let idle = private_kib(&mut p.vm);
     // A file the guest frees after a snapshot: 32 MiB of tmpfs.
     let (code, sum) = sh(
         &p.agent,
@@ -655,17 +673,29 @@ fn allocate_and_free(balloon: bool) -> (usize, usize, usize) {
     );
     assert_eq!(code, 0, "{out}");
     let after = if balloon {
-        poll("the freed memory to leave the host", BOOT, || {
+        let first = poll("the freed memory to leave the host", BOOT, || {
             let now = private_kib(&mut p.vm);
-            (now <= before + 32 * MIB_KIB).then_some(now)
-        })
+            (now + 192 * MIB_KIB <= holding).then_some(now)
+        });
+        // A measurement window, not a synchronisation: the least seen,
+        // between calls into the guest (which leave its vCPU the CPU).
+        let end = Instant::now() + SETTLE;
+        let (mut least, mut k) = (first, 0);
+        while Instant::now() < end {
+            k += 1;
+            assert_eq!(sh(&p.agent, "app", &format!("settle{k}"), "true").0, 0);
+            least = least.min(private_kib(&mut p.vm));
+        }
+        least
     } else {
         // Nothing gives it back: the guest's free pages stay the pod's.
         assert_eq!(sh(&p.agent, "app", "settle", "sync").0, 0);
         private_kib(&mut p.vm)
     };
     eprintln!(
-        "balloon {balloon}: pod private memory {} MiB before, {} MiB holding 256 MiB, {} MiB after freeing it",
+        "balloon {balloon}: pod private memory {} MiB restored, {} MiB with a 32 MiB file, \
+         {} MiB holding 256 MiB more, {} MiB after freeing both",
+        idle / MIB_KIB,
         before / MIB_KIB,
         holding / MIB_KIB,
         after / MIB_KIB
@@ -676,22 +706,30 @@ fn allocate_and_free(balloon: bool) -> (usize, usize, usize) {
     let agent = slot.connect();
     let (code, again) = sh(&agent, "app", "check", "md5sum /tmp/data");
     assert_eq!((code, again), (0, sum), "the file after the rollback");
-    (before, holding, after)
+    PodMemory {
+        idle,
+        before,
+        holding,
+        after,
+    }
 }
 
 #[test]
 fn memory_a_restored_guest_frees_goes_back_to_the_host_with_the_balloon() {
-    let (before, holding, after) = allocate_and_free(true);
-    assert!(holding >= before + 240 * MIB_KIB);
-    assert!(after <= before + 32 * MIB_KIB);
+    let m = allocate_and_free(true);
+    assert!(m.holding >= m.before + 240 * MIB_KIB);
+    assert!(m.after + 192 * MIB_KIB <= m.holding);
+    assert!(m.idle <= m.before);
 }
 
 #[test]
 fn memory_a_restored_guest_frees_stays_with_the_pod_without_the_balloon() {
-    let (before, holding, after) = allocate_and_free(false);
-    assert!(holding >= before + 240 * MIB_KIB);
+    let m = allocate_and_free(false);
+    assert!(m.holding >= m.before + 240 * MIB_KIB);
     assert!(
-        after >= before + 200 * MIB_KIB,
-        "without the balloon the memory stays: {after} KiB after, {before} before"
+        m.after >= m.before + 200 * MIB_KIB,
+        "without the balloon the memory stays: {} KiB after, {} before",
+        m.after,
+        m.before
     );
 }
