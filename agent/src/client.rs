@@ -258,13 +258,65 @@ impl AgentClient {
         oci_spec_json: &[u8],
         timeout: Duration,
     ) -> Result<()> {
-        let req = CreateContainerRequest {
-            container_id: container_id.to_string(),
-            rootfs_device: rootfs_device.to_string(),
+        self.create_container_on_new_disk(
+            container_id,
+            rootfs_device,
             rootfs_read_only,
-            oci_spec_json: oci_spec_json.to_vec(),
-            ..Default::default()
-        };
+            0,
+            oci_spec_json,
+            timeout,
+        )
+    }
+
+    /// [`AgentClient::create_container`] on a disk attached a moment ago:
+    /// the agent first waits (up to 2 s) until `rootfs_device` has
+    /// `rootfs_bytes` (rounded down to whole 512-byte sectors), as the
+    /// guest sees a hot-swapped disk's new capacity only once it handled
+    /// the device's configuration-change interrupt (0: no wait).
+    pub fn create_container_on_new_disk(
+        &self,
+        container_id: &str,
+        rootfs_device: &str,
+        rootfs_read_only: bool,
+        rootfs_bytes: u64,
+        oci_spec_json: &[u8],
+        timeout: Duration,
+    ) -> Result<()> {
+        self.create(
+            CreateContainerRequest {
+                container_id: container_id.to_string(),
+                rootfs_device: rootfs_device.to_string(),
+                rootfs_read_only,
+                rootfs_bytes,
+                oci_spec_json: oci_spec_json.to_vec(),
+                ..Default::default()
+            },
+            timeout,
+        )
+    }
+
+    /// Prepares a pod's sandbox container `container_id`, which has no
+    /// root file system: its init is the agent's built-in pause, holding
+    /// the namespaces, hostname and sysctls of `oci_spec_json` (the
+    /// spec's process is not run).
+    pub fn create_pause(
+        &self,
+        container_id: &str,
+        oci_spec_json: &[u8],
+        timeout: Duration,
+    ) -> Result<()> {
+        self.create(
+            CreateContainerRequest {
+                container_id: container_id.to_string(),
+                builtin_pause: true,
+                oci_spec_json: oci_spec_json.to_vec(),
+                ..Default::default()
+            },
+            timeout,
+        )
+    }
+
+    fn create(&self, req: CreateContainerRequest, timeout: Duration) -> Result<()> {
         self.raw
             .create_container(context(timeout), &req)
             .map(|_| ())

@@ -82,6 +82,9 @@ pub struct Container {
     pub own_pid_ns: bool,
     /// Its cgroup, when the VM has cgroup v2 (always in a Twig VM).
     pub cgroup: Option<Arc<Cgroup>>,
+    /// A pod's sandbox container without a rootfs: its init is the
+    /// agent's built-in pause (`rootfs` is not mounted).
+    pub pause: bool,
 }
 
 /// A new process's stdio: the child's ends and the agent's.
@@ -199,6 +202,7 @@ impl Container {
             join: plan.join.clone(),
             new_net: plan.new_net,
             no_pivot_root,
+            pause: self.pause,
         }));
         let process = start_process(
             reaper,
@@ -246,6 +250,13 @@ impl Container {
         if init.exited().is_some() {
             return Err(AgentError::FailedPrecondition(format!(
                 "container {:?}: its init process has exited",
+                self.id
+            )));
+        }
+        if self.pause {
+            return Err(AgentError::FailedPrecondition(format!(
+                "container {:?} is the pod's sandbox, whose init is the agent's built-in \
+                 pause: it has no file system to run a process in",
                 self.id
             )));
         }

@@ -51,6 +51,11 @@ pub struct InitTask {
     pub new_net: bool,
     /// Do not try pivot_root.
     pub no_pivot_root: bool,
+    /// A pod's sandbox container without a rootfs: after the namespaces,
+    /// sysctls, names and the process's credentials, the helper itself
+    /// becomes the pause process instead of exec'ing the spec's.
+    #[serde(default)]
+    pub pause: bool,
 }
 
 /// A process in a running container.
@@ -138,6 +143,16 @@ fn init(t: InitTask) -> HResult<Infallible> {
     if let Some(sysctls) = t.spec.linux().as_ref().and_then(|l| l.sysctl().as_ref()) {
         crate::sysctl::apply(sysctls)?;
     }
+    let process = t
+        .spec
+        .process()
+        .clone()
+        .ok_or_else(|| "the spec has no process".to_string())?;
+    let seccomp = t.spec.linux().as_ref().and_then(|l| l.seccomp().as_ref());
+    if t.pause {
+        set_names(&t.spec)?;
+        return become_process(&process, seccomp, Then::Pause);
+    }
     mount(
         None::<&str>,
         "/",
@@ -184,10 +199,20 @@ fn init(t: InitTask) -> HResult<Infallible> {
         )
         .map_err(ctx("remounting / read-only"))?;
     }
-    if let Some(h) = t.spec.hostname().as_deref().filter(|h| !h.is_empty()) {
+    set_names(&t.spec)?;
+    if process.terminal() == Some(true) {
+        open_console()?;
+    }
+    become_process(&process, seccomp, Then::Exec)
+}
+
+/// Sets the spec's hostname and domain name (in the container's UTS
+/// namespace).
+fn set_names(spec: &Spec) -> HResult<()> {
+    if let Some(h) = spec.hostname().as_deref().filter(|h| !h.is_empty()) {
         nix::unistd::sethostname(h).map_err(ctx(format!("setting the hostname {h:?}")))?;
     }
-    if let Some(d) = t.spec.domainname().as_deref().filter(|d| !d.is_empty()) {
+    if let Some(d) = spec.domainname().as_deref().filter(|d| !d.is_empty()) {
         // SAFETY: pointer and length of a live buffer.
         if unsafe { libc::setdomainname(d.as_ptr().cast(), d.len()) } < 0 {
             return Err(format!(
@@ -196,16 +221,7 @@ fn init(t: InitTask) -> HResult<Infallible> {
             ));
         }
     }
-    let process = t
-        .spec
-        .process()
-        .clone()
-        .ok_or_else(|| "the spec has no process".to_string())?;
-    let seccomp = t.spec.linux().as_ref().and_then(|l| l.seccomp().as_ref());
-    if process.terminal() == Some(true) {
-        open_console()?;
-    }
-    exec_process(&process, seccomp)
+    Ok(())
 }
 
 fn exec(t: ExecTask) -> HResult<Infallible> {
@@ -238,7 +254,7 @@ fn exec(t: ExecTask) -> HResult<Infallible> {
     if t.process.terminal() == Some(true) {
         open_console()?;
     }
-    exec_process(&t.process, t.seccomp.as_ref())
+    become_process(&t.process, t.seccomp.as_ref(), Then::Exec)
 }
 
 /// For a terminal process, whose stdio is the agent's console socket: opens
@@ -636,7 +652,17 @@ fn cstring(s: &OsStr) -> HResult<CString> {
 /// gid, uid, capabilities, umask, no_new_privs, and the seccomp filter
 /// right before `execve` (or, without no_new_privs, before the
 /// capabilities are dropped, while CAP_SYS_ADMIN still allows it).
-fn exec_process(p: &Process, seccomp: Option<&LinuxSeccomp>) -> HResult<Infallible> {
+/// What the helper becomes once it is the container's process.
+enum Then {
+    /// Exec the spec's program.
+    Exec,
+    /// Stay, as the pod's pause process.
+    Pause,
+}
+
+/// Gives the helper the process's session, terminal, limits, seccomp
+/// filter and credentials, then execs it or becomes the pause process.
+fn become_process(p: &Process, seccomp: Option<&LinuxSeccomp>, then: Then) -> HResult<Infallible> {
     let filter = seccomp
         .map(crate::seccomp::compile)
         .transpose()
@@ -711,6 +737,19 @@ fn exec_process(p: &Process, seccomp: Option<&LinuxSeccomp>) -> HResult<Infallib
             ));
         }
     }
+    if let Then::Pause = then {
+        reset_signals();
+        if let Some(f) = &filter {
+            if no_new_privs {
+                crate::seccomp::install(f).map_err(|e| e.to_string())?;
+            }
+        }
+        // End of file on the status fd tells the agent the init runs, as
+        // a successful exec does.
+        // SAFETY: STATUS_FD is the helper's; nothing uses it after this.
+        unsafe { libc::close(STATUS_FD) };
+        pause();
+    }
     let args = p.args().clone().unwrap_or_default();
     let env = p.env().clone().unwrap_or_default();
     let first = args.first().ok_or_else(|| "no args".to_string())?;
@@ -741,6 +780,34 @@ fn exec_process(p: &Process, seccomp: Option<&LinuxSeccomp>) -> HResult<Infallib
     }
     let e = nix::unistd::execve(&c_program, &c_args, &c_env).unwrap_err();
     Err(format!("exec {}: {e}", program.display()))
+}
+
+/// The pod's pause process, as Kubernetes' `pause`: holds the pod's
+/// namespaces, reaps the orphans it inherits as a PID namespace's init,
+/// and exits 0 on SIGINT or SIGTERM.
+fn pause() -> ! {
+    use nix::sys::signal::{SigSet, Signal};
+    use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+    let mut set = SigSet::empty();
+    for sig in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGCHLD] {
+        set.add(sig);
+    }
+    // Blocked, the signals wait for sigwait (a PID namespace's init would
+    // otherwise drop those without a handler).
+    let _ = set.thread_block();
+    loop {
+        match set.wait() {
+            Ok(Signal::SIGCHLD) => {
+                while let Ok(status) = waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+                    if status == WaitStatus::StillAlive {
+                        break;
+                    }
+                }
+            }
+            Ok(_) => std::process::exit(0),
+            Err(_) => {}
+        }
+    }
 }
 
 /// Gives the process default signal handling: nothing blocked (the agent

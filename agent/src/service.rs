@@ -1,10 +1,10 @@
 //! The ttrpc service: every rpc of twig-proto's `agent.proto`.
 
 use std::os::fd::AsFd;
-use std::os::unix::fs::FileTypeExt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -49,6 +49,57 @@ fn reply<T>(call: &str, r: Result<T>) -> ttrpc::Result<T> {
     })
 }
 
+/// How long a new disk may take to reach its size in the guest: Linux
+/// handles the configuration-change interrupt of a hot-swapped disk slot on
+/// a workqueue.
+const CAPACITY_WAIT: Duration = Duration::from_secs(2);
+
+/// Checks that `device` is a block device and, when `bytes` is not 0,
+/// waits until it has that size in whole 512-byte sectors (a disk slot
+/// attached a moment ago may still show its previous capacity, 0 or the
+/// last disk's). Reads sysfs: no guest exit while it waits.
+fn wait_for_capacity(device: &Path, bytes: u64) -> Result<()> {
+    let deadline = Instant::now() + CAPACITY_WAIT;
+    let want = bytes / 512 * 512;
+    loop {
+        let meta = std::fs::metadata(device).map_err(|e| {
+            AgentError::InvalidArgument(format!("rootfs device {}: {e}", device.display()))
+        })?;
+        if !meta.file_type().is_block_device() {
+            return Err(AgentError::InvalidArgument(format!(
+                "rootfs device {} is not a block device",
+                device.display()
+            )));
+        }
+        if bytes == 0 {
+            return Ok(());
+        }
+        let rdev = meta.rdev();
+        let sysfs = format!(
+            "/sys/dev/block/{}:{}/size",
+            libc::major(rdev),
+            libc::minor(rdev)
+        );
+        let sectors: u64 = std::fs::read_to_string(&sysfs)
+            .map_err(|e| AgentError::sys(format!("reading {sysfs}"), e))?
+            .trim()
+            .parse()
+            .map_err(|e| AgentError::Internal(format!("{sysfs}: {e}")))?;
+        let have = sectors * 512;
+        if have == want {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(AgentError::InvalidArgument(format!(
+                "rootfs device {} has {have} bytes, not its disk's {want}, after \
+                 {CAPACITY_WAIT:?}: the guest did not see the disk attached",
+                device.display()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 impl AgentService {
     /// A service keeping container state under `state_dir`.
     pub fn new(reaper: Arc<Reaper>, state_dir: PathBuf, no_pivot_root: bool) -> Self {
@@ -70,42 +121,52 @@ impl AgentService {
         let id = req.container_id.as_str();
         validate_id("container", id)?;
         let spec = parse_spec(&req.oci_spec_json)?;
-        let device = Path::new(&req.rootfs_device);
-        if req.rootfs_device.is_empty() {
-            return Err(AgentError::InvalidArgument(
-                "rootfs_device is empty".to_string(),
-            ));
-        }
-        let meta = std::fs::metadata(device).map_err(|e| {
-            AgentError::InvalidArgument(format!("rootfs device {}: {e}", device.display()))
-        })?;
-        if !meta.file_type().is_block_device() {
-            return Err(AgentError::InvalidArgument(format!(
-                "rootfs device {} is not a block device",
-                device.display()
-            )));
-        }
+        let device = match (req.builtin_pause, req.rootfs_device.as_str()) {
+            (true, "") => None,
+            (true, d) => {
+                return Err(AgentError::InvalidArgument(format!(
+                    "builtin_pause takes no rootfs_device (got {d})"
+                )))
+            }
+            (false, "") => {
+                return Err(AgentError::InvalidArgument(
+                    "rootfs_device is empty".to_string(),
+                ))
+            }
+            (false, d) => {
+                let device = Path::new(d);
+                wait_for_capacity(device, req.rootfs_bytes)?;
+                Some(device)
+            }
+        };
         self.containers.insert_new(id, || {
             let dir = self.state_dir.join("containers").join(id);
             let rootfs = dir.join("rootfs");
-            std::fs::create_dir_all(&rootfs)
-                .map_err(|e| AgentError::sys(format!("creating {}", rootfs.display()), e))?;
-            if let Err(e) = mount_rootfs(device, &rootfs, req.rootfs_read_only) {
-                let _ = std::fs::remove_dir(&rootfs);
-                let _ = std::fs::remove_dir(&dir);
-                return Err(e);
+            let unmount = || {
+                if device.is_some() {
+                    let _ = unmount_rootfs(&rootfs);
+                    let _ = std::fs::remove_dir(&rootfs);
+                    let _ = std::fs::remove_dir(&dir);
+                }
+            };
+            if let Some(device) = device {
+                std::fs::create_dir_all(&rootfs)
+                    .map_err(|e| AgentError::sys(format!("creating {}", rootfs.display()), e))?;
+                if let Err(e) = mount_rootfs(device, &rootfs, req.rootfs_read_only) {
+                    let _ = std::fs::remove_dir(&rootfs);
+                    let _ = std::fs::remove_dir(&dir);
+                    return Err(e);
+                }
             }
             let limits = Limits::of(spec.linux().as_ref().and_then(|l| l.resources().as_ref()));
             let cgroup = match Cgroup::create(id, limits) {
                 Ok(c) => c.map(Arc::new),
                 Err(e) => {
-                    let _ = unmount_rootfs(&rootfs);
-                    let _ = std::fs::remove_dir(&rootfs);
-                    let _ = std::fs::remove_dir(&dir);
+                    unmount();
                     return Err(e);
                 }
             };
-            tracing::info!(id, device = %device.display(), "container created");
+            tracing::info!(id, device = ?device, pause = device.is_none(), "container created");
             Ok(Container {
                 cgroup,
                 id: id.to_string(),
@@ -115,6 +176,7 @@ impl AgentService {
                 state: State::Created,
                 execs: Default::default(),
                 own_pid_ns: false,
+                pause: device.is_none(),
             })
         })
     }

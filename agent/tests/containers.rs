@@ -546,3 +546,82 @@ fn an_inits_exit_ends_the_rest_of_its_container() {
         c.remove_container(id, T).unwrap();
     }
 }
+
+#[test]
+fn the_builtin_pause_holds_the_pods_namespaces_without_a_disk() {
+    let image = Image::new();
+    let agent = Agent::start();
+    let c = agent.client();
+    // A CRI sandbox container: the pause image's process, which is not run.
+    c.create_pause("sb", &spec(&["/pause"], json!({"hostname": "pod-host"})), T)
+        .unwrap();
+    assert!(
+        !agent
+            .mountinfo()
+            .contains(&common::path_str(&agent.rootfs_path("sb"))),
+        "the pause container has no rootfs mount"
+    );
+    let pid = c.start_container("sb", T).unwrap();
+    // An app container joins its UTS namespace and sees the pod's hostname.
+    let join = |n: &str| json!({"type": n, "path": format!("/proc/{pid}/ns/{n}")});
+    let app = spec(
+        &["hostname"],
+        json!({"hostname": "", "linux": {"namespaces": [
+            {"type": "pid"}, join("ipc"), join("uts"), {"type": "mount"}
+        ]}}),
+    );
+    c.create_container("app", &image.device, false, &app, T)
+        .unwrap();
+    c.start_container("app", T).unwrap();
+    assert_eq!(
+        c.read_to_end("app", "", Stream::Stdout, T).unwrap(),
+        b"pod-host\n"
+    );
+    assert_ne!(
+        std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap(),
+        "pod-host\n",
+        "the pause process named its own UTS namespace, not the agent's"
+    );
+    assert_eq!(c.wait_exit("app", "", T).unwrap().status, 0);
+    c.remove_container("app", T).unwrap();
+
+    // Nothing runs inside the pause container.
+    let e = c
+        .exec_process("sb", "sh", &process(&["true"], json!({})), T)
+        .unwrap_err();
+    assert_eq!(e.status_code(), Some("FAILED_PRECONDITION"), "{e}");
+    assert!(e.to_string().contains("built-in pause"), "{e}");
+
+    // SIGTERM ends it with 0, as Kubernetes' pause.
+    const SIGTERM: u32 = 15;
+    c.signal_process("sb", "", SIGTERM, T).unwrap();
+    assert_eq!(c.wait_exit("sb", "", T).unwrap().status, 0);
+    c.remove_container("sb", T).unwrap();
+}
+
+#[test]
+fn a_new_disk_is_mounted_once_it_has_its_size() {
+    let image = Image::new();
+    let agent = Agent::start();
+    let c = agent.client();
+    let s = spec(&["true"], json!({}));
+    // The test image is 16 MiB; a disk that never reaches the size the
+    // shim expects is refused after the wait, naming both sizes.
+    let started = std::time::Instant::now();
+    let e = c
+        .create_container_on_new_disk("big", &image.device, false, 32 << 20, &s, T)
+        .unwrap_err();
+    assert_eq!(e.status_code(), Some("INVALID_ARGUMENT"), "{e}");
+    assert!(
+        e.to_string().contains(&format!("{}", 16u64 << 20))
+            && e.to_string().contains(&format!("{}", 32u64 << 20)),
+        "{e}"
+    );
+    assert!(started.elapsed() >= Duration::from_secs(2), "it waited");
+    // At its size it is mounted at once.
+    c.create_container_on_new_disk("ok", &image.device, false, 16 << 20, &s, T)
+        .unwrap();
+    c.start_container("ok", T).unwrap();
+    assert_eq!(c.wait_exit("ok", "", T).unwrap().status, 0);
+    c.remove_container("ok", T).unwrap();
+}

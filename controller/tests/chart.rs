@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use k8s_openapi::api::apps::v1::DaemonSet;
-use k8s_openapi::api::core::v1::{Container, ServiceAccount};
+use k8s_openapi::api::core::v1::{Container, Service, ServiceAccount};
 use k8s_openapi::api::node::v1::RuntimeClass;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use serde_json::{json, Value};
@@ -184,6 +184,7 @@ fn chart_renders_to_valid_manifests() {
             "RuntimeClass/twig",
             "DaemonSet/twig-controller",
             "DaemonSet/twig-node-setup",
+            "Service/twig-controller",
         ])
     );
     let sa: ServiceAccount = strict(find(&docs, "ServiceAccount", "twig-controller"));
@@ -200,6 +201,7 @@ fn chart_renders_to_valid_manifests() {
         ("ServiceAccount", sa.metadata.name.as_ref(), Some(NAMESPACE))
     );
     assert_eq!(binding.role_ref.name, "twig-controller");
+    metrics_service_selects_the_controller(&docs, 9090);
 
     let rc: RuntimeClass = strict(find(&docs, "RuntimeClass", "twig"));
     assert_eq!(rc.handler, "twig");
@@ -325,6 +327,7 @@ fn changed_values_reach_the_manifests() {
             "ClusterRoleBinding/twig-controller",
             "RuntimeClass/microvm",
             "DaemonSet/twig-controller",
+            "Service/twig-controller",
         ]),
         "node setup off: no node-setup DaemonSet"
     );
@@ -374,6 +377,7 @@ fn changed_values_reach_the_manifests() {
         9191,
         "metrics port"
     );
+    metrics_service_selects_the_controller(&docs, 9191);
     let resources = serde_json::to_value(container.resources.expect("resources")).expect("json");
     assert_eq!(resources, values["controller"]["resources"]);
     let log = container
@@ -383,6 +387,39 @@ fn changed_values_reach_the_manifests() {
         .find(|e| e.name == "RUST_LOG")
         .and_then(|e| e.value.clone());
     assert_eq!(log.as_deref(), Some("twig_controller=debug"));
+}
+
+/// The headless Service `kubectl twig net` finds each node's controller
+/// through: it selects the controller DaemonSet's pods (and only them) and
+/// names their metrics port `metrics`, as the plugin's defaults expect.
+fn metrics_service_selects_the_controller(docs: &[Value], port: i32) {
+    let service: Service = strict(find(docs, "Service", "twig-controller"));
+    let ds: DaemonSet = strict(find(docs, "DaemonSet", "twig-controller"));
+    let spec = service.spec.expect("service spec");
+    assert_eq!(spec.cluster_ip.as_deref(), Some("None"), "headless");
+    assert_eq!(
+        spec.selector, ds.spec.selector.match_labels,
+        "the Service selects the controller's pods"
+    );
+    let setup_labels = docs
+        .iter()
+        .find(|d| d["kind"] == "DaemonSet" && d["metadata"]["name"] == "twig-node-setup")
+        .map(|d| d["spec"]["template"]["metadata"]["labels"].clone());
+    if let (Some(labels), Some(selector)) = (setup_labels, &spec.selector) {
+        let selected = selector.iter().all(|(k, v)| labels[k] == v.as_str());
+        assert!(!selected, "the Service must not select the node setup pods");
+    }
+    let ports = spec.ports.expect("ports");
+    assert_eq!(ports.len(), 1);
+    assert_eq!(ports[0].name.as_deref(), Some("metrics"));
+    assert_eq!(ports[0].port, port);
+    let container = controller_container(docs, "twig-controller");
+    let named = container.ports.expect("container ports")[0].name.clone();
+    assert_eq!(
+        ports[0].target_port,
+        named.map(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String),
+        "targets the container's named metrics port"
+    );
 }
 
 /// A value of the same type as `v` that differs from it.

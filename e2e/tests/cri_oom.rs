@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use twig_cri::api::{self, ContainerState};
 use twig_cri::container_config;
 use twig_e2e::cri::CriNode;
+use twig_e2e::crilab::runtime;
 use twig_e2e::IMAGE_REF;
 
 /// How long the container may take to reach its limit and die (TCG).
@@ -17,11 +18,7 @@ const DEADLINE: Duration = Duration::from_secs(180);
 const LIMIT: i64 = 64 << 20;
 
 fn oom_killed(handler: &str) {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap_or_else(|e| panic!("a tokio runtime: {e}"));
-    rt.block_on(scenario(handler));
+    runtime().block_on(scenario(handler));
 }
 
 async fn scenario(handler: &str) {

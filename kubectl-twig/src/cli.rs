@@ -72,6 +72,13 @@ pub enum Command {
         kubectl twig wait clone/trial --for=condition=Ready --timeout=5m\n  \
         kubectl twig wait rollback/redis-rewind-x --for=delete")]
     Wait(WaitArgs),
+    /// Show a Twig pod's network counters: frames and bytes passed and dropped, by reason.
+    #[command(after_help = "Examples:\n  \
+        kubectl twig net redis\n  \
+        kubectl twig net redis -n agents -o json\n\n\
+        The counters come from the Twig controller on the pod's node, read through the \
+        API server's pod proxy (GET pods/proxy in the controller's namespace).")]
+    Net(NetArgs),
 }
 
 /// Output formats of the commands that create or wait.
@@ -222,4 +229,32 @@ pub struct WaitArgs {
     /// Output format (default: `<object> condition met`).
     #[arg(short, long, value_enum)]
     pub output: Option<Output>,
+}
+
+/// Output formats of `net`.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DataOutput {
+    /// The counters as JSON.
+    Json,
+    /// The counters as YAML.
+    Yaml,
+}
+
+/// `kubectl twig net`.
+#[derive(Args, Debug)]
+pub struct NetArgs {
+    /// The Twig pod whose counters to show.
+    pub pod: String,
+    /// The namespace the Twig controller runs in (the chart's release namespace).
+    #[arg(long, value_name = "NAMESPACE", default_value = "twig-system")]
+    pub controller_namespace: String,
+    /// The Service of the controllers' metrics port (the chart's).
+    #[arg(long, value_name = "NAME", default_value = "twig-controller")]
+    pub controller_service: String,
+    /// The Service's metrics port: its name or number.
+    #[arg(long, value_name = "PORT", default_value = "metrics")]
+    pub controller_port: String,
+    /// Output format (default: a table of verdict, reason, packets, bytes).
+    #[arg(short, long, value_enum)]
+    pub output: Option<DataOutput>,
 }

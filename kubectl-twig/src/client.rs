@@ -16,14 +16,16 @@ pub struct Cluster {
     pub server: String,
 }
 
-/// Connects to the cluster the flags and the kubeconfig choose.
-pub async fn connect(connection: &Connection) -> Result<Cluster, Error> {
+/// Connects to the cluster the flags and the kubeconfig choose. `retry`:
+/// whether requests answered 429, 503 or 504 are sent again (kube's
+/// default, with a backoff that grows to minutes over 15 tries).
+pub async fn connect(connection: &Connection, retry: bool) -> Result<Cluster, Error> {
     let options = KubeConfigOptions {
         context: connection.context.clone(),
         cluster: connection.cluster.clone(),
         user: connection.user.clone(),
     };
-    let config = match &connection.kubeconfig {
+    let mut config = match &connection.kubeconfig {
         Some(path) => {
             let kubeconfig = Kubeconfig::read_from(path)
                 .map_err(|e| Error::Config(format!("reading {}: {e}", path.display())))?;
@@ -45,6 +47,7 @@ pub async fn connect(connection: &Connection) -> Result<Cluster, Error> {
             ))
         })?,
     };
+    config.default_retry = retry;
     let namespace = connection
         .namespace
         .clone()

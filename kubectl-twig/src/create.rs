@@ -20,7 +20,10 @@ use crate::wait::{self, Target};
 
 /// `kubectl twig snapshot POD`.
 pub async fn snapshot(client: Client, namespace: &str, args: SnapshotArgs) -> Result<(), Error> {
-    let pod_uid = require_pod(&client, namespace, &args.pod).await?;
+    let pod_uid = require_pod(&client, namespace, &args.pod)
+        .await?
+        .metadata
+        .uid;
     let spec = SnapshotSpec {
         pod_name: args.pod.clone(),
         pod_uid,
@@ -148,7 +151,10 @@ pub async fn fork(client: Client, namespace: &str, args: ForkArgs) -> Result<(),
 
 /// `kubectl twig rewind POD --to SNAPSHOT`.
 pub async fn rewind(client: Client, namespace: &str, args: RewindArgs) -> Result<(), Error> {
-    let pod_uid = require_pod(&client, namespace, &args.pod).await?;
+    let pod_uid = require_pod(&client, namespace, &args.pod)
+        .await?
+        .metadata
+        .uid;
     Api::<Snapshot>::namespaced(client.clone(), namespace)
         .get(&args.to)
         .await?;
@@ -187,9 +193,9 @@ pub async fn rewind(client: Client, namespace: &str, args: RewindArgs) -> Result
 }
 
 /// The pod must exist (its absence is the server's NotFound, as kubectl
-/// prints it) and be a Twig pod, as the controller requires; its UID, which
-/// the new object pins (a pod recreated under the name since is refused).
-async fn require_pod(client: &Client, namespace: &str, pod: &str) -> Result<Option<String>, Error> {
+/// prints it) and be a Twig pod, as the controller requires. The pod, whose
+/// UID a new object pins (a pod recreated under the name since is refused).
+pub async fn require_pod(client: &Client, namespace: &str, pod: &str) -> Result<Pod, Error> {
     let found = Api::<Pod>::namespaced(client.clone(), namespace)
         .get(pod)
         .await?;
@@ -203,7 +209,7 @@ async fn require_pod(client: &Client, namespace: &str, pod: &str) -> Result<Opti
             runtime_class.unwrap_or("unset")
         )));
     }
-    Ok(found.metadata.uid)
+    Ok(found)
 }
 
 /// `name`, or a name the server generates from `prefix`.

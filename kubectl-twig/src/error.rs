@@ -15,6 +15,9 @@ pub enum Error {
     /// The object named on the command line was not found.
     #[error("{0}")]
     NotFound(String),
+    /// What the command needs is not running (the controller on the pod's node).
+    #[error("{0}")]
+    Unavailable(String),
     /// The object reached a phase it will not leave (Failed, Lost).
     #[error("{object} {phase}: {message}")]
     Failed {

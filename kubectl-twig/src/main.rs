@@ -1,4 +1,4 @@
-//! `kubectl-twig`, the kubectl plugin of Twig: `kubectl twig snapshot|fork|rewind|tree|wait`.
+//! `kubectl-twig`, the kubectl plugin of Twig: `kubectl twig snapshot|fork|rewind|tree|wait|net`.
 //!
 //! On `PATH`, kubectl finds it as the `twig` command. It creates and follows
 //! the `twig.dev/v1alpha1` objects the Twig controller reconciles, with the
@@ -11,7 +11,9 @@ mod create;
 mod duration;
 mod error;
 mod kind;
+mod net;
 mod output;
+mod prom;
 mod tree;
 mod wait;
 mod wait_cmd;
@@ -46,12 +48,20 @@ fn main() -> std::process::ExitCode {
     }
 }
 
+/// Whether the command's requests are retried on 429, 503 and 504. Not
+/// `net`'s: a 503 there is the controller that does not answer through the
+/// proxy, which the user should hear of at once, not after minutes of
+/// retries.
+fn retries(command: &Command) -> bool {
+    !matches!(command, Command::Net(_))
+}
+
 async fn run(cli: Cli) -> Result<(), Error> {
     let client::Cluster {
         client,
         namespace,
         server,
-    } = client::connect(&cli.connection).await?;
+    } = client::connect(&cli.connection, retries(&cli.command)).await?;
     let ns = namespace.as_str();
     match cli.command {
         Command::Snapshot(args) => create::snapshot(client, ns, args).await,
@@ -59,6 +69,7 @@ async fn run(cli: Cli) -> Result<(), Error> {
         Command::Rewind(args) => create::rewind(client, ns, args).await,
         Command::Tree(args) => tree::tree(client, ns, args.pod, args.output).await,
         Command::Wait(args) => wait_cmd::wait(client, ns, args).await,
+        Command::Net(args) => net::net(client, ns, args).await,
     }
     .map_err(|e| e.at_server(&server))
 }

@@ -3,10 +3,11 @@
 //! stdout, stderr and the exit code; for `--wait` and `wait` the test plays
 //! the controller and writes the status the plugin waits for.
 
+mod common;
+
 use twig_controller_testkit as support;
 
 use std::path::Path;
-use std::process::{Command, Output};
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
@@ -14,114 +15,9 @@ use kube::{Api, Client};
 use serde_json::{json, Value};
 use twig_controller::crd::{PodClone, Rollback, Snapshot, SnapshotMode};
 
+use common::Plugin;
 use support::apiserver::TestApiServer;
-use support::kube_tools::{kubectl, Kubectl};
 use support::{eventually, NS};
-
-/// kubectl with `kubectl-twig` on its PATH, for one test API server.
-struct Plugin {
-    kubectl: Kubectl,
-    path: tempfile::TempDir,
-}
-
-impl Plugin {
-    fn new(server: &TestApiServer) -> Self {
-        let path = tempfile::tempdir().expect("plugin dir");
-        std::os::unix::fs::symlink(
-            env!("CARGO_BIN_EXE_kubectl-twig"),
-            path.path().join("kubectl-twig"),
-        )
-        .expect("link the plugin");
-        Self {
-            kubectl: Kubectl::new(server.addr),
-            path,
-        }
-    }
-
-    /// `kubectl twig <args>` (no flag may come before `twig`: kubectl's rule for plugins).
-    fn command(&self, args: &[&str]) -> Command {
-        let mut command = self.kubectl_command();
-        command.arg("twig").args(args);
-        command
-    }
-
-    /// kubectl with the plugin's directory first on PATH.
-    fn kubectl_command(&self) -> Command {
-        let mut command = Command::new(kubectl());
-        let system_path = std::env::var("PATH").unwrap_or_default();
-        command.env("KUBECONFIG", self.kubectl.kubeconfig()).env(
-            "PATH",
-            format!("{}:{system_path}", self.path.path().display()),
-        );
-        command
-    }
-
-    /// Runs `kubectl twig <args>` to its end, off the runtime that serves the API.
-    async fn run(&self, args: &[&str]) -> Run {
-        self.start(args).await_output().await
-    }
-
-    /// Starts `kubectl twig <args>`; `await_output` collects it.
-    fn start(&self, args: &[&str]) -> Started {
-        let mut command = self.command(args);
-        Started(tokio::task::spawn_blocking(move || {
-            command.output().expect("run kubectl")
-        }))
-    }
-
-    /// Runs it, failing the test unless it succeeds; its stdout.
-    async fn ok(&self, args: &[&str]) -> String {
-        let run = self.run(args).await;
-        assert!(run.success(), "kubectl twig {args:?} failed:\n{run:?}");
-        run.stdout
-    }
-}
-
-struct Started(tokio::task::JoinHandle<Output>);
-
-impl Started {
-    async fn await_output(self) -> Run {
-        let out = self.0.await.expect("kubectl task");
-        Run {
-            code: out.status.code(),
-            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-        }
-    }
-}
-
-#[derive(Debug)]
-struct Run {
-    code: Option<i32>,
-    stdout: String,
-    stderr: String,
-}
-
-impl Run {
-    fn success(&self) -> bool {
-        self.code == Some(0)
-    }
-
-    /// Failed as kubectl fails: exit 1, one `error: …` (or `Error from server …`) line.
-    fn assert_error(&self, expected: &str) {
-        assert_eq!(self.code, Some(1), "{self:?}");
-        assert!(
-            self.stderr.starts_with("error: ") || self.stderr.starts_with("Error from server ("),
-            "not kubectl's error format: {self:?}"
-        );
-        assert!(
-            self.stderr.contains(expected),
-            "no {expected:?} in {self:?}"
-        );
-    }
-
-    /// The server's NotFound for `resource` `name`, as kubectl prints it (the
-    /// test server spells the resource with its version: `pods.v1`).
-    fn assert_not_found(&self, resource: &str, name: &str) {
-        self.assert_error(&format!("Error from server (NotFound): {resource}"));
-        self.assert_error(&format!("\"{name}\" not found"));
-    }
-}
 
 fn condition(type_: &str, status: &str, reason: &str, message: &str) -> Value {
     json!({"type": type_, "status": status, "reason": reason, "message": message,
@@ -214,7 +110,7 @@ async fn kubectl_finds_the_plugin_and_its_help() {
     let server = support::api_server().await;
     let plugin = Plugin::new(&server);
     let help = plugin.ok(&["--help"]).await;
-    for command in ["snapshot", "fork", "rewind", "tree", "wait"] {
+    for command in ["snapshot", "fork", "rewind", "tree", "wait", "net"] {
         assert!(help.contains(command), "{command} missing from:\n{help}");
         let own = plugin.ok(&[command, "--help"]).await;
         assert!(own.contains("Usage: kubectl twig"), "{own}");

@@ -151,7 +151,7 @@ impl SnapshotSource {
                 Some(Restored {
                     guest_id: c.guest_id.clone().unwrap_or_else(|| c.id.clone()),
                     name,
-                    slot: c.slot?,
+                    slot: c.slot,
                     pid: c.pid,
                 })
             })
@@ -282,7 +282,7 @@ mod tests {
                 .map(|n| Restored {
                     guest_id: format!("g-{n}"),
                     name: n.to_string(),
-                    slot: 0,
+                    slot: Some(0),
                     pid: None,
                 })
                 .collect(),

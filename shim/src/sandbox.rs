@@ -61,8 +61,9 @@ pub struct Restored {
     /// Its name in the pod (CRI's `io.kubernetes.cri.container-name`), or
     /// [`SANDBOX_ADOPTION`] for the pod's sandbox container.
     pub name: String,
-    /// The disk slot holding its rootfs (the snapshot's copy).
-    pub slot: usize,
+    /// The disk slot holding its rootfs (the snapshot's copy); none for
+    /// the sandbox container (the agent's built-in pause).
+    pub slot: Option<usize>,
     /// Its init's pid in the VM, where the snapshot recorded it (the
     /// sandbox's: the pod's namespaces that later containers join).
     pub pid: Option<u32>,
@@ -89,6 +90,18 @@ pub trait Sandbox: Send + Sync {
         read_only: bool,
         spec_json: &[u8],
     ) -> Result<Attachment>;
+    /// Creates the pod's sandbox container `id` from `spec_json` without a
+    /// disk: its init is the agent's built-in pause, which holds the pod's
+    /// namespaces (the pause image's rootfs is never needed in a VM).
+    fn create_pause(&self, id: &str, spec_json: &[u8], timeout: Duration) -> Result<Attachment> {
+        self.agent()
+            .create_pause(id, spec_json, timeout)
+            .map_err(|e| Error::agent(format!("creating the pod's sandbox container {id}"), e))?;
+        Ok(Attachment {
+            device: String::new(),
+            slot: None,
+        })
+    }
     /// Takes a container's rootfs back after the agent removed the container.
     fn detach(&self, attachment: &Attachment) -> Result<()>;
     /// Pauses every vCPU (the whole pod).
@@ -258,6 +271,9 @@ impl Sandbox for HostSandbox {
     }
 
     fn detach(&self, attachment: &Attachment) -> Result<()> {
+        if attachment.device.is_empty() {
+            return Ok(());
+        }
         losetup(&["-d", &attachment.device], None).map(|_| ())
     }
 

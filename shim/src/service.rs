@@ -241,17 +241,24 @@ impl TaskService {
                     }
                 }
                 let attachment = Attachment {
-                    device: slot_device(r.slot)?,
-                    slot: Some(r.slot),
+                    device: r.slot.map(slot_device).transpose()?.unwrap_or_default(),
+                    slot: r.slot,
                 };
                 (attachment, Origin::Adopted, r.guest_id)
             }
             None => {
                 let id = req.id.clone();
                 let sb = sandbox.clone();
+                let timeout = self.inner.timeout;
+                // The pod's sandbox container needs no disk: its init is
+                // the agent's built-in pause.
                 let attachment = timer
                     .vm(blocking(move || {
-                        sb.create_container(&id, &image, read_only, &spec_json)
+                        if is_sandbox {
+                            sb.create_pause(&id, &spec_json, timeout)
+                        } else {
+                            sb.create_container(&id, &image, read_only, &spec_json)
+                        }
                     }))
                     .await?;
                 (attachment, Origin::Created, req.id.clone())

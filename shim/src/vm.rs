@@ -96,11 +96,6 @@ const SLOW_CALL: Duration = Duration::from_secs(120);
 /// before the connection counts as dropped.
 const PING_AFTER_ROLLBACK: Duration = Duration::from_millis(500);
 
-/// How long the guest may take to see a new slot's capacity: Linux handles
-/// the configuration-change interrupt on a workqueue, and the agent mounts
-/// at once (it does not wait for `/sys/block/vdX/size`).
-const CAPACITY_WAIT: Duration = Duration::from_secs(2);
-
 /// Makes [`VmSandbox`]es from the shim's configuration.
 pub struct VmLauncher {
     config: Config,
@@ -783,35 +778,32 @@ impl Sandbox for VmSandbox {
                 image.display()
             ))(e));
         }
-        let deadline = Instant::now() + CAPACITY_WAIT;
-        let created = loop {
-            match self.agent().create_container(
-                id,
-                &attachment.device,
-                read_only,
-                spec_json,
-                self.timeout,
-            ) {
-                // The guest has not seen the new capacity yet: the mount
-                // fails; try again until the deadline.
-                Err(e)
-                    if e.status_code() == Some("INVALID_ARGUMENT")
-                        && e.to_string().contains("mounting rootfs device")
-                        && Instant::now() < deadline =>
-                {
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                other => break other,
-            }
-        };
+        // The guest sees the new capacity once it handled the slot's
+        // configuration-change interrupt: the agent waits for it.
+        let created = std::fs::metadata(image)
+            .map_err(|e| Error::io(format!("reading the size of {}", image.display()), e))
+            .and_then(|meta| {
+                self.agent()
+                    .create_container_on_new_disk(
+                        id,
+                        &attachment.device,
+                        read_only,
+                        meta.len(),
+                        spec_json,
+                        self.timeout,
+                    )
+                    .map_err(|e| {
+                        Error::agent(
+                            format!("creating container {id} on {}", attachment.device),
+                            e,
+                        )
+                    })
+            });
         if let Err(e) = created {
             if let Err(d) = self.detach(&attachment) {
                 tracing::warn!(slot, "detaching after a failed create: {d}");
             }
-            return Err(Error::agent(
-                format!("creating container {id} on {}", attachment.device),
-                e,
-            ));
+            return Err(e);
         }
         Ok(attachment)
     }

@@ -672,3 +672,94 @@ async fn bad_requests_get_errdefs_codes_and_change_nothing() {
         ]
     );
 }
+
+/// A CRI pod's sandbox container (containerd's pause image) becomes the
+/// agent's built-in pause: no disk is attached for it, the image's process
+/// never runs (`/pause` is not in this image), and it ends with 0 on
+/// SIGTERM, as Kubernetes' pause does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cri_sandbox_container_is_the_agents_pause_on_no_disk() {
+    let f = fixture().await;
+    let c = &f.client;
+    let (b, img) = bundle(
+        f.dir.path(),
+        "sb",
+        &["/pause"],
+        json!({"annotations": {
+            "io.kubernetes.cri.container-type": "sandbox",
+            "io.kubernetes.cri.sandbox-id": "sb",
+        }}),
+    );
+    let id = |id: &str| id.to_string();
+    c.create(
+        ctx(),
+        &api::CreateTaskRequest {
+            id: id("sb"),
+            bundle: b.display().to_string(),
+            rootfs: vec![twig_mount(&img)],
+            ..Default::default()
+        },
+    )
+    .await
+    .expect("create");
+    c.start(
+        ctx(),
+        &api::StartRequest {
+            id: id("sb"),
+            ..Default::default()
+        },
+    )
+    .await
+    .expect("start");
+    let state = c
+        .state(
+            ctx(),
+            &api::StateRequest {
+                id: id("sb"),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(state.status.enum_value(), Ok(Status::RUNNING));
+    let loops = std::process::Command::new("losetup")
+        .arg("-j")
+        .arg(&img)
+        .output()
+        .unwrap();
+    assert!(
+        loops.status.success() && loops.stdout.is_empty(),
+        "no loop device for the pause image: {}",
+        String::from_utf8_lossy(&loops.stdout)
+    );
+    c.kill(
+        ctx(),
+        &api::KillRequest {
+            id: id("sb"),
+            signal: 15,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let w = c
+        .wait(
+            ctx(),
+            &api::WaitRequest {
+                id: id("sb"),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(w.exit_status, 0);
+    c.delete(
+        ctx(),
+        &api::DeleteRequest {
+            id: id("sb"),
+            ..Default::default()
+        },
+    )
+    .await
+    .expect("delete");
+}

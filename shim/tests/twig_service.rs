@@ -733,7 +733,7 @@ async fn a_restored_container_is_adopted_by_its_name() {
     f.vm.restored.lock().unwrap().push(Restored {
         guest_id: "c1".into(),
         name: "app".into(),
-        slot: 0,
+        slot: Some(0),
         pid: None,
     });
     let (task, _server) = f.second_shim().await;
@@ -742,7 +742,7 @@ async fn a_restored_container_is_adopted_by_its_name() {
     f.vm.restored.lock().unwrap().push(Restored {
         guest_id: "c1".into(),
         name: SANDBOX_ADOPTION.into(),
-        slot: 0,
+        slot: Some(0),
         pid: Some(1),
     });
     let (sb, sb_img) = bundle(
@@ -916,13 +916,13 @@ fn restore_from_reads_the_pod_snapshot_and_reflinks_its_disks_into_anonymous_fil
             Restored {
                 guest_id: "src".into(),
                 name: SANDBOX_ADOPTION.into(),
-                slot: 2,
+                slot: Some(2),
                 pid: Some(7),
             },
             Restored {
                 guest_id: "c1".into(),
                 name: "counter".into(),
-                slot: 1,
+                slot: Some(1),
                 pid: None,
             }
         ],

@@ -13,8 +13,11 @@
 //! (see `schema.rs`); JSON Patch (RFC 6902, with kube-apiserver's `test` of
 //! `null` passing on a missing field); field ownership (`managedFields`) on
 //! every write and server-side apply with `fieldManager` and `force`,
-//! merging by the CRD schema's list types (see `ssa.rs`); and cluster-scoped
-//! Nodes. For the real kubectl it also serves discovery and OpenAPI v3
+//! merging by the CRD schema's list types (see `ssa.rs`); cluster-scoped
+//! Nodes; the `proxy` subresources of Services (through their Endpoints)
+//! and Pods, forwarding GETs to backends on 127.0.0.1 (`proxy.rs`); and
+//! kube-apiserver's 403 for the accesses a test forbids, with every access
+//! recorded per actor (`authz.rs`). For the real kubectl it also serves discovery and OpenAPI v3
 //! (`discovery.rs`), `meta.k8s.io/v1` Tables from the CRDs' printer columns
 //! (`table.rs`) and server-side field validation (`fields.rs`). What it does
 //! not do: a client's own `managedFields` in a request body are ignored (the
@@ -24,6 +27,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -40,9 +44,11 @@ use tokio::task::JoinHandle;
 
 use super::ssa::{self, Manager, Schema, Scope, Writer};
 
+mod authz;
 mod discovery;
 mod fields;
 mod patch;
+mod proxy;
 mod select;
 mod table;
 use patch::{json_patch, merge_patch, server_side_apply};
@@ -100,6 +106,10 @@ struct State {
     inner: Mutex<Inner>,
     /// (actor, verb, group, resource) of every request that named its actor.
     requests: Mutex<BTreeSet<Access>>,
+    /// (verb, group, resource) every caller is refused (see [`TestApiServer::forbid`]).
+    forbidden: Mutex<BTreeSet<(String, String, String)>>,
+    /// Which endpoint address the next service proxy request goes to.
+    proxy_turn: AtomicUsize,
     changes: broadcast::Sender<Arc<Change>>,
     validator: Option<Validator>,
     /// Each CustomResourceDefinition, by plural.
@@ -148,6 +158,8 @@ impl TestApiServer {
         let state = Arc::new(State {
             inner: Mutex::default(),
             requests: Mutex::default(),
+            forbidden: Mutex::default(),
+            proxy_turn: AtomicUsize::new(0),
             changes,
             validator,
             crds,
@@ -200,6 +212,17 @@ impl TestApiServer {
             .collect()
     }
 
+    /// Refuses every request for `verb` on `resource` (with `/subresource`,
+    /// e.g. `pods/proxy`) of API `group` (`""`: core) with kube-apiserver's
+    /// 403 Forbidden, as RBAC does for a user without that rule.
+    pub fn forbid(&self, verb: &str, group: &str, resource: &str) {
+        self.state
+            .forbidden
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert((verb.to_string(), group.to_string(), resource.to_string()));
+    }
+
     /// How many watches are open (a client waiting on a watch counts once per watch).
     pub fn open_watches(&self) -> usize {
         self.state.changes.receiver_count()
@@ -242,6 +265,9 @@ fn kind_of(plural: &str) -> &'static str {
         "rollbacks" => "Rollback",
         "sandboxtemplates" => "SandboxTemplate",
         "nodes" => "Node",
+        "services" => "Service",
+        "endpoints" => "Endpoints",
+        "endpointslices" => "EndpointSlice",
         _ => "Unknown",
     }
 }
@@ -254,7 +280,7 @@ fn api_version(api: &str) -> String {
 }
 
 fn has_status(plural: &str) -> bool {
-    plural != "events"
+    !matches!(plural, "events" | "endpoints" | "endpointslices")
 }
 
 fn cluster_scoped(plural: &str) -> bool {
@@ -380,44 +406,17 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
     };
     let params = query(&req);
     let method = req.method().clone();
-    if let Some(actor) = req
+    let actor = req
         .headers()
         .get(ACTOR_HEADER)
         .and_then(|v| v.to_str().ok())
-    {
-        let verb = match (&method, target.name.is_some()) {
-            (&Method::GET, false)
-                if params.get("watch").is_some_and(|w| w == "true" || w == "1") =>
-            {
-                "watch"
-            }
-            (&Method::GET, false) => "list",
-            (&Method::GET, true) => "get",
-            (&Method::POST, _) => "create",
-            (&Method::PUT, _) => "update",
-            (&Method::PATCH, _) => "patch",
-            (&Method::DELETE, _) => "delete",
-            _ => "unknown",
-        };
-        let group = target
-            .api
-            .strip_prefix("apis/")
-            .and_then(|gv| gv.split('/').next())
-            .unwrap_or_default();
-        let resource = match &target.subresource {
-            Some(sub) => format!("{}/{sub}", target.plural),
-            None => target.plural.clone(),
-        };
-        state
-            .requests
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(Access {
-                actor: actor.to_string(),
-                verb: verb.to_string(),
-                group: group.to_string(),
-                resource,
-            });
+        .map(str::to_string);
+    let access = authz::access(&target, &method, &params, actor.as_deref());
+    if let Some(refused) = authz::check(&state, &target, access) {
+        return refused;
+    }
+    if target.subresource.as_deref() == Some("proxy") {
+        return proxy::serve(&state, &target, &method, req.uri()).await;
     }
     let content_type = req
         .headers()

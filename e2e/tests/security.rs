@@ -1,0 +1,173 @@
+//! A pod's security context, as kubelet passes it through CRI, holds
+//! inside the microVM as it does under runc: `runAsUser`/`runAsGroup`,
+//! capabilities dropped (no `chown`, no port 80), the `RuntimeDefault`
+//! seccomp profile, and a read-only root file system. Each check runs
+//! through `ExecSync` in a container that has the context (an exec gets
+//! its container's user, capabilities and filter), with twig's runtime
+//! and, as the reference, with runc's. Built with `--features lab` and
+//! run in the nested lab by `tests/lab/run.sh -p twig-e2e --features
+//! twig-e2e/lab`.
+
+use std::time::Duration;
+
+use twig_cri::api::{self, security_profile::ProfileType};
+use twig_cri::container_config;
+use twig_e2e::cri::CriNode;
+use twig_e2e::crilab::runtime;
+use twig_e2e::IMAGE_REF;
+
+/// Deadline of one check (TCG).
+const EXEC: Duration = Duration::from_secs(60);
+
+/// One container of the pod and its security context.
+fn container(name: &str, security: api::LinuxContainerSecurityContext) -> api::ContainerConfig {
+    let mut config = container_config(
+        name,
+        IMAGE_REF,
+        &["/bin/sleep", "100000"],
+        &format!("{name}.log"),
+    );
+    config.linux = Some(api::LinuxContainerConfig {
+        security_context: Some(security),
+        ..Default::default()
+    });
+    config
+}
+
+fn secure(handler: &str) {
+    runtime().block_on(scenario(handler));
+}
+
+async fn scenario(handler: &str) {
+    let node = CriNode::start().unwrap_or_else(|e| panic!("CRI node: {e}"));
+    let cri = node.client().await.unwrap_or_else(|e| panic!("{e}"));
+    let fail = |what: &str, e: twig_cri::Error| -> ! { panic!("{}", node.cri_error(what, e)) };
+    let pod = node.pod_config("secctx").unwrap_or_else(|e| panic!("{e}"));
+    let pod_id = cri
+        .run_pod_sandbox(&pod, handler)
+        .await
+        .unwrap_or_else(|e| fail("RunPodSandbox", e));
+    let containers = [
+        container(
+            "user",
+            api::LinuxContainerSecurityContext {
+                run_as_user: Some(api::Int64Value { value: 1000 }),
+                run_as_group: Some(api::Int64Value { value: 1001 }),
+                ..Default::default()
+            },
+        ),
+        container(
+            "nocaps",
+            api::LinuxContainerSecurityContext {
+                capabilities: Some(api::Capability {
+                    drop_capabilities: vec!["ALL".into()],
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        ),
+        container(
+            "seccomp",
+            api::LinuxContainerSecurityContext {
+                seccomp: Some(api::SecurityProfile {
+                    profile_type: ProfileType::RuntimeDefault as i32,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        ),
+        container(
+            "readonly",
+            api::LinuxContainerSecurityContext {
+                readonly_rootfs: true,
+                ..Default::default()
+            },
+        ),
+    ];
+    let mut ids = Vec::new();
+    for config in &containers {
+        let id = cri
+            .create_container(&pod_id, config, &pod)
+            .await
+            .unwrap_or_else(|e| fail("CreateContainer", e));
+        cri.start_container(&id)
+            .await
+            .unwrap_or_else(|e| fail("StartContainer", e));
+        ids.push(id);
+    }
+    let run = |i: usize, script: &'static str| {
+        let (cri, id) = (&cri, ids[i].clone());
+        async move {
+            let out = cri
+                .exec_sync(&id, &["/bin/sh", "-c", script], EXEC)
+                .await
+                .unwrap_or_else(|e| fail("ExecSync", e));
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            )
+        }
+    };
+
+    let out = run(0, "echo uid=$(id -u) gid=$(id -g)").await;
+    assert_eq!(
+        out.trim(),
+        "uid=1000 gid=1001",
+        "{handler}: runAsUser/runAsGroup"
+    );
+
+    let out = run(
+        1,
+        "grep CapEff /proc/self/status; chown 1 /etc/passwd 2>/dev/null; echo chown=$?; \
+         timeout 5 nc -l -p 80 2>/dev/null; echo bind=$?",
+    )
+    .await;
+    assert!(
+        out.contains("CapEff:\t0000000000000000") && out.contains("chown=1"),
+        "{handler}: all capabilities dropped: {out}"
+    );
+    assert!(
+        out.contains("bind=1"),
+        "{handler}: port 80 needs CAP_NET_BIND_SERVICE: {out}"
+    );
+
+    let out = run(2, "grep -E '^(Seccomp|NoNewPrivs):' /proc/self/status").await;
+    assert!(
+        out.contains("Seccomp:\t2"),
+        "{handler}: RuntimeDefault installs a filter: {out}"
+    );
+    let out = run(1, "grep '^Seccomp:' /proc/self/status").await;
+    assert!(
+        out.contains("Seccomp:\t0"),
+        "{handler}: without a profile there is no filter: {out}"
+    );
+
+    let out = run(3, "touch /written 2>&1; echo touch=$?").await;
+    assert!(
+        out.contains("touch=1") && out.contains("Read-only file system"),
+        "{handler}: readOnlyRootFilesystem: {out}"
+    );
+    let out = run(0, "touch /written-by-1000 2>&1; echo touch=$?").await;
+    assert!(
+        out.contains("touch=1") && out.contains("Permission denied"),
+        "{handler}: uid 1000 cannot write root's /: {out}"
+    );
+
+    cri.stop_pod_sandbox(&pod_id)
+        .await
+        .unwrap_or_else(|e| fail("StopPodSandbox", e));
+    cri.remove_pod_sandbox(&pod_id)
+        .await
+        .unwrap_or_else(|e| fail("RemovePodSandbox", e));
+}
+
+#[test]
+fn twig_holds_the_pods_security_context() {
+    secure("twig");
+}
+
+#[test]
+fn runc_holds_the_pods_security_context() {
+    secure("runc");
+}
