@@ -11,7 +11,13 @@
 # machine: the packages are downloaded (apt-get download) and unpacked
 # aside, and each binary goes into the image at its path with the shared
 # libraries it needs, from those packages or from this machine. The lab
-# builds its Redis image so (tests/lab/run.sh).
+# builds its Redis image so (tests/lab/run.sh). TWIG_IMAGE_TREES (paths of
+# directories in those packages) adds whole trees, such as an interpreter's
+# standard library: each goes in at its path, and every shared object in it
+# gets the libraries it needs as a binary does; one that needs a library
+# found nowhere is left out with a note (its module will not import),
+# since a tree carries modules nobody asked for. The lab builds its Python
+# image so.
 #
 # Usage: e2e/build-image.sh OUT.tar [REF [CMD...]]
 # Needs umoci, skopeo and busybox-static (scripts/install-deps.sh).
@@ -63,6 +69,23 @@ for b in "${bins[@]}"; do
     dest=${lib#"$work/pkg"}
     [[ -e $r$dest ]] || install -D -m 755 "$(readlink -f "$lib")" "$r$dest"
   done
+done
+read -ra trees <<< "${TWIG_IMAGE_TREES:-}"
+for t in "${trees[@]}"; do
+  [[ -d $work/pkg$t ]] || die "$t is in none of the packages (${debs[*]})"
+  mkdir -p "$r$(dirname "$t")"
+  cp -a "$work/pkg$t" "$r$t"
+  while IFS= read -r -d '' so; do
+    if ! libs=$(LD_LIBRARY_PATH=$libpath ldd "$so" 2>/dev/null) || grep -q 'not found' <<< "$libs"; then
+      echo "build-image: leaving out ${so#"$r"}: it needs libraries found nowhere" >&2
+      rm -f "$so"
+      continue
+    fi
+    for lib in $(grep -o '/[^ ]*' <<< "$libs"); do
+      dest=${lib#"$work/pkg"}
+      [[ -e $r$dest ]] || install -D -m 755 "$(readlink -f "$lib")" "$r$dest"
+    done
+  done < <(find "$r$t" -name '*.so' -type f -print0)
 done
 umoci repack --image "$layout:v1" "$work/bundle"
 cmd_args=()

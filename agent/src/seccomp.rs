@@ -52,9 +52,6 @@ pub enum SeccompError {
         /// The bad index.
         index: usize,
     },
-    /// `SCMP_CMP_MASKED_EQ` without `valueTwo`.
-    #[error("seccomp rule for {0:?}: SCMP_CMP_MASKED_EQ needs \"valueTwo\"")]
-    MaskedEqWithoutValue(Vec<String>),
     /// seccompiler refused the filter.
     #[error("compiling the seccomp filter: {0}")]
     Compile(#[from] seccompiler::BackendError),
@@ -123,11 +120,13 @@ fn rule(s: &LinuxSyscall) -> Result<Option<SeccompRule>, SeccompError> {
             LinuxSeccompOperator::ScmpCmpEq => (SeccompCmpOp::Eq, a.value()),
             LinuxSeccompOperator::ScmpCmpGe => (SeccompCmpOp::Ge, a.value()),
             LinuxSeccompOperator::ScmpCmpGt => (SeccompCmpOp::Gt, a.value()),
-            // libseccomp: (arg & value) == valueTwo.
+            // libseccomp: (arg & value) == valueTwo; an absent valueTwo is
+            // 0, as Go's runtime-spec omits a zero one (containerd's
+            // RuntimeDefault profile allows `clone` so, without namespace
+            // flags).
             LinuxSeccompOperator::ScmpCmpMaskedEq => (
                 SeccompCmpOp::MaskedEq(a.value()),
-                a.value_two()
-                    .ok_or_else(|| SeccompError::MaskedEqWithoutValue(s.names().clone()))?,
+                a.value_two().unwrap_or(0),
             ),
         };
         conditions.push(SeccompCondition::new(
@@ -293,6 +292,24 @@ mod tests {
     }
 
     #[test]
+    fn masked_eq_without_value_two_compares_with_zero() {
+        // containerd's RuntimeDefault profile, as Go writes it: a zero
+        // valueTwo is omitted.
+        let rule = |two: &str| {
+            format!(
+                r#"{{"defaultAction":"SCMP_ACT_ERRNO","syscalls":[{{"names":["clone"],
+                   "action":"SCMP_ACT_ALLOW","args":[{{"index":0,"value":2114060288{two},
+                   "op":"SCMP_CMP_MASKED_EQ"}}]}}]}}"#
+            )
+        };
+        let without = compile(&profile(&rule(""))).unwrap();
+        let zero = compile(&profile(&rule(r#","valueTwo":0"#))).unwrap();
+        let other = compile(&profile(&rule(r#","valueTwo":131072"#))).unwrap();
+        assert_eq!(without.programs, zero.programs);
+        assert_ne!(without.programs, other.programs);
+    }
+
+    #[test]
     fn filters_per_action() {
         let c = compile(&profile(
             r#"{"defaultAction":"SCMP_ACT_ERRNO","architectures":["SCMP_ARCH_X86_64","SCMP_ARCH_X86"],
@@ -345,10 +362,6 @@ mod tests {
             (
                 r#"{"defaultAction":"SCMP_ACT_ALLOW","syscalls":[{"names":["read"],"action":"SCMP_ACT_ERRNO","args":[{"index":6,"value":1,"op":"SCMP_CMP_EQ"}]}]}"#,
                 "argument index 6",
-            ),
-            (
-                r#"{"defaultAction":"SCMP_ACT_ALLOW","syscalls":[{"names":["read"],"action":"SCMP_ACT_ERRNO","args":[{"index":0,"value":1,"op":"SCMP_CMP_MASKED_EQ"}]}]}"#,
-                "valueTwo",
             ),
         ];
         for (json, want) in cases {

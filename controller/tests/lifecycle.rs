@@ -9,7 +9,7 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
 use kube::api::{DeleteParams, ObjectMeta, PostParams};
 use kube::{Api, ResourceExt};
-use twig_controller::crd::{Phase, Rollback, RollbackSpec, Snapshot};
+use twig_controller::crd::{DeletionPolicy, Phase, Rollback, RollbackSpec, Snapshot};
 use twig_controller::reconcile::snapshot::DELETION_BLOCKED;
 
 use support::fake::{Call, FakeNode};
@@ -237,6 +237,78 @@ async fn a_parent_snapshot_is_kept_while_a_child_builds_on_it() {
         "{calls:?}"
     );
     assert!(!fake.stored(&parent_id) && !fake.stored(&child_id));
+    let reasons = event_reasons(&client, "parent").await;
+    assert_eq!(
+        reasons
+            .iter()
+            .filter(|r| r.as_str() == "DeletionBlocked")
+            .count(),
+        1,
+        "said once: {reasons:?}"
+    );
+}
+
+/// A child deleted with policy Retain leaves its incremental data in the
+/// node store, and that data needs its parent's: the node refuses to
+/// delete the parent's, and the deleting parent says so (DeletionBlocked,
+/// NodeKeepsData) and keeps its finalizer until the retained data goes.
+#[tokio::test]
+async fn a_parent_is_kept_while_a_retained_childs_data_needs_it() {
+    let server = api_server().await;
+    let client = server.client();
+    let fake = Arc::new(FakeNode::default());
+    let _ctrl = start_controller(&server, "node-a", &fake);
+    running_pod(&client, "redis", "node-a").await;
+    support::create(&client, &snapshot("parent", "redis")).await;
+    let parent = snapshot_in(&client, "parent", Phase::Ready).await;
+    let mut child = snapshot("child", "redis");
+    child.spec.deletion_policy = DeletionPolicy::Retain;
+    support::create(&client, &child).await;
+    let child = snapshot_in(&client, "child", Phase::Ready).await;
+    let (parent_id, child_id) = (parent.uid().expect("uid"), child.uid().expect("uid"));
+
+    let api: Api<Snapshot> = Api::namespaced(client.clone(), NS);
+    api.delete("child", &DeleteParams::default())
+        .await
+        .expect("delete child");
+    support::wait_gone::<Snapshot>(&client, "child").await;
+    assert!(fake.stored(&child_id), "Retain keeps the child's data");
+
+    api.delete("parent", &DeleteParams::default())
+        .await
+        .expect("delete parent");
+    let held = wait_for(
+        &client,
+        "parent",
+        "held for the retained data",
+        |s: &Snapshot| {
+            reason_of(
+                s.status.iter().flat_map(|st| &st.conditions),
+                DELETION_BLOCKED,
+            )
+            .is_some()
+        },
+    )
+    .await;
+    assert!(held.metadata.deletion_timestamp.is_some());
+    let condition = held
+        .status
+        .iter()
+        .flat_map(|s| &s.conditions)
+        .find(|c| c.type_ == DELETION_BLOCKED)
+        .expect("condition");
+    assert_eq!(condition.reason, "NodeKeepsData");
+    assert!(
+        condition.message.contains(&child_id) && condition.message.contains("is its child"),
+        "{}",
+        condition.message
+    );
+    assert!(fake.stored(&parent_id), "the parent's data stays");
+
+    // An operator removes the retained data from the node: the parent goes.
+    fake.lose(&child_id);
+    support::wait_gone::<Snapshot>(&client, "parent").await;
+    assert!(!fake.stored(&parent_id));
     let reasons = event_reasons(&client, "parent").await;
     assert_eq!(
         reasons

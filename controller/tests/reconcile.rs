@@ -10,7 +10,7 @@ use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use twig_controller::crd::{
     CloneSource, CloneSpec, DeletionPolicy, Phase, PodClone, Rollback, RollbackSpec,
-    SandboxTemplate, SandboxTemplateSpec, Snapshot,
+    SandboxTemplate, SandboxTemplateSpec, Snapshot, SnapshotMode,
 };
 
 use support::fake::{Call, FakeNode};
@@ -357,6 +357,9 @@ async fn deleting_a_snapshot_removes_its_node_data_unless_retained() {
     let deleted = support::create(&client, &snapshot("to-delete", "redis")).await;
     let mut retain = snapshot("to-keep", "redis");
     retain.spec.deletion_policy = DeletionPolicy::Retain;
+    // Full: retained incremental data on top of to-delete's would keep
+    // to-delete's in the store (a_parent_is_kept_while_a_retained_childs_data_needs_it).
+    retain.spec.mode = SnapshotMode::Full;
     let kept = support::create(&client, &retain).await;
     snapshot_in(&client, "to-delete", Phase::Ready).await;
     snapshot_in(&client, "to-keep", Phase::Ready).await;

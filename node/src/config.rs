@@ -123,7 +123,10 @@ pub struct JailConfig {
     pub max_files: u64,
 }
 
-/// The base template: what builds it, and its shape.
+/// The base templates: what builds them, and their shapes. `mem_mib` ×
+/// `vcpus` is the default shape (pods without limits); `shapes` are the
+/// others offered to pods whose limits need more (or less). One base
+/// template per shape, each built on first need.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct BaseConfig {
@@ -131,12 +134,42 @@ pub struct BaseConfig {
     pub kernel: PathBuf,
     /// twig-agent's initramfs.
     pub initrd: PathBuf,
+    /// The default shape's guest RAM, MiB.
+    pub mem_mib: u32,
+    /// The default shape's vCPUs.
+    pub vcpus: u32,
+    /// The other shapes offered (the default one may be listed too).
+    pub shapes: Vec<BaseShape>,
+    /// What a guest keeps of its VM's RAM beyond 1/32 of it, whatever the
+    /// pod does, MiB: the guest kernel's code and data, the agent and the
+    /// initramfs it lives in. A pod's memory limit must fit in the rest.
+    pub guest_reserve_mib: u32,
+    /// Give up building one after this many seconds.
+    pub build_timeout_s: u64,
+}
+
+/// A base template shape offered besides the default one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BaseShape {
     /// Guest RAM, MiB.
     pub mem_mib: u32,
     /// vCPUs.
+    #[serde(default = "one")]
     pub vcpus: u32,
-    /// Give up building it after this many seconds.
-    pub build_timeout_s: u64,
+}
+
+impl BaseConfig {
+    /// Every shape offered as (RAM MiB, vCPUs), smallest first (by RAM,
+    /// then vCPUs), each once; the default shape among them.
+    pub fn offered(&self) -> Vec<(u32, u32)> {
+        let mut all: Vec<(u32, u32)> = std::iter::once((self.mem_mib, self.vcpus))
+            .chain(self.shapes.iter().map(|s| (s.mem_mib, s.vcpus)))
+            .collect();
+        all.sort_unstable();
+        all.dedup();
+        all
+    }
 }
 
 /// The warm pool: how many prepared VMMs of which shapes to keep.
@@ -199,6 +232,14 @@ impl Default for TemplateBuildConfig {
     }
 }
 
+/// The default `base.guest_reserve_mib`: what the guest kernel and the
+/// agent take of a VM's RAM besides 1/32 of it (see the README's *VM
+/// shapes*).
+pub const DEFAULT_GUEST_RESERVE_MIB: u32 = 28;
+
+/// The largest vCPU count of a shape (twig-vmm's limit).
+const MAX_VCPUS: u32 = twig_vmm::MAX_VCPUS as u32;
+
 /// The VMMs' default user and group: a dedicated unprivileged id.
 pub const DEFAULT_VMM_ID: u32 = 64242;
 
@@ -223,6 +264,21 @@ impl Default for BaseConfig {
             initrd: PathBuf::from("/usr/share/twig/agent-initrd.cpio.gz"),
             mem_mib: 256,
             vcpus: 1,
+            shapes: vec![
+                BaseShape {
+                    mem_mib: 512,
+                    vcpus: 2,
+                },
+                BaseShape {
+                    mem_mib: 1024,
+                    vcpus: 2,
+                },
+                BaseShape {
+                    mem_mib: 2048,
+                    vcpus: 4,
+                },
+            ],
+            guest_reserve_mib: DEFAULT_GUEST_RESERVE_MIB,
             build_timeout_s: 300,
         }
     }
@@ -276,15 +332,51 @@ impl Config {
                 self.disk_slots
             )));
         }
-        if self.base.mem_mib < 16 || self.base.vcpus == 0 {
-            return Err(bad(
-                "base.mem_mib must be at least 16 and base.vcpus at least 1".into(),
-            ));
+        if self.base.mem_mib < 16 || self.base.vcpus == 0 || self.base.vcpus > MAX_VCPUS {
+            return Err(bad(format!(
+                "base.mem_mib must be at least 16 and base.vcpus 1..={MAX_VCPUS}"
+            )));
         }
+        for (i, s) in self.base.shapes.iter().enumerate() {
+            if s.mem_mib < 16 || s.vcpus == 0 || s.vcpus > MAX_VCPUS {
+                return Err(bad(format!(
+                    "base.shapes[{i}]: mem_mib must be at least 16 and vcpus 1..={MAX_VCPUS}"
+                )));
+            }
+            if self.base.shapes[..i]
+                .iter()
+                .any(|o| o.mem_mib == s.mem_mib && o.vcpus == s.vcpus)
+            {
+                return Err(bad(format!(
+                    "base.shapes[{i}]: {} MiB × {} vCPUs is listed twice",
+                    s.mem_mib, s.vcpus
+                )));
+            }
+        }
+        let largest = self.base.offered().last().map_or(0, |s| s.0);
+        if u64::from(self.base.guest_reserve_mib)
+            + u64::from(largest.div_ceil(crate::shape::RESERVE_SHARE))
+            >= u64::from(largest)
+        {
+            return Err(bad(format!(
+                "base.guest_reserve_mib {} leaves no room for a pod in any shape",
+                self.base.guest_reserve_mib
+            )));
+        }
+        let offered = self.base.offered();
         for (i, s) in self.pool.shapes.iter().enumerate() {
             if s.mem_mib < 16 || s.vcpus == 0 {
                 return Err(bad(format!(
                     "pool.shapes[{i}]: mem_mib must be at least 16 and vcpus at least 1"
+                )));
+            }
+            if !offered.contains(&(s.mem_mib, s.vcpus)) {
+                return Err(bad(format!(
+                    "pool.shapes[{i}]: {} MiB × {} vCPUs is not a base template shape, so no pod \
+                     would take its VMMs; offered: {}",
+                    s.mem_mib,
+                    s.vcpus,
+                    list_shapes(&offered)
                 )));
             }
             if self.pool.shapes[..i]
@@ -359,9 +451,40 @@ impl Config {
     }
 }
 
+/// `offered` as `256 MiB × 1 vCPU, 512 MiB × 2 vCPUs` (for messages).
+pub fn list_shapes(offered: &[(u32, u32)]) -> String {
+    offered
+        .iter()
+        .map(|(m, v)| format!("{m} MiB × {v} vCPU{}", if *v == 1 { "" } else { "s" }))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_default_shapes_start_with_the_default_one() {
+        let c = Config::default();
+        assert_eq!(
+            c.base.offered(),
+            vec![(256, 1), (512, 2), (1024, 2), (2048, 4)]
+        );
+        assert_eq!(c.base.guest_reserve_mib, DEFAULT_GUEST_RESERVE_MIB);
+        let listed = BaseConfig {
+            shapes: vec![BaseShape {
+                mem_mib: 256,
+                vcpus: 1,
+            }],
+            ..BaseConfig::default()
+        };
+        assert_eq!(listed.offered(), vec![(256, 1)], "the default listed again");
+        assert_eq!(
+            list_shapes(&c.base.offered()[..2]),
+            "256 MiB × 1 vCPU, 512 MiB × 2 vCPUs"
+        );
+    }
 
     #[test]
     fn missing_file_is_defaults_unless_required() {
@@ -377,7 +500,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("node.json");
         let write = |s: &str| std::fs::write(&p, s).unwrap();
-        write(r#"{"disk_slots": 4, "pool": {"shapes": [{"mem_mib": 64, "size": 3}]}}"#);
+        write(
+            r#"{"disk_slots": 4, "base": {"mem_mib": 64}, "pool": {"shapes": [{"mem_mib": 64, "size": 3}]}}"#,
+        );
         let c = Config::from_file(&p, true).unwrap();
         assert_eq!(c.disk_slots, 4);
         assert_eq!(
@@ -388,7 +513,12 @@ mod tests {
                 size: 3
             }]
         );
-        assert_eq!(c.base.mem_mib, 256);
+        assert_eq!(c.base.mem_mib, 64);
+        assert_eq!(
+            c.base.offered(),
+            vec![(64, 1), (512, 2), (1024, 2), (2048, 4)],
+            "the default shapes stay offered"
+        );
         assert!(c.jail.enabled, "VMMs are jailed by default");
         assert_eq!((c.jail.uid, c.jail.gid), (DEFAULT_VMM_ID, DEFAULT_VMM_ID));
         write(r#"{"jail": {"enabled": false, "uid": 0}}"#);
@@ -411,10 +541,35 @@ mod tests {
             (r#"{"jail": {"user": 5}}"#, "user"),
             (r#"{"base": {"mem_mib": 8}}"#, "base.mem_mib"),
             (
-                r#"{"pool": {"shapes": [{"mem_mib": 64, "size": 1}, {"mem_mib": 64, "size": 2}]}}"#,
+                r#"{"pool": {"shapes": [{"mem_mib": 256, "size": 1}, {"mem_mib": 256, "size": 2}]}}"#,
                 "listed twice",
             ),
             (r#"{"pool": {"shapes": [{"mem_mib": 64}]}}"#, "size"),
+            (
+                r#"{"pool": {"shapes": [{"mem_mib": 384, "size": 1}]}}"#,
+                "384 MiB × 1 vCPUs is not a base template shape, so no pod would take its VMMs; \
+                 offered: 256 MiB × 1 vCPU, 512 MiB × 2 vCPUs",
+            ),
+            (
+                r#"{"base": {"shapes": [{"mem_mib": 512, "vcpus": 0}]}}"#,
+                "base.shapes[0]",
+            ),
+            (
+                r#"{"base": {"shapes": [{"mem_mib": 512, "vcpus": 99}]}}"#,
+                "vcpus 1..=64",
+            ),
+            (
+                r#"{"base": {"shapes": [{"mem_mib": 512}, {"mem_mib": 512, "vcpus": 1}]}}"#,
+                "base.shapes[1]: 512 MiB × 1 vCPUs is listed twice",
+            ),
+            (
+                r#"{"base": {"shapes": [{"mem_mib": 512, "cpus": 2}]}}"#,
+                "cpus",
+            ),
+            (
+                r#"{"base": {"shapes": [], "guest_reserve_mib": 256}}"#,
+                "base.guest_reserve_mib 256 leaves no room",
+            ),
             ("{", "node.json"),
         ] {
             write(text);

@@ -1,6 +1,6 @@
 //! twig-node: the node daemon. One process per node owns the node store
-//! (templates and snapshots), the template cache (the base template, built
-//! on first need) and the warm pool of prepared `twig-vmm` processes, and
+//! (templates and snapshots), the template cache (a base template per offered VM
+//! shape, each built on first need) and the warm pool of prepared `twig-vmm` processes, and
 //! serves `twig.v1.Node` (for twig-controller) and `twig.node.v1.Pool` (for
 //! the shims) on one ttrpc socket, `/run/twig/node.sock`. It builds app
 //! templates (`EnsureTemplate`) as pods through containerd's CRI.
@@ -11,6 +11,7 @@ pub mod error;
 pub mod netpool;
 pub mod pool;
 pub mod service;
+pub mod shape;
 pub mod template;
 
 pub use config::Config;

@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use ttrpc::r#async::TtrpcContext;
 use twig_proto::node::{
-    AcquireNetSetRequest, AcquireNetSetResponse, AcquireVmRequest, AcquireVmResponse, PoolLevel,
-    StatusRequest, StatusResponse,
+    AcquireNetSetRequest, AcquireNetSetResponse, AcquireVmRequest, AcquireVmResponse, BaseShape,
+    PoolLevel, StatusRequest, StatusResponse,
 };
 use twig_proto::twig::{
     DeleteSnapshotRequest, DeleteSnapshotResponse, DeleteTemplateRequest, DeleteTemplateResponse,
@@ -22,7 +22,8 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::netpool::NetPool;
 use crate::pool::{Owner, Pool};
-use crate::template::{Shape, TemplateRef, Templates, BASE_PREFIX};
+use crate::shape::{check_fits, choose, Need};
+use crate::template::{list, Shape, TemplateRef, Templates, BASE_PREFIX};
 use twig_store::layout::{TEMPLATE_ID_PREFIX, TEMPLATE_POLICY_LABEL};
 
 /// The state both services share.
@@ -57,35 +58,94 @@ impl Services {
         }
     }
 
-    /// The template `name` names: the base template when empty.
-    pub async fn template(&self, name: &str) -> Result<TemplateRef> {
+    /// The VM `req` asks for: its template (the base template of the
+    /// chosen shape; else the app template `req.template`, or the pod
+    /// snapshot `req.restore_from` with its own shape) and the snapshots
+    /// it uses. Nothing is taken from the pool here.
+    async fn template_for(&self, req: &AcquireVmRequest) -> Result<(TemplateRef, Vec<String>)> {
+        let need = Need {
+            memory_limit_bytes: req.memory_limit_bytes,
+            cpu_limit_millis: req.cpu_limit_millis,
+        };
+        let reserve = self.templates.guest_reserve_mib();
         let templates = self.templates.clone();
-        let name = name.to_string();
-        blocking(move || {
-            if name.is_empty() {
-                templates.base()
+        if !req.restore_from.is_empty() || !req.template.is_empty() {
+            // A snapshot restores only into its own shape: the pod keeps it.
+            let name = if req.restore_from.is_empty() {
+                req.template.clone()
             } else {
-                templates.app(&name)
+                req.restore_from.clone()
+            };
+            let restore = !req.restore_from.is_empty();
+            let t = blocking(move || {
+                templates.app(&name).map_err(|e| match e {
+                    Error::NotFound(_) if restore => {
+                        Error::NotFound(format!("snapshot {name:?} is not in this node's store"))
+                    }
+                    e => e,
+                })
+            })
+            .await?;
+            for (what, asked, is) in [
+                ("memory_mib", req.memory_mib, t.shape.mem_mib),
+                ("vcpus", req.vcpus, t.shape.vcpus),
+                ("disk_slots", req.disk_slots, t.shape.disk_slots),
+            ] {
+                if asked != 0 && asked != is {
+                    return Err(Error::InvalidArgument(format!(
+                        "{what} {asked} asked for, but snapshot {:?} is {}",
+                        t.id, t.shape
+                    )));
+                }
             }
-        })
-        .await
+            check_fits(t.shape, &format!("snapshot {:?}", t.id), &need, reserve)?;
+            let mut uses = vec![t.id.clone()];
+            if !req.template.is_empty() && req.template != t.id {
+                uses.push(req.template.clone());
+            }
+            return Ok((t, uses));
+        }
+        let default = self.templates.default_shape();
+        if req.disk_slots != 0 && req.disk_slots != default.disk_slots {
+            return Err(Error::InvalidArgument(format!(
+                "disk_slots {} asked for, but every VM of this node has {}",
+                req.disk_slots, default.disk_slots
+            )));
+        }
+        let offered = self.templates.offered();
+        let shape = if req.memory_mib == 0 && req.vcpus == 0 {
+            choose(&offered, default, &need, reserve)?
+        } else {
+            let exact = Shape {
+                mem_mib: if req.memory_mib == 0 {
+                    default.mem_mib
+                } else {
+                    req.memory_mib
+                },
+                vcpus: if req.vcpus == 0 {
+                    default.vcpus
+                } else {
+                    req.vcpus
+                },
+                disk_slots: default.disk_slots,
+            };
+            if !offered.contains(&exact) {
+                return Err(Error::InvalidArgument(format!(
+                    "{exact} asked for is not a VM shape of this node; it offers {}",
+                    list(&offered)
+                )));
+            }
+            check_fits(exact, "the VM shape asked for", &need, reserve)?;
+            exact
+        };
+        let t = blocking(move || templates.base(shape)).await?;
+        let uses = vec![t.id.clone()];
+        Ok((t, uses))
     }
 
     /// Hands over a prepared VMM for `req`.
     pub async fn acquire(&self, req: &AcquireVmRequest) -> Result<AcquireVmResponse> {
-        let t = self.template(&req.template).await?;
-        for (what, asked, is) in [
-            ("memory_mib", req.memory_mib, t.shape.mem_mib),
-            ("vcpus", req.vcpus, t.shape.vcpus),
-            ("disk_slots", req.disk_slots, t.shape.disk_slots),
-        ] {
-            if asked != 0 && asked != is {
-                return Err(Error::InvalidArgument(format!(
-                    "{what} {asked} asked for, but template {:?} is {}",
-                    t.id, t.shape
-                )));
-            }
-        }
+        let (t, uses) = self.template_for(req).await?;
         let owner = match req.owner_pid {
             0 => None,
             pid => Some(
@@ -93,14 +153,11 @@ impl Services {
                     .map_err(|e| Error::InvalidArgument(format!("owner_pid {pid}: {e}")))?,
             ),
         };
-        let mut uses = vec![t.id.clone()];
-        if !req.restore_from.is_empty() {
-            uses.push(req.restore_from.clone());
-        }
         let (vmm, pooled) = self.pool.take(t.shape, &uses, owner.as_ref()).await?;
         tracing::info!(
             sandbox = req.sandbox_id,
             template = t.id,
+            shape = %t.shape,
             pid = vmm.pid,
             pooled,
             "handed over a VMM"
@@ -209,7 +266,7 @@ impl Services {
     ) -> Result<EnsureTemplateResponse> {
         non_empty("name", &req.name)?;
         let spec = Spec::from_request(req)?;
-        let base = self.templates.base_shape();
+        let base = self.templates.default_shape();
         let wanted = Shape {
             mem_mib: if req.memory_mib == 0 {
                 base.mem_mib
@@ -225,8 +282,8 @@ impl Services {
         };
         if wanted != base {
             return Err(Error::FailedPrecondition(format!(
-                "template {}: {wanted} asked for, but this node's VMs are {base} (base.mem_mib and \
-                 base.vcpus of its configuration), and a template is built in one of them",
+                "template {}: {wanted} asked for, but this node builds app templates in its \
+                 default VM shape, {base} (base.mem_mib and base.vcpus of its configuration)",
                 spec.key
             )));
         }
@@ -255,7 +312,9 @@ impl Services {
                         spec.image
                     )));
                 }
-                let t = self.template(&spec.id).await?;
+                let templates = self.templates.clone();
+                let id = spec.id.clone();
+                let t = blocking(move || templates.app(&id)).await?;
                 if t.shape != base {
                     return Err(Error::FailedPrecondition(format!(
                         "template {} exists as {}, not {base}: delete it first",
@@ -445,6 +504,20 @@ impl twig_proto::node_ttrpc_async::Pool for Services {
                 .net
                 .as_ref()
                 .map_or(0, |n| u32::try_from(n.ready()).unwrap_or(u32::MAX)),
+            shapes: {
+                let default = self.templates.default_shape();
+                self.templates
+                    .offered()
+                    .into_iter()
+                    .map(|s| BaseShape {
+                        memory_mib: s.mem_mib,
+                        vcpus: s.vcpus,
+                        is_default: s == default,
+                        ..Default::default()
+                    })
+                    .collect()
+            },
+            guest_reserve_mib: self.templates.guest_reserve_mib(),
             ..Default::default()
         })
     }

@@ -1,6 +1,7 @@
-//! The template cache: the node's base template (built once on first need
-//! with `twig-vmm template`, named by the digest of its inputs so that new
-//! inputs make a new one) and the app templates `EnsureTemplate` put in the
+//! The template cache: the node's base templates, one per offered shape
+//! (each built once on first need with `twig-vmm template`, named by the
+//! digest of its inputs and shape so that new inputs make a new one) and
+//! the app templates `EnsureTemplate` put in the
 //! node store. Every template handed out is checked first: its `state`
 //! parses and its shape is what the VM will be.
 
@@ -17,8 +18,8 @@ use twig_store::{layout, NodeStore, VmSnapshot};
 use crate::config::Config;
 use crate::error::{Error, Result};
 
-/// The prefix of the base template's id: `base-<16 hex digits of the digest
-/// of its inputs>`.
+/// The prefix of a base template's id: `base-<16 hex digits of the digest
+/// of its inputs and shape>`.
 pub const BASE_PREFIX: &str = "base-";
 
 /// The shape of a VM: what a `twig-vmm serve --prepare-…` process was made
@@ -62,7 +63,9 @@ type Stamp = [(u64, i64, u64); 2];
 pub struct Templates {
     store: NodeStore,
     config: Config,
-    digest: Mutex<Option<(Stamp, String)>>,
+    /// The digest of the base templates' input files (every shape's id
+    /// continues it with the shape), and what they were when hashed.
+    inputs: Mutex<Option<(Stamp, Sha256)>>,
 }
 
 impl Templates {
@@ -72,7 +75,7 @@ impl Templates {
         Ok(Templates {
             store,
             config: config.clone(),
-            digest: Mutex::new(None),
+            inputs: Mutex::new(None),
         })
     }
 
@@ -81,18 +84,39 @@ impl Templates {
         &self.store
     }
 
-    /// The base template's shape.
-    pub fn base_shape(&self) -> Shape {
+    /// The default shape: pods without limits get it (`base.mem_mib` ×
+    /// `base.vcpus`).
+    pub fn default_shape(&self) -> Shape {
+        self.shape(self.config.base.mem_mib, self.config.base.vcpus)
+    }
+
+    /// Every base template shape the node offers, smallest first.
+    pub fn offered(&self) -> Vec<Shape> {
+        self.config
+            .base
+            .offered()
+            .into_iter()
+            .map(|(m, v)| self.shape(m, v))
+            .collect()
+    }
+
+    /// What a pod's VM needs beyond its memory limit, MiB.
+    pub fn guest_reserve_mib(&self) -> u32 {
+        self.config.base.guest_reserve_mib
+    }
+
+    fn shape(&self, mem_mib: u32, vcpus: u32) -> Shape {
         Shape {
-            mem_mib: self.config.base.mem_mib,
-            vcpus: self.config.base.vcpus,
+            mem_mib,
+            vcpus,
             disk_slots: self.config.disk_slots,
         }
     }
 
-    /// The base template's id for the current inputs: `base-<digest>`. The
-    /// inputs are hashed only when their size, mtime or inode changed.
-    pub fn base_id(&self) -> Result<String> {
+    /// The id of the base template of `shape` for the current inputs:
+    /// `base-<digest>`. The inputs are hashed only when their size, mtime
+    /// or inode changed.
+    pub fn base_id(&self, shape: Shape) -> Result<String> {
         let b = &self.config.base;
         let mut stamp = [(0, 0, 0); 2];
         for (i, input) in [&b.kernel, &b.initrd].into_iter().enumerate() {
@@ -104,36 +128,46 @@ impl Templates {
             })?;
             stamp[i] = (m.len(), m.mtime() * 1_000_000_000 + m.mtime_nsec(), m.ino());
         }
-        let mut cached = self.digest.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((s, id)) = cached.as_ref() {
-            if *s == stamp {
-                return Ok(id.clone());
+        let mut h = {
+            let mut cached = self.inputs.lock().unwrap_or_else(|p| p.into_inner());
+            match cached.as_ref() {
+                Some((s, h)) if *s == stamp => h.clone(),
+                _ => {
+                    let mut h = Sha256::new();
+                    h.update(b"twig base template v2 (net device)\0");
+                    for input in [&b.kernel, &b.initrd] {
+                        hash_file(&mut h, input)?;
+                    }
+                    *cached = Some((stamp, h.clone()));
+                    h
+                }
             }
-        }
-        let mut h = Sha256::new();
-        h.update(b"twig base template v2 (net device)\0");
-        for input in [&b.kernel, &b.initrd] {
-            hash_file(&mut h, input)?;
-        }
-        let shape = self.base_shape();
+        };
         h.update(format!("{}/{}/{}", shape.mem_mib, shape.vcpus, shape.disk_slots).as_bytes());
         let digest = h.finalize();
         let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
-        let id = format!("{BASE_PREFIX}{hex}");
-        *cached = Some((stamp, id.clone()));
-        Ok(id)
+        Ok(format!("{BASE_PREFIX}{hex}"))
     }
 
-    /// The base template, built first if the store does not hold the one of
-    /// the current inputs. Builds are serialised across processes by a
-    /// `flock` on `<store>/base.lock` (several daemons may share a store);
-    /// a failed build publishes nothing. Once a new base is published, the
-    /// older ones are deleted (unless a snapshot was taken on top of them).
+    /// The base template of `shape` (one the node offers, else
+    /// `INVALID_ARGUMENT` naming them), built first if the store does not
+    /// hold the one of the current inputs. Builds are serialised across
+    /// processes by a `flock` on `<store>/base.lock` (several daemons may
+    /// share a store); a failed build publishes nothing. Once a new base is
+    /// published, the base templates of no offered shape and the current
+    /// inputs are deleted (unless a snapshot was taken on top of them).
     /// Blocking: call it on a blocking thread.
-    pub fn base(&self) -> Result<TemplateRef> {
-        let id = self.base_id()?;
+    pub fn base(&self, shape: Shape) -> Result<TemplateRef> {
+        let offered = self.offered();
+        if !offered.contains(&shape) {
+            return Err(Error::InvalidArgument(format!(
+                "{shape} is not a VM shape of this node; it offers {}",
+                list(&offered)
+            )));
+        }
+        let id = self.base_id(shape)?;
         if let Ok(s) = self.store.get(&id) {
-            return self.checked(&s, Some(self.base_shape()));
+            return self.checked(&s, Some(shape));
         }
         let lock_path = self.config.store.join("base.lock");
         let lock = File::create(&lock_path)
@@ -141,22 +175,26 @@ impl Templates {
         twig_store::fsops::flock(&lock)
             .map_err(|e| Error::io(format!("locking {}", lock_path.display()), e))?;
         if let Ok(s) = self.store.get(&id) {
-            return self.checked(&s, Some(self.base_shape()));
+            return self.checked(&s, Some(shape));
         }
-        self.build_base(&id)?;
+        self.build_base(&id, shape)?;
         let s = self.store.get(&id)?;
+        let current = offered
+            .iter()
+            .map(|s| self.base_id(*s))
+            .collect::<Result<Vec<_>>>()?;
         for old in self.store.list()? {
-            if old.id.starts_with(BASE_PREFIX) && old.id != id {
+            if old.id.starts_with(BASE_PREFIX) && !current.contains(&old.id) {
                 match self.store.delete(&old.id) {
-                    Ok(()) => tracing::info!(id = old.id, "deleted the previous base template"),
+                    Ok(()) => tracing::info!(id = old.id, "deleted a previous base template"),
                     Err(e) => tracing::warn!(id = old.id, "keeping a previous base template: {e}"),
                 }
             }
         }
-        self.checked(&s, Some(self.base_shape()))
+        self.checked(&s, Some(shape))
     }
 
-    fn build_base(&self, id: &str) -> Result<()> {
+    fn build_base(&self, id: &str, shape: Shape) -> Result<()> {
         let b = &self.config.base;
         if !self.config.vmm_binary.exists() {
             return Err(Error::FailedPrecondition(format!(
@@ -171,7 +209,6 @@ impl Templates {
         let serial = run.join("template-serial.log");
         let _ = std::fs::remove_file(&vsock);
         let _ = std::fs::remove_file(&serial);
-        let shape = self.base_shape();
         tracing::info!(id, kernel = %b.kernel.display(), initrd = %b.initrd.display(), %shape, "building the base template");
         let started = std::time::Instant::now();
         let out = Command::new(&self.config.vmm_binary)
@@ -217,7 +254,8 @@ impl Templates {
         Ok(())
     }
 
-    /// App template `name` of the node store, checked.
+    /// Snapshot `name` of the node store (an app template, or a pod
+    /// snapshot a clone restores), checked; its shape is its own.
     pub fn app(&self, name: &str) -> Result<TemplateRef> {
         layout::validate_id(name)?;
         let s = self.store.get(name).map_err(|e| match e {
@@ -275,6 +313,16 @@ fn hash_file(h: &mut Sha256, path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// `shapes` as `256 MiB × 1 vCPU, 512 MiB × 2 vCPUs` (for messages).
+pub fn list(shapes: &[Shape]) -> String {
+    crate::config::list_shapes(
+        &shapes
+            .iter()
+            .map(|s| (s.mem_mib, s.vcpus))
+            .collect::<Vec<_>>(),
+    )
+}
+
 /// The last lines of a log, on one line.
 pub fn tail(text: &str) -> String {
     let lines: Vec<&str> = text.trim().lines().collect();
@@ -303,7 +351,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let c = config(dir.path(), 128);
         let t = Templates::open(&c).unwrap();
-        let e = t.base_id().unwrap_err();
+        let shape = t.default_shape();
+        let e = t.base_id(shape).unwrap_err();
         assert!(
             matches!(e, Error::FailedPrecondition(_)) && e.to_string().contains("vmlinux"),
             "{e}"
@@ -311,23 +360,53 @@ mod tests {
 
         std::fs::write(&c.base.kernel, b"kernel one").unwrap();
         std::fs::write(&c.base.initrd, b"initrd").unwrap();
-        let first = t.base_id().unwrap();
+        let first = t.base_id(shape).unwrap();
         assert!(first.starts_with(BASE_PREFIX) && first.len() == BASE_PREFIX.len() + 16);
-        assert_eq!(t.base_id().unwrap(), first, "stable");
+        assert_eq!(t.base_id(shape).unwrap(), first, "stable");
+        // Every shape its own id, from the same inputs.
+        let shapes = t.offered();
+        assert_eq!(shapes.len(), 4);
+        let ids: std::collections::HashSet<String> =
+            shapes.iter().map(|s| t.base_id(*s).unwrap()).collect();
+        assert_eq!(ids.len(), 4, "{ids:?}");
+        assert!(ids.contains(&first));
 
         // Rewritten with the same bytes (new mtime): same id.
         std::fs::remove_file(&c.base.kernel).unwrap();
         std::fs::write(&c.base.kernel, b"kernel one").unwrap();
-        assert_eq!(t.base_id().unwrap(), first);
+        assert_eq!(t.base_id(shape).unwrap(), first);
 
         // New bytes (same size): a new id.
         std::fs::remove_file(&c.base.kernel).unwrap();
         std::fs::write(&c.base.kernel, b"kernel two").unwrap();
-        let second = t.base_id().unwrap();
+        let second = t.base_id(shape).unwrap();
         assert_ne!(second, first);
 
-        // Another shape: another id.
+        // Another default shape: another id; the same shape the same id,
+        // whichever is the default.
         let other = Templates::open(&config(dir.path(), 256)).unwrap();
-        assert_ne!(other.base_id().unwrap(), second);
+        assert_ne!(other.base_id(other.default_shape()).unwrap(), second);
+        assert_eq!(other.base_id(shape).unwrap(), second);
+    }
+
+    #[test]
+    fn a_shape_not_offered_is_refused_naming_the_offered_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = Templates::open(&config(dir.path(), 128)).unwrap();
+        let e = t
+            .base(Shape {
+                mem_mib: 384,
+                vcpus: 1,
+                disk_slots: 8,
+            })
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument(_))
+                && e.to_string().contains(
+                    "384 MiB × 1 vCPU × 8 disk slots is not a VM shape of this node; it offers \
+                     128 MiB × 1 vCPU, 512 MiB × 2 vCPUs, 1024 MiB × 2 vCPUs, 2048 MiB × 4 vCPUs"
+                ),
+            "{e}"
+        );
     }
 }

@@ -185,12 +185,9 @@ fn snapshots_and_templates_of_the_node_store() {
         node.status().handed_pids.is_empty()
     });
 
-    // A clone's VM holds the pod snapshot it is restored from.
-    let mut staging = store.stage("pod-snap").unwrap();
-    staging
-        .put_bytes(twig_store::Artefact::Memory, b"")
-        .unwrap();
-    staging.publish().unwrap();
+    // A clone's VM holds the pod snapshot it is restored from (whose
+    // state the daemon reads for the VM's shape).
+    make_template(dir.path(), "pod-snap");
     let vm = node
         .acquire_req(AcquireVmRequest {
             template: "tiny".into(),

@@ -113,6 +113,9 @@ impl Launcher for VmLauncher {
     fn launch(&self, sandbox_id: &str, bundle: &Path, rootfs: &Path) -> Result<Arc<dyn Sandbox>> {
         let spec = spec::read_spec(bundle)?;
         let restore_from = restore_source(&spec, rootfs)?;
+        // The pod's limits choose its VM's shape (the node daemon's
+        // smallest that fits); bad values fail here, before a VM is taken.
+        let resources = spec::pod_resources(&spec)?;
         // The policy is checked before a VM is taken; a kernel that cannot
         // filter the pod's network refuses it at the join, never runs it
         // unfiltered.
@@ -130,13 +133,19 @@ impl Launcher for VmLauncher {
             }
             None => None,
         };
-        tracing::info!(sandbox_id, restore_from = restore_from.as_ref().map(|r| r.id.as_str()), state = %self.state_dir.display(), network = network.is_some(), "starting the sandbox VM");
+        tracing::info!(sandbox_id, restore_from = restore_from.as_ref().map(|r| r.id.as_str()), state = %self.state_dir.display(), network = network.is_some(), memory_limit_bytes = resources.memory_limit_bytes, cpu_limit_millis = resources.cpu_limit_millis, "starting the sandbox VM");
+        let hostname = spec
+            .get("hostname")
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or_default();
         Ok(Arc::new(VmSandbox::start(
             &self.config,
             &self.state_dir,
             sandbox_id,
+            hostname,
             restore_from,
             network,
+            resources,
         )?))
     }
 }
@@ -157,14 +166,14 @@ pub struct NetworkSetup {
 /// the VMM and gives the guest the pod's IP, MAC and gateway, so that a
 /// VM restored from a template or from another pod's snapshot takes this
 /// pod's identity. `state_dir` gets the record `delete` tears the path
-/// down with if the shim dies. `clone` (a clone's hostname, entropy and
-/// clock) goes to the agent in the same Reidentify.
+/// down with if the shim dies. `own` (the VM's hostname, fresh entropy and
+/// the host's clock) goes to the agent in the same Reidentify.
 pub fn join_network(
     setup: &NetworkSetup,
     state_dir: &Path,
     api: &mut Client,
     agent: &AgentClient,
-    clone: Option<&ReidentifyRequest>,
+    own: &ReidentifyRequest,
     timeout: Duration,
 ) -> Result<PodNet> {
     PodNet::attach(
@@ -177,22 +186,15 @@ pub fn join_network(
                 .map(|_| ())
                 .map_err(vmm_error("sending the pod's tap to twig-vmm"))
         },
-        |identity| {
-            let merged;
-            let request = match clone {
-                Some(c) => {
-                    merged = ReidentifyRequest {
-                        hostname: c.hostname.clone(),
-                        entropy: c.entropy.clone(),
-                        realtime_ns: c.realtime_ns,
-                        ..identity.clone()
-                    };
-                    &merged
-                }
-                None => identity,
+        |network| {
+            let request = ReidentifyRequest {
+                hostname: own.hostname.clone(),
+                entropy: own.entropy.clone(),
+                realtime_ns: own.realtime_ns,
+                ..network.clone()
             };
             agent
-                .reidentify(request, timeout)
+                .reidentify(&request, timeout)
                 .map(|_| ())
                 .map_err(|e| Error::agent("giving the guest the pod's network identity", e))
         },
@@ -249,8 +251,10 @@ fn vmm_error(what: impl Into<String>) -> impl FnOnce(twig_vmm::api::ClientError)
 }
 
 impl VmSandbox {
-    /// Takes a prepared VMM from the node daemon (`config.node_socket`),
-    /// restores the node's base template into it — or, with
+    /// Takes a prepared VMM from the node daemon (`config.node_socket`) of
+    /// the shape that fits `resources` (the daemon chooses; a pod that
+    /// fits none is refused before any VM is taken), restores the node's
+    /// base template of that shape into it — or, with
     /// `restore_from`, that pod snapshot (or app template) of the
     /// template's store, then gives the clone its own identity — and
     /// connects to its agent. On failure the VMM is killed.
@@ -258,17 +262,29 @@ impl VmSandbox {
         config: &Config,
         state_dir: &Path,
         sandbox_id: &str,
+        hostname: &str,
         restore_from: Option<RestoreFrom<'_>>,
         mut network: Option<NetworkSetup>,
+        resources: spec::PodResources,
     ) -> Result<VmSandbox> {
         std::fs::create_dir_all(state_dir)
             .map_err(|e| Error::io(format!("creating {}", state_dir.display()), e))?;
         let started = Instant::now();
+        // The daemon reads a restore-from snapshot's shape before it hands
+        // over a VM: one that is not there is refused before any is taken.
         let vm = acquire(
             config,
             sandbox_id,
             restore_from.as_ref().map(|r| r.id.as_str()),
-        )?;
+            resources,
+        )
+        .map_err(|e| match (e, &restore_from) {
+            (Error::NotFound(m), Some(r)) => Error::NotFound(match &r.app_template {
+                Some(name) => not_built(name, &r.id),
+                None => format!("{RESTORE_FROM_ANNOTATION}: {m}"),
+            }),
+            (e, _) => e,
+        })?;
         let acquired = started.elapsed();
         let process = Process::open(vm.pid, &vm.api_socket)?;
         let mut guard = KillOnDrop(Some(process), state_dir.to_path_buf());
@@ -297,12 +313,7 @@ impl VmSandbox {
                     None => source,
                     Some(name) => source
                         .map_err(|e| match e {
-                            Error::NotFound(_) => Error::NotFound(format!(
-                                "{TEMPLATE_ANNOTATION}: SandboxTemplate {name} is not built on \
-                                 this node (node store id {}): its status says whether the \
-                                 node's build is ready",
-                                r.id
-                            )),
+                            Error::NotFound(_) => Error::NotFound(not_built(&name, &r.id)),
                             other => other,
                         })
                         .and_then(SnapshotSource::app_template)
@@ -337,19 +348,21 @@ impl VmSandbox {
         .map_err(|e| with_vm_logs(e, &vm_dir))?;
         let mut slots = vec![false; vm.disk_slots as usize];
         let mut restored = Vec::new();
-        // A clone's own identity (hostname, entropy, clock) goes to the
-        // agent with the pod's network identity in one Reidentify, or on
-        // its own when the pod has no network.
-        let clone_identity = source
-            .as_ref()
-            .map(|s| restore::identity(&s.hostname))
-            .transpose()?;
+        // Every restored VM gets its own identity — fresh entropy for the
+        // guest's RNG and the host's wall clock (a VM restored from the
+        // base template would otherwise run with the template's RNG state,
+        // the same in every pod, and its clock, stuck at the template's
+        // build), and the pod's hostname (a clone's: its snapshot's) — with
+        // the pod's network identity in one Reidentify, or on its own when
+        // the pod has no network.
+        let identity =
+            restore::identity(source.as_ref().map_or(hostname, |s| s.hostname.as_str()))?;
+        if network.is_none() {
+            agent
+                .reidentify(&identity, timeout)
+                .map_err(|e| Error::agent("giving the restored VM its own identity", e))?;
+        }
         if let Some(source) = source {
-            if let (Some(identity), None) = (&clone_identity, &network) {
-                agent.reidentify(identity, timeout).map_err(|e| {
-                    Error::agent(format!("giving the clone of {} its identity", source.id), e)
-                })?;
-            }
             for s in source.slot_numbers() {
                 if let Some(used) = slots.get_mut(s) {
                     *used = true;
@@ -367,16 +380,7 @@ impl VmSandbox {
         // container: the pod's own network identity.
         let pod_net = network
             .as_ref()
-            .map(|setup| {
-                join_network(
-                    setup,
-                    state_dir,
-                    &mut api,
-                    &agent,
-                    clone_identity.as_ref(),
-                    timeout,
-                )
-            })
+            .map(|setup| join_network(setup, state_dir, &mut api, &agent, &identity, timeout))
             .transpose()
             .map_err(|e| with_vm_logs(e, &vm_dir))?;
         tracing::info!(
@@ -384,6 +388,8 @@ impl VmSandbox {
             pid = vm.pid,
             pooled = vm.pooled,
             template = vm.template_dir,
+            memory_mib = vm.memory_mib,
+            vcpus = vm.vcpus,
             acquired_us = acquired.as_micros() as u64,
             launch_us = started.elapsed().as_micros() as u64,
             "sandbox VM restored, agent answers"
@@ -486,6 +492,15 @@ impl VmSandbox {
     }
 }
 
+/// Why a pod of SandboxTemplate `name` (node store id `id`) cannot start
+/// when its template is not in the node store.
+fn not_built(name: &str, id: &str) -> String {
+    format!(
+        "{TEMPLATE_ANNOTATION}: SandboxTemplate {name} is not built on this node (node store id \
+         {id}): its status says whether the node's build is ready"
+    )
+}
+
 /// The guest's name for disk slot `slot`: the VM has no fixed disks, so the
 /// slots are the first virtio-blk devices in MMIO order.
 pub fn slot_device(slot: usize) -> Result<String> {
@@ -496,15 +511,19 @@ pub fn slot_device(slot: usize) -> Result<String> {
         .ok_or_else(|| Error::InvalidArgument(format!("no guest device name for disk slot {slot}")))
 }
 
-/// Asks the node daemon for a prepared VMM for `template` (empty: the
-/// node's base template). Without a daemon this is an error naming its
+/// Asks the node daemon for a prepared VMM for a pod limited to
+/// `resources`: of the smallest base template shape that holds them (the
+/// daemon adds its guest reserve to the memory limit), or with
+/// `restore_from` of that pod snapshot's shape if it holds them (the
+/// daemon also keeps the snapshot from being deleted while the VM runs).
+/// A pod that fits no shape is `FailedPrecondition` naming what it asked
+/// and the largest shape. Without a daemon this is an error naming its
 /// socket: there is no fallback.
-/// `restore_from`: the pod snapshot the VM is restored from instead (the
-/// daemon keeps it from being deleted while the VM runs).
 pub fn acquire(
     config: &Config,
     sandbox_id: &str,
     restore_from: Option<&str>,
+    resources: spec::PodResources,
 ) -> Result<AcquireVmResponse> {
     let socket = &config.node_socket;
     let client = ttrpc::Client::connect(&format!("unix://{}", socket.display())).map_err(|e| {
@@ -518,6 +537,8 @@ pub fn acquire(
         // The daemon kills the VM if this shim dies, at any moment.
         owner_pid: std::process::id(),
         restore_from: restore_from.unwrap_or_default().to_string(),
+        memory_limit_bytes: resources.memory_limit_bytes,
+        cpu_limit_millis: resources.cpu_limit_millis,
         ..Default::default()
     };
     let timeout = Duration::from_secs(config.acquire_timeout_s);
@@ -947,21 +968,28 @@ impl Sandbox for VmSandbox {
             agent.epoch += 1;
         }
         let info = result?;
-        // The snapshot's guest may carry another pod's network identity
-        // (a clone's snapshot): give it this pod's again.
-        if let Some(n) = self
+        // The rolled-back guest has its snapshot's RNG state and clock
+        // (and, from a clone's snapshot, another pod's network identity):
+        // fresh entropy, the host's clock and this pod's network again.
+        let own = restore::identity("")?;
+        let network = self
             .network
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .as_ref()
-        {
-            agent
-                .client
-                .reidentify(n.identity(), self.timeout)
-                .map_err(|e| {
-                    Error::agent("giving the rolled-back guest the pod's network identity", e)
-                })?;
-        }
+            .map(|n| n.identity().clone())
+            .unwrap_or_default();
+        agent
+            .client
+            .reidentify(
+                &ReidentifyRequest {
+                    entropy: own.entropy,
+                    realtime_ns: own.realtime_ns,
+                    ..network
+                },
+                self.timeout,
+            )
+            .map_err(|e| Error::agent("giving the rolled-back guest its own identity", e))?;
         Ok(VmRollback {
             pages_restored: u64::try_from(info.pages_restored).unwrap_or(u64::MAX),
             remapped: info.remapped,
@@ -1139,7 +1167,7 @@ mod tests {
             node_socket: dir.path().join("node.sock"),
             ..Config::default()
         };
-        let e = acquire(&config, "sb", None).unwrap_err();
+        let e = acquire(&config, "sb", None, Default::default()).unwrap_err();
         assert!(matches!(e, Error::FailedPrecondition(_)), "{e}");
         assert!(
             e.to_string()

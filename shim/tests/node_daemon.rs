@@ -47,7 +47,7 @@ fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
 /// The node's base template: the test guest booted with a pooled VMM's
 /// devices, snapshotted under the id twig-node derives from the node
 /// configuration `config` (its kernel and initrd files are stand-ins).
-fn make_template(dir: &Path, config: &serde_json::Value) {
+fn make_template(dir: &Path, config: &serde_json::Value) -> String {
     if let Err(e) = twig_vmm::open_kvm() {
         panic!("this test needs a usable /dev/kvm (run as root on a KVM host): {e}");
     }
@@ -71,11 +71,10 @@ fn make_template(dir: &Path, config: &serde_json::Value) {
         .unwrap();
     testguest::wait_booted(&vm, T).unwrap();
     let config: twig_node::Config = serde_json::from_value(config.clone()).unwrap();
-    let id = twig_node::template::Templates::open(&config)
-        .unwrap()
-        .base_id()
-        .unwrap();
+    let templates = twig_node::template::Templates::open(&config).unwrap();
+    let id = templates.base_id(templates.default_shape()).unwrap();
     vm.snapshot_into(&store, &id, Kind::Full).unwrap();
+    id
 }
 
 struct Daemon(Child);
@@ -111,7 +110,7 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
         "base": {"mem_mib": 64, "kernel": dir.path().join("kernel"), "initrd": dir.path().join("initrd")},
         "pool": {"shapes": [{"mem_mib": 64, "size": 1}]},
     });
-    make_template(dir.path(), &node_config);
+    let base = make_template(dir.path(), &node_config);
     std::fs::write(dir.path().join("node.json"), node_config.to_string()).unwrap();
     let log = std::fs::File::create(dir.path().join("node.log")).unwrap();
     let _daemon = Daemon(
@@ -133,7 +132,7 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
         ..Config::default()
     };
     let state = dir.path().join("shim-state");
-    let e = VmSandbox::start(&config, &state, "sb", None, None)
+    let e = VmSandbox::start(&config, &state, "sb", "", None, None, Default::default())
         .err()
         .expect("the test guest has no agent");
     assert!(matches!(e, Error::Agent { .. }), "{e}");
@@ -152,22 +151,27 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
     });
 
     let oci = serde_json::json!({"hostname": "clone"});
-    // Restore-from fails after the acquisition (this store cannot reflink,
-    // so the shim does not use it): the handed-over VMM is killed too.
-    let e = VmSandbox::start(
-        &config,
-        &state,
-        "sb",
-        Some(RestoreFrom {
-            id: "no-such-snapshot".into(),
-            app_template: None,
-            oci: &oci,
-            rootfs: Path::new("/nonexistent/rootfs.img"),
-        }),
-        None,
-    )
-    .err()
-    .expect("no usable snapshot");
+    let restore = |id: &str| {
+        VmSandbox::start(
+            &config,
+            &state,
+            "sb",
+            "",
+            Some(RestoreFrom {
+                id: id.into(),
+                app_template: None,
+                oci: &oci,
+                rootfs: Path::new("/nonexistent/rootfs.img"),
+            }),
+            None,
+            Default::default(),
+        )
+        .err()
+        .expect("no usable snapshot")
+    };
+    // Restore-from fails after the acquisition (the base template is no
+    // pod snapshot): the handed-over VMM is killed too.
+    let e = restore(&base);
     assert!(e.to_string().contains("twig.dev/restore-from"), "{e}");
     assert!(
         !state.join("vmm.pid").exists(),
@@ -177,6 +181,34 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
     wait_until("the handed-over VMM is killed and reaped", || {
         !Path::new(&format!("/proc/{pid}")).exists()
     });
+
+    // A snapshot the store does not hold: refused before any VM is taken.
+    let handed = handed_count(&dir.path().join("node.log"));
+    let e = restore("no-such-snapshot");
+    assert!(
+        matches!(e, Error::NotFound(_))
+            && e.to_string().contains(
+                "twig.dev/restore-from: getting a VM to restore snapshot \"no-such-snapshot\" \
+                 into from the node daemon"
+            )
+            && e.to_string()
+                .contains("snapshot \"no-such-snapshot\" is not in this node's store"),
+        "{e}"
+    );
+    assert_eq!(
+        handed_count(&dir.path().join("node.log")),
+        handed,
+        "a VMM was handed over for a snapshot that is not there"
+    );
+}
+
+/// How many VMMs twig-node's log says it handed over.
+fn handed_count(log: &Path) -> usize {
+    std::fs::read_to_string(log)
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("handed over a VMM"))
+        .count()
 }
 
 /// The pid of the last VMM twig-node's log says it handed over (the log

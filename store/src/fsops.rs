@@ -9,6 +9,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// `FICLONE` = `_IOW(0x94, 9, int)`.
 const FICLONE: libc::c_ulong = 0x4004_9409;
@@ -190,12 +191,19 @@ pub fn clone_file(mode: CloneMode, src: &Path, dst: &Path) -> io::Result<()> {
 }
 
 /// Checks that `dir` supports FICLONE by cloning a small probe file there.
-/// Returns the OS error when it does not.
+/// Returns the OS error when it does not. The probe's files are named for
+/// this process and call: shims of pods starting together open the store
+/// at once, and shared names made one's probe remove another's files
+/// (FICLONE then failed with ENOENT, read as "no reflinks").
 pub fn probe_reflink(dir: &Path) -> io::Result<()> {
-    let a = dir.join(".reflink-probe-src");
-    let b = dir.join(".reflink-probe-dst");
-    let _ = fs::remove_file(&a);
-    let _ = fs::remove_file(&b);
+    static PROBES: AtomicU64 = AtomicU64::new(0);
+    let tag = format!(
+        "{}-{}",
+        std::process::id(),
+        PROBES.fetch_add(1, Ordering::Relaxed)
+    );
+    let a = dir.join(format!(".reflink-probe-{tag}-src"));
+    let b = dir.join(format!(".reflink-probe-{tag}-dst"));
     let result = (|| {
         let mut f = OpenOptions::new().write(true).create_new(true).open(&a)?;
         f.write_all(&[0x5a; 4096])?;
@@ -504,8 +512,8 @@ mod tests {
         }
     }
 
-    #[test]
-    fn copy_file_reflinks_where_the_filesystem_can() {
+    /// A fresh reflink-capable XFS (needs root and xfsprogs).
+    fn xfs() -> (Xfs, std::path::PathBuf) {
         let fs = Xfs(tempfile::tempdir().unwrap());
         let img = fs.0.path().join("xfs.img");
         File::create(&img).unwrap().set_len(512 << 20).unwrap();
@@ -524,6 +532,33 @@ mod tests {
             .status()
             .unwrap();
         assert!(ok.success(), "loop-mounting XFS (needs root)");
+        (fs, mnt)
+    }
+
+    #[test]
+    fn probes_made_at_once_all_find_reflinks() {
+        let (_fs, mnt) = xfs();
+        let probes: Vec<_> = (0..16)
+            .map(|_| {
+                let dir = mnt.clone();
+                std::thread::spawn(move || (0..20).map(|_| probe_reflink(&dir)).collect::<Vec<_>>())
+            })
+            .collect();
+        for p in probes {
+            for r in p.join().unwrap() {
+                r.unwrap();
+            }
+        }
+        let left: Vec<_> = fs::read_dir(&mnt)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert!(left.is_empty(), "probe files left: {left:?}");
+    }
+
+    #[test]
+    fn copy_file_reflinks_where_the_filesystem_can() {
+        let (_fs, mnt) = xfs();
         let src = sparse(&mnt.join("src"));
         let before = free_bytes(&mnt);
         let big = vec![3u8; 8 << 20];

@@ -216,6 +216,12 @@ if ((e2e)); then
     TWIG_IMAGE_BINARIES="/usr/bin/redis-server /usr/bin/redis-cli" \
     e2e/build-image.sh "$root/e2e/redis.tar" docker.io/library/twig-e2e-redis:v1 ||
     die "building the e2e Redis image failed"
+  # The Python interpreter template workflow's image (e2e/tests/
+  # python_template.rs): python3.11 and its standard library.
+  TWIG_IMAGE_DEBS="python3.11-minimal libpython3.11-minimal libpython3.11-stdlib" \
+    TWIG_IMAGE_BINARIES="/usr/bin/python3.11" TWIG_IMAGE_TREES="/usr/lib/python3.11" \
+    e2e/build-image.sh "$root/e2e/python.tar" docker.io/library/twig-e2e-python:v1 ||
+    die "building the e2e Python image failed"
   mkdir -p "$root/usr/lib/cni"
   for p in bridge host-local loopback; do
     [[ -x /usr/lib/cni/$p ]] || die "/usr/lib/cni/$p missing (containernetworking-plugins: scripts/install-deps.sh)"
@@ -268,7 +274,7 @@ mount -t bpf bpf /sys/fs/bpf || echo "LAB-ERROR no bpffs"
 [ -e /etc/hosts ] || echo '127.0.0.1 localhost' > /etc/hosts
 [ -e /etc/resolv.conf ] || : > /etc/resolv.conf
 ip link set lo up || echo "LAB-ERROR lo"
-[ $e2e = 0 ] || export TWIG_E2E_IMAGE=/e2e/busybox.tar TWIG_E2E_PAUSE_IMAGE=/e2e/pause.tar TWIG_E2E_REDIS_IMAGE=/e2e/redis.tar TWIG_E2E_XFS=/xfs
+[ $e2e = 0 ] || export TWIG_E2E_IMAGE=/e2e/busybox.tar TWIG_E2E_PAUSE_IMAGE=/e2e/pause.tar TWIG_E2E_REDIS_IMAGE=/e2e/redis.tar TWIG_E2E_PYTHON_IMAGE=/e2e/python.tar TWIG_E2E_XFS=/xfs
 # The benchmark's files live on XFS, as in production: snapshots and
 # restores share disk extents (reflinks) instead of copying them.
 truncate -s 4G /tmp/xfs.img && mkfs.xfs -q -m reflink=1 /tmp/xfs.img && mkdir /xfs &&

@@ -15,6 +15,7 @@ mod devices;
 mod error;
 pub mod jail;
 mod memory;
+mod mptable;
 pub mod snapshot;
 #[cfg(feature = "testguest")]
 pub mod testguest;

@@ -119,7 +119,7 @@ async fn reconcile_inner(snap: Arc<Snapshot>, ctx: Arc<Context>) -> Result<Actio
     Ok(finalizer(&api, FINALIZER, snap, |event| async move {
         match event {
             Event::Apply(snap) => apply(&inner, snap, &ns, &ctx).await,
-            Event::Cleanup(snap) => cleanup(&snap, &ctx).await,
+            Event::Cleanup(snap) => cleanup(&inner, &snap, &ctx).await,
         }
     })
     .await?)
@@ -501,8 +501,13 @@ async fn expire(
 }
 
 /// Removes this node's data of a deleted Snapshot (policy Delete); the
-/// finalizer helper then removes the finalizer.
-async fn cleanup(snap: &Snapshot, ctx: &Context) -> Result<Action, Error> {
+/// finalizer helper then removes the finalizer. When the node refuses —
+/// the store keeps the data for a child's incremental data (a child
+/// Snapshot deleted with policy Retain leaves its data, which needs this
+/// one) or a running VM restored from it — the Snapshot says why in a
+/// `DeletionBlocked` condition (reason `NodeKeepsData`) and a Warning
+/// Event, keeps its finalizer, and is tried again with the backoff.
+async fn cleanup(api: &Api<Snapshot>, snap: &Snapshot, ctx: &Context) -> Result<Action, Error> {
     let status = snap.status.clone().unwrap_or_default();
     let on_this_node = status.node_name.as_deref() == Some(ctx.node_name.as_str());
     if on_this_node && snap.spec.deletion_policy == DeletionPolicy::Delete {
@@ -522,6 +527,13 @@ async fn cleanup(snap: &Snapshot, ctx: &Context) -> Result<Action, Error> {
             result.is_ok(),
             started.elapsed().as_secs_f64(),
         );
+        if let Err(ShimError::Refused(why)) = &result {
+            let message = format!(
+                "node {} keeps the data of snapshot {id}: {why}; remove what holds it first",
+                ctx.node_name
+            );
+            block_deletion(api, snap, "NodeKeepsData", message, ctx).await?;
+        }
         result?;
         let note = format!("Removed snapshot {id} from node {}", ctx.node_name);
         ctx.event(snap, EventType::Normal, "DataDeleted", "Delete", note)
@@ -614,38 +626,53 @@ async fn hold_for_children(
         "the node-side data of snapshot {id} is kept while snapshots {} of namespace {ns} build on it; delete them first",
         children.join(", ")
     );
+    block_deletion(api, snap, "ChildSnapshotsExist", message, ctx).await?;
+    Ok(Some(Action::requeue(ctx.retry)))
+}
+
+/// Records on a deleting Snapshot why its deletion waits: a
+/// `DeletionBlocked` condition and a Warning Event, once per message.
+async fn block_deletion(
+    api: &Api<Snapshot>,
+    snap: &Snapshot,
+    reason: &str,
+    message: String,
+    ctx: &Context,
+) -> Result<(), Error> {
+    let status = snap.status.clone().unwrap_or_default();
     let already = status
         .conditions
         .iter()
         .any(|c| c.type_ == DELETION_BLOCKED && c.status == "True" && c.message == message);
-    if !already {
-        let mut conds: Vec<Condition> = status
-            .conditions
-            .iter()
-            .filter(|c| c.type_ != DELETION_BLOCKED)
-            .cloned()
-            .collect();
-        conds.push(Condition {
-            type_: DELETION_BLOCKED.to_string(),
-            status: "True".to_string(),
-            reason: "ChildSnapshotsExist".to_string(),
-            message: message.clone(),
-            last_transition_time: now(),
-            observed_generation: snap.metadata.generation,
-        });
-        let held = SnapshotStatus {
-            conditions: conds,
-            ..status
-        };
-        let snap = write_status(api, snap, held, ctx).await?;
-        ctx.event(
-            &snap,
-            EventType::Warning,
-            "DeletionBlocked",
-            "Delete",
-            message,
-        )
-        .await;
+    if already {
+        return Ok(());
     }
-    Ok(Some(Action::requeue(ctx.retry)))
+    let mut conds: Vec<Condition> = status
+        .conditions
+        .iter()
+        .filter(|c| c.type_ != DELETION_BLOCKED)
+        .cloned()
+        .collect();
+    conds.push(Condition {
+        type_: DELETION_BLOCKED.to_string(),
+        status: "True".to_string(),
+        reason: reason.to_string(),
+        message: message.clone(),
+        last_transition_time: now(),
+        observed_generation: snap.metadata.generation,
+    });
+    let held = SnapshotStatus {
+        conditions: conds,
+        ..status
+    };
+    let snap = write_status(api, snap, held, ctx).await?;
+    ctx.event(
+        &snap,
+        EventType::Warning,
+        "DeletionBlocked",
+        "Delete",
+        message,
+    )
+    .await;
+    Ok(())
 }

@@ -87,7 +87,8 @@ struct State {
     sandboxes: BTreeMap<String, SandboxState>,
     killed: BTreeSet<String>,
     calls: Vec<Call>,
-    store: BTreeSet<String>,
+    /// The node store: each snapshot's id and its parent's.
+    store: BTreeMap<String, Option<String>>,
     hold: bool,
     in_flight: BTreeMap<String, usize>,
     max_in_flight: usize,
@@ -168,7 +169,7 @@ impl FakeNode {
 
     /// Whether the node store still holds this snapshot.
     pub fn stored(&self, id: &str) -> bool {
-        self.lock().store.contains(id)
+        self.lock().store.contains_key(id)
     }
 
     /// Calls in flight now, on all sandboxes.
@@ -354,7 +355,8 @@ impl TwigShim for FakeNode {
             };
             // The shim finishes a snapshot even if its caller goes away.
             sb.snapshots.push(info.clone());
-            st.store.insert(snapshot_id.to_string());
+            st.store
+                .insert(snapshot_id.to_string(), info.parent_id.clone());
             if st.shim_without_sizes {
                 SnapshotInfo {
                     memory_bytes: 0,
@@ -397,7 +399,7 @@ impl TwigShim for FakeNode {
             snapshot_id: snapshot_id.to_string(),
             operation_id: operation_id.to_string(),
         });
-        if !st.store.contains(snapshot_id) {
+        if !st.store.contains_key(snapshot_id) {
             return Err(ShimError::Refused(format!(
                 "snapshot {snapshot_id} is not on this node"
             )));
@@ -475,13 +477,25 @@ impl NodeService for FakeNode {
                 message: "connection refused".to_string(),
             });
         }
+        // As the node store does: a parent stays while a child's
+        // incremental data in the store needs it.
+        if let Some(child) = st
+            .store
+            .iter()
+            .find(|(_, parent)| parent.as_deref() == Some(snapshot_id))
+            .map(|(id, _)| id.clone())
+        {
+            return Err(ShimError::Refused(format!(
+                "cannot delete VM snapshot {snapshot_id:?}: {child:?} is its child"
+            )));
+        }
         st.store.remove(snapshot_id);
         Ok(())
     }
 
     async fn get_snapshot(&self, snapshot_id: &str) -> Result<Option<SnapshotInfo>, ShimError> {
         let st = self.lock();
-        if !st.store.contains(snapshot_id) {
+        if !st.store.contains_key(snapshot_id) {
             return Ok(None);
         }
         Ok(st
@@ -505,7 +519,7 @@ impl NodeService for FakeNode {
             .sandboxes
             .values()
             .flat_map(|sb| &sb.snapshots)
-            .filter(|s| st.store.contains(&s.snapshot_id))
+            .filter(|s| st.store.contains_key(&s.snapshot_id))
             .collect();
         let allocated_bytes = stored.iter().map(|s| s.memory_bytes + s.disk_bytes).sum();
         Ok(StoreUsage {

@@ -92,6 +92,11 @@ pub fn config(dir: &Path, size: usize) -> serde_json::Value {
 /// pooled VMM: the node's disk slots, a detached network device and a
 /// vsock device), full snapshot.
 pub fn make_template(dir: &Path, id: &str) {
+    make_template_of(dir, id, MIB);
+}
+
+/// [`make_template`] with `mib` MiB of guest RAM (one vCPU).
+pub fn make_template_of(dir: &Path, id: &str, mib: u32) {
     if let Err(e) = twig_vmm::open_kvm() {
         panic!("this test needs a usable /dev/kvm (run as root on a KVM host): {e}");
     }
@@ -109,7 +114,7 @@ pub fn make_template(dir: &Path, id: &str) {
         ..Default::default()
     };
     let serial = Capture::new();
-    let mut vm = Vm::create_with(Shape::new(MIB as usize, 1), serial.writer(), &devices)
+    let mut vm = Vm::create_with(Shape::new(mib as usize, 1), serial.writer(), &devices)
         .expect("create the template VM");
     let kernel = testguest::write_to(dir).expect("write the test guest");
     vm.boot(&kernel, "console=ttyS0").expect("boot");

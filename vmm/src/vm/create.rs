@@ -205,6 +205,12 @@ impl Vm {
             initrd,
             &cmdline,
         )?;
+        // Without ACPI, Linux learns of CPUs other than the one it boots
+        // on from an MP table only (a one-vCPU guest's memory stays as
+        // it was).
+        if self.vcpus.len() > 1 {
+            crate::mptable::write(self.ram.memory(), self.vcpus.len())?;
+        }
         let supported = arch::supported_cpuid(&self.kvm)?;
         let sregs_mem = self.ram.memory().clone();
         let mut cpuids = Vec::with_capacity(self.vcpus.len());
