@@ -148,6 +148,12 @@ struct DeviceArgs {
     /// The guest's vsock context id.
     #[arg(long, default_value_t = 3, requires = "vsock_uds")]
     vsock_cid: u64,
+    /// A virtio-balloon device taking free page reports, so memory the guest
+    /// frees goes back to the host (the guest kernel needs
+    /// CONFIG_VIRTIO_BALLOON and CONFIG_PAGE_REPORTING). Snapshots restore
+    /// only into VMs that agree on it.
+    #[arg(long)]
+    balloon: bool,
 }
 
 impl DeviceArgs {
@@ -164,6 +170,7 @@ impl DeviceArgs {
                 cid: self.vsock_cid,
                 uds_path,
             }),
+            balloon: self.balloon,
         }
     }
 }

@@ -15,7 +15,8 @@ pub const ELF: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/testguest.elf")
 pub const BZIMAGE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/testguest.bzImage"));
 
 /// Guest physical address of the MMIO window of virtio device `index` (in
-/// the VM's fixed device order: rng, disks, disk slots, net, vsock).
+/// the VM's fixed device order: rng, disks, disk slots, net, vsock,
+/// balloon).
 pub fn virtio_mmio_addr(index: usize) -> u64 {
     crate::virtio::MMIO_BASE + index as u64 * crate::virtio::MMIO_SIZE
 }

@@ -389,6 +389,30 @@ fn a_tap_sent_as_a_descriptor_backs_the_net_device() {
 }
 
 #[test]
+fn a_vmm_with_the_balloon_snapshots_and_restores_only_into_its_kind() {
+    require_kvm();
+    let d = tmp();
+    let kernel: PathBuf = twig_vmm::testguest::write_to(d.path()).unwrap();
+    let mut a = Vmm::start(d.path(), "a", &["--balloon"]);
+    boot(&mut a, &kernel, 1);
+    let store = node_store(d.path());
+    let (_, s1) = snapshot(&mut a.api, &store, "s1", Kind::Full).unwrap();
+    a.api.rollback(&s1, T).expect("rollback");
+    a.shutdown();
+
+    let mut b = Vmm::start(d.path(), "b", &["--balloon"]);
+    b.api
+        .restore(&s1, T)
+        .expect("restore into a VMM with the balloon");
+    b.shutdown();
+    let mut c = Vmm::start(d.path(), "c", &[]);
+    let (kind, e) = vmm_err(c.api.restore(&s1, T));
+    assert_eq!(kind, ErrorKind::InvalidRequest);
+    assert!(e.contains("balloon"), "{e}");
+    c.shutdown();
+}
+
+#[test]
 fn bad_requests_get_invalid_request_errors() {
     require_kvm();
     let d = tmp();

@@ -107,11 +107,15 @@ fn start(slot: &Slot) -> (Vm, Capture) {
 
 /// Starts booting as [`start`] does, with `devices`.
 fn start_with(slot: &Slot, devices: &DeviceConfig) -> (Vm, Capture) {
+    start_sized(slot, devices, MEM_MIB)
+}
+
+/// Starts booting as [`start_with`] does, with `mib` MiB of RAM.
+fn start_sized(slot: &Slot, devices: &DeviceConfig, mib: usize) -> (Vm, Capture) {
     require_kvm();
     testkit::busybox_rootfs(&slot.disk, 32, &[]).expect("busybox ext4 image");
     let serial = Capture::new();
-    let mut vm =
-        Vm::create_with(Shape::new(MEM_MIB, 1), serial.writer(), devices).expect("create VM");
+    let mut vm = Vm::create_with(Shape::new(mib, 1), serial.writer(), devices).expect("create VM");
     vm.boot_linux(
         &env_path("TWIG_GUEST_KERNEL"),
         Some(&env_path("TWIG_AGENT_INITRD")),
@@ -134,9 +138,13 @@ fn restored(image: &Path, slot: &Slot) -> Guest {
 
 /// Restores as [`restored`] does, with `devices`.
 fn restored_with(image: &Path, slot: &Slot, devices: &DeviceConfig) -> Guest {
+    restored_sized(image, slot, devices, MEM_MIB)
+}
+
+/// Restores as [`restored_with`] does, into a VM of `mib` MiB.
+fn restored_sized(image: &Path, slot: &Slot, devices: &DeviceConfig, mib: usize) -> Guest {
     let serial = Capture::new();
-    let mut vm =
-        Vm::create_with(Shape::new(MEM_MIB, 1), serial.writer(), devices).expect("create VM");
+    let mut vm = Vm::create_with(Shape::new(mib, 1), serial.writer(), devices).expect("create VM");
     vm.restore(image).expect("restore");
     vm.resume().expect("resume");
     let agent = slot.connect_logged(&mut vm, &serial);
@@ -571,4 +579,157 @@ fn a_rootfs_attached_to_a_vm_restored_from_a_template_runs_a_container() {
     let w = g.agent.wait_exit(&id, "", CALL).unwrap();
     assert_eq!((w.status, w.signal), (0, 0));
     assert_eq!(g.vm.state(), RunState::Running);
+}
+
+/// Guest RAM of the balloon tests: room for 256 MiB beside the agent.
+const BALLOON_MIB: usize = 512;
+const MIB_KIB: usize = 1024;
+
+/// Guest RAM private to the VM (the pod's own copies), KiB.
+fn private_kib(vm: &mut Vm) -> usize {
+    vm.stats().expect("VM stats").guest_private_kib
+}
+
+/// The pod's private memory in the balloon tests, KiB.
+struct PodMemory {
+    /// Just restored.
+    idle: usize,
+    /// With a 32 MiB tmpfs file written.
+    before: usize,
+    /// Holding 256 MiB besides.
+    holding: usize,
+    /// After both were freed: with the balloon, the least seen over
+    /// [`SETTLE`] once three quarters of the 256 MiB came back.
+    after: usize,
+}
+
+/// How long the balloon test keeps watching the pod's memory fall.
+const SETTLE: Duration = Duration::from_secs(10);
+
+/// A pod restored from a template (with or without the balloon) whose
+/// guest writes a 32 MiB file, allocates 256 MiB and frees both. With the
+/// balloon, the pod's memory is polled until three quarters of the 256 MiB
+/// came back; a rollback to a snapshot taken before the free then gives
+/// back the freed file, intact.
+fn allocate_and_free(balloon: bool) -> PodMemory {
+    let d = tmp();
+    let name = if balloon { "bal" } else { "nob" };
+    let slot = Slot::new(d.path(), name, if balloon { 7 } else { 8 });
+    let devices = DeviceConfig {
+        balloon,
+        ..slot.devices()
+    };
+    let (mut vm, serial) = start_sized(&slot, &devices, BALLOON_MIB);
+    let agent = slot.connect_logged(&mut vm, &serial);
+    let mut g = Guest { vm, agent };
+    create(&g, "app", &["sleep", "999999"]);
+    g.vm.pause().unwrap();
+    let template = snap(d.path(), "template");
+    take(&mut g.vm, &template, Kind::Full).unwrap();
+    drop(g);
+
+    let mut p = restored_sized(&template, &slot, &devices, BALLOON_MIB);
+    assert_eq!(sh(&p.agent, "app", "idle", "true").0, 0);
+    let idle = private_kib(&mut p.vm);
+    // A file the guest frees after a snapshot: 32 MiB of tmpfs.
+    let (code, sum) = sh(
+        &p.agent,
+        "app",
+        "data",
+        "head -c 33554432 /dev/urandom > /tmp/data && md5sum /tmp/data",
+    );
+    assert_eq!(code, 0, "{sum}");
+    p.vm.pause().unwrap();
+    let before_free = snap(d.path(), "before-free");
+    take(&mut p.vm, &before_free, Kind::Incremental).unwrap();
+    p.vm.resume().unwrap();
+    let before = private_kib(&mut p.vm);
+
+    // 256 MiB held by dd (blocked on a pipe nobody reads), then freed.
+    p.agent
+        .exec_process(
+            "app",
+            "hog",
+            &testkit::process(
+                &[
+                    "sh",
+                    "-c",
+                    "dd if=/dev/zero bs=268435456 count=1 | sleep 999999",
+                ],
+                json!({}),
+            ),
+            CALL,
+        )
+        .unwrap();
+    let holding = poll("the guest to hold 256 MiB", BOOT, || {
+        let now = private_kib(&mut p.vm);
+        (now >= before + 240 * MIB_KIB).then_some(now)
+    });
+    let (code, out) = sh(
+        &p.agent,
+        "app",
+        "free",
+        "kill -9 $(pidof dd) && rm /tmp/data",
+    );
+    assert_eq!(code, 0, "{out}");
+    let after = if balloon {
+        let first = poll("the freed memory to leave the host", BOOT, || {
+            let now = private_kib(&mut p.vm);
+            (now + 192 * MIB_KIB <= holding).then_some(now)
+        });
+        // A measurement window, not a synchronisation: the least seen,
+        // between calls into the guest (which leave its vCPU the CPU).
+        let end = Instant::now() + SETTLE;
+        let (mut least, mut k) = (first, 0);
+        while Instant::now() < end {
+            k += 1;
+            assert_eq!(sh(&p.agent, "app", &format!("settle{k}"), "true").0, 0);
+            least = least.min(private_kib(&mut p.vm));
+        }
+        least
+    } else {
+        // Nothing gives it back: the guest's free pages stay the pod's.
+        assert_eq!(sh(&p.agent, "app", "settle", "sync").0, 0);
+        private_kib(&mut p.vm)
+    };
+    eprintln!(
+        "balloon {balloon}: pod private memory {} MiB restored, {} MiB with a 32 MiB file, \
+         {} MiB holding 256 MiB more, {} MiB after freeing both",
+        idle / MIB_KIB,
+        before / MIB_KIB,
+        holding / MIB_KIB,
+        after / MIB_KIB
+    );
+
+    // The freed file comes back intact with a rollback to before the free.
+    p.vm.rollback(&before_free).unwrap();
+    let agent = slot.connect();
+    let (code, again) = sh(&agent, "app", "check", "md5sum /tmp/data");
+    assert_eq!((code, again), (0, sum), "the file after the rollback");
+    PodMemory {
+        idle,
+        before,
+        holding,
+        after,
+    }
+}
+
+#[test]
+fn memory_a_restored_guest_frees_goes_back_to_the_host_with_the_balloon() {
+    let m = allocate_and_free(true);
+    assert!(m.holding >= m.before + 240 * MIB_KIB);
+    assert!(m.after + 192 * MIB_KIB <= m.holding);
+    assert!(m.idle <= m.before);
+}
+
+#[test]
+fn memory_a_restored_guest_frees_stays_with_the_pod_without_the_balloon() {
+    let m = allocate_and_free(false);
+    assert!(m.holding >= m.before + 240 * MIB_KIB);
+    assert!(
+        m.after >= m.before + 200 * MIB_KIB,
+        "without the balloon the memory stays: {} KiB after, {} before",
+        m.after,
+        m.before
+    );
 }

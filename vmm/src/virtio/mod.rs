@@ -7,10 +7,12 @@
 //! snapshot, so after restore and rollback the queues carry on where they
 //! were. Queue processing uses the virtio-queue crate.
 //!
-//! Devices: entropy ([`rng`]), block ([`blk`]), network ([`net`]) and
-//! vsock ([`vsock`]). Devices fed from the host side (net, vsock) expose a
+//! Devices: entropy ([`rng`]), block ([`blk`]), network ([`net`]), vsock
+//! ([`vsock`]) and a balloon that only takes free page reports
+//! ([`balloon`]). Devices fed from the host side (net, vsock) expose a
 //! descriptor that the VM's device thread polls (see `devices.rs`).
 
+pub mod balloon;
 pub mod blk;
 pub mod net;
 pub mod rng;
@@ -23,7 +25,9 @@ use std::os::fd::RawFd;
 use virtio_bindings::virtio_config::{
     VIRTIO_CONFIG_S_DRIVER_OK, VIRTIO_CONFIG_S_FAILED, VIRTIO_F_VERSION_1,
 };
-use virtio_bindings::virtio_ids::{VIRTIO_ID_BLOCK, VIRTIO_ID_NET, VIRTIO_ID_RNG, VIRTIO_ID_VSOCK};
+use virtio_bindings::virtio_ids::{
+    VIRTIO_ID_BALLOON, VIRTIO_ID_BLOCK, VIRTIO_ID_NET, VIRTIO_ID_RNG, VIRTIO_ID_VSOCK,
+};
 use virtio_bindings::virtio_mmio::{
     VIRTIO_MMIO_CONFIG, VIRTIO_MMIO_CONFIG_GENERATION, VIRTIO_MMIO_DEVICE_FEATURES,
     VIRTIO_MMIO_DEVICE_FEATURES_SEL, VIRTIO_MMIO_DEVICE_ID, VIRTIO_MMIO_DRIVER_FEATURES,
@@ -69,6 +73,7 @@ pub fn device_name(t: u32) -> String {
         VIRTIO_ID_BLOCK => "block".into(),
         VIRTIO_ID_RNG => "rng".into(),
         VIRTIO_ID_VSOCK => "vsock".into(),
+        VIRTIO_ID_BALLOON => "balloon".into(),
         _ => format!("device type {t}"),
     }
 }

@@ -72,7 +72,7 @@ pub struct SlotImage {
 
 /// The devices a VM has besides the entropy device every VM gets. Their
 /// MMIO order is fixed (rng, the disks in order, the disk slots, net,
-/// vsock), so that snapshots line up with VMs built from the same
+/// vsock, balloon), so that snapshots line up with VMs built from the same
 /// configuration.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DeviceConfig {
@@ -93,6 +93,10 @@ pub struct DeviceConfig {
     pub net: Option<NetConfig>,
     /// A virtio-vsock device.
     pub vsock: Option<VsockConfig>,
+    /// A virtio-balloon device taking free page reports: memory the guest
+    /// frees goes back to the host. Snapshots restore only into VMs that
+    /// agree on it (it is a device like the others).
+    pub balloon: bool,
 }
 
 /// A raw disk image.

@@ -16,6 +16,7 @@ use crate::devices::{DeviceThread, Devices, ExitState, SerialOut, COM1_IRQ};
 use crate::error::{Error, Result};
 use crate::memory::{GuestRam, PageSet, PAGE_SIZE};
 use crate::vcpu::VcpuHandle;
+use crate::virtio::balloon::Balloon;
 use crate::virtio::blk::{Blk, DiskFile};
 use crate::virtio::net::Net;
 use crate::virtio::vsock::Vsock;
@@ -69,7 +70,8 @@ impl Vm {
             + config.disks.len()
             + config.disk_slots
             + usize::from(config.net.is_some())
-            + usize::from(config.vsock.is_some());
+            + usize::from(config.vsock.is_some())
+            + usize::from(config.balloon);
         if count > virtio::MAX_DEVICES {
             return Err(Error::Config(format!(
                 "{count} virtio devices; a VM has at most {} (interrupt lines {} to {})",
@@ -104,6 +106,9 @@ impl Vm {
         }
         if let Some(v) = &config.vsock {
             boxed.push(Box::new(Vsock::new(v.cid, &v.uds_path)?));
+        }
+        if config.balloon {
+            boxed.push(Box::new(Balloon::new()));
         }
         let kvm = open_kvm()?;
         let fd = kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;

@@ -2,6 +2,8 @@
 //! ([`persist`]), in-place rollback ([`rollback`]) and diagnostics
 //! ([`diagnostics`]). This file holds the [`Vm`] itself and its lifecycle.
 
+#[cfg(test)]
+mod balloon_tests;
 mod config;
 mod create;
 mod diagnostics;
