@@ -249,6 +249,8 @@ pub fn run(args: &Args) -> Result<Value, Error> {
             cid: 3,
             uds_path: root.join("template.vsock"),
         }),
+        // The node's VMMs take free page reports (free_page_reporting).
+        balloon: true,
         ..Default::default()
     };
     let serial = Capture::new();

@@ -28,8 +28,14 @@ pub struct Config {
     pub run_dir: PathBuf,
     /// The `twig-vmm` binary.
     pub vmm_binary: PathBuf,
-    /// Empty disk slots of every VM of the node (and so of every template).
+    /// Empty disk slots of every VM of the node (and so of every template):
+    /// one per app container of a pod (the sandbox container needs none).
     pub disk_slots: u32,
+    /// Every VM of the node (and so every template) has a virtio-balloon
+    /// device taking the guest's free page reports, so memory a pod frees
+    /// goes back to the host (twig-vmm `--balloon`). Templates built
+    /// without it are rebuilt (it is in their id).
+    pub free_page_reporting: bool,
     /// The node's base template.
     pub base: BaseConfig,
     /// The warm pool.
@@ -209,7 +215,8 @@ impl Default for Config {
             allow_copy: false,
             run_dir: PathBuf::from("/run/twig/node"),
             vmm_binary: PathBuf::from("/usr/local/bin/twig-vmm"),
-            disk_slots: 8,
+            disk_slots: 7,
+            free_page_reporting: true,
             base: BaseConfig::default(),
             pool: PoolConfig::default(),
             jail: JailConfig::default(),
@@ -326,10 +333,19 @@ impl Config {
         let bad = |m: String| {
             Error::InvalidArgument(format!("node configuration {}: {m}", path.display()))
         };
-        if self.disk_slots == 0 || self.disk_slots > 10 {
+        // 11 virtio devices at most: the entropy device, the net device,
+        // the vsock and the balloon take four.
+        let max_slots = 8 - u32::from(self.free_page_reporting);
+        if self.disk_slots == 0 || self.disk_slots > max_slots {
             return Err(bad(format!(
-                "disk_slots is {}; it must be 1..=10 (11 virtio devices at most, one is the vsock)",
-                self.disk_slots
+                "disk_slots is {}; it must be 1..={max_slots} (11 virtio devices at most: the \
+                 entropy, net and vsock devices{} take the others)",
+                self.disk_slots,
+                if self.free_page_reporting {
+                    " and the balloon (free_page_reporting)"
+                } else {
+                    ""
+                }
             )));
         }
         if self.base.mem_mib < 16 || self.base.vcpus == 0 || self.base.vcpus > MAX_VCPUS {
@@ -531,6 +547,7 @@ mod tests {
                 "cpus",
             ),
             (r#"{"disk_slots": 11}"#, "disk_slots is 11"),
+            (r#"{"disk_slots": 8}"#, "must be 1..=7"),
             (r#"{"jail": {"uid": 0}}"#, "jail.uid"),
             (r#"{"jail": {"cgroup": "/abs"}}"#, "jail.cgroup"),
             (r#"{"jail": {"cgroup": "a/../b"}}"#, "jail.cgroup"),

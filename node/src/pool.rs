@@ -103,6 +103,8 @@ struct State {
 
 struct Inner {
     vmm_binary: PathBuf,
+    /// Every VMM gets `--balloon` (free page reporting), as its templates.
+    balloon: bool,
     vms_dir: PathBuf,
     jail: Option<Jail>,
     targets: BTreeMap<Shape, usize>,
@@ -172,6 +174,7 @@ impl Pool {
         let pool = Pool {
             inner: Arc::new(Inner {
                 vmm_binary: config.vmm_binary.clone(),
+                balloon: config.free_page_reporting,
                 vms_dir,
                 jail,
                 targets,
@@ -479,6 +482,7 @@ impl Pool {
             // A network device with no tap: the shim sends the pod's tap
             // (`attach_net`) after the restore.
             .arg("--net")
+            .args(self.inner.balloon.then_some("--balloon"))
             .arg("--vsock-uds")
             .arg(own.join("vsock"));
         if let Some(jail) = &self.inner.jail {

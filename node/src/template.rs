@@ -143,7 +143,20 @@ impl Templates {
                 }
             }
         };
-        h.update(format!("{}/{}/{}", shape.mem_mib, shape.vcpus, shape.disk_slots).as_bytes());
+        h.update(
+            format!(
+                "{}/{}/{}/{}",
+                shape.mem_mib,
+                shape.vcpus,
+                shape.disk_slots,
+                if self.config.free_page_reporting {
+                    "balloon"
+                } else {
+                    "no balloon"
+                }
+            )
+            .as_bytes(),
+        );
         let digest = h.finalize();
         let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
         Ok(format!("{BASE_PREFIX}{hex}"))
@@ -224,6 +237,7 @@ impl Templates {
             // Every pod's VM has a network device, attached to its pod's tap
             // after restore: the template has it (detached) too.
             .arg("--net")
+            .args(self.config.free_page_reporting.then_some("--balloon"))
             .args(["--timeout-s", &b.build_timeout_s.to_string()])
             .arg("--serial")
             .arg(&serial)

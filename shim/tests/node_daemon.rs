@@ -63,6 +63,8 @@ fn make_template(dir: &Path, config: &serde_json::Value) -> String {
             cid: 3,
             uds_path: dir.join("tpl.vsock"),
         }),
+        // The node's VMMs take free page reports (free_page_reporting).
+        balloon: true,
         ..Default::default()
     };
     let serial = Capture::new();

@@ -89,8 +89,8 @@ pub fn config(dir: &Path, size: usize) -> serde_json::Value {
 
 /// Makes the published snapshot `id` in the node store `<dir>/store`: the
 /// test guest booted in a VM of the test shape (its devices those of a
-/// pooled VMM: the node's disk slots, a detached network device and a
-/// vsock device), full snapshot.
+/// pooled VMM: the node's disk slots, a detached network device, a vsock
+/// device and the balloon of free page reporting), full snapshot.
 pub fn make_template(dir: &Path, id: &str) {
     make_template_of(dir, id, MIB);
 }
@@ -111,6 +111,7 @@ pub fn make_template_of(dir: &Path, id: &str, mib: u32) {
             cid: 3,
             uds_path: dir.join(format!("{id}.vsock")),
         }),
+        balloon: true,
         ..Default::default()
     };
     let serial = Capture::new();
