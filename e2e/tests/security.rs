@@ -1,7 +1,11 @@
 //! A pod's security context, as kubelet passes it through CRI, holds
 //! inside the microVM as it does under runc: `runAsUser`/`runAsGroup`,
 //! capabilities dropped (no `chown`, no port 80), the `RuntimeDefault`
-//! seccomp profile, and a read-only root file system. Each check runs
+//! seccomp profile (`unshare` and `keyctl` refused with EPERM by the filter:
+//! without it the guest's kernel answers EINVAL and ENOSYS, having neither
+//! user namespaces nor keys), and a read-only root file system. The
+//! containers run the lab's Python image (busybox and python3.11), so a
+//! raw `keyctl` can be made through ctypes. Each check runs
 //! through `ExecSync` in a container that has the context (an exec gets
 //! its container's user, capabilities and filter), with twig's runtime
 //! and, as the reference, with runc's. Built with `--features lab` and
@@ -14,7 +18,14 @@ use twig_cri::api::{self, security_profile::ProfileType};
 use twig_cri::container_config;
 use twig_e2e::cri::CriNode;
 use twig_e2e::crilab::runtime;
-use twig_e2e::IMAGE_REF;
+
+/// The lab's Python image (tests/lab/run.sh: `TWIG_E2E_PYTHON_IMAGE`).
+const PYTHON_REF: &str = "docker.io/library/twig-e2e-python:v1";
+/// `keyctl(KEYCTL_GET_KEYRING_ID, 0)` through libc's `syscall`: prints
+/// `keyctl <result> <errno>`.
+const KEYCTL: &str =
+    "/usr/bin/python3.11 -c 'import ctypes; c = ctypes.CDLL(None, use_errno=True); \
+     r = c.syscall(250, 0, 0); print(\"keyctl\", r, ctypes.get_errno())'";
 
 /// Deadline of one check (TCG).
 const EXEC: Duration = Duration::from_secs(60);
@@ -23,7 +34,7 @@ const EXEC: Duration = Duration::from_secs(60);
 fn container(name: &str, security: api::LinuxContainerSecurityContext) -> api::ContainerConfig {
     let mut config = container_config(
         name,
-        IMAGE_REF,
+        PYTHON_REF,
         &["/bin/sleep", "100000"],
         &format!("{name}.log"),
     );
@@ -40,6 +51,11 @@ fn secure(handler: &str) {
 
 async fn scenario(handler: &str) {
     let node = CriNode::start().unwrap_or_else(|e| panic!("CRI node: {e}"));
+    let image = std::env::var_os("TWIG_E2E_PYTHON_IMAGE").unwrap_or_else(|| {
+        panic!("TWIG_E2E_PYTHON_IMAGE is not set: run this test through tests/lab/run.sh")
+    });
+    node.import_image(std::path::Path::new(&image))
+        .unwrap_or_else(|e| panic!("importing the Python image: {e}"));
     let cri = node.client().await.unwrap_or_else(|e| panic!("{e}"));
     let fail = |what: &str, e: twig_cri::Error| -> ! { panic!("{}", node.cri_error(what, e)) };
     let pod = node.pod_config("secctx").unwrap_or_else(|e| panic!("{e}"));
@@ -95,11 +111,11 @@ async fn scenario(handler: &str) {
             .unwrap_or_else(|e| fail("StartContainer", e));
         ids.push(id);
     }
-    let run = |i: usize, script: &'static str| {
+    let run = |i: usize, script: String| {
         let (cri, id) = (&cri, ids[i].clone());
         async move {
             let out = cri
-                .exec_sync(&id, &["/bin/sh", "-c", script], EXEC)
+                .exec_sync(&id, &["/bin/sh", "-c", &script], EXEC)
                 .await
                 .unwrap_or_else(|e| fail("ExecSync", e));
             format!(
@@ -110,7 +126,7 @@ async fn scenario(handler: &str) {
         }
     };
 
-    let out = run(0, "echo uid=$(id -u) gid=$(id -g)").await;
+    let out = run(0, "echo uid=$(id -u) gid=$(id -g)".to_string()).await;
     assert_eq!(
         out.trim(),
         "uid=1000 gid=1001",
@@ -120,7 +136,8 @@ async fn scenario(handler: &str) {
     let out = run(
         1,
         "grep CapEff /proc/self/status; chown 1 /etc/passwd 2>/dev/null; echo chown=$?; \
-         timeout 5 nc -l -p 80 2>/dev/null; echo bind=$?",
+         timeout 5 nc -l -p 80 2>/dev/null; echo bind=$?"
+            .to_string(),
     )
     .await;
     assert!(
@@ -132,23 +149,38 @@ async fn scenario(handler: &str) {
         "{handler}: port 80 needs CAP_NET_BIND_SERVICE: {out}"
     );
 
-    let out = run(2, "grep -E '^(Seccomp|NoNewPrivs):' /proc/self/status").await;
+    let out = run(
+        2,
+        "grep -E '^(Seccomp|NoNewPrivs):' /proc/self/status".to_string(),
+    )
+    .await;
     assert!(
         out.contains("Seccomp:\t2"),
         "{handler}: RuntimeDefault installs a filter: {out}"
     );
-    let out = run(1, "grep '^Seccomp:' /proc/self/status").await;
+    let out = run(1, "grep '^Seccomp:' /proc/self/status".to_string()).await;
     assert!(
         out.contains("Seccomp:\t0"),
         "{handler}: without a profile there is no filter: {out}"
     );
+    let blocked = format!("unshare -U true 2>&1; echo unshare=$?; {KEYCTL}");
+    let out = run(2, blocked).await;
+    assert!(
+        out.contains("Operation not permitted") && out.contains("keyctl -1 1\n"),
+        "{handler}: RuntimeDefault refuses unshare and keyctl with EPERM: {out}"
+    );
+    let out = run(1, KEYCTL.to_string()).await;
+    assert!(
+        out.contains("keyctl ") && !out.contains("keyctl -1 1\n"),
+        "{handler}: without a filter keyctl is not refused with EPERM: {out}"
+    );
 
-    let out = run(3, "touch /written 2>&1; echo touch=$?").await;
+    let out = run(3, "touch /written 2>&1; echo touch=$?".to_string()).await;
     assert!(
         out.contains("touch=1") && out.contains("Read-only file system"),
         "{handler}: readOnlyRootFilesystem: {out}"
     );
-    let out = run(0, "touch /written-by-1000 2>&1; echo touch=$?").await;
+    let out = run(0, "touch /written-by-1000 2>&1; echo touch=$?".to_string()).await;
     assert!(
         out.contains("touch=1") && out.contains("Permission denied"),
         "{handler}: uid 1000 cannot write root's /: {out}"
