@@ -7,6 +7,7 @@ use twig_controller_testkit as support;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::api::{DeleteParams, ObjectMeta, PostParams};
 use kube::{Api, ResourceExt};
 use twig_controller::crd::{DeletionPolicy, Phase, Rollback, RollbackSpec, Snapshot};
@@ -17,13 +18,32 @@ use support::{api_server, event_reasons, eventually, running_pod, start_controll
 use support::{snapshot, snapshot_in};
 
 fn reason_of<'a>(
-    conditions: impl IntoIterator<Item = &'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>,
+    conditions: impl IntoIterator<Item = &'a Condition>,
     type_: &str,
 ) -> Option<String> {
     conditions
         .into_iter()
         .find(|c| c.type_ == type_ && c.status == "True")
         .map(|c| c.reason.clone())
+}
+
+/// The `DeletionBlocked` condition of the deleting Snapshot `name`, once
+/// it has one.
+async fn deletion_blocked(client: &kube::Client, name: &str) -> Condition {
+    let held = wait_for(client, name, "its deletion held", |s: &Snapshot| {
+        reason_of(
+            s.status.iter().flat_map(|st| &st.conditions),
+            DELETION_BLOCKED,
+        )
+        .is_some()
+    })
+    .await;
+    assert!(held.metadata.deletion_timestamp.is_some());
+    held.status
+        .into_iter()
+        .flat_map(|s| s.conditions)
+        .find(|c| c.type_ == DELETION_BLOCKED)
+        .expect("condition")
 }
 
 #[tokio::test]
@@ -190,21 +210,7 @@ async fn a_parent_snapshot_is_kept_while_a_child_builds_on_it() {
     api.delete("parent", &DeleteParams::default())
         .await
         .expect("delete parent");
-    let held = wait_for(&client, "parent", "held for its child", |s: &Snapshot| {
-        reason_of(
-            s.status.iter().flat_map(|st| &st.conditions),
-            DELETION_BLOCKED,
-        )
-        .is_some()
-    })
-    .await;
-    assert!(held.metadata.deletion_timestamp.is_some());
-    let condition = held
-        .status
-        .iter()
-        .flat_map(|s| &s.conditions)
-        .find(|c| c.type_ == DELETION_BLOCKED)
-        .expect("condition");
+    let condition = deletion_blocked(&client, "parent").await;
     assert_eq!(condition.reason, "ChildSnapshotsExist");
     assert!(condition
         .message
@@ -277,26 +283,7 @@ async fn a_parent_is_kept_while_a_retained_childs_data_needs_it() {
     api.delete("parent", &DeleteParams::default())
         .await
         .expect("delete parent");
-    let held = wait_for(
-        &client,
-        "parent",
-        "held for the retained data",
-        |s: &Snapshot| {
-            reason_of(
-                s.status.iter().flat_map(|st| &st.conditions),
-                DELETION_BLOCKED,
-            )
-            .is_some()
-        },
-    )
-    .await;
-    assert!(held.metadata.deletion_timestamp.is_some());
-    let condition = held
-        .status
-        .iter()
-        .flat_map(|s| &s.conditions)
-        .find(|c| c.type_ == DELETION_BLOCKED)
-        .expect("condition");
+    let condition = deletion_blocked(&client, "parent").await;
     assert_eq!(condition.reason, "NodeKeepsData");
     assert!(
         condition.message.contains(&child_id) && condition.message.contains("is its child"),
