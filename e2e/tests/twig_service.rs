@@ -53,21 +53,35 @@ fn snap_id(name: &str) -> String {
     format!("e2e-{}-{name}", std::process::id())
 }
 
-/// `ctr run -d` of the counter as `id`, a CRI-style pod sandbox of pod
-/// `uid` named `counter`; waits until it has counted.
+/// A CRI-style pod `id` of pod `uid`, made with `ctr run -d` as CRI makes
+/// one: its sandbox container (which the shim gives the agent's built-in
+/// pause) and one app container, `counter` ([`counter_of`]), running the
+/// counter; waits until it has counted.
 fn run_counter(node: &Node, id: &str, uid: &str) {
     let uid_note = format!("io.kubernetes.cri.sandbox-uid={uid}");
     run_detached(
         node,
         id,
+        &["io.kubernetes.cri.container-type=sandbox", &uid_note],
+        "sleep 1000000",
+    );
+    let sandbox_note = format!("io.kubernetes.cri.sandbox-id={id}");
+    run_detached(
+        node,
+        &counter_of(id),
         &[
-            "io.kubernetes.cri.container-type=sandbox",
-            &uid_note,
+            "io.kubernetes.cri.container-type=container",
+            &sandbox_note,
             "io.kubernetes.cri.container-name=counter",
         ],
         COUNTER,
     );
     wait_count(node, id, "/dev/shm/count", |n| n >= 3);
+}
+
+/// The counter container of pod `id`.
+fn counter_of(id: &str) -> String {
+    format!("{id}-counter")
 }
 
 /// `ctr run -d` of `script` as `id` with the OCI annotations `notes`.
@@ -96,10 +110,12 @@ fn run_detached(node: &Node, id: &str, notes: &[&str], script: &str) {
 
 static EXECS: AtomicU32 = AtomicU32::new(0);
 
-/// `ctr task exec` of `argv` in `id`: (exit code, stdout).
+/// `ctr task exec` of `argv` in pod `id`'s counter container: (exit
+/// code, stdout).
 fn exec(node: &Node, id: &str, argv: &[&str]) -> (Option<i32>, String) {
     let exec_id = format!("x{}", EXECS.fetch_add(1, Ordering::SeqCst));
-    let mut args = vec!["task", "exec", "--exec-id", &exec_id, id];
+    let counter = counter_of(id);
+    let mut args = vec!["task", "exec", "--exec-id", &exec_id, &counter];
     args.extend_from_slice(argv);
     let out = node
         .ctr(args)
@@ -143,21 +159,24 @@ fn task_running(node: &Node, id: &str) -> bool {
     })
 }
 
-/// Kills task `id` and deletes it once it stopped, so its shim stops the VM.
+/// Kills pod `id`'s tasks (its counter, then its sandbox) and deletes
+/// each once it stopped, so its shim stops the VM.
 fn stop(node: &Node, id: &str) {
-    node.ctr_ok(["task", "kill", "-s", "KILL", id])
-        .unwrap_or_else(|e| panic!("{e}\n{}", node.logs()));
-    let deadline = Instant::now() + PROGRESS;
-    while task_running(node, id) {
-        assert!(
-            Instant::now() < deadline,
-            "{id} did not stop\n{}",
-            node.logs()
-        );
-        std::thread::sleep(POLL);
+    for task in [counter_of(id), id.to_string()] {
+        node.ctr_ok(["task", "kill", "-s", "KILL", &task])
+            .unwrap_or_else(|e| panic!("{e}\n{}", node.logs()));
+        let deadline = Instant::now() + PROGRESS;
+        while task_running(node, &task) {
+            assert!(
+                Instant::now() < deadline,
+                "{task} did not stop\n{}",
+                node.logs()
+            );
+            std::thread::sleep(POLL);
+        }
+        node.ctr_ok(["task", "delete", &task])
+            .unwrap_or_else(|e| panic!("{e}\n{}", node.logs()));
     }
-    node.ctr_ok(["task", "delete", id])
-        .unwrap_or_else(|e| panic!("{e}\n{}", node.logs()));
 }
 
 fn pod(uid: &str) -> Pod {
@@ -347,5 +366,5 @@ fn a_snapshot_into_a_full_store_fails_cleanly_and_the_pod_runs_on() {
         .block_on(shim.snapshot(&sandbox, "full-1", SnapshotMode::Full))
         .unwrap_or_else(|e| panic!("snapshot with room: {e}\n{}", node.logs()));
     assert_eq!(info.snapshot_id, "full-1");
-    node.ctr_ok(["task", "kill", "-s", "KILL", id]).unwrap();
+    stop(&node, id);
 }
