@@ -116,19 +116,7 @@ impl Services {
         let shape = if req.memory_mib == 0 && req.vcpus == 0 {
             choose(&offered, default, &need, reserve)?
         } else {
-            let exact = Shape {
-                mem_mib: if req.memory_mib == 0 {
-                    default.mem_mib
-                } else {
-                    req.memory_mib
-                },
-                vcpus: if req.vcpus == 0 {
-                    default.vcpus
-                } else {
-                    req.vcpus
-                },
-                disk_slots: default.disk_slots,
-            };
+            let exact = Shape::asked(default, req.memory_mib, req.vcpus);
             if !offered.contains(&exact) {
                 return Err(Error::InvalidArgument(format!(
                     "{exact} asked for is not a VM shape of this node; it offers {}",
@@ -267,19 +255,7 @@ impl Services {
         non_empty("name", &req.name)?;
         let spec = Spec::from_request(req)?;
         let base = self.templates.default_shape();
-        let wanted = Shape {
-            mem_mib: if req.memory_mib == 0 {
-                base.mem_mib
-            } else {
-                req.memory_mib
-            },
-            vcpus: if req.vcpus == 0 {
-                base.vcpus
-            } else {
-                req.vcpus
-            },
-            disk_slots: base.disk_slots,
-        };
+        let wanted = Shape::asked(base, req.memory_mib, req.vcpus);
         if wanted != base {
             return Err(Error::FailedPrecondition(format!(
                 "template {}: {wanted} asked for, but this node builds app templates in its \

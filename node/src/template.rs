@@ -34,6 +34,19 @@ pub struct Shape {
     pub disk_slots: u32,
 }
 
+impl Shape {
+    /// The shape a request names: its RAM and vCPUs, each 0 meaning
+    /// `default`'s, with `default`'s disk slots.
+    pub fn asked(default: Shape, mem_mib: u32, vcpus: u32) -> Shape {
+        let or = |asked: u32, default: u32| if asked == 0 { default } else { asked };
+        Shape {
+            mem_mib: or(mem_mib, default.mem_mib),
+            vcpus: or(vcpus, default.vcpus),
+            disk_slots: default.disk_slots,
+        }
+    }
+}
+
 impl std::fmt::Display for Shape {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
