@@ -6,6 +6,7 @@ mod demo;
 mod linux;
 mod net;
 mod node;
+mod objects;
 mod shim;
 mod snapshotter;
 mod stats;
@@ -44,6 +45,9 @@ enum Command {
     /// Pod start through containerd's CRI plugin (RunPodSandbox + CreateContainer +
     /// StartContainer → first output) at concurrency 1 and 8, per runtime handler.
     Cri(cri::Args),
+    /// Snapshot, Rollback and Clone ×N through the Kubernetes objects against their
+    /// cost at the shim (in the nested lab: tests/lab/run.sh --bench objects).
+    Objects(objects::Args),
     /// The shim's own time per pod (Task calls minus the waits on the sandbox),
     /// on the host's CPUs: containerd's calls over ttrpc against twig-agent on the host.
     Shim(shim::Args),
@@ -60,6 +64,7 @@ fn main() {
         Command::Demo(args) => demo::run(&args),
         Command::Node(args) => node::run(&args),
         Command::Shim(args) => shim::run(&args),
+        Command::Objects(args) => objects::run(&args),
     };
     match result {
         Ok(value) => {

@@ -7,7 +7,7 @@ use std::net::TcpListener;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use twig_cri::CriClient;
+use twig_cri::{api, CriClient};
 
 use crate::cri::CriNode;
 
@@ -123,6 +123,31 @@ impl CriLab {
             );
             tokio::time::sleep(POLL).await;
         }
+    }
+
+    /// RunPodSandbox of `pod` on runtime `handler`, then CreateContainer +
+    /// StartContainer of `container`: (sandbox id, container id).
+    pub async fn run_pod(
+        &self,
+        pod: &api::PodSandboxConfig,
+        handler: &str,
+        container: &api::ContainerConfig,
+    ) -> (String, String) {
+        let pod_id = self
+            .cri
+            .run_pod_sandbox(pod, handler)
+            .await
+            .unwrap_or_else(|e| self.fail("RunPodSandbox", e));
+        let id = self
+            .cri
+            .create_container(&pod_id, container, pod)
+            .await
+            .unwrap_or_else(|e| self.fail("CreateContainer", e));
+        self.cri
+            .start_container(&id)
+            .await
+            .unwrap_or_else(|e| self.fail("StartContainer", e));
+        (pod_id, id)
     }
 
     /// StopPodSandbox and RemovePodSandbox.

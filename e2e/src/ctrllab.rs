@@ -13,10 +13,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
-use kube::api::ObjectMeta;
+use kube::api::{DeleteParams, ListParams, ObjectMeta};
 use kube::{Api, Client, Resource};
 use tokio::task::JoinHandle;
-use twig_controller::crd::RUNTIME_CLASS;
+use twig_controller::crd::{
+    DeletionPolicy, Phase, Snapshot, SnapshotMode, SnapshotSpec, SnapshotStatus, RUNTIME_CLASS,
+};
 use twig_controller::metrics::Metrics;
 use twig_controller::sandbox::ContainerdLocator;
 use twig_controller::shim::{TtrpcNode, TtrpcShim};
@@ -245,6 +247,75 @@ impl CtrlLab {
     /// `sh -c script` in container `id`: (exit code, stdout trimmed).
     pub async fn sh(&self, id: &str, script: &str) -> (i32, String) {
         self.exec(id, &["sh", "-c", script]).await
+    }
+
+    /// Takes a full Snapshot `name` of pod `pod` and waits until it is done,
+    /// which must be Ready.
+    pub async fn snapshot(&self, name: &str, pod: &str) -> SnapshotStatus {
+        testkit::create(
+            &self.client,
+            &Snapshot::new(
+                name,
+                SnapshotSpec {
+                    pod_name: pod.into(),
+                    pod_uid: None,
+                    mode: SnapshotMode::Full,
+                    deletion_policy: DeletionPolicy::Delete,
+                    ttl_seconds_after_ready: None,
+                    failure_deadline_seconds: None,
+                },
+            ),
+        )
+        .await;
+        let snap: Snapshot = self
+            .wait_for(name, "done", |s: &Snapshot| {
+                s.status
+                    .as_ref()
+                    .is_some_and(|s| matches!(s.phase, Phase::Ready | Phase::Failed))
+            })
+            .await;
+        let status = snap.status.clone().unwrap_or_default();
+        assert_eq!(status.phase, Phase::Ready, "{status:#?}\n{}", self.logs());
+        status
+    }
+
+    /// Deletes the Snapshots `names` one after the other, each gone (its
+    /// finalizer let go) before the next: a child before its parent.
+    pub async fn delete_snapshots(&self, names: &[&str]) {
+        let snapshots: Api<Snapshot> = Api::namespaced(self.client.clone(), NS);
+        for name in names {
+            snapshots
+                .delete(name, &DeleteParams::default())
+                .await
+                .unwrap_or_else(|e| panic!("deleting Snapshot {name}: {e}"));
+            until(
+                &format!("Snapshot {name}'s finalizer to let go"),
+                READY,
+                || async { matches!(snapshots.get_opt(name).await, Ok(None)).then_some(()) },
+            )
+            .await;
+        }
+    }
+
+    /// Waits until no pod is left in the API server, no sandbox in CRI, and
+    /// nothing of the pods' VMMs `vmms` on the node.
+    pub async fn nothing_left(&self, vmms: &[u32]) {
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), NS);
+        until("the pods to be gone", READY, || async {
+            let left = pods.list(&ListParams::default()).await.ok()?.items;
+            left.is_empty().then_some(())
+        })
+        .await;
+        until(
+            "the sandboxes and everything of them to go",
+            READY,
+            || async {
+                let sandboxes = self.cri.list_pod_sandboxes().await.ok()?;
+                let left = self.node.leftovers(vmms);
+                (sandboxes.is_empty() && left.is_empty()).then_some(())
+            },
+        )
+        .await;
     }
 
     /// The CRI sandbox of the pod with UID `uid`.

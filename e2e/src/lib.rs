@@ -21,6 +21,7 @@ pub mod must;
 mod node;
 mod process;
 mod recovery;
+pub mod redis;
 mod twig;
 
 use std::os::unix::fs::PermissionsExt;

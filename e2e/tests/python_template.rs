@@ -87,22 +87,8 @@ fn now_s() -> f64 {
 /// Starts a pod of `pod` whose one container runs `command`; returns the
 /// pod's and the container's ids.
 async fn run(lab: &CriLab, pod: &PodSandboxConfig, command: &[&str]) -> (String, String) {
-    let pod_id = lab
-        .cri
-        .run_pod_sandbox(pod, "twig")
-        .await
-        .unwrap_or_else(|e| lab.fail("RunPodSandbox", e));
     let config = container_config("python", PYTHON_REF, command, "python.log");
-    let id = lab
-        .cri
-        .create_container(&pod_id, &config, pod)
-        .await
-        .unwrap_or_else(|e| lab.fail("CreateContainer", e));
-    lab.cri
-        .start_container(&id)
-        .await
-        .unwrap_or_else(|e| lab.fail("StartContainer", e));
-    (pod_id, id)
+    lab.run_pod(pod, "twig", &config).await
 }
 
 /// The interpreter's answer to [`EXPR`].

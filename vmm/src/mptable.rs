@@ -6,7 +6,8 @@
 //! ISA bus, the in-kernel IOAPIC with the 24 IRQs identity-mapped to its
 //! pins (what KVM's default GSI routing does), and LINT0/LINT1 as ExtINT
 //! and NMI. Without it Linux sees only the bootstrap processor, however
-//! many vCPUs the VM has.
+//! many vCPUs the VM has, and runs without its local APIC: its timer
+//! interrupts then come from the PIT. Every guest booted gets one.
 
 use vm_memory::{Bytes, GuestAddress};
 

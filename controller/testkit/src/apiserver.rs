@@ -27,7 +27,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -97,6 +97,11 @@ struct Change {
 struct Inner {
     rv: u64,
     uids: u64,
+    /// The first group of every UID this server gives, unique to it: UIDs
+    /// are unique across servers, as kube-apiserver's random ones are (two
+    /// tests' servers in one node store must not give the same snapshot
+    /// UID).
+    uid_epoch: u32,
     objects: BTreeMap<Key, Value>,
     managed: ssa::Table<Key>,
     history: Vec<Arc<Change>>,
@@ -156,7 +161,10 @@ impl TestApiServer {
         let addr = listener.local_addr().expect("local addr");
         let (changes, _) = broadcast::channel(8192);
         let state = Arc::new(State {
-            inner: Mutex::default(),
+            inner: Mutex::new(Inner {
+                uid_epoch: uid_epoch(),
+                ..Inner::default()
+            }),
             requests: Mutex::default(),
             forbidden: Mutex::default(),
             proxy_turn: AtomicUsize::new(0),
@@ -597,6 +605,16 @@ fn get(
     }
 }
 
+/// A number unlikely to repeat across servers: the time's nanoseconds and
+/// the process id.
+fn uid_epoch() -> u32 {
+    static SERVERS: AtomicUsize = AtomicUsize::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    nanos ^ std::process::id().rotate_left(16) ^ (SERVERS.fetch_add(1, Ordering::Relaxed) as u32)
+}
+
 fn filter(target: &Target, params: &BTreeMap<String, String>) -> Filter {
     Filter {
         api: target.api.clone(),
@@ -788,7 +806,10 @@ fn create(state: &State, target: &Target, mut obj: Value, manager: &str) -> Resp
     if let Some(namespace) = namespace {
         meta["namespace"] = json!(namespace);
     }
-    meta["uid"] = json!(format!("00000000-0000-0000-0000-{:012x}", inner.uids));
+    meta["uid"] = json!(format!(
+        "{:08x}-0000-4000-8000-{:012x}",
+        inner.uid_epoch, inner.uids
+    ));
     meta["creationTimestamp"] = json!(now());
     meta["generation"] = json!(1);
     if let Some(m) = meta.as_object_mut() {

@@ -52,9 +52,10 @@ pub const MMIO_BASE: u64 = 0xd000_0000;
 pub const MMIO_SIZE: u64 = 0x1000;
 /// First device's interrupt line.
 pub const IRQ_BASE: u32 = 5;
-/// Last interrupt line a device may use: the guest has no MP table, so it
-/// drives the legacy PIC, whose lines end at 15 (KVM routes GSIs 16-23 to
-/// the IOAPIC only).
+/// Last interrupt line a device may use: the legacy PIC's last, so that
+/// snapshots of guests booted without an MP table (which drive the PIC
+/// only; KVM routes GSIs 16-23 to the IOAPIC only) restore with the same
+/// lines.
 pub const IRQ_LAST: u32 = 15;
 /// Most virtio devices a VM can have.
 pub const MAX_DEVICES: usize = (IRQ_LAST - IRQ_BASE + 1) as usize;

@@ -205,12 +205,13 @@ impl Vm {
             initrd,
             &cmdline,
         )?;
-        // Without ACPI, Linux learns of CPUs other than the one it boots
-        // on from an MP table only (a one-vCPU guest's memory stays as
-        // it was).
-        if self.vcpus.len() > 1 {
-            crate::mptable::write(self.ram.memory(), self.vcpus.len())?;
-        }
+        // Without ACPI, Linux learns of its CPUs, its local APICs and the
+        // IOAPIC from an MP table only, one vCPU or many. Without one it
+        // runs in virtual wire mode: no local APIC timer, so its only
+        // clock event device is the PIT (three port writes, three VM exits,
+        // each time it programs the next timer) and its interrupts go
+        // through the legacy PIC.
+        crate::mptable::write(self.ram.memory(), self.vcpus.len())?;
         let supported = arch::supported_cpuid(&self.kvm)?;
         let sregs_mem = self.ram.memory().clone();
         let mut cpuids = Vec::with_capacity(self.vcpus.len());

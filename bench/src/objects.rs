@@ -1,0 +1,427 @@
+//! Twig's Kubernetes objects against their cost at the shim, in the nested
+//! lab (`tests/lab/run.sh --bench objects`). On twig-e2e's [`CtrlLab`]
+//! (containerd's CRI plugin, the twig shim, twig-node, the controller
+//! reconciling in the testkit's API server, the test kubelet), with one
+//! agent pod that counts in memory:
+//!
+//! - **Snapshot**: a Snapshot object created → `Ready` (seen by a watch),
+//!   against the shim's `Snapshot` call on the same pod, rounds alternating;
+//! - **Rollback**: a Rollback object (no safety snapshot, then with one, the
+//!   default) created → `Ready` → the pod's container answers an exec,
+//!   against the shim's `Rollback` call → the same exec;
+//! - **Clone ×N**: a Clone of N replicas created → `Ready` (all N pods
+//!   Ready, as the kubelet reports them), against what the kubelet does for
+//!   N clone pods with no controller or API server: N RunPodSandbox +
+//!   CreateContainer + StartContainer through CRI at once, annotated
+//!   `twig.dev/restore-from` with the snapshot's node-store id.
+//!
+//! The difference is the controller's overhead: its reconcile, the API
+//! server's round trips and the kubelet's watch. The pods are on the node's
+//! network (no eBPF path: eBPF verification beside nested guests provokes
+//! the lab's wedges, tests/lab/README.md), both ways.
+
+use std::time::{Duration, Instant};
+
+use futures::future::try_join_all;
+use k8s_openapi::api::core::v1::{Container, Pod};
+use kube::api::{DeleteParams, ListParams};
+use kube::runtime::wait::await_condition;
+use kube::{Api, Resource};
+use serde_json::{json, Value};
+use twig_controller::crd::{
+    CloneSource, CloneSpec, DeletionPolicy, Phase, PodClone, Rollback, RollbackSpec, Snapshot,
+    SnapshotMode, SnapshotSpec, CLONE_LABEL, RESTORE_FROM_ANNOTATION,
+};
+use twig_controller::sandbox::{ContainerdLocator, SandboxLocator};
+use twig_controller::shim::{Sandbox, TtrpcShim, TwigShim};
+use twig_controller_testkit::{self as testkit, NS};
+use twig_cri::CriClient;
+use twig_e2e::cri::{CALL, CRI_NAMESPACE};
+use twig_e2e::ctrllab::{twig_pod, CtrlLab};
+
+use crate::stats::{Context, Error, Report, Summary};
+
+/// How long one step may take in the lab (64 guests restored under TCG).
+const DEADLINE: Duration = Duration::from_secs(900);
+/// The agent's container.
+const CONTAINER: &str = "agent";
+/// The agent: counts in memory (`/dev/shm`) every 100 ms.
+const AGENT: &str = "i=0; while :; do i=$((i+1)); echo $i > /dev/shm/n.new; \
+     mv /dev/shm/n.new /dev/shm/n; sleep 0.1; done";
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Rounds of Snapshot and of each Rollback, each way.
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    /// The Clones' fan-outs, each measured once each way.
+    #[arg(long, value_delimiter = ',', default_value = "8,64")]
+    replicas: Vec<usize>,
+}
+
+pub fn run(args: &Args) -> Result<Value, Error> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context(|| "tokio runtime".into())?;
+    rt.block_on(bench(args))
+}
+
+async fn bench(args: &Args) -> Result<Value, Error> {
+    let lab = CtrlLab::start("objects", &[]).await;
+    let mut pod = twig_pod(
+        "agent",
+        Container {
+            name: CONTAINER.into(),
+            image: Some(twig_e2e::IMAGE_REF.into()),
+            command: Some(vec!["/bin/sh".into(), "-c".into(), AGENT.into()]),
+            ..Default::default()
+        },
+    );
+    if let Some(spec) = pod.spec.as_mut() {
+        spec.host_network = Some(true);
+    }
+    testkit::create(&lab.client, &pod).await;
+    let (pod, ctr) = lab.running("agent", CONTAINER).await;
+    let b = Bench {
+        lab: &lab,
+        ctr,
+        sandbox: ContainerdLocator {
+            task_dir: lab
+                .node
+                .node()
+                .dir()?
+                .join("containerd/state/io.containerd.runtime.v2.task")
+                .join(CRI_NAMESPACE),
+        }
+        .locate(&pod)
+        .await
+        .context(|| "ContainerdLocator: the agent pod's shim".into())?,
+        shim: TtrpcShim { timeout: CALL },
+    };
+    b.answers().await?;
+    lab.step("agent pod running");
+    let mut report = Report::default();
+    b.snapshots(args.rounds, &mut report).await?;
+    b.rollbacks(args.rounds, &mut report).await?;
+    let source = b.object_snapshot("clone-source").await?;
+    for &n in &args.replicas {
+        b.clones(n, &source, &mut report).await?;
+    }
+    Ok(report.into_value())
+}
+
+struct Bench<'a> {
+    lab: &'a CtrlLab,
+    /// The agent pod's container (CRI id).
+    ctr: String,
+    /// The agent pod's shim, as the controller finds it.
+    sandbox: Sandbox,
+    shim: TtrpcShim,
+}
+
+impl Bench<'_> {
+    fn cri(&self) -> &CriClient {
+        &self.lab.cri
+    }
+
+    /// The agent's container answers an exec with its counter.
+    async fn answers(&self) -> Result<u64, Error> {
+        let out = self
+            .cri()
+            .exec_sync(&self.ctr, &["cat", "/dev/shm/n"], DEADLINE)
+            .await
+            .context(|| "exec in the agent".into())?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        if out.exit_code != 0 {
+            return Err(format!("exec in the agent exited {}: {text}", out.exit_code).into());
+        }
+        text.trim()
+            .parse()
+            .context(|| format!("the agent's counter reads {text:?}"))
+    }
+
+    /// A Snapshot object of the agent pod, created and awaited: its
+    /// node-store id.
+    async fn object_snapshot(&self, name: &str) -> Result<String, Error> {
+        let snapshot = Snapshot::new(
+            name,
+            SnapshotSpec {
+                pod_name: "agent".into(),
+                pod_uid: None,
+                mode: SnapshotMode::Incremental,
+                deletion_policy: DeletionPolicy::Delete,
+                ttl_seconds_after_ready: None,
+                failure_deadline_seconds: None,
+            },
+        );
+        testkit::create(&self.lab.client, &snapshot).await;
+        let done = self
+            .until_done(name, |s: &Snapshot| {
+                s.status.as_ref().map(|s| (s.phase, s.message.clone()))
+            })
+            .await?;
+        done.status
+            .and_then(|s| s.snapshot_id)
+            .ok_or_else(|| format!("Snapshot {name} is Ready without a snapshot id").into())
+    }
+
+    /// Waits (watching) until the object `name` is Ready or Failed; Failed
+    /// is an error with its message.
+    async fn until_done<K>(
+        &self,
+        name: &str,
+        phase: impl Fn(&K) -> Option<(Phase, Option<String>)>,
+    ) -> Result<K, Error>
+    where
+        K: Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
+            + Clone
+            + k8s_openapi::serde::de::DeserializeOwned
+            + std::fmt::Debug
+            + Send
+            + 'static,
+    {
+        let api: Api<K> = Api::namespaced(self.lab.client.clone(), NS);
+        let done = |o: Option<&K>| {
+            o.and_then(&phase)
+                .is_some_and(|(p, _)| matches!(p, Phase::Ready | Phase::Failed))
+        };
+        let got = tokio::time::timeout(DEADLINE, await_condition(api, name, done))
+            .await
+            .map_err(|_| format!("{name} not done within {DEADLINE:?}\n{}", self.lab.logs()))?
+            .context(|| format!("watching {name}"))?
+            .ok_or_else(|| format!("{name} was deleted"))?;
+        match phase(&got) {
+            Some((Phase::Ready, _)) => Ok(got),
+            other => Err(format!("{name} failed: {other:?}\n{}", self.lab.logs()).into()),
+        }
+    }
+
+    /// Snapshot object → Ready, against the shim's Snapshot, alternating.
+    async fn snapshots(&self, rounds: usize, report: &mut Report) -> Result<(), Error> {
+        let (mut objects, mut shims) = (Vec::new(), Vec::new());
+        for i in 0..rounds {
+            let t = Instant::now();
+            self.object_snapshot(&format!("snap-{i}")).await?;
+            objects.push(t.elapsed());
+            let t = Instant::now();
+            self.shim
+                .snapshot(
+                    &self.sandbox,
+                    &format!("bench-snap-{i}"),
+                    SnapshotMode::Incremental,
+                )
+                .await
+                .context(|| "the shim's Snapshot".into())?;
+            shims.push(t.elapsed());
+        }
+        self.lab.step("snapshots measured");
+        compare(report, "snapshot", &objects, &shims);
+        Ok(())
+    }
+
+    /// Rollback object → Ready → the pod answers, against the shim's
+    /// Rollback → the pod answers; without a safety snapshot, then with.
+    async fn rollbacks(&self, rounds: usize, report: &mut Report) -> Result<(), Error> {
+        let target = self.object_snapshot("rewind-to").await?;
+        for safety in [false, true] {
+            let (mut objects, mut shims) = (Vec::new(), Vec::new());
+            for i in 0..rounds {
+                let name = format!("rewind-{}-{i}", if safety { "safe" } else { "plain" });
+                let t = Instant::now();
+                testkit::create(
+                    &self.lab.client,
+                    &Rollback::new(
+                        &name,
+                        RollbackSpec {
+                            pod_name: "agent".into(),
+                            snapshot_name: "rewind-to".into(),
+                            pod_uid: None,
+                            safety_snapshot: safety,
+                            failure_deadline_seconds: None,
+                        },
+                    ),
+                )
+                .await;
+                self.until_done(&name, |r: &Rollback| {
+                    r.status.as_ref().map(|s| (s.phase, s.message.clone()))
+                })
+                .await?;
+                self.answers().await?;
+                objects.push(t.elapsed());
+                let t = Instant::now();
+                if safety {
+                    self.shim
+                        .snapshot(
+                            &self.sandbox,
+                            &format!("bench-{name}-safety"),
+                            SnapshotMode::Incremental,
+                        )
+                        .await
+                        .context(|| "the shim's Snapshot (safety)".into())?;
+                }
+                self.shim
+                    .rollback(&self.sandbox, &target, &format!("bench-{name}"))
+                    .await
+                    .context(|| "the shim's Rollback".into())?;
+                self.answers().await?;
+                shims.push(t.elapsed());
+            }
+            let key = if safety {
+                "rollback_safety"
+            } else {
+                "rollback"
+            };
+            compare(report, key, &objects, &shims);
+        }
+        self.lab.step("rollbacks measured");
+        Ok(())
+    }
+
+    /// Clone of `n` → Ready, against `n` restore-from pods through CRI.
+    async fn clones(&self, n: usize, source: &str, report: &mut Report) -> Result<(), Error> {
+        let name = format!("fan-{n}");
+        let replicas = i32::try_from(n).context(|| format!("{n} replicas"))?;
+        let t = Instant::now();
+        testkit::create(
+            &self.lab.client,
+            &PodClone::new(
+                &name,
+                CloneSpec {
+                    source: CloneSource {
+                        snapshot_name: Some("clone-source".into()),
+                        pod_name: None,
+                    },
+                    replicas,
+                    name_prefix: None,
+                    labels: None,
+                    failure_deadline_seconds: None,
+                },
+            ),
+        )
+        .await;
+        let done = self
+            .until_done(&name, |c: &PodClone| {
+                c.status.as_ref().map(|s| (s.phase, s.message.clone()))
+            })
+            .await?;
+        let object = t.elapsed();
+        let ready = done.status.map(|s| s.ready_replicas).unwrap_or_default();
+        if ready != replicas {
+            return Err(format!("Clone {name} is Ready with {ready} of {n} pods").into());
+        }
+        self.lab.step(&format!("Clone of {n} Ready"));
+        let clones: Api<PodClone> = Api::namespaced(self.lab.client.clone(), NS);
+        clones
+            .delete(&name, &DeleteParams::default())
+            .await
+            .context(|| format!("deleting Clone {name}"))?;
+        self.only_the_agent_left().await?;
+
+        let t = Instant::now();
+        let pods = try_join_all((0..n).map(|i| self.restore_pod(i, n, source))).await?;
+        let shim = t.elapsed();
+        self.lab.step(&format!("{n} restore-from pods started"));
+        try_join_all(pods.iter().map(|id| async move {
+            self.cri()
+                .stop_pod_sandbox(id)
+                .await
+                .map_err(|e| self.lab.node.cri_error("StopPodSandbox", e))?;
+            self.cri()
+                .remove_pod_sandbox(id)
+                .await
+                .map_err(|e| self.lab.node.cri_error("RemovePodSandbox", e))
+        }))
+        .await?;
+        self.only_the_agent_left().await?;
+        compare(report, &format!("clone{n}"), &[object], &[shim]);
+        Ok(())
+    }
+
+    /// A clone pod as the kubelet runs it, without the controller: its
+    /// sandbox id once its container started.
+    async fn restore_pod(&self, i: usize, n: usize, source: &str) -> Result<String, Error> {
+        let name = format!("direct-{n}-{i}");
+        let logs = self.lab.node.node().dir()?.join("bench-pods").join(&name);
+        std::fs::create_dir_all(&logs).context(|| format!("{}", logs.display()))?;
+        let mut config = twig_cri::pod_sandbox_config(&name, &format!("uid-{name}"), &logs);
+        if let Some(m) = config.metadata.as_mut() {
+            m.namespace = NS.into();
+        }
+        twig_cri::on_node_network(&mut config);
+        config
+            .annotations
+            .insert(RESTORE_FROM_ANNOTATION.into(), source.into());
+        let pod = self
+            .cri()
+            .run_pod_sandbox(&config, twig_controller::crd::RUNTIME_CLASS)
+            .await
+            .map_err(|e| self.lab.node.cri_error(&format!("RunPodSandbox {name}"), e))?;
+        let container = twig_cri::container_config(
+            CONTAINER,
+            twig_e2e::IMAGE_REF,
+            &["/bin/sh", "-c", AGENT],
+            "agent.log",
+        );
+        let id = self
+            .cri()
+            .create_container(&pod, &container, &config)
+            .await
+            .map_err(|e| {
+                self.lab
+                    .node
+                    .cri_error(&format!("CreateContainer {name}"), e)
+            })?;
+        self.cri().start_container(&id).await.map_err(|e| {
+            self.lab
+                .node
+                .cri_error(&format!("StartContainer {name}"), e)
+        })?;
+        Ok(pod)
+    }
+
+    /// Waits until the agent's is the only pod and sandbox left, and the
+    /// agent still answers.
+    async fn only_the_agent_left(&self) -> Result<(), Error> {
+        let pods: Api<Pod> = Api::namespaced(self.lab.client.clone(), NS);
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            let left = pods
+                .list(&ListParams::default().labels(CLONE_LABEL))
+                .await
+                .context(|| "listing the clone pods".into())?
+                .items
+                .len();
+            let sandboxes = self
+                .cri()
+                .list_pod_sandboxes()
+                .await
+                .map_err(|e| self.lab.node.cri_error("ListPodSandbox", e))?
+                .len();
+            if left == 0 && sandboxes == 1 {
+                self.answers().await?;
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "{left} clone pods and {sandboxes} sandboxes still there after {DEADLINE:?}"
+                )
+                .into());
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
+/// Records `key_objects_ms`, `key_shim_ms` and the controller's overhead
+/// (the difference of the p50s) and prints them.
+fn compare(report: &mut Report, key: &str, objects: &[Duration], shims: &[Duration]) {
+    report.timing(&format!("{key}_object_ms"), objects);
+    report.timing(&format!("{key}_shim_ms"), shims);
+    let (o, s) = (Summary::of(objects).p50, Summary::of(shims).p50);
+    report.value(
+        &format!("{key}_overhead_ms"),
+        json!(((o - s) * 10.0).round() / 10.0),
+    );
+}
