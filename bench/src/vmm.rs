@@ -532,14 +532,12 @@ fn vmm_binary() -> Result<PathBuf, Error> {
 
 /// The workspace binary `name` (package and binary of that name) next to
 /// this executable. Under `cargo run` (which sets `CARGO`), it is built
-/// first if missing, with the same profile, so that `cargo run --release -p
-/// twig-bench -- vmm` measures VMM processes.
+/// first, with the same profile (a no-op when it is fresh), so that `cargo
+/// run --release -p twig-bench -- vmm` measures the VMM of this source tree,
+/// never a stale binary left next to it.
 pub fn workspace_binary(name: &str) -> Result<PathBuf, Error> {
     let exe = std::env::current_exe().context(|| "finding the benchmark executable".into())?;
     let bin = exe.with_file_name(name);
-    if bin.is_file() {
-        return Ok(bin);
-    }
     let Some(cargo) = std::env::var_os("CARGO") else {
         return Ok(bin);
     };
@@ -547,9 +545,8 @@ pub fn workspace_binary(name: &str) -> Result<PathBuf, Error> {
         .parent()
         .and_then(|d| d.file_name())
         .is_some_and(|n| n == "release");
-    eprintln!("building {name} next to {}", exe.display());
     let mut cmd = std::process::Command::new(cargo);
-    cmd.args(["build", "-p", name, "--bin", name]);
+    cmd.args(["build", "-q", "-p", name, "--bin", name]);
     if release {
         cmd.arg("--release");
     }

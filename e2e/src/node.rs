@@ -141,10 +141,15 @@ pub fn bpffs_root(dir: &Path) -> PathBuf {
     PathBuf::from("/sys/fs/bpf").join(format!("twig-{}", name.trim_start_matches('.')))
 }
 
+/// Seconds a VMM spawned on demand has to answer, in the lab.
+const VMM_START_S: u64 = 120;
+
 /// twig-node's configuration for a node in `dir`: its socket, runtime
 /// directory and pool in the node's directory, its node store `store`,
 /// `twig-vmm` from `PATH`, a 128 MiB base template booting `guest` when
-/// given, one prepared VMM of that shape kept warm.
+/// given, one prepared VMM of that shape kept warm. A VMM spawned on demand
+/// has 120 s to answer, not the default 10 s: under the lab's TCG
+/// eight VMMs spawned at once (a Clone's pods) take longer.
 pub fn node_config(
     dir: &Path,
     store: &Path,
@@ -161,7 +166,10 @@ pub fn node_config(
         "store": store,
         "run_dir": dir.join("node"),
         "base": base,
-        "pool": { "shapes": [{ "mem_mib": BASE_MEM_MIB, "size": POOL_SIZE }] },
+        "pool": {
+            "shapes": [{ "mem_mib": BASE_MEM_MIB, "size": POOL_SIZE }],
+            "start_timeout_s": VMM_START_S,
+        },
         // App templates are built through the node's containerd (CRI).
         "templates": {
             "cri_socket": dir.join("containerd").join("containerd.sock"),
@@ -740,6 +748,7 @@ mod tests {
         assert_eq!(c["base"]["kernel"], "/guest/bzImage");
         assert_eq!(c["base"]["initrd"], "/guest/agent-initrd");
         assert_eq!(c["pool"]["shapes"][0]["mem_mib"], BASE_MEM_MIB);
+        assert_eq!(c["pool"]["start_timeout_s"], 120);
         assert_eq!(
             c["templates"]["cri_socket"],
             "/n/containerd/containerd.sock"

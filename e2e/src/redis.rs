@@ -16,7 +16,8 @@ use crate::ctrllab::{twig_pod, until, CtrlLab, READY};
 pub const REDIS_REF: &str = "docker.io/library/twig-e2e-redis:v1";
 /// The pod's container.
 pub const CONTAINER: &str = "redis";
-const CLI: &str = "/usr/bin/redis-cli";
+/// `redis-cli` in the image.
+pub const CLI: &str = "/usr/bin/redis-cli";
 /// Redis on the pod's loopback, its append-only file in `/data` (the
 /// rootfs), fsynced at every write: what it acknowledged is on disk.
 const SERVER: &str = "mkdir -p /data && exec /usr/bin/redis-server --bind 127.0.0.1 \
