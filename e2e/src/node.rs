@@ -128,8 +128,14 @@ pub fn shim_config(dir: &Path, node_socket: &Path) -> serde_json::Value {
         "state_root": dir.join("shim"),
         "node_socket": node_socket,
         "bpffs_root": bpffs_root(dir),
+        "call_timeout_s": SHIM_CALL_S,
     })
 }
+
+/// Seconds a shim's VMM or agent call may take, in the lab: under TCG, 64
+/// guests restored at once (a Clone of 64) take longer than the 30 s a
+/// node's own CPUs need.
+const SHIM_CALL_S: u64 = 120;
 
 /// The node daemon's pool of prepared twig-net sets, under [`bpffs_root`].
 pub const NET_POOL_DIR: &str = "pool";
@@ -737,6 +743,7 @@ mod tests {
         assert_eq!(c["state_root"], "/n/shim");
         assert_eq!(c["node_socket"], "/n/node.sock");
         assert_eq!(c["bpffs_root"], "/sys/fs/bpf/twig-n");
+        assert_eq!(c["call_timeout_s"], 120);
         let guest = Guest {
             kernel: PathBuf::from("/guest/bzImage"),
             initrd: PathBuf::from("/guest/agent-initrd"),
