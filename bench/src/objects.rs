@@ -199,6 +199,16 @@ impl Bench<'_> {
         }
     }
 
+    /// The shim's incremental Snapshot `id` of the agent pod, as the
+    /// controller calls it.
+    async fn shim_snapshot(&self, id: &str) -> Result<(), Error> {
+        self.shim
+            .snapshot(&self.sandbox, id, SnapshotMode::Incremental)
+            .await
+            .context(|| format!("the shim's Snapshot {id}"))?;
+        Ok(())
+    }
+
     /// Snapshot object → Ready, against the shim's Snapshot, alternating.
     async fn snapshots(&self, rounds: usize, report: &mut Report) -> Result<(), Error> {
         let (mut objects, mut shims) = (Vec::new(), Vec::new());
@@ -207,14 +217,7 @@ impl Bench<'_> {
             self.object_snapshot(&format!("snap-{i}")).await?;
             objects.push(t.elapsed());
             let t = Instant::now();
-            self.shim
-                .snapshot(
-                    &self.sandbox,
-                    &format!("bench-snap-{i}"),
-                    SnapshotMode::Incremental,
-                )
-                .await
-                .context(|| "the shim's Snapshot".into())?;
+            self.shim_snapshot(&format!("bench-snap-{i}")).await?;
             shims.push(t.elapsed());
         }
         self.lab.step("snapshots measured");
@@ -253,14 +256,7 @@ impl Bench<'_> {
                 objects.push(t.elapsed());
                 let t = Instant::now();
                 if safety {
-                    self.shim
-                        .snapshot(
-                            &self.sandbox,
-                            &format!("bench-{name}-safety"),
-                            SnapshotMode::Incremental,
-                        )
-                        .await
-                        .context(|| "the shim's Snapshot (safety)".into())?;
+                    self.shim_snapshot(&format!("bench-{name}-safety")).await?;
                 }
                 self.shim
                     .rollback(&self.sandbox, &target, &format!("bench-{name}"))
