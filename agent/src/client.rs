@@ -177,22 +177,29 @@ impl AgentClient {
     }
 
     /// Waits until the agent in a booting or just-restored VM answers: tries
-    /// the vsock handshake and a ping (each bounded by a few seconds) until
-    /// one succeeds or `timeout` passes, and returns the connected client.
-    /// The error at the deadline is the last attempt's.
+    /// the vsock handshake and a ping until one succeeds or `timeout`
+    /// passes, and returns the connected client. The error at the deadline
+    /// is the last attempt's. An attempt is bounded by 5 s at first, and
+    /// each one that ran out of time gives the next twice as long: a
+    /// connection lost to the restore's transport reset is given up soon,
+    /// and a guest that answers slower than any bound (a node starting
+    /// many VMs at once) is still waited for.
     pub fn wait_ready(uds_path: &Path, port: u32, timeout: Duration) -> Result<Self> {
         let deadline = Instant::now() + timeout;
         let mut pause = Duration::from_millis(1);
+        let mut bound = Duration::from_secs(5);
         loop {
             let attempt = deadline
                 .saturating_duration_since(Instant::now())
-                .min(Duration::from_secs(5))
+                .min(bound)
                 .max(Duration::from_millis(1));
+            let tried = Instant::now();
             let result = Self::connect_vsock_uds(uds_path, port, attempt)
                 .and_then(|c| c.ping(attempt).map(|_| c));
             match result {
                 Ok(client) => return Ok(client),
                 Err(e) if Instant::now() >= deadline => return Err(e),
+                Err(_) if tried.elapsed() >= bound => bound *= 2,
                 Err(_) => {
                     // Nothing listens yet: try again shortly, never past
                     // the deadline.

@@ -112,3 +112,43 @@ fn vsock_handshake_failures_are_errors_within_the_deadline() {
         "{e}"
     );
 }
+
+/// A guest slower than an attempt's first bound (a node restoring many VMs
+/// at once): every answer reaches the host 6 s after its connection. Each
+/// attempt that runs out of time gives the next one longer, so the wait
+/// ends with a client rather than at its deadline.
+#[test]
+fn wait_ready_outlasts_a_guest_slower_than_one_attempt() {
+    const LAG: Duration = Duration::from_secs(6);
+    let agent = Agent::start();
+    agent.client().ping(T).unwrap();
+    let uds = agent.dir.path().join("vsock.sock");
+    let listener = UnixListener::bind(&uds).unwrap();
+    let agent_sock = agent.socket.clone();
+    // Serves connections until the test is done (the thread ends with the
+    // process; each connection's threads end with its streams).
+    std::thread::spawn(move || {
+        for host in listener.incoming() {
+            let Ok(host) = host else { return };
+            let agent_sock = agent_sock.clone();
+            std::thread::spawn(move || {
+                let opened = Instant::now();
+                let mut reader = BufReader::new(host.try_clone().unwrap());
+                let mut line = String::new();
+                reader.read_line(&mut line).unwrap();
+                let guest = UnixStream::connect(&agent_sock).unwrap();
+                (&host).write_all(b"OK 1073741824\n").unwrap();
+                let (h2, g2) = (host.try_clone().unwrap(), guest.try_clone().unwrap());
+                std::thread::spawn(move || splice(h2, g2));
+                std::thread::sleep(LAG.saturating_sub(opened.elapsed()));
+                splice(guest, host);
+            });
+        }
+    });
+    let t0 = Instant::now();
+    let client =
+        AgentClient::wait_ready(&uds, twig_agent::AGENT_VSOCK_PORT, Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("after {:?}: {e}", t0.elapsed()));
+    assert!(t0.elapsed() >= LAG, "answered after {:?}", t0.elapsed());
+    drop(client);
+}

@@ -105,13 +105,29 @@ impl CtrlLab {
     /// (`(OCI archive, its reference)`), imported into CRI first. `name`
     /// prefixes the progress lines.
     pub async fn start(name: &'static str, images: &[(&Path, &str)]) -> CtrlLab {
+        CtrlLab::start_with(name, images, CALL).await
+    }
+
+    /// [`CtrlLab::start`] with its and the kubelet's CRI calls given `call` each
+    /// (a real kubelet gives RunPodSandbox 4 min and retries; this one
+    /// does not retry, so a benchmark starting 64 pods on one node's
+    /// queue gives it longer).
+    pub async fn start_with(
+        name: &'static str,
+        images: &[(&Path, &str)],
+        call: Duration,
+    ) -> CtrlLab {
         let t0 = Instant::now();
         let node = CriNode::start().unwrap_or_else(|e| panic!("CRI node: {e}"));
         for (archive, _) in images {
             node.import_image(archive)
                 .unwrap_or_else(|e| panic!("importing {}: {e}", archive.display()));
         }
-        let cri = node.client().await.unwrap_or_else(|e| panic!("{e}"));
+        let cri = node
+            .client()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .with_timeout(call);
         // Where the tests run (the lab) the source tree is not: the CRDs the
         // server admits against are the controller's own, as generated.
         let server = testkit::api_server_with(schema::generated()).await;

@@ -31,6 +31,10 @@ pub struct Config {
     /// enough for the daemon to build the node's base template on first
     /// need.
     pub acquire_timeout_s: u64,
+    /// How many of the node's sandboxes start at once (take their VM,
+    /// restore it, wait for its agent); the others wait their turn, within
+    /// `acquire_timeout_s`. 0: twice the node's CPUs.
+    pub start_concurrency: usize,
     /// The bpffs directory under which each pod's network path is pinned,
     /// in `<bpffs_root>/<sandbox id>` (mounted if it is not on a bpffs).
     pub bpffs_root: PathBuf,
@@ -47,6 +51,7 @@ impl Default for Config {
             state_root: PathBuf::from("/run/twig/shim"),
             call_timeout_s: 30,
             acquire_timeout_s: 360,
+            start_concurrency: 0,
             bpffs_root: PathBuf::from("/sys/fs/bpf/twig"),
             cluster_dns: Vec::new(),
         }

@@ -8,6 +8,7 @@
 
 pub mod config;
 pub mod error;
+pub mod gate;
 pub mod network;
 pub mod pod;
 pub mod process;

@@ -20,6 +20,7 @@ use twig_vmm::api::Client;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::gate::StartGate;
 use crate::network::{self, Joiner, PodNet};
 use crate::restore::{self, SnapshotSource};
 use crate::sandbox::{
@@ -269,6 +270,10 @@ impl VmSandbox {
     ) -> Result<VmSandbox> {
         std::fs::create_dir_all(state_dir)
             .map_err(|e| Error::io(format!("creating {}", state_dir.display()), e))?;
+        // A few starts of the node at a time (crate::gate), this one's
+        // slot held until its VM answers or it failed.
+        let permit = StartGate::new(&config.state_root, config.start_concurrency)
+            .enter(Duration::from_secs(config.acquire_timeout_s))?;
         let started = Instant::now();
         // The daemon reads a restore-from snapshot's shape before it hands
         // over a VM: one that is not there is refused before any is taken.
@@ -390,6 +395,8 @@ impl VmSandbox {
             template = vm.template_dir,
             memory_mib = vm.memory_mib,
             vcpus = vm.vcpus,
+            gate_wait_us = permit.waited.as_micros() as u64,
+            gate_slot = permit.slot,
             acquired_us = acquired.as_micros() as u64,
             launch_us = started.elapsed().as_micros() as u64,
             "sandbox VM restored, agent answers"

@@ -4,7 +4,9 @@
 //! twig-vmm's ring-3 test guest, which has no agent, so the start fails at
 //! the agent: this exercises the failure path — the error says why, and
 //! the handed-over VMM (the daemon's child, not the shim's) is killed
-//! through its pidfd and reaped by the daemon, no zombie left. Needs root
+//! through its pidfd and reaped by the daemon, no zombie left. A start
+//! waits for the node's start gate, and gives up without a VM when no
+//! slot frees in time. Needs root
 //! and KVM; fails, never skips, without them.
 
 use std::path::{Path, PathBuf};
@@ -13,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use twig_shim::config::Config;
 use twig_shim::error::Error;
+use twig_shim::gate::StartGate;
 use twig_shim::vm::{RestoreFrom, VmSandbox};
 use twig_store::NodeStore;
 use twig_vmm::{testguest, Capture, DeviceConfig, Kind, Shape, Vm, VsockConfig};
@@ -130,7 +133,10 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
 
     let config = Config {
         node_socket: dir.path().join("node.sock"),
+        state_root: dir.path().join("shim-root"),
         call_timeout_s: 1,
+        acquire_timeout_s: 5,
+        start_concurrency: 1,
         ..Config::default()
     };
     let state = dir.path().join("shim-state");
@@ -202,6 +208,31 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
         handed,
         "a VMM was handed over for a snapshot that is not there"
     );
+
+    // The node's one start slot held by another start: this one waits for
+    // it, then gives up without taking a VM...
+    let other = StartGate::new(&config.state_root, config.start_concurrency)
+        .enter(Duration::from_secs(1))
+        .expect("the start slot");
+    let e = VmSandbox::start(&config, &state, "sb", "", None, None, Default::default())
+        .err()
+        .expect("no start slot");
+    assert!(
+        matches!(e, Error::Deadline(_)) && e.to_string().contains("no sandbox start slot of 1"),
+        "{e}"
+    );
+    assert_eq!(
+        handed_count(&dir.path().join("node.log")),
+        handed,
+        "a VMM was handed over to a start that had no slot"
+    );
+    // ...and goes on once it is free (to the agent the test guest lacks).
+    drop(other);
+    let e = VmSandbox::start(&config, &state, "sb", "", None, None, Default::default())
+        .err()
+        .expect("the test guest has no agent");
+    assert!(matches!(e, Error::Agent { .. }), "{e}");
+    assert_eq!(handed_count(&dir.path().join("node.log")), handed + 1);
 }
 
 /// How many VMMs twig-node's log says it handed over.

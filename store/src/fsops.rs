@@ -203,6 +203,11 @@ pub fn live_probe(name: &str) -> bool {
     else {
         return false;
     };
+    process_lives(pid)
+}
+
+/// Whether process `pid` exists (in this pid namespace).
+pub fn process_lives(pid: i32) -> bool {
     // SAFETY: kill with signal 0 only checks that the process exists.
     pid > 0
         && (unsafe { libc::kill(pid, 0) } == 0

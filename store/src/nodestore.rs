@@ -130,15 +130,7 @@ impl NodeStore {
         if self.snapshot_dir(id).exists() {
             return Err(Error::AlreadyExists(format!("VM snapshot {id:?}")));
         }
-        let lease = self.tmp_name(id, LEASE_SUFFIX.trim_start_matches('.'));
-        fs::create_dir(&lease).map_err(ctx(format!("creating {}", lease.display())))?;
-        let lock = File::open(&lease).map_err(ctx(format!("opening {}", lease.display())))?;
-        if !fsops::try_flock(&lock).map_err(ctx(format!("locking {}", lease.display())))? {
-            return Err(Error::FailedPrecondition(format!(
-                "staging directory {} is locked by someone else",
-                lease.display()
-            )));
-        }
+        let (lease, lock) = self.lease(id)?;
         let staging = Staging {
             store: self,
             id: id.to_string(),
@@ -152,6 +144,33 @@ impl NodeStore {
         };
         fs::create_dir(&staging.dir).map_err(ctx(format!("creating {}", staging.dir.display())))?;
         Ok(staging)
+    }
+
+    /// A new staging lease for `id`, locked before any cleanup may take
+    /// it: made and locked under a name cleanups leave alone while this
+    /// process lives (`<id>.<pid>.<n>.new`), then renamed to its lease name
+    /// (the lock is on the directory, not its name). Made and locked under
+    /// its lease name, another process's cleanup could find it in between,
+    /// unlocked, and remove it under its writer.
+    fn lease(&self, id: &str) -> Result<(PathBuf, File)> {
+        let new = self.tmp_name(id, NEW_LEASE);
+        fs::create_dir(&new).map_err(ctx(format!("creating {}", new.display())))?;
+        let lock = File::open(&new).map_err(ctx(format!("opening {}", new.display())))?;
+        let locked = fsops::try_flock(&lock).map_err(ctx(format!("locking {}", new.display())))?;
+        let lease = self.tmp_name(id, LEASE_SUFFIX.trim_start_matches('.'));
+        if !locked {
+            let _ = fs::remove_dir(&new);
+            return Err(Error::FailedPrecondition(format!(
+                "staging directory {} is locked by someone else",
+                new.display()
+            )));
+        }
+        fs::rename(&new, &lease).map_err(ctx(format!(
+            "renaming {} to {}",
+            new.display(),
+            lease.display()
+        )))?;
+        Ok((lease, lock))
     }
 
     /// A published snapshot.
@@ -339,25 +358,41 @@ impl NodeStore {
         for entry in fs::read_dir(&tmp).map_err(ctx(format!("reading {}", tmp.display())))? {
             let entry = entry.map_err(ctx(format!("reading {}", tmp.display())))?;
             let path = entry.path();
-            // Another process's reflink probe, in flight (opening a store).
-            if fsops::live_probe(&entry.file_name().to_string_lossy()) {
+            // Another process's reflink probe, in flight (opening a store),
+            // or a lease it is making (NodeStore::lease).
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if fsops::live_probe(&name) || new_lease_of_a_live_process(&name) {
                 continue;
             }
-            let held = match File::open(&path) {
-                Ok(f) => {
-                    !fsops::try_flock(&f).map_err(ctx(format!("locking {}", path.display())))?
-                }
+            // Held until removed: a stager that locks its lease after
+            // this lock fails to, and makes another (NodeStore::lease).
+            let lock = match File::open(&path) {
+                Ok(f) => f,
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
                 Err(e) => return Err(Error::io(format!("opening {}", path.display()), e)),
             };
-            if held {
+            if !fsops::try_flock(&lock).map_err(ctx(format!("locking {}", path.display())))? {
                 continue;
             }
             fsops::remove_all(&path).map_err(ctx(format!("removing {}", path.display())))?;
+            drop(lock);
             removed += 1;
         }
         Ok(removed)
     }
+}
+
+/// How the name of a lease being made ends (`<id>.<pid>.<n>.new`).
+const NEW_LEASE: &str = "new";
+
+/// Whether `name` is a lease being made by a process that still runs.
+fn new_lease_of_a_live_process(name: &str) -> bool {
+    let pid = name
+        .strip_suffix(NEW_LEASE)
+        .and_then(|rest| rest.strip_suffix('.'))
+        .and_then(|rest| rest.rsplit('.').nth(1))
+        .and_then(|pid| pid.parse::<i32>().ok());
+    pid.is_some_and(fsops::process_lives)
 }
 
 /// fsyncs `dir` on a thread of its own, logging a failure.
