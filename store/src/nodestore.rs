@@ -364,8 +364,9 @@ impl NodeStore {
             if fsops::live_probe(&name) || new_lease_of_a_live_process(&name) {
                 continue;
             }
-            // Held until removed: a stager that locks its lease after
-            // this lock fails to, and makes another (NodeStore::lease).
+            // A lease is locked before it has its name (NodeStore::lease):
+            // unlocked, it is abandoned. Held until removed, so no one else
+            // takes it meanwhile.
             let lock = match File::open(&path) {
                 Ok(f) => f,
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
