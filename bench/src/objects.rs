@@ -478,7 +478,8 @@ impl Bench<'_> {
             }
             if Instant::now() > deadline {
                 return Err(format!(
-                    "{left} clone pods and {sandboxes} sandboxes still there after {DEADLINE:?}"
+                    "{left} clone pods and {sandboxes} sandboxes still there after {DEADLINE:?}\n{}",
+                    self.lab.logs()
                 )
                 .into());
             }

@@ -5,7 +5,7 @@ use twig_controller_testkit as support;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{DeleteParams, PostParams};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use twig_controller::crd::{
@@ -651,6 +651,57 @@ async fn clone_of_a_snapshot_creates_eight_pinned_owned_pods() {
         .await
         .expect("delete clone");
     support::wait_gone::<Pod>(&client, "fork-7").await;
+}
+
+/// A reconcile of a cached Clone that its deletion overtook (the object
+/// in the cache still without `deletionTimestamp`) creates none of its
+/// pods again: they would be collected at once, after a kubelet began to
+/// start them. The Clone is held by a finalizer of the test's, so that a
+/// pod made for it would stay to be seen.
+#[tokio::test]
+async fn a_stale_reconcile_of_a_deleted_clone_creates_no_pods() {
+    let server = api_server().await;
+    let client = server.client();
+    let fake = Arc::new(FakeNode::default());
+    let ctrl = start_controller(&server, "node-a", &fake);
+    running_pod(&client, "redis", "node-a").await;
+    support::create(&client, &snapshot("redis-snap", "redis")).await;
+    snapshot_in(&client, "redis-snap", Phase::Ready).await;
+    let source = CloneSource {
+        snapshot_name: Some("redis-snap".into()),
+        pod_name: None,
+    };
+    support::create(&client, &clone_of("held", source, 2)).await;
+    make_clone_pods_ready(&client, "held", 2).await;
+    let stale = clone_in(&client, "held", Phase::Ready).await;
+
+    let api: Api<PodClone> = Api::namespaced(client.clone(), NS);
+    let hold = Patch::Merge(json!({"metadata": {"finalizers": ["test.twig.dev/hold"]}}));
+    api.patch("held", &PatchParams::default(), &hold)
+        .await
+        .expect("adding the test's finalizer");
+    api.delete("held", &DeleteParams::default())
+        .await
+        .expect("delete clone");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    pods.delete("held-1", &DeleteParams::default())
+        .await
+        .expect("delete a clone pod");
+    support::wait_gone::<Pod>(&client, "held-1").await;
+
+    let result =
+        twig_controller::reconcile::clone::reconcile(Arc::new(stale), ctrl.ctx.clone()).await;
+    assert!(
+        pods.get_opt("held-1").await.expect("get pod").is_none(),
+        "a stale reconcile made a pod for a Clone being deleted (it returned {result:?})"
+    );
+    result.expect("reconcile of the stale Clone");
+
+    let release = Patch::Merge(json!({"metadata": {"finalizers": null}}));
+    api.patch("held", &PatchParams::default(), &release)
+        .await
+        .expect("removing the test's finalizer");
+    support::wait_gone::<Pod>(&client, "held-0").await;
 }
 
 #[tokio::test]

@@ -5,11 +5,16 @@
 use std::ffi::OsStr;
 use std::time::Duration;
 
-use crate::{find_on_path, Background, Node, Output, Runtime};
+use crate::{find_on_path, Background, Node, NodeConfig, Output, Runtime};
 
 /// Starts a node; for twig, fails loudly (never skips) when the shim is not
 /// on `PATH`.
 pub fn node(runtime: Runtime) -> Node {
+    node_with(runtime, |_| {})
+}
+
+/// [`node`], its configuration changed by `change` first.
+pub fn node_with(runtime: Runtime, change: impl FnOnce(&mut NodeConfig)) -> Node {
     if runtime == Runtime::Twig {
         assert!(
             find_on_path(Runtime::Twig.shim()).is_some(),
@@ -17,7 +22,10 @@ pub fn node(runtime: Runtime) -> Node {
              tests/lab/run.sh carries it into the lab"
         );
     }
-    Node::start().unwrap_or_else(|e| panic!("the node did not start: {e}"))
+    let mut config =
+        NodeConfig::from_env().unwrap_or_else(|e| panic!("the node did not start: {e}"));
+    change(&mut config);
+    Node::start_with(&config).unwrap_or_else(|e| panic!("the node did not start: {e}"))
 }
 
 impl Node {

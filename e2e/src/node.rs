@@ -122,20 +122,20 @@ pub fn cni_conf_dir(containerd_dir: &Path) -> PathBuf {
 /// The twig shim's configuration (`TWIG_SHIM_CONFIG`) for a node in
 /// `dir`: its state in the node's directory, its VMs from the node daemon
 /// on `node_socket`, its pods' network paths pinned under
-/// [`bpffs_root`].
-pub fn shim_config(dir: &Path, node_socket: &Path) -> serde_json::Value {
+/// [`bpffs_root`], `call_s` seconds for one VMM or agent call.
+pub fn shim_config(dir: &Path, node_socket: &Path, call_s: u64) -> serde_json::Value {
     serde_json::json!({
         "state_root": dir.join("shim"),
         "node_socket": node_socket,
         "bpffs_root": bpffs_root(dir),
-        "call_timeout_s": SHIM_CALL_S,
+        "call_timeout_s": call_s,
     })
 }
 
 /// Seconds a shim's VMM or agent call may take, in the lab: under TCG, 64
 /// guests restored at once (a Clone of 64) take longer than the 30 s a
 /// node's own CPUs need.
-const SHIM_CALL_S: u64 = 120;
+pub const SHIM_CALL_S: u64 = 120;
 
 /// The node daemon's pool of prepared twig-net sets, under [`bpffs_root`].
 pub const NET_POOL_DIR: &str = "pool";
@@ -351,6 +351,9 @@ pub struct NodeConfig {
     /// wedged the outer VM (QEMU's SVM emulation; see tests/lab/README.md);
     /// the benchmark turns it on.
     pub net_pool: usize,
+    /// Seconds a twig shim's VMM or agent call may take (the shim's
+    /// `call_timeout_s`): [`SHIM_CALL_S`] unless a test times a guest out.
+    pub shim_call_s: u64,
 }
 
 /// What the twig shim's base template boots (the lab's `TWIG_GUEST_KERNEL`
@@ -388,6 +391,7 @@ impl NodeConfig {
             xfs: var("TWIG_E2E_XFS"),
             guest,
             net_pool: 0,
+            shim_call_s: SHIM_CALL_S,
         })
     }
 }
@@ -482,8 +486,11 @@ impl Node {
             .map_err(io(format!("writing {}", config_file.display())))?;
         // containerd's environment is its shims'.
         let shim_file = dir.join("shim.json");
-        fs::write(&shim_file, shim_config(&dir, &node_socket).to_string())
-            .map_err(io(format!("writing {}", shim_file.display())))?;
+        fs::write(
+            &shim_file,
+            shim_config(&dir, &node_socket, config.shim_call_s).to_string(),
+        )
+        .map_err(io(format!("writing {}", shim_file.display())))?;
         let socket = cdir.join("containerd.sock");
         let mut containerd = Daemon::spawn(
             "containerd",
@@ -739,7 +746,7 @@ mod tests {
 
     #[test]
     fn configs_keep_shim_and_daemon_in_the_node_and_boot_the_given_guest() {
-        let c = shim_config(Path::new("/n"), Path::new("/n/node.sock"));
+        let c = shim_config(Path::new("/n"), Path::new("/n/node.sock"), SHIM_CALL_S);
         assert_eq!(c["state_root"], "/n/shim");
         assert_eq!(c["node_socket"], "/n/node.sock");
         assert_eq!(c["bpffs_root"], "/sys/fs/bpf/twig-n");

@@ -121,12 +121,14 @@ impl Node {
         self.dir().map(Path::to_path_buf).unwrap_or_default()
     }
 
-    /// The twig shim's state directories (one per pod whose VM runs).
+    /// The twig shim's state directories (one per pod whose VM runs); not
+    /// the node's start gate (`.starts`, kept for the node's life).
     pub fn shim_state_dirs(&self) -> Vec<PathBuf> {
         fs::read_dir(self.lookup_dir().join("shim"))
             .into_iter()
             .flatten()
             .flatten()
+            .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
             .map(|e| e.path())
             .collect()
     }

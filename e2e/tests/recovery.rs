@@ -10,7 +10,7 @@
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
-use twig_e2e::must::node;
+use twig_e2e::must::{node, node_with};
 use twig_e2e::{
     kill9, poll_until, proc_state, process_tree, signal, Background, Node, ProcState, Runtime,
     IMAGE_REF,
@@ -21,6 +21,8 @@ use twig_e2e::{
 const OUTPUT: Duration = Duration::from_secs(120);
 /// Deadline of an exit, a cleanup, a state change.
 const EXIT: Duration = Duration::from_secs(90);
+/// The shim's call deadline on the frozen guest's node, seconds.
+const FROZEN_CALL_S: u64 = 20;
 /// A process that prints `ready` and then waits.
 const WAITS: &str = "echo ready; while :; do sleep 0.1; done";
 
@@ -342,10 +344,13 @@ fn twig_node_restarted_keeps_the_pod_and_serves_new_ones() {
 
 /// A guest that stops answering (its VMM SIGSTOPped): a call fails with a
 /// deadline naming the agent; `kill -s KILL` still ends the pod (the shim
-/// kills the VMM) and delete leaves nothing.
+/// kills the VMM) and delete leaves nothing. The shim's calls get
+/// [`FROZEN_CALL_S`], not the lab's long default: each call into the
+/// frozen guest waits that long, and the test makes three (the exec's
+/// create and start, the kill).
 #[test]
 fn twig_guest_that_stops_answering_times_out_and_kill_ends_the_pod() {
-    let node = node(Runtime::Twig);
+    let node = node_with(Runtime::Twig, |c| c.shim_call_s = FROZEN_CALL_S);
     run_detached(&node, Runtime::Twig, "frozen");
     let vmm = the_handed_vmm(&node);
     // The VMM and, jailed in its own PID namespace, the VMM inside below

@@ -33,7 +33,7 @@ pub struct Config {
     pub acquire_timeout_s: u64,
     /// How many of the node's sandboxes start at once (take their VM,
     /// restore it, wait for its agent); the others wait their turn, within
-    /// `acquire_timeout_s`. 0: twice the node's CPUs.
+    /// `acquire_timeout_s`. 0: four per CPU, at least 8.
     pub start_concurrency: usize,
     /// The bpffs directory under which each pod's network path is pinned,
     /// in `<bpffs_root>/<sandbox id>` (mounted if it is not on a bpffs).

@@ -16,8 +16,9 @@ use std::time::{Duration, Instant};
 
 use crate::{Error, Result};
 
-/// The gate's directory under the shims' state root.
-const GATE_DIR: &str = "starts";
+/// The gate's directory under the shims' state root: a dot name, which no
+/// pod's state directory has (those are named after the shim's socket).
+pub const GATE_DIR: &str = ".starts";
 /// How often a waiting start looks for a free slot.
 const POLL: Duration = Duration::from_millis(25);
 

@@ -84,12 +84,16 @@ pkg=$(resolve)
 [[ -n $pkg ]] || die "cannot resolve linux-image-cloud-amd64${suite:+ in $suite}"
 ver=$(apt-cache "${apt_opts[@]}" policy "$pkg" | awk '/Candidate:/{print $2}')
 kdir=$cache/kernel-$pkg-$ver
+# Lab runs at once (scripts/test.sh's two lanes) fill the cache one at a time.
+exec 9> "$cache/.lock"
+flock 9
 if [[ ! -f $kdir/done ]]; then
   rm -rf "$kdir"; mkdir -p "$kdir/deb"
   (cd "$kdir/deb" && apt-get "${apt_opts[@]}" download "$pkg" >/dev/null 2>&1) || die "apt-get download $pkg failed"
   dpkg-deb -x "$kdir"/deb/*.deb "$kdir/x"
   touch "$kdir/done"
 fi
+exec 9>&-
 kver=${pkg#linux-image-}
 vmlinuz=$kdir/x/boot/vmlinuz-$kver
 mods=$kdir/x/lib/modules/$kver/kernel

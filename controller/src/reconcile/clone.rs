@@ -166,6 +166,10 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
         .filter(|p| owned_by(p, clone.as_ref()))
         .map(|p| (p.name_any(), p))
         .collect();
+    let missing = (0..clone.spec.replicas).any(|i| !existing.contains_key(&pod_name(&clone, i)));
+    if missing && !still_wanted(&api, &clone).await? {
+        return Ok(Action::await_change());
+    }
     let mut created = 0;
     let mut names = Vec::new();
     for index in 0..clone.spec.replicas {
@@ -401,6 +405,18 @@ fn same_status(a: &CloneStatus, b: &CloneStatus) -> bool {
         s
     };
     strip(a) == strip(b)
+}
+
+/// Whether `clone` still exists as this object (same UID, not being
+/// deleted), read from the API server rather than the cache: a reconcile
+/// of a cached copy that raced the Clone's deletion (its pods already
+/// collected) must not create them again. The garbage collector would
+/// delete them at once, but a kubelet that saw them would start each
+/// sandbox and tear it down again.
+async fn still_wanted(api: &Api<PodClone>, clone: &PodClone) -> Result<bool, Error> {
+    Ok(api.get_opt(&clone.name_any()).await?.is_some_and(|c| {
+        c.metadata.uid == clone.metadata.uid && c.metadata.deletion_timestamp.is_none()
+    }))
 }
 
 fn owned_by<K: Resource>(obj: &K, clone: &PodClone) -> bool {

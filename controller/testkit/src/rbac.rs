@@ -26,7 +26,7 @@ pub const CONTROLLER_RULES: &[(&str, &str, &[&str])] = &[
         &["get", "list", "watch", "create", "patch", "delete"],
     ),
     ("twig.dev", "snapshots/status", &["patch"]),
-    ("twig.dev", "clones", &["list", "watch"]),
+    ("twig.dev", "clones", &["get", "list", "watch"]),
     ("twig.dev", "clones/status", &["patch"]),
     // Pods and Snapshots a Clone creates name it with blockOwnerDeletion; the
     // OwnerReferencesPermissionEnforcement admission plugin checks this at create time.
