@@ -55,7 +55,28 @@ fn main() {
     println!("cargo:rerun-if-changed={src}");
     let obj = out.join("testguest.o");
     run(Command::new("as").args(["--64", "-o"]).arg(&obj).arg(src));
-    link(&obj, &out.join("testguest.elf"), "0x100000");
+    let elf = out.join("testguest.elf");
+    link(&obj, &elf, "0x100000");
+    // The address of `parked` in the ELF image, for tests that must stop
+    // the guest where it waits (not elsewhere in its idle loop).
+    let nm = Command::new("nm")
+        .arg(&elf)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run nm (install binutils): {e}"));
+    assert!(nm.status.success(), "nm {} failed", elf.display());
+    let symbols = String::from_utf8_lossy(&nm.stdout);
+    let parked = symbols
+        .lines()
+        .find_map(|l| l.strip_suffix(" T parked"))
+        .unwrap_or_else(|| panic!("no `parked` in the test guest's symbols:\n{symbols}"));
+    std::fs::write(
+        out.join("testguest_parked.rs"),
+        format!(
+            "/// The test guest's RIP while its vCPU waits at the idle port (ELF image).\n\
+             pub const PARKED_RIP: u64 = 0x{parked};\n"
+        ),
+    )
+    .expect("write the test guest's symbols");
     let bz_elf = out.join("testguest-bz.elf");
     let bin = out.join("testguest-bz.bin");
     link(&obj, &bz_elf, "0x100200");

@@ -104,6 +104,9 @@ idle:
         jnz     dispatch
         mov     $IDLE_PORT, %dx
         out     %al, %dx
+        /* Where a vCPU parked at the idle port stands (its RIP). */
+        .globl  parked
+parked:
         jmp     idle
 
 dispatch:

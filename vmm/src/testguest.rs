@@ -21,6 +21,10 @@ pub fn virtio_mmio_addr(index: usize) -> u64 {
     crate::virtio::MMIO_BASE + index as u64 * crate::virtio::MMIO_SIZE
 }
 
+// `PARKED_RIP`, the guest's RIP while its vCPU waits at the idle port (in
+// the ELF image), as the build script read it from the guest's symbols.
+include!(concat!(env!("OUT_DIR"), "/testguest_parked.rs"));
+
 /// Guest physical address of the mailbox.
 pub const MAILBOX: u64 = 0x18_0000;
 const CMD: u64 = MAILBOX;

@@ -9,7 +9,7 @@
 
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use zerocopy::IntoBytes;
 
@@ -64,6 +64,26 @@ fn seen(vm: &Vm, disk: &Path) -> Seen {
         devices: vm.devices.save(),
         disk: std::fs::read(disk).expect("reading the disk image"),
         clock: clock.clock,
+    }
+}
+
+/// Pauses `vm` (running) with its vCPU where the guest waits for a command
+/// ([`testguest::PARKED_RIP`]), not elsewhere in its idle loop: after a
+/// resume the vCPU runs a few instructions before it parks again, and two
+/// looks at a VM stopped at different ones differ in their registers.
+fn pause_parked(vm: &mut Vm) {
+    let deadline = Instant::now() + T;
+    loop {
+        vm.pause().expect("pause");
+        let rip = vm.save_vcpus().expect("saving vCPU state")[0].regs.rip;
+        if rip == testguest::PARKED_RIP {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the guest did not park within {T:?} (rip {rip:#x})"
+        );
+        vm.resume().expect("resume");
     }
 }
 
@@ -157,7 +177,7 @@ fn fixture() -> Fixture {
     dirty(&mut vm, 0, 4, 200);
     write_disk(&disk, 4096, b"s2-time");
     poke_devices(&vm, 0x55);
-    vm.pause().expect("pause");
+    pause_parked(&mut vm);
     vm.snapshot_into(&store, "s2", Kind::Incremental)
         .expect("incremental snapshot");
     let s2 = store.snapshot_dir("s2");
@@ -194,7 +214,7 @@ impl Fixture {
     /// Checks the VM runs exactly on `s2`.
     fn on_s2(&mut self, what: &str) {
         assert_eq!(self.vm.state(), RunState::Running, "{what}");
-        self.vm.pause().expect("pause");
+        pause_parked(&mut self.vm);
         assert_same(what, &self.at_s2, &seen(&self.vm, &self.disk));
         self.vm.resume().expect("resume");
         self.runs(what);
@@ -236,7 +256,7 @@ fn round(fx: &mut Fixture, armed: &[&'static str], other_lineage: bool, expect: 
     // A refused rollback is checked on a paused VM: one that ran between
     // two looks may have been stopped at another instruction of its idle
     // loop (a resume lets the vCPU run until it parks again).
-    fx.vm.pause().expect("pause");
+    pause_parked(&mut fx.vm);
     let before = seen(&fx.vm, &fx.disk);
     if expect != Expect::Refused {
         fx.vm.resume().expect("resume");
@@ -461,7 +481,7 @@ fn a_disk_sent_as_a_descriptor_rolls_back_through_it_all_or_nothing() {
         .expect("attaching the descriptor");
 
     dirty(&mut vm, 0, 8, 100);
-    vm.pause().expect("pause");
+    pause_parked(&mut vm);
     vm.snapshot_into(&store, "s1", Kind::Full)
         .expect("snapshot");
     let s1 = store.snapshot_dir("s1");
@@ -478,7 +498,7 @@ fn a_disk_sent_as_a_descriptor_rolls_back_through_it_all_or_nothing() {
             .unwrap_or_else(|e| panic!("{what}: the guest does not print: {e}"));
     };
     let on_s1 = |vm: &mut Vm, what: &str| {
-        vm.pause().expect("pause");
+        pause_parked(vm);
         assert_same(what, &at_s1, &seen(vm, &image));
         vm.resume().expect("resume");
         assert_eq!(vm.disk_slots()[0].size, 1 << 20, "{what}: capacity");
@@ -512,9 +532,13 @@ fn a_disk_sent_as_a_descriptor_rolls_back_through_it_all_or_nothing() {
             .open(&image)
             .and_then(|f| f.set_len((1 << 20) + 4096 * round))
             .expect("growing the image");
-        vm.pause().expect("pause");
+        // Refused, the rollback is checked on a VM paused throughout (see
+        // `round`).
+        pause_parked(&mut vm);
         let before = seen(&vm, &image);
-        vm.resume().expect("resume");
+        if *expect != Expect::Refused {
+            vm.resume().expect("resume");
+        }
         for name in *armed {
             failpoint::arm(name);
         }
@@ -525,8 +549,7 @@ fn a_disk_sent_as_a_descriptor_rolls_back_through_it_all_or_nothing() {
         match expect {
             Expect::Refused => {
                 assert!(matches!(e, Error::Rollback(_)), "{what}: {e}");
-                assert_eq!(vm.state(), RunState::Running, "{what}");
-                vm.pause().expect("pause");
+                assert_eq!(vm.state(), RunState::Paused, "{what}: it stays paused");
                 assert_same(&what, &before, &seen(&vm, &image));
                 vm.resume().expect("resume");
                 runs(&mut vm, round, &what);
@@ -555,9 +578,8 @@ fn a_disk_sent_as_a_descriptor_rolls_back_through_it_all_or_nothing() {
     vm.snapshot_into(&elsewhere, "e1", Kind::Full)
         .expect("snapshot into the other store");
     write_disk(&image, 0, b"after-e1");
-    vm.pause().expect("pause");
+    pause_parked(&mut vm);
     let before = seen(&vm, &image);
-    vm.resume().expect("resume");
     let e = vm
         .rollback(&elsewhere.snapshot_dir("e1"))
         .expect_err("a rollback from another filesystem is refused");
@@ -569,8 +591,11 @@ fn a_disk_sent_as_a_descriptor_rolls_back_through_it_all_or_nothing() {
             && message.contains(" but "),
         "the message names both filesystems: {message}"
     );
-    assert_eq!(vm.state(), RunState::Running);
-    vm.pause().expect("pause");
+    assert_eq!(
+        vm.state(),
+        RunState::Paused,
+        "a refused rollback leaves it paused"
+    );
     assert_same("another filesystem", &before, &seen(&vm, &image));
     vm.resume().expect("resume");
     runs(&mut vm, 99, "another filesystem");
