@@ -21,22 +21,21 @@ cargo test --workspace --locked
 # The lab runs two outer VMs at once, one per CPU of a 2-core machine: each
 # runs its tests on one emulated CPU, and one after the other they outlast
 # CI's 90 minutes. Lane A: twig-vmm's lab tests, then every end-to-end test
-# binary not in lane B; lane B: the longest end-to-end binaries, its output
-# printed when both lanes are done. The guest kernel is built (or found in
-# its cache) first, as both lanes use it.
+# binary not in lane B; lane B: the longest end-to-end binaries, its lines
+# marked `lab-b|`. The guest kernel is built (or found in its cache) first,
+# as both lanes use it.
 guest/build-kernel.sh > /dev/null
 lane_b=(controller forks recovery twig_service python_template security workflows)
-lane_b_log=$(mktemp)
-trap 'rm -f "$lane_b_log"' EXIT
-tests/lab/run.sh -p twig-e2e --features twig-e2e/lab $(printf -- '--test %s ' "${lane_b[@]}") \
-  > "$lane_b_log" 2>&1 &
+(
+  set -o pipefail
+  tests/lab/run.sh -p twig-e2e --features twig-e2e/lab $(printf -- '--test %s ' "${lane_b[@]}") 2>&1 |
+    sed -u 's/^/lab-b| /'
+) &
 lane_b_pid=$!
 lane_a_rc=0
 { tests/lab/run.sh -p twig-vmm --features twig-vmm/lab &&
   TWIG_LAB_SKIP="${lane_b[*]}" tests/lab/run.sh -p twig-e2e --features twig-e2e/lab; } || lane_a_rc=$?
 lane_b_rc=0
 wait "$lane_b_pid" || lane_b_rc=$?
-echo "== lab lane B: ${lane_b[*]} (exit $lane_b_rc) =="
-cat "$lane_b_log"
 ((lane_a_rc == 0 && lane_b_rc == 0)) ||
-  { echo "lab failed: lane A exit $lane_a_rc, lane B exit $lane_b_rc" >&2; exit 1; }
+  { echo "lab failed: lane A exit $lane_a_rc, lane B (${lane_b[*]}) exit $lane_b_rc" >&2; exit 1; }
