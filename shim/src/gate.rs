@@ -18,7 +18,7 @@ use crate::{Error, Result};
 
 /// The gate's directory under the shims' state root: a dot name, which no
 /// pod's state directory has (those are named after the shim's socket).
-pub const GATE_DIR: &str = ".starts";
+const GATE_DIR: &str = ".starts";
 /// How often a waiting start looks for a free slot.
 const POLL: Duration = Duration::from_millis(25);
 
