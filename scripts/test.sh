@@ -26,16 +26,23 @@ cargo test --workspace --locked
 # as both lanes use it.
 guest/build-kernel.sh > /dev/null
 lane_b=(controller forks recovery twig_service python_template security workflows)
+lanes=$(mktemp -d)
+trap 'rm -rf "$lanes"' EXIT
 (
   set -o pipefail
   tests/lab/run.sh -p twig-e2e --features twig-e2e/lab $(printf -- '--test %s ' "${lane_b[@]}") 2>&1 |
-    sed -u 's/^/lab-b| /'
+    sed -u 's/^/lab-b| /' | tee "$lanes/b"
 ) &
 lane_b_pid=$!
 lane_a_rc=0
 { tests/lab/run.sh -p twig-vmm --features twig-vmm/lab &&
-  TWIG_LAB_SKIP="${lane_b[*]}" tests/lab/run.sh -p twig-e2e --features twig-e2e/lab; } || lane_a_rc=$?
+  TWIG_LAB_SKIP="${lane_b[*]}" tests/lab/run.sh -p twig-e2e --features twig-e2e/lab; } 2>&1 |
+  tee "$lanes/a" || lane_a_rc=$?
 lane_b_rc=0
 wait "$lane_b_pid" || lane_b_rc=$?
-((lane_a_rc == 0 && lane_b_rc == 0)) ||
-  { echo "lab failed: lane A exit $lane_a_rc, lane B (${lane_b[*]}) exit $lane_b_rc" >&2; exit 1; }
+((lane_a_rc == 0 && lane_b_rc == 0)) || {
+  # Each failing binary's own lines again (run.sh's LAB-DIGEST), last.
+  grep -h 'LAB-DIGEST' "$lanes/a" "$lanes/b" >&2 || true
+  echo "lab failed: lane A exit $lane_a_rc, lane B (${lane_b[*]}) exit $lane_b_rc" >&2
+  exit 1
+}

@@ -149,14 +149,13 @@ impl Demo<'_> {
         }
 
         // 3. Snapshot, through the controller's locator and client.
-        let locator = ContainerdLocator {
-            task_dir: self
-                .node
+        let locator = ContainerdLocator::new(
+            self.node
                 .node()
                 .dir()?
                 .join("containerd/state/io.containerd.runtime.v2.task")
                 .join(CRI_NAMESPACE),
-        };
+        );
         let uid = pod
             .config
             .metadata

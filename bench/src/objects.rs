@@ -82,14 +82,13 @@ async fn bench(args: &Args) -> Result<Value, Error> {
     let b = Bench {
         lab: &lab,
         ctr,
-        sandbox: ContainerdLocator {
-            task_dir: lab
-                .node
+        sandbox: ContainerdLocator::new(
+            lab.node
                 .node()
                 .dir()?
                 .join("containerd/state/io.containerd.runtime.v2.task")
                 .join(CRI_NAMESPACE),
-        }
+        )
         .locate(&pod)
         .await
         .context(|| "ContainerdLocator: the agent pod's shim".into())?,

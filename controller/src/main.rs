@@ -92,9 +92,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let ctx = Arc::new(Context::new(
                 client,
                 node_name.clone(),
-                Arc::new(ContainerdLocator {
-                    task_dir: containerd_tasks,
-                }),
+                Arc::new(ContainerdLocator::new(containerd_tasks)),
                 Arc::new(TtrpcShim { timeout }),
                 Arc::new(TtrpcNode {
                     address: node_socket,

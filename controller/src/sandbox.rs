@@ -8,7 +8,10 @@
 //! ttrpc address to the bundle's `address` file. Reading these is local, needs
 //! no gRPC client, and works while containerd itself is restarting.
 
+use std::collections::{HashMap, HashSet};
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use async_trait::async_trait;
 use k8s_openapi::api::core::v1::Pod;
@@ -46,11 +49,25 @@ pub trait SandboxLocator: Send + Sync {
 }
 
 /// [`SandboxLocator`] over containerd's runtime v2 state directory.
-#[derive(Clone, Debug)]
+///
+/// A bundle's `config.json` never changes while the bundle lives, so each is
+/// parsed once: the locator remembers every bundle it has read (by name and
+/// inode) until the bundle is gone. A look is one directory listing and one
+/// `address` read, however many pods the node runs (the network reconciler
+/// looks at every pod every `network_refresh`).
+#[derive(Debug)]
 pub struct ContainerdLocator {
-    /// `<state>/io.containerd.runtime.v2.task/<containerd namespace>`, normally
-    /// `/run/containerd/io.containerd.runtime.v2.task/k8s.io`.
-    pub task_dir: PathBuf,
+    task_dir: PathBuf,
+    bundles: Mutex<HashMap<(OsString, u64), BundleKind>>,
+}
+
+/// What a bundle's `config.json` says it runs.
+#[derive(Clone, Debug, PartialEq)]
+enum BundleKind {
+    /// The sandbox of the pod with this UID.
+    Sandbox(String),
+    /// Anything else (a container, a sandbox without a pod UID).
+    Other,
 }
 
 #[derive(serde::Deserialize)]
@@ -66,6 +83,40 @@ fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> LocateError + '_ {
     }
 }
 
+impl ContainerdLocator {
+    /// A locator over `task_dir`: `<state>/io.containerd.runtime.v2.task/<containerd
+    /// namespace>`, normally `/run/containerd/io.containerd.runtime.v2.task/k8s.io`.
+    pub fn new(task_dir: impl Into<PathBuf>) -> Self {
+        ContainerdLocator {
+            task_dir: task_dir.into(),
+            bundles: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// How many bundles it remembers: those seen by its last look that it
+    /// could read.
+    pub fn known_bundles(&self) -> usize {
+        self.remembered().len()
+    }
+
+    fn remembered(&self) -> std::sync::MutexGuard<'_, HashMap<(OsString, u64), BundleKind>> {
+        self.bundles.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// What the bundle at `dir` runs, from its `config.json`; `None` while it
+/// cannot be read or parsed (bundles come and go while we scan, and a
+/// half-written one is not ours yet).
+async fn bundle_kind(dir: &Path) -> Option<BundleKind> {
+    let bytes = tokio::fs::read(dir.join("config.json")).await.ok()?;
+    let spec = serde_json::from_slice::<OciSpec>(&bytes).ok()?;
+    let is_sandbox = spec.annotations.get(CONTAINER_TYPE).map(String::as_str) == Some("sandbox");
+    Some(match spec.annotations.get(SANDBOX_UID) {
+        Some(uid) if is_sandbox => BundleKind::Sandbox(uid.clone()),
+        _ => BundleKind::Other,
+    })
+}
+
 #[async_trait]
 impl SandboxLocator for ContainerdLocator {
     async fn locate(&self, pod: &Pod) -> Result<Sandbox, LocateError> {
@@ -73,34 +124,41 @@ impl SandboxLocator for ContainerdLocator {
         let mut entries = tokio::fs::read_dir(&self.task_dir)
             .await
             .map_err(io_error(&self.task_dir))?;
+        let mut present = Vec::new();
+        let mut found = None;
         while let Some(entry) = entries
             .next_entry()
             .await
             .map_err(io_error(&self.task_dir))?
         {
-            let bundle = entry.path();
-            let config = bundle.join("config.json");
-            // Bundles come and go while we scan; a half-written one is not ours.
-            let Ok(bytes) = tokio::fs::read(&config).await else {
-                continue;
+            let key = (entry.file_name(), entry.ino());
+            let known = self.remembered().get(&key).cloned();
+            let kind = match known {
+                Some(kind) => Some(kind),
+                None => {
+                    let kind = bundle_kind(&entry.path()).await;
+                    if let Some(kind) = &kind {
+                        self.remembered().insert(key.clone(), kind.clone());
+                    }
+                    kind
+                }
             };
-            let Ok(spec) = serde_json::from_slice::<OciSpec>(&bytes) else {
-                continue;
-            };
-            let is_sandbox =
-                spec.annotations.get(CONTAINER_TYPE).map(String::as_str) == Some("sandbox");
-            if !is_sandbox || spec.annotations.get(SANDBOX_UID).map(String::as_str) != Some(uid) {
-                continue;
+            present.push(key);
+            if found.is_none() && kind == Some(BundleKind::Sandbox(uid.to_string())) {
+                found = Some(entry);
             }
-            let address_file = bundle.join("address");
-            let address = tokio::fs::read_to_string(&address_file)
-                .await
-                .map_err(io_error(&address_file))?;
-            return Ok(Sandbox {
-                id: entry.file_name().to_string_lossy().into_owned(),
-                address: address.trim().to_string(),
-            });
         }
-        Err(LocateError::NotFound(uid.to_string()))
+        // The listing is complete: forget the bundles that are gone.
+        let present: HashSet<_> = present.into_iter().collect();
+        self.remembered().retain(|key, _| present.contains(key));
+        let entry = found.ok_or_else(|| LocateError::NotFound(uid.to_string()))?;
+        let address_file = entry.path().join("address");
+        let address = tokio::fs::read_to_string(&address_file)
+            .await
+            .map_err(io_error(&address_file))?;
+        Ok(Sandbox {
+            id: entry.file_name().to_string_lossy().into_owned(),
+            address: address.trim().to_string(),
+        })
     }
 }

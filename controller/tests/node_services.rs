@@ -468,9 +468,7 @@ async fn containerd_locator_finds_the_pods_sandbox_bundle() {
         "unix:///run/containerd/s/def",
     );
     std::fs::create_dir_all(root.path().join("half-written")).expect("dir");
-    let locator = ContainerdLocator {
-        task_dir: root.path().to_path_buf(),
-    };
+    let locator = ContainerdLocator::new(root.path().to_path_buf());
     let sandbox = locator.locate(&pod("uid-1")).await.expect("found");
     assert_eq!(
         sandbox,
@@ -484,9 +482,37 @@ async fn containerd_locator_finds_the_pods_sandbox_bundle() {
         matches!(missing, LocateError::NotFound(ref u) if u == "uid-3"),
         "{missing:?}"
     );
-    let nowhere = ContainerdLocator {
-        task_dir: root.path().join("absent"),
-    };
+    // A bundle whose config.json is not written yet is read again later,
+    // and bundles that are gone are forgotten.
+    std::fs::remove_dir_all(root.path().join("5a4db0c5")).expect("remove");
+    assert!(matches!(
+        locator.locate(&pod("uid-1")).await,
+        Err(LocateError::NotFound(_))
+    ));
+    assert_eq!(locator.known_bundles(), 2, "c0ffee and 0ther only");
+    bundle(
+        root.path(),
+        "half-written",
+        serde_json::json!({"io.kubernetes.cri.container-type": "sandbox", "io.kubernetes.cri.sandbox-uid": "uid-1"}),
+        "unix:///run/containerd/s/late",
+    );
+    let late = locator.locate(&pod("uid-1")).await.expect("found later");
+    assert_eq!(late.address, "unix:///run/containerd/s/late");
+    // A bundle made again under a gone one's name is read again.
+    std::fs::remove_dir_all(root.path().join("0ther")).expect("remove");
+    assert!(matches!(
+        locator.locate(&pod("uid-2")).await,
+        Err(LocateError::NotFound(_))
+    ));
+    bundle(
+        root.path(),
+        "0ther",
+        serde_json::json!({"io.kubernetes.cri.container-type": "sandbox", "io.kubernetes.cri.sandbox-uid": "uid-4"}),
+        "unix:///run/containerd/s/new",
+    );
+    let again = locator.locate(&pod("uid-4")).await.expect("the new bundle");
+    assert_eq!(again.address, "unix:///run/containerd/s/new");
+    let nowhere = ContainerdLocator::new(root.path().join("absent"));
     assert!(matches!(
         nowhere.locate(&pod("uid-1")).await,
         Err(LocateError::Io { .. })

@@ -8,6 +8,7 @@
 //! node's twig-node socket). Every wait polls with a deadline.
 
 use std::future::Future;
+use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -42,6 +43,8 @@ pub const READY: Duration = Duration::from_secs(400);
 /// Deadline of an exec in a container.
 pub const EXEC: Duration = Duration::from_secs(120);
 const POLL: Duration = Duration::from_millis(200);
+/// How long a teardown wait runs before containerd's stacks are taken.
+const STACKS_AFTER: Duration = Duration::from_secs(150);
 
 /// A twig pod in the test namespace, bound to [`NODE`] (as the scheduler
 /// binds it), with the one container `container`.
@@ -63,7 +66,18 @@ pub fn twig_pod(name: &str, container: Container) -> Pod {
 }
 
 /// Polls `check` until it returns `Some`, failing after `within`.
-pub async fn until<T, F, Fut>(what: &str, within: Duration, mut check: F) -> T
+pub async fn until<T, F, Fut>(what: &str, within: Duration, check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    poll(within, check)
+        .await
+        .unwrap_or_else(|| panic!("timed out after {within:?} waiting for {what}"))
+}
+
+/// Polls `check` until it returns `Some`; `None` after `within`.
+async fn poll<T, F, Fut>(within: Duration, mut check: F) -> Option<T>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Option<T>>,
@@ -71,12 +85,11 @@ where
     let deadline = Instant::now() + within;
     loop {
         if let Some(v) = check().await {
-            return v;
+            return Some(v);
         }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {within:?} waiting for {what}"
-        );
+        if Instant::now() >= deadline {
+            return None;
+        }
         tokio::time::sleep(POLL).await;
     }
 }
@@ -152,11 +165,10 @@ impl CtrlLab {
         let ctx = Context::new(
             server.client_as(CONTROLLER),
             NODE.into(),
-            Arc::new(ContainerdLocator {
-                task_dir: dir
-                    .join("containerd/state/io.containerd.runtime.v2.task")
+            Arc::new(ContainerdLocator::new(
+                dir.join("containerd/state/io.containerd.runtime.v2.task")
                     .join(CRI_NAMESPACE),
-            }),
+            )),
             Arc::new(TtrpcShim { timeout: CALL }),
             Arc::new(TtrpcNode {
                 address: format!("unix://{}", dir.join("node.sock").display()),
@@ -164,7 +176,10 @@ impl CtrlLab {
             }),
             metrics.clone(),
         )
-        .with_network_refresh(Duration::from_secs(1))
+        // Often enough for the drop counters in /metrics to show within a
+        // wait, seldom enough that nine pods' looks leave the lab's one
+        // emulated CPU to the guests.
+        .with_network_refresh(Duration::from_secs(5))
         .with_retry(Duration::from_secs(1))
         .with_backoff(Duration::from_millis(500), Duration::from_secs(10));
         let controller = tokio::spawn(twig_controller::run(Arc::new(ctx)));
@@ -183,18 +198,47 @@ impl CtrlLab {
         lab
     }
 
-    /// Prints a progress line with the time since the start.
+    /// Prints a progress line with the time since the start, past the test
+    /// harness's capture: a binary the lab kills as hung has shown how far
+    /// it got.
     pub fn step(&self, what: &str) {
-        eprintln!(
-            "{}: {:>7.2} s  {what}",
+        let line = format!(
+            "{}: {:>7.2} s  {what} (the test process has used {:.1} s of CPU)\n",
             self.name,
-            self.t0.elapsed().as_secs_f64()
+            self.t0.elapsed().as_secs_f64(),
+            cpu_seconds()
         );
+        // Progress only: a closed stderr loses nothing the test checks.
+        let _ = std::io::stderr().write_all(line.as_bytes());
     }
 
     /// The node's daemons' logs, for failure messages.
     pub fn logs(&self) -> String {
         self.node.node().logs()
+    }
+
+    /// [`until`] for the teardown's waits: a timeout shows the last 300
+    /// lines of containerd's log (every shim's calls are in it) and where
+    /// containerd's CRI goroutines wait.
+    async fn until_logged<T, F, Fut>(&self, what: &str, within: Duration, mut check: F) -> T
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Option<T>>,
+    {
+        // The stacks are taken while the wait is long but the kubelet's CRI
+        // calls (CALL) are still waiting in containerd.
+        let early = STACKS_AFTER.min(within);
+        if let Some(v) = poll(early, &mut check).await {
+            return v;
+        }
+        let stacks = self.node.node().containerd_stacks("cri", 400);
+        match poll(within - early, check).await {
+            Some(v) => v,
+            None => panic!(
+                "timed out after {within:?} waiting for {what}\n{}\nafter {early:?}: {stacks}",
+                self.node.node().logs_of(300, 40),
+            ),
+        }
     }
 
     /// The object `name` once `done` holds, failing with its last state.
@@ -304,7 +348,7 @@ impl CtrlLab {
                 .delete(name, &DeleteParams::default())
                 .await
                 .unwrap_or_else(|e| panic!("deleting Snapshot {name}: {e}"));
-            until(
+            self.until_logged(
                 &format!("Snapshot {name}'s finalizer to let go"),
                 READY,
                 || async { matches!(snapshots.get_opt(name).await, Ok(None)).then_some(()) },
@@ -317,12 +361,12 @@ impl CtrlLab {
     /// nothing of the pods' VMMs `vmms` on the node.
     pub async fn nothing_left(&self, vmms: &[u32]) {
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), NS);
-        until("the pods to be gone", READY, || async {
+        self.until_logged("the pods to be gone", READY, || async {
             let left = pods.list(&ListParams::default()).await.ok()?.items;
             left.is_empty().then_some(())
         })
         .await;
-        until(
+        self.until_logged(
             "the sandboxes and everything of them to go",
             READY,
             || async {
@@ -343,6 +387,16 @@ impl CtrlLab {
             .unwrap_or_else(|e| panic!("{}", self.node.cri_error("ListPodSandbox", e)));
         sandbox_of(&sandboxes, uid)
     }
+}
+
+/// CPU time this process has used (user and system), in seconds.
+fn cpu_seconds() -> f64 {
+    nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF)
+        .map(|u| {
+            let t = |tv: nix::sys::time::TimeVal| tv.tv_sec() as f64 + tv.tv_usec() as f64 / 1e6;
+            t(u.user_time()) + t(u.system_time())
+        })
+        .unwrap_or(f64::NAN)
 }
 
 impl Drop for CtrlLab {

@@ -248,6 +248,22 @@ fn unescape_mount_path(field: &str) -> PathBuf {
 }
 
 /// The `*.log` files in `dir` and its subdirectories, `depth` levels down.
+/// containerd's stack dumps in the temporary directory.
+fn stack_dumps() -> Vec<PathBuf> {
+    let Ok(entries) = fs::read_dir(std::env::temp_dir()) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(OsStr::to_str)
+                .is_some_and(|n| n.starts_with("containerd.") && n.ends_with(".stacks.log"))
+        })
+        .collect()
+}
+
 fn log_files(dir: &Path, depth: usize) -> Vec<PathBuf> {
     let Ok(entries) = fs::read_dir(dir) else {
         return Vec::new();
@@ -666,22 +682,64 @@ impl Node {
     /// The end of containerd's and twig-snapshotter's logs, and of the twig
     /// shim's VM logs (VMM, serial console), for a failing test's message.
     pub fn logs(&self) -> String {
+        self.logs_of(40, 40)
+    }
+
+    /// [`Node::logs`] with the last `containerd` lines of containerd's log
+    /// (it holds every shim's log too) and `lines` of each other log.
+    pub fn logs_of(&self, containerd: usize, lines: usize) -> String {
         let mut text = format!(
             "--- containerd ({}):\n{}\n--- twig-snapshotter ({}):\n{}\n--- twig-node ({}):\n{}",
             self.containerd.log().display(),
-            tail(self.containerd.log(), 40),
+            tail(self.containerd.log(), containerd),
             self.snapshotter.log().display(),
-            tail(self.snapshotter.log(), 40),
+            tail(self.snapshotter.log(), lines),
             self.node_daemon.log().display(),
-            tail(self.node_daemon.log(), 40)
+            tail(self.node_daemon.log(), lines)
         );
         if let Some(work) = &self.work {
             let dirs = [work.path().join("shim"), work.path().join("node")];
             for log in dirs.iter().flat_map(|d| log_files(d, 3)) {
-                text.push_str(&format!("\n--- {}:\n{}", log.display(), tail(&log, 40)));
+                text.push_str(&format!("\n--- {}:\n{}", log.display(), tail(&log, lines)));
             }
         }
         text
+    }
+
+    /// containerd's goroutines that mention `needle`, from the stack dump it
+    /// writes on SIGUSR1 (`$TMPDIR/containerd.<unix time>.stacks.log`), at
+    /// most `lines` lines: where a CRI call that does not return waits.
+    pub fn containerd_stacks(&self, needle: &str, lines: usize) -> String {
+        let Some(pid) = self.containerd.pid() else {
+            return "containerd is not running".into();
+        };
+        let before = stack_dumps();
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(pid).unwrap_or(i32::MAX));
+        if let Err(e) = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGUSR1) {
+            return format!("SIGUSR1 to containerd: {e}");
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        let dump = loop {
+            if let Some(new) = stack_dumps().into_iter().find(|d| !before.contains(d)) {
+                // Written at once; give the writer a moment to finish.
+                std::thread::sleep(Duration::from_millis(500));
+                break new;
+            }
+            if std::time::Instant::now() >= deadline {
+                return "containerd wrote no stack dump within 20 s".into();
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        let text = fs::read_to_string(&dump).unwrap_or_default();
+        let _ = fs::remove_file(&dump);
+        let picked: Vec<&str> = text.split("\n\n").filter(|g| g.contains(needle)).collect();
+        let out = picked.join("\n\n");
+        let shown: Vec<&str> = out.lines().take(lines).collect();
+        format!(
+            "--- {} of containerd's goroutines mention {needle:?}:\n{}",
+            picked.len(),
+            shown.join("\n")
+        )
     }
 
     /// Kills and deletes what is left of the node's tasks, stops containerd,

@@ -160,12 +160,11 @@ async fn clone_scenario() {
     step(t0, "source counts");
 
     // Snapshot the source through the Twig service, as the controller does.
-    let locator = ContainerdLocator {
-        task_dir: h
-            .dir()
+    let locator = ContainerdLocator::new(
+        h.dir()
             .join("containerd/state/io.containerd.runtime.v2.task")
             .join(CRI_NAMESPACE),
-    };
+    );
     let sandbox = locator
         .locate(&pod_of(&src_pod))
         .await
@@ -320,12 +319,11 @@ async fn failure_scenario() {
     let pod = h.pod("to-corrupt", None);
     let (pod_id, ctr) = h.run_counter(&pod).await;
     h.wait_count(&ctr, "/dev/shm/count", |n| n >= 3).await;
-    let locator = ContainerdLocator {
-        task_dir: h
-            .dir()
+    let locator = ContainerdLocator::new(
+        h.dir()
             .join("containerd/state/io.containerd.runtime.v2.task")
             .join(CRI_NAMESPACE),
-    };
+    );
     let sandbox = locator
         .locate(&pod_of(&pod))
         .await

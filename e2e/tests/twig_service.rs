@@ -214,9 +214,7 @@ fn snapshot_rollback_and_stats_through_the_controllers_client() {
     let shim = TtrpcShim { timeout: CALL };
 
     // The controller finds the pod's shim in containerd's state.
-    let locator = ContainerdLocator {
-        task_dir: node.task_dir().unwrap(),
-    };
+    let locator = ContainerdLocator::new(node.task_dir().unwrap());
     let sandbox = rt
         .block_on(locator.locate(&pod(uid)))
         .unwrap_or_else(|e| panic!("locating pod {uid}: {e}\n{}", node.logs()));

@@ -351,6 +351,17 @@ for t in /tests/*; do
       for d in /proc/\$pid/task/*; do
         echo "  \$(cat \$d/comm) wchan=\$(cat \$d/wchan) syscall=\$(cat \$d/syscall)"
       done
+      # Which processes the CPU went to (clock ticks of user and system
+      # time), and how much memory is left.
+      for p in /proc/[0-9]*; do
+        echo "\$(sed 's/^.*) //' \$p/stat 2>/dev/null | awk '{print \$12 + \$13}') \${p#/proc/} \$(cat \$p/comm 2>/dev/null)"
+      done | sort -rn | head -n 12 | sed 's/^/LAB-CPU /'
+      grep -E '^(MemTotal|MemAvailable|Cached|Shmem|AnonPages):' /proc/meminfo | tr -s ' ' | sed 's/^/LAB-MEM /'
+      # And the last lines of every log its node wrote (containerd, the
+      # snapshotter, twig-node, each shim and VMM, the test kubelet).
+      find /tmp /xfs -name '*.log' -size +0 2>/dev/null | while read -r f; do
+        echo "LAB-LOG \$f:"; tail -n 12 "\$f" | sed 's/^/LAB-LOG   /'
+      done
       kill -9 \$pid
       # And what it started (containerd, shims, VMMs, now init's): the next
       # binary starts on a clean node. Kernel threads ignore the signal.
@@ -389,6 +400,17 @@ echo "lab: initramfs $(du -m "$work/initrd" | cut -f1) MiB (gzip -1)" >&2
 # the outer VM is booted again (at most LAB_BOOTS times in all) and carries
 # on with the binaries that have not yet passed. A failing test is never
 # retried.
+# What a failing (or unfinished) binary printed, without L1 KVM's trace, as
+# its last 150 lines marked LAB-DIGEST: scripts/test.sh prints them again at
+# its very end, where a CI log's tail shows them.
+digest() {
+  awk '$1 == "LAB-RUN" {on = 1; bin = $2; sub(".*/", "", bin); n = 0}
+    on && $1 != "LAB-TRACE" {text[n++] = $0}
+    $1 == "LAB-EXIT" && on {on = 0; if ($3 != 0) show()}
+    END {if (on) show()}
+    function show() {for (i = 0; i < n; i++) print "LAB-DIGEST " bin ": " text[i]}' "$all" |
+    tail -n 150
+}
 BEAT_TIMEOUT=${TWIG_LAB_BEAT_TIMEOUT:-90}
 LAB_BOOTS=${TWIG_LAB_BOOTS:-8}
 all=$work/all.log
@@ -424,6 +446,7 @@ for attempt in $(seq 1 "$LAB_BOOTS"); do
   oops=$(grep -m1 -E 'Kernel panic|BUG: |Oops: ' "$log" || true)
   why="${wedged:-qemu exit $qemu}${oops:+; the outer kernel said: $oops}"
   if [[ -n $failed_before || $attempt == "$LAB_BOOTS" ]]; then
+    digest
     die "the lab did not finish ($why); see output above"
   fi
   # (awk, not grep: a boot that wedged before any binary finished has no
@@ -443,4 +466,4 @@ passed=$(awk '/^test result:/ {for (i = 1; i < NF; i++) if ($(i + 1) ~ /^passed/
 failed=$(awk '/^test result:/ {for (i = 1; i < NF; i++) if ($(i + 1) ~ /^failed/) s += $i} END {print s + 0}' "$log")
 bad=$(awk '$1 == "LAB-EXIT" && $3 != 0 {printf "%s (exit %s) ", $2, $3}' "$log")
 echo "lab: $passed passed, $failed failed"
-[[ -z $bad ]] || die "failing test binaries in the lab: $bad"
+[[ -z $bad ]] || { digest; die "failing test binaries in the lab: $bad"; }
