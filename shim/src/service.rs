@@ -1026,7 +1026,7 @@ impl Task for TaskService {
         req: api::CreateTaskRequest,
     ) -> TtrpcResult<api::CreateTaskResponse> {
         tracing::info!(id = req.id, bundle = req.bundle, "create");
-        Ok(self.do_create(req).await?)
+        Ok(to_completion(self, |s| async move { s.do_create(req).await }).await?)
     }
 
     async fn start(
@@ -1035,7 +1035,7 @@ impl Task for TaskService {
         req: api::StartRequest,
     ) -> TtrpcResult<api::StartResponse> {
         tracing::info!(id = req.id, exec_id = req.exec_id, "start");
-        Ok(self.do_start(req).await?)
+        Ok(to_completion(self, |s| async move { s.do_start(req).await }).await?)
     }
 
     async fn delete(
@@ -1044,7 +1044,7 @@ impl Task for TaskService {
         req: api::DeleteRequest,
     ) -> TtrpcResult<api::DeleteResponse> {
         tracing::info!(id = req.id, exec_id = req.exec_id, "delete");
-        Ok(self.do_delete(req).await?)
+        Ok(to_completion(self, |s| async move { s.do_delete(req).await }).await?)
     }
 
     async fn pids(
@@ -1065,7 +1065,7 @@ impl Task for TaskService {
     }
 
     async fn pause(&self, _ctx: &TtrpcContext, _req: api::PauseRequest) -> TtrpcResult<api::Empty> {
-        self.do_pause(false).await?;
+        to_completion(self, |s| async move { s.do_pause(false).await }).await?;
         Ok(api::Empty::default())
     }
 
@@ -1074,7 +1074,7 @@ impl Task for TaskService {
         _ctx: &TtrpcContext,
         _req: api::ResumeRequest,
     ) -> TtrpcResult<api::Empty> {
-        self.do_pause(true).await?;
+        to_completion(self, |s| async move { s.do_pause(true).await }).await?;
         Ok(api::Empty::default())
     }
 
@@ -1085,7 +1085,7 @@ impl Task for TaskService {
             signal = req.signal,
             "kill"
         );
-        self.do_kill(req).await?;
+        to_completion(self, |s| async move { s.do_kill(req).await }).await?;
         Ok(api::Empty::default())
     }
 
@@ -1095,7 +1095,7 @@ impl Task for TaskService {
         req: api::ExecProcessRequest,
     ) -> TtrpcResult<api::Empty> {
         tracing::info!(id = req.id, exec_id = req.exec_id, "exec");
-        self.do_exec(req).await?;
+        to_completion(self, |s| async move { s.do_exec(req).await }).await?;
         Ok(api::Empty::default())
     }
 
@@ -1113,7 +1113,7 @@ impl Task for TaskService {
         _ctx: &TtrpcContext,
         req: api::CloseIORequest,
     ) -> TtrpcResult<api::Empty> {
-        self.do_close_io(req).await?;
+        to_completion(self, |s| async move { s.do_close_io(req).await }).await?;
         Ok(api::Empty::default())
     }
 
@@ -1152,9 +1152,27 @@ impl Task for TaskService {
         req: api::ShutdownRequest,
     ) -> TtrpcResult<api::Empty> {
         tracing::info!(now = req.now, "shutdown");
-        self.do_shutdown(req).await?;
+        to_completion(self, |s| async move { s.do_shutdown(req).await }).await?;
         Ok(api::Empty::default())
     }
+}
+
+/// Runs `call` on a clone of `service` to its end, in a task of its own,
+/// whatever happens to the caller. ttrpc drops a call's future when the
+/// caller's deadline passes (containerd gives its handling of a TaskExit
+/// 10 s), and a call dropped halfway leaves done in the VM what the shim's
+/// state does not record: a Delete whose disk was detached but whose
+/// container was never forgotten failed every retry, and CRI's
+/// StopPodSandbox waited on it for ever.
+pub(crate) async fn to_completion<S, T, F>(service: &S, call: impl FnOnce(S) -> F) -> Result<T>
+where
+    S: Clone,
+    F: std::future::Future<Output = Result<T>> + Send + 'static,
+    T: Send + 'static,
+{
+    tokio::spawn(call(service.clone()))
+        .await
+        .map_err(|e| Error::Internal(format!("the call's task ended: {e}")))?
 }
 
 /// Where a Task call's time went: waiting on the VM (the VMM process

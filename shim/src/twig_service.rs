@@ -38,7 +38,7 @@ use twig_store::{Artefact, NodeStore, SnapshotSizes};
 use crate::error::{Error, Result};
 use crate::pod::ContainerView;
 use crate::sandbox::NetworkStats;
-use crate::service::TaskService;
+use crate::service::{to_completion, TaskService};
 use crate::spec;
 
 /// The snapshot label naming the sandbox (shim group) it was taken of.
@@ -553,8 +553,8 @@ impl Twig for TwigService {
         ctx: &TtrpcContext,
         req: pb::SnapshotRequest,
     ) -> ttrpc::Result<pb::SnapshotResponse> {
-        let info = self
-            .do_snapshot(req, self.deadline(ctx))
+        let deadline = self.deadline(ctx);
+        let info = to_completion(self, |s| async move { s.do_snapshot(req, deadline).await })
             .await
             .map_err(to_ttrpc)?;
         Ok(pb::SnapshotResponse {
@@ -568,7 +568,8 @@ impl Twig for TwigService {
         ctx: &TtrpcContext,
         req: pb::RollbackRequest,
     ) -> ttrpc::Result<pb::RollbackResponse> {
-        self.do_rollback(req, self.deadline(ctx))
+        let deadline = self.deadline(ctx);
+        to_completion(self, |s| async move { s.do_rollback(req, deadline).await })
             .await
             .map_err(to_ttrpc)?;
         Ok(pb::RollbackResponse::default())

@@ -65,6 +65,8 @@ struct FakeVm {
     baseline: Mutex<Option<String>>,
     /// When set, the next snapshot waits for a message on it.
     hold: Mutex<Option<std_mpsc::Receiver<()>>>,
+    /// When set, the next disk detach waits for a message on it.
+    detach_hold: Mutex<Option<std_mpsc::Receiver<()>>>,
     in_flight: AtomicUsize,
     max_in_flight: AtomicUsize,
     snapshots: AtomicUsize,
@@ -120,6 +122,11 @@ impl Sandbox for FakeVm {
     }
 
     fn detach(&self, attachment: &Attachment) -> Result<()> {
+        if let Some(rx) = self.detach_hold.lock().unwrap().take() {
+            rx.recv_timeout(T)
+                .expect("the test releases the held detach");
+        }
+        // Like a VMM's slot, a loop device detaches once: again, it fails.
         self.host.detach(attachment)
     }
 
@@ -313,6 +320,7 @@ async fn fixture(queue_deadline: Duration) -> Fixture {
         store: store.path(),
         baseline: Mutex::new(None),
         hold: Mutex::new(None),
+        detach_hold: Mutex::new(None),
         in_flight: AtomicUsize::new(0),
         max_in_flight: AtomicUsize::new(0),
         snapshots: AtomicUsize::new(0),
@@ -723,6 +731,67 @@ async fn rollback_refusals_keep_the_pod_and_a_lost_vm_ends_its_tasks() {
     }
     assert_eq!(exits.len(), 2, "one TaskExit per container");
     f.nothing_staged();
+}
+
+/// ttrpc drops a call whose caller's deadline passed, and containerd gives
+/// its handling of a TaskExit (a Delete) 10 s. A Delete that outlives its
+/// caller still finishes: the retry finds the container gone, instead of
+/// failing for ever on a disk that was detached already (CRI's
+/// StopPodSandbox then never returned).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_delete_whose_caller_gave_up_still_finishes() {
+    let f = fixture(T).await;
+    f.run("c1", "app").await;
+    let kill = api::KillRequest {
+        id: "c1".into(),
+        signal: 9,
+        ..Default::default()
+    };
+    f.task.kill(ctx(), &kill).await.expect("kill");
+    let wait = api::WaitRequest {
+        id: "c1".into(),
+        ..Default::default()
+    };
+    assert_eq!(
+        f.task.wait(ctx(), &wait).await.expect("wait").exit_status,
+        137
+    );
+
+    let (release, held) = std_mpsc::channel();
+    *f.vm.detach_hold.lock().unwrap() = Some(held);
+    let delete = api::DeleteRequest {
+        id: "c1".into(),
+        ..Default::default()
+    };
+    let impatient = Context {
+        timeout_nano: 300_000_000,
+        ..Default::default()
+    };
+    let e = f.task.delete(impatient, &delete).await.unwrap_err();
+    // The client or the server ends it at the deadline.
+    let text = format!("{e:?}").to_lowercase();
+    assert!(text.contains("deadline") || text.contains("timeout"), "{e:?}");
+    release.send(()).expect("the delete waits on its detach");
+
+    // The first Delete finishes on its own: the container is gone, and a
+    // retry says so (containerd takes NOT_FOUND as deleted).
+    let state = api::StateRequest {
+        id: "c1".into(),
+        ..Default::default()
+    };
+    let deadline = Instant::now() + T;
+    loop {
+        match f.task.state(ctx(), &state).await {
+            Err(e) if code(e.clone()) == Code::NOT_FOUND => break,
+            other => assert!(
+                Instant::now() < deadline,
+                "c1 still known after its delete: {other:?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let e = f.task.delete(ctx(), &delete).await.unwrap_err();
+    assert_eq!(code(e), Code::NOT_FOUND, "the retry of the delete");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
