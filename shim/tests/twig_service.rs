@@ -770,7 +770,10 @@ async fn a_delete_whose_caller_gave_up_still_finishes() {
     let e = f.task.delete(impatient, &delete).await.unwrap_err();
     // The client or the server ends it at the deadline.
     let text = format!("{e:?}").to_lowercase();
-    assert!(text.contains("deadline") || text.contains("timeout"), "{e:?}");
+    assert!(
+        text.contains("deadline") || text.contains("timeout"),
+        "{e:?}"
+    );
     release.send(()).expect("the delete waits on its detach");
 
     // The first Delete finishes on its own: the container is gone, and a
