@@ -247,7 +247,6 @@ fn unescape_mount_path(field: &str) -> PathBuf {
     ))
 }
 
-/// The `*.log` files in `dir` and its subdirectories, `depth` levels down.
 /// containerd's stack dumps in the temporary directory.
 fn stack_dumps() -> Vec<PathBuf> {
     let Ok(entries) = fs::read_dir(std::env::temp_dir()) else {
@@ -264,6 +263,7 @@ fn stack_dumps() -> Vec<PathBuf> {
         .collect()
 }
 
+/// The `*.log` files in `dir` and its subdirectories, `depth` levels down.
 fn log_files(dir: &Path, depth: usize) -> Vec<PathBuf> {
     let Ok(entries) = fs::read_dir(dir) else {
         return Vec::new();
@@ -718,12 +718,18 @@ impl Node {
         if let Err(e) = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGUSR1) {
             return format!("SIGUSR1 to containerd: {e}");
         }
+        // The dump is new, and written: its size stopped changing.
         let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        let mut seen = None;
         let dump = loop {
-            if let Some(new) = stack_dumps().into_iter().find(|d| !before.contains(d)) {
-                // Written at once; give the writer a moment to finish.
-                std::thread::sleep(Duration::from_millis(500));
-                break new;
+            let new = stack_dumps().into_iter().find(|d| !before.contains(d));
+            let size = new
+                .as_ref()
+                .and_then(|d| fs::metadata(d).ok())
+                .map(|m| m.len());
+            match (new, size) {
+                (Some(d), Some(n)) if n > 0 && seen == Some(n) => break d,
+                (_, n) => seen = n,
             }
             if std::time::Instant::now() >= deadline {
                 return "containerd wrote no stack dump within 20 s".into();
