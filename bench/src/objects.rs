@@ -2,7 +2,8 @@
 //! lab (`tests/lab/run.sh --bench objects`). On twig-e2e's [`CtrlLab`]
 //! (containerd's CRI plugin, the twig shim, twig-node, the controller
 //! reconciling in the testkit's API server, the test kubelet), with an
-//! agent pod that counts in memory every 100 ms, and a quieter one to fork:
+//! agent pod that counts in memory every 100 ms and, once it is gone, an
+//! idle one to fork:
 //!
 //! - **Snapshot**: a Snapshot object created → `Ready` (seen by a watch),
 //!   against the shim's `Snapshot` call on the same pod, rounds alternating;
@@ -10,8 +11,9 @@
 //!   default) created → `Ready` → the pod's container answers an exec,
 //!   against the shim's `Rollback` call → the same exec;
 //! - **Clone ×N**: a Clone of N replicas of a snapshot of the fork source
-//!   (counting once a second) created → `Ready` (all N pods
-//!   Ready, as the kubelet reports them), against what the kubelet does for
+//!   (an agent waiting on its model) created → `Ready` (all N pods
+//!   Ready, as the kubelet reports them; then what the N idle pods' VMs
+//!   cost the node for 10 s), against what the kubelet does for
 //!   N clone pods with no controller or API server: N RunPodSandbox +
 //!   CreateContainer + StartContainer through CRI at once, annotated
 //!   `twig.dev/restore-from` with the snapshot's node-store id.
@@ -37,6 +39,7 @@ use twig_controller::sandbox::{ContainerdLocator, SandboxLocator};
 use twig_controller::shim::{Sandbox, TtrpcShim, TwigShim};
 use twig_controller_testkit::{self as testkit, NS};
 use twig_cri::CriClient;
+use twig_e2e::cost;
 use twig_e2e::cri::{CALL, CRI_NAMESPACE};
 use twig_e2e::ctrllab::{twig_pod, CtrlLab};
 
@@ -51,10 +54,18 @@ const CONTAINER: &str = "agent";
 /// The agent: counts in memory (`/dev/shm`) every 100 ms.
 const AGENT: &str = "i=0; while :; do i=$((i+1)); echo $i > /dev/shm/n.new; \
      mv /dev/shm/n.new /dev/shm/n; sleep 0.1; done";
-/// The pod the Clones fork: an agent waiting on its model, counting once
-/// a second. (The busy agent above forks twice every 100 ms; in 64 nested
-/// guests that alone saturates the lab's one emulated CPU.)
-const FORK_SOURCE: &str = "i=0; while :; do i=$((i+1)); echo $i > /dev/shm/n; sleep 1; done";
+/// The pod the Clones fork: an agent that wrote its state and now waits on
+/// its model (blocked, as an agent waiting for an LLM's answer is). Its
+/// clones run nothing until asked. (The busy agent above forks twice every
+/// 100 ms, and even a shell counting once a second forks a `sleep` each
+/// time: in 64 nested guests either alone saturates the lab's one emulated
+/// CPU.)
+const FORK_SOURCE: &str = "echo 1 > /dev/shm/n; exec sleep 2147483647";
+/// How often a Clone's progress and the node's CPU are printed.
+const WATCH_EVERY: Duration = Duration::from_secs(30);
+/// How long the Clone's pods are watched once Ready, for what idle clones
+/// cost the node.
+const IDLE_WINDOW: Duration = Duration::from_secs(10);
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -109,6 +120,9 @@ async fn bench(args: &Args) -> Result<Value, Error> {
     if args.replicas.is_empty() {
         return Ok(report.into_value());
     }
+    // The busy agent is measured; the Clones have the node to themselves
+    // and their source.
+    b.remove_agent().await?;
     start_pod(&lab, "fork-source", FORK_SOURCE).await;
     lab.step("fork source running");
     let source = b.object_snapshot("clone-source", "fork-source").await?;
@@ -305,6 +319,7 @@ impl Bench<'_> {
         let name = format!("fan-{n}");
         let replicas = i32::try_from(n).context(|| format!("{n} replicas"))?;
         let mark = self.starts_mark()?;
+        let watch = self.watch_node(format!("Clone of {n}"), mark);
         let t = Instant::now();
         testkit::create(
             &self.lab.client,
@@ -329,22 +344,27 @@ impl Bench<'_> {
             })
             .await?;
         let object = t.elapsed();
+        drop(watch);
         let ready = done.status.map(|s| s.ready_replicas).unwrap_or_default();
         if ready != replicas {
             return Err(format!("Clone {name} is Ready with {ready} of {n} pods").into());
         }
         self.lab.step(&format!("Clone of {n} Ready"));
+        self.idle_cost(&format!("clone{n}"), report).await;
         let mark = self.starts(mark, &format!("clone{n}_object"), report)?;
         let clones: Api<PodClone> = Api::namespaced(self.lab.client.clone(), NS);
         clones
             .delete(&name, &DeleteParams::default())
             .await
             .context(|| format!("deleting Clone {name}"))?;
-        self.only_the_sources_left().await?;
+        self.until_left(1).await?;
 
+        let watch = self.watch_node(format!("{n} restore-from pods"), mark);
         let t = Instant::now();
-        let pods = try_join_all((0..n).map(|i| self.restore_pod(i, n, source))).await?;
+        let pods = try_join_all((0..n).map(|i| self.restore_pod(i, n, source))).await;
         let shim = t.elapsed();
+        drop(watch);
+        let pods = pods?;
         self.lab.step(&format!("{n} restore-from pods started"));
         self.starts(mark, &format!("clone{n}_shim"), report)?;
         try_join_all(pods.iter().map(|id| async move {
@@ -358,7 +378,7 @@ impl Bench<'_> {
                 .map_err(|e| self.lab.node.cri_error("RemovePodSandbox", e))
         }))
         .await?;
-        self.only_the_sources_left().await?;
+        self.until_left(1).await?;
         compare(report, &format!("clone{n}"), &[object], &[shim]);
         Ok(())
     }
@@ -453,9 +473,78 @@ impl Bench<'_> {
         Ok(pod)
     }
 
-    /// Waits until no clone pod is left and the agent's and the fork
-    /// source's are the only sandboxes, and the agent still answers.
-    async fn only_the_sources_left(&self) -> Result<(), Error> {
+    /// Prints, every [`WATCH_EVERY`] until aborted, how busy the node was
+    /// and which programs used its CPUs, and how many sandboxes have
+    /// started: where a slow Clone's time goes.
+    fn watch_node(&self, key: String, mark: usize) -> Watch {
+        let log = self.containerd_log().ok();
+        let t0 = self.lab.t0;
+        Watch(tokio::spawn(async move {
+            let mut before = cost::node_look();
+            loop {
+                tokio::time::sleep(WATCH_EVERY).await;
+                let now = cost::node_look();
+                let started = log
+                    .as_ref()
+                    .and_then(|l| std::fs::read_to_string(l).ok())
+                    .map_or(0, |t| {
+                        t.matches("sandbox VM restored, agent answers").count()
+                    });
+                eprintln!(
+                    "objects: {:8.2} s  {key}: {} sandboxes started; {}",
+                    t0.elapsed().as_secs_f64(),
+                    started.saturating_sub(mark),
+                    cost::NodeCost::between(&before, &now)
+                );
+                before = now;
+            }
+        }))
+    }
+
+    /// Deletes the agent pod and waits until its sandbox is gone.
+    async fn remove_agent(&self) -> Result<(), Error> {
+        let pods: Api<Pod> = Api::namespaced(self.lab.client.clone(), NS);
+        pods.delete("agent", &DeleteParams::default())
+            .await
+            .context(|| "deleting the agent pod".into())?;
+        self.until_left(0).await?;
+        self.lab.step("agent pod removed");
+        Ok(())
+    }
+
+    /// What the node's pods' VMs cost while nobody asks anything of them:
+    /// `key_idle_cpu_ms_per_s` (all VMMs' CPU time, their guests' included,
+    /// per second of [`IDLE_WINDOW`]) and `key_idle_exits_per_s` (their VM
+    /// exits). Printed, never a failure: a VMM may go meanwhile.
+    async fn idle_cost(&self, key: &str, report: &mut Report) {
+        let vmms = self.lab.node.pod_vmms();
+        let before: Vec<_> = vmms.iter().filter_map(|&p| cost::look(p)).collect();
+        // A measurement window: the pods are left alone for it.
+        tokio::time::sleep(IDLE_WINDOW).await;
+        let after: Vec<_> = vmms.iter().filter_map(|&p| cost::look(p)).collect();
+        if before.len() != after.len() || before.is_empty() {
+            eprintln!("objects: {key}: the VMMs changed while watched; no idle cost");
+            return;
+        }
+        let costs: Vec<_> = before
+            .iter()
+            .zip(&after)
+            .map(|(b, a)| cost::Cost::between(b, a))
+            .collect();
+        let cpu: f64 = costs.iter().map(|c| c.cpu_ms_per_s).sum();
+        let exits: f64 = costs.iter().map(cost::Cost::exits_per_s).sum();
+        eprintln!(
+            "objects: {key}: {} idle VMs: {cpu:.0} ms CPU/s, {exits:.0} exits/s in all",
+            costs.len()
+        );
+        report.value(&format!("{key}_idle_vms"), json!(costs.len()));
+        report.value(&format!("{key}_idle_cpu_ms_per_s"), json!(cpu.round()));
+        report.value(&format!("{key}_idle_exits_per_s"), json!(exits.round()));
+    }
+
+    /// Waits until no clone pod is left and the node holds `n` pod
+    /// sandboxes.
+    async fn until_left(&self, n: usize) -> Result<(), Error> {
         let pods: Api<Pod> = Api::namespaced(self.lab.client.clone(), NS);
         let deadline = Instant::now() + DEADLINE;
         loop {
@@ -471,19 +560,27 @@ impl Bench<'_> {
                 .await
                 .map_err(|e| self.lab.node.cri_error("ListPodSandbox", e))?
                 .len();
-            if left == 0 && sandboxes == 2 {
-                self.answers().await?;
+            if left == 0 && sandboxes == n {
                 return Ok(());
             }
             if Instant::now() > deadline {
                 return Err(format!(
-                    "{left} clone pods and {sandboxes} sandboxes still there after {DEADLINE:?}\n{}",
+                    "{left} clone pods and {sandboxes} sandboxes (not {n}) there after {DEADLINE:?}\n{}",
                     self.lab.logs()
                 )
                 .into());
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+    }
+}
+
+/// The task of [`Bench::watch_node`], stopped when dropped.
+struct Watch(tokio::task::JoinHandle<()>);
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

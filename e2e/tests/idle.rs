@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use twig_cri::container_config;
 use twig_e2e::crilab::{runtime, CriLab};
-use twig_e2e::IMAGE_REF;
+use twig_e2e::{cost, IMAGE_REF};
 
 /// How long the pod is watched.
 const WINDOW: Duration = Duration::from_secs(10);
@@ -61,15 +61,31 @@ fn an_idle_pods_vm_takes_no_periodic_timer_interrupts() {
             )
             .await;
         eprintln!("idle: the guest's timers:\n{timers}");
-        let (code, before) = lab.exec(&id, &["cat", "/proc/interrupts"]).await;
+        let vmm = match lab.node.pod_vmms()[..] {
+            [pid] => pid,
+            ref other => panic!("the pod's VMM: found {other:?}"),
+        };
+        let (code, before) = lab
+            .exec(&id, &["cat", "/proc/interrupts", "/proc/softirqs"])
+            .await;
         assert_eq!(code, 0, "reading /proc/interrupts: {before}");
+        let cost_before = cost::look(vmm).expect("the pod's VMM runs");
         let t = Instant::now();
         // A measurement window, not a synchronisation: the guest is left
         // alone for it.
         tokio::time::sleep(WINDOW).await;
-        let (_, after) = lab.exec(&id, &["cat", "/proc/interrupts"]).await;
+        let cost = cost::Cost::between(
+            &cost_before,
+            &cost::look(vmm).expect("the pod's VMM runs"),
+        );
+        eprintln!("idle: the VMM while the guest idled: {cost}");
+        let (_, after) = lab
+            .exec(&id, &["cat", "/proc/interrupts", "/proc/softirqs"])
+            .await;
         let secs = t.elapsed().as_secs_f64();
-        eprintln!("idle: /proc/interrupts before:\n{before}\nafter {secs:.1} s:\n{after}");
+        eprintln!(
+            "idle: /proc/interrupts and /proc/softirqs before:\n{before}\nafter {secs:.1} s:\n{after}"
+        );
         for irq in ["0", "LOC"] {
             let rate = count(&after, irq).saturating_sub(count(&before, irq)) as f64 / secs;
             assert!(

@@ -147,7 +147,7 @@ impl Templates {
                 Some((s, h)) if *s == stamp => h.clone(),
                 _ => {
                     let mut h = Sha256::new();
-                    h.update(b"twig base template v3 (MP table: local APIC timer)\0");
+                    h.update(b"twig base template v4 (MP table, TSC-deadline timer)\0");
                     for input in [&b.kernel, &b.initrd] {
                         hash_file(&mut h, input)?;
                     }

@@ -9,23 +9,35 @@
 //! together and each runs into its own call deadline. Gated, the starts
 //! run a few at a time: the first pods are up at once, the last after the
 //! others, and each start's deadline counts its own work.
+//!
+//! A waiting start sleeps until a slot file of the gate is closed (inotify's
+//! `IN_CLOSE_WRITE`: a start that ends, or a shim that dies, closes its
+//! slot), and looks at least every [`FALLBACK`] whatever it heard. With 56
+//! starts waiting (a Clone of 64 on a gate of 8), polling every 25 ms woke
+//! 2,240 processes a second, each trying eight locks: CPU taken from the
+//! starts they wait for.
 
 use std::fs::{File, OpenOptions};
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
 
 use crate::{Error, Result};
 
 /// The gate's directory under the shims' state root: a dot name, which no
 /// pod's state directory has (those are named after the shim's socket).
 const GATE_DIR: &str = ".starts";
-/// How often a waiting start looks for a free slot.
-const POLL: Duration = Duration::from_millis(25);
+/// The longest a waiting start goes without looking at the slots.
+const FALLBACK: Duration = Duration::from_secs(1);
 
 /// A node's sandbox-start gate of `slots` slots in `dir`.
 pub struct StartGate {
     dir: PathBuf,
     slots: usize,
+    fallback: Duration,
 }
 
 /// A start's slot, free again when dropped.
@@ -48,6 +60,7 @@ impl StartGate {
         StartGate {
             dir: state_root.join(GATE_DIR),
             slots,
+            fallback: FALLBACK,
         }
     }
 
@@ -78,6 +91,13 @@ impl StartGate {
                     .map_err(|e| Error::io(format!("opening {}", path.display()), e))
             })
             .collect::<Result<Vec<File>>>()?;
+        // Watching before the first look: a slot let go after it is heard.
+        let closed = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)
+            .and_then(|i| {
+                i.add_watch(&self.dir, AddWatchFlags::IN_CLOSE_WRITE)?;
+                Ok(i)
+            })
+            .map_err(|e| Error::io(format!("watching {}", self.dir.display()), e.into()))?;
         let started = Instant::now();
         // Start looking at a slot of this process's own, so that waiters
         // spread over the slots rather than all trying slot 0 first.
@@ -95,15 +115,37 @@ impl StartGate {
                     });
                 }
             }
-            if started.elapsed() >= within {
+            let Some(left) = within
+                .checked_sub(started.elapsed())
+                .filter(|l| !l.is_zero())
+            else {
                 return Err(Error::Deadline(format!(
                     "no sandbox start slot of {} ({}) was free within {within:?}: \
                      other pods of this node are starting",
                     self.slots,
                     self.dir.display()
                 )));
-            }
-            std::thread::sleep(POLL);
+            };
+            wait_for_a_close(&closed, left.min(self.fallback))
+                .map_err(|e| Error::io(format!("waiting on {}", self.dir.display()), e))?;
+        }
+    }
+}
+
+/// Sleeps until `closed` reports a slot file closed, or `at_most` passed;
+/// drains what it reported.
+fn wait_for_a_close(closed: &Inotify, at_most: Duration) -> std::io::Result<()> {
+    let ms = u16::try_from(at_most.as_millis()).unwrap_or(u16::MAX);
+    let mut fds = [PollFd::new(closed.as_fd(), PollFlags::POLLIN)];
+    match poll(&mut fds, PollTimeout::from(ms)) {
+        Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+        Err(e) => return Err(e.into()),
+    }
+    loop {
+        match closed.read_events() {
+            Ok(events) if !events.is_empty() => continue,
+            Ok(_) | Err(nix::errno::Errno::EAGAIN) => return Ok(()),
+            Err(e) => return Err(e.into()),
         }
     }
 }
@@ -142,6 +184,48 @@ mod tests {
             let got = waiter.join().unwrap().unwrap();
             assert_eq!(got.slot, 0);
         });
+    }
+
+    #[test]
+    fn a_waiting_start_is_woken_by_the_release_not_by_its_fallback_look() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut gate = StartGate::new(dir.path(), 1);
+        // A fallback look far beyond the test's bound: only the close can
+        // wake the waiter in time.
+        gate.fallback = Duration::from_secs(120);
+        let held = gate.enter(Duration::from_secs(1)).unwrap();
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| gate.enter(Duration::from_secs(300)));
+            // Let the waiter find the slot taken and go to sleep on it.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !a_thread_sleeps_in_poll() {
+                assert!(Instant::now() < deadline, "the waiter never slept");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let released = Instant::now();
+            drop(held);
+            let got = waiter.join().unwrap().unwrap();
+            assert_eq!(got.slot, 0);
+            // Woken by the close, long before its fallback look.
+            assert!(
+                released.elapsed() < Duration::from_secs(60),
+                "the waiter took {:?} to see the slot free",
+                released.elapsed()
+            );
+        });
+    }
+
+    /// Whether a thread of this process sleeps in `poll` (the gate's wait).
+    fn a_thread_sleeps_in_poll() -> bool {
+        std::fs::read_dir("/proc/self/task")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|t| {
+                std::fs::read_to_string(t.path().join("syscall"))
+                    // poll(2) or ppoll(2), by their x86-64 numbers.
+                    .is_ok_and(|w| matches!(w.split_whitespace().next(), Some("7" | "271")))
+            })
     }
 
     #[test]

@@ -393,7 +393,13 @@ impl TwigService {
         }
         .map(network_stats)
         .transpose()?;
+        // The controller asks every pod for its stats every
+        // `network_refresh`: a pod that took no snapshot (most clones) opens
+        // no store (an open probes reflinks and sweeps `tmp/`).
         let snapshots = blocking(move || {
+            if snapshots.is_empty() {
+                return snapshots;
+            }
             let Some(store) = root.and_then(|r| NodeStore::open(&r, false).ok()) else {
                 return snapshots;
             };
