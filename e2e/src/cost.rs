@@ -114,10 +114,10 @@ pub struct NodeLook {
     /// `/proc/stat`'s first line: user, nice, system, idle, iowait, irq,
     /// softirq, steal, in clock ticks.
     cpu: Vec<u64>,
-    /// CPU ticks (own and reaped children's) and process count by command.
-    by_command: BTreeMap<String, (u64, usize)>,
-    /// CPU ticks by command and thread name (`containerd-shim/tokio-runtime-w`).
-    by_thread: BTreeMap<String, u64>,
+    /// Every process: its command and CPU ticks (own and reaped children's).
+    processes: BTreeMap<i32, (String, u64)>,
+    /// Every thread: `command/thread` and its CPU ticks.
+    threads: BTreeMap<i32, (String, u64)>,
 }
 
 /// A look at the node now.
@@ -135,38 +135,39 @@ pub fn node_look() -> NodeLook {
             )
         })
         .unwrap_or_default();
-    let mut by_command: BTreeMap<String, (u64, usize)> = BTreeMap::new();
     let pids = fs::read_dir("/proc")
         .into_iter()
         .flatten()
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok());
-    let mut by_thread: BTreeMap<String, u64> = BTreeMap::new();
+    let (mut processes, mut threads) = (BTreeMap::new(), BTreeMap::new());
     for pid in pids {
         let Some(f) = stat_fields(pid) else { continue };
         let tasks = fs::read_dir(format!("/proc/{pid}/task"))
             .into_iter()
             .flatten();
         for task in tasks.flatten() {
-            let Some(t) = fs::read_to_string(task.path().join("stat"))
-                .ok()
-                .and_then(|s| parse_stat(&s))
+            let Some(tid) = task
+                .file_name()
+                .to_str()
+                .and_then(|t| t.parse::<i32>().ok())
             else {
                 continue;
             };
-            *by_thread
-                .entry(format!("{}/{}", f.comm, t.comm))
-                .or_insert(0) += t.own;
+            if let Some(t) = fs::read_to_string(task.path().join("stat"))
+                .ok()
+                .and_then(|s| parse_stat(&s))
+            {
+                threads.insert(tid, (format!("{}/{}", f.comm, t.comm), t.own));
+            }
         }
-        let e = by_command.entry(f.comm).or_insert((0, 0));
-        e.0 += f.own + f.children;
-        e.1 += 1;
+        processes.insert(pid, (f.comm, f.own + f.children));
     }
     NodeLook {
         at: Instant::now(),
         cpu,
-        by_command,
-        by_thread,
+        processes,
+        threads,
     }
 }
 
@@ -183,10 +184,31 @@ pub struct NodeCost {
     pub system: f64,
     /// Share in interrupts and softirqs.
     pub softirq: f64,
-    /// Commands by CPU seconds used, most first, with their processes now.
+    /// Commands by CPU seconds used, most first, with their processes now
+    /// (a process's time counts from the first look, or its start; one
+    /// that ended meanwhile counts in its parent's reaped children's).
     pub top: Vec<(String, f64, usize)>,
     /// Threads (`command/thread`) by CPU seconds used, most first.
     pub top_threads: Vec<(String, f64)>,
+}
+
+/// CPU seconds by name between two looks at `ids → (name, ticks)`.
+fn used_by_name(
+    before: &BTreeMap<i32, (String, u64)>,
+    after: &BTreeMap<i32, (String, u64)>,
+) -> BTreeMap<String, (f64, usize)> {
+    let hz = clock_ticks_per_s();
+    let mut by_name: BTreeMap<String, (f64, usize)> = BTreeMap::new();
+    for (id, (name, ticks)) in after {
+        let was = before
+            .get(id)
+            .filter(|(n, _)| n == name)
+            .map_or(0, |(_, t)| *t);
+        let e = by_name.entry(name.clone()).or_insert((0.0, 0));
+        e.0 += ticks.saturating_sub(was) as f64 / hz;
+        e.1 += 1;
+    }
+    by_name
 }
 
 impl NodeCost {
@@ -201,35 +223,26 @@ impl NodeCost {
             .collect();
         let total: f64 = d.iter().sum::<f64>().max(1.0);
         let at = |i: usize| d.get(i).copied().unwrap_or(0.0);
-        let hz = clock_ticks_per_s();
-        let mut top: Vec<(String, f64, usize)> = after
-            .by_command
-            .iter()
-            .map(|(name, &(ticks, n))| {
-                let was = before.by_command.get(name).map_or(0, |b| b.0);
-                (name.clone(), ticks.saturating_sub(was) as f64 / hz, n)
-            })
-            .filter(|(_, s, _)| *s > 0.0)
+        let mut top: Vec<(String, f64, usize)> = used_by_name(&before.processes, &after.processes)
+            .into_iter()
+            .filter(|(_, (s, _))| *s > 0.0)
+            .map(|(name, (s, n))| (name, s, n))
             .collect();
         top.sort_by(|a, b| b.1.total_cmp(&a.1));
-        let mut top_threads: Vec<(String, f64)> = after
-            .by_thread
-            .iter()
-            .map(|(name, &ticks)| {
-                let was = before.by_thread.get(name).copied().unwrap_or(0);
-                (name.clone(), ticks.saturating_sub(was) as f64 / hz)
-            })
-            .filter(|(_, s)| *s > 0.0)
+        let mut top_threads: Vec<(String, f64)> = used_by_name(&before.threads, &after.threads)
+            .into_iter()
+            .filter(|(_, (s, _))| *s > 0.0)
+            .map(|(name, (s, _))| (name, s))
             .collect();
         top_threads.sort_by(|a, b| b.1.total_cmp(&a.1));
         NodeCost {
-            top_threads,
             secs,
             busy: 1.0 - (at(3) + at(4)) / total,
             user: (at(0) + at(1)) / total,
             system: at(2) / total,
             softirq: (at(5) + at(6)) / total,
             top,
+            top_threads,
         }
     }
 }

@@ -141,6 +141,8 @@ demo=0
 # Its Clone of 64 (twice: through the objects and at the shim) outlasts a
 # test binary's 1200 s under TCG.
 [[ ${2:-} == objects ]] && TEST_TIMEOUT=${TWIG_LAB_TEST_TIMEOUT:-3000}
+# And its 65 guests, their shims and VMMs want more than the tests' 3 GiB.
+[[ ${2:-} == objects ]] && MEM=${TWIG_LAB_MEM:-14336}
 SMP=${SMP:-$((bench && !demo ? 2 : 1))}
 bench_cmd=linux
 if ((bench)); then
