@@ -11,8 +11,8 @@
 //! a reply arrives. ttrpc's synchronous client polls each connection's
 //! socket every 10 ms on a thread of its own: 100 wake-ups a second for
 //! every connection, and every shim of a node holds one for as long as its
-//! pod runs (measured in the lab: 64 pods' shims took half of a node's CPU
-//! doing nothing else).
+//! pod runs (in the lab, the shims of 40 running pods took half of the
+//! node's CPU that way).
 
 use std::future::Future;
 use std::os::unix::net::UnixStream;

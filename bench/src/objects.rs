@@ -514,13 +514,22 @@ impl Bench<'_> {
     /// What the node's pods' VMs cost while nobody asks anything of them:
     /// `key_idle_cpu_ms_per_s` (all VMMs' CPU time, their guests' included,
     /// per second of [`IDLE_WINDOW`]) and `key_idle_exits_per_s` (their VM
-    /// exits). Printed, never a failure: a VMM may go meanwhile.
+    /// exits), and how busy the whole node was meanwhile
+    /// (`key_idle_node_busy`, its programs printed). Never a failure: a VMM
+    /// may go meanwhile.
     async fn idle_cost(&self, key: &str, report: &mut Report) {
         let vmms = self.lab.node.pod_vmms();
+        let node = cost::node_look();
         let before: Vec<_> = vmms.iter().filter_map(|&p| cost::look(p)).collect();
         // A measurement window: the pods are left alone for it.
         tokio::time::sleep(IDLE_WINDOW).await;
         let after: Vec<_> = vmms.iter().filter_map(|&p| cost::look(p)).collect();
+        let node = cost::NodeCost::between(&node, &cost::node_look());
+        eprintln!("objects: {key}: the node while its pods idled: {node}");
+        report.value(
+            &format!("{key}_idle_node_busy"),
+            json!((node.busy * 1000.0).round() / 1000.0),
+        );
         if before.len() != after.len() || before.is_empty() {
             eprintln!("objects: {key}: the VMMs changed while watched; no idle cost");
             return;

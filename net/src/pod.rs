@@ -437,7 +437,15 @@ impl PodNetwork {
                 ),
             ] {
                 match socket.name(ifindex) {
-                    Some(interface) => detach_filter(&interface, prio, handle)?,
+                    Some(interface) => match detach_filter(&interface, prio, handle) {
+                        Ok(()) => {}
+                        // Whatever the kernel said, an interface that went
+                        // meanwhile took its filters with it.
+                        Err(e) if socket.name(ifindex).as_deref() != Some(interface.as_str()) => {
+                            tracing::info!(ifindex, error = %e, "interface gone while its filter was deleted")
+                        }
+                        Err(e) => return Err(e),
+                    },
                     None => {
                         tracing::info!(ifindex, "interface gone, and its filter with it")
                     }

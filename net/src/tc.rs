@@ -135,8 +135,16 @@ pub(crate) fn attach(
 }
 
 /// Deletes the ingress filter (`prio`, `handle`) of `interface`. A filter
-/// that is already gone is not an error.
+/// that is already gone is not an error, and neither is an interface that
+/// goes while its filter is deleted: CNI deletes the pod's veth (and the
+/// runtime the tap) while a dead shim's pod is cleaned up.
 pub(crate) fn detach_filter(interface: &str, prio: u16, handle: u32) -> Result<(), Error> {
+    find_filter(interface, prio, handle)?.delete()
+}
+
+/// The ingress filter (`prio`, `handle`) of `interface`, found by the
+/// interface's index as it is now.
+fn find_filter(interface: &str, prio: u16, handle: u32) -> Result<Filter, Error> {
     let link = SchedClassifierLink::attached(
         interface,
         TcAttachType::Ingress,
@@ -145,17 +153,55 @@ pub(crate) fn detach_filter(interface: &str, prio: u16, handle: u32) -> Result<(
         None,
     )
     .context(|| format!("no interface {interface}"))?;
-    match link.detach() {
-        Ok(()) => Ok(()),
-        Err(aya::programs::ProgramError::NetlinkError(e))
-            if e.raw_os_error() == Some(libc::ENOENT) =>
-        {
-            tracing::warn!(interface, prio, handle, "tc filter already gone");
-            Ok(())
+    Ok(Filter {
+        link,
+        interface: interface.to_owned(),
+        prio,
+        handle,
+    })
+}
+
+/// A netlink filter found on an interface, to delete.
+struct Filter {
+    link: SchedClassifierLink,
+    interface: String,
+    prio: u16,
+    handle: u32,
+}
+
+impl Filter {
+    /// Deletes the filter. `ENOENT`: the filter is gone; `ENODEV`: the
+    /// interface went after it was found, and its filters with it.
+    fn delete(self) -> Result<(), Error> {
+        let Self {
+            link,
+            interface,
+            prio,
+            handle,
+        } = self;
+        match link.detach() {
+            Ok(()) => Ok(()),
+            Err(aya::programs::ProgramError::NetlinkError(e)) => match e.raw_os_error() {
+                Some(libc::ENOENT) => {
+                    tracing::warn!(interface, prio, handle, "tc filter already gone");
+                    Ok(())
+                }
+                Some(libc::ENODEV) => {
+                    tracing::info!(interface, prio, handle, "interface gone while its filter was deleted, and the filter with it");
+                    Ok(())
+                }
+                // aya's message names only the kernel's extended ack: say the errno too.
+                errno => Err(e).context(|| {
+                    format!(
+                        "deleting the tc filter {prio}:{handle:#x} from the ingress of {interface} ({})",
+                        errno.map_or("no errno".into(), |n| std::io::Error::from_raw_os_error(n).to_string())
+                    )
+                }),
+            },
+            Err(e) => Err(e).context(|| {
+                format!("deleting the tc filter {prio}:{handle:#x} from the ingress of {interface}")
+            }),
         }
-        Err(e) => Err(e).context(|| {
-            format!("deleting the tc filter {prio}:{handle:#x} from the ingress of {interface}")
-        }),
     }
 }
 
@@ -192,5 +238,86 @@ impl Drop for FilterGuard {
                 tracing::warn!(error = %e, "cannot delete a tc filter of a failed attach");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::process::Command;
+
+    use super::*;
+
+    /// Runs `program args` (in the calling thread's network namespace).
+    fn run(program: &str, args: &[&str]) -> String {
+        let out = Command::new(program)
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("run {program} (iproute2): {e}"));
+        assert!(
+            out.status.success(),
+            "{program} {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// In a namespace of its own (this thread's), a veth interface with a
+    /// clsact qdisc and a classic BPF filter at priority 7, handle 1.
+    fn filtered_interface() {
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
+            .expect("a network namespace of the test's own (needs root)");
+        run(
+            "ip",
+            &["link", "add", "d0", "type", "veth", "peer", "name", "d1"],
+        );
+        run("tc", &["qdisc", "add", "dev", "d0", "clsact"]);
+        run(
+            "tc",
+            &[
+                "filter",
+                "add",
+                "dev",
+                "d0",
+                "ingress",
+                "prio",
+                "7",
+                "handle",
+                "1",
+                "bpf",
+                "bytecode",
+                "1,6 0 0 0",
+            ],
+        );
+    }
+
+    #[test]
+    fn a_filter_is_deleted_and_deleting_it_again_is_no_error() {
+        std::thread::spawn(|| {
+            filtered_interface();
+            detach_filter("d0", 7, 1).expect("delete");
+            let left = run("tc", &["filter", "show", "dev", "d0", "ingress"]);
+            assert!(left.trim().is_empty(), "filters left: {left}");
+            detach_filter("d0", 7, 1).expect("a filter already gone");
+            assert!(detach_filter("nope0", 7, 1).is_err(), "no such interface");
+        })
+        .join()
+        .expect("test thread");
+    }
+
+    /// The race of a dead shim's clean-up with CNI's: the interface is found,
+    /// then deleted before its filter is.
+    #[test]
+    fn an_interface_that_goes_after_it_was_found_took_its_filter_with_it() {
+        std::thread::spawn(|| {
+            filtered_interface();
+            let filter = find_filter("d0", 7, 1).expect("find");
+            run("ip", &["link", "del", "d0"]);
+            filter
+                .delete()
+                .expect("the interface went, and its filter with it");
+        })
+        .join()
+        .expect("test thread");
     }
 }
