@@ -135,26 +135,11 @@ pub fn node_look() -> NodeLook {
             )
         })
         .unwrap_or_default();
-    let pids = fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok());
     let (mut processes, mut threads) = (BTreeMap::new(), BTreeMap::new());
-    for pid in pids {
+    for pid in ids("/proc") {
         let Some(f) = stat_fields(pid) else { continue };
-        let tasks = fs::read_dir(format!("/proc/{pid}/task"))
-            .into_iter()
-            .flatten();
-        for task in tasks.flatten() {
-            let Some(tid) = task
-                .file_name()
-                .to_str()
-                .and_then(|t| t.parse::<i32>().ok())
-            else {
-                continue;
-            };
-            if let Some(t) = fs::read_to_string(task.path().join("stat"))
+        for tid in ids(&format!("/proc/{pid}/task")) {
+            if let Some(t) = fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat"))
                 .ok()
                 .and_then(|s| parse_stat(&s))
             {
@@ -169,6 +154,15 @@ pub fn node_look() -> NodeLook {
         processes,
         threads,
     }
+}
+
+/// The numeric entries of `dir` (pids in `/proc`, tids in a `task`).
+fn ids(dir: &str) -> impl Iterator<Item = i32> {
+    fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
 }
 
 /// What the node did between two looks.
@@ -356,20 +350,35 @@ mod tests {
         assert!(look(u32::MAX).is_none());
     }
 
-    #[test]
-    fn the_node_look_finds_a_busy_command_at_the_top() {
-        let mut child = std::process::Command::new("sh")
+    /// A shell spinning on a CPU, and its pid.
+    fn spinning_shell() -> (std::process::Child, i32) {
+        let child = std::process::Command::new("sh")
             .args(["-c", "while :; do :; done"])
             .spawn()
             .expect("sh");
         let pid = i32::try_from(child.id()).expect("a pid");
-        let a = node_look();
-        let child_before = cpu_ticks(pid).expect("the child");
+        (child, pid)
+    }
+
+    /// Waits until the kernel has charged `pid` 5 ticks more than `before`
+    /// (however busy the machine is); its ticks then.
+    fn charged_5_ticks_more(pid: i32, before: u64) -> u64 {
         let deadline = Instant::now() + std::time::Duration::from_secs(30);
-        while cpu_ticks(pid).expect("the child") < child_before + 5 {
+        loop {
+            let t = cpu_ticks(pid).expect("the child");
+            if t >= before + 5 {
+                return t;
+            }
             assert!(Instant::now() < deadline, "the child never ran");
             std::thread::sleep(std::time::Duration::from_millis(50));
         }
+    }
+
+    #[test]
+    fn the_node_look_finds_a_busy_command_at_the_top() {
+        let (mut child, pid) = spinning_shell();
+        let a = node_look();
+        charged_5_ticks_more(pid, cpu_ticks(pid).expect("the child"));
         let b = node_look();
         let _ = child.kill();
         let _ = child.wait();
@@ -388,25 +397,13 @@ mod tests {
 
     #[test]
     fn a_child_busy_below_a_waiting_parent_is_counted() {
-        let mut child = std::process::Command::new("sh")
-            .args(["-c", "while :; do :; done"])
-            .spawn()
-            .expect("sh");
-        let pid = i32::try_from(child.id()).expect("a pid");
+        let (mut child, pid) = spinning_shell();
         // This process waits; the child spins: the tree's cost holds the
         // child's, whatever else the machine runs.
         let me = std::process::id();
         let a = look(me).expect("this process");
         let child_before = cpu_ticks(pid).expect("the child");
-        let deadline = Instant::now() + std::time::Duration::from_secs(30);
-        let child_after = loop {
-            let t = cpu_ticks(pid).expect("the child");
-            if t >= child_before + 5 {
-                break t;
-            }
-            assert!(Instant::now() < deadline, "the child never ran");
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        };
+        let child_after = charged_5_ticks_more(pid, child_before);
         let b = look(me).expect("this process");
         let _ = child.kill();
         let _ = child.wait();

@@ -195,10 +195,16 @@ mod tests {
         gate.fallback = Duration::from_secs(120);
         let held = gate.enter(Duration::from_secs(1)).unwrap();
         std::thread::scope(|s| {
-            let waiter = s.spawn(|| gate.enter(Duration::from_secs(300)));
+            let gate = &gate;
+            let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+            let waiter = s.spawn(move || {
+                let _ = tid_tx.send(nix::unistd::gettid());
+                gate.enter(Duration::from_secs(300))
+            });
+            let tid = tid_rx.recv().unwrap();
             // Let the waiter find the slot taken and go to sleep on it.
             let deadline = Instant::now() + Duration::from_secs(10);
-            while !a_thread_sleeps_in_poll() {
+            while !sleeps_in_poll(tid) {
                 assert!(Instant::now() < deadline, "the waiter never slept");
                 std::thread::sleep(Duration::from_millis(5));
             }
@@ -215,17 +221,11 @@ mod tests {
         });
     }
 
-    /// Whether a thread of this process sleeps in `poll` (the gate's wait).
-    fn a_thread_sleeps_in_poll() -> bool {
-        std::fs::read_dir("/proc/self/task")
-            .into_iter()
-            .flatten()
-            .flatten()
-            .any(|t| {
-                std::fs::read_to_string(t.path().join("syscall"))
-                    // poll(2) or ppoll(2), by their x86-64 numbers.
-                    .is_ok_and(|w| matches!(w.split_whitespace().next(), Some("7" | "271")))
-            })
+    /// Whether thread `tid` of this process sleeps in `poll` (the gate's wait).
+    fn sleeps_in_poll(tid: nix::unistd::Pid) -> bool {
+        std::fs::read_to_string(format!("/proc/self/task/{tid}/syscall"))
+            // poll(2) or ppoll(2), by their x86-64 numbers.
+            .is_ok_and(|w| matches!(w.split_whitespace().next(), Some("7" | "271")))
     }
 
     #[test]
