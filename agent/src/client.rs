@@ -22,8 +22,10 @@ use std::time::{Duration, Instant};
 
 use crate::proto::agent::{
     ContainerRequest, CreateContainerRequest, ExecProcessRequest, PingRequest, PingResponse,
-    ProcessRequest, ReadStreamRequest, ReidentifyRequest, ResizeTtyRequest, SignalProcessRequest,
-    StatsResponse, WaitProcessRequest, WriteStdinRequest,
+    PrepareVolumeRequest, ProcessRequest, ReadStreamRequest, ReadVolumeFileRequest,
+    ReadVolumeFileResponse, ReidentifyRequest, RemoveVolumeRequest, ResizeTtyRequest,
+    SignalProcessRequest, StatsResponse, SyncVolumeRequest, VolumeEntry, WaitProcessRequest,
+    WriteStdinRequest,
 };
 use crate::proto::agent_ttrpc_async::AgentClient as RawClient;
 
@@ -34,6 +36,13 @@ pub const CALL_SLACK: Duration = Duration::from_secs(5);
 /// The longest server-side wait the agent honours in one call; longer waits
 /// are split into several calls by the helpers here.
 pub const MAX_SERVER_WAIT: Duration = Duration::from_secs(60);
+
+/// The largest ttrpc message (encoded request) either side takes: a
+/// SyncVolume whose entries come near it fails with [`Error::Transport`].
+pub const MAX_MESSAGE_BYTES: usize = ttrpc::proto::MESSAGE_LENGTH_MAX;
+
+/// The most ReadVolumeFile returns (a larger `max_bytes` is cut to it).
+pub const MAX_VOLUME_READ_BYTES: u32 = 64 << 10;
 
 /// `PATH` given to processes started by [`AgentClient::run`].
 pub const DEFAULT_PATH: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -656,6 +665,71 @@ impl AgentClient {
             raw.reidentify(context(timeout), &req).await
         })
         .map(|r| r.previous_realtime_ns)
+    }
+
+    /// Creates guest volume `req.name` (the directory
+    /// `twig_proto::GUEST_VOLUMES_DIR/<name>` in the VM; a tmpfs of its own
+    /// of `tmpfs_bytes` if not 0) unless it exists, resizes its tmpfs, and
+    /// sets its mode and owner.
+    pub fn prepare_volume(&self, req: &PrepareVolumeRequest, timeout: Duration) -> Result<()> {
+        let req = req.clone();
+        self.call("PrepareVolume", timeout, move |raw| async move {
+            raw.prepare_volume(context(timeout), &req).await
+        })
+        .map(|_| ())
+    }
+
+    /// Makes volume `name`'s tree equal to `entries`: directories and
+    /// changed files, then symlinks, then removal of what is not listed
+    /// (kubelet's `..data` swap stays atomic for readers in the guest).
+    pub fn sync_volume(
+        &self,
+        name: &str,
+        entries: Vec<VolumeEntry>,
+        timeout: Duration,
+    ) -> Result<()> {
+        let req = SyncVolumeRequest {
+            name: name.to_string(),
+            entries,
+            ..Default::default()
+        };
+        self.call("SyncVolume", timeout, move |raw| async move {
+            raw.sync_volume(context(timeout), &req).await
+        })
+        .map(|_| ())
+    }
+
+    /// Reads up to `max_bytes` (0 or more than [`MAX_VOLUME_READ_BYTES`]:
+    /// that) of regular file `path` of volume `name`; `truncated` if it
+    /// holds more. A missing file or volume is `NOT_FOUND`.
+    pub fn read_volume_file(
+        &self,
+        name: &str,
+        path: &str,
+        max_bytes: u32,
+        timeout: Duration,
+    ) -> Result<ReadVolumeFileResponse> {
+        let req = ReadVolumeFileRequest {
+            name: name.to_string(),
+            path: path.to_string(),
+            max_bytes,
+            ..Default::default()
+        };
+        self.call("ReadVolumeFile", timeout, move |raw| async move {
+            raw.read_volume_file(context(timeout), &req).await
+        })
+    }
+
+    /// Unmounts and deletes volume `name`; a missing one is no error.
+    pub fn remove_volume(&self, name: &str, timeout: Duration) -> Result<()> {
+        let req = RemoveVolumeRequest {
+            name: name.to_string(),
+            ..Default::default()
+        };
+        self.call("RemoveVolume", timeout, move |raw| async move {
+            raw.remove_volume(context(timeout), &req).await
+        })
+        .map(|_| ())
     }
 
     /// Runs `args` as exec `exec_id` in a started container (no TTY, cwd

@@ -17,9 +17,7 @@ use std::path::{Path, PathBuf};
 
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use nix::sched::{setns, CloneFlags};
-use oci_spec::runtime::{
-    LinuxDeviceType, LinuxNamespaceType, LinuxSeccomp, Mount, PosixRlimitType, Process, Spec,
-};
+use oci_spec::runtime::{LinuxNamespaceType, LinuxSeccomp, Mount, PosixRlimitType, Process, Spec};
 use serde::{Deserialize, Serialize};
 
 use crate::spec::secure_join;
@@ -177,10 +175,8 @@ fn init(t: InitTask) -> HResult<Infallible> {
     if mounts.iter().any(|m| m.destination() == Path::new("/dev")) {
         setup_dev(rootfs)?;
     }
+    make_devices(rootfs, &t.spec)?;
     if let Some(linux) = t.spec.linux() {
-        for d in linux.devices().iter().flatten() {
-            make_device(rootfs, d)?;
-        }
         for p in linux.masked_paths().iter().flatten() {
             mask_path(rootfs, Path::new(p))?;
         }
@@ -477,42 +473,49 @@ fn setup_dev(rootfs: &Path) -> HResult<()> {
     Ok(())
 }
 
-fn make_device(rootfs: &Path, d: &oci_spec::runtime::LinuxDevice) -> HResult<()> {
-    let dest =
-        secure_join(rootfs, d.path()).map_err(ctx(format!("resolving {}", d.path().display())))?;
-    let kind = match d.typ() {
-        LinuxDeviceType::C | LinuxDeviceType::U => libc::S_IFCHR,
-        LinuxDeviceType::B => libc::S_IFBLK,
-        LinuxDeviceType::P => libc::S_IFIFO,
-        LinuxDeviceType::A => {
-            return Err(format!(
-                "device {}: type \"a\" cannot be created",
-                d.path().display()
-            ))
+/// The container's device nodes (see `devices.rs`): for a container
+/// allowed every device, the guest's own; otherwise the spec's that the
+/// guest kernel has. Paths already present are left as they are.
+fn make_devices(rootfs: &Path, spec: &Spec) -> HResult<()> {
+    let listed = spec
+        .linux()
+        .as_ref()
+        .and_then(|l| l.devices().as_ref())
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    let nodes = if crate::devices::allows_every_device(spec) {
+        crate::devices::guest_devices(Path::new("/dev"))
+            .map_err(ctx("listing the guest's devices"))?
+    } else {
+        let mut nodes = Vec::with_capacity(listed.len());
+        for d in listed {
+            let n = crate::devices::Node::from_spec(d).ok_or_else(|| {
+                format!(
+                    "device {}: type \"a\" cannot be created",
+                    d.path().display()
+                )
+            })?;
+            if n.in_kernel() {
+                nodes.push(n);
+            } else {
+                warn(&format!(
+                    "device {} ({:?} {}:{}) is not in the guest; left out",
+                    d.path().display(),
+                    n.kind,
+                    n.major,
+                    n.minor
+                ));
+            }
         }
+        nodes
     };
-    if let Some(parent) = dest.parent() {
-        std::fs::create_dir_all(parent).map_err(ctx(format!("creating {}", parent.display())))?;
+    for n in &nodes {
+        let dest =
+            secure_join(rootfs, &n.path).map_err(ctx(format!("resolving {}", n.path.display())))?;
+        n.create(&dest)
+            .map_err(ctx(format!("creating device {}", n.path.display())))?;
     }
-    let _ = std::fs::remove_file(&dest);
-    let path = CString::new(dest.as_os_str().as_bytes())
-        .map_err(ctx(format!("device path {}", dest.display())))?;
-    let mode = kind | d.file_mode().unwrap_or(0o666);
-    let rdev = libc::makedev(d.major() as u32, d.minor() as u32);
-    // SAFETY: mknod with a NUL-terminated path.
-    if unsafe { libc::mknod(path.as_ptr(), mode, rdev) } < 0 {
-        return Err(format!(
-            "creating device {}: {}",
-            d.path().display(),
-            std::io::Error::last_os_error()
-        ));
-    }
-    nix::unistd::chown(
-        &dest,
-        d.uid().map(nix::unistd::Uid::from_raw),
-        d.gid().map(nix::unistd::Gid::from_raw),
-    )
-    .map_err(ctx(format!("chown of device {}", d.path().display())))
+    Ok(())
 }
 
 fn mask_path(rootfs: &Path, p: &Path) -> HResult<()> {

@@ -9,6 +9,7 @@
 mod caps;
 mod cgroup;
 mod container;
+mod devices;
 mod error;
 mod helper;
 mod netdev;
@@ -22,6 +23,7 @@ mod stdio;
 mod syscalls;
 mod sysctl;
 mod system;
+mod volumes;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -46,6 +48,10 @@ struct Args {
     /// Directory for container state and rootfs mounts.
     #[arg(long, default_value = "/run/twig")]
     state_dir: PathBuf,
+    /// Directory of the guest volumes (a tmpfs is mounted there on first
+    /// use); the shim's OCI specs name it, so only tests change it.
+    #[arg(long, default_value = twig_agent::proto::GUEST_VOLUMES_DIR)]
+    volumes_dir: PathBuf,
     /// Never pivot_root into a container's rootfs; move it onto / and chroot
     /// instead (what happens anyway when pivot_root is impossible).
     #[arg(long)]
@@ -94,6 +100,7 @@ fn main() {
     let agent = Arc::new(service::AgentService::new(
         reaper,
         args.state_dir.clone(),
+        args.volumes_dir.clone(),
         args.no_pivot_root,
     ));
     loop {

@@ -11,9 +11,11 @@ use nix::unistd::Pid;
 use ttrpc::TtrpcContext;
 use twig_agent::proto::agent::{
     ContainerRequest, CreateContainerRequest, Empty, ExecProcessRequest, PingRequest, PingResponse,
-    ProcessRequest, ReadStreamRequest, ReadStreamResponse, ReidentifyRequest, ReidentifyResponse,
-    ResizeTtyRequest, SignalProcessRequest, StartResponse, StatsResponse, WaitProcessRequest,
-    WaitProcessResponse, WriteStdinRequest, WriteStdinResponse,
+    PrepareVolumeRequest, ProcessRequest, ReadStreamRequest, ReadStreamResponse,
+    ReadVolumeFileRequest, ReadVolumeFileResponse, ReidentifyRequest, ReidentifyResponse,
+    RemoveVolumeRequest, ResizeTtyRequest, SignalProcessRequest, StartResponse, StatsResponse,
+    SyncVolumeRequest, WaitProcessRequest, WaitProcessResponse, WriteStdinRequest,
+    WriteStdinResponse,
 };
 use twig_agent::proto::agent_ttrpc::{create_agent, Agent};
 
@@ -23,6 +25,7 @@ use crate::error::{AgentError, Result};
 use crate::reaper::{lock, Reaper};
 use crate::spec::{parse_process, parse_spec, validate_id};
 use crate::stdio::{set_winsize, write_with_deadline, DEFAULT_READ_BYTES, MAX_READ_BYTES};
+use crate::volumes::Volumes;
 
 /// The longest a call waits (WaitProcess, ReadStdout, ReadStderr).
 pub const MAX_WAIT: Duration = Duration::from_secs(60);
@@ -34,6 +37,7 @@ pub struct AgentService {
     reaper: Arc<Reaper>,
     containers: Registry,
     state_dir: PathBuf,
+    volumes: Volumes,
     no_pivot_root: bool,
 }
 
@@ -101,12 +105,19 @@ fn wait_for_capacity(device: &Path, bytes: u64) -> Result<()> {
 }
 
 impl AgentService {
-    /// A service keeping container state under `state_dir`.
-    pub fn new(reaper: Arc<Reaper>, state_dir: PathBuf, no_pivot_root: bool) -> Self {
+    /// A service keeping container state under `state_dir` and guest
+    /// volumes under `volumes_dir`.
+    pub fn new(
+        reaper: Arc<Reaper>,
+        state_dir: PathBuf,
+        volumes_dir: PathBuf,
+        no_pivot_root: bool,
+    ) -> Self {
         AgentService {
             reaper,
             containers: Registry::default(),
             state_dir,
+            volumes: Volumes::new(volumes_dir),
             no_pivot_root,
         }
     }
@@ -428,6 +439,36 @@ impl Agent for AgentService {
             })
         });
         reply("Reidentify", r)
+    }
+
+    fn prepare_volume(
+        &self,
+        _ctx: &TtrpcContext,
+        req: PrepareVolumeRequest,
+    ) -> ttrpc::Result<Empty> {
+        reply(
+            "PrepareVolume",
+            self.volumes.prepare(&req).map(|()| Empty::new()),
+        )
+    }
+
+    fn sync_volume(&self, _ctx: &TtrpcContext, req: SyncVolumeRequest) -> ttrpc::Result<Empty> {
+        reply("SyncVolume", self.volumes.sync(req).map(|()| Empty::new()))
+    }
+
+    fn read_volume_file(
+        &self,
+        _ctx: &TtrpcContext,
+        req: ReadVolumeFileRequest,
+    ) -> ttrpc::Result<ReadVolumeFileResponse> {
+        reply("ReadVolumeFile", self.volumes.read_file(&req))
+    }
+
+    fn remove_volume(&self, _ctx: &TtrpcContext, req: RemoveVolumeRequest) -> ttrpc::Result<Empty> {
+        reply(
+            "RemoveVolume",
+            self.volumes.remove(&req.name).map(|()| Empty::new()),
+        )
     }
 }
 

@@ -30,10 +30,10 @@ use twig_controller::shim::{Sandbox, TtrpcShim, TwigShim};
 use twig_cri::{api, container_config, logs, CriClient};
 use twig_e2e::cri::{CriNode, CALL, CRI_NAMESPACE};
 
+use twig_proto::contract::RESTORE_FROM_ANNOTATION as RESTORE_FROM;
+
 use crate::stats::{Context, Error, Report};
 
-/// The annotation that makes a pod a clone of a node-store snapshot.
-const RESTORE_FROM: &str = "twig.dev/restore-from";
 /// How long a step may take in the lab (TCG is slow).
 const DEADLINE: Duration = Duration::from_secs(120);
 /// The agent: writes its plan to its rootfs, then counts in memory

@@ -11,13 +11,14 @@ use twig_net::EgressPolicy;
 
 /// API group of every Twig resource.
 pub const GROUP: &str = "twig.dev";
-/// Pod annotation naming the snapshot (its node-store ID) a pod is restored from.
-pub const RESTORE_FROM_ANNOTATION: &str = "twig.dev/restore-from";
-/// Pod annotation naming the SandboxTemplate a pod starts from.
-pub const TEMPLATE_ANNOTATION: &str = "twig.dev/template";
 /// Pod annotation holding the pod's own egress policy (JSON
-/// `twig_net::EgressPolicy`); it replaces its template's `spec.egressPolicy`.
-pub use twig_net::EGRESS_POLICY_ANNOTATION;
+/// `twig_net::EgressPolicy`); it narrows its template's `spec.egressPolicy`
+/// (twig-proto's contract).
+pub use twig_proto::contract::EGRESS_POLICY_ANNOTATION;
+/// Pod annotations naming the snapshot (its node-store ID) a pod is
+/// restored from, and the SandboxTemplate a pod starts from: twig-proto's
+/// contract, shared with the shim.
+pub use twig_proto::contract::{RESTORE_FROM_ANNOTATION, TEMPLATE_ANNOTATION};
 /// Label on every pod a Clone creates, valued with the Clone's name.
 pub const CLONE_LABEL: &str = "twig.dev/clone";
 /// The RuntimeClass (and containerd handler) of Twig pods.
@@ -472,7 +473,8 @@ pub struct SandboxTemplateSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warmup: Option<Vec<String>>,
     /// Egress policy of the pods restored from this template (a pod's
-    /// `twig.dev/egress-policy` annotation replaces it for that pod); the
+    /// `twig.dev/egress-policy` annotation narrows it for that pod, never
+    /// widens it: what reaches past it is clipped); the
     /// built-in default (public destinations allowed, private ones and the
     /// metadata range denied) when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -9,6 +9,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use twig_net::EgressPolicy;
+/// twig-proto's error contract of the `Twig` and `Node` services.
+pub use twig_proto::contract::ErrorCode;
 
 use crate::crd::{SandboxTemplateSpec, SnapshotMode};
 
@@ -108,10 +110,15 @@ pub struct TemplateState {
     pub message: Option<String>,
 }
 
-/// Failure of a call to a node-local service.
+/// Failure of a call to a node-local service: one variant per meaning of
+/// twig-proto's error contract ([`ErrorCode`]), so each becomes its own
+/// condition reason.
 #[derive(Debug, thiserror::Error)]
 pub enum ShimError {
-    /// The service could not be reached (socket missing, connection refused, timeout).
+    /// The service could not be reached (socket missing, connection
+    /// refused), or answered `UNAVAILABLE` or `DEADLINE_EXCEEDED`: nothing
+    /// is known to be done; the call is retried (Snapshot and Rollback are
+    /// idempotent on their ids).
     #[error("cannot reach {address}: {message}")]
     Unavailable {
         /// The service's address.
@@ -119,13 +126,36 @@ pub enum ShimError {
         /// Why it could not be reached.
         message: String,
     },
-    /// The service does not know the sandbox, snapshot or method.
+    /// `NOT_FOUND`: the service does not know the sandbox, snapshot or method.
     #[error("not found: {0}")]
     NotFound(String),
-    /// The service refused the request (bad argument or precondition).
+    /// `FAILED_PRECONDITION`: the pod or snapshot is not in a state for the
+    /// call (e.g. a rollback target taken with other containers).
     #[error("refused: {0}")]
     Refused(String),
-    /// Any other failure of the call.
+    /// `INVALID_ARGUMENT`: the request is malformed.
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    /// `ALREADY_EXISTS`: the id is taken by something else.
+    #[error("already exists: {0}")]
+    AlreadyExists(String),
+    /// `PERMISSION_DENIED`: the snapshot belongs to another namespace.
+    #[error("forbidden: {0}")]
+    Forbidden(String),
+    /// `RESOURCE_EXHAUSTED`: the node store's filesystem is full.
+    #[error("node store full: {0}")]
+    NoSpace(String),
+    /// `ABORTED`: refused with nothing changed; the pod runs on, on its
+    /// state from before the call.
+    #[error("aborted: {0}")]
+    Aborted(String),
+    /// `DATA_LOSS`: the pod's VM is lost; every task of the pod exited.
+    #[error("pod lost: {0}")]
+    Lost(String),
+    /// `UNIMPLEMENTED`: the service does not serve the method.
+    #[error("unimplemented: {0}")]
+    Unimplemented(String),
+    /// `INTERNAL` (or any code outside the contract), or a transport failure.
     #[error("{call} failed: {message}")]
     Call {
         /// The method called.
@@ -133,6 +163,34 @@ pub enum ShimError {
         /// What the service or transport said.
         message: String,
     },
+}
+
+impl ShimError {
+    /// The error for an answer of `code` with `message` from the service
+    /// at `address`, method `call`.
+    pub fn from_code(
+        code: ErrorCode,
+        call: &'static str,
+        address: &str,
+        message: String,
+    ) -> ShimError {
+        match code {
+            ErrorCode::Unavailable | ErrorCode::DeadlineExceeded => ShimError::Unavailable {
+                address: address.to_string(),
+                message,
+            },
+            ErrorCode::NotFound => ShimError::NotFound(message),
+            ErrorCode::FailedPrecondition => ShimError::Refused(message),
+            ErrorCode::InvalidArgument => ShimError::Invalid(message),
+            ErrorCode::AlreadyExists => ShimError::AlreadyExists(message),
+            ErrorCode::PermissionDenied => ShimError::Forbidden(message),
+            ErrorCode::ResourceExhausted => ShimError::NoSpace(message),
+            ErrorCode::Aborted => ShimError::Aborted(message),
+            ErrorCode::DataLoss => ShimError::Lost(message),
+            ErrorCode::Unimplemented => ShimError::Unimplemented(message),
+            ErrorCode::Internal => ShimError::Call { call, message },
+        }
+    }
 }
 
 /// The shim's `twig.v1.Twig` service.
@@ -186,20 +244,8 @@ pub trait NodeService: Send + Sync {
 fn map_error(call: &'static str, address: &str, err: ttrpc::Error) -> ShimError {
     match err {
         ttrpc::Error::RpcStatus(status) => {
-            let message = status.message.clone();
-            match status.code.enum_value() {
-                Ok(ttrpc::Code::NOT_FOUND) => ShimError::NotFound(message),
-                Ok(ttrpc::Code::INVALID_ARGUMENT | ttrpc::Code::FAILED_PRECONDITION) => {
-                    ShimError::Refused(message)
-                }
-                Ok(ttrpc::Code::UNAVAILABLE | ttrpc::Code::DEADLINE_EXCEEDED) => {
-                    ShimError::Unavailable {
-                        address: address.to_string(),
-                        message,
-                    }
-                }
-                _ => ShimError::Call { call, message },
-            }
+            let code = ErrorCode::of_status(&status).unwrap_or(ErrorCode::Internal);
+            ShimError::from_code(code, call, address, status.message)
         }
         ttrpc::Error::Socket(message) => ShimError::Unavailable {
             address: address.to_string(),

@@ -9,12 +9,16 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use k8s_openapi::api::admissionregistration::v1::{
+    ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+};
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{Container, Service, ServiceAccount};
 use k8s_openapi::api::node::v1::RuntimeClass;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use serde_json::{json, Value};
 
+use support::admission::{self, Request, Verdict};
 use support::kube_tools::{helm, run, succeed};
 
 const RELEASE: &str = "twig";
@@ -185,6 +189,8 @@ fn chart_renders_to_valid_manifests() {
             "DaemonSet/twig-controller",
             "DaemonSet/twig-node-setup",
             "Service/twig-controller",
+            "ValidatingAdmissionPolicy/twig-restore-from",
+            "ValidatingAdmissionPolicyBinding/twig-restore-from",
         ])
     );
     let sa: ServiceAccount = strict(find(&docs, "ServiceAccount", "twig-controller"));
@@ -328,6 +334,8 @@ fn changed_values_reach_the_manifests() {
             "RuntimeClass/microvm",
             "DaemonSet/twig-controller",
             "Service/twig-controller",
+            "ValidatingAdmissionPolicy/twig-restore-from",
+            "ValidatingAdmissionPolicyBinding/twig-restore-from",
         ]),
         "node setup off: no node-setup DaemonSet"
     );
@@ -551,4 +559,146 @@ fn chart_crds_are_the_generated_ones() {
             crd["metadata"]["name"]
         );
     }
+}
+
+/// The verdict of the chart's restore-from policy (rendered from `docs`)
+/// on a pod write by `username`: `old` is the stored pod of an UPDATE.
+fn restore_from_verdict(
+    docs: &[Value],
+    username: &str,
+    resource: &str,
+    object: &Value,
+    old: Option<&Value>,
+) -> Verdict {
+    let policy = find(docs, "ValidatingAdmissionPolicy", "twig-restore-from");
+    let binding = find(
+        docs,
+        "ValidatingAdmissionPolicyBinding",
+        "twig-restore-from",
+    );
+    let req = Request {
+        operation: if old.is_some() { "UPDATE" } else { "CREATE" },
+        group: "",
+        version: "v1",
+        resource,
+        username,
+        object,
+        old_object: old,
+    };
+    admission::evaluate(policy, binding, &req).expect("the chart's policy evaluates")
+}
+
+/// A pod of namespace `team-b`; `Value::Null`: one without annotations.
+fn pod_annotated(annotations: Value) -> Value {
+    let mut pod = json!({"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "p", "namespace": "team-b"},
+           "spec": {"containers": [{"name": "c", "image": "busybox"}]}});
+    if !annotations.is_null() {
+        pod["metadata"]["annotations"] = annotations;
+    }
+    pod
+}
+
+#[test]
+fn only_the_controller_may_set_restore_from_on_a_pod() {
+    let docs = documents(&template(&json!({})));
+    let policy: ValidatingAdmissionPolicy = strict(find(
+        &docs,
+        "ValidatingAdmissionPolicy",
+        "twig-restore-from",
+    ));
+    let binding: ValidatingAdmissionPolicyBinding = strict(find(
+        &docs,
+        "ValidatingAdmissionPolicyBinding",
+        "twig-restore-from",
+    ));
+    assert_eq!(
+        policy.spec.and_then(|s| s.failure_policy).as_deref(),
+        Some("Fail")
+    );
+    assert_eq!(binding.spec.validation_actions, vec!["Deny".to_string()]);
+
+    let controller = format!("system:serviceaccount:{NAMESPACE}:twig-controller");
+    let clone = pod_annotated(json!({"twig.dev/restore-from": "uid-of-a-snapshot"}));
+    let plain = pod_annotated(json!({"team": "b"}));
+    let denied = |v: Verdict| match v {
+        Verdict::Denied { message, reason } => {
+            assert_eq!(reason, "Forbidden");
+            message
+        }
+        Verdict::Allowed => panic!("allowed"),
+    };
+    // A user naming a snapshot by hand is refused, with who they are.
+    let message = denied(restore_from_verdict(&docs, "alice", "pods", &clone, None));
+    assert!(
+        message.contains("only the Twig controller") && message.contains("alice"),
+        "{message}"
+    );
+    // The controller's Clone pods go through; pods without it are anyone's.
+    assert_eq!(
+        restore_from_verdict(&docs, &controller, "pods", &clone, None),
+        Verdict::Allowed
+    );
+    assert_eq!(
+        restore_from_verdict(&docs, "alice", "pods", &plain, None),
+        Verdict::Allowed
+    );
+    assert_eq!(
+        restore_from_verdict(&docs, "alice", "pods", &pod_annotated(Value::Null), None),
+        Verdict::Allowed
+    );
+    // An update that keeps the annotation (a label, a finalizer) is anyone's;
+    // one that adds or changes it is the controller's.
+    let mut relabelled = clone.clone();
+    relabelled["metadata"]["labels"] = json!({"tier": "gold"});
+    assert_eq!(
+        restore_from_verdict(&docs, "alice", "pods", &relabelled, Some(&clone)),
+        Verdict::Allowed
+    );
+    let retargeted = pod_annotated(json!({"twig.dev/restore-from": "another-tenants"}));
+    denied(restore_from_verdict(
+        &docs,
+        "alice",
+        "pods",
+        &retargeted,
+        Some(&clone),
+    ));
+    denied(restore_from_verdict(
+        &docs,
+        "alice",
+        "pods",
+        &clone,
+        Some(&plain),
+    ));
+    // Not a pod: not this policy's.
+    assert_eq!(
+        restore_from_verdict(&docs, "alice", "configmaps", &clone, None),
+        Verdict::Allowed
+    );
+
+    // The controller of a release in another namespace, and users the
+    // operator adds, are trusted; the default namespace's controller is not.
+    let elsewhere = documents(&template_args(
+        &json!({"admission": {"restoreFromUsers": ["system:serviceaccount:ops:cloner"]}}),
+        RELEASE,
+        "twig-elsewhere",
+        &[],
+    ));
+    for trusted in [
+        "system:serviceaccount:twig-elsewhere:twig-controller",
+        "system:serviceaccount:ops:cloner",
+    ] {
+        assert_eq!(
+            restore_from_verdict(&elsewhere, trusted, "pods", &clone, None),
+            Verdict::Allowed,
+            "{trusted}"
+        );
+    }
+    denied(restore_from_verdict(
+        &elsewhere,
+        &controller,
+        "pods",
+        &clone,
+        None,
+    ));
 }

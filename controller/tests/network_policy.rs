@@ -1,9 +1,10 @@
 //! The pod network reconciler against the test API server and the fake
 //! node: each running Twig pod of the node gets its effective egress policy
-//! (annotation, else its SandboxTemplate's, else the built-in default) set
-//! on its shim only when the policy in force differs; malformed policies,
-//! gone templates and failing shims are warned about; the path's counters
-//! are on `/metrics` under the pod's namespace and name until it is deleted.
+//! (its SandboxTemplate's, else the built-in default, narrowed — never
+//! widened — by its annotation) set on its shim only when the policy in
+//! force differs; malformed policies, widened annotations, gone templates
+//! and failing shims are warned about; the path's counters are on
+//! `/metrics` under the pod's namespace and name until it is deleted.
 
 use twig_controller_testkit as support;
 
@@ -16,7 +17,7 @@ use serde_json::json;
 use twig_controller::crd::{
     SandboxTemplate, SandboxTemplateSpec, EGRESS_POLICY_ANNOTATION, TEMPLATE_ANNOTATION,
 };
-use twig_controller::reconcile::network::{FAILED, INVALID, TEMPLATE_NOT_FOUND, UPDATED};
+use twig_controller::reconcile::network::{CLIPPED, FAILED, INVALID, TEMPLATE_NOT_FOUND, UPDATED};
 use twig_controller::shim::NetworkCounter;
 use twig_net::EgressPolicy;
 
@@ -33,9 +34,10 @@ fn deny_all() -> EgressPolicy {
     )
 }
 
+/// Only a public resolver (a private one is the template's to open).
 fn only_dns() -> EgressPolicy {
     policy(
-        json!({"defaultAction": "deny", "allow": [{"cidr": "10.96.0.10/32", "protocol": "udp", "ports": [{"port": 53}]}]}),
+        json!({"defaultAction": "deny", "allow": [{"cidr": "192.0.2.53/32", "protocol": "udp", "ports": [{"port": 53}]}]}),
     )
 }
 
@@ -167,7 +169,7 @@ async fn an_annotation_added_or_changed_is_set_once_with_an_event() {
 }
 
 #[tokio::test]
-async fn a_template_change_reaches_its_pods_but_not_those_with_their_own_policy() {
+async fn a_template_change_reaches_its_pods_and_bounds_those_with_their_own_policy() {
     let server = api_server().await;
     let client = server.client();
     let fake = Arc::new(FakeNode::default().with_network_paths());
@@ -193,9 +195,16 @@ async fn a_template_change_reaches_its_pods_but_not_those_with_their_own_policy(
     )
     .await;
     wait_in_force(&fake, &plain, &deny_all()).await;
-    looked_again(&fake, &own, 2).await;
-    // The pod's own policy (here the default, already in force) wins.
-    assert!(fake.set_policy_calls(&uid(&own)).is_empty());
+    // The pod's own policy (the default: public destinations by default)
+    // is bounded by the template's: what both allow is the template's.
+    wait_in_force(&fake, &own, &deny_all()).await;
+    let clipped = wait_events(&client, "own", CLIPPED, 1).await;
+    assert!(
+        clipped[0]
+            .1
+            .contains("defaultAction: allow reaches past SandboxTemplate py"),
+        "{clipped:?}"
+    );
 
     let templates: Api<SandboxTemplate> = Api::namespaced(client.clone(), NS);
     templates
@@ -213,10 +222,68 @@ async fn a_template_change_reaches_its_pods_but_not_those_with_their_own_policy(
         fake.set_policy_calls(&uid(&plain)),
         [Some(deny_all()), Some(only_dns())]
     );
-    looked_again(&fake, &own, 3).await;
-    assert!(fake.set_policy_calls(&uid(&own)).is_empty());
+    wait_in_force(&fake, &own, &only_dns()).await;
     assert_eq!(
-        fake.policy_in_force(&uid(&own)),
+        fake.set_policy_calls(&uid(&own)),
+        [Some(deny_all()), Some(only_dns())]
+    );
+}
+
+#[tokio::test]
+async fn a_widened_annotation_never_reaches_the_shim_wider_than_its_bound() {
+    let server = api_server().await;
+    let client = server.client();
+    let fake = Arc::new(FakeNode::default().with_network_paths());
+    let _ctrl = start_controller(&server, "node-a", &fake);
+    let cluster = policy(
+        json!({"defaultAction": "deny", "allow": [{"cidr": "10.88.0.0/16"}, {"cidr": "203.0.113.0/24", "protocol": "tcp", "ports": [{"port": 443}]}]}),
+    );
+    template(&client, "py", Some(cluster.clone())).await;
+    // It reopens all of 10/8 and every public destination.
+    let widened = policy(json!({"allow": [{"cidr": "10.0.0.0/8"}]}));
+    let pod = running_pod_with(
+        &client,
+        "agent",
+        "node-a",
+        true,
+        &[
+            (TEMPLATE_ANNOTATION, "py".into()),
+            (EGRESS_POLICY_ANNOTATION, text(&widened)),
+        ],
+    )
+    .await;
+    wait_in_force(&fake, &pod, &cluster).await;
+    let clipped = wait_events(&client, "agent", CLIPPED, 1).await;
+    assert_eq!(clipped[0].0, "Warning");
+    for field in ["defaultAction", "allow[0]: 10.0.0.0/8 reaches past"] {
+        assert!(clipped[0].1.contains(field), "{field}: {clipped:?}");
+    }
+
+    // Without a template the cluster's default bounds it: 10/8 stays closed.
+    let bare = running_pod_with(
+        &client,
+        "bare",
+        "node-a",
+        true,
+        &[(EGRESS_POLICY_ANNOTATION, text(&widened))],
+    )
+    .await;
+    looked_again(&fake, &bare, 3).await;
+    wait_events(&client, "bare", CLIPPED, 1).await;
+
+    // Nothing wider than its bound ever reached either shim.
+    let within = |p: &Option<EgressPolicy>, bound: &EgressPolicy| {
+        let p = p.clone().unwrap_or_default();
+        twig_net::bounded_policy(&p, bound, "bound").is_ok_and(|b| b.policy == p)
+    };
+    for sent in fake.set_policy_calls(&uid(&pod)) {
+        assert!(within(&sent, &cluster), "{sent:?}");
+    }
+    for sent in fake.set_policy_calls(&uid(&bare)) {
+        assert!(within(&sent, &EgressPolicy::default()), "{sent:?}");
+    }
+    assert_eq!(
+        fake.policy_in_force(&uid(&bare)),
         Some(EgressPolicy::default())
     );
 }

@@ -863,9 +863,10 @@ async fn controller_calls_only_what_its_rbac_grants() {
     support::create(&client, &clone_of("fork", source, 2)).await;
     make_clone_pods_ready(&client, "fork", 2).await;
     clone_in(&client, "fork", Phase::Ready).await;
-    // A clone rolls back to the snapshot it was restored from: its lineage.
+    // A clone does not roll back to the snapshot it was restored from
+    // (the shim would refuse it); the controller refuses it first.
     support::create(&client, &rollback("reset", "fork-0", "fork-source")).await;
-    rollback_in(&client, "reset", Phase::Ready).await;
+    rollback_in(&client, "reset", Phase::Failed).await;
 
     let template = SandboxTemplate::new(
         "py",

@@ -122,13 +122,18 @@ pub fn cni_conf_dir(containerd_dir: &Path) -> PathBuf {
 /// The twig shim's configuration (`TWIG_SHIM_CONFIG`) for a node in
 /// `dir`: its state in the node's directory, its VMs from the node daemon
 /// on `node_socket`, its pods' network paths pinned under
-/// [`bpffs_root`], `call_s` seconds for one VMM or agent call.
+/// [`bpffs_root`], `call_s` seconds for one VMM or agent call, a pod's own
+/// egress policy bounded by the lab's private networks.
 pub fn shim_config(dir: &Path, node_socket: &Path, call_s: u64) -> serde_json::Value {
     serde_json::json!({
         "state_root": dir.join("shim"),
         "node_socket": node_socket,
         "bpffs_root": bpffs_root(dir),
         "call_timeout_s": call_s,
+        // The lab's admin lets a pod's own policy reach the lab's private
+        // networks (its CNI subnet, the node's bridge); the default still
+        // denies them.
+        "egress_bound": {"allow": [{"cidr": "10.0.0.0/8"}]},
     })
 }
 

@@ -358,17 +358,25 @@ async fn scenario(lab: &CtrlLab) {
     // Its egress policy is the template's, and follows it live: the
     // template drops its policy → the controller puts the default on the
     // running pod (the node is a private address) → the pod's own
-    // annotation allows the subnet again. The drops are in /metrics.
+    // annotation asking for the subnet is clipped (a pod narrows, never
+    // widens: a Warning Event says so) → the template allows the subnet
+    // again. The drops are in /metrics.
     assert!(reaches_node(lab, &tpl_ctr).await, "the template's policy");
     let templates: Api<SandboxTemplate> = Api::namespaced(client.clone(), NS);
-    templates
-        .patch(
-            "counter-tpl",
-            &PatchParams::default(),
-            &Patch::Merge(serde_json::json!({"spec": {"egressPolicy": null}})),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    let set_template_policy = |policy: serde_json::Value| {
+        let templates = templates.clone();
+        async move {
+            templates
+                .patch(
+                    "counter-tpl",
+                    &PatchParams::default(),
+                    &Patch::Merge(serde_json::json!({"spec": {"egressPolicy": policy}})),
+                )
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+        }
+    };
+    set_template_policy(serde_json::Value::Null).await;
     until("the default policy on the running pod", READY, || async {
         (!reaches_node(lab, &tpl_ctr).await).then_some(())
     })
@@ -395,11 +403,24 @@ async fn scenario(lab: &CtrlLab) {
     )
     .await
     .unwrap_or_else(|e| panic!("{e}"));
-    until("the pod's own policy on it", READY, || async {
+    until("the clipped annotation's Event", READY, || async {
+        testkit::event_reasons(client, "from-tpl")
+            .await
+            .iter()
+            .any(|r| r == "EgressPolicyClipped")
+            .then_some(())
+    })
+    .await;
+    assert!(
+        !reaches_node(lab, &tpl_ctr).await,
+        "the pod's own annotation widened its egress policy past its template's"
+    );
+    set_template_policy(serde_json::to_value(allow_subnet(&lab.node)).unwrap_or_default()).await;
+    until("the template's policy again", READY, || async {
         reaches_node(lab, &tpl_ctr).await.then_some(())
     })
     .await;
-    lab.step("its egress policy followed the template, then its own annotation, live");
+    lab.step("its egress policy followed the template live; its own annotation only narrows");
 
     // Delete everything; nothing is left.
     let vmms = lab.node.pod_vmms();

@@ -3,13 +3,20 @@
 //! microVM by the guest's cgroup, an OOM kill reported as containerd's
 //! `/tasks/oom` event (what CRI turns into the reason `OOMKilled`), a busy
 //! loop held to its quota — with twig's runtime and,
-//! as the reference, with runc's. Built with `--features lab` and run in
-//! the nested lab by `tests/lab/run.sh -p twig-e2e --features twig-e2e/lab`.
+//! as the reference, with runc's; and a twig pod's VM charged to its pod's
+//! cgroup on the host and bounded by its limit, through CRI. Built with
+//! `--features lab` and run in the nested lab by `tests/lab/run.sh -p
+//! twig-e2e --features twig-e2e/lab`.
 
-use std::time::Duration;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
+use twig_cri::api::ContainerState;
+use twig_cri::container_config;
+use twig_e2e::cri::CriNode;
+use twig_e2e::crilab::runtime;
 use twig_e2e::must::node;
-use twig_e2e::{Node, Runtime};
+use twig_e2e::{Node, Runtime, IMAGE_REF};
 
 /// Deadline of the OOM event after the container's exit.
 const EVENT: Duration = Duration::from_secs(60);
@@ -137,4 +144,216 @@ fn twig_bounds_a_busy_loop_by_its_cpu_quota() {
 #[test]
 fn runc_bounds_a_busy_loop_by_its_cpu_quota() {
     cpu_quota(Runtime::Runc, "runc");
+}
+
+/// The lab's cgroup v2 tree.
+const CGROUP_ROOT: &str = "/sys/fs/cgroup";
+/// The pod's memory limit on the host: half the lab's 128 MiB guest.
+const POD_LIMIT: u64 = 64 << 20;
+/// What the first container holds in the guest (a 16 MiB string).
+const HELD: u64 = 16 << 20;
+
+/// Kubelet's part for one pod (the lab runs none): its pod cgroup
+/// `/twig-e2e-<pid>/pod-<name>` with a memory limit and no swap, as the
+/// cgroupfs driver makes it; removed with what the shim left in it.
+struct PodCgroup {
+    /// Its path below the root, CRI's `cgroup_parent`.
+    parent: String,
+    /// Its directory.
+    dir: PathBuf,
+}
+
+impl PodCgroup {
+    fn new(name: &str, limit: u64) -> PodCgroup {
+        let root = Path::new(CGROUP_ROOT);
+        let top = format!("twig-e2e-{}", std::process::id());
+        let parent = format!("/{top}/pod-{name}");
+        let dir = root.join(&top).join(format!("pod-{name}"));
+        write(&root.join("cgroup.subtree_control"), "+memory");
+        std::fs::create_dir_all(root.join(&top)).unwrap();
+        write(&root.join(&top).join("cgroup.subtree_control"), "+memory");
+        std::fs::create_dir_all(&dir).unwrap();
+        write(&dir.join("memory.max"), &limit.to_string());
+        write(&dir.join("memory.swap.max"), "0");
+        PodCgroup { parent, dir }
+    }
+
+    /// A number of the pod cgroup's `file` (`memory.current`), or of its
+    /// `key` line (`memory.events`' `oom_kill`).
+    fn number(&self, file: &str, key: Option<&str>) -> u64 {
+        let text = std::fs::read_to_string(self.dir.join(file))
+            .unwrap_or_else(|e| panic!("{}/{file}: {e}", self.dir.display()));
+        let value = match key {
+            Some(k) => text
+                .lines()
+                .find_map(|l| l.strip_prefix(k)?.strip_prefix(' '))
+                .unwrap_or_else(|| panic!("no {k} in {file}: {text}")),
+            None => text.trim(),
+        };
+        value
+            .trim()
+            .parse()
+            .unwrap_or_else(|e| panic!("{file}: {value:?}: {e}"))
+    }
+}
+
+impl Drop for PodCgroup {
+    fn drop(&mut self) {
+        let leaves = std::fs::read_dir(&self.dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.path().is_dir())
+            .map(|e| e.path());
+        for dir in leaves.chain([self.dir.clone()]) {
+            if let Err(e) = std::fs::remove_dir(&dir) {
+                eprintln!("removing {}: {e}", dir.display());
+            }
+        }
+        if let Some(top) = self.dir.parent() {
+            let _ = std::fs::remove_dir(top);
+        }
+    }
+}
+
+fn write(path: &Path, value: &str) {
+    std::fs::write(path, value).unwrap_or_else(|e| panic!("{value} > {}: {e}", path.display()));
+}
+
+/// The cgroup v2 path of `pid` (`/proc/<pid>/cgroup`'s `0::` line).
+fn cgroup_of(pid: u32) -> Option<String> {
+    std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("0::").map(str::to_string))
+}
+
+/// A twig pod under a host memory limit of half its guest's RAM: its VMM
+/// runs in the sandbox's cgroup below the pod cgroup (CRI's
+/// `cgroup_parent`/<sandbox id>), the memory the guest touches is charged
+/// there, and when the guest touches more than the pod's limit the host's
+/// OOM killer ends the VM (every container 137) — the pod never holds more
+/// than its limit on the host.
+#[test]
+fn a_pod_whose_memory_limit_is_exceeded_by_its_vm_is_bounded_by_its_pod_cgroup_on_the_host() {
+    runtime().block_on(pod_cgroup_bounds_the_vm());
+}
+
+async fn pod_cgroup_bounds_the_vm() {
+    let node = CriNode::start().unwrap_or_else(|e| panic!("CRI node: {e}"));
+    let cri = node.client().await.unwrap_or_else(|e| panic!("{e}"));
+    let fail = |what: &str, e: twig_cri::Error| -> ! { panic!("{}", node.cri_error(what, e)) };
+    let cgroup = PodCgroup::new("bounded", POD_LIMIT);
+    let mut pod = node.pod_config("bounded").unwrap_or_else(|e| panic!("{e}"));
+    pod.linux.get_or_insert_with(Default::default).cgroup_parent = cgroup.parent.clone();
+    let pod_id = cri
+        .run_pod_sandbox(&pod, "twig")
+        .await
+        .unwrap_or_else(|e| fail("RunPodSandbox", e));
+
+    let sandbox = format!("{}/{pod_id}", cgroup.parent);
+    let vmms = node.pod_vmms();
+    assert_eq!(vmms.len(), 1, "one pod, one VMM: {vmms:?}");
+    let vmm = vmms[0];
+    let tree = twig_e2e::process_tree(vmm as i32);
+    assert!(
+        tree.len() >= 2,
+        "twig-vmm and its PID namespace's init: {tree:?}"
+    );
+    for p in &tree {
+        assert_eq!(
+            cgroup_of(*p as u32).as_deref(),
+            Some(sandbox.as_str()),
+            "pid {p} of the pod's twig-vmm (pid {vmm}) is not in the sandbox's cgroup"
+        );
+    }
+
+    // The guest touches 16 MiB: the pod's cgroup is charged for it.
+    let hold = container_config(
+        "hold",
+        IMAGE_REF,
+        &[
+            "/bin/sh",
+            "-c",
+            "x=a; i=0; while [ $i -lt 24 ]; do x=$x$x; i=$((i+1)); done; echo held; sleep 1000",
+        ],
+        "hold.log",
+    );
+    let id = cri
+        .create_container(&pod_id, &hold, &pod)
+        .await
+        .unwrap_or_else(|e| fail("CreateContainer hold", e));
+    cri.start_container(&id)
+        .await
+        .unwrap_or_else(|e| fail("StartContainer hold", e));
+    twig_cri::logs::wait_for(
+        &CriNode::container_log(&pod, "hold.log"),
+        Duration::from_secs(120),
+        |lines| lines.iter().any(|l| l.text == "held"),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", node.node().logs()));
+    let current = cgroup.number("memory.current", None);
+    assert!(
+        current >= HELD,
+        "the pod's cgroup holds {current} bytes, less than the {HELD} its guest touched"
+    );
+
+    // Unbounded growth in the guest (no container limit; the guest has
+    // twice the pod's limit): the host's OOM killer ends the VM.
+    let hog = container_config(
+        "hog",
+        IMAGE_REF,
+        &["/bin/sh", "-c", "echo start; x=a; while :; do x=$x$x; done"],
+        "hog.log",
+    );
+    let hog_id = cri
+        .create_container(&pod_id, &hog, &pod)
+        .await
+        .unwrap_or_else(|e| fail("CreateContainer hog", e));
+    cri.start_container(&hog_id)
+        .await
+        .unwrap_or_else(|e| fail("StartContainer hog", e));
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let status = loop {
+        let status = cri
+            .container_status(&hog_id)
+            .await
+            .unwrap_or_else(|e| fail("ContainerStatus", e));
+        if status.state() == ContainerState::ContainerExited {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the VM was not bounded within 180 s: {status:?}\n{}",
+            node.node().logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(status.exit_code, 137, "{status:?}\n{}", node.node().logs());
+    let kills = cgroup.number("memory.events", Some("oom_kill"));
+    assert!(
+        kills >= 1,
+        "the pod's cgroup saw no OOM kill: the guest, not the host, ended the hog"
+    );
+    // memory.peak: Linux 5.19 on.
+    if cgroup.dir.join("memory.peak").exists() {
+        let peak = cgroup.number("memory.peak", None);
+        assert!(
+            peak <= POD_LIMIT,
+            "the pod held {peak} bytes, over its limit"
+        );
+    }
+    let left = std::fs::read_to_string(cgroup.dir.join(&pod_id).join("cgroup.procs"))
+        .unwrap_or_else(|e| panic!("the sandbox's cgroup: {e}"));
+    assert!(
+        left.trim().is_empty(),
+        "the pod's twig-vmm (pid {vmm}) outlived the OOM kill: {left}"
+    );
+    cri.stop_pod_sandbox(&pod_id)
+        .await
+        .unwrap_or_else(|e| fail("StopPodSandbox", e));
+    cri.remove_pod_sandbox(&pod_id)
+        .await
+        .unwrap_or_else(|e| fail("RemovePodSandbox", e));
 }

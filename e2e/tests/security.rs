@@ -203,3 +203,66 @@ fn twig_holds_the_pods_security_context() {
 fn runc_holds_the_pods_security_context() {
     secure("runc");
 }
+
+/// `hostIPC`/`hostPID`: CRI's `namespace_options` with the node's mode. On
+/// twig RunPodSandbox fails naming the field (a VM cannot share the node's
+/// IPC or PID namespace); runc, the reference, honours them.
+fn host_namespaces(handler: &str) {
+    runtime().block_on(async {
+        let node = CriNode::start().unwrap_or_else(|e| panic!("CRI node: {e}"));
+        let cri = node.client().await.unwrap_or_else(|e| panic!("{e}"));
+        for (field, options) in [
+            (
+                "hostIPC",
+                api::NamespaceOption {
+                    ipc: api::NamespaceMode::Node as i32,
+                    ..Default::default()
+                },
+            ),
+            (
+                "hostPID",
+                api::NamespaceOption {
+                    pid: api::NamespaceMode::Node as i32,
+                    ..Default::default()
+                },
+            ),
+        ] {
+            let mut pod = node.pod_config("hostns").unwrap_or_else(|e| panic!("{e}"));
+            let linux = pod.linux.get_or_insert_with(Default::default);
+            linux
+                .security_context
+                .get_or_insert_with(Default::default)
+                .namespace_options = Some(options);
+            let ran = cri.run_pod_sandbox(&pod, handler).await;
+            match (handler, ran) {
+                ("twig", Err(e)) => {
+                    let text = e.to_string();
+                    assert!(
+                        text.contains(&format!("spec.{field}")) && text.contains("twig runtime"),
+                        "{text}"
+                    );
+                }
+                ("twig", Ok(id)) => panic!("twig ran a {field} pod: {id}"),
+                (_, Ok(id)) => {
+                    cri.stop_pod_sandbox(&id)
+                        .await
+                        .unwrap_or_else(|e| panic!("{}", node.cri_error("StopPodSandbox", e)));
+                    cri.remove_pod_sandbox(&id)
+                        .await
+                        .unwrap_or_else(|e| panic!("{}", node.cri_error("RemovePodSandbox", e)));
+                }
+                (_, Err(e)) => panic!("{}", node.cri_error(&format!("{field} on {handler}"), e)),
+            }
+        }
+    });
+}
+
+#[test]
+fn twig_refuses_the_nodes_ipc_and_pid_namespaces_naming_the_field() {
+    host_namespaces("twig");
+}
+
+#[test]
+fn runc_runs_pods_on_the_nodes_ipc_and_pid_namespaces() {
+    host_namespaces("runc");
+}

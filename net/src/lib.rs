@@ -29,6 +29,7 @@
 //!   nix or clang.
 //! - `schemars`: `JsonSchema` on the policy types.
 
+mod bound;
 #[cfg(feature = "loader")]
 mod bpffs;
 #[cfg(feature = "loader")]
@@ -49,6 +50,7 @@ mod support;
 #[cfg(feature = "loader")]
 mod tc;
 
+pub use bound::{bounded_policy, Bounded};
 #[cfg(feature = "loader")]
 pub use bpffs::ensure_bpffs;
 #[cfg(feature = "loader")]

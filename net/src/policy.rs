@@ -10,10 +10,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::maps::{Tier, RULE_CAPACITY};
 
-/// Pod annotation holding the pod's own [`EgressPolicy`] as JSON; it replaces
-/// its SandboxTemplate's `spec.egressPolicy` for that pod (see
-/// [`effective_policy`]).
-pub const EGRESS_POLICY_ANNOTATION: &str = "twig.dev/egress-policy";
+/// Pod annotation holding the pod's own [`EgressPolicy`] as JSON (see
+/// [`effective_policy`]); twig-proto's contract defines it.
+pub use twig_proto::contract::EGRESS_POLICY_ANNOTATION;
 
 /// Most ports one rule may expand to (each port is one trie entry).
 pub const MAX_PORTS_PER_RULE: u32 = 1024;
@@ -173,15 +172,17 @@ impl PolicyError {
     }
 }
 
-/// The policy a pod runs with: its [`EGRESS_POLICY_ANNOTATION`] (JSON, the
-/// annotation's value) when it has one — it replaces the template's whole,
-/// rules are not merged — else its SandboxTemplate's `spec.egressPolicy`,
+/// The policy an annotation or a template names, unbounded: its
+/// [`EGRESS_POLICY_ANNOTATION`] (JSON, the annotation's value) when it has
+/// one, else its SandboxTemplate's `spec.egressPolicy`,
 /// else the built-in default ([`EgressPolicy::default`]: allow public
 /// destinations, deny private ones and the metadata range). The chosen
 /// policy is validated; every problem names where it came from
 /// (`metadata.annotations[twig.dev/egress-policy].allow[0].cidr: …` or
 /// `spec.egressPolicy.deny[1].ports[0].endPort: …`). An annotation that is
-/// not a policy is an error, never a fallback to the template's.
+/// not a policy is an error, never a fallback to the template's. What a pod
+/// with an annotation runs with is that policy bounded by its template's
+/// (or the default): [`crate::bounded_policy`].
 pub fn effective_policy(
     template: Option<&EgressPolicy>,
     annotation: Option<&str>,
@@ -252,9 +253,9 @@ impl CompiledPolicy {
     }
 }
 
-struct Cidr {
-    addr: Ipv4Addr,
-    prefix_len: u8,
+pub(crate) struct Cidr {
+    pub(crate) addr: Ipv4Addr,
+    pub(crate) prefix_len: u8,
 }
 
 impl fmt::Display for Cidr {
@@ -263,7 +264,7 @@ impl fmt::Display for Cidr {
     }
 }
 
-fn parse_cidr(text: &str) -> Result<Cidr, String> {
+pub(crate) fn parse_cidr(text: &str) -> Result<Cidr, String> {
     let (addr_text, len_text) = text.split_once('/').unwrap_or((text, "32"));
     let addr: Ipv4Addr = match addr_text.parse() {
         Ok(addr) => addr,

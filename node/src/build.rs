@@ -32,14 +32,15 @@ use twig_proto::twig_ttrpc::TwigClient;
 use crate::config::TemplateBuildConfig;
 use crate::error::{Error, Result};
 use crate::template::{tail, Templates};
-use twig_store::layout::TEMPLATE_POLICY_LABEL;
+use twig_proto::contract::labels::TEMPLATE_EGRESS_POLICY as TEMPLATE_POLICY_LABEL;
 
 /// The label of an app template's snapshot holding the digest of what it
-/// was built from (image, command, warm-up).
-pub const SPEC_LABEL: &str = "twig.dev/template-spec";
+/// was built from (image, command, warm-up); twig-proto's contract.
+pub use twig_proto::contract::labels::TEMPLATE_SPEC as SPEC_LABEL;
 
-/// The label naming the SandboxTemplate (`namespace/name`).
-pub const TEMPLATE_LABEL: &str = "twig.dev/template";
+/// The label naming the SandboxTemplate (`namespace/name`); twig-proto's
+/// contract.
+pub use twig_proto::contract::labels::TEMPLATE as TEMPLATE_LABEL;
 
 /// The name of the build pod's one container.
 const CONTAINER: &str = "template";
@@ -94,6 +95,10 @@ impl Spec {
             )));
         }
         let mut h = Sha256::new();
+        // The build's own version: v2 snapshots record their owning
+        // namespace, and a template built before restores into no pod, so
+        // it is built again.
+        h.update(b"twig-template-v2\0");
         for part in [&[req.image.clone()][..], &req.command, &req.warmup] {
             for s in part {
                 h.update(s.as_bytes());

@@ -61,6 +61,7 @@ impl Error {
                 ttrpc::Code::FAILED_PRECONDITION
             }
             Error::Store(S::NoSpace { .. }) => ttrpc::Code::RESOURCE_EXHAUSTED,
+            Error::Store(S::PermissionDenied(_)) => ttrpc::Code::PERMISSION_DENIED,
             Error::Timeout(_) => ttrpc::Code::DEADLINE_EXCEEDED,
             Error::Internal(_) | Error::Io { .. } | Error::Store(_) => ttrpc::Code::INTERNAL,
         }

@@ -14,6 +14,9 @@
 //!   `create_pool` (the node daemon's).
 //! - `twig_ttrpc` (feature `async`) — async `TwigClient`/`NodeClient`,
 //!   `Twig`/`Node` server traits, `create_twig`/`create_node`.
+//! - [`contract`] — what crosses crates: pod annotations (restore-from,
+//!   template, CRI's pod namespace, egress policy), snapshot labels, and
+//!   the services' error codes with their meaning.
 //! - [`vsock`] — the host side of the Firecracker-style `CONNECT <port>`
 //!   handshake on a VMM's vsock Unix socket (async variant with `async`).
 //!
@@ -78,7 +81,15 @@ pub mod twig_ttrpc {
     include!(concat!(env!("OUT_DIR"), "/async/twig_ttrpc.rs"));
 }
 
+pub mod contract;
 pub mod vsock;
 
 /// The vsock port the guest agent listens on.
 pub const AGENT_VSOCK_PORT: u32 = 1024;
+
+/// Where the guest agent keeps guest volumes (PrepareVolume): volume
+/// `<name>` is the directory `<GUEST_VOLUMES_DIR>/<name>` in the VM, on a
+/// tmpfs of the agent's (root only), or a tmpfs of its own. A container
+/// gets a volume, or one file of it, by a bind mount whose source in its
+/// OCI spec is `<GUEST_VOLUMES_DIR>/<name>[/<path>]`.
+pub const GUEST_VOLUMES_DIR: &str = "/run/twig/volumes";

@@ -6,6 +6,7 @@ use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
+use twig_net::EgressPolicy;
 
 use crate::error::{Error, Result};
 
@@ -42,6 +43,12 @@ pub struct Config {
     /// TCP port 53 reach them (they are private addresses, denied
     /// otherwise).
     pub cluster_dns: Vec<Ipv4Addr>,
+    /// The node's ceiling on a pod's own egress policy (the cluster
+    /// admin's, in the form of `twig.dev/egress-policy`): a pod's
+    /// annotation is narrowed to it, never opens more; an app template's
+    /// pod is narrowed to its template's instead. None: the built-in
+    /// default policy.
+    pub egress_bound: Option<EgressPolicy>,
 }
 
 impl Default for Config {
@@ -54,6 +61,7 @@ impl Default for Config {
             start_concurrency: 0,
             bpffs_root: PathBuf::from("/sys/fs/bpf/twig"),
             cluster_dns: Vec::new(),
+            egress_bound: None,
         }
     }
 }

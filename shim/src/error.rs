@@ -138,6 +138,7 @@ impl Error {
                     ttrpc::Code::FAILED_PRECONDITION
                 }
                 twig_store::Error::InvalidArgument(_) => ttrpc::Code::INVALID_ARGUMENT,
+                twig_store::Error::PermissionDenied(_) => ttrpc::Code::PERMISSION_DENIED,
                 twig_store::Error::NoSpace { .. } => ttrpc::Code::RESOURCE_EXHAUSTED,
                 twig_store::Error::Locked(_) => ttrpc::Code::UNAVAILABLE,
                 twig_store::Error::Corrupt { .. }

@@ -9,10 +9,9 @@
 pub mod config;
 pub mod error;
 pub mod gate;
-pub mod network;
+pub mod labels;
 pub mod pod;
-pub mod process;
-pub mod recover;
+pub mod resources;
 pub mod restore;
 pub mod sandbox;
 pub mod server;

@@ -12,6 +12,11 @@
 //! container of the same CRI name instead of creating a new one, and the
 //! clone takes its own identity (hostname, RNG reseed, clock step) through
 //! the agent before any container of the new pod runs.
+//!
+//! [`restore_source`] reads what the sandbox's spec asks to restore
+//! (`twig.dev/restore-from`, else an app template's `twig.dev/template`);
+//! [`SnapshotSource::open`] finds that snapshot in the node store and makes
+//! the pod's disk copies; [`identity`] is a restored VM's own identity.
 
 use std::fs::{File, OpenOptions};
 use std::io::Read;
@@ -25,15 +30,75 @@ use twig_store::layout::{Artefact, TEMPLATE_POLICY_LABEL, TMP_DIR};
 use twig_store::NodeStore;
 
 use crate::error::{Error, Result};
+use crate::labels::{SnapshotContainer, CONTAINERS_LABEL, SANDBOX_LABEL};
 use crate::sandbox::{Restored, SANDBOX_ADOPTION, TEMPLATE_ADOPTION};
-use crate::twig_service::{SnapshotContainer, CONTAINERS_LABEL, SANDBOX_LABEL};
+use crate::spec;
 
-/// The pod annotation naming a pod snapshot of the node store to restore
-/// the sandbox from (the Clone CRD's pods).
-pub const RESTORE_FROM_ANNOTATION: &str = "twig.dev/restore-from";
+pub use twig_proto::contract::{
+    CRI_SANDBOX_NAMESPACE_ANNOTATION as SANDBOX_NAMESPACE_ANNOTATION, RESTORE_FROM_ANNOTATION,
+    TEMPLATE_ANNOTATION,
+};
 
 /// Bytes of host entropy mixed into a clone's RNG.
 const ENTROPY_BYTES: usize = 64;
+
+/// A pod snapshot of the node store a sandbox's VM is restored from,
+/// instead of the node's base template.
+pub struct RestoreFrom<'a> {
+    /// The snapshot's id.
+    pub id: String,
+    /// The SandboxTemplate (`namespace/name`) when the snapshot is an app
+    /// template: its app container is adopted by the pod's first container.
+    pub app_template: Option<String>,
+    /// The sandbox's OCI spec.
+    pub oci: &'a serde_json::Value,
+    /// The new sandbox container's rootfs image.
+    pub rootfs: &'a Path,
+}
+
+/// What the sandbox's spec asks to restore instead of the base template:
+/// `twig.dev/restore-from`, else `twig.dev/template` (of the pod's
+/// namespace).
+pub fn restore_source<'a>(
+    oci: &'a serde_json::Value,
+    rootfs: &'a Path,
+) -> Result<Option<RestoreFrom<'a>>> {
+    if let Some(id) = spec::annotation(oci, RESTORE_FROM_ANNOTATION) {
+        return Ok(Some(RestoreFrom {
+            id: id.to_string(),
+            app_template: None,
+            oci,
+            rootfs,
+        }));
+    }
+    let Some(name) = spec::annotation(oci, TEMPLATE_ANNOTATION) else {
+        return Ok(None);
+    };
+    let namespace = spec::annotation(oci, SANDBOX_NAMESPACE_ANNOTATION).ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "{TEMPLATE_ANNOTATION}: {name:?} names a SandboxTemplate of the pod's namespace, and \
+             this sandbox has none ({SANDBOX_NAMESPACE_ANNOTATION}): templates are for pods made \
+             through CRI"
+        ))
+    })?;
+    let id = twig_store::layout::template_id(namespace, name)
+        .map_err(|e| Error::InvalidArgument(format!("{TEMPLATE_ANNOTATION}: {e}")))?;
+    Ok(Some(RestoreFrom {
+        id,
+        app_template: Some(format!("{namespace}/{name}")),
+        oci,
+        rootfs,
+    }))
+}
+
+/// Why a pod of SandboxTemplate `name` (node store id `id`) cannot start
+/// when its template is not in the node store.
+pub fn not_built(name: &str, id: &str) -> String {
+    format!(
+        "{TEMPLATE_ANNOTATION}: SandboxTemplate {name} is not built on this node (node store id \
+         {id}): its status says whether the node's build is ready"
+    )
+}
 
 /// A pod snapshot to restore, with what the restored VM needs.
 #[derive(Debug)]
@@ -89,6 +154,13 @@ impl SnapshotSource {
                 source,
             },
         })?;
+        // One tenant's memory, processes and disks never reach another's
+        // pod: only a pod of the namespace that took it restores it.
+        snap.check_owner(spec::annotation(oci, SANDBOX_NAMESPACE_ANNOTATION))
+            .map_err(|source| Error::Store {
+                what: format!("{RESTORE_FROM_ANNOTATION}: snapshot {id}"),
+                source,
+            })?;
         let containers: Vec<SnapshotContainer> = snap
             .labels
             .get(CONTAINERS_LABEL)

@@ -32,8 +32,9 @@ use tokio::sync::mpsc;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::process::timestamp;
-use crate::service::{Event, TaskService};
+use crate::pod::process::timestamp;
+use crate::pod::Event;
+use crate::service::TaskService;
 use crate::spec;
 use crate::twig_service::{TwigService, DEFAULT_QUEUE_DEADLINE};
 use crate::vm::{VmLauncher, PID_FILE};
@@ -215,7 +216,7 @@ fn stop_orphan_vmm(dir: &Path) {
     }
     // The pod's network path, if the dead shim had attached one (the tap
     // went with the VMM, or goes with it now).
-    if let Err(e) = crate::network::teardown_recorded(dir) {
+    if let Err(e) = crate::resources::network::teardown_recorded(dir) {
         tracing::warn!("tearing down the pod's network: {e}; its state stays for another try");
         return;
     }
@@ -272,7 +273,11 @@ pub async fn serve(flags: Flags) -> Result<()> {
         state_dir(&config, &flags.socket),
     ));
     let service = TaskService::new(launcher, tx, exit.clone(), timeout);
-    let twig = TwigService::new(service.clone(), sandbox_id(&flags)?, DEFAULT_QUEUE_DEADLINE);
+    let twig = TwigService::new(
+        service.pod().clone(),
+        sandbox_id(&flags)?,
+        DEFAULT_QUEUE_DEADLINE,
+    );
     let listener = Listener::try_from(listener).map_err(|e| Error::io("the ttrpc listener", e))?;
     let mut server = Server::new()
         .add_listener(listener)

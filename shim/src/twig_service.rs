@@ -29,51 +29,21 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use containerd_shim_protos::ttrpc;
 use containerd_shim_protos::ttrpc::r#async::{Service, TtrpcContext};
-use serde::{Deserialize, Serialize};
 use twig_net::{EgressPolicy, Reason};
+use twig_proto::contract::ErrorCode;
 use twig_proto::twig as pb;
 use twig_proto::twig_ttrpc::{create_twig, Twig};
 use twig_store::{Artefact, NodeStore, SnapshotSizes};
 
 use crate::error::{Error, Result};
-use crate::pod::ContainerView;
+use crate::labels::{SnapshotContainer, CONTAINERS_LABEL, SANDBOX_LABEL};
+use crate::pod::{to_completion, ContainerView, Pod};
+use crate::restore::SANDBOX_NAMESPACE_ANNOTATION;
 use crate::sandbox::NetworkStats;
-use crate::service::{to_completion, TaskService};
-use crate::spec;
-
-/// The snapshot label naming the sandbox (shim group) it was taken of.
-pub const SANDBOX_LABEL: &str = "twig.dev/sandbox-id";
-/// The snapshot label listing the pod's containers (JSON array of
-/// [`SnapshotContainer`]).
-pub const CONTAINERS_LABEL: &str = "twig.dev/containers";
-/// CRI's annotation carrying a container's name in its pod.
-pub const CONTAINER_NAME_ANNOTATION: &str = "io.kubernetes.cri.container-name";
+use crate::spec::{self, CONTAINER_NAME_ANNOTATION};
 
 /// How long a call without a deadline waits behind other operations.
 pub const DEFAULT_QUEUE_DEADLINE: Duration = Duration::from_secs(300);
-
-/// A container as a snapshot records it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SnapshotContainer {
-    /// containerd's container id.
-    pub id: String,
-    /// Its name in the pod (CRI's `io.kubernetes.cri.container-name`);
-    /// none outside CRI.
-    #[serde(default)]
-    pub name: Option<String>,
-    /// The VM's disk slot holding its rootfs.
-    pub slot: Option<usize>,
-    /// Whether its init process ran.
-    pub running: bool,
-    /// The id the guest's agent knows it by, where it differs from `id` (a
-    /// container adopted in a clone keeps its source's).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub guest_id: Option<String>,
-    /// Its init's pid in the VM: recorded for the pod's sandbox container,
-    /// whose namespaces a clone's new containers join.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pid: Option<u32>,
-}
 
 /// What the service remembers between calls.
 struct Record {
@@ -94,7 +64,7 @@ pub struct TwigService {
 }
 
 struct Inner {
-    task: TaskService,
+    pod: Pod,
     sandbox_id: String,
     queue: tokio::sync::Mutex<()>,
     record: Mutex<Record>,
@@ -113,14 +83,14 @@ fn store_error(what: impl Into<String>) -> impl FnOnce(twig_store::Error) -> Err
 }
 
 impl TwigService {
-    /// The service for the pod of `task`, group `sandbox_id`, keeping
-    /// snapshots in the node store of the pod's template
+    /// The service for `pod`, group `sandbox_id`, keeping snapshots in the
+    /// node store of the pod's template
     /// ([`crate::sandbox::Sandbox::snapshot_store`]). Calls without a
     /// deadline wait at most `queue_deadline` behind other operations.
-    pub fn new(task: TaskService, sandbox_id: String, queue_deadline: Duration) -> TwigService {
+    pub fn new(pod: Pod, sandbox_id: String, queue_deadline: Duration) -> TwigService {
         TwigService {
             inner: Arc::new(Inner {
-                task,
+                pod,
                 sandbox_id,
                 queue: tokio::sync::Mutex::new(()),
                 record: Mutex::new(Record {
@@ -174,11 +144,23 @@ impl TwigService {
             .unwrap_or(self.inner.queue_deadline)
     }
 
+    /// The pod's Kubernetes namespace (CRI's annotation on its containers'
+    /// specs), which owns its snapshots; `None` outside Kubernetes.
+    fn namespace(&self) -> Result<Option<String>> {
+        for c in self.inner.pod.container_views() {
+            let oci = spec::read_spec(&c.bundle)?;
+            if let Some(ns) = spec::annotation(&oci, SANDBOX_NAMESPACE_ANNOTATION) {
+                return Ok(Some(ns.to_string()));
+            }
+        }
+        Ok(None)
+    }
+
     fn containers(&self) -> Result<Vec<SnapshotContainer>> {
-        let sandbox_pid = self.inner.task.sandbox_pid();
+        let sandbox_pid = self.inner.pod.sandbox_pid();
         let sandbox_id = &self.inner.sandbox_id;
         self.inner
-            .task
+            .pod
             .container_views()
             .into_iter()
             .map(|c: ContainerView| {
@@ -229,7 +211,7 @@ impl TwigService {
                 req.snapshot_id
             )));
         }
-        let sandbox = self.inner.task.current_sandbox().await.ok_or_else(|| {
+        let sandbox = self.inner.pod.current_sandbox().await.ok_or_else(|| {
             Error::FailedPrecondition(format!(
                 "sandbox {} has no VM yet (no container was created)",
                 self.inner.sandbox_id
@@ -238,6 +220,7 @@ impl TwigService {
         let root = sandbox.snapshot_store()?;
         let containers = serde_json::to_string(&self.containers()?)
             .map_err(|e| Error::Internal(format!("encoding the pod's containers: {e}")))?;
+        let owner = self.namespace()?;
         let sandbox_id = self.inner.sandbox_id.clone();
         let (id, full, labels) = (req.snapshot_id.clone(), req.full, req.labels);
         let started = Instant::now();
@@ -255,6 +238,15 @@ impl TwigService {
             }
             staging.set_label(SANDBOX_LABEL, &sandbox_id);
             staging.set_label(CONTAINERS_LABEL, &containers);
+            // Only a pod of this namespace may restore it (a Clone's pods).
+            if let Some(ns) = &owner {
+                if let Err(e) = staging.set_owner(ns) {
+                    return (
+                        Err(store_error(format!("snapshot {id}: its owner"))(e)),
+                        false,
+                    );
+                }
+            }
             let vm = match sandbox.snapshot(staging.dir(), full) {
                 Ok(vm) => vm,
                 Err(e) => return (Err(e), false),
@@ -330,7 +322,7 @@ impl TwigService {
         if !req.operation_id.is_empty() && self.record().last_rollback == req.operation_id {
             return Ok(());
         }
-        let sandbox = self.inner.task.current_sandbox().await.ok_or_else(|| {
+        let sandbox = self.inner.pod.current_sandbox().await.ok_or_else(|| {
             Error::FailedPrecondition(format!(
                 "sandbox {} has no VM yet (no container was created)",
                 self.inner.sandbox_id
@@ -365,14 +357,19 @@ impl TwigService {
                     elapsed = ?started.elapsed(),
                     "pod rolled back"
                 );
-                let mut record = self.record();
-                record.last_rollback = req.operation_id;
-                // The VM now tracks changes against a published snapshot.
-                record.baseline_published = true;
+                {
+                    let mut record = self.record();
+                    record.last_rollback = req.operation_id;
+                    // The VM now tracks changes against a published snapshot.
+                    record.baseline_published = true;
+                }
+                // The snapshot's copies of the pod's configuration and
+                // Secrets are the pod's of then; it keeps its current ones.
+                self.inner.pod.resync_volumes().await;
                 Ok(())
             }
             Err(e) if e.is_vm_lost() => {
-                self.inner.task.vm_lost(&e.to_string());
+                self.inner.pod.vm_lost(&e.to_string());
                 Err(e)
             }
             Err(e) => Err(e),
@@ -385,7 +382,7 @@ impl TwigService {
         let last = self.record().last_rollback.clone();
         // Snapshots deleted from the store since (the controller deletes
         // them through the node service) are not the pod's any more.
-        let sandbox = self.inner.task.current_sandbox().await;
+        let sandbox = self.inner.pod.current_sandbox().await;
         let root = sandbox.as_ref().and_then(|sb| sb.snapshot_store().ok());
         let network = match sandbox {
             Some(sb) => blocking(move || sb.network_stats()).await??,
@@ -429,7 +426,7 @@ impl TwigService {
             json => twig_net::parse_policy(json, "egress_policy")
                 .map_err(|e| Error::InvalidArgument(e.to_string()))?,
         };
-        let sandbox = self.inner.task.current_sandbox().await.ok_or_else(|| {
+        let sandbox = self.inner.pod.current_sandbox().await.ok_or_else(|| {
             Error::FailedPrecondition(format!(
                 "sandbox {} has no VM yet (no container was created)",
                 self.inner.sandbox_id
@@ -517,17 +514,17 @@ pub fn check_rollback_target(
 /// `DATA_LOSS` (the VM is gone), a full store or disk is
 /// `RESOURCE_EXHAUSTED`; everything else as containerd's errdefs
 /// ([`Error::code`]).
-pub fn status(e: &Error) -> ttrpc::Code {
+pub fn status(e: &Error) -> ErrorCode {
     use twig_vmm::ErrorKind;
     if no_space(e) {
-        return ttrpc::Code::RESOURCE_EXHAUSTED;
+        return ErrorCode::ResourceExhausted;
     }
     match e.vmm_kind() {
-        Some(ErrorKind::Refused) => ttrpc::Code::ABORTED,
-        Some(ErrorKind::Lost) => ttrpc::Code::DATA_LOSS,
-        Some(ErrorKind::GuestStopped) => ttrpc::Code::FAILED_PRECONDITION,
-        Some(ErrorKind::GuestNotAnswering) => ttrpc::Code::UNAVAILABLE,
-        _ => e.code(),
+        Some(ErrorKind::Refused) => ErrorCode::Aborted,
+        Some(ErrorKind::Lost) => ErrorCode::DataLoss,
+        Some(ErrorKind::GuestStopped) => ErrorCode::FailedPrecondition,
+        Some(ErrorKind::GuestNotAnswering) => ErrorCode::Unavailable,
+        _ => ErrorCode::from_number(e.code() as i32).unwrap_or(ErrorCode::Internal),
     }
 }
 
@@ -549,7 +546,7 @@ fn no_space(e: &Error) -> bool {
 }
 
 fn to_ttrpc(e: Error) -> ttrpc::Error {
-    ttrpc::Error::RpcStatus(ttrpc::get_status(status(&e), e.to_string()))
+    status(&e).status(e.to_string())
 }
 
 #[async_trait]
@@ -630,7 +627,7 @@ mod tests {
         let now = [c("a", 0, true), c("b", 1, true)];
         assert!(check_rollback_target("s", &labels("pod", &now), "pod", &now).is_ok());
         let e = check_rollback_target("s", &labels("other", &now), "pod", &now).unwrap_err();
-        assert_eq!(status(&e), ttrpc::Code::FAILED_PRECONDITION);
+        assert_eq!(status(&e), ErrorCode::FailedPrecondition);
         assert!(e.to_string().contains("other"), "{e}");
         // A container added, one exited, one on another slot.
         for then in [
@@ -639,7 +636,7 @@ mod tests {
             vec![c("a", 0, true), c("b", 2, true)],
         ] {
             let e = check_rollback_target("s", &labels("pod", &then), "pod", &now).unwrap_err();
-            assert_eq!(status(&e), ttrpc::Code::FAILED_PRECONDITION);
+            assert_eq!(status(&e), ErrorCode::FailedPrecondition);
             assert!(e.to_string().contains("changed since snapshot s"), "{e}");
         }
         let mut bad = labels("pod", &now);

@@ -22,9 +22,10 @@ use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::unix::pipe;
 use tokio::sync::mpsc;
+use twig_shim::pod::Event;
 use twig_shim::sandbox::{Fixed, HostSandbox};
 use twig_shim::server::task_services;
-use twig_shim::service::{Event, TaskService};
+use twig_shim::service::TaskService;
 
 mod common;
 use common::{bundle, code, ctx, twig_mount, Agent, T};

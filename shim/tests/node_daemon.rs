@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 use twig_shim::config::Config;
 use twig_shim::error::Error;
 use twig_shim::gate::StartGate;
-use twig_shim::vm::{RestoreFrom, VmSandbox};
+use twig_shim::restore::RestoreFrom;
+use twig_shim::vm::VmSandbox;
 use twig_store::NodeStore;
 use twig_vmm::{testguest, Capture, DeviceConfig, Kind, Shape, Vm, VsockConfig};
 
@@ -140,9 +141,18 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
         ..Config::default()
     };
     let state = dir.path().join("shim-state");
-    let e = VmSandbox::start(&config, &state, "sb", "", None, None, Default::default())
-        .err()
-        .expect("the test guest has no agent");
+    let e = VmSandbox::start(
+        &config,
+        &state,
+        "sb",
+        "",
+        None,
+        None,
+        Default::default(),
+        None,
+    )
+    .err()
+    .expect("the test guest has no agent");
     assert!(matches!(e, Error::Agent { .. }), "{e}");
     assert!(
         e.to_string()
@@ -173,6 +183,7 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
             }),
             None,
             Default::default(),
+            None,
         )
         .err()
         .expect("no usable snapshot")
@@ -214,9 +225,18 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
     let other = StartGate::new(&config.state_root, config.start_concurrency)
         .enter(Duration::from_secs(1))
         .expect("the start slot");
-    let e = VmSandbox::start(&config, &state, "sb", "", None, None, Default::default())
-        .err()
-        .expect("no start slot");
+    let e = VmSandbox::start(
+        &config,
+        &state,
+        "sb",
+        "",
+        None,
+        None,
+        Default::default(),
+        None,
+    )
+    .err()
+    .expect("no start slot");
     assert!(
         matches!(e, Error::Deadline(_)) && e.to_string().contains("no sandbox start slot of 1"),
         "{e}"
@@ -228,9 +248,18 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
     );
     // ...and goes on once it is free (to the agent the test guest lacks).
     drop(other);
-    let e = VmSandbox::start(&config, &state, "sb", "", None, None, Default::default())
-        .err()
-        .expect("the test guest has no agent");
+    let e = VmSandbox::start(
+        &config,
+        &state,
+        "sb",
+        "",
+        None,
+        None,
+        Default::default(),
+        None,
+    )
+    .err()
+    .expect("the test guest has no agent");
     assert!(matches!(e, Error::Agent { .. }), "{e}");
     assert_eq!(handed_count(&dir.path().join("node.log")), handed + 1);
 }

@@ -30,14 +30,16 @@ use twig_agent::client::AgentClient;
 use twig_net::{Counters, EgressPolicy, Reason};
 use twig_proto::twig as pb;
 use twig_proto::twig_ttrpc::TwigClient;
+use twig_shim::labels::{SnapshotContainer, CONTAINERS_LABEL, SANDBOX_LABEL};
+use twig_shim::pod::Event;
 use twig_shim::restore::SnapshotSource;
 use twig_shim::sandbox::{
     Attachment, Fixed, HostSandbox, NetworkStats, Restored, Sandbox, VmRollback, VmSnapshot,
     SANDBOX_ADOPTION,
 };
 use twig_shim::server::task_services;
-use twig_shim::service::{Event, TaskService};
-use twig_shim::twig_service::{SnapshotContainer, TwigService, CONTAINERS_LABEL, SANDBOX_LABEL};
+use twig_shim::service::TaskService;
+use twig_shim::twig_service::TwigService;
 use twig_shim::{Error, Result};
 use twig_store::{Artefact, Kind, Manifest, NodeStore};
 use twig_vmm::api::ClientError;
@@ -47,6 +49,8 @@ mod common;
 use common::{bundle, code, ctx, twig_mount, Agent, T};
 
 const SANDBOX: &str = "pod-1";
+/// The Kubernetes namespace of the fixture's pod (CRI's annotation).
+const NAMESPACE: &str = "team-a";
 
 /// What the next rollback of the [`FakeVm`] does.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -332,7 +336,7 @@ async fn fixture(queue_deadline: Duration) -> Fixture {
     let (tx, events) = mpsc::unbounded_channel();
     let exit = Arc::new(ExitSignal::default());
     let task = TaskService::new(Arc::new(Fixed(vm.clone())), tx, exit, T);
-    let twig = TwigService::new(task.clone(), SANDBOX.into(), queue_deadline);
+    let twig = TwigService::new(task.pod().clone(), SANDBOX.into(), queue_deadline);
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("shim.sock");
     let listener =
@@ -376,13 +380,14 @@ impl Fixture {
     }
 
     /// Creates and starts container `id` (a shell that sleeps), named
-    /// `name` by CRI's annotation.
+    /// `name` by CRI's annotation, in pod namespace [`NAMESPACE`].
     async fn run(&self, id: &str, name: &str) {
         let (b, img) = bundle(
             self.dir.path(),
             id,
             &["sleep", "1000"],
-            json!({"annotations": {"io.kubernetes.cri.container-name": name}}),
+            json!({"annotations": {"io.kubernetes.cri.container-name": name,
+                                   "io.kubernetes.cri.sandbox-namespace": NAMESPACE}}),
         );
         let create = api::CreateTaskRequest {
             id: id.into(),
@@ -798,6 +803,43 @@ async fn a_delete_whose_caller_gave_up_still_finishes() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_snapshot_is_its_namespaces_and_restores_into_no_other() {
+    let f = fixture(T).await;
+    f.run("c1", "app").await;
+    f.snapshot(ctx(), "owned", true).await.expect("snapshot");
+    let snap = f.store().get("owned").unwrap();
+    assert_eq!(snap.owner.as_deref(), Some(NAMESPACE));
+    // A clone's sandbox spec names its pod's namespace (CRI's annotation)
+    // and the snapshot (twig.dev/restore-from).
+    let rootfs = f.dir.path().join("clone-rootfs.img");
+    std::fs::write(&rootfs, b"").unwrap();
+    let sandbox = |ns: Option<&str>| {
+        let mut annotations = json!({"twig.dev/restore-from": "owned"});
+        if let Some(ns) = ns {
+            annotations["io.kubernetes.cri.sandbox-namespace"] = json!(ns);
+        }
+        json!({"hostname": "clone", "annotations": annotations})
+    };
+    for other in [Some("team-b"), None] {
+        let oci = sandbox(other);
+        let e = SnapshotSource::open(snap.dir(), "owned", &oci, "clone", &rootfs)
+            .err()
+            .unwrap_or_else(|| panic!("{other:?} restored {NAMESPACE}'s snapshot"));
+        assert_eq!(e.code(), Code::PERMISSION_DENIED, "{e}");
+        assert!(e.to_string().contains(NAMESPACE), "{e}");
+    }
+    SnapshotSource::open(
+        snap.dir(),
+        "owned",
+        &sandbox(Some(NAMESPACE)),
+        "clone",
+        &rootfs,
+    )
+    .expect("its own namespace restores it");
+    f.nothing_staged();
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_restored_container_is_adopted_by_its_name() {
     let f = fixture(T).await;
     f.run("c1", "app").await;

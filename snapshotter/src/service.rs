@@ -60,6 +60,7 @@ fn status(e: Error) -> Status {
         Error::AlreadyExists(_) => Status::already_exists(msg),
         Error::FailedPrecondition(_) => Status::failed_precondition(msg),
         Error::InvalidArgument(_) => Status::invalid_argument(msg),
+        Error::PermissionDenied(_) => Status::permission_denied(msg),
         Error::NoSpace { .. } => Status::resource_exhausted(msg),
         Error::Locked(_) => Status::unavailable(msg),
         Error::NoReflink { .. } | Error::Tool { .. } | Error::Corrupt { .. } | Error::Io { .. } => {

@@ -24,6 +24,9 @@ pub enum Error {
     /// The request itself is invalid.
     #[error("{0}")]
     InvalidArgument(String),
+    /// The caller may not use that snapshot (another tenant's).
+    #[error("{0}")]
+    PermissionDenied(String),
     /// The filesystem under the store is full; nothing was changed.
     #[error("{context}: no space left on the store's filesystem")]
     NoSpace {

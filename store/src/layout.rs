@@ -114,6 +114,12 @@ pub struct Manifest {
     pub created: SystemTime,
     /// Free-form labels (e.g. the pod it was taken from).
     pub labels: BTreeMap<String, String>,
+    /// The Kubernetes namespace that owns it (the pod's it was taken from):
+    /// only a pod of that namespace may restore it. Set by the publisher
+    /// ([`crate::Staging::set_owner`]), never by the writer; `None` for
+    /// snapshots taken outside Kubernetes (base templates, `ctr`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
     /// Every artefact's file name and size in bytes.
     pub artefacts: BTreeMap<String, u64>,
 }
@@ -140,6 +146,7 @@ impl Manifest {
             kind,
             created: SystemTime::now(),
             labels: BTreeMap::new(),
+            owner: None,
             artefacts: artefacts_in(staging, id)?,
         })
     }
@@ -204,12 +211,7 @@ pub fn template_id(namespace: &str, name: &str) -> Result<String> {
             }
         ))
     };
-    let label = |s: &str| {
-        !s.is_empty()
-            && s.len() <= 63
-            && s.bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-    };
+    let label = is_dns_label;
     if !label(namespace) {
         return Err(bad("namespace", namespace));
     }
@@ -222,13 +224,34 @@ pub fn template_id(namespace: &str, name: &str) -> Result<String> {
 }
 
 /// The label of an app template's snapshot holding the egress policy (JSON,
-/// twig-net's `EgressPolicy`) of the pods restored from it that carry no
-/// `twig.dev/egress-policy` annotation of their own; none: the built-in
-/// default. The node daemon keeps it current (`NodeStore::set_label`).
-pub const TEMPLATE_POLICY_LABEL: &str = "twig.dev/egress-policy";
+/// twig-net's `EgressPolicy`) of the pods restored from it; none: the
+/// built-in default. The node daemon keeps it current
+/// (`NodeStore::set_label`). twig-proto's contract defines it.
+pub use twig_proto::contract::labels::TEMPLATE_EGRESS_POLICY as TEMPLATE_POLICY_LABEL;
 
 /// What every app template's node-store id starts with ([`template_id`]).
 pub const TEMPLATE_ID_PREFIX: &str = "template.";
+
+/// Whether `s` is a DNS label as Kubernetes names namespaces: 1–63 of
+/// `[a-z0-9-]`.
+fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+}
+
+/// Checks a snapshot's owning namespace ([`Manifest::owner`]): a Kubernetes
+/// namespace name (a DNS label).
+pub fn validate_owner(namespace: &str) -> Result<()> {
+    if is_dns_label(namespace) {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "owner {namespace:?} is not a Kubernetes namespace (a DNS label)"
+        )))
+    }
+}
 
 /// Checks a snapshot id: 1–128 of `[A-Za-z0-9._-]`, not starting with `.`.
 pub fn validate_id(id: &str) -> Result<()> {

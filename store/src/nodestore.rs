@@ -34,6 +34,8 @@ pub struct VmSnapshot {
     pub created: SystemTime,
     /// Free-form labels.
     pub labels: BTreeMap<String, String>,
+    /// The Kubernetes namespace that owns it ([`Manifest::owner`]).
+    pub owner: Option<String>,
     /// Present artefacts with their sizes in bytes.
     pub artefacts: BTreeMap<Artefact, u64>,
     dir: PathBuf,
@@ -51,6 +53,29 @@ impl VmSnapshot {
         self.artefacts
             .contains_key(&a)
             .then(|| self.dir.join(a.file_name()))
+    }
+
+    /// Refuses a restore of this snapshot into a pod of `namespace` (`None`:
+    /// a sandbox made outside Kubernetes) unless it is the snapshot's
+    /// owner: one tenant's snapshot, memory and disks included, never
+    /// reaches another tenant's pod. A snapshot that records no owner
+    /// restores only outside Kubernetes.
+    pub fn check_owner(&self, namespace: Option<&str>) -> Result<()> {
+        if self.owner.as_deref() == namespace {
+            return Ok(());
+        }
+        let owner = match &self.owner {
+            Some(o) => format!("is owned by namespace {o:?}"),
+            None => "records no owning namespace (taken outside Kubernetes)".to_string(),
+        };
+        let pod = match namespace {
+            Some(ns) => format!("a pod of namespace {ns:?}"),
+            None => "a sandbox outside Kubernetes".to_string(),
+        };
+        Err(Error::PermissionDenied(format!(
+            "VM snapshot {:?} {owner}: {pod} may not restore it",
+            self.id
+        )))
     }
 }
 
@@ -140,6 +165,7 @@ impl NodeStore {
             parent: None,
             kind: None,
             labels: BTreeMap::new(),
+            owner: None,
             published: false,
         };
         fs::create_dir(&staging.dir).map_err(ctx(format!("creating {}", staging.dir.display())))?;
@@ -205,6 +231,7 @@ impl NodeStore {
             kind: m.kind,
             created: m.created,
             labels: m.labels,
+            owner: m.owner,
             artefacts,
             dir,
         })
@@ -425,6 +452,7 @@ pub struct Staging<'a> {
     parent: Option<String>,
     kind: Option<Kind>,
     labels: BTreeMap<String, String>,
+    owner: Option<String>,
     published: bool,
 }
 
@@ -481,6 +509,15 @@ impl Staging<'_> {
         self.labels.insert(key.to_string(), value.to_string());
     }
 
+    /// Records the Kubernetes namespace that owns the snapshot
+    /// ([`Manifest::owner`]); whatever a writer's manifest says of its
+    /// owner is replaced by this (the writer is not trusted with it).
+    pub fn set_owner(&mut self, namespace: &str) -> Result<()> {
+        crate::layout::validate_owner(namespace)?;
+        self.owner = Some(namespace.to_string());
+        Ok(())
+    }
+
     /// The writer's manifest, if it left one, checked against the
     /// directory and what was set here.
     fn writers_manifest(&self) -> Result<Option<Manifest>> {
@@ -530,8 +567,9 @@ impl Staging<'_> {
     /// after syncing every artefact.
     fn final_manifest(&self) -> Result<Manifest> {
         if let Some(mut m) = self.writers_manifest()? {
-            if !self.labels.is_empty() {
+            if !self.labels.is_empty() || m.owner != self.owner {
                 m.labels.extend(self.labels.clone());
+                m.owner.clone_from(&self.owner);
                 let path = self.dir.join(MANIFEST);
                 // In place: the directory entry is already durable.
                 fsops::write_durable(&path, &m.to_bytes()?)
@@ -553,6 +591,7 @@ impl Staging<'_> {
             fsops::sync_path(&p).map_err(ctx(format!("syncing {}", p.display())))?;
         }
         m.labels = self.labels.clone();
+        m.owner.clone_from(&self.owner);
         m.write(&self.dir)?;
         Ok(m)
     }

@@ -291,9 +291,11 @@ echo "LAB-KVM-AMD \$(cd /sys/module/kvm_amd/parameters && grep . * | tr '\\n' ' 
 [ -c /dev/kvm ] || echo "LAB-ERROR no /dev/kvm"
 export TWIG_GUEST_KERNEL=/guest/bzImage TWIG_GUEST_INITRD=/guest/initrd TWIG_AGENT_INITRD=/guest/agent-initrd
 export PATH=/sbin:/bin:/usr/bin:/usr/local/bin ${TWIG_LAB_ENV:-}
-# What containerd and runc expect of a node: cgroups (v2), /run, a loopback;
-# CRI copies the node's /etc/hosts and /etc/resolv.conf into every pod.
+# What containerd and runc expect of a node: cgroups (v2), /run, /dev/shm
+# (a hostIPC pod's), a loopback; CRI copies the node's /etc/hosts and
+# /etc/resolv.conf into every pod.
 mkdir -p /run /var/lib /etc && mount -t cgroup2 cgroup2 /sys/fs/cgroup || echo "LAB-ERROR no cgroup2"
+mkdir -p /dev/shm && mount -t tmpfs -o mode=1777,nosuid,nodev shm /dev/shm || echo "LAB-ERROR no /dev/shm"
 # twig-net pins each pod's eBPF path under /sys/fs/bpf, as a node mounts it.
 mount -t bpf bpf /sys/fs/bpf || echo "LAB-ERROR no bpffs"
 [ -e /etc/hosts ] || echo '127.0.0.1 localhost' > /etc/hosts

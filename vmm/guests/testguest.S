@@ -27,8 +27,9 @@
  *   MAILBOX+0x70 rx       churn: network frames received (used ring)
  *   MAILBOX+0x78 tag      never touched by the guest: free for the host
  *
- * Commands: 1 print arg0 (a byte) to COM1; 2 dirty arg1 pages from GPA arg0,
- * writing arg2+i into page i; 3 spin (counter++) until cmd changes;
+ * Commands: 1 print arg0 (a byte) to COM1 arg1 times (0: once, %rcx
+ * counting down); 2 dirty arg1 pages from GPA arg0, writing arg2+i into
+ * page i; 3 spin (counter++) until cmd changes;
  * 4 stop (i8042 reset); 5 crash (ud2 with no IDT: triple fault);
  * 6 churn over arg1 pages from GPA arg0 until cmd changes.
  *
@@ -126,8 +127,11 @@ dispatch:
 
 cmd_print:
         mov     MAILBOX+0x08, %rax
+        mov     MAILBOX+0x10, %rcx    /* times (0: once) */
         mov     $COM1, %dx
-        out     %al, %dx
+1:      out     %al, %dx
+        dec     %rcx
+        jg      1b
         jmp     done
 
 cmd_dirty:

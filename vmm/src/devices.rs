@@ -22,6 +22,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::error::{Error, Result};
+use crate::ratelimit::warn_limited;
 use crate::virtio::{self, MmioTransport, TransportState};
 
 /// COM1 base port.
@@ -211,12 +212,12 @@ impl Devices {
         match port {
             COM1..=0x3ff => {
                 if let Err(e) = lock(&self.serial).write((port - COM1) as u8, value) {
-                    tracing::warn!("serial write failed: {e:?}");
+                    warn_limited!("serial write failed: {e:?}");
                 }
             }
             I8042_DATA | I8042_CMD => {
                 if let Err(e) = lock(&self.i8042).write((port - I8042_DATA) as u8, value) {
-                    tracing::warn!("i8042 write failed: {e}");
+                    warn_limited!("i8042 write failed: {e}");
                 }
             }
             IDLE_PORT => return PioAction::Idle,
@@ -573,9 +574,10 @@ impl DeviceThread {
             })
             .unwrap_or_else(|p| p.into_inner());
         if waited.timed_out() {
-            return Err(Error::Config(format!(
-                "the device thread did not pause within {DEVICE_PAUSE_TIMEOUT:?}"
-            )));
+            return Err(Error::PauseTimedOut {
+                what: "the device thread".into(),
+                waited: DEVICE_PAUSE_TIMEOUT,
+            });
         }
         Ok(())
     }

@@ -114,6 +114,18 @@ pub enum Error {
         /// What happened.
         reason: String,
     },
+    /// A pause timed out: a vCPU (or the device thread) did not stop in
+    /// time, its thread busy in a device's host I/O (a guest's flush on a
+    /// slow disk, a serial output that does not take bytes). The pause was
+    /// withdrawn: everything it had stopped runs again, and the VM keeps
+    /// running on its state.
+    #[error("{what} did not pause within {waited:?} (busy in host I/O); the pause was withdrawn and the VM keeps running")]
+    PauseTimedOut {
+        /// What did not stop: "vCPU <i>" or "the device thread".
+        what: String,
+        /// How long the pause waited.
+        waited: std::time::Duration,
+    },
     /// A guest physical range outside guest RAM.
     #[error("guest address {addr:#x}+{len} is outside guest RAM")]
     GuestAddress {
@@ -207,11 +219,13 @@ impl Error {
                 k @ (ErrorKind::NotFound | ErrorKind::GuestStopped | ErrorKind::Lost) => k,
                 _ => ErrorKind::Refused,
             },
+            Error::PauseTimedOut { .. } => ErrorKind::Refused,
             Error::VmLost(_) => ErrorKind::Lost,
             Error::Store(e) => match e {
                 twig_store::Error::NotFound(_) => ErrorKind::NotFound,
                 twig_store::Error::AlreadyExists(_)
                 | twig_store::Error::InvalidArgument(_)
+                | twig_store::Error::PermissionDenied(_)
                 | twig_store::Error::FailedPrecondition(_) => ErrorKind::InvalidRequest,
                 twig_store::Error::NoSpace { .. }
                 | twig_store::Error::NoReflink { .. }
@@ -258,6 +272,20 @@ mod tests {
                 ErrorKind::GuestNotAnswering,
             ),
             (Error::NotReady("x".into()), ErrorKind::GuestNotAnswering),
+            (
+                Error::PauseTimedOut {
+                    what: "vCPU 0".into(),
+                    waited: std::time::Duration::from_secs(5),
+                },
+                ErrorKind::Refused,
+            ),
+            (
+                Error::Rollback(Box::new(Error::PauseTimedOut {
+                    what: "vCPU 0".into(),
+                    waited: std::time::Duration::from_secs(5),
+                })),
+                ErrorKind::Refused,
+            ),
             (Error::Rollback(Box::new(io())), ErrorKind::Refused),
             (Error::VmLost(Box::new(io())), ErrorKind::Lost),
             (

@@ -11,11 +11,13 @@
 
 pub mod api;
 mod arch;
+pub mod console;
 mod devices;
 mod error;
 pub mod jail;
 mod memory;
 mod mptable;
+mod ratelimit;
 pub mod snapshot;
 #[cfg(feature = "testguest")]
 pub mod testguest;

@@ -1,7 +1,6 @@
 //! `twig-vmm`: serves one KVM microVM over a JSON API on a Unix socket.
 
-use std::fs::OpenOptions;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -9,7 +8,8 @@ use clap::{Parser, Subcommand};
 use twig_vmm::api::{self, Limits, Server};
 use twig_vmm::jail::{seccomp, JailArgs};
 use twig_vmm::{
-    host_connect, DeviceConfig, DiskConfig, NetConfig, Result, SerialOut, Shape, Vm, VsockConfig,
+    console, host_connect, DeviceConfig, DiskConfig, NetConfig, Result, SerialOut, Shape, Vm,
+    VsockConfig,
 };
 
 /// Twig's microVM monitor. One process runs one VM: start it with `serve`,
@@ -48,6 +48,10 @@ enum Cmd {
         /// for standard output.
         #[arg(long, default_value = "-")]
         serial: String,
+        /// The most bytes the serial file holds; when full, its contents
+        /// move to `<serial>.1` (replacing it) and it starts empty again.
+        #[arg(long, default_value_t = SERIAL_MAX_BYTES)]
+        serial_max_bytes: u64,
         /// Create a VM of this many MiB ahead of time, so that a later boot
         /// or restore of that size skips VM creation.
         #[arg(long)]
@@ -94,6 +98,9 @@ enum Cmd {
         /// Where the guest's serial console goes: a file (appended) or `-`.
         #[arg(long, default_value = "-")]
         serial: String,
+        /// The most bytes the serial file holds (as for `serve`).
+        #[arg(long, default_value_t = SERIAL_MAX_BYTES)]
+        serial_max_bytes: u64,
         /// The guest vsock port whose accepting connections means ready.
         #[arg(long, default_value_t = 1024)]
         ready_port: u32,
@@ -238,17 +245,15 @@ fn random_mac() -> [u8; 6] {
     mac
 }
 
-fn serial_factory(spec: String) -> api::SerialFactory {
+/// The default bound of the serial file (and of its previous part).
+const SERIAL_MAX_BYTES: u64 = 4 << 20;
+
+fn serial_factory(spec: String, max_bytes: u64) -> api::SerialFactory {
     Box::new(move || -> Result<SerialOut> {
         if spec == "-" {
             return Ok(Box::new(std::io::stdout()));
         }
-        let f = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&spec)
-            .map_err(|e| twig_vmm::Error::io(format!("opening serial output {spec}"), e))?;
-        Ok(Box::new(f))
+        console::open(Path::new(&spec), max_bytes)
     })
 }
 
@@ -261,6 +266,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Serve {
             api_sock,
             serial,
+            serial_max_bytes,
             prepare_mem_mib,
             prepare_vcpus,
             max_connections,
@@ -275,7 +281,12 @@ fn run(cli: Cli) -> Result<()> {
                 max_connections,
                 idle_timeout: Duration::from_secs(idle_timeout_s),
             };
-            let server = Server::new(serial_factory(serial), prepare, devices, limits)?;
+            let server = Server::new(
+                serial_factory(serial, serial_max_bytes),
+                prepare,
+                devices,
+                limits,
+            )?;
             let listener = api::bind(&api_sock)?;
             // Everything needing broader rights is open: from here on the
             // main thread and the API threads it spawns are filtered.
@@ -292,6 +303,7 @@ fn run(cli: Cli) -> Result<()> {
             mem_mib,
             vcpus,
             serial,
+            serial_max_bytes,
             ready_port,
             timeout_s,
             devices,
@@ -303,7 +315,7 @@ fn run(cli: Cli) -> Result<()> {
                     "a template needs --vsock-uds: readiness is a vsock connection".into(),
                 ));
             };
-            let serial = serial_factory(serial)()?;
+            let serial = serial_factory(serial, serial_max_bytes)()?;
             let mut vm = Vm::create_with(Shape::new(mem_mib, vcpus), serial, &devices)?;
             vm.boot_linux(&kernel, initrd.as_deref(), &cmdline)?;
             let store = twig_store::NodeStore::open(&root, true)?;

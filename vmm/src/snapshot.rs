@@ -46,7 +46,7 @@ use twig_store::Artefact;
 
 use crate::error::{Error, Result};
 use crate::memory::{GuestRam, PageSet, PAGE_SIZE};
-use crate::vcpu::VcpuState;
+use crate::vcpu::{self, VcpuState};
 
 /// File magic.
 pub const MAGIC: [u8; 8] = *b"TWIGSNAP";
@@ -212,6 +212,22 @@ impl<'a> Reader<'a> {
             .map(|c| T::read_from_bytes(c).map_err(|_| self.err(what)))
             .collect()
     }
+    /// A vCPU's XSAVE area: at least the legacy area and its header, which
+    /// every KVM reads (see [`vcpu::XSAVE_MIN_WORDS`]).
+    fn xsave(&mut self, what: &str) -> Result<Vec<u32>> {
+        let words = self.pods::<u32>(what, 1 << 16)?;
+        if words.len() < vcpu::XSAVE_MIN_WORDS {
+            return Err(Error::snapshot(
+                self.path,
+                format!(
+                    "{what} area is {} bytes, shorter than the {} bytes of the legacy area and its header",
+                    words.len() * 4,
+                    vcpu::XSAVE_MIN_WORDS * 4
+                ),
+            ));
+        }
+        Ok(words)
+    }
 }
 
 impl VmState {
@@ -350,7 +366,7 @@ impl VmState {
                 mp_state: r.pod::<kvm_mp_state>(&what("MP state"))?,
                 regs: r.pod::<kvm_regs>(&what("registers"))?,
                 sregs: r.pod::<kvm_sregs>(&what("special registers"))?,
-                xsave: r.pods::<u32>(&what("XSAVE"), 1 << 16)?,
+                xsave: r.xsave(&what("XSAVE"))?,
                 xcrs: r.pod::<kvm_xcrs>(&what("XCRs"))?,
                 debugregs: r.pod::<kvm_debugregs>(&what("debug registers"))?,
                 lapic: r.pod::<kvm_lapic_state>(&what("LAPIC"))?,

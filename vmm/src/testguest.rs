@@ -74,7 +74,7 @@ pub const PAGE_WORDS: usize = 512;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u64)]
 pub enum Command {
-    /// Print a byte on COM1.
+    /// Print byte `arg0` on COM1 `arg1` times (0: once).
     Print = 1,
     /// Write `value + i` into the first word of pages `i` in `0..count` from a GPA.
     Dirty = 2,

@@ -13,7 +13,7 @@ use std::os::unix::thread::JoinHandleExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvm_bindings::{
     kvm_cpuid_entry2, kvm_debugregs, kvm_lapic_state, kvm_mp_state, kvm_msr_entry, kvm_regs,
@@ -47,9 +47,39 @@ fn kvm_err(op: &'static str) -> impl Fn(kvm_ioctls::Error) -> Error {
     move |e| Error::kvm(op, e)
 }
 
+/// The words of the legacy XSAVE area and its header (`struct kvm_xsave`):
+/// the least any KVM reads or writes, and so the least a saved area holds.
+pub const XSAVE_MIN_WORDS: usize = 1024;
+
 fn xsave_buffer(words: usize) -> Result<Xsave> {
-    Xsave::new(words.saturating_sub(1024))
+    Xsave::new(words.saturating_sub(XSAVE_MIN_WORDS))
         .map_err(|e| Error::Config(format!("XSAVE buffer of {words} words: {e:?}")))
+}
+
+/// The buffer `KVM_SET_XSAVE` gets for the saved area `saved`: exactly
+/// `words` long (KVM's size for this VM, `KVM_CAP_XSAVE2`), since KVM reads
+/// that many whatever the buffer holds. A shorter saved area (from a host
+/// with fewer state components) is padded with zeros, which its header's
+/// `XSTATE_BV` leaves unread; an area shorter than the legacy one, or longer
+/// than KVM's, is refused.
+fn xsave_area(saved: &[u32], words: usize) -> Result<Xsave> {
+    if saved.len() < XSAVE_MIN_WORDS || saved.len() > words {
+        return Err(Error::Config(format!(
+            "an XSAVE area of {} bytes cannot be restored: KVM takes {} bytes here, and no area is shorter than {} bytes",
+            saved.len() * 4,
+            words * 4,
+            XSAVE_MIN_WORDS * 4
+        )));
+    }
+    let mut xs = xsave_buffer(words)?;
+    let (region, extra) = saved.split_at(XSAVE_MIN_WORDS);
+    // SAFETY: region is the FAM struct's fixed part, XSAVE_MIN_WORDS long.
+    unsafe { xs.as_mut_fam_struct() }
+        .xsave
+        .region
+        .copy_from_slice(region);
+    xs.as_mut_slice()[..extra.len()].copy_from_slice(extra);
+    Ok(xs)
 }
 
 /// Saves a parked vCPU's state (Firecracker's order: MP state first, events
@@ -93,7 +123,13 @@ pub fn save_state(fd: &VcpuFd, msr_indices: &[u32], xsave_words: usize) -> Resul
 
 /// Loads a vCPU's state. `set_cpuid` is false for rollback: KVM refuses to
 /// change CPUID once a vCPU has run, and rollback checks it is unchanged.
-pub fn restore_state(fd: &VcpuFd, s: &VcpuState, set_cpuid: bool) -> Result<()> {
+/// `xsave_words` is KVM's XSAVE size for this VM, as for [`save_state`].
+pub fn restore_state(
+    fd: &VcpuFd,
+    s: &VcpuState,
+    set_cpuid: bool,
+    xsave_words: usize,
+) -> Result<()> {
     if set_cpuid {
         let cpuid =
             CpuId::from_entries(&s.cpuid).map_err(|e| Error::Config(format!("CPUID: {e:?}")))?;
@@ -111,15 +147,8 @@ pub fn restore_state(fd: &VcpuFd, s: &VcpuState, set_cpuid: bool) -> Result<()> 
         .map_err(kvm_err("KVM_SET_MP_STATE"))?;
     fd.set_regs(&s.regs).map_err(kvm_err("KVM_SET_REGS"))?;
     fd.set_sregs(&s.sregs).map_err(kvm_err("KVM_SET_SREGS"))?;
-    let mut xs = xsave_buffer(s.xsave.len())?;
-    let (region, extra) = s.xsave.split_at(s.xsave.len().min(1024));
-    // SAFETY: the FAM struct has room for `extra` (sized from s.xsave above).
-    unsafe {
-        let fam = xs.as_mut_fam_struct();
-        fam.xsave.region[..region.len()].copy_from_slice(region);
-    }
-    xs.as_mut_slice().copy_from_slice(extra);
-    // SAFETY: the buffer holds a full XSAVE area of the size KVM reported.
+    let xs = xsave_area(&s.xsave, xsave_words)?;
+    // SAFETY: the buffer is xsave_words long, the size KVM reported.
     unsafe { fd.set_xsave2(&xs) }.map_err(kvm_err("KVM_SET_XSAVE2"))?;
     fd.set_xcrs(&s.xcrs).map_err(kvm_err("KVM_SET_XCRS"))?;
     fd.set_debug_regs(&s.debugregs)
@@ -202,7 +231,10 @@ pub struct VcpuHandle {
     counters: Arc<VcpuCounters>,
 }
 
-const PARK_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a vCPU thread may take to park: a pause that waits longer for
+/// one (a vCPU busy in a device's host I/O, such as a guest's flush on a
+/// slow disk) is withdrawn.
+pub const PARK_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl VcpuHandle {
     /// Starts a parked thread for `fd`.
@@ -233,7 +265,12 @@ impl VcpuHandle {
             thread: Some(thread),
             counters,
         };
-        h.wait_parked()?;
+        if !h.wait_parked(Instant::now() + PARK_TIMEOUT) {
+            return Err(Error::Vcpu {
+                index,
+                reason: format!("its thread did not start within {PARK_TIMEOUT:?}"),
+            });
+        }
         Ok(h)
     }
 
@@ -249,32 +286,31 @@ impl VcpuHandle {
         }
     }
 
-    /// Asks the thread to park (without waiting).
-    pub fn request_park(&self) {
+    /// Asks the thread to park (without waiting). Returns whether it was
+    /// told to run until now, i.e. whether this request stops it.
+    pub fn request_park(&self) -> bool {
         let mut c = self.shared.lock();
-        if c.order == Order::Run {
+        let stops = c.order == Order::Run;
+        if stops {
             c.order = Order::Park;
         }
         self.shared.cv.notify_all();
         drop(c);
         self.signal();
+        stops
     }
 
-    /// Waits until the thread is parked.
-    pub fn wait_parked(&self) -> Result<()> {
+    /// Waits until the thread is parked, or `deadline` passes; returns
+    /// whether it parked.
+    pub fn wait_parked(&self, deadline: Instant) -> bool {
         let c = self.shared.lock();
-        let (_guard, waited) = self
+        let left = deadline.saturating_duration_since(Instant::now());
+        let (guard, _) = self
             .shared
             .cv
-            .wait_timeout_while(c, PARK_TIMEOUT, |c| !c.parked)
+            .wait_timeout_while(c, left, |c| !c.parked)
             .unwrap_or_else(|p| p.into_inner());
-        if waited.timed_out() {
-            return Err(Error::Vcpu {
-                index: self.index,
-                reason: format!("did not pause within {PARK_TIMEOUT:?}"),
-            });
-        }
-        Ok(())
+        guard.parked
     }
 
     /// Lets a parked thread run the guest.
@@ -457,4 +493,33 @@ fn vcpu_loop(
         }
     }
     KVM_RUN.with(|r| r.set(std::ptr::null_mut()));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_xsave_area_is_handed_to_kvm_at_exactly_its_size() {
+        let words = XSAVE_MIN_WORDS + 1728;
+        let e = xsave_area(&[7; 100], words).err().unwrap().to_string();
+        assert!(
+            e.contains("400 bytes cannot be restored") && e.contains("shorter than 4096"),
+            "{e}"
+        );
+        let e = xsave_area(&vec![7; words + 1], words)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains(&format!("KVM takes {} bytes", words * 4)), "{e}");
+        let saved: Vec<u32> = (0..XSAVE_MIN_WORDS as u32 + 10).collect();
+        let xs = xsave_area(&saved, words).unwrap();
+        assert_eq!(
+            xs.as_fam_struct_ref().xsave.region[..],
+            saved[..XSAVE_MIN_WORDS]
+        );
+        assert_eq!(xs.as_slice().len(), words - XSAVE_MIN_WORDS, "KVM's size");
+        assert_eq!(xs.as_slice()[..10], saved[XSAVE_MIN_WORDS..]);
+        assert!(xs.as_slice()[10..].iter().all(|w| *w == 0), "zero-padded");
+    }
 }

@@ -187,6 +187,35 @@ fn a_snapshot_from_a_cpu_with_more_features_is_refused() {
 }
 
 #[test]
+fn a_short_xsave_area_is_refused() {
+    let d = tmp();
+    let (_g, s0, _) = snapshots(d.path());
+    let mut state = snapshot::read_state(&s0).unwrap();
+    // Too short to hold the XSAVE header: KVM would read past its end.
+    state.vcpus[0].xsave.truncate(100);
+    let short = d.path().join("short");
+    copy_dir(&s0, &short);
+    std::fs::write(short.join("state"), state.encode().unwrap()).unwrap();
+    let e = restore_err(&short);
+    assert!(
+        e.contains("vCPU 0 XSAVE area is 400 bytes") && e.contains("shorter than the 4096"),
+        "{e}"
+    );
+    // The legacy area alone (a host with fewer state components) is
+    // padded to this host's size, never read past, and restores.
+    let mut state = snapshot::read_state(&s0).unwrap();
+    state.vcpus[0].xsave.truncate(1024);
+    let legacy = d.path().join("legacy");
+    copy_dir(&s0, &legacy);
+    std::fs::write(legacy.join("state"), state.encode().unwrap()).unwrap();
+    let serial = twig_vmm::Capture::new();
+    let mut vm = Vm::create(Shape::new(MIB, 1), serial.writer()).unwrap();
+    vm.restore(&legacy).unwrap();
+    vm.resume().unwrap();
+    print(&mut vm, &serial, b'x');
+}
+
+#[test]
 fn failed_rollback_and_snapshot_leave_the_vm_running_on_its_state() {
     let d = tmp();
     let (mut g, s0, _) = snapshots(d.path());

@@ -144,3 +144,39 @@ fn vcpus_get_consistent_cpuid_but_their_own_apic_ids() {
         assert_eq!(apic, Some(i as u32), "vCPU {i} APIC id");
     }
 }
+
+/// A guest spamming COM1 (for as long as it likes: the bound does not
+/// depend on time) leaves the console and its previous part under their
+/// bound, holding the newest bytes.
+#[test]
+fn a_guest_spamming_com1_leaves_the_console_under_its_bound() {
+    require_kvm();
+    const MAX: u64 = 2048;
+    const TIMES: u64 = 1 << 40;
+    let d = tmp();
+    let path = d.path().join("serial.log");
+    let previous = d.path().join("serial.log.1");
+    let out = twig_vmm::console::BoundedFile::open(&path, MAX).unwrap();
+    let mut vm = Vm::create(Shape::new(MIB, 1), Box::new(out)).unwrap();
+    let kernel = testguest::write_to(d.path()).unwrap();
+    vm.boot(&kernel, "console=ttyS0").unwrap();
+    testguest::wait_booted(&vm, T).unwrap();
+    testguest::post(&mut vm, Command::Print, [u64::from(b'#'), TIMES, 0]).unwrap();
+    let size = |p: &std::path::Path| std::fs::metadata(p).map_or(0, |m| m.len());
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    while std::time::Instant::now() < until {
+        assert!(size(&path) <= MAX && size(&previous) <= MAX);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    vm.pause().unwrap();
+    let printed = TIMES - vm.vcpu_regs(0).unwrap().rcx;
+    assert!(printed > 4 * MAX, "the guest printed only {printed} bytes");
+    assert!(size(&path) <= MAX, "{}", size(&path));
+    let old = std::fs::read(&previous).unwrap();
+    assert_eq!(old.len() as u64, MAX, "rotated, the previous part full");
+    let now = std::fs::read(&path).unwrap();
+    assert!(
+        old.iter().chain(&now).all(|b| *b == b'#'),
+        "only the newest output, the boot marker long gone"
+    );
+}

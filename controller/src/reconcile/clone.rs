@@ -479,8 +479,9 @@ fn pod_ready(pod: &Pod) -> bool {
 
 /// The pod spec of clone `index`: the source's spec, pinned to the snapshot's
 /// node, under the twig RuntimeClass, restored from the snapshot, with the
-/// source's egress policy annotation (`twig.dev/egress-policy`) when it has
-/// one: a clone gets its source's policy.
+/// source's egress policy annotation (`twig.dev/egress-policy`) and its
+/// `twig.dev/template` (the policy's bound) when it has them: a clone gets
+/// its source's policy.
 pub fn clone_pod(
     clone: &PodClone,
     source: &Pod,
@@ -506,6 +507,11 @@ pub fn clone_pod(
     ]);
     if let Some(policy) = source.annotations().get(EGRESS_POLICY_ANNOTATION) {
         annotations.insert(EGRESS_POLICY_ANNOTATION.to_string(), policy.clone());
+    }
+    // The source's SandboxTemplate bounds the clones' policy as it bounds
+    // the source's (`twig.dev/restore-from` wins over it for the restore).
+    if let Some(template) = source.annotations().get(TEMPLATE_ANNOTATION) {
+        annotations.insert(TEMPLATE_ANNOTATION.to_string(), template.clone());
     }
     let owner = clone
         .controller_owner_ref(&())

@@ -18,11 +18,101 @@ use crate::crd::{
     OperationError, Phase, PodClone, Rollback, SandboxTemplate, Snapshot, CLONE_LABEL,
     SAFETY_FOR_LABEL,
 };
+use crate::shim::ShimError;
 
 /// Failure reason of a Snapshot, Clone or Rollback not done by its `spec.failureDeadlineSeconds`.
 pub const DEADLINE_EXCEEDED: &str = "DeadlineExceeded";
 /// Failure reason of an operation whose pod was recreated under the same name.
 pub const POD_REPLACED: &str = "PodReplaced";
+
+/// Failure reasons of a Snapshot or Rollback the shim failed, one per code
+/// of twig-proto's error contract (`twig_proto::contract::ErrorCode`);
+/// `UNAVAILABLE` and `DEADLINE_EXCEEDED` are retried instead.
+pub mod shim_reason {
+    /// `ABORTED` on a Rollback: refused, the pod runs on, on its state
+    /// before the rollback.
+    pub const ROLLBACK_REFUSED: &str = "RollbackRefused";
+    /// `ABORTED` on a Snapshot: refused, the pod runs on unchanged.
+    pub const SNAPSHOT_REFUSED: &str = "SnapshotRefused";
+    /// `DATA_LOSS`: the pod's VM is lost, every container of the pod exited.
+    pub const POD_LOST: &str = "PodLost";
+    /// `PERMISSION_DENIED`: the snapshot belongs to another namespace.
+    pub const FORBIDDEN: &str = "Forbidden";
+    /// `RESOURCE_EXHAUSTED`: the node store's filesystem is full.
+    pub const NODE_STORE_FULL: &str = "NodeStoreFull";
+    /// `FAILED_PRECONDITION`: the pod or snapshot is not in a state for it.
+    pub const PRECONDITION_FAILED: &str = "PreconditionFailed";
+    /// `INVALID_ARGUMENT`: the shim read the request as malformed.
+    pub const INVALID_REQUEST: &str = "InvalidRequest";
+    /// `NOT_FOUND`: the shim does not know the sandbox or the snapshot.
+    pub const NOT_FOUND: &str = "NotFound";
+    /// `ALREADY_EXISTS`: the snapshot id is taken by something else.
+    pub const ALREADY_EXISTS: &str = "AlreadyExists";
+    /// `UNIMPLEMENTED`: the shim does not serve the call (an older shim).
+    pub const UNIMPLEMENTED: &str = "Unimplemented";
+    /// `INTERNAL` or anything else.
+    pub const SHIM_ERROR: &str = "ShimError";
+}
+
+/// What the shim's failure of a Snapshot or Rollback means for the object:
+/// its failure reason and message. `op` is `snapshot` or `rollback`.
+pub(crate) fn shim_failure(op: ShimOp, err: &ShimError) -> (&'static str, String) {
+    use shim_reason::*;
+    let verb = match op {
+        ShimOp::Snapshot => "snapshot",
+        ShimOp::Rollback => "rollback",
+    };
+    match (err, op) {
+        (ShimError::Aborted(m), ShimOp::Rollback) => (
+            ROLLBACK_REFUSED,
+            format!("the shim refused the rollback; the pod runs on, on its state before the rollback: {m}"),
+        ),
+        (ShimError::Aborted(m), ShimOp::Snapshot) => (
+            SNAPSHOT_REFUSED,
+            format!("the shim refused the snapshot; the pod runs on unchanged: {m}"),
+        ),
+        (ShimError::Lost(m), _) => (
+            POD_LOST,
+            format!("the pod's VM was lost during the {verb}: every container of the pod exited and its memory is gone: {m}"),
+        ),
+        (ShimError::Forbidden(m), _) => (
+            FORBIDDEN,
+            format!("the shim refused the {verb}: the snapshot belongs to another namespace: {m}"),
+        ),
+        (ShimError::NoSpace(m), _) => (
+            NODE_STORE_FULL,
+            format!("the node store's filesystem is full; nothing was published: {m}"),
+        ),
+        (ShimError::Refused(m), _) => (
+            PRECONDITION_FAILED,
+            format!("the shim refused the {verb}; the pod is unchanged: {m}"),
+        ),
+        (ShimError::Invalid(m), _) => (
+            INVALID_REQUEST,
+            format!("the shim read the {verb} request as malformed: {m}"),
+        ),
+        (ShimError::NotFound(m), _) => (NOT_FOUND, format!("the shim failed the {verb}: {m}")),
+        (ShimError::AlreadyExists(m), _) => {
+            (ALREADY_EXISTS, format!("the shim failed the {verb}: {m}"))
+        }
+        (ShimError::Unimplemented(m), _) => (
+            UNIMPLEMENTED,
+            format!("the pod's shim does not do a {verb}: {m}"),
+        ),
+        (ShimError::Unavailable { .. } | ShimError::Call { .. }, _) => {
+            (SHIM_ERROR, format!("the shim failed the {verb}: {err}"))
+        }
+    }
+}
+
+/// The shim operations whose failures [`shim_failure`] reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ShimOp {
+    /// `Twig.Snapshot`.
+    Snapshot,
+    /// `Twig.Rollback`.
+    Rollback,
+}
 
 /// Time left before an object's failure deadline (`seconds` after its
 /// creation): `None` without a deadline, `Some(ZERO)` once it has passed.

@@ -1,8 +1,9 @@
 //! The network path of this node's Twig pods: keeps each running pod's
 //! egress policy in force equal to its effective policy (its
-//! `twig.dev/egress-policy` annotation, else its SandboxTemplate's
-//! `spec.egressPolicy`, else the built-in default), and mirrors the path's
-//! counters into `/metrics`.
+//! SandboxTemplate's `spec.egressPolicy`, else the built-in default,
+//! narrowed — never widened — by its `twig.dev/egress-policy` annotation:
+//! twig-net's `bounded_policy`), and mirrors the path's counters into
+//! `/metrics`.
 //!
 //! Level-triggered: every look reads the shim's `Stats` (the policy in force
 //! and the counters) and calls `SetEgressPolicy` only when the policy in
@@ -20,7 +21,7 @@ use kube::runtime::events::EventType;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, ResourceExt};
-use twig_net::{effective_policy, EgressPolicy};
+use twig_net::{bounded_policy, effective_policy, parse_policy, EgressPolicy};
 
 use super::{backoff_key, drain, error_policy};
 use crate::context::{Context, Error};
@@ -39,52 +40,76 @@ pub const TEMPLATE_NOT_FOUND: &str = "TemplateNotFound";
 /// Reason of the Warning Event on a pod whose shim refused or failed the
 /// new policy: it is retried with backoff.
 pub const FAILED: &str = "EgressPolicyFailed";
+/// Reason of the Warning Event on a pod whose annotation reaches past its
+/// SandboxTemplate's (or the cluster's default) policy: it runs with the
+/// part both allow, and the note names each clipped field.
+pub const CLIPPED: &str = "EgressPolicyClipped";
 
 const ACTION: &str = "EgressPolicy";
 
 /// The policy a pod should run with, and where it comes from.
 enum Wanted {
-    /// Set this policy (`None`: the built-in default); the text says where it comes from.
-    Policy(Option<EgressPolicy>, String),
+    /// Set this policy (`None`: the built-in default); the text says where
+    /// it comes from; the fields of the pod's annotation that reached past
+    /// its bound and were clipped (empty: none).
+    Policy(Option<EgressPolicy>, String, Vec<String>),
     /// Keep what is in force and warn (reason, note).
     Keep(&'static str, String),
 }
 
-/// Resolves the pod's effective policy against the templates this node sees.
+/// Resolves the pod's effective policy against the templates this node
+/// sees: its SandboxTemplate's `spec.egressPolicy` (else the cluster's
+/// default, the built-in one), narrowed by the pod's own annotation when it
+/// has one — never widened ([`bounded_policy`]).
 fn wanted(pod: &Pod, ns: &str, templates: &Store<SandboxTemplate>) -> Wanted {
     let annotations = pod.annotations();
     let own = annotations.get(EGRESS_POLICY_ANNOTATION);
     let template_name = annotations.get(TEMPLATE_ANNOTATION);
-    let template = match (own, template_name) {
-        (None, Some(name)) => match templates.get(&ObjectRef::new(name).within(ns)) {
+    let template = match template_name {
+        Some(name) => match templates.get(&ObjectRef::new(name).within(ns)) {
             Some(t) => Some(t),
             None => {
                 return Wanted::Keep(
                     TEMPLATE_NOT_FOUND,
                     format!(
-                        "SandboxTemplate {name} is gone, so the pod's egress policy is unknown; \
-                             the policy in force is kept (set the {EGRESS_POLICY_ANNOTATION} \
-                             annotation to change it)"
+                        "SandboxTemplate {name} is gone, so the egress policy that bounds the \
+                         pod's is unknown; the policy in force is kept"
                     ),
                 )
             }
         },
-        _ => None,
+        None => None,
     };
     let template_policy = template
         .as_ref()
         .and_then(|t| t.spec.egress_policy.as_ref());
-    match effective_policy(template_policy, own.map(String::as_str)) {
+    let bound_source = match (template_policy, template_name) {
+        (Some(_), Some(name)) => format!("SandboxTemplate {name}"),
+        _ => "the built-in default".to_string(),
+    };
+    let Some(text) = own else {
+        return match effective_policy(template_policy, None) {
+            Err(e) => Wanted::Keep(INVALID, format!("the egress policy is not changed: {e}")),
+            Ok(policy) => Wanted::Policy(
+                template_policy.is_some().then_some(policy),
+                bound_source,
+                Vec::new(),
+            ),
+        };
+    };
+    let path = format!("metadata.annotations[{EGRESS_POLICY_ANNOTATION}]");
+    let bound = template_policy.cloned().unwrap_or_default();
+    let bound_path = match template_name.filter(|_| template_policy.is_some()) {
+        Some(name) => format!("SandboxTemplate {name}'s spec.egressPolicy"),
+        None => "the cluster's default egress policy".to_string(),
+    };
+    match parse_policy(text, &path).and_then(|p| bounded_policy(&p, &bound, &bound_path)) {
         Err(e) => Wanted::Keep(INVALID, format!("the egress policy is not changed: {e}")),
-        Ok(policy) => {
-            let source = match (own, template_policy, template_name) {
-                (Some(_), _, _) => format!("annotation {EGRESS_POLICY_ANNOTATION}"),
-                (None, Some(_), Some(name)) => format!("SandboxTemplate {name}"),
-                _ => "the built-in default".to_string(),
-            };
-            let explicit = own.is_some() || template_policy.is_some();
-            Wanted::Policy(explicit.then_some(policy), source)
-        }
+        Ok(b) => Wanted::Policy(
+            Some(b.policy),
+            format!("annotation {EGRESS_POLICY_ANNOTATION} within {bound_source}"),
+            b.clipped,
+        ),
     }
 }
 
@@ -148,17 +173,29 @@ pub async fn reconcile(
     if templates.wait_until_ready().await.is_err() {
         return Ok(Action::await_change());
     }
-    let (policy, source) = match wanted(&pod, &ns, &templates) {
+    let (policy, source, unclipped) = match wanted(&pod, &ns, &templates) {
         Wanted::Keep(reason, note) => {
             tracing::warn!(pod = %format!("{ns}/{name}"), reason, %note, "egress policy kept");
             ctx.warn_pod_once(&pod, reason, ACTION, note).await;
             return Ok(Action::requeue(ctx.network_refresh));
         }
-        Wanted::Policy(policy, source) => (policy, source),
+        Wanted::Policy(policy, source, clipped) => {
+            if !clipped.is_empty() {
+                let note = format!(
+                    "the pod's {EGRESS_POLICY_ANNOTATION} may only narrow its bound; it runs with \
+                     the part both allow: {}",
+                    clipped.join("; ")
+                );
+                ctx.warn_pod_once(&pod, CLIPPED, ACTION, note).await;
+            }
+            (policy, source, clipped.is_empty())
+        }
     };
     let target = policy.clone().unwrap_or_default();
     if network.egress_policy.as_ref() == Some(&target) {
-        ctx.clear_pod_warning(&ns, &name);
+        if unclipped {
+            ctx.clear_pod_warning(&ns, &name);
+        }
         return Ok(Action::requeue(ctx.network_refresh));
     }
     if let Err(e) = ctx.shim.set_egress_policy(&sandbox, policy.as_ref()).await {
@@ -166,7 +203,9 @@ pub async fn reconcile(
         ctx.warn_pod_once(&pod, FAILED, ACTION, note).await;
         return Err(e.into());
     }
-    ctx.clear_pod_warning(&ns, &name);
+    if unclipped {
+        ctx.clear_pod_warning(&ns, &name);
+    }
     tracing::info!(pod = %format!("{ns}/{name}"), %source, "egress policy updated");
     let note = format!("Egress policy in force is now that of {source}");
     ctx.event(pod.as_ref(), EventType::Normal, UPDATED, ACTION, note)

@@ -1,19 +1,19 @@
 //! Rollback: rewind a running pod on this node in place to a snapshot of its lineage.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{ListParams, ObjectMeta, PostParams};
+use kube::api::{ObjectMeta, PostParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::runtime::reflector::ObjectRef;
 use kube::{Api, ResourceExt};
 
 use super::{
-    conditions, deadline_left, deadline_message, operation_error, wait, write_status,
-    DEADLINE_EXCEEDED, POD_REPLACED,
+    conditions, deadline_left, deadline_message, operation_error, shim_failure, wait, write_status,
+    ShimOp, DEADLINE_EXCEEDED, POD_REPLACED,
 };
 use crate::context::{bounded_name, millis_since, now, Context, Error};
 use crate::crd::{
@@ -165,7 +165,7 @@ async fn start(
             return fail(api, rb, "SnapshotNotReady", message, ctx).await;
         }
     }
-    if let Err(message) = in_lineage(&pod, &snap, &snapshots).await? {
+    if let Err(message) = in_lineage(&pod, &snap) {
         return fail(api, rb, "NotInLineage", message, ctx).await;
     }
     if left(rb).is_some_and(|l| l.is_zero()) {
@@ -364,49 +364,41 @@ async fn proceed(
     roll_back(api, rb, pod, snap, ctx).await
 }
 
-/// Is `snap` a snapshot of this pod, or an ancestor of the snapshot the pod
-/// was restored from? `Err` carries the reason it is not.
-async fn in_lineage(
-    pod: &Pod,
-    snap: &Snapshot,
-    snapshots: &Api<Snapshot>,
-) -> Result<Result<(), String>, Error> {
+/// Is `snap` a rollback target of `pod`? `Err` carries why not.
+///
+/// The rule, the shim's too: a pod rolls back only to a snapshot taken of
+/// itself (same pod UID; the shim also checks the same sandbox and the same
+/// containers, and refuses otherwise with `FAILED_PRECONDITION`). The
+/// snapshot a clone was restored from (`twig.dev/restore-from`) and its
+/// ancestors were taken of another pod: a clone's VM is restored from
+/// them once, at its start, and never rolled back to them. To rewind a
+/// clone to where it started, snapshot it once it is Ready and roll back
+/// to that, or make a new clone.
+fn in_lineage(pod: &Pod, snap: &Snapshot) -> Result<(), String> {
     let status = snap.status.clone().unwrap_or_default();
     if status.pod_uid.is_some() && status.pod_uid == pod.metadata.uid {
-        return Ok(Ok(()));
+        return Ok(());
     }
-    let Some(target) = status.snapshot_id.as_deref() else {
-        return Ok(Err(format!(
-            "snapshot {} has no snapshot ID",
-            snap.name_any()
-        )));
+    let origin = status
+        .snapshot_id
+        .as_ref()
+        .is_some_and(|id| pod.annotations().get(RESTORE_FROM_ANNOTATION) == Some(id));
+    let clone_note = if origin {
+        format!(
+            "; pod {} was restored from it, and a clone never rolls back to the snapshot it was \
+             restored from: snapshot the clone and roll back to that",
+            pod.name_any()
+        )
+    } else {
+        String::new()
     };
-    if let Some(origin) = pod.annotations().get(RESTORE_FROM_ANNOTATION) {
-        let all = snapshots.list(&ListParams::default()).await?;
-        let parents: HashMap<String, Option<String>> = all
-            .items
-            .iter()
-            .filter_map(|s| {
-                let st = s.status.as_ref()?;
-                Some((st.snapshot_id.clone()?, st.parent.clone()))
-            })
-            .collect();
-        let mut next = Some(origin.clone());
-        // Each step moves to a parent; a cycle cannot be longer than the list.
-        for _ in 0..=parents.len() {
-            let Some(id) = next else { break };
-            if id == target {
-                return Ok(Ok(()));
-            }
-            next = parents.get(&id).cloned().flatten();
-        }
-    }
-    Ok(Err(format!(
-        "snapshot {} is not in the lineage of pod {}: it was taken of pod {} and the pod was not restored from it or its ancestors",
+    Err(format!(
+        "snapshot {} is not in the lineage of pod {}: it was taken of pod {}, and a pod rolls \
+         back only to snapshots taken of itself{clone_note}",
         snap.name_any(),
         pod.name_any(),
         snap.spec.pod_name
-    )))
+    ))
 }
 
 async fn roll_back(
@@ -438,14 +430,17 @@ async fn roll_back(
         if let ShimError::Unavailable { .. } = err {
             return Err(err.into());
         }
-        return fail(
-            api,
-            rb,
-            "ShimError",
-            format!("the shim failed the rollback: {err}"),
-            ctx,
-        )
-        .await;
+        let (reason, mut message) = shim_failure(ShimOp::Rollback, &err);
+        if let Some(safety) = rb
+            .status
+            .as_ref()
+            .and_then(|s| s.safety_snapshot_name.as_deref())
+        {
+            message.push_str(&format!(
+                "; safety snapshot {safety} holds the pod's state before the rollback"
+            ));
+        }
+        return fail(api, rb, reason, message, ctx).await;
     }
     finish(api, rb, ctx).await
 }

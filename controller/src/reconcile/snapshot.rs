@@ -14,8 +14,8 @@ use kube::runtime::finalizer::{finalizer, Event};
 use kube::{Api, ResourceExt};
 
 use super::{
-    conditions, deadline_left, deadline_message, operation_error, wait, write_status,
-    DEADLINE_EXCEEDED, POD_REPLACED,
+    conditions, deadline_left, deadline_message, operation_error, shim_failure, wait, write_status,
+    ShimOp, DEADLINE_EXCEEDED, POD_REPLACED,
 };
 use crate::context::{is_not_found, millis_since, now, Context, Error};
 use crate::crd::{
@@ -457,15 +457,8 @@ async fn shim_failed(
     if let ShimError::Unavailable { .. } = err {
         return Err(err.into());
     }
-    fail(
-        api,
-        snap,
-        Some(status),
-        "ShimError",
-        format!("the shim failed the snapshot: {err}"),
-        ctx,
-    )
-    .await
+    let (reason, message) = shim_failure(ShimOp::Snapshot, &err);
+    fail(api, snap, Some(status), reason, message, ctx).await
 }
 
 /// Deletes the Snapshot once its TTL has passed (`Some`), or says when to look again.

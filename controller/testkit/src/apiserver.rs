@@ -276,6 +276,9 @@ fn kind_of(plural: &str) -> &'static str {
         "services" => "Service",
         "endpoints" => "Endpoints",
         "endpointslices" => "EndpointSlice",
+        "configmaps" => "ConfigMap",
+        "secrets" => "Secret",
+        "serviceaccounts" => "ServiceAccount",
         _ => "Unknown",
     }
 }
@@ -288,7 +291,10 @@ fn api_version(api: &str) -> String {
 }
 
 fn has_status(plural: &str) -> bool {
-    !matches!(plural, "events" | "endpoints" | "endpointslices")
+    !matches!(
+        plural,
+        "events" | "endpoints" | "endpointslices" | "configmaps" | "secrets" | "serviceaccounts"
+    )
 }
 
 fn cluster_scoped(plural: &str) -> bool {

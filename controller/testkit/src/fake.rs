@@ -17,8 +17,8 @@ use tokio::sync::watch;
 use twig_controller::crd::{SandboxTemplateSpec, SnapshotMode};
 use twig_controller::sandbox::{LocateError, SandboxLocator};
 use twig_controller::shim::{
-    NetworkCounter, NetworkStats, NodeService, Sandbox, SandboxStats, ShimError, SnapshotInfo,
-    StoreUsage, TemplateState, TwigShim,
+    ErrorCode, NetworkCounter, NetworkStats, NodeService, Sandbox, SandboxStats, ShimError,
+    SnapshotInfo, StoreUsage, TemplateState, TwigShim,
 };
 use twig_net::EgressPolicy;
 
@@ -102,6 +102,10 @@ struct State {
     failing_sets: usize,
     /// Snapshot calls still to refuse (after they were recorded).
     failing_snapshots: usize,
+    /// Codes the next Snapshot calls answer (after they were recorded), in order.
+    snapshot_codes: Vec<ErrorCode>,
+    /// Codes the next Rollback calls answer (after they were recorded), in order.
+    rollback_codes: Vec<ErrorCode>,
     /// The shim answers Snapshot without sizes (as one that predates them).
     shim_without_sizes: bool,
     /// GetStoreUsage calls still to fail as if the node service were down
@@ -247,6 +251,18 @@ impl FakeNode {
         self.lock().failing_snapshots = n;
     }
 
+    /// The next Snapshot calls answer `codes`, one each, as the shim does
+    /// (twig-proto's `ErrorCode`); nothing is stored for them.
+    pub fn answer_snapshots(&self, codes: &[ErrorCode]) {
+        self.lock().snapshot_codes = codes.to_vec();
+    }
+
+    /// The next Rollback calls answer `codes`, one each, as the shim does;
+    /// the pod's state is not changed by them.
+    pub fn answer_rollbacks(&self, codes: &[ErrorCode]) {
+        self.lock().rollback_codes = codes.to_vec();
+    }
+
     /// The shim answers Snapshot without sizes from now on (as a shim that
     /// predates them); the node store still knows them.
     pub fn shim_without_sizes(&self) {
@@ -334,6 +350,10 @@ impl TwigShim for FakeNode {
                     "snapshot {snapshot_id}: the guest did not pause"
                 )));
             }
+            if !st.snapshot_codes.is_empty() {
+                let code = st.snapshot_codes.remove(0);
+                return Err(answer(code, "Snapshot", snapshot_id));
+            }
             let sb = st.sandboxes.entry(sandbox.id.clone()).or_default();
             let parent = match mode {
                 SnapshotMode::Full => None,
@@ -403,6 +423,10 @@ impl TwigShim for FakeNode {
             return Err(ShimError::Refused(format!(
                 "snapshot {snapshot_id} is not on this node"
             )));
+        }
+        if !st.rollback_codes.is_empty() {
+            let code = st.rollback_codes.remove(0);
+            return Err(answer(code, "Rollback", snapshot_id));
         }
         st.sandboxes
             .entry(sandbox.id.clone())
@@ -551,6 +575,13 @@ impl NodeService for FakeNode {
         st.templates.remove(key);
         Ok(())
     }
+}
+
+/// The error the controller's ttrpc client makes of the shim answering
+/// `code` to `call` of `snapshot_id`.
+fn answer(code: ErrorCode, call: &'static str, snapshot_id: &str) -> ShimError {
+    let message = format!("{call} of snapshot {snapshot_id} answered {code:?} by the fake");
+    ShimError::from_code(code, call, "unix:///fake/shim.sock", message)
 }
 
 /// Shares one fake as all three traits.

@@ -1,6 +1,7 @@
 //! Test support: the in-repo API server, the CRD schema checks, a fake node,
 //! and helpers to run controllers and wait for outcomes.
 
+pub mod admission;
 pub mod apiserver;
 pub mod fake;
 pub mod kube_tools;

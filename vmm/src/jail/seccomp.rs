@@ -243,6 +243,10 @@ const DEVICE_IO: &[libc::c_long] = &[
     libc::SYS_ppoll,
 ];
 
+/// What vCPU threads do besides device I/O: truncating the serial console
+/// when it rotates (see `console.rs`; the API threads may too).
+const VCPU_ONLY: &[libc::c_long] = &[libc::SYS_ftruncate];
+
 /// What only the API threads do: files of snapshots, disks and restores;
 /// VM creation (memfd, eventfds, epoll, timers, the vsock listener);
 /// threads; kicking vCPUs.
@@ -362,7 +366,11 @@ fn rules(role: Role) -> Result<BTreeMap<i64, Vec<SeccompRule>>, JailError> {
             ioctls.dedup();
             ([COMMON, DEVICE_IO, API_ONLY].concat(), ioctls, true)
         }
-        Role::Vcpu => ([COMMON, DEVICE_IO].concat(), kvm_vcpu_ioctls(), false),
+        Role::Vcpu => (
+            [COMMON, DEVICE_IO, VCPU_ONLY].concat(),
+            kvm_vcpu_ioctls(),
+            false,
+        ),
         // The device thread accepts the host's vsock connections and makes
         // them non-blocking (std does that with FIONBIO).
         Role::Device => ([COMMON, DEVICE_IO].concat(), vec![libc::FIONBIO], false),

@@ -32,6 +32,7 @@ use vm_memory::{Address, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 
 use super::VirtioDevice;
 use crate::memory::{GuestMem, PAGE_SIZE};
+use crate::ratelimit::warn_limited;
 
 /// `VIRTIO_BALLOON_F_REPORTING`: the free page reporting queue.
 pub const VIRTIO_BALLOON_F_REPORTING: u32 = 5;
@@ -149,12 +150,12 @@ impl Balloon {
                     }
                     Err(e) => {
                         self.counters.refused += 1;
-                        tracing::warn!("virtio-balloon: reported {e}; left alone");
+                        warn_limited!("virtio-balloon: reported {e}; left alone");
                     }
                 }
             }
             if let Err(e) = queue.add_used(mem, head, 0) {
-                tracing::warn!("virtio-balloon: {e}");
+                warn_limited!("virtio-balloon: {e}");
                 break;
             }
             used = true;
@@ -167,7 +168,7 @@ impl Balloon {
         let mut used = false;
         while let Some(chain) = queue.pop_descriptor_chain(mem) {
             if let Err(e) = queue.add_used(mem, chain.head_index(), 0) {
-                tracing::warn!("virtio-balloon: {e}");
+                warn_limited!("virtio-balloon: {e}");
                 break;
             }
             used = true;
@@ -365,6 +366,44 @@ mod tests {
             assert_eq!(d.used(q), Some((u32::from(head), 0)), "queue {q}");
         }
         assert_eq!(d.read(AREA + 4096, 4096), vec![0x11; 4096]);
+    }
+
+    /// Log output of the current thread, kept for a test to read.
+    #[derive(Clone, Default)]
+    struct Log(Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Log {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_guest_sending_malformed_reports_gets_a_few_warnings_logged() {
+        let mut d = driver();
+        let log = Log::default();
+        let writer = log.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            for _ in 0..500 {
+                let head = d.post(REPORTING, &[(AREA + 1, 4096, true), (AREA, 0, true)]);
+                d.notify(REPORTING);
+                assert_eq!(d.used(REPORTING), Some((u32::from(head), 0)));
+            }
+        });
+        assert!(d.t.describe().contains("1000 refused"), "all refused");
+        let log = String::from_utf8(log.0.lock().unwrap().clone()).unwrap();
+        let lines = log.lines().filter(|l| l.contains("virtio-balloon")).count();
+        assert!(
+            lines <= crate::ratelimit::BURST as usize,
+            "{lines} warnings for 1000 refusals:\n{log}"
+        );
     }
 
     #[test]

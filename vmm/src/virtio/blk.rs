@@ -40,6 +40,7 @@ pub use inplace::scratch_dir;
 
 use super::VirtioDevice;
 use crate::memory::GuestMem;
+use crate::ratelimit::warn_limited;
 
 const QUEUE_SIZE: u16 = 256;
 /// Data segments per request the driver may use (the queue less header and
@@ -283,7 +284,7 @@ impl Blk {
                 (VIRTIO_BLK_S_IOERR, 0)
             }
             Err(Failure::Host(why)) => {
-                tracing::warn!(disk = %self.name(), "virtio-blk: I/O error: {why}");
+                warn_limited!(disk = %self.name(), "virtio-blk: I/O error: {why}");
                 (VIRTIO_BLK_S_IOERR, 0)
             }
             Err(Failure::Unsupported) => (VIRTIO_BLK_S_UNSUPP, 0),
@@ -362,7 +363,7 @@ impl VirtioDevice for Blk {
             let descs: Vec<Descriptor> = chain.collect();
             let len = self.request(&descs, mem);
             if let Err(e) = queue.add_used(mem, head, len) {
-                tracing::warn!("virtio-blk: {e}");
+                warn_limited!("virtio-blk: {e}");
                 break;
             }
             used = true;

@@ -2,8 +2,10 @@
 //!
 //! The tap is opened with `IFF_TAP | IFF_NO_PI | IFF_VNET_HDR` and a 12-byte
 //! vnet header, non-blocking. The device offers only `VIRTIO_NET_F_MAC` (no
-//! offloads), so the 12-byte `virtio_net_hdr` passes through between guest
-//! and tap with no flags set. Transmit runs on the vCPU thread that notified
+//! offloads), so the 12-byte `virtio_net_hdr` carries nothing: the host's
+//! header reaches the guest with no flags set, and the guest's is zeroed
+//! before its frame reaches the tap (a guest must not ask the host kernel for
+//! checksum or segmentation work it never negotiated). Transmit runs on the vCPU thread that notified
 //! the queue; receive runs on the VM's device thread, which polls
 //! [`Net::host_fd`]: an inner epoll that holds the tap only while the guest
 //! has posted receive buffers, so the thread never spins on frames it has
@@ -32,6 +34,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use super::VirtioDevice;
 use crate::error::{Error, Result};
 use crate::memory::GuestMem;
+use crate::ratelimit::warn_limited;
 
 const RX: usize = 0;
 const TX: usize = 1;
@@ -283,6 +286,9 @@ impl Net {
             }
             match link.tap.as_mut() {
                 Some(tap) if ok && self.tx.len() > HDR_LEN => {
+                    // No offload was negotiated: whatever the guest put in
+                    // the header means nothing, and the tap would act on it.
+                    self.tx[..HDR_LEN].fill(0);
                     if let Err(e) = tap.file.write(&self.tx) {
                         tracing::debug!(tap = %tap.name, "virtio-net: frame dropped: {e}");
                     }
@@ -295,7 +301,7 @@ impl Net {
                 }
             }
             if let Err(e) = queue.add_used(mem, head, 0) {
-                tracing::warn!("virtio-net: {e}");
+                warn_limited!("virtio-net: {e}");
                 break;
             }
             used = true;
@@ -355,7 +361,7 @@ impl Net {
                 break;
             }
             if let Err(e) = queue.add_used(mem, head, n as u32) {
-                tracing::warn!("virtio-net: {e}");
+                warn_limited!("virtio-net: {e}");
                 break;
             }
             used = true;
@@ -648,6 +654,62 @@ mod tests {
         let head = d.post(TX, &[(buf, (HDR_LEN + f.len()) as u32, false)]);
         d.notify(TX);
         assert_eq!(d.used(TX), Some((u32::from(head), 0)), "buffer used");
+    }
+
+    /// A device whose "tap" is one end of a `SOCK_SEQPACKET` socket pair
+    /// (a frame per message, as a tap reads and writes them), and the other
+    /// end, which sees exactly the bytes written to the tap.
+    fn on_fake_tap() -> (Net, File) {
+        let mut fds = [0; 2];
+        // SAFETY: socketpair writes two descriptors into fds.
+        let r = unsafe {
+            libc::socketpair(
+                libc::AF_UNIX,
+                libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
+                0,
+                fds.as_mut_ptr(),
+            )
+        };
+        assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+        // SAFETY: both descriptors are new and ours.
+        let (ours, theirs) = unsafe { (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])) };
+        let tap = Tap {
+            file: ours,
+            name: "fake".into(),
+        };
+        let net = Net {
+            backend: Arc::new(NetBackend::new(Some(tap)).unwrap()),
+            config: MAC,
+            rx: vec![0; MAX_PACKET],
+            tx: Vec::with_capacity(MAX_PACKET),
+        };
+        (net, theirs)
+    }
+
+    #[test]
+    fn a_crafted_gso_header_from_the_guest_reaches_the_tap_zeroed() {
+        let (net, mut peer) = on_fake_tap();
+        let mut d = Driver::new(Box::new(net));
+        let f = frame(b"twig-gso");
+        // NEEDS_CSUM, GSO_TCPV4 with an ECN bit, header and segment sizes,
+        // a checksum start and offset past the frame, num_buffers.
+        let hdr: [u8; HDR_LEN] = [1, 0x81, 54, 0, 0x78, 0x05, 0xff, 0xff, 0xff, 0x7f, 7, 0];
+        // Header and frame in separate descriptors, as Linux sends them.
+        let h = d.alloc(HDR_LEN as u32);
+        d.write(h, &hdr);
+        let b = d.alloc(f.len() as u32);
+        d.write(b, &f);
+        let head = d.post(
+            TX,
+            &[(h, HDR_LEN as u32, false), (b, f.len() as u32, false)],
+        );
+        d.notify(TX);
+        assert_eq!(d.used(TX), Some((u32::from(head), 0)));
+        let mut got = vec![0; MAX_PACKET];
+        let n = peer.read(&mut got).unwrap();
+        assert_eq!(n, HDR_LEN + f.len(), "one frame, whole");
+        assert_eq!(got[..HDR_LEN], [0; HDR_LEN], "no offload reaches the tap");
+        assert_eq!(got[HDR_LEN..n], f[..], "the frame itself untouched");
     }
 
     #[test]

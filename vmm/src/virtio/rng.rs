@@ -7,6 +7,7 @@ use vm_memory::Bytes;
 
 use super::VirtioDevice;
 use crate::memory::GuestMem;
+use crate::ratelimit::warn_limited;
 
 /// Largest request served at once; a guest asking for more gets this much.
 const MAX_REQUEST: u32 = 64 * 1024;
@@ -65,7 +66,7 @@ impl VirtioDevice for Rng {
                 written += len;
             }
             if let Err(e) = queue.add_used(mem, head, written) {
-                tracing::warn!("virtio-rng: {e}");
+                warn_limited!("virtio-rng: {e}");
                 break;
             }
             used = true;

@@ -9,6 +9,8 @@ mod create;
 mod diagnostics;
 mod disks;
 pub(crate) mod failpoint;
+#[cfg(test)]
+mod pause_tests;
 mod persist;
 mod rollback;
 
@@ -32,7 +34,7 @@ use crate::devices::{DeviceThread, Devices, GuestExit};
 use crate::error::{Error, Result};
 use crate::memory::{GuestRam, PageSet};
 use crate::snapshot::Image;
-use crate::vcpu::VcpuHandle;
+use crate::vcpu::{self, VcpuHandle};
 use crate::virtio::blk::DiskFile;
 use crate::virtio::net::NetBackend;
 
@@ -111,6 +113,14 @@ impl Vm {
     }
 
     /// Parks every vCPU. Pending port or MMIO accesses complete first.
+    ///
+    /// A vCPU that does not park within [`vcpu::PARK_TIMEOUT`] (its thread
+    /// busy in a device's host I/O: a guest's flush on a slow disk, a serial
+    /// output that does not take bytes), or a device thread that does not,
+    /// fails the pause with [`Error::PauseTimedOut`] (kind `refused`): the
+    /// pause is withdrawn, so every vCPU it stopped runs again and the busy
+    /// one carries on once its I/O returns, and the VM is still running. No
+    /// VM is left frozen while reported running.
     pub fn pause(&mut self) -> Result<()> {
         let s = self.need(
             "pause",
@@ -121,13 +131,32 @@ impl Vm {
             return Ok(());
         }
         if let Some(t) = &self.device_thread {
-            t.pause()?;
+            if let Err(e) = t.pause() {
+                t.resume();
+                return Err(e);
+            }
         }
-        for v in &self.vcpus {
-            v.request_park();
-        }
-        for v in &self.vcpus {
-            v.wait_parked()?;
+        let stopped: Vec<bool> = self.vcpus.iter().map(|v| v.request_park()).collect();
+        let deadline = Instant::now() + vcpu::PARK_TIMEOUT;
+        let stuck = self.vcpus.iter().position(|v| !v.wait_parked(deadline));
+        if let Some(index) = stuck {
+            for (v, stopped) in self.vcpus.iter().zip(stopped) {
+                if stopped {
+                    v.run();
+                }
+            }
+            if let Some(t) = &self.device_thread {
+                t.resume();
+            }
+            tracing::warn!(
+                vcpu = index,
+                "pause withdrawn: the vCPU did not park within {:?}",
+                vcpu::PARK_TIMEOUT
+            );
+            return Err(Error::PauseTimedOut {
+                what: format!("vCPU {index}"),
+                waited: vcpu::PARK_TIMEOUT,
+            });
         }
         self.devices.flush();
         if self.state == RunState::Running {

@@ -56,7 +56,8 @@ impl Vm {
             .zip(states)
             .map(|(v, s)| {
                 let s = s.clone();
-                v.submit(move |fd| vcpu::restore_state(fd, &s, set_cpuid))
+                let words = self.xsave_words;
+                v.submit(move |fd| vcpu::restore_state(fd, &s, set_cpuid, words))
             })
             .collect::<Result<Vec<_>>>()?;
         for (index, rx) in rxs.into_iter().enumerate() {

@@ -33,6 +33,7 @@ use virtio_queue::{Queue, QueueOwnedT, QueueT, Writer};
 use super::VirtioDevice;
 use crate::error::{Error, Result};
 use crate::memory::GuestMem;
+use crate::ratelimit::warn_limited;
 use muxer::Muxer;
 use packet::{Packet, EVENT_TRANSPORT_RESET, HDR_LEN};
 
@@ -92,7 +93,7 @@ impl Vsock {
                 Err(why) => tracing::debug!("vsock: dropping malformed packet: {why}"),
             }
             if let Err(e) = q.add_used(mem, head, 0) {
-                tracing::warn!("vsock: tx queue: {e}");
+                warn_limited!("vsock: tx queue: {e}");
                 break;
             }
             used = true;
@@ -110,7 +111,7 @@ impl Vsock {
         }
         let packet = self.muxer.next_packet(room - HDR_LEN)?;
         if let Err(e) = packet.write_to(w) {
-            tracing::warn!("vsock: writing a packet to the guest: {e}");
+            warn_limited!("vsock: writing a packet to the guest: {e}");
         }
         Some(w.bytes_written() as u32)
     }
@@ -140,7 +141,7 @@ impl Vsock {
                 break;
             };
             if let Err(e) = q.add_used(mem, head, len) {
-                tracing::warn!("vsock: rx queue: {e}");
+                warn_limited!("vsock: rx queue: {e}");
                 break;
             }
             used = true;
@@ -181,7 +182,7 @@ impl Vsock {
                 }
             };
             if let Err(e) = q.add_used(mem, head, len) {
-                tracing::warn!("vsock: event queue: {e}");
+                warn_limited!("vsock: event queue: {e}");
                 break;
             }
             used = true;

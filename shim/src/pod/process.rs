@@ -11,6 +11,7 @@ use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use twig_agent::client::ProcessExit;
 
+use crate::resources::volumes::Volume;
 use crate::sandbox::Attachment;
 use crate::stdio::{OpenedStdio, StdioPaths};
 
@@ -135,6 +136,8 @@ pub struct Container {
     pub origin: Origin,
     /// Its rootfs disk in the guest.
     pub attachment: Attachment,
+    /// The guest volumes its mounts use.
+    pub volumes: Vec<Volume>,
     /// The init process.
     pub init: Proc,
     /// Exec'd processes by exec id.
