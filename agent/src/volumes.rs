@@ -271,6 +271,40 @@ fn open_dir(vol: BorrowedFd<'_>, rel: &str) -> nix::Result<OwnedFd> {
     )
 }
 
+/// `mkdir -p` of `sub` inside the volume `vol` (a subPath): each missing
+/// directory made with `mode` (the volume's, as kubelet makes a subPath's),
+/// every step opened beneath the volume without following a symlink.
+fn make_subdir(vol: BorrowedFd<'_>, sub: &str, mode: u32) -> Result<()> {
+    validate_path(sub)?;
+    let mut done = String::new();
+    for part in sub.split('/') {
+        let parent = open_dir(vol, &done).map_err(sys("opening", sub))?;
+        match mkdirat(parent.as_fd(), part, Mode::from_bits_retain(mode)) {
+            Ok(()) => {
+                let made = openat(
+                    parent.as_fd(),
+                    part,
+                    OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+                    Mode::empty(),
+                )
+                .map_err(sys("opening", sub))?;
+                // Past the umask.
+                nix::sys::stat::fchmod(made.as_fd(), Mode::from_bits_retain(mode))
+                    .map_err(sys("setting the mode of", sub))?;
+            }
+            Err(Errno::EEXIST) => {}
+            Err(e) => return Err(sys("creating", sub)(e)),
+        }
+        if !done.is_empty() {
+            done.push('/');
+        }
+        done.push_str(part);
+    }
+    // What exists is a directory beneath the volume, not a link out of it.
+    open_dir(vol, &done).map_err(sys("opening", sub))?;
+    Ok(())
+}
+
 fn stat_at(dir: BorrowedFd<'_>, name: &(impl NixPath + ?Sized)) -> nix::Result<Option<FileStat>> {
     match fstatat(dir, name, nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW) {
         Ok(st) => Ok(Some(st)),
@@ -799,7 +833,11 @@ impl Volumes {
             Some(Gid::from_raw(req.gid)),
         )
         .and_then(|()| nix::sys::stat::fchmod(fd.as_fd(), Mode::from_bits_retain(req.mode)))
-        .map_err(|e| AgentError::sys(format!("setting the mode of {shown}"), e))
+        .map_err(|e| AgentError::sys(format!("setting the mode of {shown}"), e))?;
+        for sub in &req.subdirs {
+            make_subdir(fd.as_fd(), sub, req.mode)?;
+        }
+        Ok(())
     }
 
     fn open(&self, name: &str) -> Result<OwnedFd> {
@@ -962,6 +1000,25 @@ mod tests {
             Err(AgentError::NotFound(m)) => format!("not found: {m}"),
             Err(e) => format!("other: {e}"),
         }
+    }
+
+    #[test]
+    fn a_subpath_is_made_beneath_the_volume_and_never_through_a_link() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let vol = File::open(tmp.path()).unwrap();
+        make_subdir(vol.as_fd(), "seed/deep", 0o777).unwrap();
+        let mode = std::fs::metadata(tmp.path().join("seed/deep"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o7777, 0o777, "the volume's mode, past the umask");
+        make_subdir(vol.as_fd(), "seed/deep", 0o777).unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink(outside.path(), tmp.path().join("out")).unwrap();
+        assert!(make_subdir(vol.as_fd(), "out/x", 0o777).is_err());
+        assert!(!outside.path().join("x").exists(), "made through a link");
+        assert!(code(make_subdir(vol.as_fd(), "../x", 0o777)).starts_with("invalid"));
     }
 
     #[test]

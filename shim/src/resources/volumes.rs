@@ -82,6 +82,9 @@ pub enum Volume {
         /// A tmpfs of its own of this size (`medium: Memory`); 0: a
         /// directory in the VM.
         tmpfs_bytes: u64,
+        /// Its directories a container mounts by `subPath`, made in the
+        /// guest as kubelet makes them on the host.
+        subdirs: Vec<String>,
     },
 }
 
@@ -216,53 +219,92 @@ pub fn guest_mounts(spec: &mut Value, container: &str) -> Result<Plan> {
             continue;
         }
         let source = PathBuf::from(m.get("source").and_then(Value::as_str).unwrap_or_default());
-        let volume = classify(&source, &dest, container)?;
-        let guest = match &volume {
-            Volume::Mirror(Mirror { file: true, .. }) | Volume::Termination { .. } => {
+        let (volume, sub) = classify(&source, &dest, container)?;
+        let guest = match (&volume, &sub) {
+            (Volume::Mirror(Mirror { file: true, .. }) | Volume::Termination { .. }, _) => {
                 format!("{GUEST_VOLUMES_DIR}/{}/{FILE}", volume.name())
             }
-            _ => format!("{GUEST_VOLUMES_DIR}/{}", volume.name()),
+            (_, Some(sub)) => format!("{GUEST_VOLUMES_DIR}/{}/{sub}", volume.name()),
+            (_, None) => format!("{GUEST_VOLUMES_DIR}/{}", volume.name()),
         };
         m["source"] = json!(guest);
         m["type"] = json!("bind");
-        if !plan.volumes.iter().any(|v| v.name() == volume.name()) {
-            plan.volumes.push(volume);
+        let v = match plan.volumes.iter().position(|v| v.name() == volume.name()) {
+            Some(i) => &mut plan.volumes[i],
+            None => {
+                plan.volumes.push(volume);
+                plan.volumes
+                    .last_mut()
+                    .ok_or_else(|| Error::Internal("no volume".into()))?
+            }
+        };
+        if let (Volume::EmptyDir { subdirs, .. }, Some(sub)) = (v, sub) {
+            if !subdirs.contains(&sub) {
+                subdirs.push(sub);
+            }
         }
     }
     Ok(plan)
 }
 
-/// What the bind mount of host `source` on `dest` is in the guest.
-fn classify(source: &Path, dest: &str, container: &str) -> Result<Volume> {
+/// The directory of emptyDir `dir` (on the host) that `subpath` (kubelet's
+/// bind mount of it) is: the same inode, found at most 8 levels down.
+fn subpath_of(dir: &Path, subpath: &Path) -> Option<String> {
+    let want = std::fs::metadata(subpath).ok()?;
+    let mut todo = vec![(PathBuf::new(), 0)];
+    let mut seen = 0usize;
+    while let Some((rel, depth)) = todo.pop() {
+        for entry in std::fs::read_dir(dir.join(&rel)).ok()?.flatten() {
+            seen += 1;
+            if seen > MIRROR_MAX_ENTRIES {
+                return None;
+            }
+            let Ok(meta) = entry.metadata() else { continue };
+            if !meta.is_dir() {
+                continue;
+            }
+            let path = rel.join(entry.file_name());
+            if (meta.dev(), meta.ino()) == (want.dev(), want.ino()) {
+                return path.to_str().map(str::to_string);
+            }
+            if depth < 8 {
+                todo.push((path, depth + 1));
+            }
+        }
+    }
+    None
+}
+
+/// What the bind mount of host `source` on `dest` is in the guest, and the
+/// directory of it bound (a subPath of an emptyDir).
+fn classify(source: &Path, dest: &str, container: &str) -> Result<(Volume, Option<String>)> {
     let refuse = |why: String| {
         Err(Error::InvalidArgument(format!(
             "the mount on {dest} (the host's {}): {why}",
             source.display()
         )))
     };
-    let mirror = |live: bool| -> Result<Volume> {
+    let mirror = |live: bool| -> Result<(Volume, Option<String>)> {
         let meta = std::fs::metadata(source).map_err(|e| {
             Error::InvalidArgument(format!(
                 "the mount on {dest}: its host source {}: {e}",
                 source.display()
             ))
         })?;
-        Ok(Volume::Mirror(Mirror {
+        let mirror = Mirror {
             name: mirror_name(container, dest),
             host: source.to_path_buf(),
             file: !meta.is_dir(),
             live: live && meta.is_dir(),
-        }))
+        };
+        Ok((Volume::Mirror(mirror), None))
     };
     if let Some((plugin, name)) = kubelet_volume(source) {
         if CONFIG_PLUGINS.contains(&plugin) {
             return mirror(true);
         }
         if plugin == "empty-dir" {
-            return Ok(Volume::EmptyDir {
-                name: format!("empty-dir~{name}"),
-                tmpfs_bytes: tmpfs_size(source)?.unwrap_or(0),
-            });
+            return Ok((empty_dir(name, source)?, None));
         }
         return refuse(format!(
             "volume {name:?} (kubernetes.io~{plugin}) is a filesystem on the host; the twig \
@@ -271,21 +313,25 @@ fn classify(source: &Path, dest: &str, container: &str) -> Result<Volume> {
         ));
     }
     if let Some((pod, volume)) = kubelet_subpath(source) {
-        let empty_dir = pod.join("volumes/kubernetes.io~empty-dir").join(volume);
-        if empty_dir.exists() {
-            return refuse(format!(
-                "a subPath of emptyDir {volume:?}: the twig runtime keeps emptyDirs in the VM \
-                 and cannot mount a subPath of one yet; mount the whole volume"
-            ));
+        let host_dir = pod.join("volumes/kubernetes.io~empty-dir").join(volume);
+        if host_dir.exists() {
+            // The emptyDir lives in the VM: the same directory of it there.
+            let Some(sub) = subpath_of(&host_dir, source) else {
+                return refuse(format!(
+                    "a subPath of emptyDir {volume:?} that is no directory of it on the host"
+                ));
+            };
+            return Ok((empty_dir(volume, &host_dir)?, Some(sub)));
         }
         // A subPath is not updated under runc either.
         return mirror(false);
     }
     if is_termination_file(source) {
-        return Ok(Volume::Termination {
+        let volume = Volume::Termination {
             name: mirror_name(container, dest),
             host: source.to_path_buf(),
-        });
+        };
+        return Ok((volume, None));
     }
     if CRI_POD_FILES.contains(&dest) || source.ends_with("etc-hosts") {
         return mirror(false);
@@ -295,6 +341,15 @@ fn classify(source: &Path, dest: &str, container: &str) -> Result<Volume> {
          the twig runtime"
             .into(),
     )
+}
+
+/// emptyDir `name`, kubelet's directory `dir` on the host.
+fn empty_dir(name: &str, dir: &Path) -> Result<Volume> {
+    Ok(Volume::EmptyDir {
+        name: format!("empty-dir~{name}"),
+        tmpfs_bytes: tmpfs_size(dir)?.unwrap_or(0),
+        subdirs: Vec::new(),
+    })
 }
 
 /// The request that makes `volume` in the guest (before its content).
@@ -314,12 +369,17 @@ pub fn prepare_request(volume: &Volume) -> Result<PrepareVolumeRequest> {
         // kubelet makes an emptyDir world-writable.
         Volume::EmptyDir { tmpfs_bytes, .. } => (0o777, 0, 0, *tmpfs_bytes),
     };
+    let subdirs = match volume {
+        Volume::EmptyDir { subdirs, .. } => subdirs.clone(),
+        _ => Vec::new(),
+    };
     Ok(PrepareVolumeRequest {
         name: volume.name().to_string(),
         tmpfs_bytes,
         mode,
         uid,
         gid,
+        subdirs,
         ..Default::default()
     })
 }
@@ -550,7 +610,8 @@ mod tests {
             plan.volumes[1],
             Volume::EmptyDir {
                 name: "empty-dir~scratch".into(),
-                tmpfs_bytes: 0
+                tmpfs_bytes: 0,
+                subdirs: Vec::new(),
             }
         );
         assert!(matches!(plan.volumes[2], Volume::Termination { .. }));
@@ -618,11 +679,12 @@ mod tests {
         let nfs = pod.join("volumes/kubernetes.io~nfs/shared");
         let sub = pod.join("volume-subpaths/scratch/app/0");
         std::fs::create_dir_all(pod.join("volumes/kubernetes.io~empty-dir/scratch")).unwrap();
+        std::fs::create_dir_all(&sub).unwrap();
         for (dest, source, says) in [
             ("/data", Path::new("/srv/data"), "hostPath"),
             ("/nfs", nfs.as_path(), "kubernetes.io~nfs"),
             ("/pv", csi.as_path(), "host path"),
-            ("/sub", sub.as_path(), "subPath of emptyDir"),
+            ("/sub", sub.as_path(), "no directory of it"),
         ] {
             let mut spec = json!({"mounts": [bind(dest, source, false)]});
             let e = guest_mounts(&mut spec, "app").unwrap_err();
@@ -630,6 +692,40 @@ mod tests {
             let text = e.to_string();
             assert!(text.contains(dest) && text.contains(says), "{text}");
         }
+    }
+
+    #[test]
+    fn a_subpath_of_an_emptydir_is_the_same_directory_of_it_in_the_guest() {
+        let tmp = tempfile::tempdir().unwrap();
+        let pod = tmp.path().join("pods/uid-1");
+        let scratch = pod.join("volumes/kubernetes.io~empty-dir/scratch");
+        std::fs::create_dir_all(scratch.join("seed/deep")).unwrap();
+        // kubelet's bind of the subPath; a symlink stands in for it here
+        // (the same inode through the link).
+        let sub = pod.join("volume-subpaths/scratch/app/1");
+        std::fs::create_dir_all(sub.parent().unwrap()).unwrap();
+        std::os::unix::fs::symlink(scratch.join("seed/deep"), &sub).unwrap();
+        let mut spec = json!({"mounts": [
+            bind("/scratch", &scratch, false),
+            bind("/seed", &sub, false),
+        ]});
+        let plan = guest_mounts(&mut spec, "app").unwrap();
+        assert_eq!(
+            plan.volumes,
+            [Volume::EmptyDir {
+                name: "empty-dir~scratch".into(),
+                tmpfs_bytes: 0,
+                subdirs: vec!["seed/deep".into()],
+            }]
+        );
+        assert_eq!(
+            spec["mounts"][1]["source"],
+            json!(format!("{GUEST_VOLUMES_DIR}/empty-dir~scratch/seed/deep"))
+        );
+        assert_eq!(
+            prepare_request(&plan.volumes[0]).unwrap().subdirs,
+            ["seed/deep"]
+        );
     }
 
     #[test]
