@@ -57,6 +57,32 @@ pub fn accept_line(listener: &TcpListener, within: Duration) -> Result<String, S
     }
 }
 
+/// Polls container `id` until it exited, within `within`, and returns its
+/// status; fails the test with `node`'s logs otherwise.
+pub async fn wait_exited(
+    node: &CriNode,
+    cri: &CriClient,
+    id: &str,
+    within: Duration,
+) -> api::ContainerStatus {
+    let deadline = Instant::now() + within;
+    loop {
+        let status = cri
+            .container_status(id)
+            .await
+            .unwrap_or_else(|e| panic!("{}", node.cri_error("ContainerStatus", e)));
+        if status.state() == api::ContainerState::ContainerExited {
+            return status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "container {id} did not exit within {within:?}: {status:?}\n{}",
+            node.node().logs()
+        );
+        tokio::time::sleep(POLL).await;
+    }
+}
+
 /// A CRI node and a CRI client of it.
 pub struct CriLab {
     /// The node.

@@ -5,12 +5,12 @@
 //! in the nested lab by `tests/lab/run.sh -p twig-e2e --features
 //! twig-e2e/lab`.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use twig_cri::api::{self, ContainerState};
+use twig_cri::api;
 use twig_cri::container_config;
 use twig_e2e::cri::CriNode;
-use twig_e2e::crilab::runtime;
+use twig_e2e::crilab::{runtime, wait_exited};
 use twig_e2e::IMAGE_REF;
 
 /// How long the container may take to reach its limit and die (TCG).
@@ -52,22 +52,7 @@ async fn scenario(handler: &str) {
     cri.start_container(&id)
         .await
         .unwrap_or_else(|e| fail("StartContainer", e));
-    let deadline = Instant::now() + DEADLINE;
-    let status = loop {
-        let status = cri
-            .container_status(&id)
-            .await
-            .unwrap_or_else(|e| fail("ContainerStatus", e));
-        if status.state() == ContainerState::ContainerExited {
-            break status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the container did not exit within {DEADLINE:?}: {status:?}\n{}",
-            node.node().logs()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let status = wait_exited(&node, &cri, &id, DEADLINE).await;
     assert_eq!(
         (status.exit_code, status.reason.as_str()),
         (137, "OOMKilled"),

@@ -9,12 +9,11 @@
 //! twig-e2e --features twig-e2e/lab`.
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use twig_cri::api::ContainerState;
 use twig_cri::container_config;
 use twig_e2e::cri::CriNode;
-use twig_e2e::crilab::runtime;
+use twig_e2e::crilab::{runtime, wait_exited};
 use twig_e2e::must::node;
 use twig_e2e::{Node, Runtime, IMAGE_REF};
 
@@ -314,22 +313,7 @@ async fn pod_cgroup_bounds_the_vm() {
     cri.start_container(&hog_id)
         .await
         .unwrap_or_else(|e| fail("StartContainer hog", e));
-    let deadline = Instant::now() + Duration::from_secs(180);
-    let status = loop {
-        let status = cri
-            .container_status(&hog_id)
-            .await
-            .unwrap_or_else(|e| fail("ContainerStatus", e));
-        if status.state() == ContainerState::ContainerExited {
-            break status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the VM was not bounded within 180 s: {status:?}\n{}",
-            node.node().logs()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let status = wait_exited(&node, &cri, &hog_id, Duration::from_secs(180)).await;
     assert_eq!(status.exit_code, 137, "{status:?}\n{}", node.node().logs());
     let kills = cgroup.number("memory.events", Some("oom_kill"));
     assert!(

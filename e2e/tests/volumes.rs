@@ -20,10 +20,10 @@ use k8s_openapi::api::core::v1::Pod;
 use twig_controller::crd::SnapshotMode;
 use twig_controller::sandbox::{ContainerdLocator, SandboxLocator};
 use twig_controller::shim::{TtrpcShim, TwigShim};
-use twig_cri::api::{self, ContainerState};
+use twig_cri::api;
 use twig_cri::container_config;
 use twig_e2e::cri::CRI_NAMESPACE;
-use twig_e2e::crilab::{runtime, CriLab, PROGRESS};
+use twig_e2e::crilab::{runtime, wait_exited, CriLab, PROGRESS};
 use twig_e2e::IMAGE_REF;
 use twig_proto::contract::RESTORE_FROM_ANNOTATION;
 use twig_store::NodeStore;
@@ -204,19 +204,7 @@ async fn scenario(handler: &str) {
         .start_container(&quitter_id)
         .await
         .unwrap_or_else(|e| lab.fail("StartContainer quitter", e));
-    let deadline = Instant::now() + PROGRESS;
-    let status = loop {
-        let s = lab
-            .cri
-            .container_status(&quitter_id)
-            .await
-            .unwrap_or_else(|e| lab.fail("ContainerStatus", e));
-        if s.state() == ContainerState::ContainerExited {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "quitter did not exit: {s:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let status = wait_exited(&lab.node, &lab.cri, &quitter_id, PROGRESS).await;
     assert_eq!(status.exit_code, 3, "{status:?}");
     let message = std::fs::read_to_string(&k.message).expect("the termination file");
     assert_eq!(
