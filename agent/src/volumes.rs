@@ -273,16 +273,19 @@ fn open_dir(vol: BorrowedFd<'_>, rel: &str) -> nix::Result<OwnedFd> {
 
 /// `mkdir -p` of `sub` inside the volume `vol` (a subPath): each missing
 /// directory made with `mode` (the volume's, as kubelet makes a subPath's),
-/// every step opened beneath the volume without following a symlink.
+/// every step opened beneath the volume without following a symlink. What
+/// a container made there already stays, a file included (a subPath may
+/// name a file one container wrote for another), unless it is a symlink.
 fn make_subdir(vol: BorrowedFd<'_>, sub: &str, mode: u32) -> Result<()> {
     validate_path(sub)?;
+    let parts: Vec<&str> = sub.split('/').collect();
     let mut done = String::new();
-    for part in sub.split('/') {
-        let parent = open_dir(vol, &done).map_err(sys("opening", sub))?;
-        match mkdirat(parent.as_fd(), part, Mode::from_bits_retain(mode)) {
+    for (i, part) in parts.iter().copied().enumerate() {
+        let dir = open_dir(vol, &done).map_err(sys("opening", sub))?;
+        match mkdirat(dir.as_fd(), part, Mode::from_bits_retain(mode)) {
             Ok(()) => {
                 let made = openat(
-                    parent.as_fd(),
+                    dir.as_fd(),
                     part,
                     OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
                     Mode::empty(),
@@ -292,6 +295,12 @@ fn make_subdir(vol: BorrowedFd<'_>, sub: &str, mode: u32) -> Result<()> {
                 nix::sys::stat::fchmod(made.as_fd(), Mode::from_bits_retain(mode))
                     .map_err(sys("setting the mode of", sub))?;
             }
+            Err(Errno::EEXIST) if i + 1 == parts.len() => {
+                let st = stat_at(dir.as_fd(), part).map_err(sys("inspecting", sub))?;
+                if st.is_some_and(|st| is(&st, SFlag::S_IFLNK)) {
+                    return Err(invalid(format!("subPath {sub:?} is a symlink in the volume")));
+                }
+            }
             Err(Errno::EEXIST) => {}
             Err(e) => return Err(sys("creating", sub)(e)),
         }
@@ -300,8 +309,6 @@ fn make_subdir(vol: BorrowedFd<'_>, sub: &str, mode: u32) -> Result<()> {
         }
         done.push_str(part);
     }
-    // What exists is a directory beneath the volume, not a link out of it.
-    open_dir(vol, &done).map_err(sys("opening", sub))?;
     Ok(())
 }
 
@@ -1014,9 +1021,14 @@ mod tests {
             .mode();
         assert_eq!(mode & 0o7777, 0o777, "the volume's mode, past the umask");
         make_subdir(vol.as_fd(), "seed/deep", 0o777).unwrap();
+        // A file one container wrote for another's subPath stays.
+        std::fs::write(tmp.path().join("seed/file"), "x").unwrap();
+        make_subdir(vol.as_fd(), "seed/file", 0o777).unwrap();
+        assert_eq!(std::fs::read(tmp.path().join("seed/file")).unwrap(), b"x");
         let outside = tempfile::tempdir().unwrap();
         std::os::unix::fs::symlink(outside.path(), tmp.path().join("out")).unwrap();
         assert!(make_subdir(vol.as_fd(), "out/x", 0o777).is_err());
+        assert!(make_subdir(vol.as_fd(), "out", 0o777).is_err(), "a link as the subPath");
         assert!(!outside.path().join("x").exists(), "made through a link");
         assert!(code(make_subdir(vol.as_fd(), "../x", 0o777)).starts_with("invalid"));
     }
