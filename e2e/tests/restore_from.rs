@@ -346,6 +346,9 @@ async fn failure_scenario() {
     for (k, v) in &original.labels {
         copy.set_label(k, v);
     }
+    if let Some(owner) = &original.owner {
+        copy.set_owner(owner).unwrap();
+    }
     let corrupt = copy.publish().unwrap();
     // As readable to the jailed VMMs as the original (the store makes
     // its own copies private).
