@@ -298,7 +298,9 @@ fn make_subdir(vol: BorrowedFd<'_>, sub: &str, mode: u32) -> Result<()> {
             Err(Errno::EEXIST) if i + 1 == parts.len() => {
                 let st = stat_at(dir.as_fd(), part).map_err(sys("inspecting", sub))?;
                 if st.is_some_and(|st| is(&st, SFlag::S_IFLNK)) {
-                    return Err(invalid(format!("subPath {sub:?} is a symlink in the volume")));
+                    return Err(invalid(format!(
+                        "subPath {sub:?} is a symlink in the volume"
+                    )));
                 }
             }
             Err(Errno::EEXIST) => {}
@@ -1028,7 +1030,10 @@ mod tests {
         let outside = tempfile::tempdir().unwrap();
         std::os::unix::fs::symlink(outside.path(), tmp.path().join("out")).unwrap();
         assert!(make_subdir(vol.as_fd(), "out/x", 0o777).is_err());
-        assert!(make_subdir(vol.as_fd(), "out", 0o777).is_err(), "a link as the subPath");
+        assert!(
+            make_subdir(vol.as_fd(), "out", 0o777).is_err(),
+            "a link as the subPath"
+        );
         assert!(!outside.path().join("x").exists(), "made through a link");
         assert!(code(make_subdir(vol.as_fd(), "../x", 0o777)).starts_with("invalid"));
     }
