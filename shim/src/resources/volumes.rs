@@ -464,7 +464,15 @@ pub fn read_tree(root: &Path) -> Result<Vec<VolumeEntry>> {
             if meta.file_type().is_symlink() {
                 let target = std::fs::read_link(&full)
                     .map_err(|e| mirror_error(&full, "reading the link", &e))?;
-                let target = target.to_str().unwrap_or_default().to_string();
+                let target = target
+                    .to_str()
+                    .ok_or_else(|| {
+                        Error::FailedPrecondition(format!(
+                            "{}: a link target that is not UTF-8 cannot be mirrored into the VM",
+                            full.display()
+                        ))
+                    })?
+                    .to_string();
                 total += target.len();
                 entry.kind = Some(volume_entry::Kind::Symlink(target));
             } else if meta.is_dir() {
