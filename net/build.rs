@@ -1,4 +1,5 @@
-//! Compiles `bpf/pod.c` into `$OUT_DIR/pod.o`, which the crate embeds —
+//! Compiles `bpf/pod.c` and `bpf/forward.c` into `$OUT_DIR/pod.o` and
+//! `$OUT_DIR/forward.o`, which the crate embeds —
 //! only with the `loader` feature (without it nothing embeds the object, and
 //! no clang is needed).
 
@@ -16,10 +17,15 @@ fn main() {
     let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
     println!("cargo:rerun-if-env-changed=TWIG_NET_CLANG");
     println!("cargo:rerun-if-changed=bpf/pod.c");
+    println!("cargo:rerun-if-changed=bpf/forward.c");
     println!("cargo:rerun-if-changed=build/compile.rs");
-    if let Err(message) = compile::compile_bpf(&clang, "bpf/pod.c".as_ref(), &out_dir.join("pod.o"))
-    {
-        eprintln!("{message}");
-        panic!("{message}");
+    for name in ["pod", "forward"] {
+        let source = PathBuf::from(format!("bpf/{name}.c"));
+        if let Err(message) =
+            compile::compile_bpf(&clang, &source, &out_dir.join(format!("{name}.o")))
+        {
+            eprintln!("{message}");
+            panic!("{message}");
+        }
     }
 }

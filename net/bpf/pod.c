@@ -7,9 +7,11 @@
 //                  against the pod's identity and egress policy, then
 //                  redirected out of the pod's veth.
 //   veth_ingress - frames arriving on the pod's veth are redirected to the tap;
-//                  the TCP, UDP and ICMP echo flows they start are recorded
-//                  in `flows`, so the guest may answer them even where its
-//                  policy would drop a packet it started itself.
+//                  the flows peers start are recorded in `flows` (a TCP
+//                  connection by its SYN, an ICMP echo request, a UDP
+//                  datagram only to a port the pod opted in to), so the
+//                  guest may answer them even where its policy would drop
+//                  a packet it started itself.
 //
 // The layout of every map key and value is mirrored in src/maps.rs.
 #include <linux/bpf.h>
@@ -56,6 +58,8 @@ enum state_index {
 	S_MAX = 3,
 };
 
+#define UDP_REPLY_RANGES 8
+
 struct pod_config {
 	__u32 pod_ip;       // network byte order
 	__u32 veth_ifindex;
@@ -66,6 +70,10 @@ struct pod_config {
 	__u32 tcp_idle_ms;
 	__u32 udp_idle_ms;
 	__u32 icmp_idle_ms;
+	// The pod's UDP ports (inclusive ranges, host byte order) whose
+	// datagrams from a peer open a reply path; a range starting at 0 ends
+	// the list, so all zeros (the default) means no UDP replies at all.
+	__u16 udp_reply_ports[UDP_REPLY_RANGES][2];
 };
 
 // A flow a peer started towards the pod, as seen on the veth. For ICMP echo,
@@ -229,10 +237,26 @@ static __always_inline __u64 idle_ns(const struct pod_config *cfg, __u8 proto)
 	return (__u64)ms * 1000000;
 }
 
+// Whether the pod opted in to UDP replies on `port` (network byte order).
+static __always_inline int udp_reply_port(const struct pod_config *cfg, __u16 port)
+{
+	__u16 p = bpf_ntohs(port);
+#pragma unroll
+	for (int i = 0; i < UDP_REPLY_RANGES; i++) {
+		__u16 first = cfg->udp_reply_ports[i][0];
+		if (!first)
+			return 0;
+		if (p >= first && p <= cfg->udp_reply_ports[i][1])
+			return 1;
+	}
+	return 0;
+}
+
 // Whether the guest's packet answers a flow its peer started within the
 // idle timeout: the peer is the destination, the ports are swapped (an echo
-// reply carries the request's identifier). A TCP SYN without ACK opens a
-// connection and never answers one.
+// reply carries the request's identifier), and for UDP the pod's port is
+// still opted in. A TCP SYN without ACK opens a connection and never
+// answers one.
 static __always_inline int is_reply(const struct pod_config *cfg, struct iphdr *ip, void *end)
 {
 	struct flow_key key = {
@@ -253,6 +277,8 @@ static __always_inline int is_reply(const struct pod_config *cfg, struct iphdr *
 			return 0;
 		key.pod_port = ports[0];
 		key.peer_port = ports[1];
+		if (key.proto == IPPROTO_UDP && !udp_reply_port(cfg, key.pod_port))
+			return 0;
 	} else if (key.proto == IPPROTO_ICMP) {
 		struct icmp_echo *echo = l4;
 		if ((void *)(echo + 1) > end)
@@ -270,9 +296,14 @@ static __always_inline int is_reply(const struct pod_config *cfg, struct iphdr *
 	return bpf_ktime_get_ns() - *seen < idle;
 }
 
-// Records (or refreshes) the flow a frame arriving for the guest belongs
-// to: TCP, UDP, or an ICMP echo request, addressed to the pod, not a later
-// fragment. Anything else is only passed on.
+// Records the flow a peer starts towards the guest, or refreshes one
+// already recorded, from a frame addressed to the pod (not a later
+// fragment). Only three things start a flow: a TCP SYN without ACK (a
+// connection the peer opens), a UDP datagram to a port the pod opted in to
+// (`udp_reply_ports`), and an ICMP echo request. Any other TCP segment
+// only refreshes its connection's flow if the SYN was recorded; other UDP
+// and ICMP are only passed on. So a peer the policy keeps the guest from
+// reaching cannot open a way out by sending a stray datagram or segment.
 static __always_inline void record_flow(struct __sk_buff *skb, const struct pod_config *cfg)
 {
 	if (skb->vlan_present)
@@ -293,12 +324,21 @@ static __always_inline void record_flow(struct __sk_buff *skb, const struct pod_
 		.proto = ip->protocol,
 	};
 	void *l4 = (void *)ip + ip->ihl * 4;
+	int opens = 1;
 	if (key.proto == IPPROTO_TCP || key.proto == IPPROTO_UDP) {
 		__u16 *ports = l4;
 		if ((void *)(ports + 2) > end)
 			return;
 		key.peer_port = ports[0];
 		key.pod_port = ports[1];
+		if (key.proto == IPPROTO_TCP) {
+			__u8 *flags = l4 + TCP_FLAGS_OFFSET;
+			if ((void *)(flags + 1) > end)
+				return;
+			opens = (*flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == TCP_FLAG_SYN;
+		} else if (!udp_reply_port(cfg, key.pod_port)) {
+			return;
+		}
 	} else if (key.proto == IPPROTO_ICMP) {
 		struct icmp_echo *echo = l4;
 		if ((void *)(echo + 1) > end)
@@ -309,14 +349,18 @@ static __always_inline void record_flow(struct __sk_buff *skb, const struct pod_
 	} else {
 		return;
 	}
-	if (!idle_ns(cfg, key.proto))
+	__u64 idle = idle_ns(cfg, key.proto);
+	if (!idle)
 		return;
 	__u64 now = bpf_ktime_get_ns();
 	__u64 *seen = bpf_map_lookup_elem(&flows, &key);
-	if (seen)
-		*seen = now;
-	else
+	if (seen) {
+		// A segment of an idle-expired connection revives nothing.
+		if (opens || now - *seen < idle)
+			*seen = now;
+	} else if (opens) {
 		bpf_map_update_elem(&flows, &key, &now, BPF_ANY);
+	}
 }
 
 static __always_inline int same_mac(const __u8 *a, const __u8 *b)

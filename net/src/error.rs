@@ -77,6 +77,9 @@ pub enum Error {
         /// The timeout asked for.
         timeout: std::time::Duration,
     },
+    /// A list of UDP reply ports was rejected; nothing was changed.
+    #[error("UDP reply ports: {0}")]
+    UdpReplyPorts(String),
     /// A BPF operation failed.
     #[error("{what}: {source}")]
     Bpf {

@@ -37,6 +37,8 @@ mod error;
 #[cfg(feature = "loader")]
 mod flows;
 #[cfg(feature = "loader")]
+mod forward;
+#[cfg(feature = "loader")]
 mod loader;
 mod maps;
 mod metrics;
@@ -58,6 +60,8 @@ pub use error::Error;
 #[cfg(feature = "loader")]
 pub use flows::FlowTimeouts;
 #[cfg(feature = "loader")]
+pub use forward::{Forwarded, PortForward};
+#[cfg(feature = "loader")]
 pub use loader::Loader;
 pub use maps::{FLOW_CAPACITY, RULE_CAPACITY};
 pub use metrics::{render_openmetrics, Counter, Counters, PodCounters, Reason};
@@ -75,6 +79,11 @@ pub use support::{check_support, check_support_with, AttachMode, ATTACH_MODE_ENV
 #[cfg(feature = "loader")]
 pub(crate) static POD_OBJECT: &[u8] =
     aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/pod.o"));
+
+/// The compiled eBPF object of port-forward (`bpf/forward.c`).
+#[cfg(feature = "loader")]
+pub(crate) static FORWARD_OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/forward.o"));
 
 #[cfg(all(test, feature = "loader"))]
 #[path = "../build/compile.rs"]

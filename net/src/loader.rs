@@ -2,6 +2,18 @@
 //! paths from a pool of program-and-map sets loaded ahead of time, so a pod's
 //! set-up only looks up its interfaces, writes its config and policy, pins
 //! and attaches.
+//!
+//! Off the pod's path: parsing the kernel's BTF (`EbpfLoader::new` does,
+//! even when told not to use it; once per process here), loading the ELF
+//! (aya cannot load from an object parsed once, so the 36 KB object's parse
+//! stays in each set's load), creating the maps and running the verifier.
+//! On it: the interface `ioctl`s, 6–10 pins, a few map writes, the two
+//! attaches. The caller keeps the pool filled (`preload` after attaches);
+//! across processes the node daemon's net pool keeps prepared sets
+//! ([`Loader::prepare`], taken by renaming the directory within the bpffs).
+//! `attach` `setns`es the calling thread into the pod's namespace and back
+//! (no spawned thread); if the way back fails the process aborts rather
+//! than stay in the pod's namespace.
 
 use std::path::Path;
 use std::sync::{Mutex, PoisonError};
@@ -266,6 +278,7 @@ fn join(
             tcp_idle_ms,
             udp_idle_ms,
             icmp_idle_ms,
+            udp_reply_ports: Default::default(),
         })?;
         pod.write_policy(compiled)?;
         let mut record = Attachment {

@@ -92,6 +92,10 @@ pub(crate) fn state_default_index(gen: u8) -> u32 {
 }
 
 #[cfg(feature = "loader")]
+/// `UDP_REPLY_RANGES`: how many UDP port ranges a pod may open to replies.
+pub(crate) const UDP_REPLY_RANGES: usize = 8;
+
+#[cfg(feature = "loader")]
 /// `struct pod_config`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -105,14 +109,20 @@ pub(crate) struct PodConfig {
     pub tcp_idle_ms: u32,
     pub udp_idle_ms: u32,
     pub icmp_idle_ms: u32,
+    /// The pod's UDP ports (inclusive ranges, host order) whose datagrams
+    /// open a reply path; a range starting at 0 ends the list.
+    pub udp_reply_ports: [[u16; 2]; UDP_REPLY_RANGES],
 }
 
 #[cfg(feature = "loader")]
-// SAFETY: `PodConfig` is `repr(C)`, made only of integers and byte arrays,
-// with no implicit padding (4 + 4 + 4 + 6 + 2 + 3 * 4 bytes, every field at
-// a multiple of its alignment), so every bit pattern is a valid value and it
+// SAFETY: `PodConfig` is `repr(C)`, made only of integers and integer
+// arrays, with no implicit padding (4 + 4 + 4 + 6 + 2 + 3 * 4 + 8 * 2 * 2
+// bytes, every field at a multiple of its alignment), so every bit pattern is a valid value and it
 // can be copied to and from the kernel as bytes.
 unsafe impl aya::Pod for PodConfig {}
+
+#[cfg(feature = "loader")]
+const _: () = assert!(std::mem::size_of::<PodConfig>() == 64);
 
 /// The tiers of `enum tier`: the order in which rules are checked.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -10,7 +10,7 @@ use aya::programs::links::PinnedLink;
 use aya::Ebpf;
 
 use crate::error::Context;
-use crate::flows::FlowTimeouts;
+use crate::flows::{udp_reply_ports, udp_reply_ranges, FlowTimeouts};
 use crate::maps::{
     state_default_index, Attachment, PodConfig, RawCounter, RuleKey, ALL_PINS, KEY_FIXED_BITS,
     LINK_TAP, LINK_VETH, MAP_ATTACHMENT, MAP_CONFIG, MAP_COUNTERS, MAP_FLOWS, MAP_PINS, MAP_RULES,
@@ -18,7 +18,7 @@ use crate::maps::{
 };
 use crate::metrics::{Counter, Counters, Reason};
 use crate::netns::{in_netns, netns_id, IfSocket};
-use crate::policy::{CompiledPolicy, EgressPolicy, NodeContext};
+use crate::policy::{CompiledPolicy, EgressPolicy, NodeContext, PortRange};
 use crate::support::AttachMode;
 use crate::tc::detach_filter;
 use crate::Error;
@@ -271,6 +271,39 @@ impl PodNetwork {
         config.icmp_idle_ms = icmp;
         self.write_config(config)?;
         tracing::info!(dir = %self.dir.display(), ?timeouts, "pod flow idle timeouts changed");
+        Ok(())
+    }
+
+    /// The pod's UDP ports whose datagrams from a peer the guest may answer
+    /// (see [`PodNetwork::set_udp_reply_ports`]); empty by default.
+    pub fn udp_reply_ports(&self) -> Result<Vec<PortRange>, Error> {
+        let config = self
+            .config
+            .get(&0, 0)
+            .context(|| "reading the pod's config".into())?;
+        Ok(udp_reply_ports(&config.udp_reply_ports))
+    }
+
+    /// Opts the pod in to UDP replies on these ports of its own (at most 8
+    /// ranges), replacing any earlier list; `&[]` turns UDP replies off.
+    ///
+    /// A UDP datagram a peer sends to one of them is recorded as a flow the
+    /// guest may answer (from that port, to the peer's address and port,
+    /// within the UDP idle timeout) even where its egress policy would drop
+    /// the answer — what a UDP server (DNS on 53, syslog, statsd) needs to
+    /// answer clients in private space. Datagrams to any other port open
+    /// nothing: otherwise anyone the policy keeps the guest from reaching
+    /// could open a way out by sending it one. Takes effect at once, for
+    /// flows already recorded too; a rejected list changes nothing.
+    pub fn set_udp_reply_ports(&mut self, ports: &[PortRange]) -> Result<(), Error> {
+        let ranges = udp_reply_ranges(ports)?;
+        let mut config = self
+            .config
+            .get(&0, 0)
+            .context(|| "reading the pod's config".into())?;
+        config.udp_reply_ports = ranges;
+        self.write_config(config)?;
+        tracing::info!(dir = %self.dir.display(), ?ports, "pod UDP reply ports changed");
         Ok(())
     }
 

@@ -1,6 +1,33 @@
 //! The egress policy of a pod: plain serde types (with an optional JSON schema
 //! for the controller's CRDs), their validation, and their compilation into
 //! entries of the `rules` LPM trie.
+//!
+//! - **Precedence**: (1) `deny` rules and the built-in link-local deny
+//!   ([`ALWAYS_DENIED`], the metadata service) drop; (2) `allow` rules and
+//!   the cluster DNS resolvers (UDP/TCP 53, [`NodeContext`]) pass; (3) the
+//!   private set ([`PRIVATE_BY_DEFAULT`]: RFC 1918, 100.64.0.0/10, 127/8,
+//!   0/8, 224/4, 240/4, and the node's addresses) drops; (4)
+//!   `defaultAction` (default `allow`). Deny always beats allow; the
+//!   metadata range cannot be allowed. A packet (3) or (4) would drop passes
+//!   when it answers a flow the peer started (reply tracking); one (1)
+//!   drops does not: a security team reads `deny` as "never".
+//! - **Ports**: a rule matches a protocol (`tcp`, `udp`, `icmp`, or all;
+//!   ports without a protocol mean TCP and UDP) and destination ports (all
+//!   when empty). Each port is one trie entry (generation, tier, protocol,
+//!   port, then the prefix); a lookup tries (proto, port), (proto, any),
+//!   (any, any) per tier. At most [`MAX_PORTS_PER_RULE`] ports a rule, and
+//!   half the trie ([`RULE_CAPACITY`](crate::RULE_CAPACITY)) for a policy,
+//!   so an update fits beside the old one.
+//! - **Updates are atomic**: the new rules are written as the inactive
+//!   generation, one map write flips the active one, then the old is
+//!   deleted. A rejected policy changes nothing.
+//! - **The annotation replaces, never merges**: a pod's
+//!   `twig.dev/egress-policy` replaces its template's policy whole (`{}` is
+//!   the built-in default); a malformed one is an error, never a fall-back.
+//!   What may widen it is bounded by [`crate::bounded_policy`].
+//! - **Unknown fields** are rejected (`deny_unknown_fields`); in a CRD the
+//!   schema cannot say so (not structural), so the API server prunes them.
+//! - IPv6 CIDRs are rejected: every IPv6 frame from a pod is dropped.
 
 use std::collections::BTreeSet;
 use std::fmt;

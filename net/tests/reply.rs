@@ -2,7 +2,10 @@
 //! which plays the node (its address is private, and the node's), reaches
 //! the pod; the test plays the guest on the tap and answers. With the
 //! default policy the answers pass (counted under `reply`), while the guest
-//! still cannot start anything towards that address. Needs root.
+//! still cannot start anything towards that address. Only a TCP SYN, an
+//! ICMP echo request and a UDP datagram to a port the pod opted in open a
+//! reply path: a stray segment or datagram from an address the policy
+//! forbids opens nothing. Needs root.
 
 mod common;
 
@@ -16,13 +19,17 @@ use std::time::{Duration, Instant};
 use common::*;
 use nix::sched::{setns, CloneFlags};
 use twig_net::{
-    AttachMode, EgressPolicy, EgressRule, FlowTimeouts, Loader, NodeContext, PodNetwork, Reason,
+    Action, AttachMode, EgressPolicy, EgressRule, FlowTimeouts, Loader, NodeContext, PodNetwork,
+    PortRange, Reason,
 };
 
 /// The node's address: the client's source, private.
 const NODE_IP: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 7);
 const TCP_PORT: u16 = 8080;
 const UDP_PORT: u16 = 7000;
+/// An address the policy forbids (public, under a default deny): a
+/// collaborator the guest must not reach.
+const FORBIDDEN_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 9);
 const TCP_SYN: u8 = 0x02;
 const TCP_PSH: u8 = 0x08;
 const TCP_ACK: u8 = 0x10;
@@ -31,6 +38,24 @@ fn node() -> NodeContext {
     NodeContext {
         node_addrs: vec![NODE_IP],
         cluster_dns: vec![],
+    }
+}
+
+/// `port` alone, as a UDP reply port.
+fn port(port: u16) -> PortRange {
+    PortRange {
+        port,
+        end_port: None,
+    }
+}
+
+/// Default deny; only the test's peer (for `assert_dropped`'s markers) is
+/// allowed.
+fn deny_by_default() -> EgressPolicy {
+    EgressPolicy {
+        default_action: Action::Deny,
+        allow: vec![EgressRule::cidr(&format!("{PEER_IP}/32"))],
+        deny: vec![],
     }
 }
 
@@ -135,6 +160,36 @@ fn tcp(
     let sum = !(sum16(&t, sum16(&pseudo, 0)) as u16);
     t[16..18].copy_from_slice(&sum.to_be_bytes());
     ether(PEER_MAC, POD_MAC, 0x0800, &ipv4(POD_IP, dst, 6, 0, &t))
+}
+
+/// A TCP segment from `src` (outside) to the pod; no checksum (only the
+/// programs and the test read it).
+fn peer_tcp(src: Ipv4Addr, sport: u16, dport: u16, flags: u8, payload: &[u8]) -> Vec<u8> {
+    let mut t = Vec::with_capacity(20 + payload.len());
+    t.extend_from_slice(&sport.to_be_bytes());
+    t.extend_from_slice(&dport.to_be_bytes());
+    t.extend_from_slice(&7u32.to_be_bytes());
+    t.extend_from_slice(&7u32.to_be_bytes());
+    t.extend_from_slice(&[5 << 4, flags, 0xff, 0xff, 0, 0, 0, 0]);
+    t.extend_from_slice(payload);
+    ether(POD_MAC, PEER_MAC, 0x0800, &ipv4(src, POD_IP, 6, 0, &t))
+}
+
+/// A UDP datagram from `src:sport` (outside) to the pod's `dport`.
+fn peer_udp(src: Ipv4Addr, sport: u16, dport: u16, payload: &[u8]) -> Vec<u8> {
+    ether(
+        POD_MAC,
+        PEER_MAC,
+        0x0800,
+        &ipv4(src, POD_IP, 17, 0, &l4(sport, dport, payload)),
+    )
+}
+
+/// Sends `frame` from outside and waits until the guest has it (so the
+/// veth's program has seen it).
+fn peer_sends(bed: &mut Bed, frame: &[u8], marker: &[u8]) {
+    bed.outside_send(frame);
+    bed.guest_recv_until(|f| contains(f, marker));
 }
 
 /// An ICMP echo message (`kind` 8 request, 0 reply), checksum included.
@@ -354,7 +409,7 @@ fn the_nodes_tcp_udp_and_ping_are_answered(mode: AttachMode) {
         AttachMode::Netlink => "rn",
     };
     let mut bed = node_bed(tag);
-    let (pod, _) = loader(mode)
+    let (mut pod, _) = loader(mode)
         .attach(
             &bed.bpffs.pod_dir("r"),
             &bed.config(),
@@ -366,6 +421,9 @@ fn the_nodes_tcp_udp_and_ping_are_answered(mode: AttachMode) {
         pod.flow_timeouts().expect("timeouts"),
         FlowTimeouts::default()
     );
+    assert_eq!(pod.udp_reply_ports().expect("ports"), []);
+    pod.set_udp_reply_ports(&[port(UDP_PORT)])
+        .expect("opt in to UDP replies");
 
     let tcp_client = tcp_exchange(&mut bed);
     wait_count(&pod, Reason::PassReply, 2);
@@ -456,6 +514,8 @@ fn a_reply_after_the_idle_timeout_is_dropped() {
             &node(),
         )
         .expect("attach");
+    pod.set_udp_reply_ports(&[port(UDP_PORT)])
+        .expect("opt in to UDP replies");
     let (udp, client) = udp_request(&mut bed, None, b"udp-hello");
     // The guest has read the node's datagram: the flow was last seen before.
     let seen_before = Instant::now();
@@ -521,9 +581,11 @@ fn a_deny_rule_drops_replies_too_and_a_default_deny_does_not() {
         allow: vec![EgressRule::cidr(&format!("{PEER_IP}/32"))],
         deny: vec![EgressRule::cidr(&format!("{NODE_IP}/32"))],
     };
-    let (pod, _) = loader(AttachMode::Netlink)
+    let (mut pod, _) = loader(AttachMode::Netlink)
         .attach(&bed.bpffs.pod_dir("r"), &bed.config(), &policy, &node())
         .expect("attach");
+    pod.set_udp_reply_ports(&[port(UDP_PORT)])
+        .expect("opt in to UDP replies");
     let (_udp, client) = udp_request(&mut bed, None, b"udp-hello");
     assert_dropped(
         &mut bed,
@@ -562,9 +624,11 @@ fn flows_survive_a_restart_and_a_new_attach_starts_empty() {
     let mut bed = node_bed("rrs");
     let dir = bed.bpffs.pod_dir("r");
     let loader = loader(AttachMode::Netlink);
-    let (pod, _) = loader
+    let (mut pod, _) = loader
         .attach(&dir, &bed.config(), &EgressPolicy::default(), &node())
         .expect("attach");
+    pod.set_udp_reply_ports(&[port(UDP_PORT)])
+        .expect("opt in to UDP replies");
     let flows = aya::maps::MapData::from_pin(dir.join("flows")).expect("the flow map is pinned");
     let info = flows.info().expect("map info");
     assert_eq!(
@@ -577,6 +641,7 @@ fn flows_survive_a_restart_and_a_new_attach_starts_empty() {
     // The handle goes away (a shim restart); recorded flows stay.
     drop(pod);
     let pod = PodNetwork::open(&dir).expect("reopen");
+    assert_eq!(pod.udp_reply_ports().expect("ports"), [port(UDP_PORT)]);
     bed.guest_send(&guest_udp_from(UDP_PORT, NODE_IP, client, b"after-restart"));
     udp_answer(&udp, b"after-restart");
     wait_count(&pod, Reason::PassReply, 1);
@@ -591,6 +656,7 @@ fn flows_survive_a_restart_and_a_new_attach_starts_empty() {
             &node(),
         )
         .expect("attach the clone");
+    assert_eq!(clone.udp_reply_ports().expect("ports"), []);
     assert_dropped(
         &mut bed,
         &clone,
@@ -600,6 +666,240 @@ fn flows_survive_a_restart_and_a_new_attach_starts_empty() {
     );
     assert_eq!(count(&clone, Reason::PassReply), 0);
     clone.detach().expect("detach");
+}
+
+#[test]
+fn only_a_syn_opens_a_tcp_reply_path() {
+    let mut bed = node_bed("rsyn");
+    let (mut pod, _) = loader(AttachMode::Netlink)
+        .attach(
+            &bed.bpffs.pod_dir("r"),
+            &bed.config(),
+            &deny_by_default(),
+            &node(),
+        )
+        .expect("attach");
+
+    // Segments of no connection the forbidden peer opened (an ACK, data, a
+    // SYN-ACK as if the guest had called) open nothing: the guest's answers
+    // to them are dropped.
+    let stray: [(&str, u16, u8); 3] = [
+        ("ack-only", 41000, TCP_ACK),
+        ("data-only", 41001, TCP_PSH | TCP_ACK),
+        ("syn-ack-in", 41002, TCP_SYN | TCP_ACK),
+    ];
+    for (name, peer_port, flags) in stray {
+        peer_sends(
+            &mut bed,
+            &peer_tcp(FORBIDDEN_IP, peer_port, TCP_PORT, flags, name.as_bytes()),
+            name.as_bytes(),
+        );
+        for (answer, flags) in [("ack", TCP_ACK), ("data", TCP_PSH | TCP_ACK)] {
+            let name = format!("{answer}-to-{name}");
+            assert_dropped(
+                &mut bed,
+                &pod,
+                &name,
+                &tcp(
+                    FORBIDDEN_IP,
+                    TCP_PORT,
+                    peer_port,
+                    1,
+                    8,
+                    flags,
+                    name.as_bytes(),
+                ),
+                Reason::Default,
+            );
+        }
+    }
+    assert_eq!(count(&pod, Reason::PassReply), 0);
+
+    // A SYN (a connection the peer opens) lets the guest's SYN-ACK and data
+    // through, on that port pair only.
+    const CLIENT: u16 = 41003;
+    peer_sends(
+        &mut bed,
+        &peer_tcp(FORBIDDEN_IP, CLIENT, TCP_PORT, TCP_SYN, b"syn-open"),
+        b"syn-open",
+    );
+    let seen_before = Instant::now();
+    assert_passes(
+        &mut bed,
+        &tcp(
+            FORBIDDEN_IP,
+            TCP_PORT,
+            CLIENT,
+            1000,
+            8,
+            TCP_SYN | TCP_ACK,
+            b"syn-ack-answer",
+        ),
+        "syn-ack-answer",
+    );
+    assert_passes(
+        &mut bed,
+        &tcp(
+            FORBIDDEN_IP,
+            TCP_PORT,
+            CLIENT,
+            1001,
+            8,
+            TCP_PSH | TCP_ACK,
+            b"data-answer",
+        ),
+        "data-answer",
+    );
+    wait_count(&pod, Reason::PassReply, 2);
+    assert_dropped(
+        &mut bed,
+        &pod,
+        "other-pair",
+        &tcp(
+            FORBIDDEN_IP,
+            TCP_PORT,
+            CLIENT + 1,
+            1001,
+            8,
+            TCP_PSH | TCP_ACK,
+            b"other-pair",
+        ),
+        Reason::Default,
+    );
+
+    // Once the connection has idled past the TCP timeout, a later segment
+    // of it does not revive it; a new SYN does.
+    let short = Duration::from_millis(50);
+    pod.set_flow_timeouts(&FlowTimeouts {
+        tcp: short,
+        ..FlowTimeouts::default()
+    })
+    .expect("set timeouts");
+    while seen_before.elapsed() <= short {
+        std::thread::yield_now();
+    }
+    peer_sends(
+        &mut bed,
+        &peer_tcp(FORBIDDEN_IP, CLIENT, TCP_PORT, TCP_ACK, b"late-ack"),
+        b"late-ack",
+    );
+    assert_dropped(
+        &mut bed,
+        &pod,
+        "after-expiry",
+        &tcp(
+            FORBIDDEN_IP,
+            TCP_PORT,
+            CLIENT,
+            1002,
+            8,
+            TCP_PSH | TCP_ACK,
+            b"after-expiry",
+        ),
+        Reason::Default,
+    );
+    peer_sends(
+        &mut bed,
+        &peer_tcp(FORBIDDEN_IP, CLIENT, TCP_PORT, TCP_SYN, b"syn-again"),
+        b"syn-again",
+    );
+    assert_passes(
+        &mut bed,
+        &tcp(
+            FORBIDDEN_IP,
+            TCP_PORT,
+            CLIENT,
+            1003,
+            8,
+            TCP_PSH | TCP_ACK,
+            b"reopened",
+        ),
+        "reopened",
+    );
+    wait_count(&pod, Reason::PassReply, 3);
+    pod.detach().expect("detach");
+}
+
+#[test]
+fn udp_opens_a_reply_path_only_to_a_port_the_pod_opted_in() {
+    let mut bed = node_bed("rudp");
+    let (mut pod, _) = loader(AttachMode::Netlink)
+        .attach(
+            &bed.bpffs.pod_dir("r"),
+            &bed.config(),
+            &deny_by_default(),
+            &node(),
+        )
+        .expect("attach");
+    assert_eq!(pod.udp_reply_ports().expect("ports"), []);
+    const PEER_PORT: u16 = 5353;
+    let answer =
+        |from: u16, name: &str| guest_udp_from(from, FORBIDDEN_IP, PEER_PORT, name.as_bytes());
+
+    // By default, a datagram from the forbidden peer opens nothing.
+    peer_sends(
+        &mut bed,
+        &peer_udp(FORBIDDEN_IP, PEER_PORT, UDP_PORT, b"udp-stray"),
+        b"udp-stray",
+    );
+    assert_dropped(
+        &mut bed,
+        &pod,
+        "stray-answer",
+        &answer(UDP_PORT, "stray-answer"),
+        Reason::Default,
+    );
+    // Nor was it recorded for later: opting in afterwards answers nothing.
+    pod.set_udp_reply_ports(&[port(UDP_PORT)])
+        .expect("opt in to UDP replies");
+    assert_eq!(pod.udp_reply_ports().expect("ports"), [port(UDP_PORT)]);
+    assert_dropped(
+        &mut bed,
+        &pod,
+        "late-opt-in",
+        &answer(UDP_PORT, "late-opt-in"),
+        Reason::Default,
+    );
+
+    // Opted in, a datagram to that port is answered; one to another port
+    // of the pod is not.
+    peer_sends(
+        &mut bed,
+        &peer_udp(FORBIDDEN_IP, PEER_PORT, UDP_PORT, b"udp-opted"),
+        b"udp-opted",
+    );
+    peer_sends(
+        &mut bed,
+        &peer_udp(FORBIDDEN_IP, PEER_PORT, UDP_PORT + 1, b"udp-other"),
+        b"udp-other",
+    );
+    assert_passes(&mut bed, &answer(UDP_PORT, "opted-answer"), "opted-answer");
+    wait_count(&pod, Reason::PassReply, 1);
+    assert_dropped(
+        &mut bed,
+        &pod,
+        "other-answer",
+        &answer(UDP_PORT + 1, "other-answer"),
+        Reason::Default,
+    );
+
+    // A rejected list changes nothing; an empty one ends UDP replies at
+    // once, for flows already recorded too.
+    let err = pod
+        .set_udp_reply_ports(&[port(53); 9])
+        .expect_err("too many ranges");
+    assert!(err.to_string().contains("at most 8"), "{err}");
+    assert_eq!(pod.udp_reply_ports().expect("ports"), [port(UDP_PORT)]);
+    pod.set_udp_reply_ports(&[]).expect("opt out");
+    assert_dropped(
+        &mut bed,
+        &pod,
+        "opted-out",
+        &answer(UDP_PORT, "opted-out"),
+        Reason::Default,
+    );
+    assert_eq!(count(&pod, Reason::PassReply), 1);
+    pod.detach().expect("detach");
 }
 
 mod tcx {
