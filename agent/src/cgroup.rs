@@ -70,7 +70,8 @@ impl Limits {
         }
     }
 
-    fn any(&self) -> bool {
+    /// Whether any limit is given.
+    pub fn any(&self) -> bool {
         *self != Limits::default()
     }
 }
@@ -128,30 +129,44 @@ impl Cgroup {
         std::fs::create_dir(&dir)
             .map_err(|e| AgentError::sys(format!("creating {}", dir.display()), e))?;
         let cgroup = Cgroup { dir };
+        cgroup.apply(&limits)?;
+        Ok(Some(cgroup))
+    }
+
+    /// Writes `limits` into the cgroup's files; a limit not given stays as
+    /// it is.
+    fn apply(&self, limits: &Limits) -> Result<()> {
         if let Some(max) = limits.memory {
-            write(&cgroup.dir.join("memory.max"), &max.to_string())?;
+            write(&self.dir.join("memory.max"), &max.to_string())?;
             // No swap in the VM, but a limit must never be escaped by it.
-            write(&cgroup.dir.join("memory.swap.max"), "0").ok();
+            write(&self.dir.join("memory.swap.max"), "0").ok();
         }
         if let Some(low) = limits.memory_low {
-            write(&cgroup.dir.join("memory.low"), &low.to_string())?;
+            write(&self.dir.join("memory.low"), &low.to_string())?;
         }
         if let Some(max) = limits.pids {
-            write(&cgroup.dir.join("pids.max"), &max.to_string())?;
+            write(&self.dir.join("pids.max"), &max.to_string())?;
         }
         if let Some(weight) = limits.cpu_weight {
-            write(&cgroup.dir.join("cpu.weight"), &weight.to_string())?;
+            write(&self.dir.join("cpu.weight"), &weight.to_string())?;
         }
         if let Some((quota, period)) = limits.cpu_max {
-            write(&cgroup.dir.join("cpu.max"), &format!("{quota} {period}"))?;
+            write(&self.dir.join("cpu.max"), &format!("{quota} {period}"))?;
         }
         if let Some(cpus) = &limits.cpus {
-            write(&cgroup.dir.join("cpuset.cpus"), cpus)?;
+            write(&self.dir.join("cpuset.cpus"), cpus)?;
         }
         if let Some(mems) = &limits.mems {
-            write(&cgroup.dir.join("cpuset.mems"), mems)?;
+            write(&self.dir.join("cpuset.mems"), mems)?;
         }
-        Ok(Some(cgroup))
+        Ok(())
+    }
+
+    /// Changes the running container's limits (CRI's
+    /// UpdateContainerResources, kubelet's in-place resize), as runc's
+    /// `update` does: what `limits` gives is written, the rest stays.
+    pub fn update(&self, limits: &Limits) -> Result<()> {
+        self.apply(limits)
     }
 
     /// Moves process `pid` into the cgroup.

@@ -24,8 +24,8 @@ use crate::proto::agent::{
     ContainerRequest, CreateContainerRequest, ExecProcessRequest, PingRequest, PingResponse,
     PrepareVolumeRequest, ProcessRequest, ReadStreamRequest, ReadVolumeFileRequest,
     ReadVolumeFileResponse, ReidentifyRequest, RemoveVolumeRequest, ResizeTtyRequest,
-    SignalProcessRequest, StatsResponse, SyncVolumeRequest, VolumeEntry, WaitProcessRequest,
-    WriteStdinRequest,
+    SignalProcessRequest, StatsResponse, SyncVolumeRequest, UpdateContainerRequest, VolumeEntry,
+    WaitProcessRequest, WriteStdinRequest,
 };
 use crate::proto::agent_ttrpc_async::AgentClient as RawClient;
 
@@ -667,10 +667,30 @@ impl AgentClient {
         .map(|r| r.previous_realtime_ns)
     }
 
+    /// Changes container `container_id`'s limits in the VM to what
+    /// `resources_json` (an OCI `linux.resources`) gives; the rest stays.
+    pub fn update_container(
+        &self,
+        container_id: &str,
+        resources_json: &[u8],
+        timeout: Duration,
+    ) -> Result<()> {
+        let req = UpdateContainerRequest {
+            container_id: container_id.to_string(),
+            resources_json: resources_json.to_vec(),
+            ..Default::default()
+        };
+        self.call("UpdateContainer", timeout, move |raw| async move {
+            raw.update_container(context(timeout), &req).await
+        })
+        .map(|_| ())
+    }
+
     /// Creates guest volume `req.name` (the directory
     /// `twig_proto::GUEST_VOLUMES_DIR/<name>` in the VM; a tmpfs of its own
-    /// of `tmpfs_bytes` if not 0) unless it exists, resizes its tmpfs, and
-    /// sets its mode and owner.
+    /// of `tmpfs_bytes` if not 0; a directory on the pod's disk `device`
+    /// if set) unless it exists, resizes its tmpfs, and sets its mode and
+    /// owner.
     pub fn prepare_volume(&self, req: &PrepareVolumeRequest, timeout: Duration) -> Result<()> {
         let req = req.clone();
         self.call("PrepareVolume", timeout, move |raw| async move {

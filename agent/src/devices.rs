@@ -15,6 +15,15 @@
 //! In both cases a path that already exists in the container (the default
 //! devices the helper binds, a node of the image) is left as it is, as
 //! runc does.
+//!
+//! Why not the host's list: host numbers mean other devices here (dynamic
+//! majors such as virtio-blk's 254 collide). A privileged container's reach
+//! is the pod's VM, as a runc one's is the node: the guest's devices
+//! include the pod's virtio-blk disks (every container's rootfs). Device
+//! cgroup rules themselves are accepted (containerd sends them for every
+//! container) but not enforced: the guest has no cgroup v2 device program
+//! (`BPF_PROG_TYPE_CGROUP_DEVICE`) wired up, so a container granted
+//! CAP_MKNOD could create and open other device nodes of the VM.
 
 use std::io;
 use std::os::unix::ffi::OsStrExt;

@@ -6,6 +6,25 @@
 //! fd 3, reports warnings and a fatal error as lines on fd 4 (close-on-exec:
 //! end of file there means the final exec succeeded), sets the container up
 //! and execs the process, whose stdio is already on fds 0-2.
+//!
+//! In order: join the namespaces given by path, write the namespaced
+//! sysctls, make `/` rslave, bind the rootfs, perform `spec.mounts` (cgroup
+//! mounts become cgroup2 or are skipped with a warning), populate a tmpfs
+//! `/dev` (binds of the default devices, the `fd`/`std*`/`ptmx` links, the
+//! container's device nodes), mask `maskedPaths`, make `readonlyPaths`
+//! read-only, then `pivot_root` — or, from an initramfs whose root mount
+//! has no parent (`pivot_root` is EINVAL even in a new mount namespace),
+//! move the rootfs onto `/` and `chroot`, like runc's `--no-pivot`. Then
+//! hostname and domain name, `setsid` (and the pty as controlling
+//! terminal), console size, rlimits, `oom_score_adj`, cwd, the credentials
+//! and capabilities in runc's order, umask, no_new_privs, default signal
+//! dispositions, every other fd close-on-exec, the seccomp filter, and
+//! `execve` (the program looked up on the process's `PATH`). Container
+//! paths are resolved with symlinks confined to the rootfs.
+//!
+//! An exec joins a running container instead: the helper opens
+//! `/proc/<init>/root` and `/proc/<init>/ns/*`, joins cgroup, ipc, uts, net
+//! and mnt, `chroot`s to the init's root and goes on as above.
 
 use std::convert::Infallible;
 use std::ffi::{CString, OsStr};

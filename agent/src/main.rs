@@ -11,6 +11,7 @@ mod cgroup;
 mod container;
 mod devices;
 mod error;
+mod forward;
 mod helper;
 mod netdev;
 mod reaper;
@@ -45,6 +46,11 @@ struct Args {
     /// Given: host mode, no system mounts even as PID 1.
     #[arg(long)]
     listen: Option<String>,
+    /// Where to serve port-forward connections (`forward.rs`):
+    /// `vsock://<cid>:<port>` or `unix://<path>`. Default: vsock port
+    /// 1025 as PID 1; none in host mode (`--listen`) unless given.
+    #[arg(long)]
+    forward_listen: Option<String>,
     /// Directory for container state and rootfs mounts.
     #[arg(long, default_value = "/run/twig")]
     state_dir: PathBuf,
@@ -106,6 +112,7 @@ fn main() {
     loop {
         match service::serve(&listen, agent.clone()) {
             Ok(server) => {
+                start_forward(&args, pid1);
                 system::announce_ready(pid1);
                 // The server runs on its own threads; keep it alive forever.
                 let _server = server;
@@ -122,6 +129,23 @@ fn main() {
                 tracing::error!("serving on {listen}: {e}");
                 std::process::exit(1);
             }
+        }
+    }
+}
+
+/// The port-forward listener: `--forward-listen`, else vsock port 1025
+/// unless in host mode (`--listen`). A failure costs port-forward only as
+/// PID 1 (it goes on); otherwise it ends the agent, so a test sees it.
+fn start_forward(args: &Args, pid1: bool) {
+    let listen = match (&args.forward_listen, args.listen.is_none()) {
+        (Some(l), _) => l.clone(),
+        (None, true) => format!("vsock://-1:{}", twig_agent::proto::FORWARD_VSOCK_PORT),
+        (None, false) => return,
+    };
+    if let Err(e) = forward::start(&listen) {
+        tracing::error!("port-forward on {listen}: {e}");
+        if !pid1 {
+            std::process::exit(1);
         }
     }
 }

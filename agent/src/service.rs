@@ -8,14 +8,15 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
+use oci_spec::runtime::LinuxResources;
 use ttrpc::TtrpcContext;
 use twig_agent::proto::agent::{
     ContainerRequest, CreateContainerRequest, Empty, ExecProcessRequest, PingRequest, PingResponse,
     PrepareVolumeRequest, ProcessRequest, ReadStreamRequest, ReadStreamResponse,
     ReadVolumeFileRequest, ReadVolumeFileResponse, ReidentifyRequest, ReidentifyResponse,
     RemoveVolumeRequest, ResizeTtyRequest, SignalProcessRequest, StartResponse, StatsResponse,
-    SyncVolumeRequest, WaitProcessRequest, WaitProcessResponse, WriteStdinRequest,
-    WriteStdinResponse,
+    SyncVolumeRequest, UpdateContainerRequest, WaitProcessRequest, WaitProcessResponse,
+    WriteStdinRequest, WriteStdinResponse,
 };
 use twig_agent::proto::agent_ttrpc::{create_agent, Agent};
 
@@ -67,11 +68,11 @@ fn wait_for_capacity(device: &Path, bytes: u64) -> Result<()> {
     let want = bytes / 512 * 512;
     loop {
         let meta = std::fs::metadata(device).map_err(|e| {
-            AgentError::InvalidArgument(format!("rootfs device {}: {e}", device.display()))
+            AgentError::InvalidArgument(format!("disk device {}: {e}", device.display()))
         })?;
         if !meta.file_type().is_block_device() {
             return Err(AgentError::InvalidArgument(format!(
-                "rootfs device {} is not a block device",
+                "disk device {} is not a block device",
                 device.display()
             )));
         }
@@ -95,7 +96,7 @@ fn wait_for_capacity(device: &Path, bytes: u64) -> Result<()> {
         }
         if Instant::now() >= deadline {
             return Err(AgentError::InvalidArgument(format!(
-                "rootfs device {} has {have} bytes, not its disk's {want}, after \
+                "disk device {} has {have} bytes, not its disk's {want}, after \
                  {CAPACITY_WAIT:?}: the guest did not see the disk attached",
                 device.display()
             )));
@@ -412,6 +413,34 @@ impl Agent for AgentService {
         reply("RemoveProcess", r.map(|()| Empty::new()))
     }
 
+    fn update_container(
+        &self,
+        _ctx: &TtrpcContext,
+        req: UpdateContainerRequest,
+    ) -> ttrpc::Result<Empty> {
+        let r = serde_json::from_slice::<LinuxResources>(&req.resources_json)
+            .map_err(|e| {
+                AgentError::InvalidArgument(format!(
+                    "container {:?}: resources are not an OCI linux.resources: {e}",
+                    req.container_id
+                ))
+            })
+            .and_then(|resources| {
+                let c = self.containers.get(&req.container_id)?;
+                let cgroup = lock(&c).cgroup.clone();
+                let limits = Limits::of(Some(&resources));
+                match cgroup {
+                    Some(cg) => cg.update(&limits),
+                    None if limits.any() => Err(AgentError::FailedPrecondition(format!(
+                        "container {:?} has no cgroup (no cgroup v2 in this VM) to hold {limits:?}",
+                        req.container_id
+                    ))),
+                    None => Ok(()),
+                }
+            });
+        reply("UpdateContainer", r.map(|()| Empty::new()))
+    }
+
     fn stats(&self, _ctx: &TtrpcContext, req: ContainerRequest) -> ttrpc::Result<StatsResponse> {
         let r = self.containers.get(&req.container_id).map(|c| {
             let (rss, user, system, count) = lock(&c).stats();
@@ -446,9 +475,15 @@ impl Agent for AgentService {
         _ctx: &TtrpcContext,
         req: PrepareVolumeRequest,
     ) -> ttrpc::Result<Empty> {
+        let r = if req.device.is_empty() {
+            Ok(())
+        } else {
+            wait_for_capacity(Path::new(&req.device), req.device_bytes)
+        };
         reply(
             "PrepareVolume",
-            self.volumes.prepare(&req).map(|()| Empty::new()),
+            r.and_then(|()| self.volumes.prepare(&req))
+                .map(|()| Empty::new()),
         )
     }
 

@@ -7,6 +7,14 @@
 //! Joining an existing pid namespace happens in a short-lived thread that
 //! `setns`es itself first, so the new process is still the agent's child
 //! and the reaper records its exit.
+//!
+//! Why a runtime of its own rather than youki's libcontainer: that brings
+//! cgroup managers (v1/v2/systemd), libseccomp, D-Bus, a state-directory
+//! protocol and its own process model — far more than a VM-per-pod guest
+//! needs, and binary size and build time for a static PID 1. The VM is the
+//! isolation boundary; inside it the agent needs namespaces, mounts,
+//! `pivot_root`, credentials, rlimits and stdio, which `nix` gives in code
+//! small enough to read, test here and keep static.
 
 use std::ffi::CString;
 use std::fs::File;

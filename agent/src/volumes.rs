@@ -5,7 +5,11 @@
 //! files; containers bind-mount them.
 //!
 //! The root is a tmpfs of the agent's (mode 0700), mounted on first use. A
-//! volume is a directory on it, or a tmpfs of its own with a size. Inside a
+//! volume is a directory on it, a tmpfs of its own with a size, or a
+//! directory on the pod's disk (an ext4 block device the host attached,
+//! mounted once at `pod-disk` beside the root: a disk-backed emptyDir,
+//! which snapshots, rollbacks and clones carry with the pod) bound onto
+//! it. Inside a
 //! volume every operation works on descriptors: parents are opened with
 //! `openat2` beneath the volume without following symlinks, so a symlink
 //! planted in a volume never makes the agent write or read outside it.
@@ -15,7 +19,7 @@ use std::ffi::{OsStr, OsString};
 use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::PathBuf;
 use std::sync::Mutex;
 
@@ -49,6 +53,10 @@ pub const MAX_READ_BYTES: u32 = 64 << 10;
 const RESERVED_PREFIX: &str = "..twig";
 /// Where a file or symlink is made before it is renamed into place.
 const TMP_NAME: &str = "..twig-tmp";
+/// The pod's disk's mount point, beside the volumes root.
+const POD_DISK_DIR: &str = "pod-disk";
+/// The directory of the pod's disk holding its volumes.
+const DISK_VOLUMES: &str = "twig-volumes";
 
 /// The guest's volumes.
 pub struct Volumes {
@@ -766,15 +774,81 @@ impl Volumes {
             .map_err(|e| AgentError::sys(format!("inspecting {}", self.root.display()), e))
     }
 
-    /// PrepareVolume: creates volume `name` (a directory, or a tmpfs of
-    /// `tmpfs_bytes`) unless it exists, resizes its tmpfs, sets its mode and
-    /// owner.
+    /// Where the pod's disk is mounted: beside the volumes root.
+    fn disk_dir(&self) -> PathBuf {
+        self.root.parent().unwrap_or(&self.root).join(POD_DISK_DIR)
+    }
+
+    /// Mounts the pod's disk `device` (ext4) unless it is mounted, and makes
+    /// its volumes directory: the device number its files have.
+    fn mount_disk(&self, device: &str) -> Result<u64> {
+        let want = std::fs::metadata(device)
+            .map_err(|e| AgentError::InvalidArgument(format!("the pod's disk {device}: {e}")))?;
+        if !want.file_type().is_block_device() {
+            return Err(AgentError::InvalidArgument(format!(
+                "the pod's disk {device} is not a block device"
+            )));
+        }
+        let want = want.rdev();
+        let dir = self.disk_dir();
+        let shown = dir.display();
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| AgentError::sys(format!("creating {shown}"), e))?;
+        let parent = dir.parent().unwrap_or(&dir);
+        let parent_dev = std::fs::metadata(parent)
+            .map_err(|e| AgentError::sys(format!("inspecting {}", parent.display()), e))?
+            .dev();
+        let mounted = is_mount_point(&dir, parent_dev)
+            .map_err(|e| AgentError::sys(format!("inspecting {shown}"), e))?;
+        if !mounted {
+            mount(
+                Some(device),
+                &dir,
+                Some("ext4"),
+                MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+                None::<&str>,
+            )
+            .map_err(|e| {
+                AgentError::sys(format!("mounting the pod's disk {device} on {shown}"), e)
+            })?;
+            tracing::info!(device, dir = %shown, "the pod's disk mounted");
+        }
+        let have = std::fs::metadata(&dir)
+            .map_err(|e| AgentError::sys(format!("inspecting {shown}"), e))?
+            .dev();
+        if have != want {
+            return Err(AgentError::FailedPrecondition(format!(
+                "{shown} holds another disk than {device}: a pod has one disk for its volumes"
+            )));
+        }
+        match std::fs::create_dir(dir.join(DISK_VOLUMES)) {
+            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+                return Err(AgentError::sys(
+                    format!("creating {shown}/{DISK_VOLUMES}"),
+                    e,
+                ))
+            }
+            _ => {}
+        }
+        Ok(want)
+    }
+
+    /// PrepareVolume: creates volume `name` unless it exists — a directory,
+    /// a tmpfs of `tmpfs_bytes`, or a directory on the pod's disk `device`
+    /// bound onto it —, resizes its tmpfs, sets its mode and owner.
     pub fn prepare(&self, req: &PrepareVolumeRequest) -> Result<()> {
         let name = req.name.as_str();
         validate_name(name)?;
         validate_mode(name, req.mode)?;
+        let on_disk = !req.device.is_empty();
+        if on_disk && req.tmpfs_bytes > 0 {
+            return Err(AgentError::InvalidArgument(format!(
+                "volume {name}: a tmpfs of its own or a directory on the pod's disk, not both"
+            )));
+        }
         let mut mounted = lock(&self.mounted);
         self.mount_root(&mut mounted)?;
+        let disk_dev = on_disk.then(|| self.mount_disk(&req.device)).transpose()?;
         let dir = self.root.join(name);
         let shown = dir.display();
         let root_dev = self.root_dev()?;
@@ -783,51 +857,73 @@ impl Volumes {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 std::fs::create_dir(&dir)
                     .map_err(|e| AgentError::sys(format!("creating {shown}"), e))?;
-                if req.tmpfs_bytes > 0 {
+                let made = if req.tmpfs_bytes > 0 {
                     let data = format!("{size},mode=0700");
-                    if let Err(e) = mount(
+                    mount(
                         Some("tmpfs"),
                         &dir,
                         Some("tmpfs"),
                         MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
                         Some(data.as_str()),
-                    ) {
-                        let _ = std::fs::remove_dir(&dir);
-                        return Err(AgentError::sys(format!("mounting a tmpfs on {shown}"), e));
-                    }
+                    )
+                    .map_err(|e| AgentError::sys(format!("mounting a tmpfs on {shown}"), e))
+                } else if on_disk {
+                    self.bind_from_disk(name, &dir)
+                } else {
+                    Ok(())
+                };
+                if let Err(e) = made {
+                    let _ = std::fs::remove_dir(&dir);
+                    return Err(e);
                 }
-                tracing::info!(name, tmpfs_bytes = req.tmpfs_bytes, "volume created");
+                tracing::info!(
+                    name,
+                    tmpfs_bytes = req.tmpfs_bytes,
+                    on_disk,
+                    "volume created"
+                );
             }
             Err(e) => return Err(AgentError::sys(format!("inspecting {shown}"), e)),
             Ok(m) if !m.is_dir() => {
                 return Err(AgentError::Internal(format!("{shown} is not a directory")))
             }
-            Ok(m) => match (m.dev() != root_dev, req.tmpfs_bytes) {
-                (false, 0) => {}
-                (true, 0) => {
+            Ok(m) => {
+                let is = if m.dev() == root_dev {
+                    "a directory"
+                } else if Some(m.dev()) == disk_dev {
+                    "on the pod's disk"
+                } else {
+                    "a tmpfs of its own"
+                };
+                let want = if on_disk {
+                    "on the pod's disk"
+                } else if req.tmpfs_bytes > 0 {
+                    "a tmpfs of its own"
+                } else {
+                    "a directory"
+                };
+                if is != want {
                     return Err(AgentError::FailedPrecondition(format!(
-                        "volume {name} is a tmpfs of its own, not a directory"
-                    )))
+                        "volume {name} is {is}, not {want}"
+                    )));
                 }
-                (false, _) => {
-                    return Err(AgentError::FailedPrecondition(format!(
-                        "volume {name} is a directory, not a tmpfs of its own"
-                    )))
+                if req.tmpfs_bytes > 0 {
+                    mount(
+                        None::<&str>,
+                        &dir,
+                        None::<&str>,
+                        MsFlags::MS_REMOUNT | MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+                        Some(size.as_str()),
+                    )
+                    .map_err(|e| {
+                        AgentError::FailedPrecondition(format!(
+                            "resizing the tmpfs of volume {name} to {} bytes: {e} \
+                             (does it hold more?)",
+                            req.tmpfs_bytes
+                        ))
+                    })?;
                 }
-                (true, bytes) => mount(
-                    None::<&str>,
-                    &dir,
-                    None::<&str>,
-                    MsFlags::MS_REMOUNT | MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-                    Some(size.as_str()),
-                )
-                .map_err(|e| {
-                    AgentError::FailedPrecondition(format!(
-                        "resizing the tmpfs of volume {name} to {bytes} bytes: {e} \
-                         (does it hold more?)"
-                    ))
-                })?,
-            },
+            }
         }
         let fd = openat(
             AT_FDCWD,
@@ -847,6 +943,31 @@ impl Volumes {
             make_subdir(fd.as_fd(), sub, req.mode)?;
         }
         Ok(())
+    }
+
+    /// Binds volume `name`'s directory on the pod's disk (made if missing:
+    /// a restored pod's is there already) onto `dir`.
+    fn bind_from_disk(&self, name: &str, dir: &std::path::Path) -> Result<()> {
+        let src = self.disk_dir().join(DISK_VOLUMES).join(name);
+        match std::fs::create_dir(&src) {
+            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+                return Err(AgentError::sys(format!("creating {}", src.display()), e))
+            }
+            _ => {}
+        }
+        mount(
+            Some(&src),
+            dir,
+            None::<&str>,
+            MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .map_err(|e| {
+            AgentError::sys(
+                format!("binding {} onto {}", src.display(), dir.display()),
+                e,
+            )
+        })
     }
 
     fn open(&self, name: &str) -> Result<OwnedFd> {

@@ -1,7 +1,7 @@
 //! Guest volumes through the real client and agent binary (as root): a
 //! kubelet-style ConfigMap volume updated live under a running container,
-//! a sized tmpfs emptyDir, a termination-message file read back, and the
-//! errors.
+//! a sized tmpfs emptyDir, an emptyDir on the pod's disk, a
+//! termination-message file read back, and the errors.
 
 mod common;
 
@@ -202,5 +202,99 @@ fn volumes_are_prepared_synced_read_and_removed() {
     assert!(
         !left.contains(&format!("{}/", vols.display())),
         "volume mounts left: {left}"
+    );
+}
+
+fn prepare_on_disk(c: &AgentClient, name: &str, device: &str, bytes: u64) -> Result<(), Error> {
+    let req = PrepareVolumeRequest {
+        name: name.to_string(),
+        mode: 0o777,
+        device: device.to_string(),
+        device_bytes: bytes,
+        subdirs: vec!["sub/dir".into()],
+        ..Default::default()
+    };
+    c.prepare_volume(&req, T)
+}
+
+#[test]
+fn a_disk_backed_emptydir_lives_on_the_pods_disk() {
+    let app = Image::new();
+    let pod_disk = Image::new();
+    let other = Image::new();
+    let root = tempfile::tempdir().unwrap();
+    let vols = root.path().join("volumes");
+    let agent = Agent::start_with(&[], "", &["--volumes-dir", &common::path_str(&vols)]);
+    let c = agent.client();
+    prepare_on_disk(&c, "empty-dir~scratch", &pod_disk.device, 0).unwrap();
+    // Again (a restarted container, a clone's adoption): the same volume.
+    prepare_on_disk(&c, "empty-dir~scratch", &pod_disk.device, 0).unwrap();
+    prepare_on_disk(&c, "empty-dir~other", &pod_disk.device, 0).unwrap();
+    let mountinfo = agent.mountinfo();
+    let ext4_at = |p: &Path| {
+        mountinfo
+            .lines()
+            .any(|l| l.contains(&format!(" {} ", p.display())) && l.contains(" - ext4 "))
+    };
+    assert!(ext4_at(&root.path().join("pod-disk")), "{mountinfo}");
+    assert!(ext4_at(&vols.join("empty-dir~scratch")), "{mountinfo}");
+
+    let mut s: Value = serde_json::from_slice(&spec(&["sleep", "1000"], json!({}))).unwrap();
+    let mounts = s["mounts"].as_array_mut().unwrap();
+    mounts.push(bind(&vols.join("empty-dir~scratch"), "/scratch", false));
+    c.create_container("app", &app.device, false, s.to_string().as_bytes(), T)
+        .unwrap();
+    c.start_container("app", T).unwrap();
+    let (status, _, err) = c
+        .run(
+            "app",
+            "w",
+            &[
+                "sh",
+                "-c",
+                "echo kept > /scratch/sub/dir/f && test -d /scratch/sub",
+            ],
+            T,
+        )
+        .unwrap();
+    assert_eq!(status, 0, "{}", String::from_utf8_lossy(&err));
+    c.remove_container("app", T).unwrap();
+    // The file is on the pod's disk, in the volume's directory there (as
+    // the agent's mount namespace sees it).
+    let on_disk = format!(
+        "/proc/{}/root{}/pod-disk/twig-volumes/empty-dir~scratch/sub/dir/f",
+        agent.pid(),
+        root.path().display()
+    );
+    assert_eq!(std::fs::read_to_string(&on_disk).unwrap(), "kept\n");
+
+    // Refused: both a tmpfs and the disk; another disk; a directory volume
+    // asked to move onto the disk and back; a device that is no disk.
+    let mut both = PrepareVolumeRequest {
+        name: "both".into(),
+        tmpfs_bytes: 1 << 20,
+        device: pod_disk.device.clone(),
+        ..Default::default()
+    };
+    assert_eq!(code(c.prepare_volume(&both, T)), "INVALID_ARGUMENT");
+    both.tmpfs_bytes = 0;
+    both.device = "/dev/null".into();
+    assert_eq!(code(c.prepare_volume(&both, T)), "INVALID_ARGUMENT");
+    assert_eq!(
+        code(prepare_on_disk(&c, "third", &other.device, 0)),
+        "FAILED_PRECONDITION"
+    );
+    prepare(&c, "cfg", 0, 0o755).unwrap();
+    assert_eq!(
+        code(prepare_on_disk(&c, "cfg", &pod_disk.device, 0)),
+        "FAILED_PRECONDITION"
+    );
+    assert_eq!(
+        code(prepare(&c, "empty-dir~scratch", 0, 0o777)),
+        "FAILED_PRECONDITION"
+    );
+    assert_eq!(
+        code(prepare(&c, "empty-dir~scratch", 1 << 20, 0o777)),
+        "FAILED_PRECONDITION"
     );
 }

@@ -5,7 +5,7 @@
 //! - the annotations a pod carries to the shim (through containerd's CRI
 //!   plugin) and the controller reads: [`RESTORE_FROM_ANNOTATION`],
 //!   [`TEMPLATE_ANNOTATION`], [`CRI_SANDBOX_NAMESPACE_ANNOTATION`],
-//!   [`EGRESS_POLICY_ANNOTATION`];
+//!   [`EGRESS_POLICY_ANNOTATION`], [`NETWORK_ANNOTATION`];
 //! - the node-store snapshot [`labels`] one crate writes and another reads;
 //! - the error codes of the `Twig` and `Node` services and what each means
 //!   for the pod ([`ErrorCode`]).
@@ -32,6 +32,17 @@ pub const CRI_SANDBOX_NAMESPACE_ANNOTATION: &str = "io.kubernetes.cri.sandbox-na
 /// without one, the cluster's default) allows: twig-net's
 /// `bounded_policy` is what a pod runs with.
 pub const EGRESS_POLICY_ANNOTATION: &str = "twig.dev/egress-policy";
+
+/// Pod annotation choosing the pod's VM network. Its one value,
+/// [`NETWORK_NONE`], gives the VM no network interface at all (loopback
+/// only), whatever CRI set up: an offline sandbox, and the only way a pod
+/// on the node's network (`hostNetwork: true`, which a VM cannot honour:
+/// its kernel has its own network stack) runs on the twig runtime.
+/// Without it a pod's VM joins the pod's network.
+pub const NETWORK_ANNOTATION: &str = "twig.dev/network";
+
+/// [`NETWORK_ANNOTATION`]'s value for a VM without network.
+pub const NETWORK_NONE: &str = "none";
 
 /// Labels of a snapshot in the node store that cross crates: written by one
 /// and read by another. A label the shim owns is refused in a `Snapshot`

@@ -87,6 +87,134 @@ pub mod vsock;
 /// The vsock port the guest agent listens on.
 pub const AGENT_VSOCK_PORT: u32 = 1024;
 
+/// The vsock port of the guest agent's port-forward listener (`kubectl
+/// port-forward`): per connection the host sends a [`port_forward`]
+/// request naming a TCP port, the agent connects to it on the guest's
+/// loopback and answers one status; then the stream carries that
+/// connection's bytes both ways (a `shutdown(SHUT_WR)` on either side
+/// reaches the other).
+pub const FORWARD_VSOCK_PORT: u32 = 1025;
+
+/// The request and answer that open a port-forward connection on
+/// [`FORWARD_VSOCK_PORT`], both fixed-size.
+pub mod port_forward {
+    /// The request: `TWPF`, the family asked first (4 or 6; the agent
+    /// tries the other if that is refused), a zero byte, the port (big
+    /// endian).
+    pub const REQUEST_LEN: usize = 8;
+    /// The answer: a status, a zero byte, an errno (big endian, 0 unless
+    /// the status is [`Status::Failed`]).
+    pub const ANSWER_LEN: usize = 4;
+    const MAGIC: &[u8; 4] = b"TWPF";
+
+    /// What the host asks for.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct Request {
+        /// The guest's TCP port.
+        pub port: u16,
+        /// `::1` first rather than 127.0.0.1.
+        pub ipv6: bool,
+    }
+
+    impl Request {
+        /// The request's bytes.
+        pub fn encode(&self) -> [u8; REQUEST_LEN] {
+            let p = self.port.to_be_bytes();
+            let family = if self.ipv6 { 6 } else { 4 };
+            [
+                MAGIC[0], MAGIC[1], MAGIC[2], MAGIC[3], family, 0, p[0], p[1],
+            ]
+        }
+
+        /// A request from its bytes; `None` for anything malformed (the
+        /// magic, the family, the zero byte, port 0).
+        pub fn decode(bytes: &[u8; REQUEST_LEN]) -> Option<Request> {
+            if &bytes[..4] != MAGIC || bytes[5] != 0 {
+                return None;
+            }
+            let ipv6 = match bytes[4] {
+                4 => false,
+                6 => true,
+                _ => return None,
+            };
+            let port = u16::from_be_bytes([bytes[6], bytes[7]]);
+            (port != 0).then_some(Request { port, ipv6 })
+        }
+    }
+
+    /// The agent's answer.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Status {
+        /// Connected: the bytes follow.
+        Ok,
+        /// Connecting failed on both families; the errno of the first.
+        Failed(u16),
+        /// The request was malformed.
+        BadRequest,
+        /// Too many port-forward connections at once.
+        Busy,
+    }
+
+    impl Status {
+        /// The answer's bytes.
+        pub fn encode(&self) -> [u8; ANSWER_LEN] {
+            let (code, errno) = match *self {
+                Status::Ok => (0, 0),
+                Status::Failed(errno) => (1, errno),
+                Status::BadRequest => (2, 0),
+                Status::Busy => (3, 0),
+            };
+            let e = errno.to_be_bytes();
+            [code, 0, e[0], e[1]]
+        }
+
+        /// An answer from its bytes; `None` for an unknown one.
+        pub fn decode(bytes: &[u8; ANSWER_LEN]) -> Option<Status> {
+            let errno = u16::from_be_bytes([bytes[2], bytes[3]]);
+            match (bytes[0], bytes[1]) {
+                (0, 0) => Some(Status::Ok),
+                (1, 0) => Some(Status::Failed(errno)),
+                (2, 0) => Some(Status::BadRequest),
+                (3, 0) => Some(Status::Busy),
+                _ => None,
+            }
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn requests_and_answers_round_trip_and_garbage_is_refused() {
+            for r in [
+                Request {
+                    port: 1,
+                    ipv6: false,
+                },
+                Request {
+                    port: 65535,
+                    ipv6: true,
+                },
+            ] {
+                assert_eq!(Request::decode(&r.encode()), Some(r));
+            }
+            assert_eq!(Request::decode(b"TWPF\x04\x00\x00\x00"), None, "port 0");
+            assert_eq!(Request::decode(b"TWPF\x05\x00\x00\x50"), None, "family");
+            assert_eq!(Request::decode(b"GET / HT"), None);
+            for s in [
+                Status::Ok,
+                Status::Failed(111),
+                Status::BadRequest,
+                Status::Busy,
+            ] {
+                assert_eq!(Status::decode(&s.encode()), Some(s));
+            }
+            assert_eq!(Status::decode(&[9, 0, 0, 0]), None);
+        }
+    }
+}
+
 /// Where the guest agent keeps guest volumes (PrepareVolume): volume
 /// `<name>` is the directory `<GUEST_VOLUMES_DIR>/<name>` in the VM, on a
 /// tmpfs of the agent's (root only), or a tmpfs of its own. A container

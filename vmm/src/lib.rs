@@ -15,6 +15,7 @@ pub mod console;
 mod devices;
 mod error;
 pub mod jail;
+pub mod logcap;
 mod memory;
 mod mptable;
 mod ratelimit;

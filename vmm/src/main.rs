@@ -342,6 +342,20 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
+/// The process's stderr, as a cloneable writer.
+#[derive(Clone, Copy)]
+struct Stderr;
+
+impl std::io::Write for Stderr {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        std::io::stderr().write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        std::io::stderr().flush()
+    }
+}
+
 fn main() -> ExitCode {
     // A plain level (TWIG_LOG=error|warn|info|debug|trace), not an
     // EnvFilter: its regex engine would add to every VMM process's memory.
@@ -349,9 +363,16 @@ fn main() -> ExitCode {
         .ok()
         .and_then(|l| l.parse::<tracing::Level>().ok())
         .unwrap_or(tracing::Level::WARN);
+    // Bounded: a guest must not be able to fill the node's disk through
+    // the VMM's log (twig-node's `vmm.log`).
+    let max = std::env::var("TWIG_LOG_MAX_BYTES")
+        .ok()
+        .and_then(|m| m.parse().ok())
+        .unwrap_or(twig_vmm::logcap::DEFAULT_MAX_BYTES);
+    let log = twig_vmm::logcap::Capped::new(Stderr, max);
     tracing_subscriber::fmt()
         .with_max_level(level)
-        .with_writer(std::io::stderr)
+        .with_writer(move || log.make())
         .init();
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,6 +1,17 @@
 //! The ring-3 test guest (guests/testguest.S), assembled at build time, and
 //! its mailbox protocol. Tests and the benchmark drive it; see the assembly
 //! source for what each command does.
+//!
+//! It enters through the 64-bit boot protocol and drops to ring 3 (this
+//! machine's KVM emulates ring 0 ~4,000× slower), then obeys commands in a
+//! memory mailbox: print, dirty N pages, spin, stop, crash, and churn
+//! (check and rewrite a self-describing pattern over N pages, generation
+//! after generation, counting pages that did not hold it; optionally
+//! driving a virtio-net receive queue so the device thread writes guest
+//! memory meanwhile). With no command it waits at the idle port, at
+//! [`PARKED_RIP`], so tests comparing two looks at the vCPU stop it at the
+//! same place. Behind the cargo feature `testguest`: a production build
+//! neither contains it nor needs binutils.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

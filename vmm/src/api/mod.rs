@@ -42,6 +42,32 @@
 //! The VM gets the devices the server was started with (`--disk`, `--tap`,
 //! `--vsock-uds`), whether it boots or restores; a restored VM's
 //! read-write disk files get the snapshot's disk contents.
+//!
+//! **Descriptors** (`SCM_RIGHTS`): a jailed VMM cannot open the caller's
+//! files, so the client sends them. The server keeps the descriptors that
+//! come with a connection's bytes, in order (at most 8 wait), and each
+//! request that takes one takes the oldest:
+//! - `attach_disk` with `"fd":true` (protocol 2; [`Client::attach_disk`]
+//!   opens the image and sends it; `path` only names it). A read-write
+//!   attachment of a descriptor open read-only, or `fd` with no descriptor,
+//!   is `invalid_request`. Snapshots copy a sent disk through its
+//!   descriptor, rollbacks put it back by reflinks
+//!   (`virtio/blk/inplace.rs`).
+//! - `attach_net` (protocol 3): the tap the caller opened in the pod's
+//!   namespace (`IFF_TAP|IFF_NO_PI|IFF_VNET_HDR`), checked with `TUNGETIFF`;
+//!   refused without a descriptor, without a net device, when a tap is
+//!   attached already (one for the VM's life; no detach), or for anything
+//!   but such a tap. A VM restored from a snapshot starts detached until its
+//!   own `attach_net`; a rollback keeps the tap.
+//! - `restore` with `slots` (protocol 3, [`Client::restore_with`]): an image
+//!   per `{slot, path}`, attached as it is (the caller put the snapshot's
+//!   copy in it). Refused before anything changes: a slot attached in the
+//!   snapshot without an image, an image for a slot the VM lacks or empty in
+//!   the snapshot, another size than recorded, read-only for a read-write
+//!   slot, more entries than descriptors, a slot named twice.
+//!
+//! [`Client::snapshot`] gives the staging directory to the VMM's user (the
+//! owner of its API socket) when that is not the caller's.
 
 mod client;
 mod server;

@@ -10,6 +10,31 @@
 //! Paths the VMM is given after entering (the API socket, `--disk`,
 //! `--vsock-uds`, `--serial`, and the paths of API requests) are paths
 //! inside the jail.
+//!
+//! Entered first thing, while the process has one thread, in this order:
+//! cgroup (created under every mounted hierarchy, v1 and v2; v1 `cpuset`
+//! levels get their parent's CPUs and nodes), network namespace (`--netns`,
+//! else a new empty one), PID namespace (`--new-pid-ns`: the child is PID 1
+//! there and dies with its parent, which exits the way the child did, so
+//! the caller watches one pid), mount namespace (all mounts private, the
+//! jail bound onto itself, `--jail-bind`s, the `/dev` tmpfs, `pivot_root`),
+//! `RLIMIT_NOFILE`, an empty bounding set, no supplementary groups,
+//! `setresgid`, `setresuid`, `PR_SET_NO_NEW_PRIVS`.
+//!
+//! - The jail directory must exist; it is `chown`ed (not recursively) to
+//!   the VMM's user. Bind targets are created in it and stay as mount points.
+//! - `--jail-bind SRC` with no target binds at the host path, so callers
+//!   need no path translation (twig-node binds the VMM's directory, the
+//!   store's `snapshots` read-only and `tmp` that way). A store bound `:ro`
+//!   makes every snapshot `refused`.
+//! - With `--tap` the VMM must be given `--netns` and the tap must exist
+//!   there, owned by its uid (without `CAP_NET_ADMIN` it can only attach);
+//!   with `--net` the tap comes later as a descriptor (`attach_net`).
+//! - A PID namespace's init ignores unhandled signals from outside: stop a
+//!   jailed VMM with the API's `shutdown`, or signal its parent, whose
+//!   death SIGKILLs it (`PR_SET_PDEATHSIG`, set again after the uid change).
+//! - The caller removes the cgroup after the VMM exited. uid/gid 0 are
+//!   refused.
 
 pub mod cgroup;
 mod cli;

@@ -23,7 +23,11 @@
 //! returned to the driver, which waits for it.
 //!
 //! The device has no state of its own beyond the transport's (queues and
-//! negotiated features), which every snapshot holds.
+//! negotiated features), which every snapshot holds. It is one more entry in
+//! the device list, last in MMIO order: a snapshot restores only into a VM
+//! that agrees on the balloon, so templates built without it restore only
+//! into VMs without it. Off by default (`DeviceConfig::balloon`,
+//! `--balloon`); twig-node turns it on for its templates and pool.
 
 use virtio_bindings::virtio_ids::VIRTIO_ID_BALLOON;
 use virtio_queue::{Queue, QueueT};

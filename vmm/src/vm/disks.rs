@@ -8,7 +8,30 @@
 //! boots, so every device must exist when the guest probes). Attaching a
 //! file swaps it in and raises the configuration-change interrupt, so the
 //! guest's virtio_blk re-reads the capacity; detaching sets the capacity
-//! back to 0 the same way.
+//! back to 0 the same way. The guest must have let go before a detach (the
+//! agent unmounts); the file is closed and left as it is.
+//!
+//! What Linux 6.1 does with it: a capacity-0 disk probes fine without a
+//! partition scan; I/O to it fails in the block layer (`bio_check_eod`); a
+//! change from or to 0 sends no uevent, so the agent mounts the whole
+//! device once `/sys/block/vdX/size` is non-zero; the block device's page
+//! cache is dropped on its last close, so a later file in the same slot is
+//! not read through stale cache.
+//!
+//! Snapshots record each slot (`DiskMeta { slot, attached, read_only, size
+//! }`, never a path); an attached read-write slot is copied like a fixed
+//! disk. A restore needs a file for every slot attached in the snapshot
+//! (`DeviceConfig::slot_files`, or an image sent with the request), or is
+//! refused before anything changes. A rollback puts every slot back as it
+//! was: a slot empty then is emptied; one attached read-write then gets the
+//! snapshot's copy into the file attached now; one attached read-only keeps
+//! its image (same size). A slot attached then but empty now (or in the
+//! other mode) refuses the rollback: the caller attaches the file the
+//! content should go back to first. Paths are not recorded on purpose: a
+//! rollback may target another VM's snapshot, whose files this VM must
+//! never write. The configuration generation lives in the device; after
+//! restore and rollback the transport raises the interrupt whenever it
+//! differs from the one last announced.
 
 use std::collections::BTreeMap;
 use std::fs::File;

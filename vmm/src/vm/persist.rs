@@ -1,5 +1,38 @@
 //! Saving and loading a VM: vCPU and VM state, templates, full and
 //! incremental snapshots, restore into a new VM, and clones.
+//!
+//! **What a snapshot pauses.** The guest is paused only for what must be
+//! one moment's state; the filesystem is written after it runs again, so an
+//! incremental snapshot's pause does not depend on the disk:
+//!
+//! 1. before the pause (incremental): KVM's dirty log is folded in while
+//!    the guest runs, to size a buffer for the dirty pages (an eighth
+//!    larger), faulted in now;
+//! 2. paused: the dirty log is folded in again; vCPU, irqchip/PIT/clock and
+//!    device state saved to memory; read-write disks `fdatasync`ed and
+//!    reflinked/copied into the staging directory (a disk copy must be the
+//!    pause's moment); the dirty pages copied into the buffer
+//!    (`snapshot::PageCopy`), which grows if needed;
+//! 3. resumed: the memory file is written from the buffer (CRC32 there),
+//!    then the state file and the manifest, all fsynced (`Staged::commit`).
+//!
+//! `SnapshotInfo::pause_ms` is step 2; `duration_ms` the whole call. The
+//! buffer holds at most `COPY_LIMIT` (64 MiB): a larger dirty set is written
+//! while paused, so no snapshot holds more than 64 MiB of guest memory
+//! twice. Full snapshots are written while paused too: guest RAM is then
+//! remapped privately onto the memory file, which must hold exactly RAM
+//! before the guest runs (only the fsync runs after the resume). A write
+//! that fails after the resume publishes nothing; the VM runs on with its
+//! baseline and its dirty set kept, so the next incremental snapshot holds
+//! the failed one's pages too. Every VM operation takes `&mut Vm`: they
+//! never overlap.
+//!
+//! **Templates** (`Vm::template`): a booting guest is polled with the
+//! caller's readiness probe (`twig-vmm template` waits until the guest
+//! accepts vsock connections on `--ready-port`, 1024, where the agent
+//! listens), then paused and fully snapshotted; a VM restored from it
+//! starts with the agent listening. A guest that stops or is not ready by
+//! the deadline is an error and nothing is written.
 
 use std::collections::BTreeMap;
 use std::path::Path;

@@ -26,6 +26,25 @@
 //!
 //! Only when an undo or the roll-forward fails too is the VM lost: it is
 //! stopped, its RAM zeroed, and [`Error::VmLost`] returned.
+//!
+//! The contract: `Ok` — the VM runs exactly on the snapshot; `Error::Rollback`
+//! — the VM is on exactly its previous memory, vCPU, device and disk state,
+//! running if it was (its clock moved on); `Error::VmLost` — the caller
+//! replaces it (a later rollback restores every part of a snapshot and may
+//! revive it). Memory is not made revertible instead because a backup of
+//! every page to change would cost about as much as the rollback, while the
+//! steps after the point of no return are `madvise`/`memcpy`/`mremap` on
+//! ranges already checked. The pages put back are those dirtied since the
+//! baseline plus those in incremental layers on the tree path between
+//! baseline and target: `MADV_DONTNEED` where the root file holds the right
+//! bytes, a copy from the layer otherwise.
+//!
+//! Proven by fault injection (`rollback/tests.rs`, failpoints of
+//! `vm/failpoint.rs`, compiled into test builds only) at every step, on the
+//! same lineage and from another, for disks by path and sent as
+//! descriptors: after each failure RAM, vCPU state, irqchips, PIT, device
+//! state and disks are compared with the old state (or with the snapshot
+//! after a roll-forward), and a rollback must then succeed.
 
 use std::collections::BTreeMap;
 use std::path::Path;

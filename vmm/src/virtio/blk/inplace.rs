@@ -13,6 +13,13 @@
 //!   then its extents (`FICLONE` onto the attached descriptor);
 //! - undo ([`InPlace::undo`], and on drop if not finished): the old size
 //!   and the backup's extents put back the same way.
+//!
+//! The snapshot's copy and the store's `tmp` must be on the image's
+//! filesystem; otherwise the rollback is refused naming both (device, type
+//! and mount point), never a full copy on the pause path. The store's `tmp`
+//! rather than the VMM's own directory because only the store is known to
+//! share the images' filesystem (twig-snapshotter's images and the node
+//! store live together); twig-node makes it writable for the jail's group.
 
 use std::fs::{File, OpenOptions};
 use std::io;
