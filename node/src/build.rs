@@ -2,7 +2,9 @@
 //!
 //! The daemon builds a template the way kubelet would run it: a pod of the
 //! twig runtime handler through containerd's CRI, in the node's network
-//! namespace (no CNI address is taken), whose one container runs the
+//! namespace (no CNI address is taken) and annotated `twig.dev/network:
+//! none` (the shim refuses `hostNetwork` without it; the build's VM has no
+//! network), whose one container runs the
 //! template's image (pulled if not present, as kubelet's `IfNotPresent`;
 //! its `command` when given). Once the warm-up command
 //! exited 0 inside that container, and the container still runs, the pod's
@@ -17,6 +19,15 @@
 //! reported until the next attempt, `retry_s` later. A build pod left by a
 //! daemon that died mid-build is removed when the next build of the same
 //! template starts.
+//!
+//! Why the daemon builds through CRI rather than the controller through a
+//! Pod object: the warm-up needs an exec in the container, which the daemon
+//! gets from CRI's ExecSync and a controller only through kubelet's
+//! streaming API, and a Pod would have to be scheduled, admitted and
+//! cleaned up in the cluster for a node-local cache. The price: image
+//! pulls use containerd's own credentials (no imagePullSecrets), and the
+//! build pod is invisible to Kubernetes. The daemon reaches the build pod's
+//! shim only through the `Twig` service the controller uses.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -129,11 +140,19 @@ impl Spec {
     }
 }
 
+/// The build pod's sandbox id once CRI made it, until it is removed.
+type PodSlot = Arc<Mutex<Option<String>>>;
+
 enum Build {
     Running {
         digest: String,
         since: Instant,
-        task: tokio::task::AbortHandle,
+        /// Tells this build from a later one of the same template.
+        seq: u64,
+        task: tokio::task::JoinHandle<()>,
+        /// Its pod's name (a RunPodSandbox in flight has no id yet).
+        pod_name: String,
+        pod: PodSlot,
     },
     Failed {
         digest: String,
@@ -147,6 +166,7 @@ pub struct Builder {
     config: TemplateBuildConfig,
     templates: Arc<Templates>,
     builds: Mutex<HashMap<String, Build>>,
+    seq: std::sync::atomic::AtomicU64,
 }
 
 /// Where a template's build stands, when it is not in the store.
@@ -165,6 +185,7 @@ impl Builder {
             config,
             templates,
             builds: Mutex::new(HashMap::new()),
+            seq: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -201,6 +222,9 @@ impl Builder {
             _ => {}
         }
         let (me, s) = (self.clone(), spec.clone());
+        let seq = self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let pod: PodSlot = Arc::new(Mutex::new(None));
+        let slot = pod.clone();
         let task = tokio::spawn(async move {
             let timeout = Duration::from_secs(me.config.build_timeout_s);
             let started = Instant::now();
@@ -210,7 +234,7 @@ impl Builder {
                 image = s.image,
                 "building an app template"
             );
-            let result = match tokio::time::timeout(timeout, me.build(&s)).await {
+            let result = match tokio::time::timeout(timeout, me.build(&s, &slot)).await {
                 Ok(r) => r,
                 Err(_) => Err(Error::Timeout(format!(
                     "the build did not finish within templates.build_timeout_s ({} s)",
@@ -218,6 +242,10 @@ impl Builder {
                 ))),
             };
             let mut builds = me.builds();
+            // Cancelled, or replaced by a build of other inputs, meanwhile.
+            if !matches!(builds.get(&s.id), Some(Build::Running { seq: n, .. }) if *n == seq) {
+                return;
+            }
             match result {
                 Ok(()) => {
                     tracing::info!(template = s.key, elapsed = ?started.elapsed(), "app template built");
@@ -243,7 +271,10 @@ impl Builder {
             Build::Running {
                 digest: spec.digest.clone(),
                 since: Instant::now(),
-                task: task.abort_handle(),
+                seq,
+                task,
+                pod_name: spec.pod_name(),
+                pod,
             },
         );
         Progress::Building(format!("building from {} on this node", spec.image))
@@ -255,12 +286,52 @@ impl Builder {
         matches!(self.builds().get(id), Some(Build::Running { .. }))
     }
 
-    /// Stops the build of template `id`, if one runs, and forgets a failed
-    /// one. The build's pod stays until the next build removes it.
-    pub fn cancel(&self, id: &str) {
-        if let Some(Build::Running { task, .. }) = self.builds().remove(id) {
-            task.abort();
+    /// Stops the build of template `id`, if one runs — its work is
+    /// dropped, then its pod (and so its VM) stopped and removed through
+    /// CRI — and forgets a failed one. A pod that cannot be removed (CRI
+    /// not answering) is an error; the next build of the template removes
+    /// it (by name).
+    pub async fn cancel(&self, id: &str) -> Result<()> {
+        let removed = self.builds().remove(id);
+        let Some(Build::Running {
+            task,
+            pod_name,
+            pod,
+            ..
+        }) = removed
+        else {
+            return Ok(());
+        };
+        task.abort();
+        // Its future dropped: no CRI call of it is made after this.
+        let _ = task.await;
+        let sandbox = pod.lock().unwrap_or_else(|p| p.into_inner()).take();
+        tracing::info!(id, pod = pod_name, sandbox, "stopping a template build");
+        self.stop_build_pod(sandbox.as_deref(), &pod_name).await
+    }
+
+    /// Stops and removes a cancelled build's pod `sandbox`, and any pod of
+    /// its name (a RunPodSandbox in flight when it was cancelled).
+    async fn stop_build_pod(&self, sandbox: Option<&str>, pod_name: &str) -> Result<()> {
+        let cri = match CriClient::connect(&self.config.cri_socket).await {
+            Ok(c) => c.with_timeout(Duration::from_secs(self.config.build_timeout_s)),
+            // No pod was made, and none can be now.
+            Err(e) if sandbox.is_none() => {
+                tracing::info!(pod = pod_name, "no CRI to look for a build pod in: {e}");
+                return Ok(());
+            }
+            Err(e) => {
+                return Err(Error::FailedPrecondition(format!(
+                    "stopping build pod {pod_name} ({}): reaching containerd's CRI at {}: {e}",
+                    sandbox.unwrap_or_default(),
+                    self.config.cri_socket.display()
+                )))
+            }
+        };
+        if let Some(sb) = sandbox {
+            remove_pod(&cri, sb).await?;
         }
+        remove_pods_named(&cri, pod_name).await
     }
 
     /// Stops every build (the daemon stops).
@@ -280,7 +351,7 @@ fn cri_error(what: &str) -> impl FnOnce(twig_cri::Error) -> Error + '_ {
 impl Builder {
     /// Builds `spec` unless the store holds it already (a build that
     /// finished since its caller looked).
-    async fn build(&self, spec: &Spec) -> Result<()> {
+    async fn build(&self, spec: &Spec, pod: &PodSlot) -> Result<()> {
         let templates = self.templates.clone();
         let (id, digest) = (spec.id.clone(), spec.digest.clone());
         let built = tokio::task::spawn_blocking(move || {
@@ -295,12 +366,13 @@ impl Builder {
         if built.as_deref() == Some(digest.as_str()) {
             return Ok(());
         }
-        build(&self.config, spec).await
+        build(&self.config, spec, pod).await
     }
 }
 
-/// Builds `spec` through CRI; the build pod is removed whatever happens.
-async fn build(config: &TemplateBuildConfig, spec: &Spec) -> Result<()> {
+/// Builds `spec` through CRI; the build pod is removed whatever happens
+/// (its id is in `pod` while it exists, for a cancellation to remove it).
+async fn build(config: &TemplateBuildConfig, spec: &Spec, pod: &PodSlot) -> Result<()> {
     let cri = CriClient::connect(&config.cri_socket)
         .await
         .map_err(cri_error(&format!(
@@ -322,24 +394,30 @@ async fn build(config: &TemplateBuildConfig, spec: &Spec) -> Result<()> {
     let logs = config.log_dir.join(&spec.id);
     std::fs::create_dir_all(&logs)
         .map_err(|e| Error::io(format!("creating {}", logs.display()), e))?;
-    let pod = pod_config(spec, &logs);
+    let pod_cfg = pod_config(spec, &logs);
     let sandbox = cri
-        .run_pod_sandbox(&pod, &config.runtime_handler)
+        .run_pod_sandbox(&pod_cfg, &config.runtime_handler)
         .await
         .map_err(cri_error(&format!(
             "starting the build pod (runtime handler {:?})",
             config.runtime_handler
         )))?;
-    let result = build_in(config, &cri, spec, &sandbox, &pod, &logs).await;
+    *slot_of(pod) = Some(sandbox.clone());
+    let result = build_in(config, &cri, spec, &sandbox, &pod_cfg, &logs).await;
     let removed = remove_pod(&cri, &sandbox).await;
+    if removed.is_ok() {
+        *slot_of(pod) = None;
+    }
     result?;
     removed?;
     let _ = std::fs::remove_dir_all(&logs);
     Ok(())
 }
 
-/// The build pod: in the node's network namespace, in the template's
-/// Kubernetes namespace, named after the template.
+/// The build pod: in the template's Kubernetes namespace, named after the
+/// template, on the node's network namespace (CRI sets up no pod network)
+/// and asking the twig runtime for a VM without network (a build is
+/// offline; a pod restored from the template joins its own network).
 fn pod_config(spec: &Spec, logs: &Path) -> api::PodSandboxConfig {
     let mut pod = twig_cri::pod_sandbox_config(&spec.pod_name(), &spec.id, logs);
     if let Some(meta) = pod.metadata.as_mut() {
@@ -351,6 +429,10 @@ fn pod_config(spec: &Spec, logs: &Path) -> api::PodSandboxConfig {
     }
     pod.hostname = String::new();
     twig_cri::on_node_network(&mut pod);
+    pod.annotations.insert(
+        twig_proto::contract::NETWORK_ANNOTATION.into(),
+        twig_proto::contract::NETWORK_NONE.into(),
+    );
     pod
 }
 
@@ -445,10 +527,18 @@ async fn snapshot(config: &TemplateBuildConfig, spec: &Spec, sandbox: &str) -> R
     Ok(())
 }
 
+fn slot_of(pod: &PodSlot) -> MutexGuard<'_, Option<String>> {
+    pod.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Removes build pods of `spec` a previous daemon left (it died or was
 /// stopped mid-build).
 async fn remove_leftovers(cri: &CriClient, spec: &Spec) -> Result<()> {
-    let name = spec.pod_name();
+    remove_pods_named(cri, &spec.pod_name()).await
+}
+
+/// Removes every pod sandbox named `name`.
+async fn remove_pods_named(cri: &CriClient, name: &str) -> Result<()> {
     let pods = cri
         .list_pod_sandboxes()
         .await
@@ -456,7 +546,7 @@ async fn remove_leftovers(cri: &CriClient, spec: &Spec) -> Result<()> {
     for p in pods {
         if p.metadata.as_ref().is_some_and(|m| m.name == name) {
             tracing::info!(
-                template = spec.key,
+                pod = name,
                 sandbox = p.id,
                 "removing a build pod left by an earlier build"
             );
@@ -529,6 +619,53 @@ mod tests {
         }
     }
 
+    /// Issue 24, item 6: a template deleted mid-build stops its build:
+    /// the build's work is dropped and its pod (its VM) is stopped through
+    /// CRI — here CRI does not answer, so the cancellation says the pod
+    /// could not be stopped, naming it, rather than leaving it silently.
+    #[tokio::test]
+    async fn cancelling_a_running_build_stops_its_work_and_its_pod() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = crate::config::Config {
+            store: dir.path().join("store"),
+            allow_copy: true,
+            run_dir: dir.path().join("run"),
+            ..Default::default()
+        };
+        config.templates.cri_socket = dir.path().join("no-containerd.sock");
+        let templates = Arc::new(Templates::open(&config).unwrap());
+        let builder = Builder::new(config.templates.clone(), templates);
+        let spec = Spec::from_request(&req("py:3", &[], &[])).unwrap();
+        let (dropped_tx, dropped) = tokio::sync::oneshot::channel::<()>();
+        let work = tokio::spawn(async move {
+            let _dropped_when_aborted = dropped_tx;
+            std::future::pending::<()>().await
+        });
+        let pod: PodSlot = Arc::new(Mutex::new(Some("sandbox-1".into())));
+        builder.builds().insert(
+            spec.id.clone(),
+            Build::Running {
+                digest: spec.digest.clone(),
+                since: Instant::now(),
+                seq: 0,
+                task: work,
+                pod_name: spec.pod_name(),
+                pod,
+            },
+        );
+        assert!(builder.running(&spec.id));
+        let e = builder.cancel(&spec.id).await.unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("stopping build pod twig-template-agents-py (sandbox-1)"),
+            "{e}"
+        );
+        assert!(dropped.await.is_err(), "the build's work was dropped");
+        assert!(!builder.running(&spec.id));
+        // Nothing runs: nothing to stop.
+        builder.cancel(&spec.id).await.expect("no build");
+    }
+
     #[test]
     fn the_build_pod_runs_in_the_node_network_and_the_template_namespace() {
         let spec = Spec::from_request(&req("py:3", &[], &[])).unwrap();
@@ -544,5 +681,12 @@ mod tests {
             .and_then(|s| s.namespace_options)
             .unwrap();
         assert_eq!(ns.network, api::NamespaceMode::Node as i32);
+        assert_eq!(
+            pod.annotations
+                .get(twig_proto::contract::NETWORK_ANNOTATION)
+                .map(String::as_str),
+            Some(twig_proto::contract::NETWORK_NONE),
+            "the twig runtime refuses hostNetwork without it"
+        );
     }
 }

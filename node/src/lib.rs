@@ -8,6 +8,7 @@
 pub mod build;
 pub mod config;
 pub mod error;
+pub mod gc;
 pub mod netpool;
 pub mod pool;
 pub mod service;

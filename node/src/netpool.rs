@@ -6,6 +6,17 @@
 //! [`twig_net::Loader::attach_prepared`]), so the verifier runs here, off
 //! every pod's path. Whatever the pool still holds is unpinned when it
 //! closes, and sets a dead daemon left are removed at start.
+//!
+//! The pool directory must be on the same bpffs as the shims' `bpffs_root`
+//! (a rename cannot cross mounts), and names hold no `.` (bpffs refuses
+//! dots). Each set holds ~0.75 MiB of locked kernel memory (the
+//! preallocated `flows` map).
+//!
+//! Why per-pod sets, not one shared set: one set for every pod would key
+//! each map by the pod (ifindexes repeat across network namespaces), share
+//! a `flows` LRU whose evictions one pod could force on another, and make a
+//! verifier bug or map corruption node-wide. The pool keeps one pod, one
+//! set, one policy, and moves only the load off the pod's path.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};

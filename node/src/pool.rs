@@ -14,6 +14,32 @@
 //! `vm/` and the node store's `snapshots` (read-only) and `tmp` (staging)
 //! at their host paths, so the paths in API calls mean the same inside and
 //! outside the jail.
+//!
+//! The jail (Firecracker's jailer is the model, through `twig-vmm serve
+//! --jail`): the empty `jail/` as root, `jail.uid`/`jail.gid`, no
+//! capabilities, `NoNewPrivs`, new mount and empty network namespaces (the
+//! pod's tap arrives later by `attach_net`), with `new_pid_ns` PID 1 of a new
+//! PID namespace (the pid handed over is its parent, which exits as the VMM
+//! does), and the cgroup `<jail.cgroup>/<daemon pid>-<n>` of every
+//! hierarchy. Its root holds `/dev/kvm`, its own `/proc`, `vm/`
+//! (read-write), `<store>/snapshots` (read-only: a VMM cannot alter a
+//! template another VM restores) and `<store>/tmp` (read-write; group
+//! `jail.gid`, mode `1775`: staging directories, and the anonymous reflink
+//! backup of a rootfs sent as a descriptor during a rollback).
+//!
+//! Binding at the same path lets the shim's restore, snapshot and rollback
+//! calls and snapshot chains (parents found as sibling directories) work
+//! unchanged. Container rootfs images are not known when a pooled VMM
+//! starts and are not its user's, so they are never bound: the (root) shim
+//! opens each and sends the descriptor (`attach_disk`, `SCM_RIGHTS`).
+//! Descriptors for the snapshot files too were rejected: a restore follows
+//! a chain of parents by id, and snapshots create and rename files; a
+//! read-only bind protects as well with no change to the snapshot code.
+//! Limits: all pooled VMMs share one uid (a compromised VMM could write
+//! into another's staging directory before it is published, or read
+//! another pod's console log — not its disks); rolling back a jailed VM's
+//! rootfs by reflink needs the store and the images on one reflink
+//! filesystem (otherwise the rollback is refused, naming both).
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::os::fd::{FromRawFd, OwnedFd};

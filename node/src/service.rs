@@ -12,14 +12,16 @@ use twig_proto::node::{
     PoolLevel, StatusRequest, StatusResponse,
 };
 use twig_proto::twig::{
-    DeleteSnapshotRequest, DeleteSnapshotResponse, DeleteTemplateRequest, DeleteTemplateResponse,
-    EnsureTemplateRequest, EnsureTemplateResponse, GetSnapshotRequest, GetSnapshotResponse,
-    GetStoreUsageRequest, GetStoreUsageResponse, SnapshotInfo,
+    CollectGarbageRequest, CollectGarbageResponse, DeleteSnapshotRequest, DeleteSnapshotResponse,
+    DeleteTemplateRequest, DeleteTemplateResponse, EnsureTemplateRequest, EnsureTemplateResponse,
+    GetSnapshotRequest, GetSnapshotResponse, GetStoreUsageRequest, GetStoreUsageResponse,
+    RetainSnapshotRequest, RetainSnapshotResponse, SnapshotInfo,
 };
 
 use crate::build::{template_id, Builder, Progress, Spec, SPEC_LABEL};
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::gc::{garbage, Claims, RETAINED_LABEL};
 use crate::netpool::NetPool;
 use crate::pool::{Owner, Pool};
 use crate::shape::{check_fits, choose, Need};
@@ -33,6 +35,17 @@ pub struct Services {
     pool: Pool,
     builder: Arc<Builder>,
     net: Option<Arc<NetPool>>,
+    /// Snapshots an `AcquireVm` is taking and snapshots being deleted.
+    claims: Arc<Claims>,
+}
+
+/// What one garbage collection deleted.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Collected {
+    /// The snapshots deleted, children before their parents.
+    pub deleted: Vec<String>,
+    /// Allocated bytes of their files.
+    pub reclaimed_bytes: u64,
 }
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
@@ -55,6 +68,7 @@ impl Services {
             pool,
             builder,
             net,
+            claims: Arc::new(Claims::default()),
         }
     }
 
@@ -126,13 +140,29 @@ impl Services {
             check_fits(exact, "the VM shape asked for", &need, reserve)?;
             exact
         };
-        let t = blocking(move || templates.base(shape)).await?;
+        let (pool, claims) = (self.pool.clone(), self.claims.clone());
+        let t = blocking(move || {
+            // A previous base a running VM was restored from stays.
+            templates.base_with(shape, |id| {
+                let _deleting = claims.delete(id, || pool.users_of(id))?;
+                Ok(templates.store().delete(id)?)
+            })
+        })
+        .await?;
         let uses = vec![t.id.clone()];
         Ok((t, uses))
     }
 
     /// Hands over a prepared VMM for `req`.
     pub async fn acquire(&self, req: &AcquireVmRequest) -> Result<AcquireVmResponse> {
+        // Claimed before the store is read, until the VM's lease holds
+        // them: a deletion between the two is refused, or refuses this.
+        let named: Vec<String> = [&req.restore_from, &req.template]
+            .into_iter()
+            .filter(|n| !n.is_empty())
+            .cloned()
+            .collect();
+        let _claim = self.claims.claim(&named)?;
         let (t, uses) = self.template_for(req).await?;
         let owner = match req.owner_pid {
             0 => None,
@@ -220,15 +250,12 @@ impl Services {
 
     /// Deletes snapshot `id` (a template is one too); gone already is
     /// success. Refused while a VM handed over by this daemon was restored
-    /// from it, or another snapshot names it as parent.
+    /// from it or an `AcquireVm` is taking it (checked atomically with the
+    /// acquisition: see [`Claims`]), or another snapshot names it as parent.
     pub async fn delete_snapshot(&self, id: &str) -> Result<()> {
         non_empty("snapshot_id", id)?;
-        let users = self.pool.users_of(id);
-        if !users.is_empty() {
-            return Err(Error::FailedPrecondition(format!(
-                "snapshot {id:?} is in use: the running VMs of pids {users:?} were restored from it"
-            )));
-        }
+        let pool = self.pool.clone();
+        let _deleting = self.claims.delete(id, || pool.users_of(id))?;
         let templates = self.templates.clone();
         let id = id.to_string();
         blocking(move || match templates.store().delete(&id) {
@@ -240,6 +267,72 @@ impl Services {
             Err(e) => Err(e.into()),
         })
         .await
+    }
+
+    /// Marks snapshot `id` retained (its object was deleted with
+    /// `deletionPolicy: Retain`): the garbage collector keeps it. A
+    /// snapshot that is not there is no error.
+    pub async fn retain_snapshot(&self, id: &str) -> Result<()> {
+        non_empty("snapshot_id", id)?;
+        let templates = self.templates.clone();
+        let id = id.to_string();
+        blocking(move || {
+            match templates
+                .store()
+                .set_label(&id, RETAINED_LABEL, Some("true"))
+            {
+                Ok(()) => Ok(()),
+                Err(twig_store::Error::NotFound(_)) => Ok(()),
+                Err(e) => Err(e.into()),
+            }
+        })
+        .await
+    }
+
+    /// Deletes the published snapshots nothing refers to (see
+    /// [`crate::gc`] for the roots): not in `referenced`, not a base
+    /// template, not retained, not used by a running VM or an acquisition,
+    /// not a template being built, not published within `grace`, and not
+    /// a parent of any snapshot kept. Each is deleted as `DeleteSnapshot`
+    /// would (a snapshot a VM took meanwhile, or that got a child, stays).
+    pub async fn collect_garbage(
+        &self,
+        referenced: &[String],
+        grace: std::time::Duration,
+    ) -> Result<Collected> {
+        let templates = self.templates.clone();
+        let all = blocking(move || Ok(templates.store().list()?)).await?;
+        let referenced: std::collections::HashSet<&str> =
+            referenced.iter().map(String::as_str).collect();
+        let now = std::time::SystemTime::now();
+        let doomed = garbage(&all, |s| {
+            referenced.contains(s.id.as_str())
+                || s.id.starts_with(BASE_PREFIX)
+                || s.labels.contains_key(RETAINED_LABEL)
+                || !self.pool.users_of(&s.id).is_empty()
+                || self.claims.taking(&s.id)
+                || self.builder.running(&s.id)
+                || now
+                    .duration_since(s.created)
+                    .map_or(true, |age| age < grace)
+        });
+        let mut collected = Collected::default();
+        for id in doomed {
+            let templates = self.templates.clone();
+            let of = id.clone();
+            let bytes = blocking(move || Ok(templates.store().allocated_of(&of)?))
+                .await
+                .unwrap_or(0);
+            match self.delete_snapshot(&id).await {
+                Ok(()) => {
+                    tracing::info!(id, bytes, "garbage collected a snapshot nothing refers to");
+                    collected.reclaimed_bytes += bytes;
+                    collected.deleted.push(id);
+                }
+                Err(e) => tracing::info!(id, "the garbage collector keeps a snapshot: {e}"),
+            }
+        }
+        Ok(collected)
     }
 
     /// App template `req.name` (`namespace/name`): ready when the store
@@ -341,10 +434,12 @@ impl Services {
     }
 
     /// Deletes app template `key` (`namespace/name`) from this node and
-    /// stops its build; refused while a VM restored from it runs.
+    /// stops its build (the build pod and its VM stopped and removed
+    /// before the template's data is deleted, so a snapshot it took goes
+    /// too); refused while a VM restored from it runs.
     pub async fn delete_template(&self, key: &str) -> Result<()> {
         let id = template_id(key)?;
-        self.builder.cancel(&id);
+        self.builder.cancel(&id).await?;
         self.delete_snapshot(&id).await
     }
 }
@@ -408,6 +503,29 @@ impl twig_proto::twig_ttrpc::Node for Services {
         _req: GetStoreUsageRequest,
     ) -> ttrpc::Result<GetStoreUsageResponse> {
         Ok(Services::store_usage(self).await?)
+    }
+
+    async fn collect_garbage(
+        &self,
+        _ctx: &TtrpcContext,
+        req: CollectGarbageRequest,
+    ) -> ttrpc::Result<CollectGarbageResponse> {
+        let grace = std::time::Duration::from_secs(req.grace_seconds);
+        let c = Services::collect_garbage(self, &req.referenced, grace).await?;
+        Ok(CollectGarbageResponse {
+            deleted: c.deleted,
+            reclaimed_bytes: c.reclaimed_bytes,
+            ..Default::default()
+        })
+    }
+
+    async fn retain_snapshot(
+        &self,
+        _ctx: &TtrpcContext,
+        req: RetainSnapshotRequest,
+    ) -> ttrpc::Result<RetainSnapshotResponse> {
+        Services::retain_snapshot(self, &req.snapshot_id).await?;
+        Ok(RetainSnapshotResponse::default())
     }
 }
 

@@ -2,6 +2,27 @@
 //! sandbox resource annotations or the sandbox container's
 //! `linux.resources`) plus the guest's own reserve, against the base
 //! template shapes the node offers.
+//!
+//! A pod's memory limit is enforced by the guest's cgroup, so the guest
+//! must have that much left after its own use, or the guest kernel's global
+//! OOM killer (not the pod's cgroup) would act first. A guest keeps a fixed
+//! part — its kernel, the agent's initramfs (the root filesystem, in RAM),
+//! the agent and the pause process: `base.guest_reserve_mib`, default 28
+//! MiB — plus 1/[`RESERVE_SHARE`] of its RAM (page structures, page tables,
+//! the allocator's watermarks). The model keeps 32 MiB of 128 and 44 of
+//! 512, above what the lab measured (30 and 39–40 MiB, `e2e/tests/shapes.rs`;
+//! node/BENCHMARKS.md); so 256 MiB holds a pod limit of 220 MiB, 512 holds
+//! 468, 1024 holds 964, 2048 holds 1956.
+//!
+//! The default shapes double RAM with vCPUs growing slower (a pod's CPU
+//! limit is usually well under its GiB count), and the default stays the
+//! smallest, so a pod with limits never gets less than one without.
+//!
+//! Why the daemon chooses, from limits the shim sends: the shim choosing
+//! would be a second call on every pod's path and a second place that knows
+//! the guest's reserve; the daemon owns the shapes, the templates and the
+//! guest, so one `AcquireVm` carries what the pod asks and is answered with
+//! a VM that holds it or a refusal before any VMM is taken.
 
 use crate::error::{Error, Result};
 use crate::template::{list, Shape};

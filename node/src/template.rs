@@ -184,6 +184,16 @@ impl Templates {
     /// inputs are deleted (unless a snapshot was taken on top of them).
     /// Blocking: call it on a blocking thread.
     pub fn base(&self, shape: Shape) -> Result<TemplateRef> {
+        self.base_with(shape, |id| Ok(self.store.delete(id)?))
+    }
+
+    /// [`Templates::base`], deleting previous base templates with `delete`
+    /// (the daemon's: refused while a running VM was restored from one).
+    pub fn base_with(
+        &self,
+        shape: Shape,
+        delete: impl Fn(&str) -> Result<()>,
+    ) -> Result<TemplateRef> {
         let offered = self.offered();
         if !offered.contains(&shape) {
             return Err(Error::InvalidArgument(format!(
@@ -211,7 +221,7 @@ impl Templates {
             .collect::<Result<Vec<_>>>()?;
         for old in self.store.list()? {
             if old.id.starts_with(BASE_PREFIX) && !current.contains(&old.id) {
-                match self.store.delete(&old.id) {
+                match delete(&old.id) {
                     Ok(()) => tracing::info!(id = old.id, "deleted a previous base template"),
                     Err(e) => tracing::warn!(id = old.id, "keeping a previous base template: {e}"),
                 }

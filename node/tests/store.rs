@@ -13,8 +13,9 @@ use std::process::Command;
 use common::*;
 use twig_proto::node::AcquireVmRequest;
 use twig_proto::twig::{
-    DeleteSnapshotRequest, DeleteTemplateRequest, EnsureTemplateRequest, EnsureTemplateResponse,
-    GetSnapshotRequest, GetSnapshotResponse, GetStoreUsageRequest, GetStoreUsageResponse,
+    CollectGarbageRequest, CollectGarbageResponse, DeleteSnapshotRequest, DeleteTemplateRequest,
+    EnsureTemplateRequest, EnsureTemplateResponse, GetSnapshotRequest, GetSnapshotResponse,
+    GetStoreUsageRequest, GetStoreUsageResponse, RetainSnapshotRequest,
 };
 use twig_store::{Artefact, NodeStore};
 
@@ -420,4 +421,97 @@ fn snapshot_sizes_and_store_usage_match_the_files_on_disk() {
         after.allocated_bytes + snap.memory_bytes + snap.disk_bytes <= usage.allocated_bytes,
         "{after:?} {usage:?}"
     );
+}
+
+impl Node {
+    fn collect(&self, referenced: &[&str], grace_s: u64) -> CollectGarbageResponse {
+        let req = CollectGarbageRequest {
+            referenced: referenced.iter().map(|s| s.to_string()).collect(),
+            grace_seconds: grace_s,
+            ..Default::default()
+        };
+        self.rt
+            .block_on(self.node.collect_garbage(ctx(), &req))
+            .expect("CollectGarbage")
+    }
+
+    fn retain(&self, id: &str) {
+        let req = RetainSnapshotRequest {
+            snapshot_id: id.into(),
+            ..Default::default()
+        };
+        self.rt
+            .block_on(self.node.retain_snapshot(ctx(), &req))
+            .expect("RetainSnapshot");
+    }
+}
+
+/// Publishes `id` (on `parent`) with `bytes` of memory.
+fn publish_snapshot(store: &NodeStore, id: &str, parent: Option<&str>, bytes: usize) {
+    let mut s = store.stage(id).unwrap();
+    if let Some(p) = parent {
+        s.set_parent(p).unwrap();
+    }
+    s.put_bytes(Artefact::State, b"state").unwrap();
+    s.put_bytes(Artefact::Memory, &vec![7u8; bytes]).unwrap();
+    s.publish().unwrap();
+}
+
+/// Issue 24, item 6: the node store's garbage collector reclaims a
+/// snapshot nothing refers to (e.g. one the shim published after its
+/// Snapshot object was deleted or timed out), children before parents,
+/// and keeps every root: what the caller's objects name and their
+/// parents, base templates, retained snapshots, snapshots a running VM
+/// was restored from, and snapshots younger than the grace period.
+#[test]
+fn the_gc_reclaims_an_orphan_and_keeps_what_is_referred_to() {
+    let dir = tempfile::tempdir().unwrap();
+    make_template(dir.path(), "tiny");
+    let node = Node::start(dir.path(), &config(dir.path(), 0));
+    let store = NodeStore::open(&dir.path().join("store"), true).unwrap();
+    publish_snapshot(&store, "orphan", None, 256 << 10);
+    publish_snapshot(&store, "orphan.child", Some("orphan"), 64 << 10);
+    publish_snapshot(&store, "pod.parent", None, 4096);
+    publish_snapshot(&store, "pod.kept", Some("pod.parent"), 4096);
+    publish_snapshot(&store, "base-0123456789abcdef", None, 4096);
+    publish_snapshot(&store, "retained", None, 4096);
+    node.retain("retained");
+    node.retain("not-there");
+    let vm = node.acquire("tiny").expect("AcquireVm");
+    let orphans = ["orphan", "orphan.child"]
+        .map(|id| allocated_under(&store.snapshot_dir(id)))
+        .iter()
+        .sum::<u64>();
+    assert!(orphans >= (320 << 10), "{orphans}");
+
+    // Within the grace period everything stays.
+    let c = node.collect(&["pod.kept"], 3600);
+    assert!(c.deleted.is_empty(), "{c:?}");
+    assert!(store.get("orphan").is_ok());
+
+    let c = node.collect(&["pod.kept"], 0);
+    assert_eq!(c.deleted, ["orphan.child", "orphan"], "{c:?}");
+    assert_eq!(c.reclaimed_bytes, orphans, "{c:?}");
+    let mut left: Vec<String> = store.list().unwrap().into_iter().map(|s| s.id).collect();
+    left.sort();
+    assert_eq!(
+        left,
+        [
+            "base-0123456789abcdef",
+            "pod.kept",
+            "pod.parent",
+            "retained",
+            "tiny"
+        ]
+    );
+
+    // The VM gone, its template is garbage too; again, nothing more.
+    sigkill(vm.pid);
+    wait_until("the VMM is reaped", T, || gone(vm.pid));
+    wait_until("the daemon saw it exit", T, || {
+        node.status().handed_pids.is_empty()
+    });
+    let c = node.collect(&["pod.kept"], 0);
+    assert_eq!(c.deleted, ["tiny"], "{c:?}");
+    assert!(node.collect(&["pod.kept"], 0).deleted.is_empty());
 }

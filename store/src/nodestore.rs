@@ -345,6 +345,14 @@ impl NodeStore {
             .map_err(ctx(format!("accounting VM snapshot {id:?}")))
     }
 
+    /// Allocated bytes (`st_blocks`) of every file of published snapshot
+    /// `id`, its manifest included: what deleting it gives back (a block
+    /// it shares by reflink with another file counts here too).
+    pub fn allocated_of(&self, id: &str) -> Result<u64> {
+        let snap = self.get(id)?;
+        sizes::allocated_under(snap.dir())
+    }
+
     /// Space of the whole store; blocks shared between snapshots count once
     /// in `unique_bytes`.
     pub fn usage(&self) -> Result<Usage> {
