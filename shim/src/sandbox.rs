@@ -24,6 +24,15 @@ pub struct Attachment {
     pub slot: Option<usize>,
 }
 
+/// The size of a pod's VM: what its containers' limits can grow to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VmShape {
+    /// Guest memory, bytes.
+    pub memory_bytes: u64,
+    /// vCPUs.
+    pub vcpus: u32,
+}
+
 /// What a VM snapshot wrote into its staging directory.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VmSnapshot {
@@ -90,6 +99,14 @@ pub trait Sandbox: Send + Sync {
         read_only: bool,
         spec_json: &[u8],
     ) -> Result<Attachment>;
+    /// Hands the block image `image` to the guest read-write without a
+    /// container on it: the pod's disk (its sandbox container's rootfs
+    /// image), which holds its disk-backed volumes.
+    fn attach_disk(&self, image: &Path) -> Result<Attachment>;
+    /// The VM's shape; `None` without a VM (the host's).
+    fn shape(&self) -> Option<VmShape> {
+        None
+    }
     /// Creates the pod's sandbox container `id` from `spec_json` without a
     /// disk: its init is the agent's built-in pause, which holds the pod's
     /// namespaces (the pause image's rootfs is never needed in a VM).
@@ -243,6 +260,11 @@ impl Sandbox for HostSandbox {
 
     fn agent_epoch(&self) -> u64 {
         0
+    }
+
+    fn attach_disk(&self, image: &Path) -> Result<Attachment> {
+        let device = losetup(&["--find", "--show"], Some(image))?;
+        Ok(Attachment { device, slot: None })
     }
 
     fn create_container(

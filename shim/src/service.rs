@@ -336,6 +336,28 @@ impl Task for TaskService {
         })
     }
 
+    async fn update(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::UpdateTaskRequest,
+    ) -> TtrpcResult<api::Empty> {
+        tracing::info!(id = req.id, "update");
+        let Some(resources) = req.resources.as_ref() else {
+            return Err(
+                Error::InvalidArgument(format!("update of {}: no resources", req.id)).into(),
+            );
+        };
+        if !resources.type_url.ends_with("/LinuxResources") {
+            return Err(Error::InvalidArgument(format!(
+                "update of {}: resources of type {:?}, not the OCI spec's LinuxResources",
+                req.id, resources.type_url
+            ))
+            .into());
+        }
+        self.pod.update(&req.id, resources.value.clone()).await?;
+        Ok(api::Empty::new())
+    }
+
     async fn connect(
         &self,
         _ctx: &TtrpcContext,

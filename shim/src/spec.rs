@@ -11,6 +11,8 @@ use std::path::Path;
 
 use serde_json::Value;
 
+use twig_proto::contract::{NETWORK_ANNOTATION, NETWORK_NONE};
+
 use crate::error::{Error, Result};
 
 /// CRI's annotation naming a container's pod sandbox.
@@ -58,12 +60,28 @@ pub fn root_read_only(spec: &Value) -> bool {
         .unwrap_or(false)
 }
 
-/// Refuses a CRI pod sandbox that asks for the node's IPC or PID namespace
-/// (`hostIPC`, `hostPID`: CRI then gives the sandbox no namespace of that
-/// kind): the pod runs in its own VM, whose kernel shares neither with the
-/// node, so it would start with something else than it asked for. (A pod
-/// on the node's network keeps its VM's: see the README.) Other specs
-/// (`ctr`) are not a pod's and pass.
+/// Whether the pod asks for a VM without network
+/// ([`NETWORK_ANNOTATION`]` = `[`NETWORK_NONE`]); any other value of the
+/// annotation is refused, naming it.
+pub fn network_none(spec: &Value) -> Result<bool> {
+    match annotation(spec, NETWORK_ANNOTATION) {
+        None => Ok(false),
+        Some(NETWORK_NONE) => Ok(true),
+        Some(other) => Err(Error::InvalidArgument(format!(
+            "metadata.annotations[{NETWORK_ANNOTATION}]: {other:?} is not a network the twig \
+             runtime knows; the one value is {NETWORK_NONE:?} (a VM without network), or leave \
+             it out for the pod's network"
+        ))),
+    }
+}
+
+/// Refuses a CRI pod sandbox that asks for one of the node's namespaces
+/// (`hostIPC`, `hostPID`, `hostNetwork`: CRI then gives the sandbox no
+/// namespace of that kind): the pod runs in its own VM, whose kernel shares
+/// none of them with the node, so it would start with something else than
+/// it asked for. A pod on the node's network that says it wants no network
+/// at all ([`NETWORK_ANNOTATION`]` = `[`NETWORK_NONE`]) gets a VM without
+/// one. Other specs (`ctr`) are not a pod's and pass.
 pub fn check_host_namespaces(spec: &Value) -> Result<()> {
     if annotation(spec, CONTAINER_TYPE_ANNOTATION) != Some(CONTAINER_TYPE_SANDBOX) {
         return Ok(());
@@ -87,6 +105,14 @@ pub fn check_host_namespaces(spec: &Value) -> Result<()> {
                  microVM, whose kernel cannot share the node's {what}"
             )));
         }
+    }
+    if !has("network") && !network_none(spec)? {
+        return Err(Error::InvalidArgument(format!(
+            "spec.hostNetwork: true is not supported by the twig runtime: the pod runs in its own \
+             microVM, whose kernel has a network stack of its own and cannot use the node's \
+             interfaces; for a pod without any network, set the annotation \
+             {NETWORK_ANNOTATION}: {NETWORK_NONE}"
+        )));
     }
     Ok(())
 }
@@ -115,23 +141,33 @@ mod tests {
     }
 
     #[test]
-    fn a_pod_asking_for_the_nodes_ipc_or_pid_namespace_is_refused_naming_the_field() {
-        let sandbox = |kinds: &[&str]| {
+    fn a_pod_asking_for_a_node_namespace_is_refused_naming_the_field() {
+        let sandbox = |kinds: &[&str], network: Option<&str>| {
             let ns: Vec<Value> = kinds.iter().map(|k| json!({"type": k})).collect();
-            json!({"annotations": {CONTAINER_TYPE_ANNOTATION: "sandbox"},
-                   "linux": {"namespaces": ns}})
+            let mut annotations = json!({CONTAINER_TYPE_ANNOTATION: "sandbox"});
+            if let Some(n) = network {
+                annotations[NETWORK_ANNOTATION] = json!(n);
+            }
+            json!({"annotations": annotations, "linux": {"namespaces": ns}})
         };
-        check_host_namespaces(&sandbox(&["pid", "ipc", "uts", "mount", "network"])).unwrap();
-        // hostNetwork: no network namespace; the VM's network is the pod's.
-        check_host_namespaces(&sandbox(&["pid", "ipc", "uts", "mount"])).unwrap();
+        let all = ["pid", "ipc", "uts", "mount", "network"];
+        check_host_namespaces(&sandbox(&all, None)).unwrap();
+        check_host_namespaces(&sandbox(&all, Some(NETWORK_NONE))).unwrap();
+        // hostNetwork that asks for no network at all: a VM without one.
+        check_host_namespaces(&sandbox(&all[..4], Some(NETWORK_NONE))).unwrap();
         for (kinds, field) in [
             (&["pid", "uts", "mount", "network"][..], "spec.hostIPC"),
             (&["ipc", "uts", "mount", "network"][..], "spec.hostPID"),
+            (&all[..4], "spec.hostNetwork"),
         ] {
-            let e = check_host_namespaces(&sandbox(kinds)).unwrap_err();
+            let e = check_host_namespaces(&sandbox(kinds, None)).unwrap_err();
             assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
             assert!(e.to_string().contains(field), "{e}");
         }
+        let e = check_host_namespaces(&sandbox(&all[..4], Some("host"))).unwrap_err();
+        assert!(e.to_string().contains(NETWORK_ANNOTATION), "{e}");
+        let e = network_none(&sandbox(&all, Some("bridge"))).unwrap_err();
+        assert!(e.to_string().contains("\"bridge\""), "{e}");
         // Not a CRI sandbox (ctr's containers, app containers).
         check_host_namespaces(&json!({"linux": {"namespaces": []}})).unwrap();
     }

@@ -52,9 +52,15 @@ struct Record {
     /// The operation id of the last rollback done.
     last_rollback: String,
     /// False after a snapshot the VM took but the store did not publish:
-    /// the VM tracks changes against it, so an incremental one cannot
-    /// follow until a full snapshot or a rollback.
+    /// the VM tracks changes against it, so the next snapshot asked to be
+    /// incremental is a full one (until a full snapshot or a rollback).
     baseline_published: bool,
+    /// The published snapshot the VM tracks changes against, when this
+    /// shim knows it (its last snapshot, or its last rollback's target;
+    /// `None`: the snapshot the VM was restored from, which the node
+    /// daemon leases). Deleted from the store since, an incremental
+    /// snapshot would have no parent: a full one is taken instead.
+    baseline: Option<String>,
 }
 
 /// The `twig.v1.Twig` service of one shim.
@@ -97,6 +103,7 @@ impl TwigService {
                     snapshots: Vec::new(),
                     last_rollback: String::new(),
                     baseline_published: true,
+                    baseline: None,
                 }),
                 queue_deadline,
             }),
@@ -204,13 +211,6 @@ impl TwigService {
         {
             return Ok(s.clone());
         }
-        if !req.full && !self.record().baseline_published {
-            return Err(Error::FailedPrecondition(format!(
-                "snapshot {}: the pod's last snapshot was not published, so an incremental one \
-                 has no parent; take a full snapshot",
-                req.snapshot_id
-            )));
-        }
         let sandbox = self.inner.pod.current_sandbox().await.ok_or_else(|| {
             Error::FailedPrecondition(format!(
                 "sandbox {} has no VM yet (no container was created)",
@@ -218,10 +218,20 @@ impl TwigService {
             ))
         })?;
         let root = sandbox.snapshot_store()?;
+        // No container is created or deleted from the list to the VM's
+        // snapshot: the labels say what the snapshot holds.
+        let _frozen = self.inner.pod.freeze_containers().await;
         let containers = serde_json::to_string(&self.containers()?)
             .map_err(|e| Error::Internal(format!("encoding the pod's containers: {e}")))?;
         let owner = self.namespace()?;
         let sandbox_id = self.inner.sandbox_id.clone();
+        // What the VM tracks changes against: `None` when it is a
+        // snapshot the store did not publish (an incremental one would
+        // have no parent).
+        let baseline = {
+            let r = self.record();
+            r.baseline_published.then(|| r.baseline.clone())
+        };
         let (id, full, labels) = (req.snapshot_id.clone(), req.full, req.labels);
         let started = Instant::now();
         let (result, baseline_lost) = blocking(move || {
@@ -229,64 +239,55 @@ impl TwigService {
                 Ok(s) => s,
                 Err(e) => return (Err(store_error("opening the node store")(e)), false),
             };
-            let mut staging = match store.stage(&id) {
-                Ok(s) => s,
-                Err(e) => return (Err(store_error(format!("staging snapshot {id}"))(e)), false),
+            let take = |full: bool| {
+                take_snapshot(
+                    &store,
+                    sandbox.as_ref(),
+                    &id,
+                    full,
+                    &labels,
+                    &sandbox_id,
+                    &containers,
+                    owner.as_deref(),
+                )
             };
-            for (key, value) in &labels {
-                staging.set_label(key, value);
+            // The VM's baseline deleted since (a Snapshot object deleted,
+            // or what it was rolled back to): an incremental snapshot
+            // would name a parent the store no longer holds, and so would
+            // every one after it. Rebase on a full one.
+            let gone = |b: &str| matches!(store.get(b), Err(twig_store::Error::NotFound(_)));
+            let asked_full = full;
+            let full = match &baseline {
+                None => true,
+                Some(b) => full || b.as_deref().is_some_and(gone),
+            };
+            if full && !asked_full {
+                tracing::info!(
+                    id,
+                    ?baseline,
+                    "the VM's baseline left the store: a full snapshot"
+                );
             }
-            staging.set_label(SANDBOX_LABEL, &sandbox_id);
-            staging.set_label(CONTAINERS_LABEL, &containers);
-            // Only a pod of this namespace may restore it (a Clone's pods).
-            if let Some(ns) = &owner {
-                if let Err(e) = staging.set_owner(ns) {
-                    return (
-                        Err(store_error(format!("snapshot {id}: its owner"))(e)),
-                        false,
+            match take(full) {
+                // Deleted between the look and the publication (or a
+                // baseline this shim did not know): the VM now tracks
+                // changes against the unpublished snapshot, which a full
+                // one replaces.
+                (
+                    Err(Error::Store {
+                        source: twig_store::Error::NotFound(m),
+                        ..
+                    }),
+                    true,
+                ) if !full => {
+                    tracing::info!(
+                        id,
+                        "the incremental snapshot's parent left the store ({m}): a full snapshot"
                     );
+                    take(true)
                 }
+                other => other,
             }
-            let vm = match sandbox.snapshot(staging.dir(), full) {
-                Ok(vm) => vm,
-                Err(e) => return (Err(e), false),
-            };
-            let published = match staging.publish() {
-                Ok(p) => p,
-                Err(e) => {
-                    return (
-                        Err(store_error(format!("publishing snapshot {id}"))(e)),
-                        true,
-                    )
-                }
-            };
-            let size = store
-                .usage_of(&id)
-                .map(|u| u.allocated_bytes)
-                .unwrap_or_else(|e| {
-                    tracing::warn!(id, "accounting the snapshot: {e}");
-                    0
-                });
-            let state = published
-                .artefacts
-                .get(&Artefact::State)
-                .copied()
-                .unwrap_or_default();
-            let sizes = twig_store::snapshot_sizes(published.dir()).unwrap_or_else(|e| {
-                tracing::warn!(id, "sizing the snapshot: {e}");
-                SnapshotSizes::default()
-            });
-            let info = pb::SnapshotInfo {
-                snapshot_id: id,
-                parent_id: vm.parent.unwrap_or_default(),
-                size_bytes: size,
-                written_bytes: vm.pages_written.saturating_mul(4096).saturating_add(state),
-                memory_bytes: sizes.memory_bytes,
-                disk_bytes: sizes.disk_bytes,
-                restore_bytes: sizes.restore_bytes,
-                ..Default::default()
-            };
-            (Ok(info), false)
         })
         .await?;
         let mut record = self.record();
@@ -300,6 +301,7 @@ impl TwigService {
                     "pod snapshot published"
                 );
                 record.baseline_published = true;
+                record.baseline = Some(info.snapshot_id.clone());
                 record.snapshots.push(info.clone());
                 Ok(info)
             }
@@ -329,6 +331,9 @@ impl TwigService {
             ))
         })?;
         let root = sandbox.snapshot_store()?;
+        // The pod's containers stay what the check compares until the VM
+        // is back (see `do_snapshot`).
+        let _frozen = self.inner.pod.freeze_containers().await;
         let now = self.containers()?;
         let sandbox_id = self.inner.sandbox_id.clone();
         let id = req.snapshot_id.clone();
@@ -362,6 +367,7 @@ impl TwigService {
                     record.last_rollback = req.operation_id;
                     // The VM now tracks changes against a published snapshot.
                     record.baseline_published = true;
+                    record.baseline = Some(req.snapshot_id.clone());
                 }
                 // The snapshot's copies of the pod's configuration and
                 // Secrets are the pod's of then; it keeps its current ones.
@@ -434,6 +440,80 @@ impl TwigService {
         })?;
         blocking(move || sandbox.set_egress_policy(&policy)).await?
     }
+}
+
+/// Takes snapshot `id` of `sandbox` into `store` and publishes it; the
+/// flag says whether the VM took the snapshot but the store did not
+/// publish it (the VM's baseline is then an unpublished snapshot).
+#[allow(clippy::too_many_arguments)]
+fn take_snapshot(
+    store: &NodeStore,
+    sandbox: &dyn crate::sandbox::Sandbox,
+    id: &str,
+    full: bool,
+    labels: &HashMap<String, String>,
+    sandbox_id: &str,
+    containers: &str,
+    owner: Option<&str>,
+) -> (Result<pb::SnapshotInfo>, bool) {
+    let mut staging = match store.stage(id) {
+        Ok(s) => s,
+        Err(e) => return (Err(store_error(format!("staging snapshot {id}"))(e)), false),
+    };
+    for (key, value) in labels {
+        staging.set_label(key, value);
+    }
+    staging.set_label(SANDBOX_LABEL, sandbox_id);
+    staging.set_label(CONTAINERS_LABEL, containers);
+    // Only a pod of this namespace may restore it (a Clone's pods).
+    if let Some(ns) = owner {
+        if let Err(e) = staging.set_owner(ns) {
+            return (
+                Err(store_error(format!("snapshot {id}: its owner"))(e)),
+                false,
+            );
+        }
+    }
+    let vm = match sandbox.snapshot(staging.dir(), full) {
+        Ok(vm) => vm,
+        Err(e) => return (Err(e), false),
+    };
+    let published = match staging.publish() {
+        Ok(p) => p,
+        Err(e) => {
+            return (
+                Err(store_error(format!("publishing snapshot {id}"))(e)),
+                true,
+            )
+        }
+    };
+    let size = store
+        .usage_of(id)
+        .map(|u| u.allocated_bytes)
+        .unwrap_or_else(|e| {
+            tracing::warn!(id, "accounting the snapshot: {e}");
+            0
+        });
+    let state = published
+        .artefacts
+        .get(&Artefact::State)
+        .copied()
+        .unwrap_or_default();
+    let sizes = twig_store::snapshot_sizes(published.dir()).unwrap_or_else(|e| {
+        tracing::warn!(id, "sizing the snapshot: {e}");
+        SnapshotSizes::default()
+    });
+    let info = pb::SnapshotInfo {
+        snapshot_id: id.to_string(),
+        parent_id: vm.parent.unwrap_or_default(),
+        size_bytes: size,
+        written_bytes: vm.pages_written.saturating_mul(4096).saturating_add(state),
+        memory_bytes: sizes.memory_bytes,
+        disk_bytes: sizes.disk_bytes,
+        restore_bytes: sizes.restore_bytes,
+        ..Default::default()
+    };
+    (Ok(info), false)
 }
 
 /// The `Twig` service's view of a pod's network path.

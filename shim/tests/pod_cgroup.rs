@@ -2,7 +2,8 @@
 //! this host's real cgroups (v1 hybrid or v2): a fake pod cgroup with a
 //! small memory limit in a temporary subtree, a shell standing in for
 //! twig-vmm and its PID namespace child, moved with every process below it
-//! into the sandbox's cgroup, then bounded by the pod's limit. Needs root;
+//! into the sandbox's cgroup, then bounded by the pod's limit, and the
+//! sandbox's cgroup removed once its processes are gone. Needs root;
 //! it fails, never skips, without it. The subtree is removed afterwards.
 
 use std::io::{BufRead, BufReader, Write};
@@ -229,6 +230,33 @@ fn the_vmm_and_its_children_join_the_pod_cgroup_and_its_memory_limit_bounds_them
         .and_then(|n| n.trim().parse().ok())
         .unwrap_or_else(|| panic!("no oom_kill count: {events}"));
     assert!(kills >= 1, "no OOM kill in the pod's cgroup: {events}");
+
+    // The VMM gone, the sandbox's cgroup goes too, everywhere (kubelet
+    // then removes the pod's); the pod's stays; again is no error.
+    cgroups::remove(&sandbox).unwrap_or_else(|e| panic!("{e}"));
+    let relative = sandbox.strip_prefix("/").unwrap();
+    for h in &f.mounted {
+        assert!(!h.mount.join(relative).exists(), "{}", h.mount.display());
+        assert!(h.mount.join(relative.parent().unwrap()).exists());
+    }
+    cgroups::remove(&sandbox).unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn a_sandbox_cgroup_with_a_live_process_is_not_removed() {
+    let f = Fixture::new("busy");
+    let sandbox = f.pod().join("sb");
+    let mut sleeper = Killed(Command::new("sleep").arg("30").spawn().unwrap());
+    cgroups::join(&sandbox, sleeper.0.id()).unwrap_or_else(|e| panic!("{e}"));
+    let e = cgroups::remove(&sandbox).unwrap_err();
+    assert!(
+        matches!(e, Error::FailedPrecondition(_))
+            && e.to_string().contains(&sandbox.display().to_string()),
+        "{e}"
+    );
+    sleeper.0.kill().unwrap();
+    sleeper.0.wait().unwrap();
+    cgroups::remove(&sandbox).unwrap_or_else(|e| panic!("{e}"));
 }
 
 #[test]

@@ -333,6 +333,7 @@ mod tests {
                 slot: Some(0),
             },
             volumes: Vec::new(),
+            disk_image: None,
             init: proc("", Phase::Running),
             execs: HashMap::new(),
         };
@@ -348,6 +349,7 @@ mod tests {
                 slot: Some(1),
             },
             volumes: Vec::new(),
+            disk_image: None,
             init: proc("", Phase::Created),
             execs: HashMap::new(),
         };

@@ -15,8 +15,9 @@ use crate::resources::volumes::{guest_mounts, Plan};
 /// with the spec; `container` is the container's name in its pod, which
 /// names them), and hooks go (they would run on the host under runc;
 /// nothing runs them in the guest). A container without a UTS namespace of
-/// its own — a pod on the node's network (`hostNetwork`), whose containers
-/// share the node's — shares the VM's, whose hostname is the VM's: the
+/// its own — a pod on the node's network (`hostNetwork`, which runs only
+/// with `twig.dev/network: none`), whose containers CRI gives the node's —
+/// shares the VM's, whose hostname is the VM's: the
 /// spec's `hostname` (the node's, under CRI) goes.
 pub fn guest_spec(
     mut spec: Value,

@@ -23,7 +23,7 @@ use super::process::{timestamp, Container, Exited, Origin, Phase, Proc};
 use super::{blocking, shim_pid, NewContainer, Pod, AGENT_WAIT};
 use crate::error::{Error, Result};
 use crate::resources::rootfs::{rootfs_image, slot_device};
-use crate::resources::volumes::{self, Volume};
+use crate::resources::volumes::{self, PodDisk, Volume};
 use crate::sandbox::{with_agent, Attachment, Sandbox, SANDBOX_ADOPTION};
 use crate::spec::{
     self, CONTAINER_NAME_ANNOTATION, CONTAINER_TYPE_ANNOTATION, CONTAINER_TYPE_SANDBOX,
@@ -38,6 +38,7 @@ impl Pod {
     /// the VM, on a disk slot (the sandbox container: the agent's pause).
     pub async fn create(&self, new: NewContainer) -> Result<()> {
         let mut timer = CallTimer::new();
+        let _membership = self.changing_containers().await;
         if self.containers().contains_key(&new.id) {
             return Err(Error::AlreadyExists(format!(
                 "container {} already exists",
@@ -86,10 +87,15 @@ impl Pod {
         // adopted container's too: a clone's own token replaces its
         // source's), then kept current while it lives.
         if !plan.volumes.is_empty() {
+            let disk = if plan.volumes.iter().any(Volume::on_pod_disk) {
+                Some(timer.vm(self.pod_disk(&sandbox)).await?)
+            } else {
+                None
+            };
             let (sb, vols, timeout) = (sandbox.clone(), plan.volumes.clone(), self.inner.timeout);
             timer
                 .vm(blocking(move || {
-                    volumes::prepare(&sb.agent(), &vols, timeout)
+                    volumes::prepare(&sb.agent(), &vols, disk.as_ref(), timeout)
                 }))
                 .await?;
             self.watch_volumes(&new.id, &sandbox, &plan.volumes)?;
@@ -104,6 +110,7 @@ impl Pod {
             name.as_deref()
         };
         let adopted = adoption.and_then(|n| sandbox.take_restored(n));
+        let disk_image = is_sandbox.then(|| image.clone());
         let (attachment, origin, guest_id) = match adopted {
             Some(r) => {
                 tracing::info!(
@@ -154,6 +161,7 @@ impl Pod {
             origin,
             attachment,
             volumes: plan.volumes,
+            disk_image,
             init: Proc::new("", paths, opened, Vec::new()),
             execs: HashMap::new(),
         };
@@ -347,6 +355,7 @@ impl Pod {
             self.forget_exec(id, exec_id).await;
             return Ok(or_now(exited));
         }
+        let _membership = self.changing_containers().await;
         let (exited, attachment, vols) = {
             let containers = self.containers();
             let c = containers
@@ -521,8 +530,63 @@ impl Pod {
     }
 }
 
-/// A deleted process's exit: its own, or (it never exited) status 0 now.
 impl Pod {
+    /// The pod's disk, attached on the first call: its sandbox container's
+    /// rootfs image, which holds the pod's disk-backed volumes (snapshots,
+    /// rollbacks and clones carry it as they carry every container's disk;
+    /// a pod restored with one has it attached already).
+    async fn pod_disk(&self, sandbox: &Arc<dyn Sandbox>) -> Result<PodDisk> {
+        let _one_at_a_time = self.inner.pod_disk.lock().await;
+        let found = self.containers().values().find_map(|c| {
+            c.disk_image
+                .clone()
+                .map(|image| (c.id.clone(), image, c.attachment.clone()))
+        });
+        let Some((id, image, attachment)) = found else {
+            return Err(Error::FailedPrecondition(
+                "a disk-backed emptyDir lives on the pod's disk, its sandbox container's \
+                 rootfs, and this pod has no sandbox container"
+                    .into(),
+            ));
+        };
+        if !attachment.device.is_empty() {
+            return Ok(PodDisk {
+                device: attachment.device,
+                bytes: 0,
+            });
+        }
+        let bytes = std::fs::metadata(&image)
+            .map_err(|e| Error::io(format!("reading the size of {}", image.display()), e))?
+            .len();
+        let sb = sandbox.clone();
+        let attachment = blocking(move || sb.attach_disk(&image)).await?;
+        tracing::info!(
+            sandbox = id,
+            device = attachment.device,
+            "the pod's disk attached"
+        );
+        let kept = match self.containers().get_mut(&id) {
+            Some(c) => {
+                c.attachment = attachment.clone();
+                true
+            }
+            None => false,
+        };
+        if !kept {
+            let (sb, a) = (sandbox.clone(), attachment);
+            if let Err(e) = blocking(move || sb.detach(&a)).await {
+                tracing::warn!(sandbox = id, "detaching the pod's disk: {e}");
+            }
+            return Err(Error::NotFound(format!(
+                "the pod's sandbox container {id} was deleted"
+            )));
+        }
+        Ok(PodDisk {
+            device: attachment.device,
+            bytes,
+        })
+    }
+
     /// Watches container `id`'s live configuration volumes: each settled
     /// change on the host is synced into the guest.
     fn watch_volumes(&self, id: &str, sandbox: &Arc<dyn Sandbox>, vols: &[Volume]) -> Result<()> {

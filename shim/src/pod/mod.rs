@@ -33,6 +33,7 @@ use tokio::sync::{mpsc, watch};
 use twig_agent::proto::agent::StatsResponse;
 
 use crate::error::{Error, Result};
+use crate::resources::limits;
 use crate::resources::watch::Watcher;
 use crate::sandbox::{Launcher, Sandbox};
 use crate::stdio::StdioPaths;
@@ -120,6 +121,13 @@ struct Inner {
     timeout: Duration,
     /// Keeps the guest's copies of live configuration volumes current.
     watcher: Watcher,
+    /// Held while the pod's disk is attached.
+    pod_disk: tokio::sync::Mutex<()>,
+    /// Shared by CRI's Create and Delete of a container while they change
+    /// the pod's containers (in the VM and in `containers`); held
+    /// exclusively by a snapshot or rollback from its container list to the
+    /// VM's answer, so the list is the VM's.
+    membership: tokio::sync::RwLock<()>,
 }
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
@@ -174,6 +182,8 @@ impl Pod {
                 exit,
                 timeout,
                 watcher: Watcher::default(),
+                pod_disk: tokio::sync::Mutex::new(()),
+                membership: tokio::sync::RwLock::new(()),
             }),
         }
     }
@@ -233,6 +243,19 @@ impl Pod {
             .sandbox_init
             .lock()
             .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Holds the pod's containers as they are (no Create or Delete of a
+    /// container runs until the guard is dropped): a snapshot's container
+    /// list and the VM's snapshot are then of the same pod.
+    pub async fn freeze_containers(&self) -> tokio::sync::RwLockWriteGuard<'_, ()> {
+        self.inner.membership.write().await
+    }
+
+    /// Held by Create and Delete of a container (see
+    /// [`Pod::freeze_containers`]).
+    pub(crate) async fn changing_containers(&self) -> tokio::sync::RwLockReadGuard<'_, ()> {
+        self.inner.membership.read().await
     }
 
     /// The pod's sandbox, once its first container made it.
@@ -387,6 +410,26 @@ impl Pod {
                 .agent()
                 .stats(&id, timeout)
                 .map_err(|e| Error::agent(format!("stats of {id}"), e))
+        })
+        .await
+    }
+
+    /// containerd's Update (CRI's UpdateContainerResources, kubelet's
+    /// in-place resize): container `id`'s limits in the VM become what
+    /// `resources` (an OCI `linux.resources`, JSON) gives, within the VM's
+    /// shape ([`limits::check_update`]).
+    pub async fn update(&self, id: &str, resources: Vec<u8>) -> Result<()> {
+        let guest_id = self.guest_id(id)?.0;
+        let sandbox = self.sandbox().await?;
+        if let Some(shape) = sandbox.shape() {
+            limits::check_update(&resources, shape)?;
+        }
+        let timeout = self.inner.timeout;
+        blocking(move || {
+            sandbox
+                .agent()
+                .update_container(&guest_id, &resources, timeout)
+                .map_err(|e| Error::agent(format!("updating the resources of {guest_id}"), e))
         })
         .await
     }

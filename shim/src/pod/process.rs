@@ -134,8 +134,12 @@ pub struct Container {
     pub bundle: PathBuf,
     /// Created by the shim, or adopted from a restored VM.
     pub origin: Origin,
-    /// Its rootfs disk in the guest.
+    /// Its rootfs disk in the guest. The pod's sandbox container has none
+    /// until a volume needs the pod's disk.
     pub attachment: Attachment,
+    /// The sandbox container's rootfs image (twig-snapshotter's): the
+    /// pod's disk, attached when a disk-backed volume first needs it.
+    pub disk_image: Option<PathBuf>,
     /// The guest volumes its mounts use.
     pub volumes: Vec<Volume>,
     /// The init process.

@@ -14,8 +14,14 @@
 //! created directly in cgroupfs. The shim itself stays where containerd
 //! started it, as runc's shim does: outside the pod's CPU quota and OOM
 //! domain, so a VM killed at its pod's limit is reported, not orphaned.
+//! Over the pod's memory limit the host's OOM killer ends the VM (every
+//! container 137). A move that fails fails the start
+//! (`FailedPrecondition`, naming the cgroup and file). Not charged to the
+//! pod: template pages already in the page cache (they count for whoever
+//! read them first).
 
 use std::path::{Component, Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use twig_vmm::jail::cgroup::{hierarchies, Hierarchy};
@@ -157,6 +163,45 @@ pub fn join(cgroup: &Path, pid: u32) -> Result<()> {
         }
     }
     tracing::debug!(cgroup = %cgroup.display(), pids = ?tree, hierarchies = mounted.len(), "twig-vmm moved into the pod's cgroup");
+    Ok(())
+}
+
+/// How long the sandbox's cgroup may keep tasks after its VMM was reaped
+/// (the jail's PID namespace empties as the kernel tears it down).
+const REMOVE_WAIT: Duration = Duration::from_secs(2);
+
+/// Removes the sandbox's cgroup (only the leaf the shim made, as runc
+/// removes a container's) from every mounted hierarchy once its VMM
+/// exited, so kubelet can remove the pod's cgroup. Missing is fine; one
+/// still holding tasks after [`REMOVE_WAIT`] is an error naming it.
+pub fn remove(cgroup: &Path) -> Result<()> {
+    let relative = cgroup.strip_prefix("/").unwrap_or(cgroup);
+    let mounted = hierarchies().map_err(|e| {
+        Error::FailedPrecondition(format!(
+            "removing the pod's cgroup {}: {e}",
+            cgroup.display()
+        ))
+    })?;
+    let deadline = Instant::now() + REMOVE_WAIT;
+    for h in &mounted {
+        let group = h.mount.join(relative);
+        loop {
+            match std::fs::remove_dir(&group) {
+                Ok(()) => break,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => break,
+                Err(e) if e.raw_os_error() == Some(libc::EBUSY) && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) => {
+                    return Err(Error::FailedPrecondition(format!(
+                        "removing the pod's cgroup {}: {e}",
+                        group.display()
+                    )))
+                }
+            }
+        }
+    }
+    tracing::debug!(cgroup = %cgroup.display(), "the pod's cgroup removed");
     Ok(())
 }
 

@@ -7,6 +7,7 @@
 use serde_json::Value;
 
 use crate::error::{Error, Result};
+use crate::sandbox::VmShape;
 use crate::spec::annotation;
 
 /// CRI's sandbox annotation of the pod's memory limit, bytes: the sum of
@@ -137,6 +138,43 @@ pub fn pod_resources(spec: &Value) -> Result<PodResources> {
     })
 }
 
+/// Checks a container's new limits (containerd's Update: CRI's
+/// UpdateContainerResources, kubelet's in-place resize; `resources` is an
+/// OCI `linux.resources` as JSON) against its VM's `shape`: a pod is
+/// resized inside its VM, which does not grow. A memory limit beyond the
+/// VM's memory or a CPU limit beyond its vCPUs is `InvalidArgument` naming
+/// the field and the shape; unreadable resources are too.
+pub fn check_update(resources: &[u8], shape: VmShape) -> Result<()> {
+    let r: Value = serde_json::from_slice(resources).map_err(|e| {
+        Error::InvalidArgument(format!(
+            "the container's new resources are not an OCI linux.resources: {e}"
+        ))
+    })?;
+    let int = |ptr: &str| r.pointer(ptr).and_then(Value::as_i64).filter(|v| *v > 0);
+    let beyond = |field: &str, asked: String| {
+        Error::InvalidArgument(format!(
+            "resources.{field}: {asked} is beyond the pod's VM ({} MiB, {} vCPUs): the twig \
+             runtime resizes a pod inside its VM, which does not grow; recreate the pod to \
+             give it more",
+            shape.memory_bytes >> 20,
+            shape.vcpus
+        ))
+    };
+    if let Some(limit) = int("/memory/limit") {
+        if limit as u64 > shape.memory_bytes {
+            return Err(beyond("limits.memory", format!("{limit} bytes")));
+        }
+    }
+    if let Some(quota) = int("/cpu/quota") {
+        let period = int("/cpu/period").map_or(DEFAULT_CPU_PERIOD_US, |p| p as u64);
+        let millis = (quota as u64).saturating_mul(1000).div_ceil(period);
+        if millis > u64::from(shape.vcpus) * 1000 {
+            return Err(beyond("limits.cpu", format!("{millis}m")));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use serde_json::json;
@@ -235,5 +273,30 @@ mod tests {
                 "{spec}: {e}"
             );
         }
+    }
+
+    #[test]
+    fn a_resize_beyond_the_vms_shape_is_refused_naming_the_field() {
+        let shape = VmShape {
+            memory_bytes: 512 << 20,
+            vcpus: 2,
+        };
+        let ok = |json: serde_json::Value| check_update(json.to_string().as_bytes(), shape);
+        ok(serde_json::json!({"memory": {"limit": 256 << 20}, "cpu": {"quota": 150_000, "period": 100_000}}))
+            .unwrap();
+        ok(serde_json::json!({"memory": {"limit": 512 << 20}, "cpu": {"quota": 200_000}})).unwrap();
+        // -1 and 0 are "no limit", as in runc.
+        ok(serde_json::json!({"memory": {"limit": -1}, "cpu": {"quota": -1}})).unwrap();
+        ok(serde_json::json!({})).unwrap();
+        let e = ok(serde_json::json!({"memory": {"limit": (512 << 20) + 1}})).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+        assert!(
+            e.to_string().contains("resources.limits.memory") && e.to_string().contains("512 MiB"),
+            "{e}"
+        );
+        let e = ok(serde_json::json!({"cpu": {"quota": 250_000, "period": 100_000}})).unwrap_err();
+        assert!(e.to_string().contains("resources.limits.cpu: 2500m"), "{e}");
+        let e = check_update(b"not json", shape).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
     }
 }

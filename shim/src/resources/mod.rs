@@ -7,6 +7,7 @@
 pub mod cgroups;
 pub mod limits;
 pub mod network;
+pub mod port_forward;
 pub mod rootfs;
 pub mod volumes;
 pub mod watch;

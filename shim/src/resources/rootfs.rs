@@ -75,7 +75,9 @@ impl DiskSlots {
         let mut used = self.used.lock().unwrap_or_else(|p| p.into_inner());
         let free = used.iter().position(|u| !u).ok_or_else(|| {
             Error::FailedPrecondition(format!(
-                "the pod's VM has {} disk slots and all hold a container's rootfs",
+                "the pod's VM has {} disk slots and all are taken: each container (ephemeral \
+                 ones too) takes one for its rootfs, and the pod's disk-backed emptyDirs one \
+                 together; twig-node's `disk_slots` sets how many a VM has",
                 used.len()
             ))
         })?;

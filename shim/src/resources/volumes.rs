@@ -15,11 +15,16 @@
 //!   copied back to the host path when the container exits (at most
 //!   [`TERMINATION_MESSAGE_BYTES`], as kubelet reads it);
 //! - an emptyDir is a guest volume shared by the pod's containers, in the
-//!   VM (a tmpfs of its own of the volume's `sizeLimit` for `medium:
-//!   Memory`), so snapshot, rollback and clone carry it with the pod;
-//! - anything else (a hostPath, a filesystem PersistentVolume, a subPath of
-//!   an emptyDir) is refused, naming the mount: nothing shares a host
-//!   filesystem with the VM yet.
+//!   VM, so snapshot, rollback and clone carry it with the pod: on the
+//!   pod's disk ([`PodDisk`]: the sandbox container's rootfs image from
+//!   twig-snapshotter, attached to a disk slot when a container first needs
+//!   it), or a tmpfs of its own of the volume's `sizeLimit` for `medium:
+//!   Memory`. A `subPath` of an emptyDir is the same directory of it in the guest
+//!   (found by inode on the host, made in the guest by `PrepareVolume`'s
+//!   `subdirs`);
+//! - anything else (a hostPath, a filesystem PersistentVolume, a subPath
+//!   that is no directory of its emptyDir on the host) is refused, naming
+//!   the mount: nothing shares a host filesystem with the VM yet.
 //!
 //! A mirrored volume's guest name comes from the container's name and the
 //! mount's destination, not from host paths: a clone (another pod UID,
@@ -80,7 +85,7 @@ pub enum Volume {
         /// The guest volume (`empty-dir~<volume name>`).
         name: String,
         /// A tmpfs of its own of this size (`medium: Memory`); 0: a
-        /// directory in the VM.
+        /// directory on the pod's disk.
         tmpfs_bytes: u64,
         /// Its directories a container mounts by `subPath`, made in the
         /// guest as kubelet makes them on the host.
@@ -97,11 +102,26 @@ impl Volume {
         }
     }
 
+    /// Whether it lives on the pod's disk (an emptyDir not in memory).
+    pub fn on_pod_disk(&self) -> bool {
+        matches!(self, Volume::EmptyDir { tmpfs_bytes: 0, .. })
+    }
+
     /// Whether it belongs to one container (removed with it), rather than
     /// to the pod (an emptyDir outlives a container's restart).
     pub fn per_container(&self) -> bool {
         !matches!(self, Volume::EmptyDir { .. })
     }
+}
+
+/// The pod's disk as the guest sees it: where disk-backed volumes live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodDisk {
+    /// Its guest block device (`/dev/vdb`).
+    pub device: String,
+    /// Its size, when it was attached a moment ago (the agent waits until
+    /// the guest sees it); 0 when it was attached before.
+    pub bytes: u64,
 }
 
 /// A host directory or file mirrored into a guest volume.
@@ -353,7 +373,20 @@ fn empty_dir(name: &str, dir: &Path) -> Result<Volume> {
 }
 
 /// The request that makes `volume` in the guest (before its content).
-pub fn prepare_request(volume: &Volume) -> Result<PrepareVolumeRequest> {
+pub fn prepare_request(volume: &Volume, disk: Option<&PodDisk>) -> Result<PrepareVolumeRequest> {
+    let disk = match (volume.on_pod_disk(), disk) {
+        (true, Some(d)) => d.clone(),
+        (true, None) => {
+            return Err(Error::Internal(format!(
+                "volume {} lives on the pod's disk, which is not attached",
+                volume.name()
+            )))
+        }
+        (false, _) => PodDisk {
+            device: String::new(),
+            bytes: 0,
+        },
+    };
     let (mode, uid, gid, tmpfs_bytes) = match volume {
         Volume::Mirror(m) if !m.file => {
             let meta = std::fs::metadata(&m.host)
@@ -380,6 +413,8 @@ pub fn prepare_request(volume: &Volume) -> Result<PrepareVolumeRequest> {
         uid,
         gid,
         subdirs,
+        device: disk.device,
+        device_bytes: disk.bytes,
         ..Default::default()
     })
 }
@@ -501,10 +536,15 @@ pub fn read_tree(root: &Path) -> Result<Vec<VolumeEntry>> {
 /// Makes `volumes` in the guest and gives each its content now (before
 /// the container that mounts them is created, or adopted in a clone: the
 /// clone's own content replaces its source's).
-pub fn prepare(agent: &AgentClient, volumes: &[Volume], timeout: Duration) -> Result<()> {
+pub fn prepare(
+    agent: &AgentClient,
+    volumes: &[Volume],
+    disk: Option<&PodDisk>,
+    timeout: Duration,
+) -> Result<()> {
     for v in volumes {
         agent
-            .prepare_volume(&prepare_request(v)?, timeout)
+            .prepare_volume(&prepare_request(v, disk)?, timeout)
             .map_err(|e| Error::agent(format!("making guest volume {}", v.name()), e))?;
         if let Some(entries) = content(v)? {
             agent
@@ -730,10 +770,19 @@ mod tests {
             spec["mounts"][1]["source"],
             json!(format!("{GUEST_VOLUMES_DIR}/empty-dir~scratch/seed/deep"))
         );
+        let disk = PodDisk {
+            device: "/dev/vdb".into(),
+            bytes: 4 << 30,
+        };
+        let req = prepare_request(&plan.volumes[0], Some(&disk)).unwrap();
         assert_eq!(
-            prepare_request(&plan.volumes[0]).unwrap().subdirs,
-            ["seed/deep"]
+            (req.device.as_str(), req.device_bytes, req.tmpfs_bytes),
+            ("/dev/vdb", 4 << 30, 0),
+            "a disk-backed emptyDir lives on the pod's disk"
         );
+        let e = prepare_request(&plan.volumes[0], None).unwrap_err();
+        assert!(e.to_string().contains("pod's disk"), "{e}");
+        assert_eq!(req.subdirs, ["seed/deep"]);
     }
 
     #[test]

@@ -24,12 +24,14 @@ use twig_net::EgressPolicy;
 use twig_vmm::api::Client;
 
 use crate::error::{Error, Result};
+use crate::resources::cgroups;
 use crate::resources::network::{Joiner, PodNet};
+use crate::resources::port_forward::PortForwarder;
 use crate::resources::rootfs::{slot_device, DiskSlots};
 use crate::restore;
 use crate::sandbox::{
-    Attachment, Death, NetworkStats, Restored, Sandbox, VmRollback, VmSnapshot, SANDBOX_ADOPTION,
-    TEMPLATE_ADOPTION,
+    Attachment, Death, NetworkStats, Restored, Sandbox, VmRollback, VmShape, VmSnapshot,
+    SANDBOX_ADOPTION, TEMPLATE_ADOPTION,
 };
 use vmm::Process;
 
@@ -52,6 +54,8 @@ pub struct VmSandbox {
     /// The template the VM was restored from (`<store>/snapshots/<id>`).
     template_dir: PathBuf,
     slots: DiskSlots,
+    /// The VM's shape: what a container's limits can grow to.
+    shape: VmShape,
     timeout: Duration,
     /// Set before a shutdown stops the VMM: its exit is then no death.
     stopping: Arc<AtomicBool>,
@@ -63,10 +67,14 @@ pub struct VmSandbox {
     /// Containers of the pod snapshot the VM was restored from (restore-
     /// from) not adopted yet.
     restored: Mutex<Vec<Restored>>,
+    /// The sandbox's cgroup the VMM runs in, removed once it stopped.
+    cgroup: Option<PathBuf>,
     /// The pod's network attached to the VM, torn down once it stopped.
     network: Mutex<Option<PodNet>>,
     /// The pod's network path, whose policy changes while the pod runs.
     path: Option<PathControl>,
+    /// `kubectl port-forward` into the VM, stopped with it.
+    port_forward: Option<PortForwarder>,
 }
 
 /// The policy side of a pod's network path: what joined it, where it is
@@ -97,6 +105,29 @@ impl VmSandbox {
     fn vmm(&self) -> MutexGuard<'_, Vmm> {
         self.vmm.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// Attaches `image` to a free disk slot; the slot is free again if it
+    /// fails.
+    fn attach(&self, image: &Path, read_only: bool) -> Result<Attachment> {
+        let slot = self.slots.take()?;
+        let attached = slot_device(slot).and_then(|device| {
+            self.vmm()
+                .api
+                .attach_disk(slot, image, read_only, self.timeout)
+                .map_err(vmm_error(format!(
+                    "attaching {} to disk slot {slot}",
+                    image.display()
+                )))?;
+            Ok(Attachment {
+                device,
+                slot: Some(slot),
+            })
+        });
+        if attached.is_err() {
+            self.slots.free(slot);
+        }
+        attached
+    }
 }
 
 impl Sandbox for VmSandbox {
@@ -122,6 +153,14 @@ impl Sandbox for VmSandbox {
             })
     }
 
+    fn attach_disk(&self, image: &Path) -> Result<Attachment> {
+        self.attach(image, false)
+    }
+
+    fn shape(&self) -> Option<VmShape> {
+        Some(self.shape)
+    }
+
     fn create_container(
         &self,
         id: &str,
@@ -129,22 +168,8 @@ impl Sandbox for VmSandbox {
         read_only: bool,
         spec_json: &[u8],
     ) -> Result<Attachment> {
-        let slot = self.slots.take()?;
-        let attachment = Attachment {
-            device: slot_device(slot)?,
-            slot: Some(slot),
-        };
-        if let Err(e) = self
-            .vmm()
-            .api
-            .attach_disk(slot, image, read_only, self.timeout)
-        {
-            self.slots.free(slot);
-            return Err(vmm_error(format!(
-                "attaching {} to disk slot {slot}",
-                image.display()
-            ))(e));
-        }
+        let attachment = self.attach(image, read_only)?;
+        let slot = attachment.slot;
         // The guest sees the new capacity once it handled the slot's
         // configuration-change interrupt: the agent waits for it.
         let created = std::fs::metadata(image)
@@ -233,6 +258,9 @@ impl Sandbox for VmSandbox {
                 )));
             }
         }
+        if let Some(f) = &self.port_forward {
+            f.stop();
+        }
         // The VMM held the tap's last descriptor: the tap is gone; the
         // programs and pins go now. If that fails the state directory (and
         // its record) stays, for `delete` to try again.
@@ -243,6 +271,11 @@ impl Sandbox for VmSandbox {
             .take();
         if let Some(n) = network {
             n.detach()?;
+        }
+        if let Some(cgroup) = &self.cgroup {
+            if let Err(e) = cgroups::remove(cgroup) {
+                tracing::warn!("{e}");
+            }
         }
         if let Err(e) = std::fs::remove_dir_all(&self.state_dir) {
             tracing::warn!("removing {}: {e}", self.state_dir.display());

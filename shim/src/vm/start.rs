@@ -27,11 +27,12 @@ use crate::gate::StartGate;
 use crate::resources::cgroups;
 use crate::resources::limits::{self, PodResources};
 use crate::resources::network::{self, Joiner, PodNet};
+use crate::resources::port_forward::PortForwarder;
 use crate::resources::rootfs::DiskSlots;
 use crate::restore::{
     self, not_built, restore_source, RestoreFrom, SnapshotSource, RESTORE_FROM_ANNOTATION,
 };
-use crate::sandbox::{Launcher, Restored, Sandbox};
+use crate::sandbox::{Launcher, Restored, Sandbox, VmShape};
 use crate::spec;
 
 /// Makes [`VmSandbox`]es from the shim's configuration.
@@ -260,11 +261,23 @@ impl VmSandbox {
             vsock: PathBuf::from(&vm.vsock_socket),
             template_dir: PathBuf::from(&vm.template_dir),
             slots,
+            shape: VmShape {
+                memory_bytes: u64::from(vm.memory_mib) << 20,
+                vcpus: vm.vcpus,
+            },
             timeout,
             stopping,
             death: Mutex::new(death),
             state_dir: state_dir.to_path_buf(),
+            cgroup: cgroup.map(Path::to_path_buf),
             network: Mutex::new(pod_net),
+            port_forward: network.as_ref().map(|setup| {
+                PortForwarder::start(
+                    setup.plan.netns.clone(),
+                    PathBuf::from(&vm.vsock_socket),
+                    timeout,
+                )
+            }),
             path: network.map(|setup| PathControl {
                 joiner: setup.joiner,
                 dir: setup.dir,

@@ -8,7 +8,11 @@
 //! pod's egress policy, pinned under `<bpffs_root>/<sandbox id>`); sends the
 //! tap to the VMM (`attach_net`); and has the agent give the guest's `eth0`
 //! the veth's MAC, the pod's IP and the gateway (`Reidentify`). A sandbox
-//! without a network namespace (`ctr run`) gets a VM without network.
+//! without a network namespace (`ctr run`), or a pod annotated
+//! `twig.dev/network: none` (twig-proto's `contract::NETWORK_ANNOTATION`,
+//! whatever CRI set up), gets a VM without network. A pod on the node's
+//! network (`hostNetwork: true`) without that annotation is refused before
+//! a VM is taken (`spec::check_host_namespaces`).
 //!
 //! The pinned directory is recorded in the sandbox's state directory
 //! ([`RECORD_FILE`]) before anything is attached, so a shim that dies
@@ -52,7 +56,8 @@ pub struct Plan {
 }
 
 /// The network the sandbox's `spec` asks for: `None` when it names no
-/// network namespace (the VM gets no network). A malformed egress-policy
+/// network namespace or asks for none (`twig.dev/network: none`): the VM
+/// gets no network. A malformed egress-policy
 /// annotation is an error, never a fall-back to the default.
 pub fn plan(spec: &Value, bound: &EgressPolicy) -> Result<Option<Plan>> {
     let netns = spec
@@ -66,6 +71,9 @@ pub fn plan(spec: &Value, bound: &EgressPolicy) -> Result<Option<Plan>> {
     let Some(netns) = netns else {
         return Ok(None);
     };
+    if spec::network_none(spec)? {
+        return Ok(None);
+    }
     let own = spec::annotation(spec, twig_net::EGRESS_POLICY_ANNOTATION)
         .map(|text| {
             twig_net::parse_policy(
@@ -237,6 +245,15 @@ mod tests {
             matches!(e, Error::InvalidArgument(_))
                 && e.to_string().contains("twig.dev/egress-policy"),
             "{e}"
+        );
+        let offline = serde_json::json!({
+            "linux": {"namespaces": [{"type": "network", "path": "/var/run/netns/cni-1"}]},
+            "annotations": {"twig.dev/network": "none"}
+        });
+        assert_eq!(
+            plan(&offline, &EgressPolicy::default()).unwrap(),
+            None,
+            "asked for no network: CNI's namespace is not joined"
         );
     }
 }
