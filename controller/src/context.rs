@@ -157,6 +157,10 @@ pub struct Context {
     pub network_refresh: Duration,
     /// How often the node store's usage is read again for `/metrics`.
     pub store_refresh: Duration,
+    /// How often the node store's garbage is collected.
+    pub gc_every: Duration,
+    /// How old a snapshot nothing refers to must be to be collected.
+    pub gc_grace: Duration,
     /// Delays of retries after failed reconciles.
     pub backoff: Backoff,
     recorder: Recorder,
@@ -169,7 +173,8 @@ pub struct Context {
 impl Context {
     /// A context for the controller of `node_name`, with default delays
     /// (retry 5 s, recheck 5 min, orphan check 1 min, network refresh 15 s,
-    /// store refresh 30 s, backoff 1 s ×2 up to 5 min).
+    /// store refresh 30 s, garbage collection every 10 min with 10 min of
+    /// grace, backoff 1 s ×2 up to 5 min).
     pub fn new(
         client: Client,
         node_name: String,
@@ -196,6 +201,8 @@ impl Context {
             orphan_check: Duration::from_secs(60),
             network_refresh: Duration::from_secs(15),
             store_refresh: Duration::from_secs(30),
+            gc_every: Duration::from_secs(600),
+            gc_grace: Duration::from_secs(600),
             backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(300)),
             pod_locks: Mutex::default(),
             pod_warnings: Mutex::default(),
@@ -234,6 +241,15 @@ impl Context {
     #[must_use]
     pub fn with_store_refresh(mut self, every: Duration) -> Self {
         self.store_refresh = every;
+        self
+    }
+
+    /// Sets how often the node store's garbage is collected, and how old a
+    /// snapshot nothing refers to must be to go.
+    #[must_use]
+    pub fn with_gc(mut self, every: Duration, grace: Duration) -> Self {
+        self.gc_every = every;
+        self.gc_grace = grace;
         self
     }
 

@@ -15,6 +15,9 @@ pub const GROUP: &str = "twig.dev";
 /// `twig_net::EgressPolicy`); it narrows its template's `spec.egressPolicy`
 /// (twig-proto's contract).
 pub use twig_proto::contract::EGRESS_POLICY_ANNOTATION;
+/// Pod annotation asking for a VM without network (twig-proto's contract):
+/// a Clone's pods keep their source's.
+pub use twig_proto::contract::{NETWORK_ANNOTATION, NETWORK_NONE};
 /// Pod annotations naming the snapshot (its node-store ID) a pod is
 /// restored from, and the SandboxTemplate a pod starts from: twig-proto's
 /// contract, shared with the shim.

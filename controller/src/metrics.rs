@@ -177,6 +177,8 @@ pub struct Metrics {
     operations: Family<OperationLabels, Counter>,
     pod_network: Arc<PodNetworkCollector>,
     store: StoreGauges,
+    gc_reclaimed_bytes: Family<NodeLabels, Counter>,
+    gc_deleted: Family<NodeLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -205,12 +207,26 @@ impl Metrics {
         registry.register_collector(Box::new(pod_network.clone()));
         let store = StoreGauges::default();
         store.register(&mut registry);
+        let gc_reclaimed_bytes = Family::<NodeLabels, Counter>::default();
+        registry.register(
+            "node_store_gc_reclaimed_bytes",
+            "Bytes the node store's garbage collector gave back (allocated bytes of the snapshots it deleted)",
+            gc_reclaimed_bytes.clone(),
+        );
+        let gc_deleted = Family::<NodeLabels, Counter>::default();
+        registry.register(
+            "node_store_gc_deleted_snapshots",
+            "Snapshots the node store's garbage collector deleted (nothing referred to them)",
+            gc_deleted.clone(),
+        );
         Self {
             registry,
             durations,
             operations,
             pod_network,
             store,
+            gc_reclaimed_bytes,
+            gc_deleted,
         }
     }
 
@@ -238,6 +254,18 @@ impl Metrics {
         for gauge in self.store.all() {
             gauge.remove(&labels);
         }
+    }
+
+    /// Counts what one garbage collection of node `node`'s store deleted
+    /// (the series exist from the first collection on, zero included).
+    pub fn add_store_gc(&self, node: &str, deleted: u64, reclaimed_bytes: u64) {
+        let labels = NodeLabels {
+            node: node.to_string(),
+        };
+        self.gc_deleted.get_or_create(&labels).inc_by(deleted);
+        self.gc_reclaimed_bytes
+            .get_or_create(&labels)
+            .inc_by(reclaimed_bytes);
     }
 
     /// Records the network counters last read from a pod's shim (they
@@ -340,5 +368,32 @@ pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>) {
                 tracing::debug!(%peer, error = %e, "metrics connection ended");
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn garbage_collections_add_up_per_node() {
+        let m = Metrics::new();
+        m.add_store_gc("n1", 0, 0);
+        let text = m.encode().unwrap();
+        assert!(
+            text.contains("twig_node_store_gc_reclaimed_bytes_total{node=\"n1\"} 0"),
+            "{text}"
+        );
+        m.add_store_gc("n1", 2, 4096);
+        m.add_store_gc("n1", 1, 1000);
+        let text = m.encode().unwrap();
+        assert!(
+            text.contains("twig_node_store_gc_reclaimed_bytes_total{node=\"n1\"} 5096"),
+            "{text}"
+        );
+        assert!(
+            text.contains("twig_node_store_gc_deleted_snapshots_total{node=\"n1\"} 3"),
+            "{text}"
+        );
     }
 }

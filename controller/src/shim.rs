@@ -239,6 +239,33 @@ pub trait NodeService: Send + Sync {
     async fn delete_template(&self, key: &str) -> Result<(), ShimError>;
     /// The node store's footprint, its filesystem's room and its counts.
     async fn store_usage(&self) -> Result<StoreUsage, ShimError>;
+    /// Deletes the node store's snapshots nothing refers to: not in
+    /// `referenced` (every id the cluster's objects name, complete), not
+    /// published within `grace`, and none of the node's own roots (see
+    /// twig-node's README, *Garbage collection*).
+    async fn collect_garbage(
+        &self,
+        referenced: Vec<String>,
+        grace: Duration,
+    ) -> Result<Collected, ShimError> {
+        let _ = (referenced, grace);
+        Err(ShimError::Unimplemented("CollectGarbage".to_string()))
+    }
+    /// Marks a snapshot whose object was deleted with `deletionPolicy:
+    /// Retain`, so the garbage collector keeps it; succeeds when it is gone.
+    async fn retain_snapshot(&self, snapshot_id: &str) -> Result<(), ShimError> {
+        let _ = snapshot_id;
+        Err(ShimError::Unimplemented("RetainSnapshot".to_string()))
+    }
+}
+
+/// What one garbage collection of the node store deleted.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Collected {
+    /// The snapshots deleted, children before parents.
+    pub deleted: Vec<String>,
+    /// Allocated bytes of their files.
+    pub reclaimed_bytes: u64,
 }
 
 fn map_error(call: &'static str, address: &str, err: ttrpc::Error) -> ShimError {
@@ -529,5 +556,40 @@ impl NodeService for TtrpcNode {
             snapshots: resp.snapshots,
             templates: resp.templates,
         })
+    }
+
+    async fn collect_garbage(
+        &self,
+        referenced: Vec<String>,
+        grace: Duration,
+    ) -> Result<Collected, ShimError> {
+        let req = pb::CollectGarbageRequest {
+            referenced,
+            grace_seconds: grace.as_secs(),
+            ..Default::default()
+        };
+        let resp = self
+            .client()
+            .await?
+            .collect_garbage(self.ctx(), &req)
+            .await
+            .map_err(|e| map_error("CollectGarbage", &self.address, e))?;
+        Ok(Collected {
+            deleted: resp.deleted,
+            reclaimed_bytes: resp.reclaimed_bytes,
+        })
+    }
+
+    async fn retain_snapshot(&self, snapshot_id: &str) -> Result<(), ShimError> {
+        let req = pb::RetainSnapshotRequest {
+            snapshot_id: snapshot_id.to_string(),
+            ..Default::default()
+        };
+        self.client()
+            .await?
+            .retain_snapshot(self.ctx(), &req)
+            .await
+            .map_err(|e| map_error("RetainSnapshot", &self.address, e))?;
+        Ok(())
     }
 }

@@ -5,7 +5,7 @@
 
 use twig_controller_testkit as support;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -185,12 +185,16 @@ fn chart_renders_to_valid_manifests() {
             "ServiceAccount/twig-controller",
             "ClusterRole/twig-controller",
             "ClusterRoleBinding/twig-controller",
+            "ClusterRole/twig-view",
+            "ClusterRole/twig-edit",
             "RuntimeClass/twig",
             "DaemonSet/twig-controller",
             "DaemonSet/twig-node-setup",
             "Service/twig-controller",
             "ValidatingAdmissionPolicy/twig-restore-from",
             "ValidatingAdmissionPolicyBinding/twig-restore-from",
+            "ValidatingAdmissionPolicy/twig-node-restriction",
+            "ValidatingAdmissionPolicyBinding/twig-node-restriction",
         ])
     );
     let sa: ServiceAccount = strict(find(&docs, "ServiceAccount", "twig-controller"));
@@ -241,6 +245,19 @@ fn chart_renders_to_valid_manifests() {
         security.capabilities.as_ref().and_then(|c| c.drop.clone()),
         Some(vec!["ALL".to_string()])
     );
+    assert_eq!(security.read_only_root_filesystem, Some(true));
+    // It only reads containerd's state and connects to sockets, which needs
+    // no writable mount.
+    let mounts = container.volume_mounts.as_ref().expect("mounts");
+    assert_eq!(mounts.len(), 3);
+    for mount in mounts {
+        assert_eq!(
+            mount.read_only,
+            Some(true),
+            "{} is writable",
+            mount.mount_path
+        );
+    }
 
     // The node installer: scripts/install-node.sh from the installer image
     // into the host's /, privileged, with the host's PID 1 to reach systemd.
@@ -331,11 +348,15 @@ fn changed_values_reach_the_manifests() {
             "ServiceAccount/twig-controller",
             "ClusterRole/twig-controller",
             "ClusterRoleBinding/twig-controller",
+            "ClusterRole/twig-view",
+            "ClusterRole/twig-edit",
             "RuntimeClass/microvm",
             "DaemonSet/twig-controller",
             "Service/twig-controller",
             "ValidatingAdmissionPolicy/twig-restore-from",
             "ValidatingAdmissionPolicyBinding/twig-restore-from",
+            "ValidatingAdmissionPolicy/twig-node-restriction",
+            "ValidatingAdmissionPolicyBinding/twig-node-restriction",
         ]),
         "node setup off: no node-setup DaemonSet"
     );
@@ -582,6 +603,7 @@ fn restore_from_verdict(
         version: "v1",
         resource,
         username,
+        extra: &BTreeMap::new(),
         object,
         old_object: old,
     };
@@ -701,4 +723,393 @@ fn only_the_controller_may_set_restore_from_on_a_pod() {
         &clone,
         None,
     ));
+}
+
+/// Every (group, resource, verb) the rendered chart grants the ServiceAccount
+/// `namespace/name`, through any (Cluster)RoleBinding of a role it renders.
+fn grants_of(docs: &[Value], namespace: &str, name: &str) -> BTreeSet<(String, String, String)> {
+    let mut granted = BTreeSet::new();
+    for binding in docs
+        .iter()
+        .filter(|d| d["kind"] == "ClusterRoleBinding" || d["kind"] == "RoleBinding")
+    {
+        let names_it = binding["subjects"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|s| {
+                s["kind"] == "ServiceAccount" && s["name"] == name && s["namespace"] == namespace
+            });
+        if !names_it {
+            continue;
+        }
+        let role = find(
+            docs,
+            binding["roleRef"]["kind"].as_str().expect("roleRef.kind"),
+            binding["roleRef"]["name"].as_str().expect("roleRef.name"),
+        );
+        for rule in role["rules"].as_array().into_iter().flatten() {
+            for group in rule["apiGroups"].as_array().into_iter().flatten() {
+                for resource in rule["resources"].as_array().into_iter().flatten() {
+                    for verb in rule["verbs"].as_array().into_iter().flatten() {
+                        let text = |v: &Value| v.as_str().expect("a string").to_string();
+                        granted.insert((text(group), text(resource), text(verb)));
+                    }
+                }
+            }
+        }
+    }
+    granted
+}
+
+/// The ServiceAccount username of the controller of the default release.
+fn controller_user() -> String {
+    format!("system:serviceaccount:{NAMESPACE}:twig-controller")
+}
+
+/// A bound ServiceAccount token's extra info for a pod on `node` (`None`: a
+/// token that names no node).
+fn token_of(node: Option<&str>) -> BTreeMap<String, Vec<String>> {
+    let mut extra = BTreeMap::from([(
+        "authentication.kubernetes.io/pod-name".to_string(),
+        vec!["twig-controller-x7k2p".to_string()],
+    )]);
+    if let Some(node) = node {
+        extra.insert(
+            "authentication.kubernetes.io/node-name".to_string(),
+            vec![node.to_string()],
+        );
+    }
+    extra
+}
+
+/// The verdict of the chart's node restriction on a write of `resource`
+/// (core group for pods, else twig.dev) by `username` with `extra`:
+/// `old` alone is a DELETE, `object` alone a CREATE, both an UPDATE.
+fn node_restriction_verdict(
+    docs: &[Value],
+    username: &str,
+    extra: &BTreeMap<String, Vec<String>>,
+    resource: &str,
+    object: Option<&Value>,
+    old: Option<&Value>,
+) -> Verdict {
+    let policy = find(docs, "ValidatingAdmissionPolicy", "twig-node-restriction");
+    let binding = find(
+        docs,
+        "ValidatingAdmissionPolicyBinding",
+        "twig-node-restriction",
+    );
+    let (group, version) = if resource == "pods" {
+        ("", "v1")
+    } else {
+        ("twig.dev", "v1alpha1")
+    };
+    let req = Request {
+        operation: match (object, old) {
+            (Some(_), None) => "CREATE",
+            (Some(_), Some(_)) => "UPDATE",
+            _ => "DELETE",
+        },
+        group,
+        version,
+        resource,
+        username,
+        extra,
+        object: object.unwrap_or(&Value::Null),
+        old_object: old,
+    };
+    admission::evaluate(policy, binding, &req).expect("the chart's policy evaluates")
+}
+
+/// The message of a `Forbidden` denial.
+fn forbidden(verdict: Verdict) -> String {
+    match verdict {
+        Verdict::Denied { message, reason } => {
+            assert_eq!(reason, "Forbidden", "{message}");
+            message
+        }
+        Verdict::Allowed => panic!("allowed"),
+    }
+}
+
+/// Clone pod 0 of Clone `fork` (team-b) of a Snapshot taken on `node`, as
+/// the controller makes it.
+fn clone_pod_on(node: &str) -> Value {
+    use twig_controller::crd::{CloneSource, CloneSpec, PodClone};
+    let mut clone = PodClone::new(
+        "fork",
+        CloneSpec {
+            source: CloneSource {
+                snapshot_name: Some("redis-snap".into()),
+                pod_name: None,
+            },
+            replicas: 1,
+            name_prefix: None,
+            labels: None,
+            failure_deadline_seconds: None,
+        },
+    );
+    clone.metadata.namespace = Some("team-b".into());
+    clone.metadata.uid = Some("4d1b3c2a-0000-4000-8000-000000000001".into());
+    let source: k8s_openapi::api::core::v1::Pod =
+        serde_json::from_value(pod_annotated(Value::Null)).expect("source pod");
+    let pod = twig_controller::reconcile::clone::clone_pod(
+        &clone,
+        &source,
+        node,
+        "uid-of-a-snapshot",
+        "redis-snap",
+        0,
+    )
+    .expect("clone pod");
+    serde_json::to_value(pod).expect("json")
+}
+
+/// The test: no role of the chart lets a node's controller create
+/// pods cluster-wide. RBAC grants it `create` on pods (it cannot scope by
+/// node), so the node restriction policy must bound every such create to
+/// a Clone's pod on the node its token was issued on.
+#[test]
+fn a_node_controller_creates_pods_only_on_its_own_node() {
+    let docs = documents(&template(&json!({})));
+    let controller = controller_user();
+    let grants = grants_of(&docs, NAMESPACE, "twig-controller");
+    let pod_create = [("", "pods", "create"), ("", "pods", "*"), ("", "*", "*")]
+        .iter()
+        .filter(|(g, r, v)| grants.contains(&(g.to_string(), r.to_string(), v.to_string())))
+        .count();
+    assert_eq!(pod_create, 1, "the clone pods: {grants:?}");
+
+    // The policy is in force for every namespace and refuses on error.
+    let policy: ValidatingAdmissionPolicy = strict(find(
+        &docs,
+        "ValidatingAdmissionPolicy",
+        "twig-node-restriction",
+    ));
+    let binding: ValidatingAdmissionPolicyBinding = strict(find(
+        &docs,
+        "ValidatingAdmissionPolicyBinding",
+        "twig-node-restriction",
+    ));
+    assert_eq!(
+        policy.spec.and_then(|s| s.failure_policy).as_deref(),
+        Some("Fail")
+    );
+    assert_eq!(binding.spec.validation_actions, vec!["Deny".to_string()]);
+    assert!(binding.spec.match_resources.is_none(), "every namespace");
+
+    let node_a = token_of(Some("node-a"));
+    let verdict = |user: &str, extra: &BTreeMap<String, Vec<String>>, pod: &Value| {
+        node_restriction_verdict(&docs, user, extra, "pods", Some(pod), None)
+    };
+    // Its own node's clone pod, as the controller makes it, goes through
+    // (and through the restore-from policy).
+    let own = clone_pod_on("node-a");
+    assert_eq!(verdict(&controller, &node_a, &own), Verdict::Allowed);
+    assert_eq!(
+        restore_from_verdict(&docs, &controller, "pods", &own, None),
+        Verdict::Allowed
+    );
+    // Another node's, or one left to the scheduler, is refused by name.
+    let message = forbidden(verdict(&controller, &node_a, &clone_pod_on("node-b")));
+    assert!(
+        message.contains("\"node-a\" may create pods only on its own node, not on \"node-b\""),
+        "{message}"
+    );
+    let mut unbound = own.clone();
+    unbound["spec"]
+        .as_object_mut()
+        .expect("spec")
+        .remove("nodeName");
+    forbidden(verdict(&controller, &node_a, &unbound));
+    // A token that names no node creates no pod.
+    forbidden(verdict(&controller, &token_of(None), &own));
+    forbidden(verdict(&controller, &BTreeMap::new(), &own));
+    // Only a Clone's pod under Twig: not a runc pod, not a pod without the
+    // restore, the Clone's label or its controller ownerReference.
+    let mut plain = pod_annotated(Value::Null);
+    plain["spec"]["nodeName"] = json!("node-a");
+    forbidden(verdict(&controller, &node_a, &plain));
+    let mut runc = own.clone();
+    runc["spec"]["runtimeClassName"] = json!("runc");
+    forbidden(verdict(&controller, &node_a, &runc));
+    for (field, key) in [
+        ("annotations", "twig.dev/restore-from"),
+        ("labels", "twig.dev/clone"),
+    ] {
+        let mut pod = own.clone();
+        pod["metadata"][field]
+            .as_object_mut()
+            .expect("map")
+            .remove(key);
+        forbidden(verdict(&controller, &node_a, &pod));
+    }
+    let mut unowned = own.clone();
+    unowned["metadata"]["ownerReferences"][0]["controller"] = json!(false);
+    forbidden(verdict(&controller, &node_a, &unowned));
+    // Users and other ServiceAccounts are not this policy's.
+    for user in ["alice", "system:serviceaccount:twig-system:other"] {
+        assert_eq!(verdict(user, &node_a, &plain), Verdict::Allowed, "{user}");
+    }
+}
+
+/// A SandboxTemplate (namespace team-b) with `finalizers`.
+fn template_object(finalizers: &[&str]) -> Value {
+    json!({"apiVersion": "twig.dev/v1alpha1", "kind": "SandboxTemplate",
+           "metadata": {"name": "py", "namespace": "team-b", "finalizers": finalizers},
+           "spec": {"image": "python:3", "vcpus": 1, "memoryMiB": 128}})
+}
+
+/// A Snapshot (namespace team-b) taken on `node`.
+fn snapshot_object(node: Option<&str>) -> Value {
+    let mut snap = json!({"apiVersion": "twig.dev/v1alpha1", "kind": "Snapshot",
+           "metadata": {"name": "s", "namespace": "team-b",
+                        "finalizers": ["twig.dev/snapshot-data"]},
+           "spec": {"podName": "redis", "mode": "Incremental", "deletionPolicy": "Retain"},
+           "status": {"phase": "Pending"}});
+    if let Some(node) = node {
+        snap["status"] = json!({"phase": "Ready", "nodeName": node});
+    }
+    snap
+}
+
+#[test]
+fn a_node_controller_changes_only_finalizers_and_deletes_only_its_snapshots() {
+    let docs = documents(&template(&json!({})));
+    let controller = controller_user();
+    let node_a = token_of(Some("node-a"));
+    let verdict = |user: &str, resource: &str, object: Option<&Value>, old: Option<&Value>| {
+        node_restriction_verdict(&docs, user, &node_a, resource, object, old)
+    };
+    let update = |resource: &str, object: &Value, old: &Value| {
+        verdict(&controller, resource, Some(object), Some(old))
+    };
+
+    // Its finalizer on, another node's off: an update of finalizers only.
+    let old = template_object(&["twig.dev/template.node-b"]);
+    let new = template_object(&["twig.dev/template.node-a"]);
+    assert_eq!(update("sandboxtemplates", &new, &old), Verdict::Allowed);
+    // The spec, labels, annotations and owners are not the controller's.
+    let mut respec = new.clone();
+    respec["spec"]["image"] = json!("attacker/python:3");
+    let message = forbidden(update("sandboxtemplates", &respec, &old));
+    assert!(message.contains("only the finalizers"), "{message}");
+    let mut widened = new.clone();
+    widened["spec"]["egressPolicy"] = json!({"defaultAction": "allow"});
+    forbidden(update("sandboxtemplates", &widened, &old));
+    for (field, value) in [
+        ("labels", json!({"tier": "gold"})),
+        ("annotations", json!({"note": "x"})),
+        (
+            "ownerReferences",
+            json!([{"apiVersion": "v1", "kind": "ConfigMap", "name": "gone", "uid": "u"}]),
+        ),
+    ] {
+        let mut changed = new.clone();
+        changed["metadata"][field] = value;
+        forbidden(update("sandboxtemplates", &changed, &old));
+    }
+    // The same holds for Snapshots (a mutable spec field: its deletion policy).
+    let snap = snapshot_object(Some("node-b"));
+    let mut released = snap.clone();
+    released["metadata"]["finalizers"] = json!([]);
+    assert_eq!(update("snapshots", &released, &snap), Verdict::Allowed);
+    let mut deleting = snap.clone();
+    deleting["spec"]["deletionPolicy"] = json!("Delete");
+    forbidden(update("snapshots", &deleting, &snap));
+    // Its status subresource, and users' edits, are not this policy's.
+    assert_eq!(
+        update("sandboxtemplates/status", &respec, &old),
+        Verdict::Allowed
+    );
+    assert_eq!(
+        verdict("alice", "sandboxtemplates", Some(&respec), Some(&old)),
+        Verdict::Allowed
+    );
+
+    // Deletes: only the Snapshots its own node took (their TTL).
+    let delete = |resource: &str, old: &Value| verdict(&controller, resource, None, Some(old));
+    assert_eq!(
+        delete("snapshots", &snapshot_object(Some("node-a"))),
+        Verdict::Allowed
+    );
+    let message = forbidden(delete("snapshots", &snapshot_object(Some("node-b"))));
+    assert!(message.contains("deletes only the Snapshots"), "{message}");
+    forbidden(delete("snapshots", &snapshot_object(None)));
+    forbidden(delete("sandboxtemplates", &old));
+    assert_eq!(
+        verdict(
+            "alice",
+            "snapshots",
+            None,
+            Some(&snapshot_object(Some("node-b")))
+        ),
+        Verdict::Allowed
+    );
+}
+
+/// Users get Twig's objects through Kubernetes' view, edit and admin roles:
+/// read for view, write for edit and admin; no status, nothing else.
+#[test]
+fn users_get_aggregated_view_and_edit_roles() {
+    let docs = documents(&template(&json!({})));
+    let plurals: BTreeSet<String> = twig_controller::crd::crd_files()
+        .expect("CRDs")
+        .iter()
+        .map(|(_, yaml)| {
+            let crd: Value = serde_saphyr::from_str(yaml).expect("CRD");
+            crd["spec"]["names"]["plural"]
+                .as_str()
+                .expect("plural")
+                .to_string()
+        })
+        .collect();
+    assert_eq!(plurals.len(), 4);
+    let read = ["get", "list", "watch"];
+    let write = ["create", "update", "patch", "delete", "deletecollection"];
+    for (name, aggregate_to, verbs) in [
+        ("twig-view", &["view"][..], read.to_vec()),
+        (
+            "twig-edit",
+            &["edit", "admin"][..],
+            read.iter().chain(&write).copied().collect(),
+        ),
+    ] {
+        let role: ClusterRole = strict(find(&docs, "ClusterRole", name));
+        let labels = role.metadata.labels.clone().expect("labels");
+        for to in aggregate_to {
+            let label = format!("rbac.authorization.k8s.io/aggregate-to-{to}");
+            assert_eq!(
+                labels.get(&label).map(String::as_str),
+                Some("true"),
+                "{name}: {label}"
+            );
+        }
+        let aggregated: BTreeSet<&str> = labels
+            .keys()
+            .filter_map(|k| k.strip_prefix("rbac.authorization.k8s.io/aggregate-to-"))
+            .collect();
+        assert_eq!(aggregated, aggregate_to.iter().copied().collect(), "{name}");
+        let mut granted = BTreeSet::new();
+        for rule in role.rules.iter().flatten() {
+            assert!(rule.resource_names.is_none() && rule.non_resource_urls.is_none());
+            for group in rule.api_groups.iter().flatten() {
+                for resource in rule.resources.iter().flatten() {
+                    for verb in &rule.verbs {
+                        granted.insert((group.clone(), resource.clone(), verb.clone()));
+                    }
+                }
+            }
+        }
+        let expected: BTreeSet<(String, String, String)> = plurals
+            .iter()
+            .flat_map(|p| {
+                verbs
+                    .iter()
+                    .map(move |v| ("twig.dev".to_string(), p.clone(), v.to_string()))
+            })
+            .collect();
+        assert_eq!(granted, expected, "{name}");
+    }
 }

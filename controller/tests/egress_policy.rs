@@ -15,7 +15,8 @@ use kube::{Api, Resource};
 use serde_json::{json, Value};
 use twig_controller::crd::{
     CloneSource, CloneSpec, Phase, PodClone, SandboxTemplate, SandboxTemplateSpec, Snapshot,
-    SnapshotSpec, EGRESS_POLICY_ANNOTATION, RESTORE_FROM_ANNOTATION, TEMPLATE_ANNOTATION,
+    SnapshotSpec, EGRESS_POLICY_ANNOTATION, NETWORK_ANNOTATION, RESTORE_FROM_ANNOTATION,
+    TEMPLATE_ANNOTATION,
 };
 use twig_controller::reconcile::{clone::clone_pod, template};
 use twig_net::{effective_policy, Action, EgressPolicy};
@@ -269,6 +270,7 @@ fn a_clone_pod_carries_its_sources_egress_policy_annotation() {
     let policy = r#"{"defaultAction":"deny","allow":[{"cidr":"203.0.113.0/24"}]}"#;
     let source = source_pod(Some(BTreeMap::from([
         (EGRESS_POLICY_ANNOTATION.to_string(), policy.to_string()),
+        (NETWORK_ANNOTATION.to_string(), "none".to_string()),
         ("team".to_string(), "not copied".to_string()),
     ])));
     let pod = clone_pod(&a_clone(), &source, "node-a", "snap-id", "snap", 1).expect("pod");
@@ -282,6 +284,11 @@ fn a_clone_pod_carries_its_sources_egress_policy_annotation() {
     assert_eq!(
         annotations.get(RESTORE_FROM_ANNOTATION).map(String::as_str),
         Some("snap-id")
+    );
+    assert_eq!(
+        annotations.get(NETWORK_ANNOTATION).map(String::as_str),
+        Some("none"),
+        "a source without network has clones without it"
     );
     assert!(!annotations.contains_key("team"), "{annotations:?}");
 

@@ -81,6 +81,8 @@ async fn snapshot_finalizer_is_added_and_removed_through_the_helper() {
 #[tokio::test]
 async fn deleting_a_snapshot_whose_node_is_gone_releases_its_finalizer() {
     let server = api_server().await;
+    // A node releases another's finalizer within the chart's node restriction.
+    support::enforce_chart_policies(&server);
     let client = server.client();
     register_node(&client, "node-a").await;
     register_node(&client, "node-b").await;
@@ -132,6 +134,8 @@ async fn deleting_a_snapshot_whose_node_is_gone_releases_its_finalizer() {
 #[tokio::test]
 async fn each_node_holds_its_own_template_finalizer_and_gone_nodes_are_released() {
     let server = api_server().await;
+    // A node releases another's finalizer within the chart's node restriction.
+    support::enforce_chart_policies(&server);
     let client = server.client();
     register_node(&client, "node-a").await;
     register_node(&client, "node-b").await;

@@ -846,6 +846,8 @@ async fn scrape(addr: std::net::SocketAddr) -> String {
 #[tokio::test]
 async fn controller_calls_only_what_its_rbac_grants() {
     let server = api_server().await;
+    // And writes only what the chart's node restriction lets a node write.
+    support::enforce_chart_policies(&server);
     let client = server.client();
     let fake = Arc::new(FakeNode::default());
     let _ctrl = start_controller(&server, "node-a", &fake);

@@ -20,7 +20,7 @@ use crate::context::{is_not_found, millis_since, Context, Error};
 use crate::crd::{
     CloneStatus, DeletionPolicy, Phase, PodClone, ReplicaStatus, SandboxTemplate, Snapshot,
     SnapshotMode, SnapshotSpec, CLONE_LABEL, EGRESS_POLICY_ANNOTATION, MAX_REPLICAS,
-    RESTORE_FROM_ANNOTATION, RUNTIME_CLASS, TEMPLATE_ANNOTATION,
+    NETWORK_ANNOTATION, RESTORE_FROM_ANNOTATION, RUNTIME_CLASS, TEMPLATE_ANNOTATION,
 };
 use crate::reconcile::validate_name;
 
@@ -505,8 +505,12 @@ pub fn clone_pod(
             snapshot_name.to_string(),
         ),
     ]);
-    if let Some(policy) = source.annotations().get(EGRESS_POLICY_ANNOTATION) {
-        annotations.insert(EGRESS_POLICY_ANNOTATION.to_string(), policy.clone());
+    // A source without network (`twig.dev/network: none`) has clones
+    // without it, and its egress policy bounds theirs.
+    for key in [EGRESS_POLICY_ANNOTATION, NETWORK_ANNOTATION] {
+        if let Some(value) = source.annotations().get(key) {
+            annotations.insert(key.to_string(), value.clone());
+        }
     }
     // The source's SandboxTemplate bounds the clones' policy as it bounds
     // the source's (`twig.dev/restore-from` wins over it for the restore).

@@ -1,4 +1,35 @@
 //! The five reconcilers and the loop that runs them.
+//!
+//! What they share:
+//!
+//! - A controller handles an object when its pod (Snapshot, Rollback, Clone
+//!   of a pod) or its snapshot (Clone of a snapshot) is on its node; every
+//!   node handles every SandboxTemplate. Operations on one pod are
+//!   serialized by a per-pod lock.
+//! - Restarts: a snapshot's node-store id is the Snapshot's UID and a
+//!   rollback's operation id the Rollback's, so a controller that finds an
+//!   object `InProgress` asks the shim (`Stats`) whether the work was done
+//!   and redoes it only if not.
+//! - Status is written with server-side apply, field manager
+//!   `twig-controller/<node>`, forced. A Snapshot's, Clone's or Rollback's
+//!   status is applied whole and pinned to the resourceVersion it was
+//!   computed from (a 409 retries the object); a SandboxTemplate's is not
+//!   pinned: each node applies only its own `status.nodes` entry and the
+//!   `readyNodes` it counts (shared, last writer wins, converging because
+//!   every status change makes every node look again). A condition's
+//!   lastTransitionTime changes only with its status.
+//! - Finalizers go through kube-runtime's helper (JSON patches with a
+//!   `test`). A node is gone when its Node object no longer exists; a node
+//!   only down still holds its finalizers. Another node reconciling a
+//!   deleting object removes a gone node's finalizer (Warning `NodeGone`),
+//!   looking again every `orphan_check` while the node exists; data of a
+//!   node that comes back after its Node object was deleted is not removed.
+//! - A failed reconcile is retried after a per-object exponential backoff
+//!   (1 s doubling to 5 min, no jitter, reset by a success); waiting for
+//!   something else is no failure and is looked at again after `retry`.
+//! - `spec.failureDeadlineSeconds` stops waiting (it does not interrupt a
+//!   shim call in flight); a snapshot the shim already took when a restarted
+//!   controller looks again is still recorded Ready.
 
 use std::fmt::Debug;
 use std::sync::Arc;
@@ -253,6 +284,7 @@ pub mod clone;
 pub mod network;
 pub mod rollback;
 pub mod snapshot;
+mod store_gc;
 mod store_usage;
 pub mod template;
 
@@ -392,7 +424,8 @@ pub async fn run(ctx: Arc<Context>) {
         drain(clones),
         drain(templates),
         network::run(ctx.clone()),
-        store_usage::run(ctx.clone())
+        store_usage::run(ctx.clone()),
+        store_gc::run(ctx.clone())
     );
 }
 

@@ -1,4 +1,16 @@
 //! Rollback: rewind a running pod on this node in place to a snapshot of its lineage.
+//!
+//! A snapshot is in a pod's lineage when it was taken of that pod (same
+//! UID): a clone never rolls back to the snapshot it was restored from
+//! (`NotInLineage`, before the shim is called). Unless
+//! `spec.safetySnapshot: false`, a Rollback first creates a Snapshot
+//! `<rollback>-safety` (shortened with a hash when too long), labelled
+//! `twig.dev/safety-for: <rollback>` and annotated `twig.dev/safety-for-uid`,
+//! waits (watching) until it is Ready and only then calls the shim. The
+//! safety Snapshot is not owned by the Rollback, so deleting the Rollback
+//! keeps it as a way back. The safety snapshot and the rollback are two
+//! operations under the pod's lock, not one. A Rollback acts once:
+//! Ready/Failed Rollbacks are never acted on again.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

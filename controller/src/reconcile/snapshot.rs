@@ -1,5 +1,22 @@
 //! Snapshot: take a snapshot of a running pod on this node through its shim;
 //! remove the node-side data when the object is deleted; expire after its TTL.
+//!
+//! The finalizer `twig.dev/snapshot-data` is added before the node claims
+//! the Snapshot and removed once its data left the node store (policy
+//! Delete); a Snapshot no node claimed has no data and is let go by any
+//! node. A Ready Snapshot is rechecked every `recheck` (`GetSnapshot`):
+//! gone from the store, it becomes `Lost`. Its sizes come from the shim's
+//! answer, or, from a shim that predates them (restore size 0), from the
+//! node's `GetSnapshot` at the next recheck.
+//!
+//! A parent outlives its children: a deleting Snapshot keeps its finalizer
+//! and data while Snapshots of its namespace that are not Failed or Lost
+//! name it in `status.parent` (condition `DeletionBlocked`, reason
+//! `ChildSnapshotsExist`), and while the node refuses `DeleteSnapshot`
+//! because a child deleted with `deletionPolicy: Retain` (or a running VM)
+//! still needs it (`NodeKeepsData`, the node's words; retried with the
+//! backoff). Pods restored from a snapshot do not hold it: the node store
+//! owns what their mappings need.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -531,6 +548,20 @@ async fn cleanup(api: &Api<Snapshot>, snap: &Snapshot, ctx: &Context) -> Result<
         let note = format!("Removed snapshot {id} from node {}", ctx.node_name);
         ctx.event(snap, EventType::Normal, "DataDeleted", "Delete", note)
             .await;
+    } else if on_this_node {
+        // Policy Retain: the data stays, and the node's garbage collector
+        // must not take it for an orphan once the object is gone.
+        let id = status
+            .snapshot_id
+            .clone()
+            .or_else(|| snap.uid())
+            .ok_or(Error::MissingField("metadata.uid"))?;
+        match ctx.node.retain_snapshot(&id).await {
+            // A node daemon that predates the collector keeps everything
+            // (ttrpc answers NOT_FOUND for a method it does not serve).
+            Ok(()) | Err(ShimError::Unimplemented(_) | ShimError::NotFound(_)) => {}
+            Err(e) => return Err(e.into()),
+        }
     }
     Ok(Action::await_change())
 }

@@ -1,16 +1,18 @@
 //! ValidatingAdmissionPolicy evaluation as kube-apiserver does it, for the
 //! policies the chart ships: a binding names its policy and must `Deny`;
 //! the policy's `matchConstraints.resourceRules` select the request by
-//! group, version, operation and resource; `variables` are evaluated in
-//! order and reachable as `variables.<name>`; every validation is a CEL
-//! expression over `object`, `oldObject` (null on CREATE), `request`
-//! (`operation`, `userInfo.username`) and `variables`, whose `false` denies
-//! with its `messageExpression`, `message` or the expression itself; an
-//! expression that fails to evaluate denies under `failurePolicy: Fail`
-//! (the default). The CEL is the `cel` crate's, as the testkit's CRD
-//! schema checks use it.
+//! group, version, operation and resource, and its `matchConditions` (CEL
+//! over `object`, `oldObject` and `request`) must all hold for it to apply;
+//! `variables` are evaluated in order and reachable as `variables.<name>`;
+//! every validation is a CEL expression over `object` (null on DELETE),
+//! `oldObject` (null on CREATE), `request` (`operation`, `resource`,
+//! `userInfo.username` and, when the user has any, `userInfo.extra`, a map
+//! of string lists) and `variables`, whose `false` denies with its
+//! `messageExpression`, `message` or the expression itself; an expression
+//! that fails to evaluate denies under `failurePolicy: Fail` (the default).
+//! The CEL is the `cel` crate's, as the testkit's CRD schema checks use it.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use cel::{Context, Program, Value as Cel};
 use serde_json::Value;
@@ -28,7 +30,10 @@ pub struct Request<'a> {
     pub resource: &'a str,
     /// Who sends it (`request.userInfo.username`).
     pub username: &'a str,
-    /// The object as it would be stored.
+    /// What their credentials say besides (`request.userInfo.extra`), e.g. a
+    /// bound ServiceAccount token's `authentication.kubernetes.io/node-name`.
+    pub extra: &'a BTreeMap<String, Vec<String>>,
+    /// The object as it would be stored (`Value::Null` on DELETE).
     pub object: &'a Value,
     /// The stored object an UPDATE replaces.
     pub old_object: Option<&'a Value>,
@@ -85,6 +90,11 @@ pub fn evaluate(policy: &Value, binding: &Value, req: &Request<'_>) -> Result<Ve
         }
     };
     let mut context = Context::default();
+    // kube-apiserver leaves out an empty `extra` (`omitempty`).
+    let mut user = serde_json::json!({"username": req.username});
+    if !req.extra.is_empty() {
+        user["extra"] = serde_json::json!(req.extra);
+    }
     for (var, value) in [
         ("object", req.object.clone()),
         ("oldObject", req.old_object.cloned().unwrap_or(Value::Null)),
@@ -92,12 +102,21 @@ pub fn evaluate(policy: &Value, binding: &Value, req: &Request<'_>) -> Result<Ve
             "request",
             serde_json::json!({
                 "operation": req.operation,
-                "userInfo": {"username": req.username},
+                "userInfo": user,
                 "resource": {"group": req.group, "version": req.version, "resource": req.resource},
             }),
         ),
     ] {
         context.add_variable_from_value(var, to_cel(&value)?);
+    }
+    for condition in spec["matchConditions"].as_array().into_iter().flatten() {
+        let expression = condition["expression"].as_str().unwrap_or_default();
+        match run(&context, expression)? {
+            Ok(Cel::Bool(true)) => continue,
+            Ok(Cel::Bool(false)) => return Ok(Verdict::Allowed),
+            Ok(other) => return failed(format!("{expression}: {other:?} is not a bool")),
+            Err(e) => return failed(format!("match condition {expression}: {e}")),
+        }
     }
     let mut variables: HashMap<String, Cel> = HashMap::new();
     for v in spec["variables"].as_array().into_iter().flatten() {

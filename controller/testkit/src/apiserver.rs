@@ -10,7 +10,9 @@
 //! `deletionTimestamp`; background garbage collection through
 //! `ownerReferences` (also of objects created for an owner already gone);
 //! admission of custom resources against their CRD schema and CEL rules
-//! (see `schema.rs`); JSON Patch (RFC 6902, with kube-apiserver's `test` of
+//! (see `schema.rs`), and of any write against the ValidatingAdmissionPolicies
+//! a test puts in force, for callers that say who they are (`policy.rs`);
+//! JSON Patch (RFC 6902, with kube-apiserver's `test` of
 //! `null` passing on a missing field); field ownership (`managedFields`) on
 //! every write and server-side apply with `fieldManager` and `force`,
 //! merging by the CRD schema's list types (see `ssa.rs`); cluster-scoped
@@ -48,11 +50,14 @@ mod authz;
 mod discovery;
 mod fields;
 mod patch;
+mod policy;
 mod proxy;
 mod select;
 mod table;
 use patch::{json_patch, merge_patch, server_side_apply};
 use select::{parse_selector, Filter};
+
+pub use policy::{EXTRA_HEADER, USER_HEADER};
 
 /// The header that names who sends a request (see [`TestApiServer::client_as`]).
 pub const ACTOR_HEADER: &str = "x-test-actor";
@@ -113,6 +118,8 @@ struct State {
     requests: Mutex<BTreeSet<Access>>,
     /// (verb, group, resource) every caller is refused (see [`TestApiServer::forbid`]).
     forbidden: Mutex<BTreeSet<(String, String, String)>>,
+    /// ValidatingAdmissionPolicies with their bindings (see [`TestApiServer::enforce`]).
+    policies: Mutex<Vec<(Value, Value)>>,
     /// Which endpoint address the next service proxy request goes to.
     proxy_turn: AtomicUsize,
     changes: broadcast::Sender<Arc<Change>>,
@@ -167,6 +174,7 @@ impl TestApiServer {
             }),
             requests: Mutex::default(),
             forbidden: Mutex::default(),
+            policies: Mutex::default(),
             proxy_turn: AtomicUsize::new(0),
             changes,
             validator,
@@ -206,6 +214,45 @@ impl TestApiServer {
             hyper::header::HeaderValue::from_str(actor).expect("actor header"),
         ));
         plain_http_client(config)
+    }
+
+    /// A kube client whose requests are recorded as `actor`'s and checked
+    /// by the policies in force as those of `username` with these extra
+    /// `(key, value)` pairs (a bound token's `authentication.kubernetes.io/…`).
+    pub fn client_as_user(
+        &self,
+        actor: &str,
+        username: &str,
+        extra: &[(&str, &str)],
+    ) -> kube::Client {
+        let url = format!("http://{}", self.addr).parse().expect("url");
+        let mut config = kube::Config::new(url);
+        let header = |name: &'static str, value: &str| {
+            (
+                hyper::header::HeaderName::from_static(name),
+                hyper::header::HeaderValue::from_str(value).expect("header value"),
+            )
+        };
+        config.headers.push(header(ACTOR_HEADER, actor));
+        config.headers.push(header(USER_HEADER, username));
+        for (k, v) in extra {
+            config
+                .headers
+                .push(header(EXTRA_HEADER, &format!("{k}={v}")));
+        }
+        plain_http_client(config)
+    }
+
+    /// Enforces a ValidatingAdmissionPolicy (bound by `binding`) on every
+    /// create, update and delete by a caller with a username
+    /// ([`TestApiServer::client_as_user`]), as kube-apiserver does; a
+    /// refusal is its 403 (reason `Forbidden`) or 422.
+    pub fn enforce(&self, policy: Value, binding: Value) {
+        self.state
+            .policies
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push((policy, binding));
     }
 
     /// Every kind of access `actor` has made so far.
@@ -420,6 +467,7 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
     };
     let params = query(&req);
     let method = req.method().clone();
+    let caller = policy::caller(req.headers(), target.subresource.as_deref());
     let actor = req
         .headers()
         .get(ACTOR_HEADER)
@@ -473,7 +521,7 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
         params,
         body,
     };
-    let mut resp = dispatch(&state, &target, &path, &request);
+    let mut resp = policy::serve_as(caller, || dispatch(&state, &target, &path, &request));
     for warning in warnings {
         if let Ok(value) = hyper::header::HeaderValue::from_str(&warning) {
             resp.headers_mut().append("warning", value);
@@ -758,7 +806,17 @@ fn bump(inner: &mut Inner, obj: &mut Value) {
 }
 
 /// The 422 response for an object admission refuses.
-fn admit(state: &State, plural: &str, obj: &Value, old: Option<&Value>) -> Option<Response<Body>> {
+/// The refusal of the policies in force, else of the schema validator.
+fn admit(
+    state: &State,
+    api: &str,
+    plural: &str,
+    obj: &Value,
+    old: Option<&Value>,
+) -> Option<Response<Body>> {
+    if let Some(refused) = policy::check(state, api, plural, Some(obj), old) {
+        return Some(refused);
+    }
     let validator = state.validator.as_ref()?;
     validator(plural, obj, old)
         .err()
@@ -803,7 +861,7 @@ fn create(state: &State, target: &Target, mut obj: Value, manager: &str) -> Resp
     }
     obj["apiVersion"] = json!(api_version(&target.api));
     obj["kind"] = json!(kind_of(&target.plural));
-    if let Some(resp) = admit(state, &target.plural, &obj, None) {
+    if let Some(resp) = admit(state, &target.api, &target.plural, &obj, None) {
         return resp;
     }
     inner.uids += 1;
@@ -931,7 +989,7 @@ fn update(
             );
         }
     }
-    if let Some(resp) = admit(state, &k.plural, &new, Some(stored)) {
+    if let Some(resp) = admit(state, &k.api, &k.plural, &new, Some(stored)) {
         return resp;
     }
     if new == *stored {
@@ -1038,6 +1096,12 @@ fn split_status(stored: &Value, mut body: Value, status: bool, plural: &str) -> 
 fn delete(state: &State, target: &Target, name: &str) -> Response<Body> {
     let k = key(target, name);
     let mut inner = lock(state);
+    if let Some(stored) = inner.objects.get(&k) {
+        if let Some(refused) = policy::check(state, &target.api, &target.plural, None, Some(stored))
+        {
+            return refused;
+        }
+    }
     match delete_key(state, &mut inner, &k) {
         Some(obj) => full(StatusCode::OK, &obj),
         None => not_found(target, name),

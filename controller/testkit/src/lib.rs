@@ -62,9 +62,62 @@ impl Drop for Controller {
 /// The actor name of controller clients in [`TestApiServer::accesses`].
 pub const CONTROLLER: &str = "controller";
 
+/// The chart's release namespace in the tests, and the username of its
+/// controller's ServiceAccount there: every controller's requests carry it.
+pub const CHART_NAMESPACE: &str = "twig-system";
+/// See [`CHART_NAMESPACE`].
+pub const CONTROLLER_USER: &str = "system:serviceaccount:twig-system:twig-controller";
+
+/// Enforces the chart's ValidatingAdmissionPolicies (its `admission.yaml`,
+/// rendered by the real Helm for namespace [`CHART_NAMESPACE`]) on
+/// `server`: the controllers' writes must pass them as they would in a cluster.
+pub fn enforce_chart_policies(server: &TestApiServer) {
+    let chart = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../charts/twig");
+    let rendered = kube_tools::succeed(
+        std::process::Command::new(kube_tools::helm())
+            .args(["template", "twig"])
+            .arg(chart)
+            .args(["--namespace", CHART_NAMESPACE])
+            .args(["--show-only", "templates/admission.yaml"]),
+    );
+    let docs: Vec<serde_json::Value> = rendered
+        .split("\n---")
+        .filter(|doc| {
+            doc.lines()
+                .any(|l| !l.trim().is_empty() && !l.trim_start().starts_with('#'))
+        })
+        .map(|doc| serde_saphyr::from_str(doc).expect("the chart's YAML"))
+        .collect();
+    let policies: Vec<&serde_json::Value> = docs
+        .iter()
+        .filter(|d| d["kind"] == "ValidatingAdmissionPolicy")
+        .collect();
+    assert!(!policies.is_empty(), "the chart has no policies");
+    for policy in policies {
+        let name = &policy["metadata"]["name"];
+        let binding = docs
+            .iter()
+            .find(|d| {
+                d["kind"] == "ValidatingAdmissionPolicyBinding" && d["spec"]["policyName"] == *name
+            })
+            .unwrap_or_else(|| panic!("policy {name} is not bound"));
+        server.enforce(policy.clone(), binding.clone());
+    }
+}
+
 /// Starts a controller for `node` against `server`, behind the fake node `fake`, with short retry, recheck, orphan-check, network- and store-refresh and backoff periods.
+/// Its requests are [`CONTROLLER`]'s, as [`CONTROLLER_USER`] with a token
+/// bound to a pod on `node` (`authentication.kubernetes.io/node-name`).
 pub fn start_controller(server: &TestApiServer, node: &str, fake: &Arc<FakeNode>) -> Controller {
-    let client = server.client_as(CONTROLLER);
+    let pod = format!("twig-controller-{node}");
+    let client = server.client_as_user(
+        CONTROLLER,
+        CONTROLLER_USER,
+        &[
+            ("authentication.kubernetes.io/node-name", node),
+            ("authentication.kubernetes.io/pod-name", &pod),
+        ],
+    );
     let (locator, shim, node_service) = fake::as_traits(fake);
     let metrics = Arc::new(Metrics::new());
     let ctx = Context::new(

@@ -1,5 +1,7 @@
 //! What the controller calls on the API server: the chart's ClusterRole must
 //! grant exactly this, and the reconciler tests check the controller stays within it.
+//! Every node's controller holds it; the chart's `twig-node-restriction`
+//! policy bounds each to its own node (pods, finalizer-only patches, deletes).
 
 #![allow(dead_code)]
 
