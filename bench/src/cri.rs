@@ -16,6 +16,11 @@
 //! Teardown of each pod is not timed; at concurrency > 1 it overlaps other
 //! pods' starts, as on a busy node.
 //!
+//! With `--volumes` every handler also runs pods with the volume set an
+//! ordinary pod has (kubelet's projected ServiceAccount token, a ConfigMap,
+//! a Secret, an emptyDir, laid out as kubelet writes them), interleaved
+//! with the pods without in the same run: `<handler>+volumes` rows.
+//!
 //! In the lab it also measures, per handler, the host memory of an idle pod
 //! (its shim, its VMM or containers: resident and anonymous, the latter
 //! being what the pod owns, not the template's shared page cache) and, for
@@ -63,6 +68,10 @@ pub struct Args {
     /// memory (lab only; 0: not measured).
     #[arg(long, default_value_t = 4)]
     idle_pods: usize,
+    /// Also start each handler's pods with an ordinary pod's volumes (a
+    /// ServiceAccount token, a ConfigMap, a Secret, an emptyDir).
+    #[arg(long)]
+    volumes: bool,
 }
 
 /// Where the benchmark's pods run.
@@ -180,13 +189,21 @@ async fn measure(args: &Args, node: &BenchNode) -> Result<Value, Error> {
         )),
     );
     r.value("load_average_before", json!(load_average()));
+    let with_volumes: &[bool] = if args.volumes {
+        &[false, true]
+    } else {
+        &[false]
+    };
     let pods = Pods {
         cri,
-        handlers: args.handlers.iter().map(|h| h.name.clone()).collect(),
+        handlers: with_volumes
+            .iter()
+            .flat_map(|v| args.handlers.iter().map(move |h| (h.name.clone(), *v)))
+            .collect(),
         image,
         logs: dir.join("bench-pods"),
     };
-    for (h, name) in pods.handlers.iter().enumerate() {
+    for (h, name) in pods.names().iter().enumerate() {
         for i in 0..args.warmup {
             pods.start_one(h, &format!("warmup-{i}"))
                 .await
@@ -203,7 +220,7 @@ async fn measure(args: &Args, node: &BenchNode) -> Result<Value, Error> {
             &format!("c{c}_pods_per_s"),
             json!(samples.len() as f64 / t0.elapsed().as_secs_f64()),
         );
-        for (h, name) in pods.handlers.iter().enumerate() {
+        for (h, name) in pods.names().iter().enumerate() {
             let mine: Vec<Sample> = samples
                 .iter()
                 .filter(|(i, _)| *i == h)
@@ -231,12 +248,15 @@ async fn measure(args: &Args, node: &BenchNode) -> Result<Value, Error> {
         }
         all.extend(samples);
     }
-    if args.handlers.len() > 1 {
+    if pods.handlers.len() > 1 {
         ratios(&mut r, "p50", &p50);
         ratios(&mut r, "p99", &p99);
     }
     if let (BenchNode::Lab(lab), true) = (node, args.idle_pods > 0) {
-        for (h, name) in pods.handlers.iter().enumerate() {
+        for (h, (name, volumes)) in pods.handlers.iter().enumerate() {
+            if *volumes {
+                continue;
+            }
             idle_memory(&mut r, lab, &pods, h, args.idle_pods, &dir)
                 .await
                 .context(|| format!("idle pods with handler {name}"))?;
@@ -244,6 +264,60 @@ async fn measure(args: &Args, node: &BenchNode) -> Result<Value, Error> {
     }
     r.value("load_average_after", json!(load_average()));
     Ok(r.into_value())
+}
+
+/// The volumes an ordinary pod has, laid out under `pod_dir` as kubelet
+/// lays them out (`volumes/kubernetes.io~<plugin>/<name>`, written by
+/// kubelet's atomic writer), and the container's mounts of them: the
+/// projected ServiceAccount token (token, CA bundle, namespace), a
+/// ConfigMap and a Secret of a few keys, an emptyDir.
+fn ordinary_volumes(pod_dir: &Path) -> Result<Vec<twig_cri::api::Mount>, SendError> {
+    use twig_e2e::kubelet::{AtomicWriter, FileProjection, Payload};
+    let file = |data: &str, mode: u32| FileProjection {
+        data: data.as_bytes().to_vec(),
+        mode,
+    };
+    let volumes = pod_dir.join("volumes");
+    let token: Payload = [
+        ("token", file(&"t".repeat(900), 0o644)),
+        ("ca.crt", file(&"c".repeat(1100), 0o644)),
+        ("namespace", file("default", 0o644)),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    let config: Payload = (0..4)
+        .map(|i| (format!("key{i}"), file(&format!("value {i}\n"), 0o644)))
+        .collect();
+    let secret: Payload = [("password", file("s3cret", 0o600))]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+    let mut mounts = Vec::new();
+    for (plugin, name, payload, at) in [
+        (
+            "projected",
+            "kube-api-access-bench",
+            Some(token),
+            "/var/run/secrets/kubernetes.io/serviceaccount",
+        ),
+        ("configmap", "config", Some(config), "/etc/config"),
+        ("secret", "secret", Some(secret), "/etc/secret"),
+        ("empty-dir", "scratch", None, "/scratch"),
+    ] {
+        let dir = volumes.join(format!("kubernetes.io~{plugin}")).join(name);
+        std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        if let Some(p) = payload {
+            AtomicWriter::new(&dir).write(&p)?;
+        }
+        mounts.push(twig_cri::api::Mount {
+            container_path: at.into(),
+            host_path: dir.to_string_lossy().into_owned(),
+            readonly: plugin != "empty-dir",
+            ..Default::default()
+        });
+    }
+    Ok(mounts)
 }
 
 /// Prints and records p50/p90/p99/max; returns the summary and its p99.
@@ -294,14 +368,29 @@ fn load_average() -> String {
 #[derive(Clone)]
 struct Pods {
     cri: CriClient,
-    /// The runtime handlers, taken in turn pod by pod.
-    handlers: Vec<String>,
+    /// The runtime handlers, each without or with an ordinary pod's
+    /// volumes, taken in turn pod by pod.
+    handlers: Vec<(String, bool)>,
     image: String,
     /// Where each pod's log directory goes.
     logs: PathBuf,
 }
 
 impl Pods {
+    /// The rows' names: the handler's, `+volumes` when its pods have them.
+    fn names(&self) -> Vec<String> {
+        self.handlers
+            .iter()
+            .map(|(h, v)| {
+                if *v {
+                    format!("{h}+volumes")
+                } else {
+                    h.clone()
+                }
+            })
+            .collect()
+    }
+
     /// `runs` pods per handler, `concurrency` at a time, each worker its
     /// own task; pod `i` uses handler `i mod handlers`, so the handlers are
     /// interleaved and share the machine's drift in load. Each sample comes
@@ -330,7 +419,7 @@ impl Pods {
                         sample.map_err(|e| {
                             format!(
                                 "pod {i} with handler {} at concurrency {concurrency}: {e}",
-                                pods.handlers[h]
+                                pods.handlers[h].0
                             )
                         })?,
                     ));
@@ -346,18 +435,21 @@ impl Pods {
 
     /// One timed pod start, then its untimed removal.
     async fn start_one(&self, handler: usize, name: &str) -> Result<Sample, SendError> {
-        let handler = &self.handlers[handler];
-        let pod_name = format!("bench-{handler}-{name}");
+        let (handler, volumes) = &self.handlers[handler];
+        let pod_name = format!("bench-{handler}-{}{name}", if *volumes { "v-" } else { "" });
         let log_dir = self.logs.join(&pod_name);
         std::fs::create_dir_all(&log_dir)
             .map_err(|e| format!("creating {}: {e}", log_dir.display()))?;
         let pod = pod_sandbox_config(&pod_name, &pod_name, &log_dir);
-        let config = container_config(
+        let mut config = container_config(
             "app",
             &self.image,
             &["/bin/sh", "-c", &format!("echo {READY}; exec sleep 3600")],
             "app.log",
         );
+        if *volumes {
+            config.mounts = ordinary_volumes(&self.logs.join(&pod_name).join("kubelet"))?;
+        }
         let log = Node::container_log(&pod, "app.log");
         let t0 = Instant::now();
         let pod_id = self.cri.run_pod_sandbox(&pod, handler).await?;
@@ -388,7 +480,7 @@ impl Pods {
     /// Starts a pod whose container has printed its first line and keeps
     /// it; returns the pod's id.
     async fn start_idle(&self, handler: usize, name: &str) -> Result<String, SendError> {
-        let handler = &self.handlers[handler];
+        let handler = &self.handlers[handler].0;
         let pod_name = format!("idle-{handler}-{name}");
         let log_dir = self.logs.join(&pod_name);
         std::fs::create_dir_all(&log_dir)
@@ -610,7 +702,7 @@ async fn idle_memory(
     count: usize,
     dir: &Path,
 ) -> Result<(), Error> {
-    let name = &pods.handlers[h];
+    let name = &pods.handlers[h].0;
     let shim = if name == "twig" {
         "containerd-shim-twig-v2"
     } else {

@@ -41,7 +41,7 @@ use twig_controller_testkit::{self as testkit, NS};
 use twig_cri::CriClient;
 use twig_e2e::cost;
 use twig_e2e::cri::{CALL, CRI_NAMESPACE};
-use twig_e2e::ctrllab::{twig_pod, CtrlLab};
+use twig_e2e::ctrllab::{offline, twig_pod, CtrlLab};
 
 use crate::stats::{Context, Error, Report, Summary};
 
@@ -143,9 +143,7 @@ async fn start_pod(lab: &CtrlLab, name: &str, script: &str) -> (Pod, String) {
             ..Default::default()
         },
     );
-    if let Some(spec) = pod.spec.as_mut() {
-        spec.host_network = Some(true);
-    }
+    offline(&mut pod);
     testkit::create(&lab.client, &pod).await;
     lab.running(name, CONTAINER).await
 }
@@ -444,6 +442,10 @@ impl Bench<'_> {
         config
             .annotations
             .insert(RESTORE_FROM_ANNOTATION.into(), source.into());
+        config.annotations.insert(
+            twig_proto::contract::NETWORK_ANNOTATION.into(),
+            twig_proto::contract::NETWORK_NONE.into(),
+        );
         let pod = self
             .cri()
             .run_pod_sandbox(&config, twig_controller::crd::RUNTIME_CLASS)

@@ -331,6 +331,28 @@ impl CriClient {
             })
     }
 
+    /// Changes a container's resources in place (`UpdateContainerResources`,
+    /// what kubelet's in-place resize calls).
+    pub async fn update_container_resources(
+        &self,
+        id: &str,
+        linux: api::LinuxContainerResources,
+    ) -> Result<(), Error> {
+        let req = api::UpdateContainerResourcesRequest {
+            container_id: id.into(),
+            linux: Some(linux),
+            ..Default::default()
+        };
+        let (mut rt, t) = (self.runtime.clone(), self.timeout);
+        call(
+            "UpdateContainerResources",
+            t,
+            rt.update_container_resources(request(req, t)),
+        )
+        .await?;
+        Ok(())
+    }
+
     /// Stops the container: SIGTERM, then SIGKILL after `grace`.
     pub async fn stop_container(&self, id: &str, grace: Duration) -> Result<(), Error> {
         let req = api::StopContainerRequest {

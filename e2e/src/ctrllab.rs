@@ -65,6 +65,22 @@ pub fn twig_pod(name: &str, container: Container) -> Pod {
     }
 }
 
+/// Puts `pod` on the node's network (`hostNetwork`: no CNI, no eBPF path
+/// to load) and, since a VM cannot use the node's network, asks the twig
+/// runtime for a VM without one (`twig.dev/network: none`).
+pub fn offline(pod: &mut Pod) {
+    if let Some(spec) = pod.spec.as_mut() {
+        spec.host_network = Some(true);
+    }
+    pod.metadata
+        .annotations
+        .get_or_insert_with(Default::default)
+        .insert(
+            twig_controller::crd::NETWORK_ANNOTATION.into(),
+            twig_controller::crd::NETWORK_NONE.into(),
+        );
+}
+
 /// Polls `check` until it returns `Some`, failing after `within`.
 pub async fn until<T, F, Fut>(what: &str, within: Duration, check: F) -> T
 where

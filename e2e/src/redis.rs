@@ -2,7 +2,8 @@
 //! (`e2e/build-image.sh` with `TWIG_IMAGE_DEBS`, built by tests/lab/run.sh
 //! into `TWIG_E2E_REDIS_IMAGE`), with an append-only file in `/data` on the
 //! pod's rootfs, so its state is in guest memory and on disk. The pods are
-//! on the node's network (`hostNetwork`): no eBPF path to load (eBPF
+//! on the node's network (`hostNetwork`) and annotated `twig.dev/network:
+//! none`, so on twig their VM has no network: no eBPF path to load (eBPF
 //! verification beside nested guests provokes the lab's wedges,
 //! tests/lab/README.md); Redis listens on loopback.
 
@@ -10,7 +11,7 @@ use std::path::PathBuf;
 
 use k8s_openapi::api::core::v1::{Container, Pod};
 
-use crate::ctrllab::{twig_pod, until, CtrlLab, READY};
+use crate::ctrllab::{offline, twig_pod, until, CtrlLab, READY};
 
 /// The Redis image's reference, as tests/lab/run.sh builds it.
 pub const REDIS_REF: &str = "docker.io/library/twig-e2e-redis:v1";
@@ -48,9 +49,7 @@ pub fn pod(name: &str) -> Pod {
             ..Default::default()
         },
     );
-    if let Some(spec) = pod.spec.as_mut() {
-        spec.host_network = Some(true);
-    }
+    offline(&mut pod);
     pod
 }
 

@@ -204,9 +204,11 @@ fn runc_holds_the_pods_security_context() {
     secure("runc");
 }
 
-/// `hostIPC`/`hostPID`: CRI's `namespace_options` with the node's mode. On
-/// twig RunPodSandbox fails naming the field (a VM cannot share the node's
-/// IPC or PID namespace); runc, the reference, honours them.
+/// `hostIPC`/`hostPID`/`hostNetwork`: CRI's `namespace_options` with the
+/// node's mode. On twig RunPodSandbox fails naming the field (a VM cannot
+/// share the node's IPC, PID or network namespace); runc, the reference,
+/// honours them. A `hostNetwork` pod that asks for no network at all
+/// (`twig.dev/network: none`) runs on both: on twig its VM has none.
 fn host_namespaces(handler: &str) {
     runtime().block_on(async {
         let node = CriNode::start().unwrap_or_else(|e| panic!("CRI node: {e}"));
@@ -226,8 +228,33 @@ fn host_namespaces(handler: &str) {
                     ..Default::default()
                 },
             ),
+            (
+                "hostNetwork",
+                api::NamespaceOption {
+                    network: api::NamespaceMode::Node as i32,
+                    ..Default::default()
+                },
+            ),
+            (
+                "offline",
+                api::NamespaceOption {
+                    network: api::NamespaceMode::Node as i32,
+                    ..Default::default()
+                },
+            ),
         ] {
             let mut pod = node.pod_config("hostns").unwrap_or_else(|e| panic!("{e}"));
+            if options.network == api::NamespaceMode::Node as i32 {
+                // kubelet gives a pod on the node's network the node's
+                // hostname: none of its own.
+                pod.hostname = String::new();
+            }
+            if field == "offline" {
+                pod.annotations.insert(
+                    twig_proto::contract::NETWORK_ANNOTATION.into(),
+                    twig_proto::contract::NETWORK_NONE.into(),
+                );
+            }
             let linux = pod.linux.get_or_insert_with(Default::default);
             linux
                 .security_context
@@ -235,14 +262,14 @@ fn host_namespaces(handler: &str) {
                 .namespace_options = Some(options);
             let ran = cri.run_pod_sandbox(&pod, handler).await;
             match (handler, ran) {
-                ("twig", Err(e)) => {
+                ("twig", Err(e)) if field != "offline" => {
                     let text = e.to_string();
                     assert!(
                         text.contains(&format!("spec.{field}")) && text.contains("twig runtime"),
                         "{text}"
                     );
                 }
-                ("twig", Ok(id)) => panic!("twig ran a {field} pod: {id}"),
+                ("twig", Ok(id)) if field != "offline" => panic!("twig ran a {field} pod: {id}"),
                 (_, Ok(id)) => {
                     cri.stop_pod_sandbox(&id)
                         .await
@@ -258,11 +285,11 @@ fn host_namespaces(handler: &str) {
 }
 
 #[test]
-fn twig_refuses_the_nodes_ipc_and_pid_namespaces_naming_the_field() {
+fn twig_refuses_the_nodes_ipc_pid_and_network_namespaces_naming_the_field() {
     host_namespaces("twig");
 }
 
 #[test]
-fn runc_runs_pods_on_the_nodes_ipc_and_pid_namespaces() {
+fn runc_runs_pods_on_the_nodes_ipc_pid_and_network_namespaces() {
     host_namespaces("runc");
 }

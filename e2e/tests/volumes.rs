@@ -2,9 +2,11 @@
 //! on twig and on runc (the reference), with the same observable results:
 //! a ConfigMap volume in kubelet's atomic-writer layout (read-only, its
 //! `..data` swap seen live within 10 s), an emptyDir shared by two
-//! containers, kubelet's `/etc/hosts`, the cluster DNS `resolv.conf` CRI
+//! containers (on twig, on the pod's disk in the VM), kubelet's `/etc/hosts`, the cluster DNS `resolv.conf` CRI
 //! writes from the sandbox's DNS config, and a termination message that
-//! reaches kubelet's file on the host when the container exits. On twig, a
+//! reaches kubelet's file on the host when the container exits; an
+//! in-place resize (UpdateContainerResources) reaches the container's
+//! cgroup (on twig, in the VM; beyond the VM it is refused). On twig, a
 //! rollback rewinds the emptyDir but keeps the pod's current ConfigMap, a
 //! clone sees its own ConfigMap in its adopted container, another
 //! namespace's pod cannot restore the snapshot, and a hostPath is refused
@@ -159,6 +161,20 @@ async fn scenario(handler: &str) {
         );
     }
 
+    if handler == "twig" {
+        // A disk-backed emptyDir is on the pod's disk in the VM, not in
+        // guest memory.
+        let (_, mounts) = lab.exec(&app_id, &["cat", "/proc/mounts"]).await;
+        let scratch = mounts
+            .lines()
+            .find(|l| l.split(' ').nth(1) == Some("/scratch"))
+            .unwrap_or_else(|| panic!("no /scratch in\n{mounts}"));
+        assert!(
+            scratch.starts_with("/dev/vd") && scratch.contains(" ext4 "),
+            "{scratch}"
+        );
+    }
+
     // A ConfigMap edit (kubelet's atomic swap) reaches the container.
     write_atomic(&k.config, 2, "greeting", "bonjour");
     let edited = Instant::now();
@@ -178,6 +194,8 @@ async fn scenario(handler: &str) {
         "volumes[{handler}]: ConfigMap edit seen after {:?}",
         edited.elapsed()
     );
+
+    resize(&lab, handler, &app_id).await;
 
     // A second container: the same emptyDir, and a termination message.
     let mut quitter = container_config(
@@ -241,6 +259,51 @@ async fn scenario(handler: &str) {
         );
     }
     lab.remove_pod(&pod_id).await;
+}
+
+/// The container's memory limit as its cgroup says (`max`: none): its own
+/// cgroup, below a cgroup namespace's root or not.
+const MEMORY_MAX: &str = "p=$(sed -n 's/^0:://p' /proc/self/cgroup); \
+     cat /sys/fs/cgroup${p%/}/memory.max 2>/dev/null || cat /sys/fs/cgroup/memory.max";
+
+/// kubelet's in-place resize (CRI's UpdateContainerResources) of a running
+/// container: its new memory limit is its cgroup's, on twig inside the VM;
+/// on twig a limit beyond the VM is refused naming the field.
+async fn resize(lab: &CriLab, handler: &str, id: &str) {
+    let update = |bytes: i64| {
+        lab.cri.update_container_resources(
+            id,
+            api::LinuxContainerResources {
+                memory_limit_in_bytes: bytes,
+                ..Default::default()
+            },
+        )
+    };
+    let limit = 96 << 20;
+    update(limit)
+        .await
+        .unwrap_or_else(|e| lab.fail("UpdateContainerResources", e));
+    assert_eq!(
+        lab.exec(id, &["sh", "-c", MEMORY_MAX]).await,
+        (0, limit.to_string()),
+        "the resized limit in {handler}'s container"
+    );
+    if handler == "twig" {
+        let err = update(1 << 40)
+            .await
+            .err()
+            .unwrap_or_else(|| panic!("a 1 TiB limit was accepted by twig"));
+        let text = err.to_string();
+        assert!(
+            text.contains("resources.limits.memory") && text.contains("beyond the pod's VM"),
+            "{text}"
+        );
+        assert_eq!(
+            lab.exec(id, &["sh", "-c", MEMORY_MAX]).await,
+            (0, limit.to_string()),
+            "a refused resize changes nothing"
+        );
+    }
 }
 
 /// A unique snapshot id: the lab's nodes share one store.

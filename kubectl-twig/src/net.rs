@@ -8,7 +8,14 @@
 //! (its EndpointSlices, `kubernetes.io/service-name`) and reads that pod's
 //! `/metrics` through the pod proxy
 //! (`/api/v1/namespaces/NS/pods/POD:PORT/proxy/metrics`). The Service proxy
-//! would answer from any node's controller.
+//! would answer from any node's controller; the Service stays the way to
+//! find the controllers (EndpointSlices: core `Endpoints` are deprecated
+//! since Kubernetes 1.33). The price: `get pods/proxy` cannot be limited to
+//! the controller's pods by name (a DaemonSet's pod names are generated),
+//! so it reaches every pod of the controller's namespace, which holds only
+//! Twig's own pods. A 503 through the proxy (the controller not answering)
+//! is reported at once, never retried: kube's default retry policy would
+//! back off for minutes.
 
 use std::collections::BTreeMap;
 

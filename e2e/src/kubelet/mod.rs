@@ -61,6 +61,7 @@ use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 use twig_cri::{api, CriClient};
 
+pub use atomic::{AtomicWriter, FileProjection, Payload};
 pub use lifecycle::{BACKOFF_BASE, BACKOFF_MAX};
 pub use volumes::{ROOT_CA_CONFIG_MAP, TOKEN_MOUNT_PATH, TOKEN_VOLUME_PREFIX};
 
