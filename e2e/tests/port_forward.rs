@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use twig_cri::container_config;
 use twig_e2e::cri::CriNode;
-use twig_e2e::crilab::runtime;
+use twig_e2e::crilab::{runtime, CriLab};
 use twig_e2e::IMAGE_REF;
 
 /// The port the pod's server listens on, on 127.0.0.1 only.
@@ -61,26 +61,17 @@ fn forward(handler: &str) {
 }
 
 async fn scenario(handler: &str) {
-    let node = CriNode::start().unwrap_or_else(|e| panic!("CRI node: {e}"));
-    let cri = node.client().await.unwrap_or_else(|e| panic!("{e}"));
-    let fail = |what: &str, e: twig_cri::Error| -> ! { panic!("{}", node.cri_error(what, e)) };
-    let pod = node.pod_config("forward").unwrap_or_else(|e| panic!("{e}"));
-    let pod_id = cri
-        .run_pod_sandbox(&pod, handler)
-        .await
-        .unwrap_or_else(|e| fail("RunPodSandbox", e));
+    let lab = CriLab::start().await;
+    let pod = lab
+        .node
+        .pod_config("forward")
+        .unwrap_or_else(|e| panic!("{e}"));
     let script = format!(
         "mkdir -p /www && echo forwarded-from-the-pod > /www/index.html && \
          exec httpd -f -p 127.0.0.1:{PORT} -h /www"
     );
     let config = container_config("web", IMAGE_REF, &["/bin/sh", "-c", &script], "web.log");
-    let id = cri
-        .create_container(&pod_id, &config, &pod)
-        .await
-        .unwrap_or_else(|e| fail("CreateContainer", e));
-    cri.start_container(&id)
-        .await
-        .unwrap_or_else(|e| fail("StartContainer", e));
+    let (pod_id, _) = lab.run_pod(&pod, handler, &config).await;
     let namespaces = CriNode::cni_netns();
     let [netns] = namespaces.as_slice() else {
         panic!("one pod, one CNI namespace: {namespaces:?}");
@@ -95,7 +86,7 @@ async fn scenario(handler: &str) {
             _ if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(200)).await,
             other => panic!(
                 "{handler}: the pod's 127.0.0.1:{PORT} never answered: {other:?}\n{}",
-                node.node().logs()
+                lab.logs()
             ),
         }
     };
@@ -117,12 +108,7 @@ async fn scenario(handler: &str) {
         (_, Ok(page)) => panic!("{handler}: a closed port answered {page:?}"),
     }
 
-    cri.stop_pod_sandbox(&pod_id)
-        .await
-        .unwrap_or_else(|e| fail("StopPodSandbox", e));
-    cri.remove_pod_sandbox(&pod_id)
-        .await
-        .unwrap_or_else(|e| fail("RemovePodSandbox", e));
+    lab.remove_pod(&pod_id).await;
 }
 
 #[test]
