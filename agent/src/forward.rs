@@ -12,7 +12,9 @@
 //! What arrives is untrusted: the request is fixed-size and read within
 //! [`REQUEST_TIMEOUT`], anything malformed is answered `BadRequest` and
 //! closed, and at most [`MAX_CONNECTIONS`] connections are served at once
-//! (the next ones are answered `Busy`). One blocking `accept` and two
+//! (the next ones are answered `Busy` at once and closed, their request
+//! unread: the accept loop never waits on them, and the host's write of
+//! its request may then fail, EPIPE). One blocking `accept` and two
 //! threads per open connection: nothing runs while nothing is forwarded.
 
 use std::fs::File;
