@@ -47,6 +47,23 @@ pub const MAX_VOLUME_READ_BYTES: u32 = 64 << 10;
 /// `PATH` given to processes started by [`AgentClient::run`].
 pub const DEFAULT_PATH: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
+/// The disks a new container gets: its root file system's device and its
+/// raw block volumes.
+#[derive(Debug, Clone, Default)]
+pub struct ContainerDisks {
+    /// The block device holding its root file system (ext4).
+    pub rootfs_device: String,
+    /// Whether the root file system is mounted read-only.
+    pub rootfs_read_only: bool,
+    /// The rootfs device was attached a moment ago with this size: the
+    /// agent first waits (up to 2 s) until the guest sees it, as a
+    /// hot-swapped disk's new capacity shows only once the guest handled
+    /// the device's configuration-change interrupt (0: no wait).
+    pub rootfs_bytes: u64,
+    /// Its raw block volumes (a pod's `volumeDevices`).
+    pub block_volumes: Vec<crate::proto::agent::BlockVolume>,
+}
+
 /// Errors of the client.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -337,36 +354,34 @@ impl AgentClient {
         oci_spec_json: &[u8],
         timeout: Duration,
     ) -> Result<()> {
-        self.create_container_on_new_disk(
+        self.create_container_on_disks(
             container_id,
-            rootfs_device,
-            rootfs_read_only,
-            0,
+            ContainerDisks {
+                rootfs_device: rootfs_device.to_string(),
+                rootfs_read_only,
+                ..Default::default()
+            },
             oci_spec_json,
             timeout,
         )
     }
 
-    /// [`AgentClient::create_container`] on a disk attached a moment ago:
-    /// the agent first waits (up to 2 s) until `rootfs_device` has
-    /// `rootfs_bytes` (rounded down to whole 512-byte sectors), as the
-    /// guest sees a hot-swapped disk's new capacity only once it handled
-    /// the device's configuration-change interrupt (0: no wait).
-    pub fn create_container_on_new_disk(
+    /// [`AgentClient::create_container`] on `disks`, attached a moment ago
+    /// (sizes rounded down to whole 512-byte sectors).
+    pub fn create_container_on_disks(
         &self,
         container_id: &str,
-        rootfs_device: &str,
-        rootfs_read_only: bool,
-        rootfs_bytes: u64,
+        disks: ContainerDisks,
         oci_spec_json: &[u8],
         timeout: Duration,
     ) -> Result<()> {
         self.create(
             CreateContainerRequest {
                 container_id: container_id.to_string(),
-                rootfs_device: rootfs_device.to_string(),
-                rootfs_read_only,
-                rootfs_bytes,
+                rootfs_device: disks.rootfs_device,
+                rootfs_read_only: disks.rootfs_read_only,
+                rootfs_bytes: disks.rootfs_bytes,
+                block_volumes: disks.block_volumes,
                 oci_spec_json: oci_spec_json.to_vec(),
                 ..Default::default()
             },

@@ -85,6 +85,8 @@ pub struct Container {
     /// A pod's sandbox container without a rootfs: its init is the
     /// agent's built-in pause (`rootfs` is not mounted).
     pub pause: bool,
+    /// Its raw block volumes' device nodes.
+    pub block_nodes: Vec<crate::devices::Node>,
 }
 
 /// A new process's stdio: the child's ends and the agent's.
@@ -203,6 +205,7 @@ impl Container {
             new_net: plan.new_net,
             no_pivot_root,
             pause: self.pause,
+            block_nodes: self.block_nodes.clone(),
         }));
         let process = start_process(
             reaper,

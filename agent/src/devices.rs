@@ -31,9 +31,10 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use oci_spec::runtime::{LinuxDevice, LinuxDeviceType, Spec};
+use serde::{Deserialize, Serialize};
 
 /// What kind of node.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Kind {
     Char,
     Block,
@@ -51,7 +52,7 @@ impl Kind {
 }
 
 /// A device node to create in a container.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Node {
     /// Its absolute path in the container.
     pub path: PathBuf,
@@ -83,6 +84,43 @@ impl Node {
             mode: d.file_mode().unwrap_or(0o666),
             uid: d.uid(),
             gid: d.gid(),
+        })
+    }
+
+    /// The node of a raw block volume (a pod's `volumeDevices`): the
+    /// guest's disk numbered `rdev` at `path` in the container, with
+    /// `mode` (at most 0o777), `uid` and `gid`. `path` must be absolute,
+    /// without `.` or `..` components.
+    pub fn block_volume(
+        path: &str,
+        rdev: u64,
+        mode: u32,
+        uid: u32,
+        gid: u32,
+    ) -> Result<Node, String> {
+        let p = Path::new(path);
+        let plain = p
+            .components()
+            .skip(1)
+            .all(|c| matches!(c, std::path::Component::Normal(_)));
+        if !p.is_absolute() || !plain || p.parent().is_none() {
+            return Err(format!(
+                "block volume path {path:?} is not an absolute path below / without . or .."
+            ));
+        }
+        if mode > 0o777 {
+            return Err(format!(
+                "block volume {path}: mode {mode:#o} is more than 0o777"
+            ));
+        }
+        Ok(Node {
+            path: p.to_path_buf(),
+            kind: Kind::Block,
+            major: libc::major(rdev).into(),
+            minor: libc::minor(rdev).into(),
+            mode,
+            uid: Some(uid),
+            gid: Some(gid),
         })
     }
 

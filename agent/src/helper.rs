@@ -73,6 +73,9 @@ pub struct InitTask {
     /// becomes the pause process instead of exec'ing the spec's.
     #[serde(default)]
     pub pause: bool,
+    /// The device nodes of its raw block volumes (the guest's disks).
+    #[serde(default)]
+    pub block_nodes: Vec<crate::devices::Node>,
 }
 
 /// A process in a running container.
@@ -194,7 +197,7 @@ fn init(t: InitTask) -> HResult<Infallible> {
     if mounts.iter().any(|m| m.destination() == Path::new("/dev")) {
         setup_dev(rootfs)?;
     }
-    make_devices(rootfs, &t.spec)?;
+    make_devices(rootfs, &t.spec, &t.block_nodes)?;
     if let Some(linux) = t.spec.linux() {
         for p in linux.masked_paths().iter().flatten() {
             mask_path(rootfs, Path::new(p))?;
@@ -495,7 +498,22 @@ fn setup_dev(rootfs: &Path) -> HResult<()> {
 /// The container's device nodes (see `devices.rs`): for a container
 /// allowed every device, the guest's own; otherwise the spec's that the
 /// guest kernel has. Paths already present are left as they are.
-fn make_devices(rootfs: &Path, spec: &Spec) -> HResult<()> {
+fn make_devices(rootfs: &Path, spec: &Spec, volumes: &[crate::devices::Node]) -> HResult<()> {
+    // A raw block volume's node comes first, and must be made: nothing of
+    // the spec's list may take its path.
+    for n in volumes {
+        let dest =
+            secure_join(rootfs, &n.path).map_err(ctx(format!("resolving {}", n.path.display())))?;
+        if !n
+            .create(&dest)
+            .map_err(ctx(format!("creating block volume {}", n.path.display())))?
+        {
+            return Err(format!(
+                "block volume {}: the path exists in the container",
+                n.path.display()
+            ));
+        }
+    }
     let listed = spec
         .linux()
         .as_ref()

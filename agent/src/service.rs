@@ -22,6 +22,7 @@ use twig_agent::proto::agent_ttrpc::{create_agent, Agent};
 
 use crate::cgroup::{Cgroup, Limits};
 use crate::container::{mount_rootfs, unmount_rootfs, Container, Process, Registry, State};
+use crate::devices::Node;
 use crate::error::{AgentError, Result};
 use crate::reaper::{lock, Reaper};
 use crate::spec::{parse_process, parse_spec, validate_id};
@@ -63,7 +64,7 @@ const CAPACITY_WAIT: Duration = Duration::from_secs(2);
 /// waits until it has that size in whole 512-byte sectors (a disk slot
 /// attached a moment ago may still show its previous capacity, 0 or the
 /// last disk's). Reads sysfs: no guest exit while it waits.
-fn wait_for_capacity(device: &Path, bytes: u64) -> Result<()> {
+fn wait_for_capacity(device: &Path, bytes: u64) -> Result<u64> {
     let deadline = Instant::now() + CAPACITY_WAIT;
     let want = bytes / 512 * 512;
     loop {
@@ -76,10 +77,10 @@ fn wait_for_capacity(device: &Path, bytes: u64) -> Result<()> {
                 device.display()
             )));
         }
-        if bytes == 0 {
-            return Ok(());
-        }
         let rdev = meta.rdev();
+        if bytes == 0 {
+            return Ok(rdev);
+        }
         let sysfs = format!(
             "/sys/dev/block/{}:{}/size",
             libc::major(rdev),
@@ -92,7 +93,7 @@ fn wait_for_capacity(device: &Path, bytes: u64) -> Result<()> {
             .map_err(|e| AgentError::Internal(format!("{sysfs}: {e}")))?;
         let have = sectors * 512;
         if have == want {
-            return Ok(());
+            return Ok(rdev);
         }
         if Instant::now() >= deadline {
             return Err(AgentError::InvalidArgument(format!(
@@ -151,6 +152,20 @@ impl AgentService {
                 Some(device)
             }
         };
+        if device.is_none() && !req.block_volumes.is_empty() {
+            return Err(AgentError::InvalidArgument(
+                "the pod's sandbox container takes no block volumes".to_string(),
+            ));
+        }
+        let block_nodes = req
+            .block_volumes
+            .iter()
+            .map(|v| {
+                let rdev = wait_for_capacity(Path::new(&v.device), v.bytes)?;
+                Node::block_volume(&v.path, rdev, v.mode, v.uid, v.gid)
+                    .map_err(AgentError::InvalidArgument)
+            })
+            .collect::<Result<Vec<_>>>()?;
         self.containers.insert_new(id, || {
             let dir = self.state_dir.join("containers").join(id);
             let rootfs = dir.join("rootfs");
@@ -189,6 +204,7 @@ impl AgentService {
                 execs: Default::default(),
                 own_pid_ns: false,
                 pause: device.is_none(),
+                block_nodes,
             })
         })
     }
@@ -478,7 +494,7 @@ impl Agent for AgentService {
         let r = if req.device.is_empty() {
             Ok(())
         } else {
-            wait_for_capacity(Path::new(&req.device), req.device_bytes)
+            wait_for_capacity(Path::new(&req.device), req.device_bytes).map(drop)
         };
         reply(
             "PrepareVolume",

@@ -23,6 +23,26 @@ fn run(cmd: &mut Command) -> io::Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// A loop device over a file, detached on drop. Set up as util-linux's
+/// and busybox's `losetup` both can (the lab's node has busybox's): `-f`
+/// names a free device, then it is set up. Needs root.
+pub struct LoopDevice(pub std::path::PathBuf);
+
+impl LoopDevice {
+    /// A loop device over `file`.
+    pub fn new(file: &Path) -> io::Result<LoopDevice> {
+        let dev = run(Command::new("losetup").arg("-f"))?.trim().to_string();
+        run(Command::new("losetup").arg(&dev).arg(file))?;
+        Ok(LoopDevice(dev.into()))
+    }
+}
+
+impl Drop for LoopDevice {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").arg("-d").arg(&self.0).status();
+    }
+}
+
 /// Makes `image`, an ext4 file system of `size_mib` MiB holding a static
 /// busybox with a link for each of its applets in /bin, the usual empty
 /// mount points and `files` (path relative to the root, contents).

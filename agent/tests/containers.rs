@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use common::{Agent, Image, T};
 use serde_json::json;
-use twig_agent::client::{AgentClient, ProcessExit, Stream};
+use twig_agent::client::{AgentClient, ContainerDisks, ProcessExit, Stream};
+use twig_agent::proto::agent::BlockVolume;
 use twig_agent::testkit::{process, spec};
 
 fn run_container(
@@ -608,8 +609,13 @@ fn a_new_disk_is_mounted_once_it_has_its_size() {
     // The test image is 16 MiB; a disk that never reaches the size the
     // shim expects is refused after the wait, naming both sizes.
     let started = std::time::Instant::now();
+    let disks = |bytes| ContainerDisks {
+        rootfs_device: image.device.clone(),
+        rootfs_bytes: bytes,
+        ..Default::default()
+    };
     let e = c
-        .create_container_on_new_disk("big", &image.device, false, 32 << 20, &s, T)
+        .create_container_on_disks("big", disks(32 << 20), &s, T)
         .unwrap_err();
     assert_eq!(e.status_code(), Some("INVALID_ARGUMENT"), "{e}");
     assert!(
@@ -619,9 +625,87 @@ fn a_new_disk_is_mounted_once_it_has_its_size() {
     );
     assert!(started.elapsed() >= Duration::from_secs(2), "it waited");
     // At its size it is mounted at once.
-    c.create_container_on_new_disk("ok", &image.device, false, 16 << 20, &s, T)
+    c.create_container_on_disks("ok", disks(16 << 20), &s, T)
         .unwrap();
     c.start_container("ok", T).unwrap();
     assert_eq!(c.wait_exit("ok", "", T).unwrap().status, 0);
     c.remove_container("ok", T).unwrap();
+}
+
+#[test]
+fn a_raw_block_volume_is_a_block_node_the_container_reads_and_writes() {
+    let image = Image::new();
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("volume.img");
+    let mut data = vec![0u8; 1 << 20];
+    data[5 * 512..6 * 512].fill(b'v');
+    std::fs::write(&img, &data).unwrap();
+    let volume = twig_agent::testkit::LoopDevice::new(&img).unwrap();
+    let agent = Agent::start();
+    let c = agent.client();
+    let block = |path: &str, bytes| BlockVolume {
+        device: volume.0.display().to_string(),
+        path: path.to_string(),
+        bytes,
+        mode: 0o660,
+        uid: 0,
+        gid: 6,
+        ..Default::default()
+    };
+    let disks = |volumes| ContainerDisks {
+        rootfs_device: image.device.clone(),
+        block_volumes: volumes,
+        ..Default::default()
+    };
+    let s = spec(
+        &[
+            "sh",
+            "-c",
+            "stat -c '%F %a %u:%g' /dev/xvdb && echo written | dd of=/dev/xvdb bs=512 seek=2 \
+             conv=notrunc 2>/dev/null && dd if=/dev/xvdb bs=512 skip=5 count=1 2>/dev/null | head -c 3",
+        ],
+        json!({}),
+    );
+    c.create_container_on_disks("blk", disks(vec![block("/dev/xvdb", 1 << 20)]), &s, T)
+        .unwrap();
+    c.start_container("blk", T).unwrap();
+    let out = c.read_to_end("blk", "", Stream::Stdout, T).unwrap();
+    let err = c.read_to_end("blk", "", Stream::Stderr, T).unwrap();
+    assert_eq!(
+        c.wait_exit("blk", "", T).unwrap().status,
+        0,
+        "{}",
+        String::from_utf8_lossy(&err)
+    );
+    c.remove_container("blk", T).unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out),
+        "block special file 660 0:6\nvvv"
+    );
+    let on_disk = std::fs::read(&img).unwrap();
+    assert_eq!(
+        &on_disk[2 * 512..2 * 512 + 8],
+        b"written\n",
+        "written through"
+    );
+
+    // Hostile or wrong requests are refused before anything is made.
+    for (path, bytes, want) in [
+        ("dev/xvdb", 0, "absolute"),
+        ("/dev/../etc/passwd", 0, "absolute"),
+        ("/", 0, "absolute"),
+        ("/dev/xvdb", 2 << 20, "did not see the disk"),
+    ] {
+        let e = c
+            .create_container_on_disks("bad", disks(vec![block(path, bytes)]), &s, T)
+            .unwrap_err();
+        assert_eq!(e.status_code(), Some("INVALID_ARGUMENT"), "{path}: {e}");
+        assert!(e.to_string().contains(want), "{path}: {e}");
+    }
+    let mut wide = block("/dev/xvdb", 0);
+    wide.mode = 0o4777;
+    let e = c
+        .create_container_on_disks("bad", disks(vec![wide]), &s, T)
+        .unwrap_err();
+    assert!(e.to_string().contains("0o777"), "{e}");
 }

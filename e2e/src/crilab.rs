@@ -7,6 +7,9 @@ use std::net::TcpListener;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use k8s_openapi::api::core::v1::Pod;
+use twig_controller::sandbox::{ContainerdLocator, SandboxLocator};
+use twig_controller::shim::Sandbox;
 use twig_cri::{api, CriClient};
 
 use crate::cri::CriNode;
@@ -174,6 +177,22 @@ impl CriLab {
             .await
             .unwrap_or_else(|e| self.fail("StartContainer", e));
         (pod_id, id)
+    }
+
+    /// The twig shim of `pod`, as the controller finds it
+    /// (`ContainerdLocator` on CRI's task directory, by the pod's UID).
+    pub async fn sandbox_of(&self, pod: &api::PodSandboxConfig) -> Sandbox {
+        let locator = ContainerdLocator::new(
+            self.dir()
+                .join("containerd/state/io.containerd.runtime.v2.task")
+                .join(crate::cri::CRI_NAMESPACE),
+        );
+        let mut of = Pod::default();
+        of.metadata.uid = pod.metadata.as_ref().map(|m| m.uid.clone());
+        locator
+            .locate(&of)
+            .await
+            .unwrap_or_else(|e| panic!("locating the pod: {e}\n{}", self.logs()))
     }
 
     /// StopPodSandbox and RemovePodSandbox.

@@ -10,7 +10,10 @@
 //! rollback rewinds the emptyDir but keeps the pod's current ConfigMap, a
 //! clone sees its own ConfigMap in its adopted container, another
 //! namespace's pod cannot restore the snapshot, and a hostPath is refused
-//! naming the mount. Built with `--features lab` and
+//! naming the mount. A raw block volume (kubelet's `volumeDevices`: a CRI
+//! device of a block node; a loop device stands for the claim's device)
+//! is read and written from the container on both; on twig, Snapshot and
+//! Rollback of its pod are refused naming it. Built with `--features lab` and
 //! run in the nested lab by `tests/lab/run.sh -p twig-e2e --features
 //! twig-e2e/lab`.
 
@@ -18,13 +21,11 @@ use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Pod;
+use twig_agent::testkit::LoopDevice;
 use twig_controller::crd::SnapshotMode;
-use twig_controller::sandbox::{ContainerdLocator, SandboxLocator};
 use twig_controller::shim::{TtrpcShim, TwigShim};
 use twig_cri::api;
 use twig_cri::container_config;
-use twig_e2e::cri::CRI_NAMESPACE;
 use twig_e2e::crilab::{runtime, wait_exited, CriLab, PROGRESS};
 use twig_e2e::IMAGE_REF;
 use twig_proto::contract::RESTORE_FROM_ANNOTATION;
@@ -339,17 +340,7 @@ async fn snapshots(
     app_id: &str,
     k: &KubeletPod,
 ) {
-    let locator = ContainerdLocator::new(
-        lab.dir()
-            .join("containerd/state/io.containerd.runtime.v2.task")
-            .join(CRI_NAMESPACE),
-    );
-    let mut of = Pod::default();
-    of.metadata.uid = pod.metadata.as_ref().map(|m| m.uid.clone());
-    let sandbox = locator
-        .locate(&of)
-        .await
-        .unwrap_or_else(|e| panic!("locating the pod: {e}\n{}", lab.logs()));
+    let sandbox = lab.sandbox_of(pod).await;
     assert_eq!(sandbox.id, pod_id);
     let shim = TtrpcShim { timeout: CALL };
     let snap = snap_id("volumes");
@@ -446,4 +437,100 @@ fn twig_gives_a_pod_kubelets_files_and_volumes() {
 #[test]
 fn runc_gives_a_pod_kubelets_files_and_volumes() {
     volumes("runc");
+}
+
+/// A raw block volume: kubelet maps a block-mode claim's device and passes
+/// its node as a CRI device (`devicePath` in the container, `mrw`); here a
+/// loop device over a file of the node stands for it.
+fn block_volume(handler: &str) {
+    runtime().block_on(block_scenario(handler));
+}
+
+async fn block_scenario(handler: &str) {
+    let lab = CriLab::start().await;
+    let img = lab.dir().join(format!("claim-{handler}.img"));
+    let mut data = vec![0u8; 4 << 20];
+    data[512..1024].fill(b'k');
+    std::fs::write(&img, &data).expect("the claim's image");
+    let dev = LoopDevice::new(&img).expect("a loop device for the claim");
+    let pod = lab
+        .node
+        .pod_config(&format!("blk-{handler}"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut db = container_config("db", IMAGE_REF, &["/bin/sleep", "3600"], "db.log");
+    db.devices = vec![api::Device {
+        container_path: "/dev/xvdb".into(),
+        host_path: dev.0.display().to_string(),
+        permissions: "mrw".into(),
+    }];
+    let (pod_id, id) = lab.run_pod(&pod, handler, &db).await;
+    let (code, out) = lab
+        .exec(
+            &id,
+            &[
+                "sh",
+                "-c",
+                "test -b /dev/xvdb && dd if=/dev/xvdb bs=512 skip=1 count=1 2>/dev/null | head -c 4 \
+                 && echo written | dd of=/dev/xvdb bs=512 seek=2 conv=notrunc,fsync 2>/dev/null",
+            ],
+        )
+        .await;
+    assert_eq!(
+        (code, out.as_str()),
+        (0, "kkkk"),
+        "{handler}: the claim's bytes"
+    );
+    let on_disk = std::fs::read(&img).expect("the claim's image");
+    assert_eq!(
+        &on_disk[1024..1032],
+        b"written\n",
+        "{handler}: written through"
+    );
+    if handler == "twig" {
+        let sandbox = lab.sandbox_of(&pod).await;
+        let shim = TtrpcShim { timeout: CALL };
+        let e = shim
+            .snapshot(&sandbox, &snap_id("block"), SnapshotMode::Full)
+            .await
+            .expect_err("a pod with a raw block volume is not snapshotted");
+        assert!(e.to_string().contains("raw block volume"), "{e}");
+        let e = shim
+            .rollback(&sandbox, &snap_id("block"), "block-op-1")
+            .await
+            .expect_err("nor rolled back");
+        assert!(e.to_string().contains("raw block volume"), "{e}");
+        let (code, _) = lab.exec(&id, &["true"]).await;
+        assert_eq!(code, 0, "the pod runs on");
+    }
+    lab.remove_pod(&pod_id).await;
+    let holders = holders(&dev.0);
+    assert!(
+        holders.is_empty(),
+        "{handler}: {} still open in {holders:?}",
+        dev.0.display()
+    );
+}
+
+/// The processes holding `device` open.
+fn holders(device: &Path) -> Vec<String> {
+    let mut found = Vec::new();
+    for p in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let fds = p.path().join("fd");
+        for fd in std::fs::read_dir(&fds).into_iter().flatten().flatten() {
+            if std::fs::read_link(fd.path()).is_ok_and(|t| t == device) {
+                found.push(p.file_name().to_string_lossy().into_owned());
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn twig_gives_a_container_a_raw_block_volume_and_refuses_to_snapshot_it() {
+    block_volume("twig");
+}
+
+#[test]
+fn runc_gives_a_container_a_raw_block_volume() {
+    block_volume("runc");
 }

@@ -10,7 +10,8 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use twig_agent::client::{AgentClient, Error as AgentError};
+use twig_agent::client::{AgentClient, ContainerDisks, Error as AgentError};
+use twig_agent::proto::agent::BlockVolume;
 use twig_net::{Counters, EgressPolicy};
 
 use crate::error::{Error, Result};
@@ -91,18 +92,22 @@ pub trait Sandbox: Send + Sync {
     /// worth repeating on the current one.
     fn agent_epoch(&self) -> u64;
     /// Hands the block image `image` to the guest and creates container
-    /// `id` on it with `spec_json`; on failure nothing stays attached.
+    /// `id` on it with `spec_json` and its raw block volumes (attached
+    /// already, see [`Sandbox::attach_disk`]); on failure the rootfs does
+    /// not stay attached.
     fn create_container(
         &self,
         id: &str,
         image: &Path,
         read_only: bool,
+        block_volumes: Vec<BlockVolume>,
         spec_json: &[u8],
     ) -> Result<Attachment>;
-    /// Hands the block image `image` to the guest read-write without a
-    /// container on it: the pod's disk (its sandbox container's rootfs
-    /// image), which holds its disk-backed volumes.
-    fn attach_disk(&self, image: &Path) -> Result<Attachment>;
+    /// Hands the block image or host block device `image` to the guest
+    /// without a container on it: the pod's disk (its sandbox container's
+    /// rootfs image), which holds its disk-backed volumes, or a raw block
+    /// volume.
+    fn attach_disk(&self, image: &Path, read_only: bool) -> Result<Attachment>;
     /// The VM's shape; `None` without a VM (the host's).
     fn shape(&self) -> Option<VmShape> {
         None
@@ -262,8 +267,12 @@ impl Sandbox for HostSandbox {
         0
     }
 
-    fn attach_disk(&self, image: &Path) -> Result<Attachment> {
-        let device = losetup(&["--find", "--show"], Some(image))?;
+    fn attach_disk(&self, image: &Path, read_only: bool) -> Result<Attachment> {
+        let mut args = vec!["--find", "--show"];
+        if read_only {
+            args.push("--read-only");
+        }
+        let device = losetup(&args, Some(image))?;
         Ok(Attachment { device, slot: None })
     }
 
@@ -272,17 +281,19 @@ impl Sandbox for HostSandbox {
         id: &str,
         image: &Path,
         read_only: bool,
+        block_volumes: Vec<BlockVolume>,
         spec_json: &[u8],
     ) -> Result<Attachment> {
-        let mut args = vec!["--find", "--show"];
-        if read_only {
-            args.push("--read-only");
-        }
-        let device = losetup(&args, Some(image))?;
-        let attachment = Attachment { device, slot: None };
-        if let Err(e) =
-            self.agent
-                .create_container(id, &attachment.device, read_only, spec_json, self.timeout)
+        let attachment = self.attach_disk(image, read_only)?;
+        let disks = ContainerDisks {
+            rootfs_device: attachment.device.clone(),
+            rootfs_read_only: read_only,
+            rootfs_bytes: 0,
+            block_volumes,
+        };
+        if let Err(e) = self
+            .agent
+            .create_container_on_disks(id, disks, spec_json, self.timeout)
         {
             if let Err(d) = self.detach(&attachment) {
                 tracing::warn!(device = %attachment.device, "detaching after a failed create: {d}");

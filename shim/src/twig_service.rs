@@ -163,6 +163,26 @@ impl TwigService {
         Ok(None)
     }
 
+    /// Refuses to `what` (snapshot or roll back) a pod with a raw block
+    /// volume: the volume lives on the host, outside what a snapshot
+    /// carries, so neither could keep the guest's view of it true.
+    fn refuse_block_volumes(&self, what: &str) -> Result<()> {
+        match self
+            .inner
+            .pod
+            .container_views()
+            .into_iter()
+            .find(|c| c.block_volumes > 0)
+        {
+            Some(c) => Err(Error::FailedPrecondition(format!(
+                "cannot {what} pod sandbox {}: container {} has a raw block volume \
+                 (volumeDevices), which lives outside the VM and is not rewound",
+                self.inner.sandbox_id, c.id
+            ))),
+            None => Ok(()),
+        }
+    }
+
     fn containers(&self) -> Result<Vec<SnapshotContainer>> {
         let sandbox_pid = self.inner.pod.sandbox_pid();
         let sandbox_id = &self.inner.sandbox_id;
@@ -221,6 +241,7 @@ impl TwigService {
         // No container is created or deleted from the list to the VM's
         // snapshot: the labels say what the snapshot holds.
         let _frozen = self.inner.pod.freeze_containers().await;
+        self.refuse_block_volumes("snapshot")?;
         let containers = serde_json::to_string(&self.containers()?)
             .map_err(|e| Error::Internal(format!("encoding the pod's containers: {e}")))?;
         let owner = self.namespace()?;
@@ -334,6 +355,7 @@ impl TwigService {
         // The pod's containers stay what the check compares until the VM
         // is back (see `do_snapshot`).
         let _frozen = self.inner.pod.freeze_containers().await;
+        self.refuse_block_volumes("roll back")?;
         let now = self.containers()?;
         let sandbox_id = self.inner.sandbox_id.clone();
         let id = req.snapshot_id.clone();

@@ -27,6 +27,7 @@ use containerd_shim_protos::types::task::Status;
 use serde_json::json;
 use tokio::sync::mpsc;
 use twig_agent::client::AgentClient;
+use twig_agent::proto::agent::BlockVolume;
 use twig_net::{Counters, EgressPolicy, Reason};
 use twig_proto::twig as pb;
 use twig_proto::twig_ttrpc::TwigClient;
@@ -111,8 +112,8 @@ impl Sandbox for FakeVm {
         self.host.agent_epoch()
     }
 
-    fn attach_disk(&self, image: &Path) -> Result<Attachment> {
-        self.host.attach_disk(image)
+    fn attach_disk(&self, image: &Path, read_only: bool) -> Result<Attachment> {
+        self.host.attach_disk(image, read_only)
     }
 
     fn create_container(
@@ -120,11 +121,12 @@ impl Sandbox for FakeVm {
         id: &str,
         image: &Path,
         read_only: bool,
+        block_volumes: Vec<BlockVolume>,
         spec_json: &[u8],
     ) -> Result<Attachment> {
         let a = self
             .host
-            .create_container(id, image, read_only, spec_json)?;
+            .create_container(id, image, read_only, block_volumes, spec_json)?;
         // A VM's rootfs sits on a disk slot.
         Ok(Attachment { slot: Some(0), ..a })
     }
@@ -1312,4 +1314,94 @@ async fn a_snapshot_lists_the_containers_its_vm_holds_while_cri_deletes_one() {
         serde_json::from_str(&stored.labels[CONTAINERS_LABEL]).unwrap();
     let ids: Vec<&str> = containers.iter().map(|c| c.id.as_str()).collect();
     assert_eq!(ids, ["c1"], "{containers:?}");
+}
+
+/// A raw block volume (CRI's `linux.devices` entry for a `volumeDevices`
+/// claim): the shim attaches the host device, the container writes it,
+/// Snapshot and Rollback are refused naming the container, and deleting
+/// the container frees the device.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_raw_block_volume_reaches_the_container_and_refuses_snapshots() {
+    let f = fixture(T).await;
+    f.run("c1", "app").await;
+    f.snapshot(ctx(), "s1", true).await.expect("snapshot");
+
+    let img = f.dir.path().join("volume.img");
+    std::fs::write(&img, vec![0u8; 1 << 20]).unwrap();
+    let dev = twig_agent::testkit::LoopDevice::new(&img).unwrap();
+    let rdev = std::fs::metadata(&dev.0).unwrap().rdev();
+    let (major, minor) = (libc::major(rdev), libc::minor(rdev));
+    let (b, rootfs) = bundle(
+        f.dir.path(),
+        "c2",
+        &[
+            "sh",
+            "-c",
+            "echo volume-data | dd of=/dev/xvdb conv=notrunc,fsync && exec sleep 1000",
+        ],
+        json!({"annotations": {"io.kubernetes.cri.container-name": "db",
+                               "io.kubernetes.cri.sandbox-namespace": NAMESPACE},
+               "linux": {"devices": [{"path": "/dev/xvdb", "type": "b", "major": major,
+                                      "minor": minor, "fileMode": 0o660, "uid": 0, "gid": 0}],
+                         "resources": {"devices": [
+                             {"allow": false, "access": "rwm"},
+                             {"allow": true, "type": "b", "major": major, "minor": minor,
+                              "access": "mrw"}]}}}),
+    );
+    let create = api::CreateTaskRequest {
+        id: "c2".into(),
+        bundle: b.display().to_string(),
+        rootfs: vec![twig_mount(&rootfs)],
+        ..Default::default()
+    };
+    f.task
+        .create(ctx(), &create)
+        .await
+        .expect("create with a block volume");
+    let start = api::StartRequest {
+        id: "c2".into(),
+        ..Default::default()
+    };
+    f.task.start(ctx(), &start).await.expect("start");
+    until("the container wrote its volume", || {
+        std::fs::read(&img).is_ok_and(|d| d.starts_with(b"volume-data\n"))
+    })
+    .await;
+
+    for e in [
+        f.snapshot(ctx(), "s2", true).await.map(drop).unwrap_err(),
+        f.rollback("s1", "op-1").await.unwrap_err(),
+    ] {
+        let msg = format!("{e:?}");
+        assert!(
+            msg.contains("raw block volume") && msg.contains("c2"),
+            "{msg}"
+        );
+        assert_eq!(code(e), Code::FAILED_PRECONDITION);
+    }
+    assert_eq!(f.vm.rollbacks.load(Ordering::SeqCst), 0, "the VM untouched");
+
+    // Deleting the container frees the device (no loop device over it is
+    // left by the host sandbox).
+    let kill = api::KillRequest {
+        id: "c2".into(),
+        signal: 9,
+        ..Default::default()
+    };
+    f.task.kill(ctx(), &kill).await.expect("kill");
+    let wait = api::WaitRequest {
+        id: "c2".into(),
+        ..Default::default()
+    };
+    f.task.wait(ctx(), &wait).await.expect("wait");
+    let delete = api::DeleteRequest {
+        id: "c2".into(),
+        ..Default::default()
+    };
+    f.task.delete(ctx(), &delete).await.expect("delete");
+    let over = sh(Command::new("losetup").arg("-j").arg(&dev.0));
+    assert!(over.trim().is_empty(), "left attached: {over}");
+    f.snapshot(ctx(), "s3", true)
+        .await
+        .expect("a snapshot once the volume is gone");
 }

@@ -477,3 +477,42 @@ fn bad_slot_requests_are_refused_and_change_nothing() {
         "{e}"
     );
 }
+
+#[test]
+fn a_host_block_device_in_a_slot_is_served_but_refuses_snapshots_and_rollbacks() {
+    let d = tmp();
+    let fixed = image(d.path().join("fixed.img"), 1, 4096);
+    let volume = image(d.path().join("volume.img"), 5, DISK);
+    let dev = twig_agent::testkit::LoopDevice::new(&volume)
+        .expect("a loop device (this test needs root and losetup)");
+    let mut g = boot_with(d.path(), MIB, 1, &with_slots(&fixed, 1));
+    let s0 = snap(d.path(), "s0");
+    take(&mut g.vm, &s0, Kind::Full).unwrap();
+    g.vm.attach_disk(0, &slot(&dev.0, false)).unwrap();
+    assert_eq!(
+        slots_of(&g.vm),
+        vec![(Some(dev.0.clone()), false, DISK as u64)],
+        "sized by BLKGETSIZE64"
+    );
+
+    let e = take(&mut g.vm, &snap(d.path(), "s1"), Kind::Full)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("host block device") && e.contains("cannot copy"),
+        "{e}"
+    );
+    let e = g.vm.rollback(&s0).unwrap_err().to_string();
+    assert!(
+        e.contains("host block device") && e.contains("rollback"),
+        "{e}"
+    );
+    assert_eq!(g.vm.state(), RunState::Running, "the VM runs on");
+    assert_eq!(std::fs::read(&volume).unwrap(), vec![5; DISK], "untouched");
+
+    // Detached, the VM snapshots again.
+    g.vm.pause().unwrap();
+    g.vm.detach_disk(0).unwrap();
+    g.vm.resume().unwrap();
+    take(&mut g.vm, &snap(d.path(), "s2"), Kind::Full).unwrap();
+}

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -22,6 +22,7 @@ use super::guest_spec::guest_spec;
 use super::process::{timestamp, Container, Exited, Origin, Phase, Proc};
 use super::{blocking, shim_pid, NewContainer, Pod, AGENT_WAIT};
 use crate::error::{Error, Result};
+use crate::resources::block;
 use crate::resources::rootfs::{rootfs_image, slot_device};
 use crate::resources::volumes::{self, PodDisk, Volume};
 use crate::sandbox::{with_agent, Attachment, Sandbox, SANDBOX_ADOPTION};
@@ -46,12 +47,18 @@ impl Pod {
             )));
         }
         let bundle = PathBuf::from(&new.bundle);
-        let oci = spec::read_spec(&bundle)?;
+        let mut oci = spec::read_spec(&bundle)?;
         let image = rootfs_image(&new.id, &new.rootfs)?;
         let root_read_only = spec::root_read_only(&oci);
         let name = spec::annotation(&oci, CONTAINER_NAME_ANNOTATION).map(str::to_string);
         let is_sandbox =
             spec::annotation(&oci, CONTAINER_TYPE_ANNOTATION) == Some(CONTAINER_TYPE_SANDBOX);
+        // The sandbox container (the agent's pause) takes no devices.
+        let blocks = if is_sandbox {
+            Vec::new()
+        } else {
+            block::take_volumes(&mut oci, Path::new("/sys/dev/block"), Path::new("/dev"))?
+        };
         let paths = new.stdio.clone();
         let opened = paths.open().await?;
         let sandbox = {
@@ -111,7 +118,15 @@ impl Pod {
         };
         let adopted = adoption.and_then(|n| sandbox.take_restored(n));
         let disk_image = is_sandbox.then(|| image.clone());
-        let (attachment, origin, guest_id) = match adopted {
+        let (attachment, origin, guest_id, block_attachments) = match adopted {
+            Some(r) if !blocks.is_empty() => {
+                self.inner.watcher.unwatch(&new.id);
+                return Err(Error::FailedPrecondition(format!(
+                    "container {} runs already in the VM restored from a snapshot ({}): a raw \
+                     block volume ({}) cannot be added to it",
+                    new.id, r.guest_id, blocks[0].path
+                )));
+            }
             Some(r) => {
                 tracing::info!(
                     id = new.id,
@@ -133,7 +148,7 @@ impl Pod {
                     device: r.slot.map(slot_device).transpose()?.unwrap_or_default(),
                     slot: r.slot,
                 };
-                (attachment, Origin::Adopted, r.guest_id)
+                (attachment, Origin::Adopted, r.guest_id, Vec::new())
             }
             None => {
                 let id = new.id.clone();
@@ -144,14 +159,19 @@ impl Pod {
                 let created = timer
                     .vm(blocking(move || {
                         if is_sandbox {
-                            sb.create_pause(&id, &spec_json, timeout)
-                        } else {
-                            sb.create_container(&id, &image, read_only, &spec_json)
+                            return sb
+                                .create_pause(&id, &spec_json, timeout)
+                                .map(|a| (a, Vec::new()));
                         }
+                        let (attached, requests) = block::attach(sb.as_ref(), &blocks)?;
+                        sb.create_container(&id, &image, read_only, requests, &spec_json)
+                            .map(|a| (a, attached.clone()))
+                            .inspect_err(|_| block::detach(sb.as_ref(), &attached))
                     }))
                     .await;
-                let attachment = created.inspect_err(|_| self.inner.watcher.unwatch(&new.id))?;
-                (attachment, Origin::Created, new.id.clone())
+                let (attachment, blocks) =
+                    created.inspect_err(|_| self.inner.watcher.unwatch(&new.id))?;
+                (attachment, Origin::Created, new.id.clone(), blocks)
             }
         };
         let container = Container {
@@ -160,6 +180,7 @@ impl Pod {
             bundle,
             origin,
             attachment,
+            block_volumes: block_attachments,
             volumes: plan.volumes,
             disk_image,
             init: Proc::new("", paths, opened, Vec::new()),
@@ -356,7 +377,7 @@ impl Pod {
             return Ok(or_now(exited));
         }
         let _membership = self.changing_containers().await;
-        let (exited, attachment, vols) = {
+        let (exited, attachment, vols, blocks) = {
             let containers = self.containers();
             let c = containers
                 .get(id)
@@ -366,7 +387,12 @@ impl Pod {
                     "container {id} is running; kill it first"
                 )));
             }
-            (c.init.exited(), c.attachment.clone(), c.volumes.clone())
+            (
+                c.init.exited(),
+                c.attachment.clone(),
+                c.volumes.clone(),
+                c.block_volumes.clone(),
+            )
         };
         self.inner.watcher.unwatch(id);
         let sandbox = self.sandbox().await?;
@@ -397,6 +423,7 @@ impl Pod {
             if let Err(e) = volumes::remove(&sandbox.agent(), &vols, timeout) {
                 tracing::warn!(id, "{e}");
             }
+            block::detach(sandbox.as_ref(), &blocks);
             sandbox.detach(&attachment)
         })
         .await?;
@@ -559,7 +586,7 @@ impl Pod {
             .map_err(|e| Error::io(format!("reading the size of {}", image.display()), e))?
             .len();
         let sb = sandbox.clone();
-        let attachment = blocking(move || sb.attach_disk(&image)).await?;
+        let attachment = blocking(move || sb.attach_disk(&image, false)).await?;
         tracing::info!(
             sandbox = id,
             device = attachment.device,

@@ -98,6 +98,8 @@ pub struct ContainerView {
     pub slot: Option<usize>,
     /// Whether its init process runs.
     pub running: bool,
+    /// How many raw block volumes it has (host devices in disk slots).
+    pub block_volumes: usize,
 }
 
 /// The pod of one shim.
@@ -279,6 +281,7 @@ impl Pod {
                 bundle: c.bundle.clone(),
                 slot: c.attachment.slot,
                 running: c.init.phase == Phase::Running,
+                block_volumes: c.block_volumes.len(),
             })
             .collect();
         views.sort_by(|a, b| a.id.cmp(&b.id));

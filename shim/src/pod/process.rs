@@ -137,6 +137,8 @@ pub struct Container {
     /// Its rootfs disk in the guest. The pod's sandbox container has none
     /// until a volume needs the pod's disk.
     pub attachment: Attachment,
+    /// Its raw block volumes' disk slots.
+    pub block_volumes: Vec<Attachment>,
     /// The sandbox container's rootfs image (twig-snapshotter's): the
     /// pod's disk, attached when a disk-backed volume first needs it.
     pub disk_image: Option<PathBuf>,

@@ -4,6 +4,7 @@
 //! VM's shape). Each reads the bundle's spec through [`crate::spec`] and
 //! knows nothing of the Task API or of the pod's containers.
 
+pub mod block;
 pub mod cgroups;
 pub mod limits;
 pub mod network;

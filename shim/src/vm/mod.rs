@@ -18,8 +18,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
-use twig_agent::client::AgentClient;
-use twig_agent::proto::agent::ReidentifyRequest;
+use twig_agent::client::{AgentClient, ContainerDisks};
+use twig_agent::proto::agent::{BlockVolume, ReidentifyRequest};
 use twig_net::EgressPolicy;
 use twig_vmm::api::Client;
 
@@ -153,8 +153,8 @@ impl Sandbox for VmSandbox {
             })
     }
 
-    fn attach_disk(&self, image: &Path) -> Result<Attachment> {
-        self.attach(image, false)
+    fn attach_disk(&self, image: &Path, read_only: bool) -> Result<Attachment> {
+        self.attach(image, read_only)
     }
 
     fn shape(&self) -> Option<VmShape> {
@@ -166,6 +166,7 @@ impl Sandbox for VmSandbox {
         id: &str,
         image: &Path,
         read_only: bool,
+        block_volumes: Vec<BlockVolume>,
         spec_json: &[u8],
     ) -> Result<Attachment> {
         let attachment = self.attach(image, read_only)?;
@@ -175,15 +176,14 @@ impl Sandbox for VmSandbox {
         let created = std::fs::metadata(image)
             .map_err(|e| Error::io(format!("reading the size of {}", image.display()), e))
             .and_then(|meta| {
+                let disks = ContainerDisks {
+                    rootfs_device: attachment.device.clone(),
+                    rootfs_read_only: read_only,
+                    rootfs_bytes: meta.len(),
+                    block_volumes,
+                };
                 self.agent()
-                    .create_container_on_new_disk(
-                        id,
-                        &attachment.device,
-                        read_only,
-                        meta.len(),
-                        spec_json,
-                        self.timeout,
-                    )
+                    .create_container_on_disks(id, disks, spec_json, self.timeout)
                     .map_err(|e| {
                         Error::agent(
                             format!("creating container {id} on {}", attachment.device),

@@ -309,6 +309,7 @@ fn kvm_system_ioctls() -> Vec<u64> {
         libc::TUNSETVNETHDRSZ,
         libc::FIONBIO,
         FICLONE,
+        crate::virtio::blk::BLKGETSIZE64(),
     ]
     .to_vec()
 }

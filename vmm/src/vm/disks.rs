@@ -181,10 +181,19 @@ impl Vm {
 
     /// The disks a snapshot copies (those with a read-write image
     /// attached), made durable first: `(index, a descriptor of the image)`.
-    /// Call with the vCPUs parked, so every request is complete.
+    /// Call with the vCPUs parked, so every request is complete. A host
+    /// block device attached read-write (a raw block volume) refuses the
+    /// snapshot: it cannot be copied, and a snapshot that did not rewind
+    /// it would restore a guest whose view of it is wrong.
     pub(super) fn disk_sources(&self) -> Result<Vec<(usize, File)>> {
         let mut sources = Vec::new();
         for (i, d) in self.disks.iter().enumerate() {
+            if d.meta().has_copy() && d.is_block_device() {
+                return Err(Error::Config(format!(
+                    "disk {i} is the host block device {}, which a snapshot cannot copy",
+                    d.path().unwrap_or_default().display()
+                )));
+            }
             if d.meta().has_copy() {
                 d.sync()?;
                 sources.push((i, d.try_clone_file()?));
@@ -242,6 +251,12 @@ impl Vm {
             }
         }
         for (i, (t, d)) in theirs.iter().zip(&self.disks).enumerate() {
+            if !restoring && d.is_block_device() {
+                return Err(Error::Config(format!(
+                    "disk {i} is the host block device {}, which a rollback cannot rewind; detach it first",
+                    d.path().unwrap_or_default().display()
+                )));
+            }
             if !t.slot {
                 if t.read_only != d.read_only() {
                     return err(format!(
