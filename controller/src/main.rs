@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use tracing_subscriber::EnvFilter;
 use twig_controller::metrics::Metrics;
 use twig_controller::sandbox::ContainerdLocator;
 use twig_controller::shim::{TtrpcNode, TtrpcShim};
@@ -55,10 +54,9 @@ enum Command {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let spec = std::env::var("RUST_LOG").ok();
     tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
+        .with_env_filter(twig_controller::log_filter(spec.as_deref()))
         .init();
     match Cli::parse().command {
         Command::Crds { out } => {

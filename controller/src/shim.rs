@@ -13,6 +13,7 @@ use twig_net::EgressPolicy;
 pub use twig_proto::contract::ErrorCode;
 
 use crate::crd::{SandboxTemplateSpec, SnapshotMode};
+use crate::pull_secrets::RegistryCredential;
 
 use twig_proto::{twig as pb, twig_ttrpc as rpc};
 
@@ -235,6 +236,22 @@ pub trait NodeService: Send + Sync {
         key: &str,
         spec: &SandboxTemplateSpec,
     ) -> Result<TemplateState, ShimError>;
+    /// [`NodeService::ensure_template`], the image pulled with the registry
+    /// logins `credentials` (tried in order; secrets, never logged). A
+    /// service that cannot send them refuses rather than pull without.
+    async fn ensure_template_pulling(
+        &self,
+        key: &str,
+        spec: &SandboxTemplateSpec,
+        credentials: &[RegistryCredential],
+    ) -> Result<TemplateState, ShimError> {
+        if !credentials.is_empty() {
+            return Err(ShimError::Unimplemented(
+                "EnsureTemplate with pull credentials".to_string(),
+            ));
+        }
+        self.ensure_template(key, spec).await
+    }
     /// Removes the template `key` from this node; succeeds when it is already gone.
     async fn delete_template(&self, key: &str) -> Result<(), ShimError>;
     /// The node store's footprint, its filesystem's room and its counts.
@@ -507,6 +524,16 @@ impl NodeService for TtrpcNode {
         key: &str,
         spec: &SandboxTemplateSpec,
     ) -> Result<TemplateState, ShimError> {
+        self.ensure_template_pulling(key, spec, &[]).await
+    }
+
+    async fn ensure_template_pulling(
+        &self,
+        key: &str,
+        spec: &SandboxTemplateSpec,
+        credentials: &[RegistryCredential],
+    ) -> Result<TemplateState, ShimError> {
+        // The request is never logged: it carries the logins.
         let req = pb::EnsureTemplateRequest {
             name: key.to_string(),
             image: spec.image.clone(),
@@ -515,6 +542,18 @@ impl NodeService for TtrpcNode {
             command: spec.command.clone().unwrap_or_default(),
             warmup: spec.warmup.clone().unwrap_or_default(),
             egress_policy: policy_json("EnsureTemplate", spec.egress_policy.as_ref())?,
+            pull_credentials: credentials
+                .iter()
+                .map(|c| pb::RegistryCredential {
+                    server: c.server.clone(),
+                    username: c.username.clone(),
+                    password: c.password.clone(),
+                    identity_token: c.identity_token.clone(),
+                    registry_token: c.registry_token.clone(),
+                    auth: c.auth.clone(),
+                    ..Default::default()
+                })
+                .collect(),
             ..Default::default()
         };
         let resp = self

@@ -597,16 +597,8 @@ fn restore_from_verdict(
         "ValidatingAdmissionPolicyBinding",
         "twig-restore-from",
     );
-    let req = Request {
-        operation: if old.is_some() { "UPDATE" } else { "CREATE" },
-        group: "",
-        version: "v1",
-        resource,
-        username,
-        extra: &BTreeMap::new(),
-        object,
-        old_object: old,
-    };
+    let extra = BTreeMap::new();
+    let req = Request::write(("", "v1", resource), username, &extra, Some(object), old);
     admission::evaluate(policy, binding, &req).expect("the chart's policy evaluates")
 }
 
@@ -805,20 +797,7 @@ fn node_restriction_verdict(
     } else {
         ("twig.dev", "v1alpha1")
     };
-    let req = Request {
-        operation: match (object, old) {
-            (Some(_), None) => "CREATE",
-            (Some(_), Some(_)) => "UPDATE",
-            _ => "DELETE",
-        },
-        group,
-        version,
-        resource,
-        username,
-        extra,
-        object: object.unwrap_or(&Value::Null),
-        old_object: old,
-    };
+    let req = Request::write((group, version, resource), username, extra, object, old);
     admission::evaluate(policy, binding, &req).expect("the chart's policy evaluates")
 }
 

@@ -9,6 +9,7 @@ use async_trait::async_trait;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::ObjectMeta;
 use twig_controller::crd::{SandboxTemplateSpec, SnapshotMode};
+use twig_controller::pull_secrets::RegistryCredential;
 use twig_controller::sandbox::{ContainerdLocator, LocateError, SandboxLocator};
 use twig_controller::shim::{
     NetworkCounter, NodeService, Sandbox, ShimError, SnapshotInfo, StoreUsage, TtrpcNode,
@@ -25,6 +26,8 @@ struct Server {
     last_rollback: Mutex<String>,
     /// The policy in force as the JSON last set (sandbox `sb-1` has a network path).
     egress_policy: Mutex<String>,
+    /// The registry logins of the last EnsureTemplate.
+    pull_credentials: Mutex<Vec<pb::RegistryCredential>>,
 }
 
 fn status(code: ttrpc::Code, message: &str) -> ttrpc::Error {
@@ -179,6 +182,7 @@ impl rpc::Node for Server {
             "template {} {} {}x{} {:?} policy={:?}",
             req.name, req.image, req.vcpus, req.memory_mib, req.command, req.egress_policy
         ));
+        *self.pull_credentials.lock().expect("lock") = req.pull_credentials.clone();
         Ok(pb::EnsureTemplateResponse {
             ready: false,
             message: "booting".into(),
@@ -427,6 +431,42 @@ async fn ttrpc_shim_client_calls_the_twig_service() {
         .lock()
         .expect("lock")
         .contains(&"template default/py python:3 2x512 [\"python3\"] policy=\"\"".to_string()));
+    assert!(
+        server.pull_credentials.lock().expect("lock").is_empty(),
+        "no logins asked, none sent"
+    );
+    // The namespace's registry logins travel with the request.
+    let login = RegistryCredential {
+        server: "reg.example".into(),
+        username: "alice".into(),
+        password: "hunter2".into(),
+        auth: "YWxpY2U6aHVudGVyMg==".into(),
+        identity_token: "id-token".into(),
+        registry_token: "registry-token".into(),
+    };
+    node.ensure_template_pulling("default/py", &spec, std::slice::from_ref(&login))
+        .await
+        .expect("template");
+    let sent = server.pull_credentials.lock().expect("lock").clone();
+    assert_eq!(sent.len(), 1);
+    assert_eq!(
+        (
+            sent[0].server.as_str(),
+            sent[0].username.as_str(),
+            sent[0].password.as_str(),
+            sent[0].auth.as_str(),
+            sent[0].identity_token.as_str(),
+            sent[0].registry_token.as_str(),
+        ),
+        (
+            "reg.example",
+            "alice",
+            "hunter2",
+            "YWxpY2U6aHVudGVyMg==",
+            "id-token",
+            "registry-token"
+        )
+    );
     // The template's policy travels as twig-net's JSON.
     let policy: EgressPolicy = serde_json::from_value(serde_json::json!({
         "defaultAction": "deny",

@@ -4,7 +4,8 @@ use twig_controller_testkit as support;
 
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, Secret, ServiceAccount};
+use k8s_openapi::ByteString;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
@@ -790,6 +791,108 @@ async fn sandbox_template_lists_ready_nodes_and_is_removed_from_each() {
         .contains(&Call::DeleteTemplate("default/python".into())));
 }
 
+/// The namespace's `default` ServiceAccount pulls with `secrets`.
+async fn pull_secrets(client: &Client, secrets: &[&str]) {
+    let account: ServiceAccount = serde_json::from_value(json!({
+        "metadata": {"name": "default"},
+        "imagePullSecrets": secrets.iter().map(|s| json!({"name": s})).collect::<Vec<_>>(),
+    }))
+    .expect("service account");
+    support::create(client, &account).await;
+}
+
+/// A `kubernetes.io/dockerconfigjson` Secret with one login per
+/// (registry, user); the password is `<user>-password`.
+async fn docker_config(client: &Client, name: &str, logins: &[(&str, &str)]) {
+    let auths: serde_json::Map<String, serde_json::Value> = logins
+        .iter()
+        .map(|(registry, user)| {
+            (
+                registry.to_string(),
+                json!({"username": user, "password": format!("{user}-password")}),
+            )
+        })
+        .collect();
+    let secret = Secret {
+        metadata: kube::api::ObjectMeta {
+            name: Some(name.into()),
+            ..Default::default()
+        },
+        type_: Some("kubernetes.io/dockerconfigjson".into()),
+        data: Some(
+            [(
+                ".dockerconfigjson".to_string(),
+                ByteString(json!({ "auths": auths }).to_string().into_bytes()),
+            )]
+            .into(),
+        ),
+        ..Default::default()
+    };
+    support::create(client, &secret).await;
+}
+
+fn template_of(name: &str, image: &str) -> SandboxTemplate {
+    SandboxTemplate::new(
+        name,
+        SandboxTemplateSpec {
+            image: image.into(),
+            vcpus: 1,
+            memory_mib: 128,
+            command: None,
+            warmup: None,
+            egress_policy: None,
+        },
+    )
+}
+
+/// Issue 24, item 7: a template's image is pulled with its namespace's
+/// pull secrets (those of the `default` ServiceAccount, as kubelet does),
+/// only the logins whose registry matches the image's, in order; a missing
+/// Secret is skipped.
+#[tokio::test]
+async fn sandbox_templates_pull_with_their_namespaces_pull_secrets() {
+    let server = api_server().await;
+    let client = server.client();
+    let fake = Arc::new(FakeNode::default());
+    let _ctrl = start_controller(&server, "node-a", &fake);
+    docker_config(
+        &client,
+        "team-registry",
+        &[("reg.example", "alice"), ("other.example", "carol")],
+    )
+    .await;
+    docker_config(&client, "hub", &[("https://index.docker.io/v1/", "dan")]).await;
+    pull_secrets(&client, &["gone", "team-registry", "hub"]).await;
+
+    support::create(&client, &template_of("private", "reg.example/team/app:1")).await;
+    support::create(&client, &template_of("public", "python:3")).await;
+    support::create(&client, &template_of("elsewhere", "quay.io/x/y")).await;
+    let api: Api<SandboxTemplate> = Api::namespaced(client.clone(), NS);
+    for name in ["private", "public", "elsewhere"] {
+        eventually(&format!("template {name} ensured"), || {
+            let api = api.clone();
+            async move { (api.get(name).await.ok()?.status?.ready_nodes == 1).then_some(()) }
+        })
+        .await;
+    }
+    let logins = |key: &str| {
+        fake.pull_credentials(key)
+            .into_iter()
+            .map(|c| (c.server, c.username, c.password))
+            .collect::<Vec<_>>()
+    };
+    let login = |server: &str, user: &str| {
+        (
+            server.to_string(),
+            user.to_string(),
+            format!("{user}-password"),
+        )
+    };
+    assert_eq!(logins("default/private"), [login("reg.example", "alice")]);
+    assert_eq!(logins("default/public"), [login("docker.io", "dan")]);
+    assert_eq!(logins("default/elsewhere"), []);
+}
+
 #[tokio::test]
 async fn metrics_count_operations_by_result() {
     let server = api_server().await;
@@ -870,18 +973,10 @@ async fn controller_calls_only_what_its_rbac_grants() {
     support::create(&client, &rollback("reset", "fork-0", "fork-source")).await;
     rollback_in(&client, "reset", Phase::Failed).await;
 
-    let template = SandboxTemplate::new(
-        "py",
-        SandboxTemplateSpec {
-            image: "python:3".into(),
-            vcpus: 1,
-            memory_mib: 128,
-            command: None,
-            warmup: None,
-            egress_policy: None,
-        },
-    );
-    support::create(&client, &template).await;
+    // A template pulls with the namespace's pull secrets.
+    docker_config(&client, "hub", &[("docker.io", "dan")]).await;
+    pull_secrets(&client, &["hub"]).await;
+    support::create(&client, &template_of("py", "python:3")).await;
     let templates: Api<SandboxTemplate> = Api::namespaced(client.clone(), NS);
     eventually("template ready", || {
         let templates = templates.clone();

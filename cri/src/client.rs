@@ -157,6 +157,25 @@ impl CriClient {
         Ok(resp.image_ref)
     }
 
+    /// Pulls `image` with the registry login `auth` (`PullImage`'s
+    /// `auth`, as kubelet passes a pod's pull secret); returns the image
+    /// reference the runtime resolved it to. `auth` is a secret: it is
+    /// neither logged nor part of the error.
+    pub async fn pull_image_with_auth(
+        &self,
+        image: &str,
+        auth: api::AuthConfig,
+    ) -> Result<String, Error> {
+        let req = api::PullImageRequest {
+            image: Some(image_spec(image)),
+            auth: Some(auth),
+            ..Default::default()
+        };
+        let (mut im, t) = (self.images.clone(), self.timeout);
+        let resp = call("PullImage", t, im.pull_image(request(req, t))).await?;
+        Ok(resp.image_ref)
+    }
+
     /// Whether the runtime holds `image` already (`ImageStatus`), as
     /// kubelet checks before it pulls with the `IfNotPresent` policy.
     pub async fn image_present(&self, image: &str) -> Result<bool, Error> {
@@ -167,6 +186,18 @@ impl CriClient {
         let (mut im, t) = (self.images.clone(), self.timeout);
         let resp = call("ImageStatus", t, im.image_status(request(req, t))).await?;
         Ok(resp.image.is_some())
+    }
+
+    /// The id of the image the runtime holds as `image` (`ImageStatus`),
+    /// none when it holds none: two names of one image give one id.
+    pub async fn image_id(&self, image: &str) -> Result<Option<String>, Error> {
+        let req = api::ImageStatusRequest {
+            image: Some(image_spec(image)),
+            verbose: false,
+        };
+        let (mut im, t) = (self.images.clone(), self.timeout);
+        let resp = call("ImageStatus", t, im.image_status(request(req, t))).await?;
+        Ok(resp.image.map(|i| i.id))
     }
 
     /// Starts a pod sandbox with the runtime handler `handler` (`runc`,

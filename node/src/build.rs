@@ -5,8 +5,8 @@
 //! namespace (no CNI address is taken) and annotated `twig.dev/network:
 //! none` (the shim refuses `hostNetwork` without it; the build's VM has no
 //! network), whose one container runs the
-//! template's image (pulled if not present, as kubelet's `IfNotPresent`;
-//! its `command` when given). Once the warm-up command
+//! template's image (pulled as `pull` below says; its `command` when given).
+//! Once the warm-up command
 //! exited 0 inside that container, and the container still runs, the pod's
 //! shim takes a full snapshot of it into the node store under the
 //! template's id ([`twig_store::layout::template_id`]) with the build's
@@ -15,24 +15,76 @@
 //! first container adopts the template's running process.
 //!
 //! Builds run in the background; `EnsureTemplate` answers at once (not
-//! ready, and why) and the controller asks again. A failed build is
+//! ready, and why) and the controller asks again. At most
+//! `templates.max_concurrent_builds` builds run at once (each is a VM, a
+//! pull and a full snapshot); the others wait in line, first asked first
+//! served, answering "queued behind N builds"; the build timeout counts
+//! from a build's turn. A failed build is
 //! reported until the next attempt, `retry_s` later. A build pod left by a
 //! daemon that died mid-build is removed when the next build of the same
 //! template starts.
+//!
+//! **Image pulls** use the registry logins `EnsureTemplate` carries (the
+//! controller resolves the template namespace's pull secrets); with logins
+//! the image is pulled on every build, so the registry authorises the
+//! namespace rather than the node's cache answering for it (see `pull`).
+//! Logins are kept in memory for the build only: never logged (their
+//! `Debug` shows the registry and user), never written to disk.
 //!
 //! Why the daemon builds through CRI rather than the controller through a
 //! Pod object: the warm-up needs an exec in the container, which the daemon
 //! gets from CRI's ExecSync and a controller only through kubelet's
 //! streaming API, and a Pod would have to be scheduled, admitted and
-//! cleaned up in the cluster for a node-local cache. The price: image
-//! pulls use containerd's own credentials (no imagePullSecrets), and the
-//! build pod is invisible to Kubernetes. The daemon reaches the build pod's
-//! shim only through the `Twig` service the controller uses.
+//! cleaned up in the cluster for a node-local cache. The price: the build
+//! pod is invisible to Kubernetes — and kubelet stops it.
+//!
+//! **What kubelet does to a sandbox it did not create** (kubernetes/kubernetes
+//! master, `pkg/kubelet/`):
+//!
+//! - `kuberuntime/kuberuntime_sandbox.go`, `getKubeletSandboxes`: CRI
+//!   `ListPodSandbox` with at most a state filter (READY) — no label
+//!   filter: every sandbox containerd's CRI lists counts as kubelet's.
+//!   `kuberuntime/kuberuntime_container.go`, `getKubeletContainers`: the
+//!   same for `ListContainers` (at most RUNNING).
+//! - `kuberuntime/kuberuntime_manager.go`, `GetPods`: groups the sandboxes
+//!   into pods by the sandbox's CRI `metadata.uid` (not a label), the
+//!   containers by their label `io.kubernetes.pod.uid` (a container
+//!   without it joins a pod of UID `""`).
+//! - `kubelet_pods.go`, `HandlePodCleanups` (every housekeeping tick, 2 s,
+//!   once all pod sources are ready): `runtimeCache.GetPods` (READY
+//!   sandboxes, RUNNING containers); every runtime pod whose UID the pod
+//!   workers do not know (the node's pods from the API server, static
+//!   pods) is sent `SyncPodKill` with a 1 s grace period ("Clean up
+//!   containers for orphaned pod we had not seen before", metric
+//!   `kubelet_orphaned_runtime_pods_total`); the pod worker's `KillPod`
+//!   stops its containers and `StopPodSandbox`es its sandboxes.
+//! - `kuberuntime/kuberuntime_gc.go`, `evictSandboxes` and
+//!   `evictContainers` (the container GC, every minute): groups every
+//!   sandbox by `metadata.uid`; for a UID whose content
+//!   `ShouldPodContentBeRemoved` (true for a UID the pod workers never
+//!   saw) every inactive sandbox (not READY, no containers) is stopped and
+//!   removed, and every exited container older than `MinAge`.
+//!
+//! So on a node whose kubelet runs, a build pod is stopped within a few
+//! seconds of starting, whatever its labels, annotations, name or
+//! namespace: kubelet reads none of them to decide, only whether the
+//! sandbox's `metadata.uid` is the UID of a pod its pod workers know. No
+//! metadata choice avoids it: borrowing a real pod's UID would make the
+//! build a second READY sandbox of that pod, and `kuberuntime_manager.go`
+//! `podSandboxChanged` ("Multiple sandboxes are ready for Pod") has
+//! `SyncPod` kill that whole pod — the real one too — and start it again.
+//! The build then fails (its exec or its snapshot finds the pod stopped)
+//! and is retried `retry_s` later, failing again. Builds work where no
+//! kubelet manages containerd (the tests, the lab); a node with kubelet
+//! needs the build pod to be a Pod kubelet knows — see the README's
+//! *Template builds and kubelet*.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use sha2::{Digest, Sha256};
 use twig_cri::api;
@@ -85,7 +137,55 @@ pub struct Spec {
     /// The template's egress policy (JSON as asked; checked), for its pods
     /// without their own: not an input of the build.
     pub egress_policy: Option<String>,
+    /// The registry logins to pull the image with, in order (the template
+    /// namespace's pull secrets that match the image's registry): not an
+    /// input of the build, and never shown by `Debug`.
+    pub credentials: Credentials,
 }
+
+/// One registry login (`EnsureTemplateRequest.pull_credentials`); its
+/// `Debug` shows the registry and the user, never a secret.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Credential {
+    /// The registry host it is for.
+    pub server: String,
+    /// The user name (with `password`).
+    pub username: String,
+    /// The password.
+    pub password: String,
+    /// A token for the registry's identity provider.
+    pub identity_token: String,
+    /// A bearer token for the registry.
+    pub registry_token: String,
+    /// base64 of `username:password` (a docker config's `auth`).
+    pub auth: String,
+}
+
+impl std::fmt::Debug for Credential {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Credential")
+            .field("server", &self.server)
+            .field("username", &self.username)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Credential {
+    /// CRI's `AuthConfig` of this login, as kubelet fills it.
+    fn auth_config(&self) -> api::AuthConfig {
+        api::AuthConfig {
+            username: self.username.clone(),
+            password: self.password.clone(),
+            server_address: self.server.clone(),
+            identity_token: self.identity_token.clone(),
+            registry_token: self.registry_token.clone(),
+            auth: self.auth.clone(),
+        }
+    }
+}
+
+/// The logins a build pulls with, in the order they are tried.
+pub type Credentials = Vec<Credential>;
 
 impl Spec {
     /// The build `req` asks for; `req.name` is `namespace/name`.
@@ -104,6 +204,24 @@ impl Spec {
                 "template {}: empty image",
                 req.name
             )));
+        }
+        let mut credentials = Vec::with_capacity(req.pull_credentials.len());
+        for (i, c) in req.pull_credentials.iter().enumerate() {
+            // Only which field is missing is said: a login is a secret.
+            if c.server.is_empty() {
+                return Err(Error::InvalidArgument(format!(
+                    "template {}: pull_credentials[{i}] names no registry",
+                    req.name
+                )));
+            }
+            credentials.push(Credential {
+                server: c.server.clone(),
+                username: c.username.clone(),
+                password: c.password.clone(),
+                identity_token: c.identity_token.clone(),
+                registry_token: c.registry_token.clone(),
+                auth: c.auth.clone(),
+            });
         }
         let mut h = Sha256::new();
         // The build's own version: v2 snapshots record their owning
@@ -131,6 +249,7 @@ impl Spec {
             warmup: req.warmup.clone(),
             digest,
             egress_policy,
+            credentials,
         })
     }
 
@@ -146,8 +265,11 @@ type PodSlot = Arc<Mutex<Option<String>>>;
 enum Build {
     Running {
         digest: String,
-        since: Instant,
-        /// Tells this build from a later one of the same template.
+        /// When it got its turn (`templates.max_concurrent_builds`); none
+        /// while it waits in line.
+        started: Option<Instant>,
+        /// Tells this build from a later one of the same template; builds
+        /// wait for their turn in this order.
         seq: u64,
         task: tokio::task::JoinHandle<()>,
         /// Its pod's name (a RunPodSandbox in flight has no id yet).
@@ -167,6 +289,14 @@ pub struct Builder {
     templates: Arc<Templates>,
     builds: Mutex<HashMap<String, Build>>,
     seq: std::sync::atomic::AtomicU64,
+    /// One permit per build that may run (`templates.max_concurrent_builds`);
+    /// tokio's semaphore serves waiters first come, first served.
+    turns: Arc<Semaphore>,
+    /// The ids of the images this daemon pulled with a namespace's
+    /// credentials (an id, so that no other name of the image escapes): a
+    /// build without credentials pulls them again (anonymously, which a
+    /// private registry refuses) rather than use the cached copy.
+    pulled_with_credentials: Mutex<HashSet<String>>,
 }
 
 /// Where a template's build stands, when it is not in the store.
@@ -174,6 +304,8 @@ pub struct Builder {
 pub enum Progress {
     /// A build runs (started now, or earlier).
     Building(String),
+    /// A build waits for its turn: `templates.max_concurrent_builds` run.
+    Queued(String),
     /// The last build failed; the next starts later.
     Failed(String),
 }
@@ -181,12 +313,52 @@ pub enum Progress {
 impl Builder {
     /// Builds with `config` into the store of `templates`.
     pub fn new(config: TemplateBuildConfig, templates: Arc<Templates>) -> Arc<Builder> {
+        let turns = Arc::new(Semaphore::new(config.max_concurrent_builds.max(1)));
         Arc::new(Builder {
             config,
             templates,
             builds: Mutex::new(HashMap::new()),
             seq: std::sync::atomic::AtomicU64::new(0),
+            turns,
+            pulled_with_credentials: Mutex::new(HashSet::new()),
         })
+    }
+
+    /// What a running build of `image` is doing: building since it got
+    /// its turn, or waiting in line behind the builds that run and those
+    /// that asked before it.
+    fn running_progress(
+        &self,
+        builds: &HashMap<String, Build>,
+        image: &str,
+        seq: u64,
+        started: Option<Instant>,
+    ) -> Progress {
+        if let Some(t) = started {
+            return Progress::Building(format!(
+                "building from {image} on this node for {} s",
+                t.elapsed().as_secs()
+            ));
+        }
+        let ahead = builds
+            .values()
+            .filter(|b| match b {
+                Build::Running {
+                    started: Some(_), ..
+                } => true,
+                Build::Running {
+                    started: None,
+                    seq: n,
+                    ..
+                } => *n < seq,
+                Build::Failed { .. } => false,
+            })
+            .count();
+        Progress::Queued(format!(
+            "queued behind {ahead} build{} on this node (templates.max_concurrent_builds is {})",
+            if ahead == 1 { "" } else { "s" },
+            self.config.max_concurrent_builds
+        ))
     }
 
     fn builds(&self) -> MutexGuard<'_, HashMap<String, Build>> {
@@ -198,12 +370,13 @@ impl Builder {
     pub fn ensure(self: &Arc<Self>, spec: &Spec) -> Progress {
         let mut builds = self.builds();
         match builds.get(&spec.id) {
-            Some(Build::Running { digest, since, .. }) if *digest == spec.digest => {
-                return Progress::Building(format!(
-                    "building from {} on this node for {} s",
-                    spec.image,
-                    since.elapsed().as_secs()
-                ));
+            Some(Build::Running {
+                digest,
+                started,
+                seq,
+                ..
+            }) if *digest == spec.digest => {
+                return self.running_progress(&builds, &spec.image, *seq, *started);
             }
             Some(Build::Failed {
                 digest,
@@ -225,7 +398,13 @@ impl Builder {
         let seq = self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let pod: PodSlot = Arc::new(Mutex::new(None));
         let slot = pod.clone();
+        // Its turn now if a build may start and none waits; else in line.
+        let turn = self.turns.clone().try_acquire_owned().ok();
+        let started = turn.as_ref().map(|_| Instant::now());
         let task = tokio::spawn(async move {
+            let Some(_turn) = me.wait_for_turn(turn, &s.id, seq).await else {
+                return;
+            };
             let timeout = Duration::from_secs(me.config.build_timeout_s);
             let started = Instant::now();
             tracing::info!(
@@ -270,14 +449,42 @@ impl Builder {
             spec.id.clone(),
             Build::Running {
                 digest: spec.digest.clone(),
-                since: Instant::now(),
+                started,
                 seq,
                 task,
                 pod_name: spec.pod_name(),
                 pod,
             },
         );
-        Progress::Building(format!("building from {} on this node", spec.image))
+        self.running_progress(&builds, &spec.image, seq, started)
+    }
+
+    /// The turn of build `seq` of template `id`: `turn` when it had one at
+    /// once, else the next free one (queued builds get theirs in order);
+    /// recorded as started. None when the build was cancelled or replaced
+    /// meanwhile (its permit goes back).
+    async fn wait_for_turn(
+        &self,
+        turn: Option<OwnedSemaphorePermit>,
+        id: &str,
+        seq: u64,
+    ) -> Option<OwnedSemaphorePermit> {
+        let turn = match turn {
+            Some(t) => t,
+            None => {
+                let t = self.turns.clone().acquire_owned().await.ok()?;
+                let mut builds = self.builds();
+                match builds.get_mut(id) {
+                    Some(Build::Running {
+                        seq: n, started, ..
+                    }) if *n == seq => *started = Some(Instant::now()),
+                    _ => return None,
+                }
+                tracing::info!(id, "a queued template build got its turn");
+                t
+            }
+        };
+        Some(turn)
     }
 
     /// Whether a build of template `id` runs (it may have published the
@@ -366,13 +573,125 @@ impl Builder {
         if built.as_deref() == Some(digest.as_str()) {
             return Ok(());
         }
-        build(&self.config, spec, pod).await
+        build(&self.config, spec, pod, &self.pulled_with_credentials).await
     }
+}
+
+/// The image calls of a build (CRI's image service; a fake in tests).
+#[async_trait::async_trait]
+trait Images {
+    /// The id of the image the runtime holds as `image`, if any
+    /// (`ImageStatus`).
+    async fn id(&self, image: &str) -> std::result::Result<Option<String>, twig_cri::Error>;
+    /// Pulls `image`, with the login `auth` if given (`PullImage`); the
+    /// pulled image's id.
+    async fn pull(
+        &self,
+        image: &str,
+        auth: Option<api::AuthConfig>,
+    ) -> std::result::Result<String, twig_cri::Error>;
+}
+
+#[async_trait::async_trait]
+impl Images for CriClient {
+    async fn id(&self, image: &str) -> std::result::Result<Option<String>, twig_cri::Error> {
+        self.image_id(image).await
+    }
+
+    async fn pull(
+        &self,
+        image: &str,
+        auth: Option<api::AuthConfig>,
+    ) -> std::result::Result<String, twig_cri::Error> {
+        match auth {
+            Some(auth) => self.pull_image_with_auth(image, auth).await,
+            None => self.pull_image(image).await,
+        }
+    }
+}
+
+/// Makes `spec.image` usable by this build, and only as its namespace may.
+///
+/// With credentials, the image is pulled with them on every build, each
+/// login tried in turn until one is accepted (as kubelet does with a pod's
+/// pull secrets), even when containerd holds the image already: the
+/// registry, not the node's cache, decides whether this namespace may have
+/// it — never another tenant's cached private image. Layers already held
+/// are not fetched again, so this costs a manifest request. Without
+/// credentials, an image is pulled anonymously when containerd does not
+/// hold it (kubelet's `IfNotPresent`) or when this daemon pulled the image
+/// it holds under that name with some namespace's credentials (by image
+/// id, so another name — a digest, `docker.io/library/…` — does not escape
+/// it: a private image, whose registry refuses an anonymous pull). Not covered: a private image put in containerd's
+/// cache by someone else (kubelet for a pod with pull secrets, an operator)
+/// or by an earlier run of this daemon — kubelet has the same gap unless
+/// its `KubeletEnsureSecretPulledImages` feature is on.
+async fn pull(
+    images: &(dyn Images + Sync),
+    spec: &Spec,
+    pulled_with_credentials: &Mutex<HashSet<String>>,
+) -> Result<()> {
+    let image = spec.image.as_str();
+    if spec.credentials.is_empty() {
+        let held = images
+            .id(image)
+            .await
+            .map_err(cri_error(&format!("looking up image {image}")))?;
+        if let Some(id) = held {
+            let private = pulled_with_credentials
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains(&id);
+            if !private {
+                return Ok(());
+            }
+        }
+        images
+            .pull(image, None)
+            .await
+            .map_err(cri_error(&format!("pulling {image}")))?;
+        return Ok(());
+    }
+    let mut last = None;
+    for (i, c) in spec.credentials.iter().enumerate() {
+        match images.pull(image, Some(c.auth_config())).await {
+            Ok(id) => {
+                pulled_with_credentials
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(id);
+                return Ok(());
+            }
+            Err(e) => {
+                // Which login, by index and registry: never its secret.
+                tracing::info!(
+                    template = spec.key,
+                    image,
+                    credential = i,
+                    server = c.server,
+                    "pulling with a pull secret's login failed: {e}"
+                );
+                last = Some(e);
+            }
+        }
+    }
+    let n = spec.credentials.len();
+    Err(Error::FailedPrecondition(format!(
+        "pulling {image} with the {n} login{} of namespace {}'s pull secrets failed; the last: {}",
+        if n == 1 { "" } else { "s" },
+        spec.key.split_once('/').map_or("", |(ns, _)| ns),
+        last.map(|e| e.to_string()).unwrap_or_default()
+    )))
 }
 
 /// Builds `spec` through CRI; the build pod is removed whatever happens
 /// (its id is in `pod` while it exists, for a cancellation to remove it).
-async fn build(config: &TemplateBuildConfig, spec: &Spec, pod: &PodSlot) -> Result<()> {
+async fn build(
+    config: &TemplateBuildConfig,
+    spec: &Spec,
+    pod: &PodSlot,
+    pulled_with_credentials: &Mutex<HashSet<String>>,
+) -> Result<()> {
     let cri = CriClient::connect(&config.cri_socket)
         .await
         .map_err(cri_error(&format!(
@@ -381,16 +700,7 @@ async fn build(config: &TemplateBuildConfig, spec: &Spec, pod: &PodSlot) -> Resu
         )))?
         .with_timeout(Duration::from_secs(config.build_timeout_s));
     remove_leftovers(&cri, spec).await?;
-    // Pulled if not present, as kubelet's `IfNotPresent` does.
-    let present = cri
-        .image_present(&spec.image)
-        .await
-        .map_err(cri_error(&format!("looking up image {}", spec.image)))?;
-    if !present {
-        cri.pull_image(&spec.image)
-            .await
-            .map_err(cri_error(&format!("pulling {}", spec.image)))?;
-    }
+    pull(&cri, spec, pulled_with_credentials).await?;
     let logs = config.log_dir.join(&spec.id);
     std::fs::create_dir_all(&logs)
         .map_err(|e| Error::io(format!("creating {}", logs.display()), e))?;
@@ -646,7 +956,7 @@ mod tests {
             spec.id.clone(),
             Build::Running {
                 digest: spec.digest.clone(),
-                since: Instant::now(),
+                started: Some(Instant::now()),
                 seq: 0,
                 task: work,
                 pod_name: spec.pod_name(),
@@ -664,6 +974,298 @@ mod tests {
         assert!(!builder.running(&spec.id));
         // Nothing runs: nothing to stop.
         builder.cancel(&spec.id).await.expect("no build");
+    }
+
+    fn builder_in(dir: &Path, max_concurrent_builds: usize) -> Arc<Builder> {
+        let mut config = crate::config::Config {
+            store: dir.join("store"),
+            allow_copy: true,
+            run_dir: dir.join("run"),
+            ..Default::default()
+        };
+        config.templates.cri_socket = dir.join("no-containerd.sock");
+        config.templates.log_dir = dir.join("logs");
+        config.templates.max_concurrent_builds = max_concurrent_builds;
+        let templates = Arc::new(Templates::open(&config).unwrap());
+        Builder::new(config.templates.clone(), templates)
+    }
+
+    fn named(name: &str) -> Spec {
+        Spec::from_request(&EnsureTemplateRequest {
+            name: format!("agents/{name}"),
+            ..req("py:3", &[], &[])
+        })
+        .unwrap()
+    }
+
+    /// Issue 24, item 7: builds beyond `templates.max_concurrent_builds`
+    /// wait for a turn, in the order they were asked for, and say so; one
+    /// starts when a running build ends. (A build that started here fails
+    /// at once — no containerd — so "still queued" means it never started.)
+    #[tokio::test]
+    async fn builds_beyond_the_limit_wait_in_line_and_say_so() {
+        let dir = tempfile::tempdir().unwrap();
+        let builder = builder_in(dir.path(), 1);
+        // A build holds the only turn.
+        let held = builder.turns.clone().try_acquire_owned().unwrap();
+        let a = named("a");
+        builder.builds().insert(
+            a.id.clone(),
+            Build::Running {
+                digest: a.digest.clone(),
+                started: Some(Instant::now()),
+                seq: builder
+                    .seq
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+                task: tokio::spawn(std::future::pending()),
+                pod_name: a.pod_name(),
+                pod: Arc::new(Mutex::new(None)),
+            },
+        );
+        let (b, c) = (named("b"), named("c"));
+        let limit = "on this node (templates.max_concurrent_builds is 1)";
+        assert_eq!(
+            builder.ensure(&b),
+            Progress::Queued(format!("queued behind 1 build {limit}"))
+        );
+        assert_eq!(
+            builder.ensure(&c),
+            Progress::Queued(format!("queued behind 2 builds {limit}"))
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            builder.ensure(&b),
+            Progress::Queued(format!("queued behind 1 build {limit}")),
+            "asking again neither restarts nor starts it"
+        );
+        assert_eq!(
+            builder.ensure(&c),
+            Progress::Queued(format!("queued behind 2 builds {limit}"))
+        );
+
+        // The running build ends: the first in line runs (and fails, no
+        // containerd), then the next.
+        builder.builds().remove(&a.id);
+        drop(held);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for spec in [&b, &c] {
+            loop {
+                match builder.ensure(spec) {
+                    Progress::Failed(m) => {
+                        assert!(m.contains("reaching containerd's CRI"), "{m}");
+                        break;
+                    }
+                    other => assert!(Instant::now() < deadline, "{other:?}"),
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        assert_eq!(
+            builder.turns.available_permits(),
+            1,
+            "every turn was given back"
+        );
+    }
+
+    /// A queued build that is cancelled leaves the line without running.
+    #[tokio::test]
+    async fn a_cancelled_queued_build_never_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        let builder = builder_in(dir.path(), 1);
+        let held = builder.turns.clone().try_acquire_owned().unwrap();
+        let b = named("b");
+        assert!(matches!(builder.ensure(&b), Progress::Queued(_)));
+        builder.cancel(&b.id).await.expect("nothing to stop");
+        drop(held);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!builder.running(&b.id));
+        assert_eq!(builder.turns.available_permits(), 1);
+        // It left the line: asked again, it starts at once.
+        assert!(
+            matches!(builder.ensure(&b), Progress::Building(_)),
+            "{:?}",
+            builder.ensure(&b)
+        );
+    }
+
+    /// CRI's image service as a build sees it: holds `present` images
+    /// (name → id; a pulled image's id is `sha256:<name>` unless it holds
+    /// the name); refuses the first `refuse` pulls; records every pull with
+    /// the registry, user and password of its login.
+    #[derive(Default)]
+    struct FakeImages {
+        present: HashMap<String, String>,
+        refuse: std::sync::atomic::AtomicUsize,
+        pulls: Mutex<Vec<Pull>>,
+    }
+
+    #[async_trait::async_trait]
+    impl Images for FakeImages {
+        async fn id(&self, image: &str) -> std::result::Result<Option<String>, twig_cri::Error> {
+            Ok(self.present.get(image).cloned())
+        }
+        async fn pull(
+            &self,
+            image: &str,
+            auth: Option<api::AuthConfig>,
+        ) -> std::result::Result<String, twig_cri::Error> {
+            self.pulls.lock().unwrap().push((
+                image.to_string(),
+                auth.map(|a| (a.server_address, a.username, a.password)),
+            ));
+            let refuse = &self.refuse;
+            if refuse.load(std::sync::atomic::Ordering::Relaxed) > 0 {
+                refuse.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+                // (The fake's stand-in for a registry's 401.)
+                return Err(twig_cri::Error::Incomplete {
+                    call: "PullImage",
+                    what: "a login the registry accepts",
+                });
+            }
+            Ok(self
+                .present
+                .get(image)
+                .cloned()
+                .unwrap_or_else(|| format!("sha256:{image}")))
+        }
+    }
+
+    fn login(server: &str, user: &str) -> twig_proto::twig::RegistryCredential {
+        twig_proto::twig::RegistryCredential {
+            server: server.into(),
+            username: user.into(),
+            password: format!("{user}-secret"),
+            ..Default::default()
+        }
+    }
+
+    fn with_logins(image: &str, logins: &[(&str, &str)]) -> Spec {
+        Spec::from_request(&EnsureTemplateRequest {
+            pull_credentials: logins.iter().map(|(s, u)| login(s, u)).collect(),
+            ..req(image, &[], &[])
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn a_spec_keeps_its_logins_out_of_its_digest_and_its_debug() {
+        let plain = Spec::from_request(&req("reg.example/py:3", &[], &[])).unwrap();
+        let spec = with_logins("reg.example/py:3", &[("reg.example", "alice")]);
+        assert_eq!(spec.digest, plain.digest, "a login is not a build input");
+        assert_eq!(spec.credentials.len(), 1);
+        assert_eq!(spec.credentials[0].password, "alice-secret");
+        let shown = format!("{spec:?}");
+        assert!(
+            shown.contains("alice") && shown.contains("reg.example"),
+            "{shown}"
+        );
+        assert!(!shown.contains("alice-secret"), "{shown}");
+        let e = Spec::from_request(&EnsureTemplateRequest {
+            pull_credentials: vec![login("", "alice")],
+            ..req("py:3", &[], &[])
+        })
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("pull_credentials[0] names no registry")
+                && !e.to_string().contains("secret"),
+            "{e}"
+        );
+    }
+
+    type Pull = (String, Option<(String, String, String)>);
+
+    fn pulls_of(images: &FakeImages) -> Vec<Pull> {
+        std::mem::take(&mut *images.pulls.lock().unwrap())
+    }
+
+    fn with(image: &str, login: Option<(&str, &str)>) -> Pull {
+        (
+            image.to_string(),
+            login.map(|(s, u)| (s.to_string(), u.to_string(), format!("{u}-secret"))),
+        )
+    }
+
+    /// Issue 24, item 7: a build with its namespace's logins pulls with
+    /// them even when containerd holds the image (the registry decides,
+    /// not the cache), trying each in turn; a build without logins uses a
+    /// cached image unless this daemon pulled it with some namespace's
+    /// logins, and then pulls it anonymously.
+    #[tokio::test]
+    async fn a_private_image_is_pulled_with_the_namespaces_own_logins_every_time() {
+        let image = "reg.example/team-a/app:1";
+        let by_digest = "reg.example/team-a/app@sha256:1111";
+        let images = FakeImages {
+            present: [
+                (image.to_string(), "sha256:app1".to_string()),
+                (by_digest.to_string(), "sha256:app1".to_string()),
+            ]
+            .into(),
+            ..Default::default()
+        };
+        let seen = Mutex::new(HashSet::new());
+
+        // Cached, and logins given: pulled with the first.
+        let spec = with_logins(image, &[("reg.example", "alice"), ("reg.example", "bob")]);
+        pull(&images, &spec, &seen).await.unwrap();
+        assert_eq!(
+            pulls_of(&images),
+            vec![with(image, Some(("reg.example", "alice")))]
+        );
+
+        // The first login refused: the second is tried.
+        images.refuse.store(1, std::sync::atomic::Ordering::Relaxed);
+        pull(&images, &spec, &seen).await.unwrap();
+        assert_eq!(
+            pulls_of(&images),
+            vec![
+                with(image, Some(("reg.example", "alice"))),
+                with(image, Some(("reg.example", "bob")))
+            ]
+        );
+
+        // Every login refused: the build fails, naming no secret.
+        images.refuse.store(2, std::sync::atomic::Ordering::Relaxed);
+        let m = pull(&images, &spec, &seen).await.unwrap_err().to_string();
+        assert!(
+            m.contains("with the 2 logins of namespace agents's pull secrets failed"),
+            "{m}"
+        );
+        assert!(!m.contains("-secret"), "{m}");
+        assert_eq!(pulls_of(&images).len(), 2);
+
+        // Another namespace without logins: the cached copy this daemon
+        // pulled with logins is not handed out; it is pulled anonymously.
+        let other = Spec::from_request(&EnsureTemplateRequest {
+            name: "team-b/app".into(),
+            ..req(image, &[], &[])
+        })
+        .unwrap();
+        pull(&images, &other, &seen).await.unwrap();
+        assert_eq!(pulls_of(&images), vec![with(image, None)]);
+        // Nor under another name of the same image.
+        let renamed = Spec::from_request(&EnsureTemplateRequest {
+            name: "team-b/app".into(),
+            ..req(by_digest, &[], &[])
+        })
+        .unwrap();
+        pull(&images, &renamed, &seen).await.unwrap();
+        assert_eq!(pulls_of(&images), vec![with(by_digest, None)]);
+    }
+
+    #[tokio::test]
+    async fn without_logins_a_public_image_is_pulled_only_if_absent() {
+        let (cached, absent) = ("docker.io/library/python:3", "docker.io/library/ruby:3");
+        let images = FakeImages {
+            present: [(cached.to_string(), "sha256:py".to_string())].into(),
+            ..Default::default()
+        };
+        let seen = Mutex::new(HashSet::new());
+        for image in [cached, absent] {
+            let spec = Spec::from_request(&req(image, &[], &[])).unwrap();
+            pull(&images, &spec, &seen).await.unwrap();
+        }
+        assert_eq!(pulls_of(&images), vec![with(absent, None)]);
     }
 
     #[test]

@@ -98,7 +98,14 @@ pub struct TemplateBuildConfig {
     /// After a failed build, `EnsureTemplate` reports the failure and
     /// starts the next attempt no sooner than this many seconds later.
     pub retry_s: u64,
+    /// How many builds run at once on this node (each is a VM, an image
+    /// pull and a full snapshot); more wait in line, first asked first
+    /// served, and `EnsureTemplate` answers that they are queued. At least 1.
+    pub max_concurrent_builds: usize,
 }
+
+/// The default `templates.max_concurrent_builds`.
+pub const DEFAULT_MAX_CONCURRENT_BUILDS: usize = 2;
 
 /// How twig-node confines every VMM it starts (`twig-vmm serve --jail …`,
 /// after Firecracker's jailer): its own mount namespace whose root is an
@@ -235,6 +242,7 @@ impl Default for TemplateBuildConfig {
             log_dir: PathBuf::from("/var/log/twig/templates"),
             build_timeout_s: 600,
             retry_s: 60,
+            max_concurrent_builds: DEFAULT_MAX_CONCURRENT_BUILDS,
         }
     }
 }
@@ -421,6 +429,11 @@ impl Config {
                     .into(),
             ));
         }
+        if self.templates.max_concurrent_builds == 0 {
+            return Err(bad(
+                "templates.max_concurrent_builds must be at least 1".into()
+            ));
+        }
         if self.jail.enabled {
             if self.jail.uid == 0 || self.jail.gid == 0 {
                 return Err(bad(
@@ -537,8 +550,20 @@ mod tests {
         );
         assert!(c.jail.enabled, "VMMs are jailed by default");
         assert_eq!((c.jail.uid, c.jail.gid), (DEFAULT_VMM_ID, DEFAULT_VMM_ID));
+        assert_eq!(
+            c.templates.max_concurrent_builds, DEFAULT_MAX_CONCURRENT_BUILDS,
+            "builds are bounded by default"
+        );
         write(r#"{"jail": {"enabled": false, "uid": 0}}"#);
         assert!(!Config::from_file(&p, true).unwrap().jail.enabled);
+        write(r#"{"templates": {"max_concurrent_builds": 5}}"#);
+        assert_eq!(
+            Config::from_file(&p, true)
+                .unwrap()
+                .templates
+                .max_concurrent_builds,
+            5
+        );
 
         for (text, needle) in [
             (r#"{"disk_slot": 4}"#, "disk_slot"),
@@ -557,6 +582,10 @@ mod tests {
             ),
             (r#"{"jail": {"user": 5}}"#, "user"),
             (r#"{"base": {"mem_mib": 8}}"#, "base.mem_mib"),
+            (
+                r#"{"templates": {"max_concurrent_builds": 0}}"#,
+                "templates.max_concurrent_builds must be at least 1",
+            ),
             (
                 r#"{"pool": {"shapes": [{"mem_mib": 256, "size": 1}, {"mem_mib": 256, "size": 2}]}}"#,
                 "listed twice",

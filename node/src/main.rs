@@ -34,11 +34,9 @@ async fn run(config: Config) -> twig_node::Result<()> {
 }
 
 fn main() -> ExitCode {
+    let spec = std::env::var("RUST_LOG").ok();
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
+        .with_env_filter(twig_node::log_filter(spec.as_deref()))
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();

@@ -429,7 +429,7 @@ impl Services {
             None => {}
         }
         Ok(not_ready(match self.builder.ensure(&spec) {
-            Progress::Building(m) | Progress::Failed(m) => m,
+            Progress::Building(m) | Progress::Queued(m) | Progress::Failed(m) => m,
         }))
     }
 

@@ -4,6 +4,9 @@
 //! its own finalizer `twig.dev/template.<node>` (kube-runtime's helper) and
 //! removes it once the template is gone from its node; the finalizers of
 //! nodes whose Node object no longer exists are removed by any other node.
+//! The image is pulled with the template namespace's pull secrets (those of
+//! its `default` ServiceAccount, as kubelet does for a pod; see
+//! [`crate::pull_secrets`]).
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -22,6 +25,7 @@ use serde_json::json;
 use super::apply_status;
 use crate::context::{is_not_found, template_finalizer, Context, Error};
 use crate::crd::{SandboxTemplate, SandboxTemplateStatus, TemplateNodeStatus};
+use crate::pull_secrets;
 
 /// Prefix of every node's SandboxTemplate finalizer (`twig.dev/template.<node>`).
 pub const FINALIZER_PREFIX: &str = "twig.dev/template";
@@ -118,10 +122,15 @@ async fn build(
         }
         return Ok(Action::await_change());
     }
+    // The namespace's pull secrets, resolved afresh on every reconcile (a
+    // rotated or revoked Secret takes effect at the next build), sent with
+    // the request and never logged.
+    let namespace = template.namespace().unwrap_or_default();
+    let credentials = pull_secrets::resolve(&ctx.client, &namespace, &template.spec.image).await?;
     let started = Instant::now();
     let result = ctx
         .node
-        .ensure_template(&key(template), &template.spec)
+        .ensure_template_pulling(&key(template), &template.spec, &credentials)
         .await;
     let entry = match result {
         Ok(state) => TemplateNodeStatus {

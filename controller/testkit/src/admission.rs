@@ -39,6 +39,39 @@ pub struct Request<'a> {
     pub old_object: Option<&'a Value>,
 }
 
+/// What `DELETE` requests carry as `object`.
+static NULL: Value = Value::Null;
+
+impl<'a> Request<'a> {
+    /// A write of `object` over `old_object` to `resource` (`pods`,
+    /// `snapshots/status`) of `group`/`version` by `username`, its operation
+    /// as kube-apiserver names it from what the write carries: `CREATE`
+    /// (`object` alone), `UPDATE` (both) or `DELETE` (no `object`; it is
+    /// `null`, and `old_object` the stored one).
+    pub fn write(
+        (group, version, resource): (&'a str, &'a str, &'a str),
+        username: &'a str,
+        extra: &'a BTreeMap<String, Vec<String>>,
+        object: Option<&'a Value>,
+        old_object: Option<&'a Value>,
+    ) -> Request<'a> {
+        Request {
+            operation: match (object, old_object) {
+                (Some(_), None) => "CREATE",
+                (Some(_), Some(_)) => "UPDATE",
+                (None, _) => "DELETE",
+            },
+            group,
+            version,
+            resource,
+            username,
+            extra,
+            object: object.unwrap_or(&NULL),
+            old_object,
+        }
+    }
+}
+
 /// What a policy says of a request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {

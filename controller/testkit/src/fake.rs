@@ -15,6 +15,7 @@ use async_trait::async_trait;
 use k8s_openapi::api::core::v1::Pod;
 use tokio::sync::watch;
 use twig_controller::crd::{SandboxTemplateSpec, SnapshotMode};
+use twig_controller::pull_secrets::RegistryCredential;
 use twig_controller::sandbox::{LocateError, SandboxLocator};
 use twig_controller::shim::{
     ErrorCode, NetworkCounter, NetworkStats, NodeService, Sandbox, SandboxStats, ShimError,
@@ -113,6 +114,8 @@ struct State {
     failing_store_usage: usize,
     /// Templates the node store holds (ensured and not deleted).
     templates: BTreeSet<String>,
+    /// The registry logins of each template's last EnsureTemplate.
+    pull_credentials: BTreeMap<String, Vec<RegistryCredential>>,
 }
 
 /// The fake node: sandboxes, node store and call log behind the controller's traits.
@@ -148,6 +151,16 @@ impl FakeNode {
         self.state
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The registry logins the last EnsureTemplate of template `key`
+    /// (`namespace/name`) carried; none if it was never ensured.
+    pub fn pull_credentials(&self, key: &str) -> Vec<RegistryCredential> {
+        self.lock()
+            .pull_credentials
+            .get(key)
+            .cloned()
+            .unwrap_or_default()
     }
 
     /// Every call received so far, in order.
@@ -558,10 +571,21 @@ impl NodeService for FakeNode {
     async fn ensure_template(
         &self,
         key: &str,
+        spec: &SandboxTemplateSpec,
+    ) -> Result<TemplateState, ShimError> {
+        self.ensure_template_pulling(key, spec, &[]).await
+    }
+
+    async fn ensure_template_pulling(
+        &self,
+        key: &str,
         _spec: &SandboxTemplateSpec,
+        credentials: &[RegistryCredential],
     ) -> Result<TemplateState, ShimError> {
         let mut st = self.lock();
         st.calls.push(Call::EnsureTemplate(key.to_string()));
+        st.pull_credentials
+            .insert(key.to_string(), credentials.to_vec());
         st.templates.insert(key.to_string());
         Ok(TemplateState {
             ready: true,

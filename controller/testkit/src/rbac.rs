@@ -18,6 +18,11 @@ pub const NOT_REQUESTED: &[(&str, &str, &str)] = &[
 /// (API group, resource, verbs).
 pub const CONTROLLER_RULES: &[(&str, &str, &[&str])] = &[
     ("", "pods", &["get", "list", "watch", "create"]),
+    // A SandboxTemplate's image pull secrets: its namespace's `default`
+    // ServiceAccount's imagePullSecrets, each read by name (no list, no
+    // watch: a node's controller never enumerates Secrets).
+    ("", "serviceaccounts", &["get"]),
+    ("", "secrets", &["get"]),
     // Whether the node of a deleted object's finalizer is gone.
     ("", "nodes", &["get", "list"]),
     ("events.k8s.io", "events", &["create", "patch"]),

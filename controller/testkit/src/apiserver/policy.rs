@@ -83,20 +83,13 @@ pub(super) fn check(
             Some(sub) => format!("{plural}/{sub}"),
             None => plural.to_string(),
         };
-        let req = Request {
-            operation: match (object, old) {
-                (Some(_), None) => "CREATE",
-                (Some(_), Some(_)) => "UPDATE",
-                _ => "DELETE",
-            },
-            group,
-            version,
-            resource: &resource,
-            username: &caller.username,
-            extra: &caller.extra,
-            object: object.unwrap_or(&Value::Null),
-            old_object: old,
-        };
+        let req = Request::write(
+            (group, version, &resource),
+            &caller.username,
+            &caller.extra,
+            object,
+            old,
+        );
         for (policy, binding) in policies.iter() {
             let (message, reason) = match admission::evaluate(policy, binding, &req) {
                 Ok(Verdict::Allowed) => continue,
