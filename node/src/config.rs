@@ -120,8 +120,12 @@ pub struct JailConfig {
     /// Jail the VMMs (`false`: they run as the daemon's user, unconfined
     /// but for their seccomp filters).
     pub enabled: bool,
-    /// The VMMs' user id (not 0): a dedicated unprivileged one.
+    /// The first of the VMMs' user ids (not 0): each VMM runs as one of
+    /// `uid .. uid + ids` of its own, which no other running VMM has.
     pub uid: u32,
+    /// How many user ids the VMMs take from `uid` on: at most that many
+    /// VMMs run at once.
+    pub ids: u32,
     /// The VMMs' group id (not 0).
     pub gid: u32,
     /// Run each VMM as PID 1 of its own PID namespace.
@@ -255,14 +259,20 @@ pub const DEFAULT_GUEST_RESERVE_MIB: u32 = 28;
 /// The largest vCPU count of a shape (twig-vmm's limit).
 const MAX_VCPUS: u32 = twig_vmm::MAX_VCPUS as u32;
 
-/// The VMMs' default user and group: a dedicated unprivileged id.
+/// The VMMs' default first user id and their group: a dedicated
+/// unprivileged range.
 pub const DEFAULT_VMM_ID: u32 = 64242;
+
+/// How many user ids the VMMs take by default (64242–65265, below
+/// `nobody`'s 65534).
+pub const DEFAULT_VMM_IDS: u32 = 1024;
 
 impl Default for JailConfig {
     fn default() -> JailConfig {
         JailConfig {
             enabled: true,
             uid: DEFAULT_VMM_ID,
+            ids: DEFAULT_VMM_IDS,
             gid: DEFAULT_VMM_ID,
             new_pid_ns: true,
             cgroup: PathBuf::from("twig-vmm"),
@@ -465,6 +475,12 @@ impl Config {
             if !self.jail.cgroup_settings.is_empty() && self.jail.cgroup.as_os_str().is_empty() {
                 return Err(bad("jail.cgroup_settings need a jail.cgroup".into()));
             }
+            if self.jail.ids == 0 || self.jail.uid.checked_add(self.jail.ids - 1).is_none() {
+                return Err(bad(
+                    "jail.ids must be at least 1, and jail.uid + jail.ids - 1 a valid user id"
+                        .into(),
+                ));
+            }
             if self.jail.max_files < 64 {
                 return Err(bad("jail.max_files must be at least 64".into()));
             }
@@ -574,6 +590,8 @@ mod tests {
             (r#"{"disk_slots": 11}"#, "disk_slots is 11"),
             (r#"{"disk_slots": 8}"#, "must be 1..=7"),
             (r#"{"jail": {"uid": 0}}"#, "jail.uid"),
+            (r#"{"jail": {"ids": 0}}"#, "jail.ids"),
+            (r#"{"jail": {"uid": 4294967295, "ids": 2}}"#, "jail.ids"),
             (r#"{"jail": {"cgroup": "/abs"}}"#, "jail.cgroup"),
             (r#"{"jail": {"cgroup": "a/../b"}}"#, "jail.cgroup"),
             (

@@ -35,9 +35,13 @@
 //! Descriptors for the snapshot files too were rejected: a restore follows
 //! a chain of parents by id, and snapshots create and rename files; a
 //! read-only bind protects as well with no change to the snapshot code.
-//! Limits: all pooled VMMs share one uid (a compromised VMM could write
-//! into another's staging directory before it is published, or read
-//! another pod's console log — not its disks); rolling back a jailed VM's
+//! Each VMM runs as a user id of its own (`jail.uid .. jail.uid +
+//! jail.ids`, taken round the range and given back when it exited,
+//! recorded in `uid`; a handed-over VMM of an earlier daemon keeps its
+//! id), sharing the group: staging directories are 0700 and chowned to
+//! their writer (twig-store, twig-vmm's client), so no VMM reads or
+//! writes another's snapshot before it is published. Limits: every VMM
+//! reads every published snapshot (read-only); rolling back a jailed VM's
 //! rootfs by reflink needs the store and the images on one reflink
 //! filesystem (otherwise the rollback is refused, naming both).
 
@@ -87,7 +91,9 @@ fn own_dir(dir: &Path) -> PathBuf {
 
 /// What confines the pool's VMMs (from [`crate::config::JailConfig`]).
 struct Jail {
+    /// The first user id; each VMM has one of `uid .. uid + ids`.
     uid: u32,
+    ids: u32,
     gid: u32,
     new_pid_ns: bool,
     cgroup: Option<PathBuf>,
@@ -125,6 +131,12 @@ struct State {
     /// VMMs whose exit is not handled yet (reaped, cgroup and directory
     /// removed).
     watched: HashSet<u32>,
+    /// The jailed VMMs' user ids in use (a handed-over VMM of an earlier
+    /// daemon keeps its own for this daemon's life).
+    uids: HashSet<u32>,
+    /// Where the search for a free user id starts: the ids go round, so
+    /// one is reused as late as possible.
+    next_uid: u32,
 }
 
 struct Inner {
@@ -160,6 +172,7 @@ impl Pool {
             .map_err(|e| Error::io(format!("creating {}", vms_dir.display()), e))?;
         let jail = config.jail.enabled.then(|| Jail {
             uid: config.jail.uid,
+            ids: config.jail.ids,
             gid: config.jail.gid,
             new_pid_ns: config.jail.new_pid_ns,
             cgroup: (!config.jail.cgroup.as_os_str().is_empty())
@@ -181,7 +194,7 @@ impl Pool {
             }
             share_staging(&j.staging, j.gid)?;
         }
-        remove_leftovers(&vms_dir, jail.as_ref().and_then(|j| j.cgroup.as_deref()));
+        let kept_uids = remove_leftovers(&vms_dir, jail.as_ref().and_then(|j| j.cgroup.as_deref()));
         let targets = config
             .pool
             .shapes
@@ -205,7 +218,10 @@ impl Pool {
                 jail,
                 targets,
                 start_timeout: Duration::from_secs(config.pool.start_timeout_s),
-                state: Mutex::new(State::default()),
+                state: Mutex::new(State {
+                    uids: kept_uids,
+                    ..State::default()
+                }),
                 refill: Notify::new(),
                 seq: AtomicU64::new(0),
                 closed: AtomicBool::new(false),
@@ -402,12 +418,14 @@ impl Pool {
         let name = format!("{}-{n}", std::process::id());
         let dir = self.inner.vms_dir.join(&name);
         let own = own_dir(&dir);
-        let started = self.prepare(shape, &dir, &name).and_then(|mut cmd| {
+        let uid = self.take_uid()?;
+        let started = self.prepare(shape, &dir, &name, uid).and_then(|mut cmd| {
             cmd.spawn()
                 .map_err(|e| Error::io(format!("starting {}", self.inner.vmm_binary.display()), e))
         });
         let mut child = started.inspect_err(|_| {
             let _ = std::fs::remove_dir_all(&dir);
+            self.release_uid(uid);
         })?;
         let Some(pid) = child.id() else {
             return Err(Error::Internal("twig-vmm exited at once".into()));
@@ -428,6 +446,7 @@ impl Pool {
                 remove_cgroup(&cg).await;
             }
             pool.exited(pid, &watched_dir, &text);
+            pool.release_uid(uid);
             pool.state().watched.remove(&pid);
         });
         // Killed if this future fails or is dropped before the VMM answers
@@ -481,9 +500,43 @@ impl Pool {
         }
     }
 
+    /// A user id of its own for a new jailed VMM (`None` unjailed): the
+    /// next free one of the range after the last taken.
+    fn take_uid(&self) -> Result<Option<u32>> {
+        let Some(jail) = &self.inner.jail else {
+            return Ok(None);
+        };
+        let mut s = self.state();
+        for i in 0..jail.ids {
+            let k = (s.next_uid + i) % jail.ids;
+            let uid = jail.uid + k;
+            if s.uids.insert(uid) {
+                s.next_uid = (k + 1) % jail.ids;
+                return Ok(Some(uid));
+            }
+        }
+        Err(Error::FailedPrecondition(format!(
+            "all {} VMM user ids (jail.uid {} and up, jail.ids) are in use",
+            jail.ids, jail.uid
+        )))
+    }
+
+    /// Gives a VMM's user id back once it exited.
+    fn release_uid(&self, uid: Option<u32>) {
+        if let Some(uid) = uid {
+            self.state().uids.remove(&uid);
+        }
+    }
+
     /// Makes the directory `dir` (named `name`) of a VMM of `shape` and
-    /// returns the command that starts it there.
-    fn prepare(&self, shape: Shape, dir: &Path, name: &str) -> Result<tokio::process::Command> {
+    /// returns the command that starts it there (jailed, as `uid`).
+    fn prepare(
+        &self,
+        shape: Shape,
+        dir: &Path,
+        name: &str,
+        uid: Option<u32>,
+    ) -> Result<tokio::process::Command> {
         let own = own_dir(dir);
         let io = |what: &str, p: &Path| {
             let what = format!("{what} {}", p.display());
@@ -511,8 +564,8 @@ impl Pool {
             .args(self.inner.balloon.then_some("--balloon"))
             .arg("--vsock-uds")
             .arg(own.join("vsock"));
-        if let Some(jail) = &self.inner.jail {
-            jail_args(&mut cmd, jail, dir, name)?;
+        if let (Some(jail), Some(uid)) = (&self.inner.jail, uid) {
+            jail_args(&mut cmd, jail, uid, dir, name)?;
         }
         cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
         Ok(cmd)
@@ -581,14 +634,23 @@ fn share_staging(staging: &Path, gid: u32) -> Result<()> {
 }
 
 /// Adds the jail's flags to a `twig-vmm serve` command for the VMM in
-/// `dir` (named `name`): its root `dir/jail`, its own directory and the
-/// store's `snapshots` (read-only) and `tmp` bound at their host paths.
-fn jail_args(cmd: &mut tokio::process::Command, jail: &Jail, dir: &Path, name: &str) -> Result<()> {
+/// `dir` (named `name`), running as `uid`: its root `dir/jail`, its own
+/// directory and the store's `snapshots` (read-only) and `tmp` bound at
+/// their host paths. The user id is recorded in `dir/uid`.
+fn jail_args(
+    cmd: &mut tokio::process::Command,
+    jail: &Jail,
+    uid: u32,
+    dir: &Path,
+    name: &str,
+) -> Result<()> {
     let root = dir.join("jail");
     let own = own_dir(dir);
     std::fs::create_dir(&root).map_err(|e| Error::io(format!("creating {}", root.display()), e))?;
+    std::fs::write(dir.join(UID), uid.to_string())
+        .map_err(|e| Error::io(format!("writing {}/{UID}", dir.display()), e))?;
     // The VMM creates its sockets and console log here, as its own user.
-    std::os::unix::fs::chown(&own, Some(jail.uid), Some(jail.gid))
+    std::os::unix::fs::chown(&own, Some(uid), Some(jail.gid))
         .map_err(|e| Error::io(format!("chown of {}", own.display()), e))?;
     let bind = |src: &Path, ro: bool| {
         let mut b = src.as_os_str().to_os_string();
@@ -599,7 +661,7 @@ fn jail_args(cmd: &mut tokio::process::Command, jail: &Jail, dir: &Path, name: &
     };
     cmd.arg("--jail")
         .arg(&root)
-        .args(["--uid", &jail.uid.to_string()])
+        .args(["--uid", &uid.to_string()])
         .args(["--gid", &jail.gid.to_string()])
         .args(["--max-files", &jail.max_files.to_string()])
         .arg("--jail-bind")
@@ -759,6 +821,9 @@ async fn exited(pidfd: OwnedFd) -> std::io::Result<()> {
 /// The marker file of a handed-over VMM's directory.
 const HANDED: &str = "handed";
 
+/// The file in a jailed VMM's directory holding its user id.
+const UID: &str = "uid";
+
 /// Whether a twig-vmm API answers on `api` (a connection and `hello`).
 async fn answers(api: &Path) -> bool {
     if !api.exists() {
@@ -797,10 +862,12 @@ fn kill(pid: u32) {
 /// directory's `pid`, if that process still runs twig-vmm on that directory
 /// and was not handed over. A handed-over VMM is a shim's: it runs on, and
 /// its directory and cgroup are removed once it exited (watched through a
-/// pidfd: it is not this daemon's child).
-fn remove_leftovers(vms_dir: &Path, cgroup: Option<&Path>) {
+/// pidfd: it is not this daemon's child). Returns the user ids of those
+/// that run on.
+fn remove_leftovers(vms_dir: &Path, cgroup: Option<&Path>) -> HashSet<u32> {
+    let mut kept = HashSet::new();
     let Ok(entries) = std::fs::read_dir(vms_dir) else {
-        return;
+        return kept;
     };
     for dir in entries.flatten().map(|e| e.path()) {
         let cg = cgroup.zip(dir.file_name()).map(|(cg, name)| cg.join(name));
@@ -815,6 +882,12 @@ fn remove_leftovers(vms_dir: &Path, cgroup: Option<&Path>) {
             let api = own_dir(&dir).join("api.sock");
             if String::from_utf8_lossy(&cmdline).contains(&*api.to_string_lossy()) {
                 if let Ok(handed) = std::fs::read_to_string(dir.join(HANDED)) {
+                    if let Some(uid) = std::fs::read_to_string(dir.join(UID))
+                        .ok()
+                        .and_then(|u| u.trim().parse().ok())
+                    {
+                        kept.insert(uid);
+                    }
                     match pidfd {
                         Ok(fd) => {
                             watch_owner_again(&handed, &fd, pid);
@@ -836,6 +909,7 @@ fn remove_leftovers(vms_dir: &Path, cgroup: Option<&Path>) {
             tokio::spawn(async move { remove_cgroup(&cg).await });
         }
     }
+    kept
 }
 
 fn open_pidfd(pid: u32) -> std::io::Result<OwnedFd> {

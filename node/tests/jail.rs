@@ -12,10 +12,11 @@
 
 mod common;
 
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use common::*;
-use twig_node::config::DEFAULT_VMM_ID;
+use twig_node::config::{DEFAULT_VMM_ID, DEFAULT_VMM_IDS};
 use twig_store::NodeStore;
 use twig_vmm::api::{Client, ErrorKind, Request};
 use twig_vmm::{Kind, RunState};
@@ -99,6 +100,15 @@ fn status_field(pid: u32, field: &str) -> String {
         .join(" ")
 }
 
+/// The real, effective, saved and filesystem user id of `pid`, which must
+/// be one.
+fn uid_of(pid: u32) -> u32 {
+    let uids = status_field(pid, "Uid");
+    let first = uids.split(' ').next().unwrap().to_string();
+    assert_eq!(uids, [first.as_str(); 4].join(" "));
+    first.parse().unwrap()
+}
+
 fn ns(pid: &str, kind: &str) -> PathBuf {
     std::fs::read_link(format!("/proc/{pid}/ns/{kind}")).unwrap()
 }
@@ -125,11 +135,15 @@ fn pooled_vmms_run_jailed_and_restore_snapshot_and_roll_back_through_the_jail() 
     let _owned = Owned(vm.pid);
     let inner = vmm_of(vm.pid);
 
-    // An unprivileged user with no capabilities, under its filters.
-    let id = DEFAULT_VMM_ID.to_string();
-    let ids = [id.as_str(); 4].join(" ");
-    assert_eq!(status_field(inner, "Uid"), ids);
-    assert_eq!(status_field(inner, "Gid"), ids);
+    // An unprivileged user of its own (of the range) with no
+    // capabilities, under its filters.
+    let uid = uid_of(inner);
+    assert!(
+        (DEFAULT_VMM_ID..DEFAULT_VMM_ID + DEFAULT_VMM_IDS).contains(&uid),
+        "{uid}"
+    );
+    let gid = DEFAULT_VMM_ID.to_string();
+    assert_eq!(status_field(inner, "Gid"), [gid.as_str(); 4].join(" "));
     assert_eq!(status_field(inner, "Groups"), "");
     for cap in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
         assert_eq!(status_field(inner, cap), "0000000000000000", "{cap}");
@@ -198,14 +212,16 @@ fn pooled_vmms_run_jailed_and_restore_snapshot_and_roll_back_through_the_jail() 
         let staging = store.stage(id).unwrap();
         let info = api.snapshot(staging.dir(), kind, T).expect("snapshot");
         assert_eq!(info.kind, kind);
+        // Staged, the directory is the VMM's alone: no other VMM (each its
+        // own user) can look in.
+        let staged = std::fs::metadata(staging.dir()).unwrap();
+        assert_eq!((staged.uid(), staged.mode() & 0o777), (uid, 0o700), "{id}");
         let published = staging.publish().expect("publish");
-        // Written by the jailed VMM, as its user.
+        // Written by the jailed VMM, as its user; readable once published.
         let state = std::fs::metadata(published.dir().join("state")).unwrap();
-        assert_eq!(
-            std::os::unix::fs::MetadataExt::uid(&state),
-            DEFAULT_VMM_ID,
-            "{id}"
-        );
+        assert_eq!(state.uid(), uid, "{id}");
+        let dir = std::fs::metadata(published.dir()).unwrap();
+        assert_eq!(dir.mode() & 0o777, 0o755, "{id}");
     }
     assert_eq!(store.get("s2").unwrap().parent.as_deref(), Some("s1"));
     for id in ["s1", "s2"] {
@@ -218,9 +234,10 @@ fn pooled_vmms_run_jailed_and_restore_snapshot_and_roll_back_through_the_jail() 
         .expect_err("a rollback to a snapshot outside the jail");
     assert_eq!(e.kind(), Some(ErrorKind::NotFound), "{e}");
 
-    // Another jailed VMM restores the incremental chain.
+    // Another jailed VMM, another user, restores the incremental chain.
     let vm2 = node.acquire("tiny").expect("AcquireVm");
     let _owned2 = Owned(vm2.pid);
+    assert_ne!(uid_of(vmm_of(vm2.pid)), uid, "each VMM its own user");
     let mut api2 = restore(&vm2.api_socket, &store.snapshot_dir("s2"));
     assert_eq!(api2.stats(T).unwrap().baseline.as_deref(), Some("s2"));
 
@@ -406,4 +423,33 @@ fn with_the_jail_off_vmms_run_as_before() {
         .expect("rollback");
     api.shutdown(T).expect("shutdown");
     wait_until("the stopped VMM is reaped", T, || gone(pid));
+}
+
+/// With one user id for VMMs, a second VMM cannot start while the first
+/// runs (no two VMMs share a user); once the first exited, its id serves
+/// the next.
+#[test]
+fn no_two_vmms_share_a_user_id() {
+    let dir = tempfile::tempdir().unwrap();
+    make_template(dir.path(), "tiny");
+    let cgroup = format!("twig-node-ids-{}", std::process::id());
+    let _cg = CgroupGuard(cgroup.clone());
+    let mut c = jailed_config(dir.path(), 0, &cgroup);
+    c["jail"]["ids"] = serde_json::json!(1);
+    let node = Node::start(dir.path(), &c);
+    let vm = node.acquire("tiny").expect("AcquireVm");
+    let _owned = Owned(vm.pid);
+    assert_eq!(uid_of(vmm_of(vm.pid)), DEFAULT_VMM_ID);
+    let e = node.acquire("tiny").expect_err("no user id left");
+    assert!(format!("{e:?}").contains("user ids"), "{e:?}");
+    sigkill(vm.pid);
+    wait_until("the VMM is reaped", T, || gone(vm.pid));
+    let mut next = None;
+    wait_until("its user id serves the next VMM", T, || {
+        next = node.acquire("tiny").ok();
+        next.is_some()
+    });
+    let next = next.unwrap();
+    let _owned_next = Owned(next.pid);
+    assert_eq!(uid_of(vmm_of(next.pid)), DEFAULT_VMM_ID);
 }

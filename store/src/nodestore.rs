@@ -9,6 +9,7 @@
 
 use std::collections::BTreeMap;
 use std::fs::{self, File};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::SystemTime;
@@ -168,7 +169,12 @@ impl NodeStore {
             owner: None,
             published: false,
         };
-        fs::create_dir(&staging.dir).map_err(ctx(format!("creating {}", staging.dir.display())))?;
+        // Its writer's alone until published (a jailed VMM gets it chowned,
+        // and other VMMs, each its own user, cannot look in).
+        fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&staging.dir)
+            .map_err(ctx(format!("creating {}", staging.dir.display())))?;
         Ok(staging)
     }
 
@@ -621,6 +627,9 @@ impl Staging<'_> {
             self.store.get(p)?;
         }
         let dest = self.store.snapshot_dir(&self.id);
+        // Published, it is read by every VMM that restores it.
+        fs::set_permissions(&self.dir, fs::Permissions::from_mode(0o755))
+            .map_err(ctx(format!("opening {} to readers", self.dir.display())))?;
         fsops::rename_noreplace(&self.dir, &dest).map_err(|e| {
             if e.kind() == std::io::ErrorKind::AlreadyExists {
                 Error::AlreadyExists(format!("VM snapshot {:?}", self.id))

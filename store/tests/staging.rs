@@ -90,3 +90,19 @@ impl Drop for StopOnDrop<'_> {
         self.0.store(true, Ordering::Relaxed);
     }
 }
+
+/// A staging directory is its writer's alone (a jailed VMM, each its own
+/// user, gets it chowned; no other VMM can look in); published, every
+/// VMM that restores it can read it.
+#[test]
+fn staging_is_private_and_a_published_snapshot_readable() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let store = NodeStore::open(dir.path(), true).unwrap();
+    let mut staging = store.stage("s").unwrap();
+    let mode = |p: &std::path::Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(staging.dir()), 0o700);
+    staging.put_bytes(Artefact::State, b"state").unwrap();
+    let published = staging.publish().unwrap();
+    assert_eq!(mode(published.dir()), 0o755);
+}
