@@ -37,6 +37,7 @@ use std::time::{Duration, Instant};
 use twig_cri::{
     container_config, logs, pod_sandbox_config, CriClient, Node, NodeOptions, RuntimeHandler,
 };
+use twig_e2e::cgroup::PodCgroup;
 use twig_e2e::cri::CriNode;
 
 /// What the container prints first.
@@ -479,13 +480,21 @@ impl Pods {
 
     /// Starts a pod whose container has printed its first line and keeps
     /// it; returns the pod's id.
-    async fn start_idle(&self, handler: usize, name: &str) -> Result<String, SendError> {
+    /// An idle pod (a container that sleeps) of `handler`, in the pod
+    /// cgroup `cgroup_parent`.
+    async fn start_idle(
+        &self,
+        handler: usize,
+        name: &str,
+        cgroup_parent: &str,
+    ) -> Result<String, SendError> {
         let handler = &self.handlers[handler].0;
         let pod_name = format!("idle-{handler}-{name}");
         let log_dir = self.logs.join(&pod_name);
         std::fs::create_dir_all(&log_dir)
             .map_err(|e| format!("creating {}: {e}", log_dir.display()))?;
-        let pod = pod_sandbox_config(&pod_name, &pod_name, &log_dir);
+        let mut pod = pod_sandbox_config(&pod_name, &pod_name, &log_dir);
+        pod.linux.get_or_insert_with(Default::default).cgroup_parent = cgroup_parent.to_string();
         let config = container_config(
             "app",
             &self.image,
@@ -693,7 +702,9 @@ fn pod_processes(procs: &HashMap<u32, Proc>, shim: &str, dir: &str, vmms: &[u32]
 
 /// Host memory per idle pod of handler `h`: `count` pods started and idle
 /// at once, their processes' resident and anonymous memory summed and
-/// divided by `count`.
+/// divided by `count`; and what their pod cgroups are charged
+/// (`memory.current` of each pod's own cgroup, which kubelet would make
+/// and bound by the pod's limit plus the RuntimeClass overhead), averaged.
 async fn idle_memory(
     r: &mut Report,
     node: &CriNode,
@@ -708,10 +719,21 @@ async fn idle_memory(
     } else {
         "containerd-shim-runc-v2"
     };
+    let top = format!("twig-bench-{}", std::process::id());
+    let mut cgroups = Vec::new();
     let mut ids = Vec::new();
     let mut started = Ok(());
     for i in 0..count {
-        match pods.start_idle(h, &i.to_string()).await {
+        let cgroup = match PodCgroup::new(&top, &format!("{name}-{i}"), None) {
+            Ok(c) => c,
+            Err(e) => {
+                started = Err(e.into());
+                break;
+            }
+        };
+        let parent = cgroup.parent.clone();
+        cgroups.push(cgroup);
+        match pods.start_idle(h, &i.to_string(), &parent).await {
             Ok(id) => ids.push(id),
             Err(e) => {
                 started = Err(e);
@@ -727,12 +749,18 @@ async fn idle_memory(
             .iter()
             .filter_map(|pid| procs.get(pid))
             .fold((0, 0), |(r, a), p| (r + p.rss_kb, a + p.anon_kb));
-        (set.len(), rss, anon)
+        let charged: Result<u64, String> = cgroups
+            .iter()
+            .map(|c| c.number("memory.current", None))
+            .sum();
+        charged.map(|c| (set.len(), rss, anon, c))
     });
     for id in &ids {
         pods.remove(id).await.map_err(|e| e.to_string())?;
     }
-    let (n, rss, anon) = measured.map_err(|e| e.to_string())?;
+    drop(cgroups);
+    let (n, rss, anon, charged) = measured.map_err(|e| e.to_string())??;
+    let charged_mib = charged as f64 / (1 << 20) as f64 / count as f64;
     let per_pod = |kb: u64| kb as f64 / 1024.0 / count as f64;
     eprintln!(
         "{name}: {count} idle pods, {n} processes: {:.1} MiB resident, {:.1} MiB anonymous per pod",
@@ -742,6 +770,8 @@ async fn idle_memory(
     r.value(&format!("{name}_idle_pod_rss_mib"), json!(per_pod(rss)));
     r.value(&format!("{name}_idle_pod_anon_mib"), json!(per_pod(anon)));
     r.value(&format!("{name}_idle_pod_processes"), json!(n));
+    eprintln!("{name}: {charged_mib:.1} MiB charged to each idle pod's cgroup");
+    r.value(&format!("{name}_idle_pod_cgroup_mib"), json!(charged_mib));
     Ok(())
 }
 

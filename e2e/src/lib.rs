@@ -12,6 +12,7 @@
 //! that in, with the test image (`e2e/build-image.sh`).
 
 mod background;
+pub mod cgroup;
 pub mod cost;
 pub mod cri;
 pub mod crilab;

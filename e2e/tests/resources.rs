@@ -8,10 +8,10 @@
 //! `--features lab` and run in the nested lab by `tests/lab/run.sh -p
 //! twig-e2e --features twig-e2e/lab`.
 
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use twig_cri::container_config;
+use twig_e2e::cgroup::PodCgroup;
 use twig_e2e::cri::CriNode;
 use twig_e2e::crilab::{runtime, wait_exited};
 use twig_e2e::must::node;
@@ -145,79 +145,10 @@ fn runc_bounds_a_busy_loop_by_its_cpu_quota() {
     cpu_quota(Runtime::Runc, "runc");
 }
 
-/// The lab's cgroup v2 tree.
-const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 /// The pod's memory limit on the host: half the lab's 128 MiB guest.
 const POD_LIMIT: u64 = 64 << 20;
 /// What the first container holds in the guest (a 16 MiB string).
 const HELD: u64 = 16 << 20;
-
-/// Kubelet's part for one pod (the lab runs none): its pod cgroup
-/// `/twig-e2e-<pid>/pod-<name>` with a memory limit and no swap, as the
-/// cgroupfs driver makes it; removed with what the shim left in it.
-struct PodCgroup {
-    /// Its path below the root, CRI's `cgroup_parent`.
-    parent: String,
-    /// Its directory.
-    dir: PathBuf,
-}
-
-impl PodCgroup {
-    fn new(name: &str, limit: u64) -> PodCgroup {
-        let root = Path::new(CGROUP_ROOT);
-        let top = format!("twig-e2e-{}", std::process::id());
-        let parent = format!("/{top}/pod-{name}");
-        let dir = root.join(&top).join(format!("pod-{name}"));
-        write(&root.join("cgroup.subtree_control"), "+memory");
-        std::fs::create_dir_all(root.join(&top)).unwrap();
-        write(&root.join(&top).join("cgroup.subtree_control"), "+memory");
-        std::fs::create_dir_all(&dir).unwrap();
-        write(&dir.join("memory.max"), &limit.to_string());
-        write(&dir.join("memory.swap.max"), "0");
-        PodCgroup { parent, dir }
-    }
-
-    /// A number of the pod cgroup's `file` (`memory.current`), or of its
-    /// `key` line (`memory.events`' `oom_kill`).
-    fn number(&self, file: &str, key: Option<&str>) -> u64 {
-        let text = std::fs::read_to_string(self.dir.join(file))
-            .unwrap_or_else(|e| panic!("{}/{file}: {e}", self.dir.display()));
-        let value = match key {
-            Some(k) => text
-                .lines()
-                .find_map(|l| l.strip_prefix(k)?.strip_prefix(' '))
-                .unwrap_or_else(|| panic!("no {k} in {file}: {text}")),
-            None => text.trim(),
-        };
-        value
-            .trim()
-            .parse()
-            .unwrap_or_else(|e| panic!("{file}: {value:?}: {e}"))
-    }
-}
-
-impl Drop for PodCgroup {
-    fn drop(&mut self) {
-        let leaves = std::fs::read_dir(&self.dir)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter(|e| e.path().is_dir())
-            .map(|e| e.path());
-        for dir in leaves.chain([self.dir.clone()]) {
-            if let Err(e) = std::fs::remove_dir(&dir) {
-                eprintln!("removing {}: {e}", dir.display());
-            }
-        }
-        if let Some(top) = self.dir.parent() {
-            let _ = std::fs::remove_dir(top);
-        }
-    }
-}
-
-fn write(path: &Path, value: &str) {
-    std::fs::write(path, value).unwrap_or_else(|e| panic!("{value} > {}: {e}", path.display()));
-}
 
 /// The cgroup v2 path of `pid` (`/proc/<pid>/cgroup`'s `0::` line).
 fn cgroup_of(pid: u32) -> Option<String> {
@@ -242,7 +173,8 @@ async fn pod_cgroup_bounds_the_vm() {
     let node = CriNode::start().unwrap_or_else(|e| panic!("CRI node: {e}"));
     let cri = node.client().await.unwrap_or_else(|e| panic!("{e}"));
     let fail = |what: &str, e: twig_cri::Error| -> ! { panic!("{}", node.cri_error(what, e)) };
-    let cgroup = PodCgroup::new("bounded", POD_LIMIT);
+    let top = format!("twig-e2e-{}", std::process::id());
+    let cgroup = PodCgroup::new(&top, "bounded", Some(POD_LIMIT)).unwrap_or_else(|e| panic!("{e}"));
     let mut pod = node.pod_config("bounded").unwrap_or_else(|e| panic!("{e}"));
     pod.linux.get_or_insert_with(Default::default).cgroup_parent = cgroup.parent.clone();
     let pod_id = cri
@@ -292,7 +224,9 @@ async fn pod_cgroup_bounds_the_vm() {
     )
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", node.node().logs()));
-    let current = cgroup.number("memory.current", None);
+    let current = cgroup
+        .number("memory.current", None)
+        .unwrap_or_else(|e| panic!("{e}"));
     assert!(
         current >= HELD,
         "the pod's cgroup holds {current} bytes, less than the {HELD} its guest touched"
@@ -315,14 +249,18 @@ async fn pod_cgroup_bounds_the_vm() {
         .unwrap_or_else(|e| fail("StartContainer hog", e));
     let status = wait_exited(&node, &cri, &hog_id, Duration::from_secs(180)).await;
     assert_eq!(status.exit_code, 137, "{status:?}\n{}", node.node().logs());
-    let kills = cgroup.number("memory.events", Some("oom_kill"));
+    let kills = cgroup
+        .number("memory.events", Some("oom_kill"))
+        .unwrap_or_else(|e| panic!("{e}"));
     assert!(
         kills >= 1,
         "the pod's cgroup saw no OOM kill: the guest, not the host, ended the hog"
     );
     // memory.peak: Linux 5.19 on.
     if cgroup.dir.join("memory.peak").exists() {
-        let peak = cgroup.number("memory.peak", None);
+        let peak = cgroup
+            .number("memory.peak", None)
+            .unwrap_or_else(|e| panic!("{e}"));
         assert!(
             peak <= POD_LIMIT,
             "the pod held {peak} bytes, over its limit"
