@@ -82,6 +82,8 @@ pub mod twig_ttrpc {
 }
 
 pub mod contract;
+#[cfg(feature = "log")]
+pub mod log;
 pub mod vsock;
 
 /// The vsock port the guest agent listens on.
