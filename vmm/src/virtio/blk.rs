@@ -741,39 +741,14 @@ mod tests {
         assert!(fixed.detach().is_err());
     }
 
-    /// A loop device over `img`, detached on drop. Needs root and
-    /// `losetup` (CI's host tests run as root): fails loudly without.
-    struct Loop(String);
-
-    impl Loop {
-        fn new(img: &Path) -> Loop {
-            let out = Command::new("losetup")
-                .args(["--find", "--show"])
-                .arg(img)
-                .output()
-                .expect("running losetup (a raw block volume test needs root and util-linux)");
-            assert!(
-                out.status.success(),
-                "losetup (this test needs root): {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            Loop(String::from_utf8_lossy(&out.stdout).trim().to_string())
-        }
-    }
-
-    impl Drop for Loop {
-        fn drop(&mut self) {
-            let _ = Command::new("losetup").args(["-d", &self.0]).status();
-        }
-    }
-
     #[test]
     fn a_host_block_device_is_served_with_its_size() {
         let dir = tempfile::tempdir().unwrap();
         let p = image(dir.path(), "volume.img");
-        let dev = Loop::new(&p);
+        let dev = twig_agent::testkit::LoopDevice::new(&p)
+            .expect("a loop device (this test needs root and losetup)");
         let (mut d, disk) = slot_driver();
-        disk.attach(Path::new(&dev.0), false).unwrap();
+        disk.attach(&dev.0, false).unwrap();
         assert!(disk.is_block_device());
         d.t.announce_config();
         config_interrupt(&mut d);
@@ -795,7 +770,7 @@ mod tests {
         std::io::Read::read_exact(&mut f, &mut sector).unwrap();
         assert_eq!(sector, [0xab; 512], "written through to the device");
         assert!(disk.meta().has_copy());
-        assert_eq!(disk.detach().unwrap(), PathBuf::from(&dev.0));
+        assert_eq!(disk.detach().unwrap(), dev.0);
         assert!(!disk.is_block_device());
         let e = disk.attach(Path::new("/dev/null"), true).unwrap_err();
         assert!(
