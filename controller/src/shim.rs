@@ -230,28 +230,15 @@ pub trait NodeService: Send + Sync {
     async fn delete_snapshot(&self, snapshot_id: &str) -> Result<(), ShimError>;
     /// The snapshot with its sizes, if the node store still holds it.
     async fn get_snapshot(&self, snapshot_id: &str) -> Result<Option<SnapshotInfo>, ShimError>;
-    /// Builds or finds the template `key` (`namespace/name`) on this node.
+    /// Builds or finds the template `key` (`namespace/name`) on this node,
+    /// its image pulled with the registry logins `credentials` (tried in
+    /// order; secrets, never logged).
     async fn ensure_template(
         &self,
         key: &str,
         spec: &SandboxTemplateSpec,
-    ) -> Result<TemplateState, ShimError>;
-    /// [`NodeService::ensure_template`], the image pulled with the registry
-    /// logins `credentials` (tried in order; secrets, never logged). A
-    /// service that cannot send them refuses rather than pull without.
-    async fn ensure_template_pulling(
-        &self,
-        key: &str,
-        spec: &SandboxTemplateSpec,
         credentials: &[RegistryCredential],
-    ) -> Result<TemplateState, ShimError> {
-        if !credentials.is_empty() {
-            return Err(ShimError::Unimplemented(
-                "EnsureTemplate with pull credentials".to_string(),
-            ));
-        }
-        self.ensure_template(key, spec).await
-    }
+    ) -> Result<TemplateState, ShimError>;
     /// Removes the template `key` from this node; succeeds when it is already gone.
     async fn delete_template(&self, key: &str) -> Result<(), ShimError>;
     /// The node store's footprint, its filesystem's room and its counts.
@@ -520,14 +507,6 @@ impl NodeService for TtrpcNode {
     }
 
     async fn ensure_template(
-        &self,
-        key: &str,
-        spec: &SandboxTemplateSpec,
-    ) -> Result<TemplateState, ShimError> {
-        self.ensure_template_pulling(key, spec, &[]).await
-    }
-
-    async fn ensure_template_pulling(
         &self,
         key: &str,
         spec: &SandboxTemplateSpec,

@@ -421,7 +421,7 @@ async fn ttrpc_shim_client_calls_the_twig_service() {
         egress_policy: None,
     };
     let state = node
-        .ensure_template("default/py", &spec)
+        .ensure_template("default/py", &spec, &[])
         .await
         .expect("template");
     assert!(!state.ready);
@@ -444,7 +444,7 @@ async fn ttrpc_shim_client_calls_the_twig_service() {
         identity_token: "id-token".into(),
         registry_token: "registry-token".into(),
     };
-    node.ensure_template_pulling("default/py", &spec, std::slice::from_ref(&login))
+    node.ensure_template("default/py", &spec, std::slice::from_ref(&login))
         .await
         .expect("template");
     let sent = server.pull_credentials.lock().expect("lock").clone();
@@ -477,7 +477,7 @@ async fn ttrpc_shim_client_calls_the_twig_service() {
         egress_policy: Some(policy.clone()),
         ..spec
     };
-    node.ensure_template("default/py", &with_policy)
+    node.ensure_template("default/py", &with_policy, &[])
         .await
         .expect("template");
     let sent = server

@@ -428,6 +428,8 @@ impl Pool {
             self.release_uid(uid);
         })?;
         let Some(pid) = child.id() else {
+            let _ = std::fs::remove_dir_all(&dir);
+            self.release_uid(uid);
             return Err(Error::Internal("twig-vmm exited at once".into()));
         };
         let (exited_tx, mut exited) = watch::channel(None);

@@ -164,6 +164,12 @@ pub trait Sandbox: Send + Sync {
     /// VM was restored from, once; `None` when there is none (always, for
     /// a VM restored from the template).
     fn take_restored(&self, name: &str) -> Option<Restored>;
+    /// Whether [`Sandbox::take_restored`] would hand out a container for
+    /// `name` (it is left there).
+    fn has_restored(&self, name: &str) -> bool {
+        let _ = name;
+        false
+    }
     /// The pod's network path: the policy in force and the counters;
     /// `None` for a pod without one.
     fn network_stats(&self) -> Result<Option<NetworkStats>> {

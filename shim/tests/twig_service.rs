@@ -221,6 +221,10 @@ impl Sandbox for FakeVm {
         Ok(self.store.clone())
     }
 
+    fn has_restored(&self, name: &str) -> bool {
+        self.restored.lock().unwrap().iter().any(|r| r.name == name)
+    }
+
     fn take_restored(&self, name: &str) -> Option<Restored> {
         let mut restored = self.restored.lock().unwrap();
         let i = restored.iter().position(|r| r.name == name)?;
@@ -885,6 +889,28 @@ async fn a_restored_container_is_adopted_by_its_name() {
         1,
         "the sandbox was adopted; the app waits"
     );
+    // A raw block volume cannot be added to the running container: refused,
+    // and the container stays there to be adopted.
+    let img = f.dir.path().join("volume.img");
+    std::fs::write(&img, vec![0u8; 1 << 20]).unwrap();
+    let dev = twig_agent::testkit::LoopDevice::new(&img).unwrap();
+    let (b, rootfs) = bundle(
+        f.dir.path(),
+        "clone-blk",
+        &["sleep", "1000"],
+        json!({"annotations": {"io.kubernetes.cri.container-name": "app"},
+               "linux": {"devices": [block_device(&dev.0, "/dev/xvdb")]}}),
+    );
+    let create = api::CreateTaskRequest {
+        id: "clone-blk".into(),
+        bundle: b.display().to_string(),
+        rootfs: vec![twig_mount(&rootfs)],
+        ..Default::default()
+    };
+    let e = task.create(ctx(), &create).await.unwrap_err();
+    assert!(format!("{e:?}").contains("raw block volume"), "{e:?}");
+    assert_eq!(code(e), Code::FAILED_PRECONDITION);
+    assert_eq!(f.vm.restored.lock().unwrap().len(), 1, "still adoptable");
     let (b, img) = bundle(
         f.dir.path(),
         "clone-1",
@@ -1316,6 +1342,14 @@ async fn a_snapshot_lists_the_containers_its_vm_holds_while_cri_deletes_one() {
     assert_eq!(ids, ["c1"], "{containers:?}");
 }
 
+/// The OCI `linux.devices` entry CRI gives for host block device `host`
+/// as `path`.
+fn block_device(host: &Path, path: &str) -> serde_json::Value {
+    let rdev = std::fs::metadata(host).unwrap().rdev();
+    json!({"path": path, "type": "b", "major": libc::major(rdev), "minor": libc::minor(rdev),
+           "fileMode": 0o660, "uid": 0, "gid": 0})
+}
+
 /// A raw block volume (CRI's `linux.devices` entry for a `volumeDevices`
 /// claim): the shim attaches the host device, the container writes it,
 /// Snapshot and Rollback are refused naming the container, and deleting
@@ -1341,8 +1375,7 @@ async fn a_raw_block_volume_reaches_the_container_and_refuses_snapshots() {
         ],
         json!({"annotations": {"io.kubernetes.cri.container-name": "db",
                                "io.kubernetes.cri.sandbox-namespace": NAMESPACE},
-               "linux": {"devices": [{"path": "/dev/xvdb", "type": "b", "major": major,
-                                      "minor": minor, "fileMode": 0o660, "uid": 0, "gid": 0}],
+               "linux": {"devices": [block_device(&dev.0, "/dev/xvdb")],
                          "resources": {"devices": [
                              {"allow": false, "access": "rwm"},
                              {"allow": true, "type": "b", "major": major, "minor": minor,

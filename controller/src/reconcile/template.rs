@@ -130,7 +130,7 @@ async fn build(
     let started = Instant::now();
     let result = ctx
         .node
-        .ensure_template_pulling(&key(template), &template.spec, &credentials)
+        .ensure_template(&key(template), &template.spec, &credentials)
         .await;
     let entry = match result {
         Ok(state) => TemplateNodeStatus {

@@ -571,14 +571,6 @@ impl NodeService for FakeNode {
     async fn ensure_template(
         &self,
         key: &str,
-        spec: &SandboxTemplateSpec,
-    ) -> Result<TemplateState, ShimError> {
-        self.ensure_template_pulling(key, spec, &[]).await
-    }
-
-    async fn ensure_template_pulling(
-        &self,
-        key: &str,
         _spec: &SandboxTemplateSpec,
         credentials: &[RegistryCredential],
     ) -> Result<TemplateState, ShimError> {

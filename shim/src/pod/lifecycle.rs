@@ -116,17 +116,21 @@ impl Pod {
         } else {
             name.as_deref()
         };
+        // A restored container runs already: a raw block volume cannot be
+        // added to it. Refused before it is taken, so it stays adoptable.
+        if let (Some(n), Some(block)) = (adoption, blocks.first()) {
+            if sandbox.has_restored(n) {
+                self.inner.watcher.unwatch(&new.id);
+                return Err(Error::FailedPrecondition(format!(
+                    "container {} runs already in the VM restored from a snapshot: a raw \
+                     block volume ({}) cannot be added to it",
+                    new.id, block.path
+                )));
+            }
+        }
         let adopted = adoption.and_then(|n| sandbox.take_restored(n));
         let disk_image = is_sandbox.then(|| image.clone());
         let (attachment, origin, guest_id, block_attachments) = match adopted {
-            Some(r) if !blocks.is_empty() => {
-                self.inner.watcher.unwatch(&new.id);
-                return Err(Error::FailedPrecondition(format!(
-                    "container {} runs already in the VM restored from a snapshot ({}): a raw \
-                     block volume ({}) cannot be added to it",
-                    new.id, r.guest_id, blocks[0].path
-                )));
-            }
             Some(r) => {
                 tracing::info!(
                     id = new.id,

@@ -401,16 +401,26 @@ impl Sandbox for VmSandbox {
         Ok(())
     }
 
+    fn has_restored(&self, name: &str) -> bool {
+        let restored = self.restored.lock().unwrap_or_else(|p| p.into_inner());
+        restored_index(&restored, name).is_some()
+    }
+
     fn take_restored(&self, name: &str) -> Option<Restored> {
         let mut restored = self.restored.lock().unwrap_or_else(|p| p.into_inner());
-        let i = restored.iter().position(|r| r.name == name).or_else(|| {
-            // An app template's container goes to the pod's first one.
-            (name != SANDBOX_ADOPTION)
-                .then(|| restored.iter().position(|r| r.name == TEMPLATE_ADOPTION))
-                .flatten()
-        })?;
+        let i = restored_index(&restored, name)?;
         Some(restored.remove(i))
     }
+}
+
+/// Which of the restored containers `name` adopts: its own, else (an app
+/// template's container goes to the pod's first one) the template's.
+fn restored_index(restored: &[Restored], name: &str) -> Option<usize> {
+    restored.iter().position(|r| r.name == name).or_else(|| {
+        (name != SANDBOX_ADOPTION)
+            .then(|| restored.iter().position(|r| r.name == TEMPLATE_ADOPTION))
+            .flatten()
+    })
 }
 
 impl Drop for VmSandbox {
