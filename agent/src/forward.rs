@@ -38,13 +38,13 @@ const STACK: usize = 128 * 1024;
 
 /// Where to listen: `unix://<path>` or `vsock://<cid>:<port>` (the cid is
 /// ignored: any).
-enum Listener {
+pub(crate) enum Listener {
     Unix(UnixListener),
     Vsock(OwnedFd),
 }
 
 impl Listener {
-    fn bind(listen: &str) -> io::Result<Listener> {
+    pub(crate) fn bind(listen: &str) -> io::Result<Listener> {
         if let Some(path) = listen.strip_prefix("unix://") {
             // A stale socket from an earlier run would make bind fail.
             let _ = std::fs::remove_file(path);
@@ -75,7 +75,17 @@ impl Listener {
         Ok(Listener::Vsock(fd))
     }
 
-    fn accept(&self) -> io::Result<OwnedFd> {
+    /// Binds `listen` and runs `serve` on it on a thread named `name`.
+    pub(crate) fn serve_on(name: &str, listen: &str, serve: fn(Listener)) -> io::Result<()> {
+        let listener = Listener::bind(listen)?;
+        tracing::info!(listen, "{name} listener ready");
+        std::thread::Builder::new()
+            .name(name.into())
+            .spawn(move || serve(listener))?;
+        Ok(())
+    }
+
+    pub(crate) fn accept(&self) -> io::Result<OwnedFd> {
         match self {
             Listener::Unix(l) => l.accept().map(|(s, _)| OwnedFd::from(s)),
             Listener::Vsock(fd) => {
@@ -92,12 +102,7 @@ impl Listener {
 
 /// Binds `listen` and serves it on a thread of its own, forever.
 pub fn start(listen: &str) -> io::Result<()> {
-    let listener = Listener::bind(listen)?;
-    tracing::info!(listen, "port-forward listener ready");
-    std::thread::Builder::new()
-        .name("forward".into())
-        .spawn(move || serve(listener))?;
-    Ok(())
+    Listener::serve_on("forward", listen, serve)
 }
 
 fn serve(listener: Listener) {
@@ -231,7 +236,7 @@ fn shutdown(fd: libc::c_int, how: libc::c_int) {
     unsafe { libc::shutdown(fd, how) };
 }
 
-fn set_timeouts(socket: &File, timeout: Option<Duration>) -> io::Result<()> {
+pub(crate) fn set_timeouts(socket: &File, timeout: Option<Duration>) -> io::Result<()> {
     use nix::sys::socket::{setsockopt, sockopt};
     use nix::sys::time::TimeVal;
     let tv = timeout.map_or(TimeVal::new(0, 0), |t| {

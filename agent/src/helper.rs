@@ -750,8 +750,8 @@ fn become_process(p: &Process, seccomp: Option<&LinuxSeccomp>, then: Then) -> HR
     if let (Some(f), false) = (&filter, no_new_privs) {
         crate::seccomp::install(f).map_err(|e| e.to_string())?;
     }
-    let caps = crate::caps::CapSets::of(p);
-    crate::caps::before_setuid(&caps)?;
+    let caps = twig_agent::caps::CapSets::of(p);
+    twig_agent::caps::before_setuid(&caps)?;
     let user = p.user();
     let groups: Vec<nix::unistd::Gid> = user
         .additional_gids()
@@ -764,7 +764,7 @@ fn become_process(p: &Process, seccomp: Option<&LinuxSeccomp>, then: Then) -> HR
         .map_err(ctx(format!("setgid {}", user.gid())))?;
     nix::unistd::setuid(nix::unistd::Uid::from_raw(user.uid()))
         .map_err(ctx(format!("setuid {}", user.uid())))?;
-    crate::caps::after_setuid(&caps)?;
+    twig_agent::caps::after_setuid(&caps)?;
     if let Some(mask) = user.umask() {
         nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(mask));
     }

@@ -4,7 +4,8 @@
 //! synchronous client ([`client::AgentClient`]) that reaches the agent
 //! through a VMM's vsock Unix socket or a plain Unix socket, and,
 //! re-exported from twig-proto, the generated protocol code ([`proto`]).
-//! With feature `testkit` it also holds [`testkit`] (busybox rootfs images
+//! With feature `caps`, [`caps`] sets a process's capability sets as runc
+//! does. With feature `testkit` it also holds [`testkit`] (busybox rootfs images
 //! and OCI specs for tests). The agent itself (PID 1 in the guest) is the
 //! `twig-agent` binary (feature `server`, on by default), which links no
 //! client: `default-features = false, features = ["client"]` gives just the
@@ -14,6 +15,8 @@
 /// `proto::agent_ttrpc` (sync client, server trait), `proto::vsock`.
 pub use twig_proto as proto;
 
+#[cfg(feature = "caps")]
+pub mod caps;
 #[cfg(feature = "client")]
 pub mod client;
 #[cfg(feature = "testkit")]

@@ -6,7 +6,6 @@
 //! `twig-agent __twig-init` is the agent re-executing itself as the first
 //! program of a container process (see `helper.rs`).
 
-mod caps;
 mod cgroup;
 mod container;
 mod devices;
@@ -18,6 +17,7 @@ mod reaper;
 mod reidentify;
 mod seccomp;
 mod service;
+mod shares;
 mod spawn;
 mod spec;
 mod stdio;
@@ -51,6 +51,10 @@ struct Args {
     /// 1025 as PID 1; none in host mode (`--listen`) unless given.
     #[arg(long)]
     forward_listen: Option<String>,
+    /// Where to take file-share connections (`shares.rs`): as
+    /// `--forward-listen`, default vsock port 1026 as PID 1.
+    #[arg(long)]
+    share_listen: Option<String>,
     /// Directory for container state and rootfs mounts.
     #[arg(long, default_value = "/run/twig")]
     state_dir: PathBuf,
@@ -112,7 +116,7 @@ fn main() {
     loop {
         match service::serve(&listen, agent.clone()) {
             Ok(server) => {
-                start_forward(&args, pid1);
+                start_side_listeners(&args, pid1);
                 system::announce_ready(pid1);
                 // The server runs on its own threads; keep it alive forever.
                 let _server = server;
@@ -133,17 +137,45 @@ fn main() {
     }
 }
 
-/// The port-forward listener: `--forward-listen`, else vsock port 1025
-/// unless in host mode (`--listen`). A failure costs port-forward only as
-/// PID 1 (it goes on); otherwise it ends the agent, so a test sees it.
-fn start_forward(args: &Args, pid1: bool) {
-    let listen = match (&args.forward_listen, args.listen.is_none()) {
+/// The port-forward and file-share listeners: `--forward-listen` and
+/// `--share-listen`, else vsock ports 1025 and 1026 unless in host mode
+/// (`--listen`). A failure costs that listener only as PID 1 (it goes on);
+/// otherwise it ends the agent, so a test sees it.
+fn start_side_listeners(args: &Args, pid1: bool) {
+    start_listener(
+        "port-forward",
+        &args.forward_listen,
+        twig_agent::proto::FORWARD_VSOCK_PORT,
+        args,
+        pid1,
+        forward::start,
+    );
+    start_listener(
+        "file-share",
+        &args.share_listen,
+        twig_agent::proto::FILE_SHARE_VSOCK_PORT,
+        args,
+        pid1,
+        shares::start,
+    );
+}
+
+/// A side listener (`what`): `given`, else vsock `port` unless in host mode.
+fn start_listener(
+    what: &str,
+    given: &Option<String>,
+    port: u32,
+    args: &Args,
+    pid1: bool,
+    start: fn(&str) -> std::io::Result<()>,
+) {
+    let listen = match (given, args.listen.is_none()) {
         (Some(l), _) => l.clone(),
-        (None, true) => format!("vsock://-1:{}", twig_agent::proto::FORWARD_VSOCK_PORT),
+        (None, true) => format!("vsock://-1:{port}"),
         (None, false) => return,
     };
-    if let Err(e) = forward::start(&listen) {
-        tracing::error!("port-forward on {listen}: {e}");
+    if let Err(e) = start(&listen) {
+        tracing::error!("{what} on {listen}: {e}");
         if !pid1 {
             std::process::exit(1);
         }

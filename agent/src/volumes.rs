@@ -839,6 +839,9 @@ impl Volumes {
     pub fn prepare(&self, req: &PrepareVolumeRequest) -> Result<()> {
         let name = req.name.as_str();
         validate_name(name)?;
+        if !req.share.is_empty() {
+            return self.prepare_share(req);
+        }
         validate_mode(name, req.mode)?;
         let on_disk = !req.device.is_empty();
         if on_disk && req.tmpfs_bytes > 0 {
@@ -942,6 +945,44 @@ impl Volumes {
         for sub in &req.subdirs {
             make_subdir(fd.as_fd(), sub, req.mode)?;
         }
+        Ok(())
+    }
+
+    /// PrepareVolume of a file share: mounts the 9p filesystem served on
+    /// share `req.share`'s connection on a new volume `req.name`.
+    fn prepare_share(&self, req: &PrepareVolumeRequest) -> Result<()> {
+        let name = req.name.as_str();
+        if !twig_agent::proto::file_share::valid_id(&req.share) {
+            return Err(invalid(format!(
+                "volume {name}: share id {:?} is malformed",
+                req.share
+            )));
+        }
+        if req.tmpfs_bytes > 0 || !req.device.is_empty() {
+            return Err(invalid(format!(
+                "volume {name}: a file share is neither a tmpfs nor on the pod's disk"
+            )));
+        }
+        let mut mounted = lock(&self.mounted);
+        self.mount_root(&mut mounted)?;
+        let dir = self.root.join(name);
+        let shown = dir.display();
+        match std::fs::create_dir(&dir) {
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                return Err(AgentError::FailedPrecondition(format!(
+                    "volume {name} exists: a file share is mounted on a new volume"
+                )))
+            }
+            Err(e) => return Err(AgentError::sys(format!("creating {shown}"), e)),
+            Ok(()) => {}
+        }
+        let mounted = crate::shares::take(&req.share, crate::shares::ARRIVAL)
+            .and_then(|stream| crate::shares::mount(stream, &dir, req.read_only));
+        if let Err(e) = mounted {
+            let _ = std::fs::remove_dir(&dir);
+            return Err(e);
+        }
+        tracing::info!(name, read_only = req.read_only, "file share mounted");
         Ok(())
     }
 

@@ -21,6 +21,9 @@
 //! a Secret, an emptyDir, laid out as kubelet writes them), interleaved
 //! with the pods without in the same run: `<handler>+volumes` rows.
 //!
+//! With `--shared-dir N` it also times file work on a host directory bound
+//! into a pod, N rounds per handler (`shared_dir.rs`).
+//!
 //! In the lab it also measures, per handler, the host memory of an idle pod
 //! (its shim, its VMM or containers: resident and anonymous, the latter
 //! being what the pod owns, not the template's shared page cache) and, for
@@ -73,6 +76,10 @@ pub struct Args {
     /// ServiceAccount token, a ConfigMap, a Secret, an emptyDir).
     #[arg(long)]
     volumes: bool,
+    /// Also time file work on a host directory bound into a pod
+    /// (`shared_dir.rs`), this many rounds per handler (0: not measured).
+    #[arg(long, default_value_t = 0)]
+    shared_dir: usize,
 }
 
 /// Where the benchmark's pods run.
@@ -263,6 +270,19 @@ async fn measure(args: &Args, node: &BenchNode) -> Result<Value, Error> {
                 .context(|| format!("idle pods with handler {name}"))?;
         }
     }
+    if args.shared_dir > 0 {
+        let names: Vec<String> = args.handlers.iter().map(|h| h.name.clone()).collect();
+        crate::shared_dir::measure(
+            &mut r,
+            &pods.cri,
+            &pods.image,
+            &names,
+            &dir.join("bench-shared-dir"),
+            args.shared_dir,
+        )
+        .await
+        .context(|| "the shared directory".into())?;
+    }
     r.value("load_average_after", json!(load_average()));
     Ok(r.into_value())
 }
@@ -322,7 +342,7 @@ fn ordinary_volumes(pod_dir: &Path) -> Result<Vec<twig_cri::api::Mount>, SendErr
 }
 
 /// Prints and records p50/p90/p99/max; returns the summary and its p99.
-fn summary(r: &mut Report, key: &str, samples: &[Duration]) -> (Summary, f64) {
+pub(crate) fn summary(r: &mut Report, key: &str, samples: &[Duration]) -> (Summary, f64) {
     let s = Summary::of(samples);
     let p99 = percentile(samples, 0.99);
     eprintln!(

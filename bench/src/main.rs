@@ -7,6 +7,7 @@ mod linux;
 mod net;
 mod node;
 mod objects;
+mod shared_dir;
 mod shim;
 mod snapshotter;
 mod stats;

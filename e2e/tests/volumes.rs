@@ -9,15 +9,19 @@
 //! cgroup (on twig, in the VM; beyond the VM it is refused). On twig, a
 //! rollback rewinds the emptyDir but keeps the pod's current ConfigMap, a
 //! clone sees its own ConfigMap in its adopted container, another
-//! namespace's pod cannot restore the snapshot, and a hostPath is refused
-//! naming the mount. A raw block volume (kubelet's `volumeDevices`: a CRI
+//! namespace's pod cannot restore the snapshot, and a hostPath file is
+//! refused naming the mount. A host directory (hostPath, filesystem PVC) is
+//! read and written from the container on both, the host's writes seen at
+//! once, a read-only one refusing writes, a non-root container's files its
+//! user's on the host; on twig, Snapshot and Rollback of its pod are
+//! refused naming it and its file servers end with the pod. A raw block volume (kubelet's `volumeDevices`: a CRI
 //! device of a block node; a loop device stands for the claim's device)
 //! is read and written from the container on both; on twig, Snapshot and
 //! Rollback of its pod are refused naming it. Built with `--features lab` and
 //! run in the nested lab by `tests/lab/run.sh -p twig-e2e --features
 //! twig-e2e/lab`.
 
-use std::os::unix::fs::symlink;
+use std::os::unix::fs::{symlink, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -29,6 +33,7 @@ use twig_cri::container_config;
 use twig_e2e::crilab::{runtime, wait_exited, CriLab, PROGRESS};
 use twig_e2e::IMAGE_REF;
 use twig_proto::contract::RESTORE_FROM_ANNOTATION;
+use twig_shim::share_server::SERVE_ARG;
 use twig_store::NodeStore;
 
 /// How soon a ConfigMap edit must be seen in the container (the issue's
@@ -240,8 +245,10 @@ async fn scenario(handler: &str) {
             .unwrap_or_else(|e| lab.fail("RemoveContainer quitter", e));
         snapshots(&lab, &pod, &pod_id, &app_id, &k).await;
         // CRI makes the task (the shim's Create) at StartContainer.
+        let file = lab.dir().join("a-host-file");
+        std::fs::write(&file, "x").expect("a host file");
         let mut host_path = container_config("hp", IMAGE_REF, &["true"], "hp.log");
-        host_path.mounts = vec![mount("/srv", &lab.dir(), false)];
+        host_path.mounts = vec![mount("/srv/file", &file, false)];
         let hp = lab
             .cri
             .create_container(&pod_id, &host_path, &pod)
@@ -252,10 +259,10 @@ async fn scenario(handler: &str) {
             .start_container(&hp)
             .await
             .err()
-            .unwrap_or_else(|| panic!("a hostPath volume was accepted by twig"));
+            .unwrap_or_else(|| panic!("a hostPath file was accepted by twig"));
         let text = err.to_string();
         assert!(
-            text.contains("/srv") && text.contains("not shared with the VM"),
+            text.contains("/srv/file") && text.contains("not a file"),
             "{text}"
         );
     }
@@ -439,6 +446,168 @@ fn runc_gives_a_pod_kubelets_files_and_volumes() {
     volumes("runc");
 }
 
+/// A host directory (a hostPath; a filesystem PVC is a directory kubelet
+/// mounted on the host, the same to the runtime): read, written, renamed
+/// and removed from the container, seen on the host at once and the
+/// host's writes seen in the container; a read-only one refuses writes; a
+/// file a non-root container creates belongs to its user on the host. On
+/// twig, Snapshot and Rollback of its pod are refused naming it, and no
+/// file server outlives the pod.
+fn host_dir(handler: &str) {
+    runtime().block_on(host_dir_scenario(handler));
+}
+
+async fn host_dir_scenario(handler: &str) {
+    let lab = CriLab::start().await;
+    let data = lab.dir().join(format!("hostdir-{handler}"));
+    let ro = lab.dir().join(format!("hostdir-ro-{handler}"));
+    for d in [&data, &ro] {
+        std::fs::create_dir_all(d).expect("a host directory");
+        std::fs::write(d.join("hello"), "from the host\n").expect("a host file");
+    }
+    std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    let pod = lab
+        .node
+        .pod_config(&format!("hostdir-{handler}"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut app = container_config("app", IMAGE_REF, &["/bin/sleep", "3600"], "app.log");
+    app.mounts = vec![mount("/data", &data, false), mount("/ro", &ro, true)];
+    let (pod_id, id) = lab.run_pod(&pod, handler, &app).await;
+    let (code, out) = lab
+        .exec(
+            &id,
+            &[
+                "sh",
+                "-c",
+                "cat /data/hello && echo from-the-guest > /data/new && mkdir -p /data/d/e \
+                 && echo deep > /data/d/e/f && mv /data/new /data/moved && rm /data/hello \
+                 && dd if=/dev/zero of=/data/big bs=64k count=64 2>/dev/null && sync",
+            ],
+        )
+        .await;
+    assert_eq!(
+        (code, out.as_str()),
+        (0, "from the host"),
+        "{handler}: the host's file"
+    );
+    let read = |p: &str| std::fs::read_to_string(data.join(p)).unwrap_or_default();
+    assert_eq!(read("moved"), "from-the-guest\n", "{handler}: renamed");
+    assert_eq!(read("d/e/f"), "deep\n", "{handler}: a new tree");
+    assert!(
+        !data.join("hello").exists(),
+        "{handler}: removed on the host"
+    );
+    let big = std::fs::metadata(data.join("big")).map(|m| m.len());
+    assert_eq!(big.ok(), Some(4 << 20), "{handler}: 4 MiB written through");
+    std::fs::write(data.join("late"), "written later\n").expect("a host write");
+    let (code, out) = lab.exec(&id, &["cat", "/data/late"]).await;
+    assert_eq!(
+        (code, out.as_str()),
+        (0, "written later"),
+        "{handler}: the host's write seen at once"
+    );
+    let (code, out) = lab
+        .exec(
+            &id,
+            &[
+                "sh",
+                "-c",
+                "cat /ro/hello; echo x > /ro/new || echo refused",
+            ],
+        )
+        .await;
+    assert_eq!(
+        (code, out.as_str()),
+        (0, "from the host\nrefused"),
+        "{handler}: read-only"
+    );
+    assert!(!ro.join("new").exists(), "{handler}: nothing written to ro");
+
+    let mut user = container_config("user", IMAGE_REF, &["/bin/sleep", "3600"], "user.log");
+    user.mounts = vec![mount("/data", &data, false)];
+    if let Some(linux) = user.linux.as_mut() {
+        linux.security_context = Some(api::LinuxContainerSecurityContext {
+            run_as_user: Some(api::Int64Value { value: 1000 }),
+            run_as_group: Some(api::Int64Value { value: 1001 }),
+            ..Default::default()
+        });
+    }
+    let user_id = lab
+        .cri
+        .create_container(&pod_id, &user, &pod)
+        .await
+        .unwrap_or_else(|e| lab.fail("CreateContainer user", e));
+    lab.cri
+        .start_container(&user_id)
+        .await
+        .unwrap_or_else(|e| lab.fail("StartContainer user", e));
+    let (code, out) = lab
+        .exec(
+            &user_id,
+            &["sh", "-c", "echo mine > /data/mine && cat /data/d/e/f"],
+        )
+        .await;
+    assert_eq!(
+        (code, out.as_str()),
+        (0, "deep"),
+        "{handler}: the user reads and writes the host's files"
+    );
+    let mine = std::fs::metadata(data.join("mine")).expect("the user's file");
+    assert_eq!(
+        (mine.uid(), mine.gid()),
+        (1000, 1001),
+        "{handler}: owned by the container's user"
+    );
+
+    if handler == "twig" {
+        let sandbox = lab.sandbox_of(&pod).await;
+        let shim = TtrpcShim { timeout: CALL };
+        let e = shim
+            .snapshot(&sandbox, &snap_id("hostdir"), SnapshotMode::Full)
+            .await
+            .expect_err("a pod with a host directory is not snapshotted");
+        assert!(e.to_string().contains("host directory"), "{e}");
+        let e = shim
+            .rollback(&sandbox, &snap_id("hostdir"), "hostdir-op-1")
+            .await
+            .expect_err("nor rolled back");
+        assert!(e.to_string().contains("host directory"), "{e}");
+        let (code, _) = lab.exec(&id, &["true"]).await;
+        assert_eq!(code, 0, "the pod runs on");
+        assert_eq!(share_servers().len(), 3, "one server per mount");
+    }
+    lab.remove_pod(&pod_id).await;
+    let left = share_servers();
+    assert!(left.is_empty(), "{handler}: file servers left: {left:?}");
+    assert_eq!(
+        read("moved"),
+        "from-the-guest\n",
+        "{handler}: the data stays"
+    );
+}
+
+/// The file-share servers running (processes whose first argument is the
+/// shim's serve mode).
+fn share_servers() -> Vec<String> {
+    processes(|proc| {
+        let cmdline = std::fs::read(proc.join("cmdline")).unwrap_or_default();
+        cmdline
+            .split(|b| *b == 0)
+            .nth(1)
+            .is_some_and(|a| a == SERVE_ARG.as_bytes())
+    })
+}
+
+#[test]
+fn twig_shares_a_host_directory_and_refuses_to_snapshot_it() {
+    host_dir("twig");
+}
+
+#[test]
+fn runc_shares_a_host_directory() {
+    host_dir("runc");
+}
+
 /// A raw block volume: kubelet maps a block-mode claim's device and passes
 /// its node as a CRI device (`devicePath` in the container, `mrw`); here a
 /// loop device over a file of the node stands for it.
@@ -513,16 +682,24 @@ async fn block_scenario(handler: &str) {
 
 /// The processes holding `device` open.
 fn holders(device: &Path) -> Vec<String> {
-    let mut found = Vec::new();
-    for p in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let fds = p.path().join("fd");
-        for fd in std::fs::read_dir(&fds).into_iter().flatten().flatten() {
-            if std::fs::read_link(fd.path()).is_ok_and(|t| t == device) {
-                found.push(p.file_name().to_string_lossy().into_owned());
-            }
-        }
-    }
-    found
+    processes(|proc| {
+        std::fs::read_dir(proc.join("fd"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|t| t == device))
+    })
+}
+
+/// The pids of the processes whose `/proc/<pid>` satisfies `pick`.
+fn processes(pick: impl Fn(&Path) -> bool) -> Vec<String> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|p| pick(&p.path()))
+        .map(|p| p.file_name().to_string_lossy().into_owned())
+        .collect()
 }
 
 #[test]

@@ -97,6 +97,68 @@ pub const AGENT_VSOCK_PORT: u32 = 1024;
 /// reaches the other).
 pub const FORWARD_VSOCK_PORT: u32 = 1025;
 
+/// The vsock port of the guest agent's file-share listener: per connection
+/// the host sends a [`file_share::Request`] naming the share; the agent
+/// keeps the stream until a `PrepareVolume` names that share and hands it
+/// to the guest kernel as the transport of a 9P2000.L mount (`trans=fd`);
+/// the host serves the volume's directory on its end (twig-shim).
+pub const FILE_SHARE_VSOCK_PORT: u32 = 1026;
+
+/// The request that opens a file-share connection on
+/// [`FILE_SHARE_VSOCK_PORT`]: fixed-size, no answer.
+pub mod file_share {
+    /// The request: `TWFS` and the share's id.
+    pub const REQUEST_LEN: usize = 4 + ID_LEN;
+    /// A share's id: lower-case hex digits.
+    pub const ID_LEN: usize = 32;
+    const MAGIC: &[u8; 4] = b"TWFS";
+
+    /// Whether `id` is a well-formed share id.
+    pub fn valid_id(id: &str) -> bool {
+        id.len() == ID_LEN && id.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    }
+
+    /// The request's bytes for share `id`; `None` if `id` is malformed.
+    pub fn encode(id: &str) -> Option<[u8; REQUEST_LEN]> {
+        if !valid_id(id) {
+            return None;
+        }
+        let mut out = [0u8; REQUEST_LEN];
+        out[..4].copy_from_slice(MAGIC);
+        out[4..].copy_from_slice(id.as_bytes());
+        Some(out)
+    }
+
+    /// The share id of a request; `None` for anything malformed.
+    pub fn decode(bytes: &[u8; REQUEST_LEN]) -> Option<String> {
+        if &bytes[..4] != MAGIC {
+            return None;
+        }
+        let id = std::str::from_utf8(&bytes[4..]).ok()?;
+        valid_id(id).then(|| id.to_string())
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn requests_round_trip_and_malformed_ones_are_refused() {
+            let id = "0123456789abcdef0123456789abcdef";
+            let bytes = encode(id).unwrap();
+            assert_eq!(decode(&bytes).as_deref(), Some(id));
+            assert!(encode("short").is_none());
+            assert!(encode(&"G".repeat(ID_LEN)).is_none());
+            let mut bad = bytes;
+            bad[0] = b'X';
+            assert!(decode(&bad).is_none());
+            let mut bad = bytes;
+            bad[10] = b'/';
+            assert!(decode(&bad).is_none());
+        }
+    }
+}
+
 /// The request and answer that open a port-forward connection on
 /// [`FORWARD_VSOCK_PORT`], both fixed-size.
 pub mod port_forward {

@@ -16,6 +16,7 @@ pub mod restore;
 pub mod sandbox;
 pub mod server;
 pub mod service;
+pub mod share_server;
 pub mod spec;
 pub mod stdio;
 pub mod twig_service;

@@ -30,6 +30,18 @@ use std::os::unix::fs::OpenOptionsExt;
 
 fn main() -> ExitCode {
     let args: Vec<std::ffi::OsString> = std::env::args_os().skip(1).collect();
+    if args
+        .first()
+        .is_some_and(|a| a == twig_shim::share_server::SERVE_ARG)
+    {
+        return match twig_shim::share_server::serve(&args[1..]) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("file-share server: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let flags = match containerd_shim::parse(&args) {
         Ok(f) => f,
         Err(e) => {

@@ -164,6 +164,13 @@ pub trait Sandbox: Send + Sync {
     /// VM was restored from, once; `None` when there is none (always, for
     /// a VM restored from the template).
     fn take_restored(&self, name: &str) -> Option<Restored>;
+    /// A stream to the guest's vsock `port` (the VMM's `CONNECT`).
+    fn open_port(&self, port: u32, timeout: Duration) -> Result<std::os::unix::net::UnixStream> {
+        let _ = (port, timeout);
+        Err(Error::FailedPrecondition(
+            "this sandbox has no vsock socket to reach the guest through".into(),
+        ))
+    }
     /// Whether [`Sandbox::take_restored`] would hand out a container for
     /// `name` (it is left there).
     fn has_restored(&self, name: &str) -> bool {

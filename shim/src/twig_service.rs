@@ -166,21 +166,24 @@ impl TwigService {
     /// Refuses to `what` (snapshot or roll back) a pod with a raw block
     /// volume: the volume lives on the host, outside what a snapshot
     /// carries, so neither could keep the guest's view of it true.
-    fn refuse_block_volumes(&self, what: &str) -> Result<()> {
-        match self
-            .inner
-            .pod
-            .container_views()
-            .into_iter()
-            .find(|c| c.block_volumes > 0)
-        {
-            Some(c) => Err(Error::FailedPrecondition(format!(
-                "cannot {what} pod sandbox {}: container {} has a raw block volume \
-                 (volumeDevices), which lives outside the VM and is not rewound",
+    /// Refuses to `what` a pod whose volumes live outside its VM: a raw
+    /// block volume or a shared host directory cannot be rewound.
+    fn refuse_host_volumes(&self, what: &str) -> Result<()> {
+        for c in self.inner.pod.container_views() {
+            let volume = if c.block_volumes > 0 {
+                "a raw block volume (volumeDevices)"
+            } else if c.shares > 0 {
+                "a host directory (hostPath or filesystem volume)"
+            } else {
+                continue;
+            };
+            return Err(Error::FailedPrecondition(format!(
+                "cannot {what} pod sandbox {}: container {} has {volume}, which lives \
+                 outside the VM and is not rewound",
                 self.inner.sandbox_id, c.id
-            ))),
-            None => Ok(()),
+            )));
         }
+        Ok(())
     }
 
     fn containers(&self) -> Result<Vec<SnapshotContainer>> {
@@ -241,7 +244,7 @@ impl TwigService {
         // No container is created or deleted from the list to the VM's
         // snapshot: the labels say what the snapshot holds.
         let _frozen = self.inner.pod.freeze_containers().await;
-        self.refuse_block_volumes("snapshot")?;
+        self.refuse_host_volumes("snapshot")?;
         let containers = serde_json::to_string(&self.containers()?)
             .map_err(|e| Error::Internal(format!("encoding the pod's containers: {e}")))?;
         let owner = self.namespace()?;
@@ -355,7 +358,7 @@ impl TwigService {
         // The pod's containers stay what the check compares until the VM
         // is back (see `do_snapshot`).
         let _frozen = self.inner.pod.freeze_containers().await;
-        self.refuse_block_volumes("roll back")?;
+        self.refuse_host_volumes("roll back")?;
         let now = self.containers()?;
         let sandbox_id = self.inner.sandbox_id.clone();
         let id = req.snapshot_id.clone();

@@ -93,6 +93,8 @@ impl Pod {
         // The guest volumes its mounts bind, with their content now (an
         // adopted container's too: a clone's own token replaces its
         // source's), then kept current while it lives.
+        let shares = plan.volumes.iter().find(|v| matches!(v, Volume::Shared(_)));
+        let mut share_servers = Vec::new();
         if !plan.volumes.is_empty() {
             let disk = if plan.volumes.iter().any(Volume::on_pod_disk) {
                 Some(timer.vm(self.pod_disk(&sandbox)).await?)
@@ -100,9 +102,9 @@ impl Pod {
                 None
             };
             let (sb, vols, timeout) = (sandbox.clone(), plan.volumes.clone(), self.inner.timeout);
-            timer
+            share_servers = timer
                 .vm(blocking(move || {
-                    volumes::prepare(&sb.agent(), &vols, disk.as_ref(), timeout)
+                    volumes::prepare(sb.as_ref(), &vols, disk.as_ref(), timeout)
                 }))
                 .await?;
             self.watch_volumes(&new.id, &sandbox, &plan.volumes)?;
@@ -116,15 +118,23 @@ impl Pod {
         } else {
             name.as_deref()
         };
-        // A restored container runs already: a raw block volume cannot be
-        // added to it. Refused before it is taken, so it stays adoptable.
-        if let (Some(n), Some(block)) = (adoption, blocks.first()) {
+        // A restored container runs already: a raw block volume or a host
+        // directory cannot be added to it. Refused before it is taken, so
+        // it stays adoptable.
+        let host_volume = match (blocks.first(), shares) {
+            (Some(b), _) => Some(format!("a raw block volume ({})", b.path)),
+            (None, Some(Volume::Shared(s))) => {
+                Some(format!("a host directory ({})", s.serve.dir.display()))
+            }
+            _ => None,
+        };
+        if let (Some(n), Some(what)) = (adoption, host_volume) {
             if sandbox.has_restored(n) {
                 self.inner.watcher.unwatch(&new.id);
                 return Err(Error::FailedPrecondition(format!(
-                    "container {} runs already in the VM restored from a snapshot: a raw \
-                     block volume ({}) cannot be added to it",
-                    new.id, block.path
+                    "container {} runs already in the VM restored from a snapshot: {what} \
+                     cannot be added to it",
+                    new.id
                 )));
             }
         }
@@ -185,6 +195,7 @@ impl Pod {
             origin,
             attachment,
             block_volumes: block_attachments,
+            shares: share_servers,
             volumes: plan.volumes,
             disk_image,
             init: Proc::new("", paths, opened, Vec::new()),

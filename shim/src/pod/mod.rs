@@ -100,6 +100,8 @@ pub struct ContainerView {
     pub running: bool,
     /// How many raw block volumes it has (host devices in disk slots).
     pub block_volumes: usize,
+    /// How many host directories are shared with it.
+    pub shares: usize,
 }
 
 /// The pod of one shim.
@@ -282,6 +284,7 @@ impl Pod {
                 slot: c.attachment.slot,
                 running: c.init.phase == Phase::Running,
                 block_volumes: c.block_volumes.len(),
+                shares: c.shares.len(),
             })
             .collect();
         views.sort_by(|a, b| a.id.cmp(&b.id));

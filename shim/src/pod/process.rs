@@ -139,6 +139,8 @@ pub struct Container {
     pub attachment: Attachment,
     /// Its raw block volumes' disk slots.
     pub block_volumes: Vec<Attachment>,
+    /// The servers of its shared host directories (killed with it).
+    pub shares: Vec<crate::resources::share::Server>,
     /// The sandbox container's rootfs image (twig-snapshotter's): the
     /// pod's disk, attached when a disk-backed volume first needs it.
     pub disk_image: Option<PathBuf>,

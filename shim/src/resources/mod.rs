@@ -10,5 +10,6 @@ pub mod limits;
 pub mod network;
 pub mod port_forward;
 pub mod rootfs;
+pub mod share;
 pub mod volumes;
 pub mod watch;

@@ -22,9 +22,13 @@
 //!   Memory`. A `subPath` of an emptyDir is the same directory of it in the guest
 //!   (found by inode on the host, made in the guest by `PrepareVolume`'s
 //!   `subdirs`);
-//! - anything else (a hostPath, a filesystem PersistentVolume, a subPath
-//!   that is no directory of its emptyDir on the host) is refused, naming
-//!   the mount: nothing shares a host filesystem with the VM yet.
+//! - a host directory — a hostPath, a filesystem PersistentVolume, a
+//!   subPath of either — is **shared**: served over 9P2000.L by a jailed
+//!   server and mounted by the agent ([`crate::resources::share`]); reads
+//!   and writes reach the host at once;
+//! - anything else (a hostPath that is a file or a socket, a subPath that
+//!   is no directory of its emptyDir on the host) is refused, naming the
+//!   mount.
 //!
 //! A mirrored volume's guest name comes from the container's name and the
 //! mount's destination, not from host paths: a clone (another pod UID,
@@ -43,6 +47,9 @@ use twig_agent::proto::agent::{volume_entry, PrepareVolumeRequest, VolumeEntry};
 use twig_proto::GUEST_VOLUMES_DIR;
 
 use crate::error::{Error, Result};
+use crate::resources::share::{self, Identity, Share};
+use crate::sandbox::Sandbox;
+use crate::share_server::ServeArgs;
 
 /// The file name a mirrored single file (or a termination message) has in
 /// its guest volume.
@@ -91,6 +98,8 @@ pub enum Volume {
         /// guest as kubelet makes them on the host.
         subdirs: Vec<String>,
     },
+    /// A host directory shared with the guest.
+    Shared(Share),
 }
 
 impl Volume {
@@ -98,6 +107,7 @@ impl Volume {
     pub fn name(&self) -> &str {
         match self {
             Volume::Mirror(m) => &m.name,
+            Volume::Shared(s) => &s.name,
             Volume::Termination { name, .. } | Volume::EmptyDir { name, .. } => name,
         }
     }
@@ -156,9 +166,22 @@ fn is_bind(m: &Value) -> bool {
 
 /// The guest volume name of `container`'s mount on `destination`.
 fn mirror_name(container: &str, destination: &str) -> String {
+    volume_name("m", container, destination)
+}
+
+/// The guest volume name, `<prefix>-<digest>`, of `container`'s mount on
+/// `destination`.
+fn volume_name(prefix: &str, container: &str, destination: &str) -> String {
     let digest = Sha256::digest(format!("{container}\0{destination}").as_bytes());
     let hex: String = digest[..12].iter().map(|b| format!("{b:02x}")).collect();
-    format!("m-{hex}")
+    format!("{prefix}-{hex}")
+}
+
+/// Whether an OCI mount asks for read-only.
+fn is_read_only(m: &Value) -> bool {
+    m.get("options")
+        .and_then(Value::as_array)
+        .is_some_and(|o| o.iter().any(|o| o == "ro"))
 }
 
 /// `…/volumes/kubernetes.io~<plugin>/<name>` of kubelet's pod directory:
@@ -219,6 +242,7 @@ fn tmpfs_size(dir: &Path) -> Result<Option<u64>> {
 /// namespace).
 pub fn guest_mounts(spec: &mut Value, container: &str) -> Result<Plan> {
     let mut plan = Plan::default();
+    let identity = Identity::of(spec)?;
     let Some(mounts) = spec.get_mut("mounts").and_then(Value::as_array_mut) else {
         return Ok(plan);
     };
@@ -239,7 +263,14 @@ pub fn guest_mounts(spec: &mut Value, container: &str) -> Result<Plan> {
             continue;
         }
         let source = PathBuf::from(m.get("source").and_then(Value::as_str).unwrap_or_default());
-        let (volume, sub) = classify(&source, &dest, container)?;
+        let mount = Mount {
+            source: &source,
+            dest: &dest,
+            container,
+            read_only: is_read_only(m),
+            identity: &identity,
+        };
+        let (volume, sub) = classify(&mount)?;
         let guest = match (&volume, &sub) {
             (Volume::Mirror(Mirror { file: true, .. }) | Volume::Termination { .. }, _) => {
                 format!("{GUEST_VOLUMES_DIR}/{}/{FILE}", volume.name())
@@ -295,9 +326,24 @@ fn subpath_of(dir: &Path, subpath: &Path) -> Option<String> {
     None
 }
 
-/// What the bind mount of host `source` on `dest` is in the guest, and the
-/// directory of it bound (a subPath of an emptyDir).
-fn classify(source: &Path, dest: &str, container: &str) -> Result<(Volume, Option<String>)> {
+/// A bind mount of a container's spec, as [`classify`] sees it.
+struct Mount<'a> {
+    source: &'a Path,
+    dest: &'a str,
+    container: &'a str,
+    read_only: bool,
+    identity: &'a Identity,
+}
+
+/// What the bind mount is in the guest, and the directory of it bound (a
+/// subPath of an emptyDir).
+fn classify(mount: &Mount<'_>) -> Result<(Volume, Option<String>)> {
+    let Mount {
+        source,
+        dest,
+        container,
+        ..
+    } = *mount;
     let refuse = |why: String| {
         Err(Error::InvalidArgument(format!(
             "the mount on {dest} (the host's {}): {why}",
@@ -326,11 +372,7 @@ fn classify(source: &Path, dest: &str, container: &str) -> Result<(Volume, Optio
         if plugin == "empty-dir" {
             return Ok((empty_dir(name, source)?, None));
         }
-        return refuse(format!(
-            "volume {name:?} (kubernetes.io~{plugin}) is a filesystem on the host; the twig \
-             runtime does not share host filesystems with the VM (use a ConfigMap, Secret, \
-             emptyDir or a raw block volume)"
-        ));
+        return shared(mount);
     }
     if let Some((pod, volume)) = kubelet_subpath(source) {
         let host_dir = pod.join("volumes/kubernetes.io~empty-dir").join(volume);
@@ -343,8 +385,15 @@ fn classify(source: &Path, dest: &str, container: &str) -> Result<(Volume, Optio
             };
             return Ok((empty_dir(volume, &host_dir)?, Some(sub)));
         }
-        // A subPath is not updated under runc either.
-        return mirror(false);
+        // A subPath of a configuration volume is not updated under runc
+        // either; one of a host filesystem is shared.
+        let config = CONFIG_PLUGINS.iter().any(|p| {
+            pod.join("volumes")
+                .join(format!("kubernetes.io~{p}"))
+                .join(volume)
+                .exists()
+        });
+        return if config { mirror(false) } else { shared(mount) };
     }
     if is_termination_file(source) {
         let volume = Volume::Termination {
@@ -356,11 +405,38 @@ fn classify(source: &Path, dest: &str, container: &str) -> Result<(Volume, Optio
     if CRI_POD_FILES.contains(&dest) || source.ends_with("etc-hosts") {
         return mirror(false);
     }
-    refuse(
-        "a host path (hostPath volume or another bind mount) is not shared with the VM by \
-         the twig runtime"
-            .into(),
-    )
+    shared(mount)
+}
+
+/// A host directory shared with the guest; anything else is refused.
+fn shared(mount: &Mount<'_>) -> Result<(Volume, Option<String>)> {
+    let (source, dest) = (mount.source, mount.dest);
+    let meta = std::fs::metadata(source).map_err(|e| {
+        Error::InvalidArgument(format!(
+            "the mount on {dest}: its host source {}: {e}",
+            source.display()
+        ))
+    })?;
+    if !meta.is_dir() {
+        return Err(Error::InvalidArgument(format!(
+            "the mount on {dest} (the host's {}): only a directory of the host (hostPath, \
+             filesystem volume) is shared with the VM, not a file, socket or device",
+            source.display()
+        )));
+    }
+    let id = mount.identity;
+    let share = Share {
+        name: volume_name("s", mount.container, dest),
+        serve: ServeArgs {
+            dir: source.to_path_buf(),
+            uid: id.uid,
+            gid: id.gid,
+            groups: id.groups.clone(),
+            caps: id.caps,
+            read_only: mount.read_only,
+        },
+    };
+    Ok((Volume::Shared(share), None))
 }
 
 /// emptyDir `name`, kubelet's directory `dir` on the host.
@@ -399,6 +475,12 @@ pub fn prepare_request(volume: &Volume, disk: Option<&PodDisk>) -> Result<Prepar
             )
         }
         Volume::Mirror(_) | Volume::Termination { .. } => (0o755, 0, 0, 0),
+        Volume::Shared(s) => {
+            return Err(Error::Internal(format!(
+                "volume {} is a file share, mounted by its own request",
+                s.name
+            )))
+        }
         // kubelet makes an emptyDir world-writable.
         Volume::EmptyDir { tmpfs_bytes, .. } => (0o777, 0, 0, *tmpfs_bytes),
     };
@@ -442,7 +524,7 @@ pub fn content(volume: &Volume) -> Result<Option<Vec<VolumeEntry>>> {
             let meta = std::fs::metadata(host).map_err(|e| mirror_error(host, "reading", &e))?;
             Ok(Some(vec![file_entry(FILE, Vec::new(), &meta)]))
         }
-        Volume::EmptyDir { .. } => Ok(None),
+        Volume::EmptyDir { .. } | Volume::Shared(_) => Ok(None),
     }
 }
 
@@ -535,14 +617,21 @@ pub fn read_tree(root: &Path) -> Result<Vec<VolumeEntry>> {
 
 /// Makes `volumes` in the guest and gives each its content now (before
 /// the container that mounts them is created, or adopted in a clone: the
-/// clone's own content replaces its source's).
+/// clone's own content replaces its source's); a shared directory gets its
+/// server, returned.
 pub fn prepare(
-    agent: &AgentClient,
+    sandbox: &dyn Sandbox,
     volumes: &[Volume],
     disk: Option<&PodDisk>,
     timeout: Duration,
-) -> Result<()> {
+) -> Result<Vec<share::Server>> {
+    let agent = sandbox.agent();
+    let mut servers = Vec::new();
     for v in volumes {
+        if let Volume::Shared(s) = v {
+            servers.push(share::attach(sandbox, s, timeout)?);
+            continue;
+        }
         agent
             .prepare_volume(&prepare_request(v, disk)?, timeout)
             .map_err(|e| Error::agent(format!("making guest volume {}", v.name()), e))?;
@@ -552,7 +641,7 @@ pub fn prepare(
                 .map_err(|e| Error::agent(format!("filling guest volume {}", v.name()), e))?;
         }
     }
-    Ok(())
+    Ok(servers)
 }
 
 /// Gives a mirrored volume its host content again (kubelet changed it, or
@@ -720,18 +809,61 @@ mod tests {
     }
 
     #[test]
-    fn host_filesystems_are_refused_naming_the_mount() {
+    fn host_directories_are_shared_as_the_containers_user_and_the_rest_refused() {
         let tmp = tempfile::tempdir().unwrap();
         let pod = tmp.path().join("pods/uid-1");
         let csi = pod.join("volumes/kubernetes.io~csi/pvc-1/mount");
         let nfs = pod.join("volumes/kubernetes.io~nfs/shared");
+        let host = tmp.path().join("srv/data");
+        let pv_sub = pod.join("volume-subpaths/pvc-1/app/0");
+        let cm_sub = pod.join("volume-subpaths/config/app/1");
+        std::fs::create_dir_all(pod.join("volumes/kubernetes.io~configmap/config")).unwrap();
+        for d in [&csi, &nfs, &host, &pv_sub, &cm_sub] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        let user = json!({"uid": 1000, "gid": 1000, "additionalGids": [4000]});
+        let mut spec = json!({
+            "process": {"user": user, "capabilities": {"effective": ["CAP_CHOWN", "CAP_SYS_ADMIN"]}},
+            "mounts": [bind("/data", &host, true), bind("/nfs", &nfs, false),
+                       bind("/pv", &csi, false), bind("/pv-sub", &pv_sub, false),
+                       bind("/cm-sub", &cm_sub, false)]});
+        let plan = guest_mounts(&mut spec, "app").unwrap();
+        let shares: Vec<&Share> = plan
+            .volumes
+            .iter()
+            .filter_map(|v| match v {
+                Volume::Shared(s) => Some(s),
+                _ => None,
+            })
+            .collect();
+        let dirs: Vec<&Path> = shares.iter().map(|s| s.serve.dir.as_path()).collect();
+        assert_eq!(dirs, [host.as_path(), &nfs, &csi, &pv_sub]);
+        let first = &shares[0].serve;
+        assert!(first.read_only && !shares[1].serve.read_only);
+        assert_eq!(
+            (first.uid, first.gid, first.groups.as_slice()),
+            (1000, 1000, &[4000][..])
+        );
+        assert_eq!(first.caps, 1, "CAP_CHOWN only: the file capabilities");
+        assert!(
+            matches!(plan.volumes[4], Volume::Mirror(_)),
+            "a ConfigMap's subPath"
+        );
+        let mounts = spec["mounts"].as_array().unwrap();
+        assert_eq!(
+            mounts[0]["source"],
+            json!(format!("{GUEST_VOLUMES_DIR}/{}", shares[0].name))
+        );
+        assert!(shares[0].name.starts_with("s-"));
+
+        let file = tmp.path().join("srv/file");
+        std::fs::write(&file, "x").unwrap();
         let sub = pod.join("volume-subpaths/scratch/app/0");
         std::fs::create_dir_all(pod.join("volumes/kubernetes.io~empty-dir/scratch")).unwrap();
         std::fs::create_dir_all(&sub).unwrap();
         for (dest, source, says) in [
-            ("/data", Path::new("/srv/data"), "hostPath"),
-            ("/nfs", nfs.as_path(), "kubernetes.io~nfs"),
-            ("/pv", csi.as_path(), "host path"),
+            ("/file", file.as_path(), "not a file"),
+            ("/gone", Path::new("/nonexistent/twig"), "No such file"),
             ("/sub", sub.as_path(), "no directory of it"),
         ] {
             let mut spec = json!({"mounts": [bind(dest, source, false)]});

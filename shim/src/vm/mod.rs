@@ -401,6 +401,12 @@ impl Sandbox for VmSandbox {
         Ok(())
     }
 
+    fn open_port(&self, port: u32, timeout: Duration) -> Result<std::os::unix::net::UnixStream> {
+        twig_proto::vsock::connect(&self.vsock, port, timeout).map_err(|e| {
+            Error::FailedPrecondition(format!("reaching the guest's vsock port {port}: {e}"))
+        })
+    }
+
     fn has_restored(&self, name: &str) -> bool {
         let restored = self.restored.lock().unwrap_or_else(|p| p.into_inner());
         restored_index(&restored, name).is_some()
