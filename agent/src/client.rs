@@ -22,10 +22,10 @@ use std::time::{Duration, Instant};
 
 use crate::proto::agent::{
     ContainerRequest, CreateContainerRequest, ExecProcessRequest, PingRequest, PingResponse,
-    PrepareVolumeRequest, ProcessRequest, ReadStreamRequest, ReadVolumeFileRequest,
-    ReadVolumeFileResponse, ReidentifyRequest, RemoveVolumeRequest, ResizeTtyRequest,
-    SignalProcessRequest, StatsResponse, SyncVolumeRequest, UpdateContainerRequest, VolumeEntry,
-    WaitProcessRequest, WriteStdinRequest,
+    PrepareVolumeRequest, PrepareVolumesRequest, ProcessRequest, ReadStreamRequest,
+    ReadVolumeFileRequest, ReadVolumeFileResponse, ReidentifyRequest, RemoveVolumeRequest,
+    ResizeTtyRequest, SignalProcessRequest, StatsResponse, SyncVolumeRequest,
+    UpdateContainerRequest, VolumeEntry, WaitProcessRequest, WriteStdinRequest,
 };
 use crate::proto::agent_ttrpc_async::AgentClient as RawClient;
 
@@ -710,6 +710,23 @@ impl AgentClient {
         let req = req.clone();
         self.call("PrepareVolume", timeout, move |raw| async move {
             raw.prepare_volume(context(timeout), &req).await
+        })
+        .map(|_| ())
+    }
+
+    /// [`AgentClient::prepare_volume`] for each of `volumes` in order, in
+    /// one call; the first failure stops the rest and names its volume.
+    pub fn prepare_volumes(
+        &self,
+        volumes: Vec<PrepareVolumeRequest>,
+        timeout: Duration,
+    ) -> Result<()> {
+        let req = PrepareVolumesRequest {
+            volumes,
+            ..Default::default()
+        };
+        self.call("PrepareVolumes", timeout, move |raw| async move {
+            raw.prepare_volumes(context(timeout), &req).await
         })
         .map(|_| ())
     }

@@ -28,6 +28,18 @@ impl AgentError {
     pub fn sys(what: impl std::fmt::Display, e: impl std::fmt::Display) -> Self {
         AgentError::Internal(format!("{what}: {e}"))
     }
+
+    /// The same error, its message prefixed with `what: `.
+    pub fn context(self, what: &str) -> Self {
+        let wrap = |m: String| format!("{what}: {m}");
+        match self {
+            AgentError::InvalidArgument(m) => AgentError::InvalidArgument(wrap(m)),
+            AgentError::NotFound(m) => AgentError::NotFound(wrap(m)),
+            AgentError::AlreadyExists(m) => AgentError::AlreadyExists(wrap(m)),
+            AgentError::FailedPrecondition(m) => AgentError::FailedPrecondition(wrap(m)),
+            AgentError::Internal(m) => AgentError::Internal(wrap(m)),
+        }
+    }
 }
 
 impl From<AgentError> for ttrpc::Error {

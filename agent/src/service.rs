@@ -12,11 +12,11 @@ use oci_spec::runtime::LinuxResources;
 use ttrpc::TtrpcContext;
 use twig_agent::proto::agent::{
     ContainerRequest, CreateContainerRequest, Empty, ExecProcessRequest, PingRequest, PingResponse,
-    PrepareVolumeRequest, ProcessRequest, ReadStreamRequest, ReadStreamResponse,
-    ReadVolumeFileRequest, ReadVolumeFileResponse, ReidentifyRequest, ReidentifyResponse,
-    RemoveVolumeRequest, ResizeTtyRequest, SignalProcessRequest, StartResponse, StatsResponse,
-    SyncVolumeRequest, UpdateContainerRequest, WaitProcessRequest, WaitProcessResponse,
-    WriteStdinRequest, WriteStdinResponse,
+    PrepareVolumeRequest, PrepareVolumesRequest, ProcessRequest, ReadStreamRequest,
+    ReadStreamResponse, ReadVolumeFileRequest, ReadVolumeFileResponse, ReidentifyRequest,
+    ReidentifyResponse, RemoveVolumeRequest, ResizeTtyRequest, SignalProcessRequest, StartResponse,
+    StatsResponse, SyncVolumeRequest, UpdateContainerRequest, WaitProcessRequest,
+    WaitProcessResponse, WriteStdinRequest, WriteStdinResponse,
 };
 use twig_agent::proto::agent_ttrpc::{create_agent, Agent};
 
@@ -491,16 +491,23 @@ impl Agent for AgentService {
         _ctx: &TtrpcContext,
         req: PrepareVolumeRequest,
     ) -> ttrpc::Result<Empty> {
-        let r = if req.device.is_empty() {
-            Ok(())
-        } else {
-            wait_for_capacity(Path::new(&req.device), req.device_bytes).map(drop)
-        };
         reply(
             "PrepareVolume",
-            r.and_then(|()| self.volumes.prepare(&req))
-                .map(|()| Empty::new()),
+            self.prepare_one(req).map(|()| Empty::new()),
         )
+    }
+
+    fn prepare_volumes(
+        &self,
+        _ctx: &TtrpcContext,
+        req: PrepareVolumesRequest,
+    ) -> ttrpc::Result<Empty> {
+        let r = req.volumes.into_iter().try_for_each(|v| {
+            let name = v.name.clone();
+            self.prepare_one(v)
+                .map_err(|e| e.context(&format!("volume {name}")))
+        });
+        reply("PrepareVolumes", r.map(|()| Empty::new()))
     }
 
     fn sync_volume(&self, _ctx: &TtrpcContext, req: SyncVolumeRequest) -> ttrpc::Result<Empty> {
@@ -524,6 +531,30 @@ impl Agent for AgentService {
 }
 
 impl AgentService {
+    /// PrepareVolume: the volume (once its disk, if any, is seen at its
+    /// size), then its content if it has some.
+    fn prepare_one(&self, mut req: PrepareVolumeRequest) -> Result<()> {
+        if !req.device.is_empty() {
+            wait_for_capacity(Path::new(&req.device), req.device_bytes)?;
+        }
+        if req.has_content && !req.share.is_empty() {
+            return Err(AgentError::InvalidArgument(format!(
+                "volume {}: a file share has the host's content, not entries",
+                req.name
+            )));
+        }
+        self.volumes.prepare(&req)?;
+        if req.has_content {
+            let sync = SyncVolumeRequest {
+                name: req.name.clone(),
+                entries: std::mem::take(&mut req.entries),
+                ..Default::default()
+            };
+            self.volumes.sync(sync)?;
+        }
+        Ok(())
+    }
+
     /// Gives `hostname` to every running container that has a hostname of
     /// its own (its own UTS namespace, a pod's sandbox container): after a
     /// clone, the restored pod's containers answer with the clone's name.

@@ -298,3 +298,62 @@ fn a_disk_backed_emptydir_lives_on_the_pods_disk() {
         "FAILED_PRECONDITION"
     );
 }
+
+#[test]
+fn prepare_volumes_makes_a_pods_volumes_in_one_call_and_names_the_one_that_fails() {
+    let root = tempfile::tempdir().unwrap();
+    let vols = root.path().join("volumes");
+    let agent = Agent::start_with(&[], "", &["--volumes-dir", &common::path_str(&vols)]);
+    let c = agent.client();
+    let volume =
+        |name: &str, tmpfs_bytes: u64, content: Option<Vec<VolumeEntry>>| PrepareVolumeRequest {
+            name: name.into(),
+            tmpfs_bytes,
+            mode: 0o755,
+            has_content: content.is_some(),
+            entries: content.unwrap_or_default(),
+            ..Default::default()
+        };
+    let cfg = kubelet("..2026_01", &[("key", "v1\n")]);
+    c.prepare_volumes(
+        vec![volume("cfg", 0, Some(cfg)), volume("cache", 1 << 20, None)],
+        T,
+    )
+    .unwrap();
+    assert_eq!(
+        std::fs::read_to_string(format!(
+            "/proc/{}/root{}/cfg/key",
+            agent.pid(),
+            vols.display()
+        ))
+        .unwrap(),
+        "v1\n",
+        "the content came with it"
+    );
+    assert!(agent
+        .mountinfo()
+        .lines()
+        .any(|l| l.contains(&format!(" {} ", vols.join("cache").display()))));
+
+    // The second one is malformed: the first is made, the error names the
+    // second, the third is not tried.
+    let e = c
+        .prepare_volumes(
+            vec![
+                volume("one", 0, None),
+                volume("..", 0, None),
+                volume("three", 0, None),
+            ],
+            T,
+        )
+        .unwrap_err();
+    assert_eq!(e.status_code(), Some("INVALID_ARGUMENT"), "{e}");
+    assert!(e.to_string().contains("volume .."), "{e}");
+    let exists =
+        |n: &str| Path::new(&format!("/proc/{}/root{}/{n}", agent.pid(), vols.display())).exists();
+    assert!(exists("one") && !exists("three"));
+    // Content for a file share is refused.
+    let mut share = volume("s", 0, Some(Vec::new()));
+    share.share = "0123456789abcdef0123456789abcdef".into();
+    assert_eq!(code(c.prepare_volumes(vec![share], T)), "INVALID_ARGUMENT");
+}

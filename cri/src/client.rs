@@ -331,6 +331,55 @@ impl CriClient {
         })
     }
 
+    /// The streaming URL of an exec of `cmd` in container `id` (CRI's
+    /// `Exec`: the runtime's streaming server runs it once a client
+    /// connects, SPDY or WebSocket as kubelet's clients do).
+    pub async fn exec_url(
+        &self,
+        id: &str,
+        cmd: &[&str],
+        stdin: bool,
+        tty: bool,
+    ) -> Result<String, Error> {
+        let req = api::ExecRequest {
+            container_id: id.into(),
+            cmd: cmd.iter().map(|s| s.to_string()).collect(),
+            tty,
+            stdin,
+            stdout: true,
+            stderr: !tty,
+        };
+        let (mut rt, t) = (self.runtime.clone(), self.timeout);
+        Ok(call("Exec", t, rt.exec(request(req, t))).await?.url)
+    }
+
+    /// The streaming URL that attaches to container `id`'s own stdio (CRI's
+    /// `Attach`, `kubectl attach`).
+    pub async fn attach_url(&self, id: &str, stdin: bool) -> Result<String, Error> {
+        let req = api::AttachRequest {
+            container_id: id.into(),
+            stdin,
+            tty: false,
+            stdout: true,
+            stderr: true,
+        };
+        let (mut rt, t) = (self.runtime.clone(), self.timeout);
+        Ok(call("Attach", t, rt.attach(request(req, t))).await?.url)
+    }
+
+    /// The streaming URL that forwards `ports` of pod sandbox `pod_id`
+    /// (CRI's `PortForward`, `kubectl port-forward`).
+    pub async fn port_forward_url(&self, pod_id: &str, ports: &[u16]) -> Result<String, Error> {
+        let req = api::PortForwardRequest {
+            pod_sandbox_id: pod_id.into(),
+            port: ports.iter().map(|p| i32::from(*p)).collect(),
+        };
+        let (mut rt, t) = (self.runtime.clone(), self.timeout);
+        Ok(call("PortForward", t, rt.port_forward(request(req, t)))
+            .await?
+            .url)
+    }
+
     /// The container's resource usage (`ContainerStats`).
     pub async fn container_stats(&self, id: &str) -> Result<api::ContainerStats, Error> {
         let req = api::ContainerStatsRequest {

@@ -764,3 +764,38 @@ async fn a_cri_sandbox_container_is_the_agents_pause_on_no_disk() {
     .await
     .expect("delete");
 }
+
+/// A pod's guest volumes go to the agent in `PrepareVolumes` calls, each
+/// under ttrpc's 4 MiB message: three 2 MiB mirrors and a small one (8
+/// MiB in all) arrive whole, each with its own content.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pods_volumes_go_in_batches_under_the_message_limit() {
+    use twig_shim::resources::volumes::{self, Mirror, Volume};
+    let agent = Agent::start();
+    let dir = tempfile::tempdir().unwrap();
+    let mut mirrors = Vec::new();
+    for (i, len) in [(0u8, 16usize), (1, 2 << 20), (2, 2 << 20), (3, 2 << 20)] {
+        let host = dir.path().join(format!("vol{i}"));
+        std::fs::create_dir(&host).unwrap();
+        std::fs::write(host.join("data"), vec![b'a' + i; len]).unwrap();
+        mirrors.push(Volume::Mirror(Mirror {
+            name: format!("vol{i}"),
+            host,
+            file: false,
+            live: false,
+        }));
+    }
+    let socket = agent.socket.clone();
+    tokio::task::spawn_blocking(move || {
+        let sandbox = HostSandbox::connect(&socket, T).expect("connecting to the host agent");
+        volumes::prepare(&sandbox, &mirrors, None, T).expect("the volumes");
+        for i in 0..4u8 {
+            let read = twig_shim::sandbox::Sandbox::agent(&sandbox)
+                .read_volume_file(&format!("vol{i}"), "data", 16, T)
+                .expect("reading a volume's file");
+            assert_eq!(read.data, vec![b'a' + i; 16], "vol{i}");
+        }
+    })
+    .await
+    .unwrap();
+}

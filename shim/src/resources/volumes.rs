@@ -617,8 +617,9 @@ pub fn read_tree(root: &Path) -> Result<Vec<VolumeEntry>> {
 
 /// Makes `volumes` in the guest and gives each its content now (before
 /// the container that mounts them is created, or adopted in a clone: the
-/// clone's own content replaces its source's); a shared directory gets its
-/// server, returned.
+/// clone's own content replaces its source's): one `PrepareVolumes` call
+/// for all but the shared directories (more when their content passes
+/// [`BATCH_BYTES`]), which each get their server, returned.
 pub fn prepare(
     sandbox: &dyn Sandbox,
     volumes: &[Volume],
@@ -626,22 +627,75 @@ pub fn prepare(
     timeout: Duration,
 ) -> Result<Vec<share::Server>> {
     let agent = sandbox.agent();
-    let mut servers = Vec::new();
-    for v in volumes {
-        if let Volume::Shared(s) = v {
-            servers.push(share::attach(sandbox, s, timeout)?);
-            continue;
-        }
-        agent
-            .prepare_volume(&prepare_request(v, disk)?, timeout)
-            .map_err(|e| Error::agent(format!("making guest volume {}", v.name()), e))?;
+    let mut batch = Vec::new();
+    let mut bytes = 0;
+    for v in volumes.iter().filter(|v| !matches!(v, Volume::Shared(_))) {
+        let mut req = prepare_request(v, disk)?;
         if let Some(entries) = content(v)? {
+            req.has_content = true;
+            req.entries = entries;
+        }
+        let size = containerd_shim_protos::protobuf::Message::compute_size(&req);
+        if bytes + size > BATCH_BYTES && !batch.is_empty() {
+            prepare_batch(&agent, std::mem::take(&mut batch), timeout)?;
+            bytes = 0;
+        }
+        batch.push(req);
+        bytes += size;
+    }
+    if !batch.is_empty() {
+        prepare_batch(&agent, batch, timeout)?;
+    }
+    volumes
+        .iter()
+        .filter_map(|v| match v {
+            Volume::Shared(s) => Some(share::attach(sandbox, s, timeout)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The most one `PrepareVolumes` call carries, encoded: under ttrpc's 4
+/// MiB message (one mirrored volume holds at most [`MIRROR_MAX_BYTES`]).
+const BATCH_BYTES: u64 = 3 << 20 | 512 << 10;
+
+/// One `PrepareVolumes` call; an agent from before it (a VM restored from
+/// an older template) gets a `PrepareVolume` and `SyncVolume` per volume.
+fn prepare_batch(
+    agent: &AgentClient,
+    batch: Vec<PrepareVolumeRequest>,
+    timeout: Duration,
+) -> Result<()> {
+    let names = || {
+        batch
+            .iter()
+            .map(|r| r.name.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match agent.prepare_volumes(batch.clone(), timeout) {
+        Err(e) if is_unknown_method(&e) => {}
+        r => return r.map_err(|e| Error::agent(format!("making guest volumes {}", names()), e)),
+    }
+    for mut req in batch {
+        let entries = req.has_content.then(|| std::mem::take(&mut req.entries));
+        req.has_content = false;
+        agent
+            .prepare_volume(&req, timeout)
+            .map_err(|e| Error::agent(format!("making guest volume {}", req.name), e))?;
+        if let Some(entries) = entries {
             agent
-                .sync_volume(v.name(), entries, timeout)
-                .map_err(|e| Error::agent(format!("filling guest volume {}", v.name()), e))?;
+                .sync_volume(&req.name, entries, timeout)
+                .map_err(|e| Error::agent(format!("filling guest volume {}", req.name), e))?;
         }
     }
-    Ok(servers)
+    Ok(())
+}
+
+/// Whether the agent does not know the method called (ttrpc's synchronous
+/// server answers `INVALID_ARGUMENT` "<method> does not exist").
+fn is_unknown_method(e: &twig_agent::client::Error) -> bool {
+    e.status_code() == Some("INVALID_ARGUMENT") && e.to_string().contains("does not exist")
 }
 
 /// Gives a mirrored volume its host content again (kubelet changed it, or
