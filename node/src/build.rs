@@ -253,6 +253,24 @@ impl Spec {
         })
     }
 
+    /// The same build on base template `base_id`: its digest covers the
+    /// base's too, so a new guest kernel or agent (a new base template)
+    /// builds the app template again — its memory holds the agent it was
+    /// built with, and an old agent lacks what a new shim calls.
+    pub fn built_on(mut self, base_id: &str) -> Spec {
+        let mut h = Sha256::new();
+        h.update(self.digest.as_bytes());
+        h.update(b"\0");
+        h.update(base_id.as_bytes());
+        self.digest = h
+            .finalize()
+            .iter()
+            .take(16)
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        self
+    }
+
     /// The build pod's name (a Kubernetes name: the key's `/` is a `-`).
     fn pod_name(&self) -> String {
         format!("twig-template-{}", self.key.replace('/', "-"))
@@ -892,6 +910,14 @@ mod tests {
     #[test]
     fn a_spec_names_its_template_and_its_digest_follows_every_input() {
         let a = Spec::from_request(&req("py:3", &["python"], &["true"])).unwrap();
+        let on_base = |base: &str| a.clone().built_on(base).digest;
+        assert_eq!(on_base("base-1"), on_base("base-1"));
+        assert_ne!(
+            on_base("base-1"),
+            on_base("base-2"),
+            "a new base: a rebuild"
+        );
+        assert_ne!(on_base("base-1"), a.digest);
         assert_eq!(a.id, "template.agents.py");
         assert_eq!(a.pod_name(), "twig-template-agents-py");
         assert_eq!(

@@ -346,8 +346,14 @@ impl Services {
         req: &EnsureTemplateRequest,
     ) -> Result<EnsureTemplateResponse> {
         non_empty("name", &req.name)?;
-        let spec = Spec::from_request(req)?;
         let base = self.templates.default_shape();
+        // Built on the base template; without its inputs (a store filled by
+        // other means) a build fails later, saying so.
+        let templates = self.templates.clone();
+        let spec = match blocking(move || templates.base_id(base)).await {
+            Ok(base_id) => Spec::from_request(req)?.built_on(&base_id),
+            Err(_) => Spec::from_request(req)?,
+        };
         let wanted = Shape::asked(base, req.memory_mib, req.vcpus);
         if wanted != base {
             return Err(Error::FailedPrecondition(format!(
