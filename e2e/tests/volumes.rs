@@ -30,6 +30,7 @@ use twig_controller::crd::SnapshotMode;
 use twig_controller::shim::{TtrpcShim, TwigShim};
 use twig_cri::api;
 use twig_cri::container_config;
+use twig_e2e::cgroup::PodCgroup;
 use twig_e2e::crilab::{runtime, wait_exited, CriLab, PROGRESS};
 use twig_e2e::IMAGE_REF;
 use twig_proto::contract::RESTORE_FROM_ANNOTATION;
@@ -451,8 +452,8 @@ fn runc_gives_a_pod_kubelets_files_and_volumes() {
 /// and removed from the container, seen on the host at once and the
 /// host's writes seen in the container; a read-only one refuses writes; a
 /// file a non-root container creates belongs to its user on the host. On
-/// twig, Snapshot and Rollback of its pod are refused naming it, and no
-/// file server outlives the pod.
+/// twig, Snapshot and Rollback of its pod are refused naming it, its file
+/// servers are charged to the pod's cgroup, and none outlives the pod.
 fn host_dir(handler: &str) {
     runtime().block_on(host_dir_scenario(handler));
 }
@@ -466,10 +467,13 @@ async fn host_dir_scenario(handler: &str) {
         std::fs::write(d.join("hello"), "from the host\n").expect("a host file");
     }
     std::fs::set_permissions(&data, std::fs::Permissions::from_mode(0o777)).expect("chmod");
-    let pod = lab
+    let cgroup = PodCgroup::new(&format!("twig-e2e-{}", std::process::id()), handler, None)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut pod = lab
         .node
         .pod_config(&format!("hostdir-{handler}"))
         .unwrap_or_else(|e| panic!("{e}"));
+    pod.linux.get_or_insert_with(Default::default).cgroup_parent = cgroup.parent.clone();
     let mut app = container_config("app", IMAGE_REF, &["/bin/sleep", "3600"], "app.log");
     app.mounts = vec![mount("/data", &data, false), mount("/ro", &ro, true)];
     let (pod_id, id) = lab.run_pod(&pod, handler, &app).await;
@@ -574,7 +578,17 @@ async fn host_dir_scenario(handler: &str) {
         assert!(e.to_string().contains("host directory"), "{e}");
         let (code, _) = lab.exec(&id, &["true"]).await;
         assert_eq!(code, 0, "the pod runs on");
-        assert_eq!(share_servers().len(), 3, "one server per mount");
+        let servers = share_servers();
+        assert_eq!(servers.len(), 3, "one server per mount");
+        for pid in &servers {
+            let at = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+            assert!(
+                at.lines()
+                    .any(|l| l.starts_with("0::") && l[3..].starts_with(&cgroup.parent)),
+                "file server {pid} is charged to the pod ({}): {at}",
+                cgroup.parent
+            );
+        }
     }
     lab.remove_pod(&pod_id).await;
     let left = share_servers();

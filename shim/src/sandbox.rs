@@ -164,6 +164,12 @@ pub trait Sandbox: Send + Sync {
     /// VM was restored from, once; `None` when there is none (always, for
     /// a VM restored from the template).
     fn take_restored(&self, name: &str) -> Option<Restored>;
+    /// Charges host process `pid` (a file server of the pod's) to the pod:
+    /// into the sandbox's cgroup with its VMM, when it has one.
+    fn charge(&self, pid: u32) -> Result<()> {
+        let _ = pid;
+        Ok(())
+    }
     /// A stream to the guest's vsock `port` (the VMM's `CONNECT`).
     fn open_port(&self, port: u32, timeout: Duration) -> Result<std::os::unix::net::UnixStream> {
         let _ = (port, timeout);

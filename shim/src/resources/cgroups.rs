@@ -130,15 +130,15 @@ fn expand_slice(slice: &str) -> Option<PathBuf> {
 pub fn join(cgroup: &Path, pid: u32) -> Result<()> {
     let fail = |what: String, e: std::io::Error| {
         Error::FailedPrecondition(format!(
-            "moving twig-vmm (pid {pid}) into the pod's cgroup {} (linux.cgroupsPath): \
-             {what}: {e}",
+            "moving pid {pid} (the pod's twig-vmm or file server) into the pod's cgroup {} \
+             (linux.cgroupsPath): {what}: {e}",
             cgroup.display()
         ))
     };
     let relative = cgroup.strip_prefix("/").unwrap_or(cgroup);
     let mounted = hierarchies().map_err(|e| {
         Error::FailedPrecondition(format!(
-            "moving twig-vmm (pid {pid}) into the pod's cgroup {}: {e}",
+            "moving pid {pid} (the pod's twig-vmm or file server) into the pod's cgroup {}: {e}",
             cgroup.display()
         ))
     })?;

@@ -8,7 +8,8 @@
 //! directory as the container's user), and asks the agent to mount it on
 //! the guest volume (`PrepareVolume.share`), which the container binds as
 //! it binds any guest volume. Reads and writes go to the host directory at
-//! once: another pod, a runc container or the node sees them.
+//! once: another pod, a runc container or the node sees them. The server
+//! runs in the pod's cgroup, with its VMM.
 //!
 //! Such a volume lives outside the VM: a snapshot could not rewind it, so
 //! Snapshot and Rollback of the pod are refused while a container has one
@@ -167,6 +168,7 @@ pub fn attach(sandbox: &dyn Sandbox, share: &Share, timeout: Duration) -> Result
         pid,
         exited: exited.clone(),
     };
+
     let stderr = child.stderr.take();
     let (name, shown) = (share.name.clone(), dir.clone());
     std::thread::Builder::new()
@@ -190,6 +192,9 @@ pub fn attach(sandbox: &dyn Sandbox, share: &Share, timeout: Duration) -> Result
             }
         })
         .map_err(|e| Error::io("starting the file server's waiter", e))?;
+    // The pod pays for its file servers as for its VMM (killed with
+    // `server` on a failure).
+    sandbox.charge(pid.as_raw().unsigned_abs())?;
     let request = PrepareVolumeRequest {
         name: share.name.clone(),
         share: id,

@@ -401,6 +401,13 @@ impl Sandbox for VmSandbox {
         Ok(())
     }
 
+    fn charge(&self, pid: u32) -> Result<()> {
+        match &self.cgroup {
+            Some(cgroup) => cgroups::join(cgroup, pid),
+            None => Ok(()),
+        }
+    }
+
     fn open_port(&self, port: u32, timeout: Duration) -> Result<std::os::unix::net::UnixStream> {
         twig_proto::vsock::connect(&self.vsock, port, timeout).map_err(|e| {
             Error::FailedPrecondition(format!("reaching the guest's vsock port {port}: {e}"))
