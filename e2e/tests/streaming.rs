@@ -10,6 +10,10 @@
 //!   cannot close stdin, so the container reads exactly the archive's
 //!   10,240 bytes, as GNU tar writes one small file), and `tar cf -`
 //!   streamed back;
+//! - `kubectl debug --target`: an ephemeral container in the target's
+//!   process namespace sees its processes, and is attached to; on twig a
+//!   target among several running containers is refused (every twig task
+//!   reports the shim's pid, so CRI's path cannot name the target);
 //! - `kubectl port-forward`: an HTTP request to the pod's 127.0.0.1-only
 //!   server through the PortForward URL.
 //!
@@ -22,7 +26,7 @@ use futures::{SinkExt, StreamExt};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::http::HeaderValue;
 use tokio_tungstenite::tungstenite::Message;
-use twig_cri::container_config;
+use twig_cri::{api, container_config};
 use twig_e2e::crilab::{runtime, CriLab};
 use twig_e2e::IMAGE_REF;
 
@@ -182,6 +186,9 @@ async fn scenario(handler: &str) {
         "echo.log",
     );
     echo.stdin = true;
+    // As kubelet runs a pod without shareProcessNamespace: each container
+    // its own process namespace.
+    echo.linux = Some(own_pid_namespace(None));
     let (pod_id, echo_id) = lab.run_pod(&pod, handler, &echo).await;
 
     // exec: both outputs and the exit code.
@@ -260,12 +267,42 @@ async fn scenario(handler: &str) {
     );
     assert_eq!(exit_code(&got.text(STATUS)), 0, "{handler}");
 
+    // kubectl debug --target: an ephemeral container in the target's
+    // process namespace, attached.
+    let mut debug = container_config("debugger", IMAGE_REF, &["/bin/sh"], "debugger.log");
+    debug.stdin = true;
+    debug.linux = Some(own_pid_namespace(Some(&echo_id)));
+    let debug_id = lab
+        .cri
+        .create_container(&pod_id, &debug, &pod)
+        .await
+        .unwrap_or_else(|e| lab.fail("CreateContainer debugger", e));
+    lab.cri
+        .start_container(&debug_id)
+        .await
+        .unwrap_or_else(|e| lab.fail("StartContainer debugger", e));
+    let url = lab
+        .cri
+        .attach_url(&debug_id, true)
+        .await
+        .unwrap_or_else(|e| lab.fail("Attach debugger", e));
+    let mut s = Stream::open(&url).await;
+    s.send(STDIN, b"tr '\\0' ' ' < /proc/1/cmdline; echo\n")
+        .await;
+    let got = s.until(|r| r.text(STDOUT).contains("while read")).await;
+    assert!(
+        got.text(STDOUT).contains("echo ready; while read l"),
+        "{handler}: the debugger sees the target's processes: {got:?}"
+    );
+    s.close().await;
+
     // port-forward: the pod's 127.0.0.1-only server.
     let script = format!(
         "mkdir -p /www && echo forwarded-from-the-pod > /www/index.html && \
          exec httpd -f -p 127.0.0.1:{PORT} -h /www"
     );
-    let web = container_config("web", IMAGE_REF, &["/bin/sh", "-c", &script], "web.log");
+    let mut web = container_config("web", IMAGE_REF, &["/bin/sh", "-c", &script], "web.log");
+    web.linux = Some(own_pid_namespace(None));
     let web_id = lab
         .cri
         .create_container(&pod_id, &web, &pod)
@@ -303,7 +340,48 @@ async fn scenario(handler: &str) {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
+    // With two containers running, a target is ambiguous to twig (every
+    // task reports the shim's pid): refused, naming the way out.
+    let mut second = container_config("debugger-2", IMAGE_REF, &["/bin/sh"], "debugger-2.log");
+    second.linux = Some(own_pid_namespace(Some(&web_id)));
+    let created = lab.cri.create_container(&pod_id, &second, &pod).await;
+    let started = match created {
+        Ok(id) => lab.cri.start_container(&id).await,
+        Err(e) => Err(e),
+    };
+    match (handler, started) {
+        ("runc", r) => {
+            r.unwrap_or_else(|e| lab.fail("a second debugger", e));
+        }
+        (_, Ok(())) => panic!("{handler}: an ambiguous target was accepted"),
+        (_, Err(e)) => assert!(
+            e.to_string().contains("shareProcessNamespace"),
+            "{handler}: {e}"
+        ),
+    }
+
     lab.remove_pod(&pod_id).await;
+}
+
+/// A container's Linux config as kubelet gives it in a pod without
+/// `shareProcessNamespace`: a process namespace of its own, or (an
+/// ephemeral container with a target) container `target`'s.
+fn own_pid_namespace(target: Option<&str>) -> api::LinuxContainerConfig {
+    let (pid, target_id) = match target {
+        Some(t) => (api::NamespaceMode::Target, t.to_string()),
+        None => (api::NamespaceMode::Container, String::new()),
+    };
+    api::LinuxContainerConfig {
+        security_context: Some(api::LinuxContainerSecurityContext {
+            namespace_options: Some(api::NamespaceOption {
+                pid: pid as i32,
+                target_id,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
 }
 
 #[test]

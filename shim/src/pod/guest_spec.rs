@@ -91,6 +91,34 @@ pub fn guest_spec(
     Ok((spec, plan))
 }
 
+/// Whether OCI spec `spec` joins a pid namespace by path (CRI's POD or
+/// TARGET namespace mode) rather than making its own.
+pub fn joins_pid_namespace(spec: &Value) -> bool {
+    spec.pointer("/linux/namespaces")
+        .and_then(Value::as_array)
+        .is_some_and(|ns| {
+            ns.iter().any(|n| {
+                n.get("type") == Some(&Value::from("pid"))
+                    && n.get("path")
+                        .and_then(Value::as_str)
+                        .is_some_and(|p| !p.is_empty())
+            })
+        })
+}
+
+/// Makes guest spec `spec` join the pid namespace of guest process `pid`
+/// (the target of `kubectl debug --target`) instead of the pod's.
+pub fn join_pid_namespace_of(spec: &mut Value, pid: u32) {
+    let namespaces = spec
+        .pointer_mut("/linux/namespaces")
+        .and_then(Value::as_array_mut);
+    for ns in namespaces.into_iter().flatten() {
+        if ns.get("type") == Some(&Value::from("pid")) {
+            *ns = serde_json::json!({"type": "pid", "path": format!("/proc/{pid}/ns/pid")});
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use serde_json::json;

@@ -18,7 +18,7 @@ use containerd_shim_protos::ttrpc;
 use tokio::sync::oneshot;
 use twig_agent::client::Stream;
 
-use super::guest_spec::guest_spec;
+use super::guest_spec::{guest_spec, join_pid_namespace_of, joins_pid_namespace};
 use super::process::{timestamp, Container, Exited, Origin, Phase, Proc};
 use super::{blocking, shim_pid, NewContainer, Pod, AGENT_WAIT};
 use crate::error::{Error, Result};
@@ -81,7 +81,15 @@ impl Pod {
             }
         };
         let sandbox_init = self.sandbox_pid();
-        let (guest, plan) = guest_spec(oci, sandbox_init, name.as_deref().unwrap_or(&new.id))?;
+        let target = if is_sandbox {
+            None
+        } else {
+            self.pid_target(&new.id, &oci)?
+        };
+        let (mut guest, plan) = guest_spec(oci, sandbox_init, name.as_deref().unwrap_or(&new.id))?;
+        if let Some(pid) = target {
+            join_pid_namespace_of(&mut guest, pid);
+        }
         let spec_json = serde_json::to_vec(&guest)
             .map_err(|e| Error::Internal(format!("encoding the OCI spec: {e}")))?;
         // A read-only root (`readOnlyRootFilesystem`) is made read-only by
@@ -573,6 +581,57 @@ impl Pod {
 }
 
 impl Pod {
+    /// The guest pid whose pid namespace new container `id` joins instead
+    /// of the pod's, if any. The pod's first container after the sandbox's
+    /// says whether its containers share the pod's pid namespace (CRI's POD
+    /// mode: every container's spec names it) or have their own
+    /// (CONTAINER mode). A later container naming a pid namespace in a pod
+    /// of the second kind is kubelet's ephemeral container with a target
+    /// (`kubectl debug --target`): every twig task reports the shim's pid,
+    /// so the path CRI builds from the target's pid cannot say which
+    /// container it is. With one running container the target is that one;
+    /// with several the create is refused rather than joining another
+    /// namespace than asked.
+    fn pid_target(&self, id: &str, oci: &serde_json::Value) -> Result<Option<u32>> {
+        let joins = joins_pid_namespace(oci);
+        let shares = {
+            let mut shares = self
+                .inner
+                .shares_pids
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            *shares.get_or_insert(joins)
+        };
+        if shares || !joins {
+            return Ok(None);
+        }
+        let sandbox_init = self.sandbox_pid();
+        let running: Vec<(String, u32)> = self
+            .containers()
+            .values()
+            .filter(|c| c.init.phase == Phase::Running && Some(c.init.guest_pid) != sandbox_init)
+            .map(|c| (c.id.clone(), c.init.guest_pid))
+            .collect();
+        match running.as_slice() {
+            [(_, pid)] if *pid > 0 => Ok(Some(*pid)),
+            [(target, _)] => Err(Error::FailedPrecondition(format!(
+                "container {id} joins the process namespace of container {target}, whose \
+                 process in the VM is not known (adopted from a snapshot)"
+            ))),
+            [] => Err(Error::FailedPrecondition(format!(
+                "container {id} joins another container's process namespace (kubectl debug \
+                 --target), but no container of the pod runs"
+            ))),
+            many => Err(Error::InvalidArgument(format!(
+                "container {id} joins another container's process namespace (kubectl debug \
+                 --target) in a pod of {} running containers: the twig runtime reports one \
+                 pid for every container, so it cannot tell which one is the target; use \
+                 shareProcessNamespace, or debug a pod with one container",
+                many.len()
+            ))),
+        }
+    }
+
     /// The pod's disk, attached on the first call: its sandbox container's
     /// rootfs image, which holds the pod's disk-backed volumes (snapshots,
     /// rollbacks and clones carry it as they carry every container's disk;

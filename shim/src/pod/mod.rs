@@ -117,6 +117,10 @@ struct Inner {
     /// The guest pid of the pod's first container's init: other containers
     /// join its namespaces.
     sandbox_init: Mutex<Option<u32>>,
+    /// Whether the pod's containers share its pid namespace (CRI's POD
+    /// mode, `shareProcessNamespace`), as its first container after the
+    /// sandbox's said.
+    shares_pids: Mutex<Option<bool>>,
     paused: Mutex<bool>,
     /// Set once the pod's VM died (see `exits`).
     vm_dead: watch::Sender<bool>,
@@ -180,6 +184,7 @@ impl Pod {
                 sandbox: tokio::sync::Mutex::new(None),
                 containers: Mutex::new(HashMap::new()),
                 sandbox_init: Mutex::new(None),
+                shares_pids: Mutex::new(None),
                 paused: Mutex::new(false),
                 vm_dead: watch::channel(false).0,
                 events,
