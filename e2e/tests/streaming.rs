@@ -8,8 +8,7 @@
 //!   on its stdout, again after a detach and a second attach;
 //! - `kubectl cp` both ways: a tar archive streamed into `tar xf -` (v4
 //!   cannot close stdin, so the container reads exactly the archive's
-//!   10,240 bytes, as GNU tar writes one small file), and `tar cf -`
-//!   streamed back;
+//!   10,240 bytes, one tar record), and `tar cf -` streamed back;
 //! - `kubectl debug --target`: an ephemeral container in the target's
 //!   process namespace sees its processes, and is attached to; on twig a
 //!   target among several running containers is refused (every twig task
@@ -149,20 +148,34 @@ fn exit_code(status: &str) -> i32 {
         .unwrap_or_else(|| panic!("no exit code in {status}"))
 }
 
-/// A tar archive of one file `name` holding `data`, as GNU tar writes it
-/// (10,240 bytes: one record).
+/// A ustar archive of one file `name` (under 100 bytes) holding `data`,
+/// padded as tar pads an archive: 10,240 bytes, one record.
 fn archive(name: &str, data: &[u8]) -> Vec<u8> {
-    let dir = tempfile::tempdir().expect("tempdir");
-    std::fs::write(dir.path().join(name), data).expect("the file");
-    let out = std::process::Command::new("tar")
-        .args(["cf", "-", "--owner=0", "--group=0", "-C"])
-        .arg(dir.path())
-        .arg(name)
-        .output()
-        .expect("tar");
-    assert!(out.status.success(), "tar: {out:?}");
-    assert_eq!(out.stdout.len(), 10240, "one tar record");
-    out.stdout
+    let mut header = [0u8; 512];
+    let field = |h: &mut [u8; 512], at: usize, value: &[u8]| {
+        h[at..at + value.len()].copy_from_slice(value);
+    };
+    field(&mut header, 0, name.as_bytes());
+    field(&mut header, 100, b"0000644\0");
+    field(&mut header, 108, b"0000000\0");
+    field(&mut header, 116, b"0000000\0");
+    field(
+        &mut header,
+        124,
+        format!("{:011o}\0", data.len()).as_bytes(),
+    );
+    field(&mut header, 136, b"00000000000\0");
+    field(&mut header, 156, b"0");
+    field(&mut header, 257, b"ustar\x0000");
+    // The checksum is summed with its own field as spaces.
+    field(&mut header, 148, b"        ");
+    let sum: u32 = header.iter().map(|b| u32::from(*b)).sum();
+    field(&mut header, 148, format!("{sum:06o}\0 ").as_bytes());
+    let mut out = header.to_vec();
+    out.extend_from_slice(data);
+    out.resize(out.len().div_ceil(512) * 512, 0);
+    out.resize(10240, 0);
+    out
 }
 
 fn streaming(handler: &str) {
