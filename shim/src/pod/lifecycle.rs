@@ -623,9 +623,10 @@ impl Pod {
                  --target), but no container of the pod runs"
             ))),
             many => Err(Error::InvalidArgument(format!(
-                "container {id} joins another container's process namespace (kubectl debug \
-                 --target) in a pod of {} running containers: the twig runtime reports one \
-                 pid for every container, so it cannot tell which one is the target; use \
+                "container {id} joins another container's process namespace \
+                 (ephemeralContainers[].targetContainerName, kubectl debug --target) in a pod \
+                 of {} running containers: the twig runtime reports one pid for every \
+                 container, so it cannot tell which one is the target; use \
                  shareProcessNamespace, or debug a pod with one container",
                 many.len()
             ))),
