@@ -167,16 +167,33 @@ impl CriLab {
             .run_pod_sandbox(pod, handler)
             .await
             .unwrap_or_else(|e| self.fail("RunPodSandbox", e));
+        let id = self.add_container(&pod_id, pod, container).await;
+        (pod_id, id)
+    }
+
+    /// Creates and starts `container` in running pod `pod_id` (of config
+    /// `pod`); its id.
+    pub async fn add_container(
+        &self,
+        pod_id: &str,
+        pod: &api::PodSandboxConfig,
+        container: &api::ContainerConfig,
+    ) -> String {
+        let name = container
+            .metadata
+            .as_ref()
+            .map(|m| m.name.as_str())
+            .unwrap_or_default();
         let id = self
             .cri
-            .create_container(&pod_id, container, pod)
+            .create_container(pod_id, container, pod)
             .await
-            .unwrap_or_else(|e| self.fail("CreateContainer", e));
+            .unwrap_or_else(|e| self.fail(&format!("CreateContainer {name}"), e));
         self.cri
             .start_container(&id)
             .await
-            .unwrap_or_else(|e| self.fail("StartContainer", e));
-        (pod_id, id)
+            .unwrap_or_else(|e| self.fail(&format!("StartContainer {name}"), e));
+        id
     }
 
     /// The twig shim of `pod`, as the controller finds it

@@ -285,15 +285,7 @@ async fn scenario(handler: &str) {
     let mut debug = container_config("debugger", IMAGE_REF, &["/bin/sh"], "debugger.log");
     debug.stdin = true;
     debug.linux = Some(own_pid_namespace(Some(&echo_id)));
-    let debug_id = lab
-        .cri
-        .create_container(&pod_id, &debug, &pod)
-        .await
-        .unwrap_or_else(|e| lab.fail("CreateContainer debugger", e));
-    lab.cri
-        .start_container(&debug_id)
-        .await
-        .unwrap_or_else(|e| lab.fail("StartContainer debugger", e));
+    let debug_id = lab.add_container(&pod_id, &pod, &debug).await;
     let url = lab
         .cri
         .attach_url(&debug_id, true)
@@ -316,15 +308,7 @@ async fn scenario(handler: &str) {
     );
     let mut web = container_config("web", IMAGE_REF, &["/bin/sh", "-c", &script], "web.log");
     web.linux = Some(own_pid_namespace(None));
-    let web_id = lab
-        .cri
-        .create_container(&pod_id, &web, &pod)
-        .await
-        .unwrap_or_else(|e| lab.fail("CreateContainer web", e));
-    lab.cri
-        .start_container(&web_id)
-        .await
-        .unwrap_or_else(|e| lab.fail("StartContainer web", e));
+    let web_id = lab.add_container(&pod_id, &pod, &web).await;
     let deadline = Instant::now() + STREAM;
     loop {
         let url = lab

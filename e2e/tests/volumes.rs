@@ -536,15 +536,7 @@ async fn host_dir_scenario(handler: &str) {
             ..Default::default()
         });
     }
-    let user_id = lab
-        .cri
-        .create_container(&pod_id, &user, &pod)
-        .await
-        .unwrap_or_else(|e| lab.fail("CreateContainer user", e));
-    lab.cri
-        .start_container(&user_id)
-        .await
-        .unwrap_or_else(|e| lab.fail("StartContainer user", e));
+    let user_id = lab.add_container(&pod_id, &pod, &user).await;
     let (code, out) = lab
         .exec(
             &user_id,
