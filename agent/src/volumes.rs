@@ -968,10 +968,17 @@ impl Volumes {
         let dir = self.root.join(name);
         let shown = dir.display();
         match std::fs::create_dir(&dir) {
+            // A restarted container's (the same name): the exited one's
+            // mount is detached (its bind, if any, keeps it) and the new
+            // share mounted in its place.
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                return Err(AgentError::FailedPrecondition(format!(
-                    "volume {name} exists: a file share is mounted on a new volume"
-                )))
+                let root_dev = self.root_dev()?;
+                let mounted = is_mount_point(&dir, root_dev)
+                    .map_err(|e| AgentError::sys(format!("inspecting {shown}"), e))?;
+                if mounted {
+                    umount2(&dir, MntFlags::MNT_DETACH)
+                        .map_err(|e| AgentError::sys(format!("unmounting {shown}"), e))?;
+                }
             }
             Err(e) => return Err(AgentError::sys(format!("creating {shown}"), e)),
             Ok(()) => {}

@@ -51,6 +51,11 @@ impl Shares {
         }
     }
 
+    /// `path` as the agent's mount namespace sees it.
+    fn agent_path(&self, path: &Path) -> PathBuf {
+        PathBuf::from(format!("/proc/{}/root{}", self.agent.pid(), path.display()))
+    }
+
     fn connect(&self) -> UnixStream {
         let deadline = Instant::now() + T;
         loop {
@@ -111,6 +116,15 @@ fn a_share_is_taken_by_its_id_and_a_failed_mount_leaves_no_volume() {
     assert_eq!(e.status_code(), Some("INTERNAL"), "{e}");
     assert!(e.to_string().contains("mounting the file share"), "{e}");
     no_volume(&s.vols, "v1");
+
+    // A volume of that name exists (a restarted container's share): the
+    // new share goes on it (here: the mount is tried, and fails).
+    let mut conn = s.connect();
+    conn.write_all(&file_share::encode(ID).unwrap()).unwrap();
+    drop(conn);
+    std::fs::create_dir_all(s.agent_path(&s.vols.join("v1"))).unwrap();
+    let e = share(&c, "v1", ID).expect_err("no 9p server");
+    assert!(e.to_string().contains("mounting the file share"), "{e}");
 
     // Taken once: the same id again has no stream, and fails within its
     // deadline (the agent's 10 s).

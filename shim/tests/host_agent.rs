@@ -799,3 +799,73 @@ async fn a_pods_volumes_go_in_batches_under_the_message_limit() {
     .await
     .unwrap();
 }
+
+/// kubelet starts a restarted container (the same name, so the same guest
+/// volumes) before it removes the exited attempt: deleting the exited one
+/// leaves the running one's volumes in place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn deleting_an_exited_attempt_keeps_the_restarted_ones_volumes() {
+    let f = fixture().await;
+    let c = &f.client;
+    let cm = f
+        .dir
+        .path()
+        .join("pods/uid-1/volumes/kubernetes.io~configmap/cfg");
+    std::fs::create_dir_all(&cm).unwrap();
+    std::fs::write(cm.join("key"), "v1\n").unwrap();
+    let extra = json!({
+        "annotations": {"io.kubernetes.cri.container-name": "app"},
+        "mounts": [{"destination": "/etc/cfg", "type": "bind", "source": cm,
+                    "options": ["rbind", "ro"]}]});
+    let run = |id: &'static str, args: &'static [&'static str]| {
+        let (b, img) = bundle(f.dir.path(), id, args, extra.clone());
+        let io = fifos(f.dir.path(), id);
+        let create = api::CreateTaskRequest {
+            id: id.into(),
+            bundle: b.display().to_string(),
+            rootfs: vec![twig_mount(&img)],
+            stdin: io.paths[0].clone(),
+            stdout: io.paths[1].clone(),
+            stderr: io.paths[2].clone(),
+            ..Default::default()
+        };
+        async move {
+            c.create(ctx(), &create).await.expect("create");
+            let start = api::StartRequest {
+                id: id.into(),
+                ..Default::default()
+            };
+            c.start(ctx(), &start).await.expect("start");
+            io
+        }
+    };
+    // Attempt 0 exits; attempt 1 runs, then reads its ConfigMap on a line
+    // of stdin.
+    let mut first = run("attempt-0", &["cat", "/etc/cfg/key"]).await;
+    assert_eq!(read_all(&mut first.stdout).await, "v1\n");
+    let wait = api::WaitRequest {
+        id: "attempt-0".into(),
+        ..Default::default()
+    };
+    assert_eq!(c.wait(ctx(), &wait).await.unwrap().exit_status, 0);
+    let mut second = run(
+        "attempt-1",
+        &["sh", "-c", "read l; cat /etc/cfg/key; exec sleep 1000"],
+    )
+    .await;
+    let delete = api::DeleteRequest {
+        id: "attempt-0".into(),
+        ..Default::default()
+    };
+    c.delete(ctx(), &delete)
+        .await
+        .expect("delete the exited attempt");
+    second.stdin.write_all(b"go\n").await.unwrap();
+    assert_eq!(read_until(&mut second.stdout, "\n").await, "v1\n");
+    let kill = api::KillRequest {
+        id: "attempt-1".into(),
+        signal: 9,
+        ..Default::default()
+    };
+    c.kill(ctx(), &kill).await.expect("kill");
+}

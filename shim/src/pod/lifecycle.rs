@@ -3,7 +3,7 @@
 //! instead of created), start (its output and stdin wired to the agent, its
 //! exit watched), exec, kill and delete.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -410,10 +410,24 @@ impl Pod {
                     "container {id} is running; kill it first"
                 )));
             }
+            // A guest volume another container of the pod binds too stays:
+            // kubelet starts a restarted container (the same name, so the
+            // same volumes) before it removes the exited one.
+            let others: HashSet<&str> = containers
+                .values()
+                .filter(|o| o.id != id)
+                .flat_map(|o| o.volumes.iter().map(Volume::name))
+                .collect();
+            let own: Vec<Volume> = c
+                .volumes
+                .iter()
+                .filter(|v| !others.contains(v.name()))
+                .cloned()
+                .collect();
             (
                 c.init.exited(),
                 c.attachment.clone(),
-                c.volumes.clone(),
+                own,
                 c.block_volumes.clone(),
             )
         };
