@@ -36,7 +36,10 @@ struct Watched {
 #[derive(Default)]
 struct State {
     inotify: Option<Arc<Inotify>>,
-    watched: HashMap<WatchDescriptor, Watched>,
+    /// By inotify's descriptor: one per host directory, however many
+    /// containers mount it (a ConfigMap two containers mount, a restarted
+    /// container beside its exited attempt), each with its own sync.
+    watched: HashMap<WatchDescriptor, Vec<Watched>>,
 }
 
 /// The shim's watcher of live volumes (cheap to clone).
@@ -84,26 +87,24 @@ impl Watcher {
                 dir.display()
             ))
         })?;
-        state.watched.insert(
-            wd,
-            Watched {
-                owner: owner.to_string(),
-                dir,
-                sync,
-            },
-        );
+        state.watched.entry(wd).or_default().push(Watched {
+            owner: owner.to_string(),
+            dir,
+            sync,
+        });
         Ok(())
     }
 
     /// Stops watching container `owner`'s volumes.
     pub fn unwatch(&self, owner: &str) {
         let mut state = self.lock();
-        let gone: Vec<WatchDescriptor> = state
-            .watched
-            .iter()
-            .filter(|(_, w)| w.owner == owner)
-            .map(|(wd, _)| *wd)
-            .collect();
+        let mut gone = Vec::new();
+        for (wd, list) in state.watched.iter_mut() {
+            list.retain(|w| w.owner != owner);
+            if list.is_empty() {
+                gone.push(*wd);
+            }
+        }
         for wd in gone {
             state.watched.remove(&wd);
             if let Some(i) = &state.inotify {
@@ -119,6 +120,7 @@ impl Watcher {
         self.lock()
             .watched
             .values()
+            .flatten()
             .map(|w| (w.dir.clone(), w.sync.clone()))
             .collect()
     }
@@ -166,17 +168,19 @@ impl Watcher {
     }
 
     fn sync_one(&self, wd: WatchDescriptor) {
-        let Some((dir, sync)) = self
+        let syncs: Vec<(PathBuf, SyncFn)> = self
             .lock()
             .watched
             .get(&wd)
+            .into_iter()
+            .flatten()
             .map(|w| (w.dir.clone(), w.sync.clone()))
-        else {
-            return;
-        };
-        match sync() {
-            Ok(()) => tracing::debug!(dir = %dir.display(), "volume updated in the guest"),
-            Err(e) => tracing::warn!(dir = %dir.display(), "updating the guest's copy: {e}"),
+            .collect();
+        for (dir, sync) in syncs {
+            match sync() {
+                Ok(()) => tracing::debug!(dir = %dir.display(), "volume updated in the guest"),
+                Err(e) => tracing::warn!(dir = %dir.display(), "updating the guest's copy: {e}"),
+            }
         }
     }
 }
@@ -236,5 +240,27 @@ mod tests {
             1,
             "an unwatched volume is not synced"
         );
+    }
+
+    #[test]
+    fn two_containers_on_one_directory_each_get_their_sync_until_unwatched() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("cfg");
+        std::fs::create_dir(&dir).unwrap();
+        let w = Watcher::default();
+        let (a, sync_a) = counting();
+        let (b, sync_b) = counting();
+        w.watch("app", dir.clone(), sync_a).unwrap();
+        w.watch("sidecar", dir.clone(), sync_b).unwrap();
+        std::fs::write(dir.join("k1"), "v").unwrap();
+        wait_for(&a, 1);
+        wait_for(&b, 1);
+        // One container goes: the other's volume still follows.
+        w.unwatch("app");
+        assert_eq!(w.syncs().len(), 1);
+        std::fs::write(dir.join("k2"), "v").unwrap();
+        wait_for(&b, 2);
+        std::thread::sleep(SETTLE * 3);
+        assert_eq!(a.load(Ordering::SeqCst), 1, "app was unwatched");
     }
 }
