@@ -11,9 +11,9 @@
 //! user), `serial.log` (a link to `vm/serial.log`), `vmm.log` (its stderr),
 //! `pid`, `handed` (with the owner's pid and start time, if it has one),
 //! and, jailed, `jail/` (its root). A jailed VMM sees
-//! `vm/` and the node store's `snapshots` (read-only) and `tmp` (staging)
-//! at their host paths, so the paths in API calls mean the same inside and
-//! outside the jail.
+//! `vm/` and the node store's `snapshots` (read-only; of it, it reads only
+//! what it was granted) and `tmp` (staging) at their host paths, so the
+//! paths in API calls mean the same inside and outside the jail.
 //!
 //! The jail (Firecracker's jailer is the model, through `twig-vmm serve
 //! --jail`): the empty `jail/` as root, `jail.uid`/`jail.gid`, no
@@ -40,9 +40,34 @@
 //! recorded in `uid`; a handed-over VMM of an earlier daemon keeps its
 //! id), sharing the group: staging directories are 0700 and chowned to
 //! their writer (twig-store, twig-vmm's client), so no VMM reads or
-//! writes another's snapshot before it is published. Limits: every VMM
-//! reads every published snapshot (read-only); rolling back a jailed VM's
-//! rootfs by reflink needs the store and the images on one reflink
+//! writes another's snapshot before it is published.
+//!
+//! Nor does it read another's published snapshot (memory images of other
+//! tenants): published, a snapshot directory is root's and `0700`, its
+//! files root's `0644` (not writable by any VMM), `snapshots/` `0711`
+//! (entered by id, never listed), and each VMM user reads only what a
+//! POSIX ACL entry on a snapshot's directory grants it (twig-store's
+//! `grant_chain`, `revoke_reads`): at hand-over, the snapshots it is
+//! handed over for (`uses`: its template, for a clone the pod snapshot)
+//! with every parent they name; at publish, the snapshot it wrote (the
+//! store grants the staging directory's owner: a pod rolls back to its
+//! own snapshots, and an incremental one reads its parent, which it
+//! restored or wrote). Grants are taken back from every published
+//! snapshot when the VMM is reaped and again before a VMM runs as that
+//! user (user ids go round), and at the daemon's start from every user of
+//! the range no running VMM has (snapshots published open by an earlier
+//! version are sealed then); see `pool/jail.rs`. ACLs were chosen over a
+//! per-VMM mount view: the jail, the shim and the snapshot code stay as
+//! they are (the bind, parents found as siblings by path), and publish —
+//! done by the shim, which does not know the VMM's directory — needs to
+//! know only the staging directory's owner; a mount view would need the
+//! node to mount each newly published snapshot into its writer's view,
+//! which only the shim sees happen. The store's filesystem must support
+//! ACLs (ext4, XFS do). Limits: a staging directory that outlives its
+//! writer (a shim publishing after its VMM died) is readable by the next
+//! VMM of that user id until published or dropped, and, published while
+//! that VMM runs, granted to it until it exits; rolling back a jailed
+//! VM's rootfs by reflink needs the store and the images on one reflink
 //! filesystem (otherwise the rollback is refused, naming both).
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
@@ -59,6 +84,10 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::template::{tail, Shape};
 
+mod jail;
+
+use jail::{jail_args, remove_cgroup, share_staging, Jail};
+
 /// A prepared VMM.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Vmm {
@@ -69,6 +98,8 @@ pub struct Vmm {
     pub dir: PathBuf,
     /// The VM's shape.
     pub shape: Shape,
+    /// Its user id, jailed.
+    uid: Option<u32>,
 }
 
 impl Vmm {
@@ -87,23 +118,6 @@ impl Vmm {
 /// its jail at the same path.
 fn own_dir(dir: &Path) -> PathBuf {
     dir.join("vm")
-}
-
-/// What confines the pool's VMMs (from [`crate::config::JailConfig`]).
-struct Jail {
-    /// The first user id; each VMM has one of `uid .. uid + ids`.
-    uid: u32,
-    ids: u32,
-    gid: u32,
-    new_pid_ns: bool,
-    cgroup: Option<PathBuf>,
-    cgroup_settings: Vec<(String, String)>,
-    max_files: u64,
-    /// Bound read-only at its own path: templates and snapshots to restore
-    /// and roll back to.
-    snapshots: PathBuf,
-    /// Bound read-write at its own path: staging directories of snapshots.
-    staging: PathBuf,
 }
 
 /// What the pool holds of one shape.
@@ -186,6 +200,7 @@ impl Pool {
             max_files: config.jail.max_files,
             snapshots: config.store.join("snapshots"),
             staging: config.store.join("tmp"),
+            store: config.store.clone(),
         });
         if let Some(j) = &jail {
             for d in [&j.snapshots, &j.staging] {
@@ -195,6 +210,10 @@ impl Pool {
             share_staging(&j.staging, j.gid)?;
         }
         let kept_uids = remove_leftovers(&vms_dir, jail.as_ref().and_then(|j| j.cgroup.as_deref()));
+        if let Some(j) = &jail {
+            // Grants an earlier daemon left to users no VMM runs as now.
+            j.forget_grants(&kept_uids)?;
+        }
         let targets = config
             .pool
             .shapes
@@ -301,6 +320,7 @@ impl Pool {
             // Killed while pooled, and its exit not handled yet: skip it
             // (its watcher reaps it and removes its directory).
             if is_alive(vmm.pid) {
+                self.grant(&vmm, uses)?;
                 hand_over(&vmm, owner)?;
                 return Ok((vmm, true));
             }
@@ -308,8 +328,27 @@ impl Pool {
             self.state().handed.remove(&vmm.pid);
         }
         let vmm = self.spawn(shape, Some(uses)).await?;
+        self.grant(&vmm, uses)?;
         hand_over(&vmm, owner)?;
         Ok((vmm, false))
+    }
+
+    /// Lets a jailed VMM read the snapshots it is handed over for and their
+    /// parents; killed if that fails (nobody owns it yet, its watcher
+    /// reaps it).
+    fn grant(&self, vmm: &Vmm, uses: &[String]) -> Result<()> {
+        match (&self.inner.jail, vmm.uid) {
+            (Some(jail), Some(uid)) => jail.grant(uid, uses).inspect_err(|_| kill(vmm.pid)),
+            _ => Ok(()),
+        }
+    }
+
+    /// Takes back what user `uid` was granted (see [`Jail::revoke`]).
+    fn revoke(&self, uid: Option<u32>) -> Result<()> {
+        match (&self.inner.jail, uid) {
+            (Some(jail), Some(uid)) => jail.revoke(uid),
+            _ => Ok(()),
+        }
     }
 
     /// Stops the refill and kills the pooled VMMs and those being started
@@ -419,10 +458,16 @@ impl Pool {
         let dir = self.inner.vms_dir.join(&name);
         let own = own_dir(&dir);
         let uid = self.take_uid()?;
-        let started = self.prepare(shape, &dir, &name, uid).and_then(|mut cmd| {
-            cmd.spawn()
-                .map_err(|e| Error::io(format!("starting {}", self.inner.vmm_binary.display()), e))
-        });
+        // Whatever an earlier VMM of this user was granted since it exited
+        // (a snapshot published after its VMM died).
+        let started = self
+            .revoke(uid)
+            .and_then(|()| self.prepare(shape, &dir, &name, uid))
+            .and_then(|mut cmd| {
+                cmd.spawn().map_err(|e| {
+                    Error::io(format!("starting {}", self.inner.vmm_binary.display()), e)
+                })
+            });
         let mut child = started.inspect_err(|_| {
             let _ = std::fs::remove_dir_all(&dir);
             self.release_uid(uid);
@@ -448,6 +493,9 @@ impl Pool {
                 remove_cgroup(&cg).await;
             }
             pool.exited(pid, &watched_dir, &text);
+            if let Err(e) = pool.revoke(uid) {
+                tracing::warn!(pid, "taking back an exited VMM's grants: {e}");
+            }
             pool.release_uid(uid);
             pool.state().watched.remove(&pid);
         });
@@ -473,7 +521,12 @@ impl Pool {
         std::fs::write(dir.join("pid"), pid.to_string())
             .map_err(|e| Error::io(format!("writing {}/pid", dir.display()), e))?;
         let api = own.join("api.sock");
-        let vmm = Vmm { pid, dir, shape };
+        let vmm = Vmm {
+            pid,
+            dir,
+            shape,
+            uid,
+        };
         let deadline = Instant::now() + self.inner.start_timeout;
         loop {
             if let Some(status) = exited.borrow_and_update().clone() {
@@ -619,101 +672,6 @@ impl Drop for KillGuard<'_> {
         self.pool.state().spawning.remove(&self.pid);
         if self.armed {
             kill(self.pid);
-        }
-    }
-}
-
-/// Lets jailed VMMs (group `gid`) create files in the store's `tmp`
-/// (group-writable, sticky: nobody removes another's entries): a rollback
-/// backs up a disk sent as a descriptor there, as an anonymous
-/// (`O_TMPFILE`) reflink on the images' filesystem.
-fn share_staging(staging: &Path, gid: u32) -> Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    std::os::unix::fs::chown(staging, None, Some(gid))
-        .map_err(|e| Error::io(format!("chown of {}", staging.display()), e))?;
-    std::fs::set_permissions(staging, std::fs::Permissions::from_mode(0o1775))
-        .map_err(|e| Error::io(format!("chmod of {}", staging.display()), e))
-}
-
-/// Adds the jail's flags to a `twig-vmm serve` command for the VMM in
-/// `dir` (named `name`), running as `uid`: its root `dir/jail`, its own
-/// directory and the store's `snapshots` (read-only) and `tmp` bound at
-/// their host paths. The user id is recorded in `dir/uid`.
-fn jail_args(
-    cmd: &mut tokio::process::Command,
-    jail: &Jail,
-    uid: u32,
-    dir: &Path,
-    name: &str,
-) -> Result<()> {
-    let root = dir.join("jail");
-    let own = own_dir(dir);
-    std::fs::create_dir(&root).map_err(|e| Error::io(format!("creating {}", root.display()), e))?;
-    std::fs::write(dir.join(UID), uid.to_string())
-        .map_err(|e| Error::io(format!("writing {}/{UID}", dir.display()), e))?;
-    // The VMM creates its sockets and console log here, as its own user.
-    std::os::unix::fs::chown(&own, Some(uid), Some(jail.gid))
-        .map_err(|e| Error::io(format!("chown of {}", own.display()), e))?;
-    let bind = |src: &Path, ro: bool| {
-        let mut b = src.as_os_str().to_os_string();
-        if ro {
-            b.push(":ro");
-        }
-        b
-    };
-    cmd.arg("--jail")
-        .arg(&root)
-        .args(["--uid", &uid.to_string()])
-        .args(["--gid", &jail.gid.to_string()])
-        .args(["--max-files", &jail.max_files.to_string()])
-        .arg("--jail-bind")
-        .arg(bind(&own, false))
-        .arg("--jail-bind")
-        .arg(bind(&jail.snapshots, true))
-        .arg("--jail-bind")
-        .arg(bind(&jail.staging, false));
-    if jail.new_pid_ns {
-        cmd.arg("--new-pid-ns");
-    }
-    if let Some(cg) = &jail.cgroup {
-        cmd.arg("--cgroup").arg(cg.join(name));
-        for (file, value) in &jail.cgroup_settings {
-            cmd.arg("--cgroup-set").arg(format!("{file}={value}"));
-        }
-    }
-    Ok(())
-}
-
-/// How long the removal of an exited VMM's cgroup waits for its last
-/// process (the PID namespace's init, killed when its parent died) to go.
-const CGROUP_GONE_WITHIN: Duration = Duration::from_secs(5);
-
-/// Removes the cgroup `name` from every hierarchy once it is empty.
-async fn remove_cgroup(name: &Path) {
-    let hierarchies = match twig_vmm::jail::cgroup::hierarchies() {
-        Ok(h) => h,
-        Err(e) => {
-            tracing::warn!(cgroup = %name.display(), "listing cgroup hierarchies: {e}");
-            return;
-        }
-    };
-    let deadline = Instant::now() + CGROUP_GONE_WITHIN;
-    for h in hierarchies {
-        let path = h.mount.join(name);
-        loop {
-            match std::fs::remove_dir(&path) {
-                Ok(()) => break,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => break,
-                // EBUSY: a process of the VMM is still dying.
-                Err(e) if Instant::now() < deadline => {
-                    tracing::trace!(cgroup = %path.display(), "not removable yet: {e}");
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                Err(e) => {
-                    tracing::warn!(cgroup = %path.display(), "removing a VMM's cgroup: {e}");
-                    break;
-                }
-            }
         }
     }
 }

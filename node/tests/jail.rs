@@ -6,9 +6,12 @@
 //! (a snapshot in another store is `not_found` for it). Restore, snapshots
 //! (full and incremental, published by the real node store) and rollback
 //! work through the jail with the paths the shim uses; a second jailed VMM
-//! restores the chain. A system call outside the filters (the test-only
-//! trigger) kills the VMM, the daemon reaps it and removes its directory
-//! and cgroup. With the jail off, VMMs run as before.
+//! handed over for a clone restores the chain. As a VMM's user in its root,
+//! a VMM opens the snapshots it restores and wrote and nothing else of the
+//! store (another VMM's published snapshots and staging: `EACCES`), and the
+//! next VMM of its user id none of its grants. A system call outside the
+//! filters (the test-only trigger) kills the VMM, the daemon reaps it and
+//! removes its directory and cgroup. With the jail off, VMMs run as before.
 
 mod common;
 
@@ -17,6 +20,7 @@ use std::path::{Path, PathBuf};
 
 use common::*;
 use twig_node::config::{DEFAULT_VMM_ID, DEFAULT_VMM_IDS};
+use twig_proto::node::AcquireVmRequest;
 use twig_store::NodeStore;
 use twig_vmm::api::{Client, ErrorKind, Request};
 use twig_vmm::{Kind, RunState};
@@ -217,11 +221,12 @@ fn pooled_vmms_run_jailed_and_restore_snapshot_and_roll_back_through_the_jail() 
         let staged = std::fs::metadata(staging.dir()).unwrap();
         assert_eq!((staged.uid(), staged.mode() & 0o777), (uid, 0o700), "{id}");
         let published = staging.publish().expect("publish");
-        // Written by the jailed VMM, as its user; readable once published.
+        // Written by the jailed VMM; published, root's and not writable by
+        // it, the directory closed to every other user.
         let state = std::fs::metadata(published.dir().join("state")).unwrap();
-        assert_eq!(state.uid(), uid, "{id}");
+        assert_eq!((state.uid(), state.mode() & 0o777), (0, 0o644), "{id}");
         let dir = std::fs::metadata(published.dir()).unwrap();
-        assert_eq!(dir.mode() & 0o777, 0o755, "{id}");
+        assert_eq!((dir.uid(), dir.mode() & 0o707), (0, 0o700), "{id}");
     }
     assert_eq!(store.get("s2").unwrap().parent.as_deref(), Some("s1"));
     for id in ["s1", "s2"] {
@@ -234,8 +239,16 @@ fn pooled_vmms_run_jailed_and_restore_snapshot_and_roll_back_through_the_jail() 
         .expect_err("a rollback to a snapshot outside the jail");
     assert_eq!(e.kind(), Some(ErrorKind::NotFound), "{e}");
 
-    // Another jailed VMM, another user, restores the incremental chain.
-    let vm2 = node.acquire("tiny").expect("AcquireVm");
+    // Another jailed VMM, another user, handed over for a clone of s2,
+    // restores the incremental chain.
+    let vm2 = node
+        .acquire_req(AcquireVmRequest {
+            template: "tiny".into(),
+            sandbox_id: "clone".into(),
+            restore_from: "s2".into(),
+            ..Default::default()
+        })
+        .expect("AcquireVm for a clone");
     let _owned2 = Owned(vm2.pid);
     assert_ne!(uid_of(vmm_of(vm2.pid)), uid, "each VMM its own user");
     let mut api2 = restore(&vm2.api_socket, &store.snapshot_dir("s2"));
@@ -452,4 +465,181 @@ fn no_two_vmms_share_a_user_id() {
     let next = next.unwrap();
     let _owned_next = Owned(next.pid);
     assert_eq!(uid_of(vmm_of(next.pid)), DEFAULT_VMM_ID);
+}
+
+/// What `open(2)` (read-only) of each of `paths` gives the jailed VMM `pid`
+/// as it sees them: in its root, as its user and group, with no other
+/// groups; 0 where it opened, else the error number.
+fn opens_as_vmm(pid: u32, paths: &[PathBuf]) -> Vec<i32> {
+    use std::ffi::CString;
+    use std::os::fd::FromRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    let uid = uid_of(pid);
+    let gid: u32 = status_field(pid, "Gid")
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let root = CString::new(format!("/proc/{pid}/root")).unwrap();
+    let paths: Vec<CString> = paths
+        .iter()
+        .map(|p| CString::new(p.as_os_str().as_bytes()).unwrap())
+        .collect();
+    let mut fds = [0; 2];
+    // SAFETY: pipe(2) into a two-element array.
+    assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+    // SAFETY: the child makes only system calls (no allocation, no locks)
+    // on memory prepared before the fork, then exits.
+    let child = unsafe { libc::fork() };
+    assert!(child >= 0, "fork");
+    if child == 0 {
+        // SAFETY: system calls on valid, NUL-terminated strings and buffers.
+        unsafe {
+            if libc::chroot(root.as_ptr()) != 0
+                || libc::chdir(c"/".as_ptr()) != 0
+                || libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()) != 0
+                || libc::syscall(libc::SYS_setresgid, gid, gid, gid) != 0
+                || libc::syscall(libc::SYS_setresuid, uid, uid, uid) != 0
+            {
+                libc::_exit(1);
+            }
+            for p in &paths {
+                let fd = libc::open(p.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
+                let errno = if fd < 0 {
+                    *libc::__errno_location()
+                } else {
+                    libc::close(fd);
+                    0
+                };
+                if libc::write(fds[1], (&raw const errno).cast(), 4) != 4 {
+                    libc::_exit(2);
+                }
+            }
+            libc::_exit(0);
+        }
+    }
+    // SAFETY: our copy of the write end, closed once.
+    unsafe { libc::close(fds[1]) };
+    // SAFETY: the read end is ours alone from here.
+    let mut r = std::fs::File::from(unsafe { std::os::fd::OwnedFd::from_raw_fd(fds[0]) });
+    let mut out = Vec::new();
+    std::io::Read::read_to_end(&mut r, &mut out).unwrap();
+    let mut status = 0;
+    // SAFETY: waits for our own child.
+    assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "the child as the VMM's user failed: {status:#x}"
+    );
+    out.chunks_exact(4)
+        .map(|c| i32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// A jailed VMM reads the snapshots it restores and those it wrote, and
+/// nothing else of the store: not another VMM's published snapshots
+/// (memory and state) nor its staging; and once it exited, the next VMM of
+/// its user id reads none of what it was granted.
+#[test]
+fn a_vmm_reads_only_the_snapshots_it_restores_and_wrote() {
+    let dir = tempfile::tempdir().unwrap();
+    make_template(dir.path(), "tiny");
+    let cgroup = format!("twig-node-reads-{}", std::process::id());
+    let _cg = CgroupGuard(cgroup.clone());
+    let mut c = jailed_config(dir.path(), 0, &cgroup);
+    c["jail"]["ids"] = serde_json::json!(2);
+    let node = Node::start(dir.path(), &c);
+    let store_dir = dir.path().join("store");
+    let store = NodeStore::open(&store_dir, true).unwrap();
+    let snap = |id: &str, f: &str| store.snapshot_dir(id).join(f);
+
+    let a = node.acquire("tiny").expect("AcquireVm");
+    let _owned_a = Owned(a.pid);
+    let inner_a = vmm_of(a.pid);
+    let mut api_a = restore(&a.api_socket, Path::new(&a.template_dir));
+    let staging = store.stage("a1").unwrap();
+    api_a
+        .snapshot(staging.dir(), Kind::Full, T)
+        .expect("snapshot");
+    staging.publish().expect("publish");
+
+    let b = node.acquire("tiny").expect("AcquireVm");
+    let _owned_b = Owned(b.pid);
+    let inner_b = vmm_of(b.pid);
+    let mut api_b = restore(&b.api_socket, Path::new(&b.template_dir));
+    let staging = store.stage("b1").unwrap();
+    api_b
+        .snapshot(staging.dir(), Kind::Full, T)
+        .expect("snapshot");
+    staging.publish().expect("publish");
+    let b_staged = store.stage("b2").unwrap();
+    api_b
+        .snapshot(b_staged.dir(), Kind::Full, T)
+        .expect("snapshot");
+
+    let readable = [
+        snap("tiny", "state"),
+        snap("tiny", "memory"),
+        snap("a1", "state"),
+        snap("a1", "memory"),
+    ];
+    assert_eq!(opens_as_vmm(inner_a, &readable), [0; 4]);
+    let others = [
+        snap("b1", "state"),
+        snap("b1", "memory"),
+        store.snapshot_dir("b1"),
+        b_staged.dir().to_path_buf(),
+        b_staged.dir().join("state"),
+        store_dir.join("snapshots"),
+    ];
+    assert_eq!(opens_as_vmm(inner_a, &others), [libc::EACCES; 6]);
+    // The other way round: B reads its own, not A's.
+    assert_eq!(
+        opens_as_vmm(
+            inner_b,
+            &[snap("b1", "memory"), b_staged.dir().join("memory")]
+        ),
+        [0; 2]
+    );
+    assert_eq!(
+        opens_as_vmm(inner_b, &[snap("a1", "state"), snap("a1", "memory")]),
+        [libc::EACCES; 2]
+    );
+    // Not writable by the VMM that wrote it.
+    assert_eq!(
+        std::fs::metadata(snap("a1", "memory")).unwrap().uid(),
+        0,
+        "a published file is root's"
+    );
+
+    // A exits; its user id serves the next VMM, which reads its template
+    // but nothing A was granted.
+    let uid_a = uid_of(inner_a);
+    api_a.shutdown(T).expect("shutdown");
+    wait_until("A is reaped", T, || gone(a.pid));
+    let mut next = None;
+    wait_until("A's user id serves the next VMM", T, || {
+        next = node.acquire("tiny").ok();
+        next.is_some()
+    });
+    let next = next.unwrap();
+    let _owned_next = Owned(next.pid);
+    let inner_next = vmm_of(next.pid);
+    assert_eq!(uid_of(inner_next), uid_a);
+    assert_eq!(opens_as_vmm(inner_next, &[snap("tiny", "state")]), [0]);
+    assert_eq!(
+        opens_as_vmm(
+            inner_next,
+            &[
+                snap("a1", "state"),
+                snap("a1", "memory"),
+                store.snapshot_dir("a1")
+            ]
+        ),
+        [libc::EACCES; 3]
+    );
+    drop(b_staged);
+    api_b.shutdown(T).expect("shutdown");
+    wait_until("B is reaped", T, || gone(b.pid));
 }

@@ -461,6 +461,158 @@ pub fn remove_all(path: &Path) -> io::Result<()> {
     }
 }
 
+/// The POSIX access ACL of a file, as the kernel stores it.
+const ACL_XATTR: &[u8] = b"system.posix_acl_access\0";
+const ACL_VERSION: u32 = 2;
+const ACL_USER_OBJ: u16 = 0x01;
+const ACL_USER: u16 = 0x02;
+const ACL_GROUP_OBJ: u16 = 0x04;
+const ACL_GROUP: u16 = 0x08;
+const ACL_MASK: u16 = 0x10;
+const ACL_OTHER: u16 = 0x20;
+/// Read and search (a directory's `r-x`).
+pub const ACL_READ_SEARCH: u16 = 0o5;
+
+/// Serialises this process's read-modify-write of ACLs.
+static ACL_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// One entry of an access ACL: tag, permission bits, id (users and groups).
+type AclEntry = (u16, u16, u32);
+
+fn c_path(path: &Path) -> io::Result<CString> {
+    CString::new(path.as_os_str().as_bytes()).map_err(|_| io::ErrorKind::InvalidInput.into())
+}
+
+/// The access ACL of `path`: its extended ACL, or the three entries its
+/// mode makes.
+fn read_acl(path: &Path) -> io::Result<Vec<AclEntry>> {
+    let p = c_path(path)?;
+    let mut buf = vec![0u8; 4 + 8 * 64];
+    loop {
+        // SAFETY: `p` and the xattr name are NUL-terminated; `buf` is
+        // writable for its length.
+        let n = unsafe {
+            libc::getxattr(
+                p.as_ptr(),
+                ACL_XATTR.as_ptr().cast(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+            )
+        };
+        if n >= 0 {
+            return parse_acl(&buf[..n as usize]);
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::ENODATA) => {
+                let mode = fs::symlink_metadata(path)?.mode() as u16;
+                return Ok(vec![
+                    (ACL_USER_OBJ, (mode >> 6) & 7, u32::MAX),
+                    (ACL_GROUP_OBJ, (mode >> 3) & 7, u32::MAX),
+                    (ACL_OTHER, mode & 7, u32::MAX),
+                ]);
+            }
+            Some(libc::ERANGE) if buf.len() < 1 << 20 => buf.resize(buf.len() * 4, 0),
+            _ => return Err(e),
+        }
+    }
+}
+
+fn parse_acl(b: &[u8]) -> io::Result<Vec<AclEntry>> {
+    let bad = || io::Error::new(io::ErrorKind::InvalidData, "malformed POSIX ACL");
+    let (version, rest) = b.split_first_chunk::<4>().ok_or_else(bad)?;
+    if u32::from_le_bytes(*version) != ACL_VERSION || rest.len() % 8 != 0 {
+        return Err(bad());
+    }
+    Ok(rest
+        .chunks_exact(8)
+        .map(|e| {
+            (
+                u16::from_le_bytes([e[0], e[1]]),
+                u16::from_le_bytes([e[2], e[3]]),
+                u32::from_le_bytes([e[4], e[5], e[6], e[7]]),
+            )
+        })
+        .collect())
+}
+
+/// Writes `entries` (sorted here, the mask recomputed: the union of the
+/// group class) as the access ACL of `path`; without named users or
+/// groups it is the mode alone.
+fn write_acl(path: &Path, mut entries: Vec<AclEntry>) -> io::Result<()> {
+    entries.retain(|e| e.0 != ACL_MASK);
+    let named = entries
+        .iter()
+        .filter(|e| e.0 == ACL_USER || e.0 == ACL_GROUP)
+        .count();
+    if named > 0 {
+        let mask = entries
+            .iter()
+            .filter(|e| matches!(e.0, ACL_USER | ACL_GROUP_OBJ | ACL_GROUP))
+            .fold(0, |m, e| m | e.1);
+        entries.push((ACL_MASK, mask, u32::MAX));
+    }
+    entries.sort_by_key(|e| (e.0, e.2));
+    let mut b = ACL_VERSION.to_le_bytes().to_vec();
+    for (tag, perm, id) in entries {
+        b.extend_from_slice(&tag.to_le_bytes());
+        b.extend_from_slice(&perm.to_le_bytes());
+        b.extend_from_slice(&id.to_le_bytes());
+    }
+    let p = c_path(path)?;
+    // SAFETY: `p` and the name are NUL-terminated; `b` is readable for its
+    // length. The kernel keeps only the mode for a minimal ACL.
+    let r = unsafe {
+        libc::setxattr(
+            p.as_ptr(),
+            ACL_XATTR.as_ptr().cast(),
+            b.as_ptr().cast(),
+            b.len(),
+            0,
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Grants user `uid` the permission bits `perm` on `path` by a named-user
+/// ACL entry (kept with the others `path` has).
+pub fn acl_grant(path: &Path, uid: u32, perm: u16) -> io::Result<()> {
+    let _lock = ACL_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let mut entries = read_acl(path)?;
+    if entries.contains(&(ACL_USER, perm, uid)) {
+        return Ok(());
+    }
+    entries.retain(|e| !(e.0 == ACL_USER && e.2 == uid));
+    entries.push((ACL_USER, perm, uid));
+    write_acl(path, entries)
+}
+
+/// Removes the named-user ACL entries of `path` whose user `which`
+/// selects; whether there were any.
+pub fn acl_revoke(path: &Path, which: impl Fn(u32) -> bool) -> io::Result<bool> {
+    let _lock = ACL_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let mut entries = read_acl(path)?;
+    let before = entries.len();
+    entries.retain(|e| !(e.0 == ACL_USER && which(e.2)));
+    if entries.len() == before {
+        return Ok(false);
+    }
+    write_acl(path, entries)?;
+    Ok(true)
+}
+
+/// The users `path`'s access ACL names.
+pub fn acl_users(path: &Path) -> io::Result<Vec<u32>> {
+    Ok(read_acl(path)?
+        .into_iter()
+        .filter(|e| e.0 == ACL_USER)
+        .map(|e| e.2)
+        .collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -451,6 +451,148 @@ fn sync_in_background(dir: PathBuf) {
     }
 }
 
+/// Makes a staging directory this process's user's before it is
+/// published: the directory `0700` (its readers are granted it by ACL),
+/// its regular files `0644` (what guards them is the directory) — neither
+/// writable by its writer any more. Symbolic links are not followed (a
+/// writer's link to a host file is left as it is; the manifest check
+/// refuses it). The writer's user, if another one (a jailed VMM).
+fn seal(dir: &Path) -> Result<Option<u32>> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let meta = fs::symlink_metadata(dir).map_err(ctx(format!("looking at {}", dir.display())))?;
+    // SAFETY: geteuid/getegid cannot fail.
+    let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    let writer = (meta.uid() != uid).then_some(meta.uid());
+    if writer.is_some() {
+        std::os::unix::fs::lchown(dir, Some(uid), Some(gid))
+            .map_err(ctx(format!("taking {} from its writer", dir.display())))?;
+    }
+    fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
+        .map_err(ctx(format!("closing {} to other users", dir.display())))?;
+    for entry in fs::read_dir(dir).map_err(ctx(format!("listing {}", dir.display())))? {
+        let path = entry
+            .map_err(ctx(format!("listing {}", dir.display())))?
+            .path();
+        let file = match File::options()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(&path)
+        {
+            Ok(f) => f,
+            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => continue,
+            Err(e) => return Err(Error::io(format!("opening {}", path.display()), e)),
+        };
+        let m = file
+            .metadata()
+            .map_err(ctx(format!("looking at {}", path.display())))?;
+        if !m.is_file() {
+            continue;
+        }
+        if m.uid() != uid || m.gid() != gid {
+            std::os::unix::fs::fchown(&file, Some(uid), Some(gid))
+                .map_err(ctx(format!("taking {} from its writer", path.display())))?;
+        }
+        file.set_permissions(fs::Permissions::from_mode(0o644))
+            .map_err(ctx(format!("chmod of {}", path.display())))?;
+    }
+    Ok(writer)
+}
+
+/// Lets user `uid` (a jailed VMM's) read published snapshot `id` of the
+/// store at `root` and every parent it names (what a restore reads), by
+/// an ACL entry on each directory; taken back by [`revoke_reads`].
+pub fn grant_chain(root: &Path, id: &str, uid: u32) -> Result<()> {
+    let mut next = Some(id.to_string());
+    let mut seen = std::collections::HashSet::new();
+    while let Some(id) = next.take() {
+        validate_id(&id)?;
+        if !seen.insert(id.clone()) {
+            return Err(Error::InvalidArgument(format!(
+                "VM snapshot {id:?} is its own ancestor"
+            )));
+        }
+        let dir = root.join(SNAPSHOTS_DIR).join(&id);
+        fsops::acl_grant(&dir, uid, fsops::ACL_READ_SEARCH).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                Error::NotFound(format!("VM snapshot {id:?}"))
+            } else {
+                Error::io(
+                    format!("an ACL entry granting {} to user {uid}", dir.display()),
+                    e,
+                )
+            }
+        })?;
+        let path = dir.join(MANIFEST);
+        let bytes = fs::read(&path).map_err(ctx(format!("reading {}", path.display())))?;
+        let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| Error::Corrupt {
+            path: path.clone(),
+            detail: e.to_string(),
+        })?;
+        next = m.parent;
+    }
+    Ok(())
+}
+
+/// Takes back every grant ([`grant_chain`], or a publish's to its writer)
+/// to the users `which` selects from the published snapshots of the store
+/// at `root`. Returns how many directories changed.
+pub fn revoke_reads(root: &Path, which: impl Fn(u32) -> bool) -> Result<usize> {
+    let mut changed = 0;
+    for dir in published_dirs(root)? {
+        match fsops::acl_revoke(&dir, &which) {
+            Ok(true) => changed += 1,
+            Ok(false) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                return Err(Error::io(
+                    format!("revoking grants on {}", dir.display()),
+                    e,
+                ))
+            }
+        }
+    }
+    Ok(changed)
+}
+
+/// Closes the published snapshots of the store at `root` to other users:
+/// `snapshots/` `0711` (entered by id, never listed), and every snapshot
+/// still open to all (published before snapshots were sealed) sealed as a
+/// publish seals it. Returns how many were sealed.
+pub fn seal_published(root: &Path) -> Result<usize> {
+    use std::os::unix::fs::MetadataExt;
+    let snapshots = root.join(SNAPSHOTS_DIR);
+    fs::set_permissions(&snapshots, fs::Permissions::from_mode(0o711))
+        .map_err(ctx(format!("chmod of {}", snapshots.display())))?;
+    let mut sealed = 0;
+    for dir in published_dirs(root)? {
+        match fs::symlink_metadata(&dir) {
+            Ok(m) if m.mode() & 0o007 != 0 => {
+                seal(&dir)?;
+                sealed += 1;
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::io(format!("looking at {}", dir.display()), e)),
+        }
+    }
+    Ok(sealed)
+}
+
+/// The directories in `<root>/snapshots` (not following links).
+fn published_dirs(root: &Path) -> Result<Vec<PathBuf>> {
+    let snapshots = root.join(SNAPSHOTS_DIR);
+    let mut dirs = Vec::new();
+    for entry in
+        fs::read_dir(&snapshots).map_err(ctx(format!("listing {}", snapshots.display())))?
+    {
+        let entry = entry.map_err(ctx(format!("listing {}", snapshots.display())))?;
+        if entry.file_type().is_ok_and(|t| t.is_dir()) {
+            dirs.push(entry.path());
+        }
+    }
+    Ok(dirs)
+}
+
 fn artefact_paths(s: &VmSnapshot) -> Vec<PathBuf> {
     s.artefacts.keys().filter_map(|a| s.path(*a)).collect()
 }
@@ -627,9 +769,15 @@ impl Staging<'_> {
             self.store.get(p)?;
         }
         let dest = self.store.snapshot_dir(&self.id);
-        // Published, it is read by every VMM that restores it.
-        fs::set_permissions(&self.dir, fs::Permissions::from_mode(0o755))
-            .map_err(ctx(format!("opening {} to readers", self.dir.display())))?;
+        // Published, it is this process's user's; its writer (a jailed
+        // VMM) keeps reading it, other VMMs only once granted.
+        let writer = seal(&self.dir)?;
+        if let Some(uid) = writer {
+            fsops::acl_grant(&self.dir, uid, fsops::ACL_READ_SEARCH).map_err(ctx(format!(
+                "an ACL entry granting {} to its writer",
+                self.dir.display()
+            )))?;
+        }
         fsops::rename_noreplace(&self.dir, &dest).map_err(|e| {
             if e.kind() == std::io::ErrorKind::AlreadyExists {
                 Error::AlreadyExists(format!("VM snapshot {:?}", self.id))

@@ -92,10 +92,10 @@ impl Drop for StopOnDrop<'_> {
 }
 
 /// A staging directory is its writer's alone (a jailed VMM, each its own
-/// user, gets it chowned; no other VMM can look in); published, every
-/// VMM that restores it can read it.
+/// user, gets it chowned; no other VMM can look in); published, it stays
+/// closed to other users (readers are granted it: `tests/grants.rs`).
 #[test]
-fn staging_is_private_and_a_published_snapshot_readable() {
+fn staging_and_a_published_snapshot_are_private() {
     use std::os::unix::fs::PermissionsExt;
     let dir = tempfile::tempdir().unwrap();
     let store = NodeStore::open(dir.path(), true).unwrap();
@@ -104,5 +104,5 @@ fn staging_is_private_and_a_published_snapshot_readable() {
     assert_eq!(mode(staging.dir()), 0o700);
     staging.put_bytes(Artefact::State, b"state").unwrap();
     let published = staging.publish().unwrap();
-    assert_eq!(mode(published.dir()), 0o755);
+    assert_eq!(mode(published.dir()), 0o700);
 }

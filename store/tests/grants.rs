@@ -1,0 +1,199 @@
+//! Who reads a published snapshot (needs root: the writer is another
+//! user, as a jailed VMM is): a publish makes the staging directory root's
+//! and private, its files root's and not writable by the writer, and
+//! grants its writer (and only it) read by an ACL entry; `grant_chain`
+//! grants a snapshot and every parent to a user, `revoke_reads` takes
+//! grants back, `seal_published` closes snapshots published open.
+
+use std::fs;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use twig_store::fsops::acl_users;
+use twig_store::nodestore::{grant_chain, revoke_reads, seal_published};
+use twig_store::{Artefact, NodeStore};
+
+const WRITER: u32 = 64_000;
+const OTHER: u32 = 64_001;
+
+/// What `open(2)` (read-only) of each of `paths` gives user `uid` (its own
+/// group, no others): 0 where it opened, else the error number.
+fn opens_as(uid: u32, paths: &[PathBuf]) -> Vec<i32> {
+    use std::ffi::CString;
+    use std::os::fd::FromRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    let paths: Vec<CString> = paths
+        .iter()
+        .map(|p| CString::new(p.as_os_str().as_bytes()).unwrap())
+        .collect();
+    let mut fds = [0; 2];
+    // SAFETY: pipe(2) into a two-element array.
+    assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+    // SAFETY: the child makes only system calls on memory prepared before
+    // the fork, then exits.
+    let child = unsafe { libc::fork() };
+    assert!(child >= 0, "fork");
+    if child == 0 {
+        // SAFETY: system calls on valid, NUL-terminated strings and buffers.
+        unsafe {
+            if libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()) != 0
+                || libc::syscall(libc::SYS_setresgid, uid, uid, uid) != 0
+                || libc::syscall(libc::SYS_setresuid, uid, uid, uid) != 0
+            {
+                libc::_exit(1);
+            }
+            for p in &paths {
+                let fd = libc::open(p.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
+                let errno = if fd < 0 {
+                    *libc::__errno_location()
+                } else {
+                    libc::close(fd);
+                    0
+                };
+                if libc::write(fds[1], (&raw const errno).cast(), 4) != 4 {
+                    libc::_exit(2);
+                }
+            }
+            libc::_exit(0);
+        }
+    }
+    // SAFETY: our copy of the write end, closed once.
+    unsafe { libc::close(fds[1]) };
+    // SAFETY: the read end is ours alone from here.
+    let mut r = fs::File::from(unsafe { std::os::fd::OwnedFd::from_raw_fd(fds[0]) });
+    let mut out = Vec::new();
+    std::io::Read::read_to_end(&mut r, &mut out).unwrap();
+    let mut status = 0;
+    // SAFETY: waits for our own child.
+    assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "the child as user {uid} failed: {status:#x}"
+    );
+    out.chunks_exact(4)
+        .map(|c| i32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// A store in a directory every user may enter (the test's users reach
+/// the store only through their grants).
+fn store() -> (tempfile::TempDir, NodeStore) {
+    let dir = tempfile::tempdir().unwrap();
+    fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    let store = NodeStore::open(dir.path(), true).unwrap();
+    (dir, store)
+}
+
+/// Publishes `id` (on `parent`) as written by `writer`: the staging
+/// directory and its files the writer's, as twig-vmm's client leaves them.
+fn publish_as(store: &NodeStore, id: &str, parent: Option<&str>, writer: u32) {
+    let mut staging = store.stage(id).unwrap();
+    if let Some(p) = parent {
+        staging.set_parent(p).unwrap();
+    }
+    staging.put_bytes(Artefact::State, b"state").unwrap();
+    staging.put_bytes(Artefact::Memory, b"memory").unwrap();
+    for f in ["state", "memory"] {
+        std::os::unix::fs::chown(staging.dir().join(f), Some(writer), Some(writer)).unwrap();
+    }
+    std::os::unix::fs::chown(staging.dir(), Some(writer), Some(writer)).unwrap();
+    staging.publish().unwrap();
+}
+
+fn files(dir: &Path) -> Vec<PathBuf> {
+    vec![dir.join("state"), dir.join("memory")]
+}
+
+#[test]
+fn a_published_snapshot_is_roots_and_read_by_its_writer_alone() {
+    let (_d, store) = store();
+    publish_as(&store, "s", None, WRITER);
+    let dir = store.snapshot_dir("s");
+    let m = fs::metadata(&dir).unwrap();
+    assert_eq!((m.uid(), m.gid(), m.mode() & 0o707), (0, 0, 0o700));
+    for f in files(&dir) {
+        let m = fs::metadata(&f).unwrap();
+        assert_eq!((m.uid(), m.mode() & 0o777), (0, 0o644), "{}", f.display());
+    }
+    assert_eq!(acl_users(&dir).unwrap(), [WRITER]);
+    assert_eq!(opens_as(WRITER, &files(&dir)), [0, 0]);
+    assert_eq!(opens_as(OTHER, &files(&dir)), [libc::EACCES; 2]);
+    // `snapshots/` is entered by id, never listed.
+    seal_published(store.root()).unwrap();
+    assert_eq!(
+        opens_as(WRITER, &[store.root().join("snapshots")]),
+        [libc::EACCES]
+    );
+    assert_eq!(opens_as(WRITER, &files(&dir)), [0, 0]);
+}
+
+#[test]
+fn a_chain_is_granted_whole_and_revoked_per_user() {
+    let (_d, store) = store();
+    publish_as(&store, "base", None, 0);
+    publish_as(&store, "top", Some("base"), WRITER);
+    let (base, top) = (store.snapshot_dir("base"), store.snapshot_dir("top"));
+    assert_eq!(opens_as(OTHER, &files(&base)), [libc::EACCES; 2]);
+
+    grant_chain(store.root(), "top", OTHER).unwrap();
+    let all: Vec<PathBuf> = files(&top).into_iter().chain(files(&base)).collect();
+    assert_eq!(opens_as(OTHER, &all), [0; 4]);
+    // The writer was granted only what it wrote.
+    assert_eq!(opens_as(WRITER, &all), [0, 0, libc::EACCES, libc::EACCES]);
+
+    assert_eq!(revoke_reads(store.root(), |u| u == OTHER).unwrap(), 2);
+    assert_eq!(opens_as(OTHER, &all), [libc::EACCES; 4]);
+    assert_eq!(opens_as(WRITER, &files(&top)), [0, 0]);
+    assert_eq!(revoke_reads(store.root(), |u| u == WRITER).unwrap(), 1);
+    assert_eq!(opens_as(WRITER, &files(&top)), [libc::EACCES; 2]);
+    // No grant left: the directory's mode alone again.
+    assert!(acl_users(&top).unwrap().is_empty());
+    assert_eq!(fs::metadata(&top).unwrap().mode() & 0o777, 0o700);
+
+    let e = grant_chain(store.root(), "absent", OTHER).unwrap_err();
+    assert!(matches!(e, twig_store::Error::NotFound(_)), "{e}");
+}
+
+#[test]
+fn a_snapshot_published_open_is_sealed() {
+    let (_d, store) = store();
+    publish_as(&store, "old", None, WRITER);
+    let dir = store.snapshot_dir("old");
+    // As a store published before snapshots were sealed left it.
+    revoke_reads(store.root(), |_| true).unwrap();
+    fs::set_permissions(&dir, fs::Permissions::from_mode(0o755)).unwrap();
+    std::os::unix::fs::chown(&dir, Some(WRITER), Some(WRITER)).unwrap();
+    assert_eq!(opens_as(OTHER, &files(&dir)), [0, 0]);
+    assert_eq!(seal_published(store.root()).unwrap(), 1);
+    assert_eq!(opens_as(OTHER, &files(&dir)), [libc::EACCES; 2]);
+    let m = fs::metadata(&dir).unwrap();
+    assert_eq!((m.uid(), m.mode() & 0o777), (0, 0o700));
+    assert_eq!(seal_published(store.root()).unwrap(), 0);
+}
+
+/// A writer's symbolic link is never followed: refused at publish, and
+/// left as it is (with the host file it names) when a snapshot published
+/// open is sealed.
+#[test]
+fn sealing_follows_no_link_of_the_writer() {
+    let (d, store) = store();
+    let host = d.path().join("host-file");
+    fs::write(&host, b"secret").unwrap();
+    fs::set_permissions(&host, fs::Permissions::from_mode(0o600)).unwrap();
+    std::os::unix::fs::chown(&host, Some(OTHER), Some(OTHER)).unwrap();
+    let mut staging = store.stage("s").unwrap();
+    staging.put_bytes(Artefact::State, b"state").unwrap();
+    std::os::unix::fs::symlink(&host, staging.dir().join("memory")).unwrap();
+    std::os::unix::fs::chown(staging.dir(), Some(WRITER), Some(WRITER)).unwrap();
+    let e = staging.publish().unwrap_err();
+    assert!(matches!(e, twig_store::Error::InvalidArgument(_)), "{e}");
+
+    publish_as(&store, "old", None, WRITER);
+    let dir = store.snapshot_dir("old");
+    fs::remove_file(dir.join("memory")).unwrap();
+    std::os::unix::fs::symlink(&host, dir.join("memory")).unwrap();
+    fs::set_permissions(&dir, fs::Permissions::from_mode(0o755)).unwrap();
+    assert_eq!(seal_published(store.root()).unwrap(), 1);
+    let m = fs::metadata(&host).unwrap();
+    assert_eq!((m.uid(), m.mode() & 0o777), (OTHER, 0o600));
+}
