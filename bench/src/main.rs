@@ -4,6 +4,7 @@
 mod cri;
 mod demo;
 mod linux;
+mod loop_xfs;
 mod net;
 mod node;
 mod objects;

@@ -6,6 +6,7 @@
 //! removes itself (needs root), or on `--dir`, an existing directory on a
 //! reflink-capable filesystem.
 
+use crate::loop_xfs::{exec, LoopXfs};
 use crate::stats::{row, Error, Summary};
 use serde_json::json;
 use std::fs;
@@ -34,64 +35,6 @@ pub struct Args {
     /// loop-mounted XFS made for the run.
     #[arg(long)]
     dir: Option<PathBuf>,
-}
-
-/// A loop-mounted XFS under a temp dir; unmounted and removed on drop.
-struct LoopXfs {
-    base: PathBuf,
-    mnt: PathBuf,
-    loopdev: String,
-}
-
-fn exec(cmd: &mut Command) -> Result<String, Error> {
-    let out = cmd
-        .output()
-        .map_err(|e| format!("cannot run {:?}: {e}", cmd.get_program()))?;
-    if !out.status.success() {
-        return Err(format!(
-            "{cmd:?} failed with {}: {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        )
-        .into());
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-impl LoopXfs {
-    fn new(size_mib: u64) -> Result<LoopXfs, Error> {
-        let base =
-            std::env::temp_dir().join(format!("twig-bench-snapshotter-{}", std::process::id()));
-        fs::create_dir_all(&base)?;
-        let img = base.join("xfs.img");
-        fs::File::create(&img)?.set_len(size_mib << 20)?;
-        exec(
-            Command::new("mkfs.xfs")
-                .args(["-q", "-m", "reflink=1"])
-                .arg(&img),
-        )
-        .map_err(|e| format!("making the benchmark XFS (needs root and xfsprogs): {e}"))?;
-        let loopdev = exec(Command::new("losetup").args(["--find", "--show"]).arg(&img))?
-            .trim()
-            .to_string();
-        let mnt = base.join("mnt");
-        fs::create_dir_all(&mnt)?;
-        let xfs = LoopXfs { base, mnt, loopdev };
-        exec(
-            Command::new("mount")
-                .args(["-t", "xfs", &xfs.loopdev])
-                .arg(&xfs.mnt),
-        )?;
-        Ok(xfs)
-    }
-}
-
-impl Drop for LoopXfs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.mnt).status();
-        let _ = Command::new("losetup").args(["-d", &self.loopdev]).status();
-        let _ = fs::remove_dir_all(&self.base);
-    }
 }
 
 /// Removes the benchmark's store directory, also when the run fails.
@@ -163,8 +106,10 @@ pub fn run(args: &Args) -> Result<serde_json::Value, Error> {
         Some(d) => d.clone(),
         None => {
             // Parent + one full copy at a time + headroom.
-            loop_xfs = LoopXfs::new(image_mib * 2 + args.parent_mib / 2 + 512)?;
-            loop_xfs.mnt.clone()
+            let base =
+                std::env::temp_dir().join(format!("twig-bench-snapshotter-{}", std::process::id()));
+            loop_xfs = LoopXfs::new(&base, image_mib * 2 + args.parent_mib / 2 + 512)?;
+            loop_xfs.mnt().to_path_buf()
         }
     };
     let root = dir.join("twig-bench-store");

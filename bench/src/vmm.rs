@@ -24,6 +24,8 @@ use crate::stats::{row, Context, Error, Report, Summary};
 
 mod snapshots;
 
+use crate::loop_xfs::LoopXfs;
+
 /// Deadline of every wait on a guest or a twig-vmm process.
 const T: Duration = Duration::from_secs(20);
 /// Page counts of the incremental snapshot and rollback measurements.
@@ -60,8 +62,8 @@ pub struct Args {
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     vmm_seccomp: String,
     /// Only measure rollback with a read-write disk attached (by path and
-    /// as a descriptor); `--dir` should be on a reflink filesystem (XFS),
-    /// where the descriptor's rollback is a reflink into it.
+    /// as a descriptor). The descriptor's rollback is a reflink: without
+    /// reflinks in `--dir` (ext4), that row runs on a loop XFS it makes.
     #[arg(long)]
     rollback_disk_only: bool,
     /// Only measure snapshots: full, incremental, and incremental under a
@@ -148,7 +150,8 @@ fn dirty(vm: &mut Vm, pages: u64, value: u64) -> Result<(), Error> {
 /// read-write disk in a slot, attached by path (the snapshot's copy
 /// renamed over the image) and sent as a descriptor (the copy reflinked
 /// into it after a reflink backup into the store's `tmp`, as a jailed
-/// VMM does). Timed: the call (it resumes the vCPU).
+/// VMM does; on a loop XFS made for the row when `root` lacks reflinks).
+/// Reports each row's filesystem. Timed: the call (it resumes the vCPU).
 fn rollback_with_disk(
     r: &mut Report,
     runs: usize,
@@ -158,7 +161,21 @@ fn rollback_with_disk(
 ) -> Result<(), Error> {
     const N: u64 = 1000;
     for (name, sent) in [("path", false), ("fd", true)] {
-        let dir = root.join(format!("rollback-disk-{name}"));
+        // A descriptor's rollback reflinks; without reflinks under `root`
+        // this row runs on a loop XFS, dropped (unmounted) after the VM.
+        let xfs = if sent && twig_store::fsops::probe_reflink(root).is_err() {
+            Some(LoopXfs::new(&root.join("loop-xfs"), 1024)?)
+        } else {
+            None
+        };
+        let parent = xfs.as_ref().map_or(root, LoopXfs::mnt);
+        let dir = parent.join(format!("rollback-disk-{name}"));
+        let fs_type = filesystem_of(parent)?;
+        let fs_used = match &xfs {
+            Some(_) => format!("{fs_type} (loop, made for this row)"),
+            None => fs_type,
+        };
+        r.value(&format!("rollback_{N}_disk_{name}_fs"), json!(fs_used));
         fs::create_dir_all(&dir).context(|| format!("creating {}", dir.display()))?;
         let store = NodeStore::open(&dir.join("store"), true)
             .context(|| format!("opening a node store in {}", dir.display()))?;
