@@ -47,14 +47,16 @@
 //! files root's `0644` (not writable by any VMM), `snapshots/` `0711`
 //! (entered by id, never listed), and each VMM user reads only what a
 //! POSIX ACL entry on a snapshot's directory grants it (twig-store's
-//! `grant_chain`, `revoke_reads`): at hand-over, the snapshots it is
+//! `grants` module, which records each user's grants in a ledger): at
+//! hand-over, the snapshots it is
 //! handed over for (`uses`: its template, for a clone the pod snapshot)
 //! with every parent they name; at publish, the snapshot it wrote (the
 //! store grants the staging directory's owner: a pod rolls back to its
 //! own snapshots, and an incremental one reads its parent, which it
-//! restored or wrote). Grants are taken back from every published
-//! snapshot when the VMM is reaped and again before a VMM runs as that
-//! user (user ids go round), and at the daemon's start from every user of
+//! restored or wrote). Grants are taken back (those the user's ledger
+//! names) when the VMM is reaped and again before a VMM runs as that user
+//! (user ids go round), and at the daemon's start, by a walk of every
+//! published snapshot, from every user of
 //! the range no running VMM has (snapshots published open by an earlier
 //! version are sealed then); see `pool/jail.rs`. ACLs were chosen over a
 //! per-VMM mount view: the jail, the shim and the snapshot code stay as

@@ -27,6 +27,9 @@ use crate::error::{Error, Result};
 pub const SNAPSHOTS_DIR: &str = "snapshots";
 /// Name of the staging and deletion area inside a store.
 pub const TMP_DIR: &str = "tmp";
+/// Name of the directory of read-grant ledgers (one per jailed VMM user)
+/// inside a store.
+pub const GRANTS_DIR: &str = "grants";
 /// Name of a snapshot's manifest.
 pub const MANIFEST: &str = "manifest.json";
 /// How the name of a staging lease in `tmp/` ends.

@@ -10,6 +10,9 @@
 //! * [`fsops`] holds the filesystem primitives every Twig crate uses:
 //!   FICLONE reflinks and their copy fallbacks, durable writes, no-replace
 //!   renames, `flock`, FIEMAP extents and space accounting.
+//! * [`grants`] lets a jailed VMM's user read the published snapshots it
+//!   restores or wrote (POSIX ACL entries), and takes them back by a ledger
+//!   per user.
 //! * [`sizes`] computes a snapshot's memory, disk and restore sizes and the
 //!   store's footprint and room (`st_blocks`, `statvfs`).
 //!
@@ -17,9 +20,12 @@
 
 pub mod error;
 pub mod fsops;
+pub mod grants;
 pub mod layout;
 pub mod nodestore;
 pub mod sizes;
+#[cfg(feature = "testkit")]
+pub mod testkit;
 
 pub use error::{Error, Result};
 pub use fsops::{CloneMode, Usage};

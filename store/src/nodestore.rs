@@ -16,6 +16,7 @@ use std::time::SystemTime;
 
 use crate::error::{ctx, Error, Result};
 use crate::fsops::{self, CloneMode, Usage};
+use crate::grants::{self, published_dirs};
 use crate::layout::{
     artefacts_in, validate_id, Artefact, Kind, Manifest, LEASE_SUFFIX, MANIFEST, SNAPSHOTS_DIR,
     TMP_DIR,
@@ -498,62 +499,6 @@ fn seal(dir: &Path) -> Result<Option<u32>> {
     Ok(writer)
 }
 
-/// Lets user `uid` (a jailed VMM's) read published snapshot `id` of the
-/// store at `root` and every parent it names (what a restore reads), by
-/// an ACL entry on each directory; taken back by [`revoke_reads`].
-pub fn grant_chain(root: &Path, id: &str, uid: u32) -> Result<()> {
-    let mut next = Some(id.to_string());
-    let mut seen = std::collections::HashSet::new();
-    while let Some(id) = next.take() {
-        validate_id(&id)?;
-        if !seen.insert(id.clone()) {
-            return Err(Error::InvalidArgument(format!(
-                "VM snapshot {id:?} is its own ancestor"
-            )));
-        }
-        let dir = root.join(SNAPSHOTS_DIR).join(&id);
-        fsops::acl_grant(&dir, uid, fsops::ACL_READ_SEARCH).map_err(|e| {
-            if e.kind() == std::io::ErrorKind::NotFound {
-                Error::NotFound(format!("VM snapshot {id:?}"))
-            } else {
-                Error::io(
-                    format!("an ACL entry granting {} to user {uid}", dir.display()),
-                    e,
-                )
-            }
-        })?;
-        let path = dir.join(MANIFEST);
-        let bytes = fs::read(&path).map_err(ctx(format!("reading {}", path.display())))?;
-        let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| Error::Corrupt {
-            path: path.clone(),
-            detail: e.to_string(),
-        })?;
-        next = m.parent;
-    }
-    Ok(())
-}
-
-/// Takes back every grant ([`grant_chain`], or a publish's to its writer)
-/// to the users `which` selects from the published snapshots of the store
-/// at `root`. Returns how many directories changed.
-pub fn revoke_reads(root: &Path, which: impl Fn(u32) -> bool) -> Result<usize> {
-    let mut changed = 0;
-    for dir in published_dirs(root)? {
-        match fsops::acl_revoke(&dir, &which) {
-            Ok(true) => changed += 1,
-            Ok(false) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => {
-                return Err(Error::io(
-                    format!("revoking grants on {}", dir.display()),
-                    e,
-                ))
-            }
-        }
-    }
-    Ok(changed)
-}
-
 /// Closes the published snapshots of the store at `root` to other users:
 /// `snapshots/` `0711` (entered by id, never listed), and every snapshot
 /// still open to all (published before snapshots were sealed) sealed as a
@@ -576,21 +521,6 @@ pub fn seal_published(root: &Path) -> Result<usize> {
         }
     }
     Ok(sealed)
-}
-
-/// The directories in `<root>/snapshots` (not following links).
-fn published_dirs(root: &Path) -> Result<Vec<PathBuf>> {
-    let snapshots = root.join(SNAPSHOTS_DIR);
-    let mut dirs = Vec::new();
-    for entry in
-        fs::read_dir(&snapshots).map_err(ctx(format!("listing {}", snapshots.display())))?
-    {
-        let entry = entry.map_err(ctx(format!("listing {}", snapshots.display())))?;
-        if entry.file_type().is_ok_and(|t| t.is_dir()) {
-            dirs.push(entry.path());
-        }
-    }
-    Ok(dirs)
 }
 
 fn artefact_paths(s: &VmSnapshot) -> Vec<PathBuf> {
@@ -773,10 +703,7 @@ impl Staging<'_> {
         // VMM) keeps reading it, other VMMs only once granted.
         let writer = seal(&self.dir)?;
         if let Some(uid) = writer {
-            fsops::acl_grant(&self.dir, uid, fsops::ACL_READ_SEARCH).map_err(ctx(format!(
-                "an ACL entry granting {} to its writer",
-                self.dir.display()
-            )))?;
+            grants::grant_writer(&self.store.root, &self.dir, &self.id, uid)?;
         }
         fsops::rename_noreplace(&self.dir, &dest).map_err(|e| {
             if e.kind() == std::io::ErrorKind::AlreadyExists {

@@ -2,77 +2,24 @@
 //! user, as a jailed VMM is): a publish makes the staging directory root's
 //! and private, its files root's and not writable by the writer, and
 //! grants its writer (and only it) read by an ACL entry; `grant_chain`
-//! grants a snapshot and every parent to a user, `revoke_reads` takes
-//! grants back, `seal_published` closes snapshots published open.
+//! grants a snapshot and every parent to a user, `revoke_grants` takes
+//! a user's grants back by its ledger, `revoke_reads` by a walk, `seal_published` closes snapshots published open.
 
 use std::fs;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use twig_store::fsops::acl_users;
-use twig_store::nodestore::{grant_chain, revoke_reads, seal_published};
+use twig_store::grants::{grant_chain, revoke_grants, revoke_reads};
+use twig_store::nodestore::seal_published;
 use twig_store::{Artefact, NodeStore};
 
 const WRITER: u32 = 64_000;
 const OTHER: u32 = 64_001;
 
-/// What `open(2)` (read-only) of each of `paths` gives user `uid` (its own
-/// group, no others): 0 where it opened, else the error number.
+/// What user `uid` (its own group) can open of `paths`.
 fn opens_as(uid: u32, paths: &[PathBuf]) -> Vec<i32> {
-    use std::ffi::CString;
-    use std::os::fd::FromRawFd;
-    use std::os::unix::ffi::OsStrExt;
-    let paths: Vec<CString> = paths
-        .iter()
-        .map(|p| CString::new(p.as_os_str().as_bytes()).unwrap())
-        .collect();
-    let mut fds = [0; 2];
-    // SAFETY: pipe(2) into a two-element array.
-    assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
-    // SAFETY: the child makes only system calls on memory prepared before
-    // the fork, then exits.
-    let child = unsafe { libc::fork() };
-    assert!(child >= 0, "fork");
-    if child == 0 {
-        // SAFETY: system calls on valid, NUL-terminated strings and buffers.
-        unsafe {
-            if libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()) != 0
-                || libc::syscall(libc::SYS_setresgid, uid, uid, uid) != 0
-                || libc::syscall(libc::SYS_setresuid, uid, uid, uid) != 0
-            {
-                libc::_exit(1);
-            }
-            for p in &paths {
-                let fd = libc::open(p.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
-                let errno = if fd < 0 {
-                    *libc::__errno_location()
-                } else {
-                    libc::close(fd);
-                    0
-                };
-                if libc::write(fds[1], (&raw const errno).cast(), 4) != 4 {
-                    libc::_exit(2);
-                }
-            }
-            libc::_exit(0);
-        }
-    }
-    // SAFETY: our copy of the write end, closed once.
-    unsafe { libc::close(fds[1]) };
-    // SAFETY: the read end is ours alone from here.
-    let mut r = fs::File::from(unsafe { std::os::fd::OwnedFd::from_raw_fd(fds[0]) });
-    let mut out = Vec::new();
-    std::io::Read::read_to_end(&mut r, &mut out).unwrap();
-    let mut status = 0;
-    // SAFETY: waits for our own child.
-    assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
-    assert!(
-        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
-        "the child as user {uid} failed: {status:#x}"
-    );
-    out.chunks_exact(4)
-        .map(|c| i32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
+    twig_store::testkit::opens_as(None, uid, uid, paths)
 }
 
 /// A store in a directory every user may enter (the test's users reach
@@ -141,10 +88,12 @@ fn a_chain_is_granted_whole_and_revoked_per_user() {
     // The writer was granted only what it wrote.
     assert_eq!(opens_as(WRITER, &all), [0, 0, libc::EACCES, libc::EACCES]);
 
-    assert_eq!(revoke_reads(store.root(), |u| u == OTHER).unwrap(), 2);
+    assert_eq!(revoke_grants(store.root(), OTHER).unwrap(), 2);
     assert_eq!(opens_as(OTHER, &all), [libc::EACCES; 4]);
     assert_eq!(opens_as(WRITER, &files(&top)), [0, 0]);
-    assert_eq!(revoke_reads(store.root(), |u| u == WRITER).unwrap(), 1);
+    // The ledger is emptied: nothing more to take back.
+    assert_eq!(revoke_grants(store.root(), OTHER).unwrap(), 0);
+    assert_eq!(revoke_grants(store.root(), WRITER).unwrap(), 1);
     assert_eq!(opens_as(WRITER, &files(&top)), [libc::EACCES; 2]);
     // No grant left: the directory's mode alone again.
     assert!(acl_users(&top).unwrap().is_empty());

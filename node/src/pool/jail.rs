@@ -35,15 +35,16 @@ impl Jail {
     /// `uses` and every parent they name.
     pub(super) fn grant(&self, uid: u32, uses: &[String]) -> Result<()> {
         for id in uses {
-            twig_store::nodestore::grant_chain(&self.store, id, uid)?;
+            twig_store::grants::grant_chain(&self.store, id, uid)?;
         }
         Ok(())
     }
 
     /// Takes back what user `uid` was granted to read (its VMM exited, or
-    /// a new one is about to run as it).
+    /// a new one is about to run as it): the snapshots its ledger in the
+    /// store names, no walk of the store.
     pub(super) fn revoke(&self, uid: u32) -> Result<()> {
-        twig_store::nodestore::revoke_reads(&self.store, |u| u == uid)?;
+        twig_store::grants::revoke_grants(&self.store, uid)?;
         Ok(())
     }
 
@@ -53,7 +54,7 @@ impl Jail {
     pub(super) fn forget_grants(&self, kept: &HashSet<u32>) -> Result<()> {
         let range = self.uid..self.uid.saturating_add(self.ids);
         twig_store::nodestore::seal_published(&self.store)?;
-        twig_store::nodestore::revoke_reads(&self.store, |u| {
+        twig_store::grants::revoke_reads(&self.store, |u| {
             range.contains(&u) && !kept.contains(&u)
         })?;
         Ok(())

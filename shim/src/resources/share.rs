@@ -30,6 +30,11 @@ use crate::error::{Error, Result};
 use crate::sandbox::Sandbox;
 use crate::share_server::{ServeArgs, SERVE_ARG};
 
+/// The shim's own binary, by the running process's inode: file servers
+/// are the shim again, the same build even after an upgrade replaced the
+/// file at its path.
+const SELF_EXE: &str = "/proc/self/exe";
+
 /// How much of a server's standard error is logged when it ends.
 const STDERR_BYTES: u64 = 4096;
 
@@ -153,8 +158,7 @@ pub fn attach(sandbox: &dyn Sandbox, share: &Share, timeout: Duration) -> Result
     let output = stream
         .try_clone()
         .map_err(|e| Error::io("the file-share connection", e))?;
-    let exe = std::env::current_exe().map_err(|e| Error::io("finding the shim binary", e))?;
-    let mut child = Command::new(&exe)
+    let mut child = Command::new(SELF_EXE)
         .arg(SERVE_ARG)
         .args(share.serve.to_args())
         .stdin(Stdio::from(OwnedFd::from(stream)))
