@@ -13,7 +13,6 @@ use twig_net::EgressPolicy;
 pub use twig_proto::contract::ErrorCode;
 
 use crate::crd::{SandboxTemplateSpec, SnapshotMode};
-use crate::pull_secrets::RegistryCredential;
 
 use twig_proto::{twig as pb, twig_ttrpc as rpc};
 
@@ -102,6 +101,17 @@ pub struct NetworkCounter {
     pub bytes: u64,
 }
 
+/// Where a template is built when the node lacks it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BuildIn<'a> {
+    /// A pod the node daemon runs itself through CRI: only for a node no
+    /// kubelet manages (kubelet stops sandboxes it did not make).
+    NodePod,
+    /// The build Pod of this UID, which kubelet runs (`None`: there is none
+    /// yet; the node says when one is needed). What the controller uses.
+    BuildPod(Option<&'a str>),
+}
+
 /// A template's state on this node.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TemplateState {
@@ -109,6 +119,10 @@ pub struct TemplateState {
     pub ready: bool,
     /// Why not, or what is happening.
     pub message: Option<String>,
+    /// A build should start: the controller makes a build Pod.
+    pub needs_build_pod: bool,
+    /// The last build failed; a build Pod it ran in is spent.
+    pub failed: bool,
 }
 
 /// Failure of a call to a node-local service: one variant per meaning of
@@ -230,14 +244,13 @@ pub trait NodeService: Send + Sync {
     async fn delete_snapshot(&self, snapshot_id: &str) -> Result<(), ShimError>;
     /// The snapshot with its sizes, if the node store still holds it.
     async fn get_snapshot(&self, snapshot_id: &str) -> Result<Option<SnapshotInfo>, ShimError>;
-    /// Builds or finds the template `key` (`namespace/name`) on this node,
-    /// its image pulled with the registry logins `credentials` (tried in
-    /// order; secrets, never logged).
+    /// Finds the template `key` (`namespace/name`) on this node, or builds
+    /// it as `build_in` says.
     async fn ensure_template(
         &self,
         key: &str,
         spec: &SandboxTemplateSpec,
-        credentials: &[RegistryCredential],
+        build_in: BuildIn<'_>,
     ) -> Result<TemplateState, ShimError>;
     /// Removes the template `key` from this node; succeeds when it is already gone.
     async fn delete_template(&self, key: &str) -> Result<(), ShimError>;
@@ -510,9 +523,8 @@ impl NodeService for TtrpcNode {
         &self,
         key: &str,
         spec: &SandboxTemplateSpec,
-        credentials: &[RegistryCredential],
+        build_in: BuildIn<'_>,
     ) -> Result<TemplateState, ShimError> {
-        // The request is never logged: it carries the logins.
         let req = pb::EnsureTemplateRequest {
             name: key.to_string(),
             image: spec.image.clone(),
@@ -521,18 +533,14 @@ impl NodeService for TtrpcNode {
             command: spec.command.clone().unwrap_or_default(),
             warmup: spec.warmup.clone().unwrap_or_default(),
             egress_policy: policy_json("EnsureTemplate", spec.egress_policy.as_ref())?,
-            pull_credentials: credentials
-                .iter()
-                .map(|c| pb::RegistryCredential {
-                    server: c.server.clone(),
-                    username: c.username.clone(),
-                    password: c.password.clone(),
-                    identity_token: c.identity_token.clone(),
-                    registry_token: c.registry_token.clone(),
-                    auth: c.auth.clone(),
+            build_pod: match build_in {
+                BuildIn::NodePod => None,
+                BuildIn::BuildPod(uid) => Some(pb::BuildPod {
+                    uid: uid.unwrap_or_default().to_string(),
                     ..Default::default()
-                })
-                .collect(),
+                }),
+            }
+            .into(),
             ..Default::default()
         };
         let resp = self
@@ -544,6 +552,8 @@ impl NodeService for TtrpcNode {
         Ok(TemplateState {
             ready: resp.ready,
             message: (!resp.message.is_empty()).then(|| resp.message.clone()),
+            needs_build_pod: resp.needs_build_pod,
+            failed: resp.failed,
         })
     }
 

@@ -893,7 +893,9 @@ fn a_node_controller_creates_pods_only_on_its_own_node() {
     // Another node's, or one left to the scheduler, is refused by name.
     let message = forbidden(verdict(&controller, &node_a, &clone_pod_on("node-b")));
     assert!(
-        message.contains("\"node-a\" may create pods only on its own node, not on \"node-b\""),
+        message.contains(
+            "\"node-a\" may create and delete pods only on its own node, not on \"node-b\""
+        ),
         "{message}"
     );
     let mut unbound = own.clone();
@@ -931,6 +933,67 @@ fn a_node_controller_creates_pods_only_on_its_own_node() {
     for user in ["alice", "system:serviceaccount:twig-system:other"] {
         assert_eq!(verdict(user, &node_a, &plain), Verdict::Allowed, "{user}");
     }
+}
+
+/// The build Pod of SandboxTemplate `py` (team-b) on `node`, as the
+/// controller makes it.
+fn build_pod_on(node: &str) -> Value {
+    let mut template: twig_controller::crd::SandboxTemplate =
+        serde_json::from_value(template_object(&[])).expect("template");
+    template.metadata.uid = Some("4d1b3c2a-0000-4000-8000-000000000002".into());
+    template.metadata.generation = Some(1);
+    let pod = twig_controller::reconcile::template::build_pod(&template, node, &["hub".into()]);
+    serde_json::to_value(pod).expect("json")
+}
+
+/// Issue 24, item 7: a node's controller makes and deletes a template's
+/// build Pod on its own node — kubelet runs it — and no other pod: not on
+/// another node, not one that restores a snapshot, mounts volumes or is
+/// not controlled by the template its label names; it deletes no other
+/// pod.
+#[test]
+fn a_node_controller_makes_and_deletes_build_pods_only_on_its_own_node() {
+    let docs = documents(&template(&json!({})));
+    let controller = controller_user();
+    let node_a = token_of(Some("node-a"));
+    let create = |pod: &Value| {
+        node_restriction_verdict(&docs, &controller, &node_a, "pods", Some(pod), None)
+    };
+    let delete = |pod: &Value| {
+        node_restriction_verdict(&docs, &controller, &node_a, "pods", None, Some(pod))
+    };
+    let own = build_pod_on("node-a");
+    assert_eq!(create(&own), Verdict::Allowed);
+    assert_eq!(delete(&own), Verdict::Allowed);
+    assert_eq!(
+        restore_from_verdict(&docs, &controller, "pods", &own, None),
+        Verdict::Allowed
+    );
+    let message = forbidden(create(&build_pod_on("node-b")));
+    assert!(message.contains("only on its own node"), "{message}");
+    forbidden(delete(&build_pod_on("node-b")));
+    let mut restoring = own.clone();
+    restoring["metadata"]["annotations"]["twig.dev/restore-from"] = json!("team-a-snapshot");
+    forbidden(create(&restoring));
+    let mut with_volume = own.clone();
+    with_volume["spec"]["volumes"] =
+        json!([{"name": "secrets", "secret": {"secretName": "other"}}]);
+    forbidden(create(&with_volume));
+    let mut other_owner = own.clone();
+    other_owner["metadata"]["labels"]["twig.dev/template-build"] = json!("other");
+    forbidden(create(&other_owner));
+    let mut runc = own.clone();
+    runc["spec"]["runtimeClassName"] = json!("runc");
+    forbidden(create(&runc));
+    // Any other pod of its node, a clone's included, is not its to delete.
+    let message = forbidden(delete(&clone_pod_on("node-a")));
+    assert!(
+        message.contains("deletes only templates' build pods"),
+        "{message}"
+    );
+    let mut plain = pod_annotated(Value::Null);
+    plain["spec"]["nodeName"] = json!("node-a");
+    forbidden(delete(&plain));
 }
 
 /// A SandboxTemplate (namespace team-b) with `finalizers`.

@@ -9,10 +9,9 @@ use async_trait::async_trait;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::ObjectMeta;
 use twig_controller::crd::{SandboxTemplateSpec, SnapshotMode};
-use twig_controller::pull_secrets::RegistryCredential;
 use twig_controller::sandbox::{ContainerdLocator, LocateError, SandboxLocator};
 use twig_controller::shim::{
-    NetworkCounter, NodeService, Sandbox, ShimError, SnapshotInfo, StoreUsage, TtrpcNode,
+    BuildIn, NetworkCounter, NodeService, Sandbox, ShimError, SnapshotInfo, StoreUsage, TtrpcNode,
     TtrpcShim, TwigShim,
 };
 use twig_net::EgressPolicy;
@@ -27,7 +26,8 @@ struct Server {
     /// The policy in force as the JSON last set (sandbox `sb-1` has a network path).
     egress_policy: Mutex<String>,
     /// The registry logins of the last EnsureTemplate.
-    pull_credentials: Mutex<Vec<pb::RegistryCredential>>,
+    /// The last EnsureTemplate's build Pod UID (`None`: unset).
+    build_pod: Mutex<Option<String>>,
 }
 
 fn status(code: ttrpc::Code, message: &str) -> ttrpc::Error {
@@ -182,10 +182,13 @@ impl rpc::Node for Server {
             "template {} {} {}x{} {:?} policy={:?}",
             req.name, req.image, req.vcpus, req.memory_mib, req.command, req.egress_policy
         ));
-        *self.pull_credentials.lock().expect("lock") = req.pull_credentials.clone();
+        let pod = req.build_pod.as_ref().map(|p| p.uid.clone());
+        *self.build_pod.lock().expect("lock") = pod.clone();
         Ok(pb::EnsureTemplateResponse {
             ready: false,
             message: "booting".into(),
+            needs_build_pod: pod.as_deref() == Some(""),
+            failed: pod.as_deref() == Some("spent"),
             ..Default::default()
         })
     }
@@ -421,7 +424,7 @@ async fn ttrpc_shim_client_calls_the_twig_service() {
         egress_policy: None,
     };
     let state = node
-        .ensure_template("default/py", &spec, &[])
+        .ensure_template("default/py", &spec, BuildIn::NodePod)
         .await
         .expect("template");
     assert!(!state.ready);
@@ -431,42 +434,22 @@ async fn ttrpc_shim_client_calls_the_twig_service() {
         .lock()
         .expect("lock")
         .contains(&"template default/py python:3 2x512 [\"python3\"] policy=\"\"".to_string()));
-    assert!(
-        server.pull_credentials.lock().expect("lock").is_empty(),
-        "no logins asked, none sent"
-    );
-    // The namespace's registry logins travel with the request.
-    let login = RegistryCredential {
-        server: "reg.example".into(),
-        username: "alice".into(),
-        password: "hunter2".into(),
-        auth: "YWxpY2U6aHVudGVyMg==".into(),
-        identity_token: "id-token".into(),
-        registry_token: "registry-token".into(),
-    };
-    node.ensure_template("default/py", &spec, std::slice::from_ref(&login))
+    // Where the build runs travels with the request, and the node's answer
+    // (a build Pod wanted, a build failed) comes back.
+    let sent = || server.build_pod.lock().expect("lock").clone();
+    assert_eq!(sent(), None, "a node-run build names no Pod");
+    let state = node
+        .ensure_template("default/py", &spec, BuildIn::BuildPod(None))
         .await
         .expect("template");
-    let sent = server.pull_credentials.lock().expect("lock").clone();
-    assert_eq!(sent.len(), 1);
-    assert_eq!(
-        (
-            sent[0].server.as_str(),
-            sent[0].username.as_str(),
-            sent[0].password.as_str(),
-            sent[0].auth.as_str(),
-            sent[0].identity_token.as_str(),
-            sent[0].registry_token.as_str(),
-        ),
-        (
-            "reg.example",
-            "alice",
-            "hunter2",
-            "YWxpY2U6aHVudGVyMg==",
-            "id-token",
-            "registry-token"
-        )
-    );
+    assert_eq!(sent().as_deref(), Some(""));
+    assert!(state.needs_build_pod && !state.failed, "{state:?}");
+    let state = node
+        .ensure_template("default/py", &spec, BuildIn::BuildPod(Some("spent")))
+        .await
+        .expect("template");
+    assert_eq!(sent().as_deref(), Some("spent"));
+    assert!(state.failed && !state.needs_build_pod, "{state:?}");
     // The template's policy travels as twig-net's JSON.
     let policy: EgressPolicy = serde_json::from_value(serde_json::json!({
         "defaultAction": "deny",
@@ -477,7 +460,7 @@ async fn ttrpc_shim_client_calls_the_twig_service() {
         egress_policy: Some(policy.clone()),
         ..spec
     };
-    node.ensure_template("default/py", &with_policy, &[])
+    node.ensure_template("default/py", &with_policy, BuildIn::NodePod)
         .await
         .expect("template");
     let sent = server

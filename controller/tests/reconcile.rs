@@ -4,8 +4,7 @@ use twig_controller_testkit as support;
 
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::{Pod, Secret, ServiceAccount};
-use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
@@ -801,36 +800,6 @@ async fn pull_secrets(client: &Client, secrets: &[&str]) {
     support::create(client, &account).await;
 }
 
-/// A `kubernetes.io/dockerconfigjson` Secret with one login per
-/// (registry, user); the password is `<user>-password`.
-async fn docker_config(client: &Client, name: &str, logins: &[(&str, &str)]) {
-    let auths: serde_json::Map<String, serde_json::Value> = logins
-        .iter()
-        .map(|(registry, user)| {
-            (
-                registry.to_string(),
-                json!({"username": user, "password": format!("{user}-password")}),
-            )
-        })
-        .collect();
-    let secret = Secret {
-        metadata: kube::api::ObjectMeta {
-            name: Some(name.into()),
-            ..Default::default()
-        },
-        type_: Some("kubernetes.io/dockerconfigjson".into()),
-        data: Some(
-            [(
-                ".dockerconfigjson".to_string(),
-                ByteString(json!({ "auths": auths }).to_string().into_bytes()),
-            )]
-            .into(),
-        ),
-        ..Default::default()
-    };
-    support::create(client, &secret).await;
-}
-
 fn template_of(name: &str, image: &str) -> SandboxTemplate {
     SandboxTemplate::new(
         name,
@@ -845,52 +814,113 @@ fn template_of(name: &str, image: &str) -> SandboxTemplate {
     )
 }
 
-/// Issue 24, item 7: a template's image is pulled with its namespace's
-/// pull secrets (those of the `default` ServiceAccount, as kubelet does),
-/// only the logins whose registry matches the image's, in order; a missing
-/// Secret is skipped.
+/// Issue 24, item 7: a template is built in a build Pod its node's
+/// controller makes (kubelet stops sandboxes it did not make), with the
+/// namespace's pull secrets; the Pod goes once the template is ready, and
+/// a failed build's Pod is spent: the next attempt gets a new one. Every
+/// write passes the chart's admission policies.
 #[tokio::test]
-async fn sandbox_templates_pull_with_their_namespaces_pull_secrets() {
+async fn sandbox_templates_are_built_in_build_pods_of_their_node() {
     let server = api_server().await;
+    support::enforce_chart_policies(&server);
     let client = server.client();
     let fake = Arc::new(FakeNode::default());
     let _ctrl = start_controller(&server, "node-a", &fake);
-    docker_config(
-        &client,
-        "team-registry",
-        &[("reg.example", "alice"), ("other.example", "carol")],
-    )
-    .await;
-    docker_config(&client, "hub", &[("https://index.docker.io/v1/", "dan")]).await;
-    pull_secrets(&client, &["gone", "team-registry", "hub"]).await;
+    pull_secrets(&client, &["team-registry", "hub"]).await;
+    fake.fail_builds(1);
 
-    support::create(&client, &template_of("private", "reg.example/team/app:1")).await;
-    support::create(&client, &template_of("public", "python:3")).await;
-    support::create(&client, &template_of("elsewhere", "quay.io/x/y")).await;
+    support::create(&client, &template_of("app", "reg.example/team/app:1")).await;
     let api: Api<SandboxTemplate> = Api::namespaced(client.clone(), NS);
-    for name in ["private", "public", "elsewhere"] {
-        eventually(&format!("template {name} ensured"), || {
-            let api = api.clone();
-            async move { (api.get(name).await.ok()?.status?.ready_nodes == 1).then_some(()) }
-        })
-        .await;
-    }
-    let logins = |key: &str| {
-        fake.pull_credentials(key)
-            .into_iter()
-            .map(|c| (c.server, c.username, c.password))
-            .collect::<Vec<_>>()
+    eventually("template app ready", || {
+        let api = api.clone();
+        async move { (api.get("app").await.ok()?.status?.ready_nodes == 1).then_some(()) }
+    })
+    .await;
+    let built_in = fake.build_pods("default/app");
+    assert_eq!(
+        built_in.len(),
+        2,
+        "a failed build, then one in a new Pod: {built_in:?}"
+    );
+    assert_ne!(built_in[0], built_in[1], "the spent Pod was not reused");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    eventually("the build Pod deleted", || {
+        let pods = pods.clone();
+        async move {
+            let l = pods
+                .list(&kube::api::ListParams::default().labels("twig.dev/template-build"))
+                .await
+                .ok()?;
+            l.items.is_empty().then_some(())
+        }
+    })
+    .await;
+    // Built: asked again (a controller restart, a requeue), no new Pod.
+    let before = fake.build_pods("default/app").len();
+    let ensures = || {
+        fake.calls()
+            .iter()
+            .filter(|c| **c == Call::EnsureTemplate("default/app".into()))
+            .count()
     };
-    let login = |server: &str, user: &str| {
-        (
-            server.to_string(),
-            user.to_string(),
-            format!("{user}-password"),
-        )
-    };
-    assert_eq!(logins("default/private"), [login("reg.example", "alice")]);
-    assert_eq!(logins("default/public"), [login("docker.io", "dan")]);
-    assert_eq!(logins("default/elsewhere"), []);
+    let asked = ensures();
+    api.patch(
+        "app",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"metadata": {"labels": {"touched": "yes"}}})),
+    )
+    .await
+    .expect("label");
+    eventually("the template ensured again", || {
+        let more = ensures() > asked;
+        async move { more.then_some(()) }
+    })
+    .await;
+    assert_eq!(fake.build_pods("default/app").len(), before);
+}
+
+/// The build Pod's spec: what kubelet needs to run the template's build as
+/// any pod, and nothing that would end up in the template's memory.
+#[test]
+fn a_build_pod_is_bound_to_its_node_and_pulls_with_the_namespaces_secrets() {
+    let mut template = template_of("py", "reg.example/py:3");
+    template.metadata.namespace = Some(NS.into());
+    template.metadata.uid = Some("tpl-uid".into());
+    template.metadata.generation = Some(3);
+    template.spec.command = Some(vec!["python3".into(), "-i".into()]);
+    let pod =
+        twig_controller::reconcile::template::build_pod(&template, "node-a", &["hub".to_string()]);
+    let v = serde_json::to_value(&pod).expect("json");
+    assert_eq!(v["metadata"]["name"], "py-build-node-a");
+    assert_eq!(v["metadata"]["labels"]["twig.dev/template-build"], "py");
+    assert_eq!(v["metadata"]["annotations"]["twig.dev/network"], "none");
+    assert_eq!(
+        v["metadata"]["annotations"]["twig.dev/template-generation"],
+        "3"
+    );
+    let owner = &v["metadata"]["ownerReferences"][0];
+    assert_eq!(
+        (&owner["kind"], &owner["name"], &owner["controller"]),
+        (&json!("SandboxTemplate"), &json!("py"), &json!(true))
+    );
+    let spec = &v["spec"];
+    assert_eq!(spec["nodeName"], "node-a");
+    assert_eq!(spec["runtimeClassName"], "twig");
+    assert_eq!(spec["hostNetwork"], true);
+    assert_eq!(spec["restartPolicy"], "Never");
+    assert_eq!(spec["automountServiceAccountToken"], false);
+    assert_eq!(spec["enableServiceLinks"], false);
+    assert_eq!(spec["imagePullSecrets"], json!([{"name": "hub"}]));
+    assert_eq!(spec["tolerations"], json!([{"operator": "Exists"}]));
+    assert_eq!(
+        spec["containers"],
+        json!([{"name": "template", "image": "reg.example/py:3", "command": ["python3", "-i"]}])
+    );
+    assert!(spec.get("volumes").is_none());
+    // A long name stays a DNS label.
+    let long = template_of(&"t".repeat(60), "x");
+    let name = twig_controller::reconcile::template::build_pod_name(&long, "node-a");
+    assert!(name.len() <= 63, "{name}");
 }
 
 #[tokio::test]
@@ -973,8 +1003,8 @@ async fn controller_calls_only_what_its_rbac_grants() {
     support::create(&client, &rollback("reset", "fork-0", "fork-source")).await;
     rollback_in(&client, "reset", Phase::Failed).await;
 
-    // A template pulls with the namespace's pull secrets.
-    docker_config(&client, "hub", &[("docker.io", "dan")]).await;
+    // A template is built in a build Pod (made, then deleted), which pulls
+    // with the namespace's pull secrets.
     pull_secrets(&client, &["hub"]).await;
     support::create(&client, &template_of("py", "python:3")).await;
     let templates: Api<SandboxTemplate> = Api::namespaced(client.clone(), NS);

@@ -254,6 +254,23 @@ impl CriClient {
         )
     }
 
+    /// The containers of pod sandbox `sandbox` (`ListContainers` filtered
+    /// by sandbox id).
+    pub async fn list_containers(&self, sandbox: &str) -> Result<Vec<api::Container>, Error> {
+        let req = api::ListContainersRequest {
+            filter: Some(api::ContainerFilter {
+                pod_sandbox_id: sandbox.to_string(),
+                ..Default::default()
+            }),
+        };
+        let (mut rt, t) = (self.runtime.clone(), self.timeout);
+        Ok(
+            call("ListContainers", t, rt.list_containers(request(req, t)))
+                .await?
+                .containers,
+        )
+    }
+
     /// Stops every container of the pod sandbox and the sandbox itself.
     pub async fn stop_pod_sandbox(&self, id: &str) -> Result<(), Error> {
         let req = api::StopPodSandboxRequest {

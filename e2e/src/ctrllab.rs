@@ -125,7 +125,7 @@ pub struct CtrlLab {
     pub t0: Instant,
     name: &'static str,
     controller: JoinHandle<()>,
-    _kubelet: Kubelet,
+    kubelet: Kubelet,
     _server: TestApiServer,
 }
 
@@ -207,11 +207,17 @@ impl CtrlLab {
             t0,
             name,
             controller,
-            _kubelet: kubelet,
+            kubelet,
             _server: server,
         };
         lab.step("node, API server, kubelet and controller up");
         lab
+    }
+
+    /// How many sandboxes the kubelet stopped as orphans (none of Twig's
+    /// making may be one: a real kubelet stops them).
+    pub fn orphans_stopped(&self) -> u64 {
+        self.kubelet.orphans_stopped()
     }
 
     /// Prints a progress line with the time since the start, past the test
@@ -275,6 +281,30 @@ impl CtrlLab {
             assert!(
                 Instant::now() < deadline,
                 "{name} not {what} within {READY:?}: {got:#?}\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// Waits until the object `name` is gone, failing with its last state.
+    pub async fn wait_gone<K>(&self, name: &str)
+    where
+        K: Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
+            + Clone
+            + k8s_openapi::serde::de::DeserializeOwned
+            + std::fmt::Debug,
+    {
+        let api: Api<K> = Api::namespaced(self.client.clone(), NS);
+        let deadline = Instant::now() + READY;
+        loop {
+            let got = api.get_opt(name).await.unwrap_or_else(|e| panic!("{e}"));
+            if got.is_none() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{name} not gone within {READY:?}: {got:#?}\n{}",
                 self.logs()
             );
             tokio::time::sleep(POLL).await;

@@ -18,7 +18,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use twig_controller::crd::SandboxTemplateSpec;
-use twig_controller::shim::{NodeService, TemplateState, TtrpcNode};
+use twig_controller::shim::{BuildIn, NodeService, TemplateState, TtrpcNode};
 use twig_cri::api::PodSandboxConfig;
 use twig_cri::{container_config, logs};
 use twig_e2e::cri::CriNode;
@@ -94,7 +94,7 @@ impl Harness {
 
     async fn ensure(&self, key: &str, spec: &SandboxTemplateSpec) -> TemplateState {
         self.twig
-            .ensure_template(key, spec, &[])
+            .ensure_template(key, spec, BuildIn::NodePod)
             .await
             .unwrap_or_else(|e| panic!("EnsureTemplate {key}: {e}\n{}", self.logs()))
     }

@@ -304,9 +304,12 @@ async fn scenario(lab: &CtrlLab) {
     assert_ne!(hostnames[0], hostnames[1]);
     lab.step("the Clone's two pods count on from the snapshot");
 
-    // A SandboxTemplate: twig-node builds it through CRI (the warm-up runs
-    // in it); a pod naming it starts from it, its one container adopting
-    // the template's counter with the warm-up's state in memory.
+    // A SandboxTemplate: the controller makes its build Pod on the node,
+    // the kubelet runs it (and would stop a sandbox it did not make, as a
+    // real kubelet does), twig-node warms it up and snapshots it, and the
+    // controller deletes the Pod; a pod naming the template starts from it,
+    // its one container adopting the template's counter with the warm-up's
+    // state in memory.
     let template = SandboxTemplate::new(
         "counter-tpl",
         SandboxTemplateSpec {
@@ -324,11 +327,20 @@ async fn scenario(lab: &CtrlLab) {
         },
     );
     testkit::create(client, &template).await;
+    let build_pod = twig_controller::reconcile::template::build_pod_name(&template, NODE);
+    lab.wait_for(&build_pod, "made by the controller", |_: &Pod| true)
+        .await;
     lab.wait_for("counter-tpl", "Ready on the node", |t: &SandboxTemplate| {
         t.status.as_ref().is_some_and(|s| s.ready_nodes == 1)
     })
     .await;
-    lab.step("the SandboxTemplate is Ready");
+    lab.wait_gone::<Pod>(&build_pod).await;
+    assert_eq!(
+        lab.orphans_stopped(),
+        0,
+        "a sandbox the kubelet did not make"
+    );
+    lab.step("the SandboxTemplate is Ready, built in a build Pod the kubelet ran");
     let mut from_template = counter_pod("from-tpl");
     from_template.metadata.annotations =
         Some([(TEMPLATE_ANNOTATION.to_string(), "counter-tpl".to_string())].into());
@@ -353,6 +365,10 @@ async fn scenario(lab: &CtrlLab) {
         lab.sh(&tpl_ctr, "hostname").await,
         (0, "from-tpl".to_string())
     );
+    // The adopted process sees this pod's kubelet files (its /etc/hosts
+    // names it), not those of the build Pod it was started in.
+    let (code, hosts) = lab.sh(&tpl_ctr, "cat /etc/hosts").await;
+    assert!(code == 0 && hosts.contains("from-tpl"), "{hosts}");
     lab.step("a pod of the template counts on from its warm state");
 
     // Its egress policy is the template's, and follows it live: the

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::Value;
 use twig_controller::crd::SandboxTemplateSpec;
-use twig_controller::shim::{NodeService, TtrpcNode};
+use twig_controller::shim::{BuildIn, NodeService, TtrpcNode};
 use twig_cri::api::PodSandboxConfig;
 use twig_cri::container_config;
 use twig_e2e::crilab::{runtime, CriLab};
@@ -154,7 +154,7 @@ async fn scenario() {
     let deadline = Instant::now() + BUILD;
     loop {
         let state = node
-            .ensure_template(&key, &spec, &[])
+            .ensure_template(&key, &spec, BuildIn::NodePod)
             .await
             .unwrap_or_else(|e| panic!("EnsureTemplate {key}: {e}\n{}", lab.logs()));
         let message = state.message.clone().unwrap_or_default();

@@ -1,83 +1,74 @@
 //! App templates (`EnsureTemplate`): a SandboxTemplate built on this node.
 //!
-//! The daemon builds a template the way kubelet would run it: a pod of the
-//! twig runtime handler through containerd's CRI, in the node's network
-//! namespace (no CNI address is taken) and annotated `twig.dev/network:
+//! A template is built in a pod of the twig runtime handler on the node's
+//! network namespace (no CNI address is taken), annotated `twig.dev/network:
 //! none` (the shim refuses `hostNetwork` without it; the build's VM has no
-//! network), whose one container runs the
-//! template's image (pulled as `pull` below says; its `command` when given).
-//! Once the warm-up command
-//! exited 0 inside that container, and the container still runs, the pod's
-//! shim takes a full snapshot of it into the node store under the
-//! template's id ([`twig_store::layout::template_id`]) with the build's
-//! inputs as a label, and the pod is removed. A pod annotated
-//! `twig.dev/template: <name>` is then restored from that snapshot, and its
-//! first container adopts the template's running process.
+//! network), whose one container `template` runs the template's image (its
+//! `command` when given). Once the warm-up command exited 0 inside that
+//! container (CRI ExecSync), and the container still runs, the pod's shim
+//! takes a full snapshot of it into the node store under the template's id
+//! ([`twig_store::layout::template_id`]) with the build's inputs as a
+//! label. A pod annotated `twig.dev/template: <name>` is then restored from
+//! that snapshot, and its first container adopts the template's running
+//! process.
+//!
+//! **Where the build pod comes from** ([`RunsIn`], from the request's
+//! `build_pod`):
+//!
+//! - **A build Pod** (what the controller asks for, `pod.rs`): a Pod object
+//!   the controller of this node makes once the node answers
+//!   `needs_build_pod` — bound to the node, RuntimeClass `twig`, the
+//!   namespace's pull secrets as its `imagePullSecrets`, controlled by the
+//!   SandboxTemplate, label `twig.dev/template-build`. Kubelet runs and
+//!   pulls it like any pod; the daemon finds its sandbox by the Pod's UID,
+//!   warms it up and snapshots it, and never stops or removes it: the
+//!   controller deletes the Pod once the template is ready, or when a build
+//!   failed in it (a warmed-up container is spent; the next attempt, after
+//!   `retry_s`, gets a new Pod).
+//! - **A pod the daemon runs itself through CRI** (a node no kubelet
+//!   manages: the tests of this crate and of twig-e2e's CRI labs, or a
+//!   standalone node): RunPodSandbox/CreateContainer/StartContainer, the
+//!   image pulled as `pull` below says, the pod removed after the snapshot.
+//!   Under a kubelet this cannot work: kubelet stops every sandbox it did
+//!   not make, within seconds (see below).
 //!
 //! Builds run in the background; `EnsureTemplate` answers at once (not
 //! ready, and why) and the controller asks again. At most
 //! `templates.max_concurrent_builds` builds run at once (each is a VM, a
 //! pull and a full snapshot); the others wait in line, first asked first
 //! served, answering "queued behind N builds"; the build timeout counts
-//! from a build's turn. A failed build is
-//! reported until the next attempt, `retry_s` later. A build pod left by a
-//! daemon that died mid-build is removed when the next build of the same
-//! template starts.
+//! from a build's turn (a build Pod that kubelet has not started counts
+//! against it). A failed build is reported until the next attempt,
+//! `retry_s` later. A node-run build pod left by a daemon that died
+//! mid-build is removed when the next build of the same template starts.
 //!
-//! **Image pulls** use the registry logins `EnsureTemplate` carries (the
-//! controller resolves the template namespace's pull secrets); with logins
-//! the image is pulled on every build, so the registry authorises the
-//! namespace rather than the node's cache answering for it (see `pull`).
-//! Logins are kept in memory for the build only: never logged (their
-//! `Debug` shows the registry and user), never written to disk.
+//! **Image pulls**: a build Pod's image is pulled by kubelet with the Pod's
+//! pull secrets, as any pod's. A node-run build uses the registry logins
+//! `EnsureTemplate` carries; with logins the image is pulled on every
+//! build, so the registry authorises the namespace rather than the node's
+//! cache answering for it (see `pull`). Logins are kept in memory for the
+//! build only: never logged (their `Debug` shows the registry and user),
+//! never written to disk.
 //!
-//! Why the daemon builds through CRI rather than the controller through a
-//! Pod object: the warm-up needs an exec in the container, which the daemon
-//! gets from CRI's ExecSync and a controller only through kubelet's
-//! streaming API, and a Pod would have to be scheduled, admitted and
-//! cleaned up in the cluster for a node-local cache. The price: the build
-//! pod is invisible to Kubernetes — and kubelet stops it.
-//!
-//! **What kubelet does to a sandbox it did not create** (kubernetes/kubernetes
+//! **Why node-run builds die under kubelet** (kubernetes/kubernetes
 //! master, `pkg/kubelet/`):
 //!
 //! - `kuberuntime/kuberuntime_sandbox.go`, `getKubeletSandboxes`: CRI
 //!   `ListPodSandbox` with at most a state filter (READY) — no label
 //!   filter: every sandbox containerd's CRI lists counts as kubelet's.
-//!   `kuberuntime/kuberuntime_container.go`, `getKubeletContainers`: the
-//!   same for `ListContainers` (at most RUNNING).
 //! - `kuberuntime/kuberuntime_manager.go`, `GetPods`: groups the sandboxes
-//!   into pods by the sandbox's CRI `metadata.uid` (not a label), the
-//!   containers by their label `io.kubernetes.pod.uid` (a container
-//!   without it joins a pod of UID `""`).
-//! - `kubelet_pods.go`, `HandlePodCleanups` (every housekeeping tick, 2 s,
-//!   once all pod sources are ready): `runtimeCache.GetPods` (READY
-//!   sandboxes, RUNNING containers); every runtime pod whose UID the pod
-//!   workers do not know (the node's pods from the API server, static
-//!   pods) is sent `SyncPodKill` with a 1 s grace period ("Clean up
-//!   containers for orphaned pod we had not seen before", metric
-//!   `kubelet_orphaned_runtime_pods_total`); the pod worker's `KillPod`
-//!   stops its containers and `StopPodSandbox`es its sandboxes.
-//! - `kuberuntime/kuberuntime_gc.go`, `evictSandboxes` and
-//!   `evictContainers` (the container GC, every minute): groups every
-//!   sandbox by `metadata.uid`; for a UID whose content
-//!   `ShouldPodContentBeRemoved` (true for a UID the pod workers never
-//!   saw) every inactive sandbox (not READY, no containers) is stopped and
-//!   removed, and every exited container older than `MinAge`.
+//!   into pods by the sandbox's CRI `metadata.uid`.
+//! - `kubelet_pods.go`, `HandlePodCleanups` (every housekeeping tick, 2 s):
+//!   every runtime pod whose UID the pod workers do not know is sent
+//!   `SyncPodKill` ("Clean up containers for orphaned pod we had not seen
+//!   before", `kubelet_orphaned_runtime_pods_total`); its sandboxes are
+//!   stopped.
 //!
-//! So on a node whose kubelet runs, a build pod is stopped within a few
-//! seconds of starting, whatever its labels, annotations, name or
-//! namespace: kubelet reads none of them to decide, only whether the
-//! sandbox's `metadata.uid` is the UID of a pod its pod workers know. No
-//! metadata choice avoids it: borrowing a real pod's UID would make the
-//! build a second READY sandbox of that pod, and `kuberuntime_manager.go`
-//! `podSandboxChanged` ("Multiple sandboxes are ready for Pod") has
-//! `SyncPod` kill that whole pod — the real one too — and start it again.
-//! The build then fails (its exec or its snapshot finds the pod stopped)
-//! and is retried `retry_s` later, failing again. Builds work where no
-//! kubelet manages containerd (the tests, the lab); a node with kubelet
-//! needs the build pod to be a Pod kubelet knows — see the README's
-//! *Template builds and kubelet*.
+//! No label, annotation, name or namespace avoids it, and borrowing a real
+//! pod's UID makes kubelet kill that pod ("Multiple sandboxes are ready for
+//! Pod"). So the build must be a Pod kubelet knows. twig-e2e's test kubelet
+//! does the same housekeeping, so the lab's controller tests would fail a
+//! node-run build.
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
@@ -86,10 +77,10 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use sha2::{Digest, Sha256};
 use twig_cri::api;
 use twig_cri::CriClient;
-use twig_proto::twig::{EnsureTemplateRequest, SnapshotRequest};
+use twig_proto::contract::TEMPLATE_BUILD_CONTAINER as CONTAINER;
+use twig_proto::twig::SnapshotRequest;
 use twig_proto::twig_ttrpc::TwigClient;
 
 use crate::config::TemplateBuildConfig;
@@ -105,177 +96,10 @@ pub use twig_proto::contract::labels::TEMPLATE_SPEC as SPEC_LABEL;
 /// contract.
 pub use twig_proto::contract::labels::TEMPLATE as TEMPLATE_LABEL;
 
-/// The name of the build pod's one container.
-const CONTAINER: &str = "template";
+mod pod;
+mod spec;
 
-/// The node-store id of template `key` (`namespace/name`).
-pub fn template_id(key: &str) -> Result<String> {
-    let (namespace, name) = key.split_once('/').ok_or_else(|| {
-        Error::InvalidArgument(format!("template name {key:?} is not namespace/name"))
-    })?;
-    twig_store::layout::template_id(namespace, name).map_err(|e| match e {
-        twig_store::Error::InvalidArgument(m) => Error::InvalidArgument(m),
-        other => other.into(),
-    })
-}
-
-/// What one `EnsureTemplate` asks for.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Spec {
-    /// `namespace/name` of the SandboxTemplate.
-    pub key: String,
-    /// Its node-store id.
-    pub id: String,
-    /// The image.
-    pub image: String,
-    /// The container's command (empty: the image's).
-    pub command: Vec<String>,
-    /// Run inside the container before the snapshot (empty: nothing).
-    pub warmup: Vec<String>,
-    /// Digest of the three above ([`SPEC_LABEL`]).
-    pub digest: String,
-    /// The template's egress policy (JSON as asked; checked), for its pods
-    /// without their own: not an input of the build.
-    pub egress_policy: Option<String>,
-    /// The registry logins to pull the image with, in order (the template
-    /// namespace's pull secrets that match the image's registry): not an
-    /// input of the build, and never shown by `Debug`.
-    pub credentials: Credentials,
-}
-
-/// One registry login (`EnsureTemplateRequest.pull_credentials`); its
-/// `Debug` shows the registry and the user, never a secret.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Credential {
-    /// The registry host it is for.
-    pub server: String,
-    /// The user name (with `password`).
-    pub username: String,
-    /// The password.
-    pub password: String,
-    /// A token for the registry's identity provider.
-    pub identity_token: String,
-    /// A bearer token for the registry.
-    pub registry_token: String,
-    /// base64 of `username:password` (a docker config's `auth`).
-    pub auth: String,
-}
-
-impl std::fmt::Debug for Credential {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Credential")
-            .field("server", &self.server)
-            .field("username", &self.username)
-            .finish_non_exhaustive()
-    }
-}
-
-impl Credential {
-    /// CRI's `AuthConfig` of this login, as kubelet fills it.
-    fn auth_config(&self) -> api::AuthConfig {
-        api::AuthConfig {
-            username: self.username.clone(),
-            password: self.password.clone(),
-            server_address: self.server.clone(),
-            identity_token: self.identity_token.clone(),
-            registry_token: self.registry_token.clone(),
-            auth: self.auth.clone(),
-        }
-    }
-}
-
-/// The logins a build pulls with, in the order they are tried.
-pub type Credentials = Vec<Credential>;
-
-impl Spec {
-    /// The build `req` asks for; `req.name` is `namespace/name`.
-    pub fn from_request(req: &EnsureTemplateRequest) -> Result<Spec> {
-        let id = template_id(&req.name)?;
-        let egress_policy = match req.egress_policy.as_str() {
-            "" => None,
-            json => {
-                twig_net::parse_policy(json, "egress_policy")
-                    .map_err(|e| Error::InvalidArgument(format!("template {}: {e}", req.name)))?;
-                Some(json.to_string())
-            }
-        };
-        if req.image.is_empty() {
-            return Err(Error::InvalidArgument(format!(
-                "template {}: empty image",
-                req.name
-            )));
-        }
-        let mut credentials = Vec::with_capacity(req.pull_credentials.len());
-        for (i, c) in req.pull_credentials.iter().enumerate() {
-            // Only which field is missing is said: a login is a secret.
-            if c.server.is_empty() {
-                return Err(Error::InvalidArgument(format!(
-                    "template {}: pull_credentials[{i}] names no registry",
-                    req.name
-                )));
-            }
-            credentials.push(Credential {
-                server: c.server.clone(),
-                username: c.username.clone(),
-                password: c.password.clone(),
-                identity_token: c.identity_token.clone(),
-                registry_token: c.registry_token.clone(),
-                auth: c.auth.clone(),
-            });
-        }
-        let mut h = Sha256::new();
-        // The build's own version: v2 snapshots record their owning
-        // namespace, and a template built before restores into no pod, so
-        // it is built again.
-        h.update(b"twig-template-v2\0");
-        for part in [&[req.image.clone()][..], &req.command, &req.warmup] {
-            for s in part {
-                h.update(s.as_bytes());
-                h.update(b"\0");
-            }
-            h.update(b"\x01");
-        }
-        let digest = h
-            .finalize()
-            .iter()
-            .take(16)
-            .map(|b| format!("{b:02x}"))
-            .collect();
-        Ok(Spec {
-            key: req.name.clone(),
-            id,
-            image: req.image.clone(),
-            command: req.command.clone(),
-            warmup: req.warmup.clone(),
-            digest,
-            egress_policy,
-            credentials,
-        })
-    }
-
-    /// The same build on base template `base_id`: its digest covers the
-    /// base's too, so a new guest kernel or agent (a new base template)
-    /// builds the app template again — its memory holds the agent it was
-    /// built with, and an old agent lacks what a new shim calls.
-    pub fn built_on(mut self, base_id: &str) -> Spec {
-        let mut h = Sha256::new();
-        h.update(self.digest.as_bytes());
-        h.update(b"\0");
-        h.update(base_id.as_bytes());
-        self.digest = h
-            .finalize()
-            .iter()
-            .take(16)
-            .map(|b| format!("{b:02x}"))
-            .collect();
-        self
-    }
-
-    /// The build pod's name (a Kubernetes name: the key's `/` is a `-`).
-    fn pod_name(&self) -> String {
-        format!("twig-template-{}", self.key.replace('/', "-"))
-    }
-}
+pub use spec::{template_id, Credential, Credentials, RunsIn, Spec};
 
 /// The build pod's sandbox id once CRI made it, until it is removed.
 type PodSlot = Arc<Mutex<Option<String>>>;
@@ -290,6 +114,8 @@ enum Build {
         /// wait for their turn in this order.
         seq: u64,
         task: tokio::task::JoinHandle<()>,
+        /// Where it runs.
+        runs_in: RunsIn,
         /// Its pod's name (a RunPodSandbox in flight has no id yet).
         pod_name: String,
         pod: PodSlot,
@@ -298,6 +124,8 @@ enum Build {
         digest: String,
         at: Instant,
         message: String,
+        /// Where it ran (a build Pod is spent).
+        runs_in: RunsIn,
     },
 }
 
@@ -324,8 +152,12 @@ pub enum Progress {
     Building(String),
     /// A build waits for its turn: `templates.max_concurrent_builds` run.
     Queued(String),
-    /// The last build failed; the next starts later.
+    /// The last build failed; the next starts later (a build Pod it ran
+    /// in is spent).
     Failed(String),
+    /// Builds run in build Pods and none is given: the controller makes
+    /// one for the build to start in.
+    NeedsBuildPod(String),
 }
 
 impl Builder {
@@ -385,22 +217,35 @@ impl Builder {
 
     /// Makes sure `spec` is being built: starts a build unless one of the
     /// same inputs runs, or failed less than `retry_s` ago.
+    ///
+    /// Builds in build Pods: a build runs in the Pod `spec` names; one
+    /// running in another Pod (the controller replaced it) is dropped for
+    /// it. A failed build's Pod is spent: asked again with that Pod, or
+    /// with none, within `retry_s`, the failure is reported; with none
+    /// after that, [`Progress::NeedsBuildPod`].
     pub fn ensure(self: &Arc<Self>, spec: &Spec) -> Progress {
         let mut builds = self.builds();
+        let same_pod = |runs_in: &RunsIn| match &spec.runs_in {
+            RunsIn::BuildPod(Some(_)) => *runs_in == spec.runs_in,
+            RunsIn::BuildPod(None) | RunsIn::NodePod => true,
+        };
         match builds.get(&spec.id) {
             Some(Build::Running {
                 digest,
                 started,
                 seq,
+                runs_in,
                 ..
-            }) if *digest == spec.digest => {
+            }) if *digest == spec.digest && same_pod(runs_in) => {
                 return self.running_progress(&builds, &spec.image, *seq, *started);
             }
             Some(Build::Failed {
                 digest,
                 at,
                 message,
+                runs_in,
             }) if *digest == spec.digest
+                && same_pod(runs_in)
                 && at.elapsed() < Duration::from_secs(self.config.retry_s) =>
             {
                 let next = Duration::from_secs(self.config.retry_s).saturating_sub(at.elapsed());
@@ -411,6 +256,13 @@ impl Builder {
             }
             Some(Build::Running { task, .. }) => task.abort(),
             _ => {}
+        }
+        if spec.runs_in == RunsIn::BuildPod(None) {
+            builds.remove(&spec.id);
+            return Progress::NeedsBuildPod(format!(
+                "waiting for the build Pod of template {} from {}",
+                spec.key, spec.image
+            ));
         }
         let (me, s) = (self.clone(), spec.clone());
         let seq = self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -458,6 +310,7 @@ impl Builder {
                             digest: s.digest.clone(),
                             at: Instant::now(),
                             message,
+                            runs_in: s.runs_in.clone(),
                         },
                     );
                 }
@@ -470,6 +323,7 @@ impl Builder {
                 started,
                 seq,
                 task,
+                runs_in: spec.runs_in.clone(),
                 pod_name: spec.pod_name(),
                 pod,
             },
@@ -512,14 +366,16 @@ impl Builder {
     }
 
     /// Stops the build of template `id`, if one runs — its work is
-    /// dropped, then its pod (and so its VM) stopped and removed through
-    /// CRI — and forgets a failed one. A pod that cannot be removed (CRI
-    /// not answering) is an error; the next build of the template removes
-    /// it (by name).
+    /// dropped, then a pod the node runs (and so its VM) stopped and
+    /// removed through CRI; a build Pod is the controller's to delete — and
+    /// forgets a failed one. A pod that cannot be removed (CRI not
+    /// answering) is an error; the next build of the template removes it
+    /// (by name).
     pub async fn cancel(&self, id: &str) -> Result<()> {
         let removed = self.builds().remove(id);
         let Some(Build::Running {
             task,
+            runs_in,
             pod_name,
             pod,
             ..
@@ -530,6 +386,10 @@ impl Builder {
         task.abort();
         // Its future dropped: no CRI call of it is made after this.
         let _ = task.await;
+        if let RunsIn::BuildPod(uid) = runs_in {
+            tracing::info!(id, pod_uid = uid, "stopped a template build in a build Pod");
+            return Ok(());
+        }
         let sandbox = pod.lock().unwrap_or_else(|p| p.into_inner()).take();
         tracing::info!(id, pod = pod_name, sandbox, "stopping a template build");
         self.stop_build_pod(sandbox.as_deref(), &pod_name).await
@@ -591,7 +451,13 @@ impl Builder {
         if built.as_deref() == Some(digest.as_str()) {
             return Ok(());
         }
-        build(&self.config, spec, pod, &self.pulled_with_credentials).await
+        match &spec.runs_in {
+            RunsIn::NodePod => build(&self.config, spec, pod, &self.pulled_with_credentials).await,
+            RunsIn::BuildPod(Some(uid)) => pod::build(&self.config, spec, uid).await,
+            RunsIn::BuildPod(None) => Err(Error::Internal(
+                "a build Pod build started without its Pod".into(),
+            )),
+        }
     }
 }
 
@@ -731,7 +597,7 @@ async fn build(
             config.runtime_handler
         )))?;
     *slot_of(pod) = Some(sandbox.clone());
-    let result = build_in(config, &cri, spec, &sandbox, &pod_cfg, &logs).await;
+    let result = build_in(config, &cri, spec, &sandbox, &pod_cfg).await;
     let removed = remove_pod(&cri, &sandbox).await;
     if removed.is_ok() {
         *slot_of(pod) = None;
@@ -770,7 +636,6 @@ async fn build_in(
     spec: &Spec,
     sandbox: &str,
     pod: &api::PodSandboxConfig,
-    logs: &Path,
 ) -> Result<()> {
     let command: Vec<&str> = spec.command.iter().map(String::as_str).collect();
     let container = twig_cri::container_config(CONTAINER, &spec.image, &command, "template.log");
@@ -781,10 +646,23 @@ async fn build_in(
     cri.start_container(&id)
         .await
         .map_err(cri_error("starting the template's container"))?;
+    warm_up_and_snapshot(config, cri, spec, sandbox, &id).await
+}
+
+/// Runs `spec`'s warm-up command in container `id` of pod `sandbox`
+/// (ExecSync), checks the container still runs, and has the pod's shim
+/// snapshot it as the template.
+async fn warm_up_and_snapshot(
+    config: &TemplateBuildConfig,
+    cri: &CriClient,
+    spec: &Spec,
+    sandbox: &str,
+    id: &str,
+) -> Result<()> {
     if !spec.warmup.is_empty() {
         let argv: Vec<&str> = spec.warmup.iter().map(String::as_str).collect();
         let out = cri
-            .exec_sync(&id, &argv, Duration::from_secs(config.build_timeout_s))
+            .exec_sync(id, &argv, Duration::from_secs(config.build_timeout_s))
             .await
             .map_err(cri_error("running the warm-up command"))?;
         if out.exit_code != 0 {
@@ -798,7 +676,7 @@ async fn build_in(
         }
     }
     let status = cri
-        .container_status(&id)
+        .container_status(id)
         .await
         .map_err(cri_error("reading the template's container status"))?;
     if status.state != api::ContainerState::ContainerRunning as i32 {
@@ -806,7 +684,7 @@ async fn build_in(
             "the template's container exited (code {}) before it was snapshotted: a template's \
              command must keep running; its log: {}",
             status.exit_code,
-            tail(&std::fs::read_to_string(logs.join("template.log")).unwrap_or_default())
+            tail(&std::fs::read_to_string(&status.log_path).unwrap_or_default())
         )));
     }
     snapshot(config, spec, sandbox).await
@@ -896,6 +774,7 @@ async fn remove_pod(cri: &CriClient, sandbox: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use twig_proto::twig::EnsureTemplateRequest;
 
     fn req(image: &str, command: &[&str], warmup: &[&str]) -> EnsureTemplateRequest {
         EnsureTemplateRequest {
@@ -985,6 +864,7 @@ mod tests {
                 started: Some(Instant::now()),
                 seq: 0,
                 task: work,
+                runs_in: RunsIn::NodePod,
                 pod_name: spec.pod_name(),
                 pod,
             },
@@ -1028,6 +908,79 @@ mod tests {
     /// wait for a turn, in the order they were asked for, and say so; one
     /// starts when a running build ends. (A build that started here fails
     /// at once — no containerd — so "still queued" means it never started.)
+    /// Builds in build Pods: without a Pod the node asks for one; a build
+    /// runs in the Pod named, and one in a replaced Pod is dropped for the
+    /// new; a failed build's Pod is spent (asked with it, or with none,
+    /// the failure is reported; a new Pod starts a new build); cancelling
+    /// one touches no CRI (the Pod is the controller's).
+    #[tokio::test]
+    async fn builds_in_build_pods_run_in_the_pod_named_and_spend_it_on_failure() {
+        let dir = tempfile::tempdir().unwrap();
+        let builder = builder_in(dir.path(), 1);
+        // Builds stay in line: the only turn is held.
+        let _held = builder.turns.clone().try_acquire_owned().unwrap();
+        let in_pod = |uid: Option<&str>| Spec {
+            runs_in: RunsIn::BuildPod(uid.map(String::from)),
+            ..named("a")
+        };
+        let id = in_pod(None).id;
+        assert!(matches!(
+            builder.ensure(&in_pod(None)),
+            Progress::NeedsBuildPod(_)
+        ));
+        assert!(!builder.running(&id), "no build without its Pod");
+
+        assert!(matches!(
+            builder.ensure(&in_pod(Some("u1"))),
+            Progress::Queued(_)
+        ));
+        let runs_in = |b: &Builder| match b.builds().get(&id) {
+            Some(Build::Running { runs_in, .. } | Build::Failed { runs_in, .. }) => {
+                Some(runs_in.clone())
+            }
+            None => None,
+        };
+        assert_eq!(runs_in(&builder), Some(in_pod(Some("u1")).runs_in));
+        // Asked without the Pod (a requeue before the controller saw it), or
+        // with it: the same build.
+        assert!(matches!(builder.ensure(&in_pod(None)), Progress::Queued(_)));
+        assert_eq!(runs_in(&builder), Some(in_pod(Some("u1")).runs_in));
+        // The controller replaced the Pod: the build moves to the new one.
+        assert!(matches!(
+            builder.ensure(&in_pod(Some("u2"))),
+            Progress::Queued(_)
+        ));
+        assert_eq!(runs_in(&builder), Some(in_pod(Some("u2")).runs_in));
+
+        // It failed in u2: u2 is spent.
+        builder.builds().insert(
+            id.clone(),
+            Build::Failed {
+                digest: in_pod(None).digest,
+                at: Instant::now(),
+                message: "the warm-up command exited with 1".into(),
+                runs_in: in_pod(Some("u2")).runs_in,
+            },
+        );
+        for uid in [Some("u2"), None] {
+            match builder.ensure(&in_pod(uid)) {
+                Progress::Failed(m) => assert!(m.contains("exited with 1"), "{m}"),
+                other => panic!("{uid:?}: {other:?}"),
+            }
+        }
+        assert!(matches!(
+            builder.ensure(&in_pod(Some("u3"))),
+            Progress::Queued(_)
+        ));
+        assert_eq!(runs_in(&builder), Some(in_pod(Some("u3")).runs_in));
+        // No containerd here: a cancel that reached for CRI would fail.
+        builder
+            .cancel(&id)
+            .await
+            .expect("a build Pod's build cancels without CRI");
+        assert!(!builder.running(&id));
+    }
+
     #[tokio::test]
     async fn builds_beyond_the_limit_wait_in_line_and_say_so() {
         let dir = tempfile::tempdir().unwrap();
@@ -1044,6 +997,7 @@ mod tests {
                     .seq
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
                 task: tokio::spawn(std::future::pending()),
+                runs_in: RunsIn::NodePod,
                 pod_name: a.pod_name(),
                 pod: Arc::new(Mutex::new(None)),
             },

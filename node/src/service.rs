@@ -434,9 +434,19 @@ impl Services {
             }
             None => {}
         }
-        Ok(not_ready(match self.builder.ensure(&spec) {
-            Progress::Building(m) | Progress::Queued(m) | Progress::Failed(m) => m,
-        }))
+        Ok(match self.builder.ensure(&spec) {
+            Progress::Building(m) | Progress::Queued(m) => not_ready(m),
+            Progress::Failed(message) => EnsureTemplateResponse {
+                message,
+                failed: true,
+                ..Default::default()
+            },
+            Progress::NeedsBuildPod(message) => EnsureTemplateResponse {
+                message,
+                needs_build_pod: true,
+                ..Default::default()
+            },
+        })
     }
 
     /// Deletes app template `key` (`namespace/name`) from this node and

@@ -6,6 +6,8 @@
 //!   plugin) and the controller reads: [`RESTORE_FROM_ANNOTATION`],
 //!   [`TEMPLATE_ANNOTATION`], [`CRI_SANDBOX_NAMESPACE_ANNOTATION`],
 //!   [`EGRESS_POLICY_ANNOTATION`], [`NETWORK_ANNOTATION`];
+//! - a template's build Pod: [`TEMPLATE_BUILD_LABEL`],
+//!   [`TEMPLATE_BUILD_CONTAINER`];
 //! - the node-store snapshot [`labels`] one crate writes and another reads;
 //! - the error codes of the `Twig` and `Node` services and what each means
 //!   for the pod ([`ErrorCode`]).
@@ -43,6 +45,18 @@ pub const NETWORK_ANNOTATION: &str = "twig.dev/network";
 
 /// [`NETWORK_ANNOTATION`]'s value for a VM without network.
 pub const NETWORK_NONE: &str = "none";
+
+/// Label of a template's build Pod, naming its SandboxTemplate (of the
+/// Pod's namespace, which also controls the Pod). The controller of the
+/// node makes such a Pod when the node store lacks the template; the
+/// chart's admission policy lets a node's controller make only such Pods
+/// and a Clone's, and delete only such Pods of its own node.
+pub const TEMPLATE_BUILD_LABEL: &str = "twig.dev/template-build";
+
+/// The one container of a template's build Pod: what the template runs,
+/// the container the node daemon warms up and whose process a pod restored
+/// from the template adopts.
+pub const TEMPLATE_BUILD_CONTAINER: &str = "template";
 
 /// Labels of a snapshot in the node store that cross crates: written by one
 /// and read by another. A label the shim owns is refused in a `Snapshot`

@@ -177,11 +177,12 @@ pub trait Sandbox: Send + Sync {
             "this sandbox has no vsock socket to reach the guest through".into(),
         ))
     }
-    /// Whether [`Sandbox::take_restored`] would hand out a container for
-    /// `name` (it is left there).
-    fn has_restored(&self, name: &str) -> bool {
+    /// The name under which the container [`Sandbox::take_restored`]
+    /// would hand out for `name` waits (`name`, or [`TEMPLATE_ADOPTION`]
+    /// for an app template's); it is left there. `None`: there is none.
+    fn restored_as(&self, name: &str) -> Option<String> {
         let _ = name;
-        false
+        None
     }
     /// The pod's network path: the policy in force and the counters;
     /// `None` for a pod without one.

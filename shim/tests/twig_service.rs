@@ -221,8 +221,12 @@ impl Sandbox for FakeVm {
         Ok(self.store.clone())
     }
 
-    fn has_restored(&self, name: &str) -> bool {
-        self.restored.lock().unwrap().iter().any(|r| r.name == name)
+    fn restored_as(&self, name: &str) -> Option<String> {
+        let restored = self.restored.lock().unwrap();
+        restored
+            .iter()
+            .find(|r| r.name == name)
+            .map(|r| r.name.clone())
     }
 
     fn take_restored(&self, name: &str) -> Option<Restored> {

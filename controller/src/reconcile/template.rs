@@ -4,9 +4,19 @@
 //! its own finalizer `twig.dev/template.<node>` (kube-runtime's helper) and
 //! removes it once the template is gone from its node; the finalizers of
 //! nodes whose Node object no longer exists are removed by any other node.
-//! The image is pulled with the template namespace's pull secrets (those of
-//! its `default` ServiceAccount, as kubelet does for a pod; see
-//! [`crate::pull_secrets`]).
+//!
+//! A template is built in a **build Pod** this node's controller makes
+//! when the node store lacks it (the node answers `needs_build_pod`): bound
+//! to this node, RuntimeClass `twig`, the template's image and command in
+//! its one container `template`, the namespace's pull secrets (those of its
+//! `default` ServiceAccount, [`crate::pull_secrets`]) as its
+//! `imagePullSecrets`, controlled by the SandboxTemplate, label
+//! `twig.dev/template-build`. Kubelet runs and pulls it like any pod — a
+//! sandbox kubelet did not make would be stopped by kubelet as an orphan —
+//! and the node finds it by UID, warms it up and snapshots it. The Pod is
+//! deleted once the template is ready, when the build failed in it (it is
+//! spent: the next attempt gets a new Pod), when it stopped or belongs to
+//! an older generation of the template, and when the template goes.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -14,8 +24,8 @@ use std::time::Instant;
 
 use json_patch::jsonptr::PointerBuf;
 use json_patch::{PatchOperation, ReplaceOperation, TestOperation};
-use k8s_openapi::api::core::v1::Node;
-use kube::api::{ListParams, Patch, PatchParams};
+use k8s_openapi::api::core::v1::{Container, LocalObjectReference, Node, Pod, PodSpec, Toleration};
+use kube::api::{DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::runtime::finalizer::{finalizer, Event};
@@ -23,9 +33,14 @@ use kube::{Api, Resource, ResourceExt};
 use serde_json::json;
 
 use super::apply_status;
-use crate::context::{is_not_found, template_finalizer, Context, Error};
-use crate::crd::{SandboxTemplate, SandboxTemplateStatus, TemplateNodeStatus};
+use crate::context::{bounded_name, is_not_found, template_finalizer, Context, Error};
+use crate::crd::{
+    SandboxTemplate, SandboxTemplateStatus, TemplateNodeStatus, NETWORK_ANNOTATION, NETWORK_NONE,
+    RUNTIME_CLASS,
+};
 use crate::pull_secrets;
+use crate::shim::BuildIn;
+use twig_proto::contract::{TEMPLATE_BUILD_CONTAINER, TEMPLATE_BUILD_LABEL};
 
 /// Prefix of every node's SandboxTemplate finalizer (`twig.dev/template.<node>`).
 pub const FINALIZER_PREFIX: &str = "twig.dev/template";
@@ -122,16 +137,30 @@ async fn build(
         }
         return Ok(Action::await_change());
     }
-    // The namespace's pull secrets, resolved afresh on every reconcile (a
-    // rotated or revoked Secret takes effect at the next build), sent with
-    // the request and never logged.
-    let namespace = template.namespace().unwrap_or_default();
-    let credentials = pull_secrets::resolve(&ctx.client, &namespace, &template.spec.image).await?;
     let started = Instant::now();
-    let result = ctx
-        .node
-        .ensure_template(&key(template), &template.spec, &credentials)
-        .await;
+    let pods: Api<Pod> = Api::namespaced(
+        ctx.client.clone(),
+        &template.namespace().unwrap_or_default(),
+    );
+    let mut build_pod = current_build_pod(&pods, template, ctx).await?;
+    let ensure = |pod: Option<String>| async move {
+        ctx.node
+            .ensure_template(
+                &key(template),
+                &template.spec,
+                BuildIn::BuildPod(pod.as_deref()),
+            )
+            .await
+    };
+    let mut result = ensure(build_pod.clone()).await;
+    if build_pod.is_none() && result.as_ref().is_ok_and(|s| s.needs_build_pod) {
+        build_pod = Some(create_build_pod(&pods, template, ctx).await?);
+        result = ensure(build_pod.clone()).await;
+    }
+    // Done with the Pod: built, or spent by a failed build.
+    if build_pod.is_some() && result.as_ref().is_ok_and(|s| s.ready || s.failed) {
+        delete_build_pod(&pods, template, ctx).await?;
+    }
     let entry = match result {
         Ok(state) => TemplateNodeStatus {
             node_name: ctx.node_name.clone(),
@@ -180,6 +209,11 @@ async fn remove(
     template: &SandboxTemplate,
     ctx: &Context,
 ) -> Result<Action, Error> {
+    let pods: Api<Pod> = Api::namespaced(
+        ctx.client.clone(),
+        &template.namespace().unwrap_or_default(),
+    );
+    delete_build_pod(&pods, template, ctx).await?;
     ctx.node.delete_template(&key(template)).await?;
     let status = template.status.clone().unwrap_or_default();
     if status.nodes.iter().any(|n| n.node_name == ctx.node_name) {
@@ -302,4 +336,152 @@ async fn release_gone_nodes(
     } else {
         Action::requeue(ctx.orphan_check)
     })
+}
+
+/// Longest Pod name (a DNS subdomain, kept to a label so that its hostname
+/// is the whole name).
+const MAX_POD_NAME: usize = 63;
+
+/// Annotation of a build Pod: the template's `metadata.generation` it was
+/// made for (a Pod of an older spec is replaced).
+const GENERATION_ANNOTATION: &str = "twig.dev/template-generation";
+
+/// The name of the build Pod of `template` on this node.
+pub fn build_pod_name(template: &SandboxTemplate, node: &str) -> String {
+    bounded_name(
+        &format!("{}-build-", template.name_any()),
+        node,
+        MAX_POD_NAME,
+    )
+}
+
+/// The UID of this node's build Pod of `template`, if one is usable: a Pod
+/// that stopped (its container exited: the template's command must keep
+/// running), is being deleted, or was made for an older generation of the
+/// template is deleted instead (`None`; the node then asks for a new one).
+async fn current_build_pod(
+    pods: &Api<Pod>,
+    template: &SandboxTemplate,
+    ctx: &Context,
+) -> Result<Option<String>, Error> {
+    let name = build_pod_name(template, &ctx.node_name);
+    let Some(pod) = pods.get_opt(&name).await? else {
+        return Ok(None);
+    };
+    let generation = template.metadata.generation.unwrap_or_default().to_string();
+    let stale = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(GENERATION_ANNOTATION))
+        != Some(&generation);
+    let stopped = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .is_some_and(|p| p == "Succeeded" || p == "Failed");
+    if stale || stopped || pod.metadata.deletion_timestamp.is_some() {
+        delete_build_pod(pods, template, ctx).await?;
+        return Ok(None);
+    }
+    Ok(pod.metadata.uid)
+}
+
+/// Makes this node's build Pod of `template`; its UID.
+async fn create_build_pod(
+    pods: &Api<Pod>,
+    template: &SandboxTemplate,
+    ctx: &Context,
+) -> Result<String, Error> {
+    let namespace = template.namespace().unwrap_or_default();
+    // The namespace's pull secrets, by name, for kubelet to pull with (as
+    // the ServiceAccount admission plugin gives a pod its account's).
+    let pull_secrets = pull_secrets::names(&ctx.client, &namespace).await?;
+    let pod = build_pod(template, &ctx.node_name, &pull_secrets);
+    let name = pod.metadata.name.clone().unwrap_or_default();
+    let made = match pods.create(&PostParams::default(), &pod).await {
+        Ok(p) => p,
+        // Made by an earlier reconcile whose answer was lost.
+        Err(kube::Error::Api(e)) if e.code == 409 => pods.get(&name).await?,
+        Err(e) => return Err(e.into()),
+    };
+    tracing::info!(template = %key(template), pod = name, "made the template's build Pod");
+    made.metadata
+        .uid
+        .ok_or(Error::MissingField("the build Pod's metadata.uid"))
+}
+
+/// Deletes this node's build Pod of `template`, if any.
+async fn delete_build_pod(
+    pods: &Api<Pod>,
+    template: &SandboxTemplate,
+    ctx: &Context,
+) -> Result<(), Error> {
+    let name = build_pod_name(template, &ctx.node_name);
+    match pods.delete(&name, &DeleteParams::default()).await {
+        Ok(_) => {
+            tracing::info!(template = %key(template), pod = name, "deleted the template's build Pod");
+            Ok(())
+        }
+        Err(e) if is_not_found(&e) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The build Pod of `template` on `node`: the template's image and command
+/// in container `template`, on the node's network with a VM without
+/// network (a build is offline; pods restored from the template join their
+/// own), no ServiceAccount token or service environment (they would be
+/// kept in the template's memory), pulled with `pull_secrets`, tolerating
+/// every taint (it is bound to its node already), controlled by the
+/// template.
+pub fn build_pod(template: &SandboxTemplate, node: &str, pull_secrets: &[String]) -> Pod {
+    let owner = template.controller_owner_ref(&());
+    let spec = &template.spec;
+    Pod {
+        metadata: ObjectMeta {
+            name: Some(build_pod_name(template, node)),
+            namespace: template.namespace(),
+            labels: Some([(TEMPLATE_BUILD_LABEL.to_string(), template.name_any())].into()),
+            annotations: Some(
+                [
+                    (NETWORK_ANNOTATION.to_string(), NETWORK_NONE.to_string()),
+                    (
+                        GENERATION_ANNOTATION.to_string(),
+                        template.metadata.generation.unwrap_or_default().to_string(),
+                    ),
+                ]
+                .into(),
+            ),
+            owner_references: owner.map(|o| vec![o]),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            node_name: Some(node.to_string()),
+            runtime_class_name: Some(RUNTIME_CLASS.to_string()),
+            host_network: Some(true),
+            restart_policy: Some("Never".into()),
+            automount_service_account_token: Some(false),
+            enable_service_links: Some(false),
+            termination_grace_period_seconds: Some(0),
+            image_pull_secrets: (!pull_secrets.is_empty()).then(|| {
+                pull_secrets
+                    .iter()
+                    .map(|n| LocalObjectReference { name: n.clone() })
+                    .collect()
+            }),
+            tolerations: Some(vec![Toleration {
+                operator: Some("Exists".into()),
+                ..Default::default()
+            }]),
+            containers: vec![Container {
+                name: TEMPLATE_BUILD_CONTAINER.to_string(),
+                image: Some(spec.image.clone()),
+                command: spec.command.clone(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        status: None,
+    }
 }

@@ -15,11 +15,10 @@ use async_trait::async_trait;
 use k8s_openapi::api::core::v1::Pod;
 use tokio::sync::watch;
 use twig_controller::crd::{SandboxTemplateSpec, SnapshotMode};
-use twig_controller::pull_secrets::RegistryCredential;
 use twig_controller::sandbox::{LocateError, SandboxLocator};
 use twig_controller::shim::{
-    ErrorCode, NetworkCounter, NetworkStats, NodeService, Sandbox, SandboxStats, ShimError,
-    SnapshotInfo, StoreUsage, TemplateState, TwigShim,
+    BuildIn, ErrorCode, NetworkCounter, NetworkStats, NodeService, Sandbox, SandboxStats,
+    ShimError, SnapshotInfo, StoreUsage, TemplateState, TwigShim,
 };
 use twig_net::EgressPolicy;
 
@@ -114,8 +113,12 @@ struct State {
     failing_store_usage: usize,
     /// Templates the node store holds (ensured and not deleted).
     templates: BTreeSet<String>,
-    /// The registry logins of each template's last EnsureTemplate.
-    pull_credentials: BTreeMap<String, Vec<RegistryCredential>>,
+    /// The build Pod UIDs each template was built in, in order.
+    build_pods: BTreeMap<String, Vec<String>>,
+    /// EnsureTemplate calls with a build Pod still to fail the build.
+    failing_builds: usize,
+    /// Build Pods a build failed in (spent: a build there fails again).
+    spent_pods: BTreeSet<String>,
 }
 
 /// The fake node: sandboxes, node store and call log behind the controller's traits.
@@ -153,14 +156,15 @@ impl FakeNode {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The registry logins the last EnsureTemplate of template `key`
-    /// (`namespace/name`) carried; none if it was never ensured.
-    pub fn pull_credentials(&self, key: &str) -> Vec<RegistryCredential> {
-        self.lock()
-            .pull_credentials
-            .get(key)
-            .cloned()
-            .unwrap_or_default()
+    /// The UIDs of the build Pods template `key` (`namespace/name`) was
+    /// built in (or failed in), in order.
+    pub fn build_pods(&self, key: &str) -> Vec<String> {
+        self.lock().build_pods.get(key).cloned().unwrap_or_default()
+    }
+
+    /// Makes the next `n` builds given a build Pod fail (the Pod is spent).
+    pub fn fail_builds(&self, n: usize) {
+        self.lock().failing_builds = n;
     }
 
     /// Every call received so far, in order.
@@ -572,17 +576,41 @@ impl NodeService for FakeNode {
         &self,
         key: &str,
         _spec: &SandboxTemplateSpec,
-        credentials: &[RegistryCredential],
+        build_in: BuildIn<'_>,
     ) -> Result<TemplateState, ShimError> {
         let mut st = self.lock();
         st.calls.push(Call::EnsureTemplate(key.to_string()));
-        st.pull_credentials
-            .insert(key.to_string(), credentials.to_vec());
-        st.templates.insert(key.to_string());
-        Ok(TemplateState {
-            ready: true,
+        let state = |ready, needs_build_pod, failed| TemplateState {
+            ready,
             message: None,
-        })
+            needs_build_pod,
+            failed,
+        };
+        if st.templates.contains(key) {
+            return Ok(state(true, false, false));
+        }
+        // As the node answers: built in the Pod given (at once, here), or
+        // a Pod asked for.
+        match build_in {
+            BuildIn::NodePod => {}
+            BuildIn::BuildPod(None) => return Ok(state(false, true, false)),
+            BuildIn::BuildPod(Some(uid)) if st.spent_pods.contains(uid) => {
+                return Ok(state(false, false, true));
+            }
+            BuildIn::BuildPod(Some(uid)) => {
+                st.build_pods
+                    .entry(key.to_string())
+                    .or_default()
+                    .push(uid.to_string());
+                if st.failing_builds > 0 {
+                    st.failing_builds -= 1;
+                    st.spent_pods.insert(uid.to_string());
+                    return Ok(state(false, false, true));
+                }
+            }
+        }
+        st.templates.insert(key.to_string());
+        Ok(state(true, false, false))
     }
 
     async fn delete_template(&self, key: &str) -> Result<(), ShimError> {

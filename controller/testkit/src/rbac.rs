@@ -17,12 +17,13 @@ pub const NOT_REQUESTED: &[(&str, &str, &str)] = &[
 
 /// (API group, resource, verbs).
 pub const CONTROLLER_RULES: &[(&str, &str, &[&str])] = &[
-    ("", "pods", &["get", "list", "watch", "create"]),
-    // A SandboxTemplate's image pull secrets: its namespace's `default`
-    // ServiceAccount's imagePullSecrets, each read by name (no list, no
-    // watch: a node's controller never enumerates Secrets).
+    // Create: a Clone's pods and templates' build pods; delete: build pods
+    // (both on its own node only: twig-node-restriction).
+    ("", "pods", &["get", "list", "watch", "create", "delete"]),
+    // A SandboxTemplate's image pull secrets, by name: its namespace's
+    // `default` ServiceAccount's imagePullSecrets, given to the build pod
+    // (kubelet reads the Secrets; the controller never does).
     ("", "serviceaccounts", &["get"]),
-    ("", "secrets", &["get"]),
     // Whether the node of a deleted object's finalizer is gone.
     ("", "nodes", &["get", "list"]),
     ("events.k8s.io", "events", &["create", "patch"]),

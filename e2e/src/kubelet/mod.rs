@@ -29,6 +29,14 @@
 //!   their `preStop` hooks and `StopContainer` within the pod's
 //!   `terminationGracePeriodSeconds`, then the sandbox is stopped and
 //!   removed and the pod's directory with its mounts goes.
+//! - Housekeeping (`kubelet_pods.go` `HandlePodCleanups`, every
+//!   [`HOUSEKEEPING`] once the pod list is synced): every READY sandbox in
+//!   CRI whose `metadata.uid` is not a pod of this node is stopped as an
+//!   orphan, whatever its labels, name or namespace — so a sandbox made
+//!   through CRI by anyone but this kubelet (a template build the node ran
+//!   itself) dies here as under a real kubelet. Counted in
+//!   [`Kubelet::orphans_stopped`] (kubelet's
+//!   `kubelet_orphaned_runtime_pods_total`).
 //!
 //! What it does not do: pull images (a container must name one of the
 //! images it is given, already on the node; a pod naming another fails at
@@ -49,6 +57,7 @@ mod volumes;
 use std::collections::HashMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -64,6 +73,10 @@ use twig_cri::{api, CriClient};
 pub use atomic::{AtomicWriter, FileProjection, Payload};
 pub use lifecycle::{BACKOFF_BASE, BACKOFF_MAX};
 pub use volumes::{ROOT_CA_CONFIG_MAP, TOKEN_MOUNT_PATH, TOKEN_VOLUME_PREFIX};
+
+/// How often the kubelet stops orphaned sandboxes (kubelet's housekeeping
+/// period).
+pub const HOUSEKEEPING: Duration = Duration::from_secs(2);
 
 /// The container runtime's prefix of `containerStatuses[].containerID`.
 pub const CONTAINER_ID_PREFIX: &str = "containerd://";
@@ -160,6 +173,8 @@ struct Shared {
     secrets: Store<Secret>,
     /// Bumped on every ConfigMap or Secret event.
     objects: watch::Receiver<u64>,
+    /// Sandboxes stopped as orphans.
+    orphans: AtomicU64,
 }
 
 /// A running test kubelet; it stops watching when dropped, and its pods'
@@ -167,6 +182,7 @@ struct Shared {
 /// what is left when it is dropped).
 pub struct Kubelet {
     tasks: Vec<JoinHandle<()>>,
+    shared: Arc<Shared>,
 }
 
 impl Kubelet {
@@ -213,11 +229,23 @@ impl Kubelet {
             config_maps,
             secrets,
             objects,
+            orphans: AtomicU64::new(0),
         });
         let node = node.to_string();
         Kubelet {
-            tasks: vec![cm_task, secret_task, tokio::spawn(watch_pods(shared, node))],
+            tasks: vec![
+                cm_task,
+                secret_task,
+                tokio::spawn(watch_pods(shared.clone(), node)),
+            ],
+            shared,
         }
+    }
+
+    /// How many sandboxes housekeeping stopped as orphans (kubelet's
+    /// `kubelet_orphaned_runtime_pods_total`).
+    pub fn orphans_stopped(&self) -> u64 {
+        self.shared.orphans.load(Ordering::Relaxed)
     }
 }
 
@@ -268,14 +296,97 @@ async fn watch_pods(shared: Arc<Shared>, node: String) {
     let events = reflector::reflector(writer, watcher(pods, config)).default_backoff();
     let mut events = std::pin::pin!(events);
     let mut running: HashMap<String, watch::Sender<Arc<Pod>>> = HashMap::new();
-    let mut workers = JoinSet::new();
-    while let Some(event) = events.next().await {
-        if let Err(e) = event {
-            tracing::warn!("kubelet {node}: watching pods: {e}");
+    // Pods whose worker has not finished (a deleted pod's is stopping it).
+    let mut workers = Workers::default();
+    let mut housekeeping = tokio::time::interval(HOUSEKEEPING);
+    let mut synced = false;
+    loop {
+        tokio::select! {
+            event = events.next() => {
+                let Some(event) = event else { break };
+                if let Err(e) = event {
+                    tracing::warn!("kubelet {node}: watching pods: {e}");
+                    continue;
+                }
+                synced = true;
+                sync(&shared, &store, &mut running, &mut workers);
+                workers.reap();
+            }
+            _ = housekeeping.tick(), if synced => {
+                workers.reap();
+                stop_orphans(&shared, &store, &workers, &node).await;
+            }
+        }
+    }
+}
+
+/// The pods' workers, with the UIDs of those not finished.
+#[derive(Default)]
+struct Workers {
+    set: JoinSet<String>,
+    alive: std::collections::HashSet<String>,
+}
+
+impl Workers {
+    fn spawn(&mut self, shared: Arc<Shared>, uid: String, rx: watch::Receiver<Arc<Pod>>) {
+        self.alive.insert(uid.clone());
+        self.set.spawn(async move {
+            pod::run(shared, rx).await;
+            uid
+        });
+    }
+
+    /// Forgets the workers that finished.
+    fn reap(&mut self) {
+        while let Some(done) = self.set.try_join_next() {
+            if let Ok(uid) = done {
+                self.alive.remove(&uid);
+            }
+        }
+    }
+}
+
+/// Stops every READY sandbox whose pod UID is neither a pod of the node
+/// nor one a worker still handles (`HandlePodCleanups`' orphaned runtime
+/// pods: kubelet sends them `SyncPodKill`).
+async fn stop_orphans(shared: &Shared, store: &Store<Pod>, workers: &Workers, node: &str) {
+    let sandboxes = match shared.cri.list_pod_sandboxes().await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!("kubelet {node}: housekeeping: listing sandboxes: {e}");
+            return;
+        }
+    };
+    let known: std::collections::HashSet<String> = store
+        .state()
+        .iter()
+        .filter_map(|p| p.metadata.uid.clone())
+        .chain(workers.alive.iter().cloned())
+        .collect();
+    for sandbox in sandboxes {
+        if sandbox.state != api::PodSandboxState::SandboxReady as i32 {
             continue;
         }
-        sync(&shared, &store, &mut running, &mut workers);
-        while workers.try_join_next().is_some() {}
+        let Some(meta) = sandbox.metadata.as_ref() else {
+            continue;
+        };
+        if known.contains(&meta.uid) {
+            continue;
+        }
+        tracing::warn!(
+            "kubelet {node}: stopping orphaned sandbox {} ({}/{}, uid {:?}): not a pod of this node",
+            sandbox.id,
+            meta.namespace,
+            meta.name,
+            meta.uid
+        );
+        shared.orphans.fetch_add(1, Ordering::Relaxed);
+        if let Err(e) = shared.cri.stop_pod_sandbox(&sandbox.id).await {
+            tracing::warn!(
+                "kubelet {node}: stopping orphaned sandbox {}: {e}",
+                sandbox.id
+            );
+        }
     }
 }
 
@@ -285,7 +396,7 @@ fn sync(
     shared: &Arc<Shared>,
     store: &Store<Pod>,
     running: &mut HashMap<String, watch::Sender<Arc<Pod>>>,
-    workers: &mut JoinSet<()>,
+    workers: &mut Workers,
 ) {
     let live: HashMap<String, Arc<Pod>> = store
         .state()
@@ -305,8 +416,8 @@ fn sync(
             }
             None => {
                 let (tx, rx) = watch::channel(pod);
-                running.insert(uid, tx);
-                workers.spawn(pod::run(shared.clone(), rx));
+                running.insert(uid.clone(), tx);
+                workers.spawn(shared.clone(), uid, rx);
             }
         }
     }

@@ -25,11 +25,12 @@ use crate::error::{Error, Result};
 use crate::resources::block;
 use crate::resources::rootfs::{rootfs_image, slot_device};
 use crate::resources::volumes::{self, PodDisk, Volume};
-use crate::sandbox::{with_agent, Attachment, Sandbox, SANDBOX_ADOPTION};
+use crate::sandbox::{with_agent, Attachment, Sandbox, SANDBOX_ADOPTION, TEMPLATE_ADOPTION};
 use crate::spec::{
     self, CONTAINER_NAME_ANNOTATION, CONTAINER_TYPE_ANNOTATION, CONTAINER_TYPE_SANDBOX,
 };
 use crate::stdio::{self, StdioPaths};
+use twig_proto::contract::TEMPLATE_BUILD_CONTAINER;
 
 impl Pod {
     /// Creates container `new.id` from its bundle: the pod's first
@@ -86,7 +87,21 @@ impl Pod {
         } else {
             self.pid_target(&new.id, &oci)?
         };
-        let (mut guest, plan) = guest_spec(oci, sandbox_init, name.as_deref().unwrap_or(&new.id))?;
+        // Guest volumes are named after the container's name: one that
+        // adopts an app template's process takes the names its mounts bind,
+        // the template's build container's (twig-proto's contract), so
+        // that this pod's content (its resolv.conf, hosts, tokens) is what
+        // the adopted process sees.
+        let adopts_template = !is_sandbox
+            && name
+                .as_deref()
+                .is_some_and(|n| sandbox.restored_as(n).as_deref() == Some(TEMPLATE_ADOPTION));
+        let mounts_of = if adopts_template {
+            TEMPLATE_BUILD_CONTAINER
+        } else {
+            name.as_deref().unwrap_or(&new.id)
+        };
+        let (mut guest, plan) = guest_spec(oci, sandbox_init, mounts_of)?;
         if let Some(pid) = target {
             join_pid_namespace_of(&mut guest, pid);
         }
@@ -137,7 +152,7 @@ impl Pod {
             _ => None,
         };
         if let (Some(n), Some(what)) = (adoption, host_volume) {
-            if sandbox.has_restored(n) {
+            if sandbox.restored_as(n).is_some() {
                 self.inner.watcher.unwatch(&new.id);
                 return Err(Error::FailedPrecondition(format!(
                     "container {} runs already in the VM restored from a snapshot: {what} \

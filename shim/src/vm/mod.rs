@@ -414,9 +414,9 @@ impl Sandbox for VmSandbox {
         })
     }
 
-    fn has_restored(&self, name: &str) -> bool {
+    fn restored_as(&self, name: &str) -> Option<String> {
         let restored = self.restored.lock().unwrap_or_else(|p| p.into_inner());
-        restored_index(&restored, name).is_some()
+        restored_index(&restored, name).map(|i| restored[i].name.clone())
     }
 
     fn take_restored(&self, name: &str) -> Option<Restored> {
