@@ -32,4 +32,10 @@ pub struct SnapshotContainer {
     /// whose namespaces a clone's new containers join.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pid: Option<u32>,
+    /// The container name its guest volumes are named after, where it
+    /// differs from `name`: one that adopted an app template's process
+    /// binds the volumes the template's build container named (and a clone
+    /// of it adopts it with them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mounts_of: Option<String>,
 }

@@ -33,6 +33,7 @@ use crate::error::{Error, Result};
 use crate::labels::{SnapshotContainer, CONTAINERS_LABEL, SANDBOX_LABEL};
 use crate::sandbox::{Restored, SANDBOX_ADOPTION, TEMPLATE_ADOPTION};
 use crate::spec;
+use twig_proto::contract::TEMPLATE_BUILD_CONTAINER;
 
 pub use twig_proto::contract::{
     CRI_SANDBOX_NAMESPACE_ANNOTATION as SANDBOX_NAMESPACE_ANNOTATION, RESTORE_FROM_ANNOTATION,
@@ -225,6 +226,7 @@ impl SnapshotSource {
                     name,
                     slot: c.slot,
                     pid: c.pid,
+                    mounts_of: c.mounts_of.clone(),
                 })
             })
             .collect();
@@ -254,7 +256,13 @@ impl SnapshotSource {
             .iter_mut()
             .filter(|r| r.name != SANDBOX_ADOPTION);
         match (apps.next(), apps.next()) {
-            (Some(app), None) => app.name = TEMPLATE_ADOPTION.to_string(),
+            (Some(app), None) => {
+                // Its processes' mounts bind the guest volumes its build
+                // container named (twig-proto's contract).
+                app.mounts_of
+                    .get_or_insert_with(|| TEMPLATE_BUILD_CONTAINER.to_string());
+                app.name = TEMPLATE_ADOPTION.to_string();
+            }
             _ => {
                 return Err(Error::FailedPrecondition(format!(
                     "snapshot {} is no app template: it holds {} running app containers, a \
@@ -356,6 +364,7 @@ mod tests {
                     name: n.to_string(),
                     slot: Some(0),
                     pid: None,
+                    mounts_of: None,
                 })
                 .collect(),
             hostname: "h".into(),
@@ -370,6 +379,14 @@ mod tests {
             .unwrap();
         let names: Vec<&str> = t.restored.iter().map(|r| r.name.as_str()).collect();
         assert_eq!(names, [SANDBOX_ADOPTION, TEMPLATE_ADOPTION]);
+        // Its processes' mounts bind the volumes its build container
+        // named; a pod snapshot's container keeps what it recorded.
+        let mounts: Vec<Option<&str>> = t.restored.iter().map(|r| r.mounts_of.as_deref()).collect();
+        assert_eq!(mounts, [None, Some(TEMPLATE_BUILD_CONTAINER)]);
+        let mut recorded = source(&[SANDBOX_ADOPTION, "app"]);
+        recorded.restored[1].mounts_of = Some("template".into());
+        let kept = recorded.app_template().unwrap();
+        assert_eq!(kept.restored[1].mounts_of.as_deref(), Some("template"));
         for bad in [&[SANDBOX_ADOPTION][..], &[SANDBOX_ADOPTION, "a", "b"]] {
             let e = source(bad).app_template().unwrap_err();
             assert!(

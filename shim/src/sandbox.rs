@@ -77,6 +77,10 @@ pub struct Restored {
     /// Its init's pid in the VM, where the snapshot recorded it (the
     /// sandbox's: the pod's namespaces that later containers join).
     pub pid: Option<u32>,
+    /// The container name its running processes' guest volumes are named
+    /// after, where it is not its adopter's (an app template's build
+    /// container's, `template`).
+    pub mounts_of: Option<String>,
 }
 
 /// One pod's VM (or its stand-in): an agent, and a way to give it a disk.
@@ -177,10 +181,10 @@ pub trait Sandbox: Send + Sync {
             "this sandbox has no vsock socket to reach the guest through".into(),
         ))
     }
-    /// The name under which the container [`Sandbox::take_restored`]
-    /// would hand out for `name` waits (`name`, or [`TEMPLATE_ADOPTION`]
-    /// for an app template's); it is left there. `None`: there is none.
-    fn restored_as(&self, name: &str) -> Option<String> {
+    /// The container [`Sandbox::take_restored`] would hand out for
+    /// `name` (its own, or an app template's); it is left there. `None`:
+    /// there is none.
+    fn restored_for(&self, name: &str) -> Option<Restored> {
         let _ = name;
         None
     }

@@ -199,6 +199,7 @@ impl TwigService {
                     name: spec::annotation(&oci, CONTAINER_NAME_ANNOTATION).map(str::to_string),
                     pid: sandbox_pid.filter(|_| &c.id == sandbox_id),
                     guest_id: Some(c.guest_id).filter(|g| *g != c.id),
+                    mounts_of: c.mounts_of,
                     id: c.id,
                     slot: c.slot,
                     running: c.running,
@@ -714,6 +715,7 @@ mod tests {
             name: Some(format!("{id}-name")),
             slot: Some(slot),
             running,
+            mounts_of: None,
         }
     }
 

@@ -221,12 +221,9 @@ impl Sandbox for FakeVm {
         Ok(self.store.clone())
     }
 
-    fn restored_as(&self, name: &str) -> Option<String> {
+    fn restored_for(&self, name: &str) -> Option<Restored> {
         let restored = self.restored.lock().unwrap();
-        restored
-            .iter()
-            .find(|r| r.name == name)
-            .map(|r| r.name.clone())
+        restored.iter().find(|r| r.name == name).cloned()
     }
 
     fn take_restored(&self, name: &str) -> Option<Restored> {
@@ -540,6 +537,7 @@ async fn snapshots_go_into_the_store_with_the_pods_containers_and_are_idempotent
     assert_eq!(
         containers,
         [SnapshotContainer {
+            mounts_of: None,
             id: "c1".into(),
             guest_id: None,
             pid: None,
@@ -859,6 +857,7 @@ async fn a_restored_container_is_adopted_by_its_name() {
     f.run("c1", "app").await;
     // The VM holds a running container "app" (guest id c1) from a snapshot.
     f.vm.restored.lock().unwrap().push(Restored {
+        mounts_of: None,
         guest_id: "c1".into(),
         name: "app".into(),
         slot: Some(0),
@@ -868,6 +867,7 @@ async fn a_restored_container_is_adopted_by_its_name() {
     // The new pod's sandbox container adopts the snapshotted one (the
     // running c1 stands in for it here): no second sandbox process.
     f.vm.restored.lock().unwrap().push(Restored {
+        mounts_of: None,
         guest_id: "c1".into(),
         name: SANDBOX_ADOPTION.into(),
         slot: Some(0),
@@ -1013,6 +1013,7 @@ fn restore_from_reads_the_pod_snapshot_and_reflinks_its_disks_into_anonymous_fil
     let tpl = store.snapshot_dir("tpl");
     let containers = serde_json::to_string(&[
         SnapshotContainer {
+            mounts_of: None,
             id: "src".into(),
             guest_id: None,
             pid: Some(7),
@@ -1021,6 +1022,7 @@ fn restore_from_reads_the_pod_snapshot_and_reflinks_its_disks_into_anonymous_fil
             running: true,
         },
         SnapshotContainer {
+            mounts_of: None,
             id: "c1-clone".into(),
             // Adopted in an earlier clone: the guest knows it as c1.
             guest_id: Some("c1".into()),
@@ -1030,6 +1032,7 @@ fn restore_from_reads_the_pod_snapshot_and_reflinks_its_disks_into_anonymous_fil
             running: true,
         },
         SnapshotContainer {
+            mounts_of: None,
             id: "c2".into(),
             guest_id: None,
             pid: None,
@@ -1064,12 +1067,14 @@ fn restore_from_reads_the_pod_snapshot_and_reflinks_its_disks_into_anonymous_fil
         src.restored,
         vec![
             Restored {
+                mounts_of: None,
                 guest_id: "src".into(),
                 name: SANDBOX_ADOPTION.into(),
                 slot: Some(2),
                 pid: Some(7),
             },
             Restored {
+                mounts_of: None,
                 guest_id: "c1".into(),
                 name: "counter".into(),
                 slot: Some(1),

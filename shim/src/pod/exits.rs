@@ -326,6 +326,7 @@ mod tests {
         let mut c1 = Container {
             id: "c1".into(),
             guest_id: "c1".into(),
+            mounts_of: None,
             bundle: PathBuf::from("/b1"),
             origin: Origin::Created,
             attachment: Attachment {
@@ -344,6 +345,7 @@ mod tests {
         let c2 = Container {
             id: "c2".into(),
             guest_id: "c2".into(),
+            mounts_of: None,
             bundle: PathBuf::from("/b2"),
             origin: Origin::Created,
             attachment: Attachment {

@@ -25,12 +25,11 @@ use crate::error::{Error, Result};
 use crate::resources::block;
 use crate::resources::rootfs::{rootfs_image, slot_device};
 use crate::resources::volumes::{self, PodDisk, Volume};
-use crate::sandbox::{with_agent, Attachment, Sandbox, SANDBOX_ADOPTION, TEMPLATE_ADOPTION};
+use crate::sandbox::{with_agent, Attachment, Sandbox, SANDBOX_ADOPTION};
 use crate::spec::{
     self, CONTAINER_NAME_ANNOTATION, CONTAINER_TYPE_ANNOTATION, CONTAINER_TYPE_SANDBOX,
 };
 use crate::stdio::{self, StdioPaths};
-use twig_proto::contract::TEMPLATE_BUILD_CONTAINER;
 
 impl Pod {
     /// Creates container `new.id` from its bundle: the pod's first
@@ -87,21 +86,23 @@ impl Pod {
         } else {
             self.pid_target(&new.id, &oci)?
         };
-        // Guest volumes are named after the container's name: one that
-        // adopts an app template's process takes the names its mounts bind,
-        // the template's build container's (twig-proto's contract), so
-        // that this pod's content (its resolv.conf, hosts, tokens) is what
-        // the adopted process sees.
-        let adopts_template = !is_sandbox
-            && name
+        // Guest volumes are named after the container's name; one that
+        // adopts a process whose mounts bind volumes of another name (an
+        // app template's build container's, and after it every clone's)
+        // takes those names, so that this pod's content (its resolv.conf,
+        // hosts, tokens) is what the adopted process sees.
+        let mounts_of = name
+            .as_deref()
+            .filter(|_| !is_sandbox)
+            .and_then(|n| sandbox.restored_for(n))
+            .and_then(|r| r.mounts_of);
+        let (mut guest, plan) = guest_spec(
+            oci,
+            sandbox_init,
+            mounts_of
                 .as_deref()
-                .is_some_and(|n| sandbox.restored_as(n).as_deref() == Some(TEMPLATE_ADOPTION));
-        let mounts_of = if adopts_template {
-            TEMPLATE_BUILD_CONTAINER
-        } else {
-            name.as_deref().unwrap_or(&new.id)
-        };
-        let (mut guest, plan) = guest_spec(oci, sandbox_init, mounts_of)?;
+                .unwrap_or(name.as_deref().unwrap_or(&new.id)),
+        )?;
         if let Some(pid) = target {
             join_pid_namespace_of(&mut guest, pid);
         }
@@ -152,7 +153,7 @@ impl Pod {
             _ => None,
         };
         if let (Some(n), Some(what)) = (adoption, host_volume) {
-            if sandbox.restored_as(n).is_some() {
+            if sandbox.restored_for(n).is_some() {
                 self.inner.watcher.unwatch(&new.id);
                 return Err(Error::FailedPrecondition(format!(
                     "container {} runs already in the VM restored from a snapshot: {what} \
@@ -214,6 +215,7 @@ impl Pod {
         let container = Container {
             id: new.id.clone(),
             guest_id,
+            mounts_of,
             bundle,
             origin,
             attachment,

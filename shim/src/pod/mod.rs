@@ -102,6 +102,9 @@ pub struct ContainerView {
     pub block_volumes: usize,
     /// How many host directories are shared with it.
     pub shares: usize,
+    /// The container name its guest volumes are named after, where it is
+    /// not its own.
+    pub mounts_of: Option<String>,
 }
 
 /// The pod of one shim.
@@ -290,6 +293,7 @@ impl Pod {
                 running: c.init.phase == Phase::Running,
                 block_volumes: c.block_volumes.len(),
                 shares: c.shares.len(),
+                mounts_of: c.mounts_of.clone(),
             })
             .collect();
         views.sort_by(|a, b| a.id.cmp(&b.id));

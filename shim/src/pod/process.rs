@@ -130,6 +130,9 @@ pub struct Container {
     /// The id the guest's agent knows it by: containerd's id, or for an
     /// adopted container its id in the snapshotted pod.
     pub guest_id: String,
+    /// The container name its guest volumes are named after, where it is
+    /// not its own (an adopted process's mounts bind another's).
+    pub mounts_of: Option<String>,
     /// Its bundle directory.
     pub bundle: PathBuf,
     /// Created by the shim, or adopted from a restored VM.

@@ -414,9 +414,9 @@ impl Sandbox for VmSandbox {
         })
     }
 
-    fn restored_as(&self, name: &str) -> Option<String> {
+    fn restored_for(&self, name: &str) -> Option<Restored> {
         let restored = self.restored.lock().unwrap_or_else(|p| p.into_inner());
-        restored_index(&restored, name).map(|i| restored[i].name.clone())
+        restored_index(&restored, name).map(|i| restored[i].clone())
     }
 
     fn take_restored(&self, name: &str) -> Option<Restored> {
