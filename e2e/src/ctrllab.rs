@@ -271,20 +271,9 @@ impl CtrlLab {
             + k8s_openapi::serde::de::DeserializeOwned
             + std::fmt::Debug,
     {
-        let api: Api<K> = Api::namespaced(self.client.clone(), NS);
-        let deadline = Instant::now() + READY;
-        loop {
-            let got = api.get_opt(name).await.unwrap_or_else(|e| panic!("{e}"));
-            if let Some(obj) = got.as_ref().filter(|o| done(o)) {
-                return obj.clone();
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{name} not {what} within {READY:?}: {got:#?}\n{}",
-                self.logs()
-            );
-            tokio::time::sleep(POLL).await;
-        }
+        self.wait_state(name, what, |got: Option<&K>| got.is_some_and(&done))
+            .await
+            .unwrap_or_else(|| panic!("{name} is gone"))
     }
 
     /// Waits until the object `name` is gone, failing with its last state.
@@ -295,16 +284,34 @@ impl CtrlLab {
             + k8s_openapi::serde::de::DeserializeOwned
             + std::fmt::Debug,
     {
+        self.wait_state(name, "gone", |got: Option<&K>| got.is_none())
+            .await;
+    }
+
+    /// The object `name` (`None`: there is none) once `done` holds for it,
+    /// polled until [`READY`], failing with its last state.
+    async fn wait_state<K>(
+        &self,
+        name: &str,
+        what: &str,
+        done: impl Fn(Option<&K>) -> bool,
+    ) -> Option<K>
+    where
+        K: Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
+            + Clone
+            + k8s_openapi::serde::de::DeserializeOwned
+            + std::fmt::Debug,
+    {
         let api: Api<K> = Api::namespaced(self.client.clone(), NS);
         let deadline = Instant::now() + READY;
         loop {
             let got = api.get_opt(name).await.unwrap_or_else(|e| panic!("{e}"));
-            if got.is_none() {
-                return;
+            if done(got.as_ref()) {
+                return got;
             }
             assert!(
                 Instant::now() < deadline,
-                "{name} not gone within {READY:?}: {got:#?}\n{}",
+                "{name} not {what} within {READY:?}: {got:#?}\n{}",
                 self.logs()
             );
             tokio::time::sleep(POLL).await;

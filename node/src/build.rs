@@ -429,6 +429,18 @@ impl Builder {
     }
 }
 
+/// A CRI client of containerd (`templates.cri_socket`) whose calls time out
+/// with the build.
+async fn connect(config: &TemplateBuildConfig) -> Result<CriClient> {
+    Ok(CriClient::connect(&config.cri_socket)
+        .await
+        .map_err(cri_error(&format!(
+            "reaching containerd's CRI at {} (templates.cri_socket)",
+            config.cri_socket.display()
+        )))?
+        .with_timeout(Duration::from_secs(config.build_timeout_s)))
+}
+
 fn cri_error(what: &str) -> impl FnOnce(twig_cri::Error) -> Error + '_ {
     move |e| Error::FailedPrecondition(format!("{what}: {e}"))
 }
@@ -576,13 +588,7 @@ async fn build(
     pod: &PodSlot,
     pulled_with_credentials: &Mutex<HashSet<String>>,
 ) -> Result<()> {
-    let cri = CriClient::connect(&config.cri_socket)
-        .await
-        .map_err(cri_error(&format!(
-            "reaching containerd's CRI at {} (templates.cri_socket)",
-            config.cri_socket.display()
-        )))?
-        .with_timeout(Duration::from_secs(config.build_timeout_s));
+    let cri = connect(config).await?;
     remove_leftovers(&cri, spec).await?;
     pull(&cri, spec, pulled_with_credentials).await?;
     let logs = config.log_dir.join(&spec.id);

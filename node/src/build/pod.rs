@@ -22,13 +22,7 @@ const POLL: Duration = Duration::from_millis(500);
 
 /// Builds `spec` in the build Pod of UID `uid`.
 pub(super) async fn build(config: &TemplateBuildConfig, spec: &Spec, uid: &str) -> Result<()> {
-    let cri = CriClient::connect(&config.cri_socket)
-        .await
-        .map_err(cri_error(&format!(
-            "reaching containerd's CRI at {} (templates.cri_socket)",
-            config.cri_socket.display()
-        )))?
-        .with_timeout(Duration::from_secs(config.build_timeout_s));
+    let cri = super::connect(config).await?;
     let (sandbox, container) = started(&cri, config, uid).await?;
     tracing::info!(
         template = spec.key,
