@@ -917,6 +917,22 @@ fn a_build_pod_is_bound_to_its_node_and_pulls_with_the_namespaces_secrets() {
         json!([{"name": "template", "image": "reg.example/py:3", "command": ["python3", "-i"]}])
     );
     assert!(spec.get("volumes").is_none());
+    // Why kubelet has not started it reaches the template's status.
+    let mut waiting = pod.clone();
+    waiting.status = serde_json::from_value(json!({"containerStatuses": [{
+        "name": "template", "image": "reg.example/py:3", "imageID": "", "ready": false,
+        "restartCount": 0,
+        "state": {"waiting": {"reason": "ErrImagePull", "message": "401 Unauthorized"}},
+    }]}))
+    .expect("status");
+    assert_eq!(
+        twig_controller::reconcile::template::waiting_reason(&waiting).as_deref(),
+        Some("build Pod: ErrImagePull: 401 Unauthorized")
+    );
+    assert_eq!(
+        twig_controller::reconcile::template::waiting_reason(&pod),
+        None
+    );
     // A long name stays a DNS label.
     let long = template_of(&"t".repeat(60), "x");
     let name = twig_controller::reconcile::template::build_pod_name(&long, "node-a");

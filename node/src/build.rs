@@ -219,15 +219,20 @@ impl Builder {
     /// same inputs runs, or failed less than `retry_s` ago.
     ///
     /// Builds in build Pods: a build runs in the Pod `spec` names; one
-    /// running in another Pod (the controller replaced it) is dropped for
-    /// it. A failed build's Pod is spent: asked again with that Pod, or
-    /// with none, within `retry_s`, the failure is reported; with none
-    /// after that, [`Progress::NeedsBuildPod`].
+    /// running in another Pod (the controller replaced it), or asked for
+    /// with none (the controller's Pod is gone), is dropped. A failed
+    /// build's Pod is spent: asked again with that Pod, or with none,
+    /// within `retry_s`, the failure is reported; with none after that,
+    /// [`Progress::NeedsBuildPod`].
     pub fn ensure(self: &Arc<Self>, spec: &Spec) -> Progress {
         let mut builds = self.builds();
-        let same_pod = |runs_in: &RunsIn| match &spec.runs_in {
+        // A build runs on in the Pod it runs in; without a Pod (the
+        // controller has none: it was deleted) it is dropped. A failure is
+        // reported in its Pod, or without one.
+        let same_pod = |runs_in: &RunsIn, running: bool| match &spec.runs_in {
             RunsIn::BuildPod(Some(_)) => *runs_in == spec.runs_in,
-            RunsIn::BuildPod(None) | RunsIn::NodePod => true,
+            RunsIn::BuildPod(None) => !running,
+            RunsIn::NodePod => true,
         };
         match builds.get(&spec.id) {
             Some(Build::Running {
@@ -236,7 +241,7 @@ impl Builder {
                 seq,
                 runs_in,
                 ..
-            }) if *digest == spec.digest && same_pod(runs_in) => {
+            }) if *digest == spec.digest && same_pod(runs_in, true) => {
                 return self.running_progress(&builds, &spec.image, *seq, *started);
             }
             Some(Build::Failed {
@@ -245,7 +250,7 @@ impl Builder {
                 message,
                 runs_in,
             }) if *digest == spec.digest
-                && same_pod(runs_in)
+                && same_pod(runs_in, false)
                 && at.elapsed() < Duration::from_secs(self.config.retry_s) =>
             {
                 let next = Duration::from_secs(self.config.retry_s).saturating_sub(at.elapsed());
@@ -947,9 +952,11 @@ mod tests {
             None => None,
         };
         assert_eq!(runs_in(&builder), Some(in_pod(Some("u1")).runs_in));
-        // Asked without the Pod (a requeue before the controller saw it), or
-        // with it: the same build.
-        assert!(matches!(builder.ensure(&in_pod(None)), Progress::Queued(_)));
+        // Asked with its Pod: the same build.
+        assert!(matches!(
+            builder.ensure(&in_pod(Some("u1"))),
+            Progress::Queued(_)
+        ));
         assert_eq!(runs_in(&builder), Some(in_pod(Some("u1")).runs_in));
         // The controller replaced the Pod: the build moves to the new one.
         assert!(matches!(
@@ -979,6 +986,17 @@ mod tests {
             Progress::Queued(_)
         ));
         assert_eq!(runs_in(&builder), Some(in_pod(Some("u3")).runs_in));
+        // Its Pod is gone (the controller asks without one): the build is
+        // dropped and a new Pod asked for.
+        assert!(matches!(
+            builder.ensure(&in_pod(None)),
+            Progress::NeedsBuildPod(_)
+        ));
+        assert!(!builder.running(&id));
+        assert!(matches!(
+            builder.ensure(&in_pod(Some("u4"))),
+            Progress::Queued(_)
+        ));
         // No containerd here: a cancel that reached for CRI would fail.
         builder
             .cancel(&id)

@@ -142,7 +142,9 @@ async fn build(
         ctx.client.clone(),
         &template.namespace().unwrap_or_default(),
     );
-    let mut build_pod = current_build_pod(&pods, template, ctx).await?;
+    let current = current_build_pod(&pods, template, ctx).await?;
+    let waiting = current.as_ref().and_then(waiting_reason);
+    let mut build_pod = current.and_then(|p| p.metadata.uid);
     let ensure = |pod: Option<String>| async move {
         ctx.node
             .ensure_template(
@@ -165,7 +167,11 @@ async fn build(
         Ok(state) => TemplateNodeStatus {
             node_name: ctx.node_name.clone(),
             ready: state.ready,
-            message: state.message,
+            // Why kubelet has not started the build Pod, if it says.
+            message: match (state.message, waiting.filter(|_| !state.ready)) {
+                (Some(m), Some(w)) => Some(format!("{m}; {w}")),
+                (m, w) => m.or(w),
+            },
         },
         Err(e) => {
             ctx.metrics
@@ -355,15 +361,15 @@ pub fn build_pod_name(template: &SandboxTemplate, node: &str) -> String {
     )
 }
 
-/// The UID of this node's build Pod of `template`, if one is usable: a Pod
-/// that stopped (its container exited: the template's command must keep
+/// This node's build Pod of `template`, if one is usable: a Pod that
+/// stopped (its container exited: the template's command must keep
 /// running), is being deleted, or was made for an older generation of the
 /// template is deleted instead (`None`; the node then asks for a new one).
 async fn current_build_pod(
     pods: &Api<Pod>,
     template: &SandboxTemplate,
     ctx: &Context,
-) -> Result<Option<String>, Error> {
+) -> Result<Option<Pod>, Error> {
     let name = build_pod_name(template, &ctx.node_name);
     let Some(pod) = pods.get_opt(&name).await? else {
         return Ok(None);
@@ -384,7 +390,28 @@ async fn current_build_pod(
         delete_build_pod(pods, template, ctx).await?;
         return Ok(None);
     }
-    Ok(pod.metadata.uid)
+    Ok(Some(pod))
+}
+
+/// Why kubelet has not started the build Pod's container, as its status
+/// says (`ErrImagePull: …`, `ImagePullBackOff: …`).
+pub fn waiting_reason(pod: &Pod) -> Option<String> {
+    let waiting = pod
+        .status
+        .as_ref()?
+        .container_statuses
+        .as_ref()?
+        .iter()
+        .find(|c| c.name == TEMPLATE_BUILD_CONTAINER)?
+        .state
+        .as_ref()?
+        .waiting
+        .as_ref()?;
+    let reason = waiting.reason.as_deref().unwrap_or("Waiting");
+    Some(match waiting.message.as_deref() {
+        Some(m) if !m.is_empty() => format!("build Pod: {reason}: {m}"),
+        _ => format!("build Pod: {reason}"),
+    })
 }
 
 /// Makes this node's build Pod of `template`; its UID.
