@@ -364,6 +364,12 @@ enum Op {
     Mkdir(usize),
     /// Write file `entries[i]` under a temporary name, rename it over.
     Write(usize),
+    /// Write file `entries[i]` in place (truncated, its inode kept): the
+    /// one file of a single-file volume, which containers bind-mount as a
+    /// file (CRI's `/etc/hosts`, `/etc/resolv.conf`), where a rename would
+    /// leave every existing bind on the old content — a process adopted
+    /// from a template or a clone's source must see the new pod's.
+    Rewrite(usize),
     /// Make symlink `entries[i]` under a temporary name, rename it over.
     Link(usize),
     /// Set the mode and owner of `entries[i]`, which is as listed otherwise.
@@ -416,6 +422,9 @@ fn plan(vol: BorrowedFd<'_>, entries: &[Entry]) -> Result<Vec<Op>> {
                         .map_err(sys("reading", &e.path))? =>
             {
                 (!same_attrs(&st, e)).then_some(Op::Attrs(i))
+            }
+            (Kind::File(_), Some((_, st))) if entries.len() == 1 && is(&st, SFlag::S_IFREG) => {
+                Some(Op::Rewrite(i))
             }
             (Kind::File(_), _) => Some(Op::Write(i)),
             (Kind::Symlink(target), Some((dir, st)))
@@ -572,7 +581,9 @@ fn rename_over(dir: BorrowedFd<'_>, name: &str) -> nix::Result<()> {
 /// Carries out one step of [`plan`].
 fn apply(vol: BorrowedFd<'_>, entries: &[Entry], op: &Op) -> Result<()> {
     let path = match op {
-        Op::Mkdir(i) | Op::Write(i) | Op::Link(i) | Op::Attrs(i) => entries[*i].path.as_str(),
+        Op::Mkdir(i) | Op::Write(i) | Op::Rewrite(i) | Op::Link(i) | Op::Attrs(i) => {
+            entries[*i].path.as_str()
+        }
         Op::Remove { parent, name } => {
             let shown = format!("{parent}/{}", name.to_string_lossy());
             return match open_dir(vol, parent) {
@@ -611,6 +622,23 @@ fn apply(vol: BorrowedFd<'_>, entries: &[Entry], op: &Op) -> Result<()> {
                 let _ = unlinkat(dir, TMP_NAME, UnlinkatFlags::NoRemoveDir);
             }
             written.map_err(sys("writing", path))
+        }
+        Op::Rewrite(i) => {
+            let e = &entries[*i];
+            let Kind::File(data) = &e.kind else {
+                return Ok(());
+            };
+            let fd = openat(
+                dir,
+                name,
+                OFlag::O_WRONLY | OFlag::O_TRUNC | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+                Mode::empty(),
+            )
+            .map_err(sys("opening", path))?;
+            set_attrs_fd(fd.as_fd(), e).map_err(sys("setting the mode of", path))?;
+            File::from(fd)
+                .write_all(data)
+                .map_err(|err| sys("writing", path)(errno(err)))
         }
         Op::Link(i) => {
             let e = &entries[*i];
@@ -1367,6 +1395,16 @@ mod tests {
         std::fs::write(d.path().join(OsStr::from_bytes(b"s/\xff")), "x").unwrap();
         sync(&vol, vec![]).unwrap();
         assert_eq!(tree(d.path()), vec![]);
+        // The one file of a single-file volume (CRI's /etc/hosts, bound as
+        // a file) changes in place: a bind of it sees the new content.
+        sync(&vol, vec![file("file", "old hosts")]).unwrap();
+        let ino = std::fs::metadata(d.path().join("file")).unwrap().ino();
+        let entries = validate_entries(vec![file("file", "the pod's own hosts")]).unwrap();
+        assert_eq!(plan(vol.as_fd(), &entries).unwrap(), vec![Op::Rewrite(0)]);
+        sync(&vol, vec![file("file", "the pod's own hosts")]).unwrap();
+        let m = std::fs::metadata(d.path().join("file")).unwrap();
+        assert_eq!(m.ino(), ino);
+        assert_eq!(tree(d.path()), pairs(&[("file", "the pod's own hosts")]));
     }
 
     #[test]
@@ -1399,6 +1437,7 @@ mod tests {
             .map(|op| match op {
                 Op::Mkdir(i) => format!("mkdir {}", entries[*i].path),
                 Op::Write(i) => format!("write {}", entries[*i].path),
+                Op::Rewrite(i) => format!("rewrite {}", entries[*i].path),
                 Op::Link(i) => format!("link {}", entries[*i].path),
                 Op::Attrs(i) => format!("attrs {}", entries[*i].path),
                 Op::Remove { parent, name } => {
