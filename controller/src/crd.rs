@@ -477,9 +477,10 @@ pub struct SandboxTemplateSpec {
     pub warmup: Option<Vec<String>>,
     /// Egress policy of the pods restored from this template (a pod's
     /// `twig.dev/egress-policy` annotation narrows it for that pod, never
-    /// widens it: what reaches past it is clipped); the
-    /// built-in default (public destinations allowed, private ones and the
-    /// metadata range denied) when absent.
+    /// widens it: what reaches past it is clipped, its `udpReplyPorts`
+    /// included); the built-in default (public destinations allowed,
+    /// private ones and the metadata range denied, no UDP reply ports)
+    /// when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress_policy: Option<EgressPolicy>,
 }

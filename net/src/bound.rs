@@ -22,9 +22,15 @@
 //! protocols (absent = every protocol; absent with ports = TCP and UDP) and
 //! of their port ranges (absent = every port). An empty overlap is no rule.
 //!
+//! `udpReplyPorts` (the pod's UDP ports where a peer's datagram opens a
+//! flow the pod may answer) intersect as port sets: the pod's ranges cut to
+//! the bound's, merged. A pod cannot open a port to replies its bound does
+//! not.
+//!
 //! A pod policy that reaches past its bound is **clipped**, not refused: it
 //! runs with the intersection, and [`Bounded::clipped`] names each field of
-//! the pod's policy that was cut (`defaultAction`, `allow[i]`), for the
+//! the pod's policy that was cut (`defaultAction`, `allow[i]`,
+//! `udpReplyPorts[i]`), for the
 //! caller's Warning. The node's own addresses are private only in the
 //! compiled policy (the bound does not know them): a node with a public
 //! address that a pod allowing by default reaches through its private tier
@@ -201,6 +207,41 @@ fn rules_of(
     }
 }
 
+/// `ranges` (inclusive) sorted, overlapping and adjacent ones merged.
+fn merged(mut ranges: Vec<(u16, u16)>) -> Vec<(u16, u16)> {
+    ranges.sort_unstable();
+    let mut out: Vec<(u16, u16)> = Vec::with_capacity(ranges.len());
+    for (start, end) in ranges {
+        match out.last_mut() {
+            Some(last) if u32::from(start) <= u32::from(last.1) + 1 => last.1 = last.1.max(end),
+            _ => out.push((start, end)),
+        }
+    }
+    out
+}
+
+/// The inclusive ranges of `ports`.
+fn port_pairs(ports: &[PortRange]) -> Vec<(u16, u16)> {
+    ports
+        .iter()
+        .map(|r| (r.port, r.end_port.unwrap_or(r.port)))
+        .collect()
+}
+
+/// The ports both `a` and `b` hold, merged.
+fn intersect_ports(a: &[(u16, u16)], b: &[(u16, u16)]) -> Vec<(u16, u16)> {
+    merged(
+        a.iter()
+            .flat_map(|&(s1, e1)| {
+                b.iter().filter_map(move |&(s2, e2)| {
+                    let (s, e) = (s1.max(s2), e1.min(e2));
+                    (s <= e).then_some((s, e))
+                })
+            })
+            .collect(),
+    )
+}
+
 fn private_nets() -> Vec<Net> {
     PRIVATE_BY_DEFAULT
         .iter()
@@ -296,10 +337,20 @@ pub fn bounded_policy(
         } else {
             Action::Deny
         };
+    let pod_udp = port_pairs(&pod.udp_reply_ports);
+    let bound_udp = merged(port_pairs(&bound.udp_reply_ports));
+    let udp_reply_ports = intersect_ports(&pod_udp, &bound_udp)
+        .into_iter()
+        .map(|(port, end)| PortRange {
+            port,
+            end_port: (end != port).then_some(end),
+        })
+        .collect();
     let policy = EgressPolicy {
         default_action,
         allow: deduped,
         deny,
+        udp_reply_ports,
     };
     policy
         .validate()
@@ -317,6 +368,18 @@ pub fn bounded_policy(
                 "allow[{i}]: {} reaches past {bound_path}; only its part {bound_path} allows \
                  passes",
                 rule.cidr.trim()
+            ));
+        }
+    }
+    for (i, &range) in pod_udp.iter().enumerate() {
+        if intersect_ports(&[range], &bound_udp) != [range] {
+            let text = match range {
+                (port, end) if port == end => port.to_string(),
+                (port, end) => format!("{port}–{end}"),
+            };
+            clipped.push(format!(
+                "udpReplyPorts[{i}]: {text} reaches past {bound_path}; only the ports \
+                 {bound_path} opens to replies open"
             ));
         }
     }
@@ -350,6 +413,7 @@ mod tests {
             default_action,
             allow,
             deny,
+            udp_reply_ports: Vec::new(),
         }
     }
 
@@ -628,6 +692,87 @@ mod tests {
         assert!(
             e.problems[0].starts_with("spec.egressPolicy.allow[0].cidr"),
             "{e}"
+        );
+    }
+
+    fn udp(ports: &[(u16, u16)]) -> Vec<PortRange> {
+        ports
+            .iter()
+            .map(|&(port, end)| PortRange {
+                port,
+                end_port: (end != port).then_some(end),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn udp_reply_ports_beyond_the_bound_are_clipped_and_named() {
+        let template = EgressPolicy {
+            udp_reply_ports: udp(&[(53, 53), (5000, 5010)]),
+            ..EgressPolicy::default()
+        };
+        let pod = EgressPolicy {
+            udp_reply_ports: udp(&[(53, 53), (5005, 5020), (123, 123)]),
+            ..EgressPolicy::default()
+        };
+        let b = bounded_policy(&pod, &template, TPL).expect("valid");
+        assert_eq!(b.policy.udp_reply_ports, udp(&[(53, 53), (5005, 5010)]));
+        assert_eq!(b.clipped.len(), 2, "{:?}", b.clipped);
+        assert!(
+            b.clipped[0].starts_with("udpReplyPorts[1]: 5005–5020 reaches past spec.egressPolicy"),
+            "{:?}",
+            b.clipped
+        );
+        assert!(
+            b.clipped[1].starts_with("udpReplyPorts[2]: 123 reaches past"),
+            "{:?}",
+            b.clipped
+        );
+    }
+
+    #[test]
+    fn a_pod_opens_no_udp_reply_port_its_bound_does_not() {
+        let pod = EgressPolicy {
+            udp_reply_ports: udp(&[(53, 53)]),
+            ..EgressPolicy::default()
+        };
+        let b =
+            bounded_policy(&pod, &EgressPolicy::default(), "the cluster's default").expect("valid");
+        assert!(b.policy.udp_reply_ports.is_empty());
+        assert_eq!(b.clipped.len(), 1, "{:?}", b.clipped);
+        let none = bounded_policy(&EgressPolicy::default(), &pod, TPL).expect("valid");
+        assert!(
+            none.policy.udp_reply_ports.is_empty() && none.clipped.is_empty(),
+            "narrowing to none is no clip"
+        );
+    }
+
+    #[test]
+    fn udp_reply_ports_within_the_bound_are_kept_and_adjacent_ranges_merge() {
+        let template = EgressPolicy {
+            udp_reply_ports: udp(&[(50, 59), (60, 69)]),
+            ..EgressPolicy::default()
+        };
+        let pod = EgressPolicy {
+            udp_reply_ports: udp(&[(55, 65), (53, 53)]),
+            ..EgressPolicy::default()
+        };
+        let b = bounded_policy(&pod, &template, TPL).expect("valid");
+        assert!(b.clipped.is_empty(), "{:?}", b.clipped);
+        assert_eq!(b.policy.udp_reply_ports, udp(&[(53, 53), (55, 65)]));
+    }
+
+    #[test]
+    fn invalid_udp_reply_ports_are_refused_under_their_path() {
+        let pod = EgressPolicy {
+            udp_reply_ports: udp(&[(9, 8)]),
+            ..EgressPolicy::default()
+        };
+        let err = bounded_policy(&EgressPolicy::default(), &pod, TPL).expect_err("reversed");
+        assert!(
+            err.to_string()
+                .contains("spec.egressPolicy.udpReplyPorts[0].endPort: 8 is below port 9"),
+            "{err}"
         );
     }
 }

@@ -23,8 +23,9 @@
 //! What starts a flow is narrow on purpose: a TCP SYN without ACK (later
 //! segments only refresh a connection whose SYN was recorded and has not
 //! idled out), an ICMP echo request, and a UDP datagram only to a port the
-//! pod opted in to
-//! ([`PodNetwork::set_udp_reply_ports`](crate::PodNetwork::set_udp_reply_ports),
+//! pod opted in to (its policy's `udpReplyPorts`, bounded by its template's
+//! like the rest of the policy, or
+//! [`PodNetwork::set_udp_reply_ports`](crate::PodNetwork::set_udp_reply_ports);
 //! none by default: UDP has no SYN, so any datagram would open a window).
 //! Recording used to take any segment or datagram, so a collaborator at an
 //! address the policy forbids could open a way out of a restricted pod by

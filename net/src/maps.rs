@@ -91,7 +91,6 @@ pub(crate) fn state_default_index(gen: u8) -> u32 {
     1 + u32::from(gen & 1)
 }
 
-#[cfg(feature = "loader")]
 /// `UDP_REPLY_RANGES`: how many UDP port ranges a pod may open to replies.
 pub(crate) const UDP_REPLY_RANGES: usize = 8;
 

@@ -286,6 +286,8 @@ impl PodNetwork {
 
     /// Opts the pod in to UDP replies on these ports of its own (at most 8
     /// ranges), replacing any earlier list; `&[]` turns UDP replies off.
+    /// The attach and every [`PodNetwork::update_policy`] set the list to
+    /// the policy's `udpReplyPorts`, replacing what this set.
     ///
     /// A UDP datagram a peer sends to one of them is recorded as a flow the
     /// guest may answer (from that port, to the peer's address and port,
@@ -309,7 +311,8 @@ impl PodNetwork {
 
     /// Replaces the pod's policy in place, without touching the path: the new
     /// rules are written as the inactive generation, then one map write makes
-    /// them active, then the old generation is removed. A rejected policy
+    /// them active, then the old generation is removed; the policy's
+    /// `udpReplyPorts` replace the pod's UDP reply ports. A rejected policy
     /// changes nothing.
     pub fn update_policy(
         &mut self,
@@ -378,6 +381,14 @@ impl PodNetwork {
         self.state
             .set(STATE_ACTIVE_GEN, u32::from(next), 0)
             .context(|| "activating the new policy".into())?;
+        let mut config = self
+            .config
+            .get(&0, 0)
+            .context(|| "reading the pod's config".into())?;
+        if config.udp_reply_ports != compiled.udp_reply_ports {
+            config.udp_reply_ports = compiled.udp_reply_ports;
+            self.write_config(config)?;
+        }
         self.remove_generation(active)
     }
 

@@ -35,7 +35,7 @@ use std::net::Ipv4Addr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::maps::{Tier, RULE_CAPACITY};
+use crate::maps::{Tier, RULE_CAPACITY, UDP_REPLY_RANGES};
 
 /// Pod annotation holding the pod's own [`EgressPolicy`] as JSON (see
 /// [`effective_policy`]); twig-proto's contract defines it.
@@ -98,8 +98,9 @@ impl Protocol {
     }
 }
 
-/// One destination port, or a range `port..=endPort` (as in a Kubernetes
-/// NetworkPolicy).
+/// One port, or a range `port..=endPort` (as in a Kubernetes
+/// NetworkPolicy): a destination's in a rule, the pod's own in
+/// `udpReplyPorts`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schemars", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -107,7 +108,8 @@ pub struct PortRange {
     /// The first (or only) port, 1–65535.
     #[cfg_attr(feature = "schemars", schemars(range(min = 1, max = 65535)))]
     pub port: u16,
-    /// The last port of the range, inclusive; at most 1,024 ports per rule.
+    /// The last port of the range, inclusive; a rule's ranges span at most
+    /// 1,024 ports each.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "schemars", schemars(range(min = 1, max = 65535)))]
     pub end_port: Option<u16>,
@@ -158,6 +160,14 @@ pub struct EgressPolicy {
     /// Destinations the pod may never reach; beats `allow`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub deny: Vec<EgressRule>,
+    /// The pod's own UDP ports (a server's: DNS on 53, syslog) where a
+    /// datagram from a peer opens a flow the pod may answer even where this
+    /// policy forbids reaching that peer; at most 8 ranges, none by
+    /// default. A pod's list is narrowed to its template's (or the
+    /// cluster's), like the rest of the policy.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[cfg_attr(feature = "schemars", schemars(length(max = 8)))]
+    pub udp_reply_ports: Vec<PortRange>,
 }
 
 /// What the node contributes to every pod's policy.
@@ -188,7 +198,10 @@ impl PolicyError {
             .problems
             .into_iter()
             .map(|p| {
-                if p.starts_with("allow[") || p.starts_with("deny[") {
+                if p.starts_with("allow[")
+                    || p.starts_with("deny[")
+                    || p.starts_with("udpReplyPorts")
+                {
                     format!("{path}.{p}")
                 } else {
                     format!("{path}: {p}")
@@ -265,6 +278,9 @@ impl Entry {
 pub struct CompiledPolicy {
     pub(crate) entries: BTreeSet<Entry>,
     pub(crate) deny_by_default: bool,
+    /// `pod_config`'s `udp_reply_ports`: inclusive ranges, a range starting
+    /// at 0 ends the list.
+    pub(crate) udp_reply_ports: [[u16; 2]; UDP_REPLY_RANGES],
 }
 
 impl CompiledPolicy {
@@ -379,6 +395,35 @@ fn compile_rule(
     }
 }
 
+/// `udpReplyPorts` as `pod_config` holds it; each problem (port 0, a
+/// reversed range, more ranges than fit) is added to `problems`.
+fn udp_reply_ranges(
+    ports: &[PortRange],
+    problems: &mut Vec<String>,
+) -> [[u16; 2]; UDP_REPLY_RANGES] {
+    let mut ranges = [[0u16; 2]; UDP_REPLY_RANGES];
+    if ports.len() > UDP_REPLY_RANGES {
+        problems.push(format!(
+            "udpReplyPorts: {} ranges given, at most {UDP_REPLY_RANGES} fit",
+            ports.len()
+        ));
+    }
+    for (i, range) in ports.iter().enumerate() {
+        let end = range.end_port.unwrap_or(range.port);
+        if range.port == 0 {
+            problems.push(format!("udpReplyPorts[{i}].port: must be 1–65535"));
+        } else if end < range.port {
+            problems.push(format!(
+                "udpReplyPorts[{i}].endPort: {end} is below port {}",
+                range.port
+            ));
+        } else if let Some(slot) = ranges.get_mut(i) {
+            *slot = [range.port, end];
+        }
+    }
+    ranges
+}
+
 impl EgressPolicy {
     /// Checks the policy, reporting every malformed field at once.
     pub fn validate(&self) -> Result<(), PolicyError> {
@@ -456,10 +501,12 @@ impl EgressPolicy {
                 RULE_CAPACITY / 2
             ));
         }
+        let udp_reply_ports = udp_reply_ranges(&self.udp_reply_ports, &mut problems);
         if problems.is_empty() {
             Ok(CompiledPolicy {
                 entries,
                 deny_by_default: self.default_action == Action::Deny,
+                udp_reply_ports,
             })
         } else {
             Err(PolicyError { problems })
@@ -509,6 +556,7 @@ mod tests {
                     end_port: None,
                 }],
             }],
+            udp_reply_ports: vec![],
         }
     }
 
@@ -629,6 +677,7 @@ mod tests {
                 }],
             }],
             deny: vec![],
+            udp_reply_ports: vec![],
         };
         let node = NodeContext {
             node_addrs: vec![Ipv4Addr::new(192, 0, 2, 7)],
@@ -678,5 +727,49 @@ mod tests {
         .validate()
         .expect_err("too big");
         assert!(err.to_string().contains("at most 32768 fit"), "{err}");
+    }
+
+    #[test]
+    fn udp_reply_ports_are_parsed_compiled_and_bad_lists_named() {
+        let policy = parse_policy(
+            r#"{"udpReplyPorts": [{"port": 53}, {"port": 5000, "endPort": 5010}]}"#,
+            "spec.egressPolicy",
+        )
+        .expect("valid");
+        let compiled = policy.compile(&NodeContext::default()).expect("valid");
+        assert_eq!(
+            compiled.udp_reply_ports[..3],
+            [[53, 53], [5000, 5010], [0, 0]]
+        );
+        assert_eq!(
+            EgressPolicy::default()
+                .compile(&NodeContext::default())
+                .expect("valid")
+                .udp_reply_ports,
+            [[0, 0]; UDP_REPLY_RANGES],
+            "none by default"
+        );
+        let err = parse_policy(
+            r#"{"udpReplyPorts": [{"port": 0}, {"port": 9, "endPort": 8}]}"#,
+            "spec.egressPolicy",
+        )
+        .expect_err("port 0 and a reversed range");
+        assert_eq!(
+            err.problems,
+            [
+                "spec.egressPolicy.udpReplyPorts[0].port: must be 1–65535",
+                "spec.egressPolicy.udpReplyPorts[1].endPort: 8 is below port 9",
+            ]
+        );
+        let many = (1..=9)
+            .map(|p| format!(r#"{{"port": {p}}}"#))
+            .collect::<Vec<_>>()
+            .join(",");
+        let err =
+            parse_policy(&format!(r#"{{"udpReplyPorts": [{many}]}}"#), "x").expect_err("too many");
+        assert_eq!(
+            err.problems,
+            ["x.udpReplyPorts: 9 ranges given, at most 8 fit"]
+        );
     }
 }

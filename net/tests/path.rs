@@ -39,6 +39,7 @@ fn policy() -> EgressPolicy {
                 }],
             },
         ],
+        udp_reply_ports: vec![],
     }
 }
 
@@ -262,6 +263,7 @@ fn policy_changes_in_place_and_survives_reopening_from_pins(mode: AttachMode) {
         default_action: Action::Deny,
         allow: vec![EgressRule::cidr(&format!("{PEER_IP}/32"))],
         deny: vec![],
+        udp_reply_ports: vec![],
     };
     let (pod, _) = loader(mode)
         .attach(&dir, &bed.config(), &deny_all, &node())

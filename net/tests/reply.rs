@@ -56,6 +56,7 @@ fn deny_by_default() -> EgressPolicy {
         default_action: Action::Deny,
         allow: vec![EgressRule::cidr(&format!("{PEER_IP}/32"))],
         deny: vec![],
+        udp_reply_ports: vec![],
     }
 }
 
@@ -580,6 +581,7 @@ fn a_deny_rule_drops_replies_too_and_a_default_deny_does_not() {
         default_action: twig_net::Action::Deny,
         allow: vec![EgressRule::cidr(&format!("{PEER_IP}/32"))],
         deny: vec![EgressRule::cidr(&format!("{NODE_IP}/32"))],
+        udp_reply_ports: vec![],
     };
     let (mut pod, _) = loader(AttachMode::Netlink)
         .attach(&bed.bpffs.pod_dir("r"), &bed.config(), &policy, &node())
@@ -899,6 +901,62 @@ fn udp_opens_a_reply_path_only_to_a_port_the_pod_opted_in() {
         Reason::Default,
     );
     assert_eq!(count(&pod, Reason::PassReply), 1);
+    pod.detach().expect("detach");
+}
+
+/// The policy's `udpReplyPorts` opt the pod in at the attach (a start, a
+/// restore, a clone), and a policy update replaces them with the new
+/// policy's, as `set_udp_reply_ports` would.
+#[test]
+fn the_policys_udp_reply_ports_are_applied_at_attach_and_update() {
+    let mut bed = node_bed("rpol");
+    let serving = EgressPolicy {
+        udp_reply_ports: vec![port(UDP_PORT)],
+        ..deny_by_default()
+    };
+    let (mut pod, _) = loader(AttachMode::Netlink)
+        .attach(&bed.bpffs.pod_dir("r"), &bed.config(), &serving, &node())
+        .expect("attach");
+    assert_eq!(pod.udp_reply_ports().expect("ports"), [port(UDP_PORT)]);
+    const PEER_PORT: u16 = 5353;
+    let answer = |name: &str| guest_udp_from(UDP_PORT, FORBIDDEN_IP, PEER_PORT, name.as_bytes());
+    peer_sends(
+        &mut bed,
+        &peer_udp(FORBIDDEN_IP, PEER_PORT, UDP_PORT, b"udp-attach"),
+        b"udp-attach",
+    );
+    assert_passes(&mut bed, &answer("attach-answer"), "attach-answer");
+    wait_count(&pod, Reason::PassReply, 1);
+
+    // A policy without them closes UDP replies at once.
+    pod.update_policy(&deny_by_default(), &node())
+        .expect("update");
+    assert_eq!(pod.udp_reply_ports().expect("ports"), []);
+    assert_dropped(
+        &mut bed,
+        &pod,
+        "closed-answer",
+        &answer("closed-answer"),
+        Reason::Default,
+    );
+    // A rejected policy changes nothing.
+    let bad = EgressPolicy {
+        udp_reply_ports: vec![port(0)],
+        ..deny_by_default()
+    };
+    let err = pod.update_policy(&bad, &node()).expect_err("port 0");
+    assert!(err.to_string().contains("udpReplyPorts[0].port"), "{err}");
+    assert_eq!(pod.udp_reply_ports().expect("ports"), []);
+    // One with them opens them again.
+    pod.update_policy(&serving, &node()).expect("update");
+    assert_eq!(pod.udp_reply_ports().expect("ports"), [port(UDP_PORT)]);
+    peer_sends(
+        &mut bed,
+        &peer_udp(FORBIDDEN_IP, PEER_PORT, UDP_PORT, b"udp-reopened"),
+        b"udp-reopened",
+    );
+    assert_passes(&mut bed, &answer("reopened-answer"), "reopened-answer");
+    wait_count(&pod, Reason::PassReply, 2);
     pod.detach().expect("detach");
 }
 

@@ -197,7 +197,9 @@ mod tests {
 
     use super::*;
     use crate::resources::network::testing::{plan_for, Bpffs, PodNs};
-    use crate::resources::network::{teardown, teardown_recorded, PodNet, RECORD_FILE, TAP, VETH};
+    use crate::resources::network::{
+        teardown, teardown_recorded, Plan, PodNet, RECORD_FILE, TAP, VETH,
+    };
 
     #[test]
     fn without_bpf_the_pod_is_refused_never_run_unfiltered() {
@@ -287,8 +289,21 @@ mod tests {
         );
         let dir = bpffs.0.path().join("sb4");
         let mut vmm_tap = None;
+        // A UDP server's policy: its reply ports go with the prepared set.
+        let dns = twig_net::PortRange {
+            port: 53,
+            end_port: None,
+        };
+        let serving = EgressPolicy {
+            udp_reply_ports: vec![dns],
+            ..EgressPolicy::default()
+        };
+        let plan = Plan {
+            policy: serving,
+            ..plan_for(&ns)
+        };
         let net = PodNet::attach(
-            &plan_for(&ns),
+            &plan,
             &dir,
             &record,
             &joiner,
@@ -305,6 +320,10 @@ mod tests {
         );
         assert!(!pool.join("s2").exists(), "the prepared set was used");
         assert!(dir.join("prog_tap").exists() && !dir.join("ready_tap").exists());
+        let reply_ports = || PodNetwork::open(&dir).unwrap().udp_reply_ports().unwrap();
+        assert_eq!(reply_ports(), [dns], "the policy's UDP reply ports");
+        joiner.set_policy(&dir, &EgressPolicy::default()).unwrap();
+        assert_eq!(reply_ports(), [], "a replaced policy replaces them");
         let out = Command::new("tc")
             .args(["-n", &ns.name, "filter", "show", "dev", VETH, "ingress"])
             .output()

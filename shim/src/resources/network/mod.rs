@@ -256,4 +256,55 @@ mod tests {
             "asked for no network: CNI's namespace is not joined"
         );
     }
+
+    #[test]
+    fn a_pods_udp_reply_ports_are_narrowed_to_its_bound() {
+        let serving = serde_json::json!({
+            "linux": {"namespaces": [{"type": "network", "path": "/var/run/netns/cni-1"}]},
+            "annotations": {"twig.dev/egress-policy":
+                "{\"udpReplyPorts\":[{\"port\":53},{\"port\":5000,\"endPort\":5010}]}"}
+        });
+        // The cluster's default opens no UDP port to replies: the pod's
+        // ports are clipped, not refused.
+        let p = plan(&serving, &EgressPolicy::default()).unwrap().unwrap();
+        assert!(p.policy.udp_reply_ports.is_empty(), "{:?}", p.policy);
+        // A node admin opening 53 lets the pod have 53, and only 53.
+        let admin: EgressPolicy =
+            serde_json::from_str(r#"{"udpReplyPorts":[{"port":53}]}"#).unwrap();
+        let p = plan(&serving, &admin).unwrap().unwrap();
+        assert_eq!(
+            p.policy.udp_reply_ports,
+            [twig_net::PortRange {
+                port: 53,
+                end_port: None
+            }]
+        );
+        // A template's ports bound a pod of that template the same way.
+        let template: EgressPolicy =
+            serde_json::from_str(r#"{"udpReplyPorts":[{"port":5000,"endPort":5004}]}"#).unwrap();
+        let own = twig_net::parse_policy(
+            r#"{"udpReplyPorts":[{"port":5000,"endPort":5010}]}"#,
+            "annotation",
+        )
+        .unwrap();
+        let bounded = bounded(&own, &template, "SandboxTemplate t's spec.egressPolicy").unwrap();
+        assert_eq!(
+            bounded.udp_reply_ports,
+            [twig_net::PortRange {
+                port: 5000,
+                end_port: Some(5004)
+            }]
+        );
+        let bad = serde_json::json!({
+            "linux": {"namespaces": [{"type": "network", "path": "/var/run/netns/cni-1"}]},
+            "annotations": {"twig.dev/egress-policy": "{\"udpReplyPorts\":[{\"port\":0}]}"}
+        });
+        let e = plan(&bad, &admin).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument(_))
+                && e.to_string()
+                    .contains("metadata.annotations[twig.dev/egress-policy].udpReplyPorts[0].port"),
+            "{e}"
+        );
+    }
 }
