@@ -920,13 +920,19 @@ fn the_policys_udp_reply_ports_are_applied_at_attach_and_update() {
     assert_eq!(pod.udp_reply_ports().expect("ports"), [port(UDP_PORT)]);
     const PEER_PORT: u16 = 5353;
     let answer = |name: &str| guest_udp_from(UDP_PORT, FORBIDDEN_IP, PEER_PORT, name.as_bytes());
-    peer_sends(
-        &mut bed,
-        &peer_udp(FORBIDDEN_IP, PEER_PORT, UDP_PORT, b"udp-attach"),
-        b"udp-attach",
-    );
-    assert_passes(&mut bed, &answer("attach-answer"), "attach-answer");
-    wait_count(&pod, Reason::PassReply, 1);
+    // The peer sends to the pod's port; the pod's answer passes, counted.
+    let answered = |bed: &mut _, pod: &_, tag: &str, replies: u64| {
+        let asked = format!("udp-{tag}");
+        peer_sends(
+            bed,
+            &peer_udp(FORBIDDEN_IP, PEER_PORT, UDP_PORT, asked.as_bytes()),
+            asked.as_bytes(),
+        );
+        let reply = format!("{tag}-answer");
+        assert_passes(bed, &answer(&reply), &reply);
+        wait_count(pod, Reason::PassReply, replies);
+    };
+    answered(&mut bed, &pod, "attach", 1);
 
     // A policy without them closes UDP replies at once.
     pod.update_policy(&deny_by_default(), &node())
@@ -950,13 +956,7 @@ fn the_policys_udp_reply_ports_are_applied_at_attach_and_update() {
     // One with them opens them again.
     pod.update_policy(&serving, &node()).expect("update");
     assert_eq!(pod.udp_reply_ports().expect("ports"), [port(UDP_PORT)]);
-    peer_sends(
-        &mut bed,
-        &peer_udp(FORBIDDEN_IP, PEER_PORT, UDP_PORT, b"udp-reopened"),
-        b"udp-reopened",
-    );
-    assert_passes(&mut bed, &answer("reopened-answer"), "reopened-answer");
-    wait_count(&pod, Reason::PassReply, 2);
+    answered(&mut bed, &pod, "reopened", 2);
     pod.detach().expect("detach");
 }
 
