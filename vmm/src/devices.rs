@@ -199,6 +199,11 @@ impl Devices {
         }
     }
 
+    /// The transport of virtio device `index`.
+    pub fn transport(&self, index: usize) -> Option<&Mutex<MmioTransport>> {
+        self.virtio.get(index)
+    }
+
     /// The guest's exit state.
     pub fn exit(&self) -> &Arc<ExitState> {
         &self.exit

@@ -99,9 +99,10 @@ pub enum Role {
     /// they spawn) everything the other roles need.
     Api,
     /// A vCPU thread: `KVM_RUN`, vCPU state, and the devices served on it
-    /// (block I/O, net and vsock transmit).
+    /// (net and vsock transmit).
     Vcpu,
-    /// The device thread: epoll over the tap, the vsock sockets and timers.
+    /// The device thread (epoll over the tap, the vsock sockets and
+    /// timers) and the disks' I/O threads (block I/O).
     Device,
 }
 

@@ -1,12 +1,18 @@
 //! virtio-blk on a raw image file: reads, writes, flushes (`fdatasync`) and
-//! the device id, served synchronously on the vCPU thread that notified the
-//! queue. A read-only disk is opened `O_RDONLY` and offers
+//! the device id, served one request at a time by the disk's own I/O
+//! thread ([`worker`]): the vCPU that notifies the queue only wakes it, so
+//! a guest's slow disk I/O never keeps a vCPU from parking, and a pause
+//! stops the worker between requests. A request moves at most
+//! SEG_MAX × SIZE_MAX (254 MiB) in CHUNK-sized pieces; the pause waits a
+//! bounded time for the one in hand (see [`worker`] for why it is never cut
+//! short). A read-only disk is opened `O_RDONLY` and offers
 //! `VIRTIO_BLK_F_RO`. Every request is validated (descriptor layout, length,
 //! sector range); a bad request or a failed host I/O (a full host disk
 //! included) answers `VIRTIO_BLK_S_IOERR`, never a VMM failure.
 //!
-//! The image file is shared with the VM through [`DiskFile`], which
-//! snapshots copy and restores replace (see `vm/persist.rs`).
+//! The image file is shared with the VM (and the worker) through
+//! [`DiskFile`], which snapshots copy and restores replace (see
+//! `vm/persist.rs`) while the worker is paused.
 //!
 //! A **disk slot** is a virtio-blk device that starts empty: capacity 0,
 //! every read, write and flush answered `VIRTIO_BLK_S_IOERR` without
@@ -21,6 +27,7 @@
 
 mod image;
 mod inplace;
+mod worker;
 
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
@@ -32,11 +39,14 @@ use virtio_bindings::virtio_blk::{
 };
 use virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
 use virtio_queue::desc::split::Descriptor;
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::Queue;
+#[cfg(test)]
+use virtio_queue::QueueT;
 use vm_memory::{Address, Bytes, GuestAddress};
 
 pub use image::{DiskFile, Replacement, BLKGETSIZE64, ID_LEN, SECTOR};
 pub use inplace::scratch_dir;
+pub use worker::DiskWorker;
 
 use super::VirtioDevice;
 use crate::memory::GuestMem;
@@ -52,16 +62,52 @@ const SIZE_MAX: u32 = 1 << 20;
 const CHUNK: usize = 128 * 1024;
 const HEADER_LEN: u64 = 16;
 
-/// The block device.
+/// The block device, as the transport holds it.
 pub struct Blk {
+    disk: Arc<DiskFile>,
+    serving: Serving,
+}
+
+/// Where requests are served.
+enum Serving {
+    /// On the notifying thread (a device driven directly, in unit tests).
+    #[cfg(test)]
+    Inline(Server),
+    /// On the disk's I/O worker, which the notify only wakes.
+    Worker(Arc<worker::Control>),
+}
+
+impl Blk {
+    /// A block device serving `disk` on the thread that notifies it.
+    #[cfg(test)]
+    pub fn new(disk: Arc<DiskFile>) -> Blk {
+        Blk {
+            serving: Serving::Inline(Server::new(disk.clone())),
+            disk,
+        }
+    }
+
+    /// A block device serving `disk` on an I/O worker, started by
+    /// [`DiskWorker::spawn`] once the device has its transport.
+    pub fn with_worker(disk: Arc<DiskFile>) -> (Blk, Arc<worker::Control>) {
+        let control = Arc::new(worker::Control::default());
+        let blk = Blk {
+            serving: Serving::Worker(control.clone()),
+            disk,
+        };
+        (blk, control)
+    }
+}
+
+/// Serves requests on one disk: the request parser and the I/O.
+pub(crate) struct Server {
     disk: Arc<DiskFile>,
     buf: Vec<u8>,
 }
 
-impl Blk {
-    /// A block device serving `disk`.
-    pub fn new(disk: Arc<DiskFile>) -> Blk {
-        Blk {
+impl Server {
+    pub(crate) fn new(disk: Arc<DiskFile>) -> Server {
+        Server {
             disk,
             buf: vec![0u8; CHUNK],
         }
@@ -116,7 +162,7 @@ enum Failure {
     Unsupported,
 }
 
-impl Blk {
+impl Server {
     /// Serves one request; returns the status and the bytes written into
     /// the data buffers.
     fn serve(&mut self, r: &Request, mem: &GuestMem) -> std::result::Result<u32, Failure> {
@@ -203,6 +249,7 @@ impl Blk {
                             .ok_or_else(|| Failure::Bad("buffer address overflows".into()))?;
                         mem.read_slice(buf, at)
                             .map_err(|e| Failure::Bad(format!("guest buffer: {e}")))?;
+                        crate::vm::failpoint::stall("blk-write");
                         backing
                             .file
                             .write_all_at(buf, off)
@@ -234,7 +281,7 @@ impl Blk {
 
     /// Handles one descriptor chain; returns the used length (0 if there is
     /// not even a status byte to write).
-    fn request(&mut self, descs: &[Descriptor], mem: &GuestMem) -> u32 {
+    pub(crate) fn request(&mut self, descs: &[Descriptor], mem: &GuestMem) -> u32 {
         let split = descs
             .iter()
             .position(|d| d.is_write_only())
@@ -353,7 +400,24 @@ impl VirtioDevice for Blk {
         }
     }
 
+    // Only a device served inline (in unit tests) looks at the queues here.
+    #[cfg_attr(not(test), allow(unused_variables))]
     fn process_queue(&mut self, index: usize, queues: &mut [Queue], mem: &GuestMem) -> bool {
+        match &mut self.serving {
+            Serving::Worker(control) => {
+                control.kick();
+                false
+            }
+            #[cfg(test)]
+            Serving::Inline(server) => server.serve_queue(index, queues, mem),
+        }
+    }
+}
+
+#[cfg(test)]
+impl Server {
+    /// Serves every available request of queue `index` on this thread.
+    fn serve_queue(&mut self, index: usize, queues: &mut [Queue], mem: &GuestMem) -> bool {
         let Some(queue) = queues.get_mut(index) else {
             return false;
         };

@@ -143,6 +143,19 @@ pub struct MmioTransport {
     host_wake: Option<EventFd>,
     /// The device's configuration generation the driver was last told of.
     announced_generation: u32,
+    /// Bumped by every reset and state load, so that a request taken
+    /// before is not completed into queues set up anew.
+    epoch: u64,
+}
+
+/// A request taken off a queue by [`MmioTransport::pop_request`], to be
+/// served without the transport's lock and handed back to
+/// [`MmioTransport::complete`].
+pub struct Popped {
+    epoch: u64,
+    head: u16,
+    /// The request's descriptors, in chain order.
+    pub descs: Vec<virtio_queue::desc::split::Descriptor>,
 }
 
 fn u32_of(data: &[u8]) -> u32 {
@@ -185,6 +198,7 @@ impl MmioTransport {
             mem,
             host_wake: None,
             announced_generation,
+            epoch: 0,
         })
     }
 
@@ -216,6 +230,7 @@ impl MmioTransport {
         self.driver_features = 0;
         self.status = 0;
         self.interrupt_status = 0;
+        self.epoch += 1;
     }
 
     /// A register read at `offset` in the device's window.
@@ -329,6 +344,46 @@ impl MmioTransport {
             .device
             .process_queue(index, &mut self.queues, &self.mem);
         self.signal(used);
+    }
+
+    /// Takes the next request the driver made available on queue `index`,
+    /// for a device served off the vCPU thread (`blk`). None if the driver
+    /// is not up, the queue is not usable or holds nothing.
+    pub fn pop_request(&mut self, index: usize) -> Option<Popped> {
+        if !self.live() {
+            return None;
+        }
+        let q = self.queues.get_mut(index)?;
+        if !q.ready() || !q.is_valid(&self.mem) {
+            return None;
+        }
+        let chain = q.pop_descriptor_chain(&self.mem)?;
+        Some(Popped {
+            epoch: self.epoch,
+            head: chain.head_index(),
+            descs: chain.collect(),
+        })
+    }
+
+    /// Puts a request taken by [`MmioTransport::pop_request`] in the used
+    /// ring with `len` bytes written, and interrupts the driver if it
+    /// wants to hear of it. Dropped if the device was reset or its state
+    /// loaded since the request was taken.
+    pub fn complete(&mut self, index: usize, p: &Popped, len: u32) {
+        if p.epoch != self.epoch || !self.live() {
+            return;
+        }
+        let Some(q) = self.queues.get_mut(index) else {
+            return;
+        };
+        if !q.ready() || !q.is_valid(&self.mem) {
+            return;
+        }
+        if let Err(e) = q.add_used(&self.mem, p.head, len) {
+            crate::ratelimit::warn_limited!("virtio: completing a request: {e}");
+            return;
+        }
+        self.signal(true);
     }
 
     /// Raises the used-buffer interrupt if buffers were used and a live queue
@@ -540,6 +595,7 @@ impl MmioTransport {
         ] = s.regs;
         self.driver_features = s.driver_features;
         self.queues = s.queues;
+        self.epoch += 1;
     }
 }
 

@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::memory::{GuestRam, PageSet, PAGE_SIZE};
 use crate::vcpu::VcpuHandle;
 use crate::virtio::balloon::Balloon;
-use crate::virtio::blk::{Blk, DiskFile};
+use crate::virtio::blk::{Blk, DiskFile, DiskWorker};
 use crate::virtio::net::Net;
 use crate::virtio::vsock::Vsock;
 use crate::virtio::{self, rng::Rng, MmioTransport, VirtioDevice};
@@ -81,10 +81,13 @@ impl Vm {
             )));
         }
         let mut disks = Vec::with_capacity(config.disks.len());
+        let mut workers = Vec::new();
         let mut boxed: Vec<Box<dyn VirtioDevice>> = vec![Box::new(Rng)];
         for d in &config.disks {
             let disk = Arc::new(DiskFile::open(&d.path, d.read_only)?);
-            boxed.push(Box::new(Blk::new(disk.clone())));
+            let (blk, control) = Blk::with_worker(disk.clone());
+            workers.push((boxed.len(), control, disk.clone()));
+            boxed.push(Box::new(blk));
             disks.push(disk);
         }
         if let Some(slot) = config.slot_files.keys().find(|s| **s >= config.disk_slots) {
@@ -95,7 +98,9 @@ impl Vm {
         }
         for _ in 0..config.disk_slots {
             let disk = Arc::new(DiskFile::slot());
-            boxed.push(Box::new(Blk::new(disk.clone())));
+            let (blk, control) = Blk::with_worker(disk.clone());
+            workers.push((boxed.len(), control, disk.clone()));
+            boxed.push(Box::new(blk));
             disks.push(disk);
         }
         let mut net = None;
@@ -151,6 +156,12 @@ impl Vm {
             Arc::new(ExitState::default()),
         ));
         let device_thread = DeviceThread::spawn(&devices)?;
+        let disk_workers = workers
+            .into_iter()
+            .map(|(index, control, disk)| {
+                DiskWorker::spawn(control, devices.clone(), index, disk, ram.memory().clone())
+            })
+            .collect::<Result<Vec<_>>>()?;
         let xsave_bytes = fd.check_extension_int(Cap::Xsave2);
         let xsave_words = (xsave_bytes.max(4096) as usize).div_ceil(4);
         let mut vcpus = Vec::with_capacity(shape.vcpus);
@@ -167,6 +178,7 @@ impl Vm {
             fd: Arc::new(fd),
             ram,
             device_thread,
+            disk_workers,
             vcpus,
             devices,
             disks,

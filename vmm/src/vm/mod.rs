@@ -7,6 +7,8 @@ mod balloon_tests;
 mod config;
 mod create;
 mod diagnostics;
+#[cfg(test)]
+mod disk_pause_tests;
 mod disks;
 pub(crate) mod failpoint;
 #[cfg(test)]
@@ -35,7 +37,7 @@ use crate::error::{Error, Result};
 use crate::memory::{GuestRam, PageSet};
 use crate::snapshot::Image;
 use crate::vcpu::{self, VcpuHandle};
-use crate::virtio::blk::DiskFile;
+use crate::virtio::blk::{DiskFile, DiskWorker};
 use crate::virtio::net::NetBackend;
 
 /// A KVM microVM.
@@ -43,6 +45,8 @@ pub struct Vm {
     // Field order is drop order: the device and vCPU threads stop before RAM
     // is unmapped.
     device_thread: Option<DeviceThread>,
+    /// One I/O thread per block device (`virtio/blk/worker.rs`).
+    disk_workers: Vec<DiskWorker>,
     vcpus: Vec<VcpuHandle>,
     devices: Arc<Devices>,
     /// The fixed disks, then the disk slots, in MMIO order.
@@ -105,18 +109,19 @@ impl Vm {
         for v in &self.vcpus {
             v.run();
         }
-        if let Some(t) = &self.device_thread {
-            t.resume();
-        }
+        self.resume_devices();
         self.state = RunState::Running;
         Ok(())
     }
 
     /// Parks every vCPU. Pending port or MMIO accesses complete first.
     ///
-    /// A vCPU that does not park within [`vcpu::PARK_TIMEOUT`] (its thread
-    /// busy in a device's host I/O: a guest's flush on a slow disk, a serial
-    /// output that does not take bytes), or a device thread that does not,
+    /// The disks' I/O workers stop between requests first: a request in
+    /// hand gets [`vcpu::PARK_TIMEOUT`] to finish, so a snapshot never holds
+    /// half a request. A disk request that does not finish in time, a vCPU
+    /// that does not park within [`vcpu::PARK_TIMEOUT`] (its thread busy in
+    /// a device's host I/O: a serial output that does not take bytes), or a
+    /// device thread that does not stop,
     /// fails the pause with [`Error::PauseTimedOut`] (kind `refused`): the
     /// pause is withdrawn, so every vCPU it stopped runs again and the busy
     /// one carries on once its I/O returns, and the VM is still running. No
@@ -136,6 +141,24 @@ impl Vm {
                 return Err(e);
             }
         }
+        self.disk_workers.iter().for_each(DiskWorker::request_pause);
+        let deadline = Instant::now() + vcpu::PARK_TIMEOUT;
+        if let Some(index) = self
+            .disk_workers
+            .iter()
+            .position(|w| !w.wait_paused(deadline))
+        {
+            self.resume_devices();
+            tracing::warn!(
+                disk = index,
+                "pause withdrawn: a disk request did not finish within {:?}",
+                vcpu::PARK_TIMEOUT
+            );
+            return Err(Error::PauseTimedOut {
+                what: format!("disk {index}"),
+                waited: vcpu::PARK_TIMEOUT,
+            });
+        }
         let stopped: Vec<bool> = self.vcpus.iter().map(|v| v.request_park()).collect();
         let deadline = Instant::now() + vcpu::PARK_TIMEOUT;
         let stuck = self.vcpus.iter().position(|v| !v.wait_parked(deadline));
@@ -145,9 +168,7 @@ impl Vm {
                     v.run();
                 }
             }
-            if let Some(t) = &self.device_thread {
-                t.resume();
-            }
+            self.resume_devices();
             tracing::warn!(
                 vcpu = index,
                 "pause withdrawn: the vCPU did not park within {:?}",
@@ -163,6 +184,14 @@ impl Vm {
             self.state = RunState::Paused;
         }
         Ok(())
+    }
+
+    /// Lets the device thread and the disk workers serve again.
+    fn resume_devices(&self) {
+        if let Some(t) = &self.device_thread {
+            t.resume();
+        }
+        self.disk_workers.iter().for_each(DiskWorker::resume);
     }
 
     /// Wakes a guest parked on the idle port.
