@@ -29,11 +29,19 @@ fn run(cmd: &mut Command) -> io::Result<String> {
 pub struct LoopDevice(pub std::path::PathBuf);
 
 impl LoopDevice {
-    /// A loop device over `file`.
+    /// A loop device over `file`. Finding a free device and attaching it
+    /// are two steps (busybox's `losetup` has no `--show`), so a device
+    /// another test took in between is skipped for the next free one.
     pub fn new(file: &Path) -> io::Result<LoopDevice> {
-        let dev = run(Command::new("losetup").arg("-f"))?.trim().to_string();
-        run(Command::new("losetup").arg(&dev).arg(file))?;
-        Ok(LoopDevice(dev.into()))
+        let mut tries = 0;
+        loop {
+            let dev = run(Command::new("losetup").arg("-f"))?.trim().to_string();
+            match run(Command::new("losetup").arg(&dev).arg(file)) {
+                Ok(_) => return Ok(LoopDevice(dev.into())),
+                Err(e) if tries < 20 && e.to_string().contains("busy") => tries += 1,
+                Err(e) => return Err(e),
+            }
+        }
     }
 }
 
