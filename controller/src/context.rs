@@ -34,6 +34,9 @@ pub enum Error {
     /// The object lacks a field the reconciler needs.
     #[error("object has no {0}")]
     MissingField(&'static str),
+    /// An object could not be encoded as JSON.
+    #[error("encoding JSON: {0}")]
+    Json(#[from] serde_json::Error),
     /// Adding or removing a finalizer, or the work done under it, failed.
     #[error("{0}")]
     Finalizer(#[source] Box<kube::runtime::finalizer::Error<Error>>),

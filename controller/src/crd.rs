@@ -212,6 +212,32 @@ pub struct SnapshotStatus {
     /// The failure, with its time (set when Failed or Lost).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<OperationError>,
+    /// The pod as it was when the snapshot was taken: what a Clone of the
+    /// snapshot copies, so that clones outlive their source pod (a sandbox
+    /// paused by deleting its pod is resumed from it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_pod: Option<SourcePod>,
+}
+
+/// What a snapshot keeps of its source pod for the pods cloned from it.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SourcePod {
+    /// The pod's spec (a `PodSpec`).
+    #[schemars(schema_with = "any_object")]
+    pub spec: serde_json::Value,
+    /// The pod's Twig annotations a clone keeps: its egress policy,
+    /// network and SandboxTemplate.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub annotations: BTreeMap<String, String>,
+}
+
+/// An object of any fields, kept as given (`x-kubernetes-preserve-unknown-fields`).
+fn any_object(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "object",
+        "x-kubernetes-preserve-unknown-fields": true
+    })
 }
 
 /// `bytes` as an exact Kubernetes quantity: with the largest binary suffix

@@ -12,7 +12,9 @@ use k8s_openapi::api::core::v1::{
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
-use twig_controller::crd::{CloneSource, CloneSpec, Phase, PodClone, Snapshot, CLONE_LABEL};
+use twig_controller::crd::{
+    CloneSource, CloneSpec, Phase, PodClone, Snapshot, CLONE_LABEL, EGRESS_POLICY_ANNOTATION,
+};
 
 use support::fake::FakeNode;
 use support::snapshot;
@@ -240,4 +242,42 @@ async fn a_ready_clone_losing_a_pod_says_so() {
         .iter()
         .any(|r| r.name == "pair-1" && !r.ready));
     expect_reasons(&client, "pair", &["PodsCreated", "Ready", "PodsNotReady"]).await;
+}
+
+#[tokio::test]
+async fn a_snapshot_outlives_its_pod_and_is_cloned_from_the_spec_it_kept() {
+    let server = api_server().await;
+    let client = server.client();
+    let fake = Arc::new(FakeNode::default());
+    let _ctrl = start_controller(&server, "node-a", &fake);
+    let policy = r#"{"defaultAction":"deny"}"#.to_string();
+    support::running_pod_with(
+        &client,
+        "paused",
+        "node-a",
+        true,
+        &[(EGRESS_POLICY_ANNOTATION, policy.clone())],
+    )
+    .await;
+    ready_snapshot(&client, "parked", "paused").await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    pods.delete("paused", &Default::default())
+        .await
+        .expect("delete the source pod");
+    support::wait_gone::<Pod>(&client, "paused").await;
+
+    support::create(&client, &fork("resumed", "parked", 1)).await;
+    let made = clone_pods(&client, "resumed", 1).await;
+    let spec = made[0].spec.clone().expect("spec");
+    assert_eq!(spec.containers[0].image.as_deref(), Some("redis:7"));
+    assert_eq!(spec.node_name.as_deref(), Some("node-a"));
+    assert_eq!(
+        made[0].annotations().get(EGRESS_POLICY_ANNOTATION),
+        Some(&policy)
+    );
+    mark_ready(&client, &made[0]).await;
+    wait_for(&client, "resumed", "Ready", |c: &PodClone| {
+        c.status.as_ref().is_some_and(|s| s.phase == Phase::Ready)
+    })
+    .await;
 }

@@ -19,7 +19,7 @@ use super::{
 use crate::context::{is_not_found, millis_since, Context, Error};
 use crate::crd::{
     CloneStatus, DeletionPolicy, Phase, PodClone, ReplicaStatus, SandboxTemplate, Snapshot,
-    SnapshotMode, SnapshotSpec, CLONE_LABEL, EGRESS_POLICY_ANNOTATION, MAX_REPLICAS,
+    SnapshotMode, SnapshotSpec, SourcePod, CLONE_LABEL, EGRESS_POLICY_ANNOTATION, MAX_REPLICAS,
     NETWORK_ANNOTATION, RESTORE_FROM_ANNOTATION, RUNTIME_CLASS, TEMPLATE_ANNOTATION,
 };
 use crate::reconcile::validate_name;
@@ -147,11 +147,24 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
         return Ok(Action::await_change());
     }
     let source_name = &snap.spec.pod_name;
-    let Some(source) = pods.get_opt(source_name).await? else {
-        let message = format!(
-            "source pod {source_name} of snapshot {snap_name} is gone; clones copy its spec"
-        );
-        return fail(&api, &clone, "SourcePodNotFound", message, &ctx).await;
+    let source = match &snap_status.source_pod {
+        Some(kept) => match kept_pod(kept) {
+            Ok(pod) => pod,
+            Err(e) => {
+                let message = format!("snapshot {snap_name} keeps an unreadable pod spec: {e}");
+                return fail(&api, &clone, "SourcePodInvalid", message, &ctx).await;
+            }
+        },
+        // Snapshots from before `status.sourcePod`: the live pod's spec.
+        None => match pods.get_opt(source_name).await? {
+            Some(pod) => pod,
+            None => {
+                let message = format!(
+                    "source pod {source_name} of snapshot {snap_name} is gone; clones copy its spec"
+                );
+                return fail(&api, &clone, "SourcePodNotFound", message, &ctx).await;
+            }
+        },
     };
     let policy = match source_policy(&source, &ns, &ctx).await? {
         Ok(policy) => policy,
@@ -477,6 +490,43 @@ fn pod_ready(pod: &Pod) -> bool {
         .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
+/// The pod annotations a clone keeps from its source: without network
+/// (`twig.dev/network: none`) the clones are without it too, the source's
+/// egress policy bounds theirs, and its SandboxTemplate bounds their policy
+/// as it bounds the source's (`twig.dev/restore-from` wins over it for the
+/// restore).
+const KEPT_ANNOTATIONS: [&str; 3] = [
+    EGRESS_POLICY_ANNOTATION,
+    NETWORK_ANNOTATION,
+    TEMPLATE_ANNOTATION,
+];
+
+/// What a Snapshot keeps of `pod` (its `status.sourcePod`).
+pub fn source_pod(pod: &Pod) -> Result<SourcePod, Error> {
+    let spec = serde_json::to_value(pod.spec.clone().unwrap_or_default())?;
+    let annotations = KEPT_ANNOTATIONS
+        .iter()
+        .filter_map(|key| {
+            pod.annotations()
+                .get(*key)
+                .map(|value| (key.to_string(), value.clone()))
+        })
+        .collect();
+    Ok(SourcePod { spec, annotations })
+}
+
+/// The source pod a Snapshot kept, as a pod to copy.
+fn kept_pod(kept: &SourcePod) -> Result<Pod, serde_json::Error> {
+    Ok(Pod {
+        metadata: ObjectMeta {
+            annotations: Some(kept.annotations.clone()),
+            ..Default::default()
+        },
+        spec: Some(serde_json::from_value(kept.spec.clone())?),
+        status: None,
+    })
+}
+
 /// The pod spec of clone `index`: the source's spec, pinned to the snapshot's
 /// node, under the twig RuntimeClass, restored from the snapshot, with the
 /// source's egress policy annotation (`twig.dev/egress-policy`) and its
@@ -505,17 +555,10 @@ pub fn clone_pod(
             snapshot_name.to_string(),
         ),
     ]);
-    // A source without network (`twig.dev/network: none`) has clones
-    // without it, and its egress policy bounds theirs.
-    for key in [EGRESS_POLICY_ANNOTATION, NETWORK_ANNOTATION] {
+    for key in KEPT_ANNOTATIONS {
         if let Some(value) = source.annotations().get(key) {
             annotations.insert(key.to_string(), value.clone());
         }
-    }
-    // The source's SandboxTemplate bounds the clones' policy as it bounds
-    // the source's (`twig.dev/restore-from` wins over it for the restore).
-    if let Some(template) = source.annotations().get(TEMPLATE_ANNOTATION) {
-        annotations.insert(TEMPLATE_ANNOTATION.to_string(), template.clone());
     }
     let owner = clone
         .controller_owner_ref(&())

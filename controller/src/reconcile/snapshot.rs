@@ -246,6 +246,7 @@ async fn start(
         phase: Phase::InProgress,
         node_name: Some(ctx.node_name.clone()),
         pod_uid: pod.metadata.uid.clone(),
+        source_pod: Some(super::clone::source_pod(&pod)?),
         start_time: Some(now()),
         conditions: conditions(
             &[],
