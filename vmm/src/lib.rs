@@ -18,6 +18,7 @@ pub mod jail;
 pub mod logcap;
 mod memory;
 mod mptable;
+mod precopy;
 mod ratelimit;
 pub mod snapshot;
 #[cfg(feature = "testguest")]

@@ -349,6 +349,19 @@ impl GuestRam {
         &self.backing
     }
 
+    /// Whether RAM is a private mapping of `file` (the same file, not
+    /// only the same contents).
+    pub fn maps_file(&self, file: &File) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        let Backing::Private(mine) = &self.backing else {
+            return false;
+        };
+        match (mine.metadata(), file.metadata()) {
+            (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+            _ => false,
+        }
+    }
+
     /// A vm-memory view, for loaders and device emulation.
     pub fn memory(&self) -> &GuestMem {
         &self.mem

@@ -497,7 +497,30 @@ impl Drop for Written {
 pub struct Staging {
     dir: PathBuf,
     disks: Vec<File>,
+    memory: Option<File>,
     written: Written,
+}
+
+/// A snapshot's memory file, created in its staging directory before the
+/// rest of the snapshot (a full snapshot's pre-copy writes it while the
+/// guest runs). Dropped without being passed to [`begin`], it is removed.
+pub struct MemoryFile {
+    file: File,
+    written: Written,
+}
+
+impl MemoryFile {
+    /// Creates the (empty) memory file in the staging directory `dir`.
+    pub fn create(dir: &Path) -> Result<MemoryFile> {
+        let mut written = Written::default();
+        let file = written.create(dir, &Artefact::Memory.file_name())?;
+        Ok(MemoryFile { file, written })
+    }
+
+    /// The file.
+    pub fn file(&self) -> &File {
+        &self.file
+    }
 }
 
 /// Begins a snapshot in `dir`, an existing staging directory handed out by
@@ -505,9 +528,19 @@ pub struct Staging {
 /// be taken while the vCPUs are parked besides their state and pages: each
 /// `(index, file)` of `disks` is copied (reflinked where possible) to
 /// `disk<index>`, and must have the size `state.meta.disks[index]` records.
-/// [`Staging::finish`] then writes memory and state.
-pub fn begin(dir: &Path, state: &VmState, disks: &[(usize, &File)]) -> Result<Staging> {
+/// [`Staging::finish`] then writes memory and state. A `memory` file made
+/// beforehand becomes the snapshot's.
+pub fn begin(
+    dir: &Path,
+    state: &VmState,
+    disks: &[(usize, &File)],
+    memory: Option<MemoryFile>,
+) -> Result<Staging> {
     let mut written = Written::default();
+    let memory = memory.map(|mut m| {
+        written.paths.append(&mut m.written.paths);
+        m.file
+    });
     let mut copies = Vec::with_capacity(disks.len());
     for &(index, src) in disks {
         let dst = written.create(dir, &disk_file_name(index))?;
@@ -517,14 +550,16 @@ pub fn begin(dir: &Path, state: &VmState, disks: &[(usize, &File)]) -> Result<St
     Ok(Staging {
         dir: dir.to_path_buf(),
         disks: copies,
+        memory,
         written,
     })
 }
 
 impl Staging {
-    /// Writes the memory file: `write_memory` fills it (created empty) and
-    /// returns the CRC32 of what it wrote, which goes into the state's
-    /// metadata; then writes the state.
+    /// Writes the memory file: `write_memory` fills it (created empty, or
+    /// the one [`begin`] was given) and returns the CRC32 of the whole
+    /// file's pages held, which goes into the state's metadata; then writes
+    /// the state.
     pub fn finish(
         mut self,
         state: &mut VmState,
@@ -540,7 +575,10 @@ impl Staging {
                 Kind::Incremental => twig_store::Kind::Incremental,
             },
         );
-        let memory = self.written.create(&dir, &Artefact::Memory.file_name())?;
+        let memory = match self.memory.take() {
+            Some(m) => m,
+            None => self.written.create(&dir, &Artefact::Memory.file_name())?,
+        };
         state.meta.memory_crc = write_memory(&memory)?;
         let bytes = state.encode()?;
         let mut f = self.written.create(&dir, &Artefact::State.file_name())?;
@@ -699,6 +737,19 @@ impl PageCopy {
             at += len;
         }
         Ok(PageCopy { runs, bytes })
+    }
+
+    /// The copied pages, each with its page number.
+    pub fn pages(&self) -> impl Iterator<Item = (usize, &[u8])> + '_ {
+        self.runs
+            .iter()
+            .flat_map(|&(start, n)| start..start + n)
+            .zip(self.bytes.chunks_exact(PAGE_SIZE))
+    }
+
+    /// The number of pages copied.
+    pub fn count(&self) -> usize {
+        self.bytes.len() / PAGE_SIZE
     }
 
     /// Writes the copied pages into `file` at their own offsets, as

@@ -473,6 +473,68 @@ fn rollback_rewinds_files_and_processes_and_the_agent_answers() {
     );
 }
 
+/// Rewrites a 4 MiB tmpfs file of random bytes followed by their md5
+/// (`md5sum`'s 36-byte line), then renames it over `/tmp/d`, and counts
+/// the rewrites.
+const WRITER: &str = "i=0; while true; do i=$((i+1)); head -c 4194304 /dev/urandom > /tmp/d.new; \
+     s=$(md5sum < /tmp/d.new); echo \"$s\" >> /tmp/d.new; mv /tmp/d.new /tmp/d; \
+     echo $i > /tmp/c.new && mv /tmp/c.new /tmp/counter; done";
+
+/// Checks that `/tmp/d` holds bytes that match their md5 (on a copy: the
+/// writer renames a new file over it meanwhile).
+fn assert_data_whole(agent: &AgentClient, tag: &str) {
+    let (code, out) = sh(
+        agent,
+        "app",
+        tag,
+        "cp /tmp/d /tmp/chk && test \"$(head -c 4194304 /tmp/chk | md5sum)\" = \"$(tail -c 36 /tmp/chk)\" && echo whole",
+    );
+    assert_eq!((code, out.as_str()), (0, "whole"), "{tag}: /tmp/d is torn");
+}
+
+#[test]
+fn a_full_snapshot_of_a_running_pod_restores_and_rolls_back_exactly() {
+    let d = tmp();
+    let slot = Slot::new(d.path(), "w", 6);
+    let mut g = boot(&slot);
+    create(&g, "app", &["sh", "-c", WRITER]);
+    let before = counter_past(&g.agent, 2, "a");
+    assert_data_whole(&g.agent, "a0");
+    // Taken while the guest writes: pre-copied.
+    let s = snap(d.path(), "snap");
+    let info = take(&mut g.vm, &s, Kind::Full).unwrap();
+    eprintln!("full snapshot of the running pod: {info:?}");
+    assert_eq!(g.vm.state(), RunState::Running);
+    assert!(info.precopy_rounds >= 1, "{info:?}");
+    twig_vmm::snapshot::verify(&s).unwrap();
+    let after = counter(&g.agent, "b");
+
+    // A VM restored from it holds one moment of the pod and goes on.
+    let r = restored(&s, &Slot::new(d.path(), "wr", 7));
+    let first = counter(&r.agent, "c");
+    assert!(
+        (before..=after + 1).contains(&first),
+        "restored counter {first}: not from the snapshot (taken between {before} and {after})"
+    );
+    assert_data_whole(&r.agent, "d");
+    let later = counter_past(&r.agent, first + 2, "e");
+    assert_data_whole(&r.agent, &format!("f{later}"));
+
+    // The source runs on, then rolls back to it, exactly.
+    let ran_on = counter_past(&g.agent, after + 3, "g");
+    let back = g.vm.rollback(&s).unwrap();
+    eprintln!("rollback: {back:?}");
+    g.agent = slot.connect();
+    let now = counter(&g.agent, "h");
+    assert!(
+        now < ran_on,
+        "counter {now} not rewound (snapshot at about {before}..{after}, reached {ran_on})"
+    );
+    assert_data_whole(&g.agent, "i");
+    let later = counter_past(&g.agent, now + 2, "j");
+    assert_data_whole(&g.agent, &format!("k{later}"));
+}
+
 #[test]
 fn a_guest_that_stops_answering_fails_calls_within_their_deadline() {
     let d = tmp();

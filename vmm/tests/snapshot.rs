@@ -313,9 +313,14 @@ fn restored(dir: &std::path::Path, mib: usize) -> Vm {
 /// every churn page as its registers say, no bad page seen by the guest.
 /// Returns the pages the guest had checked.
 fn assert_one_moment(vm: &Vm, what: &str) -> u64 {
+    assert_moment_of(vm, CHURN_PAGES, what)
+}
+
+/// [`assert_one_moment`] for a churn over `pages` pages.
+fn assert_moment_of(vm: &Vm, pages: u64, what: &str) -> u64 {
     let st = testguest::ChurnStatus::read(vm).unwrap();
     assert_eq!(st.bad, 0, "{what}: the guest saw bad pages: {st:?}");
-    let bad = testguest::churn_check(vm, testguest::SCRATCH, CHURN_PAGES).unwrap();
+    let bad = testguest::churn_check(vm, testguest::SCRATCH, pages).unwrap();
     assert!(
         bad.is_empty(),
         "{what}: {} pages differ from the registers, first {:?} ({st:?})",
@@ -442,6 +447,19 @@ fn a_snapshot_whose_write_fails_after_the_resume_is_lost_but_not_its_pages() {
     assert!(staging.publish().is_err(), "nothing to publish");
     assert_eq!(store.list().unwrap().len(), 1, "only s0 is published");
     print(&mut g.vm, &g.serial, b'f');
+    // A full snapshot fails in its pre-copy, while the guest runs: nothing
+    // stays, and the baseline and its dirty pages are kept.
+    let full = store.stage("full").unwrap();
+    let e = g.vm.snapshot(full.dir(), Kind::Full).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("writing guest memory to the snapshot"),
+        "{e}"
+    );
+    assert_eq!(g.vm.state(), RunState::Running, "the VM runs on");
+    assert_eq!(std::fs::read_dir(full.dir()).unwrap().count(), 0);
+    assert_eq!(g.vm.stats().unwrap().baseline.as_deref(), Some("s0"));
+    drop(full);
 
     // Room again: the next incremental snapshot holds the failed one's pages
     // and the ones dirtied since.
@@ -483,4 +501,148 @@ fn a_dirty_set_over_the_copy_limit_is_written_while_paused_and_restores() {
         "restores the source's memory"
     );
     assert_eq!(word(&r, PAGES - 1), 7 + PAGES - 1);
+}
+
+/// Starts the churn command over `pages` pages and waits for two passes.
+fn churn(vm: &mut Vm, pages: u64) {
+    let want = testguest::post(vm, Command::Churn, [testguest::SCRATCH, pages, 0]).unwrap();
+    testguest::poll(T, "churn to run two passes", || {
+        Ok(vm.read_u64(testguest::DONE)? >= want
+            && vm.read_u64(testguest::CHURN_VERIFIED)? >= 2 * pages)
+    })
+    .unwrap();
+}
+
+/// Lets the running, churning `vm` check `pages` more pages, then asserts
+/// that it saw no bad one.
+fn churns_on(vm: &mut Vm, pages: u64, what: &str) {
+    let from = vm.read_u64(testguest::CHURN_VERIFIED).unwrap();
+    testguest::poll(T, what, || {
+        Ok(vm.read_u64(testguest::CHURN_VERIFIED)? >= from + pages)
+    })
+    .unwrap();
+    assert_eq!(vm.read_u64(testguest::CHURN_BAD).unwrap(), 0, "{what}");
+}
+
+#[test]
+fn a_full_snapshot_copied_while_the_guest_writes_holds_the_moment_of_its_pause() {
+    let d = tmp();
+    let mut g = boot(d.path(), MIB, 1);
+    dirty(&mut g.vm, CHURN_PAGES, 100, 7);
+    churn(&mut g.vm, CHURN_PAGES);
+    let mut last = 0;
+    for i in 0..3 {
+        let s = snap(d.path(), &format!("f{i}"));
+        let info = take(&mut g.vm, &s, Kind::Full).unwrap();
+        assert_eq!(g.vm.state(), RunState::Running);
+        // The guest rewrote its pages while RAM was copied: they were
+        // copied again, in rounds, and last while paused.
+        assert!(info.precopy_rounds >= 2, "{info:?}");
+        assert!(info.pages_precopied >= 1000, "{info:?}");
+        assert!(
+            info.pages_paused <= 2 * CHURN_PAGES as usize,
+            "only what changed since the last round is copied while paused: {info:?}"
+        );
+        assert!(info.pause_ms <= info.duration_ms, "{info:?}");
+        assert_eq!(info.pages_written, MIB * 256, "{info:?}");
+        twig_vmm::snapshot::verify(&s).unwrap();
+        // Restored, it is one moment of the guest, later than the last,
+        // and the guest continues from it exactly.
+        let mut r = restored(&s, MIB);
+        let verified = assert_one_moment(&r, &format!("snapshot f{i}"));
+        assert!(
+            verified > last,
+            "f{i}: {verified} pages checked, {last} before"
+        );
+        last = verified;
+        for p in 0..100 {
+            assert_eq!(word(&r, CHURN_PAGES + p), 7 + p, "f{i} page {p}");
+        }
+        r.resume().unwrap();
+        churns_on(&mut r, 4 * CHURN_PAGES, "the restored guest churns on");
+        churns_on(&mut g.vm, CHURN_PAGES, "the source churns on");
+    }
+    // A chain on the last: an incremental snapshot of the paused source
+    // restores its memory exactly, as a full one of the paused source does.
+    g.vm.pause().unwrap();
+    let inc = snap(d.path(), "i");
+    take(&mut g.vm, &inc, Kind::Incremental).unwrap();
+    let full = snap(d.path(), "full");
+    take(&mut g.vm, &full, Kind::Full).unwrap();
+    let (a, b) = (restored(&inc, MIB), restored(&full, MIB));
+    let ram = g.vm.read_guest_ram().unwrap();
+    assert!(a.read_guest_ram().unwrap() == ram, "f2 + i is the source");
+    assert!(
+        b.read_guest_ram().unwrap() == ram,
+        "the full snapshot is the source"
+    );
+}
+
+#[test]
+fn a_rollback_to_a_precopied_snapshot_is_exact() {
+    let d = tmp();
+    let mut g = boot(d.path(), MIB, 1);
+    churn(&mut g.vm, CHURN_PAGES);
+    let s = snap(d.path(), "s");
+    take(&mut g.vm, &s, Kind::Full).unwrap();
+    let at = restored(&s, MIB);
+    let mut expected = at.read_guest_ram().unwrap();
+    for round in 0..3 {
+        churns_on(&mut g.vm, 2 * CHURN_PAGES, "churn before the rollback");
+        // RAM does not map the snapshot's file: the changed pages are
+        // copied from it.
+        let info = g.vm.rollback(&s).unwrap();
+        assert!(!info.remapped, "round {round}: {info:?}");
+        assert!(
+            info.pages_restored >= CHURN_PAGES as usize
+                && info.pages_restored < 2 * CHURN_PAGES as usize,
+            "round {round}: {info:?}"
+        );
+        g.vm.pause().unwrap();
+        assert_one_moment(&g.vm, &format!("round {round}, after the rollback"));
+        let now = g.vm.read_guest_ram().unwrap();
+        // Only the churn pages and the mailbox moved since the rollback.
+        let (lo, hi) = (
+            testguest::SCRATCH as usize,
+            (testguest::SCRATCH + CHURN_PAGES * 4096) as usize,
+        );
+        let mailbox = testguest::MAILBOX as usize;
+        let differ = (0..now.len() / 4096)
+            .filter(|p| now[p * 4096..(p + 1) * 4096] != expected[p * 4096..(p + 1) * 4096])
+            .filter(|p| !(lo..hi).contains(&(p * 4096)) && p * 4096 != mailbox)
+            .collect::<Vec<_>>();
+        assert!(differ.is_empty(), "round {round}: pages {differ:?} differ");
+        expected = now;
+        g.vm.resume().unwrap();
+    }
+    churns_on(&mut g.vm, 4 * CHURN_PAGES, "the guest churns on");
+}
+
+#[test]
+fn a_guest_writing_faster_than_the_copy_is_snapshotted_within_the_bound() {
+    // 20,000 churn pages (78 MiB): more than a buffer holds, rewritten as
+    // fast as they are copied.
+    const BIG: usize = 128;
+    const PAGES: u64 = 20_000;
+    let d = tmp();
+    let mut g = boot(d.path(), BIG, 1);
+    churn(&mut g.vm, PAGES);
+    let s = snap(d.path(), "s");
+    let info = take(&mut g.vm, &s, Kind::Full).unwrap();
+    assert!(info.precopy_rounds <= 9, "{info:?}");
+    let r = restored(&s, BIG);
+    assert_moment_of(&r, PAGES, "the snapshot");
+    // More pages changed than a rollback copies: the file is mapped over
+    // RAM once, and RAM maps it from then on.
+    churns_on(&mut g.vm, 2 * PAGES, "churn before the rollback");
+    let first = g.vm.rollback(&s).unwrap();
+    assert!(first.remapped, "{first:?}");
+    g.vm.pause().unwrap();
+    assert_moment_of(&g.vm, PAGES, "after the first rollback");
+    g.vm.resume().unwrap();
+    churns_on(&mut g.vm, 2 * PAGES, "churn after the first rollback");
+    let second = g.vm.rollback(&s).unwrap();
+    assert!(!second.remapped, "{second:?}");
+    g.vm.pause().unwrap();
+    assert_moment_of(&g.vm, PAGES, "after the second rollback");
 }

@@ -1,7 +1,8 @@
-//! Snapshot measurements: full snapshots of the idle guest, incremental
-//! snapshots of N dirtied pages, and the 1,000-page incremental snapshot
-//! again under a busy disk (a background writer with `fdatasync` on the
-//! snapshots' filesystem).
+//! Snapshot measurements: full snapshots of the idle guest and of a guest
+//! rewriting memory meanwhile (pre-copied: the guest-stopped time and the
+//! time to durable apart), incremental snapshots of N dirtied pages, and
+//! the 1,000-page incremental snapshot again under a busy disk (a
+//! background writer with `fdatasync` on the snapshots' filesystem).
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -13,9 +14,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
 use twig_store::NodeStore;
+use twig_vmm::testguest::{self, Command};
 use twig_vmm::Kind;
 
-use super::{dirty, median, Guest, PAGE_COUNTS};
+use super::{dirty, median, Guest, PAGE_COUNTS, T};
 use crate::stats::{Context, Error, Report};
 
 /// Pages of the incremental snapshot measured under a busy disk.
@@ -40,23 +42,8 @@ pub(super) fn measure(
 ) -> Result<String, Error> {
     // Full snapshots of the idle guest, staged and published in the node
     // store (both timed); the last one is the base of the rest.
-    let mut samples = Vec::with_capacity(runs);
-    let mut pauses = Vec::with_capacity(runs);
-    let mut base: Option<String> = None;
-    for i in 0..runs {
-        let id = format!("full-{i}");
-        let start = Instant::now();
-        let info =
-            g.vm.snapshot_into(store, &id, Kind::Full)
-                .context(|| format!("full snapshot run {i}"))?;
-        samples.push(start.elapsed());
-        pauses.push(Duration::from_secs_f64(info.pause_ms / 1e3));
-        if let Some(old) = base.replace(id) {
-            store.delete(&old).context(|| format!("deleting {old}"))?;
-        }
-    }
-    r.timing("snapshot_full_ms", &samples);
-    r.timing("snapshot_full_pause_ms", &pauses);
+    let (full, base) = full_runs(g, store, runs, "full")?;
+    full.report(r, "snapshot_full");
     let base_id = base.ok_or("no full snapshot was taken")?;
     let base = store.snapshot_dir(&base_id);
 
@@ -97,7 +84,96 @@ pub(super) fn measure(
     if let Some(old) = inc.last.take() {
         store.delete(&old).context(|| format!("deleting {old}"))?;
     }
+
+    // Full snapshots of a guest rewriting CHURN_PAGES pages without pause
+    // (the churn command), which the pre-copy copies again in rounds.
+    let want = testguest::post(
+        &mut g.vm,
+        Command::Churn,
+        [testguest::SCRATCH, CHURN_PAGES, 0],
+    )?;
+    testguest::poll(T, "the churn to run two passes", || {
+        Ok(g.vm.read_u64(testguest::DONE)? >= want
+            && g.vm.read_u64(testguest::CHURN_VERIFIED)? >= 2 * CHURN_PAGES)
+    })?;
+    let churned = full_runs(g, store, runs, "full-churn");
+    // Any other command stops the churn; the guest idles again.
+    g.vm.write_u64(testguest::MAILBOX, 0)?;
+    let (churned, last) = churned?;
+    if g.vm.read_u64(testguest::CHURN_BAD)? != 0 {
+        return Err("the churning guest saw a page change under it".into());
+    }
+    churned.report(r, "snapshot_full_churn");
+    if let Some(old) = last {
+        store.delete(&old).context(|| format!("deleting {old}"))?;
+    }
     Ok(base_id)
+}
+
+/// Pages the churning guest rewrites during its full snapshots (4 MiB).
+const CHURN_PAGES: u64 = 1000;
+
+/// What a series of full snapshots measured.
+struct Full {
+    /// The call: stage, snapshot, publish.
+    calls: Vec<Duration>,
+    /// Until the snapshot was durable (`SnapshotInfo::duration_ms`).
+    durable: Vec<Duration>,
+    /// The guest stopped (`SnapshotInfo::pause_ms`).
+    pauses: Vec<Duration>,
+    rounds: Vec<usize>,
+    paused_pages: Vec<usize>,
+}
+
+impl Full {
+    fn report(&self, r: &mut Report, key: &str) {
+        r.timing(&format!("{key}_ms"), &self.calls);
+        r.timing(&format!("{key}_durable_ms"), &self.durable);
+        r.timing(&format!("{key}_pause_ms"), &self.pauses);
+        r.value(
+            &format!("{key}_precopy_rounds_p50"),
+            json!(median(self.rounds.clone())),
+        );
+        r.value(
+            &format!("{key}_pages_paused_p50"),
+            json!(median(self.paused_pages.clone())),
+        );
+    }
+}
+
+/// `runs` full snapshots of `g` into `store` as `<prefix>-<i>`, each one
+/// deleting the one before; returns the measurements and the last id.
+fn full_runs(
+    g: &mut Guest,
+    store: &NodeStore,
+    runs: usize,
+    prefix: &str,
+) -> Result<(Full, Option<String>), Error> {
+    let mut m = Full {
+        calls: Vec::with_capacity(runs),
+        durable: Vec::with_capacity(runs),
+        pauses: Vec::with_capacity(runs),
+        rounds: Vec::with_capacity(runs),
+        paused_pages: Vec::with_capacity(runs),
+    };
+    let mut last: Option<String> = None;
+    for i in 0..runs {
+        let id = format!("{prefix}-{i}");
+        let start = Instant::now();
+        let info =
+            g.vm.snapshot_into(store, &id, Kind::Full)
+                .context(|| format!("{prefix} snapshot run {i}"))?;
+        m.calls.push(start.elapsed());
+        m.durable
+            .push(Duration::from_secs_f64(info.duration_ms / 1e3));
+        m.pauses.push(Duration::from_secs_f64(info.pause_ms / 1e3));
+        m.rounds.push(info.precopy_rounds);
+        m.paused_pages.push(info.pages_paused);
+        if let Some(old) = last.replace(id) {
+            store.delete(&old).context(|| format!("deleting {old}"))?;
+        }
+    }
+    Ok((m, last))
 }
 
 /// What a series of incremental snapshots measured.

@@ -1,6 +1,8 @@
 //! Pages the balloon drops count as changed: a rollback puts the target's
-//! bytes back, an incremental snapshot saves what the guest sees, and a
-//! snapshot of a VM with a balloon restores only into a VM with one.
+//! bytes back, an incremental snapshot saves what the guest sees, a full
+//! snapshot taken while the guest runs (pre-copied: RAM keeps mapping the
+//! file it mapped) is put back whole, and a snapshot of a VM with a
+//! balloon restores only into a VM with one.
 
 use std::time::Duration;
 
@@ -59,8 +61,11 @@ fn pages_dropped_by_the_balloon_are_rolled_back_and_saved() {
 
     dirty(&mut vm, 100);
     let at_s1 = scratch(&vm);
+    // Taken paused, as a template is: RAM then maps s1's file.
+    vm.pause().expect("pause");
     vm.snapshot_into(&store, "s1", Kind::Full)
         .expect("full snapshot");
+    vm.resume().expect("resume");
     dirty(&mut vm, 200);
     let at_s2 = scratch(&vm);
     assert_ne!(at_s1, at_s2);
@@ -95,4 +100,49 @@ fn pages_dropped_by_the_balloon_are_rolled_back_and_saved() {
         .restore(&store.snapshot_dir("s3"))
         .expect_err("a snapshot with a balloon needs a VM with one");
     assert!(e.to_string().contains("balloon"), "{e}");
+}
+
+#[test]
+fn pages_dropped_after_a_precopied_snapshot_are_put_back_from_it() {
+    if let Err(e) = crate::vm::open_kvm() {
+        panic!("this test needs a usable /dev/kvm (run as root on a KVM host): {e}");
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let serial = Capture::new();
+    let mut vm = Vm::create_with(Shape::new(MIB, 1), serial.writer(), &with_balloon(true))
+        .expect("creating a VM with a balloon");
+    let kernel = testguest::write_to(dir.path()).expect("writing the test guest");
+    vm.boot(&kernel, "console=ttyS0").expect("boot");
+    testguest::wait_booted(&vm, T).expect("guest magic");
+    let store = twig_store::NodeStore::open(&dir.path().join("store"), true).expect("node store");
+
+    dirty(&mut vm, 100);
+    let at_t = scratch(&vm);
+    vm.pause().expect("pause");
+    vm.snapshot_into(&store, "t", Kind::Full)
+        .expect("the template");
+    vm.resume().expect("resume");
+    dirty(&mut vm, 300);
+    let at_p = scratch(&vm);
+    // Taken running: pre-copied, and RAM still maps the template's file.
+    let info = vm
+        .snapshot_into(&store, "p", Kind::Full)
+        .expect("pre-copied full snapshot");
+    assert!(info.precopy_rounds >= 1, "{info:?}");
+    report(&mut vm);
+    assert!(
+        scratch(&vm) == at_t,
+        "the dropped pages read the file RAM maps, the template's"
+    );
+    let r = vm.rollback(&store.snapshot_dir("p")).expect("rollback");
+    assert!(!r.remapped, "{r:?}");
+    assert!(r.pages_restored >= PAGES as usize, "{r:?}");
+    assert!(
+        scratch(&vm) == at_p,
+        "the rollback copied p's pages from its file"
+    );
+    let mut clone = Vm::create_with(Shape::new(MIB, 1), serial.writer(), &with_balloon(true))
+        .expect("creating a VM with a balloon");
+    clone.restore(&store.snapshot_dir("p")).expect("restore");
+    assert!(scratch(&clone) == at_p, "p holds the pages before the drop");
 }

@@ -171,6 +171,16 @@ pub struct SnapshotInfo {
     /// Wall time of the whole call, until the snapshot was durable and
     /// published.
     pub duration_ms: f64,
+    /// A full snapshot's pre-copy rounds (the first pass over all of RAM
+    /// included) before the pause; 0 for an incremental snapshot.
+    #[serde(default)]
+    pub precopy_rounds: usize,
+    /// Pages copied by the pre-copy rounds, before the pause.
+    #[serde(default)]
+    pub pages_precopied: usize,
+    /// Pages copied while the guest was paused.
+    #[serde(default)]
+    pub pages_paused: usize,
 }
 
 /// What a rollback call did.
@@ -180,7 +190,9 @@ pub struct RollbackInfo {
     pub id: String,
     /// Guest pages put back.
     pub pages_restored: usize,
-    /// Whether all of RAM was remapped (the snapshot is from another lineage).
+    /// Whether all of RAM was remapped (the snapshot is from another
+    /// lineage, or RAM did not map its root memory file and more than 1,024
+    /// pages changed: after a full snapshot of a running VM).
     pub remapped: bool,
     /// Wall time of the whole call.
     pub duration_ms: f64,

@@ -14,6 +14,7 @@ pub(crate) mod failpoint;
 #[cfg(test)]
 mod pause_tests;
 mod persist;
+mod precopy;
 mod rollback;
 
 pub use config::{

@@ -2,30 +2,35 @@
 //! incremental snapshots, restore into a new VM, and clones.
 //!
 //! **What a snapshot pauses.** The guest is paused only for what must be
-//! one moment's state; the filesystem is written after it runs again, so an
-//! incremental snapshot's pause does not depend on the disk:
+//! one moment's state; the filesystem is written while it runs, so the
+//! pause depends neither on the disk nor, for a full snapshot, on the size
+//! of guest memory:
 //!
-//! 1. before the pause (incremental): KVM's dirty log is folded in while
-//!    the guest runs, to size a buffer for the dirty pages (an eighth
-//!    larger), faulted in now;
+//! 1. before the pause: a full snapshot copies all of RAM into its memory
+//!    file, then, in a few rounds, the pages changed meanwhile
+//!    (`precopy.rs`); an incremental one folds KVM's dirty log in to size a
+//!    buffer for the dirty pages (an eighth larger). Buffers are faulted
+//!    in now;
 //! 2. paused: the dirty log is folded in again; vCPU, irqchip/PIT/clock and
 //!    device state saved to memory; read-write disks `fdatasync`ed and
 //!    reflinked/copied into the staging directory (a disk copy must be the
-//!    pause's moment); the dirty pages copied into the buffer
+//!    pause's moment); the dirty pages (incremental), or the pages changed
+//!    since the pre-copy's last round (full), copied into the buffer
 //!    (`snapshot::PageCopy`), which grows if needed;
-//! 3. resumed: the memory file is written from the buffer (CRC32 there),
-//!    then the state file and the manifest, all fsynced (`Staged::commit`).
+//! 3. resumed: the memory file is written from the buffer (CRC32 there; a
+//!    full snapshot's CRC is folded from its pages' CRCs), then the state
+//!    file and the manifest, all fsynced (`Staged::commit`).
 //!
-//! `SnapshotInfo::pause_ms` is step 2; `duration_ms` the whole call. The
-//! buffer holds at most `COPY_LIMIT` (64 MiB): a larger dirty set is written
-//! while paused, so no snapshot holds more than 64 MiB of guest memory
-//! twice. Full snapshots are written while paused too: guest RAM is then
-//! remapped privately onto the memory file, which must hold exactly RAM
-//! before the guest runs (only the fsync runs after the resume). A write
-//! that fails after the resume publishes nothing; the VM runs on with its
-//! baseline and its dirty set kept, so the next incremental snapshot holds
-//! the failed one's pages too. Every VM operation takes `&mut Vm`: they
-//! never overlap.
+//! `SnapshotInfo::pause_ms` is step 2; `duration_ms` the whole call, until
+//! durable. The buffer holds at most `COPY_LIMIT` (64 MiB): a larger set is
+//! written while paused, so no snapshot holds more than 64 MiB of guest
+//! memory twice. A full snapshot of a paused VM (a template) is copied the
+//! same way and then remapped privately onto its memory file, which holds
+//! exactly RAM by then; a running VM is not remapped (`precopy.rs`). A
+//! write that fails after the resume publishes nothing; the VM runs on
+//! with its baseline and its dirty set kept, so the next incremental
+//! snapshot holds the failed one's pages too. Every VM operation takes
+//! `&mut Vm`: they never overlap.
 //!
 //! **Templates** (`Vm::template`): a booting guest is polled with the
 //! caller's readiness probe (`twig-vmm template` waits until the guest
@@ -47,23 +52,32 @@ use crate::arch;
 use crate::devices::{self, Devices, SerialOut};
 use crate::error::{Error, Result};
 use crate::memory::{PageSet, PAGE_SIZE};
+use crate::precopy::MemoryWriter;
 use crate::snapshot::{self, Image, Kind, Meta, PageCopy, ParentRef, VmState};
 use crate::vcpu::{self, VcpuState};
 
+use super::precopy::Precopy;
 use super::{absolute, kvm_err, ms, DeviceConfig, RunState, Shape, SlotImage, SnapshotInfo, Vm};
 
 impl Vm {
     /// Folds KVM's dirty log into the pages changed since the baseline.
     pub(super) fn collect_dirty(&mut self) -> Result<()> {
+        self.take_dirty().map(drop)
+    }
+
+    /// Reads KVM's dirty log and the VMM's dirty bitmap (both start again
+    /// empty), folds them into the pages changed since the baseline, and
+    /// returns the pages they held.
+    pub(super) fn take_dirty(&mut self) -> Result<PageSet> {
         let words = self
             .fd
             .get_dirty_log(0, self.shape.mem_size)
             .map_err(kvm_err("KVM_GET_DIRTY_LOG"))?;
         let pages = self.ram.pages();
-        self.dirty.union_with(&PageSet::from_words(words, pages));
-        self.dirty
-            .union_with(&PageSet::from_words(self.ram.take_vmm_dirty(), pages));
-        Ok(())
+        let mut fresh = PageSet::from_words(words, pages);
+        fresh.union_with(&PageSet::from_words(self.ram.take_vmm_dirty(), pages));
+        self.dirty.union_with(&fresh);
+        Ok(fresh)
     }
 
     pub(super) fn save_vcpus(&self) -> Result<Vec<VcpuState>> {
@@ -181,12 +195,13 @@ impl Vm {
     /// snapshot becomes the VM's baseline at the place the store will
     /// publish it, `<store>/snapshots/<id>`. A running VM is paused only
     /// while its state, its read-write disks and its changed pages are
-    /// copied out (into a buffer, up to 64 MiB of them; a full
-    /// snapshot, or more changed pages, are written into the memory file
-    /// while paused), and runs again while the files are written and made
-    /// durable; the call returns once they are, ready for the store to
-    /// publish. If that fails, nothing is staged, and the VM's baseline and
-    /// changed pages stay as they were. An incremental snapshot writes only
+    /// copied out (into a buffer, up to 64 MiB of them; more are written
+    /// into the memory file while paused; a full snapshot copies RAM while
+    /// the guest runs first, and then only the pages changed meanwhile),
+    /// and runs again while the files are written and made durable; the
+    /// call returns once they are, ready for the store to publish. If that
+    /// fails, nothing is staged, and the VM's baseline and changed pages
+    /// stay as they were. An incremental snapshot writes only
     /// the pages changed since the VM's baseline (its last snapshot,
     /// restore or rollback point), which becomes its parent and must be
     /// published in the same store. In-process callers can use
@@ -210,41 +225,59 @@ impl Vm {
         let staging = absolute(staging)?;
         let (id, dir) = twig_store::layout::staging_target(&staging)
             .map_err(|e| Error::snapshot(&staging, e.to_string()))?;
-        // While the guest still runs, fold the dirty log in and make the
-        // buffer the pages will be copied into (faulting its memory in
-        // takes longer than the copy). Pages dirtied until the pause are
-        // folded in once paused; the buffer grows then if it must.
-        let buffer = match kind {
-            Kind::Full => None,
+        // While the guest still runs: a full snapshot copies memory into
+        // its file (`precopy.rs`); an incremental one folds the dirty log
+        // in and makes the buffer the pages will be copied into (faulting
+        // its memory in takes longer than the copy). Pages dirtied until
+        // the pause are folded in once paused; the buffer grows then if it
+        // must.
+        let before = match kind {
+            Kind::Full => Before::Full(self.precopy(&staging, was == RunState::Running)?),
             Kind::Incremental => {
                 self.collect_dirty()?;
                 let dirty = self.dirty.count();
                 let n = (dirty + dirty / 8 + 16).min(COPY_LIMIT / PAGE_SIZE);
-                (dirty * PAGE_SIZE <= COPY_LIMIT).then(|| PageCopy::buffer(n))
+                Before::Layer((dirty * PAGE_SIZE <= COPY_LIMIT).then(|| PageCopy::buffer(n)))
             }
+        };
+        let (precopy_rounds, pages_precopied) = match &before {
+            Before::Full(p) => (p.rounds, p.pages),
+            Before::Layer(_) => (0, 0),
         };
         let paused = Instant::now();
         self.pause()?;
-        let taken = self.stage_snapshot(&staging, &id, kind, parent.as_ref(), buffer);
-        // A full snapshot becomes the memory the VM runs on: map it before
-        // the guest runs again, while RAM and file are identical.
+        let taken = self.stage_snapshot(&staging, &id, kind, parent.as_ref(), before);
+        // A full snapshot of a paused VM becomes the memory it runs on (its
+        // own pages go, the file's page cache is shared): map it while RAM
+        // and file are identical. A running VM keeps its memory
+        // (`precopy.rs`).
         let remapped = match &taken {
-            Ok((Taken::Written(st), _, _)) if kind == Kind::Full => Some(
-                st.memory()
-                    .try_clone()
-                    .map_err(|e| Error::io("reopening the snapshot memory", e))
-                    .and_then(|f| self.ram.map_private(Arc::new(f))),
-            ),
+            Ok(t) if kind == Kind::Full && was == RunState::Paused => match &t.taken {
+                Taken::Written(st) => Some(
+                    st.memory()
+                        .try_clone()
+                        .map_err(|e| Error::io("reopening the snapshot memory", e))
+                        .and_then(|f| self.ram.map_private(Arc::new(f))),
+                ),
+                _ => None,
+            },
             _ => None,
         };
         if was == RunState::Running {
             self.resume()?;
         }
         let pause_ms = ms(paused);
-        let (taken, mut state, pages) = taken?;
-        if let Some(Err(e)) = remapped {
-            return Err(e);
-        }
+        let Stage {
+            taken,
+            mut state,
+            pages,
+            pages_paused,
+        } = taken?;
+        let remapped = match remapped {
+            Some(Err(e)) => return Err(e),
+            Some(Ok(())) => true,
+            None => false,
+        };
         // From here on the guest runs. A failure leaves the baseline and the
         // pages dirtied since it as they are, so the next incremental
         // snapshot still holds this one's pages; the staged files go.
@@ -254,11 +287,14 @@ impl Vm {
                 let size = self.ram.size();
                 staging.finish(&mut state, |f| copy.write(size, f))?
             }
+            Taken::Precopied(staging, mut writer, copy) => {
+                staging.finish(&mut state, |_| writer.finish(&copy))?
+            }
         };
         let memory = match staged.commit() {
             Ok(m) => m,
             Err(e) => {
-                if kind == Kind::Full {
+                if remapped {
                     // RAM now maps the unpublished file: no baseline to
                     // track changes against until the next full snapshot.
                     self.baseline = None;
@@ -281,8 +317,19 @@ impl Vm {
             pages_written: pages,
             pause_ms,
             duration_ms: ms(start),
+            precopy_rounds,
+            pages_precopied,
+            pages_paused,
         };
-        tracing::info!(id = %info.id, ?kind, pages, ms = info.duration_ms, "snapshot");
+        tracing::info!(
+            id = %info.id,
+            ?kind,
+            pages,
+            pause_ms,
+            ms = info.duration_ms,
+            rounds = precopy_rounds,
+            "snapshot"
+        );
         Ok(info)
     }
 
@@ -307,18 +354,20 @@ impl Vm {
 
     /// Copies the paused VM's state and pages out: the state into memory,
     /// the disks into the staging directory, and either the dirty pages of an
-    /// incremental snapshot into `buffer` (at most [`COPY_LIMIT`] bytes of
+    /// incremental snapshot into a buffer (at most [`COPY_LIMIT`] bytes of
     /// them, written after the guest runs again) or else the memory file
-    /// itself (a full snapshot, or a larger dirty set).
+    /// itself (a larger dirty set); for a full snapshot, the pages changed
+    /// since the pre-copy's last round, into its buffer or, without one or
+    /// when they do not fit, into the file.
     fn stage_snapshot(
         &mut self,
         staging: &Path,
         id: &str,
         kind: Kind,
         parent: Option<&Arc<Image>>,
-        buffer: Option<Vec<u8>>,
-    ) -> Result<(Taken, VmState, usize)> {
-        self.collect_dirty()?;
+        before: Before,
+    ) -> Result<Stage> {
+        let fresh = self.take_dirty()?;
         let vcpus = self.save_vcpus()?;
         let (irqchips, pit, clock) = self.save_vm_state()?;
         let uid = snapshot::new_id();
@@ -355,20 +404,55 @@ impl Vm {
         // complete: make it durable, then copy the images.
         let sources = self.disk_sources()?;
         let sources: Vec<(usize, &std::fs::File)> = sources.iter().map(|(i, f)| (*i, f)).collect();
-        let begun = snapshot::begin(staging, &state, &sources)?;
         let ram = &self.ram;
-        let taken = match state.layer.clone() {
-            Some(l) if l.count() * PAGE_SIZE <= COPY_LIMIT => {
-                Taken::Copied(begun, PageCopy::take(ram, &l, buffer.unwrap_or_default())?)
+        let (taken, pages_paused) = match before {
+            Before::Full(p) => {
+                let mut changed = p.pending;
+                changed.union_with(&fresh);
+                let n = changed.count();
+                let begun = snapshot::begin(staging, &state, &sources, Some(p.file))?;
+                let mut writer = p.writer;
+                match p.buffer {
+                    Some(buffer) if n * PAGE_SIZE <= COPY_LIMIT => (
+                        Taken::Precopied(begun, writer, PageCopy::take(ram, &changed, buffer)?),
+                        n,
+                    ),
+                    _ => {
+                        writer.copy_set(ram, &changed)?;
+                        let crc = writer.crc();
+                        (Taken::Written(begun.finish(&mut state, |_| Ok(crc))?), n)
+                    }
+                }
             }
-            Some(l) => Taken::Written(
-                begun.finish(&mut state, |f| snapshot::write_layer_memory(ram, &l, f))?,
-            ),
-            None => {
-                Taken::Written(begun.finish(&mut state, |f| snapshot::write_full_memory(ram, f))?)
+            Before::Layer(buffer) => {
+                let begun = snapshot::begin(staging, &state, &sources, None)?;
+                match state.layer.clone() {
+                    Some(l) if l.count() * PAGE_SIZE <= COPY_LIMIT => (
+                        Taken::Copied(begun, PageCopy::take(ram, &l, buffer.unwrap_or_default())?),
+                        pages,
+                    ),
+                    Some(l) => (
+                        Taken::Written(
+                            begun
+                                .finish(&mut state, |f| snapshot::write_layer_memory(ram, &l, f))?,
+                        ),
+                        pages,
+                    ),
+                    None => (
+                        Taken::Written(
+                            begun.finish(&mut state, |f| snapshot::write_full_memory(ram, f))?,
+                        ),
+                        pages,
+                    ),
+                }
             }
         };
-        Ok((taken, state, pages))
+        Ok(Stage {
+            taken,
+            state,
+            pages,
+            pages_paused,
+        })
     }
 
     /// Restores the snapshot in `dir` (`<store>/snapshots/<id>`; its parents
@@ -550,14 +634,35 @@ impl Vm {
 /// much guest memory twice.
 pub(crate) const COPY_LIMIT: usize = 64 << 20;
 
+/// What a snapshot prepared before the pause.
+enum Before {
+    /// A full snapshot's pre-copied memory file.
+    Full(Precopy),
+    /// An incremental snapshot's buffer, when its dirty pages fit.
+    Layer(Option<Vec<u8>>),
+}
+
 /// A snapshot's memory as taken while the guest was paused.
 enum Taken {
-    /// Memory and state files written (full snapshots, dirty sets over
-    /// [`COPY_LIMIT`]).
+    /// Memory and state files written (dirty sets over [`COPY_LIMIT`], a
+    /// full snapshot's changed pages without a buffer or over it).
     Written(snapshot::Staged),
     /// Disks copied, dirty pages in a buffer: memory and state files still
     /// to write.
     Copied(snapshot::Staging, PageCopy),
+    /// Disks copied, a full snapshot's memory file pre-copied and the
+    /// pages changed since in a buffer, to write over it.
+    Precopied(snapshot::Staging, MemoryWriter, PageCopy),
+}
+
+/// A snapshot staged while paused.
+struct Stage {
+    taken: Taken,
+    state: VmState,
+    /// Pages the snapshot holds.
+    pages: usize,
+    /// Pages copied while paused.
+    pages_paused: usize,
 }
 
 fn layer_of(kind: Kind, dirty: &PageSet) -> Option<PageSet> {

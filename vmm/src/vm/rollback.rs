@@ -37,7 +37,11 @@
 //! ranges already checked. The pages put back are those dirtied since the
 //! baseline plus those in incremental layers on the tree path between
 //! baseline and target: `MADV_DONTNEED` where the root file holds the right
-//! bytes, a copy from the layer otherwise.
+//! bytes and RAM maps that file, a copy from the layer (or the root file)
+//! otherwise. RAM does not map the root file of a full snapshot taken of a
+//! running VM (`precopy.rs`): a rollback in its lineage copies up to
+//! `ROOT_COPY_PAGES` pages from it, or else maps it over all of RAM (as
+//! for another lineage), after which RAM maps it.
 //!
 //! Proven by fault injection (`rollback/tests.rs`, failpoints of
 //! `vm/failpoint.rs`, compiled into test builds only) at every step, on the
@@ -56,13 +60,18 @@ use kvm_bindings::{kvm_clock_data, kvm_irqchip, kvm_pit_state2};
 use crate::arch;
 use crate::devices::{DeviceState, GuestExit};
 use crate::error::{Error, Result};
-use crate::memory::{Backing, PageSet, PreparedRam, PAGE_SIZE};
+use crate::memory::{PageSet, PreparedRam, PAGE_SIZE};
 use crate::snapshot::{self, Image, VmState};
 use crate::vcpu::VcpuState;
 use crate::virtio::blk::{DiskFile, Replacement};
 
 use super::failpoint;
 use super::{absolute, kvm_err, ms, RollbackInfo, RunState, Vm};
+
+/// The most pages a rollback copies from its target's root memory file
+/// when RAM does not map that file (4 MiB); with more, it maps the file
+/// over all of RAM instead, and RAM maps it from then on.
+const ROOT_COPY_PAGES: usize = 1024;
 
 /// How a rollback failed.
 enum Failure {
@@ -195,18 +204,18 @@ impl Vm {
         }
     }
 
-    /// The pages to put back, or `None` when RAM does not map the target's
-    /// root file (no baseline, or another lineage): then all of RAM is.
-    fn rollback_plan(&mut self, target: &Arc<Image>) -> Result<Option<PageSet>> {
+    /// The pages to put back and whether RAM maps the target's root file
+    /// (whose pages are then dropped rather than copied), or `None` when
+    /// all of RAM is: no baseline, another lineage, or more than
+    /// [`ROOT_COPY_PAGES`] pages to copy from a root file RAM does not map
+    /// (after a full snapshot of a running VM, see `precopy.rs`).
+    fn rollback_plan(&mut self, target: &Arc<Image>) -> Result<Option<(PageSet, bool)>> {
         let Some(base) = self.baseline.clone() else {
             return Ok(None);
         };
-        let (Backing::Private(_), true) = (
-            self.ram.backing(),
-            base.state.meta.root_id == target.state.meta.root_id,
-        ) else {
+        if base.state.meta.root_id != target.state.meta.root_id {
             return Ok(None);
-        };
+        }
         self.collect_dirty()?;
         let mut pages = self.dirty.clone();
         let base_chain: Vec<String> = base.chain().iter().map(|i| i.id().to_string()).collect();
@@ -226,7 +235,17 @@ impl Vm {
                 }
             }
         }
-        Ok(Some(pages))
+        let maps_root = self.ram.maps_file(&target.chain()[0].memory);
+        if !maps_root
+            && pages
+                .iter()
+                .filter(|p| target.layer_for(*p).is_none())
+                .nth(ROOT_COPY_PAGES)
+                .is_some()
+        {
+            return Ok(None);
+        }
+        Ok(Some((pages, maps_root)))
     }
 
     fn rollback_paused(
@@ -298,21 +317,23 @@ impl Vm {
         let plan = self.rollback_plan(target)?;
         failpoint::check("rollback.plan")?;
         let (memory, pages) = match plan {
-            Some(wanted) => {
+            Some((wanted, maps_root)) => {
+                let root = target.chain()[0].clone();
                 let mut discard = PageSet::new(self.ram.pages());
                 let mut staged = Vec::new();
                 for p in wanted.iter() {
-                    match target.layer_for(p) {
-                        Some(img) => {
-                            let mut buf = vec![0u8; PAGE_SIZE];
-                            snapshot::read_exact_at(&img.memory, &mut buf, (p * PAGE_SIZE) as u64)
-                                .map_err(|e| {
-                                    Error::io(format!("reading {}", img.dir.display()), e)
-                                })?;
-                            staged.push((p, buf));
+                    let from = match target.layer_for(p) {
+                        Some(img) => img,
+                        None if maps_root => {
+                            discard.insert(p);
+                            continue;
                         }
-                        None => discard.insert(p),
-                    }
+                        None => root.clone(),
+                    };
+                    let mut buf = vec![0u8; PAGE_SIZE];
+                    snapshot::read_exact_at(&from.memory, &mut buf, (p * PAGE_SIZE) as u64)
+                        .map_err(|e| Error::io(format!("reading {}", from.dir.display()), e))?;
+                    staged.push((p, buf));
                 }
                 failpoint::check("rollback.stage")?;
                 let discard = discard.runs();
