@@ -87,7 +87,13 @@ pub struct Container {
     pub pause: bool,
     /// Its raw block volumes' device nodes.
     pub block_nodes: Vec<crate::devices::Node>,
+    /// When its init started, in the agent's start order (0: not started):
+    /// the pod's first app container is the one envd works in.
+    pub start_order: u64,
 }
+
+/// The start order of the next container started.
+static START_ORDER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// A new process's stdio: the child's ends and the agent's.
 struct NewStdio {
@@ -236,6 +242,7 @@ impl Container {
             });
         }
         self.state = State::Started(process);
+        self.start_order = START_ORDER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(u32::try_from(pid).unwrap_or_default())
     }
 

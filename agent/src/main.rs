@@ -9,6 +9,7 @@
 mod cgroup;
 mod container;
 mod devices;
+mod envd;
 mod error;
 mod forward;
 mod helper;
@@ -112,6 +113,7 @@ fn main() {
         args.state_dir.clone(),
         args.volumes_dir.clone(),
         args.no_pivot_root,
+        pid1,
     ));
     loop {
         match service::serve(&listen, agent.clone()) {

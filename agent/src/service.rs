@@ -37,7 +37,12 @@ pub const STDIN_TIMEOUT: Duration = Duration::from_secs(10);
 /// The agent's state behind the rpcs.
 pub struct AgentService {
     reaper: Arc<Reaper>,
-    containers: Registry,
+    containers: Arc<Registry>,
+    /// The sandbox API of each running pod sandbox, by its container id.
+    envd: std::sync::Mutex<std::collections::HashMap<String, crate::envd::Envd>>,
+    /// envd may listen in the agent's own network namespace: as PID 1 in
+    /// a VM (the pod's network is the VM's), not on a host (tests).
+    envd_in_agent_net: bool,
     state_dir: PathBuf,
     volumes: Volumes,
     no_pivot_root: bool,
@@ -114,10 +119,13 @@ impl AgentService {
         state_dir: PathBuf,
         volumes_dir: PathBuf,
         no_pivot_root: bool,
+        envd_in_agent_net: bool,
     ) -> Self {
         AgentService {
             reaper,
-            containers: Registry::default(),
+            containers: Arc::default(),
+            envd: Default::default(),
+            envd_in_agent_net,
             state_dir,
             volumes: Volumes::new(volumes_dir),
             no_pivot_root,
@@ -205,6 +213,7 @@ impl AgentService {
                 own_pid_ns: false,
                 pause: device.is_none(),
                 block_nodes,
+                start_order: 0,
             })
         })
     }
@@ -284,6 +293,7 @@ impl AgentService {
         let mut c = lock(&c);
         c.remove()?;
         self.containers.remove(id);
+        lock(&self.envd).remove(id);
         tracing::info!(id, "container removed");
         Ok(())
     }
@@ -316,7 +326,11 @@ impl Agent for AgentService {
     ) -> ttrpc::Result<StartResponse> {
         let r = self.containers.get(&req.container_id).and_then(|c| {
             let mut c = lock(&c);
-            c.start(&self.reaper, self.no_pivot_root)
+            let pid = c.start(&self.reaper, self.no_pivot_root)?;
+            if c.pause && crate::envd::wanted(&c.spec) {
+                self.start_envd(&c.id, pid);
+            }
+            Ok(pid)
         });
         reply(
             "StartContainer",
@@ -553,6 +567,27 @@ impl AgentService {
             self.volumes.sync(sync)?;
         }
         Ok(())
+    }
+
+    /// Starts the sandbox API of the pod whose pause (`pid`) started: in
+    /// the pause's network namespace, unless that is the agent's own on a
+    /// host. A failure costs the pod its API only (logged).
+    fn start_envd(&self, id: &str, pid: u32) {
+        let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/net")).ok();
+        if !self.envd_in_agent_net && ns(&pid.to_string()) == ns("self") {
+            tracing::info!(
+                id,
+                "no sandbox API: the pod shares the host agent's network"
+            );
+            return;
+        }
+        let pid = i32::try_from(pid).unwrap_or_default();
+        match crate::envd::start(id, pid, self.containers.clone(), self.reaper.clone()) {
+            Ok(envd) => {
+                lock(&self.envd).insert(id.to_string(), envd);
+            }
+            Err(e) => tracing::warn!(id, "starting the sandbox API (envd): {e}"),
+        }
     }
 
     /// Gives `hostname` to every running container that has a hostname of

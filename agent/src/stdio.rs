@@ -49,21 +49,34 @@ impl OutputBuffer {
     /// or the end of the stream. Returns the bytes and whether the stream is
     /// closed and fully read.
     pub fn read(&self, max: usize, timeout: Duration) -> (Vec<u8>, bool) {
-        let deadline = Instant::now() + timeout;
+        self.read_until(max, Some(Instant::now() + timeout))
+    }
+
+    /// Takes up to `max` bytes, waiting for as long as it takes for at least
+    /// one byte or the end of the stream (envd's output streams).
+    pub fn read_blocking(&self, max: usize) -> (Vec<u8>, bool) {
+        self.read_until(max, None)
+    }
+
+    fn read_until(&self, max: usize, deadline: Option<Instant>) -> (Vec<u8>, bool) {
         let mut st = lock(&self.state);
         loop {
             if !st.data.is_empty() || st.eof {
                 break;
             }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            st = self
-                .readable
-                .wait_timeout(st, left)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|e| e.into_inner().0);
+            st = match deadline {
+                None => self.readable.wait(st).unwrap_or_else(|e| e.into_inner()),
+                Some(deadline) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        break;
+                    }
+                    self.readable
+                        .wait_timeout(st, left)
+                        .map(|(g, _)| g)
+                        .unwrap_or_else(|e| e.into_inner().0)
+                }
+            };
         }
         let n = max.min(st.data.len());
         let data: Vec<u8> = st.data.drain(..n).collect();

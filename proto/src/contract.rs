@@ -5,7 +5,7 @@
 //! - the annotations a pod carries to the shim (through containerd's CRI
 //!   plugin) and the controller reads: [`RESTORE_FROM_ANNOTATION`],
 //!   [`TEMPLATE_ANNOTATION`], [`CRI_SANDBOX_NAMESPACE_ANNOTATION`],
-//!   [`EGRESS_POLICY_ANNOTATION`], [`NETWORK_ANNOTATION`];
+//!   [`EGRESS_POLICY_ANNOTATION`], [`NETWORK_ANNOTATION`], [`ENVD_ANNOTATION`];
 //! - a template's build Pod: [`TEMPLATE_BUILD_LABEL`],
 //!   [`TEMPLATE_BUILD_CONTAINER`];
 //! - the node-store snapshot [`labels`] one crate writes and another reads;
@@ -45,6 +45,21 @@ pub const NETWORK_ANNOTATION: &str = "twig.dev/network";
 
 /// [`NETWORK_ANNOTATION`]'s value for a VM without network.
 pub const NETWORK_NONE: &str = "none";
+
+/// Pod annotation switching the pod's sandbox API off: with the value
+/// [`ENVD_OFF`], twig-agent serves no E2B-compatible envd (TCP port
+/// [`ENVD_PORT`] in the pod's network) for the pod. Without it, or with
+/// any other value, the API listens from the moment the pod's sandbox
+/// exists. The agent reads it from the sandbox container's OCI spec (CRI
+/// passes it with `pod_annotations = ["twig.dev/*"]`).
+pub const ENVD_ANNOTATION: &str = "twig.dev/envd";
+
+/// [`ENVD_ANNOTATION`]'s value for a pod without the sandbox API.
+pub const ENVD_OFF: &str = "false";
+
+/// The TCP port of the sandbox API in the pod's network: E2B's envd port,
+/// which the E2B and CubeSandbox SDKs use.
+pub const ENVD_PORT: u16 = 49983;
 
 /// Label of a template's build Pod, naming its SandboxTemplate (of the
 /// Pod's namespace, which also controls the Pod). The controller of the
