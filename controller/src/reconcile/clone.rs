@@ -148,7 +148,7 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
     }
     let source_name = &snap.spec.pod_name;
     let source = match &snap_status.source_pod {
-        Some(kept) => match kept_pod(kept) {
+        Some(kept) => match kept_pod(source_name, kept) {
             Ok(pod) => pod,
             Err(e) => {
                 let message = format!("snapshot {snap_name} keeps an unreadable pod spec: {e}");
@@ -515,10 +515,11 @@ pub fn source_pod(pod: &Pod) -> Result<SourcePod, Error> {
     Ok(SourcePod { spec, annotations })
 }
 
-/// The source pod a Snapshot kept, as a pod to copy.
-fn kept_pod(kept: &SourcePod) -> Result<Pod, serde_json::Error> {
+/// The source pod `name` a Snapshot kept, as a pod to copy.
+fn kept_pod(name: &str, kept: &SourcePod) -> Result<Pod, serde_json::Error> {
     Ok(Pod {
         metadata: ObjectMeta {
+            name: Some(name.to_string()),
             annotations: Some(kept.annotations.clone()),
             ..Default::default()
         },
