@@ -94,6 +94,37 @@ pub fn parse_time(text: &str) -> Option<SystemTime> {
     Some(SystemTime::UNIX_EPOCH + Duration::from_secs(secs))
 }
 
+/// A Twig object with a lifecycle phase.
+trait Phased {
+    fn phase(&self) -> Option<Phase>;
+}
+
+impl Phased for PodClone {
+    fn phase(&self) -> Option<Phase> {
+        self.status.as_ref().map(|s| s.phase)
+    }
+}
+
+impl Phased for Snapshot {
+    fn phase(&self) -> Option<Phase> {
+        self.status.as_ref().map(|s| s.phase)
+    }
+}
+
+impl Phased for Rollback {
+    fn phase(&self) -> Option<Phase> {
+        self.status.as_ref().map(|s| s.phase)
+    }
+}
+
+/// Whether `obj` is gone or its phase is final (Ready, Failed or Lost).
+fn settled<K: Phased>(obj: Option<&K>) -> bool {
+    obj.is_none_or(|o| {
+        o.phase()
+            .is_some_and(|p| matches!(p, Phase::Ready | Phase::Failed | Phase::Lost))
+    })
+}
+
 fn not_deleting<K: Resource>(obj: &K) -> bool {
     obj.meta().deletion_timestamp.is_none()
 }
@@ -380,13 +411,6 @@ impl App {
             .await?;
         let pod_name = objects::clone_pod_name(name);
         // The Clone makes the pod, and is Ready when the pod is.
-        let settled = |c: Option<&PodClone>| {
-            c.is_none_or(|c| {
-                c.status.as_ref().is_some_and(|st| {
-                    matches!(st.phase, Phase::Ready | Phase::Failed | Phase::Lost)
-                })
-            })
-        };
         let waited = self
             .wait::<PodClone>(ns, name, self.start_timeout, settled)
             .await?;
@@ -554,13 +578,6 @@ impl App {
         let snap = objects::snapshot(name, pod, role, id, meta, extra);
         let api = self.api::<Snapshot>(ns);
         api.create(&PostParams::default(), &snap).await?;
-        let settled = |s: Option<&Snapshot>| {
-            s.is_none_or(|s| {
-                s.status.as_ref().is_some_and(|st| {
-                    matches!(st.phase, Phase::Ready | Phase::Failed | Phase::Lost)
-                })
-            })
-        };
         let waited = self
             .wait::<Snapshot>(ns, name, self.snapshot_timeout, settled)
             .await?;
@@ -836,13 +853,6 @@ impl App {
         )]));
         let api = self.api::<Rollback>(ns);
         api.create(&PostParams::default(), &rollback).await?;
-        let settled = |r: Option<&Rollback>| {
-            r.is_none_or(|r| {
-                r.status.as_ref().is_some_and(|st| {
-                    matches!(st.phase, Phase::Ready | Phase::Failed | Phase::Lost)
-                })
-            })
-        };
         let waited = self
             .wait::<Rollback>(ns, &name, self.snapshot_timeout * 2, settled)
             .await?;
