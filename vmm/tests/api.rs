@@ -751,6 +751,61 @@ fn client_deadlines_and_version_checks() {
     assert!(t.elapsed() >= short && t.elapsed() < short * 3);
 }
 
+/// The race an idle timeout makes: the VMM closes a connection the client
+/// has just sent a request on, without reading it (the client's read is
+/// reset). The client sends it again on a new connection, once — the VMM
+/// never saw it, so it cannot run twice.
+#[test]
+fn a_request_the_vmm_closed_unread_is_sent_again_once() {
+    let d = tmp();
+    let sock = d.path().join("closing.sock");
+    let listener = UnixListener::bind(&sock).unwrap();
+    let hello = Response::Ok(Reply::Hello(Hello {
+        protocol: PROTOCOL_VERSION,
+        version: "fake".into(),
+    }))
+    .to_line();
+    let fake = std::thread::spawn(move || {
+        let mut answered = 0;
+        // What each connection does with the request after hello.
+        for answer in [false, true, false, false] {
+            let (c, _) = listener.accept().unwrap();
+            let mut r = BufReader::new(c);
+            let mut line = String::new();
+            // The connect's hello.
+            r.read_line(&mut line).unwrap();
+            writeln!(r.get_mut(), "{hello}").unwrap();
+            // Wait for the next request without reading it, then close or
+            // answer it.
+            let mut byte = [0u8; 1];
+            let fd = std::os::fd::AsRawFd::as_raw_fd(r.get_ref());
+            // SAFETY: recv writes at most one byte into `byte`.
+            let n = unsafe { libc::recv(fd, byte.as_mut_ptr().cast(), 1, libc::MSG_PEEK) };
+            assert_eq!(n, 1);
+            if !answer {
+                continue;
+            }
+            line.clear();
+            r.read_line(&mut line).unwrap();
+            writeln!(r.get_mut(), "{hello}").unwrap();
+            answered += 1;
+        }
+        answered
+    });
+    let mut c = Client::connect(&sock, T).unwrap();
+    // Reset once: sent again, answered.
+    assert_eq!(c.hello(T).unwrap().version, "fake");
+    // Reset on the new connection too: reported, not sent a third time.
+    let mut c = Client::connect(&sock, T).unwrap();
+    match c.hello(T) {
+        Err(ClientError::Io { source, .. }) => {
+            assert_eq!(source.kind(), std::io::ErrorKind::ConnectionReset)
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(fake.join().unwrap(), 1);
+}
+
 #[test]
 fn missing_or_forbidden_kvm_is_reported() {
     require_kvm();

@@ -202,10 +202,20 @@ impl Client {
         timeout: Duration,
     ) -> Result<Reply, ClientError> {
         let deadline = Instant::now() + timeout;
-        if !self.usable() {
+        let reused = self.usable();
+        if !reused {
             self.reconnect(deadline.min(Instant::now() + self.connect_timeout))?;
         }
-        self.exchange(req, fds, deadline, timeout)
+        match self.exchange(req, fds, deadline, timeout) {
+            // The VMM closed the idle connection just as the request went
+            // out, without reading it: sending it again on a new
+            // connection cannot run it twice.
+            Err(e) if reused && never_read(&e) => {
+                self.reconnect(deadline.min(Instant::now() + self.connect_timeout))?;
+                self.exchange(req, fds, deadline, timeout)
+            }
+            r => r,
+        }
     }
 
     /// One request and its answer on the open connection; drops the
@@ -544,4 +554,14 @@ fn remaining(deadline: Instant) -> Option<Duration> {
 
 fn is_timeout(e: &std::io::Error) -> bool {
     matches!(e.kind(), IoKind::WouldBlock | IoKind::TimedOut)
+}
+
+/// Whether `e` shows the VMM closed the connection without reading the
+/// request: the send found it closed (and nothing came back), or the
+/// answer's read was reset — a Unix socket closed with unread data in it.
+/// The VMM reads and answers one request at a time, so the request cannot
+/// have run.
+fn never_read(e: &ClientError) -> bool {
+    matches!(e, ClientError::Io { source, .. }
+        if matches!(source.kind(), IoKind::ConnectionReset | IoKind::BrokenPipe))
 }
