@@ -57,6 +57,14 @@ pub fn validate(req: &ReidentifyRequest) -> Result<()> {
     if req.realtime_ns > i64::MAX as u64 {
         return Err(bad(format!("realtime_ns {} out of range", req.realtime_ns)));
     }
+    if let Some(envd) = req.envd.as_ref() {
+        if !envd.token_sha256.is_empty() && envd.token_sha256.len() != 32 {
+            return Err(bad(format!(
+                "envd.token_sha256: {} bytes, a SHA-256 has 32",
+                envd.token_sha256.len()
+            )));
+        }
+    }
     Ok(())
 }
 
@@ -241,6 +249,10 @@ mod tests {
             (|r| r.ipv4_gateway = "10.0.0".into(), "gateway"),
             (|r| r.entropy = vec![0; 5000], "entropy"),
             (|r| r.realtime_ns = u64::MAX, "realtime_ns"),
+            (
+                |r| r.envd.mut_or_insert_default().token_sha256 = vec![1; 31],
+                "token_sha256",
+            ),
         ];
         for (mutate, want) in cases {
             let mut bad = r.clone();

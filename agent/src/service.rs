@@ -11,8 +11,8 @@ use nix::unistd::Pid;
 use oci_spec::runtime::LinuxResources;
 use ttrpc::TtrpcContext;
 use twig_agent::proto::agent::{
-    ContainerRequest, CreateContainerRequest, Empty, ExecProcessRequest, PingRequest, PingResponse,
-    PrepareVolumeRequest, PrepareVolumesRequest, ProcessRequest, ReadStreamRequest,
+    ContainerRequest, CreateContainerRequest, Empty, EnvdPolicy, ExecProcessRequest, PingRequest,
+    PingResponse, PrepareVolumeRequest, PrepareVolumesRequest, ProcessRequest, ReadStreamRequest,
     ReadStreamResponse, ReadVolumeFileRequest, ReadVolumeFileResponse, ReidentifyRequest,
     ReidentifyResponse, RemoveVolumeRequest, ResizeTtyRequest, SignalProcessRequest, StartResponse,
     StatsResponse, SyncVolumeRequest, UpdateContainerRequest, WaitProcessRequest,
@@ -326,9 +326,13 @@ impl Agent for AgentService {
     ) -> ttrpc::Result<StartResponse> {
         let r = self.containers.get(&req.container_id).and_then(|c| {
             let mut c = lock(&c);
+            let envd = match c.pause {
+                true => crate::envd::wanted(&c.spec).map_err(AgentError::InvalidArgument)?,
+                false => None,
+            };
             let pid = c.start(&self.reaper, self.no_pivot_root)?;
-            if c.pause && crate::envd::wanted(&c.spec) {
-                self.start_envd(&c.id, pid);
+            if let Some(policy) = envd {
+                self.start_envd(&c.id, pid, policy);
             }
             Ok(pid)
         });
@@ -492,6 +496,9 @@ impl Agent for AgentService {
     ) -> ttrpc::Result<ReidentifyResponse> {
         let r = crate::reidentify::apply(&req).and_then(|previous| {
             self.rename_containers(&req.hostname)?;
+            if let Some(envd) = req.envd.as_ref() {
+                self.set_envd(envd);
+            }
             Ok(ReidentifyResponse {
                 previous_realtime_ns: previous,
                 ..Default::default()
@@ -572,7 +579,7 @@ impl AgentService {
     /// Starts the sandbox API of the pod whose pause (`pid`) started: in
     /// the pause's network namespace, unless that is the agent's own on a
     /// host. A failure costs the pod its API only (logged).
-    fn start_envd(&self, id: &str, pid: u32) {
+    fn start_envd(&self, id: &str, pid: u32, policy: crate::envd::Policy) {
         let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/net")).ok();
         if !self.envd_in_agent_net && ns(&pid.to_string()) == ns("self") {
             tracing::info!(
@@ -582,11 +589,53 @@ impl AgentService {
             return;
         }
         let pid = i32::try_from(pid).unwrap_or_default();
-        match crate::envd::start(id, pid, self.containers.clone(), self.reaper.clone()) {
+        match crate::envd::start(
+            id,
+            pid,
+            policy,
+            self.containers.clone(),
+            self.reaper.clone(),
+        ) {
             Ok(envd) => {
                 lock(&self.envd).insert(id.to_string(), envd);
             }
             Err(e) => tracing::warn!(id, "starting the sandbox API (envd): {e}"),
+        }
+    }
+
+    /// Makes the sandbox API of every running sandbox container (a VM
+    /// restored from a snapshot: the one of the snapshotted pod, which the
+    /// new pod adopts) what the pod asks: started, or stopped; a running
+    /// one without a token takes the pod's.
+    fn set_envd(&self, policy: &EnvdPolicy) {
+        let digest = <[u8; 32]>::try_from(policy.token_sha256.as_slice()).ok();
+        for c in self.containers.all() {
+            let (id, pid) = {
+                let c = lock(&c);
+                match &c.state {
+                    State::Started(p) if c.pause && p.exited().is_none() => (c.id.clone(), p.pid),
+                    _ => continue,
+                }
+            };
+            if !policy.on {
+                if lock(&self.envd).remove(&id).is_some() {
+                    tracing::info!(id, "sandbox API stopped: the restored pod has none");
+                }
+                continue;
+            }
+            let running = lock(&self.envd)
+                .get(&id)
+                .map(|envd| digest.map(|d| envd.require_token(d)))
+                .is_some();
+            if !running {
+                self.start_envd(
+                    &id,
+                    u32::try_from(pid).unwrap_or_default(),
+                    crate::envd::Policy {
+                        token_sha256: digest,
+                    },
+                );
+            }
         }
     }
 

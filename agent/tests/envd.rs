@@ -5,13 +5,21 @@
 
 mod common;
 
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{run_cmd, Agent, T};
 use serde_json::json;
+use sha2::{Digest, Sha256};
+use twig_agent::proto::agent::{EnvdPolicy, ReidentifyRequest};
 use twig_agent::testkit::{busybox_rootfs, spec, LoopDevice};
+
+/// A pod's annotations turning envd on.
+fn on() -> serde_json::Value {
+    json!({"twig.dev/envd": "true"})
+}
 
 /// `/proc/net/tcp`'s local port of envd (49983) in hex.
 const ENVD_PORT_HEX: &str = ":C33F";
@@ -189,7 +197,7 @@ fn run_sdk(p: &Pod, script: &str) -> String {
 
 #[test]
 fn the_e2b_sdk_runs_commands_and_uses_files() {
-    let p = pod(json!({}), true);
+    let p = pod(on(), true);
     assert!(envd_listening(p.pause_host_pid));
     let out = run_sdk(&p, "e2b_sdk.py");
     for check in [
@@ -257,7 +265,7 @@ fn envd_switches(agent: &Agent) -> std::collections::HashMap<String, u64> {
 
 #[test]
 fn the_cubesandbox_sdk_runs_commands_and_uses_files() {
-    let p = pod(json!({}), true);
+    let p = pod(on(), true);
     let out = run_sdk(&p, "cubesandbox_sdk.py");
     for check in ["run", "files", "watch_dir"] {
         assert!(
@@ -269,18 +277,31 @@ fn the_cubesandbox_sdk_runs_commands_and_uses_files() {
 
 #[test]
 fn without_an_app_container_commands_fail_with_a_clear_error() {
-    let p = pod(json!({}), false);
+    let p = pod(on(), false);
     let out = run_sdk(&p, "no_container.py");
     assert!(out.contains("ok failed_precondition\n"), "{out}");
 }
 
 #[test]
-fn an_annotated_pod_gets_no_listener_and_removal_stops_it() {
-    let off = pod(json!({"twig.dev/envd": "false"}), false);
-    assert!(!envd_listening(off.pause_host_pid));
-    drop(off);
+fn envd_is_opt_in_and_removal_stops_it() {
+    for off in [json!({}), json!({"twig.dev/envd": "false"})] {
+        let off = pod(off, false);
+        assert!(!envd_listening(off.pause_host_pid));
+    }
+    // A value that is neither "true" nor "false" is refused, naming it.
+    let agent = Agent::start();
+    let c = agent.client();
+    let ns = json!([{"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}, {"type": "network"}]);
+    let bad = spec(
+        &["/pause"],
+        json!({"annotations": {"twig.dev/envd": "yes"}, "linux": {"namespaces": ns}}),
+    );
+    c.create_pause("sb", &bad, T).unwrap();
+    let e = c.start_container("sb", T).unwrap_err().to_string();
+    assert!(e.contains("twig.dev/envd") && e.contains("\"yes\""), "{e}");
+    drop(agent);
 
-    let on = pod(json!({"twig.dev/envd": "true"}), true);
+    let on = pod(on(), true);
     assert!(envd_listening(on.pause_host_pid));
     // The app keeps the network namespace; removing the sandbox container
     // closes the listener.
@@ -294,4 +315,74 @@ fn an_annotated_pod_gets_no_listener_and_removal_stops_it() {
         );
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// A VM restored from a snapshot runs its snapshotted pod's sandbox
+/// container already: `Reidentify` makes its envd the new pod's — started
+/// with the token the pod names, kept (its token too) when it runs, and
+/// stopped when the pod has none.
+#[test]
+fn reidentify_gives_a_running_sandbox_its_pods_envd() {
+    let p = pod(json!({}), true);
+    assert!(!envd_listening(p.pause_host_pid));
+    let c = p.agent.client();
+    let policy = |on: bool, token: &str| ReidentifyRequest {
+        envd: Some(EnvdPolicy {
+            on,
+            token_sha256: if token.is_empty() {
+                Vec::new()
+            } else {
+                Sha256::digest(token.as_bytes()).to_vec()
+            },
+            ..Default::default()
+        })
+        .into(),
+        ..Default::default()
+    };
+    c.reidentify(&policy(true, "first"), T).unwrap();
+    assert!(envd_listening(p.pause_host_pid));
+    let list = |token: &str| envd_status(p.pause_host_pid, "/process.Process/List", token);
+    assert_eq!(list(""), 401, "a token was named: none is refused");
+    assert_eq!(list("first"), 200);
+    // Running with a token: a later pod's token does not replace it.
+    c.reidentify(&policy(true, "second"), T).unwrap();
+    assert_eq!(list("second"), 401);
+    assert_eq!(list("first"), 200);
+    // A malformed digest is refused before anything changes.
+    let mut bad = policy(true, "");
+    bad.envd.mut_or_insert_default().token_sha256 = vec![0; 7];
+    let e = c.reidentify(&bad, T).unwrap_err().to_string();
+    assert!(e.contains("token_sha256"), "{e}");
+    assert_eq!(list("first"), 200);
+    c.reidentify(&policy(false, ""), T).unwrap();
+    assert!(!envd_listening(p.pause_host_pid));
+}
+
+/// The status of a POST of `{}` to envd's `path` in the network namespace
+/// of host process `pid`, with `token` as `X-Access-Token` (none if empty).
+fn envd_status(pid: u32, path: &str, token: &str) -> u16 {
+    let netns = std::fs::File::open(format!("/proc/{pid}/ns/net")).unwrap();
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nContent-Type: application/json\r\nConnection: close\r\n{}Content-Length: 2\r\n\r\n{{}}",
+        if token.is_empty() {
+            String::new()
+        } else {
+            format!("X-Access-Token: {token}\r\n")
+        }
+    );
+    let answer = std::thread::spawn(move || {
+        nix::sched::setns(netns, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", 49983)).unwrap();
+        s.write_all(request.as_bytes()).unwrap();
+        let mut answer = String::new();
+        let _ = s.read_to_string(&mut answer);
+        answer
+    })
+    .join()
+    .unwrap();
+    answer
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {answer:?}"))
 }

@@ -128,6 +128,12 @@ fn same_bytes(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// The SHA-256 of `s` in hex: what a pod's
+/// `twig.dev/envd-token-sha256` holds of its envd token.
+pub fn sha256_hex(s: &str) -> String {
+    sha256(s).iter().map(|b| format!("{b:02x}")).collect()
+}
+
 fn sha256(key: &str) -> [u8; 32] {
     let mut out = [0; 32];
     out.copy_from_slice(digest::digest(&digest::SHA256, key.as_bytes()).as_ref());

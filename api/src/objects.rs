@@ -17,7 +17,8 @@ use kube::api::ObjectMeta;
 use ring::rand::{SecureRandom, SystemRandom};
 use twig_controller::crd::{
     CloneSource, CloneSpec, PodClone, SandboxTemplate, Snapshot, SnapshotMode, SnapshotSpec,
-    EGRESS_POLICY_ANNOTATION, RUNTIME_CLASS, TEMPLATE_ANNOTATION,
+    EGRESS_POLICY_ANNOTATION, ENVD_ANNOTATION, ENVD_ON, ENVD_TOKEN_SHA256_ANNOTATION,
+    RUNTIME_CLASS, TEMPLATE_ANNOTATION,
 };
 
 use crate::error::ApiError;
@@ -199,16 +200,22 @@ impl SandboxMeta {
     }
 }
 
-/// The pod of a new sandbox `id` from `template`.
+/// The pod of a new sandbox `id` from `template`, with the sandbox API
+/// on and requiring, from its first request, the access token whose
+/// SHA-256 is `envd_token_sha256` (hex): nobody reaches it before twig-api
+/// calls `/init`.
 pub fn template_pod(
     id: &str,
     template: &SandboxTemplate,
     meta: &SandboxMeta,
     env: &BTreeMap<String, String>,
     egress_policy: Option<String>,
+    envd_token_sha256: String,
 ) -> Pod {
     let mut annotations = meta.annotations.clone();
     annotations.insert(TEMPLATE_ANNOTATION.to_string(), template_name(template));
+    annotations.insert(ENVD_ANNOTATION.to_string(), ENVD_ON.to_string());
+    annotations.insert(ENVD_TOKEN_SHA256_ANNOTATION.to_string(), envd_token_sha256);
     if let Some(policy) = egress_policy {
         annotations.insert(EGRESS_POLICY_ANNOTATION.to_string(), policy);
     }

@@ -18,7 +18,7 @@ use twig_controller::crd::{
     Phase, PodClone, Rollback, RollbackSpec, SandboxTemplate, Snapshot, CLONE_LABEL,
 };
 
-use crate::auth::TokenKind;
+use crate::auth::{sha256_hex, TokenKind};
 use crate::error::ApiError;
 use crate::model::{
     ForkError, ForkResult, NewSandbox, Sandbox, SandboxDetail, SnapshotInfo, ENVD_VERSION,
@@ -387,12 +387,14 @@ impl App {
             labels,
             annotations,
         };
-        let pod = objects::template_pod(&id, &template, &meta, &env, policy);
+        let token = self.tokens.token(TokenKind::Envd, ns, &id);
+        let pod = objects::template_pod(&id, &template, &meta, &env, policy, sha256_hex(&token));
         self.api::<Pod>(ns)
             .create(&PostParams::default(), &pod)
             .await?;
         let pod = self.ready_pod(ns, &id, None).await?;
-        self.init_envd(ns, &pod, &id, None, &env).await?;
+        // envd requires the sandbox's token from the start.
+        self.init_envd(ns, &pod, &id, Some(&id), &env).await?;
         Ok(self.sandbox(ns, &id, &meta))
     }
 
@@ -482,7 +484,8 @@ impl App {
 
     /// Tells the sandbox's envd its access token, environment and the time
     /// (E2B's `POST /init`): after every start from a template or snapshot,
-    /// whose envd holds the template's or source's token (`source`).
+    /// whose envd requires the token of sandbox `source` (the new sandbox's
+    /// own, named by its pod, or the snapshotted sandbox's, in its memory).
     async fn init_envd(
         &self,
         ns: &str,

@@ -89,9 +89,12 @@ async fn stand_in_envd() -> (u16, Arc<Mutex<Vec<(Option<String>, Value)>>>) {
 }
 
 /// The scheduler and kubelet stand-in: every pod of `ns` is bound to
-/// [`NODE`] and set Running and Ready at 127.0.0.1.
-fn stand_in_kubelet(client: Client, ns: &str) {
+/// [`NODE`] and set Running and Ready at 127.0.0.1; returns the
+/// annotations of the pods it saw.
+fn stand_in_kubelet(client: Client, ns: &str) -> Arc<Mutex<PodAnnotations>> {
     let pods: Api<Pod> = Api::namespaced(client, ns);
+    let seen = Arc::new(Mutex::new(PodAnnotations::new()));
+    let record = seen.clone();
     tokio::spawn(async move {
         let mut events = watcher(pods.clone(), watcher::Config::default()).boxed();
         while let Some(Ok(event)) = events.next().await {
@@ -107,6 +110,10 @@ fn stand_in_kubelet(client: Client, ns: &str) {
                 continue;
             }
             let name = pod.name_any();
+            record
+                .lock()
+                .expect("lock")
+                .insert(name.clone(), pod.annotations().clone());
             if pod
                 .spec
                 .as_ref()
@@ -136,7 +143,11 @@ fn stand_in_kubelet(client: Client, ns: &str) {
                 .await;
         }
     });
+    seen
 }
+
+/// The annotations of each pod the stand-in kubelet started, by name.
+type PodAnnotations = BTreeMap<String, BTreeMap<String, String>>;
 
 /// Runs `tests/sdk/<script>` with `env`; its JSON report (its last line).
 async fn run_flow(python: &Path, script: &str, env: &[(&str, &str)]) -> Value {
@@ -197,7 +208,7 @@ async fn the_e2b_sdk_drives_sandboxes_through_twig_objects() {
         },
     );
     support::create(&client, &template).await;
-    stand_in_kubelet(client.clone(), support::NS);
+    let pod_annotations = stand_in_kubelet(client.clone(), support::NS);
     let (envd_port, inits) = stand_in_envd().await;
 
     let mut tenants = Tenants::default();
@@ -245,12 +256,29 @@ async fn the_e2b_sdk_drives_sandboxes_through_twig_objects() {
     // clone's envd was told its own token with its source's.
     let given = report["envd_token"].as_str().expect("token");
     assert!(tokens.check(twig_api::auth::TokenKind::Envd, support::NS, id, given));
+    // Its pod asked for envd, requiring that token from the first request,
+    // and the first /init carried it.
+    let annotations = pod_annotations.lock().expect("lock").get(id).cloned();
+    let annotations = annotations.expect("the sandbox's pod was seen");
+    assert_eq!(
+        annotations.get("twig.dev/envd").map(String::as_str),
+        Some("true")
+    );
+    assert_eq!(
+        annotations.get("twig.dev/envd-token-sha256"),
+        Some(&twig_api::auth::sha256_hex(given))
+    );
     let inits = inits.lock().expect("lock").clone();
     let told: Vec<&str> = inits
         .iter()
         .filter_map(|(_, body)| body["accessToken"].as_str())
         .collect();
     assert!(told.contains(&given), "envd never got {given}: {told:?}");
+    for (token, body) in &inits {
+        if body["accessToken"] == given {
+            assert_eq!(token.as_deref(), Some(given), "an /init without the token");
+        }
+    }
     for fork in report["forks"].as_array().expect("forks") {
         let fork = fork.as_str().expect("fork id");
         let token = tokens.token(twig_api::auth::TokenKind::Envd, support::NS, fork);

@@ -15,6 +15,10 @@ pub const GROUP: &str = "twig.dev";
 /// `twig_net::EgressPolicy`); it narrows its template's `spec.egressPolicy`
 /// (twig-proto's contract).
 pub use twig_proto::contract::EGRESS_POLICY_ANNOTATION;
+/// Pod annotations turning the sandbox API (envd) on and naming the access
+/// token it requires (twig-proto's contract): a Clone's pods keep their
+/// source's.
+pub use twig_proto::contract::{ENVD_ANNOTATION, ENVD_ON, ENVD_TOKEN_SHA256_ANNOTATION};
 /// Pod annotation asking for a VM without network (twig-proto's contract):
 /// a Clone's pods keep their source's.
 pub use twig_proto::contract::{NETWORK_ANNOTATION, NETWORK_NONE};

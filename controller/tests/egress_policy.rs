@@ -20,6 +20,7 @@ use twig_controller::crd::{
 };
 use twig_controller::reconcile::{clone::clone_pod, template};
 use twig_net::{effective_policy, Action, EgressPolicy};
+use twig_proto::contract::{ENVD_ANNOTATION, ENVD_TOKEN_SHA256_ANNOTATION};
 
 use support::fake::{Call, FakeNode};
 use support::{
@@ -271,6 +272,8 @@ fn a_clone_pod_carries_its_sources_egress_policy_annotation() {
     let source = source_pod(Some(BTreeMap::from([
         (EGRESS_POLICY_ANNOTATION.to_string(), policy.to_string()),
         (NETWORK_ANNOTATION.to_string(), "none".to_string()),
+        (ENVD_ANNOTATION.to_string(), "true".to_string()),
+        (ENVD_TOKEN_SHA256_ANNOTATION.to_string(), "ab".repeat(32)),
         ("team".to_string(), "not copied".to_string()),
     ])));
     let pod = clone_pod(&a_clone(), &source, "node-a", "snap-id", "snap", 1).expect("pod");
@@ -289,6 +292,16 @@ fn a_clone_pod_carries_its_sources_egress_policy_annotation() {
         annotations.get(NETWORK_ANNOTATION).map(String::as_str),
         Some("none"),
         "a source without network has clones without it"
+    );
+    // The source's sandbox API runs in the memory its clones restore:
+    // they keep it, and the token it requires.
+    assert_eq!(
+        annotations.get(ENVD_ANNOTATION).map(String::as_str),
+        Some("true")
+    );
+    assert_eq!(
+        annotations.get(ENVD_TOKEN_SHA256_ANNOTATION),
+        Some(&"ab".repeat(32))
     );
     assert!(!annotations.contains_key("team"), "{annotations:?}");
 

@@ -5,7 +5,8 @@
 //! - the annotations a pod carries to the shim (through containerd's CRI
 //!   plugin) and the controller reads: [`RESTORE_FROM_ANNOTATION`],
 //!   [`TEMPLATE_ANNOTATION`], [`CRI_SANDBOX_NAMESPACE_ANNOTATION`],
-//!   [`EGRESS_POLICY_ANNOTATION`], [`NETWORK_ANNOTATION`], [`ENVD_ANNOTATION`];
+//!   [`EGRESS_POLICY_ANNOTATION`], [`NETWORK_ANNOTATION`], [`ENVD_ANNOTATION`],
+//!   [`ENVD_TOKEN_SHA256_ANNOTATION`];
 //! - a template's build Pod: [`TEMPLATE_BUILD_LABEL`],
 //!   [`TEMPLATE_BUILD_CONTAINER`];
 //! - the node-store snapshot [`labels`] one crate writes and another reads;
@@ -46,16 +47,68 @@ pub const NETWORK_ANNOTATION: &str = "twig.dev/network";
 /// [`NETWORK_ANNOTATION`]'s value for a VM without network.
 pub const NETWORK_NONE: &str = "none";
 
-/// Pod annotation switching the pod's sandbox API off: with the value
-/// [`ENVD_OFF`], twig-agent serves no E2B-compatible envd (TCP port
-/// [`ENVD_PORT`] in the pod's network) for the pod. Without it, or with
-/// any other value, the API listens from the moment the pod's sandbox
-/// exists. The agent reads it from the sandbox container's OCI spec (CRI
-/// passes it with `pod_annotations = ["twig.dev/*"]`).
+/// Pod annotation switching the pod's sandbox API on: with the value
+/// [`ENVD_ON`], twig-agent serves an E2B-compatible envd (TCP port
+/// [`ENVD_PORT`] in the pod's network) for the pod; without it, or with
+/// [`ENVD_OFF`], none listens (any other value is refused). It runs
+/// commands in the pod's containers, so it is opt-in: twig-api sets it on
+/// the pods it makes. CRI passes it with `pod_annotations = ["twig.dev/*"]`;
+/// the agent reads it from the sandbox container's OCI spec, and a VM
+/// restored from a snapshot gets its pod's value in `Reidentify` (its
+/// listener, in guest memory, is started or stopped to match).
 pub const ENVD_ANNOTATION: &str = "twig.dev/envd";
+
+/// [`ENVD_ANNOTATION`]'s value for a pod with the sandbox API.
+pub const ENVD_ON: &str = "true";
 
 /// [`ENVD_ANNOTATION`]'s value for a pod without the sandbox API.
 pub const ENVD_OFF: &str = "false";
+
+/// Pod annotation with the SHA-256 (64 hex digits) of the access token
+/// envd requires from the pod's first request on (`X-Access-Token`).
+/// Without it, envd serves without a token until `/init` sets one — so a
+/// pod reachable by others before its owner calls `/init` needs it.
+pub const ENVD_TOKEN_SHA256_ANNOTATION: &str = "twig.dev/envd-token-sha256";
+
+/// A pod's sandbox API, as its annotations ask for it (on).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EnvdPolicy {
+    /// The SHA-256 of the access token required from the first request;
+    /// `None`: no token until `/init` sets one.
+    pub token_sha256: Option<[u8; 32]>,
+}
+
+/// What a pod's annotations ask of envd: `None` for none. `annotation`
+/// looks a pod annotation up. A value other than [`ENVD_ON`]/[`ENVD_OFF`],
+/// or a digest that is not 64 hex digits, is an error naming the
+/// annotation.
+pub fn envd_policy<'a>(
+    annotation: impl Fn(&str) -> Option<&'a str>,
+) -> Result<Option<EnvdPolicy>, String> {
+    match annotation(ENVD_ANNOTATION) {
+        None | Some(ENVD_OFF) => return Ok(None),
+        Some(ENVD_ON) => {}
+        Some(other) => {
+            return Err(format!(
+                "annotation {ENVD_ANNOTATION}: {other:?} is neither {ENVD_ON:?} nor {ENVD_OFF:?}"
+            ))
+        }
+    }
+    let Some(hex) = annotation(ENVD_TOKEN_SHA256_ANNOTATION) else {
+        return Ok(Some(EnvdPolicy { token_sha256: None }));
+    };
+    let bad = || format!("annotation {ENVD_TOKEN_SHA256_ANNOTATION}: {hex:?} is not 64 hex digits");
+    if hex.len() != 64 || !hex.is_ascii() {
+        return Err(bad());
+    }
+    let mut digest = [0u8; 32];
+    for (i, byte) in digest.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+    }
+    Ok(Some(EnvdPolicy {
+        token_sha256: Some(digest),
+    }))
+}
 
 /// The TCP port of the sandbox API in the pod's network: E2B's envd port,
 /// which the E2B and CubeSandbox SDKs use.
@@ -271,6 +324,55 @@ mod tests {
             retryable,
             [ErrorCode::DeadlineExceeded, ErrorCode::Unavailable]
         );
+    }
+
+    #[test]
+    fn envd_is_opt_in_and_its_token_digest_is_checked() {
+        fn of(pairs: &[(&str, &str)]) -> Result<Option<EnvdPolicy>, String> {
+            envd_policy(|k| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| *v))
+        }
+        assert_eq!(of(&[]), Ok(None));
+        assert_eq!(of(&[(ENVD_ANNOTATION, "false")]), Ok(None));
+        assert_eq!(
+            of(&[(ENVD_ANNOTATION, "true")]),
+            Ok(Some(EnvdPolicy { token_sha256: None }))
+        );
+        let hex = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08";
+        let on = of(&[
+            (ENVD_ANNOTATION, "true"),
+            (ENVD_TOKEN_SHA256_ANNOTATION, hex),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(on.token_sha256.unwrap()[..2], [0x9f, 0x86]);
+        assert_eq!(on.token_sha256.unwrap()[31], 0x08);
+        // A digest alone turns nothing on.
+        assert_eq!(of(&[(ENVD_TOKEN_SHA256_ANNOTATION, hex)]), Ok(None));
+        for bad in [
+            &[(ENVD_ANNOTATION, "yes")][..],
+            &[(ENVD_ANNOTATION, "True")],
+            &[
+                (ENVD_ANNOTATION, "true"),
+                (ENVD_TOKEN_SHA256_ANNOTATION, "abc"),
+            ],
+            &[
+                (ENVD_ANNOTATION, "true"),
+                (
+                    ENVD_TOKEN_SHA256_ANNOTATION,
+                    "zz86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
+                ),
+            ],
+            &[
+                (ENVD_ANNOTATION, "true"),
+                (
+                    ENVD_TOKEN_SHA256_ANNOTATION,
+                    "é6d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
+                ),
+            ],
+        ] {
+            let e = of(bad).unwrap_err();
+            assert!(e.contains("annotation twig.dev/envd"), "{e}");
+        }
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use twig_proto::contract::{NETWORK_ANNOTATION, NETWORK_NONE};
+use twig_proto::contract::{self, EnvdPolicy, NETWORK_ANNOTATION, NETWORK_NONE};
 
 use crate::error::{Error, Result};
 
@@ -73,6 +73,12 @@ pub fn network_none(spec: &Value) -> Result<bool> {
              it out for the pod's network"
         ))),
     }
+}
+
+/// The pod's sandbox API as its annotations ask for it
+/// ([`contract::envd_policy`]); an invalid value is refused, naming it.
+pub fn envd(spec: &Value) -> Result<Option<EnvdPolicy>> {
+    contract::envd_policy(|k| annotation(spec, k)).map_err(Error::InvalidArgument)
 }
 
 /// Refuses a CRI pod sandbox that asks for one of the node's namespaces
@@ -170,5 +176,16 @@ mod tests {
         assert!(e.to_string().contains("\"bridge\""), "{e}");
         // Not a CRI sandbox (ctr's containers, app containers).
         check_host_namespaces(&json!({"linux": {"namespaces": []}})).unwrap();
+    }
+
+    #[test]
+    fn envd_is_read_from_the_sandbox_annotations_and_bad_values_refused() {
+        assert_eq!(envd(&json!({})).unwrap(), None);
+        let on = json!({"annotations": {contract::ENVD_ANNOTATION: "true"}});
+        assert_eq!(envd(&on).unwrap(), Some(EnvdPolicy { token_sha256: None }));
+        let bad = json!({"annotations": {contract::ENVD_ANNOTATION: "on"}});
+        let e = envd(&bad).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+        assert!(e.to_string().contains("twig.dev/envd"), "{e}");
     }
 }

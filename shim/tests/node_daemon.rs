@@ -148,6 +148,7 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
         "",
         None,
         None,
+        None,
         Default::default(),
         None,
     )
@@ -175,6 +176,7 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
             &state,
             "sb",
             "",
+            None,
             Some(RestoreFrom {
                 id: id.into(),
                 app_template: None,
@@ -232,6 +234,7 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
         "",
         None,
         None,
+        None,
         Default::default(),
         None,
     )
@@ -253,6 +256,7 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
         &state,
         "sb",
         "",
+        None,
         None,
         None,
         Default::default(),

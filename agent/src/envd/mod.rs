@@ -3,11 +3,12 @@
 //! files in the pod's main container (see the README's "The sandbox API
 //! (envd)").
 //!
-//! It listens from the moment the pod's sandbox container (the built-in
-//! pause) starts, in the pause's network namespace, unless the pod is
-//! annotated `twig.dev/envd: "false"`, and stops when that container is
-//! removed. The socket lives in guest memory: it keeps listening across
-//! snapshot, restore, clone and rollback. A thread accepts, a thread
+//! Opt-in: for a pod annotated `twig.dev/envd: "true"` it listens from the
+//! moment the pod's sandbox container (the built-in pause) starts, in the
+//! pause's network namespace, and stops when that container is removed; a
+//! VM restored from a snapshot is told its pod's choice in `Reidentify`
+//! ([`Policy`]). The socket lives in guest memory: it keeps listening
+//! across snapshot, restore, clone and rollback. A thread accepts, a thread
 //! serves each connection (at most [`MAX_CONNECTIONS`]), blocking: an idle
 //! pod costs nothing.
 //!
@@ -17,8 +18,10 @@
 //!   container, users, file operations inside the container.
 //! - `GET /health` (204, never needs the token), `POST /init` (JSON
 //!   `accessToken`, `envVars`, `defaultUser`, `defaultWorkdir`; 204).
-//!   Once a token is set, every other request needs `X-Access-Token` equal
-//!   to it (compared in constant time), `/init` included.
+//!   Once a token is set (by `/init`, or from the start by the pod's
+//!   `twig.dev/envd-token-sha256`), every other request needs an
+//!   `X-Access-Token` whose SHA-256 is the token's (compared in constant
+//!   time), `/init` included. Only the digest is kept.
 
 mod connect;
 mod files;
@@ -57,8 +60,8 @@ const MAX_INIT_BYTES: u64 = 1 << 20;
 /// What `/init` set.
 #[derive(Debug, Default, Clone)]
 pub struct Settings {
-    /// The access token every request must carry, once set.
-    token: Option<String>,
+    /// The SHA-256 of the access token every request must carry, once set.
+    token: Option<[u8; 32]>,
     /// Environment added to every command.
     pub env: BTreeMap<String, String>,
     /// The user of requests that name none.
@@ -156,20 +159,35 @@ impl Drop for Envd {
     }
 }
 
-/// Whether the pod's sandbox spec leaves envd on.
-pub fn wanted(spec: &Spec) -> bool {
-    spec.annotations()
-        .as_ref()
-        .and_then(|a| a.get(twig_agent::proto::contract::ENVD_ANNOTATION))
-        .is_none_or(|v| v != twig_agent::proto::contract::ENVD_OFF)
+/// What a pod asks of envd (on, and the access token it requires from
+/// the start, if any).
+pub type Policy = twig_agent::proto::contract::EnvdPolicy;
+
+/// What the pod's sandbox spec asks of envd; `None`: no envd. An invalid
+/// annotation is an error naming it.
+pub fn wanted(spec: &Spec) -> Result<Option<Policy>, String> {
+    let annotations = spec.annotations().as_ref();
+    twig_agent::proto::contract::envd_policy(|k| {
+        annotations.and_then(|a| a.get(k)).map(String::as_str)
+    })
+}
+
+impl Envd {
+    /// Requires the access token whose SHA-256 is `digest` from now on,
+    /// unless a token is set already (`/init`'s, or one restored with the
+    /// VM's memory, stays).
+    pub fn require_token(&self, digest: [u8; 32]) {
+        lock(&self.shared.settings).token.get_or_insert(digest);
+    }
 }
 
 /// Starts envd for sandbox `sandbox_id`, whose pause is `pause_pid`,
 /// listening on [`ENVD_PORT`](twig_agent::proto::contract::ENVD_PORT) in
-/// that process's network namespace.
+/// that process's network namespace, as `policy` asks.
 pub fn start(
     sandbox_id: &str,
     pause_pid: i32,
+    policy: Policy,
     registry: Arc<Registry>,
     reaper: Arc<Reaper>,
 ) -> io::Result<Envd> {
@@ -190,7 +208,10 @@ pub fn start(
         sandbox_id: sandbox_id.to_string(),
         registry,
         reaper,
-        settings: Mutex::default(),
+        settings: Mutex::new(Settings {
+            token: policy.token_sha256,
+            ..Settings::default()
+        }),
         procs: process::Table::default(),
         watchers: watch::Watchers::default(),
         connections: AtomicUsize::new(0),
@@ -271,6 +292,11 @@ fn plain_error(status: u16, message: &str) -> Vec<u8> {
 }
 
 /// Constant-time equality (the length is not secret).
+fn sha256(bytes: &[u8]) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).into()
+}
+
 fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
@@ -294,9 +320,9 @@ fn route(
     if req.path == "/health" {
         return early(w, 204, b"");
     }
-    if let Some(token) = lock(&shared.settings).token.clone() {
+    if let Some(token) = lock(&shared.settings).token {
         let given = req.header("x-access-token").unwrap_or("");
-        if !same(given.as_bytes(), token.as_bytes()) {
+        if !same(&sha256(given.as_bytes()), &token) {
             let message = "the X-Access-Token header is missing or wrong";
             let body = match rpc {
                 true => RpcError::new(Code::Unauthenticated, message)
@@ -373,7 +399,7 @@ fn init(shared: &Shared, body: &[u8]) -> Result<(), String> {
     let req: InitRequest = serde_json::from_slice(body).map_err(|e| format!("/init: {e}"))?;
     let mut s = lock(&shared.settings);
     if let Some(t) = req.access_token.filter(|t| !t.is_empty()) {
-        s.token = Some(t);
+        s.token = Some(sha256(t.as_bytes()));
     }
     s.env.extend(req.env_vars);
     if let Some(u) = req.default_user.filter(|u| !u.is_empty()) {
@@ -500,11 +526,18 @@ mod tests {
     }
 
     fn shared() -> Arc<Shared> {
+        shared_with(None)
+    }
+
+    fn shared_with(token: Option<[u8; 32]>) -> Arc<Shared> {
         Arc::new(Shared {
             sandbox_id: "sb".into(),
             registry: Arc::default(),
             reaper: Reaper::start(),
-            settings: Mutex::default(),
+            settings: Mutex::new(Settings {
+                token,
+                ..Settings::default()
+            }),
             procs: process::Table::default(),
             watchers: watch::Watchers::default(),
             connections: AtomicUsize::new(0),
@@ -521,6 +554,33 @@ mod tests {
         client.shutdown(std::net::Shutdown::Write).unwrap();
         serve(s, server).unwrap();
         String::from_utf8(read_all(client)).unwrap()
+    }
+
+    #[test]
+    fn a_token_the_pod_set_is_required_from_the_first_request() {
+        let s = shared_with(Some(sha256(b"from-the-pod")));
+        let list = "POST /process.Process/List HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: 2\r\n";
+        let r = exchange(&s, &format!("{list}\r\n{{}}"));
+        assert!(r.starts_with("HTTP/1.1 401 "), "{r}");
+        let init = r#"{"accessToken":"next"}"#;
+        let post_init = |token: &str| {
+            format!(
+                "POST /init HTTP/1.1\r\nX-Access-Token: {token}\r\nContent-Length: {}\r\n\r\n{init}",
+                init.len()
+            )
+        };
+        let r = exchange(&s, &post_init("guess"));
+        assert!(r.starts_with("HTTP/1.1 401 "), "/init is no way in: {r}");
+        let r = exchange(&s, &post_init("from-the-pod"));
+        assert!(r.starts_with("HTTP/1.1 204 "), "{r}");
+        // /init changed it: the old token is refused, the new one served.
+        let r = exchange(
+            &s,
+            &format!("{list}X-Access-Token: from-the-pod\r\n\r\n{{}}"),
+        );
+        assert!(r.starts_with("HTTP/1.1 401 "), "{r}");
+        let r = exchange(&s, &format!("{list}X-Access-Token: next\r\n\r\n{{}}"));
+        assert!(r.starts_with("HTTP/1.1 200 "), "{r}");
     }
 
     #[test]

@@ -19,8 +19,9 @@ use super::{
 use crate::context::{is_not_found, millis_since, Context, Error};
 use crate::crd::{
     CloneStatus, DeletionPolicy, Phase, PodClone, ReplicaStatus, SandboxTemplate, Snapshot,
-    SnapshotMode, SnapshotSpec, SourcePod, CLONE_LABEL, EGRESS_POLICY_ANNOTATION, MAX_REPLICAS,
-    NETWORK_ANNOTATION, RESTORE_FROM_ANNOTATION, RUNTIME_CLASS, TEMPLATE_ANNOTATION,
+    SnapshotMode, SnapshotSpec, SourcePod, CLONE_LABEL, EGRESS_POLICY_ANNOTATION, ENVD_ANNOTATION,
+    ENVD_TOKEN_SHA256_ANNOTATION, MAX_REPLICAS, NETWORK_ANNOTATION, RESTORE_FROM_ANNOTATION,
+    RUNTIME_CLASS, TEMPLATE_ANNOTATION,
 };
 use crate::reconcile::validate_name;
 
@@ -494,11 +495,14 @@ fn pod_ready(pod: &Pod) -> bool {
 /// (`twig.dev/network: none`) the clones are without it too, the source's
 /// egress policy bounds theirs, and its SandboxTemplate bounds their policy
 /// as it bounds the source's (`twig.dev/restore-from` wins over it for the
-/// restore).
-const KEPT_ANNOTATIONS: [&str; 3] = [
+/// restore); a source with the sandbox API (`twig.dev/envd`) runs it in
+/// guest memory, and its clones keep it, with the token it requires.
+const KEPT_ANNOTATIONS: [&str; 5] = [
     EGRESS_POLICY_ANNOTATION,
     NETWORK_ANNOTATION,
     TEMPLATE_ANNOTATION,
+    ENVD_ANNOTATION,
+    ENVD_TOKEN_SHA256_ANNOTATION,
 ];
 
 /// What a Snapshot keeps of `pod` (its `status.sourcePod`).

@@ -13,8 +13,9 @@ use std::time::{Duration, Instant};
 
 use containerd_shim_protos::ttrpc;
 use twig_agent::client::AgentClient;
-use twig_agent::proto::agent::ReidentifyRequest;
+use twig_agent::proto::agent::{self as agent_proto, ReidentifyRequest};
 use twig_net::EGRESS_POLICY_ANNOTATION;
+use twig_proto::contract::EnvdPolicy;
 use twig_proto::node::{AcquireVmRequest, AcquireVmResponse};
 use twig_proto::node_ttrpc::PoolClient;
 use twig_vmm::api::Client;
@@ -58,6 +59,7 @@ impl Launcher for VmLauncher {
         let resources = limits::pod_resources(&spec)?;
         // The cgroup kubelet gives the sandbox, where the VM is charged.
         let cgroup = cgroups::sandbox_cgroup(&spec)?;
+        let envd = spec::envd(&spec)?;
         // The policy is checked before a VM is taken; a kernel that cannot
         // filter the pod's network refuses it at the join, never runs it
         // unfiltered.
@@ -86,6 +88,7 @@ impl Launcher for VmLauncher {
             &self.state_dir,
             sandbox_id,
             hostname,
+            envd,
             restore_from,
             network,
             resources,
@@ -135,6 +138,7 @@ pub fn join_network(
                 hostname: own.hostname.clone(),
                 entropy: own.entropy.clone(),
                 realtime_ns: own.realtime_ns,
+                envd: own.envd.clone(),
                 ..network.clone()
             };
             agent
@@ -161,6 +165,7 @@ impl VmSandbox {
         state_dir: &Path,
         sandbox_id: &str,
         hostname: &str,
+        envd: Option<EnvdPolicy>,
         restore_from: Option<RestoreFrom<'_>>,
         mut network: Option<NetworkSetup>,
         resources: PodResources,
@@ -205,6 +210,7 @@ impl VmSandbox {
         let identity = reidentify(
             &agent,
             source.as_ref().map_or(hostname, |s| s.hostname.as_str()),
+            envd,
             network.is_some(),
             timeout,
         )?;
@@ -405,22 +411,39 @@ fn restore(
 /// entropy for the guest's RNG and the host's wall clock (a VM restored
 /// from the base template would otherwise run with the template's RNG
 /// state, the same in every pod, and its clock, stuck at the template's
-/// build), and the pod's `hostname` (a clone's: its snapshot's) — with the
-/// pod's network identity in one Reidentify ([`join_network`]) when
-/// `with_network`, or here on its own when the pod has no network.
+/// build), the pod's `hostname` (a clone's: its snapshot's) and its envd
+/// ([`envd_of`]) — with the pod's network identity in one Reidentify
+/// ([`join_network`]) when `with_network`, or here on its own when the pod
+/// has no network.
 fn reidentify(
     agent: &AgentClient,
     hostname: &str,
+    envd: Option<EnvdPolicy>,
     with_network: bool,
     timeout: Duration,
 ) -> Result<ReidentifyRequest> {
-    let identity = restore::identity(hostname)?;
+    let mut identity = restore::identity(hostname)?;
+    identity.envd = Some(envd_of(envd)).into();
     if !with_network {
         agent
             .reidentify(&identity, timeout)
             .map_err(|e| Error::agent("giving the restored VM its own identity", e))?;
     }
     Ok(identity)
+}
+
+/// What the agent is told of the pod's sandbox API: a VM restored from a
+/// pod's snapshot runs that pod's sandbox container, whose envd (in guest
+/// memory) is made this pod's.
+fn envd_of(policy: Option<EnvdPolicy>) -> agent_proto::EnvdPolicy {
+    agent_proto::EnvdPolicy {
+        on: policy.is_some(),
+        token_sha256: policy
+            .and_then(|p| p.token_sha256)
+            .map(Vec::from)
+            .unwrap_or_default(),
+        ..Default::default()
+    }
 }
 
 /// Step 6, adoption: the restored snapshot's disk slots are taken, and its
