@@ -33,7 +33,7 @@ const MIB: u64 = 1 << 20;
 /// the fixed reserve: 1/32 (its page structures and page tables, 1.6 %,
 /// and the allocator's watermarks, which grow with RAM). Measured in the
 /// lab: 30 MiB of a 128 MiB VM and 39 MiB of a 512 MiB one were not
-/// available to the pod (twig-node's README, *VM shapes*).
+/// available to the pod (e2e/BENCHMARKS.md, *VM shapes*).
 pub const RESERVE_SHARE: u32 = 32;
 
 /// What a guest of `mem_mib` MiB keeps for itself: `reserve_mib` plus

@@ -1,7 +1,6 @@
 //! The sandbox API: an E2B-compatible envd on TCP port 49983 in the pod's
 //! network, so that E2B's and CubeSandbox's SDKs run commands and use
-//! files in the pod's main container (see the README's "The sandbox API
-//! (envd)").
+//! files in the pod's main container (see `agent/ENVD.md`).
 //!
 //! Opt-in: for a pod annotated `twig.dev/envd: "true"` it listens from the
 //! moment the pod's sandbox container (the built-in pause) starts, in the
