@@ -166,6 +166,9 @@ fn helm_lints_the_chart_with_default_and_changed_values() {
     let changed = values_file(&json!({
         "nodeSetup": {"enabled": false},
         "controller": {"image": "registry.example/twig/controller:9.9.9"},
+        "image": {"registry": "registry.example:5000/twig", "tag": "9.9.9"},
+        "api": {"enabled": true, "domain": "sandbox.example",
+                "ingress": {"enabled": true, "tlsSecret": "wildcard-tls"}},
     }));
     succeed(
         Command::new(helm())
@@ -451,16 +454,42 @@ fn metrics_service_selects_the_controller(docs: &[Value], port: i32) {
     );
 }
 
-/// A value of the same type as `v` that differs from it.
-fn changed(v: &Value) -> Value {
+/// A value of the same type as `v`, the value of key `key`, that differs
+/// from it (and that values.schema.json accepts).
+fn changed(key: &str, v: &Value) -> Value {
     match v {
+        Value::String(s) if s.is_empty() => json!("changed"),
         Value::String(s) => json!(format!("{s}-changed")),
         Value::Number(n) => json!(n.as_i64().expect("integer value") + 1),
         Value::Bool(b) => json!(!b),
-        Value::Array(_) => json!([{"key": "changed", "operator": "Exists"}]),
+        Value::Array(_) if key == "tolerations" => {
+            json!([{"key": "changed", "operator": "Exists"}])
+        }
+        Value::Array(_) => json!(["changed"]),
         Value::Object(_) => json!({"changed": "yes"}),
         Value::Null => json!("changed"),
     }
+}
+
+/// `over` merged into `base`, as Helm merges values: maps key by key,
+/// anything else replaced.
+fn merged(base: &Value, over: &Value) -> Value {
+    match (base, over) {
+        (Value::Object(b), Value::Object(o)) => {
+            let mut out = b.clone();
+            for (k, v) in o {
+                let next = out.get(k).map_or(v.clone(), |old| merged(old, v));
+                out.insert(k.clone(), next);
+            }
+            Value::Object(out)
+        }
+        _ => over.clone(),
+    }
+}
+
+/// Values with every optional part of the chart on: twig-api and its Ingress.
+fn all_on() -> Value {
+    json!({"api": {"enabled": true, "domain": "sandbox.example", "ingress": {"enabled": true}}})
 }
 
 /// Every leaf of `v` (non-empty objects are descended), as a key path.
@@ -483,21 +512,24 @@ fn every_value_changes_the_rendered_chart() {
         &std::fs::read_to_string(chart_dir().join("values.yaml")).expect("values.yaml"),
     )
     .expect("parse values.yaml");
-    let defaults = template(&json!({}));
+    // With every optional part on, so that the values of twig-api (off by
+    // default) are rendered too; each leaf changes from what that base has.
+    let base = merged(&values, &all_on());
+    let defaults = template(&all_on());
     let mut leaves = Vec::new();
     leaf_paths(&values, &[], &mut leaves);
     assert!(leaves.len() > 10, "values.yaml has its leaves: {leaves:?}");
     for path in leaves {
-        let mut current = &values;
+        let mut current = &base;
         for key in &path {
             current = &current[key.as_str()];
         }
-        let mut over = changed(current);
+        let mut over = changed(path.last().expect("a key"), current);
         for key in path.iter().rev() {
             over = json!({ key.clone(): over });
         }
         assert_ne!(
-            template(&over),
+            template(&merged(&all_on(), &over)),
             defaults,
             "value {} is not used by any template",
             path.join(".")
@@ -1154,4 +1186,433 @@ fn users_get_aggregated_view_and_edit_roles() {
             .collect();
         assert_eq!(granted, expected, "{name}");
     }
+}
+
+/// The container images of every pod template in `docs` (containers and
+/// init containers), sorted and deduplicated.
+fn images_of(docs: &[Value]) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for doc in docs {
+        let pod = &doc["spec"]["template"]["spec"];
+        for list in ["containers", "initContainers"] {
+            for c in pod[list].as_array().into_iter().flatten() {
+                out.insert(c["image"].as_str().expect("image").to_string());
+            }
+        }
+    }
+    out
+}
+
+/// `scripts/build-images.sh --list` with `args`: the references it builds.
+fn build_images_list(args: &[&str]) -> BTreeSet<String> {
+    let script = chart_dir().join("../../scripts/build-images.sh");
+    succeed(Command::new(script).arg("--list").args(args))
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+/// Issue 25, item 5: every image the chart names (all parts on) is one
+/// `scripts/build-images.sh` builds, with the same registry, names and
+/// tag, by default and with the registry a test or a user pushes to; the
+/// tag is the chart's appVersion, which is the workspace's version (the
+/// binaries' `--version`), so the chart and its images go together.
+#[test]
+fn rendered_images_are_the_ones_build_images_sh_builds() {
+    let chart: Value = serde_saphyr::from_str(
+        &std::fs::read_to_string(chart_dir().join("Chart.yaml")).expect("Chart.yaml"),
+    )
+    .expect("parse Chart.yaml");
+    assert_eq!(
+        chart["appVersion"],
+        json!(env!("CARGO_PKG_VERSION")),
+        "the chart's appVersion (its images' tag) is the workspace's version"
+    );
+    let built = build_images_list(&[]);
+    let expected: BTreeSet<String> = ["twig-controller", "twig-api", "twig-node-installer"]
+        .iter()
+        .map(|name| format!("ghcr.io/twig-dev/{name}:{}", env!("CARGO_PKG_VERSION")))
+        .collect();
+    assert_eq!(built, expected);
+    assert_eq!(images_of(&documents(&template(&all_on()))), built);
+
+    let registry = "127.0.0.1:5000/twig";
+    let pushed = build_images_list(&["--registry", registry]);
+    let docs = documents(&template(&merged(
+        &all_on(),
+        &json!({"image": {"registry": registry}}),
+    )));
+    assert_eq!(images_of(&docs), pushed);
+    assert!(pushed.iter().all(|r| r.starts_with("127.0.0.1:5000/twig/")));
+
+    // A tag of the user's, and a whole reference for one image.
+    let docs = documents(&template(&merged(
+        &all_on(),
+        &json!({"image": {"tag": "9.9.9"}, "api": {"image": "registry.example/api@sha256:0123"}}),
+    )));
+    assert_eq!(
+        images_of(&docs),
+        set(&[
+            "ghcr.io/twig-dev/twig-controller:9.9.9",
+            "ghcr.io/twig-dev/twig-node-installer:9.9.9",
+            "registry.example/api@sha256:0123",
+        ])
+    );
+}
+
+/// (API group, resource, verbs) twig-api calls: api/src/sandboxes.rs and
+/// proxy.rs (`await_condition` is a list and a watch of the one object).
+const API_RULES: &[(&str, &str, &[&str])] = &[
+    (
+        "",
+        "pods",
+        &["get", "list", "watch", "create", "patch", "delete"],
+    ),
+    (
+        "twig.dev",
+        "snapshots",
+        &["get", "list", "watch", "create", "patch", "delete"],
+    ),
+    (
+        "twig.dev",
+        "clones",
+        &["get", "list", "watch", "create", "delete"],
+    ),
+    (
+        "twig.dev",
+        "rollbacks",
+        &["list", "watch", "create", "delete"],
+    ),
+    ("twig.dev", "sandboxtemplates", &["get"]),
+];
+
+/// Every (group, resource, verb) `role` grants, refusing wildcards.
+fn granted(role: &ClusterRole) -> BTreeSet<(String, String, String)> {
+    let mut out = BTreeSet::new();
+    for rule in role.rules.iter().flatten() {
+        assert!(rule.resource_names.is_none() && rule.non_resource_urls.is_none());
+        for group in rule.api_groups.iter().flatten() {
+            for resource in rule.resources.iter().flatten() {
+                for verb in &rule.verbs {
+                    assert_ne!(verb, "*", "wildcard verb");
+                    assert_ne!(resource, "*", "wildcard resource");
+                    out.insert((group.clone(), resource.clone(), verb.clone()));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Issue 25, items 1 and 5: twig-api's Deployment, Service, ServiceAccount
+/// and role render from its values, as their Kubernetes types, off by
+/// default; the role grants exactly what twig-api calls, in every
+/// namespace or only in the tenants' ones.
+#[test]
+fn api_deployment_and_rbac_render_with_its_values() {
+    use k8s_openapi::api::apps::v1::Deployment;
+    use k8s_openapi::api::networking::v1::Ingress;
+    use k8s_openapi::api::rbac::v1::RoleBinding;
+
+    let defaults = documents(&template(&json!({})));
+    assert!(
+        kinds(&defaults).iter().all(|k| !k.ends_with("/twig-api")),
+        "twig-api is off by default: {:?}",
+        kinds(&defaults)
+    );
+
+    let docs = documents(&template_args(
+        &json!({"api": {"enabled": true}}),
+        "sandbox",
+        "agents",
+        &[],
+    ));
+    let api_kinds: BTreeSet<String> = kinds(&docs)
+        .into_iter()
+        .filter(|k| k.ends_with("/twig-api"))
+        .collect();
+    assert_eq!(
+        api_kinds,
+        set(&[
+            "ServiceAccount/twig-api",
+            "ClusterRole/twig-api",
+            "ClusterRoleBinding/twig-api",
+            "Deployment/twig-api",
+            "Service/twig-api",
+        ])
+    );
+    let role: ClusterRole = strict(find(&docs, "ClusterRole", "twig-api"));
+    let needed: BTreeSet<(String, String, String)> = API_RULES
+        .iter()
+        .flat_map(|(g, r, verbs)| {
+            verbs
+                .iter()
+                .map(move |v| (g.to_string(), r.to_string(), v.to_string()))
+        })
+        .collect();
+    assert_eq!(granted(&role), needed);
+    let binding: ClusterRoleBinding = strict(find(&docs, "ClusterRoleBinding", "twig-api"));
+    assert_eq!(binding.role_ref.name, "twig-api");
+    let subject = &binding.subjects.expect("subjects")[0];
+    assert_eq!(
+        (subject.name.as_str(), subject.namespace.as_deref()),
+        ("twig-api", Some("agents"))
+    );
+    strict::<ServiceAccount>(find(&docs, "ServiceAccount", "twig-api"));
+
+    let deployment: Deployment = strict(find(&docs, "Deployment", "twig-api"));
+    let spec = deployment.spec;
+    assert_eq!(spec.replicas, Some(2));
+    let pod = spec.template.spec.expect("pod spec");
+    assert_eq!(pod.service_account_name.as_deref(), Some("twig-api"));
+    let pod_security = pod.security_context.expect("pod securityContext");
+    assert_eq!(
+        (pod_security.run_as_non_root, pod_security.run_as_user),
+        (Some(true), Some(65532)),
+        "twig-api runs as the image's non-root user"
+    );
+    let c = &pod.containers[0];
+    assert_eq!(
+        c.image.as_deref(),
+        Some(format!("ghcr.io/twig-dev/twig-api:{}", env!("CARGO_PKG_VERSION")).as_str())
+    );
+    let security = c.security_context.as_ref().expect("securityContext");
+    assert_eq!(security.read_only_root_filesystem, Some(true));
+    assert_eq!(security.allow_privilege_escalation, Some(false));
+    assert_eq!(
+        c.args.clone().expect("args"),
+        [
+            "--listen=0.0.0.0:3000",
+            "--proxy-listen=0.0.0.0:8080",
+            "--keys=/etc/twig-api/keys/keys.yaml",
+            "--token-secret=/etc/twig-api/token/secret",
+            "--default-timeout=300",
+            "--max-timeout=86400",
+        ]
+    );
+    // The two files come from the two Secrets, mounted where the args say.
+    let secret_of = |volume: &str| {
+        let v = pod
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == volume)
+            .unwrap_or_else(|| panic!("no volume {volume}"));
+        v.secret.as_ref().and_then(|s| s.secret_name.clone())
+    };
+    let mount_of = |volume: &str| {
+        let m = c
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| m.name == volume)
+            .unwrap_or_else(|| panic!("no mount of {volume}"));
+        assert_eq!(m.read_only, Some(true));
+        m.mount_path.clone()
+    };
+    assert_eq!(secret_of("keys").as_deref(), Some("twig-api-keys"));
+    assert_eq!(secret_of("token").as_deref(), Some("twig-api-token"));
+    assert_eq!(mount_of("keys"), "/etc/twig-api/keys");
+    assert_eq!(mount_of("token"), "/etc/twig-api/token");
+    let probe = c.readiness_probe.as_ref().and_then(|p| p.http_get.as_ref());
+    assert_eq!(probe.and_then(|h| h.path.as_deref()), Some("/health"));
+
+    // The Service selects the Deployment's pods and names its two ports.
+    let service: Service = strict(find(&docs, "Service", "twig-api"));
+    let sspec = service.spec.expect("service spec");
+    assert_eq!(sspec.selector, spec.selector.match_labels);
+    assert_eq!(sspec.type_.as_deref(), Some("ClusterIP"));
+    let ports: Vec<(Option<String>, i32)> = sspec
+        .ports
+        .expect("ports")
+        .into_iter()
+        .map(|p| (p.name, p.port))
+        .collect();
+    assert_eq!(
+        ports,
+        [(Some("api".into()), 3000), (Some("proxy".into()), 8080)]
+    );
+    let container_ports: Vec<(Option<String>, i32)> = c
+        .ports
+        .clone()
+        .expect("container ports")
+        .into_iter()
+        .map(|p| (p.name, p.container_port))
+        .collect();
+    assert_eq!(container_ports, ports);
+    // The controller's headless Service does not select twig-api's pods.
+    let controller_service: Service = strict(find(&docs, "Service", "twig-controller"));
+    let labels = spec
+        .template
+        .metadata
+        .and_then(|m| m.labels)
+        .expect("labels");
+    let controller_selector = controller_service
+        .spec
+        .and_then(|s| s.selector)
+        .expect("selector");
+    assert!(!controller_selector
+        .iter()
+        .all(|(k, v)| labels.get(k) == Some(v)));
+
+    // Changed values: tenants' namespaces only, domain, ports, Secrets, TLS at an Ingress.
+    let values = json!({"api": {
+        "enabled": true,
+        "replicas": 3,
+        "image": "registry.example/twig-api:1.0",
+        "keysSecret": {"name": "tenants", "key": "tenants.yaml"},
+        "tokenSecret": {"name": "tokens", "key": "hmac"},
+        "domain": "sandbox.example.com",
+        "namespaces": ["team-a", "team-b"],
+        "apiPort": 3300,
+        "proxyPort": 8088,
+        "defaultTimeoutSeconds": 60,
+        "maxTimeoutSeconds": 3600,
+        "logLevel": "twig_api=debug",
+        "service": {"type": "LoadBalancer"},
+        "ingress": {"enabled": true, "className": "nginx", "tlsSecret": "wildcard-tls"},
+    }});
+    let docs = documents(&template_args(&values, "sandbox", "agents", &[]));
+    assert!(
+        !kinds(&docs).contains("ClusterRoleBinding/twig-api"),
+        "bound only in the tenants' namespaces"
+    );
+    let bound: BTreeSet<String> = docs
+        .iter()
+        .filter(|d| d["kind"] == "RoleBinding")
+        .map(|d| {
+            let rb: RoleBinding = strict(d);
+            assert_eq!(rb.role_ref.kind, "ClusterRole");
+            assert_eq!(rb.role_ref.name, "twig-api");
+            let s = &rb.subjects.expect("subjects")[0];
+            assert_eq!(
+                (s.name.as_str(), s.namespace.as_deref()),
+                ("twig-api", Some("agents"))
+            );
+            rb.metadata.namespace.expect("namespace")
+        })
+        .collect();
+    assert_eq!(bound, set(&["team-a", "team-b"]));
+    let deployment: Deployment = strict(find(&docs, "Deployment", "twig-api"));
+    let spec = deployment.spec;
+    assert_eq!(spec.replicas, Some(3));
+    let pod = spec.template.spec.expect("pod spec");
+    let c = &pod.containers[0];
+    assert_eq!(c.image.as_deref(), Some("registry.example/twig-api:1.0"));
+    assert_eq!(
+        c.args.clone().expect("args"),
+        [
+            "--listen=0.0.0.0:3300",
+            "--proxy-listen=0.0.0.0:8088",
+            "--keys=/etc/twig-api/keys/tenants.yaml",
+            "--token-secret=/etc/twig-api/token/hmac",
+            "--domain=sandbox.example.com",
+            "--default-timeout=60",
+            "--max-timeout=3600",
+        ]
+    );
+    let env = c.env.clone().expect("env");
+    assert_eq!(
+        (env[0].name.as_str(), env[0].value.as_deref()),
+        ("RUST_LOG", Some("twig_api=debug"))
+    );
+    let secrets: BTreeSet<String> = pod
+        .volumes
+        .iter()
+        .flatten()
+        .filter_map(|v| v.secret.as_ref().and_then(|s| s.secret_name.clone()))
+        .collect();
+    assert_eq!(secrets, set(&["tenants", "tokens"]));
+    let service: Service = strict(find(&docs, "Service", "twig-api"));
+    let sspec = service.spec.expect("service spec");
+    assert_eq!(sspec.type_.as_deref(), Some("LoadBalancer"));
+    assert_eq!(
+        sspec
+            .ports
+            .expect("ports")
+            .iter()
+            .map(|p| p.port)
+            .collect::<Vec<_>>(),
+        [3300, 8088]
+    );
+    let ingress: Ingress = strict(find(&docs, "Ingress", "twig-api"));
+    let ispec = ingress.spec.expect("ingress spec");
+    assert_eq!(ispec.ingress_class_name.as_deref(), Some("nginx"));
+    let tls = &ispec.tls.expect("tls")[0];
+    assert_eq!(tls.secret_name.as_deref(), Some("wildcard-tls"));
+    assert_eq!(
+        tls.hosts.clone().expect("hosts"),
+        ["api.sandbox.example.com", "*.sandbox.example.com"]
+    );
+    let routes: Vec<(String, String)> = ispec
+        .rules
+        .expect("rules")
+        .into_iter()
+        .map(|r| {
+            let path = &r.http.expect("http").paths[0];
+            let port = path
+                .backend
+                .service
+                .as_ref()
+                .and_then(|s| s.port.as_ref())
+                .and_then(|p| p.name.clone())
+                .expect("port name");
+            (r.host.expect("host"), port)
+        })
+        .collect();
+    assert_eq!(
+        routes,
+        [
+            ("api.sandbox.example.com".to_string(), "api".to_string()),
+            ("*.sandbox.example.com".to_string(), "proxy".to_string()),
+        ],
+        "the API at api.<domain>, sandboxes' ports at <port>-<id>.<domain>"
+    );
+}
+
+/// `helm template` with `values`: its stderr, asserting it failed.
+fn template_error(values: &Value) -> String {
+    let file = values_file(values);
+    let out = run(Command::new(helm())
+        .args(["template", RELEASE])
+        .arg(chart_dir())
+        .arg("--values")
+        .arg(file.path()));
+    assert!(
+        !out.status.success(),
+        "helm rendered bad values {values}:\n{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// values.schema.json: Helm refuses a misspelt twig-api key, an image
+/// registry or tag that is no reference's, a port out of range, a tenant
+/// namespace that is no namespace name, and an Ingress without the domain
+/// it routes; the same values spelt right render.
+#[test]
+fn helm_refuses_bad_image_and_api_values() {
+    for (bad, says) in [
+        (json!({"api": {"enabled": true, "replica": 3}}), "replica"),
+        (
+            json!({"image": {"registry": "Registry.Example/Twig"}}),
+            "registry",
+        ),
+        (json!({"image": {"tag": "-rc1"}}), "tag"),
+        (json!({"api": {"apiPort": 70000}}), "apiPort"),
+        (json!({"api": {"namespaces": ["Team_A"]}}), "namespaces"),
+        (json!({"api": {"keysSecret": {"name": ""}}}), "keysSecret"),
+        (
+            json!({"api": {"enabled": true, "ingress": {"enabled": true}}}),
+            "needs api.domain",
+        ),
+    ] {
+        let stderr = template_error(&bad);
+        assert!(stderr.contains(says), "{bad}: {stderr}");
+    }
+    template(&json!({
+        "api": {"enabled": true, "replicas": 3, "apiPort": 65535, "namespaces": ["team-a"],
+                "domain": "sandbox.example", "ingress": {"enabled": true}},
+        "image": {"registry": "registry.example:5000/twig/", "tag": "rc1"},
+    }));
 }
