@@ -25,7 +25,7 @@ cargo test --workspace --locked
 # marked `lab-b|`. The guest kernel is built (or found in its cache) first,
 # as both lanes use it.
 guest/build-kernel.sh > /dev/null
-lane_b=(controller forks recovery twig_service python_template security workflows)
+lane_b=(controller forks recovery twig_service python_template security workflows sandbox_api)
 lanes=$(mktemp -d)
 trap 'rm -rf "$lanes"' EXIT
 (

@@ -112,7 +112,11 @@ impl App {
             max_timeout: settings.max_timeout,
             start_timeout: settings.start_timeout,
             snapshot_timeout: settings.snapshot_timeout,
+            // A connection per request to a sandbox: its TCP state is guest
+            // memory, which a rollback, resume or fork replaces, so a
+            // pooled connection would be reset on its next request.
             http: hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+                .pool_max_idle_per_host(0)
                 .build(connector),
             routes: proxy::Routes::default(),
         })

@@ -247,6 +247,37 @@ if ((e2e)); then
     TWIG_IMAGE_BINARIES="/usr/bin/python3.11" TWIG_IMAGE_TREES="/usr/lib/python3.11" \
     e2e/build-image.sh "$root/e2e/python.tar" docker.io/library/twig-e2e-python:v1 ||
     die "building the e2e Python image failed"
+  # The sandbox API test (e2e/tests/sandbox_api.rs): the unmodified SDKs
+  # (scripts/sdk-venv.sh) and the interpreter of their venv, with its
+  # standard library and the libraries it loads, as a tree the test
+  # chroots into (/sdk holds the packages: PYTHONPATH).
+  venv=$(scripts/sdk-venv.sh) || die "making the SDK venv failed (scripts/sdk-venv.sh)"
+  py=$(readlink -f "$venv/bin/python")
+  pyhome=$("$venv/bin/python" -c 'import sys; print(sys.base_prefix)')
+  pylib=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
+  sdk=$(mktemp -d)
+  install -D -m 755 "$py" "$sdk$py"
+  mkdir -p "$sdk$(dirname "$pylib")" "$sdk/sdk" "$sdk/dev" "$sdk/tmp" "$sdk/etc"
+  tar -C "$(dirname "$pylib")" --exclude=__pycache__ --exclude=test --exclude=idlelib \
+    --exclude=tkinter --exclude=ensurepip --exclude=site-packages --exclude='config-*' \
+    -cf - "$(basename "$pylib")" |
+    tar -C "$sdk$(dirname "$pylib")" -xf -
+  tar -C "$venv/lib/$(basename "$pylib")/site-packages" --exclude=__pycache__ --exclude='pip*' \
+    --exclude='setuptools*' --exclude=pkg_resources --exclude=_distutils_hack -cf - . |
+    tar -C "$sdk/sdk" -xf -
+  while IFS= read -r -d '' so; do
+    { ldd "$so" 2>/dev/null || :; } | { grep -o '/[^ ]*' || :; } | while read -r lib; do
+      [[ -e $sdk$lib ]] || install -D -m 755 "$(readlink -f "$lib")" "$sdk$lib"
+    done
+  done < <(find "$sdk$pylib" "$sdk/sdk" -name '*.so*' -print0; printf '%s\0' "$sdk$py")
+  find "$sdk" -name '*.so*' -type f -exec strip --strip-debug {} + 2>/dev/null || :
+  strip --strip-debug "$sdk$py" 2>/dev/null || :
+  echo "$pyhome" > "$sdk/etc/twig-python-home"
+  # The SDKs' HTTP clients load the system's CA certificates at start.
+  install -D -m 644 "$venv/lib/$(basename "$pylib")/site-packages/certifi/cacert.pem" \
+    "$sdk/etc/ssl/certs/ca-certificates.crt"
+  tar -C "$sdk" -czf "$root/e2e/sdk.tar.gz" . || die "packing the SDK tree failed"
+  rm -rf "$sdk"
   mkdir -p "$root/usr/lib/cni"
   for p in bridge host-local loopback; do
     [[ -x /usr/lib/cni/$p ]] || die "/usr/lib/cni/$p missing (containernetworking-plugins: scripts/install-deps.sh)"
@@ -301,7 +332,7 @@ mount -t bpf bpf /sys/fs/bpf || echo "LAB-ERROR no bpffs"
 [ -e /etc/hosts ] || echo '127.0.0.1 localhost' > /etc/hosts
 [ -e /etc/resolv.conf ] || : > /etc/resolv.conf
 ip link set lo up || echo "LAB-ERROR lo"
-[ $e2e = 0 ] || export TWIG_E2E_IMAGE=/e2e/busybox.tar TWIG_E2E_PAUSE_IMAGE=/e2e/pause.tar TWIG_E2E_REDIS_IMAGE=/e2e/redis.tar TWIG_E2E_PYTHON_IMAGE=/e2e/python.tar TWIG_E2E_XFS=/xfs
+[ $e2e = 0 ] || export TWIG_E2E_IMAGE=/e2e/busybox.tar TWIG_E2E_PAUSE_IMAGE=/e2e/pause.tar TWIG_E2E_REDIS_IMAGE=/e2e/redis.tar TWIG_E2E_PYTHON_IMAGE=/e2e/python.tar TWIG_E2E_SDK=/e2e/sdk.tar.gz TWIG_E2E_SDK_PYTHON=${py:-} TWIG_E2E_XFS=/xfs
 # The benchmark's files live on XFS, as in production: snapshots and
 # restores share disk extents (reflinks) instead of copying them.
 truncate -s 4G /tmp/xfs.img && mkfs.xfs -q -m reflink=1 /tmp/xfs.img && mkdir /xfs &&

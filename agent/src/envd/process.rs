@@ -449,6 +449,19 @@ fn set_env(env: &mut Vec<(String, String)>, k: &str, v: &str) {
     }
 }
 
+/// The program to run for `cmd` in the container whose init is `pid`.
+/// E2B's SDKs run every command as `/bin/bash -l -c <cmd>`: in an image
+/// without bash (busybox, Alpine) that is its `/bin/sh`, which takes the
+/// same flags, rather than a failure on every command.
+fn command_of(pid: i32, cmd: &str) -> String {
+    let root = format!("/proc/{pid}/root");
+    let has = |path: &str| std::fs::symlink_metadata(format!("{root}{path}")).is_ok();
+    if cmd == "/bin/bash" && !has("/bin/bash") && has("/bin/sh") {
+        return "/bin/sh".to_string();
+    }
+    cmd.to_string()
+}
+
 /// The OCI process to exec: the container's own, with the request's
 /// command, user, working directory, environment and terminal.
 fn oci_process(
@@ -462,7 +475,7 @@ fn oci_process(
         Value::Object(o) => o.clone(),
         _ => Map::new(),
     };
-    let mut args = vec![req.process.cmd.clone()];
+    let mut args = vec![command_of(target.init_pid, &req.process.cmd)];
     args.extend(req.process.args.iter().cloned());
     p.insert("args".into(), json!(args));
     p.insert("cwd".into(), json!(cwd));
