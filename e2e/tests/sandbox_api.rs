@@ -16,25 +16,31 @@
 //! `rollback()` restoring a file and a process's memory, and `clone(n)`
 //! whose clones share the state up to the clone point and diverge after.
 //! Here: every sandbox pod asked for envd with its token's digest, and
-//! nothing of the sandboxes is left after the kills.
+//! nothing of the sandboxes is left after the kills. For the record (api's
+//! BENCHMARKS.md; printed as `BENCH {...}`, never asserted): each
+//! operation's time through the SDK, and the same operations through the
+//! Kubernetes objects on a pod of the same shape.
 //! Built with `--features lab`, run in the nested lab
 //! (`tests/lab/run.sh -p twig-e2e --features twig-e2e/lab --test sandbox_api`).
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{ListParams, Patch, PatchParams};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 use kube::runtime::watcher;
 use kube::{Api, Client, ResourceExt};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use twig_api::auth::{Tenants, TokenKey};
 use twig_api::{App, Server, Settings};
-use twig_controller::crd::{SandboxTemplate, SandboxTemplateSpec};
+use twig_controller::crd::{
+    CloneSource, CloneSpec, Phase, PodClone, Rollback, RollbackSpec, SandboxTemplate,
+    SandboxTemplateSpec, Snapshot, SnapshotMode, SnapshotSpec, CLONE_LABEL,
+};
 use twig_controller_testkit::{self as testkit, NS};
 use twig_e2e::ctrllab::{until, CtrlLab, NODE, READY};
 use twig_e2e::{BASE_MEM_MIB, IMAGE_REF};
@@ -141,6 +147,15 @@ async fn the_unmodified_sdks_drive_twig_pods_through_twig_api() {
         "{report}"
     );
 
+    // The same operations through the Kubernetes objects, on the same pod
+    // shape, for the record (the API's overhead is the difference; api's
+    // BENCHMARKS.md), never asserted.
+    let objects = objects_bench(&lab, &template, &tokens).await;
+    lab.step(&format!(
+        "BENCH {}",
+        json!({"sdk": report["bench"], "objects": objects})
+    ));
+
     // Killed: no sandbox pod is left.
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
     until("the sandboxes' pods to go", READY, || {
@@ -152,6 +167,123 @@ async fn the_unmodified_sdks_drive_twig_pods_through_twig_api() {
     })
     .await;
     lab.step("every sandbox's pod is gone");
+}
+
+/// Through the objects, seconds: a pod from the template to its first
+/// exec's output; an exec of `true` (p50 of 5); an incremental Snapshot; a
+/// Rollback (no safety snapshot); a Clone of [`CLONES`] until each answers.
+async fn objects_bench(lab: &CtrlLab, template: &SandboxTemplate, tokens: &TokenKey) -> Value {
+    let client = &lab.client;
+    let secs = |t: Instant| t.elapsed().as_secs_f64();
+    let token = tokens.token(twig_api::auth::TokenKind::Envd, NS, "objects");
+    let pod = twig_api::objects::template_pod(
+        "objects",
+        template,
+        &Default::default(),
+        &Default::default(),
+        None,
+        twig_api::auth::sha256_hex(&token),
+    );
+    let t = Instant::now();
+    testkit::create(client, &pod).await;
+    let (_, id) = lab.running("objects", twig_api::objects::CONTAINER).await;
+    assert_eq!(lab.exec(&id, &["echo", "ready"]).await, (0, "ready".into()));
+    let create = secs(t);
+    let mut rounds = Vec::new();
+    for _ in 0..5 {
+        let t = Instant::now();
+        assert_eq!(lab.exec(&id, &["true"]).await.0, 0);
+        rounds.push(secs(t));
+    }
+    rounds.sort_by(f64::total_cmp);
+    let t = Instant::now();
+    let mut snap = Snapshot::new(
+        "objects-snap",
+        SnapshotSpec {
+            pod_name: "objects".into(),
+            pod_uid: None,
+            mode: SnapshotMode::Incremental,
+            deletion_policy: Default::default(),
+            ttl_seconds_after_ready: None,
+            failure_deadline_seconds: None,
+        },
+    );
+    snap.metadata.namespace = Some(NS.into());
+    testkit::create(client, &snap).await;
+    let done = |p: Option<&Phase>| matches!(p, Some(Phase::Ready | Phase::Failed));
+    let snap: Snapshot = lab
+        .wait_for("objects-snap", "done", |s: &Snapshot| {
+            done(s.status.as_ref().map(|s| &s.phase))
+        })
+        .await;
+    assert_eq!(snap.status.map(|s| s.phase), Some(Phase::Ready));
+    let snapshot = secs(t);
+    let t = Instant::now();
+    let rollback = Rollback::new(
+        "objects-back",
+        RollbackSpec {
+            pod_name: "objects".into(),
+            snapshot_name: "objects-snap".into(),
+            pod_uid: None,
+            safety_snapshot: false,
+            failure_deadline_seconds: None,
+        },
+    );
+    testkit::create(client, &rollback).await;
+    let back: Rollback = lab
+        .wait_for("objects-back", "done", |r: &Rollback| {
+            done(r.status.as_ref().map(|s| &s.phase))
+        })
+        .await;
+    assert_eq!(back.status.map(|s| s.phase), Some(Phase::Ready));
+    let rolled_back = secs(t);
+    let t = Instant::now();
+    let clone = PodClone::new(
+        "objects-clone",
+        CloneSpec {
+            source: CloneSource {
+                snapshot_name: Some("objects-snap".into()),
+                pod_name: None,
+            },
+            replicas: i32::try_from(CLONES).unwrap_or(i32::MAX),
+            name_prefix: None,
+            labels: None,
+            failure_deadline_seconds: None,
+        },
+    );
+    testkit::create(client, &clone).await;
+    let clone: PodClone = lab
+        .wait_for("objects-clone", "done", |c: &PodClone| {
+            done(c.status.as_ref().map(|s| &s.phase))
+        })
+        .await;
+    assert_eq!(clone.status.map(|s| s.phase), Some(Phase::Ready));
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let forks = pods
+        .list(&ListParams::default().labels(&format!("{CLONE_LABEL}=objects-clone")))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .items;
+    assert_eq!(forks.len(), CLONES);
+    for fork in &forks {
+        let (_, id) = lab
+            .running(&fork.name_any(), twig_api::objects::CONTAINER)
+            .await;
+        assert_eq!(lab.exec(&id, &["true"]).await.0, 0);
+    }
+    let cloned = secs(t);
+    let dp = DeleteParams::default();
+    let clones: Api<PodClone> = Api::namespaced(client.clone(), NS);
+    let _ = clones.delete("objects-clone", &dp).await;
+    let _ = pods.delete("objects", &dp).await;
+    lab.delete_snapshots(&["objects-snap"]).await;
+    json!({
+        "create_to_first_output": create,
+        "run_true_p50": rounds[rounds.len() / 2],
+        "snapshot": snapshot,
+        "rollback": rolled_back,
+        "clone_all_answering": cloned,
+    })
 }
 
 /// The pods' annotations as the stand-in scheduler saw them, by name.

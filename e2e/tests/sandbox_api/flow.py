@@ -22,6 +22,10 @@ T = 900
 TEMPLATE = os.environ["TEMPLATE"]
 CLONES = int(os.environ["CLONES"])
 out = {}
+# Seconds each operation took through the SDK, for the record
+# (twig-api's BENCHMARKS.md), never asserted.
+bench = {}
+out["bench"] = bench
 started = time.monotonic()
 
 
@@ -55,9 +59,19 @@ def until(what, fn, within=T):
 
 
 # --- E2B ---------------------------------------------------------------
+t = time.monotonic()
 sbx = Sandbox.create(TEMPLATE, timeout=3600, request_timeout=T)
+r = sbx.commands.run("echo ready", timeout=T, request_timeout=T)
+bench["create_to_first_output"] = time.monotonic() - t
+assert r.stdout == "ready\n", r
 out["id"] = sbx.sandbox_id
 ok("create")
+rounds = []
+for _ in range(5):
+    t = time.monotonic()
+    sbx.commands.run("true", timeout=T, request_timeout=T)
+    rounds.append(time.monotonic() - t)
+bench["run_true_p50"] = sorted(rounds)[len(rounds) // 2]
 
 try:
     sbx.commands.run("echo out; echo err >&2; exit 3", timeout=T, request_timeout=T)
@@ -78,6 +92,11 @@ sleeper = sbx.commands.run("sleep 100000", background=True, timeout=0, request_t
 assert sbx.commands.kill(sleeper.pid, request_timeout=T) is True
 ok("stdin_kill")
 
+t = time.monotonic()
+sbx.files.write("/tmp/mib", b"x" * (1 << 20), request_timeout=T)
+bench["write_1_mib"] = time.monotonic() - t
+r = sbx.commands.run("wc -c < /tmp/mib", timeout=T, request_timeout=T)
+assert r.stdout.strip() == str(1 << 20), r
 sbx.files.write("/tmp/hello.txt", "from the sdk\n", request_timeout=T)
 assert sbx.files.read("/tmp/hello.txt", request_timeout=T) == "from the sdk\n"
 assert "hello.txt" in [e.name for e in sbx.files.list("/tmp", request_timeout=T)]
@@ -127,7 +146,9 @@ r = cube.commands.run(f"setsid sh -c '{COUNTER}' >/dev/null 2>&1 &", timeout=T)
 assert r.exit_code == 0, r
 until("the cube counter to count", lambda: cube_count(cube) >= 2)
 cube.files.write("/tmp/state", "before\n")
+t = time.monotonic()
 snap = cube.create_snapshot(name="here")
+bench["snapshot"] = time.monotonic() - t
 at_snapshot = cube_count(cube)
 ok("create_snapshot")
 
@@ -137,7 +158,9 @@ ok("create_snapshot")
 cube.files.write("/tmp/state", "after\n")
 diverged = until("the cube counter to pass the snapshot",
                  lambda: (lambda n: n if n > at_snapshot + 8 else 0)(cube_count(cube)))
+t = time.monotonic()
 res = cube.rollback(snap.snapshot_id)
+bench["rollback"] = time.monotonic() - t
 assert res.get("status") == "success", res
 assert cube.files.read("/tmp/state") == "before\n"
 back = cube_count(cube)
@@ -149,11 +172,14 @@ assert later < diverged, (later, diverged)
 out["rolled_back"] = [at_snapshot, diverged, back]
 ok("rollback")
 
+t = time.monotonic()
 clones = cube.clone(n=CLONES, concurrency=CLONES)
 assert len({c.sandbox_id for c in clones} | {cube.sandbox_id}) == CLONES + 1
-for i, c in enumerate(clones):
+for c in clones:
     # Shared up to the clone point ...
     assert c.files.read("/tmp/state") == "before\n"
+bench["clone_all_answering"] = time.monotonic() - t
+for i, c in enumerate(clones):
     c.files.write("/tmp/state", f"clone {i}\n")
 for i, c in enumerate(clones):
     # ... and their own after it.
