@@ -206,6 +206,7 @@ fn the_e2b_sdk_runs_commands_and_uses_files() {
         "run_env_user_cwd",
         "background_kill",
         "stdin",
+        "stream_input",
         "connect",
         "files",
         "watch_dir",

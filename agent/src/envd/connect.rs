@@ -183,6 +183,38 @@ pub fn single_message(body: &[u8]) -> Result<&[u8], RpcError> {
             body.len()
         )));
     };
+    let len = message_len(head)?;
+    if rest.len() != len {
+        return Err(RpcError::invalid(format!(
+            "the envelope says {len} bytes, the body holds {}",
+            rest.len()
+        )));
+    }
+    Ok(rest)
+}
+
+/// The next message of a client-streaming request's body, as it arrives;
+/// `None` once the body ends between envelopes.
+pub fn read_message(body: &mut impl std::io::Read) -> Result<Option<Vec<u8>>, RpcError> {
+    let mut head = [0u8; 5];
+    let mut got = 0;
+    while got < head.len() {
+        match body.read(&mut head[got..]) {
+            Ok(0) if got == 0 => return Ok(None),
+            Ok(0) => return Err(RpcError::invalid("the body ends inside an envelope")),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(RpcError::invalid(format!("reading the request: {e}"))),
+        }
+    }
+    let mut message = vec![0u8; message_len(&head)?];
+    body.read_exact(&mut message)
+        .map_err(|e| RpcError::invalid(format!("reading a message: {e}")))?;
+    Ok(Some(message))
+}
+
+/// The length an envelope's header gives its message, checked.
+fn message_len(head: &[u8; 5]) -> Result<usize, RpcError> {
     let flags = head[0];
     if flags & FLAG_COMPRESSED != 0 {
         return Err(RpcError::new(
@@ -200,13 +232,7 @@ pub fn single_message(body: &[u8]) -> Result<&[u8], RpcError> {
             format!("a message of {len} bytes is over {MAX_MESSAGE_BYTES}"),
         ));
     }
-    if rest.len() != len {
-        return Err(RpcError::invalid(format!(
-            "the envelope says {len} bytes, the body holds {}",
-            rest.len()
-        )));
-    }
-    Ok(rest)
+    Ok(len)
 }
 
 /// Decodes a request message (proto3 JSON; unknown fields ignored).

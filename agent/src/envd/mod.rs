@@ -420,10 +420,12 @@ fn rpc_call(
 ) -> io::Result<bool> {
     let keep = req.keep_alive;
     let (service, method) = req.path[1..].split_once('/').unwrap_or(("", ""));
-    let streaming = matches!(
-        (service, method),
-        ("process.Process", "Start" | "Connect") | ("filesystem.Filesystem", "WatchDir")
-    );
+    let client_streaming = (service, method) == ("process.Process", "StreamInput");
+    let streaming = client_streaming
+        || matches!(
+            (service, method),
+            ("process.Process", "Start" | "Connect") | ("filesystem.Filesystem", "WatchDir")
+        );
     let media = req.media_type();
     let expected = if streaming {
         "application/connect+json"
@@ -444,6 +446,28 @@ fn rpc_call(
             reusable,
         )?;
         return Ok(reusable);
+    }
+    if client_streaming {
+        // Each message is read and acted on as it arrives; the body is as
+        // long as the client streams (each message bounded).
+        let mut out = StreamOut {
+            w,
+            keep_alive: keep,
+            started: false,
+        };
+        let r = match conn.body(req, u64::MAX) {
+            Ok(mut body) => process::stream_input(shared, || connect::read_message(&mut body)),
+            Err(e) => Err(RpcError::invalid(e.to_string())),
+        };
+        // After an error the rest of the body is unread: the connection
+        // ends with the answer.
+        return match r {
+            Ok(()) => match out.send(&serde_json::json!({})) {
+                Ok(()) => out.finish(None).map(|()| keep),
+                Err(_) => Ok(false),
+            },
+            Err(e) => out.finish(Some(&e)).map(|()| false),
+        };
     }
     let max = connect::MAX_MESSAGE_BYTES as u64 + 5;
     let body = match conn.body(req, max).and_then(|b| b.read_all()) {
@@ -580,6 +604,48 @@ mod tests {
         assert!(r.starts_with("HTTP/1.1 401 "), "{r}");
         let r = exchange(&s, &format!("{list}X-Access-Token: next\r\n\r\n{{}}"));
         assert!(r.starts_with("HTTP/1.1 200 "), "{r}");
+    }
+
+    /// A StreamInput request carrying `messages` (each one envelope).
+    fn stream_input(messages: &[&[u8]]) -> String {
+        let body: Vec<u8> = messages
+            .iter()
+            .flat_map(|m| connect::envelope(0, m))
+            .collect();
+        let mut req = format!(
+            "POST /process.Process/StreamInput HTTP/1.1\r\nContent-Type: application/connect+json\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        )
+        .into_bytes();
+        req.extend_from_slice(&body);
+        String::from_utf8_lossy(&req).into_owned()
+    }
+
+    #[test]
+    fn stream_input_names_its_process_first_and_checks_every_message() {
+        let s = shared();
+        let start = br#"{"start":{"process":{"pid":4242}}}"#;
+        let data = br#"{"data":{"input":{"stdin":"YWJjCg=="}}}"#;
+        for (messages, want) in [
+            (&[&start[..], &data[..]][..], "not_found"),
+            (&[&data[..]][..], "input before the start message"),
+            (&[&br#"{"data":{}}"#[..]][..], "invalid_argument"),
+            (&[&b"not json"[..]][..], "invalid_argument"),
+        ] {
+            let r = exchange(&s, &stream_input(messages));
+            assert!(r.starts_with("HTTP/1.1 200 "), "{r}");
+            assert!(r.contains(want), "{want}: {r}");
+        }
+        // Only keepalives: the stream ends cleanly with an empty answer.
+        let r = exchange(&s, &stream_input(&[br#"{"keepalive":{}}"#]));
+        assert!(
+            r.starts_with("HTTP/1.1 200 ") && !r.contains("error"),
+            "{r}"
+        );
+        // A body ending inside an envelope.
+        let cut = "POST /process.Process/StreamInput HTTP/1.1\r\nContent-Type: application/connect+json\r\nContent-Length: 3\r\n\r\n\0\0\0";
+        let r = exchange(&s, cut);
+        assert!(r.contains("inside an envelope"), "{r}");
     }
 
     #[test]

@@ -226,25 +226,7 @@ pub fn unary(shared: &Arc<Shared>, method: &str, body: &[u8]) -> Result<Value, R
         }
         "SendInput" => {
             let req: InputRequest = decode(body)?;
-            let p = shared.procs.find(&req.process)?;
-            let data = match (req.input.get("stdin"), req.input.get("pty")) {
-                (Some(v), _) | (None, Some(v)) => decode_bytes(v)?,
-                (None, None) => return Err(RpcError::invalid("the input has no stdin or pty")),
-            };
-            let stdin = lock(&p.process.stdin);
-            let fd = stdin.as_ref().ok_or_else(|| {
-                RpcError::new(Code::FailedPrecondition, "the process's stdin is closed")
-            })?;
-            let n = write_with_deadline(fd.as_fd(), &data, STDIN_TIMEOUT)?;
-            if n < data.len() {
-                return Err(RpcError::new(
-                    Code::DeadlineExceeded,
-                    format!(
-                        "the process took {n} of {} bytes within {STDIN_TIMEOUT:?}",
-                        data.len()
-                    ),
-                ));
-            }
+            write_input(shared.procs.find(&req.process)?.as_ref(), &req.input)?;
             Ok(json!({}))
         }
         "SendSignal" => {
@@ -282,15 +264,64 @@ pub fn unary(shared: &Arc<Shared>, method: &str, body: &[u8]) -> Result<Value, R
             }
             Ok(json!({}))
         }
-        "StreamInput" => Err(RpcError::new(
-            Code::Unimplemented,
-            "StreamInput is not supported: use SendInput",
-        )),
         other => Err(RpcError::new(
             Code::Unimplemented,
             format!("process.Process/{other}"),
         )),
     }
+}
+
+/// Writes `input` (`stdin` or `pty` bytes) to the process's stdin (a PTY's
+/// is its terminal), within [`STDIN_TIMEOUT`].
+fn write_input(p: &Proc, input: &Map<String, Value>) -> Result<(), RpcError> {
+    let data = match (input.get("stdin"), input.get("pty")) {
+        (Some(v), _) | (None, Some(v)) => decode_bytes(v)?,
+        (None, None) => return Err(RpcError::invalid("the input has no stdin or pty")),
+    };
+    let stdin = lock(&p.process.stdin);
+    let fd = stdin
+        .as_ref()
+        .ok_or_else(|| RpcError::new(Code::FailedPrecondition, "the process's stdin is closed"))?;
+    let n = write_with_deadline(fd.as_fd(), &data, STDIN_TIMEOUT)?;
+    if n < data.len() {
+        return Err(RpcError::new(
+            Code::DeadlineExceeded,
+            format!(
+                "the process took {n} of {} bytes within {STDIN_TIMEOUT:?}",
+                data.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `StreamInput`, client streaming: its first message (`start`) names the
+/// process, then each `data` message's input is written as it arrives
+/// (`keepalive`s are skipped), until the request body ends. `next` gives
+/// the messages.
+pub fn stream_input(
+    shared: &Shared,
+    mut next: impl FnMut() -> Result<Option<Vec<u8>>, RpcError>,
+) -> Result<(), RpcError> {
+    let mut process = None;
+    while let Some(message) = next()? {
+        let event: Map<String, Value> = decode(&message)?;
+        if let Some(start) = event.get("start") {
+            let start: SelectorRequest = serde_json::from_value(start.clone())
+                .map_err(|e| RpcError::invalid(format!("the start message: {e}")))?;
+            process = Some(shared.procs.find(&start.process)?);
+        } else if let Some(data) = event.get("data") {
+            let p = process
+                .as_ref()
+                .ok_or_else(|| RpcError::invalid("input before the start message"))?;
+            let input = data
+                .get("input")
+                .and_then(Value::as_object)
+                .ok_or_else(|| RpcError::invalid("a data message without input"))?;
+            write_input(p, input)?;
+        }
+    }
+    Ok(())
 }
 
 /// A server-streaming method (`Start`, `Connect`).

@@ -4,6 +4,7 @@ sandbox's network namespace by tests/envd.rs; prints "ok <check>" per check
 and exits non-zero on the first failure."""
 
 import asyncio
+import base64
 import io
 import json
 import os
@@ -73,6 +74,35 @@ sbx.commands.close_stdin(h.pid)
 r = h.wait()
 assert r.stdout == "got:hello\nmore\n", repr(r.stdout)
 ok("stdin")
+
+
+# StreamInput (client streaming, as E2B's JS SDK sends stdin): the messages
+# go as a chunked body, each written to the process as it arrives.
+def envelope(msg):
+    b = json.dumps(msg).encode()
+    return bytes([0]) + len(b).to_bytes(4, "big") + b
+
+
+def stdin_of(text):
+    return {"data": {"input": {"stdin": base64.b64encode(text).decode()}}}
+
+
+h = sbx.commands.run("read a; read b; echo got:$a:$b", background=True, stdin=True)
+messages = iter([
+    envelope({"start": {"process": {"pid": h.pid}}}),
+    envelope(stdin_of(b"one\n")),
+    envelope({"keepalive": {}}),
+    envelope(stdin_of(b"two\n")),
+])
+req = urllib.request.Request(ENVD + "/process.Process/StreamInput", data=messages,
+                             headers={"Content-Type": "application/connect+json"}, method="POST")
+with urllib.request.urlopen(req) as resp:
+    assert resp.status == 200, resp.status
+    body = resp.read()
+assert b"error" not in body, body
+r = h.wait()
+assert r.stdout == "got:one:two\n", repr(r.stdout)
+ok("stream_input")
 
 # Connect to a running command by pid and see its later output.
 h = sbx.commands.run("read x; echo after:$x", background=True, stdin=True)
