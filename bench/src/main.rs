@@ -3,6 +3,7 @@
 
 mod cri;
 mod demo;
+mod firecracker;
 mod linux;
 mod loop_xfs;
 mod net;
@@ -53,6 +54,9 @@ enum Command {
     /// The shim's own time per pod (Task calls minus the waits on the sandbox),
     /// on the host's CPUs: containerd's calls over ttrpc against twig-agent on the host.
     Shim(shim::Args),
+    /// twig-vmm and Firecracker side by side on the same guest, runs
+    /// alternating (needs a Firecracker binary: scripts/build-firecracker.sh).
+    Fc(firecracker::Args),
 }
 
 fn main() {
@@ -67,6 +71,7 @@ fn main() {
         Command::Node(args) => node::run(&args),
         Command::Shim(args) => shim::run(&args),
         Command::Objects(args) => objects::run(&args),
+        Command::Fc(args) => firecracker::run(&args),
     };
     match result {
         Ok(value) => {

@@ -73,7 +73,7 @@ pub struct Args {
 }
 
 /// The `--seccomp` every spawned twig-vmm gets.
-static VMM_SECCOMP: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+pub(crate) static VMM_SECCOMP: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
 /// A test guest and its serial output.
 struct Guest {
@@ -665,7 +665,7 @@ fn raise_nofile() -> Result<u64, Error> {
 }
 
 /// A `twig-vmm serve` child, killed and reaped if still running on drop.
-struct VmmProcess {
+pub(crate) struct VmmProcess {
     child: Child,
     sock: PathBuf,
 }
@@ -675,7 +675,7 @@ impl VmmProcess {
         VmmProcess::spawn_with(bin, sock, serial, &[])
     }
 
-    fn spawn_with(
+    pub(crate) fn spawn_with(
         bin: &Path,
         sock: PathBuf,
         serial: &Path,
@@ -699,7 +699,7 @@ impl VmmProcess {
     }
 
     /// Connects to the API socket once it is there.
-    fn connect(&mut self) -> Result<Client, Error> {
+    pub(crate) fn connect(&mut self) -> Result<Client, Error> {
         let deadline = Instant::now() + T;
         loop {
             match Client::connect(&self.sock, Duration::from_millis(50)) {
@@ -718,12 +718,12 @@ impl VmmProcess {
         }
     }
 
-    fn pid(&self) -> u32 {
+    pub(crate) fn pid(&self) -> u32 {
         self.child.id()
     }
 
     /// Shuts the VMM down through its API and reaps it.
-    fn shutdown(mut self, api: &mut Client) -> Result<(), Error> {
+    pub(crate) fn shutdown(mut self, api: &mut Client) -> Result<(), Error> {
         api.shutdown(T)?;
         let status = self
             .child
@@ -918,19 +918,19 @@ fn rss_by_process(
 /// Memory of a process from /proc/<pid>/smaps (its totals equal
 /// smaps_rollup's), with the guest RAM mapping of `guest_file` apart.
 #[derive(Default)]
-struct Mem {
-    rss_kib: u64,
-    pss_kib: u64,
-    guest_size_kib: u64,
-    guest_rss_kib: u64,
-    guest_pss_kib: u64,
+pub(crate) struct Mem {
+    pub(crate) rss_kib: u64,
+    pub(crate) pss_kib: u64,
+    pub(crate) guest_size_kib: u64,
+    pub(crate) guest_rss_kib: u64,
+    pub(crate) guest_pss_kib: u64,
     /// Private_Clean + Private_Dirty outside the guest mapping.
     private_kib: u64,
     /// RSS outside the guest mapping by mapping name.
     by_name: BTreeMap<String, u64>,
 }
 
-fn smaps(pid: &str, guest_file: &Path) -> Result<Mem, Error> {
+pub(crate) fn smaps(pid: &str, guest_file: &Path) -> Result<Mem, Error> {
     let path = format!("/proc/{pid}/smaps");
     let text = fs::read_to_string(&path).context(|| format!("reading {path}"))?;
     let guest = guest_file.to_string_lossy();
