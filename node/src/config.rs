@@ -46,6 +46,8 @@ pub struct Config {
     pub templates: TemplateBuildConfig,
     /// The pool of prepared twig-net program sets.
     pub net_pool: NetPoolConfig,
+    /// The OCI registry snapshots are exported to and imported from.
+    pub registry: crate::registry::RegistryConfig,
 }
 
 /// The pool of prepared twig-net program sets (maps created, programs
@@ -233,6 +235,7 @@ impl Default for Config {
             jail: JailConfig::default(),
             net_pool: NetPoolConfig::default(),
             templates: TemplateBuildConfig::default(),
+            registry: Default::default(),
         }
     }
 }

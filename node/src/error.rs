@@ -34,6 +34,12 @@ pub enum Error {
     /// The node store refused or failed.
     #[error("node store: {0}")]
     Store(#[from] twig_store::Error),
+    /// The caller may not do this (another namespace's snapshot or repository).
+    #[error("{0}")]
+    PermissionDenied(String),
+    /// A push to or pull from a registry failed.
+    #[error("{0}")]
+    Registry(#[from] twig_oci::Error),
 }
 
 /// The daemon's result.
@@ -50,21 +56,45 @@ impl Error {
 
     /// The ttrpc status code of this error.
     pub fn code(&self) -> ttrpc::Code {
-        use twig_store::Error as S;
         match self {
-            Error::InvalidArgument(_) | Error::Store(S::InvalidArgument(_)) => {
-                ttrpc::Code::INVALID_ARGUMENT
-            }
-            Error::NotFound(_) | Error::Store(S::NotFound(_)) => ttrpc::Code::NOT_FOUND,
-            Error::FailedPrecondition(_)
-            | Error::Store(S::FailedPrecondition(_) | S::AlreadyExists(_) | S::Corrupt { .. }) => {
-                ttrpc::Code::FAILED_PRECONDITION
-            }
-            Error::Store(S::NoSpace { .. }) => ttrpc::Code::RESOURCE_EXHAUSTED,
-            Error::Store(S::PermissionDenied(_)) => ttrpc::Code::PERMISSION_DENIED,
+            Error::InvalidArgument(_) => ttrpc::Code::INVALID_ARGUMENT,
+            Error::NotFound(_) => ttrpc::Code::NOT_FOUND,
+            Error::FailedPrecondition(_) => ttrpc::Code::FAILED_PRECONDITION,
+            Error::Store(s) => store_code(s),
             Error::Timeout(_) => ttrpc::Code::DEADLINE_EXCEEDED,
-            Error::Internal(_) | Error::Io { .. } | Error::Store(_) => ttrpc::Code::INTERNAL,
+            Error::PermissionDenied(_) => ttrpc::Code::PERMISSION_DENIED,
+            Error::Registry(e) => registry_code(e),
+            Error::Internal(_) | Error::Io { .. } => ttrpc::Code::INTERNAL,
         }
+    }
+}
+
+/// The ttrpc status code of a node store error.
+fn store_code(e: &twig_store::Error) -> ttrpc::Code {
+    use twig_store::Error as S;
+    match e {
+        S::InvalidArgument(_) => ttrpc::Code::INVALID_ARGUMENT,
+        S::NotFound(_) => ttrpc::Code::NOT_FOUND,
+        S::FailedPrecondition(_) | S::AlreadyExists(_) | S::Corrupt { .. } => {
+            ttrpc::Code::FAILED_PRECONDITION
+        }
+        S::NoSpace { .. } => ttrpc::Code::RESOURCE_EXHAUSTED,
+        S::PermissionDenied(_) => ttrpc::Code::PERMISSION_DENIED,
+        _ => ttrpc::Code::INTERNAL,
+    }
+}
+
+/// The ttrpc status code of a registry error.
+fn registry_code(e: &twig_oci::Error) -> ttrpc::Code {
+    use twig_oci::Error as R;
+    match e {
+        R::Invalid(_) => ttrpc::Code::INVALID_ARGUMENT,
+        R::Unreachable(_) | R::Transfer(_) => ttrpc::Code::UNAVAILABLE,
+        R::Denied(_) | R::PermissionDenied(_) => ttrpc::Code::PERMISSION_DENIED,
+        R::NotFound(_) => ttrpc::Code::NOT_FOUND,
+        R::Corrupt(_) => ttrpc::Code::DATA_LOSS,
+        R::Store(s) => store_code(s),
+        R::Registry(_) | R::State(_) | R::Local { .. } => ttrpc::Code::INTERNAL,
     }
 }
 

@@ -11,6 +11,7 @@ pub mod error;
 pub mod gc;
 pub mod netpool;
 pub mod pool;
+pub mod registry;
 pub mod service;
 pub mod shape;
 pub mod template;

@@ -14,7 +14,8 @@ use twig_proto::node::{
 use twig_proto::twig::{
     CollectGarbageRequest, CollectGarbageResponse, DeleteSnapshotRequest, DeleteSnapshotResponse,
     DeleteTemplateRequest, DeleteTemplateResponse, EnsureTemplateRequest, EnsureTemplateResponse,
-    GetSnapshotRequest, GetSnapshotResponse, GetStoreUsageRequest, GetStoreUsageResponse,
+    ExportSnapshotRequest, ExportSnapshotResponse, GetSnapshotRequest, GetSnapshotResponse,
+    GetStoreUsageRequest, GetStoreUsageResponse, ImportSnapshotRequest, ImportSnapshotResponse,
     RetainSnapshotRequest, RetainSnapshotResponse, SnapshotInfo,
 };
 
@@ -24,6 +25,7 @@ use crate::error::{Error, Result};
 use crate::gc::{garbage, Claims, RETAINED_LABEL};
 use crate::netpool::NetPool;
 use crate::pool::{Owner, Pool};
+use crate::registry::Registry;
 use crate::shape::{check_fits, choose, Need};
 use crate::template::{list, Shape, TemplateRef, Templates, BASE_PREFIX};
 use twig_store::layout::{TEMPLATE_ID_PREFIX, TEMPLATE_POLICY_LABEL};
@@ -37,6 +39,8 @@ pub struct Services {
     net: Option<Arc<NetPool>>,
     /// Snapshots an `AcquireVm` is taking and snapshots being deleted.
     claims: Arc<Claims>,
+    /// Where snapshots are exported to and imported from.
+    registry: Arc<Registry>,
 }
 
 /// What one garbage collection deleted.
@@ -62,6 +66,7 @@ impl Services {
         pool: Pool,
         builder: Arc<Builder>,
         net: Option<Arc<NetPool>>,
+        registry: Arc<Registry>,
     ) -> Services {
         Services {
             templates,
@@ -69,6 +74,7 @@ impl Services {
             builder,
             net,
             claims: Arc::new(Claims::default()),
+            registry,
         }
     }
 
@@ -153,8 +159,51 @@ impl Services {
         Ok((t, uses))
     }
 
+    /// `req`, its `restore_from` pulled from `restore_artifact` when the
+    /// store lacks it (and then naming the pulled snapshot).
+    async fn pulled_if_missing(&self, req: &AcquireVmRequest) -> Result<AcquireVmRequest> {
+        let mut req = req.clone();
+        if req.restore_artifact.is_empty() {
+            return Ok(req);
+        }
+        if req.restore_from.is_empty() {
+            return Err(Error::InvalidArgument(
+                "restore_artifact names where restore_from was exported: it needs restore_from"
+                    .into(),
+            ));
+        }
+        let templates = self.templates.clone();
+        let id = req.restore_from.clone();
+        let present = blocking(move || match templates.store().get(&id) {
+            Ok(_) => Ok(true),
+            Err(twig_store::Error::NotFound(_)) => Ok(false),
+            Err(e) => Err(e.into()),
+        })
+        .await?;
+        if !present {
+            let pulled = self
+                .registry
+                .import(
+                    self.templates.store(),
+                    &req.restore_artifact,
+                    &req.namespace,
+                )
+                .await?;
+            tracing::info!(
+                sandbox = req.sandbox_id,
+                restore_from = req.restore_from,
+                id = pulled.snapshot_id,
+                bytes = pulled.bytes_downloaded,
+                "pulled a snapshot this node lacked"
+            );
+            req.restore_from = pulled.snapshot_id;
+        }
+        Ok(req)
+    }
+
     /// Hands over a prepared VMM for `req`.
     pub async fn acquire(&self, req: &AcquireVmRequest) -> Result<AcquireVmResponse> {
+        let req = &self.pulled_if_missing(req).await?;
         // Claimed before the store is read, until the VM's lease holds
         // them: a deletion between the two is refused, or refuses this.
         let named: Vec<String> = [&req.restore_from, &req.template]
@@ -190,6 +239,7 @@ impl Services {
             vcpus: t.shape.vcpus,
             disk_slots: t.shape.disk_slots,
             pooled,
+            restored_id: req.restore_from.clone(),
             ..Default::default()
         })
     }
@@ -482,6 +532,31 @@ impl twig_proto::twig_ttrpc::Node for Services {
         Ok(DeleteSnapshotResponse::default())
     }
 
+    async fn export_snapshot(
+        &self,
+        _ctx: &TtrpcContext,
+        req: ExportSnapshotRequest,
+    ) -> ttrpc::Result<ExportSnapshotResponse> {
+        non_empty("snapshot_id", &req.snapshot_id)?;
+        let store = self.templates.store();
+        Ok(self
+            .registry
+            .export(store, &req.snapshot_id, &req.reference, &req.namespace)
+            .await?)
+    }
+
+    async fn import_snapshot(
+        &self,
+        _ctx: &TtrpcContext,
+        req: ImportSnapshotRequest,
+    ) -> ttrpc::Result<ImportSnapshotResponse> {
+        let store = self.templates.store();
+        Ok(self
+            .registry
+            .import(store, &req.reference, &req.namespace)
+            .await?)
+    }
+
     async fn get_snapshot(
         &self,
         _ctx: &TtrpcContext,
@@ -666,11 +741,13 @@ impl Daemon {
         let pool = Pool::start(config)?;
         let builder = Builder::new(config.templates.clone(), templates.clone());
         let net = NetPool::start(&config.net_pool)?.map(Arc::new);
+        let registry = Arc::new(Registry::new(&config.registry)?);
         let services = Arc::new(Services::new(
             templates,
             pool.clone(),
             builder.clone(),
             net.clone(),
+            registry,
         ));
         let mut server = ttrpc::r#async::Server::new()
             .bind(&format!("unix://{}", config.socket.display()))

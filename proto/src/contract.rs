@@ -6,7 +6,7 @@
 //!   plugin) and the controller reads: [`RESTORE_FROM_ANNOTATION`],
 //!   [`TEMPLATE_ANNOTATION`], [`CRI_SANDBOX_NAMESPACE_ANNOTATION`],
 //!   [`EGRESS_POLICY_ANNOTATION`], [`NETWORK_ANNOTATION`], [`ENVD_ANNOTATION`],
-//!   [`ENVD_TOKEN_SHA256_ANNOTATION`];
+//!   [`ENVD_TOKEN_SHA256_ANNOTATION`], [`RESTORE_ARTIFACT_ANNOTATION`];
 //! - a template's build Pod: [`TEMPLATE_BUILD_LABEL`],
 //!   [`TEMPLATE_BUILD_CONTAINER`];
 //! - the node-store snapshot [`labels`] one crate writes and another reads;
@@ -19,6 +19,16 @@
 /// refuses it from anyone else), and the shim restores only a snapshot
 /// owned by the pod's own namespace.
 pub const RESTORE_FROM_ANNOTATION: &str = "twig.dev/restore-from";
+
+/// Pod annotation, with [`RESTORE_FROM_ANNOTATION`], naming where the
+/// snapshot was exported: `registry/repository@sha256:<digest>` (a
+/// Snapshot's `status.artifact.reference`). A node whose store lacks the
+/// restore-from snapshot pulls it from there first (the node's
+/// `ImportSnapshot`, for the pod's namespace: the repository must be
+/// `<prefix>/<namespace>/<name>` and the snapshot the namespace's), so a
+/// Clone's pods may run on any node. Only the controller sets it, as it
+/// does restore-from.
+pub const RESTORE_ARTIFACT_ANNOTATION: &str = "twig.dev/restore-artifact";
 
 /// Pod annotation naming a SandboxTemplate of the pod's namespace whose
 /// snapshot the pod's VM is restored from instead of the node's base

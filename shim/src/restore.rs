@@ -36,8 +36,8 @@ use crate::spec;
 use twig_proto::contract::TEMPLATE_BUILD_CONTAINER;
 
 pub use twig_proto::contract::{
-    CRI_SANDBOX_NAMESPACE_ANNOTATION as SANDBOX_NAMESPACE_ANNOTATION, RESTORE_FROM_ANNOTATION,
-    TEMPLATE_ANNOTATION,
+    CRI_SANDBOX_NAMESPACE_ANNOTATION as SANDBOX_NAMESPACE_ANNOTATION, RESTORE_ARTIFACT_ANNOTATION,
+    RESTORE_FROM_ANNOTATION, TEMPLATE_ANNOTATION,
 };
 
 /// Bytes of host entropy mixed into a clone's RNG.
@@ -51,6 +51,9 @@ pub struct RestoreFrom<'a> {
     /// The SandboxTemplate (`namespace/name`) when the snapshot is an app
     /// template: its app container is adopted by the pod's first container.
     pub app_template: Option<String>,
+    /// Where the snapshot was exported (`twig.dev/restore-artifact`) and
+    /// the pod's namespace: a node that lacks it pulls it from there.
+    pub artifact: Option<(String, String)>,
     /// The sandbox's OCI spec.
     pub oci: &'a serde_json::Value,
     /// The new sandbox container's rootfs image.
@@ -65,9 +68,24 @@ pub fn restore_source<'a>(
     rootfs: &'a Path,
 ) -> Result<Option<RestoreFrom<'a>>> {
     if let Some(id) = spec::annotation(oci, RESTORE_FROM_ANNOTATION) {
+        let artifact = match spec::annotation(oci, RESTORE_ARTIFACT_ANNOTATION) {
+            None => None,
+            Some(reference) => {
+                let namespace =
+                    spec::annotation(oci, SANDBOX_NAMESPACE_ANNOTATION).ok_or_else(|| {
+                        Error::InvalidArgument(format!(
+                            "{RESTORE_ARTIFACT_ANNOTATION}: a snapshot is pulled for the pod's \
+                             namespace, and this sandbox has none \
+                             ({SANDBOX_NAMESPACE_ANNOTATION})"
+                        ))
+                    })?;
+                Some((reference.to_string(), namespace.to_string()))
+            }
+        };
         return Ok(Some(RestoreFrom {
             id: id.to_string(),
             app_template: None,
+            artifact,
             oci,
             rootfs,
         }));
@@ -87,6 +105,7 @@ pub fn restore_source<'a>(
     Ok(Some(RestoreFrom {
         id,
         app_template: Some(format!("{namespace}/{name}")),
+        artifact: None,
         oci,
         rootfs,
     }))
@@ -395,6 +414,38 @@ mod tests {
                 "{bad:?}: {e}"
             );
         }
+    }
+
+    #[test]
+    fn a_restore_artifact_is_pulled_for_the_pods_namespace() {
+        let rootfs = Path::new("/r");
+        let spec = |pairs: &[(&str, &str)]| {
+            let a: serde_json::Map<String, Value> = pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), Value::from(*v)))
+                .collect();
+            serde_json::json!({ "annotations": a })
+        };
+        let artifact = "r.io/twig/team-a/s@sha256:ab";
+        let with = spec(&[
+            (RESTORE_FROM_ANNOTATION, "snap-1"),
+            (RESTORE_ARTIFACT_ANNOTATION, artifact),
+            (SANDBOX_NAMESPACE_ANNOTATION, "team-a"),
+        ]);
+        let r = restore_source(&with, rootfs).unwrap().unwrap();
+        assert_eq!(r.id, "snap-1");
+        assert_eq!(r.artifact, Some((artifact.into(), "team-a".into())));
+        let plain = spec(&[(RESTORE_FROM_ANNOTATION, "snap-1")]);
+        assert_eq!(
+            restore_source(&plain, rootfs).unwrap().unwrap().artifact,
+            None
+        );
+        let no_namespace = spec(&[
+            (RESTORE_FROM_ANNOTATION, "snap-1"),
+            (RESTORE_ARTIFACT_ANNOTATION, artifact),
+        ]);
+        let e = restore_source(&no_namespace, rootfs).err().unwrap();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
     }
 
     #[test]

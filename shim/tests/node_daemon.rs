@@ -180,6 +180,7 @@ fn a_failed_restore_kills_the_handed_over_vmm_and_the_daemon_reaps_it() {
             Some(RestoreFrom {
                 id: id.into(),
                 app_template: None,
+                artifact: None,
                 oci: &oci,
                 rootfs: Path::new("/nonexistent/rootfs.img"),
             }),

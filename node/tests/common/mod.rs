@@ -97,6 +97,11 @@ pub fn make_template(dir: &Path, id: &str) {
 
 /// [`make_template`] with `mib` MiB of guest RAM (one vCPU).
 pub fn make_template_of(dir: &Path, id: &str, mib: u32) {
+    make_snapshot(dir, id, mib, None);
+}
+
+/// [`make_template_of`], the snapshot owned by namespace `owner`.
+pub fn make_snapshot(dir: &Path, id: &str, mib: u32, owner: Option<&str>) {
     if let Err(e) = twig_vmm::open_kvm() {
         panic!("this test needs a usable /dev/kvm (run as root on a KVM host): {e}");
     }
@@ -121,7 +126,12 @@ pub fn make_template_of(dir: &Path, id: &str, mib: u32) {
     vm.boot(&kernel, "console=ttyS0").expect("boot");
     serial.wait_for(b"B", 0, T).expect("boot marker");
     testguest::wait_booted(&vm, T).expect("guest magic");
-    vm.snapshot_into(&store, id, Kind::Full).expect("snapshot");
+    let mut staging = store.stage(id).expect("stage");
+    vm.snapshot(staging.dir(), Kind::Full).expect("snapshot");
+    if let Some(o) = owner {
+        staging.set_owner(o).expect("owner");
+    }
+    staging.publish().expect("publish");
 }
 
 /// A `twig-node` process, stopped with SIGTERM (then SIGKILL) on drop.

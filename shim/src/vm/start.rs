@@ -194,7 +194,13 @@ impl VmSandbox {
         // it, and a death is explained with what these files say.
         let logs = VmLogs::open(&vm_dir);
         let source = restore_from
-            .map(|r| open_snapshot(r, Path::new(&vm.template_dir), sandbox_id, network.as_mut()))
+            .map(|mut r| {
+                // Pulled from its artifact: the node's id for it.
+                if !vm.restored_id.is_empty() {
+                    r.id.clone_from(&vm.restored_id);
+                }
+                open_snapshot(r, Path::new(&vm.template_dir), sandbox_id, network.as_mut())
+            })
             .transpose()?;
         let (mut api, agent) = restore(
             source
@@ -308,6 +314,7 @@ fn acquire_from_pool(
         config,
         sandbox_id,
         restore_from.map(|r| r.id.as_str()),
+        restore_from.and_then(|r| r.artifact.as_ref()),
         resources,
     )
     .map_err(|e| match (e, restore_from) {
@@ -471,6 +478,7 @@ pub fn acquire(
     config: &Config,
     sandbox_id: &str,
     restore_from: Option<&str>,
+    artifact: Option<&(String, String)>,
     resources: PodResources,
 ) -> Result<AcquireVmResponse> {
     let socket = &config.node_socket;
@@ -485,6 +493,8 @@ pub fn acquire(
         // The daemon kills the VM if this shim dies, at any moment.
         owner_pid: std::process::id(),
         restore_from: restore_from.unwrap_or_default().to_string(),
+        restore_artifact: artifact.map(|a| a.0.clone()).unwrap_or_default(),
+        namespace: artifact.map(|a| a.1.clone()).unwrap_or_default(),
         memory_limit_bytes: resources.memory_limit_bytes,
         cpu_limit_millis: resources.cpu_limit_millis,
         ..Default::default()
@@ -526,7 +536,7 @@ mod tests {
             node_socket: dir.path().join("node.sock"),
             ..Config::default()
         };
-        let e = acquire(&config, "sb", None, Default::default()).unwrap_err();
+        let e = acquire(&config, "sb", None, None, Default::default()).unwrap_err();
         assert!(matches!(e, Error::FailedPrecondition(_)), "{e}");
         assert!(
             e.to_string()

@@ -1,0 +1,183 @@
+//! `ExportSnapshot` / `ImportSnapshot`: a snapshot of one node's store
+//! pushed to a real registry (`docker-registry`, started and stopped here)
+//! and pulled by another node, each namespace to its own repositories and
+//! snapshots only; the registry gone is UNAVAILABLE. Needs /dev/kvm and
+//! `docker-registry`.
+
+mod common;
+
+use common::*;
+use twig_cri::harness::Registry;
+use twig_proto::node::AcquireVmRequest;
+use twig_proto::twig::{
+    ExportSnapshotRequest, ExportSnapshotResponse, GetSnapshotRequest, ImportSnapshotRequest,
+    ImportSnapshotResponse,
+};
+
+impl Node {
+    fn export(
+        &self,
+        id: &str,
+        reference: &str,
+        ns: &str,
+    ) -> Result<ExportSnapshotResponse, ttrpc::Error> {
+        let req = ExportSnapshotRequest {
+            snapshot_id: id.into(),
+            reference: reference.into(),
+            namespace: ns.into(),
+            ..Default::default()
+        };
+        self.rt.block_on(self.node.export_snapshot(ctx(), &req))
+    }
+
+    fn import(&self, reference: &str, ns: &str) -> Result<ImportSnapshotResponse, ttrpc::Error> {
+        let req = ImportSnapshotRequest {
+            reference: reference.into(),
+            namespace: ns.into(),
+            ..Default::default()
+        };
+        self.rt.block_on(self.node.import_snapshot(ctx(), &req))
+    }
+
+    fn has(&self, id: &str) -> bool {
+        let req = GetSnapshotRequest {
+            snapshot_id: id.into(),
+            ..Default::default()
+        };
+        self.rt
+            .block_on(self.node.get_snapshot(ctx(), &req))
+            .expect("GetSnapshot")
+            .found
+    }
+}
+
+fn ctx() -> ttrpc::context::Context {
+    ttrpc::context::with_timeout(T.as_nanos() as i64)
+}
+
+fn node_with_registry(dir: &std::path::Path, host: &str) -> Node {
+    std::fs::create_dir_all(dir).unwrap();
+    let mut config = config(dir, 0);
+    config["registry"] = serde_json::json!({"plain_http": [host]});
+    Node::start(dir, &config)
+}
+
+#[test]
+fn a_snapshot_exported_by_one_node_is_imported_by_another_within_its_namespace() {
+    let d = tempfile::tempdir().unwrap();
+    let registry = Registry::start(&d.path().join("registry")).expect("docker-registry");
+    let host = registry.host();
+    let (da, db) = (d.path().join("a"), d.path().join("b"));
+    std::fs::create_dir_all(&da).unwrap();
+    make_snapshot(&da, "agent-snap", MIB, Some("team-a"));
+    let a = node_with_registry(&da, &host);
+    let b = node_with_registry(&db, &host);
+    let ours = format!("{host}/twig/team-a/agent:v1");
+
+    let refused = [
+        (
+            a.export("agent-snap", &ours, "team-b"),
+            "another namespace's repository",
+        ),
+        (
+            a.export(
+                "agent-snap",
+                &format!("{host}/twig/team-b/agent:v1"),
+                "team-b",
+            ),
+            "another namespace's snapshot",
+        ),
+        (
+            a.export(
+                "agent-snap",
+                &format!("{host}/elsewhere/agent:v1"),
+                "team-a",
+            ),
+            "outside the prefix",
+        ),
+    ];
+    for (r, what) in refused {
+        let (code, msg) = status(r.expect_err(what));
+        assert_eq!(code, ttrpc::Code::PERMISSION_DENIED, "{what}: {msg}");
+    }
+    let (code, msg) = status(
+        a.export("agent-snap", "no-registry/agent", "team-a")
+            .unwrap_err(),
+    );
+    assert_eq!(code, ttrpc::Code::INVALID_ARGUMENT, "{msg}");
+
+    let pushed = a
+        .export("agent-snap", &ours, "team-a")
+        .expect("ExportSnapshot");
+    assert!(
+        pushed.digest.starts_with("sha256:") && pushed.snapshots_pushed == 1,
+        "{pushed:?}"
+    );
+    assert!(pushed.bytes_uploaded > 0);
+
+    let pulled = b.import(&ours, "team-a").expect("ImportSnapshot");
+    assert_eq!(
+        (pulled.digest.as_str(), pulled.snapshots_pulled),
+        (pushed.digest.as_str(), 1)
+    );
+    assert!(b.has(&pulled.snapshot_id), "{pulled:?}");
+    let again = b
+        .import(
+            &format!("{host}/twig/team-a/agent@{}", pushed.digest),
+            "team-a",
+        )
+        .unwrap();
+    assert_eq!(
+        (again.snapshot_id.as_str(), again.bytes_downloaded),
+        (pulled.snapshot_id.as_str(), 0)
+    );
+    // Node A finds it is its own snapshot.
+    assert_eq!(a.import(&ours, "team-a").unwrap().snapshot_id, "agent-snap");
+
+    // A pod restoring A's snapshot by its id on B (a Clone's pod placed
+    // there): B restores what it pulled.
+    let artifact = format!("{host}/twig/team-a/agent@{}", pushed.digest);
+    let clone_pod = |node: &Node, artifact: &str, ns: &str| {
+        node.acquire_req(AcquireVmRequest {
+            sandbox_id: "clone-0".into(),
+            restore_from: "agent-snap".into(),
+            restore_artifact: artifact.into(),
+            namespace: ns.into(),
+            ..Default::default()
+        })
+    };
+    let vm = clone_pod(&b, &artifact, "team-a").expect("AcquireVm with restore_artifact");
+    assert_eq!(vm.restored_id, pulled.snapshot_id);
+    assert!(
+        vm.template_dir.ends_with(&pulled.snapshot_id),
+        "{}",
+        vm.template_dir
+    );
+    sigkill(vm.pid);
+    let (code, msg) = status(clone_pod(&b, &artifact, "team-b").unwrap_err());
+    assert_eq!(code, ttrpc::Code::PERMISSION_DENIED, "{msg}");
+    // On A, which has it under its own id, nothing is pulled.
+    let vm = clone_pod(&a, "unused.example/twig/team-a/x@sha256:0", "team-a").expect("local");
+    assert_eq!(vm.restored_id, "agent-snap");
+    sigkill(vm.pid);
+
+    let (code, msg) = status(
+        b.import(&format!("{host}/twig/team-a/missing:v1"), "team-a")
+            .unwrap_err(),
+    );
+    assert_eq!(code, ttrpc::Code::NOT_FOUND, "{msg}");
+    let (code, msg) = status(b.import(&ours, "team-b").unwrap_err());
+    assert_eq!(code, ttrpc::Code::PERMISSION_DENIED, "{msg}");
+
+    drop(registry);
+    let (code, msg) = status(
+        b.import(&format!("{host}/twig/team-a/agent:v2"), "team-a")
+            .unwrap_err(),
+    );
+    assert_eq!(code, ttrpc::Code::UNAVAILABLE, "{msg}");
+    assert!(msg.contains(&host), "{msg}");
+    let c = node_with_registry(&d.path().join("c"), &host);
+    let (code, msg) = status(clone_pod(&c, &artifact, "team-a").unwrap_err());
+    assert_eq!(code, ttrpc::Code::UNAVAILABLE, "{msg}");
+    assert!(!c.has("agent-snap") && !c.has(&pulled.snapshot_id));
+}
