@@ -9,6 +9,7 @@ mod loop_xfs;
 mod net;
 mod node;
 mod objects;
+mod oci;
 mod shared_dir;
 mod shim;
 mod snapshotter;
@@ -57,6 +58,10 @@ enum Command {
     /// twig-vmm and Firecracker side by side on the same guest, runs
     /// alternating (needs a Firecracker binary: scripts/build-firecracker.sh).
     Fc(firecracker::Args),
+    /// Snapshots across nodes through an OCI registry: bytes and times of
+    /// push and pull, full and incremental, restore of a pulled snapshot
+    /// against a local one, per guest size.
+    Oci(oci::Args),
 }
 
 fn main() {
@@ -72,6 +77,7 @@ fn main() {
         Command::Shim(args) => shim::run(&args),
         Command::Objects(args) => objects::run(&args),
         Command::Fc(args) => firecracker::run(&args),
+        Command::Oci(args) => oci::run(&args),
     };
     match result {
         Ok(value) => {

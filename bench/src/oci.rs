@@ -1,0 +1,177 @@
+//! Snapshots across nodes through an OCI registry (twig-oci), on the host:
+//! twig-vmm's ring-3 test guest with a working set of a given share of its
+//! memory, snapshotted full and then incrementally into one node store,
+//! pushed to a real `docker-registry` (started and stopped here), pulled
+//! into a fresh store (another node's), and restored there; against a
+//! restore from the source store (a clone on the same node). Reports bytes
+//! moved for full and incremental snapshots, push and pull times, and
+//! restore → first answer of the guest, per guest size.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use twig_cri::harness::Registry;
+use twig_oci::{Client, Credentials, Reference};
+use twig_store::NodeStore;
+use twig_vmm::testguest::{self, Command};
+use twig_vmm::{Capture, Kind, Shape, Vm};
+
+use crate::stats::{Context, Error, Report};
+
+const T: Duration = Duration::from_secs(120);
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Guest memory sizes, MiB.
+    #[arg(long, value_delimiter = ',', default_value = "128,512,1024,2048")]
+    sizes: Vec<usize>,
+    /// Share of guest memory above the guest's own 16 MiB that it has
+    /// written before the full snapshot (its working set), percent.
+    #[arg(long, default_value_t = 25)]
+    touched_pct: u64,
+    /// Pages the guest writes between the full and the incremental snapshot.
+    #[arg(long, default_value_t = 1000)]
+    delta_pages: u64,
+    /// Repetitions per size (each into a new repository and a new store).
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Where the stores and the registry live (default: a temporary
+    /// directory under /tmp).
+    #[arg(long)]
+    dir: Option<std::path::PathBuf>,
+}
+
+pub fn run(args: &Args) -> Result<Value, Error> {
+    twig_vmm::open_kvm().context(|| "this benchmark needs /dev/kvm".into())?;
+    let tmp = match &args.dir {
+        Some(d) => tempfile::tempdir_in(d)?,
+        None => tempfile::tempdir()?,
+    };
+    let registry = Registry::start(&tmp.path().join("registry"))?;
+    let client = Client::new(Credentials::default(), vec![registry.host()])?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let mut report = Report::default();
+    let mut sizes = Vec::new();
+    for &mib in &args.sizes {
+        eprintln!("-- {mib} MiB guest, {}% touched", args.touched_pct);
+        let one = rt.block_on(size_run(
+            args,
+            mib,
+            tmp.path(),
+            &registry,
+            &client,
+            &mut report,
+        ))?;
+        sizes.push(one);
+    }
+    report.insert("sizes", Value::Array(sizes));
+    report.insert("touched_pct", json!(args.touched_pct));
+    report.insert("delta_pages", json!(args.delta_pages));
+    Ok(report.into_value())
+}
+
+fn boot(mib: usize, dir: &Path) -> Result<Vm, Error> {
+    let serial = Capture::new();
+    let mut vm = Vm::create(Shape::new(mib, 1), serial.writer())?;
+    vm.boot(&testguest::write_to(dir)?, "console=ttyS0")?;
+    testguest::wait_booted(&vm, T)?;
+    Ok(vm)
+}
+
+fn dirty(vm: &mut Vm, first_page: u64, pages: u64, value: u64) -> Result<(), Error> {
+    testguest::run(
+        vm,
+        Command::Dirty,
+        [testguest::SCRATCH + first_page * 4096, pages, value],
+        T,
+    )?;
+    Ok(())
+}
+
+/// A new VM restored from `dir`, until the guest has answered a command.
+fn restore_to_answer(mib: usize, dir: &Path) -> Result<Duration, Error> {
+    let t = Instant::now();
+    let mut vm = Vm::create(Shape::new(mib, 1), Box::new(std::io::sink()))?;
+    vm.restore(dir)?;
+    dirty(&mut vm, 0, 1, 9)?;
+    Ok(t.elapsed())
+}
+
+async fn size_run(
+    args: &Args,
+    mib: usize,
+    root: &Path,
+    registry: &Registry,
+    client: &Client,
+    report: &mut Report,
+) -> Result<Value, Error> {
+    let dir = root.join(format!("{mib}"));
+    std::fs::create_dir_all(&dir)?;
+    let a = NodeStore::open(&dir.join("a"), true)?;
+    let mut vm = boot(mib, &dir)?;
+    let scratch_pages = ((mib as u64) << 8).saturating_sub(testguest::SCRATCH / 4096);
+    let touched = scratch_pages * args.touched_pct / 100;
+    dirty(&mut vm, 0, touched, 1)?;
+    vm.snapshot_into(&a, "full", Kind::Full)?;
+    dirty(&mut vm, 0, args.delta_pages.min(scratch_pages), 2)?;
+    vm.snapshot_into(&a, "inc", Kind::Incremental)?;
+    drop(vm);
+    let sizes = a.sizes_of("full")?;
+
+    let (mut push_full, mut push_inc, mut pull, mut pull_inc) = (vec![], vec![], vec![], vec![]);
+    let (mut remote, mut local) = (vec![], vec![]);
+    let (mut bytes_full, mut bytes_inc, mut bytes_pulled) = (0, 0, 0);
+    for run in 0..args.runs {
+        // A new repository each run: the registry keeps blobs per repository.
+        let repo = |tag: &str| {
+            Reference::parse(&format!(
+                "{}/bench/m{mib}r{run}/agent:{tag}",
+                registry.host()
+            ))
+        };
+        let t = Instant::now();
+        // The full snapshot alone first, then its child (only its delta).
+        let pushed = twig_oci::push(client, &a, "full", &repo("full")?).await?;
+        push_full.push(t.elapsed());
+        bytes_full = pushed.bytes_uploaded;
+        let t = Instant::now();
+        let pushed = twig_oci::push(client, &a, "inc", &repo("inc")?).await?;
+        push_inc.push(t.elapsed());
+        bytes_inc = pushed.bytes_uploaded;
+
+        let b = NodeStore::open(&dir.join(format!("b{run}")), true)?;
+        let t = Instant::now();
+        let got = twig_oci::pull(client, &b, &repo("full")?, None).await?;
+        pull.push(t.elapsed());
+        bytes_pulled = got.bytes_downloaded;
+        let t = Instant::now();
+        let inc = twig_oci::pull(client, &b, &repo("inc")?, None).await?;
+        pull_inc.push(t.elapsed());
+        remote.push(restore_to_answer(mib, &b.snapshot_dir(&inc.id))?);
+        local.push(restore_to_answer(mib, &a.snapshot_dir("inc"))?);
+        drop(b);
+        std::fs::remove_dir_all(dir.join(format!("b{run}")))?;
+    }
+    let key = |k: &str| format!("{k}_{mib}mib");
+    report.timing(&key("push_full"), &push_full);
+    report.timing(&key("push_incremental"), &push_inc);
+    report.timing(&key("pull_full"), &pull);
+    report.timing(&key("pull_incremental"), &pull_inc);
+    report.timing(&key("restore_pulled_answer"), &remote);
+    report.timing(&key("restore_local_answer"), &local);
+    report.value(&key("bytes_full"), json!(bytes_full));
+    report.value(&key("bytes_incremental"), json!(bytes_inc));
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(json!({
+        "mib": mib,
+        "memory_bytes": sizes.memory_bytes,
+        "touched_pages": touched,
+        "bytes_pushed_full": bytes_full,
+        "bytes_pushed_incremental": bytes_inc,
+        "bytes_pulled_full": bytes_pulled,
+    }))
+}
