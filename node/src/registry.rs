@@ -96,6 +96,19 @@ impl Registry {
         })
     }
 
+    /// Pulls `reference`, which must belong to `namespace`, as snapshot `id`
+    /// (an app template built on another node).
+    pub async fn import_as(
+        &self,
+        store: &NodeStore,
+        reference: &str,
+        namespace: &str,
+        id: &str,
+    ) -> Result<twig_oci::Pulled> {
+        let from = self.reference(reference, namespace)?;
+        Ok(twig_oci::pull_as(&self.client, store, &from, Some(namespace), id).await?)
+    }
+
     /// Pulls `reference`, which must belong to `namespace`.
     pub async fn import(
         &self,

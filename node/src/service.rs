@@ -201,6 +201,41 @@ impl Services {
         Ok(req)
     }
 
+    /// Pulls template `spec` from `artifact` under its id, keeping it only
+    /// when it was built from the same inputs (its spec label), with this
+    /// node's egress policy for its pods.
+    async fn template_from_registry(&self, spec: &Spec, artifact: &str) -> Result<()> {
+        let (namespace, _) = spec.key.split_once('/').ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "template name {:?} is not namespace/name",
+                spec.key
+            ))
+        })?;
+        self.registry
+            .import_as(self.templates.store(), artifact, namespace, &spec.id)
+            .await?;
+        let templates = self.templates.clone();
+        let (id, digest, policy) = (
+            spec.id.clone(),
+            spec.digest.clone(),
+            spec.egress_policy.clone(),
+        );
+        blocking(move || {
+            let store = templates.store();
+            let theirs = store.get(&id)?.labels.get(SPEC_LABEL).cloned();
+            if theirs.as_deref() != Some(digest.as_str()) {
+                store.delete(&id)?;
+                return Err(Error::FailedPrecondition(format!(
+                    "it was built from other inputs (spec {}) than this node's (spec {digest}): \
+                     another image, command, warm-up or base template (guest kernel, agent, shape)",
+                    theirs.as_deref().unwrap_or("unknown")
+                )));
+            }
+            Ok(store.set_label(&id, TEMPLATE_POLICY_LABEL, policy.as_deref())?)
+        })
+        .await
+    }
+
     /// Hands over a prepared VMM for `req`.
     pub async fn acquire(&self, req: &AcquireVmRequest) -> Result<AcquireVmResponse> {
         let req = &self.pulled_if_missing(req).await?;
@@ -484,6 +519,25 @@ impl Services {
             }
             None => {}
         }
+        // Built on another node and exported: pulled instead of built.
+        let mut pull_failed = None;
+        if !req.artifact.is_empty() && !self.builder.running(&spec.id) {
+            match self.template_from_registry(&spec, &req.artifact).await {
+                Ok(()) => {
+                    return Ok(EnsureTemplateResponse {
+                        ready: true,
+                        message: format!("pulled from {}", req.artifact),
+                        ..Default::default()
+                    })
+                }
+                Err(e) => {
+                    tracing::warn!(template = spec.key, artifact = req.artifact, error = %e, "pulling the template failed: building it");
+                    pull_failed = Some(format!("pulling {} failed ({e}); ", req.artifact));
+                }
+            }
+        }
+        let not_ready =
+            |m: String| not_ready(format!("{}{m}", pull_failed.as_deref().unwrap_or("")));
         Ok(match self.builder.ensure(&spec) {
             Progress::Building(m) | Progress::Queued(m) => not_ready(m),
             Progress::Failed(message) => EnsureTemplateResponse {

@@ -8,10 +8,11 @@ mod common;
 
 use common::*;
 use twig_cri::harness::Registry;
+use twig_node::build::{Spec, SPEC_LABEL};
 use twig_proto::node::AcquireVmRequest;
 use twig_proto::twig::{
-    ExportSnapshotRequest, ExportSnapshotResponse, GetSnapshotRequest, ImportSnapshotRequest,
-    ImportSnapshotResponse,
+    EnsureTemplateRequest, EnsureTemplateResponse, ExportSnapshotRequest, ExportSnapshotResponse,
+    GetSnapshotRequest, ImportSnapshotRequest, ImportSnapshotResponse,
 };
 
 impl Node {
@@ -37,6 +38,12 @@ impl Node {
             ..Default::default()
         };
         self.rt.block_on(self.node.import_snapshot(ctx(), &req))
+    }
+
+    fn ensure(&self, req: &EnsureTemplateRequest) -> EnsureTemplateResponse {
+        self.rt
+            .block_on(self.node.ensure_template(ctx(), req))
+            .expect("EnsureTemplate")
     }
 
     fn has(&self, id: &str) -> bool {
@@ -69,7 +76,7 @@ fn a_snapshot_exported_by_one_node_is_imported_by_another_within_its_namespace()
     let host = registry.host();
     let (da, db) = (d.path().join("a"), d.path().join("b"));
     std::fs::create_dir_all(&da).unwrap();
-    make_snapshot(&da, "agent-snap", MIB, Some("team-a"));
+    make_snapshot(&da, "agent-snap", MIB, Some("team-a"), &[]);
     let a = node_with_registry(&da, &host);
     let b = node_with_registry(&db, &host);
     let ours = format!("{host}/twig/team-a/agent:v1");
@@ -180,4 +187,65 @@ fn a_snapshot_exported_by_one_node_is_imported_by_another_within_its_namespace()
     let (code, msg) = status(clone_pod(&c, &artifact, "team-a").unwrap_err());
     assert_eq!(code, ttrpc::Code::UNAVAILABLE, "{msg}");
     assert!(!c.has("agent-snap") && !c.has(&pulled.snapshot_id));
+}
+
+#[test]
+fn a_template_built_on_one_node_serves_another_without_a_build() {
+    let d = tempfile::tempdir().unwrap();
+    let registry = Registry::start(&d.path().join("registry")).expect("docker-registry");
+    let host = registry.host();
+    let (da, db) = (d.path().join("a"), d.path().join("b"));
+    std::fs::create_dir_all(&da).unwrap();
+    let req = EnsureTemplateRequest {
+        name: "team-a/agent".into(),
+        image: "example.com/agent:1".into(),
+        ..Default::default()
+    };
+    // These nodes have no base template inputs: the spec stands alone.
+    let spec = Spec::from_request(&req).unwrap();
+    make_snapshot(
+        &da,
+        &spec.id,
+        MIB,
+        Some("team-a"),
+        &[(SPEC_LABEL, &spec.digest)],
+    );
+    let a = node_with_registry(&da, &host);
+    let b = node_with_registry(&db, &host);
+    assert!(a.ensure(&req).ready, "A has it built");
+    let pushed = a
+        .export(
+            &spec.id,
+            &format!("{host}/twig/team-a/template-agent:v1"),
+            "team-a",
+        )
+        .expect("ExportSnapshot of the template");
+    let artifact = format!("{host}/twig/team-a/template-agent@{}", pushed.digest);
+
+    let pulled = b.ensure(&EnsureTemplateRequest {
+        artifact: artifact.clone(),
+        ..req.clone()
+    });
+    assert!(
+        pulled.ready && pulled.message.contains("pulled from"),
+        "{pulled:?}"
+    );
+    assert!(b.has(&spec.id));
+    // A pod of the template on B restores it.
+    let vm = b
+        .acquire(&spec.id)
+        .expect("AcquireVm of the pulled template");
+    sigkill(vm.pid);
+
+    // Other inputs on the next node: not taken, built (and, with no
+    // containerd here, the build fails, saying why the pull was not used).
+    let c = node_with_registry(&d.path().join("c"), &host);
+    let other = c.ensure(&EnsureTemplateRequest {
+        image: "example.com/agent:2".into(),
+        artifact,
+        ..req.clone()
+    });
+    assert!(!other.ready, "{other:?}");
+    assert!(other.message.contains("other inputs"), "{other:?}");
+    assert!(!c.has(&spec.id));
 }

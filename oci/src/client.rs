@@ -137,14 +137,26 @@ enum Access {
 impl Client {
     /// A client using `creds`, speaking plain HTTP to the registries in
     /// `plain_http` (`host:port`, e.g. a registry on loopback) and HTTPS,
-    /// verified against the system's roots, to all others.
+    /// verified against the system's roots, to all others (none: every
+    /// HTTPS registry is refused, said once at start).
     pub fn new(creds: Credentials, plain_http: Vec<String>) -> Result<Client> {
-        let https = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_native_roots()
-            .map_err(|e| Error::Invalid(format!("loading the system's TLS roots: {e}")))?
-            .https_or_http()
-            .enable_http1()
-            .build();
+        let builder = match hyper_rustls::HttpsConnectorBuilder::new().with_native_roots() {
+            Ok(b) => b,
+            // A node image without CA certificates still serves plain-HTTP
+            // registries; an HTTPS one is then refused (unknown issuer).
+            Err(e) => {
+                tracing::warn!(error = %e, "no system CA certificates: HTTPS registries will be refused");
+                let tls = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+                    rustls::crypto::ring::default_provider(),
+                ))
+                .with_safe_default_protocol_versions()
+                .map_err(|e| Error::Invalid(format!("TLS configuration: {e}")))?
+                .with_root_certificates(rustls::RootCertStore::empty())
+                .with_no_client_auth();
+                hyper_rustls::HttpsConnectorBuilder::new().with_tls_config(tls)
+            }
+        };
+        let https = builder.https_or_http().enable_http1().build();
         let http = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(30))
             .build(https);
@@ -609,6 +621,19 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    #[test]
+    fn a_node_without_ca_certificates_still_makes_a_client() {
+        // Where rustls-native-certs looks when told: an empty file.
+        let empty = tempfile::NamedTempFile::new().unwrap();
+        let none = tempfile::tempdir().unwrap();
+        std::env::set_var("SSL_CERT_FILE", empty.path());
+        std::env::set_var("SSL_CERT_DIR", none.path());
+        assert!(hyper_rustls::HttpsConnectorBuilder::new()
+            .with_native_roots()
+            .is_err());
+        Client::new(Credentials::default(), vec![]).unwrap();
     }
 
     #[test]

@@ -21,7 +21,7 @@ pub mod reference;
 
 pub use client::{Client, Credentials};
 pub use error::{Error, Result};
-pub use pull::{local_by_digest, pull, pulled_id, Pulled};
+pub use pull::{local_by_digest, pull, pull_as, pulled_id, Pulled, PULLED_PREFIX};
 pub use push::{push, Pushed};
 pub use reference::Reference;
 

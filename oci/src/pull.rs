@@ -36,11 +36,14 @@ pub struct Pulled {
     pub bytes_downloaded: u64,
 }
 
+/// How the ids of pulled snapshots start.
+pub const PULLED_PREFIX: &str = "oci-";
+
 /// The id a pulled snapshot gets in a node store: derived from its
 /// manifest digest, so it never collides with a snapshot the node made.
 pub fn pulled_id(digest: &str) -> String {
     let hex = digest.strip_prefix("sha256:").unwrap_or(digest);
-    format!("oci-{}", &hex[..hex.len().min(32)])
+    format!("{PULLED_PREFIX}{}", &hex[..hex.len().min(32)])
 }
 
 /// The node store's snapshot of manifest `digest`, if it has one (pushed
@@ -64,6 +67,31 @@ pub async fn pull(
     from: &Reference,
     owner: Option<&str>,
 ) -> Result<Pulled> {
+    pull_into(client, store, from, owner, None).await
+}
+
+/// [`pull`], the snapshot itself published as `id` (its parents as
+/// [`pulled_id`]s): e.g. an app template under the id a node's templates
+/// have, built once on another node. Pulled again even when the store has
+/// it under another id.
+pub async fn pull_as(
+    client: &Client,
+    store: &NodeStore,
+    from: &Reference,
+    owner: Option<&str>,
+    id: &str,
+) -> Result<Pulled> {
+    twig_store::layout::validate_id(id)?;
+    pull_into(client, store, from, owner, Some(id)).await
+}
+
+async fn pull_into(
+    client: &Client,
+    store: &NodeStore,
+    from: &Reference,
+    owner: Option<&str>,
+    leaf_id: Option<&str>,
+) -> Result<Pulled> {
     let (bytes, digest) = client.manifest(from, from.target()).await?;
     let mut out = Pulled {
         digest: digest.clone(),
@@ -73,7 +101,10 @@ pub async fn pull(
     let mut cur = (bytes, digest);
     let mut parent = loop {
         if let Some(id) = local_by_digest(store, &cur.1)? {
-            break Some(id);
+            let elsewhere = pending.is_empty() && leaf_id.is_some_and(|l| l != id);
+            if !elsewhere {
+                break Some(id);
+            }
         }
         let (m, layers) = OciManifest::parse(&cur.0)?;
         let config = client
@@ -114,10 +145,15 @@ pub async fn pull(
         return Ok(out);
     }
     while let Some((digest, _, layers, config)) = pending.pop() {
+        let id = match leaf_id.filter(|_| pending.is_empty()) {
+            Some(id) => id.to_string(),
+            None => pulled_id(&digest),
+        };
         let id = import(
             client,
             store,
             from,
+            &id,
             &digest,
             &layers,
             &config,
@@ -139,14 +175,14 @@ async fn import(
     client: &Client,
     store: &NodeStore,
     from: &Reference,
+    id: &str,
     digest: &str,
     layers: &[Layer],
     config: &Manifest,
     parent: Option<&str>,
     out: &mut Pulled,
 ) -> Result<String> {
-    let id = pulled_id(digest);
-    let mut staging = store.stage(&id)?;
+    let mut staging = store.stage(id)?;
     if let Some(p) = parent {
         staging.set_parent(p)?;
     }
@@ -181,11 +217,13 @@ async fn import(
         let got = fetch(client, from, layer, file, expected).await?;
         out.bytes_downloaded += got;
     }
-    relabel(staging.dir(), &id, parent)?;
+    relabel(staging.dir(), id, parent)?;
     match staging.publish() {
-        Ok(_) => Ok(id),
+        Ok(_) => Ok(id.to_string()),
         // Pulled at the same time by another caller: the same content.
-        Err(twig_store::Error::AlreadyExists(_)) => Ok(id),
+        Err(twig_store::Error::AlreadyExists(_)) if id.starts_with(PULLED_PREFIX) => {
+            Ok(id.to_string())
+        }
         Err(e) => Err(e.into()),
     }
 }

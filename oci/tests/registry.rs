@@ -202,8 +202,28 @@ async fn a_vm_snapshot_chain_moves_to_another_node_store_and_continues_there() {
     let same = twig_oci::pull(&c, &b, &v1, Some(OWNER)).await.unwrap();
     assert_eq!(
         (same.id, same.snapshots_pulled, same.bytes_downloaded),
-        (pulled.id, 0, 0)
+        (pulled.id.clone(), 0, 0)
     );
+
+    // Pulled under an id of the caller's choosing (a template's), even
+    // where the store has it under another: its parent as pulled before.
+    let named = twig_oci::pull_as(&c, &b, &v1, Some(OWNER), "template.team-a.agent")
+        .await
+        .unwrap();
+    assert_eq!(
+        (named.id.as_str(), named.snapshots_pulled),
+        ("template.team-a.agent", 1)
+    );
+    let t = b.get("template.team-a.agent").unwrap();
+    assert_eq!(t.parent, b.get(&pulled.id).unwrap().parent);
+    let mut r3 =
+        Vm::create_with(Shape::new(MIB, 1), Box::new(std::io::sink()), &disk(&rw3)).unwrap();
+    r3.restore(t.dir()).unwrap();
+    assert_eq!((word(&r3, 0), word(&r3, 5)), (200, 105));
+    assert!(matches!(
+        twig_oci::pull_as(&c, &b, &v1, Some(OWNER), "../x").await,
+        Err(Error::Store(_))
+    ));
 
     // Another namespace may not pull it, nor restore what is here.
     let before = b.list().unwrap().len();

@@ -97,11 +97,12 @@ pub fn make_template(dir: &Path, id: &str) {
 
 /// [`make_template`] with `mib` MiB of guest RAM (one vCPU).
 pub fn make_template_of(dir: &Path, id: &str, mib: u32) {
-    make_snapshot(dir, id, mib, None);
+    make_snapshot(dir, id, mib, None, &[]);
 }
 
-/// [`make_template_of`], the snapshot owned by namespace `owner`.
-pub fn make_snapshot(dir: &Path, id: &str, mib: u32, owner: Option<&str>) {
+/// [`make_template_of`], the snapshot owned by namespace `owner`, with
+/// `labels`.
+pub fn make_snapshot(dir: &Path, id: &str, mib: u32, owner: Option<&str>, labels: &[(&str, &str)]) {
     if let Err(e) = twig_vmm::open_kvm() {
         panic!("this test needs a usable /dev/kvm (run as root on a KVM host): {e}");
     }
@@ -130,6 +131,9 @@ pub fn make_snapshot(dir: &Path, id: &str, mib: u32, owner: Option<&str>) {
     vm.snapshot(staging.dir(), Kind::Full).expect("snapshot");
     if let Some(o) = owner {
         staging.set_owner(o).expect("owner");
+    }
+    for (k, v) in labels {
+        staging.set_label(k, v);
     }
     staging.publish().expect("publish");
 }
