@@ -13,7 +13,9 @@
 # containerd.
 #
 # Usage: scripts/install-node.sh [--from DIR] [--root DIR] [--start] [--handler NAME]
-#                                [--containerd-version X.Y]
+#                                [--containerd-version X.Y] [--registry-prefix P]
+#                                [--registry-plain-http HOST:PORT]
+#                                [--registry-credentials FILE]
 #        scripts/install-node.sh --bundle DIR
 #   --bundle DIR  build everything (release binaries, guest kernel,
 #                 initramfs) into DIR (bin/, share/): what an installer
@@ -32,6 +34,14 @@
 #                 came in 1.7), so on 1.6 the drop-in makes `twig` the CRI
 #                 snapshotter of the node: runc pods then run on
 #                 twig-snapshotter's ext4 images too (runc mounts them).
+#   --registry-prefix P, --registry-plain-http HOST:PORT, --registry-credentials FILE
+#                 twig-node's `registry` section of a new node.json (the
+#                 OCI registry snapshots are exported to and imported
+#                 from): its repository prefix, a registry spoken to over
+#                 plain HTTP, and a Docker config.json of credentials,
+#                 copied to /etc/twig/registry/config.json (mode 0600, on
+#                 every run: a rotated Secret reaches the node). A kept
+#                 node.json keeps its own section (a note says so).
 # Files are replaced by rename, never rewritten in place, so running
 # binaries and a containerd reading its config are never torn.
 set -euo pipefail
@@ -39,6 +49,7 @@ die() { echo "install-node.sh: $*" >&2; exit 1; }
 
 here=$(cd "$(dirname "$0")/.." && pwd)
 from="" root=/ start=0 bundle="" handler=twig containerd_version=""
+registry=0 registry_prefix=twig registry_plain_http="" registry_credentials=""
 while (($#)); do
   case $1 in
     --from) from=${2:?--from needs a directory}; shift 2 ;;
@@ -47,10 +58,19 @@ while (($#)); do
     --bundle) bundle=${2:?--bundle needs a directory}; shift 2 ;;
     --handler) handler=${2:?--handler needs a name}; shift 2 ;;
     --containerd-version) containerd_version=${2:?--containerd-version needs X.Y}; shift 2 ;;
+    --registry-prefix) registry=1 registry_prefix=${2:?--registry-prefix needs a prefix}; shift 2 ;;
+    --registry-plain-http) registry=1 registry_plain_http=${2:?--registry-plain-http needs HOST:PORT}; shift 2 ;;
+    --registry-credentials) registry=1 registry_credentials=${2:?--registry-credentials needs a file}; shift 2 ;;
     *) die "unknown argument $1 (see the comment at the top of the script)" ;;
   esac
 done
 [[ $handler =~ ^[a-z0-9][a-z0-9-]*$ ]] || die "invalid handler name $handler"
+[[ $registry_prefix =~ ^[a-z0-9]+([._-][a-z0-9]+)*(/[a-z0-9]+([._-][a-z0-9]+)*)*$ ]] \
+  || die "invalid registry prefix $registry_prefix"
+[[ -z $registry_plain_http || $registry_plain_http =~ ^[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[0-9]{1,5})?$ ]] \
+  || die "invalid registry host $registry_plain_http"
+[[ -z $registry_credentials || -f $registry_credentials ]] \
+  || die "registry credentials $registry_credentials is not a file"
 bins=(containerd-shim-twig-v2 twig-vmm twig-node twig-snapshotter)
 
 make_bundle() {
@@ -159,7 +179,29 @@ for b in "${bins[@]}"; do put "$from/bin/$b" "usr/local/bin/$b" 0755; done
 put "$from/share/vmlinux" usr/share/twig/vmlinux 0644
 put "$from/share/agent-initrd.cpio.gz" usr/share/twig/agent-initrd.cpio.gz 0644
 
-write etc/twig/node.json 0644 keep <<'EOF'
+registry_json=""
+if ((registry)); then
+  credentials=null
+  if [[ -n $registry_credentials ]]; then
+    credentials='"/etc/twig/registry/config.json"'
+    # Put on every run (by rename, mode 0600): rotated credentials arrive.
+    mkdir -p "$root/etc/twig/registry"
+    chmod 0700 "$root/etc/twig/registry"
+    put "$registry_credentials" etc/twig/registry/config.json 0600
+  fi
+  plain=""
+  [[ -n $registry_plain_http ]] && plain="\"$registry_plain_http\""
+  registry_json=",
+  \"registry\": {
+    \"credentials\": $credentials,
+    \"plain_http\": [$plain],
+    \"repository_prefix\": \"$registry_prefix\"
+  }"
+  if [[ -e $root/etc/twig/node.json ]]; then
+    echo "install-node.sh: etc/twig/node.json is kept: its \"registry\" section should read {$registry_json }" >&2
+  fi
+fi
+write etc/twig/node.json 0644 keep <<EOF
 {
   "socket": "/run/twig/node.sock",
   "store": "/var/lib/twig/vm",
@@ -167,7 +209,7 @@ write etc/twig/node.json 0644 keep <<'EOF'
   "base": {
     "kernel": "/usr/share/twig/vmlinux",
     "initrd": "/usr/share/twig/agent-initrd.cpio.gz"
-  }
+  }$registry_json
 }
 EOF
 write etc/twig/shim.json 0644 keep <<'EOF'

@@ -291,6 +291,7 @@ pub fn snapshot(
             deletion_policy: Default::default(),
             ttl_seconds_after_ready: None,
             failure_deadline_seconds: Some(120),
+            export: false,
         },
     );
     snap.metadata.labels = Some(labels);

@@ -190,6 +190,7 @@ impl Bench<'_> {
                 deletion_policy: DeletionPolicy::Delete,
                 ttl_seconds_after_ready: None,
                 failure_deadline_seconds: None,
+                export: false,
             },
         );
         testkit::create(&self.lab.client, &snapshot).await;

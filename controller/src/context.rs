@@ -132,6 +132,57 @@ pub(crate) fn bounded_name(prefix: &str, node: &str, max: usize) -> String {
 /// Namespace and name of a pod.
 type PodKey = (String, String);
 
+/// The OCI registry Snapshots are exported to (`--registry`,
+/// `--registry-prefix`): a Snapshot `name` of namespace `ns` goes to
+/// repository `<host>/<prefix>/<ns>/<name>`, the repositories twig-node
+/// lets that namespace write.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Registry {
+    /// `host[:port]`, without a scheme.
+    pub host: String,
+    /// The first path component(s) of every repository (default `twig`).
+    pub prefix: String,
+}
+
+impl Registry {
+    /// A registry target, checked: `host` a `host[:port]` (no scheme, no
+    /// path), `prefix` lowercase repository path components (slashes at
+    /// its ends dropped).
+    pub fn new(host: &str, prefix: &str) -> Result<Registry, String> {
+        let host_ok = !host.is_empty()
+            && host
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-.:[]".contains(&b));
+        if !host_ok {
+            return Err(format!(
+                "registry {host:?} is not a host[:port] (no scheme, no path)"
+            ));
+        }
+        let prefix = prefix.trim_matches('/');
+        let component_ok = |c: &str| {
+            !c.is_empty()
+                && c.starts_with(|ch: char| ch.is_ascii_lowercase() || ch.is_ascii_digit())
+                && c.ends_with(|ch: char| ch.is_ascii_lowercase() || ch.is_ascii_digit())
+                && c.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-".contains(&b))
+        };
+        if !prefix.split('/').all(component_ok) {
+            return Err(format!(
+                "registry prefix {prefix:?} is not a repository path (lowercase alphanumerics, '.', '_', '-', components joined by '/')"
+            ));
+        }
+        Ok(Registry {
+            host: host.to_string(),
+            prefix: prefix.to_string(),
+        })
+    }
+
+    /// The repository of Snapshot `name` in namespace `namespace`.
+    pub fn repository(&self, namespace: &str, name: &str) -> String {
+        format!("{}/{}/{namespace}/{name}", self.host, self.prefix)
+    }
+}
+
 /// Everything a reconciler needs; one per controller process (one per node).
 pub struct Context {
     /// Client of the Kubernetes API.
@@ -166,6 +217,8 @@ pub struct Context {
     pub gc_grace: Duration,
     /// Delays of retries after failed reconciles.
     pub backoff: Backoff,
+    /// Where Snapshots with `spec.export` go; `None`: no registry configured.
+    pub registry: Option<Registry>,
     recorder: Recorder,
     /// The last Warning Event published about each pod, so a condition that
     /// lasts is not repeated on every look.
@@ -207,6 +260,7 @@ impl Context {
             gc_every: Duration::from_secs(600),
             gc_grace: Duration::from_secs(600),
             backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(300)),
+            registry: None,
             pod_locks: Mutex::default(),
             pod_warnings: Mutex::default(),
         }
@@ -260,6 +314,13 @@ impl Context {
     #[must_use]
     pub fn with_backoff(mut self, start: Duration, cap: Duration) -> Self {
         self.backoff = Backoff::new(start, cap);
+        self
+    }
+
+    /// Sets the registry Snapshots with `spec.export` are pushed to.
+    #[must_use]
+    pub fn with_registry(mut self, registry: Registry) -> Self {
+        self.registry = Some(registry);
         self
     }
 
@@ -372,4 +433,28 @@ pub fn template_finalizer(node: &str) -> String {
 /// Is this a 404 from the API server?
 pub(crate) fn is_not_found(err: &kube::Error) -> bool {
     matches!(err, kube::Error::Api(e) if e.code == 404)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Registry;
+
+    #[test]
+    fn registries_are_hosts_and_prefixes_are_repository_paths() {
+        let r = Registry::new("registry.example:5000", "/twig/snapshots/").expect("valid");
+        assert_eq!(r.prefix, "twig/snapshots");
+        assert_eq!(
+            r.repository("team-a", "redis"),
+            "registry.example:5000/twig/snapshots/team-a/redis"
+        );
+        assert!(Registry::new("[::1]:5000", "twig").is_ok());
+        for host in ["", "https://registry.example", "registry.example/path"] {
+            let err = Registry::new(host, "twig").expect_err(host);
+            assert!(err.contains("host[:port]"), "{err}");
+        }
+        for prefix in ["", "Twig", "twig//x", "-twig", "twig_"] {
+            let err = Registry::new("registry.example", prefix).expect_err(prefix);
+            assert!(err.contains("repository path"), "{err}");
+        }
+    }
 }

@@ -15,6 +15,10 @@ pub const GROUP: &str = "twig.dev";
 /// `twig_net::EgressPolicy`); it narrows its template's `spec.egressPolicy`
 /// (twig-proto's contract).
 pub use twig_proto::contract::EGRESS_POLICY_ANNOTATION;
+/// Pod annotation, besides `twig.dev/restore-from`, naming the OCI artifact
+/// of an exported snapshot (`registry/repository@sha256:…`): a node whose
+/// store lacks the snapshot pulls it from there (twig-proto's contract).
+pub use twig_proto::contract::RESTORE_ARTIFACT_ANNOTATION;
 /// Pod annotations turning the sandbox API (envd) on and naming the access
 /// token it requires (twig-proto's contract): a Clone's pods keep their
 /// source's.
@@ -114,6 +118,7 @@ pub enum DeletionPolicy {
     printcolumn = r#"{"name":"Size","type":"integer","jsonPath":".status.sizeBytes"}"#,
     printcolumn = r#"{"name":"Parent","type":"string","jsonPath":".status.parentSnapshotName"}"#,
     printcolumn = r#"{"name":"Written","type":"integer","jsonPath":".status.writtenBytes","priority":1}"#,
+    printcolumn = r#"{"name":"Availability","type":"string","jsonPath":".status.availability","priority":1}"#,
     printcolumn(
         name = "Duration(ms)",
         type_ = "integer",
@@ -122,6 +127,7 @@ pub enum DeletionPolicy {
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[x_kube(validation = Rule::new("self.podName == oldSelf.podName && self.mode == oldSelf.mode && has(self.podUid) == has(oldSelf.podUid) && (!has(self.podUid) || self.podUid == oldSelf.podUid)").message("podName, podUid and mode are immutable"))]
+#[x_kube(validation = Rule::new("!has(oldSelf.export) || !oldSelf.export || (has(self.export) && self.export)").message("export may be turned on, not off: the artifact stays in the registry"))]
 #[serde(rename_all = "camelCase")]
 pub struct SnapshotSpec {
     /// The running Twig pod to snapshot, in the Snapshot's namespace.
@@ -148,6 +154,42 @@ pub struct SnapshotSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub failure_deadline_seconds: Option<i64>,
+    /// Push the snapshot (and the parents the registry lacks) to the
+    /// cluster's OCI registry once Ready, as
+    /// `<registry>/<prefix>/<namespace>/<name>:<uid>` (condition `Exported`,
+    /// `status.artifact`), so that Clones of it run on any node. May be
+    /// turned on later, not off. Default false: the snapshot stays on its node.
+    #[serde(default)]
+    pub export: bool,
+}
+
+/// Where a Ready snapshot can be restored from.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, schemars::JsonSchema)]
+pub enum Availability {
+    /// Only its node's store: Clones run on that node, and the snapshot is
+    /// lost with it.
+    Node,
+    /// Its node's store and the registry (`status.artifact`): Clones run on
+    /// any node, each pulling what it lacks.
+    NodeAndRegistry,
+    /// Only the registry: its node's copy is gone. Clones still run on any
+    /// node; a Rollback to it needs the node's copy and fails.
+    Registry,
+}
+
+/// The OCI artifact a Snapshot was exported as.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SnapshotArtifact {
+    /// `<registry>/<prefix>/<namespace>/<name>@<digest>`: what a Clone's
+    /// pods pull (their `twig.dev/restore-artifact`).
+    pub reference: String,
+    /// The artifact's manifest digest (`sha256:…`).
+    pub digest: String,
+    /// Bytes the export uploaded (blobs the registry already had are not
+    /// uploaded again: a snapshot incremental on an exported one uploads
+    /// only its own pages and disk extents).
+    pub bytes_uploaded: u64,
 }
 
 /// Observed state of a Snapshot.
@@ -206,7 +248,10 @@ pub struct SnapshotStatus {
     /// When the snapshot became Ready.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ready_time: Option<Time>,
-    /// `Ready`, `Progressing` and `Failure`, each with a reason.
+    /// `Ready`, `Progressing` and `Failure`, each with a reason; `Exported`
+    /// with `spec.export` (True once in the registry; False with
+    /// `RegistryUnavailable`, retried, `PermissionDenied`, `ExportFailed`
+    /// or `NoRegistry`, while the snapshot stays Ready on its node).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
@@ -216,6 +261,14 @@ pub struct SnapshotStatus {
     /// The failure, with its time (set when Failed or Lost).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<OperationError>,
+    /// Where the Ready snapshot can be restored from: `Node` (only its
+    /// node's store), `NodeAndRegistry` (exported), `Registry` (exported,
+    /// its node's copy gone).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub availability: Option<Availability>,
+    /// The OCI artifact the snapshot was exported as (`spec.export`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub artifact: Option<SnapshotArtifact>,
     /// The pod as it was when the snapshot was taken: what a Clone of the
     /// snapshot copies, so that clones outlive their source pod (a sandbox
     /// paused by deleting its pod is resumed from it).
@@ -282,7 +335,7 @@ pub struct CloneSource {
     group = "twig.dev",
     version = "v1alpha1",
     kind = "Clone",
-    doc = "N running copies of a pod, restored from one snapshot on the snapshot's node.",
+    doc = "N running copies of a pod, restored from one snapshot: on the snapshot's node, or on any node when the snapshot was exported.",
     root = "PodClone",
     namespaced,
     status = "CloneStatus",
@@ -335,9 +388,16 @@ pub struct CloneStatus {
     /// The Snapshot the pods are restored from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot_name: Option<String>,
-    /// The node the pods run on (the snapshot's).
+    /// The snapshot's node, whose controller makes the pods: they run there,
+    /// or, when the snapshot was exported (`placement: Scheduler`), where the
+    /// scheduler puts them (`replicas[].nodeName`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_name: Option<String>,
+    /// How the pods are placed, decided with the first ones: `SnapshotNode`
+    /// (bound to the snapshot's node) or `Scheduler` (any node; each pulls
+    /// the exported snapshot).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement: Option<ClonePlacement>,
     /// Names of the clone pods.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pods: Vec<String>,
@@ -363,12 +423,26 @@ pub struct CloneStatus {
     pub error: Option<OperationError>,
 }
 
+/// Where a Clone's pods run.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, schemars::JsonSchema)]
+pub enum ClonePlacement {
+    /// Bound to the snapshot's node (a snapshot only there, or a source pod
+    /// with hostPath volumes, which name that node's files).
+    SnapshotNode,
+    /// Placed by the scheduler, within the source pod's constraints; a node
+    /// lacking the snapshot pulls it from `status.artifact` of the Snapshot.
+    Scheduler,
+}
+
 /// The state of one clone pod.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, schemars::JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ReplicaStatus {
     /// The pod's name.
     pub name: String,
+    /// The node the pod was bound to, once it is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_name: Option<String>,
     /// The pod's phase (`Pending`, `Running`, …; `Pending` before it exists).
     pub phase: String,
     /// Whether the pod's `Ready` condition is True.

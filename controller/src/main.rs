@@ -44,6 +44,15 @@ enum Command {
         /// Deadline of one call to a shim or the node service, in seconds.
         #[arg(long, default_value_t = 120)]
         call_timeout_secs: u64,
+        /// The OCI registry (`host[:port]`) Snapshots with `spec.export` are
+        /// pushed to; none: such Snapshots say `NoRegistry`.
+        #[arg(long)]
+        registry: Option<String>,
+        /// The first path component(s) of every snapshot repository
+        /// (`<registry>/<prefix>/<namespace>/<name>`); must equal the nodes'
+        /// `registry.repository_prefix`.
+        #[arg(long, default_value = "twig")]
+        registry_prefix: String,
     },
     /// Write the CRD YAML files (one per CRD) into a directory, or print them.
     Crds {
@@ -78,7 +87,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             containerd_tasks,
             node_socket,
             call_timeout_secs,
+            registry,
+            registry_prefix,
         } => {
+            let registry = registry
+                .map(|host| twig_controller::context::Registry::new(&host, &registry_prefix))
+                .transpose()
+                .map_err(|e| format!("--registry/--registry-prefix: {e}"))?;
             let client = kube::Client::try_default()
                 .await
                 .map_err(|e| format!("connecting to the Kubernetes API: {e}"))?;
@@ -87,7 +102,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             let listener = tokio::net::TcpListener::bind(metrics_addr)
                 .await
                 .map_err(|e| format!("binding the metrics address {metrics_addr}: {e}"))?;
-            let ctx = Arc::new(Context::new(
+            let mut ctx = Context::new(
                 client,
                 node_name.clone(),
                 Arc::new(ContainerdLocator::new(containerd_tasks)),
@@ -97,8 +112,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     timeout,
                 }),
                 metrics.clone(),
-            ));
-            tracing::info!(node = %node_name, %metrics_addr, "twig-controller starting");
+            );
+            if let Some(registry) = registry {
+                ctx = ctx.with_registry(registry);
+            }
+            let ctx = Arc::new(ctx);
+            tracing::info!(node = %node_name, %metrics_addr, registry = ?ctx.registry, "twig-controller starting");
             let mut sigterm =
                 tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
             tokio::select! {

@@ -274,7 +274,37 @@ pub trait NodeService: Send + Sync {
         let _ = snapshot_id;
         Err(ShimError::Unimplemented("RetainSnapshot".to_string()))
     }
+    /// Pushes snapshot `snapshot_id` of `namespace` (and the parents the
+    /// registry lacks) to `reference` (`registry/<prefix>/<namespace>/<name>:<tag>`).
+    /// `Unavailable`: the registry could not be reached (retry);
+    /// `Forbidden`: the registry or the node refused.
+    async fn export_snapshot(
+        &self,
+        snapshot_id: &str,
+        reference: &str,
+        namespace: &str,
+    ) -> Result<Exported, ShimError> {
+        let _ = (snapshot_id, reference, namespace);
+        Err(ShimError::Unimplemented("ExportSnapshot".to_string()))
+    }
 }
+
+/// What one export pushed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Exported {
+    /// The snapshot's manifest digest (`sha256:…`).
+    pub digest: String,
+    /// Bytes uploaded (what the registry already had is not).
+    pub bytes_uploaded: u64,
+    /// Snapshots of the chain pushed.
+    pub snapshots_pushed: u32,
+    /// Snapshots of the chain the registry already had.
+    pub snapshots_present: u32,
+}
+
+/// Shortest deadline of an export: a push of a large snapshot takes longer
+/// than the other calls (a retry after a deadline skips what was uploaded).
+const EXPORT_TIMEOUT: Duration = Duration::from_secs(1800);
 
 /// What one garbage collection of the node store deleted.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -619,5 +649,38 @@ impl NodeService for TtrpcNode {
             .await
             .map_err(|e| map_error("RetainSnapshot", &self.address, e))?;
         Ok(())
+    }
+
+    async fn export_snapshot(
+        &self,
+        snapshot_id: &str,
+        reference: &str,
+        namespace: &str,
+    ) -> Result<Exported, ShimError> {
+        let req = pb::ExportSnapshotRequest {
+            snapshot_id: snapshot_id.to_string(),
+            reference: reference.to_string(),
+            namespace: namespace.to_string(),
+            ..Default::default()
+        };
+        let ctx = ttrpc::context::with_timeout(timeout_nanos(self.timeout.max(EXPORT_TIMEOUT)));
+        let resp = self
+            .client()
+            .await?
+            .export_snapshot(ctx, &req)
+            .await
+            .map_err(|e| map_error("ExportSnapshot", &self.address, e))?;
+        if resp.digest.is_empty() {
+            return Err(ShimError::Call {
+                call: "ExportSnapshot",
+                message: "an export answered without a digest".to_string(),
+            });
+        }
+        Ok(Exported {
+            digest: resp.digest,
+            bytes_uploaded: resp.bytes_uploaded,
+            snapshots_pushed: resp.snapshots_pushed,
+            snapshots_present: resp.snapshots_present,
+        })
     }
 }

@@ -49,6 +49,7 @@ async fn a_failing_cleanup_is_retried_later_and_later_then_forgotten() {
         "flaky",
         SnapshotSpec {
             pod_uid: None,
+            export: false,
             failure_deadline_seconds: None,
             pod_name: "redis".into(),
             mode: SnapshotMode::Incremental,

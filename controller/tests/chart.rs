@@ -487,9 +487,13 @@ fn merged(base: &Value, over: &Value) -> Value {
     }
 }
 
-/// Values with every optional part of the chart on: twig-api and its Ingress.
+/// Values with every optional part of the chart on: twig-api and its
+/// Ingress, and the registry snapshots are exported to.
 fn all_on() -> Value {
-    json!({"api": {"enabled": true, "domain": "sandbox.example", "ingress": {"enabled": true}}})
+    json!({
+        "api": {"enabled": true, "domain": "sandbox.example", "ingress": {"enabled": true}},
+        "registry": {"host": "registry.example"},
+    })
 }
 
 /// Every leaf of `v` (non-empty objects are descended), as a key path.
@@ -865,15 +869,14 @@ fn clone_pod_on(node: &str) -> Value {
     clone.metadata.uid = Some("4d1b3c2a-0000-4000-8000-000000000001".into());
     let source: k8s_openapi::api::core::v1::Pod =
         serde_json::from_value(pod_annotated(Value::Null)).expect("source pod");
-    let pod = twig_controller::reconcile::clone::clone_pod(
-        &clone,
-        &source,
+    let restore = twig_controller::reconcile::clone::Restore {
+        snapshot_id: "uid-of-a-snapshot",
+        snapshot_name: "redis-snap",
         node,
-        "uid-of-a-snapshot",
-        "redis-snap",
-        0,
-    )
-    .expect("clone pod");
+        artifact: None,
+    };
+    let pod = twig_controller::reconcile::clone::clone_pod(&clone, &source, &restore, 0)
+        .expect("clone pod");
     serde_json::to_value(pod).expect("json")
 }
 
@@ -922,7 +925,8 @@ fn a_node_controller_creates_pods_only_on_its_own_node() {
         restore_from_verdict(&docs, &controller, "pods", &own, None),
         Verdict::Allowed
     );
-    // Another node's, or one left to the scheduler, is refused by name.
+    // Another node's, or one left to the scheduler (without a registry in
+    // the chart: chart_registry.rs), is refused by name.
     let message = forbidden(verdict(&controller, &node_a, &clone_pod_on("node-b")));
     assert!(
         message.contains(

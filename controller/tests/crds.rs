@@ -175,7 +175,7 @@ fn every_cel_rule_compiles() {
         }
     }
     assert_eq!(
-        rules, 4,
+        rules, 5,
         "a CEL rule was added or lost; cover it in cel_rules_decide_as_intended"
     );
 }
@@ -302,7 +302,28 @@ fn cel_rules_decide_as_intended() {
     }
     // The default mode counts as set: omitting it is not a change.
     let defaulted = object("Snapshot", json!({"podName": "redis"}));
-    assert_eq!(check("snapshots", defaulted, Some(snap)), Ok(()));
+    assert_eq!(check("snapshots", defaulted, Some(snap.clone())), Ok(()));
+    // Snapshot: export may be turned on later, not off.
+    let exported = object(
+        "Snapshot",
+        json!({"podName": "redis", "mode": "Incremental", "export": true}),
+    );
+    assert_eq!(
+        check("snapshots", exported.clone(), Some(snap.clone())),
+        Ok(())
+    );
+    assert_eq!(
+        check("snapshots", exported.clone(), Some(exported.clone())),
+        Ok(())
+    );
+    for off in [
+        json!({"podName": "redis", "mode": "Incremental", "export": false}),
+        json!({"podName": "redis", "mode": "Incremental"}),
+    ] {
+        let err = check("snapshots", object("Snapshot", off), Some(exported.clone()))
+            .expect_err("turned off");
+        assert!(err.contains("export may be turned on, not off"), "{err}");
+    }
 
     // Rollback: the whole spec is immutable.
     let rb = object("Rollback", json!({"podName": "p", "snapshotName": "s"}));

@@ -18,7 +18,8 @@ use twig_controller::crd::{
     SnapshotSpec, EGRESS_POLICY_ANNOTATION, NETWORK_ANNOTATION, RESTORE_FROM_ANNOTATION,
     TEMPLATE_ANNOTATION,
 };
-use twig_controller::reconcile::{clone::clone_pod, template};
+use twig_controller::reconcile::clone::{clone_pod, Restore};
+use twig_controller::reconcile::template;
 use twig_net::{effective_policy, Action, EgressPolicy};
 use twig_proto::contract::{ENVD_ANNOTATION, ENVD_TOKEN_SHA256_ANNOTATION};
 
@@ -276,7 +277,13 @@ fn a_clone_pod_carries_its_sources_egress_policy_annotation() {
         (ENVD_TOKEN_SHA256_ANNOTATION.to_string(), "ab".repeat(32)),
         ("team".to_string(), "not copied".to_string()),
     ])));
-    let pod = clone_pod(&a_clone(), &source, "node-a", "snap-id", "snap", 1).expect("pod");
+    let restore = Restore {
+        snapshot_id: "snap-id",
+        snapshot_name: "snap",
+        node: "node-a",
+        artifact: None,
+    };
+    let pod = clone_pod(&a_clone(), &source, &restore, 1).expect("pod");
     let annotations = pod.metadata.annotations.expect("annotations");
     assert_eq!(
         annotations
@@ -306,15 +313,7 @@ fn a_clone_pod_carries_its_sources_egress_policy_annotation() {
     assert!(!annotations.contains_key("team"), "{annotations:?}");
 
     // No annotation on the source: none on the clone.
-    let pod = clone_pod(
-        &a_clone(),
-        &source_pod(None),
-        "node-a",
-        "snap-id",
-        "snap",
-        0,
-    )
-    .expect("pod");
+    let pod = clone_pod(&a_clone(), &source_pod(None), &restore, 0).expect("pod");
     let annotations = pod.metadata.annotations.expect("annotations");
     assert!(!annotations.contains_key(EGRESS_POLICY_ANNOTATION));
 }
@@ -332,6 +331,7 @@ async fn snapshotted_pod_of_template(client: &kube::Client, name: &str, template
         &format!("{name}-snap"),
         SnapshotSpec {
             pod_uid: None,
+            export: false,
             failure_deadline_seconds: None,
             pod_name: name.into(),
             mode: Default::default(),

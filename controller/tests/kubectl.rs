@@ -237,7 +237,7 @@ async fn kubectl_get_prints_the_printer_columns() {
             &Patch::Merge(json!({"status": {
                 "phase": "Ready", "readyToUse": true, "nodeName": "node-a",
                 "sizeBytes": 134217728, "parentSnapshotName": "redis-base",
-                "writtenBytes": 4096, "durationMs": 41,
+                "writtenBytes": 4096, "durationMs": 41, "availability": "NodeAndRegistry",
             }})),
         )
         .await
@@ -285,12 +285,16 @@ async fn kubectl_get_prints_the_printer_columns() {
             "SIZE",
             "PARENT",
             "WRITTEN",
+            "AVAILABILITY",
             "DURATION(MS)",
             "AGE"
         ],
         "{wide}"
     );
-    assert!(wide.contains("node-a") && wide.contains("4096"), "{wide}");
+    assert!(
+        wide.contains("node-a") && wide.contains("4096") && wide.contains("NodeAndRegistry"),
+        "{wide}"
+    );
     // Short name and category from discovery.
     assert!(kubectl.ok(&["get", "tsnap"]).await.contains("redis-seeded"));
     let all = kubectl.ok(&["get", "twig"]).await;

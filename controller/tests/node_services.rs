@@ -253,9 +253,33 @@ impl rpc::Node for CollectingNode {
             .push(format!("retain {}", req.snapshot_id));
         Ok(pb::RetainSnapshotResponse::default())
     }
+
+    async fn export_snapshot(
+        &self,
+        _: &ttrpc::r#async::TtrpcContext,
+        req: pb::ExportSnapshotRequest,
+    ) -> ttrpc::Result<pb::ExportSnapshotResponse> {
+        self.requests.lock().expect("lock").push(format!(
+            "export {} to {} for {}",
+            req.snapshot_id, req.reference, req.namespace
+        ));
+        if req.reference.starts_with("down.example") {
+            return Err(status(
+                ttrpc::Code::UNAVAILABLE,
+                "registry down.example: refused",
+            ));
+        }
+        Ok(pb::ExportSnapshotResponse {
+            digest: format!("sha256:{}", "ab".repeat(32)),
+            bytes_uploaded: 4096,
+            snapshots_pushed: 1,
+            snapshots_present: 2,
+            ..Default::default()
+        })
+    }
 }
 
-/// `TtrpcNode`'s CollectGarbage and RetainSnapshot against a daemon that
+/// `TtrpcNode`'s CollectGarbage, RetainSnapshot and ExportSnapshot against a daemon that
 /// serves them, and against one that predates them (ttrpc answers
 /// NOT_FOUND for a method it does not serve, which the reconcilers take as
 /// "nothing to collect, nothing to mark").
@@ -285,9 +309,32 @@ async fn ttrpc_node_client_collects_garbage_and_retains() {
     assert_eq!(c.deleted, ["orphan"]);
     assert_eq!(c.reclaimed_bytes, 4096);
     node.retain_snapshot("kept").await.expect("RetainSnapshot");
+    let exported = node
+        .export_snapshot("kept", "registry.example/twig/ns/s:uid-1", "ns")
+        .await
+        .expect("ExportSnapshot");
+    assert_eq!(
+        (
+            exported.digest.len(),
+            exported.bytes_uploaded,
+            exported.snapshots_present
+        ),
+        (71, 4096, 2)
+    );
+    // The registry unreachable: retried, as any UNAVAILABLE.
+    let e = node
+        .export_snapshot("kept", "down.example/twig/ns/s:uid-1", "ns")
+        .await
+        .expect_err("unavailable");
+    assert!(matches!(e, ShimError::Unavailable { .. }), "{e:?}");
     assert_eq!(
         *server.requests.lock().expect("lock"),
-        ["gc [\"kept\"] grace=600", "retain kept"]
+        [
+            "gc [\"kept\"] grace=600",
+            "retain kept",
+            "export kept to registry.example/twig/ns/s:uid-1 for ns",
+            "export kept to down.example/twig/ns/s:uid-1 for ns",
+        ]
     );
 
     // A daemon without them.
@@ -303,6 +350,11 @@ async fn ttrpc_node_client_collects_garbage_and_retains() {
         .expect_err("not served");
     assert!(matches!(e, ShimError::NotFound(_)), "{e:?}");
     let e = old.retain_snapshot("x").await.expect_err("not served");
+    assert!(matches!(e, ShimError::NotFound(_)), "{e:?}");
+    let e = old
+        .export_snapshot("x", "registry.example/twig/ns/s:u", "ns")
+        .await
+        .expect_err("not served");
     assert!(matches!(e, ShimError::NotFound(_)), "{e:?}");
 }
 

@@ -24,6 +24,7 @@ fn snapshot(name: &str, mode: SnapshotMode) -> Snapshot {
         name,
         SnapshotSpec {
             pod_uid: None,
+            export: false,
             failure_deadline_seconds: None,
             pod_name: "redis".to_string(),
             mode,

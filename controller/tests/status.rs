@@ -289,6 +289,7 @@ async fn snapshot_clone_and_rollback_report_ready_progressing_and_failure() {
             "base",
             SnapshotSpec {
                 pod_uid: None,
+                export: false,
                 failure_deadline_seconds: None,
                 pod_name: "redis".into(),
                 mode: SnapshotMode::Incremental,

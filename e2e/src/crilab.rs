@@ -13,6 +13,7 @@ use twig_controller::shim::Sandbox;
 use twig_cri::{api, CriClient};
 
 use crate::cri::CriNode;
+use crate::node::NodeConfig;
 
 /// Deadline of the guest's progress (the lab is slow).
 pub const PROGRESS: Duration = Duration::from_secs(120);
@@ -97,7 +98,13 @@ pub struct CriLab {
 impl CriLab {
     /// Starts the node ([`CriNode::start`]) and connects.
     pub async fn start() -> CriLab {
-        let node = CriNode::start().unwrap_or_else(|e| panic!("CRI node: {e}"));
+        CriLab::start_configured(|_| {}).await
+    }
+
+    /// Starts the node with the lab's configuration changed by `f`
+    /// ([`CriNode::start_configured`]) and connects.
+    pub async fn start_configured(f: impl FnOnce(&mut NodeConfig)) -> CriLab {
+        let node = CriNode::start_configured(f).unwrap_or_else(|e| panic!("CRI node: {e}"));
         let cri = node.client().await.unwrap_or_else(|e| panic!("{e}"));
         CriLab { node, cri }
     }

@@ -376,6 +376,7 @@ impl CtrlLab {
                     deletion_policy: DeletionPolicy::Delete,
                     ttl_seconds_after_ready: None,
                     failure_deadline_seconds: None,
+                    export: false,
                 },
             ),
         )

@@ -375,6 +375,13 @@ pub struct NodeConfig {
     /// Seconds a twig shim's VMM or agent call may take (the shim's
     /// `call_timeout_s`): [`SHIM_CALL_S`] unless a test times a guest out.
     pub shim_call_s: u64,
+    /// The node store in the node's own directory instead of the run's
+    /// shared one: a second node whose store is its own (snapshots across
+    /// nodes).
+    pub own_store: bool,
+    /// A registry (`host:port`) twig-node exports snapshots to and imports
+    /// them from over plain HTTP.
+    pub registry: Option<String>,
 }
 
 /// What the twig shim's base template boots (the lab's `TWIG_GUEST_KERNEL`
@@ -413,6 +420,8 @@ impl NodeConfig {
             guest,
             net_pool: 0,
             shim_call_s: SHIM_CALL_S,
+            own_store: false,
+            registry: None,
         })
     }
 }
@@ -479,17 +488,17 @@ impl Node {
 
         let node_socket = dir.join("node.sock");
         let node_file = dir.join("node.json");
-        fs::write(
-            &node_file,
-            node_config(
-                &dir,
-                &store_dir(&xfs, &dir),
-                config.guest.as_ref(),
-                config.net_pool,
-            )
-            .to_string(),
-        )
-        .map_err(io(format!("writing {}", node_file.display())))?;
+        let store = if config.own_store {
+            dir.join("vm")
+        } else {
+            store_dir(&xfs, &dir)
+        };
+        let mut node_json = node_config(&dir, &store, config.guest.as_ref(), config.net_pool);
+        if let Some(host) = &config.registry {
+            node_json["registry"] = serde_json::json!({ "plain_http": [host] });
+        }
+        fs::write(&node_file, node_json.to_string())
+            .map_err(io(format!("writing {}", node_file.display())))?;
         let mut node_daemon = Daemon::spawn(
             "twig-node",
             Command::new("twig-node")

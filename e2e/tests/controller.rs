@@ -153,6 +153,7 @@ async fn scenario(lab: &CtrlLab) {
             deletion_policy: DeletionPolicy::Delete,
             ttl_seconds_after_ready: None,
             failure_deadline_seconds: None,
+            export: false,
         },
     );
     testkit::create(client, &snap).await;

@@ -206,6 +206,7 @@ async fn objects_bench(lab: &CtrlLab, template: &SandboxTemplate, tokens: &Token
             deletion_policy: Default::default(),
             ttl_seconds_after_ready: None,
             failure_deadline_seconds: None,
+            export: false,
         },
     );
     snap.metadata.namespace = Some(NS.into());

@@ -122,6 +122,10 @@ pub struct SnapshotArgs {
     /// Delete the Snapshot this many seconds after it becomes Ready.
     #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(i64).range(0..))]
     pub ttl: Option<i64>,
+    /// Push the snapshot to the cluster's OCI registry once Ready, so that
+    /// its clones run on any node (`spec.export`).
+    #[arg(long)]
+    pub export: bool,
     /// Waiting.
     #[command(flatten)]
     pub wait: WaitFlag,

@@ -34,6 +34,7 @@ pub async fn snapshot(client: Client, namespace: &str, args: SnapshotArgs) -> Re
         deletion_policy: DeletionPolicy::Delete,
         ttl_seconds_after_ready: args.ttl,
         failure_deadline_seconds: None,
+        export: args.export,
     };
     let snapshot = Snapshot {
         metadata: metadata(args.name, &format!("{}-", args.pod)),

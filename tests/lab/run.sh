@@ -220,7 +220,8 @@ copy_with_libs "$(command -v mkfs.ext4)" "$root/sbin/mkfs.ext4"
 copy_with_libs "$(command -v mkfs.xfs)" "$root/sbin/mkfs.xfs"
 if ((e2e)); then
   mkdir -p "$root/usr/bin" "$root/usr/local/bin" "$root/e2e"
-  for b in containerd containerd-shim-runc-v2 ctr runc; do
+  # docker-registry: the registry of snapshots across nodes (cross_node).
+  for b in containerd containerd-shim-runc-v2 ctr runc docker-registry; do
     p=$(command -v $b) || die "$b missing (scripts/install-deps.sh installs it)"
     copy_with_libs "$p" "$root/usr/bin/$b"
   done

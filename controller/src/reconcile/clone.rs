@@ -1,5 +1,17 @@
 //! Clone: N pods restored from one snapshot, copies of the source pod's spec,
-//! pinned to the snapshot's node, owned by the Clone.
+//! owned by the Clone, made by the controller of the snapshot's node.
+//!
+//! Where they run: a snapshot only in its node's store restores only there,
+//! so its clones are bound to that node (`spec.nodeName`). An exported
+//! snapshot (`status.artifact`) restores anywhere: its clones carry
+//! `twig.dev/restore-artifact` besides `twig.dev/restore-from` and are left
+//! to the scheduler, within the source pod's own constraints (node
+//! selector, affinity, tolerations; the RuntimeClass adds Twig's nodes),
+//! and a node lacking the snapshot pulls it (twig-node's AcquireVm). A
+//! source pod with hostPath volumes is cloned on its node all the same:
+//! its host paths name that node's files. A Clone of a Snapshot whose
+//! export is under way waits for it (`spec.export` and no `Exported`
+//! verdict yet); a failed export clones on the snapshot's node.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -18,11 +30,13 @@ use super::{
 };
 use crate::context::{is_not_found, millis_since, Context, Error};
 use crate::crd::{
-    CloneStatus, DeletionPolicy, Phase, PodClone, ReplicaStatus, SandboxTemplate, Snapshot,
-    SnapshotMode, SnapshotSpec, SourcePod, CLONE_LABEL, EGRESS_POLICY_ANNOTATION, ENVD_ANNOTATION,
-    ENVD_TOKEN_SHA256_ANNOTATION, MAX_REPLICAS, NETWORK_ANNOTATION, RESTORE_FROM_ANNOTATION,
-    RUNTIME_CLASS, TEMPLATE_ANNOTATION,
+    ClonePlacement, CloneStatus, DeletionPolicy, Phase, PodClone, ReplicaStatus, SandboxTemplate,
+    Snapshot, SnapshotMode, SnapshotSpec, SnapshotStatus, SourcePod, CLONE_LABEL,
+    EGRESS_POLICY_ANNOTATION, ENVD_ANNOTATION, ENVD_TOKEN_SHA256_ANNOTATION, MAX_REPLICAS,
+    NETWORK_ANNOTATION, RESTORE_ARTIFACT_ANNOTATION, RESTORE_FROM_ANNOTATION, RUNTIME_CLASS,
+    TEMPLATE_ANNOTATION,
 };
+use crate::reconcile::export::EXPORTED;
 use crate::reconcile::validate_name;
 
 /// Annotation on clone pods naming the Snapshot object they came from (for people; the shim reads `twig.dev/restore-from`).
@@ -147,6 +161,15 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
     if node != ctx.node_name {
         return Ok(Action::await_change());
     }
+    if snap.spec.export && export_pending(&snap_status) {
+        if left.is_some_and(|l| l.is_zero()) {
+            let waiting_for = format!("snapshot {snap_name} to be exported");
+            let message =
+                deadline_message("clone", clone.spec.failure_deadline_seconds, &waiting_for);
+            return fail(&api, &clone, DEADLINE_EXCEEDED, message, &ctx).await;
+        }
+        return Ok(wait(ctx.retry, left));
+    }
     let source_name = &snap.spec.pod_name;
     let source = match &snap_status.source_pod {
         Some(kept) => match kept_pod(source_name, kept) {
@@ -184,6 +207,25 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
     if missing && !still_wanted(&api, &clone).await? {
         return Ok(Action::await_change());
     }
+    // Decided once, with the first pods: pods made again later are placed
+    // as their siblings were.
+    let artifact = snap_status
+        .artifact
+        .as_ref()
+        .filter(|_| !has_host_path(&source))
+        .filter(|_| status.placement != Some(ClonePlacement::SnapshotNode))
+        .map(|a| a.reference.as_str());
+    let placement = if artifact.is_some() {
+        ClonePlacement::Scheduler
+    } else {
+        ClonePlacement::SnapshotNode
+    };
+    let restore = Restore {
+        snapshot_id: &snapshot_id,
+        snapshot_name: &snap_name,
+        node: &node,
+        artifact,
+    };
     let mut created = 0;
     let mut names = Vec::new();
     for index in 0..clone.spec.replicas {
@@ -192,7 +234,7 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
         if existing.contains_key(&name) {
             continue;
         }
-        let mut pod = clone_pod(&clone, &source, &node, &snapshot_id, &snap_name, index)?;
+        let mut pod = clone_pod(&clone, &source, &restore, index)?;
         if let (Some(policy), Some(annotations)) = (&policy, pod.metadata.annotations.as_mut()) {
             annotations
                 .entry(EGRESS_POLICY_ANNOTATION.to_string())
@@ -216,7 +258,10 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
         }
     }
     if created > 0 {
-        let note = format!("Created {created} pods from snapshot {snap_name} on node {node}");
+        let note = match artifact {
+            Some(a) => format!("Created {created} pods from snapshot {snap_name} (exported as {a}), placed by the scheduler"),
+            None => format!("Created {created} pods from snapshot {snap_name} on node {node}"),
+        };
         ctx.event(
             clone.as_ref(),
             EventType::Normal,
@@ -253,6 +298,7 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
         phase,
         snapshot_name: Some(snap_name.clone()),
         node_name: Some(node.clone()),
+        placement: Some(placement),
         pods: names,
         replicas,
         ready_replicas: ready,
@@ -306,6 +352,7 @@ fn replica_status(name: &str, pod: Option<&Pod>) -> ReplicaStatus {
         });
     ReplicaStatus {
         name: name.to_string(),
+        node_name: pod.and_then(|p| p.spec.as_ref()?.node_name.clone()),
         phase: status
             .and_then(|s| s.phase.clone())
             .unwrap_or_else(|| "Pending".to_string()),
@@ -313,9 +360,27 @@ fn replica_status(name: &str, pod: Option<&Pod>) -> ReplicaStatus {
         message: if ready {
             None
         } else {
-            status.and_then(|s| s.message.clone()).or(waiting)
+            status
+                .and_then(|s| s.message.clone())
+                .or_else(|| unschedulable(status))
+                .or(waiting)
         },
     }
+}
+
+/// Why the scheduler has not placed the pod (its `PodScheduled` condition
+/// False), e.g. no node with room for an unbound clone.
+fn unschedulable(status: Option<&k8s_openapi::api::core::v1::PodStatus>) -> Option<String> {
+    let scheduled = status?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "PodScheduled" && c.status == "False")?;
+    Some(format!(
+        "not scheduled: {}: {}",
+        scheduled.reason.as_deref().unwrap_or("Unschedulable"),
+        scheduled.message.as_deref().unwrap_or_default()
+    ))
 }
 
 /// Makes sure the Clone's own Snapshot of `pod` exists; `Ok(name)` once it is Ready.
@@ -374,6 +439,7 @@ async fn ensure_source_snapshot(
             ttl_seconds_after_ready: None,
             // The Clone's deadline bounds its snapshot too.
             failure_deadline_seconds: clone.spec.failure_deadline_seconds,
+            export: false,
         },
         status: None,
     };
@@ -532,21 +598,56 @@ fn kept_pod(name: &str, kept: &SourcePod) -> Result<Pod, serde_json::Error> {
     })
 }
 
-/// The pod spec of clone `index`: the source's spec, pinned to the snapshot's
-/// node, under the twig RuntimeClass, restored from the snapshot, with the
-/// source's egress policy annotation (`twig.dev/egress-policy`) and its
-/// `twig.dev/template` (the policy's bound) when it has them: a clone gets
-/// its source's policy.
+/// What a Clone's pods are restored from.
+#[derive(Clone, Copy, Debug)]
+pub struct Restore<'a> {
+    /// The snapshot's node-store id (`twig.dev/restore-from`).
+    pub snapshot_id: &'a str,
+    /// The Snapshot object's name.
+    pub snapshot_name: &'a str,
+    /// The snapshot's node.
+    pub node: &'a str,
+    /// The exported snapshot's artifact (`twig.dev/restore-artifact`): the
+    /// pods are left to the scheduler; `None`: bound to `node`.
+    pub artifact: Option<&'a str>,
+}
+
+/// Whether the snapshot's export has not given its verdict yet (no
+/// `Exported` condition, or `Unknown`) and no artifact is recorded.
+fn export_pending(status: &SnapshotStatus) -> bool {
+    status.artifact.is_none()
+        && status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == EXPORTED)
+            .is_none_or(|c| c.status == "Unknown")
+}
+
+/// Whether the pod mounts host paths (which name its node's files).
+fn has_host_path(pod: &Pod) -> bool {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.volumes.as_ref())
+        .is_some_and(|vs| vs.iter().any(|v| v.host_path.is_some()))
+}
+
+/// The pod spec of clone `index`: the source's spec under the twig
+/// RuntimeClass, restored from the snapshot — bound to the snapshot's node,
+/// or, with an artifact, unbound and carrying `twig.dev/restore-artifact`
+/// — with the source's egress policy annotation (`twig.dev/egress-policy`)
+/// and its `twig.dev/template` (the policy's bound) when it has them: a
+/// clone gets its source's policy.
 pub fn clone_pod(
     clone: &PodClone,
     source: &Pod,
-    node: &str,
-    snapshot_id: &str,
-    snapshot_name: &str,
+    restore: &Restore<'_>,
     index: i32,
 ) -> Result<Pod, Error> {
     let mut spec = source.spec.clone().unwrap_or_default();
-    spec.node_name = Some(node.to_string());
+    spec.node_name = match restore.artifact {
+        Some(_) => None,
+        None => Some(restore.node.to_string()),
+    };
     spec.runtime_class_name = Some(RUNTIME_CLASS.to_string());
     // Each clone gets its own identity: hostname defaults to the pod name.
     spec.hostname = None;
@@ -554,12 +655,21 @@ pub fn clone_pod(
     let mut labels: BTreeMap<String, String> = clone.spec.labels.clone().unwrap_or_default();
     labels.insert(CLONE_LABEL.to_string(), clone.name_any());
     let mut annotations = BTreeMap::from([
-        (RESTORE_FROM_ANNOTATION.to_string(), snapshot_id.to_string()),
+        (
+            RESTORE_FROM_ANNOTATION.to_string(),
+            restore.snapshot_id.to_string(),
+        ),
         (
             SOURCE_SNAPSHOT_ANNOTATION.to_string(),
-            snapshot_name.to_string(),
+            restore.snapshot_name.to_string(),
         ),
     ]);
+    if let Some(artifact) = restore.artifact {
+        annotations.insert(
+            RESTORE_ARTIFACT_ANNOTATION.to_string(),
+            artifact.to_string(),
+        );
+    }
     for key in KEPT_ANNOTATIONS {
         if let Some(value) = source.annotations().get(key) {
             annotations.insert(key.to_string(), value.clone());

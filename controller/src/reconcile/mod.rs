@@ -238,8 +238,9 @@ where
 /// The conditions of a Snapshot, Clone or Rollback in `phase`: `Ready`
 /// (True once done), `Progressing` (True while Pending or InProgress) and
 /// `Failure` (True once Failed or Lost), each with `reason` and `message`
-/// when True. A condition keeps its lastTransitionTime while its status
-/// does not change.
+/// when True, followed by the conditions of other types in `old` as they
+/// were (a Snapshot's `Exported`, `DeletionBlocked`). A condition keeps its
+/// lastTransitionTime while its status does not change.
 pub(crate) fn conditions(
     old: &[Condition],
     phase: Phase,
@@ -255,32 +256,65 @@ pub(crate) fn conditions(
         ),
         ("Failure", matches!(phase, Phase::Failed | Phase::Lost)),
     ];
-    states
-        .into_iter()
-        .map(|(type_, on)| {
-            let status = if on { "True" } else { "False" };
-            let previous = old.iter().find(|c| c.type_ == type_);
-            let last_transition_time = previous
-                .filter(|c| c.status == status)
-                .map_or_else(now, |c| c.last_transition_time.clone());
-            let (reason, message) = if on {
-                (reason.to_string(), message.to_string())
-            } else {
-                (format!("Not{type_}"), format!("the object is {phase}"))
-            };
-            Condition {
-                type_: type_.to_string(),
-                status: status.to_string(),
-                reason,
-                message,
-                last_transition_time,
-                observed_generation: generation,
-            }
-        })
-        .collect()
+    let phase_conditions = states.into_iter().map(|(type_, on)| {
+        let status = if on { "True" } else { "False" };
+        let previous = old.iter().find(|c| c.type_ == type_);
+        let last_transition_time = previous
+            .filter(|c| c.status == status)
+            .map_or_else(now, |c| c.last_transition_time.clone());
+        let (reason, message) = if on {
+            (reason.to_string(), message.to_string())
+        } else {
+            (format!("Not{type_}"), format!("the object is {phase}"))
+        };
+        Condition {
+            type_: type_.to_string(),
+            status: status.to_string(),
+            reason,
+            message,
+            last_transition_time,
+            observed_generation: generation,
+        }
+    });
+    let others = old
+        .iter()
+        .filter(|c| !PHASE_CONDITIONS.contains(&c.type_.as_str()))
+        .cloned();
+    phase_conditions.chain(others).collect()
+}
+
+/// The condition types [`conditions`] derives from the phase.
+const PHASE_CONDITIONS: [&str; 3] = ["Ready", "Progressing", "Failure"];
+
+/// `old` with the condition `type_` set to `status` (`True`, `False`,
+/// `Unknown`) for `reason` and `message`; its lastTransitionTime changes
+/// only with its status.
+pub(crate) fn set_condition(
+    old: &[Condition],
+    type_: &str,
+    status: &str,
+    (reason, message): (&str, &str),
+    generation: Option<i64>,
+) -> Vec<Condition> {
+    let previous = old.iter().find(|c| c.type_ == type_);
+    let last_transition_time = previous
+        .filter(|c| c.status == status)
+        .map_or_else(now, |c| c.last_transition_time.clone());
+    let condition = Condition {
+        type_: type_.to_string(),
+        status: status.to_string(),
+        reason: reason.to_string(),
+        message: message.to_string(),
+        last_transition_time,
+        observed_generation: generation,
+    };
+    let mut conditions: Vec<Condition> = old.iter().filter(|c| c.type_ != type_).cloned().collect();
+    conditions.push(condition);
+    conditions
 }
 
 pub mod clone;
+pub mod export;
 pub mod network;
 pub mod rollback;
 pub mod snapshot;
@@ -495,6 +529,7 @@ mod tests {
                 deletion_policy: Default::default(),
                 ttl_seconds_after_ready: Some(-1),
                 failure_deadline_seconds: None,
+                export: false,
             },
         );
         assert!(snapshot::validate(&snap).is_err_and(|e| e.contains("ttlSecondsAfterReady")));

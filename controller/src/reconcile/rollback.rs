@@ -289,6 +289,7 @@ async fn ensure_safety_snapshot(rb: &Rollback, name: &str, ctx: &Context) -> Res
                 deletion_policy: DeletionPolicy::Delete,
                 ttl_seconds_after_ready: None,
                 failure_deadline_seconds: None,
+                export: false,
             },
             status: None,
         };

@@ -5,7 +5,9 @@
 //! the Snapshot and removed once its data left the node store (policy
 //! Delete); a Snapshot no node claimed has no data and is let go by any
 //! node. A Ready Snapshot is rechecked every `recheck` (`GetSnapshot`):
-//! gone from the store, it becomes `Lost`. Its sizes come from the shim's
+//! gone from the store, it becomes `Lost` (an exported one stays Ready
+//! from the registry, `availability: Registry`); with `spec.export` it is
+//! pushed to the registry ([`super::export`]). Its sizes come from the shim's
 //! answer, or, from a shim that predates them (restore size 0), from the
 //! node's `GetSnapshot` at the next recheck.
 //!
@@ -30,13 +32,15 @@ use kube::runtime::events::EventType;
 use kube::runtime::finalizer::{finalizer, Event};
 use kube::{Api, ResourceExt};
 
+use super::export;
 use super::{
     conditions, deadline_left, deadline_message, operation_error, shim_failure, wait, write_status,
     ShimOp, DEADLINE_EXCEEDED, POD_REPLACED,
 };
 use crate::context::{is_not_found, millis_since, now, Context, Error};
 use crate::crd::{
-    bytes_quantity, DeletionPolicy, Phase, Snapshot, SnapshotMode, SnapshotStatus, RUNTIME_CLASS,
+    bytes_quantity, Availability, DeletionPolicy, Phase, Snapshot, SnapshotMode, SnapshotStatus,
+    RUNTIME_CLASS,
 };
 use crate::reconcile::{current_pod, validate_name};
 use crate::shim::{ShimError, SnapshotInfo};
@@ -152,7 +156,7 @@ async fn apply(
     match status.phase {
         Phase::Pending => start(api, &snap, ns, ctx).await,
         Phase::InProgress => take(api, (*snap).clone(), ns, ctx, true).await,
-        Phase::Ready => ready(api, &snap, &status, ctx).await,
+        Phase::Ready => ready(api, &snap, &status, ns, ctx).await,
         Phase::Failed | Phase::Lost => Ok(Action::await_change()),
     }
 }
@@ -369,6 +373,7 @@ async fn take(
         written_bytes: Some(info.written_bytes),
         duration_ms: Some(duration_ms),
         ready_time: Some(now()),
+        availability: Some(export::availability(&status)),
         conditions: conditions(
             &status.conditions,
             Phase::Ready,
@@ -397,11 +402,14 @@ async fn take(
     })
 }
 
-/// A Ready snapshot: expire it after its TTL, mark it Lost when its data left the node.
+/// A Ready snapshot: expire it after its TTL, mark it Lost when its data
+/// left the node (unless it was exported: then it is in the registry
+/// only), export it when its spec asks.
 async fn ready(
     api: &Api<Snapshot>,
     snap: &Snapshot,
     status: &SnapshotStatus,
+    ns: &str,
     ctx: &Context,
 ) -> Result<Action, Error> {
     if let Some(action) = expire(api, snap, status, ctx).await? {
@@ -411,11 +419,16 @@ async fn ready(
         .snapshot_id
         .clone()
         .ok_or(Error::MissingField("status.snapshotID"))?;
-    let Some(stored) = ctx.node.get_snapshot(&id).await? else {
+    let stored = ctx.node.get_snapshot(&id).await?;
+    if stored.is_none() && status.artifact.is_some() {
+        return registry_only(api, snap, status, &id, ctx).await;
+    }
+    let Some(stored) = stored else {
         let message = format!("snapshot {id} is no longer on node {}", ctx.node_name);
         let lost = SnapshotStatus {
             phase: Phase::Lost,
             ready_to_use: false,
+            availability: None,
             error: Some(operation_error("Lost", &message)),
             conditions: conditions(
                 &status.conditions,
@@ -434,10 +447,48 @@ async fn ready(
     };
     // The node's sizes when the status lacks them (a snapshot taken through
     // a shim that predates them) or says otherwise: the node's files decide.
-    let sized = with_sizes(status.clone(), &stored);
-    if sized != *status {
-        write_status(api, snap, sized, ctx).await?;
+    let mut sized = with_sizes(status.clone(), &stored);
+    sized.availability = Some(export::availability(status));
+    let snap = if sized == *status {
+        snap.clone()
+    } else {
+        write_status(api, snap, sized, ctx).await?
+    };
+    export::export(api, snap, ns, ctx).await?;
+    Ok(Action::requeue(ctx.recheck))
+}
+
+/// An exported snapshot whose node copy is gone stays Ready: Clones pull
+/// it from the registry (`availability: Registry`); said once, in the
+/// message and a Warning Event.
+async fn registry_only(
+    api: &Api<Snapshot>,
+    snap: &Snapshot,
+    status: &SnapshotStatus,
+    id: &str,
+    ctx: &Context,
+) -> Result<Action, Error> {
+    if status.availability == Some(Availability::Registry) {
+        return Ok(Action::requeue(ctx.recheck));
     }
+    let message = format!(
+        "snapshot {id} is no longer on node {}; it is still in the registry, so Clones of it run (on any node) but a Rollback to it cannot",
+        ctx.node_name
+    );
+    let registry_only = SnapshotStatus {
+        availability: Some(Availability::Registry),
+        message: Some(message.clone()),
+        ..status.clone()
+    };
+    let snap = write_status(api, snap, registry_only, ctx).await?;
+    ctx.event(
+        &snap,
+        EventType::Warning,
+        "NodeCopyLost",
+        "Snapshot",
+        message,
+    )
+    .await;
     Ok(Action::requeue(ctx.recheck))
 }
 

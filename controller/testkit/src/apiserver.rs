@@ -861,6 +861,10 @@ fn create(state: &State, target: &Target, mut obj: Value, manager: &str) -> Resp
     }
     obj["apiVersion"] = json!(api_version(&target.api));
     obj["kind"] = json!(kind_of(&target.plural));
+    // As kube-apiserver: the request's namespace is the object's before admission.
+    if let Some(ns) = &namespace {
+        obj["metadata"]["namespace"] = json!(ns);
+    }
     if let Some(resp) = admit(state, &target.api, &target.plural, &obj, None) {
         return resp;
     }

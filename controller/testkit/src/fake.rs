@@ -17,7 +17,7 @@ use tokio::sync::watch;
 use twig_controller::crd::{SandboxTemplateSpec, SnapshotMode};
 use twig_controller::sandbox::{LocateError, SandboxLocator};
 use twig_controller::shim::{
-    BuildIn, ErrorCode, NetworkCounter, NetworkStats, NodeService, Sandbox, SandboxStats,
+    BuildIn, ErrorCode, Exported, NetworkCounter, NetworkStats, NodeService, Sandbox, SandboxStats,
     ShimError, SnapshotInfo, StoreUsage, TemplateState, TwigShim,
 };
 use twig_net::EgressPolicy;
@@ -56,6 +56,15 @@ pub enum Call {
     EnsureTemplate(String),
     /// `Node.DeleteTemplate` of the template.
     DeleteTemplate(String),
+    /// `Node.ExportSnapshot`.
+    ExportSnapshot {
+        /// The node-store id pushed.
+        snapshot_id: String,
+        /// Where to (`registry/repository:tag`).
+        reference: String,
+        /// The namespace asking.
+        namespace: String,
+    },
 }
 
 /// Memory a full snapshot of the fake holds (its guest's RAM, all written).
@@ -119,6 +128,8 @@ struct State {
     failing_builds: usize,
     /// Build Pods a build failed in (spent: a build there fails again).
     spent_pods: BTreeSet<String>,
+    /// Codes the next ExportSnapshot calls answer (after they were recorded), in order.
+    export_codes: Vec<ErrorCode>,
 }
 
 /// The fake node: sandboxes, node store and call log behind the controller's traits.
@@ -178,6 +189,27 @@ impl FakeNode {
             .iter()
             .filter(|c| matches!(c, Call::Snapshot { .. }))
             .count()
+    }
+
+    /// The ExportSnapshot calls, in order: (snapshot id, reference, namespace).
+    pub fn export_calls(&self) -> Vec<(String, String, String)> {
+        self.calls()
+            .into_iter()
+            .filter_map(|c| match c {
+                Call::ExportSnapshot {
+                    snapshot_id,
+                    reference,
+                    namespace,
+                } => Some((snapshot_id, reference, namespace)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The next ExportSnapshot calls answer `codes`, one each, as twig-node
+    /// does (`UNAVAILABLE`: the registry could not be reached, …).
+    pub fn answer_exports(&self, codes: &[ErrorCode]) {
+        self.lock().export_codes = codes.to_vec();
     }
 
     /// How many Rollback calls arrived.
@@ -619,6 +651,55 @@ impl NodeService for FakeNode {
         st.templates.remove(key);
         Ok(())
     }
+
+    async fn export_snapshot(
+        &self,
+        snapshot_id: &str,
+        reference: &str,
+        namespace: &str,
+    ) -> Result<Exported, ShimError> {
+        let mut st = self.lock();
+        st.calls.push(Call::ExportSnapshot {
+            snapshot_id: snapshot_id.to_string(),
+            reference: reference.to_string(),
+            namespace: namespace.to_string(),
+        });
+        if !st.export_codes.is_empty() {
+            let code = st.export_codes.remove(0);
+            return Err(answer(code, "ExportSnapshot", snapshot_id));
+        }
+        if !st.store.contains_key(snapshot_id) {
+            return Err(answer(ErrorCode::NotFound, "ExportSnapshot", snapshot_id));
+        }
+        let bytes_uploaded = st
+            .sandboxes
+            .values()
+            .flat_map(|sb| &sb.snapshots)
+            .find(|s| s.snapshot_id == snapshot_id)
+            .map_or(0, |s| s.memory_bytes + s.disk_bytes);
+        Ok(Exported {
+            digest: export_digest(snapshot_id),
+            bytes_uploaded,
+            snapshots_pushed: 1,
+            snapshots_present: 0,
+        })
+    }
+}
+
+/// The manifest digest the fake gives the export of `snapshot_id`
+/// (`sha256:` and 64 hex digits, stable).
+pub fn export_digest(snapshot_id: &str) -> String {
+    let hex: String = (0..4u64)
+        .map(|i| {
+            let h = snapshot_id
+                .bytes()
+                .fold(0xcbf2_9ce4_8422_2325_u64 ^ i, |h, b| {
+                    (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+                });
+            format!("{h:016x}")
+        })
+        .collect();
+    format!("sha256:{hex}")
 }
 
 /// The error the controller's ttrpc client makes of the shim answering

@@ -72,14 +72,22 @@ pub const CONTROLLER_USER: &str = "system:serviceaccount:twig-system:twig-contro
 /// rendered by the real Helm for namespace [`CHART_NAMESPACE`]) on
 /// `server`: the controllers' writes must pass them as they would in a cluster.
 pub fn enforce_chart_policies(server: &TestApiServer) {
+    enforce_chart_policies_with(server, &[]);
+}
+
+/// [`enforce_chart_policies`] of the chart rendered with these values
+/// (`key=value`, as `helm --set` takes them).
+pub fn enforce_chart_policies_with(server: &TestApiServer, values: &[&str]) {
     let chart = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../charts/twig");
-    let rendered = kube_tools::succeed(
-        std::process::Command::new(kube_tools::helm())
-            .args(["template", "twig"])
-            .arg(chart)
-            .args(["--namespace", CHART_NAMESPACE])
-            .args(["--show-only", "templates/admission.yaml"]),
-    );
+    let mut helm = std::process::Command::new(kube_tools::helm());
+    helm.args(["template", "twig"])
+        .arg(chart)
+        .args(["--namespace", CHART_NAMESPACE])
+        .args(["--show-only", "templates/admission.yaml"]);
+    for value in values {
+        helm.args(["--set", value]);
+    }
+    let rendered = kube_tools::succeed(&mut helm);
     let docs: Vec<serde_json::Value> = rendered
         .split("\n---")
         .filter(|doc| {
@@ -109,6 +117,17 @@ pub fn enforce_chart_policies(server: &TestApiServer) {
 /// Its requests are [`CONTROLLER`]'s, as [`CONTROLLER_USER`] with a token
 /// bound to a pod on `node` (`authentication.kubernetes.io/node-name`).
 pub fn start_controller(server: &TestApiServer, node: &str, fake: &Arc<FakeNode>) -> Controller {
+    start_controller_with(server, node, fake, |ctx| ctx)
+}
+
+/// [`start_controller`] with its context changed by `configure` first
+/// (e.g. `|c| c.with_registry(…)`).
+pub fn start_controller_with(
+    server: &TestApiServer,
+    node: &str,
+    fake: &Arc<FakeNode>,
+    configure: impl FnOnce(Context) -> Context,
+) -> Controller {
     let pod = format!("twig-controller-{node}");
     let client = server.client_as_user(
         CONTROLLER,
@@ -134,7 +153,7 @@ pub fn start_controller(server: &TestApiServer, node: &str, fake: &Arc<FakeNode>
     .with_network_refresh(Duration::from_millis(200))
     .with_store_refresh(Duration::from_millis(200))
     .with_backoff(Duration::from_millis(100), Duration::from_millis(800));
-    let ctx = Arc::new(ctx);
+    let ctx = Arc::new(configure(ctx));
     let task = tokio::spawn(twig_controller::run(ctx.clone()));
     Controller { task, metrics, ctx }
 }
@@ -351,6 +370,7 @@ pub fn snapshot(name: &str, pod: &str) -> Snapshot {
             deletion_policy: DeletionPolicy::Delete,
             ttl_seconds_after_ready: None,
             failure_deadline_seconds: None,
+            export: false,
         },
     )
 }
