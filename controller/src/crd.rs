@@ -613,6 +613,13 @@ pub struct TemplateNodeStatus {
     /// Why it is not ready (building, or the error).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
+    /// This node's build in the registry
+    /// (`<registry>/<prefix>/<namespace>/template-<name>@sha256:…`): exported
+    /// once ready when this node built it, or the artifact it pulled it
+    /// from. Nodes without the template pull it from here instead of
+    /// building it, when they would build it from the same inputs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub artifact: Option<String>,
 }
 
 /// Every CRD, in a stable order.

@@ -112,6 +112,10 @@ pub enum BuildIn<'a> {
     BuildPod(Option<&'a str>),
 }
 
+/// How twig-node's EnsureTemplate answer starts when it pulled the
+/// template instead of building it (followed by the artifact).
+pub const PULLED_FROM: &str = "pulled from ";
+
 /// A template's state on this node.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TemplateState {
@@ -246,11 +250,16 @@ pub trait NodeService: Send + Sync {
     async fn get_snapshot(&self, snapshot_id: &str) -> Result<Option<SnapshotInfo>, ShimError>;
     /// Finds the template `key` (`namespace/name`) on this node, or builds
     /// it as `build_in` says.
+    /// `artifact`: where another node's build was exported; a node lacking
+    /// the template pulls it from there instead of building it when it was
+    /// built from the same inputs (the answer's message then starts with
+    /// [`PULLED_FROM`] and the artifact).
     async fn ensure_template(
         &self,
         key: &str,
         spec: &SandboxTemplateSpec,
         build_in: BuildIn<'_>,
+        artifact: Option<&str>,
     ) -> Result<TemplateState, ShimError>;
     /// Removes the template `key` from this node; succeeds when it is already gone.
     async fn delete_template(&self, key: &str) -> Result<(), ShimError>;
@@ -554,8 +563,10 @@ impl NodeService for TtrpcNode {
         key: &str,
         spec: &SandboxTemplateSpec,
         build_in: BuildIn<'_>,
+        artifact: Option<&str>,
     ) -> Result<TemplateState, ShimError> {
         let req = pb::EnsureTemplateRequest {
+            artifact: artifact.unwrap_or_default().to_string(),
             name: key.to_string(),
             image: spec.image.clone(),
             vcpus: spec.vcpus,

@@ -2,7 +2,8 @@
 //! span nodes: the export through the fake node's `ExportSnapshot`, its
 //! condition and artifact, its failures; Clone pods of an exported
 //! Snapshot left to the scheduler (under the chart's admission policies),
-//! of a node-local one bound to its node.
+//! of a node-local one bound to its node; a SandboxTemplate built on one
+//! node and pulled, not built, by the next.
 
 use twig_controller_testkit as support;
 
@@ -15,8 +16,9 @@ use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use twig_controller::context::Registry;
 use twig_controller::crd::{
-    Availability, ClonePlacement, CloneSource, CloneSpec, Phase, PodClone, Snapshot, CLONE_LABEL,
-    RESTORE_ARTIFACT_ANNOTATION, RESTORE_FROM_ANNOTATION,
+    Availability, ClonePlacement, CloneSource, CloneSpec, Phase, PodClone, SandboxTemplate,
+    SandboxTemplateSpec, Snapshot, CLONE_LABEL, RESTORE_ARTIFACT_ANNOTATION,
+    RESTORE_FROM_ANNOTATION,
 };
 use twig_controller::shim::ErrorCode;
 
@@ -453,4 +455,72 @@ async fn host_paths_keep_clones_on_the_node_and_a_lost_node_copy_leaves_the_regi
         .unwrap_or_default()
         .contains("still in the registry"));
     saw_reasons(&client, "cache-snap", &["NodeCopyLost"]).await;
+}
+
+/// A SandboxTemplate is built once: the node that built it exports it, and
+/// a node that joins later pulls that build instead of building its own
+/// (twig-node keeps it only when its inputs are the same).
+#[tokio::test]
+async fn a_template_built_on_one_node_is_pulled_by_the_next_not_built() {
+    let server = api_server().await;
+    let client = server.client();
+    let (fake_a, fake_b) = (Arc::new(FakeNode::default()), Arc::new(FakeNode::default()));
+    let _a = exporting_controller(&server, "node-a", &fake_a);
+    let template = SandboxTemplate::new(
+        "py",
+        SandboxTemplateSpec {
+            image: "reg.example/py:3".into(),
+            vcpus: 1,
+            memory_mib: 128,
+            command: None,
+            warmup: None,
+            egress_policy: None,
+        },
+    );
+    support::create(&client, &template).await;
+    let api: Api<SandboxTemplate> = Api::namespaced(client.clone(), NS);
+    let entry = |t: &SandboxTemplate, node: &str| {
+        t.status
+            .as_ref()
+            .and_then(|s| s.nodes.iter().find(|n| n.node_name == node).cloned())
+    };
+    let on_a = eventually("the template ready and exported on node-a", || {
+        let api = api.clone();
+        async move {
+            let t = api.get("py").await.ok()?;
+            entry(&t, "node-a").filter(|e| e.ready && e.artifact.is_some())
+        }
+    })
+    .await;
+    let id = format!("template.{NS}.py");
+    let artifact = format!("{REGISTRY}/twig/{NS}/template-py@{}", export_digest(&id));
+    assert_eq!(on_a.artifact.as_deref(), Some(artifact.as_str()));
+    let exports = fake_a.export_calls();
+    assert_eq!(exports.len(), 1, "{exports:?}");
+    assert_eq!(exports[0].0, id);
+    assert!(exports[0]
+        .1
+        .starts_with(&format!("{REGISTRY}/twig/{NS}/template-py:g")));
+    assert_eq!(fake_a.build_pods(&format!("{NS}/py")).len(), 1);
+
+    let _b = exporting_controller(&server, "node-b", &fake_b);
+    let on_b = eventually("the template ready on node-b", || {
+        let api = api.clone();
+        async move {
+            let t = api.get("py").await.ok()?;
+            entry(&t, "node-b").filter(|e| e.ready)
+        }
+    })
+    .await;
+    assert_eq!(
+        fake_b.pulled_templates(),
+        [(format!("{NS}/py"), artifact.clone())],
+        "node-b pulled node-a's build"
+    );
+    assert!(
+        fake_b.build_pods(&format!("{NS}/py")).is_empty(),
+        "and built none"
+    );
+    assert!(fake_b.export_calls().is_empty(), "nor pushed it again");
+    assert_eq!(on_b.artifact.as_deref(), Some(artifact.as_str()));
 }

@@ -476,7 +476,7 @@ async fn ttrpc_shim_client_calls_the_twig_service() {
         egress_policy: None,
     };
     let state = node
-        .ensure_template("default/py", &spec, BuildIn::NodePod)
+        .ensure_template("default/py", &spec, BuildIn::NodePod, None)
         .await
         .expect("template");
     assert!(!state.ready);
@@ -491,13 +491,13 @@ async fn ttrpc_shim_client_calls_the_twig_service() {
     let sent = || server.build_pod.lock().expect("lock").clone();
     assert_eq!(sent(), None, "a node-run build names no Pod");
     let state = node
-        .ensure_template("default/py", &spec, BuildIn::BuildPod(None))
+        .ensure_template("default/py", &spec, BuildIn::BuildPod(None), None)
         .await
         .expect("template");
     assert_eq!(sent().as_deref(), Some(""));
     assert!(state.needs_build_pod && !state.failed, "{state:?}");
     let state = node
-        .ensure_template("default/py", &spec, BuildIn::BuildPod(Some("spent")))
+        .ensure_template("default/py", &spec, BuildIn::BuildPod(Some("spent")), None)
         .await
         .expect("template");
     assert_eq!(sent().as_deref(), Some("spent"));
@@ -512,7 +512,7 @@ async fn ttrpc_shim_client_calls_the_twig_service() {
         egress_policy: Some(policy.clone()),
         ..spec
     };
-    node.ensure_template("default/py", &with_policy, BuildIn::NodePod)
+    node.ensure_template("default/py", &with_policy, BuildIn::NodePod, None)
         .await
         .expect("template");
     let sent = server

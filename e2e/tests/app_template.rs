@@ -94,7 +94,7 @@ impl Harness {
 
     async fn ensure(&self, key: &str, spec: &SandboxTemplateSpec) -> TemplateState {
         self.twig
-            .ensure_template(key, spec, BuildIn::NodePod)
+            .ensure_template(key, spec, BuildIn::NodePod, None)
             .await
             .unwrap_or_else(|e| panic!("EnsureTemplate {key}: {e}\n{}", self.logs()))
     }

@@ -154,7 +154,7 @@ async fn scenario() {
     let deadline = Instant::now() + BUILD;
     loop {
         let state = node
-            .ensure_template(&key, &spec, BuildIn::NodePod)
+            .ensure_template(&key, &spec, BuildIn::NodePod, None)
             .await
             .unwrap_or_else(|e| panic!("EnsureTemplate {key}: {e}\n{}", lab.logs()));
         let message = state.message.clone().unwrap_or_default();

@@ -39,7 +39,7 @@ use crate::crd::{
     RUNTIME_CLASS,
 };
 use crate::pull_secrets;
-use crate::shim::BuildIn;
+use crate::shim::{BuildIn, PULLED_FROM};
 use twig_proto::contract::{TEMPLATE_BUILD_CONTAINER, TEMPLATE_BUILD_LABEL};
 
 /// Prefix of every node's SandboxTemplate finalizer (`twig.dev/template.<node>`).
@@ -130,6 +130,7 @@ async fn build(
             node_name: ctx.node_name.clone(),
             ready: false,
             message: Some(message.clone()),
+            artifact: None,
         };
         if write_entry(api, template, &status, Some(&entry), ctx).await? {
             ctx.event(template, EventType::Warning, "Invalid", "Template", message)
@@ -145,14 +146,25 @@ async fn build(
     let current = current_build_pod(&pods, template, ctx).await?;
     let waiting = current.as_ref().and_then(waiting_reason);
     let mut build_pod = current.and_then(|p| p.metadata.uid);
-    let ensure = |pod: Option<String>| async move {
-        ctx.node
-            .ensure_template(
-                &key(template),
-                &template.spec,
-                BuildIn::BuildPod(pod.as_deref()),
-            )
-            .await
+    // Another node's build in the registry: pulled instead of built (the
+    // node builds when its inputs differ).
+    let theirs = status
+        .nodes
+        .iter()
+        .filter(|n| n.node_name != ctx.node_name && n.ready)
+        .find_map(|n| n.artifact.clone());
+    let ensure = |pod: Option<String>| {
+        let theirs = theirs.clone();
+        async move {
+            ctx.node
+                .ensure_template(
+                    &key(template),
+                    &template.spec,
+                    BuildIn::BuildPod(pod.as_deref()),
+                    theirs.as_deref(),
+                )
+                .await
+        }
     };
     let mut result = ensure(build_pod.clone()).await;
     if build_pod.is_none() && result.as_ref().is_ok_and(|s| s.needs_build_pod) {
@@ -167,6 +179,10 @@ async fn build(
         Ok(state) => TemplateNodeStatus {
             node_name: ctx.node_name.clone(),
             ready: state.ready,
+            artifact: match state.ready {
+                true => artifact_of(template, mine.as_ref(), state.message.as_deref(), ctx).await,
+                false => None,
+            },
             // Why kubelet has not started the build Pod, if it says.
             message: match (state.message, waiting.filter(|_| !state.ready)) {
                 (Some(m), Some(w)) => Some(format!("{m}; {w}")),
@@ -180,6 +196,7 @@ async fn build(
                 node_name: ctx.node_name.clone(),
                 ready: false,
                 message: Some(format!("building the template failed: {e}")),
+                artifact: None,
             }
         }
     };
@@ -202,11 +219,56 @@ async fn build(
                 .await;
         }
     }
-    Ok(if entry.ready {
-        Action::await_change()
-    } else {
-        Action::requeue(ctx.retry)
-    })
+    // Ready, and in the registry when there is one (an export that failed
+    // is tried again).
+    Ok(
+        if entry.ready && (entry.artifact.is_some() || ctx.registry.is_none()) {
+            Action::await_change()
+        } else {
+            Action::requeue(ctx.retry)
+        },
+    )
+}
+
+/// Where this node's ready build of `template` is in the registry: the
+/// artifact it was pulled from, the one recorded before, or (with a
+/// registry) its export now. None: no registry, or the export failed (it is
+/// tried again at the next reconcile; the template is ready regardless).
+async fn artifact_of(
+    template: &SandboxTemplate,
+    mine: Option<&TemplateNodeStatus>,
+    message: Option<&str>,
+    ctx: &Context,
+) -> Option<String> {
+    if let Some(pulled) = message.and_then(|m| m.strip_prefix(PULLED_FROM)) {
+        return Some(pulled.to_string());
+    }
+    if let Some(a) = mine.filter(|m| m.ready).and_then(|m| m.artifact.clone()) {
+        return Some(a);
+    }
+    let registry = ctx.registry.as_ref()?;
+    let ns = template.namespace()?;
+    let repository = registry.repository(&ns, &format!("template-{}", template.name_any()));
+    let reference = format!(
+        "{repository}:g{}",
+        template.metadata.generation.unwrap_or_default()
+    );
+    let id = format!("template.{ns}.{}", template.name_any());
+    match ctx.node.export_snapshot(&id, &reference, &ns).await {
+        Ok(pushed) => Some(format!("{repository}@{}", pushed.digest)),
+        Err(e) => {
+            let note = format!("pushing the template to {reference} failed: {e}");
+            ctx.event(
+                template,
+                EventType::Warning,
+                "ExportFailed",
+                "Template",
+                note,
+            )
+            .await;
+            None
+        }
+    }
 }
 
 /// Removes the template from this node and this node's entry from the status.

@@ -18,7 +18,7 @@ use twig_controller::crd::{SandboxTemplateSpec, SnapshotMode};
 use twig_controller::sandbox::{LocateError, SandboxLocator};
 use twig_controller::shim::{
     BuildIn, ErrorCode, Exported, NetworkCounter, NetworkStats, NodeService, Sandbox, SandboxStats,
-    ShimError, SnapshotInfo, StoreUsage, TemplateState, TwigShim,
+    ShimError, SnapshotInfo, StoreUsage, TemplateState, TwigShim, PULLED_FROM,
 };
 use twig_net::EgressPolicy;
 
@@ -130,6 +130,8 @@ struct State {
     spent_pods: BTreeSet<String>,
     /// Codes the next ExportSnapshot calls answer (after they were recorded), in order.
     export_codes: Vec<ErrorCode>,
+    /// Templates pulled instead of built: (key, artifact).
+    pulled_templates: Vec<(String, String)>,
 }
 
 /// The fake node: sandboxes, node store and call log behind the controller's traits.
@@ -204,6 +206,12 @@ impl FakeNode {
                 _ => None,
             })
             .collect()
+    }
+
+    /// The templates EnsureTemplate pulled from another node's export
+    /// instead of building: (key, artifact).
+    pub fn pulled_templates(&self) -> Vec<(String, String)> {
+        self.lock().pulled_templates.clone()
     }
 
     /// The next ExportSnapshot calls answer `codes`, one each, as twig-node
@@ -609,9 +617,21 @@ impl NodeService for FakeNode {
         key: &str,
         _spec: &SandboxTemplateSpec,
         build_in: BuildIn<'_>,
+        artifact: Option<&str>,
     ) -> Result<TemplateState, ShimError> {
         let mut st = self.lock();
         st.calls.push(Call::EnsureTemplate(key.to_string()));
+        // As twig-node does with another node's export: pulled, not built.
+        if let Some(a) = artifact.filter(|_| !st.templates.contains(key)) {
+            st.templates.insert(key.to_string());
+            st.pulled_templates.push((key.to_string(), a.to_string()));
+            return Ok(TemplateState {
+                ready: true,
+                message: Some(format!("{PULLED_FROM}{a}")),
+                needs_build_pod: false,
+                failed: false,
+            });
+        }
         let state = |ready, needs_build_pod, failed| TemplateState {
             ready,
             message: None,
@@ -668,7 +688,12 @@ impl NodeService for FakeNode {
             let code = st.export_codes.remove(0);
             return Err(answer(code, "ExportSnapshot", snapshot_id));
         }
-        if !st.store.contains_key(snapshot_id) {
+        // A template's id is `template.<namespace>.<name>`.
+        let template = snapshot_id
+            .strip_prefix("template.")
+            .and_then(|r| r.split_once('.'))
+            .is_some_and(|(ns, name)| st.templates.contains(&format!("{ns}/{name}")));
+        if !st.store.contains_key(snapshot_id) && !template {
             return Err(answer(ErrorCode::NotFound, "ExportSnapshot", snapshot_id));
         }
         let bytes_uploaded = st
