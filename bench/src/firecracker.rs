@@ -12,7 +12,8 @@
 //! a full snapshot of the running guest, 1,000 more lines (every scratch
 //! page rewritten), a diff snapshot, the source stopped; then the full
 //! snapshot restored into a new process (spawn → running, then → first
-//! line) and into a pre-started one (the call, then → first line), each
+//! line; twig-vmm told the shape on its command line, and also without it)
+//! and into a pre-started one (the call, then → first line), each
 //! restored guest's output checked to continue the source's exactly, and
 //! the restored VMM's memory beyond the guest's read from smaps.
 
@@ -203,8 +204,10 @@ fn one_run(env: &mut Env, which: Which, kernel: &Path, s: &mut Samples) -> Resul
     src.stop()?;
 
     // Restore into a new process: spawn → running, then → first line.
+    // twig-vmm is told the VM's shape on its command line, as twig-node
+    // starts a VMM for a request: it creates the VM while its API starts.
     let start = Instant::now();
-    let mut cold = vmms::start(env, which, false)?;
+    let mut cold = vmms::start(env, which, true)?;
     cold.restore(&full.snap)?;
     let running = Instant::now();
     s.time("restore_spawn_to_running", running - start);
@@ -217,6 +220,15 @@ fn one_run(env: &mut Env, which: Which, kernel: &Path, s: &mut Samples) -> Resul
     s.checked += 1;
     memory(&cold, &full.snap, "cold", s)?;
     cold.stop()?;
+    if which == Which::Twig {
+        // The same without the shape: the VM is created inside the call.
+        let start = Instant::now();
+        let mut bare = vmms::start(env, which, false)?;
+        bare.restore(&full.snap)?;
+        s.time("restore_spawn_to_running_no_shape", start.elapsed());
+        check_restored(&bare, full.printed, "cold restore without the shape")?;
+        bare.stop()?;
+    }
 
     // Restore into a pre-started VMM: the call, then → first line.
     let mut warm = vmms::start(env, which, true)?;

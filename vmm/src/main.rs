@@ -275,6 +275,11 @@ fn run(cli: Cli) -> Result<()> {
             jail,
         } => {
             jail.apply(devices.tap.is_some()).map_err(jail_error)?;
+            // From here on the main thread and the threads it spawns (the
+            // one preparing the VM, the API connections) are filtered: the
+            // API filter allows what is left to open (the serial file, the
+            // API socket).
+            seccomp::confine(seccomp::Role::Api).map_err(jail_error)?;
             let prepare = prepare_mem_mib.map(|m| Shape::new(m, prepare_vcpus));
             let devices = devices.config();
             let limits = Limits {
@@ -288,9 +293,6 @@ fn run(cli: Cli) -> Result<()> {
                 limits,
             )?;
             let listener = api::bind(&api_sock)?;
-            // Everything needing broader rights is open: from here on the
-            // main thread and the API threads it spawns are filtered.
-            seccomp::confine(seccomp::Role::Api).map_err(jail_error)?;
             let result = server.serve(&listener);
             let _ = std::fs::remove_file(&api_sock);
             result
@@ -356,7 +358,28 @@ impl std::io::Write for Stderr {
     }
 }
 
+/// The command line, parsed on a short-lived thread: clap's parser touches
+/// about 100 KiB of stack, which on the main thread would stay resident for
+/// the VMM's whole life; glibc gives an exited thread's stack pages back.
+fn parse_args() -> Cli {
+    std::thread::Builder::new()
+        .name("twig-args".into())
+        .spawn(Cli::parse)
+        .map_or_else(
+            |_| Cli::parse(),
+            |t| t.join().unwrap_or_else(|_| std::process::exit(2)),
+        )
+}
+
 fn main() -> ExitCode {
+    // One malloc arena for every thread: a VMM's threads allocate little,
+    // and an arena per thread costs each of them resident pages of its own.
+    // SAFETY: mallopt only sets an allocator parameter; no allocation is
+    // in flight (no other thread exists yet).
+    #[cfg(target_env = "gnu")]
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1);
+    }
     // A plain level (TWIG_LOG=error|warn|info|debug|trace), not an
     // EnvFilter: its regex engine would add to every VMM process's memory.
     let level = std::env::var("TWIG_LOG")
@@ -374,7 +397,7 @@ fn main() -> ExitCode {
         .with_max_level(level)
         .with_writer(move || log.make())
         .init();
-    match run(Cli::parse()) {
+    match run(parse_args()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("twig-vmm: {e}");

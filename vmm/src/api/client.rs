@@ -85,6 +85,9 @@ impl ClientError {
     }
 }
 
+/// How long a connect polls a missing socket every 50 µs before every 1 ms.
+const FINE_POLL: Duration = Duration::from_millis(50);
+
 /// A connection to one `twig-vmm serve` process.
 ///
 /// Each call sends one request and waits for its answer up to the call's
@@ -134,15 +137,22 @@ impl Client {
 
     fn reconnect(&mut self, deadline: Instant) -> Result<(), ClientError> {
         self.conn = None;
+        let start = Instant::now();
         let stream = loop {
             match UnixStream::connect(&self.path) {
                 Ok(s) => break s,
-                // Not there yet, or not listening yet: a VMM starting.
+                // Not there yet, or not listening yet: a VMM starting. A
+                // VMM listens a few ms after its spawn: poll finely at
+                // first, so the wait ends within 50 µs of it.
                 Err(e)
                     if matches!(e.kind(), IoKind::NotFound | IoKind::ConnectionRefused)
                         && Instant::now() < deadline =>
                 {
-                    std::thread::sleep(Duration::from_millis(1));
+                    std::thread::sleep(if start.elapsed() < FINE_POLL {
+                        Duration::from_micros(50)
+                    } else {
+                        Duration::from_millis(1)
+                    });
                 }
                 Err(e) => return Err(self.io("connecting")(e)),
             }

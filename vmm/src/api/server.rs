@@ -10,6 +10,7 @@ use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::types::{
@@ -46,6 +47,10 @@ impl Default for Limits {
 /// The VM and what makes it.
 struct Machine {
     vm: Option<Vm>,
+    /// The VM being created ahead of time (`--prepare-mem-mib`), until
+    /// the first request waits for it.
+    preparing: Option<JoinHandle<Vm>>,
+    /// The VM created ahead of time.
     prepared: Option<Vm>,
     serial: SerialFactory,
     devices: DeviceConfig,
@@ -68,8 +73,11 @@ pub struct Server {
 
 impl Server {
     /// A server whose VM gets `devices`; with `prepare`, a VM of that shape
-    /// is created now so that a later boot or restore of that shape skips
-    /// VM creation.
+    /// is created from now on, on a thread of its own, so that a later boot
+    /// or restore of that shape skips VM creation. Connections are accepted
+    /// meanwhile, but the first request is answered once the VM exists: an
+    /// answer still means a prepared VM. If creating it fails, the process
+    /// exits with the error (status 1), as for any other start-up failure.
     pub fn new(
         serial: SerialFactory,
         prepare: Option<Shape>,
@@ -81,15 +89,16 @@ impl Server {
                 "at least one API connection is needed".into(),
             ));
         }
-        let prepared = match prepare {
-            Some(shape) => Some(Vm::create_with(shape, serial()?, &devices)?),
+        let preparing = match prepare {
+            Some(shape) => Some(prepare_vm(shape, serial()?, devices.clone())?),
             None => None,
         };
         Ok(Server {
             shared: Arc::new(Shared {
                 machine: Mutex::new(Machine {
                     vm: None,
-                    prepared,
+                    preparing,
+                    prepared: None,
                     serial,
                     devices,
                     shut_down: false,
@@ -152,6 +161,23 @@ impl Server {
         }
         Ok(())
     }
+}
+
+/// Starts creating a VM of `shape` on a thread of its own (confined, like
+/// the API threads, by the filter it inherits); a failure ends the process.
+fn prepare_vm(shape: Shape, serial: SerialOut, devices: DeviceConfig) -> Result<JoinHandle<Vm>> {
+    shape.validate()?;
+    std::thread::Builder::new()
+        .name("twig-prepare".into())
+        .spawn(move || match Vm::create_with(shape, serial, &devices) {
+            Ok(vm) => vm,
+            Err(e) => {
+                tracing::error!("creating the VM ahead of time: {e}");
+                eprintln!("twig-vmm: {e}");
+                std::process::exit(1)
+            }
+        })
+        .map_err(|e| Error::io("starting the thread that prepares the VM", e))
 }
 
 /// Counts a connection until dropped.
@@ -340,6 +366,12 @@ impl Machine {
     }
 
     fn handle(&mut self, req: Request, fds: &mut VecDeque<OwnedFd>) -> Result<Reply> {
+        if let Some(preparing) = self.preparing.take() {
+            let vm = preparing.join().map_err(|_| {
+                Error::Config("creating the VM ahead of time failed; start another process".into())
+            })?;
+            self.prepared = Some(vm);
+        }
         Ok(match req {
             Request::Hello {} => Reply::Hello(Hello {
                 protocol: PROTOCOL_VERSION,

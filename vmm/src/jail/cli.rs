@@ -106,7 +106,7 @@ impl JailArgs {
             super::enter(&cfg)?;
         }
         if self.seccomp == SeccompMode::On {
-            seccomp::enable()?;
+            seccomp::enable();
         }
         Ok(())
     }

@@ -446,12 +446,11 @@ mod tests {
         // The vCPU thread serves the reporting queue: the filter must allow
         // what it does, or the VMM dies of SIGSYS (and this test process
         // with it). Installed on this thread only.
-        let filter = crate::jail::seccomp::compile(crate::jail::seccomp::Role::Vcpu)
-            .expect("the vCPU filter");
         let mut d = driver();
         let before = private_bytes(&d);
         let d = std::thread::spawn(move || {
-            seccompiler::apply_filter(&filter).expect("installing the filter");
+            crate::jail::seccomp::install(crate::jail::seccomp::Role::Vcpu)
+                .expect("installing the vCPU filter");
             let head = d.post(REPORTING, &[(AREA, AREA_LEN as u32, true)]);
             d.notify(REPORTING);
             assert_eq!(d.used(REPORTING), Some((u32::from(head), 0)));

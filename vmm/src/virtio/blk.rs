@@ -44,7 +44,9 @@ use virtio_queue::Queue;
 use virtio_queue::QueueT;
 use vm_memory::{Address, Bytes, GuestAddress};
 
-pub use image::{DiskFile, Replacement, BLKGETSIZE64, ID_LEN, SECTOR};
+#[cfg(test)]
+pub(crate) use image::BLKGETSIZE64;
+pub use image::{DiskFile, Replacement, ID_LEN, SECTOR};
 pub use inplace::scratch_dir;
 pub use worker::DiskWorker;
 

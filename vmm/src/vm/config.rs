@@ -35,7 +35,7 @@ impl Shape {
         }
     }
 
-    pub(super) fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         if self.vcpus == 0 || self.vcpus > MAX_VCPUS {
             return Err(Error::Config(format!(
                 "{} vCPUs; a VM has 1 to {MAX_VCPUS}",

@@ -117,15 +117,9 @@ impl Vm {
         }
         let kvm = open_kvm()?;
         let fd = kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;
-        fd.set_tss_address(arch::layout::KVM_TSS)
-            .map_err(kvm_err("KVM_SET_TSS_ADDR"))?;
-        fd.create_irq_chip()
-            .map_err(kvm_err("KVM_CREATE_IRQCHIP"))?;
-        fd.create_pit2(kvm_pit_config {
-            flags: KVM_PIT_SPEAKER_DUMMY,
-            ..Default::default()
-        })
-        .map_err(kvm_err("KVM_CREATE_PIT2"))?;
+        // The memory slot goes in before the irqchip: registered after
+        // it, the same ioctl sleeps 4-8 ms on this host (off CPU: a grace
+        // period by the look of it), before it 0.1 ms (BENCHMARKS.md).
         let ram = GuestRam::reserve(shape.mem_size)?;
         let region = kvm_userspace_memory_region {
             slot: 0,
@@ -138,6 +132,15 @@ impl Vm {
         // are owned by the Vm, and the fd is dropped first).
         unsafe { fd.set_user_memory_region(region) }
             .map_err(kvm_err("KVM_SET_USER_MEMORY_REGION"))?;
+        fd.set_tss_address(arch::layout::KVM_TSS)
+            .map_err(kvm_err("KVM_SET_TSS_ADDR"))?;
+        fd.create_irq_chip()
+            .map_err(kvm_err("KVM_CREATE_IRQCHIP"))?;
+        fd.create_pit2(kvm_pit_config {
+            flags: KVM_PIT_SPEAKER_DUMMY,
+            ..Default::default()
+        })
+        .map_err(kvm_err("KVM_CREATE_PIT2"))?;
         let irq = EventFd::new(EFD_NONBLOCK).map_err(|e| Error::io("creating an eventfd", e))?;
         fd.register_irqfd(&irq, COM1_IRQ)
             .map_err(kvm_err("KVM_IRQFD"))?;

@@ -1,15 +1,8 @@
-//! Seccomp filters for the `twig-vmm serve` process, one per kind of thread,
-//! built with `seccompiler`. A syscall outside a thread's filter kills the
-//! whole process (`SECCOMP_RET_KILL_PROCESS`): the shim sees the VMM exit
-//! with `SIGSYS`, never a half-alive process.
-//!
-//! Filters are per thread and stack: a thread inherits its creator's filter
-//! and adds its own. The API filter (the main thread and every API
-//! connection thread) therefore allows everything the vCPU and device
-//! threads need as well, because a VM created by an API request spawns its
-//! vCPU and device threads from an API thread; those threads then narrow
-//! themselves to their own filter (the kernel runs every stacked filter
-//! and the strictest answer wins).
+//! The rules of the seccomp filters of `twig-vmm serve`, one filter per
+//! kind of thread (see `mod.rs`), and their compilation to BPF with
+//! `seccompiler`. Shared by `build.rs`, which compiles them into the binary
+//! (`OUT_DIR/seccomp_filters.rs`), and the tests, which check that what the
+//! binary installs is what these rules compile to.
 //!
 //! The lists come from `strace -f` of the API tests (boot, restore,
 //! snapshot, rollback, disks, vsock, net) and of the device tests, per
@@ -17,19 +10,20 @@
 //! `AF_UNIX`.
 
 use std::collections::BTreeMap;
-use std::sync::OnceLock;
 
 use seccompiler::{
     BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
     SeccompRule, TargetArch,
 };
 
-use super::JailError;
 use nr::*;
+
+/// The filters, by the name of the thread role they confine.
+pub const ROLES: [&str; 3] = ["api", "vcpu", "device"];
 
 /// The request numbers of the KVM ioctls twig-vmm makes, as kvm-ioctls
 /// defines them (its own are private).
-mod nr {
+pub mod nr {
     use kvm_bindings::{
         kvm_clock_data, kvm_cpuid2, kvm_debugregs, kvm_dirty_log, kvm_fpu, kvm_irqchip, kvm_irqfd,
         kvm_lapic_state, kvm_mp_state, kvm_msr_list, kvm_msrs, kvm_pit_config, kvm_pit_state2,
@@ -86,96 +80,12 @@ mod nr {
     ioctl_iow_nr!(KVM_SET_XSAVE, KVMIO, 0xa5, kvm_xsave);
     ioctl_ior_nr!(KVM_GET_XCRS, KVMIO, 0xa6, kvm_xcrs);
     ioctl_iow_nr!(KVM_SET_XCRS, KVMIO, 0xa7, kvm_xcrs);
+    // `BLKGETSIZE64` (`_IOR(0x12, 114, u64)`): a block device's size.
+    ioctl_ior_nr!(BLKGETSIZE64, 0x12, 114, u64);
 }
 
 /// `FICLONE` (`_IOW(0x94, 9, int)`): reflinks of disk images.
 const FICLONE: u64 = 0x4004_9409;
-
-/// The kinds of thread in a `twig-vmm serve` process, each with its filter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Role {
-    /// The main thread and the API connection threads: VM creation,
-    /// snapshots, restore and rollback files, and (inherited by the threads
-    /// they spawn) everything the other roles need.
-    Api,
-    /// A vCPU thread: `KVM_RUN`, vCPU state, and the devices served on it
-    /// (net and vsock transmit).
-    Vcpu,
-    /// The device thread (epoll over the tap, the vsock sockets and
-    /// timers) and the disks' I/O threads (block I/O).
-    Device,
-}
-
-/// The compiled filters of one process.
-struct Filters {
-    api: BpfProgram,
-    vcpu: BpfProgram,
-    device: BpfProgram,
-}
-
-static FILTERS: OnceLock<Filters> = OnceLock::new();
-
-/// Compiles the filters and turns them on for this process: from now on,
-/// every vCPU and device thread installs its filter when it starts, and
-/// [`confine`] installs one on the calling thread. Idempotent.
-pub fn enable() -> Result<(), JailError> {
-    if FILTERS.get().is_some() {
-        return Ok(());
-    }
-    let filters = Filters {
-        api: compile(Role::Api)?,
-        vcpu: compile(Role::Vcpu)?,
-        device: compile(Role::Device)?,
-    };
-    let _ = FILTERS.set(filters);
-    Ok(())
-}
-
-/// Whether [`enable`] was called in this process.
-pub fn enabled() -> bool {
-    FILTERS.get().is_some()
-}
-
-/// Installs `role`'s filter on the calling thread (and so on the threads it
-/// spawns later); nothing if the filters are not enabled. Also sets
-/// `PR_SET_NO_NEW_PRIVS` on the thread.
-pub fn confine(role: Role) -> Result<(), JailError> {
-    let Some(filters) = FILTERS.get() else {
-        return Ok(());
-    };
-    let prog = match role {
-        Role::Api => &filters.api,
-        Role::Vcpu => &filters.vcpu,
-        Role::Device => &filters.device,
-    };
-    seccompiler::apply_filter(prog).map_err(|e| JailError::Seccomp(format!("{role:?}: {e}")))
-}
-
-/// Called first thing by a vCPU or device thread. A thread that cannot be
-/// confined must not run guest-facing code: the process is aborted.
-pub(crate) fn thread_start(role: Role) {
-    if let Err(e) = confine(role) {
-        tracing::error!("cannot install the seccomp filter of a {role:?} thread: {e}");
-        std::process::abort();
-    }
-}
-
-/// The filter of `role`, as BPF.
-pub fn compile(role: Role) -> Result<BpfProgram, JailError> {
-    let arch: TargetArch = std::env::consts::ARCH
-        .try_into()
-        .map_err(|e| JailError::Seccomp(format!("architecture: {e:?}")))?;
-    let filter = SeccompFilter::new(
-        rules(role)?,
-        SeccompAction::KillProcess,
-        SeccompAction::Allow,
-        arch,
-    )
-    .map_err(|e| JailError::Seccomp(format!("{role:?}: {e}")))?;
-    filter
-        .try_into()
-        .map_err(|e: seccompiler::BackendError| JailError::Seccomp(format!("{role:?}: {e}")))
-}
 
 /// What every thread does to live and die: memory, locks, signals, time,
 /// logging, and the calls of a thread's start and exit (Rust's and
@@ -310,7 +220,7 @@ fn kvm_system_ioctls() -> Vec<u64> {
         libc::TUNSETVNETHDRSZ,
         libc::FIONBIO,
         FICLONE,
-        crate::virtio::blk::BLKGETSIZE64(),
+        BLKGETSIZE64(),
     ]
     .to_vec()
 }
@@ -348,34 +258,35 @@ fn kvm_vcpu_ioctls() -> Vec<u64> {
 }
 
 /// One rule per allowed value of argument `arg`.
-fn arg_in(arg: u8, values: &[u64]) -> Result<Vec<SeccompRule>, JailError> {
+fn arg_in(arg: u8, values: &[u64]) -> Result<Vec<SeccompRule>, String> {
     values
         .iter()
         .map(|&v| {
             let cond = SeccompCondition::new(arg, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, v)
-                .map_err(|e| JailError::Seccomp(e.to_string()))?;
-            SeccompRule::new(vec![cond]).map_err(|e| JailError::Seccomp(e.to_string()))
+                .map_err(|e| e.to_string())?;
+            SeccompRule::new(vec![cond]).map_err(|e| e.to_string())
         })
         .collect()
 }
 
-fn rules(role: Role) -> Result<BTreeMap<i64, Vec<SeccompRule>>, JailError> {
+fn rules(role: &str) -> Result<BTreeMap<i64, Vec<SeccompRule>>, String> {
     let (calls, ioctls, prctl): (Vec<libc::c_long>, Vec<u64>, bool) = match role {
-        Role::Api => {
+        "api" => {
             let mut ioctls = kvm_system_ioctls();
             ioctls.extend(kvm_vcpu_ioctls());
             ioctls.sort_unstable();
             ioctls.dedup();
             ([COMMON, DEVICE_IO, API_ONLY].concat(), ioctls, true)
         }
-        Role::Vcpu => (
+        "vcpu" => (
             [COMMON, DEVICE_IO, VCPU_ONLY].concat(),
             kvm_vcpu_ioctls(),
             false,
         ),
         // The device thread accepts the host's vsock connections and makes
         // them non-blocking (std does that with FIONBIO).
-        Role::Device => ([COMMON, DEVICE_IO].concat(), vec![libc::FIONBIO], false),
+        "device" => ([COMMON, DEVICE_IO].concat(), vec![libc::FIONBIO], false),
+        _ => return Err(format!("no seccomp filter for {role:?}")),
     };
     let mut map: BTreeMap<i64, Vec<SeccompRule>> =
         calls.into_iter().map(|c| (c, Vec::new())).collect();
@@ -400,4 +311,23 @@ fn rules(role: Role) -> Result<BTreeMap<i64, Vec<SeccompRule>>, JailError> {
     // Vsock connections to the host side are Unix sockets.
     map.insert(libc::SYS_socket, arg_in(0, &[libc::AF_UNIX as u64])?);
     Ok(map)
+}
+
+/// The filter of `role` (one of [`ROLES`]) for `arch` (Rust's name of the
+/// target architecture), as BPF: a system call outside it kills the
+/// process.
+pub fn compile(role: &str, arch: &str) -> Result<BpfProgram, String> {
+    let arch: TargetArch = arch
+        .try_into()
+        .map_err(|e| format!("architecture {arch}: {e:?}"))?;
+    let filter = SeccompFilter::new(
+        rules(role)?,
+        SeccompAction::KillProcess,
+        SeccompAction::Allow,
+        arch,
+    )
+    .map_err(|e| format!("{role}: {e}"))?;
+    filter
+        .try_into()
+        .map_err(|e: seccompiler::BackendError| format!("{role}: {e}"))
 }
