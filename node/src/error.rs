@@ -93,6 +93,7 @@ fn registry_code(e: &twig_oci::Error) -> ttrpc::Code {
         R::Denied(_) | R::PermissionDenied(_) => ttrpc::Code::PERMISSION_DENIED,
         R::NotFound(_) => ttrpc::Code::NOT_FOUND,
         R::Corrupt(_) => ttrpc::Code::DATA_LOSS,
+        R::NoSpace(_) => ttrpc::Code::RESOURCE_EXHAUSTED,
         R::Store(s) => store_code(s),
         R::Registry(_) | R::State(_) | R::Local { .. } => ttrpc::Code::INTERNAL,
     }

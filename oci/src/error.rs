@@ -34,6 +34,9 @@ pub enum Error {
     /// A snapshot's state could not be read or rewritten.
     #[error("snapshot state: {0}")]
     State(String),
+    /// The node store's filesystem is full: nothing of the snapshot was kept.
+    #[error("no space left: {0}")]
+    NoSpace(String),
     /// A local file operation failed.
     #[error("{what}: {source}")]
     Local {
@@ -47,9 +50,12 @@ pub enum Error {
 impl Error {
     /// A closure turning an I/O error into [`Error::Local`] about `what`.
     pub(crate) fn local(what: &str) -> impl FnOnce(std::io::Error) -> Error + '_ {
-        move |source| Error::Local {
-            what: what.to_string(),
-            source,
+        move |source| match source.raw_os_error() {
+            Some(libc::ENOSPC | libc::EDQUOT) => Error::NoSpace(format!("{what}: {source}")),
+            _ => Error::Local {
+                what: what.to_string(),
+                source,
+            },
         }
     }
 }

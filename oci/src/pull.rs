@@ -267,6 +267,7 @@ async fn fetch(
     let mut hasher = Sha256::new();
     let mut total = 0u64;
     let mut broke = None;
+    let mut writer_gone = false;
     loop {
         match next_data(&mut body, &what).await {
             Ok(Some(data)) => {
@@ -280,7 +281,8 @@ async fn fetch(
                 }
                 hasher.update(&data);
                 if tx.send(data).await.is_err() {
-                    break; // the writer stopped: its error says why
+                    writer_gone = true;
+                    break;
                 }
             }
             Ok(None) => break,
@@ -293,7 +295,13 @@ async fn fetch(
     drop(tx);
     let written = writer
         .await
-        .map_err(|e| Error::Transfer(format!("{what}: {e}")));
+        .map_err(|e| Error::Transfer(format!("{what}: {e}")))?;
+    // The writer stopped first (a full disk, a malformed blob): its error
+    // says why, not the short digest that follows from it.
+    if writer_gone {
+        written?;
+        return Err(Error::Corrupt(format!("{what}: it decoded before its end")));
+    }
     if let Some(e) = broke {
         return Err(e);
     }
@@ -304,7 +312,7 @@ async fn fetch(
             layer.blob.size, layer.blob.digest
         )));
     }
-    written??;
+    written?;
     Ok(total)
 }
 
