@@ -11,21 +11,20 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{HostPathVolumeSource, Pod, Volume};
-use kube::api::{ListParams, Patch, PatchParams};
+use kube::api::{Patch, PatchParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use twig_controller::context::Registry;
 use twig_controller::crd::{
     Availability, ClonePlacement, CloneSource, CloneSpec, Phase, PodClone, SandboxTemplate,
-    SandboxTemplateSpec, Snapshot, CLONE_LABEL, RESTORE_ARTIFACT_ANNOTATION,
-    RESTORE_FROM_ANNOTATION,
+    SandboxTemplateSpec, Snapshot, RESTORE_ARTIFACT_ANNOTATION, RESTORE_FROM_ANNOTATION,
 };
 use twig_controller::shim::ErrorCode;
 
 use support::fake::{export_digest, FakeNode};
 use support::{
-    api_server, event_reasons, eventually, running_pod, running_pod_with, snapshot, snapshot_in,
-    start_controller, start_controller_with, wait_for, Controller, NS,
+    api_server, clone_pods, event_reasons, eventually, running_pod, running_pod_with, snapshot,
+    snapshot_in, start_controller, start_controller_with, wait_for, Controller, NS,
 };
 
 const REGISTRY: &str = "registry.example:5000";
@@ -102,23 +101,6 @@ fn fork(name: &str, snapshot: &str, replicas: i32) -> PodClone {
             failure_deadline_seconds: None,
         },
     )
-}
-
-async fn clone_pods(client: &Client, clone: &str, replicas: usize) -> Vec<Pod> {
-    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
-    let selector = format!("{CLONE_LABEL}={clone}");
-    eventually(&format!("{replicas} pods of {clone}"), || {
-        let pods = pods.clone();
-        let selector = selector.clone();
-        async move {
-            let l = pods
-                .list(&ListParams::default().labels(&selector))
-                .await
-                .ok()?;
-            (l.items.len() == replicas).then_some(l.items)
-        }
-    })
-    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,17 +9,17 @@ use std::time::Instant;
 use k8s_openapi::api::core::v1::{
     ContainerState, ContainerStateWaiting, ContainerStatus, Pod, PodStatus,
 };
-use kube::api::{ListParams, Patch, PatchParams};
+use kube::api::{Patch, PatchParams};
 use kube::{Api, Client, ResourceExt};
 use serde_json::json;
 use twig_controller::crd::{
-    CloneSource, CloneSpec, Phase, PodClone, Snapshot, CLONE_LABEL, EGRESS_POLICY_ANNOTATION,
+    CloneSource, CloneSpec, Phase, PodClone, Snapshot, EGRESS_POLICY_ANNOTATION,
 };
 
 use support::fake::FakeNode;
 use support::snapshot;
 use support::{
-    api_server, eventually, expect_reasons, mark_ready, running_pod, start_controller, wait_for, NS,
+    api_server, clone_pods, expect_reasons, mark_ready, running_pod, start_controller, wait_for, NS,
 };
 
 fn fork(name: &str, snapshot: &str, replicas: i32) -> PodClone {
@@ -44,23 +44,6 @@ async fn ready_snapshot(client: &Client, name: &str, pod: &str) {
         s.status.as_ref().is_some_and(|st| st.phase == Phase::Ready)
     })
     .await;
-}
-
-async fn clone_pods(client: &Client, clone: &str, replicas: usize) -> Vec<Pod> {
-    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
-    let selector = format!("{CLONE_LABEL}={clone}");
-    eventually(&format!("{replicas} pods of {clone}"), || {
-        let pods = pods.clone();
-        let selector = selector.clone();
-        async move {
-            let l = pods
-                .list(&ListParams::default().labels(&selector))
-                .await
-                .ok()?;
-            (l.items.len() == replicas).then_some(l.items)
-        }
-    })
-    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

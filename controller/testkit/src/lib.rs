@@ -18,7 +18,9 @@ use k8s_openapi::api::events::v1::Event;
 use kube::api::{ListParams, ObjectMeta, PostParams};
 use kube::{Api, Client};
 use tokio::task::JoinHandle;
-use twig_controller::crd::{DeletionPolicy, Phase, Snapshot, SnapshotMode, SnapshotSpec};
+use twig_controller::crd::{
+    DeletionPolicy, Phase, Snapshot, SnapshotMode, SnapshotSpec, CLONE_LABEL,
+};
 use twig_controller::metrics::Metrics;
 use twig_controller::Context;
 
@@ -156,6 +158,24 @@ pub fn start_controller_with(
     let ctx = Arc::new(configure(ctx));
     let task = tokio::spawn(twig_controller::run(ctx.clone()));
     Controller { task, metrics, ctx }
+}
+
+/// The pods of Clone `clone` in [`NS`], once there are `replicas` of them.
+pub async fn clone_pods(client: &Client, clone: &str, replicas: usize) -> Vec<Pod> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let selector = format!("{CLONE_LABEL}={clone}");
+    eventually(&format!("{replicas} pods of {clone}"), || {
+        let pods = pods.clone();
+        let selector = selector.clone();
+        async move {
+            let l = pods
+                .list(&ListParams::default().labels(&selector))
+                .await
+                .ok()?;
+            (l.items.len() == replicas).then_some(l.items)
+        }
+    })
+    .await
 }
 
 /// Polls `check` until it returns `Some`, failing the test after 30 s.
