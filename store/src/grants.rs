@@ -60,6 +60,19 @@ pub(crate) fn grant_writer(root: &Path, dir: &Path, id: &str, uid: u32) -> Resul
     )))
 }
 
+/// Lets user `uid` (a jailed VMM's) read the staging directory `dir` of
+/// snapshot `id`, written by another (a VM restored while the snapshot's
+/// memory arrives): read and search only, so it can neither change nor
+/// replace what will be published; the grant moves with the directory
+/// when it is published and is taken back as any other.
+pub(crate) fn grant_reader(root: &Path, dir: &Path, id: &str, uid: u32) -> Result<()> {
+    let mut file = ledger(root, uid)?;
+    grant_dir(&mut file, dir, id, uid).map_err(ctx(format!(
+        "an ACL entry granting {} to user {uid}",
+        dir.display()
+    )))
+}
+
 /// Lets user `uid` (a jailed VMM's) read published snapshot `id` of the
 /// store at `root` and every parent it names (what a restore reads), by
 /// an ACL entry on each directory; taken back by [`revoke_grants`].

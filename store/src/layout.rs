@@ -32,6 +32,10 @@ pub const TMP_DIR: &str = "tmp";
 pub const GRANTS_DIR: &str = "grants";
 /// Name of a snapshot's manifest.
 pub const MANIFEST: &str = "manifest.json";
+/// What a staging directory will publish, written by its publisher before
+/// it is complete (a snapshot a VM is restored from while its memory is
+/// still arriving: [`crate::Staging::describe`]); removed when published.
+pub const STAGED: &str = "staged.json";
 /// How the name of a staging lease in `tmp/` ends.
 pub const LEASE_SUFFIX: &str = ".staging";
 
@@ -172,7 +176,7 @@ impl Manifest {
 }
 
 /// The artefacts in the snapshot directory `dir` of snapshot `id`, by file
-/// name, with their sizes. Anything else there (but the manifest) is
+/// name, with their sizes. Anything else there (but the manifests) is
 /// refused, and so is a directory without artefacts.
 pub fn artefacts_in(dir: &Path, id: &str) -> Result<BTreeMap<String, u64>> {
     let ctx = |e| Error::io(format!("reading {}", dir.display()), e);
@@ -180,7 +184,7 @@ pub fn artefacts_in(dir: &Path, id: &str) -> Result<BTreeMap<String, u64>> {
     for entry in std::fs::read_dir(dir).map_err(ctx)? {
         let entry = entry.map_err(ctx)?;
         let name = entry.file_name().to_string_lossy().into_owned();
-        if name == MANIFEST {
+        if name == MANIFEST || name == STAGED {
             continue;
         }
         let meta = entry.metadata().map_err(ctx)?;

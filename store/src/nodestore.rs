@@ -19,7 +19,7 @@ use crate::fsops::{self, CloneMode, Usage};
 use crate::grants::{self, published_dirs};
 use crate::layout::{
     artefacts_in, validate_id, Artefact, Kind, Manifest, LEASE_SUFFIX, MANIFEST, SNAPSHOTS_DIR,
-    TMP_DIR,
+    STAGED, TMP_DIR,
 };
 use crate::sizes::{self, SnapshotSizes, StoreStats};
 
@@ -210,38 +210,41 @@ impl NodeStore {
     pub fn get(&self, id: &str) -> Result<VmSnapshot> {
         validate_id(id)?;
         let dir = self.snapshot_dir(id);
-        let path = dir.join(MANIFEST);
-        let bytes = match fs::read(&path) {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(Error::NotFound(format!("VM snapshot {id:?}")))
-            }
-            Err(e) => return Err(Error::io(format!("reading {}", path.display()), e)),
-        };
-        let corrupt = |detail: String| Error::Corrupt {
-            path: path.clone(),
-            detail,
-        };
-        let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| corrupt(e.to_string()))?;
-        if m.id != id {
-            return Err(corrupt(format!("it names snapshot {:?}", m.id)));
+        read_snapshot(&dir.join(MANIFEST), id, dir)
+    }
+
+    /// A snapshot staged in `dir` (`<store>/tmp/<lease>/<id>` of this
+    /// store) and not yet published, as its publisher described it
+    /// ([`Staging::describe`]): a VM restored while its memory arrives
+    /// reads its state, disks and labels from there. `NotFound` if nothing
+    /// was described there (or it was published or dropped meanwhile).
+    pub fn staged(&self, dir: &Path) -> Result<VmSnapshot> {
+        let (id, _) = crate::layout::staging_target(dir)?;
+        let tmp = self.root.join(TMP_DIR);
+        if dir.parent().and_then(Path::parent) != Some(tmp.as_path()) {
+            return Err(Error::InvalidArgument(format!(
+                "{} is not a staging directory of the store {}",
+                dir.display(),
+                self.root.display()
+            )));
         }
-        let mut artefacts = BTreeMap::new();
-        for (name, size) in m.artefacts {
-            let a = Artefact::from_file_name(&name)
-                .ok_or_else(|| corrupt(format!("unknown artefact {name:?}")))?;
-            artefacts.insert(a, size);
+        read_snapshot(&dir.join(STAGED), &id, dir.to_path_buf())
+    }
+
+    /// Lets user `uid` (a jailed VMM's) read the described staging `dir`
+    /// ([`NodeStore::staged`]), written by this store's publisher (its
+    /// files made root's `0644`, as published ones are), without owning it:
+    /// it cannot alter what will be published. Taken back with the user's
+    /// other grants.
+    pub fn grant_staged(&self, dir: &Path, uid: u32) -> Result<()> {
+        let s = self.staged(dir)?;
+        if let Some(writer) = seal(s.dir())? {
+            return Err(Error::InvalidArgument(format!(
+                "{} was written by user {writer}, not by this store's publisher",
+                dir.display()
+            )));
         }
-        Ok(VmSnapshot {
-            id: m.id,
-            parent: m.parent,
-            kind: m.kind,
-            created: m.created,
-            labels: m.labels,
-            owner: m.owner,
-            artefacts,
-            dir,
-        })
+        grants::grant_reader(&self.root, s.dir(), &s.id, uid)
     }
 
     /// Every published snapshot, by id.
@@ -468,8 +471,13 @@ fn seal(dir: &Path) -> Result<Option<u32>> {
         std::os::unix::fs::lchown(dir, Some(uid), Some(gid))
             .map_err(ctx(format!("taking {} from its writer", dir.display())))?;
     }
-    fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
-        .map_err(ctx(format!("closing {} to other users", dir.display())))?;
+    // A directory this process wrote keeps the read grants it gave
+    // (`grant_staged`): chmod would mask its ACL entries out. One a
+    // writer had loses whatever entries the writer made.
+    if writer.is_some() || meta.mode() & 0o707 != 0o700 {
+        fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
+            .map_err(ctx(format!("closing {} to other users", dir.display())))?;
+    }
     for entry in fs::read_dir(dir).map_err(ctx(format!("listing {}", dir.display())))? {
         let path = entry
             .map_err(ctx(format!("listing {}", dir.display())))?
@@ -590,7 +598,8 @@ impl Staging<'_> {
         self.kind = Some(kind);
     }
 
-    /// Sets a free-form label.
+    /// Sets a free-form label. Only labels set here are published: those
+    /// in a writer's manifest are dropped.
     pub fn set_label(&mut self, key: &str, value: &str) {
         self.labels.insert(key.to_string(), value.to_string());
     }
@@ -602,6 +611,24 @@ impl Staging<'_> {
         crate::layout::validate_owner(namespace)?;
         self.owner = Some(namespace.to_string());
         Ok(())
+    }
+
+    /// Describes what this staging will publish — its artefacts now, with
+    /// the parent, kind, labels and owner set so far — for
+    /// [`NodeStore::staged`], before it is complete: a VM restored while
+    /// its memory arrives is restored from here. Published, the
+    /// description is dropped.
+    pub fn describe(&self) -> Result<()> {
+        let kind = self.kind.unwrap_or(match self.parent {
+            Some(_) => Kind::Incremental,
+            None => Kind::Full,
+        });
+        let mut m = Manifest::of_staging(&self.dir, &self.id, self.parent.as_deref(), kind)?;
+        m.labels.clone_from(&self.labels);
+        m.owner.clone_from(&self.owner);
+        let path = self.dir.join(STAGED);
+        fsops::write_durable(&path, &m.to_bytes()?)
+            .map_err(ctx(format!("writing {}", path.display())))
     }
 
     /// The writer's manifest, if it left one, checked against the
@@ -653,8 +680,11 @@ impl Staging<'_> {
     /// after syncing every artefact.
     fn final_manifest(&self) -> Result<Manifest> {
         if let Some(mut m) = self.writers_manifest()? {
-            if !self.labels.is_empty() || m.owner != self.owner {
-                m.labels.extend(self.labels.clone());
+            // Labels and owner are the publisher's: a writer (a jailed
+            // VMM) could otherwise claim a label the node trusts, such as
+            // the registry digest a pulled copy is found by.
+            if m.labels != self.labels || m.owner != self.owner {
+                m.labels.clone_from(&self.labels);
                 m.owner.clone_from(&self.owner);
                 let path = self.dir.join(MANIFEST);
                 // In place: the directory entry is already durable.
@@ -692,6 +722,13 @@ impl Staging<'_> {
     /// `snapshots/` (a rename is atomic: a power cut in the next moments can
     /// lose the name but never expose a partial snapshot).
     pub fn publish(mut self) -> Result<VmSnapshot> {
+        let staged = self.dir.join(STAGED);
+        match fs::remove_file(&staged) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(Error::io(format!("removing {}", staged.display()), e))
+            }
+            _ => {}
+        }
         let manifest = self.final_manifest()?;
         let guard = self.store.exclusive()?;
         if let Some(p) = &manifest.parent {
@@ -724,6 +761,41 @@ impl Staging<'_> {
         tracing::debug!(id = %self.id, "VM snapshot published");
         self.store.get(&self.id)
     }
+}
+
+/// The snapshot `id` in `dir` as the manifest at `path` describes it.
+fn read_snapshot(path: &Path, id: &str, dir: PathBuf) -> Result<VmSnapshot> {
+    let bytes = match fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(Error::NotFound(format!("VM snapshot {id:?}")))
+        }
+        Err(e) => return Err(Error::io(format!("reading {}", path.display()), e)),
+    };
+    let corrupt = |detail: String| Error::Corrupt {
+        path: path.to_path_buf(),
+        detail,
+    };
+    let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| corrupt(e.to_string()))?;
+    if m.id != id {
+        return Err(corrupt(format!("it names snapshot {:?}", m.id)));
+    }
+    let mut artefacts = BTreeMap::new();
+    for (name, size) in m.artefacts {
+        let a = Artefact::from_file_name(&name)
+            .ok_or_else(|| corrupt(format!("unknown artefact {name:?}")))?;
+        artefacts.insert(a, size);
+    }
+    Ok(VmSnapshot {
+        id: m.id,
+        parent: m.parent,
+        kind: m.kind,
+        created: m.created,
+        labels: m.labels,
+        owner: m.owner,
+        artefacts,
+        dir,
+    })
 }
 
 impl Drop for Staging<'_> {

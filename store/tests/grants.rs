@@ -146,3 +146,35 @@ fn sealing_follows_no_link_of_the_writer() {
     let m = fs::metadata(&host).unwrap();
     assert_eq!((m.uid(), m.mode() & 0o777), (OTHER, 0o600));
 }
+
+#[test]
+fn a_staged_snapshot_is_read_not_changed_by_its_reader() {
+    let (_d, store) = store();
+    let mut staging = store.stage("pulled").unwrap();
+    staging.put_bytes(Artefact::State, b"state").unwrap();
+    staging.put_bytes(Artefact::Memory, b"memory").unwrap();
+    staging.set_owner("team-a").unwrap();
+    staging.describe().unwrap();
+    let dir = staging.dir().to_path_buf();
+    assert_eq!(opens_as(OTHER, &files(&dir)), [libc::EACCES; 2]);
+
+    store.grant_staged(&dir, OTHER).unwrap();
+    assert_eq!(opens_as(OTHER, &files(&dir)), [0, 0]);
+    assert_eq!(opens_as(WRITER, &files(&dir)), [libc::EACCES; 2]);
+    // Read and search only: the directory stays root's, so the reader
+    // cannot unlink or replace what will be published.
+    let m = fs::metadata(&dir).unwrap();
+    assert_eq!((m.uid(), m.mode() & 0o707), (0, 0o700));
+    assert_eq!(acl_users(&dir).unwrap(), [OTHER]);
+    // Not a staging of this store: refused.
+    let e = store
+        .grant_staged(&store.snapshot_dir("pulled"), OTHER)
+        .unwrap_err();
+    assert!(matches!(e, twig_store::Error::InvalidArgument(_)), "{e}");
+
+    staging.publish().unwrap();
+    let published = store.snapshot_dir("pulled");
+    assert_eq!(opens_as(OTHER, &files(&published)), [0, 0]);
+    assert_eq!(revoke_grants(store.root(), OTHER).unwrap(), 1);
+    assert_eq!(opens_as(OTHER, &files(&published)), [libc::EACCES; 2]);
+}

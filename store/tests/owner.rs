@@ -60,6 +60,35 @@ fn the_writers_manifest_cannot_choose_the_owner() {
 }
 
 #[test]
+fn the_writers_manifest_cannot_set_labels() {
+    let (_dir, store) = store();
+    let mut staging = store.stage("s").unwrap();
+    staging.put_bytes(Artefact::State, b"state").unwrap();
+    // A (compromised) writer claims to be the pulled copy of an artifact
+    // and the template of some spec.
+    let mut m = Manifest::of_staging(staging.dir(), "s", None, Kind::Full).unwrap();
+    m.labels
+        .insert("twig.dev/oci-manifest".into(), "sha256:forged".into());
+    m.labels.insert("kept".into(), "by the writer".into());
+    m.write(staging.dir()).unwrap();
+    staging.set_label("kept", "by the publisher");
+    let s = staging.publish().unwrap();
+    assert_eq!(s.labels.len(), 1, "{:?}", s.labels);
+    assert_eq!(s.labels["kept"], "by the publisher");
+    let again = store.get("s").unwrap();
+    assert_eq!(again.labels, s.labels);
+
+    // With no label set, the writer's are all dropped.
+    let staging = store.stage("t").unwrap();
+    fs::write(staging.path(Artefact::State), b"state").unwrap();
+    let mut m = Manifest::of_staging(staging.dir(), "t", None, Kind::Full).unwrap();
+    m.labels
+        .insert("twig.dev/oci-manifest".into(), "sha256:forged".into());
+    m.write(staging.dir()).unwrap();
+    assert!(staging.publish().unwrap().labels.is_empty());
+}
+
+#[test]
 fn an_owner_is_a_namespace_name() {
     let (_dir, store) = store();
     let mut staging = store.stage("s").unwrap();

@@ -106,3 +106,43 @@ fn staging_and_a_published_snapshot_are_private() {
     let published = staging.publish().unwrap();
     assert_eq!(mode(published.dir()), 0o700);
 }
+
+#[test]
+fn a_described_staging_reads_as_what_it_will_publish() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = twig_store::NodeStore::open(dir.path(), true).unwrap();
+    let mut staging = store.stage("pulled").unwrap();
+    staging
+        .put_bytes(twig_store::Artefact::State, b"state")
+        .unwrap();
+    staging.set_owner("team-a").unwrap();
+    staging.set_label("twig.dev/containers", "[]");
+    // Nothing described yet.
+    let e = store.staged(staging.dir()).unwrap_err();
+    assert!(matches!(e, twig_store::Error::NotFound(_)), "{e}");
+    staging.describe().unwrap();
+
+    let s = store.staged(staging.dir()).unwrap();
+    assert_eq!(s.id, "pulled");
+    assert_eq!(s.dir(), staging.dir());
+    assert_eq!(s.owner.as_deref(), Some("team-a"));
+    assert_eq!(s.labels["twig.dev/containers"], "[]");
+    assert_eq!(
+        s.artefacts.keys().collect::<Vec<_>>(),
+        [&twig_store::Artefact::State]
+    );
+    // Unpublished: not a snapshot of the store yet.
+    assert!(store.get("pulled").is_err());
+    // Only this store's stagings.
+    let other = tempfile::tempdir().unwrap();
+    assert!(store.staged(other.path()).is_err());
+
+    // What arrives later is published; the description is not.
+    staging
+        .put_bytes(twig_store::Artefact::Memory, b"memory")
+        .unwrap();
+    let published = staging.publish().unwrap();
+    assert_eq!(published.owner.as_deref(), Some("team-a"));
+    assert_eq!(published.artefacts.len(), 2);
+    assert!(!published.dir().join(twig_store::layout::STAGED).exists());
+}
