@@ -393,6 +393,11 @@ pub struct CloneStatus {
     /// scheduler puts them (`replicas[].nodeName`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_name: Option<String>,
+    /// The node whose controller makes the pods instead, when the
+    /// snapshot's node is gone and the snapshot was exported: the first
+    /// live node's controller to record itself here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adopted_by: Option<String>,
     /// How the pods are placed, decided with the first ones: `SnapshotNode`
     /// (bound to the snapshot's node) or `Scheduler` (any node; each pulls
     /// the exported snapshot).

@@ -439,6 +439,67 @@ async fn host_paths_keep_clones_on_the_node_and_a_lost_node_copy_leaves_the_regi
     saw_reasons(&client, "cache-snap", &["NodeCopyLost"]).await;
 }
 
+/// An exported snapshot outlives its node: once the node is gone, a Clone
+/// of it is adopted by one other node's controller, which makes its pods,
+/// left to the scheduler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clone_of_an_exported_snapshot_whose_node_is_gone_is_adopted_by_one_node() {
+    let server = api_server().await;
+    support::enforce_chart_policies_with(&server, &[&format!("registry.host={REGISTRY}")]);
+    let client = server.client();
+    for node in ["node-a", "node-b", "node-c"] {
+        support::register_node(&client, node).await;
+    }
+    let fake = Arc::new(FakeNode::default());
+    let ctrl_a = exporting_controller(&server, "node-a", &fake);
+    running_pod(&client, "agent", "node-a").await;
+    support::create(&client, &exported("kept", "agent")).await;
+    let snap = exported_condition(&client, "kept", |s, _| s == "True").await;
+    let artifact = snap
+        .status
+        .and_then(|s| s.artifact)
+        .expect("artifact")
+        .reference;
+    // node-a's machine is gone, and its Node object with it.
+    drop(ctrl_a);
+    support::delete_node(&client, "node-a").await;
+    let (fake_b, fake_c) = (Arc::new(FakeNode::default()), Arc::new(FakeNode::default()));
+    let _b = exporting_controller(&server, "node-b", &fake_b);
+    let _c = exporting_controller(&server, "node-c", &fake_c);
+    support::create(&client, &fork("orphan", "kept", 2)).await;
+
+    for pod in clone_pods(&client, "orphan", 2).await {
+        assert_eq!(pod.spec.clone().expect("spec").node_name, None);
+        assert_eq!(
+            pod.annotations().get(RESTORE_ARTIFACT_ANNOTATION),
+            Some(&artifact)
+        );
+    }
+    let clone = wait_for(&client, "orphan", "its adopter", |c: &PodClone| {
+        c.status
+            .as_ref()
+            .is_some_and(|s| s.adopted_by.is_some() && s.replicas.len() == 2)
+    })
+    .await;
+    let status = clone.status.expect("status");
+    let adopter = status.adopted_by.expect("adoptedBy");
+    assert!(
+        ["node-b", "node-c"].contains(&adopter.as_str()),
+        "{adopter}"
+    );
+    assert_eq!(status.node_name.as_deref(), Some("node-a"));
+    assert_eq!(status.placement, Some(ClonePlacement::Scheduler));
+    saw_reasons(&client, "orphan", &["Adopted", "PodsCreated"]).await;
+    let reasons = event_reasons(&client, "orphan").await;
+    for once in ["Adopted", "PodsCreated"] {
+        assert_eq!(
+            reasons.iter().filter(|r| *r == once).count(),
+            1,
+            "one node adopts and makes the pods: {reasons:?}"
+        );
+    }
+}
+
 /// A SandboxTemplate is built once: the node that built it exports it, and
 /// a node that joins later pulls that build instead of building its own
 /// (twig-node keeps it only when its inputs are the same).

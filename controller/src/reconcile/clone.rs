@@ -12,6 +12,14 @@
 //! its host paths name that node's files. A Clone of a Snapshot whose
 //! export is under way waits for it (`spec.export` and no `Exported`
 //! verdict yet); a failed export clones on the snapshot's node.
+//!
+//! An exported snapshot outlives its node: when the snapshot's Node object
+//! is gone (looked at every `orphan_check` while pods are missing), the
+//! controllers of the other nodes race to record themselves in
+//! `status.adoptedBy` (a status write pinned to the resourceVersion read:
+//! one wins, the others see it) and the winner makes the pods, each left
+//! to the scheduler. A source pod with host paths cannot be cloned
+//! elsewhere: such a Clone fails (`SnapshotNodeGone`).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -159,7 +167,10 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
         return Err(Error::MissingField("snapshot status.nodeName/snapshotID"));
     };
     if node != ctx.node_name {
-        return Ok(Action::await_change());
+        match adoption(&api, &clone, &status, &snap_status, &node, &ctx).await? {
+            Adoption::Ours => {}
+            Adoption::Wait(action) => return Ok(action),
+        }
     }
     if snap.spec.export && export_pending(&snap_status) {
         if left.is_some_and(|l| l.is_zero()) {
@@ -220,6 +231,13 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
     } else {
         ClonePlacement::SnapshotNode
     };
+    if placement == ClonePlacement::SnapshotNode && node != ctx.node_name {
+        let message = format!(
+            "the node {node} of snapshot {snap_name} is gone and its source pod mounts host \
+             paths of that node: it cannot be cloned elsewhere"
+        );
+        return fail(&api, &clone, "SnapshotNodeGone", message, &ctx).await;
+    }
     let restore = Restore {
         snapshot_id: &snapshot_id,
         snapshot_name: &snap_name,
@@ -298,6 +316,7 @@ pub async fn reconcile(clone: Arc<PodClone>, ctx: Arc<Context>) -> Result<Action
         phase,
         snapshot_name: Some(snap_name.clone()),
         node_name: Some(node.clone()),
+        adopted_by: status.adopted_by.clone(),
         placement: Some(placement),
         pods: names,
         replicas,
@@ -690,6 +709,63 @@ pub fn clone_pod(
         spec: Some(spec),
         status: None,
     })
+}
+
+/// Whether this node's controller makes the pods of a Clone whose
+/// snapshot is on another node.
+enum Adoption {
+    /// It does: the snapshot's node is gone and this node won the Clone.
+    Ours,
+    /// It does not (now): look again as `Action` says.
+    Wait(Action),
+}
+
+/// Decides [`Adoption`] for `clone` of a snapshot (`snap`) on `node`, not
+/// this one: only an exported snapshot whose node is gone is adopted, by
+/// the first live node to record itself in `status.adoptedBy`.
+async fn adoption(
+    api: &Api<PodClone>,
+    clone: &PodClone,
+    status: &CloneStatus,
+    snap: &SnapshotStatus,
+    node: &str,
+    ctx: &Context,
+) -> Result<Adoption, Error> {
+    let exported =
+        snap.artifact.is_some() && status.placement != Some(ClonePlacement::SnapshotNode);
+    if !exported || status.phase == Phase::Ready {
+        return Ok(Adoption::Wait(Action::await_change()));
+    }
+    if let Some(adopter) = &status.adopted_by {
+        if *adopter == ctx.node_name {
+            return Ok(Adoption::Ours);
+        }
+        if ctx.node_exists(adopter).await? {
+            return Ok(Adoption::Wait(Action::requeue(ctx.orphan_check)));
+        }
+    } else if ctx.node_exists(node).await? {
+        return Ok(Adoption::Wait(Action::requeue(ctx.orphan_check)));
+    }
+    // Pinned to the resourceVersion read: a 409 (another node won) retries
+    // the Clone, which then finds the winner.
+    let claimed = CloneStatus {
+        adopted_by: Some(ctx.node_name.clone()),
+        ..status.clone()
+    };
+    let gone = status.adopted_by.as_deref().unwrap_or(node);
+    let clone = write_status(api, clone, claimed, ctx).await?;
+    ctx.event(
+        &clone,
+        EventType::Normal,
+        "Adopted",
+        "Clone",
+        format!(
+            "node {gone} is gone; node {} makes this Clone's pods from the exported snapshot",
+            ctx.node_name
+        ),
+    )
+    .await;
+    Ok(Adoption::Ours)
 }
 
 async fn fail(
