@@ -23,6 +23,7 @@ mod ratelimit;
 pub mod snapshot;
 #[cfg(feature = "testguest")]
 pub mod testguest;
+pub mod uffd;
 mod vcpu;
 mod virtio;
 mod vm;
@@ -32,6 +33,6 @@ pub use error::{Error, ErrorKind, Result};
 pub use snapshot::Kind;
 pub use virtio::vsock::host_connect;
 pub use vm::{
-    open_kvm, DeviceConfig, DiskConfig, NetConfig, NetStats, RollbackInfo, RunState, Shape,
-    SlotImage, SlotInfo, SnapshotInfo, Stats, Vm, VsockConfig, MAX_VCPUS, MIN_MEM,
+    open_kvm, DeviceConfig, DiskConfig, LazySource, NetConfig, NetStats, RollbackInfo, RunState,
+    Shape, SlotImage, SlotInfo, SnapshotInfo, Stats, Vm, VsockConfig, MAX_VCPUS, MIN_MEM,
 };

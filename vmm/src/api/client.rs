@@ -387,8 +387,45 @@ impl Client {
                     path: name.to_path_buf(),
                 })
                 .collect(),
+            lazy: false,
         };
         let fds: Vec<BorrowedFd<'_>> = slots.iter().map(|(_, _, f)| f.as_fd()).collect();
+        match self.call_with(&req, &fds, timeout)? {
+            Reply::Restored { id } => Ok(id),
+            other => Err(self.unexpected("restore", &other)),
+        }
+    }
+
+    /// [`Client::restore_with`], lazily (see [`crate::uffd`]): guest
+    /// memory comes on demand from the page server at the other end of
+    /// `page_server` (a connected Unix stream socket), which gets the
+    /// VMM's handshake and userfaultfd, made from `userfaultfd` (the
+    /// caller's open `/dev/userfaultfd`). Both descriptors are sent after
+    /// the slot images. The VMM answers once vCPU and device state are
+    /// loaded and the guest runs; loading may fault pages in, so the page
+    /// server must be serving meanwhile (another thread or process).
+    pub fn restore_lazy(
+        &mut self,
+        dir: &Path,
+        slots: &[(usize, &Path, &File)],
+        userfaultfd: &File,
+        page_server: &UnixStream,
+        timeout: Duration,
+    ) -> Result<String, ClientError> {
+        let req = Request::Restore {
+            dir: dir.to_path_buf(),
+            slots: slots
+                .iter()
+                .map(|(slot, name, _)| RestoreSlot {
+                    slot: *slot,
+                    path: name.to_path_buf(),
+                })
+                .collect(),
+            lazy: true,
+        };
+        let mut fds: Vec<BorrowedFd<'_>> = slots.iter().map(|(_, _, f)| f.as_fd()).collect();
+        fds.push(userfaultfd.as_fd());
+        fds.push(page_server.as_fd());
         match self.call_with(&req, &fds, timeout)? {
             Reply::Restored { id } => Ok(id),
             other => Err(self.unexpected("restore", &other)),

@@ -65,6 +65,11 @@
 //!   snapshot without an image, an image for a slot the VM lacks or empty in
 //!   the snapshot, another size than recorded, read-only for a read-write
 //!   slot, more entries than descriptors, a slot named twice.
+//! - `restore` with `"lazy":true` ([`Client::restore_lazy`]): after the
+//!   slot images, an open `/dev/userfaultfd` and a connected Unix stream
+//!   socket to the page server ([`crate::uffd`]). Fewer descriptors, one
+//!   that makes no userfaultfd, or no stream socket: `invalid_request`
+//!   before any VM is touched.
 //!
 //! [`Client::snapshot`] gives the staging directory to the VMM's user (the
 //! owner of its API socket) when that is not the caller's.

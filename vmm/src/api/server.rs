@@ -19,7 +19,7 @@ use super::types::{
 use crate::devices::SerialOut;
 use crate::error::{Error, ErrorKind, Result};
 use crate::snapshot::{self, Kind};
-use crate::vm::{DeviceConfig, DiskConfig, RunState, Shape, SlotImage, Vm};
+use crate::vm::{DeviceConfig, DiskConfig, LazySource, RunState, Shape, SlotImage, Vm};
 
 /// Makes serial writers for the VMs this server creates.
 pub type SerialFactory = Box<dyn Fn() -> Result<SerialOut> + Send>;
@@ -393,7 +393,25 @@ impl Machine {
                     state: RunState::Running,
                 }
             }
-            Request::Restore { dir, slots } => {
+            Request::Restore {
+                dir,
+                slots,
+                lazy: true,
+            } => {
+                let (sent, source) = lazy_request(&dir, &slots, fds)?;
+                let id = source.id().to_string();
+                let vm = self.fresh_vm(source.shape())?;
+                if let Err(e) = vm.restore_lazy(source, &sent).and_then(|_| vm.resume()) {
+                    self.vm = None;
+                    return Err(e);
+                }
+                Reply::Restored { id }
+            }
+            Request::Restore {
+                dir,
+                slots,
+                lazy: false,
+            } => {
                 let sent = sent_slot_images(&slots, fds)?;
                 let image = snapshot::Image::open(&existing_snapshot(&dir)?)?;
                 let shape = Shape {
@@ -514,6 +532,37 @@ fn sent_slot_images(
         }
     }
     Ok(sent)
+}
+
+/// The images and the lazy source of a lazy restore: `slots.len()` slot
+/// images, then `/dev/userfaultfd`, then the page server's socket, all
+/// checked before any VM is touched (taken descriptors are closed on a
+/// refusal).
+fn lazy_request(
+    dir: &Path,
+    slots: &[RestoreSlot],
+    fds: &mut VecDeque<OwnedFd>,
+) -> Result<(BTreeMap<usize, SlotImage>, LazySource)> {
+    if fds.len() < slots.len() + 2 {
+        return Err(Error::Config(format!(
+            "a lazy restore needs {} file descriptors ({} disk slot images, /dev/userfaultfd, the page server's socket) but {} came with it",
+            slots.len() + 2,
+            slots.len(),
+            fds.len()
+        )));
+    }
+    let sent = sent_slot_images(slots, fds)?;
+    let (Some(uffd), Some(sock)) = (fds.pop_front(), fds.pop_front()) else {
+        return Err(Error::Config(
+            "a lazy restore's descriptors are missing".into(),
+        ));
+    };
+    let source = LazySource::open(
+        &existing_snapshot(dir)?,
+        &File::from(uffd),
+        UnixStream::from(sock),
+    )?;
+    Ok((sent, source))
 }
 
 /// A snapshot; a failure after which the VM still runs as before is

@@ -65,6 +65,13 @@ pub enum Request {
         /// (unless the VMM was started with a `--slot-file` for it).
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         slots: Vec<RestoreSlot>,
+        /// Restore lazily (`twig_vmm::uffd`): guest memory comes from a
+        /// page server, on demand, and the snapshot's memory files are not
+        /// read. After the slot images, two more descriptors come with the
+        /// request: an open `/dev/userfaultfd`, then a connected Unix
+        /// stream socket to the page server.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        lazy: bool,
     },
     /// Park the vCPUs ([`Reply::State`]).
     Pause {},

@@ -193,6 +193,8 @@ impl Vm {
             msr_indices: Arc::new(Vec::new()),
             cpuid: Vec::new(),
             baseline: None,
+            lazy: None,
+            lazy_origin: None,
             dirty: PageSet::new(shape.mem_size / PAGE_SIZE),
             kvm,
         })

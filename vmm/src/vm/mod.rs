@@ -11,6 +11,7 @@ mod diagnostics;
 mod disk_pause_tests;
 mod disks;
 pub(crate) mod failpoint;
+mod lazy;
 #[cfg(test)]
 mod pause_tests;
 mod persist;
@@ -23,6 +24,7 @@ pub use config::{
 };
 pub use create::open_kvm;
 pub use disks::SlotInfo;
+pub use lazy::LazySource;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -64,6 +66,11 @@ pub struct Vm {
     msr_indices: Arc<Vec<u32>>,
     cpuid: Vec<Vec<kvm_cpuid_entry2>>,
     baseline: Option<Arc<Image>>,
+    /// A lazy restore's watch of its page server (`lazy.rs`).
+    lazy: Option<crate::uffd::Watcher>,
+    /// The snapshot a lazily restored VM came from, until it has a
+    /// baseline.
+    lazy_origin: Option<lazy::LazyOrigin>,
     dirty: PageSet,
     host_cpuid: &'static [kvm_cpuid_entry2],
     kvm: Kvm,

@@ -213,6 +213,13 @@ impl Vm {
             &[RunState::Running, RunState::Paused],
             "running or paused",
         )?;
+        if kind == Kind::Incremental && self.baseline.is_none() && self.lazy_origin.is_some() {
+            self.resolve_lazy_baseline().map_err(|e| {
+                Error::Config(format!(
+                    "an incremental snapshot of a lazily restored VM needs the snapshot it came from, with its chain, in the store ({e}); take a full snapshot"
+                ))
+            })?;
+        }
         let parent = match kind {
             Kind::Full => None,
             Kind::Incremental => Some(self.baseline.clone().ok_or_else(|| {
@@ -250,9 +257,11 @@ impl Vm {
         // A full snapshot of a paused VM becomes the memory it runs on (its
         // own pages go, the file's page cache is shared): map it while RAM
         // and file are identical. A running VM keeps its memory
-        // (`precopy.rs`).
+        // (`precopy.rs`), and so does one whose lazy restore is not
+        // complete (its RAM is registered with the page server).
+        let remap = kind == Kind::Full && was == RunState::Paused && !self.lazy_pending();
         let remapped = match &taken {
-            Ok(t) if kind == Kind::Full && was == RunState::Paused => match &t.taken {
+            Ok(t) if remap => match &t.taken {
                 Taken::Written(st) => Some(
                     st.memory()
                         .try_clone()
@@ -309,6 +318,7 @@ impl Vm {
             parent,
         });
         self.baseline = Some(image.clone());
+        self.lazy_origin = None;
         self.dirty = PageSet::new(self.ram.pages());
         let info = SnapshotInfo {
             id: image.id().to_string(),
@@ -517,6 +527,7 @@ impl Vm {
         self.cpuid = s.vcpus.iter().map(|v| v.cpuid.clone()).collect();
         self.msr_indices = Arc::new(s.vcpus[0].msrs.iter().map(|m| m.index).collect());
         self.baseline = Some(image.clone());
+        self.lazy_origin = None;
         self.dirty = PageSet::new(self.ram.pages());
         self.ram.take_vmm_dirty();
         self.devices.exit().clear();

@@ -153,6 +153,12 @@ impl Vm {
                 "booted or restored",
             )
             .map_err(|e| Error::Rollback(Box::new(e)))?;
+        self.refuse_while_lazy("roll back")
+            .map_err(|e| Error::Rollback(Box::new(e)))?;
+        if let Err(e) = self.resolve_lazy_baseline() {
+            // Without it every page is put back (all of RAM remapped).
+            tracing::debug!("no baseline from the lazy restore yet: {e}");
+        }
         let dir = absolute(dir).map_err(|e| Error::Rollback(Box::new(e)))?;
         let target = match &self.baseline {
             Some(b) if b.dir == dir => b.clone(),
@@ -481,6 +487,7 @@ impl Vm {
             tracing::error!("zeroing the lost VM's RAM: {e}");
         }
         self.baseline = None;
+        self.lazy_origin = None;
         self.dirty = PageSet::full(self.ram.pages());
         self.devices
             .exit()

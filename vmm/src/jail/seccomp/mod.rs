@@ -17,7 +17,7 @@
 //! about 0.45 ms of every spawn, under strace).
 
 #[cfg(test)]
-mod rules;
+pub(crate) mod rules;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 

@@ -82,6 +82,15 @@ pub mod nr {
     ioctl_iow_nr!(KVM_SET_XCRS, KVMIO, 0xa7, kvm_xcrs);
     // `BLKGETSIZE64` (`_IOR(0x12, 114, u64)`): a block device's size.
     ioctl_ior_nr!(BLKGETSIZE64, 0x12, 114, u64);
+
+    // userfaultfd (linux/userfaultfd.h), for lazy restores (`uffd.rs`):
+    // the structs' sizes are given as arrays of their u64 words.
+    ioctl_io_nr!(USERFAULTFD_IOC_NEW, 0xAA, 0x00);
+    ioctl_iowr_nr!(UFFDIO_API, 0xAA, 0x3F, [u64; 3]);
+    ioctl_iowr_nr!(UFFDIO_REGISTER, 0xAA, 0x00, [u64; 4]);
+    ioctl_ior_nr!(UFFDIO_UNREGISTER, 0xAA, 0x01, [u64; 2]);
+    ioctl_iowr_nr!(UFFDIO_COPY, 0xAA, 0x03, [u64; 5]);
+    ioctl_iowr_nr!(UFFDIO_ZEROPAGE, 0xAA, 0x04, [u64; 4]);
 }
 
 /// `FICLONE` (`_IOW(0x94, 9, int)`): reflinks of disk images.
@@ -221,6 +230,13 @@ fn kvm_system_ioctls() -> Vec<u64> {
         libc::FIONBIO,
         FICLONE,
         BLKGETSIZE64(),
+        // A lazy restore makes its userfaultfd from the /dev/userfaultfd
+        // descriptor it is sent and registers guest RAM; its watcher
+        // unregisters RAM once the page server is done (`uffd.rs`).
+        USERFAULTFD_IOC_NEW(),
+        UFFDIO_API(),
+        UFFDIO_REGISTER(),
+        UFFDIO_UNREGISTER(),
     ]
     .to_vec()
 }
