@@ -25,6 +25,11 @@ pub const EXTENTS_TYPE: &str = "application/vnd.twig.snapshot.extents.v1";
 pub const DELTA_TYPE: &str = "application/vnd.twig.snapshot.extents.delta.v1";
 /// Layer annotation: which artefact a layer is (`state`, `memory`, `disk<i>`).
 pub const ARTEFACT_ANNOTATION: &str = "dev.twig.artefact";
+/// Extents layer annotation: where its blob's index starts (decimal).
+pub const INDEX_AT_ANNOTATION: &str = "dev.twig.extents.index-at";
+/// Extents layer annotation: `sha256:<hex>` of its blob's index and
+/// footer (the bytes from the index to the blob's end).
+pub const INDEX_DIGEST_ANNOTATION: &str = "dev.twig.extents.index-digest";
 /// Store label of a snapshot pushed or pulled: its artifact's manifest
 /// digest (what lets a node find the snapshots it already has).
 pub const DIGEST_LABEL: &str = "twig.dev/oci-manifest";
@@ -77,6 +82,8 @@ pub struct Layer {
     pub blob: Descriptor,
     /// A delta against the parent's same artefact.
     pub delta: bool,
+    /// An extents blob's index: where it starts and its digest.
+    pub index: Option<(u64, String)>,
 }
 
 impl OciManifest {
@@ -124,10 +131,31 @@ impl OciManifest {
             if layers.iter().any(|x| x.artefact == artefact) {
                 return Err(bad(format!("artefact {artefact} twice")));
             }
+            let index = match (
+                l.annotations.get(INDEX_AT_ANNOTATION),
+                l.annotations.get(INDEX_DIGEST_ANNOTATION),
+            ) {
+                (Some(at), Some(digest)) if artefact != Artefact::State => {
+                    check_digest(digest)?;
+                    let at = at
+                        .parse::<u64>()
+                        .ok()
+                        .filter(|a| *a < l.size)
+                        .ok_or_else(|| bad(format!("layer {artefact}: index at {at:?}")))?;
+                    Some((at, digest.clone()))
+                }
+                (None, None) => None,
+                _ => {
+                    return Err(bad(format!(
+                        "layer {artefact}: a malformed index annotation"
+                    )))
+                }
+            };
             layers.push(Layer {
                 artefact,
                 blob: l.clone(),
                 delta,
+                index,
             });
         }
         Ok((m, layers))

@@ -6,13 +6,14 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use base64::Engine as _;
 use bytes::Bytes;
 use http::header::{
-    ACCEPT, AUTHORIZATION, CONTENT_LENGTH, CONTENT_RANGE, CONTENT_TYPE, LOCATION, WWW_AUTHENTICATE,
+    ACCEPT, AUTHORIZATION, CONTENT_LENGTH, CONTENT_RANGE, CONTENT_TYPE, LOCATION, RANGE,
+    WWW_AUTHENTICATE,
 };
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
@@ -120,11 +121,13 @@ impl Credentials {
 }
 
 /// A registry client. One per node; it keeps tokens by registry and scope.
+/// Clones share its connections and tokens.
+#[derive(Clone)]
 pub struct Client {
     http: hyper_util::client::legacy::Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
     creds: Credentials,
     plain_http: Vec<String>,
-    tokens: Mutex<HashMap<(String, String), String>>,
+    tokens: Arc<Mutex<HashMap<(String, String), String>>>,
 }
 
 /// What a request needs of the repository: the token's scope.
@@ -164,7 +167,7 @@ impl Client {
             http,
             creds,
             plain_http,
-            tokens: Mutex::new(HashMap::new()),
+            tokens: Arc::new(Mutex::new(HashMap::new())),
         })
     }
 
@@ -322,6 +325,60 @@ impl Client {
         Err(Error::Registry(format!(
             "blob {digest}: too many redirects"
         )))
+    }
+
+    /// Bytes `start..start + len` of blob `digest` (an HTTP range request,
+    /// redirects followed): the registry must answer `206 Partial Content`
+    /// with exactly that many bytes. The caller verifies them (the blob's
+    /// digest covers the whole blob only).
+    pub async fn blob_range(
+        &self,
+        r: &Reference,
+        digest: &str,
+        start: u64,
+        len: u64,
+    ) -> Result<Bytes> {
+        check_digest(digest)?;
+        if len == 0 {
+            return Ok(Bytes::new());
+        }
+        let last = start
+            .checked_add(len - 1)
+            .ok_or_else(|| Error::Invalid(format!("blob {digest}: range {start}+{len}")))?;
+        let what = format!("blob {digest} bytes {start}-{last}");
+        let range = format!("bytes={start}-{last}");
+        let mut url = format!("{}/blobs/{digest}", self.base(r));
+        for _ in 0..4 {
+            let resp = self
+                .send(
+                    r,
+                    Access::Pull,
+                    Method::GET,
+                    &url,
+                    &[(RANGE, range.as_str())],
+                    Bytes::new(),
+                )
+                .await?;
+            if resp.status().is_redirection() {
+                url = location_of(&resp, &url)?;
+                continue;
+            }
+            if resp.status() == StatusCode::OK {
+                return Err(Error::Registry(format!(
+                    "{what}: the registry answered the whole blob (200), not the range"
+                )));
+            }
+            let resp = expect(resp, &[StatusCode::PARTIAL_CONTENT], &what).await?;
+            let body = read_limited(resp.into_body(), len as usize, &what).await?;
+            if body.len() as u64 != len {
+                return Err(Error::Transfer(format!(
+                    "{what}: {} bytes arrived, {len} asked for",
+                    body.len()
+                )));
+            }
+            return Ok(Bytes::from(body));
+        }
+        Err(Error::Registry(format!("{what}: too many redirects")))
     }
 
     /// A small blob (a config) read whole, its digest checked.

@@ -9,18 +9,24 @@
 //! snapshots the store lacks, memory and disks travel as their non-zero
 //! pages ([`extents`]) and an incremental snapshot's disks as the pages
 //! that differ from its parent's. Digests and sizes are checked as blobs
-//! stream in; a pull publishes each snapshot only once it is whole.
+//! stream in; a pull publishes each snapshot only once it is whole. A lazy
+//! pull ([`lazy`]) stages a snapshot without its memory, serves its guest
+//! memory page by page by verified range reads while the memory arrives,
+//! and publishes the chain once whole.
 
 pub mod artifact;
 pub mod client;
 pub mod error;
 pub mod extents;
+pub mod lazy;
+mod pagesource;
 mod pull;
 mod push;
 pub mod reference;
 
 pub use client::{Client, Credentials};
 pub use error::{Error, Result};
+pub use lazy::{pull_lazy, pull_lazy_as, LazyPull, PageSource};
 pub use pull::{local_by_digest, pull, pull_as, pulled_id, Pulled, PULLED_PREFIX};
 pub use push::{push, Pushed};
 pub use reference::Reference;

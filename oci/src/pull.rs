@@ -8,7 +8,7 @@ use std::io::{self, Read, Write};
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
-use twig_store::{Artefact, Manifest, NodeStore};
+use twig_store::{Artefact, Manifest, NodeStore, Staging};
 
 use crate::artifact::{parse_config, Layer, OciManifest, DIGEST_LABEL, MAX_CONFIG};
 use crate::client::{hex, next_data, Client};
@@ -92,14 +92,67 @@ async fn pull_into(
     owner: Option<&str>,
     leaf_id: Option<&str>,
 ) -> Result<Pulled> {
-    let (bytes, digest) = client.manifest(from, from.target()).await?;
+    let Resolved {
+        digest,
+        mut parent,
+        mut pending,
+    } = resolve(client, store, from, owner, leaf_id).await?;
     let mut out = Pulled {
-        digest: digest.clone(),
+        digest,
         ..Default::default()
     };
-    let mut pending: Vec<(String, OciManifest, Vec<Layer>, Manifest)> = Vec::new();
-    let mut cur = (bytes, digest);
-    let mut parent = loop {
+    if pending.is_empty() {
+        out.id = local_owned(store, parent, owner)?;
+        return Ok(out);
+    }
+    while let Some(p) = pending.pop() {
+        let id = id_for(&p.digest, leaf_id.filter(|_| pending.is_empty()));
+        let at = parent.as_deref().map(|id| ParentAt {
+            id,
+            dir: store.snapshot_dir(id),
+            published: true,
+        });
+        let staging = stage(client, store, from, &id, &p, at.as_ref(), false, &mut out).await?;
+        publish(staging, &id)?;
+        out.snapshots_pulled += 1;
+        parent = Some(id);
+    }
+    out.id = parent.unwrap_or_default();
+    tracing::info!(from = %from, id = %out.id, bytes = out.bytes_downloaded, "snapshot pulled");
+    Ok(out)
+}
+
+/// One snapshot of a chain to pull: its manifest digest, layers and config.
+pub(crate) struct Pending {
+    pub digest: String,
+    pub layers: Vec<Layer>,
+    pub config: Manifest,
+}
+
+/// A chain resolved against a store.
+pub(crate) struct Resolved {
+    /// The leaf's manifest digest.
+    pub digest: String,
+    /// The snapshot of the store the chain continues (the leaf itself
+    /// when nothing is pending).
+    pub parent: Option<String>,
+    /// What the store lacks, leaf first.
+    pub pending: Vec<Pending>,
+}
+
+/// Fetches manifests and configs leaf → root until one the store has; the
+/// leaf's owner is checked before anything else is downloaded.
+pub(crate) async fn resolve(
+    client: &Client,
+    store: &NodeStore,
+    from: &Reference,
+    owner: Option<&str>,
+    leaf_id: Option<&str>,
+) -> Result<Resolved> {
+    let (bytes, digest) = client.manifest(from, from.target()).await?;
+    let mut pending: Vec<Pending> = Vec::new();
+    let mut cur = (bytes, digest.clone());
+    let parent = loop {
         if let Some(id) = local_by_digest(store, &cur.1)? {
             let elsewhere = pending.is_empty() && leaf_id.is_some_and(|l| l != id);
             if !elsewhere {
@@ -124,7 +177,11 @@ async fn pull_into(
             )));
         }
         let subject = m.subject.clone();
-        pending.push((cur.1, m, layers, config));
+        pending.push(Pending {
+            digest: cur.1,
+            layers,
+            config,
+        });
         if pending.len() > MAX_CHAIN {
             return Err(Error::Corrupt(format!(
                 "{from}: a chain longer than {MAX_CHAIN}"
@@ -135,74 +192,85 @@ async fn pull_into(
             Some(s) => cur = client.manifest(from, &s.digest).await?,
         }
     };
-    if pending.is_empty() {
-        let id = parent.unwrap_or_default();
-        store.get(&id)?.check_owner(owner).map_err(|e| match e {
-            twig_store::Error::PermissionDenied(m) => Error::PermissionDenied(m),
-            e => e.into(),
-        })?;
-        out.id = id;
-        return Ok(out);
-    }
-    while let Some((digest, _, layers, config)) = pending.pop() {
-        let id = match leaf_id.filter(|_| pending.is_empty()) {
-            Some(id) => id.to_string(),
-            None => pulled_id(&digest),
-        };
-        let id = import(
-            client,
-            store,
-            from,
-            &id,
-            &digest,
-            &layers,
-            &config,
-            parent.as_deref(),
-            &mut out,
-        )
-        .await?;
-        out.snapshots_pulled += 1;
-        parent = Some(id);
-    }
-    out.id = parent.unwrap_or_default();
-    tracing::info!(from = %from, id = %out.id, bytes = out.bytes_downloaded, "snapshot pulled");
-    Ok(out)
+    Ok(Resolved {
+        digest,
+        parent,
+        pending,
+    })
 }
 
-/// Pulls one snapshot whose parent (if any) is `parent` in the store.
-#[allow(clippy::too_many_arguments)]
-async fn import(
-    client: &Client,
+/// The store's own snapshot `id` (nothing was pending), once `owner` may
+/// have it.
+pub(crate) fn local_owned(
     store: &NodeStore,
+    id: Option<String>,
+    owner: Option<&str>,
+) -> Result<String> {
+    let id = id.unwrap_or_default();
+    store.get(&id)?.check_owner(owner).map_err(|e| match e {
+        twig_store::Error::PermissionDenied(m) => Error::PermissionDenied(m),
+        e => e.into(),
+    })?;
+    Ok(id)
+}
+
+/// The id a pulled snapshot of manifest `digest` is published under.
+pub(crate) fn id_for(digest: &str, leaf_id: Option<&str>) -> String {
+    match leaf_id {
+        Some(id) => id.to_string(),
+        None => pulled_id(digest),
+    }
+}
+
+/// Where a snapshot being pulled finds its parent: published, or staged
+/// by the same pull (a lazy pull publishes the chain at its end).
+pub(crate) struct ParentAt<'a> {
+    pub id: &'a str,
+    pub dir: std::path::PathBuf,
+    pub published: bool,
+}
+
+/// Stages one snapshot as `id`: its labels, its layers (all, or all but
+/// its memory if `skip_memory`) downloaded and checked, its state's ids
+/// rewritten. A parent staged by the same pull is named at publication
+/// (the store names published parents only).
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn stage<'s>(
+    client: &Client,
+    store: &'s NodeStore,
     from: &Reference,
     id: &str,
-    digest: &str,
-    layers: &[Layer],
-    config: &Manifest,
-    parent: Option<&str>,
+    p: &Pending,
+    parent: Option<&ParentAt<'_>>,
+    skip_memory: bool,
     out: &mut Pulled,
-) -> Result<String> {
+) -> Result<Staging<'s>> {
+    let config = &p.config;
     let mut staging = store.stage(id)?;
-    if let Some(p) = parent {
-        staging.set_parent(p)?;
+    if parent.is_none_or(|p| p.published) {
+        if let Some(p) = parent {
+            staging.set_parent(p.id)?;
+        }
+        staging.set_kind(config.kind);
     }
-    staging.set_kind(config.kind);
     if let Some(o) = &config.owner {
         staging.set_owner(o)?;
     }
     for (k, v) in &config.labels {
         staging.set_label(k, v);
     }
-    staging.set_label(DIGEST_LABEL, digest);
-    for layer in layers {
+    staging.set_label(DIGEST_LABEL, &p.digest);
+    for layer in &p.layers {
+        if skip_memory && layer.artefact == Artefact::Memory {
+            continue;
+        }
         let name = layer.artefact.file_name();
         let expected = config.artefacts.get(&name).copied().unwrap_or_default();
         let dest = staging.path(layer.artefact);
         if layer.delta {
             let base = parent
-                .map(|p| store.get(p))
-                .transpose()?
-                .and_then(|p| p.path(layer.artefact))
+                .map(|p| p.dir.join(&name))
+                .filter(|b| b.is_file())
                 .ok_or_else(|| {
                     Error::Corrupt(format!("{name} is a delta against a parent that has none"))
                 })?;
@@ -214,28 +282,41 @@ async fn import(
             .truncate(false)
             .open(&dest)
             .map_err(Error::local("creating a pulled file"))?;
-        let got = fetch(client, from, layer, file, expected).await?;
+        let got = fetch(client, from, layer, file, expected, None).await?;
         out.bytes_downloaded += got;
     }
-    relabel(staging.dir(), id, parent)?;
+    relabel(staging.dir(), id, parent.map(|p| p.id))?;
+    Ok(staging)
+}
+
+/// Publishes a staged snapshot; `Ok(false)` if another pull published the
+/// same (content-addressed) snapshot meanwhile.
+pub(crate) fn publish(staging: Staging<'_>, id: &str) -> Result<bool> {
     match staging.publish() {
-        Ok(_) => Ok(id.to_string()),
+        Ok(_) => Ok(true),
         // Pulled at the same time by another caller: the same content.
-        Err(twig_store::Error::AlreadyExists(_)) if id.starts_with(PULLED_PREFIX) => {
-            Ok(id.to_string())
-        }
+        Err(twig_store::Error::AlreadyExists(_)) if id.starts_with(PULLED_PREFIX) => Ok(false),
         Err(e) => Err(e.into()),
     }
 }
 
+/// What a lazy pull's download reports as it decodes a memory blob: the
+/// verified index it checks each record against, and who is told record
+/// `i` is written.
+pub(crate) struct Watch {
+    pub index: std::sync::Arc<extents::Index>,
+    pub written: Box<dyn FnMut(usize) + Send>,
+}
+
 /// Streams one layer's blob into `file`, checking its size and digest;
 /// returns the bytes downloaded.
-async fn fetch(
+pub(crate) async fn fetch(
     client: &Client,
     from: &Reference,
     layer: &Layer,
     file: File,
     expected: u64,
+    watch: Option<Watch>,
 ) -> Result<u64> {
     let what = format!("blob {} ({})", layer.blob.digest, layer.artefact);
     let state = layer.artefact == Artefact::State;
@@ -257,6 +338,8 @@ async fn fetch(
             let mut f = &file;
             io::copy(&mut r, &mut f).map_err(Error::local("writing a pulled state"))?;
             f.flush().map_err(Error::local("writing a pulled state"))?;
+        } else if let Some(mut w) = watch {
+            extents::decode_with(&mut r, &file, expected, Some(&w.index), &mut w.written)?;
         } else {
             extents::decode(&mut r, &file, expected)?;
         }

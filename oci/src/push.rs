@@ -1,6 +1,7 @@
 //! Pushing a snapshot and its parents: each snapshot one manifest, each
 //! artefact one blob, uploaded only when the registry lacks it.
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{self, Read};
 use std::path::PathBuf;
@@ -12,7 +13,8 @@ use twig_store::{Artefact, Kind, NodeStore, VmSnapshot};
 
 use crate::artifact::{
     config_of, Descriptor, OciManifest, ARTEFACT_ANNOTATION, ARTIFACT_TYPE, CONFIG_TYPE,
-    DELTA_TYPE, DIGEST_LABEL, EXTENTS_TYPE, STATE_TYPE,
+    DELTA_TYPE, DIGEST_LABEL, EXTENTS_TYPE, INDEX_AT_ANNOTATION, INDEX_DIGEST_ANNOTATION,
+    STATE_TYPE,
 };
 use crate::client::{digest_of, hex, Client, OCI_MANIFEST};
 use crate::error::{Error, Result};
@@ -63,13 +65,27 @@ pub async fn push(client: &Client, store: &NodeStore, id: &str, to: &Reference) 
     let mut last: Option<(Bytes, String)> = None;
     for (i, snap) in chain.iter().enumerate().rev() {
         let parent = chain.get(i + 1);
-        if let Some(d) = snap.labels.get(DIGEST_LABEL) {
+        // Present as pushed, unless its parent was pushed anew now (its
+        // subject changed) or it was pushed in the format before range
+        // indexes (then it is pushed again, under a new digest).
+        let label = snap
+            .labels
+            .get(DIGEST_LABEL)
+            .filter(|_| out.snapshots_pushed == 0);
+        if let Some(d) = label {
             if client.has_manifest(to, d).await? {
                 let (bytes, digest) = client.manifest(to, d).await?;
-                subject = Some(manifest_descriptor(&digest, bytes.len()));
-                last = Some((Bytes::from(bytes), digest));
-                out.snapshots_present += 1;
-                continue;
+                if indexed(&bytes) {
+                    subject = Some(manifest_descriptor(&digest, bytes.len()));
+                    last = Some((Bytes::from(bytes), digest));
+                    out.snapshots_present += 1;
+                    continue;
+                }
+                tracing::info!(
+                    id = snap.id,
+                    digest,
+                    "pushed before range indexes: pushing it again"
+                );
             }
         }
         let (bytes, digest) = push_one(client, to, snap, parent, subject.take(), &mut out).await?;
@@ -84,6 +100,15 @@ pub async fn push(client: &Client, store: &NodeStore, id: &str, to: &Reference) 
     out.digest = digest;
     tracing::info!(id, to = %to, digest = %out.digest, bytes = out.bytes_uploaded, "snapshot pushed");
     Ok(out)
+}
+
+/// Whether every extents layer of a pushed manifest has its range index.
+fn indexed(manifest: &[u8]) -> bool {
+    OciManifest::parse(manifest).is_ok_and(|(_, layers)| {
+        layers
+            .iter()
+            .all(|l| l.artefact == Artefact::State || l.index.is_some())
+    })
 }
 
 fn manifest_descriptor(digest: &str, size: usize) -> Descriptor {
@@ -105,13 +130,16 @@ enum Source {
 }
 
 impl Source {
-    /// Calls `f` with each chunk of the blob, in order.
-    fn each_chunk(&self, mut f: impl FnMut(Vec<u8>) -> bool) -> io::Result<()> {
+    /// Calls `f` with each chunk of the blob, in order; returns an
+    /// extents blob's index digest.
+    fn each_chunk(&self, mut f: impl FnMut(Vec<u8>) -> bool) -> io::Result<Option<String>> {
         match self {
-            Source::Raw(p) => chunks(File::open(p)?, &mut f),
+            Source::Raw(p) => chunks(File::open(p)?, &mut f).map(|()| None),
             Source::Extents(p, plan) => {
                 let file = File::open(p)?;
-                chunks(plan.reader(&file), &mut f)
+                let mut reader = plan.reader(&file);
+                chunks(&mut reader, &mut f)?;
+                Ok(reader.index_digest().map(str::to_string))
             }
         }
     }
@@ -191,26 +219,34 @@ async fn push_one(
             }
         };
         let hashing = source.clone();
-        let (digest, size) = blocking(
+        let (digest, size, index) = blocking(
             move || {
                 let mut h = Sha256::new();
                 let mut size = 0u64;
-                hashing.each_chunk(|c| {
+                let index = hashing.each_chunk(|c| {
                     size += c.len() as u64;
                     h.update(&c);
                     true
                 })?;
-                Ok((format!("sha256:{}", hex(&h.finalize())), size))
+                Ok((format!("sha256:{}", hex(&h.finalize())), size, index))
             },
             &format!("reading {} of snapshot {}", artefact, snap.id),
         )
         .await?;
+        let mut annotations: BTreeMap<String, String> =
+            [(ARTEFACT_ANNOTATION.to_string(), artefact.file_name())].into();
+        if let (Source::Extents(_, plan), Some(index)) = (&source, index) {
+            // The manifest vouches for the index, the index for each
+            // record: a range fetched alone is verified (lazy restore).
+            annotations.insert(INDEX_AT_ANNOTATION.into(), plan.index_at().to_string());
+            annotations.insert(INDEX_DIGEST_ANNOTATION.into(), index);
+        }
         upload(client, to, &digest, size, Some(source), None, out).await?;
         layers.push(Descriptor {
             media_type: media_type.into(),
             digest,
             size,
-            annotations: [(ARTEFACT_ANNOTATION.to_string(), artefact.file_name())].into(),
+            annotations,
         });
     }
     let config = Bytes::from(

@@ -5,113 +5,22 @@
 //! away mid-pull leave nothing behind. Needs /dev/kvm (the ring-3 test
 //! guest) and `docker-registry`.
 
+mod common;
+
+use common::*;
+
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use twig_cri::harness::Registry;
 use twig_oci::artifact::DIGEST_LABEL;
-use twig_oci::{Client, Credentials, Error, Reference};
-use twig_store::NodeStore;
+use twig_oci::{Error, Reference};
 use twig_vmm::testguest::{self, Command};
-use twig_vmm::{Capture, DeviceConfig, DiskConfig, Kind, Shape, Vm};
-
-const T: Duration = Duration::from_secs(20);
-const MIB: usize = 64;
-const DISK: usize = 1 << 20;
-const OWNER: &str = "team-a";
-
-struct Guest {
-    vm: Vm,
-    serial: Capture,
-}
-
-fn require_kvm() {
-    if let Err(e) = twig_vmm::open_kvm() {
-        panic!("this test needs a usable /dev/kvm (run as root on a KVM host): {e}");
-    }
-}
-
-fn disk(path: &Path) -> DeviceConfig {
-    DeviceConfig {
-        disks: vec![DiskConfig {
-            path: path.to_path_buf(),
-            read_only: false,
-        }],
-        ..Default::default()
-    }
-}
-
-fn boot(dir: &Path, rw: &Path) -> Guest {
-    require_kvm();
-    let serial = Capture::new();
-    let mut vm =
-        Vm::create_with(Shape::new(MIB, 1), serial.writer(), &disk(rw)).expect("create VM");
-    let kernel = testguest::write_to(dir).expect("write guest");
-    vm.boot(&kernel, "console=ttyS0").expect("boot");
-    serial.wait_for(b"B", 0, T).expect("boot marker");
-    testguest::wait_booted(&vm, T).expect("guest magic");
-    Guest { vm, serial }
-}
-
-/// Page `first + i` of the scratch area holds `value + i`.
-fn dirty(vm: &mut Vm, first: u64, pages: u64, value: u64) {
-    testguest::run(
-        vm,
-        Command::Dirty,
-        [testguest::SCRATCH + first * 4096, pages, value],
-        T,
-    )
-    .expect("dirty");
-}
-
-fn word(vm: &Vm, page: u64) -> u64 {
-    vm.read_u64(testguest::SCRATCH + page * 4096)
-        .expect("read guest memory")
-}
-
-fn write_at(path: &Path, off: u64, data: &[u8]) {
-    let f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
-    f.write_all_at(data, off).unwrap();
-}
-
-/// Snapshots `vm` into `store` as `id`, owned by [`OWNER`].
-fn take(vm: &mut Vm, store: &NodeStore, id: &str, kind: Kind) {
-    let mut staging = store.stage(id).unwrap();
-    vm.snapshot(staging.dir(), kind).unwrap();
-    staging.set_owner(OWNER).unwrap();
-    staging.publish().unwrap();
-}
-
-fn store(dir: &Path) -> NodeStore {
-    // /tmp cannot reflink here: copies allowed.
-    NodeStore::open(dir, true).unwrap()
-}
-
-/// Nothing published and nothing left staged.
-fn assert_clean(store: &NodeStore) {
-    assert!(
-        store.list().unwrap().is_empty(),
-        "{:?}",
-        store.list().unwrap()
-    );
-    let tmp: Vec<_> = std::fs::read_dir(store.root().join("tmp"))
-        .map(|d| d.map(|e| e.unwrap().file_name()).collect())
-        .unwrap_or_default();
-    assert!(tmp.is_empty(), "left in tmp: {tmp:?}");
-}
-
-fn client(registry: &str) -> Client {
-    Client::new(Credentials::default(), vec![registry.to_string()]).unwrap()
-}
-
-fn reference(host: &str, tag: &str) -> Reference {
-    Reference::parse(&format!("{host}/twig/{OWNER}/agent:{tag}")).unwrap()
-}
+use twig_vmm::{Capture, Kind, Shape, Vm};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vm_snapshot_chain_moves_to_another_node_store_and_continues_there() {
@@ -242,18 +151,6 @@ async fn a_vm_snapshot_chain_moves_to_another_node_store_and_continues_there() {
     let from = g.serial.bytes().len();
     testguest::run(&mut g.vm, Command::Print, [b'a' as u64, 0, 0], T).unwrap();
     g.serial.wait_for(b"a", from, T).unwrap();
-}
-
-/// A full snapshot of a booted guest in a new store under `dir`, pushed.
-async fn pushed_full(dir: &Path, c: &Client, to: &Reference) -> PathBuf {
-    let a = store(&dir.join("a"));
-    let rw = dir.join("rw.img");
-    std::fs::write(&rw, vec![0x5au8; DISK]).unwrap();
-    let mut g = boot(dir, &rw);
-    dirty(&mut g.vm, 0, 64, 1);
-    take(&mut g.vm, &a, "full", Kind::Full);
-    twig_oci::push(c, &a, "full", to).await.unwrap();
-    a.root().to_path_buf()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
