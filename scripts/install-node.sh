@@ -14,7 +14,7 @@
 #
 # Usage: scripts/install-node.sh [--from DIR] [--root DIR] [--start] [--handler NAME]
 #                                [--containerd-version X.Y] [--registry-prefix P]
-#                                [--registry-plain-http HOST:PORT]
+#                                [--registry-host HOST[:PORT]] [--registry-plain-http HOST:PORT]
 #                                [--registry-credentials FILE]
 #        scripts/install-node.sh --bundle DIR
 #   --bundle DIR  build everything (release binaries, guest kernel,
@@ -34,10 +34,12 @@
 #                 came in 1.7), so on 1.6 the drop-in makes `twig` the CRI
 #                 snapshotter of the node: runc pods then run on
 #                 twig-snapshotter's ext4 images too (runc mounts them).
-#   --registry-prefix P, --registry-plain-http HOST:PORT, --registry-credentials FILE
+#   --registry-prefix P, --registry-host HOST[:PORT], --registry-plain-http HOST:PORT,
+#   --registry-credentials FILE
 #                 twig-node's `registry` section of a new node.json (the
 #                 OCI registry snapshots are exported to and imported
-#                 from): its repository prefix, a registry spoken to over
+#                 from; the node speaks to no other): its repository
+#                 prefix, the registry (HTTPS), or one spoken to over
 #                 plain HTTP, and a Docker config.json of credentials,
 #                 copied to /etc/twig/registry/config.json (mode 0600, on
 #                 every run: a rotated Secret reaches the node). A kept
@@ -49,7 +51,7 @@ die() { echo "install-node.sh: $*" >&2; exit 1; }
 
 here=$(cd "$(dirname "$0")/.." && pwd)
 from="" root=/ start=0 bundle="" handler=twig containerd_version=""
-registry=0 registry_prefix=twig registry_plain_http="" registry_credentials=""
+registry=0 registry_prefix=twig registry_host="" registry_plain_http="" registry_credentials=""
 while (($#)); do
   case $1 in
     --from) from=${2:?--from needs a directory}; shift 2 ;;
@@ -59,6 +61,7 @@ while (($#)); do
     --handler) handler=${2:?--handler needs a name}; shift 2 ;;
     --containerd-version) containerd_version=${2:?--containerd-version needs X.Y}; shift 2 ;;
     --registry-prefix) registry=1 registry_prefix=${2:?--registry-prefix needs a prefix}; shift 2 ;;
+    --registry-host) registry=1 registry_host=${2:?--registry-host needs HOST[:PORT]}; shift 2 ;;
     --registry-plain-http) registry=1 registry_plain_http=${2:?--registry-plain-http needs HOST:PORT}; shift 2 ;;
     --registry-credentials) registry=1 registry_credentials=${2:?--registry-credentials needs a file}; shift 2 ;;
     *) die "unknown argument $1 (see the comment at the top of the script)" ;;
@@ -67,8 +70,9 @@ done
 [[ $handler =~ ^[a-z0-9][a-z0-9-]*$ ]] || die "invalid handler name $handler"
 [[ $registry_prefix =~ ^[a-z0-9]+([._-][a-z0-9]+)*(/[a-z0-9]+([._-][a-z0-9]+)*)*$ ]] \
   || die "invalid registry prefix $registry_prefix"
-[[ -z $registry_plain_http || $registry_plain_http =~ ^[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[0-9]{1,5})?$ ]] \
-  || die "invalid registry host $registry_plain_http"
+for h in "$registry_host" "$registry_plain_http"; do
+  [[ -z $h || $h =~ ^[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[0-9]{1,5})?$ ]] || die "invalid registry host $h"
+done
 [[ -z $registry_credentials || -f $registry_credentials ]] \
   || die "registry credentials $registry_credentials is not a file"
 bins=(containerd-shim-twig-v2 twig-vmm twig-node twig-snapshotter)
@@ -189,10 +193,12 @@ if ((registry)); then
     chmod 0700 "$root/etc/twig/registry"
     put "$registry_credentials" etc/twig/registry/config.json 0600
   fi
-  plain=""
+  plain="" hosts=""
   [[ -n $registry_plain_http ]] && plain="\"$registry_plain_http\""
+  [[ -n $registry_host ]] && hosts="\"$registry_host\""
   registry_json=",
   \"registry\": {
+    \"hosts\": [$hosts],
     \"credentials\": $credentials,
     \"plain_http\": [$plain],
     \"repository_prefix\": \"$registry_prefix\"

@@ -285,3 +285,52 @@ fn bad_input_installs_nothing() {
     );
     assert_eq!(read(&root.join("etc/containerd/config.toml")), theirs);
 }
+
+#[test]
+fn the_registry_section_names_the_registry_the_node_speaks_to() {
+    let dir = tempfile::tempdir().unwrap();
+    let from = bundle(dir.path());
+    let root = dir.path().join("root");
+    std::fs::create_dir_all(&root).unwrap();
+    let (from, root_s) = (from.to_str().unwrap(), root.to_str().unwrap());
+    let common = [
+        "--from",
+        from,
+        "--root",
+        root_s,
+        "--containerd-version",
+        "1.7",
+    ];
+
+    let bad = install(&[&common[..], &["--registry-host", "Evil Host"]].concat());
+    assert!(
+        bad.code() != Some(0) && bad.stderr.contains("invalid registry host Evil Host"),
+        "{bad}"
+    );
+    assert!(files(&root).is_empty(), "{:?}", files(&root));
+
+    let out = install(
+        &[
+            &common[..],
+            &[
+                "--registry-host",
+                "registry.example.com:5000",
+                "--registry-prefix",
+                "snap/twig",
+            ],
+        ]
+        .concat(),
+    );
+    assert_eq!(out.code(), Some(0), "{out}");
+    let node: serde_json::Value =
+        serde_json::from_str(&read(&root.join("etc/twig/node.json"))).unwrap();
+    assert_eq!(
+        node["registry"],
+        serde_json::json!({
+            "hosts": ["registry.example.com:5000"],
+            "credentials": null,
+            "plain_http": [],
+            "repository_prefix": "snap/twig",
+        })
+    );
+}

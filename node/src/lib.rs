@@ -9,6 +9,7 @@ pub mod build;
 pub mod config;
 pub mod error;
 pub mod gc;
+pub mod lazy;
 pub mod netpool;
 pub mod pool;
 pub mod registry;

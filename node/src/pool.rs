@@ -89,6 +89,7 @@ use crate::template::{tail, Shape};
 mod jail;
 
 use jail::{jail_args, remove_cgroup, share_staging, Jail};
+use twig_store::NodeStore;
 
 /// A prepared VMM.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -343,6 +344,22 @@ impl Pool {
             (Some(jail), Some(uid)) => jail.grant(uid, uses).inspect_err(|_| kill(vmm.pid)),
             _ => Ok(()),
         }
+    }
+
+    /// Lets VMM `vmm`, just handed over, read snapshot `id` staged in
+    /// `dir` of `store` (described, not yet published: a lazy restore),
+    /// and counts `id` among the snapshots it uses, so it is not deleted
+    /// while the VMM runs once published. Kills the VMM if that fails.
+    pub fn use_staged(&self, vmm: &Vmm, store: &NodeStore, dir: &Path, id: &str) -> Result<()> {
+        if let (Some(_), Some(uid)) = (&self.inner.jail, vmm.uid) {
+            store
+                .grant_staged(dir, uid)
+                .inspect_err(|_| kill(vmm.pid))?;
+        }
+        if let Some(uses) = self.state().handed.get_mut(&vmm.pid) {
+            uses.push(id.to_string());
+        }
+        Ok(())
     }
 
     /// Takes back what user `uid` was granted (see [`Jail::revoke`]).
@@ -810,7 +827,7 @@ fn is_alive(pid: u32) -> bool {
     }
 }
 
-fn kill(pid: u32) {
+pub(crate) fn kill(pid: u32) {
     let Ok(pid) = libc::pid_t::try_from(pid) else {
         return;
     };

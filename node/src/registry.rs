@@ -1,10 +1,11 @@
 //! Snapshots to and from an OCI registry (`ExportSnapshot`,
 //! `ImportSnapshot`), through twig-oci, with the node's registry
-//! credentials. A namespace reaches only its own repositories
+//! credentials. A node speaks only to the registries its configuration
+//! names, and a namespace reaches only its own repositories
 //! (`<prefix>/<namespace>/<name>`) and its own snapshots.
 
 use serde::Deserialize;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use twig_oci::{Client, Credentials, Reference};
 use twig_proto::twig::{ExportSnapshotResponse, ImportSnapshotResponse};
 use twig_store::NodeStore;
@@ -15,6 +16,12 @@ use crate::error::{Error, Result};
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RegistryConfig {
+    /// The registries (`host[:port]`) this node exports to and imports
+    /// from, with those of `plain_http`; a reference naming any other is
+    /// refused (an artifact reference reaches the node from pod
+    /// annotations and objects, so it must not make the node fetch from,
+    /// or send its credentials to, anywhere). None at all: no registry.
+    pub hosts: Vec<String>,
     /// A Docker `config.json` with the node's registry credentials (the
     /// chart mounts a `kubernetes.io/dockerconfigjson` Secret); none:
     /// anonymous.
@@ -25,14 +32,21 @@ pub struct RegistryConfig {
     /// The first path component(s) of every snapshot repository:
     /// `<prefix>/<namespace>/<name>`.
     pub repository_prefix: String,
+    /// A pod restored from an artifact this node lacks starts once the
+    /// snapshot's state and disks are here, its memory served as it
+    /// arrives (userfaultfd: [`crate::lazy`]); off, or without
+    /// `/dev/userfaultfd`: once the whole snapshot is pulled.
+    pub lazy_restore: bool,
 }
 
 impl Default for RegistryConfig {
     fn default() -> RegistryConfig {
         RegistryConfig {
+            hosts: Vec::new(),
             credentials: None,
             plain_http: Vec::new(),
             repository_prefix: "twig".into(),
+            lazy_restore: true,
         }
     }
 }
@@ -41,12 +55,18 @@ impl Default for RegistryConfig {
 pub struct Registry {
     client: Client,
     prefix: String,
+    hosts: Vec<String>,
+    lazy_dir: Option<PathBuf>,
 }
+
+/// The device a lazy restore makes its VMM's userfaultfd with.
+const USERFAULTFD: &str = "/dev/userfaultfd";
 
 impl Registry {
     /// The client of `config` (its credentials read now: a node with
-    /// unreadable credentials does not start).
-    pub fn new(config: &RegistryConfig) -> Result<Registry> {
+    /// unreadable credentials does not start); lazy restores' page servers
+    /// listen under `run_dir`.
+    pub fn new(config: &RegistryConfig, run_dir: &Path) -> Result<Registry> {
         let creds = match &config.credentials {
             Some(p) => Credentials::load(p).map_err(|e| {
                 Error::InvalidArgument(format!("registry credentials {}: {e}", p.display()))
@@ -55,17 +75,39 @@ impl Registry {
         };
         let client = Client::new(creds, config.plain_http.clone())
             .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        let mut hosts: Vec<String> = config
+            .hosts
+            .iter()
+            .chain(&config.plain_http)
+            .map(|h| h.to_ascii_lowercase())
+            .collect();
+        hosts.sort();
+        hosts.dedup();
         Ok(Registry {
             client,
             prefix: config.repository_prefix.trim_matches('/').to_string(),
+            hosts,
+            lazy_dir: (config.lazy_restore && Path::new(USERFAULTFD).exists())
+                .then(|| run_dir.to_path_buf()),
         })
     }
 
-    /// `reference` parsed, refused unless its repository is
-    /// `<prefix>/<namespace>/<name>`.
+    /// `reference` parsed, refused unless its registry is one of the
+    /// node's and its repository is `<prefix>/<namespace>/<name>`.
     fn reference(&self, reference: &str, namespace: &str) -> Result<Reference> {
         twig_store::layout::validate_owner(namespace)?;
         let r = Reference::parse(reference).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        if self.hosts.is_empty() {
+            return Err(Error::FailedPrecondition(format!(
+                "{reference}: this node has no registry configured (node.json registry.hosts)"
+            )));
+        }
+        if !self.hosts.contains(&r.registry.to_ascii_lowercase()) {
+            return Err(Error::PermissionDenied(format!(
+                "{reference}: this node speaks to the registries {} only",
+                self.hosts.join(", ")
+            )));
+        }
         let own = format!("{}/{namespace}/", self.prefix);
         let name = r.repository.strip_prefix(&own).unwrap_or_default();
         if name.is_empty() || name.contains('/') {
@@ -107,6 +149,25 @@ impl Registry {
     ) -> Result<twig_oci::Pulled> {
         let from = self.reference(reference, namespace)?;
         Ok(twig_oci::pull_as(&self.client, store, &from, Some(namespace), id).await?)
+    }
+
+    /// Where lazy restores' page servers listen, if this node restores
+    /// lazily.
+    pub fn lazy_dir(&self) -> Option<&Path> {
+        self.lazy_dir.as_deref()
+    }
+
+    /// Starts pulling `reference`, which must belong to `namespace`, for a
+    /// lazy restore: its state and disks staged and described
+    /// ([`twig_store::NodeStore::staged`]), its memory to come.
+    pub async fn import_lazy(
+        &self,
+        store: &NodeStore,
+        reference: &str,
+        namespace: &str,
+    ) -> Result<twig_oci::lazy::LazyPull> {
+        let from = self.reference(reference, namespace)?;
+        Ok(twig_oci::lazy::pull_lazy(&self.client, store, &from, Some(namespace)).await?)
     }
 
     /// Pulls `reference`, which must belong to `namespace`.

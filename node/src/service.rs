@@ -23,6 +23,7 @@ use crate::build::{template_id, Builder, Progress, Spec, SPEC_LABEL};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::gc::{garbage, Claims, RETAINED_LABEL};
+use crate::lazy;
 use crate::netpool::NetPool;
 use crate::pool::{Owner, Pool};
 use crate::registry::Registry;
@@ -52,6 +53,32 @@ pub struct Collected {
     pub reclaimed_bytes: u64,
 }
 
+/// The process whose exit kills the VMM handed over for `req`, if any.
+fn owner_of(req: &AcquireVmRequest) -> Result<Option<Owner>> {
+    match req.owner_pid {
+        0 => Ok(None),
+        pid => Owner::open(pid)
+            .map(Some)
+            .map_err(|e| Error::InvalidArgument(format!("owner_pid {pid}: {e}"))),
+    }
+}
+
+/// What a shim is told of the VMM `vmm` handed over to restore `t`.
+fn handed_over(vmm: &crate::pool::Vmm, t: &TemplateRef, pooled: bool) -> AcquireVmResponse {
+    AcquireVmResponse {
+        api_socket: path_string(&vmm.api_socket()),
+        vsock_socket: path_string(&vmm.vsock_socket()),
+        pid: vmm.pid,
+        state_dir: path_string(&vmm.dir),
+        template_dir: path_string(&t.dir),
+        memory_mib: t.shape.mem_mib,
+        vcpus: t.shape.vcpus,
+        disk_slots: t.shape.disk_slots,
+        pooled,
+        ..Default::default()
+    }
+}
+
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
     tokio::task::spawn_blocking(f)
         .await
@@ -76,6 +103,29 @@ impl Services {
             claims: Arc::new(Claims::default()),
             registry,
         }
+    }
+
+    /// Refuses `req` unless the shape it asks for, if any, is snapshot
+    /// `t`'s and its resources fit that.
+    fn check_snapshot_shape(&self, req: &AcquireVmRequest, t: &TemplateRef) -> Result<()> {
+        for (what, asked, is) in [
+            ("memory_mib", req.memory_mib, t.shape.mem_mib),
+            ("vcpus", req.vcpus, t.shape.vcpus),
+            ("disk_slots", req.disk_slots, t.shape.disk_slots),
+        ] {
+            if asked != 0 && asked != is {
+                return Err(Error::InvalidArgument(format!(
+                    "{what} {asked} asked for, but snapshot {:?} is {}",
+                    t.id, t.shape
+                )));
+            }
+        }
+        let need = Need {
+            memory_limit_bytes: req.memory_limit_bytes,
+            cpu_limit_millis: req.cpu_limit_millis,
+        };
+        let reserve = self.templates.guest_reserve_mib();
+        check_fits(t.shape, &format!("snapshot {:?}", t.id), &need, reserve)
     }
 
     /// The VM `req` asks for: its template (the base template of the
@@ -106,19 +156,7 @@ impl Services {
                 })
             })
             .await?;
-            for (what, asked, is) in [
-                ("memory_mib", req.memory_mib, t.shape.mem_mib),
-                ("vcpus", req.vcpus, t.shape.vcpus),
-                ("disk_slots", req.disk_slots, t.shape.disk_slots),
-            ] {
-                if asked != 0 && asked != is {
-                    return Err(Error::InvalidArgument(format!(
-                        "{what} {asked} asked for, but snapshot {:?} is {}",
-                        t.id, t.shape
-                    )));
-                }
-            }
-            check_fits(t.shape, &format!("snapshot {:?}", t.id), &need, reserve)?;
+            self.check_snapshot_shape(req, &t)?;
             let mut uses = vec![t.id.clone()];
             if !req.template.is_empty() && req.template != t.id {
                 uses.push(req.template.clone());
@@ -159,12 +197,11 @@ impl Services {
         Ok((t, uses))
     }
 
-    /// `req`, its `restore_from` pulled from `restore_artifact` when the
-    /// store lacks it (and then naming the pulled snapshot).
-    async fn pulled_if_missing(&self, req: &AcquireVmRequest) -> Result<AcquireVmRequest> {
-        let mut req = req.clone();
+    /// Whether `req` restores from an artifact whose snapshot the store
+    /// lacks (so it must be pulled).
+    async fn must_pull(&self, req: &AcquireVmRequest) -> Result<bool> {
         if req.restore_artifact.is_empty() {
-            return Ok(req);
+            return Ok(false);
         }
         if req.restore_from.is_empty() {
             return Err(Error::InvalidArgument(
@@ -174,13 +211,19 @@ impl Services {
         }
         let templates = self.templates.clone();
         let id = req.restore_from.clone();
-        let present = blocking(move || match templates.store().get(&id) {
-            Ok(_) => Ok(true),
-            Err(twig_store::Error::NotFound(_)) => Ok(false),
+        blocking(move || match templates.store().get(&id) {
+            Ok(_) => Ok(false),
+            Err(twig_store::Error::NotFound(_)) => Ok(true),
             Err(e) => Err(e.into()),
         })
-        .await?;
-        if !present {
+        .await
+    }
+
+    /// `req`, its `restore_from` pulled from `restore_artifact` when the
+    /// store lacks it (and then naming the pulled snapshot).
+    async fn pulled_if_missing(&self, req: &AcquireVmRequest) -> Result<AcquireVmRequest> {
+        let mut req = req.clone();
+        if self.must_pull(&req).await? {
             let pulled = self
                 .registry
                 .import(
@@ -236,9 +279,80 @@ impl Services {
         .await
     }
 
+    /// Hands over a VMM for `req` restoring, lazily, the snapshot of
+    /// `req.restore_artifact` this node lacks: its state and disks pulled
+    /// and staged, its memory served by a page server while the rest
+    /// arrives (see [`crate::lazy`]).
+    async fn acquire_lazy(
+        &self,
+        req: &AcquireVmRequest,
+        run_dir: &Path,
+    ) -> Result<AcquireVmResponse> {
+        let store = self.templates.store();
+        let pull = self
+            .registry
+            .import_lazy(store, &req.restore_artifact, &req.namespace)
+            .await?;
+        if !pull.is_staged() {
+            // The store has it (under its pulled id): restored as usual.
+            let req = AcquireVmRequest {
+                restore_from: pull.id.clone(),
+                restore_artifact: String::new(),
+                ..req.clone()
+            };
+            return self.acquire_local(&req).await;
+        }
+        let templates = self.templates.clone();
+        let dir = pull.dir.clone();
+        let t = blocking(move || {
+            let staged = templates.store().staged(&dir)?;
+            templates.staged(&staged)
+        })
+        .await?;
+        self.check_snapshot_shape(req, &t)?;
+        let owner = owner_of(req)?;
+        let (vmm, pooled) = self.pool.take(t.shape, &[], owner.as_ref()).await?;
+        let socket = self
+            .pool
+            .use_staged(&vmm, store, &t.dir, &t.id)
+            .and_then(|()| {
+                lazy::serve(
+                    run_dir,
+                    &req.sandbox_id,
+                    pull,
+                    tokio::runtime::Handle::current(),
+                )
+            })
+            .inspect_err(|_| crate::pool::kill(vmm.pid))?;
+        tracing::info!(
+            sandbox = req.sandbox_id,
+            restore_from = req.restore_from,
+            id = t.id,
+            pid = vmm.pid,
+            pooled,
+            "handed over a VMM restoring lazily what it pulls"
+        );
+        Ok(AcquireVmResponse {
+            restored_id: t.id.clone(),
+            lazy_socket: path_string(&socket),
+            ..handed_over(&vmm, &t, pooled)
+        })
+    }
+
     /// Hands over a prepared VMM for `req`.
     pub async fn acquire(&self, req: &AcquireVmRequest) -> Result<AcquireVmResponse> {
+        if let Some(run_dir) = self.registry.lazy_dir() {
+            if self.must_pull(req).await? {
+                return self.acquire_lazy(req, run_dir).await;
+            }
+        }
         let req = &self.pulled_if_missing(req).await?;
+        self.acquire_local(req).await
+    }
+
+    /// Hands over a prepared VMM for `req`, whose snapshots are in the
+    /// store.
+    async fn acquire_local(&self, req: &AcquireVmRequest) -> Result<AcquireVmResponse> {
         // Claimed before the store is read, until the VM's lease holds
         // them: a deletion between the two is refused, or refuses this.
         let named: Vec<String> = [&req.restore_from, &req.template]
@@ -248,13 +362,7 @@ impl Services {
             .collect();
         let _claim = self.claims.claim(&named)?;
         let (t, uses) = self.template_for(req).await?;
-        let owner = match req.owner_pid {
-            0 => None,
-            pid => Some(
-                Owner::open(pid)
-                    .map_err(|e| Error::InvalidArgument(format!("owner_pid {pid}: {e}")))?,
-            ),
-        };
+        let owner = owner_of(req)?;
         let (vmm, pooled) = self.pool.take(t.shape, &uses, owner.as_ref()).await?;
         tracing::info!(
             sandbox = req.sandbox_id,
@@ -265,17 +373,8 @@ impl Services {
             "handed over a VMM"
         );
         Ok(AcquireVmResponse {
-            api_socket: path_string(&vmm.api_socket()),
-            vsock_socket: path_string(&vmm.vsock_socket()),
-            pid: vmm.pid,
-            state_dir: path_string(&vmm.dir),
-            template_dir: path_string(&t.dir),
-            memory_mib: t.shape.mem_mib,
-            vcpus: t.shape.vcpus,
-            disk_slots: t.shape.disk_slots,
-            pooled,
             restored_id: req.restore_from.clone(),
-            ..Default::default()
+            ..handed_over(&vmm, &t, pooled)
         })
     }
 
@@ -795,7 +894,7 @@ impl Daemon {
         let pool = Pool::start(config)?;
         let builder = Builder::new(config.templates.clone(), templates.clone());
         let net = NetPool::start(&config.net_pool)?.map(Arc::new);
-        let registry = Arc::new(Registry::new(&config.registry)?);
+        let registry = Arc::new(Registry::new(&config.registry, &config.run_dir)?);
         let services = Arc::new(Services::new(
             templates,
             pool.clone(),

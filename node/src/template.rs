@@ -305,6 +305,12 @@ impl Templates {
         self.checked(&s, None)
     }
 
+    /// Snapshot `s`, staged and not yet published (a lazy restore's), as
+    /// a template to restore: its directory and shape.
+    pub fn staged(&self, s: &VmSnapshot) -> Result<TemplateRef> {
+        self.checked(s, None)
+    }
+
     /// `s` as a template, once its state parses and its shape is `expect`
     /// (if given): a damaged template is refused here rather than in a
     /// pod's restore.

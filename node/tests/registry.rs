@@ -1,19 +1,25 @@
 //! `ExportSnapshot` / `ImportSnapshot`: a snapshot of one node's store
 //! pushed to a real registry (`docker-registry`, started and stopped here)
 //! and pulled by another node, each namespace to its own repositories and
-//! snapshots only; the registry gone is UNAVAILABLE. Needs /dev/kvm and
+//! snapshots only; the registry gone is UNAVAILABLE; a pod restored lazily
+//! on a node that lacks the snapshot. Needs /dev/kvm, /dev/userfaultfd and
 //! `docker-registry`.
 
 mod common;
 
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+
 use common::*;
 use twig_cri::harness::Registry;
 use twig_node::build::{Spec, SPEC_LABEL};
-use twig_proto::node::AcquireVmRequest;
+use twig_proto::node::{AcquireVmRequest, AcquireVmResponse};
 use twig_proto::twig::{
     EnsureTemplateRequest, EnsureTemplateResponse, ExportSnapshotRequest, ExportSnapshotResponse,
     GetSnapshotRequest, ImportSnapshotRequest, ImportSnapshotResponse,
 };
+use twig_vmm::api::Client;
+use twig_vmm::RunState;
 
 impl Node {
     fn export(
@@ -102,6 +108,19 @@ fn a_snapshot_exported_by_one_node_is_imported_by_another_within_its_namespace()
             ),
             "outside the prefix",
         ),
+        (
+            a.export(
+                "agent-snap",
+                "evil.example:5000/twig/team-a/agent:v1",
+                "team-a",
+            ),
+            "a registry the node does not name",
+        ),
+        (
+            a.import("evil.example:5000/twig/team-a/agent:v1", "team-a")
+                .map(|_| ExportSnapshotResponse::default()),
+            "a registry the node does not name",
+        ),
     ];
     for (r, what) in refused {
         let (code, msg) = status(r.expect_err(what));
@@ -112,6 +131,15 @@ fn a_snapshot_exported_by_one_node_is_imported_by_another_within_its_namespace()
             .unwrap_err(),
     );
     assert_eq!(code, ttrpc::Code::INVALID_ARGUMENT, "{msg}");
+    // A node without a registry refuses every reference.
+    let none = Node::start(&d.path().join("none"), &{
+        std::fs::create_dir_all(d.path().join("none")).unwrap();
+        config(&d.path().join("none"), 0)
+    });
+    let (code, msg) = status(none.import(&ours, "team-a").unwrap_err());
+    assert_eq!(code, ttrpc::Code::FAILED_PRECONDITION, "{msg}");
+    assert!(msg.contains("no registry"), "{msg}");
+    drop(none);
 
     let pushed = a
         .export("agent-snap", &ours, "team-a")
@@ -248,4 +276,117 @@ fn a_template_built_on_one_node_serves_another_without_a_build() {
     assert!(!other.ready, "{other:?}");
     assert!(other.message.contains("other inputs"), "{other:?}");
     assert!(!c.has(&spec.id));
+}
+
+/// Restores the VM handed over in `vm` as the shim does for a lazy
+/// restore: `/dev/userfaultfd` and a connection to the node's page server
+/// sent with the request.
+fn restore_lazily(vm: &AcquireVmResponse) -> Result<Client, String> {
+    let uffd = std::fs::File::options()
+        .read(true)
+        .write(true)
+        .open("/dev/userfaultfd")
+        .expect("this test needs /dev/userfaultfd (Linux 6.1 or later, as root)");
+    let server = UnixStream::connect(&vm.lazy_socket).expect("connect to the page server");
+    let mut api = Client::connect(Path::new(&vm.api_socket), T).expect("connect to the VMM");
+    api.restore_lazy(Path::new(&vm.template_dir), &[], &uffd, &server, T)
+        .map_err(|e| e.to_string())?;
+    Ok(api)
+}
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit_once(')')
+            .is_some_and(|(_, r)| !r.trim_start().starts_with('Z'))
+    })
+}
+
+#[test]
+fn a_clone_restores_lazily_while_its_memory_arrives_and_fails_when_its_source_vanishes() {
+    let d = tempfile::tempdir().unwrap();
+    let mut registry = Some(Registry::start(&d.path().join("registry")).expect("docker-registry"));
+    let host = registry.as_ref().unwrap().host();
+    let (da, db, dc) = (d.path().join("a"), d.path().join("b"), d.path().join("c"));
+    std::fs::create_dir_all(&da).unwrap();
+    make_snapshot(&da, "agent-snap", MIB, Some("team-a"), &[]);
+    let a = node_with_registry(&da, &host);
+    let pushed = a
+        .export(
+            "agent-snap",
+            &format!("{host}/twig/team-a/agent:v1"),
+            "team-a",
+        )
+        .expect("ExportSnapshot");
+    let artifact = format!("{host}/twig/team-a/agent@{}", pushed.digest);
+    let lazy_pod = |node: &Node, sandbox: &str| {
+        node.acquire_req(AcquireVmRequest {
+            sandbox_id: sandbox.into(),
+            restore_from: "agent-snap".into(),
+            restore_artifact: artifact.clone(),
+            namespace: "team-a".into(),
+            ..Default::default()
+        })
+        .expect("AcquireVm")
+    };
+
+    // B lacks it: a VMM is handed over with the staged snapshot and a page
+    // server before the memory is there.
+    let b = node_with_registry(&db, &host);
+    let vm = lazy_pod(&b, "lazy-0");
+    assert!(!vm.lazy_socket.is_empty(), "{vm:?}");
+    assert!(
+        vm.template_dir.contains("/store/tmp/") && vm.template_dir.ends_with(&vm.restored_id),
+        "restored from its staging: {}",
+        vm.template_dir
+    );
+    assert!(
+        !b.has(&vm.restored_id),
+        "published before its memory arrived"
+    );
+    let mut api = restore_lazily(&vm).expect("lazy restore");
+    wait_until("the lazily restored guest runs", T, || {
+        let s = api.stats(T).expect("stats");
+        s.exits > 0 && s.state == RunState::Running
+    });
+    // The pull completes and is published; the VM runs on.
+    wait_until("the pulled snapshot is published", T, || {
+        b.has(&vm.restored_id)
+    });
+    // Every page in, the node tells the VMM, which stops faulting to it.
+    wait_until("the node completes the VM's memory", T, || {
+        b.log().contains("lazy restore complete")
+    });
+    assert!(!b.log().contains("lazy restore failed"), "{}", b.log());
+    let s = api.stats(T).expect("stats after the memory arrived");
+    assert_eq!(s.state, RunState::Running);
+    let again = b.import(&artifact, "team-a").expect("ImportSnapshot");
+    assert_eq!(
+        (again.snapshot_id.as_str(), again.bytes_downloaded),
+        (vm.restored_id.as_str(), 0),
+        "what the lazy pull published is the pull's"
+    );
+    sigkill(vm.pid);
+
+    // C lacks it too, and the registry goes away before the memory came:
+    // the VMM exits (the pod fails), nothing is published.
+    let c = node_with_registry(&dc, &host);
+    let vm = lazy_pod(&c, "lazy-1");
+    drop(registry.take());
+    let restored = restore_lazily(&vm);
+    let deadline = std::time::Instant::now() + T;
+    while alive(vm.pid) {
+        if std::time::Instant::now() > deadline {
+            let log = std::fs::read_to_string(Path::new(&vm.state_dir).join("vmm.log"));
+            panic!(
+                "the VMM whose page source vanished still runs (restore: {:?}); its log: {log:?}",
+                restored.err()
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert!(
+        !c.has(&vm.restored_id),
+        "a lazy pull whose registry vanished was published (restore: {:?})",
+        restored.err()
+    );
 }

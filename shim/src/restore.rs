@@ -155,7 +155,37 @@ impl SnapshotSource {
         sandbox_id: &str,
         sandbox_rootfs: &Path,
     ) -> Result<Self> {
-        let (root, _) = twig_store::layout::locate(template_dir).map_err(|e| {
+        Self::open_in(template_dir, false, id, oci, sandbox_id, sandbox_rootfs)
+    }
+
+    /// [`SnapshotSource::open`] of snapshot `id`, pulled and not yet
+    /// published (its memory arrives while the VM runs: a lazy restore),
+    /// from its staging directory `staged`, as the node described it.
+    pub fn open_staged(
+        staged: &Path,
+        id: &str,
+        oci: &Value,
+        sandbox_id: &str,
+        sandbox_rootfs: &Path,
+    ) -> Result<Self> {
+        Self::open_in(staged, true, id, oci, sandbox_id, sandbox_rootfs)
+    }
+
+    fn open_in(
+        template_dir: &Path,
+        staged: bool,
+        id: &str,
+        oci: &Value,
+        sandbox_id: &str,
+        sandbox_rootfs: &Path,
+    ) -> Result<Self> {
+        let in_store = if staged {
+            twig_store::layout::staging_target(template_dir)
+                .and_then(|(_, published)| twig_store::layout::locate(&published))
+        } else {
+            twig_store::layout::locate(template_dir)
+        };
+        let (root, _) = in_store.map_err(|e| {
             Error::FailedPrecondition(format!(
                 "{RESTORE_FROM_ANNOTATION}: the node's template is not in a node store: {e}"
             ))
@@ -164,7 +194,22 @@ impl SnapshotSource {
             what: format!("{RESTORE_FROM_ANNOTATION}: opening the node store"),
             source,
         })?;
-        let snap = store.get(id).map_err(|e| match e {
+        let snap = if staged {
+            store.staged(template_dir).and_then(|s| {
+                if s.id == id {
+                    Ok(s)
+                } else {
+                    Err(twig_store::Error::InvalidArgument(format!(
+                        "{} stages snapshot {}, not {id}",
+                        template_dir.display(),
+                        s.id
+                    )))
+                }
+            })
+        } else {
+            store.get(id)
+        };
+        let snap = snap.map_err(|e| match e {
             twig_store::Error::NotFound(_) => Error::NotFound(format!(
                 "{RESTORE_FROM_ANNOTATION}: snapshot {id} is not in the node store {}",
                 root.display()

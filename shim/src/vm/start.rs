@@ -193,13 +193,21 @@ impl VmSandbox {
         // Opened now: twig-node removes the VMM's directory once it reaped
         // it, and a death is explained with what these files say.
         let logs = VmLogs::open(&vm_dir);
+        // Pulled lazily: the node serves its memory as it arrives.
+        let lazy = Some(Path::new(&vm.lazy_socket)).filter(|p| !p.as_os_str().is_empty());
         let source = restore_from
             .map(|mut r| {
                 // Pulled from its artifact: the node's id for it.
                 if !vm.restored_id.is_empty() {
                     r.id.clone_from(&vm.restored_id);
                 }
-                open_snapshot(r, Path::new(&vm.template_dir), sandbox_id, network.as_mut())
+                open_snapshot(
+                    r,
+                    Path::new(&vm.template_dir),
+                    lazy.is_some(),
+                    sandbox_id,
+                    network.as_mut(),
+                )
             })
             .transpose()?;
         let (mut api, agent) = restore(
@@ -207,6 +215,7 @@ impl VmSandbox {
                 .as_ref()
                 .map_or(Path::new(&vm.template_dir), |s| &s.dir),
             source.as_ref().map_or(&[][..], |s| &s.slots),
+            lazy,
             Path::new(&vm.api_socket),
             Path::new(&vm.vsock_socket),
             timeout,
@@ -271,7 +280,14 @@ impl VmSandbox {
                 epoch: 0,
             }),
             vsock: PathBuf::from(&vm.vsock_socket),
-            template_dir: PathBuf::from(&vm.template_dir),
+            template_dir: match lazy {
+                // Where the staged snapshot is published once its memory
+                // has arrived: the store of the pod's snapshots.
+                Some(_) => twig_store::layout::staging_target(Path::new(&vm.template_dir))
+                    .map(|(_, published)| published)
+                    .unwrap_or_else(|_| PathBuf::from(&vm.template_dir)),
+                None => PathBuf::from(&vm.template_dir),
+            },
             slots,
             shape: VmShape {
                 memory_bytes: u64::from(vm.memory_mib) << 20,
@@ -349,10 +365,15 @@ fn hold_vmm(vm: &AcquireVmResponse, state_dir: &Path) -> Result<KillOnDrop> {
 fn open_snapshot(
     r: RestoreFrom<'_>,
     template_dir: &Path,
+    staged: bool,
     sandbox_id: &str,
     network: Option<&mut NetworkSetup>,
 ) -> Result<SnapshotSource> {
-    let source = SnapshotSource::open(template_dir, &r.id, r.oci, sandbox_id, r.rootfs);
+    let source = if staged {
+        SnapshotSource::open_staged(template_dir, &r.id, r.oci, sandbox_id, r.rootfs)
+    } else {
+        SnapshotSource::open(template_dir, &r.id, r.oci, sandbox_id, r.rootfs)
+    };
     match r.app_template {
         None => source,
         Some(name) => source
@@ -389,11 +410,13 @@ fn open_snapshot(
 }
 
 /// Step 4, the restore: `dir` (a template, or a pod snapshot with the
-/// images of its attached slots, `slots`) into the VMM serving `api_sock`;
-/// then waits for its agent on `vsock`.
+/// images of its attached slots, `slots`) into the VMM serving `api_sock`
+/// — with `lazy`, its memory from the node's page server listening there
+/// (userfaultfd) —; then waits for its agent on `vsock`.
 fn restore(
     dir: &Path,
     slots: &[(usize, PathBuf, File)],
+    lazy: Option<&Path>,
     api_sock: &Path,
     vsock: &Path,
     timeout: Duration,
@@ -404,8 +427,14 @@ fn restore(
         .iter()
         .map(|(s, name, file)| (*s, name.as_path(), file))
         .collect();
-    api.restore_with(dir, &sent, timeout)
-        .map_err(vmm_error(format!("restoring {}", dir.display())))?;
+    let restored = match lazy {
+        None => api.restore_with(dir, &sent, timeout),
+        Some(socket) => {
+            let (uffd, server) = lazy_channel(socket)?;
+            api.restore_lazy(dir, &sent, &uffd, &server, timeout)
+        }
+    };
+    restored.map_err(vmm_error(format!("restoring {}", dir.display())))?;
     // A connection made while the restored guest is still handling the
     // vsock transport reset that every restore sends is reset with it:
     // retry the handshake and a ping until the agent answers.
@@ -413,6 +442,30 @@ fn restore(
         .map_err(|e| Error::agent("waiting for the agent of the restored VM", e))?;
     Ok((api, agent))
 }
+
+/// What a lazy restore sends twig-vmm: `/dev/userfaultfd` (its user
+/// cannot open it; with it the VMM makes a userfaultfd of its own guest
+/// memory) and a connection to the node's page server at `socket`.
+fn lazy_channel(socket: &Path) -> Result<(File, std::os::unix::net::UnixStream)> {
+    let uffd = File::options()
+        .read(true)
+        .write(true)
+        .open(USERFAULTFD_DEVICE)
+        .map_err(|e| {
+            Error::FailedPrecondition(format!(
+                "a lazy restore needs {USERFAULTFD_DEVICE} (Linux 6.1 or later): {e}"
+            ))
+        })?;
+    let server = std::os::unix::net::UnixStream::connect(socket).map_err(|e| {
+        Error::io(
+            format!("connecting to the node's page server {}", socket.display()),
+            e,
+        )
+    })?;
+    Ok((uffd, server))
+}
+
+const USERFAULTFD_DEVICE: &str = "/dev/userfaultfd";
 
 /// Step 5, the VM's own identity. Every restored VM gets one — fresh
 /// entropy for the guest's RNG and the host's wall clock (a VM restored

@@ -1,0 +1,206 @@
+//! Lazy restores: a VM restored from a snapshot this node is still pulling.
+//! The pull ([`twig_oci::lazy`]) has staged the snapshot's state and disks;
+//! its memory arrives in the background. The node serves the VM's guest
+//! memory meanwhile: the shim connects the VMM to the page server's socket
+//! made here ([`serve`]) and twig-vmm sends it its userfaultfd
+//! ([`twig_vmm::uffd`]); each page the guest first touches is read from the
+//! pull's page source (by range from the registry, or what has arrived)
+//! and copied in. Once the pull has published the snapshot, every page
+//! not yet touched is copied in, and the VMM is told its memory is
+//! complete.
+//!
+//! A page source that fails (the registry gone, a corrupt range) or a pull
+//! that cannot finish ends the page server's connection: the VMM, whose
+//! vCPUs could otherwise wait for a page for ever, exits and the pod is
+//! reported failed.
+
+use std::os::fd::AsRawFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use twig_oci::lazy::{LazyPull, PageSource};
+use twig_vmm::uffd::PageServer;
+
+use crate::error::{Error, Result};
+
+/// Pages read and copied in for one fault: the faulting page's aligned
+/// 64 KiB (a guest touching a page soon touches its neighbours).
+const FAULT_WINDOW: u64 = 16;
+/// Pages copied in at once after the pull finished.
+const FILL_CHUNK: u64 = 256;
+/// How long the page server waits for its VMM to connect.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(120);
+/// How often the serving thread looks at the pull between faults.
+const POLL: Duration = Duration::from_millis(20);
+
+static NEXT: AtomicU64 = AtomicU64::new(0);
+
+/// Starts serving `pull`'s memory to the VMM that connects to the socket
+/// returned (under `run_dir/lazy/`), on a thread of its own; once it has
+/// connected, the pull finishes on `rt`. `sandbox` names it in logs.
+pub fn serve(
+    run_dir: &Path,
+    sandbox: &str,
+    pull: LazyPull,
+    rt: tokio::runtime::Handle,
+) -> Result<PathBuf> {
+    let dir = run_dir.join("lazy");
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+    let socket = dir.join(format!(
+        "{}-{}.sock",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    // A leftover of an earlier daemon of the same pid.
+    let _ = std::fs::remove_file(&socket);
+    let listener = UnixListener::bind(&socket)
+        .map_err(|e| Error::io(format!("listening on {}", socket.display()), e))?;
+    let source = pull.source.clone();
+    let id = pull.id.clone();
+    let path = socket.clone();
+    let sandbox = sandbox.to_string();
+    std::thread::Builder::new()
+        .name(format!("lazy-{id}"))
+        .spawn(move || {
+            let outcome = accept(&listener).and_then(|conn| run(conn, &source, pull, &rt));
+            let _ = std::fs::remove_file(&path);
+            match outcome {
+                Ok(served) => {
+                    tracing::info!(
+                        sandbox,
+                        snapshot = id,
+                        faults = served,
+                        "lazy restore complete"
+                    )
+                }
+                Err(e) => tracing::error!(
+                    sandbox,
+                    snapshot = id,
+                    error = %e,
+                    "lazy restore failed: its VMM is stopped"
+                ),
+            }
+        })
+        .map_err(|e| Error::Internal(format!("starting a page server thread: {e}")))?;
+    Ok(socket)
+}
+
+/// The one connection of the VMM's restore, within [`CONNECT_TIMEOUT`].
+fn accept(listener: &UnixListener) -> Result<UnixStream> {
+    let mut fd = libc::pollfd {
+        fd: listener.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = CONNECT_TIMEOUT.as_millis() as libc::c_int;
+    // SAFETY: poll(2) on one valid pollfd.
+    match unsafe { libc::poll(&mut fd, 1, ms) } {
+        1 => {}
+        0 => {
+            return Err(Error::FailedPrecondition(format!(
+                "no VMM connected to the page server within {CONNECT_TIMEOUT:?}"
+            )))
+        }
+        _ => {
+            return Err(Error::io(
+                "waiting for the VMM",
+                std::io::Error::last_os_error(),
+            ))
+        }
+    }
+    let (conn, _) = listener
+        .accept()
+        .map_err(|e| Error::io("accepting the VMM's connection", e))?;
+    Ok(conn)
+}
+
+/// Serves faults until the pull has finished and every page is in;
+/// returns how many faults were served.
+fn run(
+    conn: UnixStream,
+    source: &Arc<PageSource>,
+    pull: LazyPull,
+    rt: &tokio::runtime::Handle,
+) -> Result<u64> {
+    let server = PageServer::accept(conn, CONNECT_TIMEOUT)
+        .map_err(|e| Error::FailedPrecondition(format!("the VMM's handshake: {e}")))?;
+    // The rest is downloaded once the VMM has read the staged state and
+    // disks (which the pull publishes, or drops when it fails): a VMM
+    // that never comes drops the pull, and its stagings, with it.
+    let (done_tx, done) = mpsc::channel();
+    rt.spawn(async move {
+        let finished = pull.finish().await;
+        // The server may have stopped (its VMM gone): nobody to tell.
+        let _ = done_tx.send(finished.map(|p| p.bytes_downloaded));
+    });
+    let pages = server.layout().mem_size / PAGE;
+    if pages != source.pages() {
+        return Err(Error::FailedPrecondition(format!(
+            "the VM has {pages} pages of memory, the snapshot {}",
+            source.pages()
+        )));
+    }
+    let started = Instant::now();
+    let mut buf = vec![0u8; (FILL_CHUNK * PAGE) as usize];
+    let mut faults = 0u64;
+    loop {
+        match server.next_fault(Some(POLL)) {
+            Ok(Some(page)) => {
+                let first = page - page % FAULT_WINDOW;
+                let n = FAULT_WINDOW.min(pages - first);
+                put(&server, source, first, n, &mut buf)?;
+                faults += 1;
+                continue;
+            }
+            Ok(None) => {}
+            // The VMM exited: nothing more to serve (the pull goes on).
+            Err(e) => return Err(Error::FailedPrecondition(format!("the VMM went away: {e}"))),
+        }
+        match done.try_recv() {
+            Err(mpsc::TryRecvError::Empty) => {}
+            Err(mpsc::TryRecvError::Disconnected) => {
+                return Err(Error::Internal("the pull stopped without an answer".into()))
+            }
+            Ok(Err(e)) => return Err(Error::Registry(e)),
+            Ok(Ok(bytes)) => {
+                tracing::debug!(
+                    faults,
+                    bytes,
+                    after_ms = started.elapsed().as_millis() as u64,
+                    "pull finished: copying in the rest"
+                );
+                let mut first = 0;
+                while first < pages {
+                    let n = FILL_CHUNK.min(pages - first);
+                    put(&server, source, first, n, &mut buf)?;
+                    first += n;
+                }
+                server
+                    .complete()
+                    .map_err(|e| Error::FailedPrecondition(format!("completing: {e}")))?;
+                return Ok(faults);
+            }
+        }
+    }
+}
+
+const PAGE: u64 = 4096;
+
+/// Reads pages `first..first + n` from `source` and puts them into the
+/// VM (zeros as zero pages); pages already there are left as they are.
+fn put(server: &PageServer, source: &PageSource, first: u64, n: u64, buf: &mut [u8]) -> Result<()> {
+    let data = &mut buf[..(n * PAGE) as usize];
+    source.read(first, data)?;
+    let copied = if data.iter().all(|b| *b == 0) {
+        server.zero(first, n)
+    } else {
+        server.copy(first, data)
+    };
+    copied
+        .map(drop)
+        .map_err(|e| Error::FailedPrecondition(format!("copying guest pages {first}+{n}: {e}")))
+}
