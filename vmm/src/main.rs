@@ -4,7 +4,6 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Parser, Subcommand};
 use twig_vmm::api::{self, Limits, Server};
 use twig_vmm::jail::{seccomp, JailArgs};
 use twig_vmm::{
@@ -12,158 +11,467 @@ use twig_vmm::{
     VsockConfig,
 };
 
-/// Twig's microVM monitor. One process runs one VM: start it with `serve`,
-/// then send JSON requests, one per line, to its socket (programs use
-/// twig_vmm::api::Client; by hand, `socat - UNIX-CONNECT:/run/vm.sock`):
-///
-///   {"op":"hello"}
-///   {"op":"boot","kernel":"vmlinux","cmdline":"console=ttyS0","mem_mib":128}
-///   {"op":"snapshot","dir":"/var/lib/twig/vm/tmp/<lease>/s1","kind":"full"}  (a staging dir)
-///   {"op":"rollback","dir":"/var/lib/twig/vm/snapshots/s1"}
-///   {"op":"restore","dir":"/var/lib/twig/vm/snapshots/s1"}   (in a fresh process)
-///   {"op":"attach_disk","slot":0,"path":"rootfs.img","read_only":false}
-///   {"op":"pause"} {"op":"resume"} {"op":"stats"} {"op":"shutdown"}
-///
-/// Answers are {"ok":{…}} or {"error":{"kind":K,"message":"…"}}, K one of
-/// invalid_request, refused (the VM still runs on its previous state),
-/// not_found, guest_not_answering, guest_stopped, lost (replace the VM),
-/// busy (too many connections), internal. Connections are served
-/// concurrently; requests on the VM run one at a time.
-/// Needs read/write access to /dev/kvm.
-#[derive(Parser)]
-#[command(name = "twig-vmm", version, verbatim_doc_comment)]
-struct Cli {
-    #[command(subcommand)]
-    command: Cmd,
-}
+// The command line is parsed with lexopt: clap's parser and help renderer
+// were 170 KB of the binary's text, resident in every VMM process (issue
+// 27). The help texts below are what clap printed; the errors are worded
+// as clap's were (status 2, the usage, "For more information, try
+// '--help'.").
 
-#[derive(Subcommand)]
+/// `twig-vmm --help`.
+const HELP: &str = r#"Twig's microVM monitor. One process runs one VM: start it with `serve`,
+then send JSON requests, one per line, to its socket (programs use
+twig_vmm::api::Client; by hand, `socat - UNIX-CONNECT:/run/vm.sock`):
+
+  {"op":"hello"}
+  {"op":"boot","kernel":"vmlinux","cmdline":"console=ttyS0","mem_mib":128}
+  {"op":"snapshot","dir":"/var/lib/twig/vm/tmp/<lease>/s1","kind":"full"}  (a staging dir)
+  {"op":"rollback","dir":"/var/lib/twig/vm/snapshots/s1"}
+  {"op":"restore","dir":"/var/lib/twig/vm/snapshots/s1"}   (in a fresh process)
+  {"op":"attach_disk","slot":0,"path":"rootfs.img","read_only":false}
+  {"op":"pause"} {"op":"resume"} {"op":"stats"} {"op":"shutdown"}
+
+Answers are {"ok":{…}} or {"error":{"kind":K,"message":"…"}}, K one of
+invalid_request, refused (the VM still runs on its previous state),
+not_found, guest_not_answering, guest_stopped, lost (replace the VM),
+busy (too many connections), internal. Connections are served
+concurrently; requests on the VM run one at a time.
+Needs read/write access to /dev/kvm.
+
+Usage: twig-vmm <COMMAND>
+
+Commands:
+  serve     Serve the JSON API on a Unix socket until a shutdown request
+  template  Make a template: boot a kernel (and initramfs) with the given devices, wait until something in the guest accepts vsock connections on `--ready-port` (twig-agent listens on 1024), pause, and take a full snapshot into DIR. VMs restored from DIR start with the agent ready
+  verify    Check a snapshot end to end (state, chain, memory checksums) and print its metadata
+  help      Print this message or the help of the given subcommand(s)
+
+Options:
+  -h, --help
+          Print help (see a summary with '-h')
+
+  -V, --version
+          Print version
+"#;
+
+/// `twig-vmm -h`, and on standard error without a command.
+const SHORT_HELP: &str = r#"Twig's microVM monitor. One process runs one VM: start it with `serve`,
+then send JSON requests, one per line, to its socket (programs use
+twig_vmm::api::Client; by hand, `socat - UNIX-CONNECT:/run/vm.sock`):
+
+Usage: twig-vmm <COMMAND>
+
+Commands:
+  serve     Serve the JSON API on a Unix socket until a shutdown request
+  template  Make a template: boot a kernel (and initramfs) with the given devices, wait until something in the guest accepts vsock connections on `--ready-port` (twig-agent listens on 1024), pause, and take a full snapshot into DIR. VMs restored from DIR start with the agent ready
+  verify    Check a snapshot end to end (state, chain, memory checksums) and print its metadata
+  help      Print this message or the help of the given subcommand(s)
+
+Options:
+  -h, --help     Print help (see more with '--help')
+  -V, --version  Print version
+"#;
+
+/// `twig-vmm serve --help`: these, then [`SERVE_DEVICES_HELP`], then the
+/// jail's flags ([`JailArgs::HELP`]).
+const SERVE_HELP: &str = "Serve the JSON API on a Unix socket until a shutdown request
+
+Usage: twig-vmm serve [OPTIONS] --api-sock <API_SOCK>
+
+Options:
+      --api-sock <API_SOCK>
+          Path of the API socket to create
+
+      --serial <SERIAL>
+          Where the guest's serial console goes: a file (appended) or `-` for standard output
+          
+          [default: -]
+
+      --serial-max-bytes <SERIAL_MAX_BYTES>
+          The most bytes the serial file holds; when full, its contents move to `<serial>.1` (replacing it) and it starts empty again
+          
+          [default: 4194304]
+
+      --prepare-mem-mib <PREPARE_MEM_MIB>
+          Create a VM of this many MiB ahead of time, so that a later boot or restore of that size skips VM creation
+
+      --prepare-vcpus <PREPARE_VCPUS>
+          vCPUs of the VM created ahead of time
+          
+          [default: 1]
+
+      --max-connections <MAX_CONNECTIONS>
+          API connections served at once; one more is refused with a `busy` error
+          
+          [default: 16]
+
+      --idle-timeout-s <IDLE_TIMEOUT_S>
+          Close an API connection that sends no complete request for this many seconds
+          
+          [default: 300]
+
+";
+
+/// The device flags in `twig-vmm serve --help`.
+const SERVE_DEVICES_HELP: &str = "      --disk <PATH[:ro]>
+          A virtio-blk disk: a raw image whose size is a multiple of 512 bytes, `PATH` (read-write) or `PATH:ro`. Repeatable; the guest sees them in order (/dev/vda, /dev/vdb, …). Read-write images are copied into snapshots and replaced by the snapshot's copy on restore and rollback
+
+      --disk-slots <DISK_SLOTS>
+          Empty disk slots after the disks: virtio-blk devices with no image until `attach_disk` fills one (a container's rootfs arriving after the VM runs). Snapshots restore only into VMs with as many slots
+          
+          [default: 0]
+
+      --slot-file <SLOT=PATH>
+          On restore, the file that gets the snapshot's copy of an attached read-write slot (or, for a read-only slot, the same image), `SLOT=PATH`. Repeatable; every slot attached in the snapshot needs one
+
+      --tap <TAP>
+          A virtio-net device on this tap (created if missing)
+
+      --net
+          A virtio-net device with no tap until the API's `attach_net` sends one as a descriptor (frames the guest sends meanwhile are dropped)
+
+      --mac <MAC>
+          The guest's MAC address (default: a random locally administered one)
+
+      --vsock-uds <VSOCK_UDS>
+          A virtio-vsock device whose host side is this Unix socket
+
+      --vsock-cid <VSOCK_CID>
+          The guest's vsock context id
+          
+          [default: 3]
+
+      --balloon
+          A virtio-balloon device taking free page reports, so memory the guest frees goes back to the host (the guest kernel needs CONFIG_VIRTIO_BALLOON and CONFIG_PAGE_REPORTING). Snapshots restore only into VMs that agree on it
+
+";
+
+/// The end of `twig-vmm serve --help`.
+const SERVE_HELP_END: &str = "  -h, --help
+          Print help (see a summary with '-h')
+";
+
+/// `twig-vmm template --help`.
+const TEMPLATE_HELP: &str = r#"Make a template: boot a kernel (and initramfs) with the given devices, wait until something in the guest accepts vsock connections on `--ready-port` (twig-agent listens on 1024), pause, and take a full snapshot into DIR. VMs restored from DIR start with the agent ready
+
+Usage: twig-vmm template [OPTIONS] --kernel <KERNEL> <DIR>
+
+Arguments:
+  <DIR>  The new snapshot directory, `<store>/snapshots/<id>`: staged and published in the node store at `<store>` (created if needed)
+
+Options:
+      --kernel <KERNEL>
+          The guest kernel (ELF vmlinux or bzImage)
+      --initrd <INITRD>
+          The initramfs (twig-agent's, from guest/build-initramfs.sh)
+      --cmdline <CMDLINE>
+          The kernel command line (the devices are appended) [default: "console=ttyS0 reboot=k panic=-1 loglevel=4"]
+      --mem-mib <MEM_MIB>
+          Guest RAM, MiB [default: 256]
+      --vcpus <VCPUS>
+          vCPUs [default: 1]
+      --serial <SERIAL>
+          Where the guest's serial console goes: a file (appended) or `-` [default: -]
+      --serial-max-bytes <SERIAL_MAX_BYTES>
+          The most bytes the serial file holds (as for `serve`) [default: 4194304]
+      --ready-port <READY_PORT>
+          The guest vsock port whose accepting connections means ready [default: 1024]
+      --timeout-s <TIMEOUT_S>
+          Give up when the guest is not ready after this many seconds [default: 120]
+      --disk <PATH[:ro]>
+          A virtio-blk disk: a raw image whose size is a multiple of 512 bytes, `PATH` (read-write) or `PATH:ro`. Repeatable; the guest sees them in order (/dev/vda, /dev/vdb, …). Read-write images are copied into snapshots and replaced by the snapshot's copy on restore and rollback
+      --disk-slots <DISK_SLOTS>
+          Empty disk slots after the disks: virtio-blk devices with no image until `attach_disk` fills one (a container's rootfs arriving after the VM runs). Snapshots restore only into VMs with as many slots [default: 0]
+      --slot-file <SLOT=PATH>
+          On restore, the file that gets the snapshot's copy of an attached read-write slot (or, for a read-only slot, the same image), `SLOT=PATH`. Repeatable; every slot attached in the snapshot needs one
+      --tap <TAP>
+          A virtio-net device on this tap (created if missing)
+      --net
+          A virtio-net device with no tap until the API's `attach_net` sends one as a descriptor (frames the guest sends meanwhile are dropped)
+      --mac <MAC>
+          The guest's MAC address (default: a random locally administered one)
+      --vsock-uds <VSOCK_UDS>
+          A virtio-vsock device whose host side is this Unix socket
+      --vsock-cid <VSOCK_CID>
+          The guest's vsock context id [default: 3]
+      --balloon
+          A virtio-balloon device taking free page reports, so memory the guest frees goes back to the host (the guest kernel needs CONFIG_VIRTIO_BALLOON and CONFIG_PAGE_REPORTING). Snapshots restore only into VMs that agree on it
+  -h, --help
+          Print help
+"#;
+
+/// `twig-vmm verify --help`.
+const VERIFY_HELP: &str =
+    "Check a snapshot end to end (state, chain, memory checksums) and print its metadata
+
+Usage: twig-vmm verify <DIR>
+
+Arguments:
+  <DIR>  The snapshot directory
+
+Options:
+  -h, --help  Print help
+";
+
+const USAGE: &str = "twig-vmm <COMMAND>";
+const SERVE_USAGE: &str = "twig-vmm serve [OPTIONS] --api-sock <API_SOCK>";
+const TEMPLATE_USAGE: &str = "twig-vmm template [OPTIONS] --kernel <KERNEL> <DIR>";
+const VERIFY_USAGE: &str = "twig-vmm verify <DIR>";
+
+/// What the command line asks for.
 enum Cmd {
     /// Serve the JSON API on a Unix socket until a shutdown request.
     Serve {
-        /// Path of the API socket to create.
-        #[arg(long)]
         api_sock: PathBuf,
-        /// Where the guest's serial console goes: a file (appended) or `-`
-        /// for standard output.
-        #[arg(long, default_value = "-")]
         serial: String,
-        /// The most bytes the serial file holds; when full, its contents
-        /// move to `<serial>.1` (replacing it) and it starts empty again.
-        #[arg(long, default_value_t = SERIAL_MAX_BYTES)]
         serial_max_bytes: u64,
-        /// Create a VM of this many MiB ahead of time, so that a later boot
-        /// or restore of that size skips VM creation.
-        #[arg(long)]
         prepare_mem_mib: Option<usize>,
-        /// vCPUs of the VM created ahead of time.
-        #[arg(long, default_value_t = 1)]
         prepare_vcpus: usize,
-        /// API connections served at once; one more is refused with a
-        /// `busy` error.
-        #[arg(long, default_value_t = 16)]
         max_connections: usize,
-        /// Close an API connection that sends no complete request for this
-        /// many seconds.
-        #[arg(long, default_value_t = 300)]
         idle_timeout_s: u64,
-        #[command(flatten)]
         devices: DeviceArgs,
-        #[command(flatten)]
         jail: JailArgs,
     },
-    /// Make a template: boot a kernel (and initramfs) with the given devices,
-    /// wait until something in the guest accepts vsock connections on
-    /// `--ready-port` (twig-agent listens on 1024), pause, and take a full
-    /// snapshot into DIR. VMs restored from DIR start with the agent ready.
+    /// Boot, wait for the agent, take a full snapshot into `dir`.
     Template {
-        /// The new snapshot directory, `<store>/snapshots/<id>`: staged and
-        /// published in the node store at `<store>` (created if needed).
         dir: PathBuf,
-        /// The guest kernel (ELF vmlinux or bzImage).
-        #[arg(long)]
         kernel: PathBuf,
-        /// The initramfs (twig-agent's, from guest/build-initramfs.sh).
-        #[arg(long)]
         initrd: Option<PathBuf>,
-        /// The kernel command line (the devices are appended).
-        #[arg(long, default_value = "console=ttyS0 reboot=k panic=-1 loglevel=4")]
         cmdline: String,
-        /// Guest RAM, MiB.
-        #[arg(long, default_value_t = 256)]
         mem_mib: usize,
-        /// vCPUs.
-        #[arg(long, default_value_t = 1)]
         vcpus: usize,
-        /// Where the guest's serial console goes: a file (appended) or `-`.
-        #[arg(long, default_value = "-")]
         serial: String,
-        /// The most bytes the serial file holds (as for `serve`).
-        #[arg(long, default_value_t = SERIAL_MAX_BYTES)]
         serial_max_bytes: u64,
-        /// The guest vsock port whose accepting connections means ready.
-        #[arg(long, default_value_t = 1024)]
         ready_port: u32,
-        /// Give up when the guest is not ready after this many seconds.
-        #[arg(long, default_value_t = 120)]
         timeout_s: u64,
-        #[command(flatten)]
         devices: DeviceArgs,
     },
-    /// Check a snapshot end to end (state, chain, memory checksums) and print
-    /// its metadata.
-    Verify {
-        /// The snapshot directory.
-        dir: PathBuf,
-    },
+    /// Check a snapshot end to end and print its metadata.
+    Verify { dir: PathBuf },
+}
+
+/// A command line that runs nothing: help on standard output (status 0),
+/// or an error on standard error (status 2).
+enum Exit {
+    Print(String),
+    Error(String),
+}
+
+/// An error as clap printed it.
+fn error(msg: &str, usage: Option<&str>) -> Exit {
+    let usage = usage.map(|u| format!("Usage: {u}\n\n")).unwrap_or_default();
+    Exit::Error(format!(
+        "error: {msg}\n\n{usage}For more information, try '--help'.\n"
+    ))
+}
+
+/// An argument on the command line.
+enum Arg {
+    Short(char),
+    Long(String),
+    Value(std::ffi::OsString),
+}
+
+/// The error for an argument the command does not take.
+fn unexpected(arg: Arg, usage: &str) -> Exit {
+    let shown = match arg {
+        Arg::Short(c) => format!("-{c}"),
+        Arg::Long(l) => format!("--{l}"),
+        Arg::Value(v) => v.to_string_lossy().into_owned(),
+    };
+    error(&format!("unexpected argument '{shown}' found"), Some(usage))
+}
+
+/// The parser and what it has seen of one command's flags.
+struct Args {
+    p: lexopt::Parser,
+    usage: &'static str,
+    given: Vec<&'static str>,
+}
+
+impl Args {
+    /// The value of `flag` (as shown in messages: `--serial <SERIAL>`),
+    /// as given: `--flag VALUE` or `--flag=VALUE`.
+    fn raw(&mut self, flag: &'static str) -> std::result::Result<std::ffi::OsString, String> {
+        self.p
+            .value()
+            .map_err(|_| format!("a value is required for '{flag}' but none was supplied"))
+    }
+
+    /// Notes `flag` given; an error if it was given before.
+    fn once(&mut self, flag: &'static str) -> std::result::Result<(), Exit> {
+        if self.given.contains(&flag) {
+            return Err(error(
+                &format!("the argument '{flag}' cannot be used multiple times"),
+                Some(self.usage),
+            ));
+        }
+        self.given.push(flag);
+        Ok(())
+    }
+
+    /// The value of a flag given at most once, parsed by `parse`.
+    fn value<T>(
+        &mut self,
+        flag: &'static str,
+        parse: impl FnOnce(&str) -> std::result::Result<T, String>,
+    ) -> std::result::Result<T, Exit> {
+        self.once(flag)?;
+        self.each(flag, parse)
+    }
+
+    /// The value of a repeatable flag, parsed by `parse`.
+    fn each<T>(
+        &mut self,
+        flag: &'static str,
+        parse: impl FnOnce(&str) -> std::result::Result<T, String>,
+    ) -> std::result::Result<T, Exit> {
+        let v = self.raw(flag).map_err(|e| error(&e, None))?;
+        let Some(s) = v.to_str() else {
+            return Err(error(
+                &format!("invalid UTF-8 was detected in the value of '{flag}'"),
+                None,
+            ));
+        };
+        parse(s).map_err(|e| error(&format!("invalid value '{s}' for '{flag}': {e}"), None))
+    }
+
+    /// A path given at most once (any bytes).
+    fn path(&mut self, flag: &'static str) -> std::result::Result<PathBuf, Exit> {
+        self.once(flag)?;
+        self.raw(flag)
+            .map(PathBuf::from)
+            .map_err(|e| error(&e, None))
+    }
+
+    /// A number given at most once.
+    fn number<T: std::str::FromStr<Err = std::num::ParseIntError>>(
+        &mut self,
+        flag: &'static str,
+    ) -> std::result::Result<T, Exit> {
+        self.value(flag, |s| {
+            s.parse()
+                .map_err(|e: std::num::ParseIntError| e.to_string())
+        })
+    }
+
+    /// A flag without a value given at most once.
+    fn switch(&mut self, flag: &'static str) -> std::result::Result<bool, Exit> {
+        self.once(flag)?;
+        Ok(true)
+    }
+
+    /// The next argument; a value given to a flag that takes none is an
+    /// error.
+    fn next(&mut self) -> std::result::Result<Option<Arg>, Exit> {
+        let usage = self.usage;
+        let arg = self.p.next().map_err(|e| match e {
+            lexopt::Error::UnexpectedValue { option, value } => error(
+                &format!(
+                    "unexpected value '{}' for '{option}' found; no more were expected",
+                    value.to_string_lossy()
+                ),
+                Some(usage),
+            ),
+            e => error(&e.to_string(), Some(usage)),
+        })?;
+        Ok(arg.map(|arg| match arg {
+            lexopt::Arg::Short(c) => Arg::Short(c),
+            lexopt::Arg::Long(l) => Arg::Long(l.to_string()),
+            lexopt::Arg::Value(v) => Arg::Value(v),
+        }))
+    }
+
+    /// The error for flags needed and not given, none if all were.
+    fn missing(&self, missing: &[&str]) -> std::result::Result<(), Exit> {
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let list: String = missing.iter().map(|m| format!("\n  {m}")).collect();
+        Err(error(
+            &format!("the following required arguments were not provided:{list}"),
+            Some(self.usage),
+        ))
+    }
 }
 
 /// The VM's devices beyond its serial port and entropy source.
-#[derive(clap::Args)]
+#[derive(Default)]
 struct DeviceArgs {
     /// A virtio-blk disk: a raw image whose size is a multiple of 512
     /// bytes, `PATH` (read-write) or `PATH:ro`. Repeatable; the guest
-    /// sees them in order (/dev/vda, /dev/vdb, …). Read-write images are
-    /// copied into snapshots and replaced by the snapshot's copy on
-    /// restore and rollback.
-    #[arg(long = "disk", value_name = "PATH[:ro]", value_parser = parse_disk)]
+    /// sees them in order (/dev/vda, /dev/vdb, …).
     disks: Vec<DiskConfig>,
-    /// Empty disk slots after the disks: virtio-blk devices with no image
-    /// until `attach_disk` fills one (a container's rootfs arriving after
-    /// the VM runs). Snapshots restore only into VMs with as many slots.
-    #[arg(long, default_value_t = 0)]
+    /// Empty disk slots after the disks.
     disk_slots: usize,
     /// On restore, the file that gets the snapshot's copy of an attached
-    /// read-write slot (or, for a read-only slot, the same image),
-    /// `SLOT=PATH`. Repeatable; every slot attached in the snapshot needs one.
-    #[arg(long = "slot-file", value_name = "SLOT=PATH", value_parser = parse_slot_file)]
+    /// slot, `SLOT=PATH`. Repeatable.
     slot_files: Vec<(usize, PathBuf)>,
     /// A virtio-net device on this tap (created if missing).
-    #[arg(long, group = "net_device")]
     tap: Option<String>,
-    /// A virtio-net device with no tap until the API's `attach_net` sends
-    /// one as a descriptor (frames the guest sends meanwhile are dropped).
-    #[arg(long, group = "net_device")]
+    /// A virtio-net device with no tap until `attach_net` sends one.
     net: bool,
     /// The guest's MAC address (default: a random locally administered
     /// one).
-    #[arg(long, value_parser = parse_mac, requires = "net_device")]
     mac: Option<[u8; 6]>,
     /// A virtio-vsock device whose host side is this Unix socket.
-    #[arg(long)]
     vsock_uds: Option<PathBuf>,
-    /// The guest's vsock context id.
-    #[arg(long, default_value_t = 3, requires = "vsock_uds")]
-    vsock_cid: u64,
-    /// A virtio-balloon device taking free page reports, so memory the guest
-    /// frees goes back to the host (the guest kernel needs
-    /// CONFIG_VIRTIO_BALLOON and CONFIG_PAGE_REPORTING). Snapshots restore
-    /// only into VMs that agree on it.
-    #[arg(long)]
+    /// The guest's vsock context id (default 3).
+    vsock_cid: Option<u64>,
+    /// A virtio-balloon device taking free page reports.
     balloon: bool,
 }
 
+const TAP: &str = "--tap <TAP>";
+const NET: &str = "--net";
+
 impl DeviceArgs {
+    /// Takes the device flag `--<name>`; `Ok(false)` if it is not one.
+    fn take(&mut self, name: &str, a: &mut Args) -> std::result::Result<bool, Exit> {
+        match name {
+            "disk" => self.disks.push(a.each("--disk <PATH[:ro]>", parse_disk)?),
+            "disk-slots" => self.disk_slots = a.number("--disk-slots <DISK_SLOTS>")?,
+            "slot-file" => self
+                .slot_files
+                .push(a.each("--slot-file <SLOT=PATH>", parse_slot_file)?),
+            "tap" | "net" => {
+                let (flag, other) = if name == "tap" {
+                    (TAP, NET)
+                } else {
+                    (NET, TAP)
+                };
+                if a.given.contains(&other) {
+                    return Err(error(
+                        &format!("the argument '{other}' cannot be used with '{flag}'"),
+                        Some(a.usage),
+                    ));
+                }
+                if name == "tap" {
+                    self.tap = Some(a.value(TAP, |s| Ok(s.to_string()))?);
+                } else {
+                    self.net = a.switch(NET)?;
+                }
+            }
+            "mac" => self.mac = Some(a.value("--mac <MAC>", parse_mac)?),
+            "vsock-uds" => self.vsock_uds = Some(a.path("--vsock-uds <VSOCK_UDS>")?),
+            "vsock-cid" => self.vsock_cid = Some(a.number("--vsock-cid <VSOCK_CID>")?),
+            "balloon" => self.balloon = a.switch("--balloon")?,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// The flags the device flags given need and that were not given.
+    fn missing(&self) -> Vec<&'static str> {
+        let mut missing = Vec::new();
+        if self.mac.is_some() && self.tap.is_none() && !self.net {
+            missing.push("<--tap <TAP>|--net>");
+        }
+        if self.vsock_cid.is_some() && self.vsock_uds.is_none() {
+            missing.push("--vsock-uds <VSOCK_UDS>");
+        }
+        missing
+    }
+
     fn config(self) -> DeviceConfig {
         DeviceConfig {
             disks: self.disks,
@@ -174,12 +482,228 @@ impl DeviceArgs {
                 mac: self.mac.unwrap_or_else(random_mac),
             }),
             vsock: self.vsock_uds.map(|uds_path| VsockConfig {
-                cid: self.vsock_cid,
+                cid: self.vsock_cid.unwrap_or(3),
                 uds_path,
             }),
             balloon: self.balloon,
         }
     }
+}
+
+impl Args {
+    fn new(p: lexopt::Parser, usage: &'static str) -> Args {
+        Args {
+            p,
+            usage,
+            given: Vec::new(),
+        }
+    }
+
+    /// Takes a jail flag (`serve`); `Ok(false)` if `name` is not one.
+    fn jail(&mut self, jail: &mut JailArgs, name: &str) -> std::result::Result<bool, Exit> {
+        let usage = self.usage;
+        jail.take(name, &mut |flag| self.raw(flag))
+            .map_err(|e| error(&e, e.contains("multiple times").then_some(usage)))
+    }
+}
+
+/// The command line (see the help texts above).
+fn parse(p: lexopt::Parser) -> std::result::Result<Cmd, Exit> {
+    let mut a = Args::new(p, USAGE);
+    let cmd = match a.next()? {
+        None => return Err(Exit::Error(SHORT_HELP.into())),
+        Some(Arg::Short('h')) => return Err(Exit::Print(SHORT_HELP.into())),
+        Some(Arg::Long(l)) if l == "help" => return Err(Exit::Print(HELP.into())),
+        Some(Arg::Short('V')) => return Err(version()),
+        Some(Arg::Long(l)) if l == "version" => return Err(version()),
+        Some(Arg::Value(v)) => v,
+        Some(arg) => return Err(unexpected(arg, USAGE)),
+    };
+    let p = a.p;
+    match cmd.to_str() {
+        Some("serve") => parse_serve(Args::new(p, SERVE_USAGE)),
+        Some("template") => parse_template(Args::new(p, TEMPLATE_USAGE)),
+        Some("verify") => parse_verify(Args::new(p, VERIFY_USAGE)),
+        Some("help") => {
+            let mut a = Args::new(p, "twig-vmm help [COMMAND]...");
+            Err(match a.next()? {
+                None => Exit::Print(HELP.into()),
+                Some(Arg::Value(v)) => match v.to_str() {
+                    Some("serve") => Exit::Print(serve_help()),
+                    Some("template") => Exit::Print(TEMPLATE_HELP.into()),
+                    Some("verify") => Exit::Print(VERIFY_HELP.into()),
+                    Some("help") => Exit::Print(HELP.into()),
+                    _ => unrecognized(&v),
+                },
+                Some(arg) => unexpected(arg, a.usage),
+            })
+        }
+        _ => Err(unrecognized(&cmd)),
+    }
+}
+
+fn version() -> Exit {
+    Exit::Print(format!("twig-vmm {}\n", env!("CARGO_PKG_VERSION")))
+}
+
+fn unrecognized(cmd: &std::ffi::OsStr) -> Exit {
+    error(
+        &format!("unrecognized subcommand '{}'", cmd.to_string_lossy()),
+        Some(USAGE),
+    )
+}
+
+fn serve_help() -> String {
+    [
+        SERVE_HELP,
+        SERVE_DEVICES_HELP,
+        JailArgs::HELP,
+        "\n",
+        SERVE_HELP_END,
+    ]
+    .concat()
+}
+
+fn parse_serve(mut a: Args) -> std::result::Result<Cmd, Exit> {
+    let mut api_sock = None;
+    let mut serial = None;
+    let mut serial_max_bytes = None;
+    let mut prepare_mem_mib = None;
+    let mut prepare_vcpus = None;
+    let mut max_connections = None;
+    let mut idle_timeout_s = None;
+    let mut devices = DeviceArgs::default();
+    let mut jail = JailArgs::default();
+    while let Some(arg) = a.next()? {
+        let name = match arg {
+            Arg::Long(l) => l,
+            Arg::Short('h') => return Err(Exit::Print(serve_help())),
+            arg => return Err(unexpected(arg, a.usage)),
+        };
+        match name.as_str() {
+            "help" => return Err(Exit::Print(serve_help())),
+            "api-sock" => api_sock = Some(a.path("--api-sock <API_SOCK>")?),
+            "serial" => serial = Some(a.value("--serial <SERIAL>", |s| Ok(s.to_string()))?),
+            "serial-max-bytes" => {
+                serial_max_bytes = Some(a.number("--serial-max-bytes <SERIAL_MAX_BYTES>")?)
+            }
+            "prepare-mem-mib" => {
+                prepare_mem_mib = Some(a.number("--prepare-mem-mib <PREPARE_MEM_MIB>")?)
+            }
+            "prepare-vcpus" => prepare_vcpus = Some(a.number("--prepare-vcpus <PREPARE_VCPUS>")?),
+            "max-connections" => {
+                max_connections = Some(a.number("--max-connections <MAX_CONNECTIONS>")?)
+            }
+            "idle-timeout-s" => {
+                idle_timeout_s = Some(a.number("--idle-timeout-s <IDLE_TIMEOUT_S>")?)
+            }
+            other => {
+                if !devices.take(other, &mut a)? && !a.jail(&mut jail, other)? {
+                    return Err(unexpected(Arg::Long(name), a.usage));
+                }
+            }
+        }
+    }
+    let mut missing = Vec::new();
+    if api_sock.is_none() {
+        missing.push("--api-sock <API_SOCK>");
+    }
+    missing.extend(devices.missing());
+    missing.extend(jail.missing());
+    a.missing(&missing)?;
+    Ok(Cmd::Serve {
+        api_sock: api_sock.unwrap_or_default(),
+        serial: serial.unwrap_or_else(|| "-".into()),
+        serial_max_bytes: serial_max_bytes.unwrap_or(SERIAL_MAX_BYTES),
+        prepare_mem_mib,
+        prepare_vcpus: prepare_vcpus.unwrap_or(1),
+        max_connections: max_connections.unwrap_or(16),
+        idle_timeout_s: idle_timeout_s.unwrap_or(300),
+        devices,
+        jail,
+    })
+}
+
+fn parse_template(mut a: Args) -> std::result::Result<Cmd, Exit> {
+    let mut dir = None;
+    let mut kernel = None;
+    let mut initrd = None;
+    let mut cmdline = None;
+    let mut mem_mib = None;
+    let mut vcpus = None;
+    let mut serial = None;
+    let mut serial_max_bytes = None;
+    let mut ready_port = None;
+    let mut timeout_s = None;
+    let mut devices = DeviceArgs::default();
+    while let Some(arg) = a.next()? {
+        let name = match arg {
+            Arg::Long(l) => l,
+            Arg::Short('h') => return Err(Exit::Print(TEMPLATE_HELP.into())),
+            Arg::Value(v) if dir.is_none() => {
+                dir = Some(PathBuf::from(v));
+                continue;
+            }
+            arg => return Err(unexpected(arg, a.usage)),
+        };
+        match name.as_str() {
+            "help" => return Err(Exit::Print(TEMPLATE_HELP.into())),
+            "kernel" => kernel = Some(a.path("--kernel <KERNEL>")?),
+            "initrd" => initrd = Some(a.path("--initrd <INITRD>")?),
+            "cmdline" => cmdline = Some(a.value("--cmdline <CMDLINE>", |s| Ok(s.to_string()))?),
+            "mem-mib" => mem_mib = Some(a.number("--mem-mib <MEM_MIB>")?),
+            "vcpus" => vcpus = Some(a.number("--vcpus <VCPUS>")?),
+            "serial" => serial = Some(a.value("--serial <SERIAL>", |s| Ok(s.to_string()))?),
+            "serial-max-bytes" => {
+                serial_max_bytes = Some(a.number("--serial-max-bytes <SERIAL_MAX_BYTES>")?)
+            }
+            "ready-port" => ready_port = Some(a.number("--ready-port <READY_PORT>")?),
+            "timeout-s" => timeout_s = Some(a.number("--timeout-s <TIMEOUT_S>")?),
+            other => {
+                if !devices.take(other, &mut a)? {
+                    return Err(unexpected(Arg::Long(name), a.usage));
+                }
+            }
+        }
+    }
+    let mut missing = Vec::new();
+    if kernel.is_none() {
+        missing.push("--kernel <KERNEL>");
+    }
+    if dir.is_none() {
+        missing.push("<DIR>");
+    }
+    missing.extend(devices.missing());
+    a.missing(&missing)?;
+    Ok(Cmd::Template {
+        dir: dir.unwrap_or_default(),
+        kernel: kernel.unwrap_or_default(),
+        initrd,
+        cmdline: cmdline.unwrap_or_else(|| "console=ttyS0 reboot=k panic=-1 loglevel=4".into()),
+        mem_mib: mem_mib.unwrap_or(256),
+        vcpus: vcpus.unwrap_or(1),
+        serial: serial.unwrap_or_else(|| "-".into()),
+        serial_max_bytes: serial_max_bytes.unwrap_or(SERIAL_MAX_BYTES),
+        ready_port: ready_port.unwrap_or(1024),
+        timeout_s: timeout_s.unwrap_or(120),
+        devices,
+    })
+}
+
+fn parse_verify(mut a: Args) -> std::result::Result<Cmd, Exit> {
+    let mut dir = None;
+    while let Some(arg) = a.next()? {
+        match arg {
+            Arg::Short('h') => return Err(Exit::Print(VERIFY_HELP.into())),
+            Arg::Long(l) if l == "help" => return Err(Exit::Print(VERIFY_HELP.into())),
+            Arg::Value(v) if dir.is_none() => dir = Some(PathBuf::from(v)),
+            arg => return Err(unexpected(arg, a.usage)),
+        }
+    }
+    a.missing(if dir.is_none() { &["<DIR>"] } else { &[] })?;
+    Ok(Cmd::Verify {
+        dir: dir.unwrap_or_default(),
+    })
 }
 
 fn parse_slot_file(s: &str) -> std::result::Result<(usize, PathBuf), String> {
@@ -261,8 +785,8 @@ fn jail_error(e: twig_vmm::jail::JailError) -> twig_vmm::Error {
     twig_vmm::Error::Config(format!("confining the VMM: {e}"))
 }
 
-fn run(cli: Cli) -> Result<()> {
-    match cli.command {
+fn run(cmd: Cmd) -> Result<()> {
+    match cmd {
         Cmd::Serve {
             api_sock,
             serial,
@@ -358,20 +882,18 @@ impl std::io::Write for Stderr {
     }
 }
 
-/// The command line, parsed on a short-lived thread: clap's parser touches
-/// about 100 KiB of stack, which on the main thread would stay resident for
-/// the VMM's whole life; glibc gives an exited thread's stack pages back.
-fn parse_args() -> Cli {
-    std::thread::Builder::new()
-        .name("twig-args".into())
-        .spawn(Cli::parse)
-        .map_or_else(
-            |_| Cli::parse(),
-            |t| t.join().unwrap_or_else(|_| std::process::exit(2)),
-        )
-}
-
 fn main() -> ExitCode {
+    let cmd = match parse(lexopt::Parser::from_env()) {
+        Ok(cmd) => cmd,
+        Err(Exit::Print(text)) => {
+            print!("{text}");
+            return ExitCode::SUCCESS;
+        }
+        Err(Exit::Error(text)) => {
+            eprint!("{text}");
+            return ExitCode::from(2);
+        }
+    };
     // One malloc arena for every thread: a VMM's threads allocate little,
     // and an arena per thread costs each of them resident pages of its own.
     // SAFETY: mallopt only sets an allocator parameter; no allocation is
@@ -397,7 +919,7 @@ fn main() -> ExitCode {
         .with_max_level(level)
         .with_writer(move || log.make())
         .init();
-    match run(parse_args()) {
+    match run(cmd) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("twig-vmm: {e}");
