@@ -5,8 +5,14 @@
 //! into a fresh store (another node's), and restored there; against a
 //! restore from the source store (a clone on the same node). Reports bytes
 //! moved for full and incremental snapshots, push and pull times, and
-//! restore → first answer of the guest, per guest size.
+//! restore → first answer of the guest, per guest size; and a clone on a
+//! node that has nothing of the chain, from the pull's start to the
+//! guest's first answer: eager (pull the chain, restore) against lazy
+//! (twig-oci's lazy pull, twig-node's page server, twig-vmm's lazy
+//! restore: the guest answers while its memory arrives).
 
+use std::collections::BTreeMap;
+use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -101,6 +107,48 @@ fn restore_to_answer(mib: usize, dir: &Path) -> Result<Duration, Error> {
     Ok(t.elapsed())
 }
 
+/// A VM restored lazily from `from` pulled into `store` (nothing of it
+/// there), from the pull's start until the guest has answered a command;
+/// then waits until the pull is published and the VM's memory complete.
+/// Returns the time and the bytes fetched by range before the answer.
+async fn lazy_to_answer(
+    client: &Client,
+    store: &NodeStore,
+    from: &Reference,
+    mib: usize,
+    dir: &Path,
+) -> Result<(Duration, u64), Error> {
+    let t = Instant::now();
+    let pull = twig_oci::pull_lazy(client, store, from, None).await?;
+    let (staged, id, source) = (pull.dir.clone(), pull.id.clone(), pull.source.clone());
+    let socket = twig_node::lazy::serve(dir, "bench", pull, tokio::runtime::Handle::current())
+        .map_err(|e| Error::from(format!("starting the page server: {e}")))?;
+    let (took, vm) = tokio::task::block_in_place(|| -> Result<_, Error> {
+        let uffd = std::fs::File::options()
+            .read(true)
+            .write(true)
+            .open("/dev/userfaultfd")
+            .context(|| "lazy restores need /dev/userfaultfd".into())?;
+        let source = twig_vmm::LazySource::open(&staged, &uffd, UnixStream::connect(&socket)?)?;
+        let mut vm = Vm::create(Shape::new(mib, 1), Box::new(std::io::sink()))?;
+        vm.restore_lazy(source, &BTreeMap::new())?;
+        vm.resume()?;
+        dirty(&mut vm, 0, 1, 9)?;
+        Ok((t.elapsed(), vm))
+    })?;
+    let fetched = source.bytes_fetched();
+    let deadline = Instant::now() + T;
+    while vm.lazy_pending() || store.get(&id).is_err() {
+        if Instant::now() > deadline {
+            return Err(Error::from(format!(
+                "the lazy restore of {id} did not complete within {T:?}"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    Ok((took, fetched))
+}
+
 async fn size_run(
     args: &Args,
     mib: usize,
@@ -124,6 +172,7 @@ async fn size_run(
 
     let (mut push_full, mut push_inc, mut pull, mut pull_inc) = (vec![], vec![], vec![], vec![]);
     let (mut remote, mut local) = (vec![], vec![]);
+    let (mut eager, mut lazy, mut lazy_fetched) = (vec![], vec![], 0);
     let (mut bytes_full, mut bytes_inc, mut bytes_pulled) = (0, 0, 0);
     for run in 0..args.runs {
         // A new repository each run: the registry keeps blobs per repository.
@@ -155,6 +204,21 @@ async fn size_run(
         local.push(restore_to_answer(mib, &a.snapshot_dir("inc"))?);
         drop(b);
         std::fs::remove_dir_all(dir.join(format!("b{run}")))?;
+
+        // A node with nothing of the chain: eager, then lazy.
+        let c = NodeStore::open(&dir.join(format!("c{run}")), true)?;
+        let t = Instant::now();
+        let got = twig_oci::pull(client, &c, &repo("inc")?, None).await?;
+        restore_to_answer(mib, &c.snapshot_dir(&got.id))?;
+        eager.push(t.elapsed());
+        let d = NodeStore::open(&dir.join(format!("d{run}")), true)?;
+        let (took, fetched) = lazy_to_answer(client, &d, &repo("inc")?, mib, &dir).await?;
+        lazy.push(took);
+        lazy_fetched = fetched;
+        drop((c, d));
+        for store in ["c", "d"] {
+            std::fs::remove_dir_all(dir.join(format!("{store}{run}")))?;
+        }
     }
     let key = |k: &str| format!("{k}_{mib}mib");
     report.timing(&key("push_full"), &push_full);
@@ -163,6 +227,9 @@ async fn size_run(
     report.timing(&key("pull_incremental"), &pull_inc);
     report.timing(&key("restore_pulled_answer"), &remote);
     report.timing(&key("restore_local_answer"), &local);
+    report.timing(&key("clone_elsewhere_eager_answer"), &eager);
+    report.timing(&key("clone_elsewhere_lazy_answer"), &lazy);
+    report.value(&key("lazy_bytes_before_answer"), json!(lazy_fetched));
     report.value(&key("bytes_full"), json!(bytes_full));
     report.value(&key("bytes_incremental"), json!(bytes_inc));
     let _ = std::fs::remove_dir_all(&dir);

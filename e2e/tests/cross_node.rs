@@ -6,7 +6,9 @@
 //! store has never seen it, the test plays kubelet for a Clone's pod
 //! (RunPodSandbox annotated `twig.dev/restore-from` with A's snapshot id and
 //! `twig.dev/restore-artifact` with the artifact): B's twig-node pulls it,
-//! and the adopted counter goes on from A's value, memory and disk. Then:
+//! restoring it lazily (the VM runs from the staged state while its memory
+//! is faulted in from the registry, then completed), and the adopted
+//! counter goes on from A's value, memory and disk. Then:
 //! another namespace's clone is refused, and with the registry stopped a
 //! clone of a snapshot B lacks fails RunPodSandbox cleanly.
 //! Built with `--features lab`, run in the nested lab
@@ -161,6 +163,27 @@ async fn scenario() {
         "B keeps the pulled snapshot under its own id"
     );
     step(t0, "the clone counts on with A's memory and disk");
+
+    // B restored it lazily: the VM ran from the staged state while its
+    // memory came from the registry, then the node completed it.
+    let node_log = || b.node.node().logs_of(0, 100_000);
+    assert!(
+        node_log().contains("handed over a VMM restoring lazily"),
+        "B did not restore lazily:\n{}",
+        b.logs()
+    );
+    let deadline = Instant::now() + CALL;
+    while !node_log().contains("lazy restore complete") {
+        assert!(
+            !node_log().contains("lazy restore failed") && Instant::now() < deadline,
+            "the lazy restore did not complete:\n{}",
+            b.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    b.wait_count(&clone, "/dev/shm/count", |n| n > first + 8)
+        .await;
+    step(t0, "B's lazy restore completed, the clone counts on");
 
     // Another namespace's pod may not pull it.
     let mut other = clone_pod(&b, "other-ns", &snap, &artifact);
