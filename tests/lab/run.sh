@@ -50,8 +50,9 @@ QEMU_ARGS=${TWIG_LAB_QEMU_ARGS:-}
 REPEAT=${TWIG_LAB_REPEAT:-1}   # runs of each test binary, for hunting flakes
 [[ $REPEAT =~ ^[1-9][0-9]*$ ]] || { echo "lab: TWIG_LAB_REPEAT must be a positive number" >&2; exit 1; }
 # Test binaries that need host tools the lab lacks (mount namespaces,
-# setpriv, a 2 GiB guest) stay on the host.
-SKIP_IN_LAB=${TWIG_LAB_SKIP:-api jail multicore}
+# setpriv, a 2 GiB guest, the twig-vmm binary they spawn) stay on the host;
+# lazy restore runs in the lab through e2e's cross_node.
+SKIP_IN_LAB=${TWIG_LAB_SKIP:-api jail multicore lazy}
 # Single tests to skip (TWIG_LAB_SKIP_TESTS="name ..."), for narrowing a run.
 skip_tests=""
 for t in ${TWIG_LAB_SKIP_TESTS:-}; do

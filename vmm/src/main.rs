@@ -882,6 +882,63 @@ impl std::io::Write for Stderr {
     }
 }
 
+/// The VMM's log: `tracing_subscriber::fmt`'s, built at the first event
+/// or span. Its registry fills a table of 4,096 shard pointers (32 KiB of
+/// heap) when built, and a healthy VMM logs nothing at the default level,
+/// so most never build it (issue 27).
+struct LazyLog {
+    level: tracing::Level,
+    log: twig_vmm::logcap::Capped<Stderr>,
+    fmt: std::sync::OnceLock<Box<dyn tracing::Subscriber + Send + Sync>>,
+}
+
+impl LazyLog {
+    fn fmt(&self) -> &(dyn tracing::Subscriber + Send + Sync) {
+        &**self.fmt.get_or_init(|| {
+            let log = self.log.make();
+            Box::new(
+                tracing_subscriber::fmt()
+                    .with_max_level(self.level)
+                    .with_writer(move || log.make())
+                    .finish(),
+            )
+        })
+    }
+}
+
+impl tracing::Subscriber for LazyLog {
+    fn enabled(&self, meta: &tracing::Metadata<'_>) -> bool {
+        *meta.level() <= self.level
+    }
+    fn max_level_hint(&self) -> Option<tracing::level_filters::LevelFilter> {
+        Some(self.level.into())
+    }
+    fn new_span(&self, span: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        self.fmt().new_span(span)
+    }
+    fn record(&self, span: &tracing::span::Id, values: &tracing::span::Record<'_>) {
+        self.fmt().record(span, values)
+    }
+    fn record_follows_from(&self, span: &tracing::span::Id, follows: &tracing::span::Id) {
+        self.fmt().record_follows_from(span, follows)
+    }
+    fn event(&self, event: &tracing::Event<'_>) {
+        self.fmt().event(event)
+    }
+    fn enter(&self, span: &tracing::span::Id) {
+        self.fmt().enter(span)
+    }
+    fn exit(&self, span: &tracing::span::Id) {
+        self.fmt().exit(span)
+    }
+    fn clone_span(&self, id: &tracing::span::Id) -> tracing::span::Id {
+        self.fmt().clone_span(id)
+    }
+    fn try_close(&self, id: tracing::span::Id) -> bool {
+        self.fmt().try_close(id)
+    }
+}
+
 fn main() -> ExitCode {
     let cmd = match parse(lexopt::Parser::from_env()) {
         Ok(cmd) => cmd,
@@ -915,10 +972,11 @@ fn main() -> ExitCode {
         .and_then(|m| m.parse().ok())
         .unwrap_or(twig_vmm::logcap::DEFAULT_MAX_BYTES);
     let log = twig_vmm::logcap::Capped::new(Stderr, max);
-    tracing_subscriber::fmt()
-        .with_max_level(level)
-        .with_writer(move || log.make())
-        .init();
+    tracing_subscriber::util::SubscriberInitExt::init(LazyLog {
+        level,
+        log,
+        fmt: std::sync::OnceLock::new(),
+    });
     match run(cmd) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

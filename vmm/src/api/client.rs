@@ -378,22 +378,7 @@ impl Client {
         slots: &[(usize, &Path, &File)],
         timeout: Duration,
     ) -> Result<String, ClientError> {
-        let req = Request::Restore {
-            dir: dir.to_path_buf(),
-            slots: slots
-                .iter()
-                .map(|(slot, name, _)| RestoreSlot {
-                    slot: *slot,
-                    path: name.to_path_buf(),
-                })
-                .collect(),
-            lazy: false,
-        };
-        let fds: Vec<BorrowedFd<'_>> = slots.iter().map(|(_, _, f)| f.as_fd()).collect();
-        match self.call_with(&req, &fds, timeout)? {
-            Reply::Restored { id } => Ok(id),
-            other => Err(self.unexpected("restore", &other)),
-        }
+        self.restore_call(dir, slots, None, timeout)
     }
 
     /// [`Client::restore_with`], lazily (see [`crate::uffd`]): guest
@@ -412,6 +397,18 @@ impl Client {
         page_server: &UnixStream,
         timeout: Duration,
     ) -> Result<String, ClientError> {
+        self.restore_call(dir, slots, Some((userfaultfd, page_server)), timeout)
+    }
+
+    /// The restore request: the slot images' descriptors, then, lazily,
+    /// `/dev/userfaultfd`'s and the page server's.
+    fn restore_call(
+        &mut self,
+        dir: &Path,
+        slots: &[(usize, &Path, &File)],
+        lazy: Option<(&File, &UnixStream)>,
+        timeout: Duration,
+    ) -> Result<String, ClientError> {
         let req = Request::Restore {
             dir: dir.to_path_buf(),
             slots: slots
@@ -421,11 +418,13 @@ impl Client {
                     path: name.to_path_buf(),
                 })
                 .collect(),
-            lazy: true,
+            lazy: lazy.is_some(),
         };
         let mut fds: Vec<BorrowedFd<'_>> = slots.iter().map(|(_, _, f)| f.as_fd()).collect();
-        fds.push(userfaultfd.as_fd());
-        fds.push(page_server.as_fd());
+        if let Some((userfaultfd, page_server)) = lazy {
+            fds.push(userfaultfd.as_fd());
+            fds.push(page_server.as_fd());
+        }
         match self.call_with(&req, &fds, timeout)? {
             Reply::Restored { id } => Ok(id),
             other => Err(self.unexpected("restore", &other)),
