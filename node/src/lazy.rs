@@ -15,6 +15,7 @@
 //! reported failed.
 
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -47,8 +48,13 @@ pub fn serve(
     pull: LazyPull,
     rt: tokio::runtime::Handle,
 ) -> Result<PathBuf> {
+    // Root's alone: whoever connects first gets the guest's memory.
     let dir = run_dir.join("lazy");
-    std::fs::create_dir_all(&dir)
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&dir)
+        .and_then(|()| std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)))
         .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
     let socket = dir.join(format!(
         "{}-{}.sock",
@@ -149,6 +155,11 @@ fn run(
     let mut faults = 0u64;
     loop {
         match server.next_fault(Some(POLL)) {
+            Ok(Some(page)) if page >= pages => {
+                return Err(Error::FailedPrecondition(format!(
+                    "the VMM asked for page {page} of {pages}"
+                )))
+            }
             Ok(Some(page)) => {
                 let first = page - page % FAULT_WINDOW;
                 let n = FAULT_WINDOW.min(pages - first);
