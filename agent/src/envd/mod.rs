@@ -300,6 +300,24 @@ fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// After an answer sent before the request's body was read, on a
+/// connection that then closes: ends our side and reads what the client
+/// still sends for a moment (bounded), so that closing does not reset the
+/// connection — a reset can discard the answer before the client reads it.
+fn linger(w: &mut TcpStream) {
+    const MAX: usize = 1 << 20;
+    let _ = w.shutdown(std::net::Shutdown::Write);
+    let _ = w.set_read_timeout(Some(std::time::Duration::from_millis(200)));
+    let mut buf = [0u8; 16 * 1024];
+    let mut read = 0;
+    while read < MAX {
+        match io::Read::read(w, &mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => read += n,
+        }
+    }
+}
+
 /// Answers one request; whether the connection can take another.
 fn route(
     shared: &Arc<Shared>,
@@ -314,7 +332,11 @@ fn route(
     // unless there is no body.
     let early = |w: &mut TcpStream, status: u16, body: &[u8]| {
         let reusable = keep && req.body == http::BodyKind::Length(0);
-        http::respond(w, status, "application/json", body, reusable).map(|()| reusable)
+        http::respond(w, status, "application/json", body, reusable)?;
+        if !reusable {
+            linger(w);
+        }
+        Ok(reusable)
     };
     if req.path == "/health" {
         return early(w, 204, b"");
