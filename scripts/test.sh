@@ -11,13 +11,20 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # One build per run: incremental state only costs disk (and time) here.
 export CARGO_INCREMENTAL=0
+# Where the run's time goes, on standard error: each phase's start, in
+# seconds since the run began.
+phase() { echo "test.sh: $1 at ${SECONDS}s" >&2; }
+phase "installing dependencies"
 scripts/install-deps.sh
 # The real helm and kubectl of the controller's tests (downloaded once, cached).
 TWIG_KUBE_TOOLS="$(scripts/kube-tools.sh)"
 export TWIG_KUBE_TOOLS
+phase "fmt and clippy"
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
+phase "host tests"
 cargo test --workspace --locked
+phase "the lab (both lanes)"
 # The lab runs two outer VMs at once, one per CPU of a 2-core machine: each
 # runs its tests on one emulated CPU, and one after the other they outlast
 # CI's 90 minutes. Lane A: twig-vmm's lab tests, then every end-to-end test
@@ -38,8 +45,10 @@ lane_a_rc=0
 { tests/lab/run.sh -p twig-vmm --features twig-vmm/lab &&
   TWIG_LAB_SKIP="${lane_b[*]}" tests/lab/run.sh -p twig-e2e --features twig-e2e/lab; } 2>&1 |
   tee "$lanes/a" || lane_a_rc=$?
+phase "lane A done"
 lane_b_rc=0
 wait "$lane_b_pid" || lane_b_rc=$?
+phase "lane B done"
 ((lane_a_rc == 0 && lane_b_rc == 0)) || {
   # Each failing binary's own lines again (run.sh's LAB-DIGEST), last.
   grep -h 'LAB-DIGEST' "$lanes/a" "$lanes/b" >&2 || true

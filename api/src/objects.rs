@@ -11,6 +11,7 @@
 //!   objects, copied from one to the next.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Container, EnvVar, Pod, PodSpec};
 use kube::api::ObjectMeta;
@@ -258,7 +259,8 @@ fn template_name(template: &SandboxTemplate) -> String {
     template.metadata.name.clone().unwrap_or_default()
 }
 
-/// A Snapshot of sandbox `id`'s pod `pod`, taken for `role`.
+/// A Snapshot of sandbox `id`'s pod `pod`, taken for `role`, failed by the
+/// controller after `deadline` (the API's own wait for it).
 pub fn snapshot(
     name: &str,
     pod: &str,
@@ -266,6 +268,7 @@ pub fn snapshot(
     id: &str,
     meta: &SandboxMeta,
     extra: BTreeMap<String, String>,
+    deadline: Duration,
 ) -> Snapshot {
     let mut labels = BTreeMap::from([(ROLE_LABEL.to_string(), role.to_string())]);
     let mut annotations = extra;
@@ -290,7 +293,7 @@ pub fn snapshot(
             },
             deletion_policy: Default::default(),
             ttl_seconds_after_ready: None,
-            failure_deadline_seconds: Some(120),
+            failure_deadline_seconds: Some(deadline_seconds(deadline)),
             export: false,
         },
     );
@@ -300,8 +303,9 @@ pub fn snapshot(
 }
 
 /// A Clone making sandbox `meta`'s pod from Snapshot `snapshot`: the pod
-/// is named `<name>-0`.
-pub fn clone(name: &str, snapshot: &str, meta: &SandboxMeta) -> PodClone {
+/// is named `<name>-0`; failed by the controller after `deadline` (the
+/// API's own wait for it).
+pub fn clone(name: &str, snapshot: &str, meta: &SandboxMeta, deadline: Duration) -> PodClone {
     let mut clone = PodClone::new(
         name,
         CloneSpec {
@@ -312,12 +316,19 @@ pub fn clone(name: &str, snapshot: &str, meta: &SandboxMeta) -> PodClone {
             replicas: 1,
             name_prefix: None,
             labels: Some(meta.labels.clone()),
-            failure_deadline_seconds: Some(120),
+            failure_deadline_seconds: Some(deadline_seconds(deadline)),
         },
     );
     clone.metadata.labels = Some(meta.labels.clone());
     clone.metadata.annotations = Some(meta.annotations.clone());
     clone
+}
+
+/// An object's `failureDeadlineSeconds` for a wait of `deadline`: the
+/// object fails when the API stops waiting for it, neither earlier (a
+/// loaded node's start would fail although the API still waits) nor later.
+pub fn deadline_seconds(deadline: Duration) -> i64 {
+    i64::try_from(deadline.as_secs().max(1)).unwrap_or(i64::MAX)
 }
 
 /// The name of the one pod of Clone `name`.

@@ -407,7 +407,7 @@ impl App {
         snapshot: &str,
         meta: &SandboxMeta,
     ) -> Result<Pod, ApiError> {
-        let clone = objects::clone(name, snapshot, meta);
+        let clone = objects::clone(name, snapshot, meta, self.start_timeout);
         self.api::<PodClone>(ns)
             .create(&PostParams::default(), &clone)
             .await?;
@@ -578,7 +578,7 @@ impl App {
         meta: &SandboxMeta,
         extra: BTreeMap<String, String>,
     ) -> Result<Snapshot, ApiError> {
-        let snap = objects::snapshot(name, pod, role, id, meta, extra);
+        let snap = objects::snapshot(name, pod, role, id, meta, extra, self.snapshot_timeout);
         let api = self.api::<Snapshot>(ns);
         api.create(&PostParams::default(), &snap).await?;
         let waited = self
@@ -847,7 +847,9 @@ impl App {
                 snapshot_name: snap.name_any(),
                 pod_uid: pod.uid(),
                 safety_snapshot: false,
-                failure_deadline_seconds: Some(240),
+                failure_deadline_seconds: Some(objects::deadline_seconds(
+                    self.snapshot_timeout * 2,
+                )),
             },
         );
         rollback.metadata.labels = Some(BTreeMap::from([(

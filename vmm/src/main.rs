@@ -17,11 +17,35 @@ use twig_vmm::{
 // as clap's were (status 2, the usage, "For more information, try
 // '--help'.").
 
-/// `twig-vmm --help`.
-const HELP: &str = r#"Twig's microVM monitor. One process runs one VM: start it with `serve`,
+/// The start of `twig-vmm --help` and `-h`.
+macro_rules! intro {
+    () => {
+        r#"Twig's microVM monitor. One process runs one VM: start it with `serve`,
 then send JSON requests, one per line, to its socket (programs use
 twig_vmm::api::Client; by hand, `socat - UNIX-CONNECT:/run/vm.sock`):
+"#
+    };
+}
 
+/// The commands in `twig-vmm --help` and `-h`.
+macro_rules! commands {
+    () => {
+        r#"Usage: twig-vmm <COMMAND>
+
+Commands:
+  serve     Serve the JSON API on a Unix socket until a shutdown request
+  template  Make a template: boot a kernel (and initramfs) with the given devices, wait until something in the guest accepts vsock connections on `--ready-port` (twig-agent listens on 1024), pause, and take a full snapshot into DIR. VMs restored from DIR start with the agent ready
+  verify    Check a snapshot end to end (state, chain, memory checksums) and print its metadata
+  help      Print this message or the help of the given subcommand(s)
+
+"#
+    };
+}
+
+/// `twig-vmm --help`.
+const HELP: &str = concat!(
+    intro!(),
+    r#"
   {"op":"hello"}
   {"op":"boot","kernel":"vmlinux","cmdline":"console=ttyS0","mem_mib":128}
   {"op":"snapshot","dir":"/var/lib/twig/vm/tmp/<lease>/s1","kind":"full"}  (a staging dir)
@@ -37,41 +61,29 @@ busy (too many connections), internal. Connections are served
 concurrently; requests on the VM run one at a time.
 Needs read/write access to /dev/kvm.
 
-Usage: twig-vmm <COMMAND>
-
-Commands:
-  serve     Serve the JSON API on a Unix socket until a shutdown request
-  template  Make a template: boot a kernel (and initramfs) with the given devices, wait until something in the guest accepts vsock connections on `--ready-port` (twig-agent listens on 1024), pause, and take a full snapshot into DIR. VMs restored from DIR start with the agent ready
-  verify    Check a snapshot end to end (state, chain, memory checksums) and print its metadata
-  help      Print this message or the help of the given subcommand(s)
-
-Options:
+"#,
+    commands!(),
+    r#"Options:
   -h, --help
           Print help (see a summary with '-h')
 
   -V, --version
           Print version
-"#;
+"#
+);
 
 /// `twig-vmm -h`, and on standard error without a command.
-const SHORT_HELP: &str = r#"Twig's microVM monitor. One process runs one VM: start it with `serve`,
-then send JSON requests, one per line, to its socket (programs use
-twig_vmm::api::Client; by hand, `socat - UNIX-CONNECT:/run/vm.sock`):
-
-Usage: twig-vmm <COMMAND>
-
-Commands:
-  serve     Serve the JSON API on a Unix socket until a shutdown request
-  template  Make a template: boot a kernel (and initramfs) with the given devices, wait until something in the guest accepts vsock connections on `--ready-port` (twig-agent listens on 1024), pause, and take a full snapshot into DIR. VMs restored from DIR start with the agent ready
-  verify    Check a snapshot end to end (state, chain, memory checksums) and print its metadata
-  help      Print this message or the help of the given subcommand(s)
-
-Options:
+const SHORT_HELP: &str = concat!(
+    intro!(),
+    "\n",
+    commands!(),
+    r#"Options:
   -h, --help     Print help (see more with '--help')
   -V, --version  Print version
-"#;
+"#
+);
 
-/// `twig-vmm serve --help`: these, then [`SERVE_DEVICES_HELP`], then the
+/// `twig-vmm serve --help`: these, then [`DEVICE_FLAGS`], then the
 /// jail's flags ([`JailArgs::HELP`]).
 const SERVE_HELP: &str = "Serve the JSON API on a Unix socket until a shutdown request
 
@@ -111,46 +123,79 @@ Options:
 
 ";
 
-/// The device flags in `twig-vmm serve --help`.
-const SERVE_DEVICES_HELP: &str = "      --disk <PATH[:ro]>
-          A virtio-blk disk: a raw image whose size is a multiple of 512 bytes, `PATH` (read-write) or `PATH:ro`. Repeatable; the guest sees them in order (/dev/vda, /dev/vdb, …). Read-write images are copied into snapshots and replaced by the snapshot's copy on restore and rollback
+/// The device flags of `serve` and `template`: flag, help, default.
+const DEVICE_FLAGS: &[(&str, &str, Option<&str>)] = &[
+    (
+        "--disk <PATH[:ro]>",
+        "A virtio-blk disk: a raw image whose size is a multiple of 512 bytes, `PATH` (read-write) or `PATH:ro`. Repeatable; the guest sees them in order (/dev/vda, /dev/vdb, …). Read-write images are copied into snapshots and replaced by the snapshot's copy on restore and rollback",
+        None,
+    ),
+    (
+        "--disk-slots <DISK_SLOTS>",
+        "Empty disk slots after the disks: virtio-blk devices with no image until `attach_disk` fills one (a container's rootfs arriving after the VM runs). Snapshots restore only into VMs with as many slots",
+        Some("0"),
+    ),
+    (
+        "--slot-file <SLOT=PATH>",
+        "On restore, the file that gets the snapshot's copy of an attached read-write slot (or, for a read-only slot, the same image), `SLOT=PATH`. Repeatable; every slot attached in the snapshot needs one",
+        None,
+    ),
+    (
+        "--tap <TAP>",
+        "A virtio-net device on this tap (created if missing)",
+        None,
+    ),
+    (
+        "--net",
+        "A virtio-net device with no tap until the API's `attach_net` sends one as a descriptor (frames the guest sends meanwhile are dropped)",
+        None,
+    ),
+    (
+        "--mac <MAC>",
+        "The guest's MAC address (default: a random locally administered one)",
+        None,
+    ),
+    (
+        "--vsock-uds <VSOCK_UDS>",
+        "A virtio-vsock device whose host side is this Unix socket",
+        None,
+    ),
+    (
+        "--vsock-cid <VSOCK_CID>",
+        "The guest's vsock context id",
+        Some("3"),
+    ),
+    (
+        "--balloon",
+        "A virtio-balloon device taking free page reports, so memory the guest frees goes back to the host (the guest kernel needs CONFIG_VIRTIO_BALLOON and CONFIG_PAGE_REPORTING). Snapshots restore only into VMs that agree on it",
+        None,
+    ),
+];
 
-      --disk-slots <DISK_SLOTS>
-          Empty disk slots after the disks: virtio-blk devices with no image until `attach_disk` fills one (a container's rootfs arriving after the VM runs). Snapshots restore only into VMs with as many slots
-          
-          [default: 0]
-
-      --slot-file <SLOT=PATH>
-          On restore, the file that gets the snapshot's copy of an attached read-write slot (or, for a read-only slot, the same image), `SLOT=PATH`. Repeatable; every slot attached in the snapshot needs one
-
-      --tap <TAP>
-          A virtio-net device on this tap (created if missing)
-
-      --net
-          A virtio-net device with no tap until the API's `attach_net` sends one as a descriptor (frames the guest sends meanwhile are dropped)
-
-      --mac <MAC>
-          The guest's MAC address (default: a random locally administered one)
-
-      --vsock-uds <VSOCK_UDS>
-          A virtio-vsock device whose host side is this Unix socket
-
-      --vsock-cid <VSOCK_CID>
-          The guest's vsock context id
-          
-          [default: 3]
-
-      --balloon
-          A virtio-balloon device taking free page reports, so memory the guest frees goes back to the host (the guest kernel needs CONFIG_VIRTIO_BALLOON and CONFIG_PAGE_REPORTING). Snapshots restore only into VMs that agree on it
-
-";
+/// `flags` as clap printed them: with `long` (`serve --help`) a default on
+/// a line of its own and a blank line after each flag, else (`template
+/// --help`) the default after the text.
+fn flags_help(flags: &[(&str, &str, Option<&str>)], long: bool) -> String {
+    flags
+        .iter()
+        .map(|(flag, text, default)| match (default, long) {
+            (None, true) => format!("      {flag}\n          {text}\n\n"),
+            (Some(d), true) => {
+                format!("      {flag}\n          {text}\n          \n          [default: {d}]\n\n")
+            }
+            (None, false) => format!("      {flag}\n          {text}\n"),
+            (Some(d), false) => format!("      {flag}\n          {text} [default: {d}]\n"),
+        })
+        .collect()
+}
 
 /// The end of `twig-vmm serve --help`.
 const SERVE_HELP_END: &str = "  -h, --help
           Print help (see a summary with '-h')
 ";
 
-/// `twig-vmm template --help`.
+/// The start of `twig-vmm template --help`: then [`DEVICE_FLAGS`] and
+/// [`TEMPLATE_HELP_END`].
 const TEMPLATE_HELP: &str = r#"Make a template: boot a kernel (and initramfs) with the given devices, wait until something in the guest accepts vsock connections on `--ready-port` (twig-agent listens on 1024), pause, and take a full snapshot into DIR. VMs restored from DIR start with the agent ready
 
 Usage: twig-vmm template [OPTIONS] --kernel <KERNEL> <DIR>
@@ -177,27 +222,10 @@ Options:
           The guest vsock port whose accepting connections means ready [default: 1024]
       --timeout-s <TIMEOUT_S>
           Give up when the guest is not ready after this many seconds [default: 120]
-      --disk <PATH[:ro]>
-          A virtio-blk disk: a raw image whose size is a multiple of 512 bytes, `PATH` (read-write) or `PATH:ro`. Repeatable; the guest sees them in order (/dev/vda, /dev/vdb, …). Read-write images are copied into snapshots and replaced by the snapshot's copy on restore and rollback
-      --disk-slots <DISK_SLOTS>
-          Empty disk slots after the disks: virtio-blk devices with no image until `attach_disk` fills one (a container's rootfs arriving after the VM runs). Snapshots restore only into VMs with as many slots [default: 0]
-      --slot-file <SLOT=PATH>
-          On restore, the file that gets the snapshot's copy of an attached read-write slot (or, for a read-only slot, the same image), `SLOT=PATH`. Repeatable; every slot attached in the snapshot needs one
-      --tap <TAP>
-          A virtio-net device on this tap (created if missing)
-      --net
-          A virtio-net device with no tap until the API's `attach_net` sends one as a descriptor (frames the guest sends meanwhile are dropped)
-      --mac <MAC>
-          The guest's MAC address (default: a random locally administered one)
-      --vsock-uds <VSOCK_UDS>
-          A virtio-vsock device whose host side is this Unix socket
-      --vsock-cid <VSOCK_CID>
-          The guest's vsock context id [default: 3]
-      --balloon
-          A virtio-balloon device taking free page reports, so memory the guest frees goes back to the host (the guest kernel needs CONFIG_VIRTIO_BALLOON and CONFIG_PAGE_REPORTING). Snapshots restore only into VMs that agree on it
-  -h, --help
-          Print help
 "#;
+
+/// The end of `twig-vmm template --help`.
+const TEMPLATE_HELP_END: &str = "  -h, --help\n          Print help\n";
 
 /// `twig-vmm verify --help`.
 const VERIFY_HELP: &str =
@@ -530,7 +558,7 @@ fn parse(p: lexopt::Parser) -> std::result::Result<Cmd, Exit> {
                 None => Exit::Print(HELP.into()),
                 Some(Arg::Value(v)) => match v.to_str() {
                     Some("serve") => Exit::Print(serve_help()),
-                    Some("template") => Exit::Print(TEMPLATE_HELP.into()),
+                    Some("template") => Exit::Print(template_help()),
                     Some("verify") => Exit::Print(VERIFY_HELP.into()),
                     Some("help") => Exit::Print(HELP.into()),
                     _ => unrecognized(&v),
@@ -556,10 +584,19 @@ fn unrecognized(cmd: &std::ffi::OsStr) -> Exit {
 fn serve_help() -> String {
     [
         SERVE_HELP,
-        SERVE_DEVICES_HELP,
+        &flags_help(DEVICE_FLAGS, true),
         JailArgs::HELP,
         "\n",
         SERVE_HELP_END,
+    ]
+    .concat()
+}
+
+fn template_help() -> String {
+    [
+        TEMPLATE_HELP,
+        &flags_help(DEVICE_FLAGS, false),
+        TEMPLATE_HELP_END,
     ]
     .concat()
 }
@@ -639,7 +676,7 @@ fn parse_template(mut a: Args) -> std::result::Result<Cmd, Exit> {
     while let Some(arg) = a.next()? {
         let name = match arg {
             Arg::Long(l) => l,
-            Arg::Short('h') => return Err(Exit::Print(TEMPLATE_HELP.into())),
+            Arg::Short('h') => return Err(Exit::Print(template_help())),
             Arg::Value(v) if dir.is_none() => {
                 dir = Some(PathBuf::from(v));
                 continue;
@@ -647,7 +684,7 @@ fn parse_template(mut a: Args) -> std::result::Result<Cmd, Exit> {
             arg => return Err(unexpected(arg, a.usage)),
         };
         match name.as_str() {
-            "help" => return Err(Exit::Print(TEMPLATE_HELP.into())),
+            "help" => return Err(Exit::Print(template_help())),
             "kernel" => kernel = Some(a.path("--kernel <KERNEL>")?),
             "initrd" => initrd = Some(a.path("--initrd <INITRD>")?),
             "cmdline" => cmdline = Some(a.value("--cmdline <CMDLINE>", |s| Ok(s.to_string()))?),

@@ -47,13 +47,26 @@ fn seen(vm: &Vm, disk: &Path) -> Seen {
     for c in pit.channels.iter_mut() {
         c.count_load_time = 0;
     }
+    // RFLAGS.RF (bit 16) says whether the instruction at RIP was
+    // interrupted (an exit or a signal's kick landing mid-instruction, as
+    // happens under load): timing, not state a rollback keeps or reaches.
+    let mut regs = v.regs;
+    regs.rflags &= !(1 << 16);
+    // XSTATE_BV's x87, SSE and AVX bits (the XSAVE header at byte 512) say
+    // which of them the CPU tracked as in use, which a context switch of
+    // the vCPU thread can set with the registers still at their initial
+    // values; the registers themselves are compared.
+    let mut xsave = v.xsave.clone();
+    if let Some(header) = xsave.get_mut(512 / 4) {
+        *header &= !0b111;
+    }
     Seen {
         ram: vm.read_guest_ram().expect("reading guest RAM"),
         vcpu: vec![
             ("mp_state", v.mp_state.as_bytes().to_vec()),
-            ("regs", v.regs.as_bytes().to_vec()),
+            ("regs", regs.as_bytes().to_vec()),
             ("sregs", v.sregs.as_bytes().to_vec()),
-            ("xsave", v.xsave.as_bytes().to_vec()),
+            ("xsave", xsave.as_bytes().to_vec()),
             ("xcrs", v.xcrs.as_bytes().to_vec()),
             ("debugregs", v.debugregs.as_bytes().to_vec()),
             ("lapic", v.lapic.as_bytes().to_vec()),
@@ -87,6 +100,23 @@ fn pause_parked(vm: &mut Vm) {
     }
 }
 
+/// The 64-bit words at which two saved states differ, as `index: want → got`
+/// (for `regs`: rax, rbx, rcx, rdx, rsi, rdi, rsp, rbp, r8–r15, rip, rflags).
+fn words_differing(a: &[u8], b: &[u8]) -> String {
+    let word = |c: &[u8]| {
+        let mut w = [0u8; 8];
+        w[..c.len()].copy_from_slice(c);
+        u64::from_le_bytes(w)
+    };
+    a.chunks(8)
+        .zip(b.chunks(8))
+        .enumerate()
+        .filter(|(_, (x, y))| x != y)
+        .map(|(i, (x, y))| format!("{i}: {:#x} → {:#x}", word(x), word(y)))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 fn first_page_differing(a: &[u8], b: &[u8]) -> Option<usize> {
     a.chunks(4096).zip(b.chunks(4096)).position(|(x, y)| x != y)
 }
@@ -98,7 +128,11 @@ fn assert_same(what: &str, want: &Seen, got: &Seen) {
         first_page_differing(&want.ram, &got.ram)
     );
     for ((name, a), (_, b)) in want.vcpu.iter().zip(&got.vcpu) {
-        assert!(a == b, "{what}: vCPU {name} differs");
+        assert!(
+            a == b,
+            "{what}: vCPU {name} differs: {}",
+            words_differing(a, b)
+        );
     }
     assert!(want.chips == got.chips, "{what}: irqchip state differs");
     assert!(want.pit == got.pit, "{what}: PIT state differs");
