@@ -15,7 +15,7 @@
 # Usage: scripts/install-node.sh [--from DIR] [--root DIR] [--start] [--handler NAME]
 #                                [--containerd-version X.Y] [--registry-prefix P]
 #                                [--registry-host HOST[:PORT]] [--registry-plain-http HOST:PORT]
-#                                [--registry-credentials FILE]
+#                                [--registry-credentials FILE] [--registry-lazy-fill-kib N]
 #        scripts/install-node.sh --bundle DIR
 #   --bundle DIR  build everything (release binaries, guest kernel,
 #                 initramfs) into DIR (bin/, share/): what an installer
@@ -35,14 +35,16 @@
 #                 snapshotter of the node: runc pods then run on
 #                 twig-snapshotter's ext4 images too (runc mounts them).
 #   --registry-prefix P, --registry-host HOST[:PORT], --registry-plain-http HOST:PORT,
-#   --registry-credentials FILE
+#   --registry-credentials FILE, --registry-lazy-fill-kib N
 #                 twig-node's `registry` section of a new node.json (the
 #                 OCI registry snapshots are exported to and imported
 #                 from; the node speaks to no other): its repository
 #                 prefix, the registry (HTTPS), or one spoken to over
-#                 plain HTTP, and a Docker config.json of credentials,
+#                 plain HTTP, a Docker config.json of credentials,
 #                 copied to /etc/twig/registry/config.json (mode 0600, on
-#                 every run: a rotated Secret reaches the node). A kept
+#                 every run: a rotated Secret reaches the node), and the
+#                 pace of lazy restores' background downloads (KiB a
+#                 second; default 0, unpaced). A kept
 #                 node.json keeps its own section (a note says so).
 # Files are replaced by rename, never rewritten in place, so running
 # binaries and a containerd reading its config are never torn.
@@ -52,6 +54,7 @@ die() { echo "install-node.sh: $*" >&2; exit 1; }
 here=$(cd "$(dirname "$0")/.." && pwd)
 from="" root=/ start=0 bundle="" handler=twig containerd_version=""
 registry=0 registry_prefix=twig registry_host="" registry_plain_http="" registry_credentials=""
+registry_lazy_fill=0
 while (($#)); do
   case $1 in
     --from) from=${2:?--from needs a directory}; shift 2 ;;
@@ -64,6 +67,7 @@ while (($#)); do
     --registry-host) registry=1 registry_host=${2:?--registry-host needs HOST[:PORT]}; shift 2 ;;
     --registry-plain-http) registry=1 registry_plain_http=${2:?--registry-plain-http needs HOST:PORT}; shift 2 ;;
     --registry-credentials) registry=1 registry_credentials=${2:?--registry-credentials needs a file}; shift 2 ;;
+    --registry-lazy-fill-kib) registry=1 registry_lazy_fill=${2:?--registry-lazy-fill-kib needs KiB a second}; shift 2 ;;
     *) die "unknown argument $1 (see the comment at the top of the script)" ;;
   esac
 done
@@ -75,6 +79,8 @@ for h in "$registry_host" "$registry_plain_http"; do
 done
 [[ -z $registry_credentials || -f $registry_credentials ]] \
   || die "registry credentials $registry_credentials is not a file"
+[[ $registry_lazy_fill =~ ^(0|[1-9][0-9]{0,9})$ ]] \
+  || die "invalid lazy-restore download pace $registry_lazy_fill (KiB a second, 0: unpaced)"
 bins=(containerd-shim-twig-v2 twig-vmm twig-node twig-snapshotter)
 
 make_bundle() {
@@ -201,7 +207,8 @@ if ((registry)); then
     \"hosts\": [$hosts],
     \"credentials\": $credentials,
     \"plain_http\": [$plain],
-    \"repository_prefix\": \"$registry_prefix\"
+    \"repository_prefix\": \"$registry_prefix\",
+    \"lazy_fill_kib_per_s\": $registry_lazy_fill
   }"
   if [[ -e $root/etc/twig/node.json ]]; then
     echo "install-node.sh: etc/twig/node.json is kept: its \"registry\" section should read {$registry_json }" >&2

@@ -32,7 +32,7 @@ phase "the lab (both lanes)"
 # marked `lab-b|`. The guest kernel is built (or found in its cache) first,
 # as both lanes use it.
 guest/build-kernel.sh > /dev/null
-lane_b=(controller forks recovery twig_service python_template security workflows sandbox_api)
+lane_b=(controller forks kubelet recovery twig_service python_template security workflows sandbox_api)
 lanes=$(mktemp -d)
 trap 'rm -rf "$lanes"' EXIT
 (

@@ -91,6 +91,16 @@ fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     let out = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
     seccomp_filters(&out);
+    // Release builds pack their relative relocations (DT_RELR): `.rela.dyn`,
+    // which the loader reads in every VMM process, 64 → 2 KiB (issue 27:
+    // the VMM's resident memory). Linking needs binutils ≥ 2.38; running,
+    // glibc ≥ 2.36 (an older one refuses the binary by name:
+    // GLIBC_ABI_DT_RELR).
+    if env::var("PROFILE").as_deref() == Ok("release")
+        && env::var("CARGO_CFG_TARGET_ENV").as_deref() == Ok("gnu")
+    {
+        println!("cargo:rustc-link-arg-bins=-Wl,-z,pack-relative-relocs");
+    }
     // The test guest is only built for the `testguest` feature.
     if env::var_os("CARGO_FEATURE_TESTGUEST").is_none() {
         return;

@@ -848,7 +848,7 @@ impl App {
                 pod_uid: pod.uid(),
                 safety_snapshot: false,
                 failure_deadline_seconds: Some(objects::deadline_seconds(
-                    self.snapshot_timeout * 2,
+                    self.snapshot_timeout.saturating_mul(2),
                 )),
             },
         );
@@ -859,7 +859,7 @@ impl App {
         let api = self.api::<Rollback>(ns);
         api.create(&PostParams::default(), &rollback).await?;
         let waited = self
-            .wait::<Rollback>(ns, &name, self.snapshot_timeout * 2, settled)
+            .wait::<Rollback>(ns, &name, self.snapshot_timeout.saturating_mul(2), settled)
             .await?;
         let _ = api.delete(&name, &DeleteParams::default()).await;
         match waited {
@@ -877,7 +877,7 @@ impl App {
             Some(None) => Err(ApiError::internal("the Rollback was deleted")),
             None => Err(ApiError::internal(format!(
                 "rollback of sandbox '{id}' not done within {} s",
-                (self.snapshot_timeout * 2).as_secs()
+                (self.snapshot_timeout.saturating_mul(2)).as_secs()
             ))),
         }
     }

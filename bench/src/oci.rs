@@ -121,8 +121,9 @@ async fn lazy_to_answer(
     let t = Instant::now();
     let pull = twig_oci::pull_lazy(client, store, from, None).await?;
     let (staged, id, source) = (pull.dir.clone(), pull.id.clone(), pull.source.clone());
-    let socket = twig_node::lazy::serve(dir, "bench", pull, tokio::runtime::Handle::current())
-        .map_err(|e| Error::from(format!("starting the page server: {e}")))?;
+    let socket =
+        twig_node::lazy::serve(dir, "bench", pull, None, tokio::runtime::Handle::current())
+            .map_err(|e| Error::from(format!("starting the page server: {e}")))?;
     let (took, vm) = tokio::task::block_in_place(|| -> Result<_, Error> {
         let uffd = std::fs::File::options()
             .read(true)

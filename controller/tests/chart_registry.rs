@@ -67,6 +67,7 @@ fn with_registry() -> Value {
         "prefix": "snapshots/twig",
         "plainHttp": true,
         "credentialsSecret": "registry-push",
+        "lazyFillKiBPerSecond": 4096,
     }})
 }
 
@@ -117,6 +118,8 @@ fn registry_values_reach_the_controller_and_the_node_installer() {
         REGISTRY,
         "--registry-credentials",
         "/run/twig-registry/config.json",
+        "--registry-lazy-fill-kib",
+        "4096",
     ];
     assert!(
         tail.windows(registry_args.len())

@@ -382,6 +382,9 @@ pub struct NodeConfig {
     /// A registry (`host:port`) twig-node exports snapshots to and imports
     /// them from over plain HTTP.
     pub registry: Option<String>,
+    /// The pace of lazy restores' background downloads, KiB a second
+    /// (node.json `registry.lazy_fill_kib_per_s`; 0: unpaced).
+    pub lazy_fill_kib_per_s: u64,
 }
 
 /// What the twig shim's base template boots (the lab's `TWIG_GUEST_KERNEL`
@@ -422,6 +425,7 @@ impl NodeConfig {
             shim_call_s: SHIM_CALL_S,
             own_store: false,
             registry: None,
+            lazy_fill_kib_per_s: 0,
         })
     }
 }
@@ -495,7 +499,10 @@ impl Node {
         };
         let mut node_json = node_config(&dir, &store, config.guest.as_ref(), config.net_pool);
         if let Some(host) = &config.registry {
-            node_json["registry"] = serde_json::json!({ "plain_http": [host] });
+            node_json["registry"] = serde_json::json!({
+                "plain_http": [host],
+                "lazy_fill_kib_per_s": config.lazy_fill_kib_per_s,
+            });
         }
         fs::write(&node_file, node_json.to_string())
             .map_err(io(format!("writing {}", node_file.display())))?;

@@ -7,8 +7,10 @@
 //! (RunPodSandbox annotated `twig.dev/restore-from` with A's snapshot id and
 //! `twig.dev/restore-artifact` with the artifact): B's twig-node pulls it,
 //! restoring it lazily (the VM runs from the staged state while its memory
-//! is faulted in from the registry, then completed), and the adopted
-//! counter goes on from A's value, memory and disk. Then:
+//! is faulted in from the registry, then completed), the adopted counter
+//! goes on from A's value, memory and disk, and it answers before its
+//! memory is complete (B's background download paced to take over a
+//! minute). Then:
 //! another namespace's clone is refused, and with the registry stopped a
 //! clone of a snapshot B lacks fails RunPodSandbox cleanly.
 //! Built with `--features lab`, run in the nested lab
@@ -30,6 +32,11 @@ use twig_proto::twig_ttrpc::NodeClient;
 /// Deadline of a shim or node call (a full snapshot of the lab's 128 MiB
 /// guest under TCG takes seconds, its export more).
 const CALL: Duration = Duration::from_secs(300);
+/// Node B's lazy-restore download pace: the pod's memory (about 28 MiB
+/// written) takes over a minute, so the clone answers first.
+const FILL_KIB_PER_S: u64 = 384;
+/// The longest that download may take (128 MiB at that pace).
+const FILL: Duration = Duration::from_secs(128 * 1024 / FILL_KIB_PER_S);
 const HANDLER: &str = "twig";
 /// The namespace `twig_cri::pod_sandbox_config` gives pods.
 const NS: &str = "default";
@@ -85,6 +92,7 @@ async fn scenario() {
     let b = CriLab::start_configured(|c| {
         c.registry = Some(host.clone());
         c.own_store = true;
+        c.lazy_fill_kib_per_s = FILL_KIB_PER_S;
     })
     .await;
     step(t0, "two nodes and a registry up");
@@ -145,6 +153,14 @@ async fn scenario() {
     let (clone_pod_id, clone) = b.run_pod(&pod, HANDLER, &counter()).await;
     step(t0, "the clone runs on B");
     let first = b.wait_count(&clone, "/dev/shm/count", |_| true).await;
+    // It answered before its memory was all here: B's background download
+    // is paced to take minutes, and its pages came by range meanwhile.
+    let node_log = || b.node.node().logs_of(0, 100_000);
+    assert!(
+        !node_log().contains("lazy restore complete"),
+        "the clone answered only once its memory was complete:\n{}",
+        b.logs()
+    );
     assert!(
         first >= before,
         "the clone on B counts from {first}; A's snapshot was taken at {before} or later"
@@ -166,13 +182,12 @@ async fn scenario() {
 
     // B restored it lazily: the VM ran from the staged state while its
     // memory came from the registry, then the node completed it.
-    let node_log = || b.node.node().logs_of(0, 100_000);
     assert!(
         node_log().contains("handed over a VMM restoring lazily"),
         "B did not restore lazily:\n{}",
         b.logs()
     );
-    let deadline = Instant::now() + CALL;
+    let deadline = Instant::now() + CALL + FILL;
     while !node_log().contains("lazy restore complete") {
         assert!(
             !node_log().contains("lazy restore failed") && Instant::now() < deadline,

@@ -308,6 +308,12 @@ fn the_registry_section_names_the_registry_the_node_speaks_to() {
         "{bad}"
     );
     assert!(files(&root).is_empty(), "{:?}", files(&root));
+    let bad = install(&[&common[..], &["--registry-lazy-fill-kib", "-1"]].concat());
+    assert!(
+        bad.code() != Some(0) && bad.stderr.contains("invalid lazy-restore download pace -1"),
+        "{bad}"
+    );
+    assert!(files(&root).is_empty(), "{:?}", files(&root));
 
     let out = install(
         &[
@@ -317,6 +323,8 @@ fn the_registry_section_names_the_registry_the_node_speaks_to() {
                 "registry.example.com:5000",
                 "--registry-prefix",
                 "snap/twig",
+                "--registry-lazy-fill-kib",
+                "2048",
             ],
         ]
         .concat(),
@@ -331,6 +339,7 @@ fn the_registry_section_names_the_registry_the_node_speaks_to() {
             "credentials": null,
             "plain_http": [],
             "repository_prefix": "snap/twig",
+            "lazy_fill_kib_per_s": 2048,
         })
     );
 }

@@ -14,6 +14,7 @@
 //! vCPUs could otherwise wait for a page for ever, exits and the pod is
 //! reported failed.
 
+use std::num::NonZeroU64;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -41,11 +42,13 @@ static NEXT: AtomicU64 = AtomicU64::new(0);
 
 /// Starts serving `pull`'s memory to the VMM that connects to the socket
 /// returned (under `run_dir/lazy/`), on a thread of its own; once it has
-/// connected, the pull finishes on `rt`. `sandbox` names it in logs.
+/// connected, the pull finishes on `rt`, downloading at most `pace` bytes
+/// a second. `sandbox` names it in logs.
 pub fn serve(
     run_dir: &Path,
     sandbox: &str,
     pull: LazyPull,
+    pace: Option<NonZeroU64>,
     rt: tokio::runtime::Handle,
 ) -> Result<PathBuf> {
     // Root's alone: whoever connects first gets the guest's memory.
@@ -72,7 +75,7 @@ pub fn serve(
     std::thread::Builder::new()
         .name(format!("lazy-{id}"))
         .spawn(move || {
-            let outcome = accept(&listener).and_then(|conn| run(conn, &source, pull, &rt));
+            let outcome = accept(&listener).and_then(|conn| run(conn, &source, pull, pace, &rt));
             let _ = std::fs::remove_file(&path);
             match outcome {
                 Ok(served) => {
@@ -130,6 +133,7 @@ fn run(
     conn: UnixStream,
     source: &Arc<PageSource>,
     pull: LazyPull,
+    pace: Option<NonZeroU64>,
     rt: &tokio::runtime::Handle,
 ) -> Result<u64> {
     let server = PageServer::accept(conn, CONNECT_TIMEOUT)
@@ -139,7 +143,7 @@ fn run(
     // that never comes drops the pull, and its stagings, with it.
     let (done_tx, done) = mpsc::channel();
     rt.spawn(async move {
-        let finished = pull.finish().await;
+        let finished = pull.finish_paced(pace).await;
         // The server may have stopped (its VMM gone): nobody to tell.
         let _ = done_tx.send(finished.map(|p| p.bytes_downloaded));
     });

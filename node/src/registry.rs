@@ -5,6 +5,7 @@
 //! (`<prefix>/<namespace>/<name>`) and its own snapshots.
 
 use serde::Deserialize;
+use std::num::NonZeroU64;
 use std::path::{Path, PathBuf};
 use twig_oci::{Client, Credentials, Reference};
 use twig_proto::twig::{ExportSnapshotResponse, ImportSnapshotResponse};
@@ -37,6 +38,12 @@ pub struct RegistryConfig {
     /// arrives (userfaultfd: [`crate::lazy`]); off, or without
     /// `/dev/userfaultfd`: once the whole snapshot is pulled.
     pub lazy_restore: bool,
+    /// The most a lazy restore's background download takes of the
+    /// registry link, KiB a second (0: as fast as it comes). The pages a
+    /// restored guest faults in are fetched apart from it and never
+    /// paced, so a low figure delays the snapshot's publication and the
+    /// pod's rollbacks (refused until its memory is complete).
+    pub lazy_fill_kib_per_s: u64,
 }
 
 impl Default for RegistryConfig {
@@ -47,6 +54,7 @@ impl Default for RegistryConfig {
             plain_http: Vec::new(),
             repository_prefix: "twig".into(),
             lazy_restore: true,
+            lazy_fill_kib_per_s: 0,
         }
     }
 }
@@ -57,6 +65,7 @@ pub struct Registry {
     prefix: String,
     hosts: Vec<String>,
     lazy_dir: Option<PathBuf>,
+    fill_pace: Option<NonZeroU64>,
 }
 
 /// The device a lazy restore makes its VMM's userfaultfd with.
@@ -89,6 +98,7 @@ impl Registry {
             hosts,
             lazy_dir: (config.lazy_restore && Path::new(USERFAULTFD).exists())
                 .then(|| run_dir.to_path_buf()),
+            fill_pace: NonZeroU64::new(config.lazy_fill_kib_per_s.saturating_mul(1024)),
         })
     }
 
@@ -155,6 +165,12 @@ impl Registry {
     /// lazily.
     pub fn lazy_dir(&self) -> Option<&Path> {
         self.lazy_dir.as_deref()
+    }
+
+    /// The pace of lazy restores' background downloads, bytes a second
+    /// (none: unpaced).
+    pub fn fill_pace(&self) -> Option<NonZeroU64> {
+        self.fill_pace
     }
 
     /// Starts pulling `reference`, which must belong to `namespace`, for a

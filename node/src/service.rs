@@ -320,6 +320,7 @@ impl Services {
                     run_dir,
                     &req.sandbox_id,
                     pull,
+                    self.registry.fill_pace(),
                     tokio::runtime::Handle::current(),
                 )
             })

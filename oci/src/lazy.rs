@@ -11,6 +11,7 @@
 
 use std::collections::HashMap;
 use std::fs::OpenOptions;
+use std::num::NonZeroU64;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -81,6 +82,14 @@ impl LazyPull {
     /// nothing of the chain is published (what this pull published is
     /// deleted again) and the stagings are dropped.
     pub async fn finish(self) -> Result<Pulled> {
+        self.finish_paced(None).await
+    }
+
+    /// [`LazyPull::finish`], downloading at most `pace` bytes a second:
+    /// the background download leaves the registry link to the ranges a
+    /// running guest faults in (which are never paced), and a node's many
+    /// lazy restores do not take all of it.
+    pub async fn finish_paced(self, pace: Option<NonZeroU64>) -> Result<Pulled> {
         let LazyPull {
             source,
             pending,
@@ -111,6 +120,7 @@ impl LazyPull {
             let watch = Watch {
                 index: remote.index.clone(),
                 written: Box::new(move |i| remote.written(i)),
+                pace,
             };
             out.bytes_downloaded +=
                 fetch(&d.client, &d.from, &s.memory, file, s.expected, Some(watch)).await?;

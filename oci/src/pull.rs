@@ -4,6 +4,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
+use std::time::Duration;
 
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
@@ -306,6 +307,8 @@ pub(crate) fn publish(staging: Staging<'_>, id: &str) -> Result<bool> {
 pub(crate) struct Watch {
     pub index: std::sync::Arc<extents::Index>,
     pub written: Box<dyn FnMut(usize) + Send>,
+    /// At most this many bytes a second.
+    pub pace: Option<std::num::NonZeroU64>,
 }
 
 /// Streams one layer's blob into `file`, checking its size and digest;
@@ -326,7 +329,9 @@ pub(crate) async fn fetch(
             "{what}: {expected} bytes is not a size it may have"
         )));
     }
+    let pace = watch.as_ref().and_then(|w| w.pace);
     let resp = client.blob(from, &layer.blob.digest).await?;
+    let started = tokio::time::Instant::now();
     let mut body = resp.into_body();
     let (tx, rx) = mpsc::channel::<Bytes>(4);
     let writer = tokio::task::spawn_blocking(move || -> Result<File> {
@@ -366,6 +371,12 @@ pub(crate) async fn fetch(
                 if tx.send(data).await.is_err() {
                     writer_gone = true;
                     break;
+                }
+                if let Some(pace) = pace {
+                    // No faster than `pace`: the next chunk once these
+                    // bytes' time has passed.
+                    let due = Duration::from_secs_f64(total as f64 / pace.get() as f64);
+                    tokio::time::sleep_until(started + due).await;
                 }
             }
             Ok(None) => break,

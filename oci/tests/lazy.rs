@@ -8,7 +8,7 @@
 mod common;
 
 use std::os::unix::fs::FileExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use common::*;
@@ -314,14 +314,46 @@ async fn a_tampered_record_is_refused_by_read_and_finish_and_nothing_is_publishe
     assert_clean(&b);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_registry_gone_under_a_lazy_pull_is_an_error_not_a_hang() {
-    let d = tempfile::tempdir().unwrap();
-    let registry = Registry::start(&d.path().join("registry")).expect("docker-registry");
+/// A full snapshot of the test guest pushed to a registry of its own, and
+/// an empty store to pull it into.
+struct Pushed {
+    /// Holds the registry's and the stores' files.
+    _dir: tempfile::TempDir,
+    registry: Registry,
+    c: Client,
+    to: Reference,
+    /// The pushing store's directory.
+    a: PathBuf,
+    b: NodeStore,
+}
+
+async fn pushed() -> Pushed {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = Registry::start(&dir.path().join("registry")).expect("docker-registry");
     let c = client(&registry.host());
     let to = reference(&registry.host(), "v1");
-    pushed_full(d.path(), &c, &to).await;
-    let b = store(&d.path().join("b"));
+    let a = pushed_full(dir.path(), &c, &to).await;
+    let b = store(&dir.path().join("b"));
+    Pushed {
+        _dir: dir,
+        registry,
+        c,
+        to,
+        a,
+        b,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registry_gone_under_a_lazy_pull_is_an_error_not_a_hang() {
+    let Pushed {
+        _dir,
+        registry,
+        c,
+        to,
+        b,
+        ..
+    } = pushed().await;
     let lazy = twig_oci::pull_lazy(&c, &b, &to, Some(OWNER)).await.unwrap();
     let host = registry.host();
     drop(registry);
@@ -341,12 +373,14 @@ async fn a_registry_gone_under_a_lazy_pull_is_an_error_not_a_hang() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_namespace_is_refused_and_a_lazy_pull_as_reads_while_it_downloads() {
-    let d = tempfile::tempdir().unwrap();
-    let registry = Registry::start(&d.path().join("registry")).expect("docker-registry");
-    let c = client(&registry.host());
-    let to = reference(&registry.host(), "v1");
-    let a = pushed_full(d.path(), &c, &to).await;
-    let b = store(&d.path().join("b"));
+    let Pushed {
+        _dir,
+        registry: _registry,
+        c,
+        to,
+        a,
+        b,
+    } = pushed().await;
     match twig_oci::pull_lazy(&c, &b, &to, Some("team-b")).await {
         Err(Error::PermissionDenied(m)) => assert!(m.contains("team-a"), "{m}"),
         Err(e) => panic!("refused for another reason: {e}"),
@@ -377,6 +411,43 @@ async fn another_namespace_is_refused_and_a_lazy_pull_as_reads_while_it_download
     }
     let pulled = finishing.await.unwrap().unwrap();
     assert_eq!(b.get(&pulled.id).unwrap().owner.as_deref(), Some(OWNER));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paced_download_keeps_its_pace_while_pages_are_read_at_once() {
+    let Pushed {
+        _dir,
+        registry: _registry,
+        c,
+        to,
+        a,
+        b,
+    } = pushed().await;
+    let size = memory_blobs(&c, &to).await[0].1;
+    let lazy = twig_oci::pull_lazy(&c, &b, &to, Some(OWNER)).await.unwrap();
+    // Paced to take 4 s for the memory blob.
+    const SECS: u64 = 4;
+    let pace = std::num::NonZeroU64::new(size.div_ceil(SECS)).unwrap();
+    let src = lazy.source.clone();
+    let started = std::time::Instant::now();
+    let finishing = tokio::spawn(lazy.finish_paced(Some(pace)));
+    // A page is read by range, not after the paced download.
+    let image = Image::open(&a.join("snapshots/full")).unwrap();
+    let got = read(&src, SCRATCH, 1).await.unwrap();
+    assert!(got == composed(&image, SCRATCH, 1), "page {SCRATCH}");
+    assert!(
+        !finishing.is_finished(),
+        "the paced download ended before a page read by range ({:?})",
+        started.elapsed()
+    );
+    let pulled = finishing.await.unwrap().unwrap();
+    let took = started.elapsed();
+    assert!(
+        took >= std::time::Duration::from_secs(SECS) - std::time::Duration::from_millis(50),
+        "{size} bytes at {pace} bytes/s arrived in {took:?}"
+    );
+    assert_eq!(b.get(&pulled.id).unwrap().owner.as_deref(), Some(OWNER));
+    assert!(pulled.bytes_downloaded >= size, "{pulled:?}");
 }
 
 /// A registry that answers every blob GET with `status` and `body`.
