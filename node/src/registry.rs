@@ -38,8 +38,9 @@ pub struct RegistryConfig {
     /// arrives (userfaultfd: [`crate::lazy`]); off, or without
     /// `/dev/userfaultfd`: once the whole snapshot is pulled.
     pub lazy_restore: bool,
-    /// The most a lazy restore's background download takes of the
-    /// registry link, KiB a second (0: as fast as it comes). The pages a
+    /// The most each lazy restore's background download takes of the
+    /// registry link, KiB a second (0: as fast as it comes; a per-download
+    /// cap, not a node-wide budget). The pages a
     /// restored guest faults in are fetched apart from it and never
     /// paced, so a low figure delays the snapshot's publication and the
     /// pod's rollbacks (refused until its memory is complete).

@@ -87,8 +87,8 @@ impl LazyPull {
 
     /// [`LazyPull::finish`], downloading at most `pace` bytes a second:
     /// the background download leaves the registry link to the ranges a
-    /// running guest faults in (which are never paced), and a node's many
-    /// lazy restores do not take all of it.
+    /// running guest faults in (which are never paced). The pace is this
+    /// download's: N lazy restores at once take up to N times it.
     pub async fn finish_paced(self, pace: Option<NonZeroU64>) -> Result<Pulled> {
         let LazyPull {
             source,
