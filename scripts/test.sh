@@ -22,25 +22,33 @@ export TWIG_KUBE_TOOLS
 phase "fmt and clippy"
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
-phase "host tests"
-cargo test --workspace --locked
-phase "the lab (both lanes)"
+phase "builds"
+# Everything the host tests and both lab lanes run, built while nothing else
+# runs: a build beside the lab's emulated CPUs slowed its guests into
+# timeouts, and two cargo builds at once only wait on each other's lock.
+cargo test --workspace --locked --no-run
+cargo test --locked -p twig-vmm --features twig-vmm/lab --no-run
+cargo test --locked -p twig-e2e --features twig-e2e/lab --no-run
+guest/build-kernel.sh > /dev/null
+guest/build-initramfs.sh > /dev/null
 # The lab runs two outer VMs at once, one per CPU of a 2-core machine: each
 # runs its tests on one emulated CPU, and one after the other they outlast
-# CI's 90 minutes. Lane A: twig-vmm's lab tests, then every end-to-end test
-# binary not in lane B; lane B: the longest end-to-end binaries, its lines
-# marked `lab-b|`. The guest kernel is built (or found in its cache) first,
-# as both lanes use it.
-guest/build-kernel.sh > /dev/null
-lane_b=(controller forks kubelet recovery twig_service python_template security workflows sandbox_api)
+# CI's 90 minutes. Lane B (the longest end-to-end binaries, its lines
+# marked `lab-b|`) starts beside the host tests, which keep about one CPU
+# busy; lane A (twig-vmm's lab tests, then every end-to-end binary not in
+# lane B) once they are done. Lane B holds more, as it starts earlier.
+lane_b=(controller forks kubelet recovery twig_service python_template security workflows sandbox_api volumes cri_oom)
 lanes=$(mktemp -d)
-trap 'rm -rf "$lanes"' EXIT
-(
-  set -o pipefail
-  tests/lab/run.sh -p twig-e2e --features twig-e2e/lab $(printf -- '--test %s ' "${lane_b[@]}") 2>&1 |
-    sed -u 's/^/lab-b| /' | tee "$lanes/b"
-) &
+lane_b_pid=
+# Lane B in its own process group, so that a failure elsewhere stops its
+# outer VM too.
+trap '[[ -n $lane_b_pid ]] && kill -- -"$lane_b_pid" 2> /dev/null; rm -rf "$lanes"' EXIT
+phase "host tests, with the lab's lane B beside them"
+setsid bash -c 'set -o pipefail; tests/lab/run.sh -p twig-e2e --features twig-e2e/lab "${@:2}" 2>&1 |
+  sed -u "s/^/lab-b| /" | tee "$1"' lane-b "$lanes/b" $(printf -- '--test %s ' "${lane_b[@]}") &
 lane_b_pid=$!
+cargo test --workspace --locked
+phase "the lab's lane A"
 lane_a_rc=0
 { tests/lab/run.sh -p twig-vmm --features twig-vmm/lab &&
   TWIG_LAB_SKIP="${lane_b[*]}" tests/lab/run.sh -p twig-e2e --features twig-e2e/lab; } 2>&1 |
@@ -48,6 +56,7 @@ lane_a_rc=0
 phase "lane A done"
 lane_b_rc=0
 wait "$lane_b_pid" || lane_b_rc=$?
+lane_b_pid=
 phase "lane B done"
 ((lane_a_rc == 0 && lane_b_rc == 0)) || {
   # Each failing binary's own lines again (run.sh's LAB-DIGEST), last.

@@ -152,11 +152,29 @@ async fn a_clone_not_ready_by_its_deadline_fails_and_keeps_its_pods() {
     running_pod(&client, "redis", "node-a").await;
     ready_snapshot(&client, "seeded", "redis").await;
 
+    // The deadline is shortened only once the controller has seen one pod
+    // Ready: a 1-s deadline from creation raced the test's own steps under
+    // load (the Clone failed with 0/2 Ready before the first was marked).
     let mut clone = fork("slow", "seeded", 2);
-    clone.spec.failure_deadline_seconds = Some(1);
+    clone.spec.failure_deadline_seconds = Some(3600);
     support::create(&client, &clone).await;
     let pods = clone_pods(&client, "slow", 2).await;
     mark_ready(&client, &pods[0]).await;
+    wait_for(&client, "slow", "one replica Ready", |c: &PodClone| {
+        c.status
+            .as_ref()
+            .is_some_and(|s| s.replicas.iter().filter(|r| r.ready).count() == 1)
+    })
+    .await;
+    let clones: Api<PodClone> = Api::namespaced(client.clone(), NS);
+    clones
+        .patch(
+            "slow",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"failureDeadlineSeconds": 1}})),
+        )
+        .await
+        .expect("shorten the deadline");
     let failed = wait_for(&client, "slow", "Failed", |c: &PodClone| {
         c.status.as_ref().is_some_and(|s| s.phase == Phase::Failed)
     })
