@@ -1,14 +1,19 @@
 //! `ExportSnapshot` / `ImportSnapshot`: a snapshot of one node's store
 //! pushed to a real registry (`docker-registry`, started and stopped here)
 //! and pulled by another node, each namespace to its own repositories and
-//! snapshots only; the registry gone is UNAVAILABLE; a pod restored lazily
-//! on a node that lacks the snapshot. Needs /dev/kvm, /dev/userfaultfd and
-//! `docker-registry`.
+//! snapshots only; the registry gone is UNAVAILABLE; a node killed mid-pull
+//! publishes nothing and, restarted, removes what the pull left and pulls
+//! the snapshot whole; a pod restored lazily on a node that lacks the
+//! snapshot. Needs /dev/kvm, /dev/userfaultfd and `docker-registry`.
 
 mod common;
 
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use common::*;
 use twig_cri::harness::Registry;
@@ -18,6 +23,7 @@ use twig_proto::twig::{
     EnsureTemplateRequest, EnsureTemplateResponse, ExportSnapshotRequest, ExportSnapshotResponse,
     GetSnapshotRequest, ImportSnapshotRequest, ImportSnapshotResponse,
 };
+use twig_proto::twig_ttrpc::NodeClient;
 use twig_vmm::api::Client;
 use twig_vmm::RunState;
 
@@ -389,4 +395,137 @@ fn a_clone_restores_lazily_while_its_memory_arrives_and_fails_when_its_source_va
         "a lazy pull whose registry vanished was published (restore: {:?})",
         restored.err()
     );
+}
+
+/// A proxy to `upstream` that holds every blob request after the first (a
+/// snapshot's config, read before its staging is made) unanswered: the
+/// pull through it stalls in its first layer. `held` is set once it holds.
+fn holding_proxy(upstream: String, held: Arc<AtomicBool>) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind the proxy");
+    let addr = listener.local_addr().expect("proxy address").to_string();
+    let blobs = Arc::new(AtomicUsize::new(0));
+    std::thread::spawn(move || {
+        for client in listener.incoming() {
+            let (Ok(client), Ok(server)) = (client, TcpStream::connect(&upstream)) else {
+                return;
+            };
+            let (mut down_from, mut down_to) = (server.try_clone().expect("clone"), client);
+            let mut up_from = down_to.try_clone().expect("clone");
+            let mut up_to = server;
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut down_from, &mut down_to);
+            });
+            let (blobs, held) = (blobs.clone(), held.clone());
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; 16 << 10];
+                loop {
+                    let n = match up_from.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    let text = String::from_utf8_lossy(&buf[..n]);
+                    let asked = text
+                        .lines()
+                        .filter(|l| l.starts_with("GET ") && l.contains("/blobs/"))
+                        .count();
+                    if asked > 0 && blobs.fetch_add(asked, Ordering::SeqCst) + asked > 1 {
+                        held.store(true, Ordering::SeqCst);
+                        // Held: the connection stays open, unanswered.
+                        let _keep = (up_from, up_to);
+                        std::thread::park();
+                        return;
+                    }
+                    if up_to.write_all(&buf[..n]).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// Entries in a node store's staging directory.
+fn staged(store: &Path) -> usize {
+    std::fs::read_dir(store.join("tmp")).map_or(0, |d| d.count())
+}
+
+/// Snapshots published in a node store.
+fn published(store: &Path) -> usize {
+    std::fs::read_dir(store.join("snapshots")).map_or(0, |d| d.count())
+}
+
+#[test]
+fn a_node_killed_mid_pull_publishes_nothing_and_its_restart_pulls_the_snapshot_whole() {
+    let d = tempfile::tempdir().unwrap();
+    let registry = Registry::start(&d.path().join("registry")).expect("docker-registry");
+    let host = registry.host();
+    let (da, db) = (d.path().join("a"), d.path().join("b"));
+    std::fs::create_dir_all(&da).unwrap();
+    make_snapshot(&da, "agent-snap", MIB, Some("team-a"), &[]);
+    let pushed = node_with_registry(&da, &host)
+        .export(
+            "agent-snap",
+            &format!("{host}/twig/team-a/agent:v1"),
+            "team-a",
+        )
+        .expect("ExportSnapshot");
+
+    let held = Arc::new(AtomicBool::new(false));
+    let proxy = holding_proxy(host.clone(), held.clone());
+    std::fs::create_dir_all(&db).unwrap();
+    let mut config = config(&db, 0);
+    config["registry"] = serde_json::json!({"plain_http": [host, proxy]});
+    let b = Node::start(&db, &config);
+    // The import on a connection of its own: its node dies under it.
+    let socket = format!("unix://{}", db.join("node.sock").display());
+    let via = format!("{proxy}/twig/team-a/agent@{}", pushed.digest);
+    let pulling = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let client = ttrpc::r#async::Client::connect(&socket).await?;
+            let req = ImportSnapshotRequest {
+                reference: via,
+                namespace: "team-a".into(),
+                ..Default::default()
+            };
+            NodeClient::new(client).import_snapshot(ctx(), &req).await
+        })
+    });
+    let store = db.join("store");
+    wait_until("B's pull to stall in its first layer", T, || {
+        held.load(Ordering::SeqCst) && staged(&store) > 0
+    });
+    sigkill(b.child.id());
+    let died = pulling.join().expect("the import's thread");
+    assert!(died.is_err(), "an import whose node died: {died:?}");
+    drop(b);
+    assert!(staged(&store) > 0, "killed mid-pull, B left its staging");
+    assert_eq!(published(&store), 0, "nothing of the pull was published");
+
+    let b = Node::start(&db, &config);
+    assert_eq!(staged(&store), 0, "restarted, B removed what the pull left");
+    assert_eq!(published(&store), 0);
+    let pulled = b
+        .import(&format!("{host}/twig/team-a/agent:v1"), "team-a")
+        .expect("ImportSnapshot after the restart");
+    assert_eq!(
+        (pulled.digest.as_str(), pulled.snapshots_pulled),
+        (pushed.digest.as_str(), 1)
+    );
+    assert!(b.has(&pulled.snapshot_id));
+    // Whole: a pod restores it.
+    let vm = b
+        .acquire_req(AcquireVmRequest {
+            sandbox_id: "clone-0".into(),
+            restore_from: pulled.snapshot_id.clone(),
+            namespace: "team-a".into(),
+            ..Default::default()
+        })
+        .expect("AcquireVm of the pulled snapshot");
+    assert_eq!(vm.restored_id, pulled.snapshot_id);
+    sigkill(vm.pid);
 }
