@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The one test command (README, .ci/run). Installs what the tests need, checks
-# formatting and lints, runs every workspace test on the real components
-# (/dev/kvm, containerd, loop-mounted reflink filesystems), then runs the
-# VMM's tests again inside the nested lab on a real kvm-amd, then containerd
-# with twig-snapshotter and the twig shim in the lab (a container in a
-# microVM restored from a template, through `ctr run`). Tests that need
+# formatting and lints, builds everything, runs every workspace test on the
+# real components (/dev/kvm, containerd, loop-mounted reflink filesystems)
+# and, beside them and after, the nested lab's two lanes: twig-vmm's Linux
+# guests on a real kvm-amd, and whole nodes (containerd with
+# twig-snapshotter, twig-node and the twig shim, the controller, twig-api)
+# running pods restored from templates. Tests that need
 # root, KVM, containerd or the lab fail loudly when those are missing; they
 # never skip.
 set -euo pipefail
@@ -36,8 +37,9 @@ guest/build-initramfs.sh > /dev/null
 # CI's 90 minutes. Lane B (the longest end-to-end binaries, its lines
 # marked `lab-b|`) starts beside the host tests, which keep about one CPU
 # busy; lane A (twig-vmm's lab tests, then every end-to-end binary not in
-# lane B) once they are done. Lane B holds more, as it starts earlier.
-lane_b=(controller forks kubelet recovery twig_service python_template security workflows sandbox_api volumes cri_oom)
+# lane B) once they are done. Lane B holds more, as it starts earlier
+# (the host tests beside it run ~1.5x slower).
+lane_b=(controller forks kubelet recovery twig_service python_template security workflows sandbox_api volumes cri_oom restore_from shapes)
 lanes=$(mktemp -d)
 lane_b_pid=
 # Lane B in its own process group, so that a failure elsewhere stops its

@@ -11,7 +11,7 @@ mod common;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::net::UnixStream;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -81,14 +81,21 @@ fn node_with_registry(dir: &std::path::Path, host: &str) -> Node {
     Node::start(dir, &config)
 }
 
+/// A registry under `d` and team-a's snapshot `agent-snap` in the store of
+/// node A (`<d>/a`): the registry, its host, A's and B's directories.
+fn registry_with_snapshot(d: &Path) -> (Registry, String, PathBuf, PathBuf) {
+    let registry = Registry::start(&d.join("registry")).expect("docker-registry");
+    let host = registry.host();
+    let (da, db) = (d.join("a"), d.join("b"));
+    std::fs::create_dir_all(&da).unwrap();
+    make_snapshot(&da, "agent-snap", MIB, Some("team-a"), &[]);
+    (registry, host, da, db)
+}
+
 #[test]
 fn a_snapshot_exported_by_one_node_is_imported_by_another_within_its_namespace() {
     let d = tempfile::tempdir().unwrap();
-    let registry = Registry::start(&d.path().join("registry")).expect("docker-registry");
-    let host = registry.host();
-    let (da, db) = (d.path().join("a"), d.path().join("b"));
-    std::fs::create_dir_all(&da).unwrap();
-    make_snapshot(&da, "agent-snap", MIB, Some("team-a"), &[]);
+    let (registry, host, da, db) = registry_with_snapshot(d.path());
     let a = node_with_registry(&da, &host);
     let b = node_with_registry(&db, &host);
     let ours = format!("{host}/twig/team-a/agent:v1");
@@ -458,11 +465,7 @@ fn published(store: &Path) -> usize {
 #[test]
 fn a_node_killed_mid_pull_publishes_nothing_and_its_restart_pulls_the_snapshot_whole() {
     let d = tempfile::tempdir().unwrap();
-    let registry = Registry::start(&d.path().join("registry")).expect("docker-registry");
-    let host = registry.host();
-    let (da, db) = (d.path().join("a"), d.path().join("b"));
-    std::fs::create_dir_all(&da).unwrap();
-    make_snapshot(&da, "agent-snap", MIB, Some("team-a"), &[]);
+    let (_registry, host, da, db) = registry_with_snapshot(d.path());
     let pushed = node_with_registry(&da, &host)
         .export(
             "agent-snap",
