@@ -462,7 +462,10 @@ for attempt in $(seq 1 "$LAB_BOOTS"); do
   beat=$work/beat-$attempt
   : > "$beat"
   echo "lab: booting $pkg ($ver) under QEMU TCG with $n test binaries (boot $attempt of at most $LAB_BOOTS)${passed_bins:+; passed already: $passed_bins}" >&2
-  { timeout "$LAB_TIMEOUT" qemu-system-x86_64 -M pc -accel "$ACCEL" -smp "$SMP" -cpu "$CPU" -m "$MEM" $QEMU_ARGS \
+  # `--foreground`: timeout stays in this script's process group, so that
+  # stopping the group (scripts/test.sh's lane B on a failure elsewhere)
+  # stops QEMU too; in a group of its own, an outer VM outlived its run.
+  { timeout --foreground "$LAB_TIMEOUT" qemu-system-x86_64 -M pc -accel "$ACCEL" -smp "$SMP" -cpu "$CPU" -m "$MEM" $QEMU_ARGS \
       -nographic -no-reboot -serial stdio -serial "file:$beat" -monitor none \
       -pidfile "$work/qemu.pid" -kernel "$vmlinuz" -initrd "$work/initrd" \
       -append "console=ttyS0 panic=-1 quiet twig_done=$(echo $passed_bins | tr ' ' ,)" </dev/null
