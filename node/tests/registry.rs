@@ -437,10 +437,12 @@ fn holding_proxy(upstream: String, held: Arc<AtomicBool>) -> String {
                         .count();
                     if asked > 0 && blobs.fetch_add(asked, Ordering::SeqCst) + asked > 1 {
                         held.store(true, Ordering::SeqCst);
-                        // Held: the connection stays open, unanswered.
+                        // Held: the connection stays open, unanswered, for
+                        // the rest of the test process.
                         let _keep = (up_from, up_to);
-                        std::thread::park();
-                        return;
+                        loop {
+                            std::thread::park();
+                        }
                     }
                     if up_to.write_all(&buf[..n]).is_err() {
                         return;
