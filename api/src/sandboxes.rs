@@ -840,6 +840,8 @@ impl App {
                 ApiError::not_found(format!("snapshot '{snap_id}' of sandbox '{id}' not found"))
             })?;
         let name = format!("{id}-b{}", objects::generation());
+        // The Rollback's deadline and this wait alike.
+        let timeout = self.snapshot_timeout.saturating_mul(2);
         let mut rollback = Rollback::new(
             &name,
             RollbackSpec {
@@ -847,9 +849,7 @@ impl App {
                 snapshot_name: snap.name_any(),
                 pod_uid: pod.uid(),
                 safety_snapshot: false,
-                failure_deadline_seconds: Some(objects::deadline_seconds(
-                    self.snapshot_timeout.saturating_mul(2),
-                )),
+                failure_deadline_seconds: Some(objects::deadline_seconds(timeout)),
             },
         );
         rollback.metadata.labels = Some(BTreeMap::from([(
@@ -858,9 +858,7 @@ impl App {
         )]));
         let api = self.api::<Rollback>(ns);
         api.create(&PostParams::default(), &rollback).await?;
-        let waited = self
-            .wait::<Rollback>(ns, &name, self.snapshot_timeout.saturating_mul(2), settled)
-            .await?;
+        let waited = self.wait::<Rollback>(ns, &name, timeout, settled).await?;
         let _ = api.delete(&name, &DeleteParams::default()).await;
         match waited {
             Some(Some(r)) => {
@@ -877,7 +875,7 @@ impl App {
             Some(None) => Err(ApiError::internal("the Rollback was deleted")),
             None => Err(ApiError::internal(format!(
                 "rollback of sandbox '{id}' not done within {} s",
-                (self.snapshot_timeout.saturating_mul(2)).as_secs()
+                timeout.as_secs()
             ))),
         }
     }
