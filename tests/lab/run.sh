@@ -452,6 +452,19 @@ digest() {
     function show() {for (i = 0; i < n; i++) print "LAB-DIGEST " bin ": " text[i]}' "$all" |
     tail -n 150
 }
+# The console's lines, carriage returns dropped; each test's verdict and each
+# binary's start and exit stamped with the seconds since the boot (`[lab
+# 123s]`), so a run says where its minutes went.
+stamp() {
+  local line
+  while IFS= read -r line; do
+    line=${line%$'\r'}
+    case $line in
+      LAB-RUN* | LAB-EXIT* | "test "*" ok" | "test "*" FAILED") printf '%s [lab %ds]\n' "$line" $((SECONDS - boot_start)) ;;
+      *) printf '%s\n' "$line" ;;
+    esac
+  done
+}
 BEAT_TIMEOUT=${TWIG_LAB_BEAT_TIMEOUT:-90}
 LAB_BOOTS=${TWIG_LAB_BOOTS:-8}
 all=$work/all.log
@@ -461,6 +474,7 @@ for attempt in $(seq 1 "$LAB_BOOTS"); do
   log=$work/serial-$attempt.log
   beat=$work/beat-$attempt
   : > "$beat"
+  boot_start=$SECONDS
   echo "lab: booting $pkg ($ver) under QEMU TCG with $n test binaries (boot $attempt of at most $LAB_BOOTS)${passed_bins:+; passed already: $passed_bins}" >&2
   # `--foreground`: timeout stays in this script's process group, so that
   # stopping the group (scripts/test.sh's lane B on a failure elsewhere)
@@ -469,7 +483,7 @@ for attempt in $(seq 1 "$LAB_BOOTS"); do
       -nographic -no-reboot -serial stdio -serial "file:$beat" -monitor none \
       -pidfile "$work/qemu.pid" -kernel "$vmlinuz" -initrd "$work/initrd" \
       -append "console=ttyS0 panic=-1 quiet twig_done=$(echo $passed_bins | tr ' ' ,)" </dev/null
-    echo $? > "$work/qemu.rc"; } | sed -u 's/\r//' | tee "$log" >&$((bench ? 2 : 1)) &
+    echo $? > "$work/qemu.rc"; } | stamp | tee "$log" >&$((bench ? 2 : 1)) &
   relay=$!
   last=0 still=0 wedged=""
   while kill -0 $relay 2>/dev/null; do
