@@ -9,7 +9,8 @@
 //! node that has nothing of the chain, from the pull's start to the
 //! guest's first answer: eager (pull the chain, restore) against lazy
 //! (twig-oci's lazy pull, twig-node's page server, twig-vmm's lazy
-//! restore: the guest answers while its memory arrives).
+//! restore: the guest answers while its memory arrives), with the
+//! snapshot's hot list sent first and without it (faults alone).
 
 use std::collections::BTreeMap;
 use std::os::unix::net::UnixStream;
@@ -111,15 +112,20 @@ fn restore_to_answer(mib: usize, dir: &Path) -> Result<Duration, Error> {
 /// there), from the pull's start until the guest has answered a command;
 /// then waits until the pull is published and the VM's memory complete.
 /// Returns the time and the bytes fetched by range before the answer.
+/// Without `hot`, the page server is not given the snapshot's hot list.
 async fn lazy_to_answer(
     client: &Client,
     store: &NodeStore,
     from: &Reference,
     mib: usize,
     dir: &Path,
+    hot: bool,
 ) -> Result<(Duration, u64), Error> {
     let t = Instant::now();
-    let pull = twig_oci::pull_lazy(client, store, from, None).await?;
+    let mut pull = twig_oci::pull_lazy(client, store, from, None).await?;
+    if !hot {
+        pull.hot.clear();
+    }
     let (staged, id, source) = (pull.dir.clone(), pull.id.clone(), pull.source.clone());
     let socket =
         twig_node::lazy::serve(dir, "bench", pull, None, tokio::runtime::Handle::current())
@@ -170,10 +176,17 @@ async fn size_run(
     vm.snapshot_into(&a, "inc", Kind::Incremental)?;
     drop(vm);
     let sizes = a.sizes_of("full")?;
+    let hot_pages: u64 = twig_vmm::snapshot::read_state(&a.snapshot_dir("inc"))?
+        .meta
+        .hot
+        .iter()
+        .map(|(_, n)| n)
+        .sum();
 
     let (mut push_full, mut push_inc, mut pull, mut pull_inc) = (vec![], vec![], vec![], vec![]);
     let (mut remote, mut local) = (vec![], vec![]);
     let (mut eager, mut lazy, mut lazy_fetched) = (vec![], vec![], 0);
+    let (mut cold, mut cold_fetched) = (vec![], 0);
     let (mut bytes_full, mut bytes_inc, mut bytes_pulled) = (0, 0, 0);
     for run in 0..args.runs {
         // A new repository each run: the registry keeps blobs per repository.
@@ -213,11 +226,15 @@ async fn size_run(
         restore_to_answer(mib, &c.snapshot_dir(&got.id))?;
         eager.push(t.elapsed());
         let d = NodeStore::open(&dir.join(format!("d{run}")), true)?;
-        let (took, fetched) = lazy_to_answer(client, &d, &repo("inc")?, mib, &dir).await?;
+        let (took, fetched) = lazy_to_answer(client, &d, &repo("inc")?, mib, &dir, true).await?;
         lazy.push(took);
         lazy_fetched = fetched;
-        drop((c, d));
-        for store in ["c", "d"] {
+        let e = NodeStore::open(&dir.join(format!("e{run}")), true)?;
+        let (took, fetched) = lazy_to_answer(client, &e, &repo("inc")?, mib, &dir, false).await?;
+        cold.push(took);
+        cold_fetched = fetched;
+        drop((c, d, e));
+        for store in ["c", "d", "e"] {
             std::fs::remove_dir_all(dir.join(format!("{store}{run}")))?;
         }
     }
@@ -231,6 +248,8 @@ async fn size_run(
     report.timing(&key("clone_elsewhere_eager_answer"), &eager);
     report.timing(&key("clone_elsewhere_lazy_answer"), &lazy);
     report.value(&key("lazy_bytes_before_answer"), json!(lazy_fetched));
+    report.timing(&key("clone_elsewhere_lazy_nohot_answer"), &cold);
+    report.value(&key("lazy_nohot_bytes_before_answer"), json!(cold_fetched));
     report.value(&key("bytes_full"), json!(bytes_full));
     report.value(&key("bytes_incremental"), json!(bytes_inc));
     let _ = std::fs::remove_dir_all(&dir);
@@ -238,6 +257,7 @@ async fn size_run(
         "mib": mib,
         "memory_bytes": sizes.memory_bytes,
         "touched_pages": touched,
+        "hot_pages": hot_pages,
         "bytes_pushed_full": bytes_full,
         "bytes_pushed_incremental": bytes_inc,
         "bytes_pulled_full": bytes_pulled,

@@ -5,9 +5,12 @@
 //! made here ([`serve`]) and twig-vmm sends it its userfaultfd
 //! ([`twig_vmm::uffd`]); each page the guest first touches is read from the
 //! pull's page source (by range from the registry, or what has arrived)
-//! and copied in. Once the pull has published the snapshot, every page
-//! not yet touched is copied in, and the VMM is told its memory is
-//! complete.
+//! and copied in. The pages the snapshot's guest was using when it was
+//! taken (its hot list) come first: fetched from the registry from the
+//! moment the pull is staged, while the VMM restores, and copied in
+//! between faults once it has connected. Once the pull has published the
+//! snapshot, every page not yet touched is copied in, and the VMM is told
+//! its memory is complete.
 //!
 //! A page source that fails (the registry gone, a corrupt range) or a pull
 //! that cannot finish ends the page server's connection: the VMM, whose
@@ -19,7 +22,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -70,19 +73,23 @@ pub fn serve(
         .map_err(|e| Error::io(format!("listening on {}", socket.display()), e))?;
     let source = pull.source.clone();
     let id = pull.id.clone();
+    let stop = Arc::new(AtomicBool::new(false));
+    prefetch_hot(&source, &pull.hot, &id, stop.clone())?;
     let path = socket.clone();
     let sandbox = sandbox.to_string();
     std::thread::Builder::new()
         .name(format!("lazy-{id}"))
         .spawn(move || {
             let outcome = accept(&listener).and_then(|conn| run(conn, &source, pull, pace, &rt));
+            stop.store(true, Ordering::Relaxed);
             let _ = std::fs::remove_file(&path);
             match outcome {
                 Ok(served) => {
                     tracing::info!(
                         sandbox,
                         snapshot = id,
-                        faults = served,
+                        faults = served.faults,
+                        hot_pages = served.hot,
                         "lazy restore complete"
                     )
                 }
@@ -127,17 +134,82 @@ fn accept(listener: &UnixListener) -> Result<UnixStream> {
     Ok(conn)
 }
 
-/// Serves faults until the pull has finished and every page is in;
-/// returns how many faults were served.
+/// Fetches the pages of `hot` (runs inside `source`) from the registry
+/// into the page source, a chunk at a time, on a thread of its own,
+/// until done, `stop` is set or a fetch fails (then the faults fetch what
+/// they need, and say what is wrong).
+fn prefetch_hot(
+    source: &Arc<PageSource>,
+    hot: &[(u64, u64)],
+    id: &str,
+    stop: Arc<AtomicBool>,
+) -> Result<()> {
+    if hot.is_empty() {
+        return Ok(());
+    }
+    let chunks = chunks(hot, source.pages());
+    let (source, id) = (source.clone(), id.to_string());
+    std::thread::Builder::new()
+        .name(format!("hot-{id}"))
+        .spawn(move || {
+            let started = Instant::now();
+            for (first, n) in chunks {
+                if stop.load(Ordering::Relaxed) {
+                    return;
+                }
+                let pages: Vec<u64> = (first..first + n).collect();
+                if let Err(e) = source.prefetch(&pages) {
+                    tracing::warn!(snapshot = id, error = %e, "prefetching its hot pages stopped");
+                    return;
+                }
+            }
+            tracing::debug!(
+                snapshot = id,
+                ms = started.elapsed().as_millis() as u64,
+                "hot pages fetched"
+            );
+        })
+        .map_err(|e| Error::Internal(format!("starting a prefetch thread: {e}")))?;
+    Ok(())
+}
+
+/// `runs` clipped to `pages` and cut into chunks of at most
+/// [`FILL_CHUNK`] pages, in order.
+fn chunks(runs: &[(u64, u64)], pages: u64) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    for &(first, n) in runs {
+        let end = first.saturating_add(n).min(pages);
+        let mut at = first;
+        while at < end {
+            let k = FILL_CHUNK.min(end - at);
+            out.push((at, k));
+            at += k;
+        }
+    }
+    out
+}
+
+/// What a page server did for its VM.
+struct Served {
+    /// Faults answered.
+    faults: u64,
+    /// Pages of the hot list copied in ahead of any fault.
+    hot: u64,
+}
+
+/// Serves faults until the pull has finished and every page is in,
+/// copying the hot pages in whenever no fault waits.
 fn run(
     conn: UnixStream,
     source: &Arc<PageSource>,
-    pull: LazyPull,
+    mut pull: LazyPull,
     pace: Option<NonZeroU64>,
     rt: &tokio::runtime::Handle,
-) -> Result<u64> {
+) -> Result<Served> {
     let server = PageServer::accept(conn, CONNECT_TIMEOUT)
         .map_err(|e| Error::FailedPrecondition(format!("the VMM's handshake: {e}")))?;
+    let mut hot = chunks(&std::mem::take(&mut pull.hot), source.pages()).into_iter();
+    let mut next_hot = hot.next();
     // The rest is downloaded once the VMM has read the staged state and
     // disks (which the pull publishes, or drops when it fails): a VMM
     // that never comes drops the pull, and its stagings, with it.
@@ -156,9 +228,21 @@ fn run(
     }
     let started = Instant::now();
     let mut buf = vec![0u8; (FILL_CHUNK * PAGE) as usize];
-    let mut faults = 0u64;
+    let mut served = Served { faults: 0, hot: 0 };
+    // The first chunk of the hot list goes in before any fault is
+    // answered: it is what the guest's first steps want, and nothing of
+    // it is there yet.
+    if let Some((first, n)) = next_hot {
+        served.hot += put(&server, source, first, n, &mut buf)?;
+        next_hot = hot.next();
+    }
     loop {
-        match server.next_fault(Some(POLL)) {
+        let wait = if next_hot.is_some() {
+            Duration::ZERO
+        } else {
+            POLL
+        };
+        match server.next_fault(Some(wait)) {
             Ok(Some(page)) if page >= pages => {
                 return Err(Error::FailedPrecondition(format!(
                     "the VMM asked for page {page} of {pages}"
@@ -168,10 +252,16 @@ fn run(
                 let first = page - page % FAULT_WINDOW;
                 let n = FAULT_WINDOW.min(pages - first);
                 put(&server, source, first, n, &mut buf)?;
-                faults += 1;
+                served.faults += 1;
                 continue;
             }
-            Ok(None) => {}
+            Ok(None) => {
+                if let Some((first, n)) = next_hot {
+                    served.hot += put(&server, source, first, n, &mut buf)?;
+                    next_hot = hot.next();
+                    continue;
+                }
+            }
             // The VMM exited: nothing more to serve (the pull goes on).
             Err(e) => return Err(Error::FailedPrecondition(format!("the VMM went away: {e}"))),
         }
@@ -183,7 +273,8 @@ fn run(
             Ok(Err(e)) => return Err(Error::Registry(e)),
             Ok(Ok(bytes)) => {
                 tracing::debug!(
-                    faults,
+                    faults = served.faults,
+                    hot = served.hot,
                     bytes,
                     after_ms = started.elapsed().as_millis() as u64,
                     "pull finished: copying in the rest"
@@ -197,7 +288,7 @@ fn run(
                 server
                     .complete()
                     .map_err(|e| Error::FailedPrecondition(format!("completing: {e}")))?;
-                return Ok(faults);
+                return Ok(served);
             }
         }
     }
@@ -207,7 +298,14 @@ const PAGE: u64 = 4096;
 
 /// Reads pages `first..first + n` from `source` and puts them into the
 /// VM (zeros as zero pages); pages already there are left as they are.
-fn put(server: &PageServer, source: &PageSource, first: u64, n: u64, buf: &mut [u8]) -> Result<()> {
+/// Returns the pages it put in.
+fn put(
+    server: &PageServer,
+    source: &PageSource,
+    first: u64,
+    n: u64,
+    buf: &mut [u8],
+) -> Result<u64> {
     let data = &mut buf[..(n * PAGE) as usize];
     source.read(first, data)?;
     let copied = if data.iter().all(|b| *b == 0) {
@@ -215,7 +313,5 @@ fn put(server: &PageServer, source: &PageSource, first: u64, n: u64, buf: &mut [
     } else {
         server.copy(first, data)
     };
-    copied
-        .map(drop)
-        .map_err(|e| Error::FailedPrecondition(format!("copying guest pages {first}+{n}: {e}")))
+    copied.map_err(|e| Error::FailedPrecondition(format!("copying guest pages {first}+{n}: {e}")))
 }

@@ -370,6 +370,22 @@ fn a_clone_restores_lazily_while_its_memory_arrives_and_fails_when_its_source_va
         b.log().contains("lazy restore complete")
     });
     assert!(!b.log().contains("lazy restore failed"), "{}", b.log());
+    // The pages the guest ran on when it was snapshotted (its hot list)
+    // were copied in ahead of its faults.
+    let log = b.log();
+    let hot: u64 = log
+        .lines()
+        .find(|l| l.contains("lazy restore complete"))
+        .map(plain)
+        .and_then(|l| {
+            let v = l.split("hot_pages=").nth(1)?;
+            v.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+        })
+        .unwrap_or_else(|| panic!("no hot page count in {log}"));
+    assert!(
+        hot > 0,
+        "no hot page was copied in ahead of the faults: {log}"
+    );
     let s = api.stats(T).expect("stats after the memory arrived");
     assert_eq!(s.state, RunState::Running);
     let again = b.import(&artifact, "team-a").expect("ImportSnapshot");
@@ -402,6 +418,20 @@ fn a_clone_restores_lazily_while_its_memory_arrives_and_fails_when_its_source_va
         "a lazy pull whose registry vanished was published (restore: {:?})",
         restored.err()
     );
+}
+
+/// `line` without its terminal colour codes (`ESC [ … m`).
+fn plain(line: &str) -> String {
+    let mut out = String::new();
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            chars.by_ref().find(|c| *c == 'm');
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// A proxy to `upstream` that holds every blob request after the first (a

@@ -41,6 +41,11 @@ pub struct LazyPull {
     pub id: String,
     /// The leaf's guest memory, composed across the chain.
     pub source: Arc<PageSource>,
+    /// The pages the leaf's guest was using when it was snapshotted, as
+    /// runs `(first page, count)` inside its memory (its state's hot
+    /// list, checked when read): what a lazy restore wants first. Empty
+    /// when the store had the snapshot.
+    pub hot: Vec<(u64, u64)>,
     pending: Option<Download>,
     out: Pulled,
 }
@@ -230,6 +235,7 @@ async fn lazy_into(
             dir: store.snapshot_dir(&id),
             id,
             source: Arc::new(PageSource::new(mem_size, layers, fetcher)),
+            hot: Vec::new(),
             pending: None,
             out,
         });
@@ -240,6 +246,7 @@ async fn lazy_into(
     };
     let mut steps: Vec<Step> = Vec::new();
     let mut mem_size = None;
+    let mut hot = Vec::new();
     while let Some(p) = pending.pop() {
         let id = id_for(&p.digest, leaf_id.filter(|_| pending.is_empty()));
         let at = match (steps.last(), &base) {
@@ -266,6 +273,7 @@ async fn lazy_into(
                 state.meta.mem_size
             )));
         }
+        hot = state.meta.hot;
         let (memory, expected, index) = memory_index(client, from, &p, size).await?;
         out.bytes_downloaded += index.1;
         layers.push(MemLayer {
@@ -295,6 +303,7 @@ async fn lazy_into(
         dir,
         id,
         source: Arc::new(PageSource::new(mem_size, layers, fetcher)),
+        hot,
         pending: Some(Download {
             store,
             client: client.clone(),

@@ -12,7 +12,8 @@
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::sync::Arc;
+use std::os::unix::fs::FileExt;
+use std::sync::{Arc, OnceLock};
 
 use vm_memory::bitmap::AtomicBitmap;
 use vm_memory::{
@@ -119,6 +120,32 @@ impl PageSet {
         })
     }
 
+    /// The set as at most `max_runs` runs `(first, count)`, coarsened to
+    /// windows of 16 pages (64 KiB) and, while there are more runs than
+    /// that, of twice as many: every page of the set is in a run, pages
+    /// near them may be too. Empty for an empty set or `max_runs` 0.
+    pub fn coarse_runs(&self, max_runs: usize) -> Vec<(usize, usize)> {
+        if max_runs == 0 {
+            return Vec::new();
+        }
+        let mut window = 16;
+        loop {
+            let mut runs: Vec<(usize, usize)> = Vec::new();
+            for p in self.iter() {
+                let first = p - p % window;
+                let end = (first + window).min(self.pages);
+                match runs.last_mut() {
+                    Some((start, n)) if *start + *n >= first => *n = end - *start,
+                    _ => runs.push((first, end - first)),
+                }
+            }
+            if runs.len() <= max_runs {
+                return runs;
+            }
+            window *= 2;
+        }
+    }
+
     /// Maximal runs of consecutive pages as `(first, count)`.
     pub fn runs(&self) -> Vec<(usize, usize)> {
         let mut runs: Vec<(usize, usize)> = Vec::new();
@@ -142,6 +169,24 @@ pub enum Backing {
     /// A private copy-on-write mapping of a snapshot memory file.
     Private(Arc<File>),
 }
+
+/// `/proc/self/pagemap`, kept open from before a jail hides `/proc`
+/// ([`keep_pagemap`]).
+static PAGEMAP: OnceLock<File> = OnceLock::new();
+
+/// Opens this process's `/proc/self/pagemap` for [`GuestRam::touched`],
+/// once: a jailed VMM calls it before its root changes (and after it
+/// forked into a PID namespace: the descriptor is the process's own).
+pub fn keep_pagemap() -> std::io::Result<()> {
+    if PAGEMAP.get().is_none() {
+        let _ = PAGEMAP.set(File::open("/proc/self/pagemap")?);
+    }
+    Ok(())
+}
+
+/// Bits of a pagemap entry: the page is present, or swapped out.
+const PM_PRESENT: u64 = 1 << 63;
+const PM_SWAPPED: u64 = 1 << 62;
 
 /// Guest RAM at guest physical address 0.
 pub struct GuestRam {
@@ -572,6 +617,39 @@ impl GuestRam {
         Ok(())
     }
 
+    /// The pages this process's page tables map (present or swapped out):
+    /// those the guest, KVM or the VMM touched since RAM was last mapped
+    /// (a boot's memfd, a restore's or full snapshot's file), as
+    /// `/proc/self/pagemap` says. A fault on a file mapping maps the
+    /// neighbours the page cache holds too (fault-around): the set is
+    /// precise to about 64 KiB.
+    pub fn touched(&self) -> Result<PageSet> {
+        keep_pagemap().map_err(|e| Error::io("opening /proc/self/pagemap", e))?;
+        let map = PAGEMAP
+            .get()
+            .ok_or_else(|| Error::Config("no /proc/self/pagemap".into()))?;
+        let pages = self.pages();
+        let mut set = PageSet::new(pages);
+        let mut buf = vec![0u8; 8 * 8192];
+        let first = self.addr as u64 / PAGE_SIZE as u64;
+        let mut p = 0;
+        while p < pages {
+            let n = (pages - p).min(buf.len() / 8);
+            let bytes = &mut buf[..n * 8];
+            map.read_exact_at(bytes, (first + p as u64) * 8)
+                .map_err(|e| Error::io("reading /proc/self/pagemap", e))?;
+            for (i, e) in bytes.chunks_exact(8).enumerate() {
+                let mut word = [0u8; 8];
+                word.copy_from_slice(e);
+                if u64::from_ne_bytes(word) & (PM_PRESENT | PM_SWAPPED) != 0 {
+                    set.insert(p + i);
+                }
+            }
+            p += n;
+        }
+        Ok(set)
+    }
+
     /// Guest RAM mapped in this process, from `/proc/self/smaps`:
     /// `(resident, private)` bytes. Resident pages include those shared with
     /// other VMs through the snapshot's page cache; private ones are this
@@ -627,6 +705,39 @@ mod tests {
         assert_eq!(a.runs()[0], (1, 4));
         assert_eq!(PageSet::full(130).count(), 130);
         assert!(PageSet::new(10).is_empty());
+    }
+
+    #[test]
+    fn coarse_runs_cover_the_set_within_the_limit() {
+        let mut s = PageSet::new(1000);
+        for p in [3, 17, 40, 200, 999] {
+            s.insert(p);
+        }
+        // 64 KiB windows: 0..16 and 16..32 touch, 32..48, 192..208, the
+        // last window ends with the set.
+        assert_eq!(s.coarse_runs(10), vec![(0, 48), (192, 16), (992, 8)]);
+        let two = s.coarse_runs(2);
+        assert!(two.len() <= 2, "{two:?}");
+        for p in s.iter() {
+            assert!(
+                two.iter().any(|(f, n)| p >= *f && p < f + n),
+                "{p} in {two:?}"
+            );
+        }
+        assert!(s.coarse_runs(0).is_empty());
+        assert!(PageSet::new(64).coarse_runs(4).is_empty());
+    }
+
+    #[test]
+    fn touched_pages_are_those_written_or_read() {
+        let mut ram = GuestRam::reserve(64 * PAGE_SIZE).unwrap();
+        ram.back_with_memfd().unwrap();
+        assert!(ram.touched().unwrap().is_empty());
+        ram.write_pages(5, &[1u8; PAGE_SIZE]).unwrap();
+        assert_eq!(byte_at(&ram, 40), 0);
+        let t = ram.touched().unwrap();
+        assert!(t.contains(5) && t.contains(40), "{:?}", t.runs());
+        assert!(!t.contains(20), "{:?}", t.runs());
     }
 
     fn byte_at(ram: &GuestRam, page: usize) -> u8 {

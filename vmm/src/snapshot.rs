@@ -3,9 +3,11 @@
 //! A snapshot is a directory holding:
 //! - `state`: a 32-byte header (magic `TWIGSNAP`, format version, payload
 //!   length, CRC32 of the payload) and a payload of length-prefixed sections
-//!   in a fixed order: metadata (JSON), irqchips, PIT, clock, devices, the
-//!   page bitmap of an incremental snapshot, then each vCPU's state. Its size
-//!   is capped so hostile files cannot make us allocate without bound.
+//!   in a fixed order: metadata (JSON, with the hot list: the pages the
+//!   guest was using, what a lazy restore fetches first), irqchips, PIT,
+//!   clock, devices, the page bitmap of an incremental snapshot, then each
+//!   vCPU's state. Its size is capped so hostile files cannot make us
+//!   allocate without bound.
 //! - `memory`: a full snapshot holds all of guest RAM; an incremental one is a
 //!   sparse file holding only the pages dirtied since its parent, each at its
 //!   own offset. Its parent is named by id (and a random uid that catches a
@@ -107,6 +109,34 @@ pub struct Meta {
     /// The VM's disks, in device order.
     #[serde(default)]
     pub disks: Vec<DiskMeta>,
+    /// The pages the guest was using when the snapshot was taken, as runs
+    /// `(first page, count)` in ascending order (at most [`MAX_HOT_RUNS`],
+    /// coarsened to 64 KiB or more): what a lazy restore fetches first.
+    /// A hint: empty when unknown.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hot: Vec<(u64, u64)>,
+}
+
+/// Most runs a snapshot's [`Meta::hot`] list holds.
+pub const MAX_HOT_RUNS: usize = 1024;
+
+/// Checks a hot list read from a snapshot: at most [`MAX_HOT_RUNS`]
+/// non-empty, ascending, non-overlapping runs inside `pages` pages.
+fn check_hot(hot: &[(u64, u64)], pages: u64) -> std::result::Result<(), String> {
+    if hot.len() > MAX_HOT_RUNS {
+        return Err(format!("{} hot runs (at most {MAX_HOT_RUNS})", hot.len()));
+    }
+    let mut end = 0;
+    for &(first, n) in hot {
+        let inside = first.checked_add(n).is_some_and(|e| e <= pages);
+        if n == 0 || first < end || !inside {
+            return Err(format!(
+                "hot run {first}+{n} is empty, out of order or outside {pages} pages"
+            ));
+        }
+        end = first + n;
+    }
+    Ok(())
 }
 
 /// A disk of a snapshotted VM: a fixed disk, or a disk slot (empty, or
@@ -322,6 +352,7 @@ impl VmState {
             return Err(bad(format!("{} vCPUs is out of range", meta.vcpus)));
         }
         let pages = (meta.mem_size / PAGE_SIZE as u64) as usize;
+        check_hot(&meta.hot, pages as u64).map_err(bad)?;
         let irqchips = [
             r.pod("irqchip 0")?,
             r.pod("irqchip 1")?,

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use common::*;
 use twig_vmm::snapshot::{self, Image};
-use twig_vmm::{Kind, RunState, Shape, Vm};
+use twig_vmm::{testguest, Kind, RunState, Shape, Vm};
 
 /// Boots a guest and takes a full snapshot `s0` and an incremental `s1`.
 fn snapshots(d: &Path) -> (Guest, PathBuf, PathBuf) {
@@ -184,6 +184,44 @@ fn a_snapshot_from_a_cpu_with_more_features_is_refused() {
         e.contains("features this host lacks") && e.contains("leaf 0x7.0 ebx"),
         "{e}"
     );
+}
+
+#[test]
+fn a_snapshot_records_the_pages_its_guest_used_and_a_bad_hot_list_is_refused() {
+    let d = tmp();
+    let (_g, s0, _) = snapshots(d.path());
+    let state = snapshot::read_state(&s0).unwrap();
+    let hot = &state.meta.hot;
+    let page = |gpa: u64| gpa / 4096;
+    let has = |p: u64| hot.iter().any(|(f, n)| p >= *f && p < f + n);
+    // What the guest ran on and wrote: its code, its counter, the scratch
+    // pages it dirtied; not the far end of RAM it never touched.
+    let last = ((MIB as u64) << 20) / 4096 - 1;
+    for p in [
+        page(testguest::COUNTER),
+        page(testguest::SCRATCH),
+        page(testguest::SCRATCH) + 3,
+    ] {
+        assert!(has(p), "page {p} not in the hot list {hot:?}");
+    }
+    assert!(
+        !has(last),
+        "the untouched last page in the hot list {hot:?}"
+    );
+    let case = |name: &str, runs: Vec<(u64, u64)>| {
+        let mut state = snapshot::read_state(&s0).unwrap();
+        state.meta.hot = runs;
+        let c = d.path().join(name);
+        copy_dir(&s0, &c);
+        std::fs::write(c.join("state"), state.encode().unwrap()).unwrap();
+        restore_err(&c)
+    };
+    let e = case("hot-outside", vec![(last, 2)]);
+    assert!(e.contains("hot run") && e.contains("outside"), "{e}");
+    let e = case("hot-backwards", vec![(64, 16), (0, 16)]);
+    assert!(e.contains("out of order"), "{e}");
+    let e = case("hot-many", (0..1025).map(|i| (i * 2, 1)).collect());
+    assert!(e.contains("1025 hot runs"), "{e}");
 }
 
 #[test]

@@ -257,6 +257,19 @@ fn a_jailed_vmm_boots_snapshots_rolls_back_and_restores() {
         store.join("snapshots/s1/state").exists(),
         "written through the bind"
     );
+    // Its hot list (the pages its guest used) came from the page tables,
+    // read in the jail through the pagemap opened before it.
+    let meta = twig_vmm::snapshot::read_state(&store.join("snapshots/s1"))
+        .unwrap()
+        .meta;
+    let counter = twig_vmm::testguest::COUNTER / 4096;
+    assert!(
+        meta.hot
+            .iter()
+            .any(|(f, n)| counter >= *f && counter < f + n),
+        "the guest's counter page is not in the hot list {:?}",
+        meta.hot
+    );
     let r = a.api.rollback(&s1, T).unwrap();
     assert_eq!(r.id, full.id);
     // Paths outside the jail do not exist for it.

@@ -333,6 +333,24 @@ fn a_lazily_restored_guest_runs_before_its_memory_is_complete_and_ends_exact() {
         assert!(c > counter_s2, "the guest ran: counter {c} > {counter_s2}");
     }
 
+    // The page server filled every page, yet s4's hot list is s2's (and
+    // what the guest dirtied since): not all of memory.
+    let hot_of = |dir: &Path| Image::open(dir).unwrap().state.meta.hot.clone();
+    let (h2, h4) = (hot_of(&s2), hot_of(&s4));
+    let covers = |hot: &[(u64, u64)], p: u64| hot.iter().any(|(f, n)| p >= *f && p < f + n);
+    assert!(covers(&h2, counter_page), "s2's hot list {h2:?}");
+    assert!(covers(&h4, counter_page), "s4's hot list {h4:?}");
+    assert!(
+        !covers(&h4, pages - 1),
+        "s4's hot list is all of memory: {h4:?}"
+    );
+    for p in 0..pages {
+        assert!(
+            !covers(&h2, p) || covers(&h4, p),
+            "page {p} left s4's hot list"
+        );
+    }
+
     // s4 restores normally and the guest spins on.
     let serial = twig_vmm::Capture::new();
     let mut vm =

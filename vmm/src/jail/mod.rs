@@ -16,7 +16,8 @@
 //! levels get their parent's CPUs and nodes), network namespace (`--netns`,
 //! else a new empty one), PID namespace (`--new-pid-ns`: the child is PID 1
 //! there and dies with its parent, which exits the way the child did, so
-//! the caller watches one pid), mount namespace (all mounts private, the
+//! the caller watches one pid), `/proc/self/pagemap` opened (snapshots'
+//! hot lists read it), mount namespace (all mounts private, the
 //! jail bound onto itself, `--jail-bind`s, the `/dev` tmpfs, `pivot_root`),
 //! `RLIMIT_NOFILE`, an empty bounding set, no supplementary groups,
 //! `setresgid`, `setresuid`, `PR_SET_NO_NEW_PRIVS`.
@@ -145,6 +146,9 @@ pub fn enter(cfg: &JailConfig) -> Result<(), JailError> {
             .map_err(|e| JailError::sys("creating a PID namespace", e))?;
         pidns::fork_and_wait()?;
     }
+    // The VMM's own page tables, read for snapshots' hot lists
+    // (`memory.rs`): `/proc` is out of reach once the root changes.
+    crate::memory::keep_pagemap().map_err(|e| JailError::sys("opening /proc/self/pagemap", e))?;
     unshare(CloneFlags::CLONE_NEWNS)
         .map_err(|e| JailError::sys("creating a mount namespace", e))?;
     nix::unistd::chown(

@@ -195,6 +195,7 @@ impl Vm {
             baseline: None,
             lazy: None,
             lazy_origin: None,
+            hot: None,
             dirty: PageSet::new(shape.mem_size / PAGE_SIZE),
             kvm,
         })

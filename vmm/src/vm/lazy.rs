@@ -136,6 +136,13 @@ impl Vm {
         self.cpuid = s.vcpus.iter().map(|v| v.cpuid.clone()).collect();
         self.msr_indices = Arc::new(s.vcpus[0].msrs.iter().map(|m| m.index).collect());
         self.baseline = None;
+        // The page server fills every page: the hot list passed on is
+        // the snapshot's (and what the guest dirties).
+        let mut hot = PageSet::new(self.ram.pages());
+        for &(first, n) in &s.meta.hot {
+            (first..first + n).for_each(|p| hot.insert(p as usize));
+        }
+        self.hot = Some(hot);
         self.lazy_origin = Some(LazyOrigin {
             dir,
             uid: s.meta.uid.clone(),

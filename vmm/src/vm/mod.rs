@@ -71,6 +71,11 @@ pub struct Vm {
     /// The snapshot a lazily restored VM came from, until it has a
     /// baseline.
     lazy_origin: Option<lazy::LazyOrigin>,
+    /// The pages the guest was using, once the process's page tables no
+    /// longer say (`persist.rs`, hot lists): after the VMM read all of RAM
+    /// (a full snapshot of a VM that keeps its memory) or a page server
+    /// filled it (a lazy restore). `None`: `/proc/self/pagemap` says.
+    hot: Option<PageSet>,
     dirty: PageSet,
     host_cpuid: &'static [kvm_cpuid_entry2],
     kvm: Kvm,

@@ -238,22 +238,36 @@ impl Vm {
         // its memory in takes longer than the copy). Pages dirtied until
         // the pause are folded in once paused; the buffer grows then if it
         // must.
-        let before = match kind {
-            Kind::Full => Before::Full(self.precopy(&staging, was == RunState::Running)?),
+        // The pages in use (the hot list) are read first: the pre-copy
+        // reads every page, after which the page tables map them all.
+        let (before, hot) = match kind {
+            Kind::Full => {
+                let hot = self.hot_pages();
+                let p = self.precopy(&staging, was == RunState::Running);
+                self.hot = Some(hot.clone());
+                (Before::Full(p?), hot)
+            }
             Kind::Incremental => {
                 self.collect_dirty()?;
                 let dirty = self.dirty.count();
                 let n = (dirty + dirty / 8 + 16).min(COPY_LIMIT / PAGE_SIZE);
-                Before::Layer((dirty * PAGE_SIZE <= COPY_LIMIT).then(|| PageCopy::buffer(n)))
+                let hot = self.hot_pages();
+                let buffer = (dirty * PAGE_SIZE <= COPY_LIMIT).then(|| PageCopy::buffer(n));
+                (Before::Layer(buffer), hot)
             }
         };
+        let hot: Vec<(u64, u64)> = hot
+            .coarse_runs(snapshot::MAX_HOT_RUNS)
+            .into_iter()
+            .map(|(first, n)| (first as u64, n as u64))
+            .collect();
         let (precopy_rounds, pages_precopied) = match &before {
             Before::Full(p) => (p.rounds, p.pages),
             Before::Layer(_) => (0, 0),
         };
         let paused = Instant::now();
         self.pause()?;
-        let taken = self.stage_snapshot(&staging, &id, kind, parent.as_ref(), before);
+        let taken = self.stage_snapshot(&staging, &id, kind, parent.as_ref(), before, hot);
         // A full snapshot of a paused VM becomes the memory it runs on (its
         // own pages go, the file's page cache is shared): map it while RAM
         // and file are identical. A running VM keeps its memory
@@ -284,7 +298,11 @@ impl Vm {
         } = taken?;
         let remapped = match remapped {
             Some(Err(e)) => return Err(e),
-            Some(Ok(())) => true,
+            Some(Ok(())) => {
+                // A fresh mapping: the page tables say again.
+                self.hot = None;
+                true
+            }
             None => false,
         };
         // From here on the guest runs. A failure leaves the baseline and the
@@ -368,7 +386,8 @@ impl Vm {
     /// them, written after the guest runs again) or else the memory file
     /// itself (a larger dirty set); for a full snapshot, the pages changed
     /// since the pre-copy's last round, into its buffer or, without one or
-    /// when they do not fit, into the file.
+    /// when they do not fit, into the file. `hot` is the metadata's hot
+    /// list, made before the pause.
     fn stage_snapshot(
         &mut self,
         staging: &Path,
@@ -376,6 +395,7 @@ impl Vm {
         kind: Kind,
         parent: Option<&Arc<Image>>,
         before: Before,
+        hot: Vec<(u64, u64)>,
     ) -> Result<Stage> {
         let fresh = self.take_dirty()?;
         let vcpus = self.save_vcpus()?;
@@ -402,6 +422,7 @@ impl Vm {
                     .map(|d| d.as_millis() as u64)
                     .unwrap_or(0),
                 disks: self.disk_metas(),
+                hot,
             },
             irqchips,
             pit,
@@ -504,6 +525,7 @@ impl Vm {
         }
         let chain = image.chain();
         self.ram.map_private(chain[0].memory.clone())?;
+        self.hot = None;
         for layer in &chain[1..] {
             if let Some(pages) = &layer.state.layer {
                 for (start, n) in pages.runs() {
@@ -520,6 +542,25 @@ impl Vm {
         self.adopt(image);
         self.state = RunState::Paused;
         Ok(())
+    }
+
+    /// The pages the guest is using, for a snapshot's hot list
+    /// ([`snapshot::Meta::hot`]): what the process's page tables map of
+    /// RAM or, once they no longer say ([`Vm::hot`]), the set known then
+    /// and every page dirtied since. A hint: empty, with a warning, when
+    /// `/proc/self/pagemap` cannot be read.
+    fn hot_pages(&self) -> PageSet {
+        match &self.hot {
+            Some(known) => {
+                let mut s = known.clone();
+                s.union_with(&self.dirty);
+                s
+            }
+            None => self.ram.touched().unwrap_or_else(|e| {
+                tracing::warn!("the snapshot gets no hot list: {e}");
+                PageSet::new(self.ram.pages())
+            }),
+        }
     }
 
     pub(super) fn adopt(&mut self, image: &Arc<Image>) {

@@ -301,6 +301,9 @@ impl Vm {
         for (r, d) in disks {
             r.finish(&d);
         }
+        if remapped {
+            self.hot = None;
+        }
         self.devices.retrigger_pending();
         self.devices.after_restore();
         self.adopt(target);
