@@ -452,15 +452,16 @@ digest() {
     function show() {for (i = 0; i < n; i++) print "LAB-DIGEST " bin ": " text[i]}' "$all" |
     tail -n 150
 }
-# The console's lines, carriage returns dropped; each test's verdict and each
-# binary's start and exit stamped with the seconds since the boot (`[lab
-# 123s]`), so a run says where its minutes went.
+# The console's lines, carriage returns dropped; each test's verdict (`ok`,
+# `FAILED`, on the test's line or, after its output, one of their own) and
+# each binary's start and exit stamped with the seconds since the boot
+# (`[lab 123s]`), so a run says where its minutes went.
 stamp() {
   local line
   while IFS= read -r line; do
     line=${line%$'\r'}
     case $line in
-      LAB-RUN* | LAB-EXIT* | "test "*" ok" | "test "*" FAILED") printf '%s [lab %ds]\n' "$line" $((SECONDS - boot_start)) ;;
+      LAB-RUN* | LAB-EXIT* | ok | *" ok" | FAILED | *" FAILED") printf '%s [lab %ds]\n' "$line" $((SECONDS - boot_start)) ;;
       *) printf '%s\n' "$line" ;;
     esac
   done
