@@ -184,7 +184,10 @@ async fn an_unreachable_registry_is_retried_and_the_snapshot_stays_ready() {
     let server = api_server().await;
     let client = server.client();
     let fake = Arc::new(FakeNode::default());
-    fake.answer_exports(&[ErrorCode::Unavailable, ErrorCode::Unavailable]);
+    // Unreachable until the test has seen it said: with the test's short
+    // backoff two failures passed between two of its polls under load
+    // (the CI of 2026-11-29), and it waited for a condition already gone.
+    fake.answer_exports(&[ErrorCode::Unavailable; 1000]);
     let _ctrl = exporting_controller(&server, "node-a", &fake);
     running_pod(&client, "redis", "node-a").await;
     support::create(&client, &exported("s1", "redis")).await;
@@ -204,8 +207,9 @@ async fn an_unreachable_registry_is_retried_and_the_snapshot_stays_ready() {
     );
 
     // Retried with the backoff until the registry answers.
+    fake.answer_exports(&[]);
     let done = exported_condition(&client, "s1", |s, _| s == "True").await;
-    assert_eq!(fake.export_calls().len(), 3);
+    assert!(fake.export_calls().len() >= 2, "{:?}", fake.export_calls());
     assert!(done.status.expect("status").artifact.is_some());
     saw_reasons(&client, "s1", &["RegistryUnavailable", "Exported"]).await;
 }
