@@ -6,9 +6,9 @@
 //! ([`twig_vmm::uffd`]); each page the guest first touches is read from the
 //! pull's page source (by range from the registry, or what has arrived)
 //! and copied in. The pages the snapshot's guest was using when it was
-//! taken (its hot list) come first: fetched from the registry from the
-//! moment the pull is staged, while the VMM restores, and copied in
-//! between faults once it has connected. Once the pull has published the
+//! taken (its hot list) are fetched from the registry from the moment the
+//! pull is staged, while the VMM restores, and copied in as they arrive
+//! whenever no fault waits: never ahead of a fault. Once the pull has published the
 //! snapshot, every page not yet touched is copied in, and the VMM is told
 //! its memory is complete.
 //!
@@ -40,6 +40,8 @@ const FILL_CHUNK: u64 = 256;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(120);
 /// How often the serving thread looks at the pull between faults.
 const POLL: Duration = Duration::from_millis(20);
+/// How often it looks whether the next hot chunk has arrived.
+const HOT_POLL: Duration = Duration::from_millis(2);
 
 static NEXT: AtomicU64 = AtomicU64::new(0);
 
@@ -81,7 +83,11 @@ pub fn serve(
         .name(format!("lazy-{id}"))
         .spawn(move || {
             let outcome = accept(&listener).and_then(|conn| run(conn, &source, pull, pace, &rt));
-            stop.store(true, Ordering::Relaxed);
+            // A failed restore needs nothing more; after a complete one
+            // what is left of the list is local, and its fetch returns.
+            if outcome.is_err() {
+                stop.store(true, Ordering::Relaxed);
+            }
             let _ = std::fs::remove_file(&path);
             match outcome {
                 Ok(served) => {
@@ -148,6 +154,7 @@ fn prefetch_hot(
         return Ok(());
     }
     let chunks = chunks(hot, source.pages());
+    let pages: u64 = chunks.iter().map(|(_, n)| n).sum();
     let (source, id) = (source.clone(), id.to_string());
     std::thread::Builder::new()
         .name(format!("hot-{id}"))
@@ -165,6 +172,7 @@ fn prefetch_hot(
             }
             tracing::debug!(
                 snapshot = id,
+                pages,
                 ms = started.elapsed().as_millis() as u64,
                 "hot pages fetched"
             );
@@ -193,7 +201,7 @@ fn chunks(runs: &[(u64, u64)], pages: u64) -> Vec<(u64, u64)> {
 struct Served {
     /// Faults answered.
     faults: u64,
-    /// Pages of the hot list copied in ahead of any fault.
+    /// Pages of the hot list copied in before the guest asked for them.
     hot: u64,
 }
 
@@ -229,18 +237,15 @@ fn run(
     let started = Instant::now();
     let mut buf = vec![0u8; (FILL_CHUNK * PAGE) as usize];
     let mut served = Served { faults: 0, hot: 0 };
-    // The first chunk of the hot list goes in before any fault is
-    // answered: it is what the guest's first steps want, and nothing of
-    // it is there yet.
-    if let Some((first, n)) = next_hot {
-        served.hot += put(&server, source, first, n, &mut buf)?;
-        next_hot = hot.next();
-    }
     loop {
-        let wait = if next_hot.is_some() {
-            Duration::ZERO
-        } else {
-            POLL
+        // The next chunk of the hot list goes in once the prefetch has
+        // fetched it, and only while no fault waits: a range read for it
+        // here would hold the faults behind it.
+        let hot_ready = next_hot.filter(|(first, n)| source.is_cached(*first, *n));
+        let wait = match (hot_ready, next_hot) {
+            (Some(_), _) => Duration::ZERO,
+            (None, Some(_)) => HOT_POLL,
+            (None, None) => POLL,
         };
         match server.next_fault(Some(wait)) {
             Ok(Some(page)) if page >= pages => {
@@ -256,7 +261,7 @@ fn run(
                 continue;
             }
             Ok(None) => {
-                if let Some((first, n)) = next_hot {
+                if let Some((first, n)) = hot_ready {
                     served.hot += put(&server, source, first, n, &mut buf)?;
                     next_hot = hot.next();
                     continue;

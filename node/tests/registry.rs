@@ -371,21 +371,21 @@ fn a_clone_restores_lazily_while_its_memory_arrives_and_fails_when_its_source_va
     });
     assert!(!b.log().contains("lazy restore failed"), "{}", b.log());
     // The pages the guest ran on when it was snapshotted (its hot list)
-    // were copied in ahead of its faults.
+    // were fetched ahead of its faults.
+    wait_until("the hot list is fetched", T, || {
+        b.log().contains("hot pages fetched")
+    });
     let log = b.log();
     let hot: u64 = log
         .lines()
-        .find(|l| l.contains("lazy restore complete"))
+        .find(|l| l.contains("hot pages fetched"))
         .map(plain)
         .and_then(|l| {
-            let v = l.split("hot_pages=").nth(1)?;
+            let v = l.split("pages=").nth(1)?;
             v.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
         })
         .unwrap_or_else(|| panic!("no hot page count in {log}"));
-    assert!(
-        hot > 0,
-        "no hot page was copied in ahead of the faults: {log}"
-    );
+    assert!(hot > 0, "an empty hot list was fetched: {log}");
     let s = api.stats(T).expect("stats after the memory arrived");
     assert_eq!(s.state, RunState::Running);
     let again = b.import(&artifact, "team-a").expect("ImportSnapshot");

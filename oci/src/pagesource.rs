@@ -198,6 +198,24 @@ impl PageSource {
         }
     }
 
+    /// Whether pages `first_page..first_page + n` read without a range
+    /// read: each is in a layer the store has, in a record already fetched
+    /// or written, or carried by no record (zero).
+    pub fn is_cached(&self, first_page: u64, n: u64) -> bool {
+        (first_page..first_page.saturating_add(n).min(self.pages())).all(|page| {
+            let Some(l) = self.layer_of(page) else {
+                return true;
+            };
+            match &self.layers[l].backing {
+                Backing::Local(_) => true,
+                Backing::Remote(r) => r
+                    .index
+                    .find(page * PAGE)
+                    .is_none_or(|i| r.local(i).is_some() || lock(&r.slots[i]).is_some()),
+            }
+        })
+    }
+
     /// Reads pages `first_page..` into `out` (a whole number of pages).
     pub fn read(&self, first_page: u64, out: &mut [u8]) -> Result<()> {
         let n = out.len() as u64 / PAGE;
