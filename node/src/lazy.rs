@@ -8,9 +8,9 @@
 //! and copied in. The pages the snapshot's guest was using when it was
 //! taken (its hot list) are fetched from the registry from the moment the
 //! pull is staged, while the VMM restores, and copied in as they arrive
-//! whenever no fault waits: never ahead of a fault. Once the pull has published the
-//! snapshot, every page not yet touched is copied in, and the VMM is told
-//! its memory is complete.
+//! whenever no fault waits: never ahead of a fault. Once the pull has
+//! published the snapshot, every page not yet touched is copied in, and
+//! the VMM is told its memory is complete.
 //!
 //! A page source that fails (the registry gone, a corrupt range) or a pull
 //! that cannot finish ends the page server's connection: the VMM, whose
@@ -237,16 +237,21 @@ fn run(
     let started = Instant::now();
     let mut buf = vec![0u8; (FILL_CHUNK * PAGE) as usize];
     let mut served = Served { faults: 0, hot: 0 };
+    // Whether the last look found no fault waiting.
+    let mut idle = true;
     loop {
         // The next chunk of the hot list goes in once the prefetch has
         // fetched it, and only while no fault waits: a range read for it
-        // here would hold the faults behind it.
-        let hot_ready = next_hot.filter(|(first, n)| source.is_cached(*first, *n));
+        // here would hold the faults behind it. Looked at only when idle,
+        // not once per fault.
+        let hot_ready = next_hot.filter(|(first, n)| idle && source.is_cached(*first, *n));
         let wait = match (hot_ready, next_hot) {
             (Some(_), _) => Duration::ZERO,
+            (None, Some(_)) if !idle => Duration::ZERO,
             (None, Some(_)) => HOT_POLL,
             (None, None) => POLL,
         };
+        idle = true;
         match server.next_fault(Some(wait)) {
             Ok(Some(page)) if page >= pages => {
                 return Err(Error::FailedPrecondition(format!(
@@ -258,6 +263,7 @@ fn run(
                 let n = FAULT_WINDOW.min(pages - first);
                 put(&server, source, first, n, &mut buf)?;
                 served.faults += 1;
+                idle = false;
                 continue;
             }
             Ok(None) => {
