@@ -209,6 +209,10 @@ need_bins=()
 for name in "${images[@]}"; do
   case $name in twig-controller | twig-api) need_bins+=(-p "$name") ;; esac
 done
+# The tests' dev builds take every binary of the workspace, with its
+# features: after `cargo test --workspace` nothing is compiled again
+# (`-p` would build some dependencies again with other features).
+[[ $profile == dev || $profile == test ]] && ((${#need_bins[@]})) && need_bins=(--workspace --bins)
 if ((${#need_bins[@]})); then
   (cd "$here" && cargo build --locked -q --profile "$profile" "${need_bins[@]}") \
     || die "building ${need_bins[*]} ($profile) failed"

@@ -31,18 +31,14 @@ cargo test --workspace --locked --no-run
 cargo test --locked -p twig-vmm --features twig-vmm/lab --no-run
 cargo test --locked -p twig-e2e --features twig-e2e/lab --no-run
 # The binaries tests and the lab build for themselves, each as they build
-# it (its own features: one build each, which later only puts the binary
-# in place again): twig-node's tests' VMM, shim's node_daemon's VMM and
-# node, shim's agent, e2e's images' controller and API server (as
-# scripts/build-images.sh --profile dev builds them), the lab's node
-# daemons. Built inside the host tests and beside the lab, they
-# stretched the host tests and delayed lane B's boot by minutes.
+# it: twig-node's tests' VMM (with its test features: one build, which
+# later only puts the binary in place again), and every workspace binary
+# with the workspace's features (shim's tests, e2e's images, the lab's
+# node daemons: after `cargo test --workspace`, a few binaries only).
+# Built inside the host tests and beside the lab, they stretched the host
+# tests and delayed lane B's boot by minutes.
 cargo build --locked -q -p twig-vmm --bin twig-vmm --features testguest,test-trigger
-cargo build --locked -q -p twig-vmm --bin twig-vmm
-cargo build --locked -q -p twig-node --bin twig-node
-cargo build --locked -q -p twig-agent --bin twig-agent
-cargo build --locked -q --profile dev -p twig-controller -p twig-api
-cargo build --locked -q --bin twig-snapshotter --bin twig-node --bin twig-vmm --bin containerd-shim-twig-v2
+cargo build --locked -q --workspace --bins
 guest/build-kernel.sh > /dev/null
 guest/build-initramfs.sh > /dev/null
 # The lab runs two outer VMs at once, one per CPU of a 2-core machine: each

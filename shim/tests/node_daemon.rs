@@ -23,15 +23,18 @@ use twig_vmm::{testguest, Capture, DeviceConfig, Kind, Shape, Vm, VsockConfig};
 
 const T: Duration = Duration::from_secs(20);
 
-/// Builds a workspace binary with the cargo running the tests.
+/// Builds the workspace's binaries with the cargo running the tests (all
+/// of them, with the workspace's features: after `cargo test --workspace`
+/// nothing is compiled again, where `-p` would build some dependencies
+/// again with other features) and returns `name`'s.
 fn binary(name: &str) -> PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let st = Command::new(cargo)
         .current_dir(root)
-        .args(["build", "-q", "-p", name, "--bin", name])
+        .args(["build", "-q", "--workspace", "--bins"])
         .status()
-        .unwrap_or_else(|e| panic!("running cargo build -p {name}: {e}"));
+        .unwrap_or_else(|e| panic!("running cargo build --workspace --bins: {e}"));
     assert!(st.success(), "building {name} failed");
     std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)

@@ -194,7 +194,10 @@ import json, sys
 sys.exit(0 if any("containerd-shim-twig-v2" == t["name"] and "bin" in t["kind"]
                   for p in json.load(sys.stdin)["packages"] for t in p["targets"]) else 1)
 ' && ws_bins+=(containerd-shim-twig-v2)
-  cargo build --locked -q $( ((bench)) && echo --release) $(printf -- '--bin %s ' "${ws_bins[@]}") ||
+  # Debug: every binary with the workspace's features, as `cargo test
+  # --workspace` built them (naming the four would build some
+  # dependencies again with other features).
+  cargo build --locked -q $( ((bench)) && echo --release $(printf -- '--bin %s ' "${ws_bins[@]}") || echo --workspace --bins) ||
     die "building ${ws_bins[*]} failed"
   for b in "${ws_bins[@]}"; do daemons+=("${CARGO_TARGET_DIR:-target}/$profile/$b"); done
 fi

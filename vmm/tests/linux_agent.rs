@@ -643,8 +643,10 @@ fn a_rootfs_attached_to_a_vm_restored_from_a_template_runs_a_container() {
     assert_eq!(g.vm.state(), RunState::Running);
 }
 
-/// Guest RAM of the balloon tests: room for 256 MiB beside the agent.
-const BALLOON_MIB: usize = 512;
+/// Guest RAM of the balloon tests: room for [`HOG_MIB`] beside the agent.
+const BALLOON_MIB: usize = 256;
+/// What the balloon tests' guest allocates and frees, MiB.
+const HOG_MIB: usize = 128;
 const MIB_KIB: usize = 1024;
 
 /// Guest RAM private to the VM (the pod's own copies), KiB.
@@ -658,10 +660,10 @@ struct PodMemory {
     idle: usize,
     /// With a 32 MiB tmpfs file written.
     before: usize,
-    /// Holding 256 MiB besides.
+    /// Holding [`HOG_MIB`] besides.
     holding: usize,
     /// After both were freed: with the balloon, the least seen over
-    /// [`SETTLE`] once three quarters of the 256 MiB came back.
+    /// [`SETTLE`] once three quarters of the [`HOG_MIB`] came back.
     after: usize,
 }
 
@@ -669,8 +671,8 @@ struct PodMemory {
 const SETTLE: Duration = Duration::from_secs(10);
 
 /// A pod restored from a template (with or without the balloon) whose
-/// guest writes a 32 MiB file, allocates 256 MiB and frees both. With the
-/// balloon, the pod's memory is polled until three quarters of the 256 MiB
+/// guest writes a 32 MiB file, allocates [`HOG_MIB`] and frees both. With
+/// the balloon, the pod's memory is polled until three quarters of it
 /// came back; a rollback to a snapshot taken before the free then gives
 /// back the freed file, intact.
 fn allocate_and_free(balloon: bool) -> PodMemory {
@@ -707,7 +709,7 @@ fn allocate_and_free(balloon: bool) -> PodMemory {
     p.vm.resume().unwrap();
     let before = private_kib(&mut p.vm);
 
-    // 256 MiB held by dd (blocked on a pipe nobody reads), then freed.
+    // HOG_MIB held by dd (blocked on a pipe nobody reads), then freed.
     p.agent
         .exec_process(
             "app",
@@ -716,16 +718,19 @@ fn allocate_and_free(balloon: bool) -> PodMemory {
                 &[
                     "sh",
                     "-c",
-                    "dd if=/dev/zero bs=268435456 count=1 | sleep 999999",
+                    &format!(
+                        "dd if=/dev/zero bs={} count=1 | sleep 999999",
+                        HOG_MIB << 20
+                    ),
                 ],
                 json!({}),
             ),
             CALL,
         )
         .unwrap();
-    let holding = poll("the guest to hold 256 MiB", BOOT, || {
+    let holding = poll("the guest to hold its allocation", BOOT, || {
         let now = private_kib(&mut p.vm);
-        (now >= before + 240 * MIB_KIB).then_some(now)
+        (now >= before + HOG_MIB * 15 / 16 * MIB_KIB).then_some(now)
     });
     let (code, out) = sh(
         &p.agent,
@@ -737,7 +742,7 @@ fn allocate_and_free(balloon: bool) -> PodMemory {
     let after = if balloon {
         let first = poll("the freed memory to leave the host", BOOT, || {
             let now = private_kib(&mut p.vm);
-            (now + 192 * MIB_KIB <= holding).then_some(now)
+            (now + HOG_MIB * 3 / 4 * MIB_KIB <= holding).then_some(now)
         });
         // A measurement window, not a synchronisation: the least seen,
         // between calls into the guest (which leave its vCPU the CPU).
@@ -756,7 +761,7 @@ fn allocate_and_free(balloon: bool) -> PodMemory {
     };
     eprintln!(
         "balloon {balloon}: pod private memory {} MiB restored, {} MiB with a 32 MiB file, \
-         {} MiB holding 256 MiB more, {} MiB after freeing both",
+         {} MiB holding {HOG_MIB} MiB more, {} MiB after freeing both",
         idle / MIB_KIB,
         before / MIB_KIB,
         holding / MIB_KIB,
@@ -779,17 +784,17 @@ fn allocate_and_free(balloon: bool) -> PodMemory {
 #[test]
 fn memory_a_restored_guest_frees_goes_back_to_the_host_with_the_balloon() {
     let m = allocate_and_free(true);
-    assert!(m.holding >= m.before + 240 * MIB_KIB);
-    assert!(m.after + 192 * MIB_KIB <= m.holding);
+    assert!(m.holding >= m.before + HOG_MIB * 15 / 16 * MIB_KIB);
+    assert!(m.after + HOG_MIB * 3 / 4 * MIB_KIB <= m.holding);
     assert!(m.idle <= m.before);
 }
 
 #[test]
 fn memory_a_restored_guest_frees_stays_with_the_pod_without_the_balloon() {
     let m = allocate_and_free(false);
-    assert!(m.holding >= m.before + 240 * MIB_KIB);
+    assert!(m.holding >= m.before + HOG_MIB * 15 / 16 * MIB_KIB);
     assert!(
-        m.after >= m.before + 200 * MIB_KIB,
+        m.after >= m.before + HOG_MIB * 25 / 32 * MIB_KIB,
         "without the balloon the memory stays: {} KiB after, {} before",
         m.after,
         m.before

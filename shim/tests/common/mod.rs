@@ -22,9 +22,10 @@ pub fn agent_binary() -> PathBuf {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let st = Command::new(cargo)
         .current_dir(&root)
-        .args(["build", "-q", "-p", "twig-agent", "--bin", "twig-agent"])
+        // Every binary, with the workspace's features: see node_daemon.rs.
+        .args(["build", "-q", "--workspace", "--bins"])
         .status()
-        .expect("running cargo build -p twig-agent");
+        .expect("running cargo build --workspace --bins");
     assert!(st.success(), "building twig-agent failed");
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
