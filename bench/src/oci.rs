@@ -10,7 +10,9 @@
 //! guest's first answer: eager (pull the chain, restore) against lazy
 //! (twig-oci's lazy pull, twig-node's page server, twig-vmm's lazy
 //! restore: the guest answers while its memory arrives), with the
-//! snapshot's hot list sent first and without it (faults alone).
+//! snapshot's hot list sent first and without it (faults alone); and, for
+//! the same three, until the guest has rewritten its whole working set
+//! (every page of it back in memory).
 
 use std::collections::BTreeMap;
 use std::os::unix::net::UnixStream;
@@ -108,19 +110,63 @@ fn restore_to_answer(mib: usize, dir: &Path) -> Result<Duration, Error> {
     Ok(t.elapsed())
 }
 
-/// A VM restored lazily from `from` pulled into `store` (nothing of it
-/// there), from the pull's start until the guest has answered a command;
-/// then waits until the pull is published and the VM's memory complete.
-/// Returns the time and the bytes fetched by range before the answer.
-/// Without `hot`, the page server is not given the snapshot's hot list.
-async fn lazy_to_answer(
+/// Times from `t` until a restored guest has answered a command and,
+/// after that, until it has rewritten the first `working` pages of its
+/// scratch memory (its working set).
+fn answer_and_working_set(
+    vm: &mut Vm,
+    t: Instant,
+    working: u64,
+) -> Result<(Duration, Duration), Error> {
+    dirty(vm, 0, 1, 9)?;
+    let answer = t.elapsed();
+    dirty(vm, 0, working, 3)?;
+    Ok((answer, t.elapsed()))
+}
+
+/// What a clone on a node with nothing of the chain took, from the pull's
+/// start.
+struct Elsewhere {
+    answer: Duration,
+    working_set: Duration,
+    /// Bytes fetched by range before the answer (lazy restores).
+    fetched: u64,
+}
+
+/// An eager clone from `from` into `store`: the whole chain pulled, then
+/// restored.
+async fn eager_elsewhere(
     client: &Client,
     store: &NodeStore,
     from: &Reference,
     mib: usize,
+    working: u64,
+) -> Result<Elsewhere, Error> {
+    let t = Instant::now();
+    let got = twig_oci::pull(client, store, from, None).await?;
+    let mut vm = Vm::create(Shape::new(mib, 1), Box::new(std::io::sink()))?;
+    vm.restore(&store.snapshot_dir(&got.id))?;
+    let (answer, working_set) = answer_and_working_set(&mut vm, t, working)?;
+    Ok(Elsewhere {
+        answer,
+        working_set,
+        fetched: 0,
+    })
+}
+
+/// A VM restored lazily from `from` pulled into `store` (nothing of it
+/// there), from the pull's start until the guest has answered a command
+/// and rewritten its working set; then waits until the pull is published
+/// and the VM's memory complete. Without `hot`, the page server is not
+/// given the snapshot's hot list.
+async fn lazy_elsewhere(
+    client: &Client,
+    store: &NodeStore,
+    from: &Reference,
+    (mib, working): (usize, u64),
     dir: &Path,
     hot: bool,
-) -> Result<(Duration, u64), Error> {
+) -> Result<Elsewhere, Error> {
     let t = Instant::now();
     let mut pull = twig_oci::pull_lazy(client, store, from, None).await?;
     if !hot {
@@ -130,20 +176,22 @@ async fn lazy_to_answer(
     let socket =
         twig_node::lazy::serve(dir, "bench", pull, None, tokio::runtime::Handle::current())
             .map_err(|e| Error::from(format!("starting the page server: {e}")))?;
-    let (took, vm) = tokio::task::block_in_place(|| -> Result<_, Error> {
-        let uffd = std::fs::File::options()
-            .read(true)
-            .write(true)
-            .open("/dev/userfaultfd")
-            .context(|| "lazy restores need /dev/userfaultfd".into())?;
-        let source = twig_vmm::LazySource::open(&staged, &uffd, UnixStream::connect(&socket)?)?;
-        let mut vm = Vm::create(Shape::new(mib, 1), Box::new(std::io::sink()))?;
-        vm.restore_lazy(source, &BTreeMap::new())?;
-        vm.resume()?;
-        dirty(&mut vm, 0, 1, 9)?;
-        Ok((t.elapsed(), vm))
-    })?;
-    let fetched = source.bytes_fetched();
+    let (fetched, answer, working_set, vm) =
+        tokio::task::block_in_place(|| -> Result<_, Error> {
+            let uffd = std::fs::File::options()
+                .read(true)
+                .write(true)
+                .open("/dev/userfaultfd")
+                .context(|| "lazy restores need /dev/userfaultfd".into())?;
+            let lazy = twig_vmm::LazySource::open(&staged, &uffd, UnixStream::connect(&socket)?)?;
+            let mut vm = Vm::create(Shape::new(mib, 1), Box::new(std::io::sink()))?;
+            vm.restore_lazy(lazy, &BTreeMap::new())?;
+            vm.resume()?;
+            dirty(&mut vm, 0, 1, 9)?;
+            let (answer, fetched) = (t.elapsed(), source.bytes_fetched());
+            dirty(&mut vm, 0, working, 3)?;
+            Ok((fetched, answer, t.elapsed(), vm))
+        })?;
     let deadline = Instant::now() + T;
     while vm.lazy_pending() || store.get(&id).is_err() {
         if Instant::now() > deadline {
@@ -153,7 +201,11 @@ async fn lazy_to_answer(
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    Ok((took, fetched))
+    Ok(Elsewhere {
+        answer,
+        working_set,
+        fetched,
+    })
 }
 
 async fn size_run(
@@ -185,8 +237,9 @@ async fn size_run(
 
     let (mut push_full, mut push_inc, mut pull, mut pull_inc) = (vec![], vec![], vec![], vec![]);
     let (mut remote, mut local) = (vec![], vec![]);
-    let (mut eager, mut lazy, mut lazy_fetched) = (vec![], vec![], 0);
-    let (mut cold, mut cold_fetched) = (vec![], 0);
+    // Per way of cloning elsewhere: first answers, working sets back,
+    // bytes fetched before the answer (the last run's).
+    let mut elsewhere: [(Vec<Duration>, Vec<Duration>, u64); 3] = Default::default();
     let (mut bytes_full, mut bytes_inc, mut bytes_pulled) = (0, 0, 0);
     for run in 0..args.runs {
         // A new repository each run: the registry keeps blobs per repository.
@@ -219,20 +272,22 @@ async fn size_run(
         drop(b);
         std::fs::remove_dir_all(dir.join(format!("b{run}")))?;
 
-        // A node with nothing of the chain: eager, then lazy.
+        // A node with nothing of the chain: eager, then lazy with the hot
+        // list and without.
         let c = NodeStore::open(&dir.join(format!("c{run}")), true)?;
-        let t = Instant::now();
-        let got = twig_oci::pull(client, &c, &repo("inc")?, None).await?;
-        restore_to_answer(mib, &c.snapshot_dir(&got.id))?;
-        eager.push(t.elapsed());
         let d = NodeStore::open(&dir.join(format!("d{run}")), true)?;
-        let (took, fetched) = lazy_to_answer(client, &d, &repo("inc")?, mib, &dir, true).await?;
-        lazy.push(took);
-        lazy_fetched = fetched;
         let e = NodeStore::open(&dir.join(format!("e{run}")), true)?;
-        let (took, fetched) = lazy_to_answer(client, &e, &repo("inc")?, mib, &dir, false).await?;
-        cold.push(took);
-        cold_fetched = fetched;
+        let from = repo("inc")?;
+        let got = [
+            eager_elsewhere(client, &c, &from, mib, touched).await?,
+            lazy_elsewhere(client, &d, &from, (mib, touched), &dir, true).await?,
+            lazy_elsewhere(client, &e, &from, (mib, touched), &dir, false).await?,
+        ];
+        for (way, one) in elsewhere.iter_mut().zip(got) {
+            way.0.push(one.answer);
+            way.1.push(one.working_set);
+            way.2 = one.fetched;
+        }
         drop((c, d, e));
         for store in ["c", "d", "e"] {
             std::fs::remove_dir_all(dir.join(format!("{store}{run}")))?;
@@ -245,11 +300,18 @@ async fn size_run(
     report.timing(&key("pull_incremental"), &pull_inc);
     report.timing(&key("restore_pulled_answer"), &remote);
     report.timing(&key("restore_local_answer"), &local);
-    report.timing(&key("clone_elsewhere_eager_answer"), &eager);
-    report.timing(&key("clone_elsewhere_lazy_answer"), &lazy);
-    report.value(&key("lazy_bytes_before_answer"), json!(lazy_fetched));
-    report.timing(&key("clone_elsewhere_lazy_nohot_answer"), &cold);
-    report.value(&key("lazy_nohot_bytes_before_answer"), json!(cold_fetched));
+    for (way, (answer, working_set, fetched)) in
+        ["eager", "lazy", "lazy_nohot"].iter().zip(&elsewhere)
+    {
+        report.timing(&key(&format!("clone_elsewhere_{way}_answer")), answer);
+        report.timing(
+            &key(&format!("clone_elsewhere_{way}_working_set")),
+            working_set,
+        );
+        if *way != "eager" {
+            report.value(&key(&format!("{way}_bytes_before_answer")), json!(fetched));
+        }
+    }
     report.value(&key("bytes_full"), json!(bytes_full));
     report.value(&key("bytes_incremental"), json!(bytes_inc));
     let _ = std::fs::remove_dir_all(&dir);

@@ -7,8 +7,8 @@
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -64,6 +64,10 @@ pub(crate) struct Remote {
     pub digest: String,
     pub index: Arc<Index>,
     slots: Vec<Mutex<Option<Bytes>>>,
+    /// Records a prefetch is reading (set and looked at under the
+    /// record's slot lock): a fault waits for it rather than reading it
+    /// again.
+    prefetching: Vec<AtomicBool>,
     /// Records `0..decoded` are verified and written in `file`.
     decoded: AtomicUsize,
     file: OnceLock<File>,
@@ -74,6 +78,9 @@ impl Remote {
         Remote {
             digest,
             slots: (0..index.entries.len()).map(|_| Mutex::new(None)).collect(),
+            prefetching: (0..index.entries.len())
+                .map(|_| AtomicBool::new(false))
+                .collect(),
             index: Arc::new(index),
             decoded: AtomicUsize::new(0),
             file: OnceLock::new(),
@@ -126,6 +133,9 @@ pub struct PageSource {
     fetcher: Fetcher,
     fetched: AtomicU64,
     served: Mutex<Served>,
+    /// Told whenever a prefetched record arrives (or its read failed):
+    /// a read waiting for it looks again.
+    arrived: (Mutex<()>, Condvar),
 }
 
 #[derive(Default)]
@@ -145,6 +155,7 @@ impl PageSource {
                 seen: vec![0; (mem_size / PAGE).div_ceil(64) as usize],
                 order: Vec::new(),
             }),
+            arrived: (Mutex::new(()), Condvar::new()),
         }
     }
 
@@ -260,25 +271,34 @@ impl PageSource {
         if let Some(f) = r.local(i) {
             return f.read_exact_at(buf, at).map_err(Error::local(&what()));
         }
-        let mut slot = lock(&r.slots[i]);
-        let data = match &*slot {
-            Some(d) => d.clone(),
-            None => {
-                if let Some(f) = r.local(i) {
-                    return f.read_exact_at(buf, at).map_err(Error::local(&what()));
-                }
-                let d = self.block_on(fetch_record(
-                    self.fetcher.client.clone(),
-                    self.fetcher.from.clone(),
-                    r.clone(),
-                    i,
-                ))?;
-                self.fetched.fetch_add(d.len() as u64, Ordering::Relaxed);
-                if r.local(i).is_none() {
-                    *slot = Some(d.clone());
-                }
-                d
+        let mut waited = false;
+        let data = loop {
+            let mut slot = lock(&r.slots[i]);
+            if let Some(d) = &*slot {
+                break d.clone();
             }
+            if let Some(f) = r.local(i) {
+                return f.read_exact_at(buf, at).map_err(Error::local(&what()));
+            }
+            // Once: a prefetch that failed or never came back is read here.
+            if !waited && r.prefetching[i].load(Ordering::Acquire) {
+                drop(slot);
+                self.wait_prefetch(r, i);
+                waited = true;
+                continue;
+            }
+            let d = self.block_on(fetch_record(
+                self.fetcher.client.clone(),
+                self.fetcher.from.clone(),
+                r.clone(),
+                i,
+            ))?;
+            let d = verified(r, i, d)?;
+            self.fetched.fetch_add(d.len() as u64, Ordering::Relaxed);
+            if r.local(i).is_none() {
+                *slot = Some(d.clone());
+            }
+            break d;
         };
         // A record ends on a page boundary, or at the file's end.
         let n = (data.len() - within).min(buf.len());
@@ -290,7 +310,10 @@ impl PageSource {
     /// Fetches the records holding `pages` that are neither local nor
     /// fetched yet, a few at a time, ahead of the faults that will want
     /// them (e.g. the [`served`](PageSource::served) order of an earlier
-    /// restore of the same snapshot).
+    /// restore of the same snapshot). A [`read`](PageSource::read) of a
+    /// record being prefetched waits for it rather than reading it again;
+    /// each record is verified here, not on the runtime the faults' reads
+    /// need.
     pub fn prefetch(&self, pages: &[u64]) -> Result<()> {
         let mut want: Vec<(Arc<Remote>, usize)> = Vec::new();
         for &page in pages.iter().filter(|p| **p < self.pages()) {
@@ -320,7 +343,22 @@ impl PageSource {
                 let (client, from, permits) = (client.clone(), from.clone(), permits.clone());
                 set.spawn(async move {
                     let _permit = permits.acquire_owned().await;
-                    (k, fetch_record(client, from, r, i).await)
+                    // Not a record a fault is reading, or has read.
+                    let claimed = match r.slots[i].try_lock() {
+                        Ok(slot)
+                            if slot.is_none()
+                                && r.local(i).is_none()
+                                && !r.prefetching[i].load(Ordering::Acquire) =>
+                        {
+                            r.prefetching[i].store(true, Ordering::Release);
+                            true
+                        }
+                        _ => false,
+                    };
+                    if !claimed {
+                        return (k, None);
+                    }
+                    (k, Some(fetch_record(client, from, r, i).await))
                 });
             }
             let mut out = Vec::new();
@@ -328,24 +366,64 @@ impl PageSource {
                 out.push(j.map_err(|e| Error::Transfer(format!("a prefetch: {e}")))?);
             }
             Ok(out)
-        })?;
+        });
+        let got = match got {
+            Ok(got) => got,
+            Err(e) => {
+                // Stopped before every read came back: none is waited for.
+                for (r, i) in &want {
+                    r.prefetching[*i].store(false, Ordering::Release);
+                }
+                self.notify_arrived();
+                return Err(e);
+            }
+        };
         let mut first_err = None;
         for (k, res) in got {
             let (r, i) = &want[k];
-            match res {
-                Ok(d) => {
-                    self.fetched.fetch_add(d.len() as u64, Ordering::Relaxed);
-                    let mut slot = lock(&r.slots[*i]);
-                    if slot.is_none() && r.local(*i).is_none() {
-                        *slot = Some(d);
+            let Some(res) = res else {
+                continue;
+            };
+            {
+                let mut slot = lock(&r.slots[*i]);
+                match res.and_then(|d| verified(r, *i, d)) {
+                    Ok(d) => {
+                        self.fetched.fetch_add(d.len() as u64, Ordering::Relaxed);
+                        if slot.is_none() && r.local(*i).is_none() {
+                            *slot = Some(d);
+                        }
+                    }
+                    Err(e) => {
+                        first_err.get_or_insert(e);
                     }
                 }
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                }
+                r.prefetching[*i].store(false, Ordering::Release);
             }
+            self.notify_arrived();
         }
         first_err.map_or(Ok(()), Err)
+    }
+
+    fn notify_arrived(&self) {
+        let _guard = lock(&self.arrived.0);
+        self.arrived.1.notify_all();
+    }
+
+    /// Waits until record `i` of `r` is no longer being prefetched (at
+    /// most [`RANGE_DEADLINE`]: the prefetch's read has that deadline too).
+    fn wait_prefetch(&self, r: &Remote, i: usize) {
+        let deadline = std::time::Instant::now() + RANGE_DEADLINE;
+        let mut guard = lock(&self.arrived.0);
+        while r.prefetching[i].load(Ordering::Acquire) {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            guard = match self.arrived.1.wait_timeout(guard, left) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+        }
     }
 
     /// Runs `fut` on the source's runtime and waits for it.
@@ -363,12 +441,11 @@ impl PageSource {
     }
 }
 
-/// Record `i` of `r`'s blob, fetched by range and verified against its
-/// index.
+/// Record `i` of `r`'s blob, fetched by range (not yet verified: see
+/// [`verified`]).
 async fn fetch_record(client: Client, from: Reference, r: Arc<Remote>, i: usize) -> Result<Bytes> {
-    let e = r.index.entries[i];
-    let (start, len) = e.data_range();
-    let data = tokio::time::timeout(
+    let (start, len) = r.index.entries[i].data_range();
+    tokio::time::timeout(
         RANGE_DEADLINE,
         client.blob_range(&from, &r.digest, start, len),
     )
@@ -378,7 +455,15 @@ async fn fetch_record(client: Client, from: Reference, r: Arc<Remote>, i: usize)
             "blob {} bytes {start}+{len}: not there within {RANGE_DEADLINE:?}",
             r.digest
         ))
-    })??;
+    })?
+}
+
+/// `data`, fetched for record `i` of `r`'s blob, if it matches the
+/// SHA-256 the blob's verified index gives (checked by the caller's
+/// thread: hashing on the runtime would hold up other reads).
+fn verified(r: &Remote, i: usize, data: Bytes) -> Result<Bytes> {
+    let e = r.index.entries[i];
+    let (start, len) = e.data_range();
     if !e.verify(&data) {
         tracing::warn!(blob = %r.digest, start, len, "a fetched range does not match its index");
         return Err(Error::Corrupt(format!(

@@ -174,7 +174,14 @@ async fn a_lazily_pulled_chain_reads_as_its_composed_memory_and_finishes_as_an_e
     read(&src, ahead, 1).await.unwrap();
     assert_eq!(src.bytes_fetched(), prefetched);
 
-    // Every page, before the download: the composed memory of A's chain.
+    // Every page, before the download, while a prefetch of them all runs:
+    // the composed memory of A's chain, each record fetched once (a read
+    // of a record being prefetched waits for it).
+    let everything: Vec<u64> = (0..src.pages()).collect();
+    let prefetch = {
+        let src = src.clone();
+        tokio::task::spawn_blocking(move || src.prefetch(&everything))
+    };
     let chunk = 1024;
     for first in (0..src.pages()).step_by(chunk as usize) {
         let got = read(&src, first, chunk).await.unwrap();
@@ -183,6 +190,7 @@ async fn a_lazily_pulled_chain_reads_as_its_composed_memory_and_finishes_as_an_e
             "pages {first}+{chunk} differ"
         );
     }
+    prefetch.await.unwrap().unwrap();
     let all = src.bytes_fetched();
     assert!(all <= memory_bytes, "{all} fetched for {memory_bytes}");
     assert!(b.list().unwrap().is_empty());
