@@ -102,13 +102,15 @@ fn build_images(dir: &Path, extra: &[&str]) -> (PathBuf, Vec<String>) {
     let bundle = stand_in_bundle(dir);
     let printed = ok(
         run(
-            Command::new(workspace().join("scripts/build-images.sh"))
-                .args(["--profile", "dev", "--bundle"])
-                .arg(&bundle)
-                .arg("--out")
-                .arg(&out)
-                .args(extra)
-                .env("CARGO_INCREMENTAL", "0"),
+            twig_store::testkit::clear_cargo_test_env(&mut Command::new(
+                workspace().join("scripts/build-images.sh"),
+            ))
+            .args(["--profile", "dev", "--bundle"])
+            .arg(&bundle)
+            .arg("--out")
+            .arg(&out)
+            .args(extra)
+            .env("CARGO_INCREMENTAL", "0"),
             Duration::from_secs(1800),
         )
         .expect("run build-images.sh"),

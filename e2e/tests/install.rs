@@ -54,7 +54,10 @@ fn bundle(dir: &Path) -> PathBuf {
 
 fn install(args: &[&str]) -> Output {
     run(
-        Command::new(workspace().join("scripts/install-node.sh")).args(args),
+        twig_store::testkit::clear_cargo_test_env(&mut Command::new(
+            workspace().join("scripts/install-node.sh"),
+        ))
+        .args(args),
         Duration::from_secs(60),
     )
     .unwrap()

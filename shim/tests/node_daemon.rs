@@ -30,7 +30,7 @@ const T: Duration = Duration::from_secs(20);
 fn binary(name: &str) -> PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let st = Command::new(cargo)
+    let st = twig_store::testkit::clear_cargo_test_env(&mut Command::new(cargo))
         .current_dir(root)
         .args(["build", "-q", "--workspace", "--bins"])
         .status()

@@ -1,5 +1,5 @@
 //! For tests (feature `testkit`): what another user (a jailed VMM's) can
-//! open of a store.
+//! open of a store; the environment for a test's own cargo builds.
 
 use std::ffi::CString;
 use std::os::fd::FromRawFd;
@@ -69,4 +69,34 @@ pub fn opens_as(root: Option<&Path>, uid: u32, gid: u32, paths: &[PathBuf]) -> V
     out.chunks_exact(4)
         .map(|c| i32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
         .collect()
+}
+
+/// Clears from `cmd` the variables `cargo test` sets for a test process
+/// (`CARGO_MANIFEST_DIR`, `CARGO_PKG_*`, ...), for a test that runs cargo,
+/// or a script that does, to build workspace binaries: a build script that
+/// tracks one of them (ring's tracks `CARGO_MANIFEST_DIR`) sees it change
+/// from one test package to the next and runs again, and every crate above
+/// it is built again (minutes, for the workspace's binaries). `CARGO`, the
+/// cargo running the tests, stays.
+pub fn clear_cargo_test_env(cmd: &mut std::process::Command) -> &mut std::process::Command {
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        if name.starts_with("CARGO_PKG_")
+            || name.starts_with("CARGO_BIN_EXE_")
+            || matches!(
+                &*name,
+                "CARGO_MANIFEST_DIR"
+                    | "CARGO_MANIFEST_PATH"
+                    | "CARGO_CRATE_NAME"
+                    | "CARGO_BIN_NAME"
+                    | "CARGO_PRIMARY_PACKAGE"
+                    | "CARGO_TARGET_TMPDIR"
+                    | "CARGO_RUSTC_CURRENT_DIR"
+                    | "OUT_DIR"
+            )
+        {
+            cmd.env_remove(&*name);
+        }
+    }
+    cmd
 }

@@ -35,7 +35,7 @@ pub fn vmm_binary() -> PathBuf {
         .get_or_init(|| {
             let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
             let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml");
-            let status = Command::new(cargo)
+            let status = twig_store::testkit::clear_cargo_test_env(&mut Command::new(cargo))
                 .args([
                     "build",
                     "-q",

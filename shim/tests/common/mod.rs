@@ -20,7 +20,7 @@ pub fn agent_binary() -> PathBuf {
         .unwrap()
         .to_path_buf();
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let st = Command::new(cargo)
+    let st = twig_store::testkit::clear_cargo_test_env(&mut Command::new(cargo))
         .current_dir(&root)
         // Every binary, with the workspace's features: see node_daemon.rs.
         .args(["build", "-q", "--workspace", "--bins"])
