@@ -529,6 +529,10 @@ fn a_full_snapshot_copied_while_the_guest_writes_holds_the_moment_of_its_pause()
     let d = tmp();
     let mut g = boot(d.path(), MIB, 1);
     dirty(&mut g.vm, CHURN_PAGES, 100, 7);
+    // 32 MiB more to copy: a first round long enough for the guest's vCPU
+    // to be given the CPU during it, on a loaded machine too (with only
+    // the 628 pages above, it once finished before the guest ran at all).
+    dirty(&mut g.vm, 2 * CHURN_PAGES, 8192, 11);
     churn(&mut g.vm, CHURN_PAGES);
     let mut last = 0;
     for i in 0..3 {
