@@ -336,7 +336,10 @@ impl PageSource {
         }
         let (client, from) = (self.fetcher.client.clone(), self.fetcher.from.clone());
         let jobs = want.clone();
-        let got = self.block_on(async move {
+        // Each record as it arrives, to this thread: verified, kept, and
+        // the faults waiting for it told, while the others are on their way.
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.fetcher.rt.spawn(async move {
             let permits = Arc::new(tokio::sync::Semaphore::new(PREFETCH_PARALLEL));
             let mut set = tokio::task::JoinSet::new();
             for (k, (r, i)) in jobs.into_iter().enumerate() {
@@ -361,29 +364,20 @@ impl PageSource {
                     (k, Some(fetch_record(client, from, r, i).await))
                 });
             }
-            let mut out = Vec::new();
             while let Some(j) = set.join_next().await {
-                out.push(j.map_err(|e| Error::Transfer(format!("a prefetch: {e}")))?);
-            }
-            Ok(out)
-        });
-        let got = match got {
-            Ok(got) => got,
-            Err(e) => {
-                // Stopped before every read came back: none is waited for.
-                for (r, i) in &want {
-                    r.prefetching[*i].store(false, Ordering::Release);
+                if let Ok(got) = j {
+                    let _ = tx.send(got);
                 }
-                self.notify_arrived();
-                return Err(e);
             }
-        };
+        });
+        let mut answered = vec![false; want.len()];
         let mut first_err = None;
-        for (k, res) in got {
-            let (r, i) = &want[k];
+        for (k, res) in rx {
+            answered[k] = true;
             let Some(res) = res else {
                 continue;
             };
+            let (r, i) = &want[k];
             {
                 let mut slot = lock(&r.slots[*i]);
                 match res.and_then(|d| verified(r, *i, d)) {
@@ -400,6 +394,17 @@ impl PageSource {
                 r.prefetching[*i].store(false, Ordering::Release);
             }
             self.notify_arrived();
+        }
+        // A read that never came back (its task gone, or the runtime):
+        // nothing is waited for.
+        if answered.iter().any(|a| !a) {
+            for ((r, i), _) in want.iter().zip(&answered).filter(|(_, a)| !**a) {
+                r.prefetching[*i].store(false, Ordering::Release);
+            }
+            self.notify_arrived();
+            first_err.get_or_insert(Error::Transfer(
+                "the runtime fetching pages stopped before they arrived".into(),
+            ));
         }
         first_err.map_or(Ok(()), Err)
     }
